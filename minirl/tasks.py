@@ -1,0 +1,178 @@
+# Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
+"""The embedded arithmetic task: problems, a train/held-out split, prompts, verifiers.
+
+A prompt is `"a+b="`; the target completion is the answer (reversed digits by default) and
+an end-of-sequence token. Reward functions follow TRL's signature,
+`f(prompts, completions, **columns) -> list[float]`, so they plug into TRL's GRPOTrainer
+as they are. They score anything malformed 0.0 and never raise, whatever string arrives.
+
+Simplified on purpose: one task family, exact-match rewards, no chat template. A real
+math-RL setup adds formatting rules, partial credit and a sandbox; none of that changes
+how the loop is distributed, which is what this course is about.
+"""
+
+import random
+from dataclasses import dataclass
+
+OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which problems exist and how they are split. Defaults: a+b with a, b in 0..99."""
+
+    ops: str = "+"             # any of "+-*"
+    min_operand: int = 0
+    max_operand: int = 99
+    num_test: int = 500        # held-out problems, never trained on
+    seed: int = 0              # the split's seed
+    reverse_answer: bool = True
+    max_length: int = 32       # the tokenizer's context: prompt + answer + EOS must fit
+
+    def __post_init__(self):
+        if not self.ops or any(op not in OPERATORS for op in self.ops):
+            raise ValueError(f"TaskConfig.ops={self.ops!r}: use one or more of {''.join(OPERATORS)!r}")
+        if self.min_operand < 0:
+            raise ValueError(f"TaskConfig.min_operand={self.min_operand}: operands must be >= 0 "
+                             "(a leading minus sign would be ambiguous in the prompt)")
+        if self.max_operand < self.min_operand:
+            raise ValueError(f"TaskConfig: empty operand range min_operand={self.min_operand} > "
+                             f"max_operand={self.max_operand}; set max_operand >= min_operand")
+        if self.sequence_length > self.max_length:
+            raise ValueError(
+                f"TaskConfig.max_operand={self.max_operand}: its longest prompt + answer + EOS "
+                f"is {self.sequence_length} tokens, beyond the tokenizer's context "
+                f"max_length={self.max_length}; lower max_operand or raise max_length")
+        if not 0 < self.num_test < self.num_problems:
+            raise ValueError(f"TaskConfig.num_test={self.num_test}: must be in 1..{self.num_problems - 1} "
+                             f"(there are {self.num_problems} problems)")
+
+    @property
+    def num_problems(self) -> int:
+        return len(self.ops) * (self.max_operand - self.min_operand + 1) ** 2
+
+    @property
+    def max_answer_length(self) -> int:
+        """Characters of the longest answer, sign included."""
+        lo, hi = self.min_operand, self.max_operand
+        extremes = [OPERATORS[op](a, b) for op in self.ops for a in (lo, hi) for b in (lo, hi)]
+        return max(len(str(v)) for v in extremes)
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens of the longest prompt, answer and EOS (one token per character)."""
+        return 2 * len(str(self.max_operand)) + 2 + self.max_answer_length + 1
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def value(self) -> int:
+        return OPERATORS[self.op](self.a, self.b)
+
+
+def format_prompt(problem: Problem) -> str:
+    """`Problem(27, "+", 35)` -> `"27+35="`."""
+    return f"{problem.a}{problem.op}{problem.b}="
+
+
+def format_answer(value: int, reverse: bool = True) -> str:
+    """The target completion text for an integer answer (without EOS).
+
+    With `reverse=True` the digits are written least significant first and a minus sign,
+    if any, stays in front: 62 -> "26", -12 -> "-21", 0 -> "0", 100 -> "001".
+    """
+    digits = str(abs(value))
+    if reverse:
+        digits = digits[::-1]
+    return ("-" if value < 0 else "") + digits
+
+
+def parse_answer(completion: str, reverse: bool = True) -> int | None:
+    """Invert `format_answer`: the integer a completion states, or None if malformed.
+
+    Leading and trailing whitespace is ignored. A well-formed completion is an optional
+    "-" followed by one or more ASCII digits and nothing else ("26", "-21", "001").
+    Anything else ("", "2 6", "26=", "+26", "٣", None, a non-string) returns None.
+    Never raises.
+    """
+    if not isinstance(completion, str):
+        return None
+    text = completion.strip()
+    sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text)
+    if not digits or not all(c in "0123456789" for c in digits):
+        return None
+    return sign * int(digits[::-1] if reverse else digits)
+
+
+def completion_text(completion) -> str | None:
+    """The text of a completion given as a string or as TRL's list of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns) -> list[float]:
+    """1.0 where a completion states exactly `answer`, else 0.0 (malformed included).
+
+    prompts: list[str] (unused, kept for TRL's signature); completions: list[str] or chat
+    messages; answer: list[int], one per completion. Returns one float per completion.
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
+    rewards = []
+    for completion, target in zip(completions, answer):
+        stated = parse_answer(completion_text(completion), reverse=reverse_answer)
+        rewards.append(1.0 if stated is not None and stated == target else 0.0)
+    return rewards
+
+
+def format_reward(prompts, completions, reverse_answer: bool = True, **columns) -> list[float]:
+    """1.0 for a well-formed number, right or wrong; a shaping signal, off by default."""
+    return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
+
+
+@dataclass
+class ArithmeticTask:
+    """A config and its split: `train` and `test` are lists of Problems."""
+
+    config: TaskConfig
+    train: list[Problem]
+    test: list[Problem]
+
+    def prompt(self, problem: Problem) -> str:
+        return format_prompt(problem)
+
+    def answer_text(self, problem: Problem) -> str:
+        return format_answer(problem.value, self.config.reverse_answer)
+
+    def reward(self, prompts, completions, answer, **columns) -> list[float]:
+        """`accuracy_reward` with this task's answer format (TRL signature)."""
+        return accuracy_reward(prompts, completions, answer, reverse_answer=self.config.reverse_answer)
+
+    def rows(self, split: str = "train") -> list[dict]:
+        """Dataset rows `{"prompt", "answer"}` in TRL's standard (non-chat) format."""
+        problems = {"train": self.train, "test": self.test}[split]
+        return [{"prompt": format_prompt(p), "answer": p.value} for p in problems]
+
+    def dataset(self, split: str = "train"):
+        """The split as a `datasets.Dataset` (what TRL's trainers take)."""
+        from datasets import Dataset  # imported here: the rest of the task needs no datasets
+
+        return Dataset.from_list(self.rows(split))
+
+
+def make_task(config: TaskConfig | None = None) -> ArithmeticTask:
+    """Every problem of the config, shuffled by `config.seed`, the first `num_test` held out."""
+    config = config or TaskConfig()
+    operands = range(config.min_operand, config.max_operand + 1)
+    problems = [Problem(a, op, b) for op in config.ops for a in operands for b in operands]
+    random.Random(config.seed).shuffle(problems)
+    return ArithmeticTask(config, train=problems[config.num_test:], test=problems[:config.num_test])

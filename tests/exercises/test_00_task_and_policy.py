@@ -1,0 +1,79 @@
+"""Graded checks for notebook 00's exercises (python -m minirl.grade --only 00)."""
+
+import pytest
+
+from minirl.models import build_tokenizer
+from minirl.tasks import Problem, make_task
+
+
+@pytest.mark.exercise("0.1")
+def test_format_answer_reverses_digits(ex):
+    assert ex.format_answer(62) == "26", "62 is written least-significant digit first: '26'"
+    assert ex.format_answer(100) == "001", "keep the zeros: 100 reversed is '001'"
+    assert ex.format_answer(7) == "7"
+
+
+@pytest.mark.exercise("0.1")
+def test_format_answer_sign_and_zero(ex):
+    assert ex.format_answer(-12) == "-21", "the minus sign stays in front of the reversed digits"
+    assert ex.format_answer(0) == "0"
+    assert ex.format_answer(62, reverse=False) == "62", "reverse=False writes the ordinary number"
+
+
+@pytest.mark.exercise("0.2")
+def test_parse_answer_inverts_format(ex):
+    for value in (0, 7, 62, 100, -12, 198):
+        reference = {0: "0", 7: "7", 62: "26", 100: "001", -12: "-21", 198: "891"}[value]
+        assert ex.parse_answer(reference) == value, f"parse_answer({reference!r}) should be {value}"
+    assert ex.parse_answer(" 26\n") == 62, "surrounding whitespace is ignored"
+    assert ex.parse_answer("62", reverse=False) == 62
+
+
+@pytest.mark.exercise("0.2")
+def test_parse_answer_malformed_is_none(ex):
+    for bad in ("", " ", "2 6", "26=", "+26", "-", "--1", "1-", "٣", "abc", "²"):
+        assert ex.parse_answer(bad) is None, f"parse_answer({bad!r}) must be None (malformed)"
+    for bad in (None, 26, ["26"]):
+        assert ex.parse_answer(bad) is None, f"parse_answer({bad!r}) must be None for a non-string, not raise"
+
+
+@pytest.mark.exercise("0.3")
+def test_accuracy_reward_scores_exact_matches(ex):
+    prompts = ["27+35="] * 4
+    rewards = ex.accuracy_reward(prompts, ["26", "62", "26 ", "x"], answer=[62, 62, 62, 62])
+    assert rewards == [1.0, 0.0, 1.0, 0.0], f"expected [1, 0, 1, 0] (reversed digits, whitespace ok), got {rewards}"
+    assert all(isinstance(r, float) for r in rewards), "rewards must be floats"
+
+
+@pytest.mark.exercise("0.3")
+def test_accuracy_reward_trl_signature_and_chat_form(ex):
+    chat = [[{"role": "assistant", "content": "26"}], [{"role": "assistant", "content": "7"}]]
+    rewards = ex.accuracy_reward(["27+35=", "1+1="], chat, answer=[62, 2], extra_column=["ignored", "too"])
+    assert rewards == [1.0, 0.0], "chat-form completions are read from the last message; extra columns are ignored"
+    assert ex.accuracy_reward(["a"], [None], answer=[1]) == [0.0], "a malformed completion scores 0.0, never raises"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.mark.exercise("0.4")
+def test_sft_example_masks_the_prompt(ex, tokenizer):
+    task = make_task()
+    ids, labels = ex.sft_example(task, Problem(27, "+", 35), tokenizer)
+    prompt = tokenizer("27+35=", add_special_tokens=False)["input_ids"]
+    answer = tokenizer("26", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    assert ids == prompt + answer + [eos], f"input_ids should be prompt + answer + EOS, got {ids}"
+    assert labels == [-100] * len(prompt) + answer + [eos], f"labels mask the prompt with -100, got {labels}"
+
+
+@pytest.mark.exercise("0.4")
+def test_sft_example_lengths_match(ex, tokenizer):
+    task = make_task()
+    for p in task.train[:20]:
+        ids, labels = ex.sft_example(task, p, tokenizer)
+        assert len(ids) == len(labels), "input_ids and labels must have the same length"
+        assert labels[-1] == tokenizer.eos_token_id, "the last label is EOS: the model must learn to stop"
+        assert ids[0] != tokenizer.bos_token_id, "no BOS token: the prompt starts with its first digit"

@@ -1,0 +1,390 @@
+"""Tests of tools/build.py on small notebook trees built in tmp_path."""
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("minirl_tools_build", REPO / "tools" / "build.py")
+build_tool = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = build_tool  # dataclasses look their module up here
+_spec.loader.exec_module(build_tool)
+build = build_tool.build
+BuildError = build_tool.BuildError
+
+
+def make_tree(root: Path, notebooks: dict[str, str]) -> Path:
+    """A repo with minirl/__init__.py and the given notebooks/<name>.py (dedented) sources."""
+    (root / "notebooks").mkdir(parents=True, exist_ok=True)
+    (root / "minirl").mkdir(exist_ok=True)
+    (root / "minirl" / "__init__.py").write_text('"""minirl."""\n')
+    for name, source in notebooks.items():
+        (root / "notebooks" / name).write_text(textwrap.dedent(source).lstrip())
+    return root
+
+
+def read(root: Path, rel: str) -> str:
+    return (root / rel).read_text()
+
+
+TASKS_A = '''
+    # %% [markdown]
+    # # Tasks
+    # Some prose with `# | export minirl/nope.py` inside markdown: ignored.
+
+    # %%
+    # | export minirl/tasks.py
+    """Tasks: prompts with checkable answers."""
+    from __future__ import annotations
+
+    import os
+    from dataclasses import (
+        dataclass,
+        field,
+    )
+
+
+    @dataclass
+    class Task:
+        prompt: str
+        tags: list = field(default_factory=list)
+
+    # %%
+    task = Task("1+1")
+    task
+
+    # %%
+    #| export minirl/tasks.py
+    import os
+    import random
+
+    from minirl.util import seeded
+
+
+    def sample(tasks):
+        """Pick one task."""
+        return random.choice(tasks)
+'''
+
+TASKS_B = '''
+    # %%
+    # | export minirl/tasks.py
+    import json
+
+    def load(path):
+        """Read tasks from a json file."""
+        try:
+            import gzip
+        except ImportError:
+            gzip = None
+        return json.loads(open(path).read())
+
+    # %%
+    # | export minirl/util.py
+    """Small helpers."""
+
+    import random
+
+    SEED = 0
+
+
+    def seeded(seed=SEED):
+        return random.Random(seed)
+'''
+
+
+@pytest.fixture
+def two_notebooks(tmp_path):
+    root = make_tree(tmp_path, {"00_tasks.py": TASKS_A, "01_more.py": TASKS_B})
+    build(root, check=False)
+    return root
+
+
+def test_module_layout_order_and_hoisting(two_notebooks):
+    text = read(two_notebooks, "minirl/tasks.py")
+    assert text == textwrap.dedent('''\
+        # Generated from notebooks/00_tasks.py, notebooks/01_more.py by tools/build.py -- edit the notebook, not this file.
+        """Tasks: prompts with checkable answers."""
+
+        from __future__ import annotations
+
+        import os
+        from dataclasses import (
+            dataclass,
+            field,
+        )
+        import random
+        import json
+
+        from minirl.util import seeded
+
+
+        @dataclass
+        class Task:
+            prompt: str
+            tags: list = field(default_factory=list)
+
+
+        def sample(tasks):
+            """Pick one task."""
+            return random.choice(tasks)
+
+
+        def load(path):
+            """Read tasks from a json file."""
+            try:
+                import gzip
+            except ImportError:
+                gzip = None
+            return json.loads(open(path).read())
+        ''')
+    assert "task = Task" not in text  # cells without the marker stay in the notebook
+    assert not (two_notebooks / "minirl" / "nope.py").exists()
+
+
+def test_notebook_exporting_to_two_modules(two_notebooks):
+    util = read(two_notebooks, "minirl/util.py")
+    assert util.startswith(
+        "# Generated from notebooks/01_more.py by tools/build.py -- edit the notebook, not this file.\n"
+        '"""Small helpers."""\n\nimport random\n\nSEED = 0\n\n\ndef seeded'
+    )
+    assert util.endswith("return random.Random(seed)\n")
+    # the generated package imports
+    sys.path.insert(0, str(two_notebooks))
+    try:
+        for name in ("minirl", "minirl.util", "minirl.tasks"):
+            sys.modules.pop(name, None)
+        import minirl.tasks
+
+        assert minirl.tasks.sample([minirl.tasks.Task("a")]).prompt == "a"
+    finally:
+        sys.path.remove(str(two_notebooks))
+        for name in ("minirl", "minirl.util", "minirl.tasks"):
+            sys.modules.pop(name, None)
+
+
+def test_future_import_from_a_later_cell_goes_first(tmp_path):
+    source = """
+        # %%
+        # | export minirl/x.py
+        \"\"\"X.\"\"\"
+        import os
+        from minirl import tasks
+        A = os.sep
+
+        # %%
+        # | export minirl/x.py
+        from __future__ import annotations
+        import os
+        import minirl.util as util
+        import sys
+        B = sys.path
+    """
+    root = make_tree(tmp_path, {"00_x.py": source})
+    build(root, check=False)
+    assert read(root, "minirl/x.py").split("\n", 1)[1] == (
+        '"""X."""\n\nfrom __future__ import annotations\n\nimport os\nimport sys\n\n'
+        "from minirl import tasks\nimport minirl.util as util\n\nA = os.sep\n\n\nB = sys.path\n"
+    )
+
+
+def test_missing_module_docstring(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": "# %%\n# | export minirl/x.py\nimport os\nX = 1\n"})
+    with pytest.raises(BuildError, match=r"notebooks/00_x.py:\d+: minirl/x.py: the first exported cell must start"):
+        build(root, check=False)
+
+
+def test_bad_target(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": '# %%\n\n# | export lib/x.py\n"""Doc."""\n'})
+    with pytest.raises(BuildError, match=r"notebooks/00_x.py:3: export target must be a .py file under minirl/"):
+        build(root, check=False)
+
+
+@pytest.mark.parametrize("line", ["print(x)", "x", "plt.plot(x)", "display(x)"])
+def test_debris_rejected(tmp_path, line):
+    root = make_tree(tmp_path, {"00_x.py": f'# %%\n# | export minirl/x.py\n"""Doc."""\nx = 1\n{line}\n'})
+    with pytest.raises(BuildError, match=r"notebooks/00_x.py:5: exported cells hold package code only"):
+        build(root, check=False)
+
+
+POLICY = '''
+    # %%
+    # | export minirl/policy.py
+    """Policies that act on tasks."""
+
+    import math
+
+
+    class Policy:
+        def act(self, x):
+            """Return 2 * x."""
+            # BEGIN SOLUTION
+            y = 2 * x
+            return y
+            # END SOLUTION
+
+    # %%
+    # | export minirl/policy.py
+    def softmax(xs):
+        """Return the softmax of xs."""
+        m = max(xs)
+        # BEGIN SOLUTION
+        es = [math.exp(x - m) for x in xs]
+        # END SOLUTION
+        return [e / sum(es) for e in es]
+
+    # BEGIN SOLUTION
+    TABLE = {}
+    # END SOLUTION
+'''
+
+
+def test_solutions_kept_in_package(tmp_path):
+    root = make_tree(tmp_path, {"03_policy.py": POLICY})
+    build(root, check=False)
+    text = read(root, "minirl/policy.py")
+    assert "SOLUTION" not in text
+    assert "        y = 2 * x\n        return y\n" in text
+    assert "es = [math.exp(x - m) for x in xs]" in text
+    # notebook keeps its markers
+    assert "# BEGIN SOLUTION" in read(root, "notebooks/03_policy.ipynb")
+
+
+def test_exercises_stubbed(tmp_path):
+    root = make_tree(tmp_path, {"03_policy.py": POLICY, "04_none.py": '# %%\n# | export minirl/b.py\n"""B."""\n'})
+    build(root, check=False)
+    assert not (root / "exercises" / "04_none.py").exists()  # no solutions, no exercises
+    text = read(root, "exercises/03_policy.py")
+    assert text.startswith(
+        "# Exercises of notebooks/03_policy.py, generated by tools/build.py -- fill in the stubs, then grade:\n"
+        "#     python -m minirl.grade --only 03\n"
+        '"""Exercises for notebook 03: Policies that act on tasks.\n\n'
+        "Each `raise NotImplementedError` marks code to write; the docstring above it says what to return.\n"
+        '"""\n\nimport math\n'
+    )
+    assert "SOLUTION" not in text and "y = 2 * x" not in text and "math.exp" not in text
+    assert (
+        '    def act(self, x):\n        """Return 2 * x."""\n'
+        '        raise NotImplementedError("exercise 3.1: act -- see its docstring and notebook 03")\n'
+    ) in text
+    assert '    raise NotImplementedError("exercise 3.2: softmax -- see its docstring and notebook 03")\n' in text
+    assert '\nraise NotImplementedError("exercise 3.3: module level -- see its docstring and notebook 03")\n' in text
+    compile(text, "exercises/03_policy.py", "exec")
+    # import the stubs without the module-level one, and call them
+    namespace = {}
+    exec(compile(text.replace('\nraise NotImplementedError("exercise 3.3', '\nNone and ("'), "ex", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match="exercise 3.1: act"):
+        namespace["Policy"]().act(1)
+    with pytest.raises(NotImplementedError, match="exercise 3.2: softmax"):
+        namespace["softmax"]([1.0])
+
+
+@pytest.mark.parametrize(
+    "cell, line",
+    [
+        ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n", 6),
+        ("def f():\n    return 1\n    # END SOLUTION\n", 6),
+        ("def f():\n    # BEGIN SOLUTION\n    return 1\n", 5),
+    ],
+)
+def test_unbalanced_solution_markers(tmp_path, cell, line):
+    root = make_tree(tmp_path, {"00_x.py": f'# %%\n# | export minirl/x.py\n"""Doc."""\n{cell}'})
+    with pytest.raises(BuildError, match=rf"notebooks/00_x.py:{line}: "):
+        build(root, check=False)
+
+
+def test_check_mode(two_notebooks):
+    root = two_notebooks
+    assert build(root, check=True) == []
+    assert build(root, check=False) == []  # nothing to rewrite
+    (root / "minirl" / "tasks.py").write_text(read(root, "minirl/tasks.py") + "# hand edit\n")
+    (root / "notebooks" / "01_more.ipynb").unlink()
+    before = read(root, "minirl/tasks.py")
+    problems = build(root, check=True)
+    assert problems == ["minirl/tasks.py: differs", "notebooks/01_more.ipynb: missing"]
+    assert read(root, "minirl/tasks.py") == before  # check writes nothing
+    assert build(root, check=False) == ["minirl/tasks.py: written", "notebooks/01_more.ipynb: written"]
+    assert build(root, check=True) == []
+
+
+def test_check_cli(two_notebooks):
+    tool = REPO / "tools" / "build.py"
+    run = lambda *a: subprocess.run([sys.executable, str(tool), "--root", str(two_notebooks), *a], capture_output=True, text=True)  # noqa: E731
+    ok = run("--check")
+    assert ok.returncode == 0 and "in sync (" in ok.stdout
+    (two_notebooks / "minirl" / "util.py").write_text("# Generated from notebooks/01_more.py\n")
+    bad = run("--check")
+    assert bad.returncode == 1
+    assert "minirl/util.py: differs" in bad.stdout
+    assert "notebooks and package out of sync: run python tools/build.py" in bad.stdout
+    assert run().returncode == 0 and run("--check").returncode == 0
+
+
+def test_stale_and_unlisted(two_notebooks):
+    root = two_notebooks
+    # drop the cell exporting to minirl/util.py (and the import that needs it)
+    nb = root / "notebooks" / "01_more.py"
+    nb.write_text(nb.read_text().split("# %%\n# | export minirl/util.py")[0])
+    a = root / "notebooks" / "00_tasks.py"
+    a.write_text(a.read_text().replace("from minirl.util import seeded\n", ""))
+    (root / "minirl" / "helper.py").write_text('"""Written by hand."""\n')
+    (root / "minirl" / "grade.py").write_text('"""Listed in HAND_WRITTEN."""\n')
+    problems = build(root, check=True)
+    assert "minirl/util.py: " + build_tool.STALE in problems
+    assert "minirl/helper.py: " + build_tool.UNLISTED in problems
+    assert not any(p.startswith("minirl/grade.py") for p in problems)
+    assert (root / "minirl" / "util.py").exists()
+    changes = build(root, check=False)
+    assert "minirl/util.py: deleted (stale)" in changes
+    assert not (root / "minirl" / "util.py").exists()
+    assert (root / "minirl" / "helper.py").exists()  # hand-written files are never deleted
+    assert build(root, check=True) == ["minirl/helper.py: " + build_tool.UNLISTED]
+
+
+def test_refuses_to_overwrite_hand_written(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": '# %%\n# | export minirl/grade.py\n"""Doc."""\n'})
+    with pytest.raises(BuildError, match="hand-written"):
+        build(root, check=False)
+
+
+def test_subpackage_marker(tmp_path):
+    root = make_tree(tmp_path, {"05_hf.py": '# %%\n# | export minirl/rollout/hf.py\n"""HF rollout."""\nX = 1\n'})
+    build(root, check=False)
+    assert read(root, "minirl/rollout/__init__.py") == (
+        "# Generated from notebooks/05_hf.py by tools/build.py -- edit the notebook, not this file.\n"
+        '"""minirl.rollout."""\n'
+    )
+    assert build(root, check=True) == []
+
+
+def test_ipynb_clean_and_deterministic(two_notebooks):
+    import nbformat
+
+    first = (two_notebooks / "notebooks" / "00_tasks.ipynb").read_bytes()
+    nb = nbformat.reads(first.decode(), as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata == build_tool.KERNEL
+    assert [c.id for c in nb.cells] == ["c000", "c001", "c002", "c003"]
+    assert [c.cell_type for c in nb.cells] == ["markdown", "code", "code", "code"]
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+    assert nb.cells[1].source.startswith("# | export minirl/tasks.py\n")
+    (two_notebooks / "notebooks" / "00_tasks.ipynb").unlink()
+    build(two_notebooks, check=False)
+    assert (two_notebooks / "notebooks" / "00_tasks.ipynb").read_bytes() == first
+    assert first.endswith(b"}\n")
+
+
+@pytest.mark.skipif(
+    not list((REPO / "notebooks").glob("[0-9][0-9]_*.py")), reason="no notebooks in the repo yet"
+)
+def test_repo_in_sync():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "build.py"), "--check"], capture_output=True, text=True, cwd=REPO
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,74 @@
+"""The embedded task: split, formats, verifiers, and config errors."""
+
+import random
+import string
+
+import pytest
+
+from minirl.tasks import (TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
+                          make_task, parse_answer)
+
+
+def test_split_is_disjoint_deterministic_and_complete():
+    a, b = make_task(), make_task()
+    assert a.train == b.train and a.test == b.test
+    assert len(a.test) == 500 and len(a.train) + len(a.test) == 100 * 100
+    assert not set(a.train) & set(a.test)
+    assert make_task(TaskConfig(seed=1)).test != a.test
+
+
+def test_rows_and_dataset_use_trl_columns():
+    task = make_task()
+    row = task.rows("test")[0]
+    assert set(row) == {"prompt", "answer"} and row["prompt"] == format_prompt(task.test[0])
+    ds = task.dataset("test")
+    assert ds.column_names == ["prompt", "answer"] and len(ds) == 500
+
+
+@pytest.mark.parametrize("value", [-999, -10, -1, 0, 1, 9, 10, 100, 198, 9801])
+@pytest.mark.parametrize("reverse", [True, False])
+def test_parse_inverts_format(value, reverse):
+    assert parse_answer(format_answer(value, reverse), reverse) == value
+
+
+def test_verifiers_never_raise_on_any_string():
+    rng = random.Random(0)
+    alphabet = string.printable + "٣²−\u0000"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8))) for _ in range(2000)]
+    rewards = accuracy_reward(None, texts, answer=[1] * len(texts))
+    assert len(rewards) == len(texts) and set(rewards) <= {0.0, 1.0}
+    assert set(format_reward(None, texts)) <= {0.0, 1.0}
+    assert accuracy_reward(None, [None, 3, b"1", {"x": 1}, [{}]], answer=[1] * 5) == [0.0] * 5
+
+
+def test_reward_length_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        accuracy_reward(None, ["1", "2"], answer=[1])
+
+
+def test_other_operators():
+    task = make_task(TaskConfig(ops="-*", max_operand=9, num_test=10))
+    assert {p.op for p in task.train} == {"-", "*"}
+    p = next(p for p in task.train if p.value < 0)
+    assert task.reward(None, [task.answer_text(p)], answer=[p.value]) == [1.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_operand=50, max_operand=10), "empty operand range min_operand=50 > max_operand=10"),
+    (dict(max_operand=10**20), r"TaskConfig.max_operand=100000000000000000000: .*max_length=32"),
+    (dict(ops="/"), r"TaskConfig.ops='/'"),
+    (dict(ops=""), r"TaskConfig.ops=''"),
+    (dict(min_operand=-1), "TaskConfig.min_operand=-1"),
+    (dict(num_test=0), "TaskConfig.num_test=0"),
+    (dict(max_operand=2, num_test=9), "TaskConfig.num_test=9"),
+])
+def test_bad_configs_name_the_parameter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TaskConfig(**kwargs)
+
+
+def test_longer_operands_fit_a_longer_context():
+    config = TaskConfig(max_operand=10**6, max_length=32)
+    assert config.sequence_length <= 32
+    with pytest.raises(ValueError, match="max_length=16"):
+        TaskConfig(max_operand=10**6, max_length=16)
