@@ -1,0 +1,150 @@
+"""Chapter 02: measure the training-inference mismatch of any HF causal LM, on any device.
+
+    python chapters/02_mismatch.py                                  # embedded policy, CPU, all rollout dtypes
+    python chapters/02_mismatch.py --model Qwen/Qwen2.5-0.5B --device cuda --prompts-file prompts.txt
+    python chapters/02_mismatch.py --rollout-dtype float8_e4m3fn --train-dtype bfloat16
+    python chapters/02_mismatch.py --train-steps 60                 # + two training runs, without/with TIS
+
+The rollout side is minirl.rollout.hf.HFRollout (HF generate with a KV cache in the rollout
+dtype); the trainer side recomputes the same tokens with one full forward in --train-dtype.
+Prints minirl.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
+mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from minirl._cli import common_parser, seed_everything, write_summary  # noqa: E402
+
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+
+
+def load(args):
+    """(model, tokenizer, prompts) from --model / --prompts-file, or the embedded default."""
+    from minirl.tasks import make_task
+
+    if args.model is None:
+        from minirl.models import load_default_policy
+        model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).to(args.device).eval()
+    if args.prompts_file:
+        prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    else:
+        prompts = [row["prompt"] for row in make_task().rows("train")]
+    return model, tokenizer, prompts[:args.num_prompts]
+
+
+def observe_ratios(loop_module):
+    """Wrap the loop's update_policy to log the rollout-vs-trainer ratio of each batch (observation only)."""
+    from minirl.logprobs import completion_logprobs
+    original = loop_module.update_policy
+
+    def update_policy(model, optimizer, exp, config):
+        ro = exp.rollout
+        with torch.no_grad():
+            old = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
+                                      config.temperature)[0]
+        ratio = torch.exp(old - ro.logprobs)[ro.completion_mask.bool()]
+        metrics = original(model, optimizer, exp, config)
+        return metrics | {"ratio/min": ratio.min().item(), "ratio/max": ratio.max().item(),
+                          "ratio/std": ratio.std().item(),
+                          "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
+    loop_module.update_policy = update_policy
+    return original
+
+
+def training_comparison(args) -> dict:
+    """Two stage-1 runs with a mismatched rollout: without and with truncated IS. Returns their metrics."""
+    import minirl.loop as loop
+
+    original = observe_ratios(loop)
+    runs = {}
+    try:
+        for correction in (False, True):
+            config = loop.GRPOConfig(steps=args.train_steps, rollout_dtype=args.train_rollout_dtype,
+                                     importance_sampling_correction=correction, learning_rate=args.learning_rate,
+                                     prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
+                                     seed=args.seed, device=args.device)
+            name = "tis" if correction else "no_correction"
+            runs[name] = loop.train(config, out_dir=args.out / name, progress=not args.quiet)
+    finally:
+        loop.update_policy = original
+    return runs
+
+
+def summarize_run(metrics: list[dict]) -> dict:
+    steps = [m for m in metrics if "reward" in m]
+    evals = [m["accuracy"] for m in metrics if "accuracy" in m]
+    half = max(1, len(steps) // 2)
+
+    def mean(key, rows):
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+    return {"reward_first_half": mean("reward", steps[:half]), "reward_second_half": mean("reward", steps[half:]),
+            "accuracy_start": evals[0] if evals else None, "accuracy_end": evals[-1] if evals else None,
+            "logprob_diff_abs": mean("logprob_diff_abs", steps), "ratio_std": mean("ratio/std", steps),
+            "ratio_outside": mean("ratio/outside", steps), "ratio_max": max((r.get("ratio/max", 0) for r in steps),
+                                                                            default=None),
+            "clip_ratio": mean("clip_ratio/region_mean", steps)}
+
+
+def main(argv=None) -> dict:
+    parser = common_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rollout-dtype", default=None, choices=ROLLOUT_DTYPES,
+                        help="the rollout dtype for the detailed report (default bfloat16); the sweep covers all")
+    parser.add_argument("--sweep", default=",".join(ROLLOUT_DTYPES), help="comma-separated rollout dtypes")
+    parser.add_argument("--train-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--prompts-file", default=None, help="one prompt per line (default: the arithmetic task)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--train-steps", type=int, default=0, help="> 0: also train twice (without/with TIS)")
+    parser.add_argument("--train-rollout-dtype", default="float8_e4m3fn", choices=ROLLOUT_DTYPES)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    seed_everything(args.seed)
+    from minirl.mismatch import diagnose  # noqa: F401  (imported first: fails early if minirl is broken)
+
+    sweep = tuple(d for d in args.sweep.split(",") if d)
+    for d in sweep:
+        if d not in ROLLOUT_DTYPES:
+            parser.error(f"--sweep: {d!r} is not one of {ROLLOUT_DTYPES}")
+    model, tokenizer, prompts = load(args)
+    report = diagnose(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",
+                      train_dtype=args.train_dtype, sweep=sweep, num_generations=args.num_generations,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    print(report)
+    summary = {"model": args.model or "embedded", "device": args.device, "train_dtype": args.train_dtype,
+               "temperature": args.temperature, "tokens": report.stats["tokens"],
+               "per_rollout_dtype": {d: {k: s[k] for k in ("mean_abs_delta", "max_abs_delta", "share_outside",
+                                                            "kl_k3")} for d, s in report.sweep.items()},
+               "report": report.to_dict()}
+    if args.train_steps > 0:
+        runs = training_comparison(args)
+        summary["training"] = {name: summarize_run(m) for name, m in runs.items()}
+        print("training with a", args.train_rollout_dtype, "rollout:")
+        print(json.dumps(summary["training"], indent=2))
+    path = write_summary(args.out, summary)
+    print("wrote", path)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+# Generated from notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
+"""Training–inference mismatch: the PPO ratio, measured log-prob gaps, and a diagnosis.
+
+The rollout engine (HF generate with a KV cache, in bf16/fp16/fp8) and the trainer (a full
+forward in fp32) compute different probabilities for the same tokens from the same weights.
+This module measures that gap token by token (`measure_logprobs`, `mismatch_stats`,
+`probability_buckets`), checks that a rollout really holds the trainer's weights
+(`stale_parameters`, `check_synchronization`) and runs the source's four diagnosis steps as
+one call (`diagnose` -> `MismatchReport`).
+
+Simplified on purpose: production systems (veRL, TRL with vLLM, slime) log the same
+quantities (`sampling_logp_difference`, importance-ratio min/mean/max) from a separate
+inference server; here the rollout engine is an HF model copy in the same process, so every
+difference you measure comes from precision and computation path alone, which is the point.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
+    """r = pi_new / pi_old = exp(new_logps - old_logps), elementwise (any shape)."""
+    return torch.exp(new_logps - old_logps)
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float = 0.2,
+                      epsilon_high: float | None = None) -> Tensor:
+    """PPO's clipped objective per token (to be maximized; the loss is its negative).
+
+    ratio: any shape, pi_theta / pi_old (float). advantages: broadcastable to `ratio`.
+    epsilon: lower clip (ratio floor 1 - epsilon); epsilon_high: upper clip (ceiling
+    1 + epsilon_high), defaults to epsilon (DAPO's "clip higher" uses epsilon_high > epsilon).
+    Returns min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A), same shape as
+    the broadcast of ratio and advantages. For A > 0 the objective stops growing once
+    ratio > 1 + epsilon_high; for A < 0 it stops once ratio < 1 - epsilon. It is not
+    bounded in the other direction (a bad move is always penalized in full).
+    """
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    return torch.minimum(ratio * advantages, clipped * advantages)
+
+
+LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
+
+
+def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
+    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
+
+    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
+    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
+    LOGP_TOLERANCE absorbs rounding in low precision).
+    """
+    if behavior_logps is None:
+        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
+                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
+                         "recomputation is not a substitute for the behaviour policy")
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
+    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
+        if t.shape != trainer_logps.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
+                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
+    valid = mask.bool()
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
+        missing = valid & ~torch.isfinite(t)
+        if missing.any():
+            b, c = missing.nonzero()[0].tolist()
+            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
+                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
+                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
+        above = valid & (t > LOGP_TOLERANCE)
+        if above.any():
+            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
+                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
+
+
+def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
+                   low: float = 0.8, high: float = 1.25) -> dict[str, float]:
+    """Summary of the gap between the trainer's and the rollout's log-probs of the sampled tokens.
+
+    trainer_logps, behavior_logps, mask: [B, C]. With delta = trainer - behavior and
+    ratio = exp(delta) (pi_old / pi_rollout, the importance weight TIS corrects with):
+    tokens, mean_abs_delta, max_abs_delta, kl_k3 (E[ratio - 1 - delta], an unbiased,
+    non-negative estimate of KL(pi_rollout || pi_old) from the rollout's own samples),
+    share_outside (share of tokens whose ratio leaves [low, high]), ratio_min, ratio_max.
+    Computed in float64 over the positions where mask is 1; all 0 when there are none.
+    """
+    check_logprob_pair(trainer_logps, behavior_logps, mask)
+    delta = (trainer_logps.double() - behavior_logps.double())[mask.bool()]
+    if delta.numel() == 0:
+        return dict(tokens=0, mean_abs_delta=0.0, max_abs_delta=0.0, kl_k3=0.0, share_outside=0.0,
+                    ratio_min=1.0, ratio_max=1.0)
+    ratio = delta.exp()
+    return dict(tokens=int(delta.numel()), mean_abs_delta=delta.abs().mean().item(),
+                max_abs_delta=delta.abs().max().item(), kl_k3=(ratio - 1 - delta).mean().item(),
+                share_outside=((ratio < low) | (ratio > high)).double().mean().item(),
+                ratio_min=ratio.min().item(), ratio_max=ratio.max().item())
+
+
+PROBABILITY_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+
+
+def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
+                        edges: tuple[float, ...] = PROBABILITY_EDGES, low: float = 0.8,
+                        high: float = 1.25) -> list[dict]:
+    """The log-prob gap bucketed by the rollout's probability of each sampled token.
+
+    trainer_logps, behavior_logps, mask: [B, C] (float log-probs, mask 0/1). Only positions
+    with mask == 1 count. A token's probability is p = exp(behavior_logps) clamped to at most
+    1 (the rollout's view: what was known when it was sampled). Token j belongs to bucket i
+    when edges[i] <= p < edges[i + 1]; the last bucket also holds p == edges[-1].
+    edges: increasing floats. With delta = trainer_logps - behavior_logps, returns one dict
+    per bucket (len(edges) - 1 dicts, in order) with keys:
+      "lo", "hi" (the bucket's edges, floats), "tokens" (int count),
+      "mean_abs_delta", "max_abs_delta" (floats over the bucket's |delta|),
+      "share_outside" (share of the bucket's tokens whose exp(delta) is < low or > high).
+    An empty bucket reports tokens 0 and 0.0 for the three statistics.
+    """
+    check_logprob_pair(trainer_logps, behavior_logps, mask)
+    valid = mask.bool()
+    p = behavior_logps.double()[valid].exp().clamp(max=1.0)
+    delta = (trainer_logps.double() - behavior_logps.double())[valid]
+    ratio = delta.exp()
+    rows = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        last = i == len(edges) - 2
+        inside = (p >= lo) & ((p <= hi) if last else (p < hi))
+        d, r = delta[inside].abs(), ratio[inside]
+        n = int(inside.sum())
+        rows.append(dict(lo=float(lo), hi=float(hi), tokens=n,
+                         mean_abs_delta=d.mean().item() if n else 0.0,
+                         max_abs_delta=d.max().item() if n else 0.0,
+                         share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
+    return rows
+
+
+def format_buckets(rows: list[dict]) -> str:
+    """The rows of `probability_buckets` as a fixed-width table."""
+    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
+    for r in rows:
+        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
+                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
+    return "\n".join(lines)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LogprobPair:
+    """The same sampled tokens scored by the rollout engine and by the trainer. All [B, C]."""
+
+    trainer_logps: Tensor
+    behavior_logps: Tensor
+    mask: Tensor
+    completion_ids: Tensor
+    rollout_dtype: str
+    train_dtype: str
+
+    def stats(self, low: float = 0.8, high: float = 1.25) -> dict[str, float]:
+        return mismatch_stats(self.trainer_logps, self.behavior_logps, self.mask, low, high)
+
+    def buckets(self, edges: tuple[float, ...] = PROBABILITY_EDGES) -> list[dict]:
+        return probability_buckets(self.trainer_logps, self.behavior_logps, self.mask, edges)
+
+
+def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", temperature: float = 1.0) -> Tensor:
+    """The trainer's recomputation of a Rollout's completion log-probs, [B, C] float32.
+
+    One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
+    (a copy, when the dtype differs). Temperature must be the sampling temperature.
+    """
+    from minirl.logprobs import completion_logprobs
+
+    if train_dtype not in DTYPES:
+        raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
+    trainer = model
+    if next(model.parameters()).dtype != DTYPES[train_dtype]:
+        import copy
+        trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
+    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
+    attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
+    with torch.no_grad():
+        logps, _ = completion_logprobs(trainer, input_ids, attention_mask,
+                                       rollout_batch.completion_ids.shape[1], temperature=temperature)
+    return logps.float()
+
+
+def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
+                     train_dtype: str = "float32", num_generations: int = 8, max_new_tokens: int = 4,
+                     temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
+    """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
+
+    model: the trainer's policy (an HF causal LM). rollout: an HFRollout to use as it is
+    (its own dtype and version); when None a fresh HFRollout(model, tokenizer, rollout_dtype)
+    is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
+    """
+    from minirl.rollout.hf import HFRollout
+
+    device = next(model.parameters()).device
+    if rollout is None:
+        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
+    torch.manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                             temperature=temperature, generator=generator)
+    trainer = trainer_logprobs(model, batch, train_dtype, temperature)
+    return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
+                       getattr(rollout, "dtype", rollout_dtype), train_dtype)
+
+
+def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, Tensor],
+                     rel_tol: float = 0.0, abs_tol: float = 0.0) -> list[str]:
+    """Names of the parameters whose rollout copy is not the trainer's, up to rounding.
+
+    trainer_state, rollout_state: name -> tensor (any dtypes; compare in float32).
+    A name is reported when it is missing from either side, when its shapes differ, or when
+    any element has |rollout - trainer| > abs_tol + rel_tol * |trainer|. rel_tol / abs_tol
+    are the rounding a cast to the rollout's dtype can cause (`rounding_tolerance`).
+    Returns the names sorted alphabetically (an empty list: synchronized).
+    """
+    stale = []
+    for name in sorted(set(trainer_state) | set(rollout_state)):
+        if name not in trainer_state or name not in rollout_state:
+            stale.append(name)
+            continue
+        t, r = trainer_state[name].float(), rollout_state[name].float()
+        if t.shape != r.shape or ((r - t).abs() > abs_tol + rel_tol * t.abs()).any():
+            stale.append(name)
+    return stale
+
+
+def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
+    """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
+
+    Half a unit in the last place: 2^-(mantissa bits + 1) relative, plus an absolute term for
+    subnormals (float8_e4m3fn here is scaled per tensor so that amax maps to 448).
+    """
+    mantissa = {"float32": 23, "bfloat16": 7, "float16": 10, "float8_e4m3fn": 3}
+    if dtype not in mantissa:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(mantissa)}")
+    rel = 2.0 ** -(mantissa[dtype] + 1) * 1.01
+    smallest = {"float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24,
+                "float8_e4m3fn": amax / 448 * 2.0 ** -9}[dtype]
+    return rel, smallest
+
+
+def check_synchronization(model, rollout, trainer_version: int | None = None) -> list[str]:
+    """Diagnosis step 1: the problems found with the rollout's version and weights ([] if none).
+
+    model: the trainer's policy; rollout: an HFRollout (its `version`, its `model` copy and
+    its `dtype` name). Compares versions, then every parameter within its dtype's rounding.
+    """
+    problems = []
+    if trainer_version is not None and rollout.version != trainer_version:
+        problems.append(f"version: rollout holds {rollout.version}, trainer is at {trainer_version}; "
+                        "call rollout.load_weights(model.state_dict(), version) before generating")
+    trainer_state = dict(model.named_parameters())
+    rollout_state = dict(rollout.model.named_parameters())
+    dtype = _dtype_name(rollout)
+    stale = []
+    for name in sorted(set(trainer_state) | set(rollout_state)):
+        t = trainer_state.get(name)
+        amax = t.detach().abs().max().item() if t is not None else 1.0
+        rel, abs_ = rounding_tolerance(dtype, amax)
+        stale += stale_parameters({name: t.detach()} if t is not None else {},
+                                  {name: rollout_state[name].detach()} if name in rollout_state else {},
+                                  rel, abs_)
+    if stale:
+        problems.append(f"weights: {len(stale)} of {len(trainer_state)} tensors differ beyond {dtype} "
+                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
+    return problems
+
+
+def _dtype_name(rollout) -> str:
+    dtype = getattr(rollout, "dtype", "float32")
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
+@dataclass
+class MismatchReport:
+    """What `diagnose` found, step by step; print it."""
+
+    rollout_dtype: str
+    train_dtype: str
+    sync_problems: list[str]
+    stats: dict[str, float]
+    buckets: list[dict]
+    worst_tokens: list[dict]
+    sweep: dict[str, dict[str, float]] = field(default_factory=dict)
+    routes: dict[str, float] | None = None
+
+    def __str__(self) -> str:
+        s = self.stats
+        out = [f"Mismatch report: rollout {self.rollout_dtype} (KV cache) vs trainer {self.train_dtype} (full forward)",
+               "1. version and synchronization: " + ("OK" if not self.sync_problems else "PROBLEMS"),
+               *[f"   - {p}" for p in self.sync_problems],
+               f"2. token by token ({s['tokens']} tokens): mean |dlogp| {s['mean_abs_delta']:.2e}, "
+               f"max {s['max_abs_delta']:.2e}, KL(k3) {s['kl_k3']:.2e}, ratio in "
+               f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], outside [0.8, 1.25]: {s['share_outside']:.2%}",
+               *["   " + line for line in format_buckets(self.buckets).splitlines()],
+               "   worst tokens: " + ", ".join(f"{w['token']!r}@{w['position']} p_rollout={w['p_rollout']:.3g} "
+                                               f"p_trainer={w['p_trainer']:.3g}" for w in self.worst_tokens)]
+        out.append("3. precision sweep (rollout dtype vs trainer " + self.train_dtype + "):")
+        out.append(f"   {'rollout':>14} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside [0.8, 1.25]")
+        for dtype, st in self.sweep.items():
+            out.append(f"   {dtype:>14} | {st['mean_abs_delta']:>12.2e} | {st['max_abs_delta']:>11.2e} | "
+                       f"{st['share_outside']:.2%}")
+        if self.routes is None:
+            out.append("4. MoE routes: not a mixture-of-experts policy (nothing to compare)")
+        else:
+            out.append("4. MoE routes: " + ", ".join(f"{k} {v:.4g}" for k, v in self.routes.items()))
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        return dict(rollout_dtype=self.rollout_dtype, train_dtype=self.train_dtype,
+                    sync_problems=self.sync_problems, stats=self.stats, buckets=self.buckets,
+                    worst_tokens=self.worst_tokens, sweep=self.sweep, routes=self.routes)
+
+
+def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
+    """The k sampled tokens with the largest |delta log p|: position [b, c], token, both probabilities."""
+    delta = (pair.trainer_logps - pair.behavior_logps).abs().masked_fill(~pair.mask.bool(), -1.0)
+    top = delta.flatten().topk(min(k, int(pair.mask.sum()))).indices
+    rows = []
+    for flat in top.tolist():
+        b, c = divmod(flat, delta.shape[1])
+        tid = int(pair.completion_ids[b, c])
+        rows.append(dict(position=[b, c], token=tokenizer.decode([tid]) if tokenizer else tid,
+                         p_rollout=math.exp(pair.behavior_logps[b, c].item()),
+                         p_trainer=math.exp(pair.trainer_logps[b, c].item())))
+    return rows
+
+
+def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
+             rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
+             sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
+             num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
+             seed: int = 0) -> MismatchReport:
+    """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
+
+    rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
+    Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
+    Step 4 runs only when the policy has MoE routers (see minirl.moe).
+    """
+    from minirl.moe import compare_routes, routers
+    from minirl.rollout.hf import HFRollout
+
+    device = next(model.parameters()).device
+    if rollout is None:
+        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
+        if trainer_version is not None:
+            rollout.version = trainer_version
+    problems = check_synchronization(model, rollout, trainer_version)
+    kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
+                  temperature=temperature, seed=seed)
+    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
+    table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
+    routes = None
+    if routers(model):
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=_dtype_name(rollout), **kwargs)
+    return MismatchReport(_dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
+                          worst_tokens(pair, tokenizer), table, routes)

@@ -1,0 +1,99 @@
+"""Per-token log-probs, entropies and masked reductions (minirl.logprobs)."""
+
+import math
+
+import pytest
+import torch
+
+from minirl.logprobs import (completion_logprobs, entropy_from_logits, masked_mean, masked_sum,
+                             position_ids_from_mask, selective_log_softmax)
+from minirl.models import PolicyConfig, build_policy, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tokenizer()
+    model = build_policy(PolicyConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1), tokenizer)
+    return model.eval(), tokenizer
+
+
+def test_masked_mean_ignores_masked_and_empty_rows_are_zero():
+    values = torch.tensor([[1.0, 2.0, 100.0], [5.0, 6.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert masked_mean(values, mask).item() == pytest.approx(1.5)
+    assert masked_mean(values, mask, dim=-1).tolist() == [1.5, 0.0]
+    assert masked_sum(values, mask).item() == 3.0
+    assert masked_sum(values, mask, dim=-1).tolist() == [3.0, 0.0]
+
+
+def test_masked_mean_shape_mismatch_names_shapes():
+    with pytest.raises(ValueError, match=r"same shape"):
+        masked_mean(torch.ones(2, 3), torch.ones(2, 4))
+
+
+def test_position_ids_start_at_first_real_token():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_log_softmax_matches_full_log_softmax(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=dtype) * 4
+    index = torch.randint(11, (3, 5), generator=g)
+    expected = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits, index), expected)
+
+
+def test_entropy_uniform_and_peaked():
+    assert entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(math.log(8), abs=1e-6)
+    assert entropy_from_logits(torch.tensor([[[50.0, 0.0, 0.0]]])).item() < 1e-6
+
+
+def _padded(ids, n_pad):
+    pad = torch.zeros(1, n_pad, dtype=torch.long)
+    return torch.cat([pad, ids], 1), torch.cat([pad, torch.ones_like(ids)], 1)
+
+
+def test_left_padding_does_not_change_completion_logprobs(tiny):
+    """A left-padded prompt must score as an unpadded one (Qwen2: RoPE is shift-invariant anyway)."""
+    model, tok = tiny
+    ids = tok(["7+8=51"], return_tensors="pt", add_special_tokens=False).input_ids     # prompt 4 + completion 2
+    padded_ids, padded_mask = _padded(ids, 3)
+    with torch.no_grad():
+        alone, _ = completion_logprobs(model, ids, torch.ones_like(ids), 2)
+        padded, _ = completion_logprobs(model, padded_ids, padded_mask, 2)
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+
+
+def test_position_ids_matter_for_absolute_position_embeddings():
+    """GPT-2 learns absolute positions: without position ids from the mask a padded prompt scores wrong."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=18, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    padded_ids, padded_mask = _padded(ids, 3)
+    with torch.no_grad():
+        alone, _ = completion_logprobs(model, ids, torch.ones_like(ids), 2)
+        padded, _ = completion_logprobs(model, padded_ids, padded_mask, 2)
+        logits = model(input_ids=padded_ids, attention_mask=padded_mask).logits[:, -3:-1]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+    wrong = torch.log_softmax(logits, -1).gather(-1, ids[:, -2:, None]).squeeze(-1)
+    assert (wrong - alone).abs().max() > 1e-2, "without position ids the log-probs should differ (test is live)"
+
+
+def test_temperature_and_entropy(tiny):
+    model, tok = tiny
+    ids = tok(["12+3=51", "11+1=21"], return_tensors="pt", add_special_tokens=False).input_ids
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logps, ent = completion_logprobs(model, ids, mask, 3, temperature=2.0, with_entropy=True)
+        logits = model(input_ids=ids).logits[:, -4:-1].float() / 2.0
+    torch.testing.assert_close(logps, torch.log_softmax(logits, -1).gather(-1, ids[:, -3:, None]).squeeze(-1),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, entropy_from_logits(logits))
+    assert logps.dtype == torch.float32 and logps.shape == (2, 3)
+    with pytest.raises(ValueError, match="temperature"):
+        completion_logprobs(model, ids, mask, 3, temperature=0.0)
