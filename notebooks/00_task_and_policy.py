@@ -466,8 +466,10 @@ def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
 # How do we score the policy? Greedy decoding on the held-out problems: for each prompt the
 # single most likely completion, checked by the verifier. `generate` handles the left padding
 # for us: it derives each token's position from the attention mask, so a padded prompt sees
-# the same positions as an unpadded one. (Notebook 01 shows what goes wrong when a
-# hand-written forward pass forgets this.)
+# the same positions as an unpadded one. (Qwen2's rotary embeddings only see the distance
+# between two positions, so for this policy a shift by the padding width changes nothing but
+# rounding; a model with learned absolute positions, such as GPT-2, would answer differently.
+# Notebook 01 measures both.)
 
 # %%
 # | export minirl/models.py
