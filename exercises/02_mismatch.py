@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minirl.mismatch import check_logprob_pair
+from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -321,7 +322,6 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.moe).
     """
-    from minirl.moe import compare_routes, routers
     from minirl.rollout.hf import HFRollout
 
     device = next(model.parameters()).device
@@ -525,7 +525,6 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
     the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
     sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
     """
-    from minirl.mismatch import mismatch_stats, trainer_logprobs
     from minirl.rollout.hf import HFRollout
 
     rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
+
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
     """r = pi_new / pi_old = exp(new_logps - old_logps), elementwise (any shape)."""
@@ -348,7 +350,6 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.moe).
     """
-    from minirl.moe import compare_routes, routers
     from minirl.rollout.hf import HFRollout
 
     device = next(model.parameters()).device
@@ -366,3 +367,43 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
         routes = compare_routes(model, tokenizer, prompts, rollout_dtype=_dtype_name(rollout), **kwargs)
     return MismatchReport(_dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
+
+
+def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
+                   num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
+                   seed: int = 0) -> dict[str, float]:
+    """Route agreement and log-prob gap between a rollout copy and the fp32 trainer, without and with R3.
+
+    Returns route_agreement / route_agreement_r3 (share of (layer, token) top-k sets that match
+    the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
+    sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
+    """
+    from minirl.rollout.hf import HFRollout
+
+    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
+    torch.manual_seed(seed)
+    with RouteRecorder(rollout.model) as recorder:
+        batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, generator=torch.Generator().manual_seed(seed))
+    rows = batch.prompt_ids.shape[0]
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
+    total = attention.shape[1]
+    recorded = recorder.routes(rows)[:, :, :total]                                     # [L, B, <=T, k]
+    if recorded.shape[2] < total:   # the last token is never fed back during generation
+        pad = recorded[:, :, -1:].expand(-1, -1, total - recorded.shape[2], -1)
+        recorded = torch.cat([recorded, pad], dim=2)                                   # [L, B, T, k]
+    compare = attention.clone()
+    compare[:, -1] = 0                                   # its route was never recorded: do not score it
+    with RouteRecorder(model) as recorder:
+        plain = trainer_logprobs(model, batch, "float32", temperature)
+    trainer_routes = recorder.routes(rows)
+    with replay_routes(model, recorded), RouteRecorder(model) as recorder:
+        replayed = trainer_logprobs(model, batch, "float32", temperature)
+    replay_routes_seen = recorder.routes(rows)
+    before = mismatch_stats(plain, batch.logprobs.float(), batch.completion_mask)
+    after = mismatch_stats(replayed, batch.logprobs.float(), batch.completion_mask)
+    return dict(route_agreement=route_agreement(recorded, trainer_routes, compare),
+                route_agreement_r3=route_agreement(recorded, replay_routes_seen, compare),
+                mean_abs_delta=before["mean_abs_delta"], mean_abs_delta_r3=after["mean_abs_delta"],
+                max_abs_delta=before["max_abs_delta"], max_abs_delta_r3=after["max_abs_delta"],
+                share_outside=before["share_outside"], share_outside_r3=after["share_outside"])

@@ -5,8 +5,8 @@
 KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
 a later forward pass use recorded experts instead of its own top-k, with routing weights
 taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `compare_routes` measures route agreement and the
-log-prob gap with and without replay.
+gradient): Rollout Routing Replay. `minirl.mismatch.compare_routes` measures route
+agreement and the log-prob gap with and without replay.
 
 Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
 (`top_k`, `num_experts`, `weight`, forward -> (logits, weights, indices)); production R3
@@ -129,44 +129,3 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
         return same.mean().item()
     m = token_mask.bool().expand_as(same)
     return same[m].mean().item() if m.any() else 1.0
-
-
-def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
-                   num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
-                   seed: int = 0) -> dict[str, float]:
-    """Route agreement and log-prob gap between a rollout copy and the fp32 trainer, without and with R3.
-
-    Returns route_agreement / route_agreement_r3 (share of (layer, token) top-k sets that match
-    the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
-    sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
-    """
-    from minirl.mismatch import mismatch_stats, trainer_logprobs
-    from minirl.rollout.hf import HFRollout
-
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    torch.manual_seed(seed)
-    with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, generator=torch.Generator().manual_seed(seed))
-    rows = batch.prompt_ids.shape[0]
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
-    total = attention.shape[1]
-    recorded = recorder.routes(rows)[:, :, :total]                                     # [L, B, <=T, k]
-    if recorded.shape[2] < total:   # the last token is never fed back during generation
-        pad = recorded[:, :, -1:].expand(-1, -1, total - recorded.shape[2], -1)
-        recorded = torch.cat([recorded, pad], dim=2)                                   # [L, B, T, k]
-    compare = attention.clone()
-    compare[:, -1] = 0                                   # its route was never recorded: do not score it
-    with RouteRecorder(model) as recorder:
-        plain = trainer_logprobs(model, batch, "float32", temperature)
-    trainer_routes = recorder.routes(rows)
-    with replay_routes(model, recorded), RouteRecorder(model) as recorder:
-        replayed = trainer_logprobs(model, batch, "float32", temperature)
-    replay_routes_seen = recorder.routes(rows)
-    before = mismatch_stats(plain, batch.logprobs.float(), batch.completion_mask)
-    after = mismatch_stats(replayed, batch.logprobs.float(), batch.completion_mask)
-    return dict(route_agreement=route_agreement(recorded, trainer_routes, compare),
-                route_agreement_r3=route_agreement(recorded, replay_routes_seen, compare),
-                mean_abs_delta=before["mean_abs_delta"], mean_abs_delta_r3=after["mean_abs_delta"],
-                max_abs_delta=before["max_abs_delta"], max_abs_delta_r3=after["max_abs_delta"],
-                share_outside=before["share_outside"], share_outside_r3=after["share_outside"])

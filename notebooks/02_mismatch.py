@@ -605,7 +605,6 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.moe).
     """
-    from minirl.moe import compare_routes, routers
     from minirl.rollout.hf import HFRollout
 
     device = next(model.parameters()).device
@@ -888,8 +887,8 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
 a later forward pass use recorded experts instead of its own top-k, with routing weights
 taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `compare_routes` measures route agreement and the
-log-prob gap with and without replay.
+gradient): Rollout Routing Replay. `minirl.mismatch.compare_routes` measures route
+agreement and the log-prob gap with and without replay.
 
 Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
 (`top_k`, `num_experts`, `weight`, forward -> (logits, weights, indices)); production R3
@@ -1018,7 +1017,10 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 # recompute once more replaying the rollout's routes.
 
 # %%
-# | export minirl/moe.py
+# | export minirl/mismatch.py
+from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
+
+
 def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
                    num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
                    seed: int = 0) -> dict[str, float]:
@@ -1028,7 +1030,6 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
     the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
     sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
     """
-    from minirl.mismatch import mismatch_stats, trainer_logprobs
     from minirl.rollout.hf import HFRollout
 
     rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from minirl.mismatch import compare_routes
 from minirl.models import build_tokenizer
-from minirl.moe import (RouteRecorder, build_moe_policy, compare_routes, replay_routes, route_agreement,
-                        routers)
+from minirl.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
 
 
 @pytest.fixture(scope="module")
