@@ -17,6 +17,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 def test_notebook_runs_in_smoke_mode(path, monkeypatch, tmp_path):
     monkeypatch.setenv("MINIRL_SMOKE", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the kernel imports this checkout's minirl, whichever copy is installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     notebook = jupytext.read(path)
     started = time.perf_counter()
     client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
