@@ -13,45 +13,57 @@ loaded from the same checkpoint, or `--model`) and run the same GRPO step:
   - the same prompts: a fixed pool of `--prompts-per-step` training prompts, so every step of
     both trainers uses exactly these B prompts (TRL's sampler shuffles their order);
   - generation of B * G completions (`--num-generations` G), at most `--max-completion-length`
-    new tokens, multinomial sampling at `--temperature` (top-k 0, top-p 1), HF `generate`
-    with a KV cache, in float32;
+    new tokens, multinomial sampling at `--temperature` (top-k 0, top-p 1) with a KV cache, in
+    float32;
   - the task's reward function (`task.reward`), group-normalized advantages (scale "group");
-  - one forward + backward over the B * G sequences, loss_type `--loss-type`, beta = 0
+  - one forward + backward pass scoring the B * G completions, loss_type `--loss-type`, beta = 0
     (no reference model), epsilon 0.2, num_iterations 1 (so neither computes old log-probs);
   - one AdamW step (learning rate `--learning-rate`, constant, no weight decay, gradient-norm
     clip 1.0).
-TRL's defaults for large models are switched off so that both do the same arithmetic:
+TRL's defaults for large models are switched off so that both compute the same thing at the same
+precision:
 bf16=False (TRL autocasts to bf16 by default, even on a CPU), gradient_checkpointing=False
 (TRL checkpoints by default, which re-runs the forward pass in backward). Its other defaults
 stay (logging every 10 steps, no completion logging, its optimizer choice).
 
-How it is timed. The two run interleaved in one process: a minirl step, a TRL step, a minirl
-step, ..., so that a change in the machine's load hits both alike. TRL's `train()` runs in a
-second thread, parked by a TrainerCallback before each step (on_step_begin) until its turn;
-only one of the two computes at any time. TRL's step is the wall clock from on_step_begin to
-on_step_end (generation happens inside the step, in `_prepare_inputs`; the work between steps,
-logging and fetching the next prompts, finishes before TRL parks and is not counted). minirl's
-step is the wall clock around the loop's own `train_step` (prompt sampling, generate, reward,
-advantages, update and the weight sync; no evaluation). `--only minirl|trl` runs one side
-alone (for profiling).
+How it is timed. The two run interleaved in one process and one thread: TRL's `train()` runs
+in the main thread and a TrainerCallback runs one minirl step at the start of each TRL step
+(on_step_begin), before TRL's clock starts: a minirl step, a TRL step, a minirl step, ..., so
+that a change in the machine's load hits both alike, and one pool of torch intra-op threads
+serves both (an earlier version ran TRL in a second Python thread; each thread then had its own
+pool, and both sides' steps took about a fifth longer with 2 torch threads). TRL's step is the
+wall clock from on_step_begin to on_step_end (generation happens inside the step, in
+`_prepare_inputs`; the work between steps, logging and fetching the next prompts, is not
+counted). minirl's step is the wall clock around the loop's own `train_step` (prompt sampling,
+generate, reward, advantages, update and the weight sync; no evaluation). `--only minirl|trl`
+runs one side alone (for profiling).
 
-What still differs, and is part of what is measured:
+Where the difference comes from (notebook 01, section 10, measures each part):
+  - Almost the whole step is the arithmetic of the same HF model, on both sides. minirl does
+    less of it, with the same results: each prompt's G completions share the prompt, so
+    minirl computes it once per group, twice over:
+      * generation (`HFRollout(engine="shared_prefix")`): one prefill per prompt, its KV cache
+        repeated G times, then a plain multinomial loop; TRL calls HF `generate` on the
+        B * G repeated prompts;
+      * the update (`completion_logprobs(..., num_generations=G)`): one forward pass over the
+        B prompts with a KV cache, repeated G times, then the completions; TRL runs forward and
+        backward over all B * G full sequences.
+    Log-probs and gradients agree with the one-pass computation to float32 rounding
+    (tests/test_logprobs.py, tests/test_trl_parity.py); the sampled distribution is the same.
   - TRL wraps everything in `accelerate` (device placement, gather calls on one process),
-    computes and logs metrics (entropy via its fused LM head, clip ratios, completion lengths,
-    reward statistics) with `.item()` synchronizations, turns completions into Python lists
-    and pads them again, and profiles stages with `profiling_context`.
-  - TRL scores the completions with its chunked "fused LM head" (log-softmax in tiles without
-    materializing logits); minirl computes full logits for the C + 1 last positions only.
+    computes and logs metrics (entropy, clip ratios, completion lengths, reward statistics)
+    with `.item()` synchronizations, turns completions into Python lists and pads them again,
+    and profiles stages with `profiling_context`: a few percent of a step.
   - minirl keeps a separate rollout copy of the policy and copies the weights into it after
     every update (`sync_weights`, a real cost TRL does not pay, since TRL samples with the
-    training model), and asks `generate` for the sampled tokens' logits (behaviour
-    log-probs), which TRL does not.
-  - minirl computes the entropy with a full softmax over the vocabulary (for its metrics).
+    training model), records the sampled tokens' log-probs (behaviour log-probs), which TRL
+    does not, and computes the entropy with a full softmax over the vocabulary (for its metrics).
 
-Noise: the machine's load average before and after is printed and stored. On a shared machine
-use `--threads 1`: with several intra-op threads, torch's thread barriers stall whenever another
-process takes a core, and single steps then take ten times longer; one thread per side gives
-stable medians. Compare medians, never single steps.
+Threads. With torch's default (2 threads on a 2-core machine) TRL's large matrix products gain
+more from the second core than minirl's smaller ones (a prompt pass over B rows, decoding steps
+of one token), so the ratio is lower than with `--threads 1`; compare like with like, and
+compare medians, never single steps. The machine's load average before and after is printed
+and stored; on a shared machine other processes' load still moves both sides' times.
 """
 
 from __future__ import annotations
@@ -163,24 +175,19 @@ def trl_trainer(args, task, rows, max_completion_length: int, callback):
 
 
 class TRLSteps(TrainerCallback):
-    """A TrainerCallback that times each TRL step and, when interleaving, parks TRL before each step.
+    """A TrainerCallback that times each TRL step and runs `before_step` (a minirl step) just before it.
 
-    on_step_begin: signal `parked`, wait for `go`, take the clock; on_step_end: take the clock.
-    The work TRL does between steps (logging, fetching the next prompts) finishes before it parks,
-    so it never overlaps a minirl step.
+    on_step_begin: run `before_step` if given, then take the clock; on_step_end: take the clock.
+    Both trainers thus run in one thread (TRL's), one after the other, never at the same time.
     """
 
-    def __init__(self, interleave: bool):
-        import threading
-
-        self.interleave = interleave
-        self.parked, self.go = threading.Semaphore(0), threading.Semaphore(0)
+    def __init__(self, before_step=None):
+        self.before_step = before_step
         self.begin, self.end = [], []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.interleave:
-            self.parked.release()
-            self.go.acquire()
+        if self.before_step is not None:
+            self.before_step()
         self.begin.append(time.perf_counter())
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -193,40 +200,19 @@ class TRLSteps(TrainerCallback):
 def run_interleaved(args, task, rows, max_len) -> tuple[list[float], list[float]]:
     """minirl step, TRL step, minirl step, ...: a change in the machine's load hits both alike.
 
-    TRL's `train()` runs in a second thread that the callback parks before each step; only one
-    of the two ever computes at a time. Returns (minirl seconds, TRL seconds) per step, warm-up included.
+    TRL's `train()` runs in this thread; its callback runs one minirl step before each TRL step
+    (a single thread, so one pool of torch intra-op threads serves both; two Python threads
+    would each bring their own and slow each other down). Returns (minirl seconds, TRL seconds)
+    per step, warm-up included.
     """
-    import threading
-
     total = args.warmup + args.steps
     step_minirl = minirl_stepper(args, task, rows, max_len)
-    timer = TRLSteps(interleave=True)
-    trainer = trl_trainer(args, task, rows, max_len, timer)
-    failure, finished = [], threading.Event()
-
-    def run():
-        try:
-            trainer.train()
-        except BaseException as err:  # re-raised in the main thread
-            failure.append(err)
-        finally:
-            finished.set()
-            timer.parked.release()     # never leave the main thread waiting
-
-    thread = threading.Thread(target=run, name="trl-train", daemon=True)
-    thread.start()
     minirl_seconds = []
-    for _ in range(total):
-        timer.parked.acquire()              # TRL is parked before its next step (or has stopped)
-        if failure:
-            raise RuntimeError("TRL's GRPOTrainer failed") from failure[0]
-        if finished.is_set():
-            raise RuntimeError(f"TRL's GRPOTrainer stopped after {len(timer.end)} steps, expected {total}")
-        minirl_seconds.append(step_minirl())
-        timer.go.release()                  # let TRL run one step
-    thread.join()
-    if failure:
-        raise RuntimeError("TRL's GRPOTrainer failed") from failure[0]
+    timer = TRLSteps(before_step=lambda: minirl_seconds.append(step_minirl()))
+    trl_trainer(args, task, rows, max_len, timer).train()
+    if len(timer.end) != total or len(minirl_seconds) != total:
+        raise RuntimeError(f"expected {total} steps of each trainer, got {len(minirl_seconds)} minirl and "
+                           f"{len(timer.end)} TRL steps")
     return minirl_seconds, timer.seconds()
 
 
@@ -253,7 +239,7 @@ def main(argv=None) -> int:
         step = minirl_stepper(args, task, rows, max_len)
         minirl_seconds, trl_seconds = [step() for _ in range(args.warmup + args.steps)], []
     else:
-        timer = TRLSteps(interleave=False)
+        timer = TRLSteps()
         trl_trainer(args, task, rows, max_len, timer).train()
         minirl_seconds, trl_seconds = [], timer.seconds()
     for name, seconds in (("minirl", minirl_seconds), ("trl", trl_seconds)):

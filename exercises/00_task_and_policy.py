@@ -6,13 +6,12 @@ Each `raise NotImplementedError` marks code to write; the docstring above it say
 """
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, asdict
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch

@@ -6,31 +6,27 @@ Each `raise NotImplementedError` marks code to write; the docstring above it say
 """
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field, asdict
 import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
 
 import torch
-from torch import Tensor
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from minirl.logprobs import selective_log_softmax
-from minirl.logprobs import masked_mean
-from minirl.logprobs import position_ids_from_mask
+from minirl.logprobs import (CACHE_ARG, position_ids_from_mask, selective_log_softmax, masked_mean,
+                             completion_logprobs)
 from minirl.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
 from minirl.critic import ValueModel
-from minirl.logprobs import completion_logprobs, masked_mean
 from minirl.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
-from minirl.rollout.hf import ROLLOUT_DTYPES, HFRollout, Rollout, check_tokenizer
+from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -81,25 +77,35 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        temperature: float = 1.0, with_entropy: bool = False,
+                        num_generations: int = 1) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens under `model`.
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns (logps [B, C] float32, entropy [B, C] or None). Position ids come from the mask,
     exactly as `generate` derived them when it sampled, so rollout and trainer agree.
+    num_generations=1 runs one forward pass over every row. num_generations=G > 1 says that
+    rows i*G .. i*G+G-1 share one prompt (the rollout's order); each prompt then runs once
+    (`shared_prefix_logits`, section 10), with the same result up to float rounding.
     """
     if temperature <= 0:
         raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
+    if num_generations < 1:
+        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
     C = num_completion_tokens
-    position_ids = position_ids_from_mask(attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits                      # [B, C+1, V]
-    logits = logits[:, :-1].float() / temperature                      # [B, C, V]: position t predicts t+1
+    if num_generations > 1:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, C, num_generations)   # [B, C, V]
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1).logits[:, :-1]              # [B, C, V]: position t predicts t+1
+    logits = logits.float() / temperature                              # [B, C, V]
     logps = selective_log_softmax(logits, input_ids[:, -C:])           # [B, C]
     return logps, (entropy_from_logits(logits) if with_entropy else None)
 
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+ROLLOUT_ENGINES = ("shared_prefix", "hf")
 
 
 class VersionMismatchError(RuntimeError):
@@ -159,15 +165,25 @@ def check_tokenizer(tokenizer) -> None:
 
 
 class HFRollout:
-    """The rollout engine's own copy of the policy, sampling with HF `generate` and a KV cache."""
+    """The rollout engine's own copy of the policy, sampling with a KV cache.
 
-    def __init__(self, model, tokenizer, dtype: str = "float32", device=None):
+    engine="shared_prefix": each prompt is prefilled once and its cache repeated G times, then
+    a plain multinomial loop (`sample_shared_prefix`). engine="hf" (the default): HF `generate`
+    over the B * G repeated prompts. Both sample from softmax(logits / temperature) with no top-k / top-p and
+    record the same behaviour log-probs; for one seed they draw the same random numbers in the
+    same order, so their samples agree wherever the two computations round alike (section 10).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "float32", device=None, engine: str = "hf"):
         if dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"HFRollout: dtype={dtype!r}; use one of {ROLLOUT_DTYPES}")
+        if engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"HFRollout: engine={engine!r}; use one of {ROLLOUT_ENGINES}")
         check_tokenizer(tokenizer)
         self.tokenizer = copy.copy(tokenizer)
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
+        self.engine = engine
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
@@ -188,7 +204,10 @@ class HFRollout:
         """Sample `num_generations` completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
 
         Sampling is plain multinomial at `temperature` (no top-k / top-p). With a `generator`,
-        the sampling seed is drawn from it, so the completions depend on the generator alone.
+        the sampling seed is drawn from it (one draw, whatever the engine), so the completions
+        depend on the generator alone and the global RNG is left as it was; without one, the
+        global RNG samples. Generation stops when every row has emitted EOS or after
+        `max_new_tokens`; after its EOS a row gets pad tokens (masked out).
         Raises VersionMismatchError if `expected_version` is given and differs from `version`.
         """
         if expected_version is not None and expected_version != self.version:
@@ -200,26 +219,39 @@ class HFRollout:
             raise ValueError("generate: prompts is empty")
         if temperature <= 0:
             raise ValueError(f"generate: temperature={temperature} must be > 0 (sampling)")
-        tok = self.tokenizer
-        repeated = [p for p in prompts for _ in range(num_generations)]
-        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        seed = None if generator is None else int(torch.randint(2**62, (1,), generator=generator))
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                      max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, output_logits=True,
-                                      return_dict_in_generate=True)
-        P = enc.input_ids.shape[1]
-        completion_ids = out.sequences[:, P:]                                         # [N, C]
-        logits = torch.stack(out.logits, 1).float() / temperature                     # [N, C, V]
-        logprobs = selective_log_softmax(logits, completion_ids)                      # [N, C]
-        completion_mask = completion_mask_from_ids(completion_ids, tok.eos_token_id)  # [N, C]
+        if num_generations < 1 or max_new_tokens < 1:
+            raise ValueError(f"generate: num_generations={num_generations} and max_new_tokens={max_new_tokens} "
+                             "must both be >= 1")
+        tok, G = self.tokenizer, num_generations
+        repeated = [p for p in prompts for _ in range(G)]
+        seed = None if generator is None else int(torch.randint(2**62, (1,), generator=generator,
+                                                                device=generator.device))
+        if self.engine == "shared_prefix":
+            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            completion_ids, logprobs = sample_shared_prefix(
+                self.model, enc.input_ids, enc.attention_mask, G, max_new_tokens, temperature,
+                tok.eos_token_id, tok.pad_token_id, sampler)                              # [N, C] each
+            prompt_ids = enc.input_ids.repeat_interleave(G, 0)                             # [N, P]
+            prompt_mask = enc.attention_mask.repeat_interleave(G, 0)
+        else:
+            enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                          eos_token_id=tok.eos_token_id, output_logits=True,
+                                          return_dict_in_generate=True)
+            prompt_ids, prompt_mask = enc.input_ids, enc.attention_mask                   # [N, P]
+            completion_ids = out.sequences[:, prompt_ids.shape[1]:]                       # [N, C]
+            logits = torch.stack(out.logits, 1).float() / temperature                     # [N, C, V]
+            logprobs = selective_log_softmax(logits, completion_ids)                      # [N, C]
+        completion_mask = completion_mask_from_ids(completion_ids, tok.eos_token_id)      # [N, C]
         completions = tok.batch_decode(completion_ids * completion_mask + tok.pad_token_id * (1 - completion_mask),
                                        skip_special_tokens=True)
-        return Rollout(enc.input_ids, enc.attention_mask, completion_ids, completion_mask,
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask,
                        logprobs * completion_mask, completions, repeated, self.version)
 
 
@@ -325,14 +357,19 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, loss_type: str = "dapo",
                 importance_sampling_level: str = "token", beta: float = 0.0, ref_logps: Tensor | None = None,
-                max_completion_length: int | None = None,
-                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                max_completion_length: int | None = None, is_weights: Tensor | None = None,
+                use_bias_correction_kl: bool = False) -> tuple[Tensor, dict[str, float]]:
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
     (one per sequence, GRPO) or [B, C] (per token, PPO/GAE).
+    use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
+    token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
+    default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
+    estimate under pi. False: the classic GRPO k3 term.
     Returns (loss, metrics) with metrics "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean", "ratio_mean", and "kl" when ref_logps is given.
+    "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
+    use_bias_correction_kl) when ref_logps is given.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: "
@@ -351,6 +388,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if is_weights is not None:
         per_token = per_token * is_weights
     kl = kl_k3(logps, ref_logps) if ref_logps is not None else None
+    if kl is not None and use_bias_correction_kl:
+        kl = kl * ratio                                                        # [B, C]
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)
@@ -431,6 +470,8 @@ class GRPOConfig:
     num_iterations: int = 1            # updates per generation batch (TRL's mu)
     seed: int = 0
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
+    rollout_engine: str = "shared_prefix"   # "hf": HF generate over B * G rows (section 10)
+    use_bias_correction_kl: bool = False    # KL term times the importance ratio (TRL 1.16's default)
     importance_sampling_correction: bool = False   # truncated IS vs the rollout's behaviour log-probs
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_cap: float = 2.0
@@ -451,6 +492,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: {why}")
         choices = {"algo": ("grpo", "ppo"), "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
                    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "rollout_dtype": ROLLOUT_DTYPES,
+                   "rollout_engine": ROLLOUT_ENGINES,
                    "importance_sampling_mode": IS_MODES, "reward_errors": ("raise", "zero")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -571,13 +613,15 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOCo
 def compute_reference(state: LoopState, rollout: Rollout, config: GRPOConfig) -> dict:
     """old_logps, ref_logps, values [N, C] (each None when this config does not need it)."""
     ids, mask, C = rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens
+    G = config.num_generations                   # rows come as G completions per prompt: share the prompt
     out = {"old_logps": None, "ref_logps": None, "values": None}
     needs_old = (config.num_iterations > 1 or config.importance_sampling_correction
                  or (config.algo == "ppo" and config.beta > 0))
     if needs_old:
-        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature)[0]
+        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature, num_generations=G)[0]
     if state.ref_model is not None:
-        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature)[0]
+        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature,
+                                               num_generations=G)[0]
     if state.value_model is not None:
         out["values"] = state.value_model(ids, mask, C) * rollout.completion_mask
     return out
@@ -612,14 +656,19 @@ def _step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, 
 
 
 def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict:
-    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics."""
+    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics.
+
+    The rollout's rows must come as config.num_generations completions per prompt (each
+    prompt's forward pass is shared by its group, see `completion_logprobs`).
+    """
     ro = exp.rollout
     mask = ro.completion_mask
     model.train()
     metrics = {}
     for _ in range(config.num_iterations):
         logps, entropy = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
-                                             config.temperature, with_entropy=True)
+                                             config.temperature, with_entropy=True,
+                                             num_generations=config.num_generations)
         old = logps.detach() if exp.old_logps is None else exp.old_logps
         if config.importance_sampling_correction and exp.is_weights is None:
             from minirl.corrections import importance_sampling_weights  # notebook 02
@@ -629,7 +678,8 @@ def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict
                                     epsilon_high=config.epsilon_high, loss_type=config.loss_type,
                                     importance_sampling_level=config.importance_sampling_level, beta=config.beta
                                     if config.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights)
+                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights,
+                                    use_bias_correction_kl=config.use_bias_correction_kl)
         stepped, grad_norm = _step(model.parameters(), optimizer, loss, config.max_grad_norm)
         metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
                        entropy=masked_mean(entropy.detach(), mask).item(),
@@ -673,7 +723,8 @@ def setup(config: GRPOConfig, model, tokenizer) -> LoopState:
                                             weight_decay=config.weight_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     return LoopState(model=model, tokenizer=tokenizer, optimizer=optimizer,
-                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device),
+                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device,
+                                       engine=config.rollout_engine),
                      generator=torch.Generator().manual_seed(config.seed), ref_model=ref_model,
                      value_model=value_model, value_optimizer=value_optimizer)
 
@@ -858,3 +909,89 @@ def restore_state(path, state) -> list[dict]:
     state.step, state.version, state.extra = training["step"], training["version"], training["extra"]
     state.rollout.load_weights(state.model.state_dict(), state.version)
     return training["metrics"]
+
+
+# the forward argument and output field holding the KV cache: `cache` since transformers 5.2x
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                         num_generations: int) -> Tensor:
+    """The logits that predict the last C tokens, computing each group's shared prompt once.
+
+    input_ids, attention_mask: [N, P+C], N = B * G rows in groups of G = num_generations
+    consecutive rows that have the same prompt (identical first P columns of ids and mask, as
+    a Rollout lays them out); prompts left-padded, completions right-padded.
+    Returns logits [N, C, V] in the model's dtype, where [:, t] predicts completion token t:
+    the same values (up to float rounding) and gradients as the rows' logits[:, P-1:-1] from
+    one forward pass with position ids from the mask, for about 1/G of the prompt's compute.
+    Needs a model whose cache supports `batch_repeat_interleave` (HF DynamicCache).
+    Raises ValueError if N is not a multiple of G, if there is no prompt column, or if the rows
+    of a group have different prompts.
+    """
+    N, T = input_ids.shape
+    G, C = num_generations, num_completion_tokens
+    P = T - C
+    if N % G:
+        raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
+                         "B * num_generations rows, or num_generations=1 (no sharing)")
+    if P < 1 or C < 1:
+        raise ValueError(f"shared_prefix_logits: num_completion_tokens={C} leaves no prompt/completion in "
+                         f"{T} columns; need 1 <= num_completion_tokens < {T}")
+    prompt_ids, prompt_mask = input_ids[::G, :P], attention_mask[::G, :P]                 # [B, P]
+    for name, full, first in (("input_ids", input_ids, prompt_ids), ("attention_mask", attention_mask, prompt_mask)):
+        if not torch.equal(full[:, :P].view(-1, G, P), first[:, None].expand(-1, G, P)):
+            raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
+                             f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
+                             "per prompt (a Rollout's order), or num_generations=1")
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:].repeat_interleave(G, 0)                                    # [N, 1, V]
+    if C == 1:
+        return first
+    cache = getattr(out, CACHE_ARG)
+    cache.batch_repeat_interleave(G)                                                      # [B, ...] -> [N, ...]
+    positions = position_ids_from_mask(attention_mask)[:, P:-1]                           # [N, C-1]
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=positions,
+                 use_cache=False, **{CACHE_ARG: cache}).logits                            # [N, C-1, V]
+    return torch.cat([first, rest], 1)                                                    # [N, C, V]
+
+
+@torch.no_grad()
+def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, max_new_tokens: int,
+                         temperature: float, eos_token_id: int, pad_token_id: int,
+                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Sample G completions per prompt with a KV cache, prefilling each prompt once.
+
+    prompt_ids, prompt_mask: [B, P], each prompt once, left-padded. Rows i*G .. i*G+G-1 of
+    the result continue prompt i. Each step samples from softmax(logits.float() / temperature)
+    with torch.multinomial (using `generator`, or the global RNG when None); a row that has
+    emitted EOS gets pad_token_id from then on; the loop stops when every row has emitted EOS
+    or after max_new_tokens. Returns (completion_ids [N, C] long, logprobs [N, C] float32),
+    C <= max_new_tokens, where logprobs are log_softmax(logits.float() / temperature) at the
+    sampled tokens: the behaviour log-probs (also at pad positions; the caller masks them).
+    """
+    G = num_generations
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, CACHE_ARG)
+    cache.batch_repeat_interleave(G)                                           # [B, ...] -> [N, ...]
+    logits = out.logits[:, -1].repeat_interleave(G, 0)                         # [N, V]
+    mask = prompt_mask.repeat_interleave(G, 0)                                 # [N, P], grows by one per step
+    position = mask.sum(1, keepdim=True) - 1                                   # [N, 1] the last prompt token's
+    unfinished = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    tokens, logprobs = [], []
+    for step in range(max_new_tokens):
+        scores = logits.float() / temperature                                  # [N, V]
+        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)   # [N]
+        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        tokens.append(token)
+        logprobs.append(selective_log_softmax(scores, token))                  # [N]
+        unfinished = unfinished & (token != eos_token_id)
+        if not unfinished.any() or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                       use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]     # [N, V]
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)                    # [N, C] each

@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor
-import torch.nn.functional as F
 from torch import Tensor, nn
+import torch.nn.functional as F
 
+from minirl.moe import routers, RouteRecorder, replay_routes, route_agreement
 from minirl.mismatch import check_logprob_pair
-from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:

@@ -3,7 +3,9 @@
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
 left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
-at the sampling temperature, in float32.
+at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
+shared by each group of G consecutive rows once (`shared_prefix_logits`): same values up to
+float rounding, same gradients, less work. TRL runs every row's prompt.
 
 Simplified vs TRL's `_get_per_token_logps_and_entropies`: no micro-batching of the forward
 pass and no vision inputs; logits are cast to float32 before the temperature is applied
@@ -13,6 +15,7 @@ more accurate order.
 
 import torch
 from torch import Tensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -64,19 +67,74 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        temperature: float = 1.0, with_entropy: bool = False,
+                        num_generations: int = 1) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens under `model`.
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns (logps [B, C] float32, entropy [B, C] or None). Position ids come from the mask,
     exactly as `generate` derived them when it sampled, so rollout and trainer agree.
+    num_generations=1 runs one forward pass over every row. num_generations=G > 1 says that
+    rows i*G .. i*G+G-1 share one prompt (the rollout's order); each prompt then runs once
+    (`shared_prefix_logits`, section 10), with the same result up to float rounding.
     """
     if temperature <= 0:
         raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
+    if num_generations < 1:
+        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
     C = num_completion_tokens
-    position_ids = position_ids_from_mask(attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits                      # [B, C+1, V]
-    logits = logits[:, :-1].float() / temperature                      # [B, C, V]: position t predicts t+1
+    if num_generations > 1:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, C, num_generations)   # [B, C, V]
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1).logits[:, :-1]              # [B, C, V]: position t predicts t+1
+    logits = logits.float() / temperature                              # [B, C, V]
     logps = selective_log_softmax(logits, input_ids[:, -C:])           # [B, C]
     return logps, (entropy_from_logits(logits) if with_entropy else None)
+
+
+# the forward argument and output field holding the KV cache: `cache` since transformers 5.2x
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                         num_generations: int) -> Tensor:
+    """The logits that predict the last C tokens, computing each group's shared prompt once.
+
+    input_ids, attention_mask: [N, P+C], N = B * G rows in groups of G = num_generations
+    consecutive rows that have the same prompt (identical first P columns of ids and mask, as
+    a Rollout lays them out); prompts left-padded, completions right-padded.
+    Returns logits [N, C, V] in the model's dtype, where [:, t] predicts completion token t:
+    the same values (up to float rounding) and gradients as the rows' logits[:, P-1:-1] from
+    one forward pass with position ids from the mask, for about 1/G of the prompt's compute.
+    Needs a model whose cache supports `batch_repeat_interleave` (HF DynamicCache).
+    Raises ValueError if N is not a multiple of G, if there is no prompt column, or if the rows
+    of a group have different prompts.
+    """
+    N, T = input_ids.shape
+    G, C = num_generations, num_completion_tokens
+    P = T - C
+    if N % G:
+        raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
+                         "B * num_generations rows, or num_generations=1 (no sharing)")
+    if P < 1 or C < 1:
+        raise ValueError(f"shared_prefix_logits: num_completion_tokens={C} leaves no prompt/completion in "
+                         f"{T} columns; need 1 <= num_completion_tokens < {T}")
+    prompt_ids, prompt_mask = input_ids[::G, :P], attention_mask[::G, :P]                 # [B, P]
+    for name, full, first in (("input_ids", input_ids, prompt_ids), ("attention_mask", attention_mask, prompt_mask)):
+        if not torch.equal(full[:, :P].view(-1, G, P), first[:, None].expand(-1, G, P)):
+            raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
+                             f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
+                             "per prompt (a Rollout's order), or num_generations=1")
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:].repeat_interleave(G, 0)                                    # [N, 1, V]
+    if C == 1:
+        return first
+    cache = getattr(out, CACHE_ARG)
+    cache.batch_repeat_interleave(G)                                                      # [B, ...] -> [N, ...]
+    positions = position_ids_from_mask(attention_mask)[:, P:-1]                           # [N, C-1]
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=positions,
+                 use_cache=False, **{CACHE_ARG: cache}).logits                            # [N, C-1, V]
+    return torch.cat([first, rest], 1)                                                    # [N, C, V]

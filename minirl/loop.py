@@ -29,7 +29,7 @@ from minirl.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rew
 from minirl.critic import ValueModel
 from minirl.logprobs import completion_logprobs, masked_mean
 from minirl.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
-from minirl.rollout.hf import ROLLOUT_DTYPES, HFRollout, Rollout, check_tokenizer
+from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -56,6 +56,8 @@ class GRPOConfig:
     num_iterations: int = 1            # updates per generation batch (TRL's mu)
     seed: int = 0
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
+    rollout_engine: str = "shared_prefix"   # "hf": HF generate over B * G rows (section 10)
+    use_bias_correction_kl: bool = False    # KL term times the importance ratio (TRL 1.16's default)
     importance_sampling_correction: bool = False   # truncated IS vs the rollout's behaviour log-probs
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_cap: float = 2.0
@@ -76,6 +78,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: {why}")
         choices = {"algo": ("grpo", "ppo"), "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
                    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "rollout_dtype": ROLLOUT_DTYPES,
+                   "rollout_engine": ROLLOUT_ENGINES,
                    "importance_sampling_mode": IS_MODES, "reward_errors": ("raise", "zero")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -196,13 +199,15 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOCo
 def compute_reference(state: LoopState, rollout: Rollout, config: GRPOConfig) -> dict:
     """old_logps, ref_logps, values [N, C] (each None when this config does not need it)."""
     ids, mask, C = rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens
+    G = config.num_generations                   # rows come as G completions per prompt: share the prompt
     out = {"old_logps": None, "ref_logps": None, "values": None}
     needs_old = (config.num_iterations > 1 or config.importance_sampling_correction
                  or (config.algo == "ppo" and config.beta > 0))
     if needs_old:
-        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature)[0]
+        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature, num_generations=G)[0]
     if state.ref_model is not None:
-        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature)[0]
+        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature,
+                                               num_generations=G)[0]
     if state.value_model is not None:
         out["values"] = state.value_model(ids, mask, C) * rollout.completion_mask
     return out
@@ -237,14 +242,19 @@ def _step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, 
 
 
 def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict:
-    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics."""
+    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics.
+
+    The rollout's rows must come as config.num_generations completions per prompt (each
+    prompt's forward pass is shared by its group, see `completion_logprobs`).
+    """
     ro = exp.rollout
     mask = ro.completion_mask
     model.train()
     metrics = {}
     for _ in range(config.num_iterations):
         logps, entropy = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
-                                             config.temperature, with_entropy=True)
+                                             config.temperature, with_entropy=True,
+                                             num_generations=config.num_generations)
         old = logps.detach() if exp.old_logps is None else exp.old_logps
         if config.importance_sampling_correction and exp.is_weights is None:
             from minirl.corrections import importance_sampling_weights  # notebook 02
@@ -254,7 +264,8 @@ def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict
                                     epsilon_high=config.epsilon_high, loss_type=config.loss_type,
                                     importance_sampling_level=config.importance_sampling_level, beta=config.beta
                                     if config.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights)
+                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights,
+                                    use_bias_correction_kl=config.use_bias_correction_kl)
         stepped, grad_norm = _step(model.parameters(), optimizer, loss, config.max_grad_norm)
         metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
                        entropy=masked_mean(entropy.detach(), mask).item(),
@@ -298,7 +309,8 @@ def setup(config: GRPOConfig, model, tokenizer) -> LoopState:
                                             weight_decay=config.weight_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     return LoopState(model=model, tokenizer=tokenizer, optimizer=optimizer,
-                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device),
+                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device,
+                                       engine=config.rollout_engine),
                      generator=torch.Generator().manual_seed(config.seed), ref_model=ref_model,
                      value_model=value_model, value_optimizer=value_optimizer)
 

@@ -66,14 +66,19 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, loss_type: str = "dapo",
                 importance_sampling_level: str = "token", beta: float = 0.0, ref_logps: Tensor | None = None,
-                max_completion_length: int | None = None,
-                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                max_completion_length: int | None = None, is_weights: Tensor | None = None,
+                use_bias_correction_kl: bool = False) -> tuple[Tensor, dict[str, float]]:
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
     (one per sequence, GRPO) or [B, C] (per token, PPO/GAE).
+    use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
+    token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
+    default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
+    estimate under pi. False: the classic GRPO k3 term.
     Returns (loss, metrics) with metrics "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean", "ratio_mean", and "kl" when ref_logps is given.
+    "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
+    use_bias_correction_kl) when ref_logps is given.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: "
@@ -92,6 +97,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if is_weights is not None:
         per_token = per_token * is_weights
     kl = kl_k3(logps, ref_logps) if ref_logps is not None else None
+    if kl is not None and use_bias_correction_kl:
+        kl = kl * ratio                                                        # [B, C]
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
+from minirl.moe import routers, RouteRecorder, replay_routes, route_agreement
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:

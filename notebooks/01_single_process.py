@@ -75,7 +75,9 @@ task = make_task()
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
 left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
-at the sampling temperature, in float32.
+at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
+shared by each group of G consecutive rows once (`shared_prefix_logits`): same values up to
+float rounding, same gradients, less work. TRL runs every row's prompt.
 
 Simplified vs TRL's `_get_per_token_logps_and_entropies`: no micro-batching of the forward
 pass and no vision inputs; logits are cast to float32 before the temperature is applied
@@ -146,20 +148,29 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        temperature: float = 1.0, with_entropy: bool = False,
+                        num_generations: int = 1) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the last `num_completion_tokens` tokens under `model`.
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns (logps [B, C] float32, entropy [B, C] or None). Position ids come from the mask,
     exactly as `generate` derived them when it sampled, so rollout and trainer agree.
+    num_generations=1 runs one forward pass over every row. num_generations=G > 1 says that
+    rows i*G .. i*G+G-1 share one prompt (the rollout's order); each prompt then runs once
+    (`shared_prefix_logits`, section 10), with the same result up to float rounding.
     """
     if temperature <= 0:
         raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
+    if num_generations < 1:
+        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
     C = num_completion_tokens
-    position_ids = position_ids_from_mask(attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits                      # [B, C+1, V]
-    logits = logits[:, :-1].float() / temperature                      # [B, C, V]: position t predicts t+1
+    if num_generations > 1:
+        logits = shared_prefix_logits(model, input_ids, attention_mask, C, num_generations)   # [B, C, V]
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=C + 1).logits[:, :-1]              # [B, C, V]: position t predicts t+1
+    logits = logits.float() / temperature                              # [B, C, V]
     logps = selective_log_softmax(logits, input_ids[:, -C:])           # [B, C]
     return logps, (entropy_from_logits(logits) if with_entropy else None)
 
@@ -211,15 +222,23 @@ for name, net in (("qwen2", model), ("gpt2", gpt2)):
 # copy even in one process, so step 4, synchronize, is an explicit call with a version
 # number, and the rollout refuses to sample from a version other than the one the loop
 # expects. It also records the log-probs of what it sampled, as it computed them (from the
-# logits `generate` returned): notebook 02 compares those with the trainer's.
+# very logits it sampled from): notebook 02 compares those with the trainer's. It has two
+# engines for the same distribution: HF `generate` (`engine="hf"`, used below), and a short
+# loop that computes each prompt's prefix once for its G samples (`engine="shared_prefix"`,
+# what the loop uses; section 10 builds it and measures what it saves).
 
 # %%
 # | export minirl/rollout/hf.py
-"""The rollout engine of stage 1: HF `generate` with a KV cache, on its own copy of the policy.
+"""The rollout engine of stage 1: sampling with a KV cache, on its own copy of the policy.
 
 `HFRollout` holds a copy of the policy (optionally in a lower precision), samples G
 completions per prompt, and returns a `Rollout` with the completions, masks, the sampled
 tokens' log-probs as the engine computed them, and the policy version that produced them.
+Two engines sample the same distribution: "hf" calls HF `generate` on B * G rows (every
+forward pass covers all rows, which notebook 02's MoE route recorder relies on);
+"shared_prefix" prefills each prompt once, repeats its KV cache G times and samples in a
+plain loop (`sample_shared_prefix`), about twice as fast for small models. HFRollout
+defaults to "hf"; the loop uses "shared_prefix" (`GRPOConfig.rollout_engine`).
 
 Simplified vs TRL: TRL samples with the training model itself (no copy, no version); vLLM
 rollouts in TRL/veRL live in another process. We keep a separate copy so that step 4 of the
@@ -234,9 +253,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minirl.logprobs import selective_log_softmax
+from minirl.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+ROLLOUT_ENGINES = ("shared_prefix", "hf")
 
 
 class VersionMismatchError(RuntimeError):
@@ -296,15 +316,25 @@ def check_tokenizer(tokenizer) -> None:
 
 
 class HFRollout:
-    """The rollout engine's own copy of the policy, sampling with HF `generate` and a KV cache."""
+    """The rollout engine's own copy of the policy, sampling with a KV cache.
 
-    def __init__(self, model, tokenizer, dtype: str = "float32", device=None):
+    engine="shared_prefix": each prompt is prefilled once and its cache repeated G times, then
+    a plain multinomial loop (`sample_shared_prefix`). engine="hf" (the default): HF `generate`
+    over the B * G repeated prompts. Both sample from softmax(logits / temperature) with no top-k / top-p and
+    record the same behaviour log-probs; for one seed they draw the same random numbers in the
+    same order, so their samples agree wherever the two computations round alike (section 10).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "float32", device=None, engine: str = "hf"):
         if dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"HFRollout: dtype={dtype!r}; use one of {ROLLOUT_DTYPES}")
+        if engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"HFRollout: engine={engine!r}; use one of {ROLLOUT_ENGINES}")
         check_tokenizer(tokenizer)
         self.tokenizer = copy.copy(tokenizer)
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
+        self.engine = engine
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
@@ -325,7 +355,10 @@ class HFRollout:
         """Sample `num_generations` completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
 
         Sampling is plain multinomial at `temperature` (no top-k / top-p). With a `generator`,
-        the sampling seed is drawn from it, so the completions depend on the generator alone.
+        the sampling seed is drawn from it (one draw, whatever the engine), so the completions
+        depend on the generator alone and the global RNG is left as it was; without one, the
+        global RNG samples. Generation stops when every row has emitted EOS or after
+        `max_new_tokens`; after its EOS a row gets pad tokens (masked out).
         Raises VersionMismatchError if `expected_version` is given and differs from `version`.
         """
         if expected_version is not None and expected_version != self.version:
@@ -337,26 +370,39 @@ class HFRollout:
             raise ValueError("generate: prompts is empty")
         if temperature <= 0:
             raise ValueError(f"generate: temperature={temperature} must be > 0 (sampling)")
-        tok = self.tokenizer
-        repeated = [p for p in prompts for _ in range(num_generations)]
-        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        seed = None if generator is None else int(torch.randint(2**62, (1,), generator=generator))
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                      max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, output_logits=True,
-                                      return_dict_in_generate=True)
-        P = enc.input_ids.shape[1]
-        completion_ids = out.sequences[:, P:]                                         # [N, C]
-        logits = torch.stack(out.logits, 1).float() / temperature                     # [N, C, V]
-        logprobs = selective_log_softmax(logits, completion_ids)                      # [N, C]
-        completion_mask = completion_mask_from_ids(completion_ids, tok.eos_token_id)  # [N, C]
+        if num_generations < 1 or max_new_tokens < 1:
+            raise ValueError(f"generate: num_generations={num_generations} and max_new_tokens={max_new_tokens} "
+                             "must both be >= 1")
+        tok, G = self.tokenizer, num_generations
+        repeated = [p for p in prompts for _ in range(G)]
+        seed = None if generator is None else int(torch.randint(2**62, (1,), generator=generator,
+                                                                device=generator.device))
+        if self.engine == "shared_prefix":
+            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            completion_ids, logprobs = sample_shared_prefix(
+                self.model, enc.input_ids, enc.attention_mask, G, max_new_tokens, temperature,
+                tok.eos_token_id, tok.pad_token_id, sampler)                              # [N, C] each
+            prompt_ids = enc.input_ids.repeat_interleave(G, 0)                             # [N, P]
+            prompt_mask = enc.attention_mask.repeat_interleave(G, 0)
+        else:
+            enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                          eos_token_id=tok.eos_token_id, output_logits=True,
+                                          return_dict_in_generate=True)
+            prompt_ids, prompt_mask = enc.input_ids, enc.attention_mask                   # [N, P]
+            completion_ids = out.sequences[:, prompt_ids.shape[1]:]                       # [N, C]
+            logits = torch.stack(out.logits, 1).float() / temperature                     # [N, C, V]
+            logprobs = selective_log_softmax(logits, completion_ids)                      # [N, C]
+        completion_mask = completion_mask_from_ids(completion_ids, tok.eos_token_id)      # [N, C]
         completions = tok.batch_decode(completion_ids * completion_mask + tok.pad_token_id * (1 - completion_mask),
                                        skip_special_tokens=True)
-        return Rollout(enc.input_ids, enc.attention_mask, completion_ids, completion_mask,
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask,
                        logprobs * completion_mask, completions, repeated, self.version)
 
 
@@ -620,7 +666,11 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 # "sequence" is GSPO (one ratio per sequence, the geometric mean of its token ratios, which
 # MoE models need because routing noise makes single-token ratios jumpy; notebook 08), a k3
 # KL penalty to a frozen reference with coefficient `beta`, and optional per-token weights
-# `is_weights` for the truncated importance sampling of notebook 02. It also reports the
+# `is_weights` for the truncated importance sampling of notebook 02. The KL term is itself an
+# average over tokens sampled from π_old, not from π; `use_bias_correction_kl=True` weights
+# it by the same importance ratio π/π_old (DeepSeek-V3.2's correction, on by default in TRL
+# 1.16, off by default here as in classic GRPO; with one update per batch the ratio is 1, so
+# the KL's value is unchanged but its gradient gains a term KL · ∇log π). It also reports the
 # clip fractions, as TRL logs them.
 
 # %%
@@ -628,14 +678,19 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, loss_type: str = "dapo",
                 importance_sampling_level: str = "token", beta: float = 0.0, ref_logps: Tensor | None = None,
-                max_completion_length: int | None = None,
-                is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                max_completion_length: int | None = None, is_weights: Tensor | None = None,
+                use_bias_correction_kl: bool = False) -> tuple[Tensor, dict[str, float]]:
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
     (one per sequence, GRPO) or [B, C] (per token, PPO/GAE).
+    use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
+    token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
+    default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
+    estimate under pi. False: the classic GRPO k3 term.
     Returns (loss, metrics) with metrics "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean", "ratio_mean", and "kl" when ref_logps is given.
+    "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
+    use_bias_correction_kl) when ref_logps is given.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: "
@@ -654,6 +709,8 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if is_weights is not None:
         per_token = per_token * is_weights
     kl = kl_k3(logps, ref_logps) if ref_logps is not None else None
+    if kl is not None and use_bias_correction_kl:
+        kl = kl * ratio                                                        # [B, C]
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)
@@ -802,7 +859,7 @@ from minirl.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rew
 from minirl.critic import ValueModel
 from minirl.logprobs import completion_logprobs, masked_mean
 from minirl.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
-from minirl.rollout.hf import ROLLOUT_DTYPES, HFRollout, Rollout, check_tokenizer
+from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -829,6 +886,8 @@ class GRPOConfig:
     num_iterations: int = 1            # updates per generation batch (TRL's mu)
     seed: int = 0
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
+    rollout_engine: str = "shared_prefix"   # "hf": HF generate over B * G rows (section 10)
+    use_bias_correction_kl: bool = False    # KL term times the importance ratio (TRL 1.16's default)
     importance_sampling_correction: bool = False   # truncated IS vs the rollout's behaviour log-probs
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_cap: float = 2.0
@@ -849,6 +908,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: {why}")
         choices = {"algo": ("grpo", "ppo"), "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
                    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "rollout_dtype": ROLLOUT_DTYPES,
+                   "rollout_engine": ROLLOUT_ENGINES,
                    "importance_sampling_mode": IS_MODES, "reward_errors": ("raise", "zero")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -988,13 +1048,15 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOCo
 def compute_reference(state: LoopState, rollout: Rollout, config: GRPOConfig) -> dict:
     """old_logps, ref_logps, values [N, C] (each None when this config does not need it)."""
     ids, mask, C = rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens
+    G = config.num_generations                   # rows come as G completions per prompt: share the prompt
     out = {"old_logps": None, "ref_logps": None, "values": None}
     needs_old = (config.num_iterations > 1 or config.importance_sampling_correction
                  or (config.algo == "ppo" and config.beta > 0))
     if needs_old:
-        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature)[0]
+        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature, num_generations=G)[0]
     if state.ref_model is not None:
-        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature)[0]
+        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature,
+                                               num_generations=G)[0]
     if state.value_model is not None:
         out["values"] = state.value_model(ids, mask, C) * rollout.completion_mask
     return out
@@ -1038,14 +1100,19 @@ def _step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, 
 
 
 def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict:
-    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics."""
+    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics.
+
+    The rollout's rows must come as config.num_generations completions per prompt (each
+    prompt's forward pass is shared by its group, see `completion_logprobs`).
+    """
     ro = exp.rollout
     mask = ro.completion_mask
     model.train()
     metrics = {}
     for _ in range(config.num_iterations):
         logps, entropy = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
-                                             config.temperature, with_entropy=True)
+                                             config.temperature, with_entropy=True,
+                                             num_generations=config.num_generations)
         old = logps.detach() if exp.old_logps is None else exp.old_logps
         if config.importance_sampling_correction and exp.is_weights is None:
             from minirl.corrections import importance_sampling_weights  # notebook 02
@@ -1055,7 +1122,8 @@ def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict
                                     epsilon_high=config.epsilon_high, loss_type=config.loss_type,
                                     importance_sampling_level=config.importance_sampling_level, beta=config.beta
                                     if config.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights)
+                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights,
+                                    use_bias_correction_kl=config.use_bias_correction_kl)
         stepped, grad_norm = _step(model.parameters(), optimizer, loss, config.max_grad_norm)
         metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
                        entropy=masked_mean(entropy.detach(), mask).item(),
@@ -1107,7 +1175,8 @@ def setup(config: GRPOConfig, model, tokenizer) -> LoopState:
                                             weight_decay=config.weight_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     return LoopState(model=model, tokenizer=tokenizer, optimizer=optimizer,
-                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device),
+                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device,
+                                       engine=config.rollout_engine),
                      generator=torch.Generator().manual_seed(config.seed), ref_model=ref_model,
                      value_model=value_model, value_optimizer=value_optimizer)
 
@@ -1379,9 +1448,10 @@ print("claim: >= +25 points within 300 s on 2 CPU cores ->",
 # Where does the time go? `train` timed every stage. The source says that in RL for LLMs
 # generation usually dominates (its symptom table flags rollout above 80 % of the step);
 # with a 4-token completion and a 1 M-parameter model the balance here is different: the
-# update (a forward and a backward over 128 sequences) costs more than the 4 decoding steps
-# of `generate`, and synchronizing a 1 M-parameter copy in memory is nearly free. Notebook 09
-# turns these shares into a diagnosis.
+# update (a forward and a backward pass over 128 completions) costs more than the 4 decoding
+# steps of `generate`, and synchronizing a 1 M-parameter copy in memory is nearly free. Both
+# big stages compute each prompt once for its 8 completions (section 10 shows how, and what
+# that saves). Notebook 09 turns these shares into a diagnosis.
 
 # %%
 stages = ["generate", "score", "reference", "advantages", "update", "sync"]
@@ -1454,33 +1524,305 @@ out = update_policy(model, state.optimizer, Experience(ro, torch.zeros(4), advan
 print("skipped:", out["skipped"], "| weights unchanged:", all(torch.equal(v, before[k]) for k, v in model.state_dict().items()))
 
 # %% [markdown]
-# ## 10. Speed: minirl's loop against TRL's GRPOTrainer
+# ## 10. Speed: share the prompt, then race TRL's GRPOTrainer
 #
 # The source's framework table puts TRL at "single process, HF generate, learners and
 # prototypes". minirl's stage 1 is the same design, and `tests/test_trl_parity.py` checks
-# that the two compute the same loss and gradients on the same batch. Where could their speed
-# differ? Not in the algorithm. TRL's step also goes through Accelerate and the `Trainer`
-# (callbacks, logging, data collation, a sampler that repeats prompts `num_generations`
-# times) and re-tokenizes prompts through the processing class; minirl calls a few functions
-# on tensors it already holds. Doing the same arithmetic, that overhead turns out small: in
-# our run of the benchmark below (interleaved steps, same prompts, fp32) the two took
-# 0.170 vs 0.173 s per step, a 1.02x ratio, because even here the forward and backward pass
-# dominate the step. The large differences come from TRL's *defaults*, which are other
-# arithmetic, not overhead: it autocasts to bf16 (even on a CPU, where bf16 matmuls are
-# slow) and turns on gradient checkpointing (the forward pass runs again in backward). The
-# benchmark switches both off. Run TRL with its defaults and expect it to be slower here for
-# those two reasons; on a GPU bf16 pays off in speed, and checkpointing buys memory with
-# time (notebook 03 measures that trade).
-# The benchmark (skipped in smoke mode; it trains both for a few steps):
+# that the two compute the same loss and gradients on the same batch. Doing the same
+# arithmetic, they also take about the same time: TRL's extra layers (Accelerate, the
+# `Trainer`'s callbacks and logging, re-tokenizing the prompts, a sampler that repeats each
+# prompt G times) add less than a tenth to a step that is spent in the model's forward and
+# backward passes. A faster loop must therefore do less arithmetic, without changing what it
+# computes.
+#
+# There is such arithmetic. The G = 8 completions of a prompt all begin with that prompt, and
+# the simple path computes it 8 times, twice over: `generate` prefills B × G rows, and the
+# update runs a forward and a backward over all B × G × (P + C) tokens. The source lists
+# prefix caching among the core GRPO optimizations of rollout engines (keep the prompt's KV
+# cache, reuse it for the G responses). The same idea works in the trainer.
+#
+# ### 10.1 The update: one prompt pass per group
+#
+# Run the B distinct prompts once with `use_cache=True`, keeping only the last position's
+# logits (`logits_to_keep=1`): they predict the first completion token of all G samples.
+# Repeat the KV cache G times, then run the N = B × G completions, all but their last token,
+# against it, with the full attention mask and the positions derived from it. Nothing is
+# approximated: every completion token attends to the same keys and values as in one long
+# forward pass, so the log-probs agree up to float rounding. So do the gradients: the
+# repeated cache is a differentiable copy, and backpropagation sums the G copies' gradients
+# into the one prompt pass, which is the chain rule for an activation used G times.
+# `completion_logprobs(..., num_generations=G)` takes this path; the loop passes
+# `config.num_generations`.
+
+# %%
+# | export minirl/logprobs.py
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# the forward argument and output field holding the KV cache: `cache` since transformers 5.2x
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                         num_generations: int) -> Tensor:
+    """The logits that predict the last C tokens, computing each group's shared prompt once.
+
+    input_ids, attention_mask: [N, P+C], N = B * G rows in groups of G = num_generations
+    consecutive rows that have the same prompt (identical first P columns of ids and mask, as
+    a Rollout lays them out); prompts left-padded, completions right-padded.
+    Returns logits [N, C, V] in the model's dtype, where [:, t] predicts completion token t:
+    the same values (up to float rounding) and gradients as the rows' logits[:, P-1:-1] from
+    one forward pass with position ids from the mask, for about 1/G of the prompt's compute.
+    Needs a model whose cache supports `batch_repeat_interleave` (HF DynamicCache).
+    Raises ValueError if N is not a multiple of G, if there is no prompt column, or if the rows
+    of a group have different prompts.
+    """
+    N, T = input_ids.shape
+    G, C = num_generations, num_completion_tokens
+    P = T - C
+    if N % G:
+        raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
+                         "B * num_generations rows, or num_generations=1 (no sharing)")
+    if P < 1 or C < 1:
+        raise ValueError(f"shared_prefix_logits: num_completion_tokens={C} leaves no prompt/completion in "
+                         f"{T} columns; need 1 <= num_completion_tokens < {T}")
+    prompt_ids, prompt_mask = input_ids[::G, :P], attention_mask[::G, :P]                 # [B, P]
+    for name, full, first in (("input_ids", input_ids, prompt_ids), ("attention_mask", attention_mask, prompt_mask)):
+        if not torch.equal(full[:, :P].view(-1, G, P), first[:, None].expand(-1, G, P)):
+            raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
+                             f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
+                             "per prompt (a Rollout's order), or num_generations=1")
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:].repeat_interleave(G, 0)                                    # [N, 1, V]
+    if C == 1:
+        return first
+    cache = getattr(out, CACHE_ARG)
+    cache.batch_repeat_interleave(G)                                                      # [B, ...] -> [N, ...]
+    positions = position_ids_from_mask(attention_mask)[:, P:-1]                           # [N, C-1]
+    rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=positions,
+                 use_cache=False, **{CACHE_ARG: cache}).logits                            # [N, C-1, V]
+    return torch.cat([first, rest], 1)                                                    # [N, C, V]
+
+
+# %% [markdown]
+# Check it on a real batch from the warm start: 16 prompts × 8 samples, both paths, the
+# log-probs and the gradients of the same (random) loss. A group whose rows do not share
+# their prompt is refused rather than silently mis-scored.
+
+# %%
+from minirl.logprobs import completion_logprobs  # noqa: E402  (now with num_generations)
+from minirl.rollout.hf import HFRollout  # noqa: E402
+
+model, tokenizer, _ = load_default_policy()
+G = 8
+prompts10 = [r["prompt"] for r in task.rows("train")[:16]]
+batch = HFRollout(model, tokenizer, engine="hf").generate(prompts10, G, 4, generator=torch.Generator().manual_seed(0))
+ids, mask, C = batch.input_ids, batch.attention_mask, batch.num_completion_tokens
+loss_weights = torch.randn(ids.shape[0], 1, generator=torch.Generator().manual_seed(1)) * batch.completion_mask
+model.train()
+
+
+def update_pass(num_generations):
+    """Forward + backward of a random loss over the batch; returns (log-probs, gradients)."""
+    model.zero_grad(set_to_none=True)
+    logps, _ = completion_logprobs(model, ids, mask, C, with_entropy=True, num_generations=num_generations)
+    (logps * loss_weights).sum().backward()
+    return logps.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+one_pass, one_grads = update_pass(1)
+shared, shared_grads = update_pass(G)
+m = batch.completion_mask.bool()
+grad_err = max((a - b).abs().max().item() for a, b in zip(one_grads, shared_grads))
+grad_scale = max(a.abs().max().item() for a in one_grads)
+print(f"rows {ids.shape[0]} = {len(prompts10)} prompts x G={G}, prompt columns P={batch.prompt_ids.shape[1]}, C={C}")
+print(f"max |log p(one pass) - log p(shared prefix)| = {(one_pass - shared)[m].abs().max().item():.1e}")
+print(f"max |gradient difference| / max |gradient| = {grad_err / grad_scale:.1e}")
+show(lambda: completion_logprobs(model, ids, mask, C, num_generations=2 * G))   # groups of 16 span two prompts
+
+# %% [markdown]
+# What it saves, per update (forward and backward, median of interleaved repeats). The
+# prompt columns shrink from N × P to B × P tokens, 1/G of them; the completion tokens are
+# all still computed, so the whole pass shrinks less than G-fold.
+
+# %%
+import statistics  # noqa: E402
+
+
+def median_ms(fns: dict, reps: int) -> dict:
+    """Run each function `reps` times, interleaved; median milliseconds per function."""
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(t[1:] if len(t) > 2 else t) for name, t in times.items()}
+
+
+REPS = 3 if SMOKE else 15
+update_ms = median_ms({"one pass over N rows": lambda: update_pass(1), "shared prefix": lambda: update_pass(G)}, REPS)
+model.eval()
+P = batch.prompt_ids.shape[1]
+print(f"{'update (forward + backward)':30} | prompt tokens computed | ms (median of {REPS})")
+for (name, ms), tokens in zip(update_ms.items(), (ids.shape[0] * P, len(prompts10) * P)):
+    print(f"{name:30} | {tokens:>22} | {ms:8.1f}")
+print(f"speedup of the update: {update_ms['one pass over N rows'] / update_ms['shared prefix']:.2f}x")
+
+# %% [markdown]
+# The source's figure for prefix caching, against the count:
+
+# %%
+saved = 1 - 1 / G
+print("quantity | source | minirl | agree? | why")
+print(f"prefix compute saved, G = {G} | 70-80 % | {100 * saved:.1f} % (prompt tokens {ids.shape[0] * P} -> "
+      f"{len(prompts10) * P}) | no | computing a prompt once instead of G times saves 1 - 1/G = {100 * saved:.1f} %; "
+      "the source's range does not follow from G = 8 alone (a cache of whole blocks, as vLLM's, recomputes a "
+      "prompt's partial last block, which lowers the saving for short prompts)")
+
+# %% [markdown]
+# ### 10.2 Generation: prefill once, sample in a plain loop
+#
+# The rollout engine can share the prompt in the same way: prefill each prompt once, repeat
+# its cache G times, then decode the N rows token by token. HF `generate` wraps every decoding
+# step in machinery (input preparation, logits processors, stopping criteria, bookkeeping)
+# that a 1 M-parameter model feels, so the loop is written out: softmax(logits / τ), one
+# multinomial draw per row, a pad token after EOS, stop when every row has ended. The
+# behaviour log-probs are the log-softmax of the same logits / τ that were sampled from, in
+# the rollout copy's own precision, exactly as before.
+#
+# What differs from `engine="hf"`, precisely:
+#
+# - **The samples, a little.** With one seed both engines draw the same random numbers in the
+#   same order (one multinomial over the N rows per token), but the prefill of B rows instead
+#   of B × G rounds differently, and a draw that falls on the boundary between two tokens can
+#   flip; from there that row continues differently. The distribution is the same: softmax of
+#   the same logits / τ.
+# - **Only plain sampling.** `generate` would also apply the model's `generation_config`
+#   (repetition penalty, min-p, ...) and other stopping rules; the loop samples exactly
+#   softmax(logits / τ) and stops at EOS or `max_new_tokens`, which is what the RL loss
+#   assumes anyway. (Both paths use no top-k and no top-p.)
+# - **The model's cache must support `batch_repeat_interleave`** (HF's DynamicCache does).
+#
+# Everything else (shapes, masks, the behaviour log-probs, padding after EOS, the version
+# check, determinism for a seeded generator) is the same.
+
+# %%
+# | export minirl/rollout/hf.py
+@torch.no_grad()
+def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, max_new_tokens: int,
+                         temperature: float, eos_token_id: int, pad_token_id: int,
+                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Sample G completions per prompt with a KV cache, prefilling each prompt once.
+
+    prompt_ids, prompt_mask: [B, P], each prompt once, left-padded. Rows i*G .. i*G+G-1 of
+    the result continue prompt i. Each step samples from softmax(logits.float() / temperature)
+    with torch.multinomial (using `generator`, or the global RNG when None); a row that has
+    emitted EOS gets pad_token_id from then on; the loop stops when every row has emitted EOS
+    or after max_new_tokens. Returns (completion_ids [N, C] long, logprobs [N, C] float32),
+    C <= max_new_tokens, where logprobs are log_softmax(logits.float() / temperature) at the
+    sampled tokens: the behaviour log-probs (also at pad positions; the caller masks them).
+    """
+    G = num_generations
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, CACHE_ARG)
+    cache.batch_repeat_interleave(G)                                           # [B, ...] -> [N, ...]
+    logits = out.logits[:, -1].repeat_interleave(G, 0)                         # [N, V]
+    mask = prompt_mask.repeat_interleave(G, 0)                                 # [N, P], grows by one per step
+    position = mask.sum(1, keepdim=True) - 1                                   # [N, 1] the last prompt token's
+    unfinished = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    tokens, logprobs = [], []
+    for step in range(max_new_tokens):
+        scores = logits.float() / temperature                                  # [N, V]
+        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)   # [N]
+        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        tokens.append(token)
+        logprobs.append(selective_log_softmax(scores, token))                  # [N]
+        unfinished = unfinished & (token != eos_token_id)
+        if not unfinished.any() or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                       use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]     # [N, V]
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)                    # [N, C] each
+
+
+# %% [markdown]
+# Compare the engines. Same seed: how many of the 128 completions come out identical, and do
+# the behaviour log-probs still equal the trainer's? Different seeds: do the two sample the
+# same distribution (mean reward and mean sampled log-prob over several batches, with their
+# standard errors)? Then the time per batch.
+
+# %%
+from minirl.logprobs import masked_mean  # noqa: E402
+
+engines = {name: HFRollout(model, tokenizer, engine=name) for name in ("hf", "shared_prefix")}
+same_seed = {name: e.generate(prompts10, G, 4, generator=torch.Generator().manual_seed(0))
+             for name, e in engines.items()}
+identical = sum(a == b for a, b in zip(same_seed["hf"].completions, same_seed["shared_prefix"].completions))
+print(f"same seed: {identical} of {len(same_seed['hf'].completions)} completions identical")
+for name, ro in same_seed.items():
+    with torch.no_grad():
+        trainer_logps, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
+    gap = (ro.logprobs - trainer_logps * ro.completion_mask).abs().max()
+    print(f"{name:>13}: max |behaviour - trainer| log-prob {gap:.1e}")
+
+answers = [r["answer"] for r in task.rows("train")[:16] for _ in range(G)]
+print(f"{'engine':>13} | mean reward   | mean log p per token | batches of 128")
+n_batches = 4 if SMOKE else 20
+for k, (name, e) in enumerate(engines.items()):
+    rewards, logps = [], []
+    for seed in range(n_batches):
+        ro = e.generate(prompts10, G, 4, generator=torch.Generator().manual_seed(1000 * k + seed))  # disjoint seeds
+        rewards.append(sum(task.reward(ro.prompts, ro.completions, answer=answers)) / len(answers))
+        logps.append(masked_mean(ro.logprobs, ro.completion_mask).item())
+    se = lambda xs: statistics.stdev(xs) / len(xs) ** 0.5  # noqa: E731
+    print(f"{name:>13} | {statistics.mean(rewards):.3f} ± {se(rewards):.3f} | {statistics.mean(logps):+.3f} ± "
+          f"{se(logps):.3f}       | {n_batches}")
+
+generate_ms = median_ms({name: (lambda e=e: e.generate(prompts10, G, 4)) for name, e in engines.items()}, REPS)
+print(f"generate 128 completions: HF generate {generate_ms['hf']:.1f} ms, shared prefix "
+      f"{generate_ms['shared_prefix']:.1f} ms ({generate_ms['hf'] / generate_ms['shared_prefix']:.2f}x)")
+
+# %% [markdown]
+# ### 10.3 The race: minirl against TRL's GRPOTrainer
+#
+# `benchmarks/grpo_vs_trl.py` runs both trainers interleaved in one process (a step of one,
+# then a step of the other) on the same policy, prompts and settings; its docstring lists
+# what is compared. TRL's large-model defaults are switched off there so that both do the
+# same arithmetic: bf16 autocast (slow on a CPU) and gradient checkpointing (the forward pass
+# runs again in backward; notebook 03 measures that trade). On this path TRL 1.16 generates
+# with HF `generate` over the B × G repeated prompts and scores all B × G full sequences,
+# which is minirl's simple path. So the gap between the two should be what sections 10.1 and
+# 10.2 saved, plus TRL's extra layers. The cell runs a short benchmark (one torch thread, as
+# this notebook) and puts its gap beside those savings (skipped in smoke mode);
+# `benchmarks/README.md` has longer runs, with one and two threads.
 
 # %%
 bench = Path("../benchmarks/grpo_vs_trl.py") if Path("../benchmarks").exists() else Path("benchmarks/grpo_vs_trl.py")
+bench_out = Path(os.environ.get("MINIRL_RUNS", "runs")) / "01_bench"
 if SMOKE:
     print("smoke mode: skipping the TRL benchmark")
-elif bench.exists():
-    subprocess.run([sys.executable, str(bench), "--quick"], check=False)
-else:
+elif not bench.exists():
     print(f"{bench} not found: the benchmark is not part of this checkout")
+else:
+    proc = subprocess.run([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
+                          stdout=subprocess.PIPE, text=True, check=True)
+    print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))   # not TRL's log dict
+    result = json.loads((bench_out / "summary.json").read_text())
+    trl_ms, minirl_ms = 1000 * result["trl_median_seconds"], 1000 * result["minirl_median_seconds"]
+    saved_update = update_ms["one pass over N rows"] - update_ms["shared prefix"]
+    saved_generate = generate_ms["hf"] - generate_ms["shared_prefix"]
+    print(f"\n{'per step (ms)':44} | measured")
+    print(f"{'TRL GRPOTrainer':44} | {trl_ms:8.1f}")
+    print(f"{'minirl':44} | {minirl_ms:8.1f}")
+    print(f"{'gap':44} | {trl_ms - minirl_ms:8.1f}")
+    print(f"{'  saved by sharing the prompt in the update':44} | {saved_update:8.1f}  (section 10.1)")
+    print(f"{'  saved by sharing the prefill in generation':44} | {saved_generate:8.1f}  (section 10.2)")
+    print(f"{'  rest (TRL overhead, noise)':44} | {trl_ms - minirl_ms - saved_update - saved_generate:8.1f}")
+    print(f"speedup_vs_trl: {result['speedup_vs_trl']:.2f}")
 
 # %% [markdown]
 # ## Exercises

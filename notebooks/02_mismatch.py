@@ -422,7 +422,8 @@ width = 0.13
 for i, ((d, T), pr) in enumerate(pairs.items()):
     rows = pr.buckets()
     xs = [j + (i - len(pairs) / 2 + 0.5) * width for j in range(len(rows))]
-    ax.bar(xs, [max(r["mean_abs_delta"], 1e-9) for r in rows], width, label=f"{d}, T={T:g}")
+    heights = [r["mean_abs_delta"] if r["tokens"] else float("nan") for r in rows]   # NaN: no bar
+    ax.bar(xs, heights, width, label=f"{d}, T={T:g}")
 ax.set_xticks(range(len(rows)), [f"[{r['lo']:g}, {r['hi']:g})" for r in rows])
 ax.set(yscale="log", xlabel="rollout probability of the sampled token", ylabel="mean |Δ log p|",
        title="mismatch by token probability (empty bucket: no bar)")
@@ -539,6 +540,9 @@ def _dtype_name(rollout) -> str:
 
 # %%
 # | export minirl/mismatch.py
+from minirl.moe import routers
+
+
 @dataclass
 class MismatchReport:
     """What `diagnose` found, step by step; print it."""
@@ -1018,7 +1022,7 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 
 # %%
 # | export minirl/mismatch.py
-from minirl.moe import RouteRecorder, replay_routes, route_agreement, routers
+from minirl.moe import RouteRecorder, replay_routes, route_agreement
 
 
 def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",

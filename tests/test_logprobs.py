@@ -97,3 +97,84 @@ def test_temperature_and_entropy(tiny):
     assert logps.dtype == torch.float32 and logps.shape == (2, 3)
     with pytest.raises(ValueError, match="temperature"):
         completion_logprobs(model, ids, mask, 3, temperature=0.0)
+
+
+def _groups(tok, G):
+    """Three prompts of different lengths (left-padded), G right-padded completions each: [3G, P+C]."""
+    prompts = ["27+35=", "4+5=", "99+1="]
+    e = tok.eos_token
+    completions = [f"26{e}", f"7{e}", "0", "1", f"001{e}", f"52{e}"]
+    prompt = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    rows = [completions[(i * G + g) % len(completions)] for i in range(len(prompts)) for g in range(G)]
+    comp = tok(rows, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="right")
+    ids = torch.cat([prompt.input_ids.repeat_interleave(G, 0), comp.input_ids], 1)
+    mask = torch.cat([prompt.attention_mask.repeat_interleave(G, 0), comp.attention_mask], 1)
+    return ids, mask, comp.input_ids.shape[1]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny, temperature):
+    """num_generations=G runs each group's prompt once: same log-probs and gradients as one pass over all rows."""
+    model, tok = tiny
+    G = 4
+    ids, mask, C = _groups(tok, G)
+    assert C > 1 and (mask[:, :-C] == 0).any(), "test setup: padded prompts and several completion tokens"
+    comp_mask = mask[:, -C:]
+    weights = torch.randn(ids.shape[0], C, generator=torch.Generator().manual_seed(0)) * comp_mask
+    results = []
+    for num_generations in (1, G):
+        model.zero_grad(set_to_none=True)
+        logps, ent = completion_logprobs(model, ids, mask, C, temperature, with_entropy=True,
+                                         num_generations=num_generations)
+        (logps * weights).sum().backward()
+        results.append((logps.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (one, ent1, grads1), (shared, ent_s, grads_s) = results
+    m = comp_mask.bool()
+    torch.testing.assert_close(shared[m], one[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_s[m], ent1[m], atol=1e-5, rtol=0)
+    scale = max(g.abs().max().item() for g in grads1)
+    assert scale > 1e-4, "test setup: gradients must not vanish"
+    err = max((a - b).abs().max().item() for a, b in zip(grads1, grads_s)) / scale
+    assert err < 1e-4, f"shared-prefix gradients differ from one pass's (max relative error {err:.1e})"
+    model.zero_grad(set_to_none=True)
+
+
+def test_shared_prefix_single_token_completion(tiny):
+    model, tok = tiny
+    ids, mask, C = _groups(tok, 2)
+    ids, mask = ids[:, :1 - C], mask[:, :1 - C]    # keep one completion column
+    with torch.no_grad():
+        one, _ = completion_logprobs(model, ids, mask, 1)
+        shared, _ = completion_logprobs(model, ids, mask, 1, num_generations=2)
+    torch.testing.assert_close(shared, one, atol=1e-5, rtol=0)
+
+
+def test_shared_prefix_refuses_groups_that_do_not_share_a_prompt(tiny):
+    model, tok = tiny
+    ids, mask, C = _groups(tok, 2)                 # 6 rows: 3 prompts x 2
+    with pytest.raises(ValueError, match="num_generations=3 but the rows of a group have different prompts"):
+        completion_logprobs(model, ids, mask, C, num_generations=3)
+    with pytest.raises(ValueError, match="6 rows are not groups of num_generations=4"):
+        completion_logprobs(model, ids, mask, C, num_generations=4)
+    with pytest.raises(ValueError, match="num_generations=0"):
+        completion_logprobs(model, ids, mask, C, num_generations=0)
+    swapped = mask.clone()
+    swapped[3, :-C] = 1                            # same ids, another prompt mask in group 1 ("4+5=", padded)
+    with pytest.raises(ValueError, match="attention_mask differs"):
+        completion_logprobs(model, ids, swapped, C, num_generations=2)
+
+
+def test_shared_prefix_with_absolute_position_embeddings():
+    """GPT-2 (learned absolute positions): the completion pass must continue each row's own positions."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=18, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [0, 0, 5, 6, 7, 3, 0], [5, 5, 5, 6, 7, 4, 2], [5, 5, 5, 6, 7, 9, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        one, _ = completion_logprobs(model, ids, mask, 2)
+        shared, _ = completion_logprobs(model, ids, mask, 2, num_generations=2)
+    m = mask[:, -2:].bool()
+    torch.testing.assert_close(shared[m], one[m], atol=1e-5, rtol=0)

@@ -34,6 +34,7 @@ def without_timing(metrics):
     (dict(algo="dpo"), r"GRPOConfig.algo='dpo'"),
     (dict(scale_rewards="std"), r"GRPOConfig.scale_rewards"),
     (dict(rollout_dtype="int4"), r"GRPOConfig.rollout_dtype"),
+    (dict(rollout_engine="vllm"), r"GRPOConfig.rollout_engine='vllm'"),
     (dict(steps=0), r"GRPOConfig.steps=0"),
     (dict(learning_rate=-1.0), r"GRPOConfig.learning_rate=-1.0"),
     (dict(reward_errors="ignore"), r"GRPOConfig.reward_errors"),
@@ -106,6 +107,30 @@ def test_score_checks_reward_functions(one_rollout):
     assert metrics["reward_errors"] == 16 and rewards.abs().sum() == 0
 
 
+def test_loop_defaults_to_the_shared_prefix_paths(one_rollout):
+    """The loop samples with the shared-prefix engine and scores with num_generations=G, both exact."""
+    state, task, rows, ro, config = one_rollout
+    assert state.rollout.engine == "shared_prefix" and config.num_generations == 4
+    calls = []
+    original = state.model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    state.model.forward = counting
+    try:
+        exp = Experience(ro, torch.zeros(16), advantages=torch.randn(16, generator=torch.Generator().manual_seed(0)))
+        snapshot = {k: v.clone() for k, v in state.model.state_dict().items()}
+        optimizer_state = copy.deepcopy(state.optimizer.state_dict())
+        update_policy(state.model, state.optimizer, exp, config)
+    finally:
+        del state.model.forward
+        state.model.load_state_dict(snapshot)
+        state.optimizer.load_state_dict(optimizer_state)
+    assert calls == [4, 16], f"expected one pass over the 4 prompts, then the 16 completions; got {calls}"
+
+
 def test_non_finite_loss_skips_update_and_keeps_weights(one_rollout):
     state, task, rows, ro, config = one_rollout
     before = {k: v.clone() for k, v in state.model.state_dict().items()}
@@ -136,6 +161,8 @@ def test_rollout_refuses_unsynced_version():
 
 @pytest.mark.parametrize("algo, extra", [("grpo", {}), ("grpo", {"beta": 0.05, "num_iterations": 2,
                                                                  "importance_sampling_level": "sequence"}),
+                                         ("grpo", {"rollout_engine": "hf", "beta": 0.05, "num_iterations": 2,
+                                                   "use_bias_correction_kl": True}),
                                          ("ppo", {}), ("ppo", {"beta": 0.05})])
 def test_train_runs_and_repeats_bit_for_bit(algo, extra, tmp_path):
     task = make_task()

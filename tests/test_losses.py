@@ -79,6 +79,36 @@ def test_beta_adds_k3_kl_and_metrics():
         policy_loss(logps, logps, torch.tensor([0.0]), mask, importance_sampling_level="seq")
 
 
+def test_bias_corrected_kl_is_weighted_by_the_importance_ratio():
+    """use_bias_correction_kl (TRL 1.16's default): k3 KL times pi/pi_old, token or sequence level, with gradient."""
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.9, -0.5]])
+    ref = torch.tensor([[-1.5, -2.0, -0.2]])
+    mask = torch.tensor([[1, 1, 0]])
+    zero = torch.tensor([0.0])                                   # no policy term: the loss is beta * KL
+    kl = kl_k3(logps.detach(), ref)
+    ratio = torch.exp(logps.detach() - old)
+    loss, m = policy_loss(logps, old, zero, mask, beta=0.1, ref_logps=ref, use_bias_correction_kl=True)
+    expected = (kl * ratio)[:, :2].mean()
+    assert loss.item() == pytest.approx(0.1 * expected.item())
+    assert m["kl"] == pytest.approx(expected.item()), "the logged KL is the term that was added, as in TRL"
+    plain, _ = policy_loss(logps, old, zero, mask, beta=0.1, ref_logps=ref)
+    assert abs(plain.item() - loss.item()) > 1e-4, "off-policy, the correction must change the loss"
+    seq, _ = policy_loss(logps, old, zero, mask, beta=0.1, ref_logps=ref, importance_sampling_level="sequence",
+                         use_bias_correction_kl=True)
+    seq_ratio = torch.exp(((logps.detach() - old) * mask).sum() / 2)
+    assert seq.item() == pytest.approx(0.1 * (kl[:, :2] * seq_ratio).mean().item())
+    # on-policy the ratio is 1: same value, but the gradient gains KL * grad(log pi)
+    on = logps.detach().clone().requires_grad_(True)
+    corrected, _ = policy_loss(on, on.detach(), zero, mask, loss_type="bnpo", beta=0.1, ref_logps=ref,
+                               use_bias_correction_kl=True)
+    uncorrected, _ = policy_loss(on, on.detach(), zero, mask, loss_type="bnpo", beta=0.1, ref_logps=ref)
+    assert corrected.item() == pytest.approx(uncorrected.item())
+    g_corr, = torch.autograd.grad(corrected, on)
+    g_plain, = torch.autograd.grad(uncorrected, on)
+    torch.testing.assert_close(g_corr - g_plain, 0.1 * kl * mask / 2)
+
+
 def test_clip_metrics_and_is_weights():
     old = torch.zeros(1, 4)
     logps = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.5]]))

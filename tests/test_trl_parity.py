@@ -7,7 +7,8 @@ Both sides get the same weights, prompts, completions and rewards:
   tokenizing, padding, rewarding (`task.reward`) and normalizing the advantages; then
   `_compute_loss(model, inputs)` runs TRL's loss, and `backward()` gives its gradients.
 - minirl: a fresh copy of the same weights, `completion_logprobs` + `group_advantages` +
-  `policy_loss` on the very same tensors.
+  `policy_loss` on the very same tensors (and once with `num_generations=G`, the shared-prefix
+  forward pass the loop uses).
 
 Cases: every `loss_type` in {grpo, bnpo, dr_grpo, dapo}; on-policy (`old_logps` = `logps`, what
 TRL does when num_iterations = 1), off-policy (`old_logps` perturbed so that ratios leave
@@ -16,17 +17,14 @@ to a reference (beta > 0, temperature 0.7), and sequence-level ratios (GSPO). A 
 shows that the comparison catches a flipped sign and a wrong normalization.
 
 TRL settings: bf16=False (TRL autocasts to bf16 by default, even on a CPU) so both sides compute
-in float32, and use_bias_correction_kl=False (TRL 1.16's default multiplies the KL term by the
-importance ratio; minirl's policy_loss implements the classic k3 term), except in
-KL_BIAS_CORRECTED, which runs once policy_loss offers `use_bias_correction_kl`.
+in float32, and use_bias_correction_kl=False (the classic k3 term, minirl's default), except in
+KL_BIAS_CORRECTED, where both multiply the KL term by the importance ratio (TRL 1.16's default).
 
 Note: TRL scores completions without position ids (positions 0..T-1 on left-padded rows) while
 minirl passes position ids from the attention mask, as generation does. For a rotary-position
 model such as Qwen2 only position differences enter attention, so the two agree up to float
 rounding; the tolerances below are float32 rounding tolerances.
 """
-
-import inspect
 
 import pytest
 import torch
@@ -67,12 +65,11 @@ GSPO = {  # sequence-level importance ratios (GSPO); TRL recommends loss_type="g
 }
 # TRL 1.16 multiplies the KL term by the importance ratio by default (use_bias_correction_kl=True,
 # DeepSeek-V3.2). The cases above switch it off (classic GRPO k3 term); these check the corrected
-# variant when policy_loss offers it under TRL's name (skipped otherwise).
+# variant, policy_loss(..., use_bias_correction_kl=True).
 KL_BIAS_CORRECTED = {
     "dapo_kl_corrected": ("dapo", scenario(beta=0.05, kl_bias_correction=True)),
     "gspo_kl_corrected": ("grpo", scenario(level="sequence", beta=0.05, kl_bias_correction=True)),
 }
-HAS_KL_BIAS_CORRECTION = "use_bias_correction_kl" in inspect.signature(policy_loss).parameters
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -208,12 +205,13 @@ def trl_loss_and_grads(trainer, inputs):
 
 
 def minirl_loss_and_grads(policy_dir, inputs, rewards, loss_type, settings, max_completion_length,
-                          advantage_sign=1.0):
+                          advantage_sign=1.0, num_generations=1):
     model = load_model(policy_dir)
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     logps, entropy = completion_logprobs(model, input_ids, attention_mask, inputs["completion_ids"].size(1),
-                                         temperature=settings["temperature"], with_entropy=True)
+                                         temperature=settings["temperature"], with_entropy=True,
+                                         num_generations=num_generations)
     advantages = group_advantages(rewards, G, "group")
     old = inputs.get("old_per_token_logps")
     loss, metrics = policy_loss(
@@ -221,7 +219,7 @@ def minirl_loss_and_grads(policy_dir, inputs, rewards, loss_type, settings, max_
         epsilon=settings["epsilon"], epsilon_high=settings["epsilon_high"], loss_type=loss_type,
         importance_sampling_level=settings["level"], beta=settings["beta"],
         ref_logps=inputs.get("ref_per_token_logps"), max_completion_length=max_completion_length,
-        **({"use_bias_correction_kl": True} if settings["kl_bias_correction"] else {}))
+        use_bias_correction_kl=settings["kl_bias_correction"])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     mask = inputs["completion_mask"]
@@ -235,12 +233,13 @@ def max_grad_error(grads_a, grads_b):
     return max((grads_a[n] - grads_b[n]).abs().max().item() for n in grads_a) / scale
 
 
-def check_parity(task, rows, policy_dir, loss_type, settings):
+def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1):
     trainer, inputs, rewards = build_batch(task, rows, policy_dir, loss_type, settings)
-    case = f"loss_type={loss_type!r}, {settings}"
+    case = f"loss_type={loss_type!r}, num_generations={num_generations}, {settings}"
     trl_loss, trl_grads, trl_metrics = trl_loss_and_grads(trainer, inputs)
     loss, grads, metrics, logps, advantages = minirl_loss_and_grads(
-        policy_dir, inputs, rewards, loss_type, settings, trainer.max_completion_length)
+        policy_dir, inputs, rewards, loss_type, settings, trainer.max_completion_length,
+        num_generations=num_generations)
     mask = inputs["completion_mask"].bool()
 
     assert rewards.view(-1, G).std(1).gt(0).any(), "test setup: some group must have mixed rewards"
@@ -256,8 +255,9 @@ def check_parity(task, rows, policy_dir, loss_type, settings):
         f"{case}: minirl loss {loss.item():.8f} != TRL loss {trl_loss.item():.8f}")
     err = max_grad_error(trl_grads, grads)
     assert err < 1e-4, f"{case}: gradients differ from TRL's (max relative error {err:.2e})"
+    atol = 1e-6 if num_generations == 1 else 1e-5   # shared prefix: G copies' gradients summed in another order
     for name, (a, b) in {n: (grads[n], trl_grads[n]) for n in grads}.items():
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4, msg=lambda m: f"gradient of {name}:\n{m}")
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"gradient of {name}:\n{m}")
     for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
             "kl",) * bool(settings["beta"]):
         assert key in metrics, f"policy_loss metrics lack {key!r} (TRL logs it)"
@@ -282,12 +282,17 @@ def test_sequence_level_ratios_match_trl(task, rows, policy_dir, case):
     assert 0 < trl_metrics["clip_ratio/region_mean"] < 1, "test setup: some but not all sequences clipped"
 
 
-@pytest.mark.skipif(not HAS_KL_BIAS_CORRECTION, reason="policy_loss has no use_bias_correction_kl (TRL 1.16's "
-                    "default): minirl implements the uncorrected k3 term only")
 @pytest.mark.parametrize("case", list(KL_BIAS_CORRECTED))
 def test_bias_corrected_kl_matches_trl(task, rows, policy_dir, case):
     loss_type, settings = KL_BIAS_CORRECTED[case]
-    check_parity(task, rows, policy_dir, loss_type, settings)
+    trl_metrics, _, _ = check_parity(task, rows, policy_dir, loss_type, settings)
+    assert 0 < trl_metrics["clip_ratio/region_mean"] < 1, "test setup: off-policy, so the ratio is not 1"
+
+
+@pytest.mark.parametrize("loss_type,scenario", [("dapo", "clipped_kl"), ("grpo", "on_policy")])
+def test_shared_prefix_forward_matches_trl(task, rows, policy_dir, loss_type, scenario):
+    """The loop's path: each group's prompt runs once (num_generations=G); TRL runs every row's prompt."""
+    check_parity(task, rows, policy_dir, loss_type, SCENARIOS[scenario], num_generations=G)
 
 
 def test_parity_check_catches_a_wrong_loss(task, rows, policy_dir):

@@ -203,14 +203,44 @@ def body(cell: Cell, drop_docstring: bool, stubs: list[str] | None) -> str:
 
 
 def import_block(cells: list[Cell]) -> str:
-    """All top-level imports of `cells`, de-duplicated, grouped: __future__, stdlib, third party, minirl."""
+    """All top-level imports of `cells`, de-duplicated, grouped: __future__, stdlib, third party, minirl.
+
+    Imports are kept as written, except that several `from M import ...` of one module are
+    merged into a single statement (cells often import from the same module one name at a time).
+    """
+    froms: dict[str, list[str]] = {}           # module -> imported names, first-seen order
+    for cell in cells:
+        for node in cell.imports():
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = froms.setdefault(node.module, [])
+                names += [n for n in (ast.unparse(a) for a in node.names) if n not in names]
     seen, groups = set(), ([], [], [], [])
     for cell in cells:
         for node in cell.imports():
-            if (key := ast.unparse(node)) not in seen:
-                seen.add(key)
-                groups[import_group(node)].append(cell.segment(node))
+            merged = isinstance(node, ast.ImportFrom) and node.level == 0
+            key = ("from", node.module) if merged else ast.unparse(node)
+            if key in seen:
+                continue
+            seen.add(key)
+            text = cell.segment(node)
+            if merged and froms[node.module] != [ast.unparse(a) for a in node.names]:
+                text = from_import(node.module, froms[node.module])
+            groups[import_group(node)].append(text)
     return "\n\n".join("\n".join(g) for g in groups if g)
+
+
+def from_import(module: str, names: list[str], width: int = 100) -> str:
+    """`from module import a, b`, wrapped in parentheses when longer than `width`."""
+    line = f"from {module} import {', '.join(names)}"
+    if len(line) <= width:
+        return line
+    lines, current = [], f"from {module} import ("
+    for name in names:
+        if len(current) + len(name) + 2 > width:
+            lines.append(current.rstrip())
+            current = " " * (len(module) + 14)
+        current += name + ", "
+    return "\n".join(lines + [current.rstrip(", ") + ")"])
 
 
 def assemble(head: str, imports: str, bodies: list[str], path: str) -> str:
