@@ -592,6 +592,7 @@ def worker_main(argv=None) -> None:
         if dist.get_rank() == 0:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=1))
+        dist.barrier()   # leave together: a rank whose peer already closed its gloo pairs can abort at exit
     finally:
         dist.destroy_process_group()
 
