@@ -22,20 +22,19 @@ def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
     return torch.exp(new_logps - old_logps)
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float = 0.2,
-                      epsilon_high: float | None = None) -> Tensor:
-    """PPO's clipped objective per token (to be maximized; the loss is its negative).
+def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
+                epsilon_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """The new-probability interval inside which PPO's clipped objective still moves a token.
 
-    ratio: any shape, pi_theta / pi_old (float). advantages: broadcastable to `ratio`.
-    epsilon: lower clip (ratio floor 1 - epsilon); epsilon_high: upper clip (ceiling
-    1 + epsilon_high), defaults to epsilon (DAPO's "clip higher" uses epsilon_high > epsilon).
-    Returns min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A), same shape as
-    the broadcast of ratio and advantages. For A > 0 the objective stops growing once
-    ratio > 1 + epsilon_high; for A < 0 it stops once ratio < 1 - epsilon. It is not
-    bounded in the other direction (a bad move is always penalized in full).
+    old_probs: any shape, probabilities in (0, 1] under pi_old. Returns (low, high), each of
+    that shape: low = old_probs * (1 - epsilon) and high = min(old_probs * (1 + epsilon_high), 1)
+    (a probability cannot exceed 1). epsilon_high defaults to epsilon (DAPO's "clip higher"
+    sets it larger). With A > 0, raising the probability past `high` gains nothing more; with
+    A < 0, lowering it below `low` gains nothing more. Example: 0.20 at epsilon 0.2 gives
+    (0.16, 0.24).
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    raise NotImplementedError("exercise 2.1: clipped_surrogate -- see its docstring and notebook 02")
+    raise NotImplementedError("exercise 2.1: clip_bounds -- see its docstring and notebook 02")
 
 
 LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001

@@ -51,9 +51,12 @@ torch.manual_seed(0)
 #
 # PPO limits how far one update moves the policy with the ratio
 # $r_t = \pi_\theta(a_t\mid s_t) / \pi_\text{old}(a_t\mid s_t)$ and the clipped objective
-# $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$. The two
-# functions below are the whole of it (minirl's full loss, with masks and loss types, is
-# `minirl.losses.policy_loss` from notebook 01).
+# $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$.
+# Notebook 01 wrote it once, as a loss to minimize: `minirl.losses.clipped_surrogate` returns
+# minus this objective, and everything below reuses it. What this notebook adds is the ratio
+# and the arithmetic of the clip seen from one token's probability: with $\pi_\text{old} = p$,
+# an update still moves the objective only while the new probability stays inside
+# $[p(1-\epsilon),\ p(1+\epsilon)]$.
 
 # %%
 # | export minirl/mismatch.py
@@ -83,22 +86,22 @@ def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
     return torch.exp(new_logps - old_logps)
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float = 0.2,
-                      epsilon_high: float | None = None) -> Tensor:
-    """PPO's clipped objective per token (to be maximized; the loss is its negative).
+def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
+                epsilon_high: float | None = None) -> tuple[Tensor, Tensor]:
+    """The new-probability interval inside which PPO's clipped objective still moves a token.
 
-    ratio: any shape, pi_theta / pi_old (float). advantages: broadcastable to `ratio`.
-    epsilon: lower clip (ratio floor 1 - epsilon); epsilon_high: upper clip (ceiling
-    1 + epsilon_high), defaults to epsilon (DAPO's "clip higher" uses epsilon_high > epsilon).
-    Returns min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A), same shape as
-    the broadcast of ratio and advantages. For A > 0 the objective stops growing once
-    ratio > 1 + epsilon_high; for A < 0 it stops once ratio < 1 - epsilon. It is not
-    bounded in the other direction (a bad move is always penalized in full).
+    old_probs: any shape, probabilities in (0, 1] under pi_old. Returns (low, high), each of
+    that shape: low = old_probs * (1 - epsilon) and high = min(old_probs * (1 + epsilon_high), 1)
+    (a probability cannot exceed 1). epsilon_high defaults to epsilon (DAPO's "clip higher"
+    sets it larger). With A > 0, raising the probability past `high` gains nothing more; with
+    A < 0, lowering it below `low` gains nothing more. Example: 0.20 at epsilon 0.2 gives
+    (0.16, 0.24).
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     # BEGIN SOLUTION
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    return torch.minimum(ratio * advantages, clipped * advantages)
+    low = old_probs * (1.0 - epsilon)
+    high = torch.clamp(old_probs * (1.0 + epsilon_high), max=1.0)
+    return low, high
     # END SOLUTION
 
 
@@ -107,12 +110,22 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float = 0.2,
 # 0.24, so $r = 1.2$, exactly the upper boundary at $\epsilon = 0.2$.
 
 # %%
+from minirl.losses import clipped_surrogate  # notebook 01's loss: minus the objective
+
+
+def objective(ratio, advantages):
+    return -clipped_surrogate(ratio, advantages, 0.2)
+
+
 old_p, new_p = torch.tensor(0.20), torch.tensor(0.24)
 r = ppo_ratio(new_p.log(), old_p.log())
-at_boundary = clipped_surrogate(r, torch.tensor(1.0))
-beyond = clipped_surrogate(ppo_ratio(torch.tensor(0.26).log(), old_p.log()), torch.tensor(1.0))
+low, high = clip_bounds(old_p)
+at_boundary = objective(r, torch.tensor(1.0))
+beyond = objective(ppo_ratio(torch.tensor(0.26).log(), old_p.log()), torch.tensor(1.0))
 print(f"{'quantity':<38} | {'source':>7} | {'minirl':>8} | agree?")
 print(f"{'r for 0.20 -> 0.24':<38} | {1.2:>7} | {r.item():>8.4f} | {abs(r.item() - 1.2) < 1e-6}")
+print(f"{'upper clip bound for p_old = 0.20':<38} | {0.24:>7} | {high.item():>8.4f} | "
+      f"{abs(high.item() - 0.24) < 1e-6}")
 print(f"{'objective at r = 1.2, A = +1':<38} | {'1.2':>7} | {at_boundary.item():>8.4f} | "
       f"{abs(at_boundary.item() - 1.2) < 1e-6}")
 print(f"{'objective at 0.20 -> 0.26, A = +1':<38} | {'(1.2)':>7} | {beyond.item():>8.4f} | "
@@ -128,7 +141,7 @@ ratios = torch.linspace(0.4, 1.8, 281)
 fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharex=True)
 for ax, adv in zip(axes, (+1.0, -1.0)):
     ax.plot(ratios, ratios * adv, ls="--", color="gray", label="unclipped r·A")
-    ax.plot(ratios, clipped_surrogate(ratios, torch.tensor(adv)), lw=2, label="clipped (ε = 0.2)")
+    ax.plot(ratios, objective(ratios, torch.tensor(adv)), lw=2, label="clipped (ε = 0.2)")
     for b in (0.8, 1.2):
         ax.axvline(b, color="red", lw=0.6)
     ax.set(title=f"advantage A = {adv:+.0f}", xlabel="ratio r = π_θ / π_old", ylabel="objective")
@@ -1165,7 +1178,7 @@ plt.show()
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 2.1 | `clipped_surrogate` | r = 1.2 at the boundary, flat beyond 1 ± ε for the right sign of A, epsilon_high |
+# | 2.1 | `clip_bounds` | 0.20 -> (0.16, 0.24) at ε = 0.2, epsilon_high, the cap at probability 1 |
 # | 2.2 | `probability_buckets` | bucket edges, counts, mean/max \|Δ log p\|, share outside, empty buckets |
 # | 2.3 | `stale_parameters` | a planted stale tensor is found; rounding within tolerance is not; missing names |
 # | 2.4 | `importance_sampling_weights` | the four modes, the cap, masked positions, no gradient |

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minirl.mismatch import (check_logprob_pair, check_synchronization, clipped_surrogate, diagnose,
+from minirl.mismatch import (check_logprob_pair, check_synchronization, clip_bounds, diagnose,
                              measure_logprobs, mismatch_stats, ppo_ratio, probability_buckets,
                              rounding_tolerance, stale_parameters)
 from minirl.rollout.hf import HFRollout, _fp8_round_trip
@@ -23,10 +23,9 @@ def policy():
 def test_source_clipping_arithmetic():
     r = ppo_ratio(torch.tensor(0.24).log(), torch.tensor(0.20).log())
     assert math.isclose(r.item(), 1.2, rel_tol=1e-6)
-    # beyond the boundary a positive advantage gains nothing, a negative one is penalized in full
-    assert math.isclose(clipped_surrogate(torch.tensor(1.5), torch.tensor(1.0)).item(), 1.2, rel_tol=1e-6)
-    assert math.isclose(clipped_surrogate(torch.tensor(1.5), torch.tensor(-1.0)).item(), -1.5, rel_tol=1e-6)
-    assert math.isclose(clipped_surrogate(torch.tensor(0.5), torch.tensor(-1.0)).item(), -0.8, rel_tol=1e-6)
+    # the new-probability interval inside which the clipped objective still moves: [0.8 p, 1.2 p], capped at 1
+    low, high = clip_bounds(torch.tensor([0.20, 0.9]))
+    assert torch.allclose(low, torch.tensor([0.16, 0.72])) and torch.allclose(high, torch.tensor([0.24, 1.0]))
 
 
 def test_stats_on_known_values():

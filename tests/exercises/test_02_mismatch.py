@@ -7,23 +7,19 @@ import torch
 
 
 @pytest.mark.exercise("2.1")
-def test_clipped_surrogate_source_example(ex):
-    r = torch.tensor(0.24 / 0.20)
-    got = ex.clipped_surrogate(r, torch.tensor(1.0), epsilon=0.2)
-    assert math.isclose(got.item(), 1.2, rel_tol=1e-6), "old 0.20 -> new 0.24 is r = 1.2: objective r*A = 1.2"
-    got = ex.clipped_surrogate(torch.tensor(1.5), torch.tensor(2.0), epsilon=0.2)
-    assert math.isclose(got.item(), 2.4, rel_tol=1e-6), "A > 0 and r > 1 + eps: the objective is clip(r)*A = 1.2*2"
+def test_clip_bounds_source_example(ex):
+    low, high = ex.clip_bounds(torch.tensor(0.20), epsilon=0.2)
+    assert math.isclose(high.item(), 0.24, rel_tol=1e-6), "p_old = 0.20 at eps = 0.2: the upper bound is 0.24 (r = 1.2)"
+    assert math.isclose(low.item(), 0.16, rel_tol=1e-6), "p_old = 0.20 at eps = 0.2: the lower bound is 0.16 (r = 0.8)"
 
 
 @pytest.mark.exercise("2.1")
-def test_clipped_surrogate_negative_advantage_and_epsilon_high(ex):
-    r = torch.tensor([0.5, 0.9, 1.5])
-    got = ex.clipped_surrogate(r, torch.tensor(-1.0), epsilon=0.2)
-    assert torch.allclose(got, torch.tensor([-0.8, -0.9, -1.5])), \
-        "A < 0: flat (-0.8) below 1 - eps, and r*A in full above (min takes the worse value)"
-    got = ex.clipped_surrogate(torch.tensor([1.25, 1.4]), torch.tensor(1.0), epsilon=0.2, epsilon_high=0.28)
-    assert torch.allclose(got, torch.tensor([1.25, 1.28])), "epsilon_high sets the upper clip at 1 + epsilon_high"
-    assert got.shape == (2,), "the result has the broadcast shape of ratio and advantages"
+def test_clip_bounds_epsilon_high_cap_and_shape(ex):
+    low, high = ex.clip_bounds(torch.tensor([0.5, 0.9]), epsilon=0.2, epsilon_high=0.28)
+    assert torch.allclose(high, torch.tensor([0.64, 1.0])), \
+        "high = p * (1 + epsilon_high), capped at 1: a probability cannot exceed 1"
+    assert torch.allclose(low, torch.tensor([0.4, 0.72])), "low = p * (1 - epsilon); epsilon_high does not change it"
+    assert low.shape == high.shape == (2,), "both bounds have the shape of old_probs"
 
 
 @pytest.mark.exercise("2.2")
