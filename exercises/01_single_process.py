@@ -76,17 +76,17 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, with_entropy: bool = False,
-                        num_generations: int = 1) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of the last `num_completion_tokens` tokens under `model`.
+def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                      temperature: float = 1.0, num_generations: int = 1) -> Tensor:
+    """The next-token distributions the last `num_completion_tokens` tokens were drawn from.
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
-    Returns (logps [B, C] float32, entropy [B, C] or None). Position ids come from the mask,
-    exactly as `generate` derived them when it sampled, so rollout and trainer agree.
-    num_generations=1 runs one forward pass over every row. num_generations=G > 1 says that
-    rows i*G .. i*G+G-1 share one prompt (the rollout's order); each prompt then runs once
-    (`shared_prefix_logits`, section 10), with the same result up to float rounding.
+    Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
+    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
+    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
+    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
+    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
+    result up to float rounding.
     """
     if temperature <= 0:
         raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
@@ -99,8 +99,20 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
         position_ids = position_ids_from_mask(attention_mask)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=C + 1).logits[:, :-1]              # [B, C, V]: position t predicts t+1
-    logits = logits.float() / temperature                              # [B, C, V]
-    logps = selective_log_softmax(logits, input_ids[:, -C:])           # [B, C]
+    return logits.float() / temperature                                 # [B, C, V]
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
+                        temperature: float = 1.0, with_entropy: bool = False,
+                        num_generations: int = 1) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of the last `num_completion_tokens` tokens under `model`.
+
+    input_ids, attention_mask: [B, P+C] as for `completion_logits`, which computes the
+    distributions. Returns (logps [B, C] float32, entropy [B, C] or None).
+    """
+    logits = completion_logits(model, input_ids, attention_mask, num_completion_tokens,
+                               temperature, num_generations)            # [B, C, V]
+    logps = selective_log_softmax(logits, input_ids[:, -num_completion_tokens:])   # [B, C]
     return logps, (entropy_from_logits(logits) if with_entropy else None)
 
 

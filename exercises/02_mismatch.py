@@ -388,22 +388,6 @@ def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def distribution_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0) -> Tensor:
-    """Full next-token logits / temperature at the C positions that predict the completion.
-
-    input_ids, attention_mask: [B, P+C] (left-padded prompt + completion). Returns [B, C, V]
-    float32: row c is the distribution the completion's token c was drawn from. One full
-    forward (no KV cache), in the model's own dtype, with position ids from the mask.
-    """
-    from minirl.logprobs import position_ids_from_mask
-
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask)).logits
-    return logits[:, -num_completion_tokens - 1:-1].float() / temperature
-
-
 def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
                      top_k: int = 2, max_length: int = 32, seed: int = 0):
     """A freshly initialized tiny Qwen2MoeForCausalLM (about 0.25 M parameters by default)."""

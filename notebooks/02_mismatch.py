@@ -822,34 +822,21 @@ def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def distribution_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0) -> Tensor:
-    """Full next-token logits / temperature at the C positions that predict the completion.
-
-    input_ids, attention_mask: [B, P+C] (left-padded prompt + completion). Returns [B, C, V]
-    float32: row c is the distribution the completion's token c was drawn from. One full
-    forward (no KV cache), in the model's own dtype, with position ids from the mask.
-    """
-    from minirl.logprobs import position_ids_from_mask
-
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask)).logits
-    return logits[:, -num_completion_tokens - 1:-1].float() / temperature
-
-
 # %% [markdown]
 # Measure it on the full distributions: at every completion position, compare all V entries
 # of the FP8 rollout copy's distribution with the fp32 trainer's, before and after pruning
 # with a keep set computed from the rollout side.
 
 # %%
+from minirl.logprobs import completion_logits
+
 rollout8 = HFRollout(model, tokenizer, dtype="float8_e4m3fn")
 sample = rollout8.generate(prompts, num_generations=8, max_new_tokens=4, temperature=1.0,
                            generator=torch.Generator().manual_seed(0))
 args = (sample.input_ids, sample.attention_mask, sample.num_completion_tokens, 1.0)
-rollout_logits = distribution_logits(rollout8.model, *args)            # [B, C, V]
-trainer_logits = distribution_logits(model, *args)
+with torch.no_grad():   # notebook 01's completion_logits: the distributions each token was drawn from
+    rollout_logits = completion_logits(rollout8.model, *args)          # [B, C, V]
+    trainer_logits = completion_logits(model, *args)
 rows = sample.completion_mask.bool()
 full_r = torch.log_softmax(rollout_logits, -1)[rows]                   # [N, V] every vocabulary entry
 full_t = torch.log_softmax(trainer_logits, -1)[rows]
