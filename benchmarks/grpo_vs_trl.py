@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -78,10 +77,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmark this checkout's minirl
-
-from minirl._cli import common_parser, seed_everything, write_summary  # noqa: E402
-from minirl.tasks import make_task  # noqa: E402
+from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.tasks.arithmetic import make_task
 
 
 def parse_args(argv=None):
@@ -114,7 +111,7 @@ def parse_args(argv=None):
 def load_policy(args):
     """A fresh copy of the embedded warm-started policy, or of any HF causal LM (--model)."""
     if args.model is None:
-        from minirl.models import load_default_policy
+        from minirl.models.policy import load_default_policy
 
         model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
         return model, tokenizer
@@ -136,7 +133,7 @@ def prompt_pool(task, n: int, seed: int) -> list[dict]:
 
 def minirl_stepper(args, task, rows, max_completion_length: int):
     """A function that runs one minirl GRPO step (the loop's own `train_step`) and returns its seconds."""
-    from minirl.loop import GRPOConfig, setup, train_step
+    from minirl.train.loop import GRPOConfig, setup, train_step
 
     model, tokenizer = load_policy(args)
     config = GRPOConfig(steps=args.warmup + args.steps, prompts_per_step=len(rows),

@@ -9,15 +9,11 @@ Face checkpoint: pass it as `--model` to the other chapters, or to `vllm serve`.
 """
 
 import shutil
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from minirl._cli import common_parser, write_summary  # noqa: E402
-from minirl.models import default_policy_dir, greedy_accuracy, load_default_policy, warm_start_report  # noqa: E402
-from minirl.tasks import make_task  # noqa: E402
+from minirl.utils.cli import common_parser, write_summary
+from minirl.models.policy import default_policy_dir, greedy_accuracy, load_default_policy, warm_start_report
+from minirl.tasks.arithmetic import make_task
 
 
 def main(argv=None) -> dict:

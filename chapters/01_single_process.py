@@ -19,12 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from minirl._cli import common_parser, seed_everything, write_summary  # noqa: E402
-from minirl.loop import GRPOConfig, plot_metrics, train  # noqa: E402
-from minirl.models import load_default_policy  # noqa: E402
-from minirl.tasks import make_task  # noqa: E402
+from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.train.loop import GRPOConfig, plot_metrics, train
+from minirl.models.policy import load_default_policy
+from minirl.tasks.arithmetic import make_task
 
 DEFAULTS = GRPOConfig()
 

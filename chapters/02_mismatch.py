@@ -7,31 +7,28 @@
 
 The rollout side is minirl.rollout.hf.HFRollout (HF generate with a KV cache in the rollout
 dtype); the trainer side recomputes the same tokens with one full forward in --train-dtype.
-Prints minirl.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
+Prints minirl.diagnostics.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
 mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25].
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from minirl._cli import common_parser, seed_everything, write_summary  # noqa: E402
+from minirl.utils.cli import common_parser, seed_everything, write_summary
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
 
 def load(args):
     """(model, tokenizer, prompts) from --model / --prompts-file, or the embedded default."""
-    from minirl.tasks import make_task
+    from minirl.tasks.arithmetic import make_task
 
     if args.model is None:
-        from minirl.models import load_default_policy
+        from minirl.models.policy import load_default_policy
         model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,7 +46,7 @@ def load(args):
 
 def observe_ratios(loop_module):
     """Wrap the loop's update_policy to log the rollout-vs-trainer ratio of each batch (observation only)."""
-    from minirl.logprobs import completion_logprobs
+    from minirl.algo.logprobs import completion_logprobs
     original = loop_module.update_policy
 
     def update_policy(model, optimizer, exp, config):
@@ -68,7 +65,7 @@ def observe_ratios(loop_module):
 
 def training_comparison(args) -> dict:
     """Two stage-1 runs with a mismatched rollout: without and with truncated IS. Returns their metrics."""
-    import minirl.loop as loop
+    import minirl.train.loop as loop
 
     original = observe_ratios(loop)
     runs = {}
@@ -120,7 +117,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     seed_everything(args.seed)
-    from minirl.mismatch import diagnose  # noqa: F401  (imported first: fails early if minirl is broken)
+    from minirl.diagnostics.mismatch import diagnose  # noqa: F401  (imported first: fails early if minirl is broken)
 
     sweep = tuple(d for d in args.sweep.split(",") if d)
     for d in sweep:

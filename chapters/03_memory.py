@@ -14,14 +14,10 @@ without checkpointing, the recomputation slowdown and LoRA's state, and writes
 """
 
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from minirl._cli import common_parser, seed_everything, write_summary  # noqa: E402
-from minirl.memory import (GB, LLAMA2_70B, PRECISIONS, RECOMPUTE, STAGES, ModelShape,  # noqa: E402
+from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.memory.calculator import (GB, LLAMA2_70B, PRECISIONS, RECOMPUTE, STAGES, ModelShape,
                            activation_memory, bytes_per_param, lora_memory, lora_params, min_gpus,
                            zero_communication, zero_per_gpu)
 
@@ -76,7 +72,7 @@ def print_tables(calc: dict) -> None:
 def measure(args) -> dict:
     from tqdm.auto import tqdm
 
-    from minirl.memmeasure import compare_measured, launch_measurement, measure_lora, measure_single
+    from minirl.memory.measure import compare_measured, launch_measurement, measure_lora, measure_single
 
     started = time.perf_counter()
     single = measure_single(args.size, args.batch, args.seq_measure, repeats=args.repeats)

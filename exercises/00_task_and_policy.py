@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.tasks import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
+from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 import torch.nn.functional as F
 
-from minirl.moe import routers, RouteRecorder, replay_routes, route_agreement
-from minirl.mismatch import check_logprob_pair
+from minirl.models.moe import routers, RouteRecorder, replay_routes, route_agreement
+from minirl.diagnostics.mismatch import check_logprob_pair
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -155,7 +155,7 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.logprobs import completion_logprobs
+    from minirl.algo.logprobs import completion_logprobs
 
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
@@ -318,7 +318,7 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
 
     rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.moe).
+    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
     from minirl.rollout.hf import HFRollout
 

@@ -468,7 +468,7 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: 
     One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "timing": {...}}
     where each mode has "measured", "calculator" and "ratio" (bytes).
     """
-    from minirl.memory import ModelShape, activation_memory
+    from minirl.memory.calculator import ModelShape, activation_memory
 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
@@ -618,7 +618,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.memmeasure import worker_main; worker_main()",
+               "--no-python", sys.executable, "-c", "from minirl.memory.measure import worker_main; worker_main()",
                "--strategies", ",".join(strategies), "--size", size, "--batch", str(batch), "--seq", str(seq),
                "--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -647,7 +647,7 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
     calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
     else "DIFFER") and "note".
     """
-    from minirl.memory import zero_per_gpu
+    from minirl.memory.calculator import zero_per_gpu
 
     groups = {}
     for r in rows:
@@ -690,7 +690,7 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     """
     from peft import LoraConfig, get_peft_model
 
-    from minirl.memory import ModelShape, activation_memory, lora_memory, lora_params
+    from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)

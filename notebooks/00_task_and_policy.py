@@ -61,7 +61,7 @@ torch.manual_seed(0)
 # the warm start nor RL ever sees. All accuracy figures in minirl are held-out.
 
 # %%
-# | export minirl/tasks.py
+# | export minirl/tasks/arithmetic.py
 """The embedded arithmetic task: problems, a train/held-out split, prompts, verifiers.
 
 A prompt is `"a+b="`; the target completion is the answer (reversed digits by default) and
@@ -142,7 +142,7 @@ class Problem:
 # The first three are exercises (their bodies are cut out of `exercises/00_task_and_policy.py`).
 
 # %%
-# | export minirl/tasks.py
+# | export minirl/tasks/arithmetic.py
 def format_prompt(problem: Problem) -> str:
     """`Problem(27, "+", 35)` -> `"27+35="`."""
     return f"{problem.a}{problem.op}{problem.b}="
@@ -189,7 +189,7 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
 # message's content.
 
 # %%
-# | export minirl/tasks.py
+# | export minirl/tasks/arithmetic.py
 def completion_text(completion) -> str | None:
     """The text of a completion given as a string or as TRL's list of chat messages."""
     if isinstance(completion, str):
@@ -223,7 +223,7 @@ def format_reward(prompts, completions, reverse_answer: bool = True, **columns) 
 
 
 # %%
-# | export minirl/tasks.py
+# | export minirl/tasks/arithmetic.py
 @dataclass
 class ArithmeticTask:
     """A config and its split: `train` and `test` are lists of Problems."""
@@ -292,7 +292,7 @@ for bad in (dict(min_operand=50, max_operand=10), dict(max_operand=10**20)):
 # then ends at the same column and generation continues from there.
 
 # %%
-# | export minirl/models.py
+# | export minirl/models/policy.py
 """The embedded policy: a character tokenizer, a tiny Qwen2 model, and its warm start.
 
 Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
@@ -317,7 +317,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.tasks import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
+from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARACTERS = "0123456789+-*= "
@@ -350,7 +350,7 @@ print(tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True))
 # works on Qwen2-7B (FSDP wrapping, LoRA target modules, vLLM serving) works on it too.
 
 # %%
-# | export minirl/models.py
+# | export minirl/models/policy.py
 @dataclass(frozen=True)
 class PolicyConfig:
     """Shape of the tiny Qwen2 policy (about 1 M parameters by default)."""
@@ -398,7 +398,7 @@ print(f"{sum(p.numel() for p in policy.parameters()):,} parameters")
 # Building those two rows is exercise 0.4.
 
 # %%
-# | export minirl/models.py
+# | export minirl/models/policy.py
 def sft_example(task: ArithmeticTask, problem: Problem, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and labels for one supervised example.
 
@@ -472,7 +472,7 @@ def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
 # Notebook 01 measures both.)
 
 # %%
-# | export minirl/models.py
+# | export minirl/models/policy.py
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Problem] | None = None,
                     batch_size: int = 500) -> float:
@@ -502,7 +502,7 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
 # `~/.cache/minirl`).
 
 # %%
-# | export minirl/models.py
+# | export minirl/models/policy.py
 WARM_START_FORMAT = 1  # bump when the warm start's code changes what it produces
 
 

@@ -26,7 +26,7 @@
 # stage we build here. It is also the reference every later stage must reproduce: notebook
 # 04 runs the same stage functions under torchrun, notebook 06 from a Ray driver.
 #
-# | step | function in `minirl.loop` | what it produces |
+# | step | function in `minirl.train.loop` | what it produces |
 # |---|---|---|
 # | 1. generate | `generate` | completions, the rollout's own log-probs, the policy version |
 # | 2. reward | `score` | one reward per completion |
@@ -46,8 +46,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.models import greedy_accuracy, load_default_policy
-from minirl.tasks import make_task
+from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.tasks.arithmetic import make_task
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
@@ -70,7 +70,7 @@ task = make_task()
 # the end-of-sequence token must count for nothing.
 
 # %%
-# | export minirl/logprobs.py
+# | export minirl/algo/logprobs.py
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
@@ -126,7 +126,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 # per position. This is exercise 1.1.
 
 # %%
-# | export minirl/logprobs.py
+# | export minirl/algo/logprobs.py
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     """log softmax(logits)[..., index] without building the full log-softmax tensor.
 
@@ -201,7 +201,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
 # %%
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from minirl.logprobs import completion_logprobs, masked_mean, position_ids_from_mask  # noqa: E402
+from minirl.algo.logprobs import completion_logprobs, masked_mean, position_ids_from_mask  # noqa: E402
 
 probs = [p for p in task.test if len(task.prompt(p)) < 6][:2] + task.test[:2]   # short prompts get padded
 rows = [{"prompt": task.prompt(p)} for p in probs]
@@ -265,7 +265,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minirl.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
+from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 ROLLOUT_ENGINES = ("shared_prefix", "hf")
@@ -461,7 +461,7 @@ print("max |rollout - trainer| log-prob:", (ro.logprobs - trainer_logps * ro.com
 # This is exercise 1.2.
 
 # %%
-# | export minirl/advantages.py
+# | export minirl/algo/advantages.py
 """Advantages: group-normalized (GRPO, no critic) and GAE (PPO, with a critic).
 
 Simplified vs production: GRPO advantages follow TRL's GRPOTrainer exactly for one reward
@@ -473,7 +473,7 @@ loop does when it builds per-token rewards.
 import torch
 from torch import Tensor
 
-from minirl.logprobs import masked_mean
+from minirl.algo.logprobs import masked_mean
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -511,7 +511,7 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
 
 
 # %%
-from minirl.advantages import group_advantages  # noqa: E402
+from minirl.algo.advantages import group_advantages  # noqa: E402
 
 r = torch.tensor([1., 0., 0., 0., 1., 1., 1., 1.])  # two prompts, G = 4
 for scale in ("group", "batch", "none"):
@@ -528,7 +528,7 @@ for scale in ("group", "batch", "none"):
 # completion and stops at its end (mask). This is exercise 1.3.
 
 # %%
-# | export minirl/advantages.py
+# | export minirl/algo/advantages.py
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation over completion tokens.
@@ -572,7 +572,7 @@ def terminal_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 
 
 # %%
-from minirl.advantages import gae  # noqa: E402
+from minirl.algo.advantages import gae  # noqa: E402
 
 rew = torch.tensor([[0., 0., 1.], [0., 0., 0.]])
 val = torch.tensor([[0.5, 0.6, 0.8], [0.3, 0.2, 0.0]])
@@ -590,7 +590,7 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # positive advantage can grow faster. This is exercise 1.4.
 
 # %%
-# | export minirl/losses.py
+# | export minirl/algo/losses.py
 """Losses: the PPO clipped objective, TRL's four loss aggregations, GSPO, k3 KL, value loss.
 
 `policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for loss_type in
@@ -603,7 +603,7 @@ Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy mask
 import torch
 from torch import Tensor
 
-from minirl.logprobs import masked_mean
+from minirl.algo.logprobs import masked_mean
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -640,7 +640,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.
 # This is exercise 1.5.
 
 # %%
-# | export minirl/losses.py
+# | export minirl/algo/losses.py
 def aggregate_loss(per_token_loss: Tensor, mask: Tensor, loss_type: str = "dapo",
                    max_completion_length: int | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar, as TRL's GRPOTrainer does for `loss_type`.
@@ -686,7 +686,7 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 # clip fractions, as TRL logs them.
 
 # %%
-# | export minirl/losses.py
+# | export minirl/algo/losses.py
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, loss_type: str = "dapo",
                 importance_sampling_level: str = "token", beta: float = 0.0, ref_logps: Tensor | None = None,
@@ -759,7 +759,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 # gradient is gone (notebook 02 sweeps this).
 
 # %%
-from minirl.losses import clipped_surrogate, policy_loss  # noqa: E402
+from minirl.algo.losses import clipped_surrogate, policy_loss  # noqa: E402
 
 for new in (0.22, 0.24, 0.26):
     r = torch.tensor([[new / 0.20]], requires_grad=True)
@@ -771,7 +771,7 @@ for new in (0.22, 0.24, 0.26):
 # How the four aggregations weigh a short and a long completion with the same per-token loss:
 
 # %%
-from minirl.losses import aggregate_loss  # noqa: E402
+from minirl.algo.losses import aggregate_loss  # noqa: E402
 
 per_tok = torch.ones(2, 4)
 m2 = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
@@ -789,7 +789,7 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # (notebook 06). The head starts at zero, so the first values are 0.
 
 # %%
-# | export minirl/critic.py
+# | export minirl/models/critic.py
 """The PPO critic: a copy of the policy's transformer backbone with a scalar value head.
 
 Simplified vs TRL's PPOTrainer / veRL: no separate reward model and no shared-backbone
@@ -799,7 +799,7 @@ import copy
 
 from torch import Tensor, nn
 
-from minirl.logprobs import position_ids_from_mask
+from minirl.algo.logprobs import position_ids_from_mask
 
 
 class ValueModel(nn.Module):
@@ -841,7 +841,7 @@ class ValueModel(nn.Module):
 # setting fails before any work is done.
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 """The single-process RL loop (stage 1): generate -> reward -> update -> synchronize.
 
 Small stage functions (`generate`, `score`, `compute_reference`, `compute_advantages`,
@@ -867,10 +867,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from minirl.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
-from minirl.critic import ValueModel
-from minirl.logprobs import completion_logprobs, masked_mean
-from minirl.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
+from minirl.algo.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
+from minirl.models.critic import ValueModel
+from minirl.algo.logprobs import completion_logprobs, masked_mean
+from minirl.algo.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
 from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -981,7 +981,7 @@ class LoopState:
 # gives that sample 0 and is counted in the metrics.
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list[dict]:
     """n distinct dataset rows, drawn with `generator` (all rows if the dataset is smaller)."""
     if not rows:
@@ -1055,7 +1055,7 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOCo
 # Then the advantages.
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 @torch.no_grad()
 def compute_reference(state: LoopState, rollout: Rollout, config: GRPOConfig) -> dict:
     """old_logps, ref_logps, values [N, C] (each None when this config does not need it)."""
@@ -1096,7 +1096,7 @@ def compute_advantages(exp: Experience, config: GRPOConfig) -> Experience:
 # weights).
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 def _step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
     """backward + clip + step, unless the loss or gradient norm is non-finite. Returns (stepped, grad_norm)."""
     optimizer.zero_grad(set_to_none=True)
@@ -1127,7 +1127,7 @@ def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict
                                              num_generations=config.num_generations)
         old = logps.detach() if exp.old_logps is None else exp.old_logps
         if config.importance_sampling_correction and exp.is_weights is None:
-            from minirl.corrections import importance_sampling_weights  # notebook 02
+            from minirl.algo.corrections import importance_sampling_weights  # notebook 02
             exp.is_weights = importance_sampling_weights(old, ro.logprobs, mask, config.importance_sampling_mode,
                                                          config.importance_sampling_cap)
         loss, metrics = policy_loss(logps, old, exp.advantages, mask, epsilon=config.epsilon,
@@ -1170,7 +1170,7 @@ def sync_weights(model, rollout: HFRollout, version: int) -> int:
 # timing each; `train` loops it, evaluates, logs and checkpoints.
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 def setup(config: GRPOConfig, model, tokenizer) -> LoopState:
     """The state of a fresh run: rollout copy, optimizer(s), reference, critic, generator."""
     check_tokenizer(tokenizer)
@@ -1226,7 +1226,7 @@ def train_step(state: LoopState, rows: list[dict], reward_funcs: list, config: G
 # checkpoints that `resume=True` continues from exactly (the checkpoint module is below).
 
 # %%
-# | export minirl/loop.py
+# | export minirl/train/loop.py
 def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_funcs=None, out_dir=None,
           progress: bool = True, dataset: list[dict] | None = None, resume: bool = False,
           stop_after: int | None = None, eval_fn=None) -> list[dict]:
@@ -1239,9 +1239,9 @@ def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_func
     `checkpoint_every` steps under out_dir/checkpoints; resume=True continues from the latest.
     stop_after=K returns right after the checkpoint at step K (simulates a crash).
     """
-    from minirl.checkpoint import latest_checkpoint, restore_state, save_checkpoint
-    from minirl.models import greedy_accuracy, load_default_policy
-    from minirl.tasks import make_task
+    from minirl.train.checkpoint import latest_checkpoint, restore_state, save_checkpoint
+    from minirl.models.policy import greedy_accuracy, load_default_policy
+    from minirl.tasks.arithmetic import make_task
 
     if model is None or tokenizer is None:
         model, tokenizer, _ = load_default_policy(device=config.device, progress=progress)
@@ -1293,7 +1293,7 @@ def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_func
 
 def _write_jsonl(path, records: list[dict]) -> None:
     if path is not None:
-        from minirl._cli import atomic_write_text
+        from minirl.utils.cli import atomic_write_text
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -1335,7 +1335,7 @@ def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
 # is bit-identical to one that was never interrupted (tests/test_loop.py kills and checks).
 
 # %%
-# | export minirl/checkpoint.py
+# | export minirl/train/checkpoint.py
 """Atomic, exactly resumable checkpoints of the stage-1 loop.
 
 A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
@@ -1420,7 +1420,7 @@ def restore_state(path, state) -> list[dict]:
 # to see the loop turn.
 
 # %%
-from minirl.loop import GRPOConfig, plot_metrics, train  # noqa: E402
+from minirl.train.loop import GRPOConfig, plot_metrics, train  # noqa: E402
 import json  # noqa: E402
 
 RUN = Path(os.environ.get("MINIRL_RUNS", "runs")) / "01_grpo"
@@ -1525,7 +1525,7 @@ show(lambda: train(GRPOConfig(steps=1, eval_every=0), model, tokenizer, task, pr
 # as they were:
 
 # %%
-from minirl.loop import Experience, setup, update_policy  # noqa: E402
+from minirl.train.loop import Experience, setup, update_policy  # noqa: E402
 
 config = GRPOConfig(prompts_per_step=2, num_generations=2)
 state = setup(config, model, tokenizer)
@@ -1567,7 +1567,7 @@ print("skipped:", out["skipped"], "| weights unchanged:", all(torch.equal(v, bef
 # `config.num_generations`.
 
 # %%
-# | export minirl/logprobs.py
+# | export minirl/algo/logprobs.py
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # the forward argument and output field holding the KV cache: `cache` since transformers 5.2x
@@ -1622,7 +1622,7 @@ def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_c
 # their prompt is refused rather than silently mis-scored.
 
 # %%
-from minirl.logprobs import completion_logprobs  # noqa: E402  (now with num_generations)
+from minirl.algo.logprobs import completion_logprobs  # noqa: E402  (now with num_generations)
 from minirl.rollout.hf import HFRollout  # noqa: E402
 
 model, tokenizer, _ = load_default_policy()
@@ -1768,7 +1768,7 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
 # standard errors)? Then the time per batch.
 
 # %%
-from minirl.logprobs import masked_mean  # noqa: E402
+from minirl.algo.logprobs import masked_mean  # noqa: E402
 
 engines = {name: HFRollout(model, tokenizer, engine=name) for name in ("hf", "shared_prefix")}
 same_seed = {name: e.generate(prompts10, G, 4, generator=torch.Generator().manual_seed(0))

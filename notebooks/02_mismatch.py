@@ -52,14 +52,14 @@ torch.manual_seed(0)
 # PPO limits how far one update moves the policy with the ratio
 # $r_t = \pi_\theta(a_t\mid s_t) / \pi_\text{old}(a_t\mid s_t)$ and the clipped objective
 # $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$.
-# Notebook 01 wrote it once, as a loss to minimize: `minirl.losses.clipped_surrogate` returns
+# Notebook 01 wrote it once, as a loss to minimize: `minirl.algo.losses.clipped_surrogate` returns
 # minus this objective, and everything below reuses it. What this notebook adds is the ratio
 # and the arithmetic of the clip seen from one token's probability: with $\pi_\text{old} = p$,
 # an update still moves the objective only while the new probability stays inside
 # $[p(1-\epsilon),\ p(1+\epsilon)]$.
 
 # %%
-# | export minirl/mismatch.py
+# | export minirl/diagnostics/mismatch.py
 """Training–inference mismatch: the PPO ratio, measured log-prob gaps, and a diagnosis.
 
 The rollout engine (HF generate with a KV cache, in bf16/fp16/fp8) and the trainer (a full
@@ -110,7 +110,7 @@ def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
 # 0.24, so $r = 1.2$, exactly the upper boundary at $\epsilon = 0.2$.
 
 # %%
-from minirl.losses import clipped_surrogate  # notebook 01's loss: minus the objective
+from minirl.algo.losses import clipped_surrogate  # notebook 01's loss: minus the objective
 
 
 def objective(ratio, advantages):
@@ -186,7 +186,7 @@ for n in (10, 100, 1000):
 # The rollout side is `minirl.rollout.hf.HFRollout`, the rollout engine's own copy of the
 # policy: HF `generate` with a KV cache, in the precision you give it. Its `Rollout.logprobs`
 # are the **behaviour log-probs**, computed while sampling. The trainer side is
-# `minirl.logprobs.completion_logprobs`: one full forward in fp32 over prompt + completion,
+# `minirl.algo.logprobs.completion_logprobs`: one full forward in fp32 over prompt + completion,
 # the recomputation every PPO/GRPO trainer does.
 #
 # First, the bookkeeping. Both tensors are `[B, C]`; the completion mask is 1 up to and
@@ -195,7 +195,7 @@ for n in (10, 100, 1000):
 # (probabilities or logits passed by mistake).
 
 # %%
-# | export minirl/mismatch.py
+# | export minirl/diagnostics/mismatch.py
 LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
 
 
@@ -260,7 +260,7 @@ def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
 # is an exercise; its docstring is the specification.
 
 # %%
-# | export minirl/mismatch.py
+# | export minirl/diagnostics/mismatch.py
 PROBABILITY_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
@@ -314,7 +314,7 @@ def format_buckets(rows: list[dict]) -> str:
 # the same tokens in the trainer's precision; it returns both, aligned.
 
 # %%
-# | export minirl/mismatch.py
+# | export minirl/diagnostics/mismatch.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -342,7 +342,7 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.logprobs import completion_logprobs
+    from minirl.algo.logprobs import completion_logprobs
 
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
@@ -388,9 +388,9 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
 # the log-probs are those of the distribution actually sampled from.)
 
 # %%
-from minirl.models import load_default_policy
+from minirl.models.policy import load_default_policy
 from minirl.rollout.hf import HFRollout
-from minirl.tasks import make_task
+from minirl.tasks.arithmetic import make_task
 
 model, tokenizer, _ = load_default_policy(progress=False)
 task = make_task()
@@ -476,7 +476,7 @@ plt.show()
 # trainer's by more than rounding.
 
 # %%
-# | export minirl/mismatch.py
+# | export minirl/diagnostics/mismatch.py
 def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, Tensor],
                      rel_tol: float = 0.0, abs_tol: float = 0.0) -> list[str]:
     """Names of the parameters whose rollout copy is not the trainer's, up to rounding.
@@ -552,8 +552,8 @@ def _dtype_name(rollout) -> str:
 # whose `str` is a page a learner can read.
 
 # %%
-# | export minirl/mismatch.py
-from minirl.moe import routers
+# | export minirl/diagnostics/mismatch.py
+from minirl.models.moe import routers
 
 
 @dataclass
@@ -620,7 +620,7 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
 
     rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.moe).
+    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
     from minirl.rollout.hf import HFRollout
 
@@ -694,7 +694,7 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 # the weight fixes the denominator.
 
 # %%
-# | export minirl/corrections.py
+# | export minirl/algo/corrections.py
 """Corrections for the training–inference mismatch: truncated IS and vocabulary pruning.
 
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
@@ -710,7 +710,7 @@ not a tuned top-p schedule; both are enough to show what each correction does.
 import torch
 from torch import Tensor
 
-from minirl.mismatch import check_logprob_pair
+from minirl.diagnostics.mismatch import check_logprob_pair
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -797,7 +797,7 @@ plt.show()
 # the set can be neither sampled nor scored, so its wild ratio cannot reach the loss.
 
 # %%
-# | export minirl/corrections.py
+# | export minirl/algo/corrections.py
 def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
     """Min-p keep set: True where softmax(logits) >= min_p * (the top token's probability).
 
@@ -828,7 +828,7 @@ def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
 # with a keep set computed from the rollout side.
 
 # %%
-from minirl.logprobs import completion_logits
+from minirl.algo.logprobs import completion_logits
 
 rollout8 = HFRollout(model, tokenizer, dtype="float8_e4m3fn")
 sample = rollout8.generate(prompts, num_generations=8, max_new_tokens=4, temperature=1.0,
@@ -884,14 +884,14 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 # to record, `replay_routes` to replay.
 
 # %%
-# | export minirl/moe.py
+# | export minirl/models/moe.py
 """Mixture-of-experts routing: a tiny Qwen2-MoE policy, route recording and replay (R3).
 
 `RouteRecorder` records which experts every router picks, call by call (so it works during
 KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
 a later forward pass use recorded experts instead of its own top-k, with routing weights
 taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `minirl.mismatch.compare_routes` measures route
+gradient): Rollout Routing Replay. `minirl.diagnostics.mismatch.compare_routes` measures route
 agreement and the log-prob gap with and without replay.
 
 Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
@@ -1021,8 +1021,8 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 # recompute once more replaying the rollout's routes.
 
 # %%
-# | export minirl/mismatch.py
-from minirl.moe import RouteRecorder, replay_routes, route_agreement
+# | export minirl/diagnostics/mismatch.py
+from minirl.models.moe import RouteRecorder, replay_routes, route_agreement
 
 
 def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
@@ -1069,7 +1069,7 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
 # the tiny MoE a short supervised warm start (notebook 00's `warm_start`) before measuring.
 
 # %%
-from minirl.models import WarmStartConfig, warm_start
+from minirl.models.policy import WarmStartConfig, warm_start
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
@@ -1095,7 +1095,7 @@ for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16",
 # %% [markdown]
 # ## 5. Does it matter for training?
 #
-# Two runs of the stage-1 loop (`minirl.loop.train`) with the same deliberately mismatched
+# Two runs of the stage-1 loop (`minirl.train.loop.train`) with the same deliberately mismatched
 # rollout (FP8 weight round-trip, computed in bf16) against the fp32 trainer: one as is, one
 # with `importance_sampling_correction=True` (token-level TIS, cap 2). Training takes minutes,
 # so it runs as the chapter script, launched from this cell. The script also logs, per batch,

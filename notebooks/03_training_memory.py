@@ -70,7 +70,7 @@ def show(rows, header):
 # and Adam state all BF16, as some memory-starved setups do, at a cost in stability) needs 8.
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 """Training memory, computed: bytes per parameter, ZeRO stages 0-3, activations and LoRA.
 
 Every function returns bytes (plain Python numbers) and takes raw counts, so the same code
@@ -188,7 +188,7 @@ except ValueError as err:
 # | 3 | 16 Ψ / N | 2 Ψ | → 0 |
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 SHARDED = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "adam_m", "adam_v"),
            3: ("weights", "grads", "master", "adam_m", "adam_v")}
 
@@ -300,7 +300,7 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
     plt.show()
 
 
-from minirl.memory import COMPONENTS, STAGES, zero_per_gpu  # noqa: E402  (the exported versions)
+from minirl.memory.calculator import COMPONENTS, STAGES, zero_per_gpu  # noqa: E402  (the exported versions)
 
 plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU training state")
 
@@ -314,7 +314,7 @@ plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU t
 # config without loading a weight.
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "full", "sqrt")
 ATTENTION = ("sdpa", "eager")
@@ -419,7 +419,7 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 # beats the √L scheme in bytes (we compute both below).
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, head_bytes: float,
                                   num_layers: int, recompute: str = "none") -> float:
     """Peak bytes of saved activations for a stack of identical layers under `recompute`.
@@ -509,7 +509,7 @@ show(rows, ("tokens (batch 1)", "none GB", "full (per layer) GB", "sqrt(L) segme
 # Their peak is the activation memory. It works the same on CPU and GPU.
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 def lora_params(shape: ModelShape, rank: int,
                 target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> int:
     """Trainable parameters LoRA adds: r x (fan_in + fan_out) per targeted linear, per layer."""
@@ -549,7 +549,7 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
 # `global_batch / N`, which must be a whole number of sequences.
 
 # %%
-# | export minirl/memory.py
+# | export minirl/memory/calculator.py
 def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precision: str = "mixed",
                     shape: ModelShape | None = None, global_batch: int = 1, seq: int = 4096,
                     recompute: str = "none", lora_rank: int | None = None,
@@ -685,7 +685,7 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 # the count. The running maximum is the activation peak, recomputation included.
 
 # %%
-# | export minirl/memmeasure.py
+# | export minirl/memory/measure.py
 """Training memory, measured: saved activations, and per-rank state under DDP, ZeRO-1 and FSDP2.
 
 `SavedActivationMeter` counts the unique storages autograd saves for backward (works on CPU
@@ -870,7 +870,7 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: 
     One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "timing": {...}}
     where each mode has "measured", "calculator" and "ratio" (bytes).
     """
-    from minirl.memory import ModelShape, activation_memory
+    from minirl.memory.calculator import ModelShape, activation_memory
 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
@@ -889,7 +889,7 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: 
 # Measured against the calculator (FP32, SDPA attention; smoke mode uses the tiny model):
 
 # %%
-from minirl.memmeasure import measure_single  # noqa: E402
+from minirl.memory.measure import measure_single  # noqa: E402
 
 single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=2 if SMOKE else 3)
 rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}", f"{single[mode]['measured'] / 2**20:.2f}",
@@ -925,7 +925,7 @@ show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:.0%}", "agree" if 0
 # by default it keeps its communication buckets *and* `.grad`, two copies of the gradients.
 
 # %%
-# | export minirl/memmeasure.py
+# | export minirl/memory/measure.py
 def _wrap(model, strategy: str, device: torch.device):
     """(module to call, optimizer, module whose parameters are counted) for `strategy`."""
     from torch.distributed.fsdp import fully_shard
@@ -1061,7 +1061,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.memmeasure import worker_main; worker_main()",
+               "--no-python", sys.executable, "-c", "from minirl.memory.measure import worker_main; worker_main()",
                "--strategies", ",".join(strategies), "--size", size, "--batch", str(batch), "--seq", str(seq),
                "--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -1078,7 +1078,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
 # agreement, and every known reason for a larger gap is written beside it.
 
 # %%
-# | export minirl/memmeasure.py
+# | export minirl/memory/measure.py
 NOTES = {
     ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
     ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
@@ -1098,7 +1098,7 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
     calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
     else "DIFFER") and "note".
     """
-    from minirl.memory import zero_per_gpu
+    from minirl.memory.calculator import zero_per_gpu
 
     groups = {}
     for r in rows:
@@ -1139,7 +1139,7 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
 # %%
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
 if SMOKE:
-    from minirl.memmeasure import launch_measurement
+    from minirl.memory.measure import launch_measurement
 
     measured_rows = launch_measurement(2, size="tiny", batch=2, seq=32)
 else:
@@ -1149,7 +1149,7 @@ else:
                         "--out", str(cached.parent)], check=True, cwd=ROOT)
     measured_rows = json.loads(cached.read_text())["rows"]
 
-from minirl.memmeasure import compare_measured  # noqa: E402
+from minirl.memory.measure import compare_measured  # noqa: E402
 
 comparison = compare_measured(measured_rows)
 show([(r["strategy"], f"ZeRO-{r['stage']}", r["world_size"], r["component"], f"{r['calculator'] / 2**20:.2f}",
@@ -1222,7 +1222,7 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
 # their gradients and Adam state after one step.
 
 # %%
-# | export minirl/memmeasure.py
+# | export minirl/memory/measure.py
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -1234,7 +1234,7 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     """
     from peft import LoraConfig, get_peft_model
 
-    from minirl.memory import ModelShape, activation_memory, lora_memory, lora_params
+    from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
@@ -1261,7 +1261,7 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
 
 
 # %%
-from minirl.memmeasure import measure_lora  # noqa: E402
+from minirl.memory.measure import measure_lora  # noqa: E402
 
 lo = measure_lora("tiny" if SMOKE else "small", rank=8, batch=2, seq=64)
 rows = [

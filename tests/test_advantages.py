@@ -1,9 +1,9 @@
-"""GRPO group advantages and PPO's GAE (minirl.advantages)."""
+"""GRPO group advantages and PPO's GAE (minirl.algo.advantages)."""
 
 import pytest
 import torch
 
-from minirl.advantages import gae, group_advantages, terminal_rewards, whiten
+from minirl.algo.advantages import gae, group_advantages, terminal_rewards, whiten
 
 
 def test_group_advantages_by_hand():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minirl.models import PolicyConfig, build_policy, build_tokenizer
+from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "01_single_process.py"

@@ -1,11 +1,11 @@
-"""Truncated / masked importance sampling and vocabulary pruning (minirl.corrections)."""
+"""Truncated / masked importance sampling and vocabulary pruning (minirl.algo.corrections)."""
 
 import math
 
 import pytest
 import torch
 
-from minirl.corrections import (IS_MODES, importance_sampling_weights, pruned_log_softmax,
+from minirl.algo.corrections import (IS_MODES, importance_sampling_weights, pruned_log_softmax,
                                 vocabulary_keep_mask)
 
 

@@ -1,13 +1,13 @@
-"""Per-token log-probs, entropies and masked reductions (minirl.logprobs)."""
+"""Per-token log-probs, entropies and masked reductions (minirl.algo.logprobs)."""
 
 import math
 
 import pytest
 import torch
 
-from minirl.logprobs import (completion_logprobs, entropy_from_logits, masked_mean, masked_sum,
+from minirl.algo.logprobs import (completion_logprobs, entropy_from_logits, masked_mean, masked_sum,
                              position_ids_from_mask, selective_log_softmax)
-from minirl.models import PolicyConfig, build_policy, build_tokenizer
+from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The stage-1 loop: config checks, bad input, stage functions, determinism, learning (minirl.loop)."""
+"""The stage-1 loop: config checks, bad input, stage functions, determinism, learning (minirl.train.loop)."""
 
 import copy
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from minirl.loop import (Experience, GRPOConfig, score, setup, sync_weights, train, train_step, update_policy)
-from minirl.models import PolicyConfig, build_policy, build_tokenizer, greedy_accuracy, load_default_policy
+from minirl.train.loop import (Experience, GRPOConfig, score, setup, sync_weights, train, train_step, update_policy)
+from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer, greedy_accuracy, load_default_policy
 from minirl.rollout.hf import VersionMismatchError
-from minirl.tasks import make_task
+from minirl.tasks.arithmetic import make_task
 
 TIMING = ("time/", "seconds")
 

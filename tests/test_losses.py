@@ -1,9 +1,9 @@
-"""The clipped objective, loss aggregation, GSPO, KL and value loss (minirl.losses)."""
+"""The clipped objective, loss aggregation, GSPO, KL and value loss (minirl.algo.losses)."""
 
 import pytest
 import torch
 
-from minirl.losses import aggregate_loss, clipped_surrogate, kl_k3, policy_loss, value_loss
+from minirl.algo.losses import aggregate_loss, clipped_surrogate, kl_k3, policy_loss, value_loss
 
 
 def test_clipped_surrogate_values_and_gradients():

@@ -1,4 +1,4 @@
-"""The memory calculator (minirl.memory): closed forms, the source's tables, shapes from configs, bad input."""
+"""The memory calculator (minirl.memory.calculator): closed forms, the source's tables, shapes from configs, bad input."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from minirl.memory import (GB, LLAMA2_70B, STAGES, ModelShape, activation_memory, bytes_per_param,
+from minirl.memory.calculator import (GB, LLAMA2_70B, STAGES, ModelShape, activation_memory, bytes_per_param,
                            checkpointed_activation_bytes, lora_memory, lora_params, min_gpus, state_bytes,
                            training_memory, zero_communication, zero_per_gpu, zero_saving)
 

@@ -1,11 +1,11 @@
-"""Measured memory (minirl.memmeasure) against the calculator: activations, LoRA, and ZeRO under torchrun."""
+"""Measured memory (minirl.memory.measure) against the calculator: activations, LoRA, and ZeRO under torchrun."""
 
 import pytest
 import torch
 
-from minirl.memmeasure import (SavedActivationMeter, build_measure_model, compare_measured, launch_measurement,
+from minirl.memory.measure import (SavedActivationMeter, build_measure_model, compare_measured, launch_measurement,
                                measure_activations, measure_lora, random_batch, storage_bytes)
-from minirl.memory import ModelShape, activation_memory
+from minirl.memory.calculator import ModelShape, activation_memory
 
 
 @pytest.fixture(scope="module")

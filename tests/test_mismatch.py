@@ -1,11 +1,11 @@
-"""Measuring and diagnosing the training-inference mismatch (minirl.mismatch)."""
+"""Measuring and diagnosing the training-inference mismatch (minirl.diagnostics.mismatch)."""
 
 import math
 
 import pytest
 import torch
 
-from minirl.mismatch import (check_logprob_pair, check_synchronization, clip_bounds, diagnose,
+from minirl.diagnostics.mismatch import (check_logprob_pair, check_synchronization, clip_bounds, diagnose,
                              measure_logprobs, mismatch_stats, ppo_ratio, probability_buckets,
                              rounding_tolerance, stale_parameters)
 from minirl.rollout.hf import HFRollout, _fp8_round_trip
@@ -13,8 +13,8 @@ from minirl.rollout.hf import HFRollout, _fp8_round_trip
 
 @pytest.fixture(scope="module")
 def policy():
-    from minirl.models import load_default_policy
-    from minirl.tasks import make_task
+    from minirl.models.policy import load_default_policy
+    from minirl.tasks.arithmetic import make_task
     model, tokenizer, _ = load_default_policy(progress=False)
     prompts = [row["prompt"] for row in make_task().rows("train")[:4]]
     return model, tokenizer, prompts

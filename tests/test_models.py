@@ -2,13 +2,12 @@
 
 import json
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minirl.models import (PolicyConfig, WarmStartConfig, build_default_policy, build_policy, build_tokenizer,
+from minirl.models.policy import (PolicyConfig, WarmStartConfig, build_default_policy, build_policy, build_tokenizer,
                            default_policy_dir, greedy_accuracy, load_default_policy, warm_start_report)
-from minirl.tasks import TaskConfig, make_task
+from minirl.tasks.arithmetic import TaskConfig, make_task
 
 SMALL_TASK = TaskConfig(max_operand=19, num_test=40)
 SMALL_POLICY = PolicyConfig(hidden_size=32, num_layers=2)

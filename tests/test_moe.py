@@ -1,11 +1,11 @@
-"""Route recording and Rollout Routing Replay on a tiny Qwen2-MoE (minirl.moe)."""
+"""Route recording and Rollout Routing Replay on a tiny Qwen2-MoE (minirl.models.moe)."""
 
 import pytest
 import torch
 
-from minirl.mismatch import compare_routes
-from minirl.models import build_tokenizer
-from minirl.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
+from minirl.diagnostics.mismatch import compare_routes
+from minirl.models.policy import build_tokenizer
+from minirl.models.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
 
 
 @pytest.fixture(scope="module")

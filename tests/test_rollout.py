@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minirl.logprobs import completion_logprobs
-from minirl.models import PolicyConfig, build_policy, build_tokenizer
-from minirl.logprobs import CACHE_ARG
+from minirl.algo.logprobs import completion_logprobs
+from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
+from minirl.algo.logprobs import CACHE_ARG
 from minirl.rollout.hf import HFRollout, VersionMismatchError, completion_mask_from_ids, sample_shared_prefix
 
 PROMPTS = ["27+35=", "4+5=", "99+1="]

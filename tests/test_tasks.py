@@ -5,7 +5,7 @@ import string
 
 import pytest
 
-from minirl.tasks import (TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
+from minirl.tasks.arithmetic import (TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
                           make_task, parse_answer)
 
 

@@ -34,11 +34,11 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from minirl.advantages import group_advantages  # noqa: E402
-from minirl.logprobs import completion_logprobs  # noqa: E402
-from minirl.losses import policy_loss  # noqa: E402
-from minirl.models import PolicyConfig, build_policy, build_tokenizer  # noqa: E402
-from minirl.tasks import format_answer, make_task  # noqa: E402
+from minirl.algo.advantages import group_advantages  # noqa: E402
+from minirl.algo.logprobs import completion_logprobs  # noqa: E402
+from minirl.algo.losses import policy_loss  # noqa: E402
+from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer  # noqa: E402
+from minirl.tasks.arithmetic import format_answer, make_task  # noqa: E402
 
 NUM_PROMPTS = 4
 G = 4  # num_generations

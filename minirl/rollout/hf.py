@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minirl.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
+from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 ROLLOUT_ENGINES = ("shared_prefix", "hf")

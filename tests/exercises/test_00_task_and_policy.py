@@ -2,8 +2,8 @@
 
 import pytest
 
-from minirl.models import build_tokenizer
-from minirl.tasks import Problem, make_task
+from minirl.models.policy import build_tokenizer
+from minirl.tasks.arithmetic import Problem, make_task
 
 
 @pytest.mark.exercise("0.1")

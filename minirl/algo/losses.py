@@ -12,7 +12,7 @@ Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy mask
 import torch
 from torch import Tensor
 
-from minirl.logprobs import masked_mean
+from minirl.algo.logprobs import masked_mean
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")

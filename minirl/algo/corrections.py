@@ -15,7 +15,7 @@ not a tuned top-p schedule; both are enough to show what each correction does.
 import torch
 from torch import Tensor
 
-from minirl.mismatch import check_logprob_pair
+from minirl.diagnostics.mismatch import check_logprob_pair
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from minirl.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
-from minirl.critic import ValueModel
-from minirl.logprobs import completion_logprobs, masked_mean
-from minirl.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
+from minirl.algo.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
+from minirl.models.critic import ValueModel
+from minirl.algo.logprobs import completion_logprobs, masked_mean
+from minirl.algo.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
 from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -257,7 +257,7 @@ def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict
                                              num_generations=config.num_generations)
         old = logps.detach() if exp.old_logps is None else exp.old_logps
         if config.importance_sampling_correction and exp.is_weights is None:
-            from minirl.corrections import importance_sampling_weights  # notebook 02
+            from minirl.algo.corrections import importance_sampling_weights  # notebook 02
             exp.is_weights = importance_sampling_weights(old, ro.logprobs, mask, config.importance_sampling_mode,
                                                          config.importance_sampling_cap)
         loss, metrics = policy_loss(logps, old, exp.advantages, mask, epsilon=config.epsilon,
@@ -354,9 +354,9 @@ def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_func
     `checkpoint_every` steps under out_dir/checkpoints; resume=True continues from the latest.
     stop_after=K returns right after the checkpoint at step K (simulates a crash).
     """
-    from minirl.checkpoint import latest_checkpoint, restore_state, save_checkpoint
-    from minirl.models import greedy_accuracy, load_default_policy
-    from minirl.tasks import make_task
+    from minirl.train.checkpoint import latest_checkpoint, restore_state, save_checkpoint
+    from minirl.models.policy import greedy_accuracy, load_default_policy
+    from minirl.tasks.arithmetic import make_task
 
     if model is None or tokenizer is None:
         model, tokenizer, _ = load_default_policy(device=config.device, progress=progress)
@@ -408,7 +408,7 @@ def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_func
 
 def _write_jsonl(path, records: list[dict]) -> None:
     if path is not None:
-        from minirl._cli import atomic_write_text
+        from minirl.utils.cli import atomic_write_text
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 

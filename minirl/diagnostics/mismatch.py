@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minirl.moe import routers, RouteRecorder, replay_routes, route_agreement
+from minirl.models.moe import routers, RouteRecorder, replay_routes, route_agreement
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -177,7 +177,7 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.logprobs import completion_logprobs
+    from minirl.algo.logprobs import completion_logprobs
 
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
@@ -348,7 +348,7 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
 
     rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.moe).
+    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
     from minirl.rollout.hf import HFRollout
 

@@ -11,7 +11,7 @@ loop does when it builds per-token rewards.
 import torch
 from torch import Tensor
 
-from minirl.logprobs import masked_mean
+from minirl.algo.logprobs import masked_mean
 
 SCALE_REWARDS = ("group", "batch", "none")
 

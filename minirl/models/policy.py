@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.tasks import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
+from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARACTERS = "0123456789+-*= "

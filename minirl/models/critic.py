@@ -9,7 +9,7 @@ import copy
 
 from torch import Tensor, nn
 
-from minirl.logprobs import position_ids_from_mask
+from minirl.algo.logprobs import position_ids_from_mask
 
 
 class ValueModel(nn.Module):

@@ -5,7 +5,7 @@
 KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
 a later forward pass use recorded experts instead of its own top-k, with routing weights
 taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `minirl.mismatch.compare_routes` measures route
+gradient): Rollout Routing Replay. `minirl.diagnostics.mismatch.compare_routes` measures route
 agreement and the log-prob gap with and without replay.
 
 Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
