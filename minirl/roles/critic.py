@@ -1,0 +1,52 @@
+"""The critic (PPO): a value model and its optimizer; values before the update, and its own update.
+
+Simplified vs TRL's PPOTrainer / veRL: the critic is a copy of the policy's backbone with a
+zero-initialized scalar head (`ValueModel.from_policy`), trained with the clipped value loss
+in one step per batch.
+"""
+
+import torch
+from torch import Tensor
+
+from minirl.algo.logprobs import masked_mean
+from minirl.algo.losses import value_loss
+from minirl.config import AlgorithmConfig, OptimizerConfig
+from minirl.data import Experience, Rollout
+from minirl.models.critic import ValueModel
+from minirl.roles.actor import optimizer_step
+
+
+class Critic:
+    """V(s_t) for every completion token, fitted to the GAE returns."""
+
+    def __init__(self, value_model: ValueModel, algorithm: AlgorithmConfig, optimizer: OptimizerConfig):
+        self.model = value_model.eval()
+        self.algorithm = algorithm
+        self.max_grad_norm = optimizer.max_grad_norm
+        self.optimizer = torch.optim.AdamW(value_model.parameters(), lr=optimizer.value_learning_rate,
+                                           weight_decay=optimizer.weight_decay)
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> Tensor:
+        """[N, C] float32 values of the states before each completion token; 0 after the completion."""
+        return self.model(rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens) \
+            * rollout.completion_mask
+
+    def update(self, exp: Experience) -> dict:
+        """One clipped value-loss step toward `exp.returns`."""
+        ro = exp.rollout
+        self.model.train()
+        values = self.model(ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
+        loss = value_loss(values, exp.values, exp.returns, ro.completion_mask, self.algorithm.cliprange_value,
+                          self.algorithm.loss_type)
+        stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
+        self.model.eval()
+        return {"value_loss": loss.item(), "value_grad_norm": grad_norm, "value_skipped": int(not stepped),
+                "value_mean": masked_mean(exp.values, ro.completion_mask).item()}
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,39 @@
+"""Seeds: one call for a script, and a context that seeds without touching the caller's RNG.
+
+Hand-written (it teaches nothing). Library code takes explicit `torch.Generator`s; the one
+place it cannot (Hugging Face model construction draws its initial weights from the global
+RNG) uses `seeded(seed)`, which forks the global RNG, seeds the fork, and restores the
+caller's state on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (if present) and torch: for scripts, so a CPU run repeats bit for bit."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run the block with torch's global RNG seeded to `seed`, then restore the caller's RNG state."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def make_generator(seed: int, device="cpu") -> torch.Generator:
+    """A fresh `torch.Generator` on `device`, seeded."""
+    return torch.Generator(device=device).manual_seed(seed)

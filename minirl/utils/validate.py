@@ -1,0 +1,48 @@
+"""Checks at the door: one error type that names the parameter, the value and the fix.
+
+Hand-written (it teaches nothing). A `ConfigError` is a `ValueError` that also carries the
+parameter's name, so a command-line script can report it against the flag the user typed
+(`--max-completion-length 0: must be >= 1`) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ConfigError(ValueError):
+    """A bad value for a named parameter: `name=value: why`."""
+
+    def __init__(self, name: str, value, why: str):
+        self.name, self.value, self.why = name, value, why
+        super().__init__(f"{name}={value!r}: {why}")
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """`value` must be one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(name, value, f"use one of {', '.join(map(repr, allowed))}")
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None, why: str = "") -> None:
+    """An int (not a bool) in [low, high]; either bound may be None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, value, "must be an integer")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in {low}..{high}"
+        raise ConfigError(name, value, f"must be {bounds}" + (f" ({why})" if why else ""))
+
+
+def check_float(name: str, value, low: float | None = None, high: float | None = None,
+                low_open: bool = False, why: str = "") -> None:
+    """A finite number in [low, high] (or (low, high] with low_open); either bound may be None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, value, "must be a number")
+    if not math.isfinite(value):
+        raise ConfigError(name, value, "must be finite" + (f" ({why})" if why else ""))
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+        hi = "" if high is None else f"<= {high}"
+        raise ConfigError(name, value, f"must be {' and '.join(x for x in (lo, hi) if x)}"
+                          + (f" ({why})" if why else ""))
