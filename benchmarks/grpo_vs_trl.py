@@ -34,15 +34,15 @@ serves both (an earlier version ran TRL in a second Python thread; each thread t
 pool, and both sides' steps took about a fifth longer with 2 torch threads). TRL's step is the
 wall clock from on_step_begin to on_step_end (generation happens inside the step, in
 `_prepare_inputs`; the work between steps, logging and fetching the next prompts, is not
-counted). minirl's step is the wall clock around the loop's own `train_step` (prompt sampling,
+counted). minirl's step is the wall clock around the loop's own `stage1_step` (prompt sampling,
 generate, reward, advantages, update and the weight sync; no evaluation). `--only minirl|trl`
 runs one side alone (for profiling).
 
-Where the difference comes from (notebook 01, section 10, measures each part):
+Where the difference comes from (notebook 01, section 11, measures each part):
   - Almost the whole step is the arithmetic of the same HF model, on both sides. minirl does
     less of it, with the same results: each prompt's G completions share the prompt, so
     minirl computes it once per group, twice over:
-      * generation (`HFRollout(engine="shared_prefix")`): one prefill per prompt, its KV cache
+      * generation (`SharedPrefixEngine`): one prefill per prompt, its KV cache
         repeated G times, then a plain multinomial loop; TRL calls HF `generate` on the
         B * G repeated prompts;
       * the update (`completion_logprobs(..., num_generations=G)`): one forward pass over the
@@ -132,20 +132,21 @@ def prompt_pool(task, n: int, seed: int) -> list[dict]:
 
 
 def minirl_stepper(args, task, rows, max_completion_length: int):
-    """A function that runs one minirl GRPO step (the loop's own `train_step`) and returns its seconds."""
-    from minirl.train.loop import GRPOConfig, setup, train_step
+    """A function that runs one minirl GRPO step (the loop's own `stage1_step`) and returns its seconds."""
+    from minirl.config import RLConfig
+    from minirl.train.run import setup, stage1_step
 
     model, tokenizer = load_policy(args)
-    config = GRPOConfig(steps=args.warmup + args.steps, prompts_per_step=len(rows),
-                        num_generations=args.num_generations, max_completion_length=max_completion_length,
-                        temperature=args.temperature, learning_rate=args.learning_rate, beta=0.0,
-                        loss_type=args.loss_type, num_iterations=1, eval_every=0, seed=args.seed,
-                        device=args.device)
-    state = setup(config, model, tokenizer)
+    config = RLConfig.from_flat(steps=args.warmup + args.steps, prompts_per_step=len(rows),
+                                num_generations=args.num_generations, max_completion_length=max_completion_length,
+                                temperature=args.temperature, learning_rate=args.learning_rate, beta=0.0,
+                                loss_type=args.loss_type, num_iterations=1, eval_every=0, seed=args.seed,
+                                device=args.device)
+    state = setup(config, model, tokenizer, rows, [task.reward])
 
     def step() -> float:
         t0 = time.perf_counter()
-        train_step(state, rows, [task.reward], config)
+        stage1_step(state)
         return time.perf_counter() - t0
 
     return step

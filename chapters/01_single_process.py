@@ -3,111 +3,142 @@
     python chapters/01_single_process.py --out runs/01            # GRPO on the embedded policy, CPU
     python chapters/01_single_process.py --algo ppo --out runs/01-ppo
     python chapters/01_single_process.py --model Qwen/Qwen2.5-0.5B --device cuda --out runs/01-qwen
-    python chapters/01_single_process.py --out runs/01 --resume    # continue a killed run exactly
+    python chapters/01_single_process.py --out runs/01 --resume    # continue a stopped run exactly
 
-Writes OUT/metrics.jsonl (one line per step), OUT/reward_curve.png, OUT/checkpoints/step-N/
-(Hugging Face format + training_state.pt, written atomically) and OUT/summary.json with
-accuracy_before, accuracy_after (held-out greedy accuracy, 0-1), steps and seconds.
+Writes OUT/run.json (the run's settings), OUT/metrics.jsonl (one line per step),
+OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_state.pt,
+written atomically), OUT/final/ (the final policy, Hugging Face format) and OUT/summary.json
+with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1), steps and seconds.
+A directory holds one run: --resume continues it, --overwrite replaces it. Every setting of
+minirl.config.RLConfig is a flag below (with its default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-from minirl.utils.cli import common_parser, seed_everything, write_summary
-from minirl.train.loop import GRPOConfig, plot_metrics, train
-from minirl.models.policy import load_default_policy
-from minirl.tasks.arithmetic import make_task
-
-DEFAULTS = GRPOConfig()
+from minirl.config import RLConfig
+from minirl.train.checkpoint import latest_checkpoint
+from minirl.train.plots import plot_metrics
+from minirl.train.run import SAFE_ON_RESUME, RunStopped, train
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.utils.io import write_summary
+from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.utils.seeding import seed_everything
+from minirl.utils.validate import ConfigError, check_int
 
 
 def parse_args(argv=None):
-    parser = common_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--algo", choices=("grpo", "ppo"), default=DEFAULTS.algo)
-    parser.add_argument("--steps", type=int, default=DEFAULTS.steps)
-    parser.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step)
-    parser.add_argument("--num-generations", type=int, default=DEFAULTS.num_generations)
-    parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
-    parser.add_argument("--beta", type=float, default=DEFAULTS.beta, help="KL coefficient to the reference")
-    parser.add_argument("--loss-type", default=DEFAULTS.loss_type, choices=("grpo", "bnpo", "dr_grpo", "dapo"))
-    parser.add_argument("--importance-sampling-level", default="token", choices=("token", "sequence"))
-    parser.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations)
-    parser.add_argument("--rollout-dtype", default=DEFAULTS.rollout_dtype,
-                        choices=("float32", "bfloat16", "float16", "float8_e4m3fn"))
-    parser.add_argument("--max-completion-length", type=int, default=None,
-                        help="default: the task's longest answer + EOS")
-    parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="0: no checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (exactly)")
-    parser.add_argument("--stop-after", type=int, default=None,
-                        help="simulate a crash: exit with code 1 right after the checkpoint at this step")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads; 1 suits the tiny policy (its matrices are too small to gain "
-                             "from more, and threads on a busy machine spin); 0: torch's default")
-    parser.add_argument("--no-progress", action="store_true")
-    return parser.parse_args(argv)
+    """(args, config): flags checked and the config built, before anything is loaded."""
+    parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)   # both are config fields
+    group = parser.add_argument_group("run directory and process")
+    group.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    group.add_argument("--overwrite", action="store_true", help="delete the run in --out and start a new one")
+    group.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                       help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch CPU threads; 1 suits the tiny policy (its matrices are too small to gain from "
+                            "more, and threads on a busy machine spin); 0: torch's default (default: 1)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(parser, RLConfig())
+    args = parser.parse_args(argv)
+    for dest, low in (("stop_after", 1), ("threads", 0)):
+        try:
+            if getattr(args, dest) is not None:
+                check_int(dest, getattr(args, dest), low=low)
+        except ConfigError as err:
+            parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
+    config = config_from_args(parser, args, RLConfig())
+    try:
+        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+    except RunDirError as err:
+        parser.error(str(err))
+    if args.resume:                        # the run's own settings, changed only where the user says so
+        record = read_run_record(args.out)
+        saved = RLConfig.from_dict(record["config"])
+        if args.model is None:
+            args.model = record.get("model")
+        elif args.model != record.get("model"):
+            parser.error(f"--resume: the run in {args.out} trained {record.get('model') or 'the embedded policy'}, "
+                         f"not --model {args.model}; drop --model to resume it")
+        typed = explicit_dests(parser, argv) & set(saved.flat())
+        changed = [f"{flag(k)} {saved.flat()[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed)
+                   if k not in SAFE_ON_RESUME and saved.flat()[k] != getattr(args, k)]
+        if changed:
+            parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
+                         f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
+        try:
+            config = saved.replace(**{k: getattr(args, k) for k in typed})
+        except ConfigError as err:
+            parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+    return args, config
 
 
-def load_policy(args):
-    """The embedded warm-started policy, or any HF causal LM id/path (--model)."""
-    if args.model is None:
-        model, tokenizer, _ = load_default_policy(device=args.device, progress=not args.no_progress)
+def load_policy(name_or_path, device: str, progress: bool):
+    """The embedded warm-started policy, or any HF causal LM id/path."""
+    if name_or_path is None:
+        from minirl.models.policy import load_default_policy
+        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:          # what TRL does for models without one
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval(), tokenizer
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args, config = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-    task = make_task()
-    model, tokenizer = load_policy(args)
-    config = GRPOConfig(
-        algo=args.algo, steps=args.steps, prompts_per_step=args.prompts_per_step,
-        num_generations=args.num_generations, learning_rate=args.learning_rate, beta=args.beta,
-        loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
-        num_iterations=args.num_iterations, rollout_dtype=args.rollout_dtype, seed=args.seed,
-        max_completion_length=args.max_completion_length or task.config.max_answer_length + 1,
-        eval_every=args.eval_every or args.steps, checkpoint_every=args.checkpoint_every, device=args.device)
-    out = Path(args.out)
-    t0 = time.perf_counter()
-    metrics = train(config, model, tokenizer, task, out_dir=out, progress=not args.no_progress,
-                    resume=args.resume, stop_after=args.stop_after)
-    seconds = time.perf_counter() - t0
-    step = max(m["step"] for m in metrics)
-    if args.stop_after is not None and step < config.steps:
-        print(f"stopped after the checkpoint at step {step} (--stop-after); continue with --resume")
+    seed_everything(config.run.seed)
+    model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
+    out = args.out
+    started = time.perf_counter()
+    try:
+        metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
+                        progress=not args.no_progress, stop_after=args.stop_after, run_info={"model": args.model})
+    except RunStopped as stop:
+        print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
         return 1
+    except KeyboardInterrupt:
+        found = latest_checkpoint(out / "checkpoints")
+        where = f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
+        print(f"\ninterrupted: {where}; continue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
+        return 130
+    except (RunDirError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
-    before, after = evals[0]["accuracy"], evals[-1]["accuracy"]
     plot_path = out / "reward_curve.png"
-    plot_metrics(metrics, plot_path, title=f"stage 1, {config.algo}: {args.model or 'embedded policy'}")
-    last20 = [m["reward"] for m in metrics if "reward" in m][-20:]
-    stage_seconds = {k: sum(m.get(k, 0.0) for m in metrics) for k in metrics[-1] if k.startswith("time/")}
+    plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}")
+    steps = [m for m in metrics if "reward" in m]
+    last20 = [m["reward"] for m in steps][-20:]
     summary = {
-        "accuracy_before": before, "accuracy_after": after, "steps": step, "seconds": seconds,
-        "seconds_training": sum(m.get("time/step", 0.0) for m in metrics), "stage_seconds": stage_seconds,
+        "accuracy_before": evals[0]["accuracy"] if evals else None,
+        "accuracy_after": evals[-1]["accuracy"] if evals else None,
+        "steps": metrics[-1]["step"] if metrics else 0, "seconds": seconds,
+        "seconds_training": sum(m.get("time/step", 0.0) for m in metrics),
+        "stage_seconds": {k: sum(m.get(k, 0.0) for m in steps) for k in steps[-1] if k.startswith("time/")},
         "final_reward": sum(last20) / max(1, len(last20)),
-        "algo": config.algo, "model": args.model or "embedded", "resumed": args.resume,
-        "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "config": asdict(config),
+        "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
+        "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
+        "config": dataclasses.asdict(config),
     }
     write_summary(out, summary)
-    print(f"{config.algo}: held-out greedy accuracy {before:.3f} -> {after:.3f} "
-          f"({100 * (after - before):+.1f} points) in {step} steps, {seconds:.0f} s")
+    if evals:
+        before, after = summary["accuracy_before"], summary["accuracy_after"]
+        print(f"{config.algorithm.algo}: held-out greedy accuracy {before:.3f} -> {after:.3f} "
+              f"({100 * (after - before):+.1f} points) in {summary['steps']} steps, {seconds:.0f} s")
+    else:
+        print(f"{config.algorithm.algo}: {summary['steps']} steps in {seconds:.0f} s (--eval-every 0: no evaluation)")
     print(f"plot: {plot_path}   metrics: {out / 'metrics.jsonl'}   summary: {out / 'summary.json'}")
     return 0
 

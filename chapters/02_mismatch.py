@@ -13,6 +13,7 @@ mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -44,41 +45,23 @@ def load(args):
     return model, tokenizer, prompts[:args.num_prompts]
 
 
-def observe_ratios(loop_module):
-    """Wrap the loop's update_policy to log the rollout-vs-trainer ratio of each batch (observation only)."""
-    from minirl.algo.logprobs import completion_logprobs
-    original = loop_module.update_policy
+def training_comparison(args, model, tokenizer) -> dict:
+    """Two stage-1 runs of `model` with a mismatched rollout: without and with truncated IS. Returns their records.
 
-    def update_policy(model, optimizer, exp, config):
-        ro = exp.rollout
-        with torch.no_grad():
-            old = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
-                                      config.temperature)[0]
-        ratio = torch.exp(old - ro.logprobs)[ro.completion_mask.bool()]
-        metrics = original(model, optimizer, exp, config)
-        return metrics | {"ratio/min": ratio.min().item(), "ratio/max": ratio.max().item(),
-                          "ratio/std": ratio.std().item(),
-                          "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
-    loop_module.update_policy = update_policy
-    return original
+    The ratio statistics (`ratio/std`, `ratio/max`, ...) come from the actor's update metrics.
+    """
+    from minirl.config import RLConfig
+    from minirl.train.run import train
 
-
-def training_comparison(args) -> dict:
-    """Two stage-1 runs with a mismatched rollout: without and with truncated IS. Returns their metrics."""
-    import minirl.train.loop as loop
-
-    original = observe_ratios(loop)
     runs = {}
-    try:
-        for correction in (False, True):
-            config = loop.GRPOConfig(steps=args.train_steps, rollout_dtype=args.train_rollout_dtype,
-                                     importance_sampling_correction=correction, learning_rate=args.learning_rate,
-                                     prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
-                                     seed=args.seed, device=args.device)
-            name = "tis" if correction else "no_correction"
-            runs[name] = loop.train(config, out_dir=args.out / name, progress=not args.quiet)
-    finally:
-        loop.update_policy = original
+    for correction in (False, True):
+        config = RLConfig.from_flat(steps=args.train_steps, rollout_dtype=args.train_rollout_dtype,
+                                    importance_sampling_correction=correction, learning_rate=args.learning_rate,
+                                    prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
+                                    seed=args.seed, device=args.device)
+        name = "tis" if correction else "no_correction"
+        runs[name] = train(config, copy.deepcopy(model), tokenizer, out_dir=args.out / name, overwrite=True,
+                           progress=not args.quiet)
     return runs
 
 
@@ -134,7 +117,7 @@ def main(argv=None) -> dict:
                                                             "kl_k3")} for d, s in report.sweep.items()},
                "report": report.to_dict()}
     if args.train_steps > 0:
-        runs = training_comparison(args)
+        runs = training_comparison(args, model, tokenizer)
         summary["training"] = {name: summarize_run(m) for name, m in runs.items()}
         print("training with a", args.train_rollout_dtype, "rollout:")
         print(json.dumps(summary["training"], indent=2))

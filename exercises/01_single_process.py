@@ -5,28 +5,54 @@
 Each `raise NotImplementedError` marks code to write; the docstring above it says what to return.
 """
 
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
 import copy
-from dataclasses import dataclass, field, asdict
-import json
 import math
-import random
 import time
 from pathlib import Path
 import os
+import random
 import shutil
 import tempfile
+import warnings
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+import matplotlib.pyplot as plt
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from minirl.algo.logprobs import (CACHE_ARG, position_ids_from_mask, selective_log_softmax,
-                                  masked_mean, completion_logprobs)
-from minirl.algo.advantages import SCALE_REWARDS, gae, group_advantages, terminal_rewards, whiten
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+from minirl.config import (SamplingConfig, ROLLOUT_DTYPES, SCALE_REWARDS,
+                           IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, AlgorithmConfig,
+                           OptimizerConfig, RLConfig)
+from minirl.data import Rollout, Experience
+from minirl.algo.logprobs import (selective_log_softmax, masked_mean, position_ids_from_mask,
+                                  completion_logprobs, CACHE_ARG)
+from minirl.rollout.base import (check_request, check_tokenizer, draw_seed, make_rollout,
+                                 RolloutEngine, VersionMismatchError)
+from minirl.algo.losses import policy_loss, value_loss
 from minirl.models.critic import ValueModel
-from minirl.algo.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, policy_loss, value_loss
-from minirl.rollout.hf import ROLLOUT_DTYPES, ROLLOUT_ENGINES, HFRollout, Rollout, check_tokenizer
+from minirl.roles.actor import optimizer_step, Actor
+from minirl.sync.checks import check_synchronization
+from minirl.algo.advantages import gae, group_advantages, terminal_rewards, whiten
+from minirl.algo.corrections import importance_sampling_weights
+from minirl.roles.critic import Critic
+from minirl.roles.reference import Reference
+from minirl.utils.timing import StageTimer
+from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.rollout.hf import HFEngine
+from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.sync.base import InProcessSync
+from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
+from minirl.tasks.arithmetic import make_task
+from minirl.train.step import Roles, rl_step, sample_prompts
+from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -85,7 +111,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     Position ids come from the mask, exactly as `generate` derived them when it sampled, so
     rollout and trainer agree. num_generations=1 runs one forward pass over every row.
     num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
+    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
     result up to float rounding.
     """
     if temperature <= 0:
@@ -116,26 +142,292 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     return logps, (entropy_from_logits(logits) if with_entropy else None)
 
 
+ALGOS = ("grpo", "ppo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 ROLLOUT_ENGINES = ("shared_prefix", "hf")
-
-
-class VersionMismatchError(RuntimeError):
-    """The rollout engine holds other weights than the loop expects."""
+REWARD_ERRORS = ("raise", "zero")
 
 
 @dataclass
-class Rollout:
-    """G consecutive completions per prompt (generation order), N = B * G rows."""
+class AlgorithmConfig:
+    """What the update computes from a batch (TRL's GRPOConfig names)."""
 
-    prompt_ids: Tensor        # [N, P] left-padded
-    prompt_mask: Tensor       # [N, P]
-    completion_ids: Tensor    # [N, C] right-padded
-    completion_mask: Tensor   # [N, C] 1 up to and including the first EOS
-    logprobs: Tensor          # [N, C] float32 behaviour log-probs, as the rollout engine computed them
+    algo: str = "grpo"                 # grpo: group-normalized advantages, no critic; ppo: actor + critic with GAE
+    beta: float = 0.0                  # KL coefficient to the frozen reference (GRPO: in the loss; PPO: in the reward)
+    epsilon: float = 0.2               # PPO clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); none: the same as epsilon
+    loss_type: str = "dapo"            # how per-token losses are averaged (notebook 01, section 4)
+    scale_rewards: str = "group"       # GRPO advantages divided by the group's std, the batch's, or none (Dr. GRPO)
+    importance_sampling_level: str = "token"  # token: PPO/GRPO ratios; sequence: one ratio per completion (GSPO)
+    num_iterations: int = 1            # optimizer steps on each generation batch (TRL's mu)
+    use_bias_correction_kl: bool = False  # multiply the KL term by the ratio pi/pi_old (TRL 1.16's default)
+    importance_sampling_correction: bool = False  # weight tokens by pi_old / pi_rollout, truncated (notebook 02)
+    importance_sampling_mode: str = "token_truncate"  # per token or per sequence; truncate at the cap or mask
+    importance_sampling_cap: float = 2.0  # the cap of truncated importance sampling
+    cliprange_value: float = 0.2       # PPO: how far the critic's value may move per update
+    gamma: float = 1.0                 # PPO: discount per token
+    lam: float = 0.95                  # PPO: GAE's lambda
+    reward_errors: str = "raise"       # a reward function that raises: raise stops the run, zero scores the sample 0
+
+    choices = {"algo": ALGOS, "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+               "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_mode": IS_MODES,
+               "reward_errors": REWARD_ERRORS}
+
+    def __post_init__(self):
+        for name, allowed in self.choices.items():
+            check_choice(name, getattr(self, name), allowed)
+        check_float("beta", self.beta, low=0.0, why="a KL penalty; 0 turns it off")
+        check_float("epsilon", self.epsilon, low=0.0)
+        if self.epsilon_high is not None:
+            check_float("epsilon_high", self.epsilon_high, low=0.0)
+        check_int("num_iterations", self.num_iterations, low=1)
+        check_float("importance_sampling_cap", self.importance_sampling_cap, low=0.0, low_open=True)
+        check_float("cliprange_value", self.cliprange_value, low=0.0)
+        check_float("gamma", self.gamma, low=0.0, high=1.0)
+        check_float("lam", self.lam, low=0.0, high=1.0)
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are drawn: what every rollout engine is asked for."""
+
+    num_generations: int = 8           # G completions per prompt (GRPO's group)
+    max_completion_length: int = 4     # new tokens per completion at most (3 answer digits + EOS)
+    temperature: float = 1.0           # sample from softmax(logits / temperature); no top-k, no top-p
+
+    def __post_init__(self):
+        check_int("num_generations", self.num_generations, low=1)
+        check_int("max_completion_length", self.max_completion_length, low=1)
+        check_float("temperature", self.temperature, low=0.0, low_open=True, why="sampling needs a temperature > 0")
+
+
+@dataclass
+class RolloutConfig:
+    """Which engine samples, on its own copy of the policy, in which precision."""
+
+    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: each prompt prefilled once
+    rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
+
+    choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
+
+    def __post_init__(self):
+        for name, allowed in self.choices.items():
+            check_choice(name, getattr(self, name), allowed)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW for the actor (and the critic), with gradient clipping."""
+
+    learning_rate: float = 3e-4        # the actor's AdamW learning rate
+    weight_decay: float = 0.0          # AdamW weight decay (actor and critic)
+    max_grad_norm: float = 1.0         # gradients are clipped to this global norm
+    value_learning_rate: float = 1e-3  # PPO: the critic's learning rate
+
+    def __post_init__(self):
+        check_float("learning_rate", self.learning_rate, low=0.0, low_open=True)
+        check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
+        check_float("value_learning_rate", self.value_learning_rate, low=0.0, low_open=True)
+
+
+@dataclass
+class RunConfig:
+    """How long, on what, how often to evaluate and checkpoint."""
+
+    steps: int = 600                   # generation batches (= optimizer steps when num_iterations is 1)
+    prompts_per_step: int = 16         # B prompts per batch; a batch has B * num_generations completions
+    seed: int = 0                      # draws the prompts and the sampling seeds
+    eval_every: int = 100              # held-out accuracy at step 0, every N steps and at the end; 0: never
+    checkpoint_every: int = 100        # with an output directory: a checkpoint every N steps; 0: only the final model
+    keep_checkpoints: int = 2          # the newest N checkpoints are kept
+    device: str = "cpu"                # cpu, cuda, cuda:1, ...
+
+    def __post_init__(self):
+        check_int("steps", self.steps, low=1)
+        check_int("prompts_per_step", self.prompts_per_step, low=1)
+        check_int("seed", self.seed, low=0)
+        check_int("eval_every", self.eval_every, low=0, why="0 turns evaluation off")
+        check_int("checkpoint_every", self.checkpoint_every, low=0, why="0 keeps only the final model")
+        check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+
+
+@dataclass
+class RLConfig:
+    """One RL run: five groups of settings, each checked when built, plus the checks that span groups."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.algorithm.algo == "grpo" and self.sampling.num_generations < 2:
+            raise ConfigError("num_generations", self.sampling.num_generations,
+                              "GRPO compares completions within a group of at least 2; use >= 2 (or algo='ppo')")
+
+    def groups(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def flat(self) -> dict:
+        """Every leaf setting by its (unique) name: {"algo": "grpo", "beta": 0.0, ...}."""
+        return {k: v for group in self.groups().values() for k, v in dataclasses.asdict(group).items()}
+
+    def replace(self, **leaves) -> "RLConfig":
+        """A copy with leaf settings changed by name: `config.replace(beta=0.04, steps=50)`."""
+        unknown = set(leaves) - set(self.flat())
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], leaves[sorted(unknown)[0]],
+                              f"not a setting of RLConfig; the settings are {', '.join(sorted(self.flat()))}")
+        groups = {name: dataclasses.replace(group, **{k: v for k, v in leaves.items() if hasattr(group, k)})
+                  for name, group in self.groups().items()}
+        return RLConfig(**groups)
+
+    @classmethod
+    def from_flat(cls, **leaves) -> "RLConfig":
+        """`RLConfig.from_flat(algo="ppo", steps=50)`: the defaults with these leaf settings."""
+        return cls().replace(**leaves)
+
+    @classmethod
+    def from_dict(cls, groups: dict) -> "RLConfig":
+        """Inverse of `dataclasses.asdict(config)` (what a checkpoint stores)."""
+        types = {f.name: f.default_factory for f in dataclasses.fields(cls)}
+        return cls(**{name: types[name](**values) for name, values in groups.items()})
+
+
+class Batch:
+    """Row-wise operations shared by Rollout and Experience.
+
+    A field is one of: a tensor whose first dimension is the N rows (2-D ones are padded to
+    the widest part when parts are concatenated: on the left for the names in LEFT_PADDED,
+    on the right otherwise), a list with one entry per row, a nested Batch, None (an absent
+    optional tensor; it must be absent in every part), or a shared value (an int such as the
+    version) that every part must agree on.
+    """
+
+    LEFT_PADDED: tuple[str, ...] = ()
+    OPTIONAL: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (Tensor, list, Batch)):
+                return len(value)
+        raise TypeError(f"{type(self).__name__} has no per-row field")
+
+    def _map(self, fn) -> "Batch":
+        """A copy with `fn(name, value)` applied to every per-row field (shared values kept)."""
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = fn(f.name, value) if isinstance(value, (Tensor, list, Batch)) else value
+        return dataclasses.replace(self, **values)
+
+    def to(self, device) -> "Batch":
+        """The same batch with every tensor on `device`."""
+        return self._map(lambda name, v: v.to(device) if isinstance(v, (Tensor, Batch)) else v)
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        """Rows start..stop-1 (a view for tensors)."""
+        return self._map(lambda name, v: v.rows(start, stop) if isinstance(v, Batch) else v[start:stop])
+
+    def split(self, n: int) -> list["Batch"]:
+        """n contiguous parts of equal size, each made of whole groups of `group_size` rows.
+
+        Raises ValueError when the N rows do not divide into n parts of whole groups: a
+        prompt's G completions must stay together (GRPO normalizes within the group).
+        """
+        N, G = len(self), self.group_size
+        if n < 1 or N % (n * G):
+            raise ValueError(f"{type(self).__name__}.split({n}): {N} rows in groups of {G} do not split into "
+                             f"{n} equal parts of whole groups; use a number of parts that divides {N // G} "
+                             "prompts")
+        size = N // n
+        return [self.rows(i * size, (i + 1) * size) for i in range(n)]
+
+    @staticmethod
+    def concat(parts: list["Batch"]) -> "Batch":
+        """The parts' rows one after another; 2-D tensors padded to the widest part."""
+        if not parts:
+            raise ValueError("Batch.concat: no parts to concatenate")
+        first = parts[0]
+        values = {}
+        for f in dataclasses.fields(first):
+            column = [getattr(p, f.name) for p in parts]
+            if isinstance(column[0], Batch):
+                values[f.name] = Batch.concat(column)
+            elif isinstance(column[0], list):
+                values[f.name] = [x for part in column for x in part]
+            elif isinstance(column[0], Tensor):
+                if any(c is None for c in column):
+                    raise ValueError(f"{type(first).__name__}.concat: {f.name} is missing in some parts")
+                values[f.name] = _cat_padded(column, left=f.name in first.LEFT_PADDED,
+                                             value=first.pad_value(f.name))
+            else:
+                if any(c != column[0] for c in column):
+                    raise ValueError(f"{type(first).__name__}.concat: parts disagree on {f.name} "
+                                     f"({sorted(set(map(str, column)))}); only batches of one "
+                                     f"{f.name} can be concatenated")
+                values[f.name] = column[0]
+        return dataclasses.replace(first, **values)
+
+    def select(self, keys) -> "Batch":
+        """A copy whose optional tensors not named in `keys` are dropped (None): less to ship."""
+        keys = set(keys)
+        unknown = keys - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"{type(self).__name__}.select: no field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **{name: None for name in self.OPTIONAL if name not in keys})
+
+    def pad_value(self, name: str) -> int:
+        return 0
+
+
+def _cat_padded(tensors: list[Tensor], left: bool, value) -> Tensor:
+    """Concatenate along rows, padding dimension 1 of 2-D (or more) tensors to the widest."""
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        pad = width - t.shape[1]
+        if pad:
+            filler = t.new_full((t.shape[0], pad, *t.shape[2:]), value)
+            t = torch.cat([filler, t] if left else [t, filler], 1)
+        padded.append(t)
+    return torch.cat(padded)
+
+
+@dataclass
+class Rollout(Batch):
+    """What a rollout engine returns: G consecutive completions per prompt, N = B * G rows."""
+
+    prompt_ids: Tensor        # [N, P] long, left-padded
+    prompt_mask: Tensor       # [N, P] long
+    completion_ids: Tensor    # [N, C] long, right-padded
+    completion_mask: Tensor   # [N, C] long, 1 up to and including the first EOS
+    logprobs: Tensor          # [N, C] float32 behaviour log-probs, as the engine computed them (0 where masked)
     completions: list[str]    # N decoded completions (special tokens removed)
     prompts: list[str]        # N prompts (each repeated G times)
     version: int              # the policy version that generated them
+    num_generations: int = 1  # G: rows come in groups of G completions of one prompt
+    pad_token_id: int = 0     # fills the padding when parts of different widths are concatenated
+    token_versions: Tensor | None = None  # [N, C] long: each token's policy version, when they differ (stage 7)
+
+    LEFT_PADDED = ("prompt_ids", "prompt_mask")
+    OPTIONAL = ("token_versions",)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_generations
+
+    def pad_value(self, name: str) -> int:
+        return self.pad_token_id if name.endswith("_ids") else 0
 
     @property
     def input_ids(self) -> Tensor:       # [N, P+C]
@@ -150,10 +442,63 @@ class Rollout:
         return self.completion_ids.shape[1]
 
 
+class VersionMismatchError(RuntimeError):
+    """The engine holds other weights than the loop expects."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Samples completions from its copy of the policy; takes new weights with a version."""
+
+    version: int
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """sampling.num_generations completions per prompt, from policy `expected_version`.
+
+        Rows i*G .. i*G+G-1 of the Rollout continue prompts[i]. With a `generator`, the
+        completions depend on it alone (one seed is drawn from it); the global RNG is left
+        as it was. Raises VersionMismatchError if `expected_version` is not `self.version`.
+        """
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy these weights (all of them, by the trainer's names) into the engine; it now holds `version`."""
+        ...
+
+
+@runtime_checkable
+class Colocated(Protocol):
+    """An engine that shares devices with the trainer and can free its memory meanwhile."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+def check_request(engine, prompts: list[str], sampling: SamplingConfig, expected_version: int | None) -> None:
+    """The checks every engine makes before sampling: the version, and a non-empty request."""
+    if expected_version is not None and expected_version != engine.version:
+        raise VersionMismatchError(
+            f"{type(engine).__name__} holds policy version {engine.version} but the loop expected version "
+            f"{expected_version}: push the trainer's weights (sync.push / load_weights) before generating")
+    if not prompts:
+        raise ValueError("generate: prompts is empty; pass at least one prompt")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"generate: sampling must be a SamplingConfig, got {type(sampling).__name__}")
+
+
+def draw_seed(generator: torch.Generator | None) -> int | None:
+    """One sampling seed from `generator` (None without one), whatever the engine does with it."""
+    if generator is None:
+        return None
+    return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+
+
 def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> Tensor:
     """[N, C] long mask: 1 for every token up to and including the first EOS, 0 after it.
 
-    A completion that never emits EOS (truncated at max_new_tokens) keeps all C tokens.
+    A completion that never emits EOS (truncated at max_completion_length) keeps all C tokens.
     """
     is_eos = completion_ids == eos_token_id                                    # [N, C]
     C = completion_ids.shape[1]
@@ -161,14 +506,8 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> Tenso
     return (torch.arange(C, device=completion_ids.device)[None] <= first[:, None]).long()
 
 
-def _fp8_round_trip(weight: Tensor) -> Tensor:
-    """Quantize a weight matrix to float8_e4m3fn with one per-tensor scale, back to bfloat16."""
-    scale = weight.detach().abs().max().float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    return ((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
-
-
 def check_tokenizer(tokenizer) -> None:
-    """Raise a clear error for a tokenizer the rollout cannot batch with."""
+    """Raise a clear error for a tokenizer that cannot pad a batch or end a completion."""
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer.pad_token is None: batched generation needs a pad token; "
                          "set tokenizer.pad_token = tokenizer.eos_token (what TRL does) or add one")
@@ -176,98 +515,102 @@ def check_tokenizer(tokenizer) -> None:
         raise ValueError("tokenizer.eos_token is None: completions need an end-of-sequence token")
 
 
-class HFRollout:
-    """The rollout engine's own copy of the policy, sampling with a KV cache.
+def make_rollout(tokenizer, prompts: list[str], num_generations: int, prompt_ids: Tensor, prompt_mask: Tensor,
+                 completion_ids: Tensor, logprobs: Tensor, version: int) -> Rollout:
+    """Assemble a Rollout from what an engine sampled: masks after EOS, decoded texts, masked log-probs.
 
-    engine="shared_prefix": each prompt is prefilled once and its cache repeated G times, then
-    a plain multinomial loop (`sample_shared_prefix`). engine="hf" (the default): HF `generate`
-    over the B * G repeated prompts. Both sample from softmax(logits / temperature) with no top-k / top-p and
-    record the same behaviour log-probs; for one seed they draw the same random numbers in the
-    same order, so their samples agree wherever the two computations round alike (section 10).
+    prompt_ids, prompt_mask: [N, P]; completion_ids, logprobs: [N, C], N = len(prompts) * G.
+    """
+    completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)       # [N, C]
+    pad = tokenizer.pad_token_id
+    completions = tokenizer.batch_decode(completion_ids * completion_mask + pad * (1 - completion_mask),
+                                         skip_special_tokens=True)
+    repeated = [p for p in prompts for _ in range(num_generations)]
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs.float() * completion_mask,
+                   completions, repeated, version, num_generations=num_generations, pad_token_id=pad)
+
+
+def fp8_round_trip(weight: Tensor) -> Tensor:
+    """Quantize a weight matrix to float8_e4m3fn with one per-tensor scale, back to bfloat16."""
+    scale = weight.detach().abs().max().float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return ((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
+
+
+class HFEngine:
+    """HF `generate` over B * G rows, on the engine's own copy of the policy.
+
+    Samples from softmax(logits / temperature) with no top-k and no top-p, and records the
+    behaviour log-probs from the very logits it sampled from. dtype: the copy's precision
+    ("float8_e4m3fn" simulates FP8 weights, computing in bfloat16).
     """
 
-    def __init__(self, model, tokenizer, dtype: str = "float32", device=None, engine: str = "hf"):
-        if dtype not in ROLLOUT_DTYPES:
-            raise ValueError(f"HFRollout: dtype={dtype!r}; use one of {ROLLOUT_DTYPES}")
-        if engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"HFRollout: engine={engine!r}; use one of {ROLLOUT_ENGINES}")
+    def __init__(self, model, tokenizer, dtype: str = "float32", device=None):
+        check_choice("rollout_dtype", dtype, ROLLOUT_DTYPES)
         check_tokenizer(tokenizer)
         self.tokenizer = copy.copy(tokenizer)
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
-        self.engine = engine
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
         self.version = 0
-        self.load_weights(model.state_dict(), version=0)
+        self.load_weights(model.state_dict().items(), version=0)
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        """Synchronize: copy `state_dict` into the rollout copy (cast to its dtype), set `version`."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Synchronize: copy every named tensor into the engine's copy (cast to its dtype); set `version`.
+
+        Raises ValueError naming the tensors that are missing, unexpected or of the wrong
+        shape, before anything is copied: half a synchronization is worse than none.
+        """
+        state = dict(named_tensors)
         if self.dtype == "float8_e4m3fn":
-            state_dict = {k: _fp8_round_trip(v) if v.dim() >= 2 else v for k, v in state_dict.items()}
+            state = {k: fp8_round_trip(v) if v.dim() >= 2 else v for k, v in state.items()}
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        reshaped = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+        if missing or unexpected or reshaped:
+            raise ValueError(f"{type(self).__name__}.load_weights(version={version}): missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}, wrong shape {reshaped[:3]} (of {len(own)} tensors); "
+                             "push all of the policy's tensors under the names of its state_dict")
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)   # copy_ casts to the copy's dtype
+            self.model.load_state_dict(state, strict=True)     # copy_ casts to the copy's dtype
         self.version = version
 
+    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
+        return self.model.state_dict().items()
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], num_generations: int, max_new_tokens: int, temperature: float = 1.0,
-                 expected_version: int | None = None, generator: torch.Generator | None = None) -> Rollout:
-        """Sample `num_generations` completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
 
-        Sampling is plain multinomial at `temperature` (no top-k / top-p). With a `generator`,
-        the sampling seed is drawn from it (one draw, whatever the engine), so the completions
-        depend on the generator alone and the global RNG is left as it was; without one, the
-        global RNG samples. Generation stops when every row has emitted EOS or after
-        `max_new_tokens`; after its EOS a row gets pad tokens (masked out).
-        Raises VersionMismatchError if `expected_version` is given and differs from `version`.
+        A row stops at its EOS (then pad tokens, masked out); generation stops when every row
+        has stopped or after max_completion_length tokens. See `RolloutEngine.generate`.
         """
-        if expected_version is not None and expected_version != self.version:
-            raise VersionMismatchError(
-                f"rollout holds policy version {self.version} but the loop expected version "
-                f"{expected_version}: call load_weights(state_dict, version={expected_version}) "
-                "(sync_weights) before generating")
-        if not prompts:
-            raise ValueError("generate: prompts is empty")
-        if temperature <= 0:
-            raise ValueError(f"generate: temperature={temperature} must be > 0 (sampling)")
-        if num_generations < 1 or max_new_tokens < 1:
-            raise ValueError(f"generate: num_generations={num_generations} and max_new_tokens={max_new_tokens} "
-                             "must both be >= 1")
-        tok, G = self.tokenizer, num_generations
+        check_request(self, prompts, sampling, expected_version)
+        G = sampling.num_generations
+        prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator))
+        return make_rollout(self.tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs,
+                            self.version)
+
+    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
+        """(prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, C], logprobs [N, C]) from HF generate."""
+        tok, G = self.tokenizer, sampling.num_generations
         repeated = [p for p in prompts for _ in range(G)]
-        seed = None if generator is None else int(torch.randint(2**62, (1,), generator=generator,
-                                                                device=generator.device))
-        if self.engine == "shared_prefix":
-            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-            sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-            completion_ids, logprobs = sample_shared_prefix(
-                self.model, enc.input_ids, enc.attention_mask, G, max_new_tokens, temperature,
-                tok.eos_token_id, tok.pad_token_id, sampler)                              # [N, C] each
-            prompt_ids = enc.input_ids.repeat_interleave(G, 0)                             # [N, P]
-            prompt_mask = enc.attention_mask.repeat_interleave(G, 0)
-        else:
-            enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-            devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-                if seed is not None:
-                    torch.manual_seed(seed)
-                out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                          eos_token_id=tok.eos_token_id, output_logits=True,
-                                          return_dict_in_generate=True)
-            prompt_ids, prompt_mask = enc.input_ids, enc.attention_mask                   # [N, P]
-            completion_ids = out.sequences[:, prompt_ids.shape[1]:]                       # [N, C]
-            logits = torch.stack(out.logits, 1).float() / temperature                     # [N, C, V]
-            logprobs = selective_log_softmax(logits, completion_ids)                      # [N, C]
-        completion_mask = completion_mask_from_ids(completion_ids, tok.eos_token_id)      # [N, C]
-        completions = tok.batch_decode(completion_ids * completion_mask + tok.pad_token_id * (1 - completion_mask),
-                                       skip_special_tokens=True)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                       logprobs * completion_mask, completions, repeated, self.version)
-
-
-SCALE_REWARDS = ("group", "batch", "none")
+        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**enc, do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
+                                      max_new_tokens=sampling.max_completion_length, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, output_logits=True,
+                                      return_dict_in_generate=True)
+        completion_ids = out.sequences[:, enc.input_ids.shape[1]:]                       # [N, C]
+        logits = torch.stack(out.logits, 1).float() / sampling.temperature               # [N, C, V]
+        return enc.input_ids, enc.attention_mask, completion_ids, selective_log_softmax(logits, completion_ids)
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
@@ -310,9 +653,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(values - masked mean) / masked std over the batch's tokens; 0 where mask is 0."""
+    """(values - masked mean) / masked std over the batch's tokens; 0 where mask is 0.
+
+    values, mask: [B, C]. The variance is the unbiased one (sum of squares over n - 1 for the
+    n unmasked tokens), as TRL's and veRL's `masked_whiten` compute it.
+    """
     mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1).clamp(min=1)
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -321,10 +669,6 @@ def terminal_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     last = (mask.long().sum(1) - 1).clamp(min=0)                          # [B]
     out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
     return out.scatter(1, last[:, None], rewards[:, None]) * mask
-
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.2,
@@ -457,118 +801,235 @@ class ValueModel(nn.Module):
         return self.head(hidden[:, -C - 1:-1]).squeeze(-1).float()        # [B, C]
 
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
+    """backward, clip, step, unless the loss or the gradient norm is not finite. Returns (stepped, grad_norm).
+
+    A non-finite batch leaves the weights and the optimizer's moments as they were.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return False, math.nan
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return False, grad_norm
+    optimizer.step()
+    return True, grad_norm
+
+
+def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the rollout's behaviour log-probs are from the trainer's, per token (notebook 02's lens).
+
+    ratio = exp(trainer - behaviour) over the tokens where mask is 1: its min, max, std and
+    the share outside [0.8, 1.25]; and the mean |trainer - behaviour| log-prob gap.
+    """
+    valid = mask.bool()
+    ratio = torch.exp(trainer_logps - behavior_logps)[valid]
+    if ratio.numel() == 0:
+        return {}
+    return {"logprob_diff_abs": masked_mean((trainer_logps - behavior_logps).abs(), mask).item(),
+            "ratio/min": ratio.min().item(), "ratio/max": ratio.max().item(),
+            "ratio/std": ratio.std().item() if ratio.numel() > 1 else 0.0,
+            "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
+
+
+class Actor:
+    """The policy being trained and its AdamW optimizer."""
+
+    def __init__(self, model, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, sampling: SamplingConfig):
+        self.model = model.eval()
+        self.algorithm, self.sampling = algorithm, sampling
+        self.max_grad_norm = optimizer.max_grad_norm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optimizer.learning_rate,
+                                           weight_decay=optimizer.weight_decay)
+
+    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        return completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                   rollout.num_completion_tokens, self.sampling.temperature,
+                                   with_entropy=with_entropy, num_generations=rollout.num_generations)
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32."""
+        return self._logprobs(rollout)[0]
+
+    def update(self, exp: Experience) -> dict:
+        """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
+
+        The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
+        per batch: the ratio is 1 and only its gradient matters).
+        """
+        ro, algo = exp.rollout, self.algorithm
+        mask = ro.completion_mask
+        self.model.train()
+        metrics = {}
+        for _ in range(algo.num_iterations):
+            logps, entropy = self._logprobs(ro, with_entropy=True)                 # [N, C] each
+            old = logps.detach() if exp.old_logps is None else exp.old_logps
+            loss, metrics = policy_loss(
+                logps, old, exp.advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
+                loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+                beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
+                max_completion_length=self.sampling.max_completion_length, is_weights=exp.is_weights,
+                use_bias_correction_kl=algo.use_bias_correction_kl)
+            stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
+            metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
+                           entropy=masked_mean(entropy.detach(), mask).item(),
+                           **ratio_statistics(old, ro.logprobs, mask))   # rollout vs trainer (notebook 02)
+        self.model.eval()
+        return metrics
+
+    def named_weights(self):
+        """(name, tensor) for every entry of the policy's state_dict: what the engine must load."""
+        return self.model.state_dict().items()
+
+    def state_dict(self) -> dict:
+        """The optimizer's state (the weights are saved in Hugging Face format, beside it)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class Reference:
+    """log pi_ref of the sampled tokens, from a frozen copy of the policy as it was at the start."""
+
+    def __init__(self, model, temperature: float = 1.0):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, C] float32 log-probs of the completion tokens under the reference."""
+        return completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                   rollout.num_completion_tokens, self.temperature,
+                                   num_generations=rollout.num_generations)[0]
+
+
+class Critic:
+    """V(s_t) for every completion token, fitted to the GAE returns."""
+
+    def __init__(self, value_model: ValueModel, algorithm: AlgorithmConfig, optimizer: OptimizerConfig):
+        self.model = value_model.eval()
+        self.algorithm = algorithm
+        self.max_grad_norm = optimizer.max_grad_norm
+        self.optimizer = torch.optim.AdamW(value_model.parameters(), lr=optimizer.value_learning_rate,
+                                           weight_decay=optimizer.weight_decay)
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> Tensor:
+        """[N, C] float32 values of the states before each completion token; 0 after the completion."""
+        return self.model(rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens) \
+            * rollout.completion_mask
+
+    def update(self, exp: Experience) -> dict:
+        """One clipped value-loss step toward `exp.returns`."""
+        ro = exp.rollout
+        self.model.train()
+        values = self.model(ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
+        loss = value_loss(values, exp.values, exp.returns, ro.completion_mask, self.algorithm.cliprange_value,
+                          self.algorithm.loss_type)
+        stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
+        self.model.eval()
+        return {"value_loss": loss.item(), "value_grad_norm": grad_norm, "value_skipped": int(not stepped),
+                "value_mean": masked_mean(exp.values, ro.completion_mask).item()}
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 @dataclass
-class GRPOConfig:
-    """One RL run. Names follow TRL's GRPOConfig where the concept is the same."""
+class SyncReport:
+    """What one synchronization did."""
 
-    algo: str = "grpo"                 # "grpo" (group advantages) | "ppo" (actor + critic, GAE)
-    steps: int = 600                   # generation batches (= optimizer steps when num_iterations=1)
-    prompts_per_step: int = 16         # B prompts per batch; the batch has B * num_generations rows
-    num_generations: int = 8           # G completions per prompt (GRPO's group)
-    max_completion_length: int = 4     # new tokens per completion (3 answer digits + EOS)
-    temperature: float = 1.0
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta: float = 0.0                  # KL coefficient to the frozen reference (GRPO: loss; PPO: reward)
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: = epsilon
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"
-    importance_sampling_level: str = "token"
-    num_iterations: int = 1            # updates per generation batch (TRL's mu)
-    seed: int = 0
-    rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
-    rollout_engine: str = "shared_prefix"   # "hf": HF generate over B * G rows (section 10)
-    use_bias_correction_kl: bool = False    # KL term times the importance ratio (TRL 1.16's default)
-    importance_sampling_correction: bool = False   # truncated IS vs the rollout's behaviour log-probs
-    importance_sampling_mode: str = "token_truncate"
-    importance_sampling_cap: float = 2.0
-    # PPO only
-    value_learning_rate: float = 1e-3
-    cliprange_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    # bookkeeping
-    reward_errors: str = "raise"       # "raise" | "zero": a reward function failing on a sample scores 0
-    eval_every: int = 100              # held-out greedy accuracy every N steps (and at the end); 0: never
-    checkpoint_every: int = 0          # 0: no checkpoints
-    keep_checkpoints: int = 2
-    device: str = "cpu"
+    version: int      # the policy version the engine holds now
+    tensors: int      # named tensors handed over
+    bytes: int        # their size, in the trainer's dtype
+    seconds: float    # wall-clock time of the push
 
-    def __post_init__(self):
-        def bad(name, why):
-            raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: {why}")
-        choices = {"algo": ("grpo", "ppo"), "loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-                   "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "rollout_dtype": ROLLOUT_DTYPES,
-                   "rollout_engine": ROLLOUT_ENGINES,
-                   "importance_sampling_mode": IS_MODES, "reward_errors": ("raise", "zero")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                bad(name, f"use one of {allowed}")
-        if self.algo == "grpo" and self.num_generations < 2:
-            bad("num_generations", "GRPO needs a group of at least 2 completions per prompt; use >= 2")
-        if self.num_generations < 1:
-            bad("num_generations", "use >= 1")
-        for name in ("steps", "prompts_per_step", "max_completion_length", "num_iterations"):
-            if getattr(self, name) < 1:
-                bad(name, "must be >= 1")
-        for name in ("temperature", "learning_rate", "max_grad_norm", "importance_sampling_cap"):
-            if not getattr(self, name) > 0:
-                bad(name, "must be > 0")
-        if self.epsilon_high is not None and self.epsilon_high < 0 or self.epsilon < 0:
-            bad("epsilon", "clipping ranges must be >= 0")
-        if self.eval_every < 0 or self.checkpoint_every < 0:
-            bad("eval_every" if self.eval_every < 0 else "checkpoint_every", "must be >= 0 (0 turns it off)")
+
+class WeightSync(Protocol):
+    def push(self, named_weights: Iterable[tuple[str, Tensor]], engine: RolloutEngine, version: int) -> SyncReport:
+        """Load `named_weights` into `engine` as `version`; raise if the engine does not end up holding it."""
+        ...
+
+
+def check_pushed(engine: RolloutEngine, version: int) -> None:
+    """The engine must report the version just pushed (an engine that ignored the push is caught here)."""
+    if engine.version != version:
+        raise VersionMismatchError(f"after pushing version {version}, {type(engine).__name__} reports version "
+                                   f"{engine.version}: its load_weights did not take the new weights")
+
+
+class InProcessSync:
+    """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
+
+    verify=True also compares every weight the engine holds with the trainer's, within the
+    rounding of the engine's dtype (`minirl.sync.checks.check_synchronization`; slower: it
+    reads every tensor twice). Raises RuntimeError naming the stale tensors.
+    """
+
+    def __init__(self, verify: bool = False):
+        self.verify = verify
+
+    def push(self, named_weights, engine, version: int) -> SyncReport:
+        start = time.perf_counter()
+        named = [(name, tensor.detach()) for name, tensor in named_weights]
+        engine.load_weights(named, version)
+        check_pushed(engine, version)
+        if self.verify:
+            problems = check_synchronization(dict(named), engine)
+            if problems:
+                raise RuntimeError("weight sync left the engine stale: " + "; ".join(problems))
+        return SyncReport(version, len(named), sum(t.numel() * t.element_size() for _, t in named),
+                          time.perf_counter() - start)
 
 
 @dataclass
-class Experience:
-    """One generation batch and everything computed from it before the update. N = B * G."""
+class Experience(Batch):
+    """One generation batch and everything computed from it before the update. N = B * G rows."""
 
     rollout: Rollout
-    rewards: Tensor                      # [N]
+    rewards: Tensor                      # [N] float, summed over reward functions
     advantages: Tensor | None = None     # [N] (GRPO) or [N, C] (PPO)
-    old_logps: Tensor | None = None      # [N, C] trainer log-probs before the update (None: = logps.detach())
-    ref_logps: Tensor | None = None      # [N, C] frozen reference
-    values: Tensor | None = None         # [N, C] critic values before the update (PPO)
-    returns: Tensor | None = None        # [N, C] critic targets (PPO)
-    is_weights: Tensor | None = None     # [N, C] importance-sampling weights vs the rollout (notebook 02)
+    old_logps: Tensor | None = None      # [N, C] the trainer's log-probs before the update (None: = logps.detach())
+    ref_logps: Tensor | None = None      # [N, C] the frozen reference's
+    values: Tensor | None = None         # [N, C] the critic's values before the update (PPO)
+    returns: Tensor | None = None        # [N, C] the critic's targets (PPO)
+    is_weights: Tensor | None = None     # [N, C] importance-sampling weights against the rollout (notebook 02)
+
+    OPTIONAL = ("advantages", "old_logps", "ref_logps", "values", "returns", "is_weights")
+
+    @property
+    def group_size(self) -> int:
+        return self.rollout.num_generations
+
+    @property
+    def version(self) -> int:
+        return self.rollout.version
 
 
 @dataclass
-class LoopState:
-    """Everything that changes during a run, and what a checkpoint must restore."""
+class Roles:
+    """The models of a run, and the policy version the engine must hold for the next batch."""
 
-    model: torch.nn.Module
-    tokenizer: object
-    rollout: HFRollout
-    optimizer: torch.optim.Optimizer
-    generator: torch.Generator           # draws prompts and sampling seeds
-    ref_model: torch.nn.Module | None = None
-    value_model: ValueModel | None = None
-    value_optimizer: torch.optim.Optimizer | None = None
-    step: int = 0
+    actor: Actor
+    reference: Reference | None = None   # only with a KL penalty (beta > 0)
+    critic: Critic | None = None         # only for PPO
     version: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list[dict]:
     """n distinct dataset rows, drawn with `generator` (all rows if the dataset is smaller)."""
     if not rows:
-        raise ValueError("dataset is empty: train needs rows like {'prompt': '27+35=', 'answer': 62}")
+        raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
     picks = torch.randperm(len(rows), generator=generator)[:n].tolist()
     return [rows[i] for i in picks]
-
-
-def generate(rollout: HFRollout, rows: list[dict], config: GRPOConfig, expected_version: int,
-             generator: torch.Generator) -> Rollout:
-    """Stage 1: G completions for each row's prompt, from the expected policy version."""
-    return rollout.generate([r["prompt"] for r in rows], config.num_generations, config.max_completion_length,
-                            config.temperature, expected_version=expected_version, generator=generator)
 
 
 def _reward_name(func) -> str:
@@ -593,25 +1054,31 @@ def _call_reward(func, prompts, completions, columns, reward_errors, errors: lis
     return values
 
 
-def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOConfig) -> tuple[Tensor, dict]:
-    """Stage 2: rewards [N] (summed over functions) and metrics (per-function mean, error count)."""
-    G = config.num_generations
+def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise") -> tuple[Tensor, dict]:
+    """Stage 2: rewards [N] (summed over functions) and metrics (per-function mean, error count).
+
+    Each function is called with TRL's signature, f(prompts, completions, **columns), where the
+    columns are the dataset rows' other fields, repeated G times. A wrong number of rewards, a
+    non-numeric or non-finite reward is an error naming the function; with reward_errors="zero"
+    a failing sample scores 0 and is counted in metrics["reward_errors"].
+    """
+    G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     total = torch.zeros(len(rollout.completions))
     metrics, errors = {}, []
     for func in reward_funcs:
-        values = _call_reward(func, rollout.prompts, rollout.completions, columns, config.reward_errors, errors)
+        values = _call_reward(func, rollout.prompts, rollout.completions, columns, reward_errors, errors)
         name = _reward_name(func)
         if len(values) != len(rollout.completions):
             raise ValueError(f"reward function {name} returned {len(values)} rewards for "
                              f"{len(rollout.completions)} completions: reward_funcs must return one float each")
-        values = torch.tensor([math.nan if v is None else float(v) for v in values])
+        values = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)
         if not torch.isfinite(values).all():
-            if config.reward_errors == "raise":
-                raise ValueError(f"reward function {name} returned non-finite rewards "
+            if reward_errors == "raise":
+                raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
                                  f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
                                  "floats, or pass reward_errors='zero' to score them 0")
-            errors += [f"{name}[{i}]: non-finite" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
+            errors += [f"{name}[{i}]: not a finite number" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         metrics[f"rewards/{name}"] = values.mean().item()
         total += values
@@ -621,171 +1088,294 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], config: GRPOCo
     return total, metrics
 
 
+def _as_float(value) -> float:
+    """A reward as a float; NaN for anything that is not a number (None, a string, a list, ...)."""
+    if isinstance(value, (str, bytes)):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 @torch.no_grad()
-def compute_reference(state: LoopState, rollout: Rollout, config: GRPOConfig) -> dict:
-    """old_logps, ref_logps, values [N, C] (each None when this config does not need it)."""
-    ids, mask, C = rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens
-    G = config.num_generations                   # rows come as G completions per prompt: share the prompt
-    out = {"old_logps": None, "ref_logps": None, "values": None}
-    needs_old = (config.num_iterations > 1 or config.importance_sampling_correction
-                 or (config.algo == "ppo" and config.beta > 0))
-    if needs_old:
-        out["old_logps"] = completion_logprobs(state.model, ids, mask, C, config.temperature, num_generations=G)[0]
-    if state.ref_model is not None:
-        out["ref_logps"] = completion_logprobs(state.ref_model, ids, mask, C, config.temperature,
-                                               num_generations=G)[0]
-    if state.value_model is not None:
-        out["values"] = state.value_model(ids, mask, C) * rollout.completion_mask
-    return out
+def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: AlgorithmConfig) -> Experience:
+    """The log-probs and values the update needs, computed before it: old, reference, critic.
+
+    old_logps are only needed when pi_old differs from the first update's own log-probs
+    (several iterations per batch, importance-sampling correction, or PPO's KL-in-reward).
+    """
+    needs_old = (algorithm.num_iterations > 1 or algorithm.importance_sampling_correction
+                 or (algorithm.algo == "ppo" and algorithm.beta > 0))
+    return Experience(
+        rollout, rewards,
+        old_logps=roles.actor.logprobs(rollout) if needs_old else None,                   # [N, C]
+        ref_logps=roles.reference.logprobs(rollout) if roles.reference is not None else None,
+        values=roles.critic.values(rollout) if roles.critic is not None else None)
 
 
-def compute_advantages(exp: Experience, config: GRPOConfig) -> Experience:
+def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Truncated IS weights pi_old / pi_rollout per token (notebook 02), when the correction is on."""
+    if not algorithm.importance_sampling_correction:
+        return exp
+    ro = exp.rollout
+    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
+                                                 algorithm.importance_sampling_mode,
+                                                 algorithm.importance_sampling_cap)       # [N, C]
+    return exp
+
+
+def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C]."""
-    if config.algo == "grpo":
-        exp.advantages = group_advantages(exp.rewards, config.num_generations, config.scale_rewards)
+    if algorithm.algo == "grpo":
+        exp.advantages = group_advantages(exp.rewards, exp.rollout.num_generations, algorithm.scale_rewards)
         return exp
     mask = exp.rollout.completion_mask
-    token_rewards = terminal_rewards(exp.rewards, mask)                    # [N, C]
-    if config.beta > 0:
-        token_rewards = token_rewards - config.beta * (exp.old_logps - exp.ref_logps) * mask
-    advantages, exp.returns = gae(token_rewards, exp.values, mask, config.gamma, config.lam)
+    token_rewards = terminal_rewards(exp.rewards, mask)                                   # [N, C]
+    if algorithm.beta > 0:
+        token_rewards = token_rewards - algorithm.beta * (exp.old_logps - exp.ref_logps) * mask
+    advantages, exp.returns = gae(token_rewards, exp.values, mask, algorithm.gamma, algorithm.lam)
     exp.advantages = whiten(advantages, mask)
     return exp
 
 
-def _step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
-    """backward + clip + step, unless the loss or gradient norm is non-finite. Returns (stepped, grad_norm)."""
-    optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
-        return False, math.nan
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
+def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
+            generator: torch.Generator | None = None) -> dict:
+    """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
 
-
-def update_policy(model, optimizer, exp: Experience, config: GRPOConfig) -> dict:
-    """Stage 3: `num_iterations` optimizer steps on this batch. Returns the last step's metrics.
-
-    The rollout's rows must come as config.num_generations completions per prompt (each
-    prompt's forward pass is shared by its group, see `completion_logprobs`).
+    rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
+    sync: any WeightSync. The record holds the update's metrics, the batch's reward and
+    completion length, the versions, and `time/<stage>` seconds for every stage.
     """
-    ro = exp.rollout
-    mask = ro.completion_mask
-    model.train()
-    metrics = {}
-    for _ in range(config.num_iterations):
-        logps, entropy = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens,
-                                             config.temperature, with_entropy=True,
-                                             num_generations=config.num_generations)
-        old = logps.detach() if exp.old_logps is None else exp.old_logps
-        if config.importance_sampling_correction and exp.is_weights is None:
-            from minirl.algo.corrections import importance_sampling_weights  # notebook 02
-            exp.is_weights = importance_sampling_weights(old, ro.logprobs, mask, config.importance_sampling_mode,
-                                                         config.importance_sampling_cap)
-        loss, metrics = policy_loss(logps, old, exp.advantages, mask, epsilon=config.epsilon,
-                                    epsilon_high=config.epsilon_high, loss_type=config.loss_type,
-                                    importance_sampling_level=config.importance_sampling_level, beta=config.beta
-                                    if config.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                                    max_completion_length=config.max_completion_length, is_weights=exp.is_weights,
-                                    use_bias_correction_kl=config.use_bias_correction_kl)
-        stepped, grad_norm = _step(model.parameters(), optimizer, loss, config.max_grad_norm)
-        metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
-                       entropy=masked_mean(entropy.detach(), mask).item(),
-                       # rollout vs trainer log-prob gap on the sampled tokens (0 up to rounding in fp32)
-                       logprob_diff_abs=masked_mean((old - ro.logprobs).abs(), mask).item())
-    model.eval()
-    return metrics
+    timer = StageTimer()
+    with timer("generate"):
+        rollout = engine.generate([r["prompt"] for r in rows], config.sampling, expected_version=roles.version,
+                                  generator=generator)
+    with timer("score"):
+        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
+    with timer("reference"):
+        exp = make_experience(rollout, rewards, roles, config.algorithm)
+    with timer("advantages"):
+        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm)
+    with timer("update"):
+        metrics |= roles.actor.update(exp)
+    if roles.critic is not None:
+        with timer("update_critic"):
+            metrics |= roles.critic.update(exp)
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    return metrics | {"version": roles.version, "generated_version": rollout.version,
+                      "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
 
 
-def update_critic(value_model, value_optimizer, exp: Experience, config: GRPOConfig) -> dict:
-    """PPO's critic step: clipped value loss toward the GAE returns."""
-    ro = exp.rollout
-    value_model.train()
-    values = value_model(ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
-    loss = value_loss(values, exp.values, exp.returns, ro.completion_mask, config.cliprange_value, config.loss_type)
-    stepped, grad_norm = _step(value_model.parameters(), value_optimizer, loss, config.max_grad_norm)
-    value_model.eval()
-    return {"value_loss": loss.item(), "value_grad_norm": grad_norm, "value_skipped": int(not stepped),
-            "value_mean": masked_mean(exp.values, ro.completion_mask).item()}
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}   # RolloutConfig.rollout_engine -> class
+SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 
-def sync_weights(model, rollout: HFRollout, version: int) -> int:
-    """Stage 4: copy the trainer's weights into the rollout engine as `version + 1`; returns it."""
-    rollout.load_weights(model.state_dict(), version + 1)
-    return version + 1
+def build_roles(config: RLConfig, model) -> Roles:
+    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device."""
+    model.to(config.run.device).eval()
+    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
+    critic = None
+    if config.algorithm.algo == "ppo":
+        critic = Critic(ValueModel.from_policy(model), config.algorithm, config.optimizer)
+    return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
 
 
-def setup(config: GRPOConfig, model, tokenizer) -> LoopState:
-    """The state of a fresh run: rollout copy, optimizer(s), reference, critic, generator."""
-    check_tokenizer(tokenizer)
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    model.to(config.device).eval()
-    ref_model = None
-    if config.beta > 0:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    value_model = value_optimizer = None
-    if config.algo == "ppo":
-        value_model = ValueModel.from_policy(model).eval()
-        value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=config.value_learning_rate,
-                                            weight_decay=config.weight_decay)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    return LoopState(model=model, tokenizer=tokenizer, optimizer=optimizer,
-                     rollout=HFRollout(model, tokenizer, config.rollout_dtype, device=config.device,
-                                       engine=config.rollout_engine),
-                     generator=torch.Generator().manual_seed(config.seed), ref_model=ref_model,
-                     value_model=value_model, value_optimizer=value_optimizer)
+def build_engine(config: RLConfig, model, tokenizer):
+    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0)."""
+    engine = ENGINES[config.rollout.rollout_engine]
+    return engine(model, tokenizer, config.rollout.rollout_dtype, device=config.run.device)
 
 
-def train_step(state: LoopState, rows: list[dict], reward_funcs: list, config: GRPOConfig) -> dict:
-    """One pass generate -> score -> reference/values -> advantages -> update -> sync, each stage timed."""
-    times = {}
+@dataclass
+class RunState:
+    """Everything a run changes, and what a checkpoint restores."""
 
-    def timed(name, fn, *args):
-        t0 = time.perf_counter()
-        result = fn(*args)
-        times[f"time/{name}"] = time.perf_counter() - t0
-        return result
-
-    batch = sample_prompts(rows, config.prompts_per_step, state.generator)
-    ro = timed("generate", generate, state.rollout, batch, config, state.version, state.generator)
-    rewards, metrics = timed("score", score, reward_funcs, ro, batch, config)
-    exp = Experience(ro, rewards, **timed("reference", compute_reference, state, ro, config))
-    timed("advantages", compute_advantages, exp, config)
-    metrics |= timed("update", update_policy, state.model, state.optimizer, exp, config)
-    if state.value_model is not None:
-        metrics |= timed("update_critic", update_critic, state.value_model, state.value_optimizer, exp, config)
-    state.version = timed("sync", sync_weights, state.model, state.rollout, state.version)
-    state.step += 1
-    C = ro.completion_mask.float()
-    metrics |= {"step": state.step, "version": state.version, "generated_version": ro.version,
-                "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                "completion_length": C.sum(1).mean().item()}
-    return metrics | times
+    config: RLConfig
+    roles: Roles
+    engine: object                          # a RolloutEngine
+    sync: object                            # a WeightSync
+    generator: torch.Generator              # draws the prompts and the sampling seeds
+    rows: list[dict]                        # the dataset
+    reward_funcs: list
+    step: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    interrupted: bool = False
 
 
-def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_funcs=None, out_dir=None,
-          progress: bool = True, dataset: list[dict] | None = None, resume: bool = False,
-          stop_after: int | None = None, eval_fn=None) -> list[dict]:
-    """Run `config.steps` steps of the loop; returns one metrics dict per evaluation/step.
+class Callback:
+    """Hooks of a run; each does one job. on_end runs last, also after an error (see state.interrupted)."""
+
+    def on_start(self, state: RunState) -> None: ...
+
+    def on_step(self, state: RunState, record: dict) -> None: ...
+
+    def on_end(self, state: RunState) -> None: ...
+
+
+class RunStopped(Exception):
+    """Raised by StopAfter: the run stopped on purpose before its last step (a simulated crash)."""
+
+
+def run(state: RunState, step_fn, callbacks: list[Callback], steps: int) -> list[dict]:
+    """Call step_fn(state) until `steps` steps are done; each record goes through every callback in order."""
+    for cb in callbacks:
+        cb.on_start(state)
+    try:
+        while state.step < steps:
+            start = time.perf_counter()
+            record = step_fn(state)
+            state.step += 1
+            record = {"step": state.step, **record, "time/step": time.perf_counter() - start}
+            state.metrics.append(record)
+            for cb in callbacks:
+                cb.on_step(state, record)
+    except BaseException:
+        state.interrupted = True
+        raise
+    finally:
+        for cb in callbacks:
+            cb.on_end(state)
+    return state.metrics
+
+
+class Evaluator(Callback):
+    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step."""
+
+    def __init__(self, eval_fn, every: int, last_step: int):
+        self.eval_fn, self.every, self.last_step = eval_fn, every, last_step
+
+    def evaluate(self, state: RunState, record: dict) -> None:
+        start = time.perf_counter()
+        record["accuracy"] = self.eval_fn(state.roles.actor.model)
+        record["time/eval"] = time.perf_counter() - start
+
+    def on_start(self, state):
+        if self.every and state.step == 0:
+            state.metrics.append({"step": 0, "version": state.roles.version})
+            self.evaluate(state, state.metrics[-1])
+
+    def on_step(self, state, record):
+        if self.every and (state.step % self.every == 0 or state.step == self.last_step):
+            self.evaluate(state, record)
+
+
+class JSONLLogger(Callback):
+    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
+    its checkpoint), then one line appended per step."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_start(self, state):
+        write_jsonl(self.path, state.metrics)
+
+    def on_step(self, state, record):
+        append_jsonl(self.path, record)
+
+
+class Checkpointer(Callback):
+    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
+    if the final step has none, and the final policy in Hugging Face format under `final/`."""
+
+    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
+        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
+        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
+        self.saved_step = None
+
+    def save(self, state):
+        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
+        self.saved_step = state.step
+
+    def on_start(self, state):
+        remove_stale_temporaries(self.root)
+
+    def on_step(self, state, record):
+        if self.every and state.step % self.every == 0:
+            self.save(state)
+
+    def on_end(self, state):
+        if state.interrupted:
+            return
+        if self.saved_step != state.step:
+            self.save(state)
+        state.roles.actor.model.save_pretrained(self.final)
+        self.tokenizer.save_pretrained(self.final)
+
+
+class ProgressBar(Callback):
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.bar = total, desc, None
+
+    def on_start(self, state):
+        self.bar = tqdm(total=self.total, initial=state.step, desc=self.desc)
+
+    def on_step(self, state, record):
+        postfix = {"reward": f"{record['reward']:.2f}"} | ({"acc": f"{record['accuracy']:.2f}"}
+                                                           if "accuracy" in record else {})
+        self.bar.set_postfix(postfix)
+        self.bar.update(1)
+
+    def on_end(self, state):
+        self.bar.close()
+
+
+class StopAfter(Callback):
+    """Stop right after step k, as a crash would (no final save): raises RunStopped."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, state, record):
+        if state.step >= self.step:
+            raise RunStopped(f"stopped after step {state.step} (stop_after={self.step})")
+
+
+def check_resume_config(saved: dict, config: RLConfig) -> None:
+    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
+    old, new = RLConfig.from_dict(saved).flat(), config.flat()
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
+    if changed:
+        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
+                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
+                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
+
+
+def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list) -> RunState:
+    """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
+    roles = build_roles(config, model)
+    return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
+                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs)
+
+
+def stage1_step(state: RunState) -> dict:
+    """Stage 1's step: draw this step's prompts, then `rl_step`."""
+    rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
+    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator)
+
+
+def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=None, resume: bool = False,
+          overwrite: bool = False, progress: bool = True, reward_funcs=None, dataset=None, eval_fn=None,
+          stop_after: int | None = None, extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
+    """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
     model/tokenizer: default the embedded warm-started policy; task: default `make_task()`;
     dataset: rows {"prompt", **columns} (default task.rows("train")); reward_funcs: TRL-style
-    functions (default [task.reward]); eval_fn(model) -> accuracy (default held-out greedy
-    accuracy on task.test). With out_dir: metrics.jsonl, and checkpoints every
-    `checkpoint_every` steps under out_dir/checkpoints; resume=True continues from the latest.
-    stop_after=K returns right after the checkpoint at step K (simulates a crash).
+    functions (default [task.reward]); eval_fn(model) -> accuracy in 0..1 (default held-out
+    greedy accuracy). With out_dir: run.json, metrics.jsonl, checkpoints/ and final/ there
+    (the directory must be new, or resume=True continues its run from the newest intact
+    checkpoint, or overwrite=True replaces it). stop_after=k raises RunStopped after step k.
+    extra_callbacks run after the built-in ones (evaluator, logger, checkpointer, progress bar).
+    run_info: more facts for run.json besides the settings (a script records the model's name).
     """
-    from minirl.train.checkpoint import latest_checkpoint, restore_state, save_checkpoint
-    from minirl.models.policy import greedy_accuracy, load_default_policy
-    from minirl.tasks.arithmetic import make_task
-
-    if model is None or tokenizer is None:
-        model, tokenizer, _ = load_default_policy(device=config.device, progress=progress)
+    if (model is None) != (tokenizer is None):
+        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
+    if model is None:
+        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
     task = task or make_task()
     rows = task.rows("train") if dataset is None else list(dataset)
     if not rows:
@@ -795,59 +1385,148 @@ def train(config: GRPOConfig, model=None, tokenizer=None, task=None, reward_func
     reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
+    if resume and out_dir is None:
+        raise ValueError("train: resume=True needs the out_dir of the run to continue")
     eval_fn = eval_fn or (lambda m: greedy_accuracy(m, tokenizer, task))
-    state = setup(config, model, tokenizer)
-    metrics: list[dict] = []
-    out_dir = Path(out_dir) if out_dir is not None else None
-    log_path = out_dir / "metrics.jsonl" if out_dir is not None else None
-    checkpoint = latest_checkpoint(out_dir / "checkpoints") if (resume and out_dir is not None) else None
-    if checkpoint is not None:
-        metrics = restore_state(checkpoint, state)                 # weights, optimizer, RNGs, step, version
-        _write_jsonl(log_path, metrics)
-    elif out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_jsonl(log_path, [])
-    if state.step == 0 and config.eval_every:
-        metrics.append({"step": 0, "version": 0, "accuracy": eval_fn(state.model)})
-        _append_jsonl(log_path, metrics[-1])
-    bar = tqdm(total=config.steps, initial=state.step, desc=f"{config.algo} (stage 1)", disable=not progress)
-    while state.step < config.steps:
-        t0 = time.perf_counter()
-        record = train_step(state, rows, reward_funcs, config)
-        if config.eval_every and (state.step % config.eval_every == 0 or state.step == config.steps):
-            t1 = time.perf_counter()
-            record["accuracy"] = eval_fn(state.model)
-            record["time/eval"] = time.perf_counter() - t1
-        record["time/step"] = time.perf_counter() - t0
-        metrics.append(record)
-        _append_jsonl(log_path, record)
-        bar.update(1)
-        bar.set_postfix(reward=f"{record['reward']:.2f}", **({"acc": f"{record['accuracy']:.2f}"}
-                                                             if "accuracy" in record else {}))
-        if out_dir is not None and config.checkpoint_every and state.step % config.checkpoint_every == 0:
-            save_checkpoint(out_dir / "checkpoints", state, metrics, config, keep=config.keep_checkpoints)
-            if stop_after is not None and state.step >= stop_after:
-                break
-    bar.close()
-    return metrics
+    state = setup(config, model, tokenizer, rows, reward_funcs)
+    record = {"config": dataclasses.asdict(config), **(run_info or {})}
+    run_dir = None if out_dir is None else open_run_dir(out_dir, record, resume=resume, overwrite=overwrite)
+    try:
+        if resume:
+            found = latest_checkpoint(Path(out_dir) / "checkpoints")
+            if found is None:
+                raise RunDirError(f"resume: {out_dir} holds no intact checkpoint (the run stopped before its "
+                                  "first one); start it again with overwrite=True (--overwrite)")
+            _, training, weights = found
+            check_resume_config(training["config"], config)
+            restore_checkpoint(training, weights, state)
+            atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
+        callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)]
+        if out_dir is not None:
+            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl"),
+                          Checkpointer(out_dir, config.run.checkpoint_every, config.run.keep_checkpoints, config,
+                                       tokenizer)]
+        if progress:
+            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} (stage 1)"))
+        callbacks += list(extra_callbacks)
+        if stop_after is not None:
+            callbacks.append(StopAfter(stop_after))
+        return run(state, stage1_step, callbacks, config.run.steps)
+    finally:
+        if run_dir is not None:
+            run_dir.close()
 
 
-def _write_jsonl(path, records: list[dict]) -> None:
-    if path is not None:
-        from minirl.utils.cli import atomic_write_text
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
 
 
-def _append_jsonl(path, record: dict) -> None:
-    if path is not None:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names its directory and the broken file."""
+
+
+def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
+    """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints of this run."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{state.step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+    roles = state.roles
+    roles.actor.model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    training = {
+        "step": state.step, "version": roles.version, "config": dataclasses.asdict(config),
+        "metrics": state.metrics, "actor": roles.actor.state_dict(),
+        "critic": roles.critic.state_dict() if roles.critic is not None else None,
+        "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    torch.save(training, tmp / "training_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)                                   # atomic: all of it or none of it
+    for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path) -> tuple[dict, dict]:
+    """(training state, model weights) of one checkpoint; CheckpointError names what is broken."""
+    path = Path(path)
+    for name in ("training_state.pt", "model.safetensors"):
+        if not (path / name).is_file() or (path / name).stat().st_size == 0:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing or empty")
+    try:
+        training = torch.load(path / "training_state.pt", weights_only=False, map_location="cpu")
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path}: training_state.pt does not load "
+                              f"({type(err).__name__}: {err})") from err
+    try:
+        weights = load_file(path / "model.safetensors")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: model.safetensors does not load ({err})") from err
+    return training, weights
+
+
+def latest_checkpoint(root) -> tuple[Path, dict, dict] | None:
+    """The newest intact checkpoint under `root` as (path, training state, weights), or None.
+
+    A newer checkpoint that does not load is skipped with a warning naming it, so a crash
+    that damaged the last one costs the steps since the one before, never the run.
+    """
+    root = Path(root)
+    candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
+    for path in candidates:
+        try:
+            return (path, *load_checkpoint(path))
+        except CheckpointError as err:
+            warnings.warn(f"{err}; falling back to the previous checkpoint", stacklevel=2)
+    return None
+
+
+def remove_stale_temporaries(root) -> list[Path]:
+    """Delete half-written `.tmp-step-*` directories left by a crash during a save; returns them."""
+    root = Path(root)
+    stale = sorted(root.glob(f"{TMP_PREFIX}{PREFIX}*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def restore_checkpoint(training: dict, weights: dict, state) -> None:
+    """Load a checkpoint (from `load_checkpoint`) into a freshly built run state, in place.
+
+    The engine is then handed the restored weights at the restored version.
+    """
+    roles = state.roles
+    model = roles.actor.model
+    device = next(model.parameters()).device
+    try:
+        result = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+    except RuntimeError as err:                  # shapes differ: another model than the run's
+        raise CheckpointError(f"the checkpoint's weights do not fit the model ({str(err).splitlines()[1].strip()}"
+                              "...); resume with the model the run started from") from None
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in weights if k in own}
+    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]   # tied weights are saved once
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint weights do not fit the model: missing {missing[:3]}, unexpected "
+                              f"{result.unexpected_keys[:3]}; resume with the model the run started from")
+    roles.actor.load_state_dict(training["actor"])
+    if roles.critic is not None:
+        roles.critic.load_state_dict(training["critic"])
+    state.generator.set_state(training["generator"])
+    torch.set_rng_state(training["torch_rng"])
+    random.setstate(training["python_rng"])
+    if training["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(training["cuda_rng"])
+    state.step, roles.version, state.metrics = training["step"], training["version"], training["metrics"]
+    state.sync.push(roles.actor.named_weights(), state.engine, roles.version)
 
 
 def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
     """Reward per step and held-out accuracy; saved to `path` if given. Returns the figure."""
-    import matplotlib.pyplot as plt
-
     steps = [m["step"] for m in metrics if "reward" in m]
     reward = [m["reward"] for m in metrics if "reward" in m]
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -864,63 +1543,6 @@ def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
-
-
-PREFIX = "step-"
-
-
-def save_checkpoint(root, state, metrics: list[dict], config, keep: int = 2) -> Path:
-    """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    state.model.save_pretrained(tmp)
-    state.tokenizer.save_pretrained(tmp)
-    training = {
-        "step": state.step, "version": state.version, "config": asdict(config), "metrics": metrics,
-        "optimizer": state.optimizer.state_dict(), "generator": state.generator.get_state(),
-        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "extra": state.extra,
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "value_model": state.value_model.state_dict() if state.value_model is not None else None,
-        "value_optimizer": state.value_optimizer.state_dict() if state.value_optimizer is not None else None,
-    }
-    torch.save(training, tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)                                   # atomic: all of it or none of it
-    for old in sorted(root.glob(f"{PREFIX}*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(root) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    root = Path(root)
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "training_state.pt").exists()) if root.exists() else []
-    return done[-1] if done else None
-
-
-def restore_state(path, state) -> list[dict]:
-    """Load a checkpoint into a freshly `setup` state, in place; returns the metrics logged so far."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    training = torch.load(path / "training_state.pt", weights_only=False)
-    weights = load_file(path / "model.safetensors", device=str(next(state.model.parameters()).device))
-    state.model.load_state_dict(weights, strict=False)       # tied weights are saved once
-    state.optimizer.load_state_dict(training["optimizer"])
-    if state.value_model is not None:
-        state.value_model.load_state_dict(training["value_model"])
-        state.value_optimizer.load_state_dict(training["value_optimizer"])
-    state.generator.set_state(training["generator"])
-    torch.set_rng_state(training["torch_rng"])
-    random.setstate(training["python_rng"])
-    if training["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(training["cuda_rng"])
-    state.step, state.version, state.extra = training["step"], training["version"], training["extra"]
-    state.rollout.load_weights(state.model.state_dict(), state.version)
-    return training["metrics"]
 
 
 # the forward argument and output field holding the KV cache: `cache` since transformers 5.2x
@@ -967,6 +1589,20 @@ def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_c
     rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=positions,
                  use_cache=False, **{CACHE_ARG: cache}).logits                            # [N, C-1, V]
     return torch.cat([first, rest], 1)                                                    # [N, C, V]
+
+
+class SharedPrefixEngine(HFEngine):
+    """HFEngine's copy and checks, with the prefill shared by each prompt's G samples."""
+
+    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
+        tok, G = self.tokenizer, sampling.num_generations
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        completion_ids, logprobs = sample_shared_prefix(
+            self.model, enc.input_ids, enc.attention_mask, G, sampling.max_completion_length, sampling.temperature,
+            tok.eos_token_id, tok.pad_token_id, sampler)                                  # [N, C] each
+        return (enc.input_ids.repeat_interleave(G, 0), enc.attention_mask.repeat_interleave(G, 0),
+                completion_ids, logprobs)
 
 
 @torch.no_grad()

@@ -7,14 +7,18 @@ Each `raise NotImplementedError` marks code to write; the docstring above it say
 
 import math
 from dataclasses import dataclass, field
+import copy
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 import torch.nn.functional as F
 
+from minirl.algo.logprobs import check_logprob_pair, completion_logprobs
+from minirl.config import SamplingConfig, IS_MODES
+from minirl.rollout.hf import HFEngine
 from minirl.models.moe import routers, RouteRecorder, replay_routes, route_agreement
-from minirl.diagnostics.mismatch import check_logprob_pair
+from minirl.sync.checks import check_synchronization, dtype_name
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -155,13 +159,10 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.algo.logprobs import completion_logprobs
-
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
-        import copy
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
     input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
@@ -176,19 +177,16 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
                      temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
     """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
 
-    model: the trainer's policy (an HF causal LM). rollout: an HFRollout to use as it is
-    (its own dtype and version); when None a fresh HFRollout(model, tokenizer, rollout_dtype)
+    model: the trainer's policy (an HF causal LM). rollout: an HFEngine to use as it is
+    (its own dtype and version); when None a fresh HFEngine(model, tokenizer, rollout_dtype)
     is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
-    torch.manual_seed(seed)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                             temperature=temperature, generator=generator)
+    batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                             generator=generator)
     trainer = trainer_logprobs(model, batch, train_dtype, temperature)
     return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
                        getattr(rollout, "dtype", rollout_dtype), train_dtype)
@@ -222,36 +220,40 @@ def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
     return rel, smallest
 
 
-def check_synchronization(model, rollout, trainer_version: int | None = None) -> list[str]:
-    """Diagnosis step 1: the problems found with the rollout's version and weights ([] if none).
+def dtype_name(engine) -> str:
+    """The engine's weight precision as a name ("float32", "bfloat16", ...)."""
+    dtype = getattr(engine, "dtype", "float32")
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
-    model: the trainer's policy; rollout: an HFRollout (its `version`, its `model` copy and
-    its `dtype` name). Compares versions, then every parameter within its dtype's rounding.
+
+@torch.no_grad()
+def check_synchronization(trainer_weights, engine, trainer_version: int | None = None) -> list[str]:
+    """The problems found with an engine's version and weights ([] if none).
+
+    trainer_weights: the trainer's tensors by name (a dict, or a model: its state_dict);
+    engine: has `version`, `named_weights()` and `dtype`. Compares the versions (when
+    trainer_version is given), then every tensor within the engine dtype's rounding.
     """
+    if isinstance(trainer_weights, torch.nn.Module):
+        trainer_weights = trainer_weights.state_dict()
     problems = []
-    if trainer_version is not None and rollout.version != trainer_version:
-        problems.append(f"version: rollout holds {rollout.version}, trainer is at {trainer_version}; "
-                        "call rollout.load_weights(model.state_dict(), version) before generating")
-    trainer_state = dict(model.named_parameters())
-    rollout_state = dict(rollout.model.named_parameters())
-    dtype = _dtype_name(rollout)
+    if trainer_version is not None and engine.version != trainer_version:
+        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
+                        "push the trainer's weights (load_weights) before generating")
+    engine_weights = dict(engine.named_weights())
+    dtype = dtype_name(engine)
     stale = []
-    for name in sorted(set(trainer_state) | set(rollout_state)):
-        t = trainer_state.get(name)
-        amax = t.detach().abs().max().item() if t is not None else 1.0
+    for name in sorted(set(trainer_weights) | set(engine_weights)):
+        t = trainer_weights.get(name)
+        amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
         rel, abs_ = rounding_tolerance(dtype, amax)
         stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: rollout_state[name].detach()} if name in rollout_state else {},
+                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
                                   rel, abs_)
     if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_state)} tensors differ beyond {dtype} "
+        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
                         f"rounding (first: {stale[0]}); the last synchronization did not complete")
     return problems
-
-
-def _dtype_name(rollout) -> str:
-    dtype = getattr(rollout, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
 
 @dataclass
@@ -316,15 +318,13 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
              seed: int = 0) -> MismatchReport:
     """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
 
-    rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
+    rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
         if trainer_version is not None:
             rollout.version = trainer_version
     problems = check_synchronization(model, rollout, trainer_version)
@@ -334,12 +334,9 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=_dtype_name(rollout), **kwargs)
-    return MismatchReport(_dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+    return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
-
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -507,13 +504,10 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
     the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
     sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
     """
-    from minirl.rollout.hf import HFRollout
-
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    torch.manual_seed(seed)
+    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
     with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, generator=torch.Generator().manual_seed(seed))
+        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                                 generator=torch.Generator().manual_seed(seed))
     rows = batch.prompt_ids.shape[0]
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
     total = attention.shape[1]

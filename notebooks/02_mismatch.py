@@ -183,7 +183,7 @@ for n in (10, 100, 1000):
 # %% [markdown]
 # ## 2. Measure it: the rollout's log-probs against the trainer's, token by token
 #
-# The rollout side is `minirl.rollout.hf.HFRollout`, the rollout engine's own copy of the
+# The rollout side is `minirl.rollout.hf.HFEngine`, the rollout engine's own copy of the
 # policy: HF `generate` with a KV cache, in the precision you give it. Its `Rollout.logprobs`
 # are the **behaviour log-probs**, computed while sampling. The trainer side is
 # `minirl.algo.logprobs.completion_logprobs`: one full forward in fp32 over prompt + completion,
@@ -195,7 +195,7 @@ for n in (10, 100, 1000):
 # (probabilities or logits passed by mistake).
 
 # %%
-# | export minirl/diagnostics/mismatch.py
+# | export minirl/algo/logprobs.py
 LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
 
 
@@ -230,6 +230,11 @@ def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mas
         if above.any():
             raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
                              "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
+
+
+# %%
+# | export minirl/diagnostics/mismatch.py
+from minirl.algo.logprobs import check_logprob_pair
 
 
 def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -315,6 +320,12 @@ def format_buckets(rows: list[dict]) -> str:
 
 # %%
 # | export minirl/diagnostics/mismatch.py
+import copy
+
+from minirl.algo.logprobs import completion_logprobs
+from minirl.config import SamplingConfig
+from minirl.rollout.hf import HFEngine
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -342,13 +353,10 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.algo.logprobs import completion_logprobs
-
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
-        import copy
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
     input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
@@ -363,19 +371,16 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
                      temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
     """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
 
-    model: the trainer's policy (an HF causal LM). rollout: an HFRollout to use as it is
-    (its own dtype and version); when None a fresh HFRollout(model, tokenizer, rollout_dtype)
+    model: the trainer's policy (an HF causal LM). rollout: an HFEngine to use as it is
+    (its own dtype and version); when None a fresh HFEngine(model, tokenizer, rollout_dtype)
     is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
-    torch.manual_seed(seed)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                             temperature=temperature, generator=generator)
+    batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                             generator=generator)
     trainer = trainer_logprobs(model, batch, train_dtype, temperature)
     return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
                        getattr(rollout, "dtype", rollout_dtype), train_dtype)
@@ -389,7 +394,7 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
 
 # %%
 from minirl.models.policy import load_default_policy
-from minirl.rollout.hf import HFRollout
+from minirl.rollout.hf import HFEngine
 from minirl.tasks.arithmetic import make_task
 
 model, tokenizer, _ = load_default_policy(progress=False)
@@ -476,7 +481,19 @@ plt.show()
 # trainer's by more than rounding.
 
 # %%
-# | export minirl/diagnostics/mismatch.py
+# | export minirl/sync/checks.py
+"""Did the weights arrive? The stale-parameter check every weight sync can run after a push.
+
+A version number is a label; the weights are the truth. `check_synchronization` compares
+every tensor an engine holds with the trainer's, allowing exactly the rounding of the
+engine's dtype (`rounding_tolerance`), and reports the tensors that differ (`stale_parameters`).
+Notebook 02 uses it as step 1 of the mismatch diagnosis; `InProcessSync(verify=True)` and the
+syncs of notebooks 04 and 06 run it after a push.
+"""
+import torch
+from torch import Tensor
+
+
 def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, Tensor],
                      rel_tol: float = 0.0, abs_tol: float = 0.0) -> list[str]:
     """Names of the parameters whose rollout copy is not the trainer's, up to rounding.
@@ -515,36 +532,40 @@ def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
     return rel, smallest
 
 
-def check_synchronization(model, rollout, trainer_version: int | None = None) -> list[str]:
-    """Diagnosis step 1: the problems found with the rollout's version and weights ([] if none).
+def dtype_name(engine) -> str:
+    """The engine's weight precision as a name ("float32", "bfloat16", ...)."""
+    dtype = getattr(engine, "dtype", "float32")
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
-    model: the trainer's policy; rollout: an HFRollout (its `version`, its `model` copy and
-    its `dtype` name). Compares versions, then every parameter within its dtype's rounding.
+
+@torch.no_grad()
+def check_synchronization(trainer_weights, engine, trainer_version: int | None = None) -> list[str]:
+    """The problems found with an engine's version and weights ([] if none).
+
+    trainer_weights: the trainer's tensors by name (a dict, or a model: its state_dict);
+    engine: has `version`, `named_weights()` and `dtype`. Compares the versions (when
+    trainer_version is given), then every tensor within the engine dtype's rounding.
     """
+    if isinstance(trainer_weights, torch.nn.Module):
+        trainer_weights = trainer_weights.state_dict()
     problems = []
-    if trainer_version is not None and rollout.version != trainer_version:
-        problems.append(f"version: rollout holds {rollout.version}, trainer is at {trainer_version}; "
-                        "call rollout.load_weights(model.state_dict(), version) before generating")
-    trainer_state = dict(model.named_parameters())
-    rollout_state = dict(rollout.model.named_parameters())
-    dtype = _dtype_name(rollout)
+    if trainer_version is not None and engine.version != trainer_version:
+        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
+                        "push the trainer's weights (load_weights) before generating")
+    engine_weights = dict(engine.named_weights())
+    dtype = dtype_name(engine)
     stale = []
-    for name in sorted(set(trainer_state) | set(rollout_state)):
-        t = trainer_state.get(name)
-        amax = t.detach().abs().max().item() if t is not None else 1.0
+    for name in sorted(set(trainer_weights) | set(engine_weights)):
+        t = trainer_weights.get(name)
+        amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
         rel, abs_ = rounding_tolerance(dtype, amax)
         stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: rollout_state[name].detach()} if name in rollout_state else {},
+                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
                                   rel, abs_)
     if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_state)} tensors differ beyond {dtype} "
+        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
                         f"rounding (first: {stale[0]}); the last synchronization did not complete")
     return problems
-
-
-def _dtype_name(rollout) -> str:
-    dtype = getattr(rollout, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
 
 # %% [markdown]
@@ -554,6 +575,7 @@ def _dtype_name(rollout) -> str:
 # %%
 # | export minirl/diagnostics/mismatch.py
 from minirl.models.moe import routers
+from minirl.sync.checks import check_synchronization, dtype_name
 
 
 @dataclass
@@ -618,15 +640,13 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
              seed: int = 0) -> MismatchReport:
     """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
 
-    rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
+    rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
         if trainer_version is not None:
             rollout.version = trainer_version
     problems = check_synchronization(model, rollout, trainer_version)
@@ -636,8 +656,8 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=_dtype_name(rollout), **kwargs)
-    return MismatchReport(_dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+    return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
 
 # %% [markdown]
@@ -659,7 +679,7 @@ print(report)
 # are version 0. Step 1 catches it.
 
 # %%
-stale_rollout = HFRollout(model, tokenizer, dtype="bfloat16")
+stale_rollout = HFEngine(model, tokenizer, dtype="bfloat16")
 trainer = copy.deepcopy(model)
 optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
 batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -700,7 +720,7 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
 per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `GRPOConfig.importance_sampling_correction` is on. `vocabulary_keep_mask` and
+when `importance_sampling_correction` is on (its own stage, `minirl.train.step.importance_weights`). `vocabulary_keep_mask` and
 `pruned_log_softmax` prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
@@ -710,9 +730,8 @@ not a tuned top-p schedule; both are enough to show what each correction does.
 import torch
 from torch import Tensor
 
-from minirl.diagnostics.mismatch import check_logprob_pair
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from minirl.algo.logprobs import check_logprob_pair
+from minirl.config import IS_MODES
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -830,8 +849,8 @@ def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
 # %%
 from minirl.algo.logprobs import completion_logits
 
-rollout8 = HFRollout(model, tokenizer, dtype="float8_e4m3fn")
-sample = rollout8.generate(prompts, num_generations=8, max_new_tokens=4, temperature=1.0,
+rollout8 = HFEngine(model, tokenizer, dtype="float8_e4m3fn")
+sample = rollout8.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=4, temperature=1.0),
                            generator=torch.Generator().manual_seed(0))
 args = (sample.input_ids, sample.attention_mask, sample.num_completion_tokens, 1.0)
 with torch.no_grad():   # notebook 01's completion_logits: the distributions each token was drawn from
@@ -1034,13 +1053,10 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
     the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
     sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
     """
-    from minirl.rollout.hf import HFRollout
-
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    torch.manual_seed(seed)
+    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
     with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, generator=torch.Generator().manual_seed(seed))
+        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                                 generator=torch.Generator().manual_seed(seed))
     rows = batch.prompt_ids.shape[0]
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
     total = attention.shape[1]
@@ -1095,11 +1111,11 @@ for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16",
 # %% [markdown]
 # ## 5. Does it matter for training?
 #
-# Two runs of the stage-1 loop (`minirl.train.loop.train`) with the same deliberately mismatched
+# Two runs of the stage-1 loop (`minirl.train.run.train`) with the same deliberately mismatched
 # rollout (FP8 weight round-trip, computed in bf16) against the fp32 trainer: one as is, one
 # with `importance_sampling_correction=True` (token-level TIS, cap 2). Training takes minutes,
-# so it runs as the chapter script, launched from this cell. The script also logs, per batch,
-# the spread of the ratio π_old / π_rollout (an observation only; it changes nothing).
+# so it runs as the chapter script, launched from this cell. The actor's update reports, per
+# batch, the spread of the ratio π_old / π_rollout among its metrics (`ratio/std`, ...).
 
 # %%
 import json

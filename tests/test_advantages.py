@@ -72,5 +72,23 @@ def test_terminal_rewards_and_whiten():
     assert out.tolist() == [[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]
     w = whiten(torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]]), mask)
     vals = w[mask.bool()]
-    assert vals.mean().abs() < 1e-5 and (vals.pow(2).mean() - 1).abs() < 1e-3
+    assert vals.mean().abs() < 1e-5 and (vals.var(unbiased=True) - 1).abs() < 1e-3   # unbiased, as TRL/veRL
     assert w[~mask.bool()].abs().max() == 0
+
+
+def masked_whiten(values, mask, shift_mean=True):
+    """TRL's masked_whiten (trl/core.py up to 0.1x; veRL's verl/utils/torch_functional.py), transcribed."""
+    mean = (values * mask).sum() / mask.sum()
+    variance = ((values - mean) ** 2 * mask).sum() / mask.sum()
+    variance = variance * mask.sum() / (mask.sum() - 1)                   # masked_var(..., unbiased=True)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def test_whiten_matches_trl_masked_whiten():
+    torch.manual_seed(0)
+    values, mask = torch.randn(4, 6), (torch.rand(4, 6) > 0.3).long()
+    mask[:, 0] = 1
+    ours = whiten(values, mask)
+    theirs = masked_whiten(values, mask.float(), shift_mean=True)
+    torch.testing.assert_close(ours[mask.bool()], theirs[mask.bool()], rtol=1e-5, atol=1e-6)

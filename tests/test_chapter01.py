@@ -1,40 +1,34 @@
-"""chapters/01_single_process.py end to end: summary, plot, checkpoints, --model, PPO, exact resume."""
+"""chapters/01_single_process.py end to end: summary, plot, checkpoints, --model, PPO, exact resume,
+and a run directory that cannot be lost or mixed (issue: hardening, items 1-5, 9-10)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
+from minirl.utils.rundir import open_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "01_single_process.py"
 TIMING = ("time/", "seconds")
+QUICK = ["--eval-every", 0, "--prompts-per-step", 4, "--num-generations", 2]
 
 
-def run(*args, check=True):
+def run(*args, check=True, progress=False):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-progress", "--threads", "1", *map(str, args)],
+    flags = ["--threads", "1"] + ([] if progress else ["--no-progress"])
+    proc = subprocess.run([sys.executable, str(SCRIPT), *flags, *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}")
     return proc
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A locally saved tiny Qwen2 with random weights and our tokenizer: the --model path."""
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    tokenizer = build_tokenizer()
-    build_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=5),
-                 tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def read_metrics(out):
@@ -42,11 +36,11 @@ def read_metrics(out):
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(TIMING)} for x in lines]
 
 
-def test_default_policy_writes_summary_plot_and_checkpoint(tmp_path):
+def test_default_policy_writes_summary_plot_checkpoint_and_final_model(tmp_path):
     out = tmp_path / "run"
     proc = run("--out", out, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 2)
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("accuracy_before", "accuracy_after", "steps", "seconds"):
+    for key in ("accuracy_before", "accuracy_after", "steps", "seconds", "config", "final_model"):
         assert key in summary, key
     assert summary["steps"] == 4 and 0 <= summary["accuracy_after"] <= 1
     assert 0.3 < summary["accuracy_before"] < 0.7, "the warm start is about half right"
@@ -58,6 +52,7 @@ def test_default_policy_writes_summary_plot_and_checkpoint(tmp_path):
     assert not list((out / "checkpoints").glob(".tmp-*")), "no temporary checkpoint left behind"
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(ckpt)   # an ordinary HF checkpoint
+    AutoModelForCausalLM.from_pretrained(out / "final")
 
 
 def test_any_hf_model_path_and_ppo(tmp_path, tiny_model_dir):
@@ -77,9 +72,10 @@ def test_resume_after_crash_is_bit_identical(tmp_path, tiny_model_dir):
     run("--out", tmp_path / "full", *common)
     crashed = run("--out", tmp_path / "crash", *common, "--stop-after", 4, check=False)
     assert crashed.returncode == 1, crashed.stderr[-2000:]
+    assert "--resume" in crashed.stdout
     assert (tmp_path / "crash" / "checkpoints" / "step-000004").exists()
     assert not (tmp_path / "crash" / "summary.json").exists()
-    run("--out", tmp_path / "crash", *common, "--resume")
+    run("--out", tmp_path / "crash", "--resume")           # the run's own settings come from run.json
     assert read_metrics(tmp_path / "crash") == read_metrics(tmp_path / "full")
     full = load_file(tmp_path / "full" / "checkpoints" / "step-000006" / "model.safetensors")
     resumed = load_file(tmp_path / "crash" / "checkpoints" / "step-000006" / "model.safetensors")
@@ -93,3 +89,118 @@ def test_resume_after_crash_is_bit_identical(tmp_path, tiny_model_dir):
     s_full = json.loads((tmp_path / "full" / "summary.json").read_text())
     s_res = json.loads((tmp_path / "crash" / "summary.json").read_text())
     assert s_full["accuracy_after"] == s_res["accuracy_after"] and s_res["resumed"] is True
+    assert s_res["config"] == s_full["config"], "the summary records the settings that ran"
+
+
+def test_a_run_directory_belongs_to_one_run(tmp_path, tiny_model_dir):
+    """Item 1: a second run refuses a directory that holds another; --overwrite replaces it cleanly."""
+    out = tmp_path / "r"
+    base = ["--model", tiny_model_dir, "--out", out, *QUICK, "--checkpoint-every", 1]
+    run(*base, "--steps", 10)
+    second = run(*base, "--steps", 4, "--seed", 1, "--stop-after", 3, check=False)
+    assert second.returncode == 2 and "already holds a run" in second.stderr and "--overwrite" in second.stderr
+    assert len(read_metrics(out)) == 10, "the first run's records are untouched"
+    run(*base, "--steps", 4, "--seed", 1, "--overwrite")
+    assert [p.name for p in sorted((out / "checkpoints").glob("step-*"))] == ["step-000003", "step-000004"]
+    assert len(read_metrics(out)) == 4 and json.loads((out / "run.json").read_text())["config"]["run"]["seed"] == 1
+
+
+def test_a_locked_directory_is_refused(tmp_path, tiny_model_dir):
+    out = tmp_path / "locked"
+    with open_run_dir(out, {"config": {}}):
+        proc = run("--model", tiny_model_dir, "--out", out, *QUICK, "--steps", 1, "--overwrite", check=False)
+    assert proc.returncode == 2 and "another run is writing into this directory" in proc.stderr
+
+
+def test_resume_checks_the_settings(tmp_path, tiny_model_dir):
+    """Item 2: changed algorithm settings are refused by name; more steps are fine; nothing to resume is an error."""
+    out = tmp_path / "r"
+    base = ["--model", tiny_model_dir, "--out", out, *QUICK, "--checkpoint-every", 2]
+    run(*base, "--steps", 2, "--learning-rate", 1e-3)
+    refused = run("--out", out, "--resume", "--learning-rate", 3e-4, "--seed", 1, check=False)
+    assert refused.returncode == 2
+    assert "--learning-rate 0.001 -> 0.0003" in refused.stderr and "--seed 0 -> 1" in refused.stderr
+    refused = run("--out", out, "--resume", "--algo", "ppo", check=False)
+    assert refused.returncode == 2 and "--algo 'grpo' -> 'ppo'" in refused.stderr and "Traceback" not in refused.stderr
+    run("--out", out, "--resume", "--steps", 4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["config"]["optimizer"]["learning_rate"] == 1e-3
+    nothing = run("--out", tmp_path / "empty", "--resume", check=False)
+    assert nothing.returncode == 2 and "holds no run to resume" in nothing.stderr
+
+
+def test_final_model_is_saved_whatever_the_checkpoint_interval(tmp_path, tiny_model_dir):
+    """Item 3: --steps 5 with --checkpoint-every 100 still leaves the final policy and a checkpoint to resume."""
+    out = tmp_path / "r"
+    run("--model", tiny_model_dir, "--out", out, *QUICK, "--steps", 5, "--checkpoint-every", 100)
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    saved = load_file(out / "checkpoints" / "step-000005" / "model.safetensors")
+    assert all(torch.equal(final.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_a_broken_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_model_dir):
+    """Item 4: a truncated newest checkpoint is named, skipped, and half-written temporaries are removed."""
+    out = tmp_path / "r"
+    base = ["--model", tiny_model_dir, "--out", out, *QUICK, "--checkpoint-every", 2]
+    run(*base, "--steps", 4)
+    newest = out / "checkpoints" / "step-000004"
+    (newest / "model.safetensors").write_bytes((newest / "model.safetensors").read_bytes()[:100])
+    stale = out / "checkpoints" / ".tmp-step-000006-abc"
+    stale.mkdir()
+    proc = run("--out", out, "--resume", "--steps", 6)
+    assert "step-000004" in proc.stderr and "model.safetensors" in proc.stderr and "falling back" in proc.stderr
+    assert not stale.exists()
+    steps = [m["step"] for m in read_metrics(out)]
+    assert steps == [1, 2, 3, 4, 5, 6], "steps 3-4 were redone from the step-2 checkpoint, once"
+
+
+def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
+    """Item 5: SIGINT prints where the last checkpoint is and how to resume, no traceback, exit 130."""
+    out = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--no-progress", "--threads", "1", "--model",
+                             str(tiny_model_dir), "--out", str(out), *map(str, QUICK), "--steps", "100000",
+                             "--checkpoint-every", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = time.time() + 120
+    while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert "the last checkpoint is" in stderr and "--resume" in stderr
+
+
+@pytest.fixture(scope="module")
+def chapter():
+    """The chapter script as a module, to call its main() in this process."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("chapter01", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-completion-length", "0"], "argument --max-completion-length: 0: must be >= 1"),
+    (["--learning-rate", "inf"], "argument --learning-rate: inf: must be finite"),
+    (["--beta", "-1"], "argument --beta: -1.0: must be >= 0.0"),
+    (["--prompts-per-step", "0"], "argument --prompts-per-step: 0: must be >= 1"),
+    (["--num-generations", "1"], "argument --num-generations: 1: GRPO compares"),
+    (["--eval-every", "-1"], "argument --eval-every: -1: must be >= 0"),
+    (["--stop-after", "0"], "argument --stop-after: 0: must be >= 1"),
+    (["--loss-type", "x"], "argument --loss-type: invalid choice"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--resume", "--overwrite"], "contradict each other"),
+])
+def test_bad_flags_fail_in_one_line_before_loading(tmp_path, chapter, monkeypatch, capsys, args, message):
+    """Items 9-10: one argparse-style line naming the flag, the value and the range; exit 2; nothing loaded."""
+    monkeypatch.setattr(chapter, "load_policy", lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
+    with pytest.raises(SystemExit) as exit_:
+        chapter.main(["--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert not (tmp_path / "x").exists(), "nothing is created for a bad command line"

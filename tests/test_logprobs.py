@@ -7,14 +7,6 @@ import torch
 
 from minirl.algo.logprobs import (completion_logprobs, entropy_from_logits, masked_mean, masked_sum,
                              position_ids_from_mask, selective_log_softmax)
-from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    tokenizer = build_tokenizer()
-    model = build_policy(PolicyConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1), tokenizer)
-    return model.eval(), tokenizer
 
 
 def test_masked_mean_ignores_masked_and_empty_rows_are_zero():

@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from minirl.diagnostics.mismatch import (check_logprob_pair, check_synchronization, clip_bounds, diagnose,
-                             measure_logprobs, mismatch_stats, ppo_ratio, probability_buckets,
-                             rounding_tolerance, stale_parameters)
-from minirl.rollout.hf import HFRollout, _fp8_round_trip
+from minirl.algo.logprobs import check_logprob_pair
+from minirl.diagnostics.mismatch import (clip_bounds, diagnose, measure_logprobs, mismatch_stats, ppo_ratio,
+                                         probability_buckets)
+from minirl.rollout.hf import HFEngine, fp8_round_trip
+from minirl.sync.checks import check_synchronization, rounding_tolerance, stale_parameters
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_buckets_partition_the_tokens():
 
 def test_rounding_tolerance_accepts_casts_and_catches_an_update():
     w = torch.randn(64, 64) * 0.05
-    for dtype, cast in (("bfloat16", w.bfloat16()), ("float16", w.half()), ("float8_e4m3fn", _fp8_round_trip(w))):
+    for dtype, cast in (("bfloat16", w.bfloat16()), ("float16", w.half()), ("float8_e4m3fn", fp8_round_trip(w))):
         rel, abs_ = rounding_tolerance(dtype, w.abs().max().item())
         assert stale_parameters({"w": w}, {"w": cast}, rel, abs_) == [], dtype
         assert stale_parameters({"w": w}, {"w": (w + 1e-2).to(cast.dtype)}, rel, abs_) == ["w"], dtype
@@ -94,7 +95,7 @@ def test_fp32_rollout_matches_and_bf16_does_not(policy):
 
 def test_diagnose_finds_a_planted_stale_rollout(policy):
     model, tokenizer, prompts = policy
-    rollout = HFRollout(model, tokenizer, dtype="bfloat16")
+    rollout = HFEngine(model, tokenizer, dtype="bfloat16")
     assert check_synchronization(model, rollout, trainer_version=0) == []
     trainer = torch.nn.Module()
     import copy
@@ -107,4 +108,4 @@ def test_diagnose_finds_a_planted_stale_rollout(policy):
     assert report.sync_problems and "synchronization did not complete" in report.sync_problems[0]
     text = str(report)
     assert "PROBLEMS" in text and "float32" in text and "MoE routes: not a mixture" in text
-    assert check_synchronization(trainer, rollout, trainer_version=2)[0].startswith("version: rollout holds 1")
+    assert check_synchronization(trainer, rollout, trainer_version=2)[0].startswith("version: the engine holds 1")

@@ -1,4 +1,4 @@
-"""The rollout engine: HF generate or the shared-prefix sampler, on its own versioned copy (minirl.rollout.hf)."""
+"""The rollout engines: HF generate and the shared-prefix sampler, on their own versioned copies (minirl.rollout)."""
 
 import copy
 from types import SimpleNamespace
@@ -6,20 +6,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minirl.algo.logprobs import completion_logprobs
-from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer
-from minirl.algo.logprobs import CACHE_ARG
-from minirl.rollout.hf import HFRollout, VersionMismatchError, completion_mask_from_ids, sample_shared_prefix
+from minirl.algo.logprobs import CACHE_ARG, completion_logprobs
+from minirl.config import SamplingConfig
+from minirl.rollout.base import RolloutEngine, VersionMismatchError, completion_mask_from_ids
+from minirl.rollout.hf import HFEngine
+from minirl.rollout.shared_prefix import SharedPrefixEngine, sample_shared_prefix
 
 PROMPTS = ["27+35=", "4+5=", "99+1="]
-ENGINES = ["hf", "shared_prefix"]
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}
+
+
+def sampling(G, C, temperature=1.0):
+    return SamplingConfig(num_generations=G, max_completion_length=C, temperature=temperature)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    tokenizer = build_tokenizer()
-    model = build_policy(PolicyConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=2), tokenizer)
-    return model.eval(), tokenizer
+def tiny(make_tiny_policy):
+    return make_tiny_policy(seed=2)
 
 
 def test_completion_mask_up_to_first_eos():
@@ -30,8 +33,8 @@ def test_completion_mask_up_to_first_eos():
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_generate_shapes_order_and_behaviour_logprobs(tiny, engine_name):
     model, tok = tiny
-    engine = HFRollout(model, tok, engine=engine_name)
-    ro = engine.generate(PROMPTS, num_generations=4, max_new_tokens=5, generator=torch.Generator().manual_seed(0))
+    engine = ENGINES[engine_name](model, tok)
+    ro = engine.generate(PROMPTS, sampling(4, 5), generator=torch.Generator().manual_seed(0))
     N, C = 12, ro.num_completion_tokens
     assert ro.completion_ids.shape == ro.completion_mask.shape == ro.logprobs.shape == (N, C) and C <= 5
     assert ro.prompts == [p for p in PROMPTS for _ in range(4)], "G consecutive samples per prompt"
@@ -48,28 +51,29 @@ def test_generate_shapes_order_and_behaviour_logprobs(tiny, engine_name):
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_generator_makes_sampling_repeatable_and_leaves_global_rng(tiny, engine_name):
     model, tok = tiny
-    engine = HFRollout(model, tok, engine=engine_name)
+    engine = ENGINES[engine_name](model, tok)
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    a = engine.generate(PROMPTS, 4, 5, generator=torch.Generator().manual_seed(7))
+    a = engine.generate(PROMPTS, sampling(4, 5), generator=torch.Generator().manual_seed(7))
     assert torch.equal(torch.get_rng_state(), before), "sampling with a generator must not move the global RNG"
-    b = engine.generate(PROMPTS, 4, 5, generator=torch.Generator().manual_seed(7))
-    c = engine.generate(PROMPTS, 4, 5, generator=torch.Generator().manual_seed(8))
+    b = engine.generate(PROMPTS, sampling(4, 5), generator=torch.Generator().manual_seed(7))
+    c = engine.generate(PROMPTS, sampling(4, 5), generator=torch.Generator().manual_seed(8))
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
 def test_version_check_and_sync(tiny):
     model, tok = tiny
-    engine = HFRollout(model, tok)
+    engine = HFEngine(model, tok)
+    assert isinstance(engine, RolloutEngine)
     with pytest.raises(VersionMismatchError, match="holds policy version 0 but the loop expected version 1"):
-        engine.generate(PROMPTS, 2, 3, expected_version=1)
+        engine.generate(PROMPTS, sampling(2, 3), expected_version=1)
     changed = copy.deepcopy(model)
     with torch.no_grad():
         for p in changed.parameters():
             p.add_(0.5)
-    engine.load_weights(changed.state_dict(), version=1)
-    ro = engine.generate(PROMPTS, 2, 3, expected_version=1, generator=torch.Generator().manual_seed(0))
+    engine.load_weights(changed.state_dict().items(), version=1)
+    ro = engine.generate(PROMPTS, sampling(2, 3), expected_version=1, generator=torch.Generator().manual_seed(0))
     assert ro.version == 1
     torch.testing.assert_close(engine.model.model.embed_tokens.weight, changed.model.embed_tokens.weight)
     assert not torch.equal(engine.model.model.embed_tokens.weight, model.model.embed_tokens.weight), \
@@ -80,12 +84,12 @@ def test_version_check_and_sync(tiny):
 @pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float8_e4m3fn", torch.bfloat16)])
 def test_low_precision_rollout(tiny, dtype, torch_dtype, engine_name):
     model, tok = tiny
-    engine = HFRollout(model, tok, dtype=dtype, engine=engine_name)
+    engine = ENGINES[engine_name](model, tok, dtype=dtype)
     assert next(engine.model.parameters()).dtype == torch_dtype
     w = engine.model.model.layers[0].mlp.up_proj.weight.float()
     ref = model.model.layers[0].mlp.up_proj.weight
     assert 0 < (w - ref).abs().max() < 0.1 * ref.abs().max()
-    ro = engine.generate(PROMPTS, 2, 4, generator=torch.Generator().manual_seed(0))
+    ro = engine.generate(PROMPTS, sampling(2, 4), generator=torch.Generator().manual_seed(0))
     assert ro.logprobs.dtype == torch.float32
     # the behaviour log-probs are the engine's own: a forward pass of its low-precision copy
     with torch.no_grad():
@@ -99,17 +103,17 @@ def test_low_precision_rollout(tiny, dtype, torch_dtype, engine_name):
 
 def test_bad_input(tiny):
     model, tok = tiny
-    with pytest.raises(ValueError, match="dtype='int8'"):
-        HFRollout(model, tok, dtype="int8")
-    with pytest.raises(ValueError, match="engine='vllm'"):
-        HFRollout(model, tok, engine="vllm")
+    with pytest.raises(ValueError, match="rollout_dtype='int8'"):
+        HFEngine(model, tok, dtype="int8")
     nopad = copy.deepcopy(tok)
     nopad.pad_token = None
     with pytest.raises(ValueError, match="tokenizer.pad_token is None"):
-        HFRollout(model, nopad)
-    engine = HFRollout(model, tok)
+        SharedPrefixEngine(model, nopad)
+    engine = HFEngine(model, tok)
     with pytest.raises(ValueError, match="prompts is empty"):
-        engine.generate([], 2, 3)
+        engine.generate([], sampling(2, 3))
+    with pytest.raises(ValueError, match="max_completion_length=0"):
+        engine.generate(PROMPTS, sampling(2, 0))
 
 
 def test_engines_agree_on_the_prompt_rows_and_the_consumed_seed(tiny):
@@ -118,7 +122,7 @@ def test_engines_agree_on_the_prompt_rows_and_the_consumed_seed(tiny):
     outs, states = {}, {}
     for name in ENGINES:
         generator = torch.Generator().manual_seed(3)
-        outs[name] = HFRollout(model, tok, engine=name).generate(PROMPTS, 3, 4, generator=generator)
+        outs[name] = ENGINES[name](model, tok).generate(PROMPTS, sampling(3, 4), generator=generator)
         states[name] = generator.get_state()
     assert torch.equal(outs["hf"].prompt_ids, outs["shared_prefix"].prompt_ids)
     assert torch.equal(outs["hf"].prompt_mask, outs["shared_prefix"].prompt_mask)
@@ -129,9 +133,9 @@ def test_engines_agree_on_the_prompt_rows_and_the_consumed_seed(tiny):
 def test_shared_prefix_samples_the_model_distribution(tiny):
     """4000 samples of one prompt's first token follow softmax(logits / temperature) (total variation < 0.04)."""
     model, tok = tiny
-    engine = HFRollout(model, tok, engine="shared_prefix")
+    engine = SharedPrefixEngine(model, tok)
     temperature = 1.5
-    ro = engine.generate(["27+35="], 4000, 1, temperature, generator=torch.Generator().manual_seed(0))
+    ro = engine.generate(["27+35="], sampling(4000, 1, temperature), generator=torch.Generator().manual_seed(0))
     enc = tok(["27+35="], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         probs = torch.softmax(model(**enc).logits[0, -1].float() / temperature, -1)       # [V]

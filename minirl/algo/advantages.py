@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
-
-SCALE_REWARDS = ("group", "batch", "none")
+from minirl.config import SCALE_REWARDS
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
@@ -73,9 +72,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(values - masked mean) / masked std over the batch's tokens; 0 where mask is 0."""
+    """(values - masked mean) / masked std over the batch's tokens; 0 where mask is 0.
+
+    values, mask: [B, C]. The variance is the unbiased one (sum of squares over n - 1 for the
+    n unmasked tokens), as TRL's and veRL's `masked_whiten` compute it.
+    """
     mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1).clamp(min=1)
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 

@@ -4,7 +4,7 @@
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
 per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `GRPOConfig.importance_sampling_correction` is on. `vocabulary_keep_mask` and
+when `importance_sampling_correction` is on (its own stage, `minirl.train.step.importance_weights`). `vocabulary_keep_mask` and
 `pruned_log_softmax` prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
@@ -15,9 +15,8 @@ not a tuned top-p schedule; both are enough to show what each correction does.
 import torch
 from torch import Tensor
 
-from minirl.diagnostics.mismatch import check_logprob_pair
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from minirl.algo.logprobs import check_logprob_pair
+from minirl.config import IS_MODES
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,

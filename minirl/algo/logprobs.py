@@ -1,4 +1,4 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
@@ -75,7 +75,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     Position ids come from the mask, exactly as `generate` derived them when it sampled, so
     rollout and trainer agree. num_generations=1 runs one forward pass over every row.
     num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
+    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
     result up to float rounding.
     """
     if temperature <= 0:
@@ -150,3 +150,39 @@ def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_c
     rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=positions,
                  use_cache=False, **{CACHE_ARG: cache}).logits                            # [N, C-1, V]
     return torch.cat([first, rest], 1)                                                    # [N, C, V]
+
+
+LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
+
+
+def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
+    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
+
+    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
+    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
+    LOGP_TOLERANCE absorbs rounding in low precision).
+    """
+    if behavior_logps is None:
+        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
+                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
+                         "recomputation is not a substitute for the behaviour policy")
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
+    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
+        if t.shape != trainer_logps.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
+                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
+    valid = mask.bool()
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
+        missing = valid & ~torch.isfinite(t)
+        if missing.any():
+            b, c = missing.nonzero()[0].tolist()
+            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
+                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
+                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
+        above = valid & (t > LOGP_TOLERANCE)
+        if above.any():
+            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
+                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")

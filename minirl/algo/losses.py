@@ -13,9 +13,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from minirl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.2,

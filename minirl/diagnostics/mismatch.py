@@ -16,11 +16,16 @@ difference you measure comes from precision and computation path alone, which is
 
 import math
 from dataclasses import dataclass, field
+import copy
 
 import torch
 from torch import Tensor
 
+from minirl.algo.logprobs import check_logprob_pair, completion_logprobs
+from minirl.config import SamplingConfig
+from minirl.rollout.hf import HFEngine
 from minirl.models.moe import routers, RouteRecorder, replay_routes, route_agreement
+from minirl.sync.checks import check_synchronization, dtype_name
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -43,42 +48,6 @@ def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
     low = old_probs * (1.0 - epsilon)
     high = torch.clamp(old_probs * (1.0 + epsilon_high), max=1.0)
     return low, high
-
-
-LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
-
-
-def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
-    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
-
-    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
-    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
-    LOGP_TOLERANCE absorbs rounding in low precision).
-    """
-    if behavior_logps is None:
-        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
-                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
-                         "recomputation is not a substitute for the behaviour policy")
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
-    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
-        if t.shape != trainer_logps.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
-                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
-    valid = mask.bool()
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
-        missing = valid & ~torch.isfinite(t)
-        if missing.any():
-            b, c = missing.nonzero()[0].tolist()
-            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
-                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
-                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
-        above = valid & (t > LOGP_TOLERANCE)
-        if above.any():
-            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
-                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
 
 
 def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -177,13 +146,10 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
     (a copy, when the dtype differs). Temperature must be the sampling temperature.
     """
-    from minirl.algo.logprobs import completion_logprobs
-
     if train_dtype not in DTYPES:
         raise ValueError(f"train_dtype={train_dtype!r}: use one of {sorted(DTYPES)}")
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
-        import copy
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
     input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
@@ -198,90 +164,19 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
                      temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
     """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
 
-    model: the trainer's policy (an HF causal LM). rollout: an HFRollout to use as it is
-    (its own dtype and version); when None a fresh HFRollout(model, tokenizer, rollout_dtype)
+    model: the trainer's policy (an HF causal LM). rollout: an HFEngine to use as it is
+    (its own dtype and version); when None a fresh HFEngine(model, tokenizer, rollout_dtype)
     is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
-    torch.manual_seed(seed)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                             temperature=temperature, generator=generator)
+    batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                             generator=generator)
     trainer = trainer_logprobs(model, batch, train_dtype, temperature)
     return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
                        getattr(rollout, "dtype", rollout_dtype), train_dtype)
-
-
-def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, Tensor],
-                     rel_tol: float = 0.0, abs_tol: float = 0.0) -> list[str]:
-    """Names of the parameters whose rollout copy is not the trainer's, up to rounding.
-
-    trainer_state, rollout_state: name -> tensor (any dtypes; compare in float32).
-    A name is reported when it is missing from either side, when its shapes differ, or when
-    any element has |rollout - trainer| > abs_tol + rel_tol * |trainer|. rel_tol / abs_tol
-    are the rounding a cast to the rollout's dtype can cause (`rounding_tolerance`).
-    Returns the names sorted alphabetically (an empty list: synchronized).
-    """
-    stale = []
-    for name in sorted(set(trainer_state) | set(rollout_state)):
-        if name not in trainer_state or name not in rollout_state:
-            stale.append(name)
-            continue
-        t, r = trainer_state[name].float(), rollout_state[name].float()
-        if t.shape != r.shape or ((r - t).abs() > abs_tol + rel_tol * t.abs()).any():
-            stale.append(name)
-    return stale
-
-
-def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
-    """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
-
-    Half a unit in the last place: 2^-(mantissa bits + 1) relative, plus an absolute term for
-    subnormals (float8_e4m3fn here is scaled per tensor so that amax maps to 448).
-    """
-    mantissa = {"float32": 23, "bfloat16": 7, "float16": 10, "float8_e4m3fn": 3}
-    if dtype not in mantissa:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(mantissa)}")
-    rel = 2.0 ** -(mantissa[dtype] + 1) * 1.01
-    smallest = {"float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24,
-                "float8_e4m3fn": amax / 448 * 2.0 ** -9}[dtype]
-    return rel, smallest
-
-
-def check_synchronization(model, rollout, trainer_version: int | None = None) -> list[str]:
-    """Diagnosis step 1: the problems found with the rollout's version and weights ([] if none).
-
-    model: the trainer's policy; rollout: an HFRollout (its `version`, its `model` copy and
-    its `dtype` name). Compares versions, then every parameter within its dtype's rounding.
-    """
-    problems = []
-    if trainer_version is not None and rollout.version != trainer_version:
-        problems.append(f"version: rollout holds {rollout.version}, trainer is at {trainer_version}; "
-                        "call rollout.load_weights(model.state_dict(), version) before generating")
-    trainer_state = dict(model.named_parameters())
-    rollout_state = dict(rollout.model.named_parameters())
-    dtype = _dtype_name(rollout)
-    stale = []
-    for name in sorted(set(trainer_state) | set(rollout_state)):
-        t = trainer_state.get(name)
-        amax = t.detach().abs().max().item() if t is not None else 1.0
-        rel, abs_ = rounding_tolerance(dtype, amax)
-        stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: rollout_state[name].detach()} if name in rollout_state else {},
-                                  rel, abs_)
-    if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_state)} tensors differ beyond {dtype} "
-                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
-    return problems
-
-
-def _dtype_name(rollout) -> str:
-    dtype = getattr(rollout, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
 
 @dataclass
@@ -346,15 +241,13 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
              seed: int = 0) -> MismatchReport:
     """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
 
-    rollout: the HFRollout to diagnose (when None, a fresh one in rollout_dtype, in sync).
+    rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
     """
-    from minirl.rollout.hf import HFRollout
-
     device = next(model.parameters()).device
     if rollout is None:
-        rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=device)
+        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
         if trainer_version is not None:
             rollout.version = trainer_version
     problems = check_synchronization(model, rollout, trainer_version)
@@ -364,8 +257,8 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
     table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=_dtype_name(rollout), **kwargs)
-    return MismatchReport(_dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+    return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
 
 
@@ -378,13 +271,10 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
     the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
     sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
     """
-    from minirl.rollout.hf import HFRollout
-
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    torch.manual_seed(seed)
+    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
     with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, generator=torch.Generator().manual_seed(seed))
+        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
+                                 generator=torch.Generator().manual_seed(seed))
     rows = batch.prompt_ids.shape[0]
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
     total = attention.shape[1]

@@ -1,3 +1,4 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The actor: the policy being trained, with its optimizer, answering the loop's three questions.
 
 `logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;

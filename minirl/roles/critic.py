@@ -1,3 +1,4 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The critic (PPO): a value model and its optimizer; values before the update, and its own update.
 
 Simplified vs TRL's PPOTrainer / veRL: the critic is a copy of the policy's backbone with a

@@ -1,3 +1,4 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The Hugging Face `generate` engine: sampling with a KV cache, on its own copy of the policy.
 
 `HFEngine` holds a copy of the policy (optionally in a lower precision) and samples G
@@ -74,8 +75,8 @@ class HFEngine:
         self.version = version
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        """The engine's copy of the weights, by name (what the stale-parameter check compares)."""
-        return self.model.named_parameters()
+        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
+        return self.model.state_dict().items()
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,

@@ -1,3 +1,4 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The shared-prefix engine: prefill each prompt once, repeat its KV cache G times, sample in a plain loop.
 
 The G completions of a GRPO group all begin with the same prompt; HF `generate` over the

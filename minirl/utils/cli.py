@@ -20,16 +20,24 @@ import types
 import typing
 from pathlib import Path
 
+from minirl.utils.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
+from minirl.utils.seeding import seed_everything  # noqa: F401  (re-exported for the chapter scripts)
 from minirl.utils.validate import ConfigError
 
 
-def common_parser(description: str) -> argparse.ArgumentParser:
-    """An ArgumentParser with the flags every chapter script shares: --out, --model, --device."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_parser(description: str, seed: bool = True, device: bool = True) -> argparse.ArgumentParser:
+    """An ArgumentParser with the flags every chapter script shares: --out, --model (and --seed, --device,
+    unless the script's config dataclass brings its own)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [--out DIR] [options]   (--help lists every option)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "latest",
                         help="directory for summary.json, metrics and plots (default: %(default)s)")
     parser.add_argument("--model", default=None,
                         help="any HF causal LM id or local directory (default: the embedded policy)")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    if device:
+        parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: %(default)s)")
     return parser
 
 
@@ -101,9 +109,10 @@ def add_config_flags(parser: argparse.ArgumentParser, config, skip: tuple[str, .
                 group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=default, help=help_)
             else:
+                allowed = choices.get(f.name)
                 group.add_argument(flag(f.name), dest=f.name, type=_parse(kind, optional, f.name),
-                                   default=default, choices=choices.get(f.name), help=help_,
-                                   metavar=kind.__name__.upper())
+                                   default=default, choices=allowed, help=help_,
+                                   metavar=None if allowed else kind.__name__.upper())
 
 
 def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, config):
@@ -130,3 +139,16 @@ def check_args(parser: argparse.ArgumentParser, checks: dict[str, callable], arg
             check(getattr(args, dest))
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> set[str]:
+    """The destinations of the flags the user typed in `argv` (not the ones left at their defaults)."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))

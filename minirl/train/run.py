@@ -1,0 +1,280 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
+"""A run: build the roles, the engine and the sync; then step, and hand each record to callbacks.
+
+`run(state, step_fn, callbacks, steps)` is the whole loop: it calls the step and passes each
+record to the callbacks, which do everything else a run needs (evaluate, log JSON lines,
+checkpoint, show progress, stop early). `train()` assembles the stage-1 run from a config
+and a policy; later stages reuse `run` and the callbacks with their own step functions.
+
+Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule, no
+distributed launcher (notebook 04 adds torchrun).
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from minirl.config import RLConfig
+from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.models.critic import ValueModel
+from minirl.roles.actor import Actor
+from minirl.roles.critic import Critic
+from minirl.roles.reference import Reference
+from minirl.rollout.hf import HFEngine
+from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.sync.base import InProcessSync
+from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
+from minirl.tasks.arithmetic import make_task
+from minirl.train.step import Roles, rl_step, sample_prompts
+from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
+from minirl.utils.validate import ConfigError
+
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}   # RolloutConfig.rollout_engine -> class
+SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
+
+
+def build_roles(config: RLConfig, model) -> Roles:
+    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device."""
+    model.to(config.run.device).eval()
+    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
+    critic = None
+    if config.algorithm.algo == "ppo":
+        critic = Critic(ValueModel.from_policy(model), config.algorithm, config.optimizer)
+    return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
+
+
+def build_engine(config: RLConfig, model, tokenizer):
+    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0)."""
+    engine = ENGINES[config.rollout.rollout_engine]
+    return engine(model, tokenizer, config.rollout.rollout_dtype, device=config.run.device)
+
+
+@dataclass
+class RunState:
+    """Everything a run changes, and what a checkpoint restores."""
+
+    config: RLConfig
+    roles: Roles
+    engine: object                          # a RolloutEngine
+    sync: object                            # a WeightSync
+    generator: torch.Generator              # draws the prompts and the sampling seeds
+    rows: list[dict]                        # the dataset
+    reward_funcs: list
+    step: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+
+class Callback:
+    """Hooks of a run; each does one job. on_end runs last, also after an error (see state.interrupted)."""
+
+    def on_start(self, state: RunState) -> None: ...
+
+    def on_step(self, state: RunState, record: dict) -> None: ...
+
+    def on_end(self, state: RunState) -> None: ...
+
+
+class RunStopped(Exception):
+    """Raised by StopAfter: the run stopped on purpose before its last step (a simulated crash)."""
+
+
+def run(state: RunState, step_fn, callbacks: list[Callback], steps: int) -> list[dict]:
+    """Call step_fn(state) until `steps` steps are done; each record goes through every callback in order."""
+    for cb in callbacks:
+        cb.on_start(state)
+    try:
+        while state.step < steps:
+            start = time.perf_counter()
+            record = step_fn(state)
+            state.step += 1
+            record = {"step": state.step, **record, "time/step": time.perf_counter() - start}
+            state.metrics.append(record)
+            for cb in callbacks:
+                cb.on_step(state, record)
+    except BaseException:
+        state.interrupted = True
+        raise
+    finally:
+        for cb in callbacks:
+            cb.on_end(state)
+    return state.metrics
+
+
+class Evaluator(Callback):
+    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step."""
+
+    def __init__(self, eval_fn, every: int, last_step: int):
+        self.eval_fn, self.every, self.last_step = eval_fn, every, last_step
+
+    def evaluate(self, state: RunState, record: dict) -> None:
+        start = time.perf_counter()
+        record["accuracy"] = self.eval_fn(state.roles.actor.model)
+        record["time/eval"] = time.perf_counter() - start
+
+    def on_start(self, state):
+        if self.every and state.step == 0:
+            state.metrics.append({"step": 0, "version": state.roles.version})
+            self.evaluate(state, state.metrics[-1])
+
+    def on_step(self, state, record):
+        if self.every and (state.step % self.every == 0 or state.step == self.last_step):
+            self.evaluate(state, record)
+
+
+class JSONLLogger(Callback):
+    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
+    its checkpoint), then one line appended per step."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_start(self, state):
+        write_jsonl(self.path, state.metrics)
+
+    def on_step(self, state, record):
+        append_jsonl(self.path, record)
+
+
+class Checkpointer(Callback):
+    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
+    if the final step has none, and the final policy in Hugging Face format under `final/`."""
+
+    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
+        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
+        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
+        self.saved_step = None
+
+    def save(self, state):
+        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
+        self.saved_step = state.step
+
+    def on_start(self, state):
+        remove_stale_temporaries(self.root)
+
+    def on_step(self, state, record):
+        if self.every and state.step % self.every == 0:
+            self.save(state)
+
+    def on_end(self, state):
+        if state.interrupted:
+            return
+        if self.saved_step != state.step:
+            self.save(state)
+        state.roles.actor.model.save_pretrained(self.final)
+        self.tokenizer.save_pretrained(self.final)
+
+
+class ProgressBar(Callback):
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.bar = total, desc, None
+
+    def on_start(self, state):
+        self.bar = tqdm(total=self.total, initial=state.step, desc=self.desc)
+
+    def on_step(self, state, record):
+        postfix = {"reward": f"{record['reward']:.2f}"} | ({"acc": f"{record['accuracy']:.2f}"}
+                                                           if "accuracy" in record else {})
+        self.bar.set_postfix(postfix)
+        self.bar.update(1)
+
+    def on_end(self, state):
+        self.bar.close()
+
+
+class StopAfter(Callback):
+    """Stop right after step k, as a crash would (no final save): raises RunStopped."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, state, record):
+        if state.step >= self.step:
+            raise RunStopped(f"stopped after step {state.step} (stop_after={self.step})")
+
+
+def check_resume_config(saved: dict, config: RLConfig) -> None:
+    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
+    old, new = RLConfig.from_dict(saved).flat(), config.flat()
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
+    if changed:
+        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
+                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
+                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
+
+
+def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list) -> RunState:
+    """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
+    roles = build_roles(config, model)
+    return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
+                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs)
+
+
+def stage1_step(state: RunState) -> dict:
+    """Stage 1's step: draw this step's prompts, then `rl_step`."""
+    rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
+    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator)
+
+
+def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=None, resume: bool = False,
+          overwrite: bool = False, progress: bool = True, reward_funcs=None, dataset=None, eval_fn=None,
+          stop_after: int | None = None, extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
+    """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
+
+    model/tokenizer: default the embedded warm-started policy; task: default `make_task()`;
+    dataset: rows {"prompt", **columns} (default task.rows("train")); reward_funcs: TRL-style
+    functions (default [task.reward]); eval_fn(model) -> accuracy in 0..1 (default held-out
+    greedy accuracy). With out_dir: run.json, metrics.jsonl, checkpoints/ and final/ there
+    (the directory must be new, or resume=True continues its run from the newest intact
+    checkpoint, or overwrite=True replaces it). stop_after=k raises RunStopped after step k.
+    extra_callbacks run after the built-in ones (evaluator, logger, checkpointer, progress bar).
+    run_info: more facts for run.json besides the settings (a script records the model's name).
+    """
+    if (model is None) != (tokenizer is None):
+        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
+    if model is None:
+        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
+    task = task or make_task()
+    rows = task.rows("train") if dataset is None else list(dataset)
+    if not rows:
+        raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"dataset rows need a 'prompt' column; got columns {sorted(rows[0])}")
+    reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
+    if not reward_funcs:
+        raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
+    if resume and out_dir is None:
+        raise ValueError("train: resume=True needs the out_dir of the run to continue")
+    eval_fn = eval_fn or (lambda m: greedy_accuracy(m, tokenizer, task))
+    state = setup(config, model, tokenizer, rows, reward_funcs)
+    record = {"config": dataclasses.asdict(config), **(run_info or {})}
+    run_dir = None if out_dir is None else open_run_dir(out_dir, record, resume=resume, overwrite=overwrite)
+    try:
+        if resume:
+            found = latest_checkpoint(Path(out_dir) / "checkpoints")
+            if found is None:
+                raise RunDirError(f"resume: {out_dir} holds no intact checkpoint (the run stopped before its "
+                                  "first one); start it again with overwrite=True (--overwrite)")
+            _, training, weights = found
+            check_resume_config(training["config"], config)
+            restore_checkpoint(training, weights, state)
+            atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
+        callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)]
+        if out_dir is not None:
+            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl"),
+                          Checkpointer(out_dir, config.run.checkpoint_every, config.run.keep_checkpoints, config,
+                                       tokenizer)]
+        if progress:
+            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} (stage 1)"))
+        callbacks += list(extra_callbacks)
+        if stop_after is not None:
+            callbacks.append(StopAfter(stop_after))
+        return run(state, stage1_step, callbacks, config.run.steps)
+    finally:
+        if run_dir is not None:
+            run_dir.close()

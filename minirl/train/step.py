@@ -1,0 +1,187 @@
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
+"""One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
+
+`rl_step` is the loop body every stage runs. It talks to the three seams only through
+their protocols: a rollout engine (`generate`, `load_weights`), the roles (`Actor`,
+`Reference`, `Critic`), and a weight sync (`push`). Stage 1 passes plain in-process
+objects; notebook 04 passes FSDP-wrapped roles on every rank; notebook 06 passes Ray
+worker groups with the same methods. The step never changes, so what it computes never
+changes with where it runs.
+
+Simplified vs TRL's GRPOTrainer: rewards are summed over reward functions (no weights), one
+generation batch per step, and the engine holds its own copy of the policy with a version
+(TRL samples with the training model itself). PPO puts its KL penalty in the per-token
+reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from minirl.algo.advantages import gae, group_advantages, terminal_rewards, whiten
+from minirl.algo.corrections import importance_sampling_weights
+from minirl.config import AlgorithmConfig, RLConfig
+from minirl.data import Experience, Rollout
+from minirl.roles.actor import Actor
+from minirl.roles.critic import Critic
+from minirl.roles.reference import Reference
+from minirl.utils.timing import StageTimer
+
+
+@dataclass
+class Roles:
+    """The models of a run, and the policy version the engine must hold for the next batch."""
+
+    actor: Actor
+    reference: Reference | None = None   # only with a KL penalty (beta > 0)
+    critic: Critic | None = None         # only for PPO
+    version: int = 0
+
+
+def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list[dict]:
+    """n distinct dataset rows, drawn with `generator` (all rows if the dataset is smaller)."""
+    if not rows:
+        raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
+    picks = torch.randperm(len(rows), generator=generator)[:n].tolist()
+    return [rows[i] for i in picks]
+
+
+def _reward_name(func) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _call_reward(func, prompts, completions, columns, reward_errors, errors: list) -> list[float]:
+    try:
+        return list(func(prompts=prompts, completions=completions, **columns))
+    except Exception as err:
+        if reward_errors == "raise":
+            raise RuntimeError(f"reward function {_reward_name(func)} raised {type(err).__name__}: {err}; "
+                               "fix it, or pass reward_errors='zero' to score failing samples 0") from err
+    values = []
+    for i in range(len(completions)):            # find the failing samples one by one
+        try:
+            values.append(float(func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                                     **{k: v[i:i + 1] for k, v in columns.items()})[0]))
+        except Exception as err:
+            errors.append(f"{_reward_name(func)}[{i}]: {type(err).__name__}: {err}")
+            values.append(0.0)
+    return values
+
+
+def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise") -> tuple[Tensor, dict]:
+    """Stage 2: rewards [N] (summed over functions) and metrics (per-function mean, error count).
+
+    Each function is called with TRL's signature, f(prompts, completions, **columns), where the
+    columns are the dataset rows' other fields, repeated G times. A wrong number of rewards, a
+    non-numeric or non-finite reward is an error naming the function; with reward_errors="zero"
+    a failing sample scores 0 and is counted in metrics["reward_errors"].
+    """
+    G = rollout.num_generations
+    columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+    total = torch.zeros(len(rollout.completions))
+    metrics, errors = {}, []
+    for func in reward_funcs:
+        values = _call_reward(func, rollout.prompts, rollout.completions, columns, reward_errors, errors)
+        name = _reward_name(func)
+        if len(values) != len(rollout.completions):
+            raise ValueError(f"reward function {name} returned {len(values)} rewards for "
+                             f"{len(rollout.completions)} completions: reward_funcs must return one float each")
+        values = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)
+        if not torch.isfinite(values).all():
+            if reward_errors == "raise":
+                raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
+                                 f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
+                                 "floats, or pass reward_errors='zero' to score them 0")
+            errors += [f"{name}[{i}]: not a finite number" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        metrics[f"rewards/{name}"] = values.mean().item()
+        total += values
+    metrics["reward_errors"] = len(errors)
+    if errors:
+        metrics["reward_error_examples"] = errors[:3]
+    return total, metrics
+
+
+def _as_float(value) -> float:
+    """A reward as a float; NaN for anything that is not a number (None, a string, a list, ...)."""
+    if isinstance(value, (str, bytes)):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+@torch.no_grad()
+def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: AlgorithmConfig) -> Experience:
+    """The log-probs and values the update needs, computed before it: old, reference, critic.
+
+    old_logps are only needed when pi_old differs from the first update's own log-probs
+    (several iterations per batch, importance-sampling correction, or PPO's KL-in-reward).
+    """
+    needs_old = (algorithm.num_iterations > 1 or algorithm.importance_sampling_correction
+                 or (algorithm.algo == "ppo" and algorithm.beta > 0))
+    return Experience(
+        rollout, rewards,
+        old_logps=roles.actor.logprobs(rollout) if needs_old else None,                   # [N, C]
+        ref_logps=roles.reference.logprobs(rollout) if roles.reference is not None else None,
+        values=roles.critic.values(rollout) if roles.critic is not None else None)
+
+
+def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Truncated IS weights pi_old / pi_rollout per token (notebook 02), when the correction is on."""
+    if not algorithm.importance_sampling_correction:
+        return exp
+    ro = exp.rollout
+    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
+                                                 algorithm.importance_sampling_mode,
+                                                 algorithm.importance_sampling_cap)       # [N, C]
+    return exp
+
+
+def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C]."""
+    if algorithm.algo == "grpo":
+        exp.advantages = group_advantages(exp.rewards, exp.rollout.num_generations, algorithm.scale_rewards)
+        return exp
+    mask = exp.rollout.completion_mask
+    token_rewards = terminal_rewards(exp.rewards, mask)                                   # [N, C]
+    if algorithm.beta > 0:
+        token_rewards = token_rewards - algorithm.beta * (exp.old_logps - exp.ref_logps) * mask
+    advantages, exp.returns = gae(token_rewards, exp.values, mask, algorithm.gamma, algorithm.lam)
+    exp.advantages = whiten(advantages, mask)
+    return exp
+
+
+def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
+            generator: torch.Generator | None = None) -> dict:
+    """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
+
+    rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
+    sync: any WeightSync. The record holds the update's metrics, the batch's reward and
+    completion length, the versions, and `time/<stage>` seconds for every stage.
+    """
+    timer = StageTimer()
+    with timer("generate"):
+        rollout = engine.generate([r["prompt"] for r in rows], config.sampling, expected_version=roles.version,
+                                  generator=generator)
+    with timer("score"):
+        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
+    with timer("reference"):
+        exp = make_experience(rollout, rewards, roles, config.algorithm)
+    with timer("advantages"):
+        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm)
+    with timer("update"):
+        metrics |= roles.actor.update(exp)
+    if roles.critic is not None:
+        with timer("update_critic"):
+            metrics |= roles.critic.update(exp)
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    return metrics | {"version": roles.version, "generated_version": rollout.version,
+                      "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
