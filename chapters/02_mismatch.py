@@ -5,7 +5,7 @@
     python chapters/02_mismatch.py --rollout-dtype float8_e4m3fn --train-dtype bfloat16
     python chapters/02_mismatch.py --train-steps 60                 # + two training runs, without/with TIS
 
-The rollout side is minirl.rollout.hf.HFRollout (HF generate with a KV cache in the rollout
+The rollout side is minirl.rollout.hf.HFEngine (HF generate with a KV cache in the rollout
 dtype); the trainer side recomputes the same tokens with one full forward in --train-dtype.
 Prints minirl.diagnostics.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
 mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25].
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from minirl.utils.cli import common_parser, seed_everything, write_summary
-
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+from minirl.utils.cli import check_args, common_parser, seed_everything, write_summary
+from minirl.config import ROLLOUT_DTYPES
+from minirl.diagnostics.mismatch import diagnose
+from minirl.utils.validate import check_float, check_int
 
 
 def load(args):
@@ -40,6 +41,8 @@ def load(args):
         model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).to(args.device).eval()
     if args.prompts_file:
         prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise SystemExit(f"error: --prompts-file {args.prompts_file}: holds no prompt (one per line)")
     else:
         prompts = [row["prompt"] for row in make_task().rows("train")]
     return model, tokenizer, prompts[:args.num_prompts]
@@ -99,13 +102,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    seed_everything(args.seed)
-    from minirl.diagnostics.mismatch import diagnose  # noqa: F401  (imported first: fails early if minirl is broken)
-
+    check_args(parser, {                    # every value checked before anything is loaded
+        "num_prompts": lambda v: check_int("num_prompts", v, low=1),
+        "num_generations": lambda v: check_int("num_generations", v, low=1),
+        "max_new_tokens": lambda v: check_int("max_new_tokens", v, low=1),
+        "temperature": lambda v: check_float("temperature", v, low=0.0, low_open=True),
+        "train_steps": lambda v: check_int("train_steps", v, low=0, why="0: no training comparison"),
+        "learning_rate": lambda v: check_float("learning_rate", v, low=0.0, low_open=True),
+        "prompts_per_step": lambda v: check_int("prompts_per_step", v, low=1),
+        "eval_every": lambda v: check_int("eval_every", v, low=0, why="0 turns evaluation off"),
+    }, args)
     sweep = tuple(d for d in args.sweep.split(",") if d)
     for d in sweep:
         if d not in ROLLOUT_DTYPES:
-            parser.error(f"--sweep: {d!r} is not one of {ROLLOUT_DTYPES}")
+            parser.error(f"argument --sweep: {d!r}: use dtypes from {', '.join(ROLLOUT_DTYPES)}")
+    if args.prompts_file and not Path(args.prompts_file).is_file():
+        parser.error(f"argument --prompts-file: {args.prompts_file!r}: no such file")
+    seed_everything(args.seed)
     model, tokenizer, prompts = load(args)
     report = diagnose(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",
                       train_dtype=args.train_dtype, sweep=sweep, num_generations=args.num_generations,
