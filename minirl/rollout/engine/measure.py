@@ -1,0 +1,163 @@
+"""The measurements of notebook 05 and chapters/05, one function per row of the source's table.
+
+Each function runs the paged engine on a workload it is given (any HF Llama/Qwen2-style model
+and tokenizer) and returns a plain dict of figures: counted ones (KV slots, prefill tokens,
+accepted drafts, cache hits) that do not depend on the machine, and timed ones (tokens per
+second) whose alternatives run interleaved, `repeats` times each, compared by their medians.
+"""
+
+import statistics
+import time
+
+import torch
+
+from minirl.config import SamplingConfig
+from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.engine.engine import PagedEngine, Request
+
+
+def closed_form_saved(prompt_len: int, num_generations: int, block_size: int) -> float:
+    """Share of prefill tokens a prefix cache saves when G completions share one prompt of P tokens.
+
+    The first completion computes all P tokens; each of the other G - 1 reuses the prompt's
+    full blocks except that the last token is always computed: bs * floor((P - 1) / bs) tokens.
+    saved = (G - 1) * bs * floor((P - 1) / bs) / (G * P), which tends to 1 - 1/G for long prompts.
+    """
+    shared = block_size * ((prompt_len - 1) // block_size)
+    return (num_generations - 1) * shared / (num_generations * prompt_len)
+
+
+def interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each run (a no-argument function), in turn, `repeats` times: A, B, A, B, ..."""
+    seconds = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def kv_utilization(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16,
+                   seed: int = 0) -> dict:
+    """KV slots filled / slots held, summed over the steps of one generate call, paged vs contiguous.
+
+    Paged: the blocks the engine actually holds (no prefix cache, so that sharing does not
+    flatter it). Contiguous: what preallocating prompt + max_tokens slots per running sequence
+    would hold for the very same sequences at the very same steps.
+    """
+    engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none")
+    rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+    timeline = engine.scheduler.timeline
+    held = sum(row["held"] for row in timeline)
+    lengths = rollout.completion_mask.sum(1).tolist()
+    return {"paged": held / sum(row["blocks_used"] * block_size for row in timeline),
+            "contiguous": held / sum(row["reserved_max"] for row in timeline),
+            "block_size": block_size, "completion_lengths": lengths}
+
+
+def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConfig, cache_tokens: int,
+                    block_size: int = 16, seed: int = 0) -> dict:
+    """Mean running sequences per step when the KV cache holds `cache_tokens`: paged vs contiguous reservation."""
+    out = {}
+    for reserve in ("on_demand", "max_length"):
+        engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none", reserve=reserve,
+                             num_blocks=cache_tokens // block_size)
+        engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        out[reserve] = statistics.mean(row["running"] for row in engine.scheduler.timeline)
+    return {"paged": out["on_demand"], "contiguous": out["max_length"], "ratio": out["on_demand"] / out["max_length"]}
+
+
+def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
+                         repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
+    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots."""
+    engines = {policy: PagedEngine(model, tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   cache="none", policy=policy) for policy in ("continuous", "static")}
+    tokens, steps, rows = {}, {}, {}
+
+    def run(policy):
+        rollout = engines[policy].generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        tokens[policy] = int(rollout.completion_mask.sum())
+        steps[policy] = engines[policy].stats.steps
+        rows[policy] = sum(r["running"] for r in engines[policy].scheduler.timeline)
+
+    seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats)
+    rate = {p: tokens[p] / statistics.median(seconds[p]) for p in engines}
+    return {"continuous_tokens_per_s": rate["continuous"], "static_tokens_per_s": rate["static"],
+            "ratio": rate["continuous"] / rate["static"], "steps": steps, "row_steps": rows,
+            "step_ratio": steps["static"] / steps["continuous"], "tokens": tokens, "seconds": seconds}
+
+
+def prefix_savings(model, tokenizer, prompts: list[str], num_generations: int, block_size: int) -> dict:
+    """Share of prompt tokens a prefix cache keeps from being prefilled, G completions per prompt, counted.
+
+    Each run generates one token per completion, so that only the prefill is measured.
+    """
+    sampling = SamplingConfig(num_generations=num_generations, max_completion_length=1)
+    computed = {}
+    for cache in ("none", "prefix"):
+        engine = PagedEngine(model, tokenizer, block_size=block_size, cache=cache)
+        engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+        computed[cache] = engine.stats.prefill_tokens
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    closed = sum(closed_form_saved(n, num_generations, block_size) * n for n in lengths) / sum(lengths)
+    return {"saved": 1 - computed["prefix"] / computed["none"], "closed_form": closed,
+            "prefill_tokens": computed, "prompt_tokens": sum(lengths) * num_generations,
+            "mean_prompt_len": sum(lengths) / len(lengths), "block_size": block_size, "G": num_generations}
+
+
+def speculative_sweep(model, tokenizer, make_draft, prompts: list[str], sampling: SamplingConfig, ks: list[int],
+                      repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
+    """Acceptance rate and speedup (tokens/s over plain decoding) for each k; make_draft() -> a fresh draft."""
+    engines = {0: PagedEngine(model, tokenizer, block_size=block_size)}
+    engines |= {k: PagedEngine(model, tokenizer, block_size=block_size, draft=make_draft(),
+                               num_speculative_tokens=k) for k in ks}
+    tokens, accepted = {}, {}
+
+    def run(k):
+        engine = engines[k]
+        engine.reset()
+        rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        tokens[k] = int(rollout.completion_mask.sum())
+        accepted[k] = engine.stats.accepted_tokens / max(1, engine.stats.draft_tokens)
+
+    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats)
+    rate = {k: tokens[k] / statistics.median(seconds[k]) for k in engines}
+    return {"acceptance": {k: accepted[k] for k in ks}, "speedup": {k: rate[k] / rate[0] for k in ks},
+            "tokens_per_s": rate, "seconds": seconds}
+
+
+def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 5, block_size: int = 16) -> float:
+    """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
+    after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
+    paged = PagedModel(model)
+    per_row = -(-(context + tokens_per_row) // block_size)
+    paged.allocate_cache(rows * per_row, block_size)
+    chunks = [Chunk([3] * tokens_per_row, context, list(range(r * per_row, (r + 1) * per_row)), tokens_per_row)
+              for r in range(rows)]
+    step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
+    paged(step)
+    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+
+
+def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], max_tokens: int, cache: str,
+               num_blocks: int | None = None, block_size: int = 16, seed: int = 0) -> dict:
+    """A multi-turn workload: turn t + 1 of conversation c is turn t's prompt and answer plus a new message.
+
+    first: the opening message of each conversation; follow_ups[t][c]: the message of
+    conversation c at turn t + 1. Every turn is one `run` of all conversations (greedy).
+    Returns the share of prompt tokens found in the cache, over all turns and from turn 2 on.
+    """
+    engine = PagedEngine(model, tokenizer, block_size=block_size, cache=cache, num_blocks=num_blocks)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    prompts = [encode(text) for text in first]
+    hits, totals = [], []
+    for turn in range(len(follow_ups) + 1):
+        seqs = engine.run([Request(p, max_tokens, 0.0) for p in prompts])
+        hits.append(engine.stats.cached_tokens)
+        totals.append(engine.stats.prompt_tokens)
+        if turn < len(follow_ups):
+            answers = [[t for t in s.completion if t != tokenizer.eos_token_id] for s in seqs]
+            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn])]
+    return {"hit_rate": sum(hits) / sum(totals), "hit_rate_after_first": sum(hits[1:]) / max(1, sum(totals[1:])),
+            "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
