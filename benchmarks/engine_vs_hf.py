@@ -41,16 +41,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from minirl.config import SamplingConfig
-from minirl.rollout.engine.engine import PagedEngine
+from minirl.rollout.engine.measure import versus_hf
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
-from minirl.rollout.hf import HFEngine
 from minirl.utils.io import write_summary
 from minirl.utils.seeding import seed_everything
 
@@ -93,45 +91,6 @@ def workloads(args) -> dict:
     return out
 
 
-def compare(name, model, tokenizer, prompts, sampling, block_size, repeats, seed) -> dict:
-    """Interleaved calls of both engines; tokens/s medians, the engine's phase seconds and token counts."""
-    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
-    seconds = {k: [] for k in engines}
-    tokens = {k: [] for k in engines}
-    rows_computed = []
-    phases, counts = [], []
-    for kind, engine in engines.items():           # one unmeasured call each: first-call costs (allocation, kernels)
-        engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
-    for r in range(repeats):
-        for kind, engine in engines.items():
-            if kind == "paged":
-                engine.reset()                      # no prefix hits from the previous call
-            start = time.perf_counter()
-            rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed + r))
-            seconds[kind].append(time.perf_counter() - start)
-            tokens[kind].append(int(rollout.completion_mask.sum()))
-            if kind == "paged":
-                phases.append(dict(engine.stats.seconds))
-                counts.append({k: getattr(engine.stats, k) for k in ("prompt_tokens", "cached_tokens",
-                                                                      "prefill_tokens", "decode_tokens", "steps")})
-            else:
-                rows_computed.append(rollout.completion_ids.numel())     # B*G rows x the longest completion
-        print(f"  [{name}] repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
-              f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)", flush=True)
-    rate = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}
-    median_rate = {k: statistics.median(v) for k, v in rate.items()}
-    median_phases = {p: statistics.median(ph[p] for ph in phases) for p in phases[0]}
-    median_counts = {c: statistics.median(x[c] for x in counts) for c in counts[0]}
-    return {"prompts": len(prompts), "num_generations": sampling.num_generations,
-            "max_completion_length": sampling.max_completion_length, "block_size": block_size,
-            "parameters": sum(p.numel() for p in model.parameters()), "repeats": repeats,
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": median_rate,
-            "speedup": median_rate["paged"] / median_rate["hf"], "paged_phase_seconds": median_phases,
-            "paged_counts": median_counts, "hf_rows_x_steps": statistics.median(rows_computed),
-            "hf_prefill_tokens": sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-            * sampling.num_generations}
-
-
 def report(name, r) -> None:
     print(f"\n{name}: {r['prompts']} prompts x G={r['num_generations']}, <= {r['max_completion_length']} new tokens, "
           f"{r['parameters'] / 1e6:.1f} M parameters, {r['repeats']} repeats (medians)")
@@ -161,7 +120,8 @@ def main(argv=None) -> int:
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "torch_threads": torch.get_num_threads(), "load_average_before": load_before}
     for name, (model, tokenizer, prompts, sampling, bs, repeats) in workloads(args).items():
-        summary[name] = compare(name, model, tokenizer, prompts, sampling, bs, repeats, args.seed)
+        summary[name] = versus_hf(model, tokenizer, prompts, sampling, bs, repeats, args.seed,
+                                  log=lambda line, name=name: print(f"  [{name}] {line}", flush=True))
         report(name, summary[name])
     summary["load_average_after"] = os.getloadavg()[0]
     if "long" in summary:

@@ -45,6 +45,7 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.utils.timing import StageTimer
 from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
@@ -148,7 +149,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-ROLLOUT_ENGINES = ("shared_prefix", "hf")
+ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -209,7 +210,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: each prompt prefilled once
+    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: prompt prefilled once; paged: 05
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
 
     choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
@@ -1171,7 +1172,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
                       "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
 
 
-ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}   # RolloutConfig.rollout_engine -> class
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine, "paged": PagedEngine}   # rollout_engine -> class
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 

@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Attention through block tables over a paged KV cache, on a Hugging Face Llama/Qwen2 model.
 
 `PagedModel` runs one engine step: a flat list of new tokens from many sequences at once

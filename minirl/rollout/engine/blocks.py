@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Paged KV memory: fixed-size blocks, a free list, reference counts and content hashes.
 
 The KV cache is cut into `num_blocks` blocks of `block_size` token slots each. A sequence
@@ -31,13 +32,11 @@ def grow_table(table: list[int], num_tokens: int, block_size: int, take: Callabl
     Blocks are taken only when needed: a table that already covers num_tokens slots is left
     as it is (it never shrinks here). Returns the number of blocks appended.
     """
-    # BEGIN SOLUTION
     added = 0
     while len(table) * block_size < num_tokens:
         table.append(take())
         added += 1
     return added
-    # END SOLUTION
 
 
 def block_hash(parent: int | None, tokens) -> int:

@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """`PagedEngine`: the paged KV cache, the scheduler and the caches behind the rollout-engine protocol.
 
     engine = PagedEngine(model, tokenizer)                # its own copy of the policy, version 0
@@ -65,6 +66,7 @@ class Stats:
     preemptions: int = 0
     draft_tokens: int = 0          # speculation: tokens proposed
     accepted_tokens: int = 0       # speculation: proposals the target accepted
+    verified_rows: int = 0         # speculation: sequences verified (each gets accepted + 1 tokens)
     seconds: dict = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "draft", "postprocess"), 0.0))
 

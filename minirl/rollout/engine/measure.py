@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """The measurements of notebook 05 and chapters/05, one function per row of the source's table.
 
 Each function runs the paged engine on a workload it is given (any HF Llama/Qwen2-style model
@@ -14,21 +15,17 @@ import torch
 from minirl.config import SamplingConfig
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
 from minirl.rollout.engine.engine import PagedEngine, Request
-
-
-def closed_form_saved(prompt_len: int, num_generations: int, block_size: int) -> float:
-    """Share of prefill tokens a prefix cache saves when G completions share one prompt of P tokens.
-
-    The first completion computes all P tokens; each of the other G - 1 reuses the prompt's
-    full blocks except that the last token is always computed: bs * floor((P - 1) / bs) tokens.
-    saved = (G - 1) * bs * floor((P - 1) / bs) / (G * P), which tends to 1 - 1/G for long prompts.
-    """
-    shared = block_size * ((prompt_len - 1) // block_size)
-    return (num_generations - 1) * shared / (num_generations * prompt_len)
+from minirl.rollout.hf import HFEngine
 
 
 def interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each run (a no-argument function), in turn, `repeats` times: A, B, A, B, ..."""
+    """Seconds of each run (a no-argument function), in turn, `repeats` times: A, B, A, B, ...
+
+    Each run is called once before, unmeasured: first calls pay one-time costs (allocation,
+    kernel selection) that would otherwise land on whichever runs first.
+    """
+    for run in runs.values():
+        run()
     seconds = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
@@ -58,14 +55,23 @@ def kv_utilization(model, tokenizer, prompts: list[str], sampling: SamplingConfi
 
 def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConfig, cache_tokens: int,
                     block_size: int = 16, seed: int = 0) -> dict:
-    """Mean running sequences per step when the KV cache holds `cache_tokens`: paged vs contiguous reservation."""
+    """Sequences running at once when the KV cache holds `cache_tokens`: paged vs contiguous reservation.
+
+    The mean is taken over the steps in which requests were still waiting, the steps when
+    memory, not the workload, sets the batch size. Also counts the steps each needs in all.
+    """
     out = {}
     for reserve in ("on_demand", "max_length"):
         engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none", reserve=reserve,
                              num_blocks=cache_tokens // block_size)
         engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
-        out[reserve] = statistics.mean(row["running"] for row in engine.scheduler.timeline)
-    return {"paged": out["on_demand"], "contiguous": out["max_length"], "ratio": out["on_demand"] / out["max_length"]}
+        timeline = engine.scheduler.timeline
+        full = [row["running"] for row in timeline if row["waiting"] > 0] or [row["running"] for row in timeline]
+        out[reserve] = (statistics.mean(full), len(timeline), engine.stats.preemptions)
+    return {"paged": out["on_demand"][0], "contiguous": out["max_length"][0],
+            "ratio": out["on_demand"][0] / out["max_length"][0],
+            "steps": {"paged": out["on_demand"][1], "contiguous": out["max_length"][1]},
+            "preemptions": out["on_demand"][2], "cache_tokens": cache_tokens}
 
 
 def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
@@ -88,6 +94,30 @@ def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: Samplin
             "step_ratio": steps["static"] / steps["continuous"], "tokens": tokens, "seconds": seconds}
 
 
+def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
+    """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
+    after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
+    paged = PagedModel(model)
+    per_row = -(-(context + tokens_per_row) // block_size)
+    paged.allocate_cache(rows * per_row, block_size)
+    chunks = [Chunk([3] * tokens_per_row, context, list(range(r * per_row, (r + 1) * per_row)), tokens_per_row)
+              for r in range(rows)]
+    step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
+    paged(step)
+    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+
+
+def closed_form_saved(prompt_len: int, num_generations: int, block_size: int) -> float:
+    """Share of prefill tokens a prefix cache saves when G completions share one prompt of P tokens.
+
+    The first completion computes all P tokens; each of the other G - 1 reuses the prompt's
+    full blocks except that the last token is always computed: bs * floor((P - 1) / bs) tokens.
+    saved = (G - 1) * bs * floor((P - 1) / bs) / (G * P), which tends to 1 - 1/G for long prompts.
+    """
+    shared = block_size * ((prompt_len - 1) // block_size)
+    return (num_generations - 1) * shared / (num_generations * prompt_len)
+
+
 def prefix_savings(model, tokenizer, prompts: list[str], num_generations: int, block_size: int) -> dict:
     """Share of prompt tokens a prefix cache keeps from being prefilled, G completions per prompt, counted.
 
@@ -104,40 +134,6 @@ def prefix_savings(model, tokenizer, prompts: list[str], num_generations: int, b
     return {"saved": 1 - computed["prefix"] / computed["none"], "closed_form": closed,
             "prefill_tokens": computed, "prompt_tokens": sum(lengths) * num_generations,
             "mean_prompt_len": sum(lengths) / len(lengths), "block_size": block_size, "G": num_generations}
-
-
-def speculative_sweep(model, tokenizer, make_draft, prompts: list[str], sampling: SamplingConfig, ks: list[int],
-                      repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
-    """Acceptance rate and speedup (tokens/s over plain decoding) for each k; make_draft() -> a fresh draft."""
-    engines = {0: PagedEngine(model, tokenizer, block_size=block_size)}
-    engines |= {k: PagedEngine(model, tokenizer, block_size=block_size, draft=make_draft(),
-                               num_speculative_tokens=k) for k in ks}
-    tokens, accepted = {}, {}
-
-    def run(k):
-        engine = engines[k]
-        engine.reset()
-        rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
-        tokens[k] = int(rollout.completion_mask.sum())
-        accepted[k] = engine.stats.accepted_tokens / max(1, engine.stats.draft_tokens)
-
-    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats)
-    rate = {k: tokens[k] / statistics.median(seconds[k]) for k in engines}
-    return {"acceptance": {k: accepted[k] for k in ks}, "speedup": {k: rate[k] / rate[0] for k in ks},
-            "tokens_per_s": rate, "seconds": seconds}
-
-
-def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 5, block_size: int = 16) -> float:
-    """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
-    after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
-    paged = PagedModel(model)
-    per_row = -(-(context + tokens_per_row) // block_size)
-    paged.allocate_cache(rows * per_row, block_size)
-    chunks = [Chunk([3] * tokens_per_row, context, list(range(r * per_row, (r + 1) * per_row)), tokens_per_row)
-              for r in range(rows)]
-    step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
-    paged(step)
-    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
 
 
 def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], max_tokens: int, cache: str,
@@ -161,3 +157,84 @@ def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], 
             prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn])]
     return {"hit_rate": sum(hits) / sum(totals), "hit_rate_after_first": sum(hits[1:]) / max(1, sum(totals[1:])),
             "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
+
+
+def speculative_sweep(model, tokenizer, make_draft, requests: list[Request], ks: list[int], repeats: int = 3,
+                      block_size: int = 16, seed: int = 0) -> dict:
+    """Acceptance rate, tokens per verification and speedup (tokens/s over plain decoding) for each k.
+
+    make_draft() -> a fresh draft (ModelDraft or NgramDraft). acceptance: accepted / proposed
+    drafts; tokens_per_round: tokens a sequence gains per verification pass (accepted + 1).
+    """
+    engines = {0: PagedEngine(model, tokenizer, block_size=block_size)}
+    engines |= {k: PagedEngine(model, tokenizer, block_size=block_size, draft=make_draft(),
+                               num_speculative_tokens=k) for k in ks}
+    tokens, accepted, per_round = {}, {}, {}
+
+    def run(k):
+        engine = engines[k]
+        engine.reset()
+        seqs = engine.run(requests, torch.Generator().manual_seed(seed))
+        tokens[k] = sum(len(s.completion) for s in seqs)
+        stats = engine.stats
+        accepted[k] = stats.accepted_tokens / max(1, stats.draft_tokens)
+        per_round[k] = (stats.accepted_tokens + stats.verified_rows) / max(1, stats.verified_rows)
+
+    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats)
+    rate = {k: tokens[k] / statistics.median(seconds[k]) for k in engines}
+    return {"acceptance": {k: accepted[k] for k in ks}, "tokens_per_round": {k: per_round[k] for k in ks},
+            "speedup": {k: rate[k] / rate[0] for k in ks}, "tokens_per_s": rate, "seconds": seconds}
+
+
+def speculative_speedup(tokens_per_round: float, k: int, draft_cost: float, verify_cost: float) -> float:
+    """Speedup of speculation over plain decoding when costs are counted in target decode steps.
+
+    Each round the draft runs k steps of `draft_cost` each and the target one pass over k + 1
+    tokens costing `verify_cost` decode steps; it yields `tokens_per_round` tokens, where plain
+    decoding yields 1 per step. On a GPU a decode step is memory-bound, so verify_cost ~ 1 and
+    a draft ~20x smaller has draft_cost ~0.05; on a CPU both grow with the work.
+    """
+    return tokens_per_round / (k * draft_cost + verify_cost)
+
+
+def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16, repeats: int = 3,
+              seed: int = 0, log=None) -> dict:
+    """The paged engine against HF generate (`HFEngine`) on the same model, prompts, G and length limit.
+
+    One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
+    engine's cache is emptied before every call (as a weight update would). Compared: generated
+    tokens (up to and including EOS) per second, medians; the completions differ (other random
+    streams), so counts differ a little. Also returns the engine's median seconds per phase and
+    token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
+    """
+    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
+    for engine in engines.values():
+        engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
+    seconds, tokens = {k: [] for k in engines}, {k: [] for k in engines}
+    phases, counts, hf_rows = [], [], []
+    for r in range(repeats):
+        for kind, engine in engines.items():
+            if kind == "paged":
+                engine.reset()
+            start = time.perf_counter()
+            rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed + r))
+            seconds[kind].append(time.perf_counter() - start)
+            tokens[kind].append(int(rollout.completion_mask.sum()))
+            if kind == "paged":
+                phases.append(dict(engine.stats.seconds))
+                counts.append({k: getattr(engine.stats, k) for k in ("prompt_tokens", "cached_tokens", "prefill_tokens",
+                                                                      "decode_tokens", "steps")})
+            else:
+                hf_rows.append(rollout.completion_ids.numel())            # B*G rows x the longest completion
+        if log is not None:
+            log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
+                f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
+    rate = {k: statistics.median(t / s for t, s in zip(tokens[k], seconds[k])) for k in engines}
+    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    return {"prompts": len(prompts), "num_generations": sampling.num_generations,
+            "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,
+            "parameters": sum(p.numel() for p in model.parameters()), "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": rate, "speedup": rate["paged"] / rate["hf"],
+            "paged_phase_seconds": {p: statistics.median(x[p] for x in phases) for p in phases[0]},
+            "paged_counts": {c: statistics.median(x[c] for x in counts) for c in counts[0]},
+            "hf_prefill_tokens": prompt_tokens * sampling.num_generations, "hf_rows_x_steps": statistics.median(hf_rows)}

@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Prefix caching: full blocks found again by the hash of their content, and shared.
 
 When a block is full, its hash (its tokens chained with the previous block's hash, see
@@ -27,7 +28,6 @@ def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int,
     that is missing or whose stored tokens differ (a hash collision). Only the first
     (len(tokens) - 1) // block_size blocks are candidates: the last token is always computed.
     """
-    # BEGIN SOLUTION
     blocks, parent = [], None
     for i in range((len(tokens) - 1) // block_size):
         chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
@@ -37,7 +37,6 @@ def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int,
             break
         blocks.append(hit[0])
     return blocks
-    # END SOLUTION
 
 
 class PrefixCache:

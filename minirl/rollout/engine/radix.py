@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """A radix-tree prefix cache with LRU eviction, SGLang's RadixAttention at block granularity.
 
 The cached token sequences form a tree: each edge holds a run of full blocks (their tokens

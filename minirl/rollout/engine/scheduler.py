@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Continuous batching: which sequences run in the next step, and with which blocks.
 
 Every step the scheduler (1) gives each running sequence one decode token, and a new block
@@ -74,11 +75,9 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     budget; a sequence larger than the whole budget may still run alone in an empty step
     (otherwise it would wait for ever).
     """
-    # BEGIN SOLUTION
     if num_running >= max_num_seqs or blocks_wanted > blocks_free:
         return False
     return new_tokens <= token_budget or step_is_empty
-    # END SOLUTION
 
 
 class Scheduler:

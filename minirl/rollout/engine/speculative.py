@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Speculative decoding: a cheap draft proposes k tokens, the target checks them in one pass.
 
 Each round, for every running sequence: the draft proposes d_1..d_k with probabilities
@@ -36,7 +37,6 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor, generator: torch.Generator
     0..k, next_token [S] long): next_token is drawn from max(0, p_a - q_a) renormalized at the
     first rejected position a, or from p_{k+1} when all k are accepted.
     """
-    # BEGIN SOLUTION
     S, k = draft.shape
     p_draft = p[:, :k].gather(2, draft[..., None]).squeeze(2)                     # [S, k]
     q_draft = q.gather(2, draft[..., None]).squeeze(2)                            # [S, k]
@@ -48,7 +48,6 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor, generator: torch.Generator
     residual = (p[rows, accepted] - q_padded[rows, accepted]).clamp(min=0)       # [S, V]
     next_token = torch.multinomial(residual / residual.sum(1, keepdim=True), 1, generator=generator).squeeze(1)
     return accepted, next_token
-    # END SOLUTION
 
 
 def probabilities(logits: Tensor, temperatures: Tensor) -> Tensor:
@@ -182,6 +181,7 @@ def speculative_step(engine, seqs, generator=None) -> None:
     engine.stats.decode_tokens += len(seqs) * (k + 1)
     engine.stats.draft_tokens += len(seqs) * k
     engine.stats.accepted_tokens += int(accepted.sum())
+    engine.stats.verified_rows += len(seqs)
     for i, (s, a, nxt) in enumerate(zip(seqs, accepted.tolist(), next_token.tolist())):
         tokens = drafts[i][:a] + [nxt]
         logprobs = logp[i, torch.arange(a + 1), torch.tensor(tokens)].tolist()

@@ -1,3 +1,4 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Workloads for measuring generation: a larger policy with a long tail of completion lengths, and prompts.
 
 `load_long_tail_policy()` builds (once, cached under $MINIRL_CACHE like the embedded policy)
@@ -12,7 +13,7 @@ benchmarks together and would not change the cost of a token.
 
 `few_shot_prompts(n, length)` makes prompts of about `length` characters from the
 arithmetic task (solved examples, then one question), the ~64-token prompts of the
-long-tail workload. `multi_turn(...)` makes conversations whose turns extend each other.
+long-tail workload; `load_draft_policy()` is a small warm-started draft for speculation.
 """
 
 import hashlib
@@ -27,7 +28,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.models.policy import BOS, EOS, PAD, cache_dir
+from minirl.models.policy import BOS, EOS, PAD, PolicyConfig, cache_dir, load_default_policy
 from minirl.tasks.arithmetic import make_task
 
 LONG_TAIL_CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()[]{}<>/|&%$#@^~_'\""
@@ -91,17 +92,38 @@ def load_long_tail_policy(config: LongTailConfig = LongTailConfig(), device: str
     return model, tokenizer, path
 
 
-def few_shot_prompts(n: int, length: int = 64, seed: int = 0) -> list[str]:
-    """n prompts of about `length` characters: solved sums of the arithmetic task, then one to solve."""
+DRAFT_POLICY = PolicyConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def load_draft_policy(device: str = "cpu", progress: bool = False):
+    """(model, tokenizer, path): a ~125 k-parameter policy warm-started like the embedded one (notebook 00).
+
+    Same tokenizer and task as the embedded policy, about 8x fewer parameters: a draft for
+    speculative decoding. Built once (about half a minute) and cached like the embedded policy.
+    """
+    return load_default_policy(policy_config=DRAFT_POLICY, device=device, progress=progress)
+
+
+def few_shot_rows(n: int, length: int = 64, seed: int = 0) -> list[dict]:
+    """n dataset rows {"prompt", "answer"}: solved sums of the arithmetic task, then one to solve.
+
+    Each prompt is about `length` characters ("39+87=126,95+15=110,...,53+45="); the answer is
+    the last sum's value, so the task's reward function scores completions as usual.
+    """
     rows = make_task().rows("train")
     generator = torch.Generator().manual_seed(seed)
     pick = lambda: rows[int(torch.randint(len(rows), (1,), generator=generator))]   # noqa: E731
-    prompts = []
+    out = []
     for _ in range(n):
         last = pick()
         text = ""
         while len(text) + len(last["prompt"]) < length:
             row = pick()
             text += f"{row['prompt']}{row['answer']},"
-        prompts.append(text + last["prompt"])
-    return prompts
+        out.append({"prompt": text + last["prompt"], "answer": last["answer"]})
+    return out
+
+
+def few_shot_prompts(n: int, length: int = 64, seed: int = 0) -> list[str]:
+    """The prompts of `few_shot_rows(n, length, seed)`."""
+    return [row["prompt"] for row in few_shot_rows(n, length, seed)]
