@@ -1,6 +1,6 @@
 """Tokens per second: the paged engine (notebook 05) against HF `generate` on the same model, in one process.
 
-    python benchmarks/engine_vs_hf.py                     # both workloads (about 5 minutes on 2 cores)
+    python benchmarks/engine_vs_hf.py                     # both workloads (about 5-10 minutes on 2 cores)
     python benchmarks/engine_vs_hf.py --workload long     # the long-tail workload only
     python benchmarks/engine_vs_hf.py --quick             # tiny: one repeat of shortened workloads (CI smoke)
     python benchmarks/engine_vs_hf.py --threads 1 --out runs/bench-engine
@@ -24,9 +24,11 @@ than 16 tokens), the hash prefix cache, continuous batching, all B*G sequences i
 prefix cache is emptied before every call (`reset()`), as a weight update would: no call profits
 from the previous one's blocks.
 
-How it is timed: paged call, HF call, paged call, ... (`--repeats` each), in one thread of
-Python; the engines' sampled completions differ (different random streams), so the figure
-compared is generated tokens (up to and including EOS) per second, the median over repeats.
+How it is timed: one unmeasured call each, then paged call, HF call, paged call, ...
+(`--repeats` each), in one thread of Python; the engines' sampled completions differ (different
+random streams), so the figure compared is generated tokens (up to and including EOS) per
+second. The speedup is the median over repeats of the ratio within a repeat: the two calls of a
+repeat run back to back and see about the same load from other processes on the machine.
 
 Where the engine's advantage comes from (printed per workload): HF computes every one of the
 B*G rows at every step until the longest completion ends (rows that emitted EOS are computed
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=("grpo", "long", "both"), default="both")
-    parser.add_argument("--repeats", type=int, default=None, help="calls per engine (default: grpo 15, long 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="calls per engine (default: grpo 15, long 5)")
     parser.add_argument("--quick", action="store_true",
                         help="one repeat of small workloads: 4 prompts (grpo), 2 prompts x G=4 x 32 tokens (long); "
                              "a smoke test, not a measurement")
@@ -86,8 +88,9 @@ def workloads(args) -> dict:
     if args.workload in ("long", "both"):
         model, tokenizer, _ = load_long_tail_policy()
         prompts = few_shot_prompts(2 if args.quick else 16, length=64, seed=args.seed)
-        sampling = SamplingConfig(num_generations=4 if args.quick else 8, max_completion_length=32 if args.quick else 256)
-        out["long"] = (model, tokenizer, prompts, sampling, 16, 1 if args.quick else args.repeats or 3)
+        sampling = SamplingConfig(num_generations=4 if args.quick else 8,
+                                  max_completion_length=32 if args.quick else 256)
+        out["long"] = (model, tokenizer, prompts, sampling, 16, 1 if args.quick else args.repeats or 5)
     return out
 
 
@@ -99,8 +102,10 @@ def report(name, r) -> None:
         print(f"  {k:<6} | {r['tokens_per_s'][k]:8.1f} | {statistics.median(r['seconds'][k]):8.3f} | "
               f"{statistics.median(r['tokens'][k]):.0f}")
     c = r["paged_counts"]
-    print(f"  speedup (tokens/s, paged / hf): {r['speedup']:.2f}")
-    print(f"  work: hf prefills {r['hf_prefill_tokens']} prompt tokens and computes {r['hf_rows_x_steps']:.0f} row-steps "
+    print(f"  speedup (tokens/s, paged / hf, median of the repeats' ratios): {r['speedup']:.2f} "
+          f"(repeats: {', '.join(f'{x:.2f}' for x in r['speedups'])})")
+    print(f"  work: hf prefills {r['hf_prefill_tokens']} prompt tokens and computes {r['hf_rows_x_steps']:.0f} "
+          "row-steps "
           f"of decoding; paged prefills {c['prefill_tokens']:.0f} ({c['cached_tokens']:.0f} of "
           f"{c['prompt_tokens']:.0f} prompt tokens found in its cache) and decodes {c['decode_tokens']:.0f} tokens "
           f"in {c['steps']:.0f} steps")

@@ -145,7 +145,8 @@ def main(argv=None) -> int:
                                        args.max_new_tokens // 2, 0.0)], args.ks, args.repeats, bs, args.seed)
 
     rows = [
-        ("KV utilization, contiguous", "50-70 %", f"{100 * kv['contiguous']:.1f} %", verdict(0.5 <= kv["contiguous"] <= 0.7)),
+        ("KV utilization, contiguous", "50-70 %", f"{100 * kv['contiguous']:.1f} %",
+         verdict(0.5 <= kv["contiguous"] <= 0.7)),
         ("KV utilization, paged", "95 %+", f"{100 * kv['paged']:.1f} %", verdict(kv["paged"] >= 0.9)),
         ("sequences at once, same cache", "2-4x", f"{eb['ratio']:.2f}x", verdict(2 <= eb["ratio"] <= 4)),
         ("continuous / static, tokens/s", "5-10x", f"{cvs['ratio']:.2f}x (steps {cvs['step_ratio']:.2f}x)",

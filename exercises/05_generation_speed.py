@@ -143,23 +143,25 @@ class Chunk:
 
 @dataclass
 class Group:
-    """Sequences padded to one query width Q: where their queries are and what they may see."""
+    """Sequences attended together, padded to one query width Q; their tokens are the flat range start:stop."""
 
-    q_index: Tensor       # [S, Q] long: flat token index of each query (padding repeats a real one)
-    valid: Tensor         # [S, Q] bool: a real query (not padding)
+    start: int            # the group's first flat token
+    stop: int             # one past its last
+    q_index: Tensor | None  # [S, Q] long, into start:stop (padding repeats a real query); None when Q == 1
+    valid: Tensor | None  # [S, Q] bool: a real query, not padding; None when Q == 1
     tables: Tensor        # [S, B] long: block tables padded with block 0 (masked out)
     mask: Tensor          # [S, 1, n_rep*Q, B*block_size] bool: key position visible to the query
 
 
 @dataclass
 class Step:
-    """One forward pass over T new tokens from several sequences."""
+    """One forward pass over T new tokens from several sequences, laid out group after group."""
 
     input_ids: Tensor     # [T] long
     positions: Tensor     # [T] long: position of each token in its sequence
     slots: Tensor         # [T] long: cache slot (block * block_size + offset) its key/value goes to
     groups: list[Group]
-    logits_index: Tensor  # [R] long: flat tokens whose next-token logits are returned, chunk by chunk
+    logits_index: Tensor  # [R] long: flat tokens whose next-token logits are returned, in chunk order
 
 
 BUCKET_TOKENS = 64   # rows whose contexts differ by less than this share one padded attention call
@@ -171,46 +173,49 @@ def make_step(chunks: list[Chunk], block_size: int, n_rep: int, device) -> Step:
     A query at position p of a sequence sees key positions 0..p of the same sequence (causal),
     all of them read through the sequence's block table. Chunks are grouped for attention by
     query width (decode rows of one token apart from longer chunks) and by context length in
-    buckets of BUCKET_TOKENS, so that a short sequence is not padded to the longest one.
+    buckets of BUCKET_TOKENS, so that a short sequence is not padded to the longest one. The
+    flat tokens are laid out group by group (a linear layer does not care about the order), so
+    each group's queries are one contiguous range and its output needs no scatter.
     """
-    ids, positions, slots, logits_index = [], [], [], []
-    groups: dict[tuple[bool, int], list[int]] = {}
-    for i, c in enumerate(chunks):
-        n = len(c.tokens)
-        pos = range(c.start, c.start + n)
-        key = (n > 1, (c.start + n - 1) // BUCKET_TOKENS)
-        groups.setdefault(key, []).append(len(ids))
+    key = lambda i: (len(chunks[i].tokens) > 1, (chunks[i].start + len(chunks[i].tokens) - 1) // BUCKET_TOKENS)  # noqa
+    order = sorted(range(len(chunks)), key=key)
+    ids, positions, slots, first = [], [], [], {}
+    members: dict[tuple, list[int]] = {}
+    for i in order:
+        c = chunks[i]
+        first[i] = len(ids)
+        members.setdefault(key(i), []).append(i)
+        pos = range(c.start, c.start + len(c.tokens))
         ids += c.tokens
         positions += pos
         slots += [c.block_table[p // block_size] * block_size + p % block_size for p in pos]
-        logits_index += range(len(ids) - c.num_logits, len(ids))
-    by_offset = {}
-    offset = 0
-    for c in chunks:
-        by_offset[offset] = c
-        offset += len(c.tokens)
+    logits_index = [t for i, c in enumerate(chunks)
+                    for t in range(first[i] + len(c.tokens) - c.num_logits, first[i] + len(c.tokens))]
+    groups = [make_group([chunks[i] for i in group], [first[i] for i in group], block_size, n_rep, device)
+              for group in members.values()]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
-    return Step(as_long(ids), as_long(positions), as_long(slots),
-                [make_group([by_offset[o] for o in offsets], offsets, block_size, n_rep, device)
-                 for _, offsets in sorted(groups.items())], as_long(logits_index))
+    return Step(as_long(ids), as_long(positions), as_long(slots), groups, as_long(logits_index))
 
 
 def make_group(chunks: list[Chunk], offsets: list[int], block_size: int, n_rep: int, device) -> Group:
-    """The padded query index, block tables and causal mask of chunks attended together."""
+    """The block tables, causal mask and (for chunks longer than 1) padded query index of one group."""
     S = len(chunks)
     Q = max(len(c.tokens) for c in chunks)
     B = max(-(-(c.start + len(c.tokens)) // block_size) for c in chunks)     # blocks the longest context spans
+    start, stop = offsets[0], offsets[-1] + len(chunks[-1].tokens)
     lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)                 # [S]
     starts = torch.tensor([c.start for c in chunks], device=device)                       # [S]
     j = torch.arange(Q, device=device)                                                    # [Q]
-    valid = j[None] < lengths[:, None]                                                    # [S, Q]
-    q_index = torch.tensor(offsets, device=device)[:, None] + torch.minimum(j[None], lengths[:, None] - 1)
+    last = torch.minimum(j[None], lengths[:, None] - 1)                                   # [S, Q]: padding repeats
+    q_index = valid = None
+    if Q > 1:
+        valid = j[None] < lengths[:, None]                                                # [S, Q]
+        q_index = torch.tensor(offsets, device=device)[:, None] - start + last            # [S, Q]
     tables = torch.tensor([c.block_table[:B] + [0] * (B - len(c.block_table)) for c in chunks], device=device)
-    query_pos = starts[:, None] + torch.minimum(j[None], lengths[:, None] - 1)            # [S, Q]
     key_pos = torch.arange(B * block_size, device=device)                                 # [L]
-    mask = key_pos[None, None] <= query_pos[:, :, None]                                   # [S, Q, L]
+    mask = key_pos[None, None] <= (starts[:, None] + last)[:, :, None]                    # [S, Q, L]
     mask = mask[:, None].expand(S, n_rep, Q, B * block_size).reshape(S, 1, n_rep * Q, B * block_size)
-    return Group(q_index, valid, tables, mask)
+    return Group(start, stop, q_index, valid, tables, mask)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[Group]) -> Tensor:
@@ -223,25 +228,31 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[Gr
     """
     T, H, D = q.shape
     Hkv, _, bs, _ = k_cache.shape
-    out = q.new_empty(T, H * D)
+    outs = []
     for g in groups:
-        S, Q = g.q_index.shape
-        L = g.tables.shape[1] * bs
-        queries = q[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)        # [S, Hkv, n_rep*Q, D]
+        S, L = g.tables.shape[0], g.tables.shape[1] * bs
+        mine = q[g.start:g.stop]                                                            # [n, H, D]
+        if g.q_index is None:                                                               # one query per sequence
+            Q, queries = 1, mine.view(S, Hkv, H // Hkv, D)                                  # [S, Hkv, n_rep, D]
+        else:
+            Q = g.q_index.shape[1]
+            queries = mine[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)  # [S, Hkv, n_rep*Q, D]
         blocks = g.tables.flatten()                                                         # [S * B]
         keys = k_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)          # [S, Hkv, L, D]
         values = v_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)        # [S, Hkv, L, D]
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)         # [S, Hkv, n_rep*Q, D]
-        o = o.reshape(S, H, Q, D).transpose(1, 2)                                            # [S, Q, H, D]
-        out[g.q_index[g.valid]] = o[g.valid].reshape(-1, H * D)
-    return out
+        if g.q_index is None:
+            outs.append(o.reshape(S, H * D))
+        else:
+            outs.append(o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)                                  # [T, H * D]
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, sin: [T, D]."""
+    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, sin: [T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
 
 
 def check_architecture(model) -> None:
@@ -297,7 +308,7 @@ class PagedModel(torch.nn.Module):
         T = step.input_ids.shape[0]
         x = inner.embed_tokens(step.input_ids)                                           # [T, hidden]
         cos, sin = inner.rotary_emb(x, step.positions[None])                             # [1, T, D] each
-        cos, sin = cos[0], sin[0]
+        cos, sin = cos[0, :, None], sin[0, :, None]                                      # [T, 1, D]: all heads
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -306,7 +317,8 @@ class PagedModel(torch.nn.Module):
             v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):                                                  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = rotate(torch.cat([q, k], 1), cos, sin)                                  # both in one pass
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]                        # [Hkv, NB, bs, D]
             k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, k.transpose(0, 1))
             v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, v.transpose(0, 1))
@@ -319,9 +331,13 @@ class PagedModel(torch.nn.Module):
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One completion being generated: the prompt, the tokens so far, and where its KV lives."""
+    """One completion being generated: the prompt, the tokens so far, and where its KV lives.
+
+    Compared by identity (eq=False): the scheduler looks sequences up in its lists every step,
+    and a field-by-field comparison of token lists would cost more than the lookup.
+    """
 
     id: int
     tokens: list[int]              # prompt + generated tokens
@@ -690,9 +706,10 @@ class PagedEngine:
     def run(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Sequence]:
         """Serve every request; returns their sequences in order (see Sequence.completion / .error).
 
-        `stats` then describes this run alone.
+        `stats` and the scheduler's `timeline` then describe this run alone.
         """
         self.stats = Stats()
+        self.scheduler.timeline = []
         seqs = [self.add(r) for r in requests]
         while self.scheduler.has_work():
             self.step(generator)
@@ -850,22 +867,50 @@ def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConf
 
 def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
                          repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
-    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots."""
+    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots.
+
+    Also counts, per policy, the work of one run: steps, decode rows (a static batch's padding
+    rows included) and prefill tokens.
+    """
     engines = {policy: PagedEngine(model, tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
                                    cache="none", policy=policy) for policy in ("continuous", "static")}
-    tokens, steps, rows = {}, {}, {}
+    tokens, work = {}, {}
 
     def run(policy):
-        rollout = engines[policy].generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        engine = engines[policy]
+        rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
         tokens[policy] = int(rollout.completion_mask.sum())
-        steps[policy] = engines[policy].stats.steps
-        rows[policy] = sum(r["running"] for r in engines[policy].scheduler.timeline)
+        stats = engine.stats
+        work[policy] = {"steps": stats.steps, "decode_rows": stats.decode_tokens + stats.padding_tokens,
+                        "prefill_tokens": stats.prefill_tokens}
 
     seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats)
     rate = {p: tokens[p] / statistics.median(seconds[p]) for p in engines}
     return {"continuous_tokens_per_s": rate["continuous"], "static_tokens_per_s": rate["static"],
-            "ratio": rate["continuous"] / rate["static"], "steps": steps, "row_steps": rows,
-            "step_ratio": steps["static"] / steps["continuous"], "tokens": tokens, "seconds": seconds}
+            "ratio": rate["continuous"] / rate["static"], "work": work,
+            "step_ratio": work["static"]["steps"] / work["continuous"]["steps"],
+            "row_ratio": work["static"]["decode_rows"] / work["continuous"]["decode_rows"],
+            "tokens": tokens, "seconds": seconds}
+
+
+def step_costs(model, rows: int, context: int = 128, prompt: int = 64, block_size: int = 16) -> dict:
+    """A linear cost model of an engine step on this device, in seconds: fixed + per decode row + per prefill token.
+
+    Fitted from three timed forward passes: 1 decode row, `rows` decode rows (both after
+    `context` cached tokens) and one prefill of `prompt` tokens.
+    """
+    one = step_seconds(model, 1, 1, context, block_size=block_size)
+    many = step_seconds(model, rows, 1, context, block_size=block_size)
+    prefill = step_seconds(model, 1, prompt, 0, block_size=block_size)
+    per_row = max(many - one, 0.0) / (rows - 1)
+    fixed = one - per_row
+    return {"fixed": fixed, "per_row": per_row, "per_prefill_token": max(prefill - fixed, 0.0) / prompt}
+
+
+def predicted_seconds(costs: dict, work: dict) -> float:
+    """What the cost model says a run with this work (steps, decode_rows, prefill_tokens) takes."""
+    return (costs["fixed"] * work["steps"] + costs["per_row"] * work["decode_rows"]
+            + costs["per_prefill_token"] * work["prefill_tokens"])
 
 
 def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
@@ -1130,7 +1175,8 @@ def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], 
             "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
 
 
-def accept_draft(p: Tensor, q: Tensor, draft: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """The rejection-sampling rule of speculative decoding, for S sequences at once.
 
     p: [S, k+1, V] the target's probabilities at the k+1 verified positions; q: [S, k, V] the
@@ -1328,8 +1374,9 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
 
     One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
     engine's cache is emptied before every call (as a weight update would). Compared: generated
-    tokens (up to and including EOS) per second, medians; the completions differ (other random
-    streams), so counts differ a little. Also returns the engine's median seconds per phase and
+    tokens (up to and including EOS) per second; `speedup` is the median over repeats of the
+    ratio within a repeat (the two calls of a repeat see about the same machine load). The
+    completions differ (other random streams), so token counts differ a little. Also returns the engine's median seconds per phase and
     token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
     """
     engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
@@ -1354,15 +1401,18 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
         if log is not None:
             log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
                 f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
-    rate = {k: statistics.median(t / s for t, s in zip(tokens[k], seconds[k])) for k in engines}
+    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     return {"prompts": len(prompts), "num_generations": sampling.num_generations,
             "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": rate, "speedup": rate["paged"] / rate["hf"],
+            "tokens_per_s": rate, "speedup": statistics.median(ratios), "speedups": ratios,
             "paged_phase_seconds": {p: statistics.median(x[p] for x in phases) for p in phases[0]},
             "paged_counts": {c: statistics.median(x[c] for x in counts) for c in counts[0]},
-            "hf_prefill_tokens": prompt_tokens * sampling.num_generations, "hf_rows_x_steps": statistics.median(hf_rows)}
+            "hf_prefill_tokens": prompt_tokens * sampling.num_generations,
+            "hf_rows_x_steps": statistics.median(hf_rows)}
 
 
 LONG_TAIL_CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()[]{}<>/|&%$#@^~_'\""

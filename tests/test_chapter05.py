@@ -35,6 +35,7 @@ def test_quick_run_on_any_hf_model_writes_the_summary(tiny_model, tmp_path):
     kv = summary["kv_utilization"]
     assert 0 < kv["contiguous"] < kv["paged"] <= 1
     assert summary["continuous_vs_static"]["ratio"] > 0 and summary["continuous_vs_static"]["step_ratio"] >= 1
+    assert summary["continuous_vs_static"]["row_ratio"] > 1
     assert 0 < summary["prefix_saved_share"] < 7 / 8 and summary["prefix_saved_share"] == \
         pytest.approx(summary["prefix"]["closed_form"])
     assert set(summary["spec_acceptance"]) == set(summary["spec_speedup"]) == {"1", "2"}

@@ -221,12 +221,14 @@ def test_block_accounting_never_leaks_and_outputs_do_not_depend_on_the_schedule(
     """Property: any cache, policy, block size, cache size, slots and budget: same greedy outputs, all blocks freed."""
     model, tokenizer = policy
     rng = random.Random(seed)
-    requests = [Request(x, rng.randint(1, 8), 0.0) for x in encode(tokenizer, prompts) for _ in range(rng.randint(1, 3))]
+    requests = [Request(x, rng.randint(1, 8), 0.0) for x in encode(tokenizer, prompts)
+                for _ in range(rng.randint(1, 3))]
     want = [s.completion for s in PagedEngine(model, tokenizer, block_size=4, cache="none").run(requests)]
     for _ in range(3):
         block_size = rng.choice([1, 2, 4, 8])
         engine = PagedEngine(model, tokenizer, block_size=block_size, cache=rng.choice(["prefix", "radix", "none"]),
-                             policy=rng.choice(["continuous", "static"]), reserve=rng.choice(["on_demand", "max_length"]),
+                             policy=rng.choice(["continuous", "static"]),
+                             reserve=rng.choice(["on_demand", "max_length"]),
                              num_blocks=rng.randint(-(-32 // block_size), 60), max_num_seqs=rng.randint(1, 40),
                              max_num_batched_tokens=rng.randint(1, 96))
         got = engine.run(requests)

@@ -10,9 +10,10 @@ new keys and values into their slots of the paged cache, then every query reads 
 sequence's keys and values back through the block table.
 
 Simplified vs vLLM: the gather through the block table is a torch indexing copy
-(`k_cache[tables]`) followed by `scaled_dot_product_attention`, where vLLM's paged-attention
-kernel reads the blocks in place; sequences are padded to the longest in their group (one
-group of decode rows, one of longer chunks), with a boolean mask. Supports Llama-style
+(`index_select` of the sequence's blocks) followed by `scaled_dot_product_attention`, where
+vLLM's paged-attention kernel reads the blocks in place; sequences are padded to the longest
+in their group (decode rows apart from longer chunks, and by context length), with a
+boolean mask. Supports Llama-style
 models with full attention (Llama, Qwen2, Qwen3, Mistral without a sliding window).
 """
 
@@ -42,23 +43,25 @@ class Chunk:
 
 @dataclass
 class Group:
-    """Sequences padded to one query width Q: where their queries are and what they may see."""
+    """Sequences attended together, padded to one query width Q; their tokens are the flat range start:stop."""
 
-    q_index: Tensor       # [S, Q] long: flat token index of each query (padding repeats a real one)
-    valid: Tensor         # [S, Q] bool: a real query (not padding)
+    start: int            # the group's first flat token
+    stop: int             # one past its last
+    q_index: Tensor | None  # [S, Q] long, into start:stop (padding repeats a real query); None when Q == 1
+    valid: Tensor | None  # [S, Q] bool: a real query, not padding; None when Q == 1
     tables: Tensor        # [S, B] long: block tables padded with block 0 (masked out)
     mask: Tensor          # [S, 1, n_rep*Q, B*block_size] bool: key position visible to the query
 
 
 @dataclass
 class Step:
-    """One forward pass over T new tokens from several sequences."""
+    """One forward pass over T new tokens from several sequences, laid out group after group."""
 
     input_ids: Tensor     # [T] long
     positions: Tensor     # [T] long: position of each token in its sequence
     slots: Tensor         # [T] long: cache slot (block * block_size + offset) its key/value goes to
     groups: list[Group]
-    logits_index: Tensor  # [R] long: flat tokens whose next-token logits are returned, chunk by chunk
+    logits_index: Tensor  # [R] long: flat tokens whose next-token logits are returned, in chunk order
 
 
 BUCKET_TOKENS = 64   # rows whose contexts differ by less than this share one padded attention call
@@ -70,46 +73,49 @@ def make_step(chunks: list[Chunk], block_size: int, n_rep: int, device) -> Step:
     A query at position p of a sequence sees key positions 0..p of the same sequence (causal),
     all of them read through the sequence's block table. Chunks are grouped for attention by
     query width (decode rows of one token apart from longer chunks) and by context length in
-    buckets of BUCKET_TOKENS, so that a short sequence is not padded to the longest one.
+    buckets of BUCKET_TOKENS, so that a short sequence is not padded to the longest one. The
+    flat tokens are laid out group by group (a linear layer does not care about the order), so
+    each group's queries are one contiguous range and its output needs no scatter.
     """
-    ids, positions, slots, logits_index = [], [], [], []
-    groups: dict[tuple[bool, int], list[int]] = {}
-    for i, c in enumerate(chunks):
-        n = len(c.tokens)
-        pos = range(c.start, c.start + n)
-        key = (n > 1, (c.start + n - 1) // BUCKET_TOKENS)
-        groups.setdefault(key, []).append(len(ids))
+    key = lambda i: (len(chunks[i].tokens) > 1, (chunks[i].start + len(chunks[i].tokens) - 1) // BUCKET_TOKENS)  # noqa
+    order = sorted(range(len(chunks)), key=key)
+    ids, positions, slots, first = [], [], [], {}
+    members: dict[tuple, list[int]] = {}
+    for i in order:
+        c = chunks[i]
+        first[i] = len(ids)
+        members.setdefault(key(i), []).append(i)
+        pos = range(c.start, c.start + len(c.tokens))
         ids += c.tokens
         positions += pos
         slots += [c.block_table[p // block_size] * block_size + p % block_size for p in pos]
-        logits_index += range(len(ids) - c.num_logits, len(ids))
-    by_offset = {}
-    offset = 0
-    for c in chunks:
-        by_offset[offset] = c
-        offset += len(c.tokens)
+    logits_index = [t for i, c in enumerate(chunks)
+                    for t in range(first[i] + len(c.tokens) - c.num_logits, first[i] + len(c.tokens))]
+    groups = [make_group([chunks[i] for i in group], [first[i] for i in group], block_size, n_rep, device)
+              for group in members.values()]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
-    return Step(as_long(ids), as_long(positions), as_long(slots),
-                [make_group([by_offset[o] for o in offsets], offsets, block_size, n_rep, device)
-                 for _, offsets in sorted(groups.items())], as_long(logits_index))
+    return Step(as_long(ids), as_long(positions), as_long(slots), groups, as_long(logits_index))
 
 
 def make_group(chunks: list[Chunk], offsets: list[int], block_size: int, n_rep: int, device) -> Group:
-    """The padded query index, block tables and causal mask of chunks attended together."""
+    """The block tables, causal mask and (for chunks longer than 1) padded query index of one group."""
     S = len(chunks)
     Q = max(len(c.tokens) for c in chunks)
     B = max(-(-(c.start + len(c.tokens)) // block_size) for c in chunks)     # blocks the longest context spans
+    start, stop = offsets[0], offsets[-1] + len(chunks[-1].tokens)
     lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)                 # [S]
     starts = torch.tensor([c.start for c in chunks], device=device)                       # [S]
     j = torch.arange(Q, device=device)                                                    # [Q]
-    valid = j[None] < lengths[:, None]                                                    # [S, Q]
-    q_index = torch.tensor(offsets, device=device)[:, None] + torch.minimum(j[None], lengths[:, None] - 1)
+    last = torch.minimum(j[None], lengths[:, None] - 1)                                   # [S, Q]: padding repeats
+    q_index = valid = None
+    if Q > 1:
+        valid = j[None] < lengths[:, None]                                                # [S, Q]
+        q_index = torch.tensor(offsets, device=device)[:, None] - start + last            # [S, Q]
     tables = torch.tensor([c.block_table[:B] + [0] * (B - len(c.block_table)) for c in chunks], device=device)
-    query_pos = starts[:, None] + torch.minimum(j[None], lengths[:, None] - 1)            # [S, Q]
     key_pos = torch.arange(B * block_size, device=device)                                 # [L]
-    mask = key_pos[None, None] <= query_pos[:, :, None]                                   # [S, Q, L]
+    mask = key_pos[None, None] <= (starts[:, None] + last)[:, :, None]                    # [S, Q, L]
     mask = mask[:, None].expand(S, n_rep, Q, B * block_size).reshape(S, 1, n_rep * Q, B * block_size)
-    return Group(q_index, valid, tables, mask)
+    return Group(start, stop, q_index, valid, tables, mask)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[Group]) -> Tensor:
@@ -122,25 +128,31 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[Gr
     """
     T, H, D = q.shape
     Hkv, _, bs, _ = k_cache.shape
-    out = q.new_empty(T, H * D)
+    outs = []
     for g in groups:
-        S, Q = g.q_index.shape
-        L = g.tables.shape[1] * bs
-        queries = q[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)        # [S, Hkv, n_rep*Q, D]
+        S, L = g.tables.shape[0], g.tables.shape[1] * bs
+        mine = q[g.start:g.stop]                                                            # [n, H, D]
+        if g.q_index is None:                                                               # one query per sequence
+            Q, queries = 1, mine.view(S, Hkv, H // Hkv, D)                                  # [S, Hkv, n_rep, D]
+        else:
+            Q = g.q_index.shape[1]
+            queries = mine[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)  # [S, Hkv, n_rep*Q, D]
         blocks = g.tables.flatten()                                                         # [S * B]
         keys = k_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)          # [S, Hkv, L, D]
         values = v_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)        # [S, Hkv, L, D]
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)         # [S, Hkv, n_rep*Q, D]
-        o = o.reshape(S, H, Q, D).transpose(1, 2)                                            # [S, Q, H, D]
-        out[g.q_index[g.valid]] = o[g.valid].reshape(-1, H * D)
-    return out
+        if g.q_index is None:
+            outs.append(o.reshape(S, H * D))
+        else:
+            outs.append(o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)                                  # [T, H * D]
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, sin: [T, D]."""
+    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, sin: [T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
 
 
 def check_architecture(model) -> None:
@@ -196,7 +208,7 @@ class PagedModel(torch.nn.Module):
         T = step.input_ids.shape[0]
         x = inner.embed_tokens(step.input_ids)                                           # [T, hidden]
         cos, sin = inner.rotary_emb(x, step.positions[None])                             # [1, T, D] each
-        cos, sin = cos[0], sin[0]
+        cos, sin = cos[0, :, None], sin[0, :, None]                                      # [T, 1, D]: all heads
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -205,7 +217,8 @@ class PagedModel(torch.nn.Module):
             v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):                                                  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = rotate(torch.cat([q, k], 1), cos, sin)                                  # both in one pass
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]                        # [Hkv, NB, bs, D]
             k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, k.transpose(0, 1))
             v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, v.transpose(0, 1))

@@ -214,9 +214,10 @@ class PagedEngine:
     def run(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Sequence]:
         """Serve every request; returns their sequences in order (see Sequence.completion / .error).
 
-        `stats` then describes this run alone.
+        `stats` and the scheduler's `timeline` then describe this run alone.
         """
         self.stats = Stats()
+        self.scheduler.timeline = []
         seqs = [self.add(r) for r in requests]
         while self.scheduler.has_work():
             self.step(generator)

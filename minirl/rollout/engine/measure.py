@@ -76,22 +76,50 @@ def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConf
 
 def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
                          repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
-    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots."""
+    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots.
+
+    Also counts, per policy, the work of one run: steps, decode rows (a static batch's padding
+    rows included) and prefill tokens.
+    """
     engines = {policy: PagedEngine(model, tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
                                    cache="none", policy=policy) for policy in ("continuous", "static")}
-    tokens, steps, rows = {}, {}, {}
+    tokens, work = {}, {}
 
     def run(policy):
-        rollout = engines[policy].generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        engine = engines[policy]
+        rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
         tokens[policy] = int(rollout.completion_mask.sum())
-        steps[policy] = engines[policy].stats.steps
-        rows[policy] = sum(r["running"] for r in engines[policy].scheduler.timeline)
+        stats = engine.stats
+        work[policy] = {"steps": stats.steps, "decode_rows": stats.decode_tokens + stats.padding_tokens,
+                        "prefill_tokens": stats.prefill_tokens}
 
     seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats)
     rate = {p: tokens[p] / statistics.median(seconds[p]) for p in engines}
     return {"continuous_tokens_per_s": rate["continuous"], "static_tokens_per_s": rate["static"],
-            "ratio": rate["continuous"] / rate["static"], "steps": steps, "row_steps": rows,
-            "step_ratio": steps["static"] / steps["continuous"], "tokens": tokens, "seconds": seconds}
+            "ratio": rate["continuous"] / rate["static"], "work": work,
+            "step_ratio": work["static"]["steps"] / work["continuous"]["steps"],
+            "row_ratio": work["static"]["decode_rows"] / work["continuous"]["decode_rows"],
+            "tokens": tokens, "seconds": seconds}
+
+
+def step_costs(model, rows: int, context: int = 128, prompt: int = 64, block_size: int = 16) -> dict:
+    """A linear cost model of an engine step on this device, in seconds: fixed + per decode row + per prefill token.
+
+    Fitted from three timed forward passes: 1 decode row, `rows` decode rows (both after
+    `context` cached tokens) and one prefill of `prompt` tokens.
+    """
+    one = step_seconds(model, 1, 1, context, block_size=block_size)
+    many = step_seconds(model, rows, 1, context, block_size=block_size)
+    prefill = step_seconds(model, 1, prompt, 0, block_size=block_size)
+    per_row = max(many - one, 0.0) / (rows - 1)
+    fixed = one - per_row
+    return {"fixed": fixed, "per_row": per_row, "per_prefill_token": max(prefill - fixed, 0.0) / prompt}
+
+
+def predicted_seconds(costs: dict, work: dict) -> float:
+    """What the cost model says a run with this work (steps, decode_rows, prefill_tokens) takes."""
+    return (costs["fixed"] * work["steps"] + costs["per_row"] * work["decode_rows"]
+            + costs["per_prefill_token"] * work["prefill_tokens"])
 
 
 def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
@@ -203,8 +231,9 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
 
     One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
     engine's cache is emptied before every call (as a weight update would). Compared: generated
-    tokens (up to and including EOS) per second, medians; the completions differ (other random
-    streams), so counts differ a little. Also returns the engine's median seconds per phase and
+    tokens (up to and including EOS) per second; `speedup` is the median over repeats of the
+    ratio within a repeat (the two calls of a repeat see about the same machine load). The
+    completions differ (other random streams), so token counts differ a little. Also returns the engine's median seconds per phase and
     token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
     """
     engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
@@ -229,12 +258,15 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
         if log is not None:
             log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
                 f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
-    rate = {k: statistics.median(t / s for t, s in zip(tokens[k], seconds[k])) for k in engines}
+    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     return {"prompts": len(prompts), "num_generations": sampling.num_generations,
             "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": rate, "speedup": rate["paged"] / rate["hf"],
+            "tokens_per_s": rate, "speedup": statistics.median(ratios), "speedups": ratios,
             "paged_phase_seconds": {p: statistics.median(x[p] for x in phases) for p in phases[0]},
             "paged_counts": {c: statistics.median(x[c] for x in counts) for c in counts[0]},
-            "hf_prefill_tokens": prompt_tokens * sampling.num_generations, "hf_rows_x_steps": statistics.median(hf_rows)}
+            "hf_prefill_tokens": prompt_tokens * sampling.num_generations,
+            "hf_rows_x_steps": statistics.median(hf_rows)}

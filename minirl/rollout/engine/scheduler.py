@@ -28,9 +28,13 @@ from minirl.rollout.engine.blocks import BlockPool, blocks_needed, grow_table
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One completion being generated: the prompt, the tokens so far, and where its KV lives."""
+    """One completion being generated: the prompt, the tokens so far, and where its KV lives.
+
+    Compared by identity (eq=False): the scheduler looks sequences up in its lists every step,
+    and a field-by-field comparison of token lists would cost more than the lookup.
+    """
 
     id: int
     tokens: list[int]              # prompt + generated tokens

@@ -27,7 +27,8 @@ from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
 from minirl.rollout.engine.blocks import BlockPool, blocks_needed
 
 
-def accept_draft(p: Tensor, q: Tensor, draft: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """The rejection-sampling rule of speculative decoding, for S sequences at once.
 
     p: [S, k+1, V] the target's probabilities at the k+1 verified positions; q: [S, k, V] the
