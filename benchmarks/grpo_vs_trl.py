@@ -162,8 +162,14 @@ def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict
     return [rows[i] for i in picks]
 
 
+MINIRL_RECORDS: list[dict] = []    # each minirl step's record (time/generate, time/update, ...), warm-up included
+
+
 def minirl_stepper(args, task, rows, max_completion_length: int):
-    """A function that runs one minirl GRPO step (the loop's own `stage1_step`) and returns its seconds."""
+    """A function that runs one minirl GRPO step (the loop's own `stage1_step`) and returns its seconds.
+
+    The step's record (with the loop's own per-stage seconds) is appended to MINIRL_RECORDS.
+    """
     from minirl.config import RLConfig
     from minirl.train.run import setup, stage1_step
 
@@ -178,7 +184,7 @@ def minirl_stepper(args, task, rows, max_completion_length: int):
 
     def step() -> float:
         t0 = time.perf_counter()
-        stage1_step(state)
+        MINIRL_RECORDS.append(stage1_step(state))
         return time.perf_counter() - t0
 
     return step
@@ -281,6 +287,13 @@ def main(argv=None) -> int:
                     f"{name}_median_seconds": statistics.median(measured)}
         print(f"{name:>6}: median {statistics.median(measured):.4f} s/step "
               f"(min {min(measured):.4f}, max {max(measured):.4f}, {len(measured)} steps)", flush=True)
+    measured = MINIRL_RECORDS[args.warmup:]
+    if measured:                               # where minirl's step goes, by the loop's own stage clocks
+        stages = {k: statistics.median(r[k] for r in measured) for k in measured[0]
+                  if k.startswith("time/") and k != "time/step"}
+        summary["minirl_stage_median_seconds"] = stages
+        print("minirl stages (median s/step): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items()
+                                                           if v >= 0.0005), flush=True)
     summary["load_average_after"] = os.getloadavg()[0]
     if args.only is None:
         summary["speedup_vs_trl"] = summary["trl_median_seconds"] / summary["minirl_median_seconds"]

@@ -18,7 +18,7 @@
 # go, and build, in plain PyTorch, the five ideas that production engines use to spend less
 # of both: a **paged KV cache** (vLLM's PagedAttention), **continuous batching**, **prefix
 # caching**, a **radix-tree cache** (SGLang's RadixAttention) and **speculative decoding**.
-# Together they make `PagedEngine`, a rollout engine of about 1,500 lines behind the same
+# Together they make `PagedEngine`, a rollout engine of about 1,300 lines behind the same
 # protocol as notebook 01's engines: the training loop can use it with one flag.
 #
 # Generation is most of an RL step: every step samples B × G completions token by token,
@@ -1811,8 +1811,8 @@ class RadixCache:
 # %% [markdown]
 # A multi-turn workload: 8 conversations of 4 turns (3 of 3 in smoke mode); each turn's
 # prompt is the previous prompt, the previous answer (greedy, at most 24 tokens; 12 in smoke
-# mode) and a new message of about 24 tokens. We count the share of prompt tokens found in the cache, with a roomy
-# cache and with one too small to keep every conversation.
+# mode) and a new message of about 24 tokens. We count the share of prompt tokens found in
+# the cache, with a roomy cache and with one too small to keep every conversation.
 
 # %%
 # | export minirl/rollout/engine/measure.py
@@ -2128,8 +2128,8 @@ assert all(p > 1e-4 for p, _ in pvalues["accept_draft"]) and all(p < 1e-6 for p,
 # %% [markdown]
 # Now measured, in two regimes. First the GRPO case: the embedded policy as target and a
 # policy about 8× smaller, warm-started the same way (in smoke mode an untrained one), as
-# draft; 16 prompts × G = 8 sampled at temperature 1, and the same at batch size 1, the
-# latency case the source has in mind. Second, n-gram lookup on the long-tail policy decoding
+# draft; 16 prompts × G = 8 (2 × 8 in smoke mode) sampled at temperature 1, and one
+# sequence alone, the latency case the source has in mind. Second, n-gram lookup on the long-tail policy decoding
 # greedily at batch size 1: greedy decoding of a random model falls into loops, which a
 # lookup predicts, a stand-in for outputs that copy their context (code edits, extraction).
 
@@ -2249,14 +2249,13 @@ show([("speculation, model draft", "2-3x", f"{model_best:.2f}x", "agree" if 2 <=
 # %% [markdown]
 # Read the two regimes together. With the model draft the answers are at most 4 tokens,
 # so a verification can gain little, and the cost model leaves out what a round costs besides
-# the steps: the draft's own prefill of every prompt and the Python of the round. On this CPU
-# the draft is not cheap relative to the target either: both are small enough that a step's
-# time is largely fixed per-layer overhead, so a draft 8× smaller is far less than 8× faster
-# (c above). In a batch, verifying k + 1 tokens per row costs several decode steps (v in the
-# batch row above), because a CPU's step grows with the work in it; speculation then adds
-# work instead of saving it. When the draft is free and right (n-gram
-# lookup on repetitive output) and the batch is one sequence, a verification costs little
-# more than one step, and the cost model's prediction is printed beside the measured gain.
+# the steps: the draft's own prefill of every prompt and the Python of the round, a large share
+# of the work for answers this short (compare the model's speedup with the measured one). In a
+# batch, verifying k + 1 tokens per row costs v decode steps (the batch row), more than one,
+# because a CPU's step grows with the work in it; there speculation adds work instead of
+# saving it. When the draft is free and right (n-gram lookup on repetitive output) and the
+# batch is one sequence, a verification costs little more than one step, and the cost model's
+# prediction is printed beside the measured gain.
 # With a GPU's costs (last row of the cost table), the acceptance measured here turns into a
 # real speedup: speculation pays when a decode step is memory-bound and the draft is much
 # cheaper than the target, which is why it suits short, latency-sensitive responses rather

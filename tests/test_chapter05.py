@@ -52,3 +52,35 @@ def test_quick_run_on_any_hf_model_writes_the_summary(tiny_model, tmp_path):
 def test_bad_flags_fail_before_loading(flags, message, tmp_path):
     proc = run(*flags, "--out", str(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
+    """benchmarks/engine_vs_hf.py --quick on the long-tail workload: a summary and the last line (no timing claim)."""
+    assert load_script("engine_vs_hf").main(["--quick", "--workload", "long", "--threads", "1",
+                                             "--out", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert last == f"speedup_vs_hf: {summary['speedup_vs_hf']:.2f}"
+    work = summary["long"]
+    assert work["paged_counts"]["cached_tokens"] > 0, "the G completions of a prompt share its full blocks"
+    assert work["hf_rows_x_steps"] >= work["paged_counts"]["decode_tokens"], "HF decodes padding rows, the engine not"
+
+
+def test_grpo_vs_trl_long_workload_runs_the_paged_engine(tiny_model, tmp_path, capsys):
+    bench = load_script("grpo_vs_trl")
+    assert bench.main(["--workload", "long", "--model", tiny_model, "--steps", "1", "--warmup", "0",
+                       "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8",
+                       "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("speedup_vs_trl: ")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["workload"] == "long" and summary["max_completion_length"] == 8
+    assert "generate" in " ".join(summary["minirl_stage_median_seconds"])
