@@ -45,7 +45,7 @@ def encode(tokenizer, texts):
 
 def hf_greedy(model, tokenizer, texts, max_new_tokens):
     """HF generate's greedy completions (cut after EOS) and the top-2 logit gap at every step."""
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
     top2 = torch.stack(out.logits, 1).float().topk(2, -1).values
@@ -357,3 +357,18 @@ def test_weights_or_models_of_another_architecture_are_refused(policy):
     with pytest.raises(ValueError, match=r"wrong shape \['lm_head.weight \(18, 64\) != \(18, 128\)'"):
         engine.load_weights(wider.state_dict().items(), version=1)
     assert engine.version == 0, "nothing is loaded when anything is wrong"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_equals_hf_generate_on_cuda(policy, prompts):
+    model, tokenizer = policy
+    cuda = type(model)(model.config).to("cuda").eval()
+    cuda.load_state_dict(model.state_dict())
+    engine = PagedEngine(cuda, tokenizer, block_size=4, device="cuda")
+    got = [s.completion for s in engine.run([Request(x, 5, 0.0) for x in encode(tokenizer, prompts)])]
+    want, gaps = hf_greedy(cuda, tokenizer, prompts, 5)
+    assert_greedy_equal(got, want, gaps.cpu(), tie=1e-3)
+    ro = engine.generate(prompts[:4], SamplingConfig(num_generations=4, max_completion_length=4),
+                         generator=torch.Generator(device="cuda").manual_seed(0))
+    assert ro.completion_ids.device.type == "cuda" and ro.version == 0
