@@ -49,8 +49,10 @@ from pathlib import Path
 import torch
 
 from minirl.config import SamplingConfig
+from minirl.models.policy import load_default_policy
 from minirl.rollout.engine.measure import versus_hf
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
+from minirl.tasks.arithmetic import make_task
 from minirl.utils.io import write_summary
 from minirl.utils.seeding import seed_everything
 
@@ -76,9 +78,6 @@ def workloads(args) -> dict:
     """name -> (model, tokenizer, prompts, sampling, block size, repeats)."""
     out = {}
     if args.workload in ("grpo", "both"):
-        from minirl.models.policy import load_default_policy
-        from minirl.tasks.arithmetic import make_task
-
         model, tokenizer, _ = load_default_policy(progress=False)
         rows = make_task().rows("train")
         picks = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed))[:16].tolist()

@@ -29,13 +29,16 @@ import os
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minirl.config import SamplingConfig
+from minirl.models.policy import load_default_policy
 from minirl.rollout.engine.engine import Request
 from minirl.rollout.engine.measure import (continuous_vs_static, effective_batch, kv_utilization, multi_turn,
                                            prefix_savings, speculative_sweep)
 from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
 from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
+from minirl.tasks.arithmetic import make_task
 from minirl.utils.cli import check_args, common_parser
 from minirl.utils.io import write_summary
 from minirl.utils.seeding import seed_everything
@@ -78,8 +81,7 @@ def parse_args(argv=None):
 
 
 def load_hf(name: str, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """(model in float32, tokenizer with a pad token) of any HF causal LM id or directory."""
     tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -101,8 +103,6 @@ def main(argv=None) -> int:
         draft = load_hf(args.draft, args.device)[0] if args.draft else None
     else:
         model, tokenizer, _ = load_long_tail_policy(device=args.device)
-        from minirl.models.policy import load_default_policy
-
         spec_model, spec_tok, _ = load_default_policy(device=args.device, progress=False)
         draft = load_draft_policy(device=args.device)[0]
     prompts = few_shot_prompts(args.num_prompts, length=args.prompt_length, seed=args.seed)
@@ -130,8 +130,6 @@ def main(argv=None) -> int:
         if args.model:
             spec_prompts = prompts
         else:
-            from minirl.tasks.arithmetic import make_task
-
             spec_prompts = [row["prompt"] for row in make_task().rows("train")[:len(prompts)]]
     else:
         make_draft, draft_name, spec_prompts = (lambda: NgramDraft(3)), "n-gram lookup", prompts
