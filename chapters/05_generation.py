@@ -66,12 +66,13 @@ def parse_args(argv=None):
             "cache_tokens", "repeats")},
         "threads": lambda v: check_int("threads", v, low=0, why="0: torch's default"),
     }, args)
+    raw = args.ks
     try:
-        args.ks = [int(k) for k in args.ks.split(",") if k]
+        args.ks = [int(k) for k in raw.split(",") if k]
     except ValueError:
-        parser.error(f"argument --ks: {args.ks!r}: comma-separated integers >= 1, e.g. 1,2,4")
+        args.ks = []
     if not args.ks or min(args.ks) < 1:
-        parser.error(f"argument --ks: {args.ks!r}: comma-separated integers >= 1, e.g. 1,2,4")
+        parser.error(f"argument --ks: {raw!r}: comma-separated integers >= 1, e.g. 1,2,4")
     if args.draft and not args.model:
         parser.error("argument --draft: only with --model (the default target has its own draft)")
     if args.quick:
