@@ -140,6 +140,45 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
     return same[m].mean().item() if m.any() else 1.0
 
 
+def count_moe_parameters(config) -> dict[str, float]:
+    """Total and active parameters of a transformers MoE config, counted on the meta device (no weights).
+
+    The model is instantiated on the "meta" device (shapes only, no memory) and every parameter
+    is put in one group by its name: routed experts (`...mlp.experts...`), shared experts,
+    routers (`...mlp.gate...`), the input embedding (with tied embeddings, the shared matrix),
+    and dense (attention, norms, the dense MLP of non-MoE layers, the output head). A token
+    activates everything except the routed experts it is not sent to:
+    active = total - routed x (1 - top_k / E). The input embedding is a lookup, not a matrix
+    product, so `active_without_embedding` leaves it out too (a count closer to compute).
+    Returns counts (floats) per group, total, active, active_without_embedding, num_experts, top_k.
+    """
+    from transformers import AutoModelForCausalLM
+
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not num_experts or not top_k:
+        raise ValueError(f"{type(config).__name__} names no routed experts (num_experts / n_routed_experts and "
+                         "num_experts_per_tok): not a MoE config")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    groups = {"routed_experts": 0.0, "shared_experts": 0.0, "routers": 0.0, "input_embedding": 0.0, "dense": 0.0}
+    for name, p in model.named_parameters():
+        if "shared_expert" in name:
+            groups["shared_experts"] += p.numel()
+        elif ".experts." in name:
+            groups["routed_experts"] += p.numel()
+        elif ".mlp.gate." in name:
+            groups["routers"] += p.numel()
+        elif "embed_tokens" in name:
+            groups["input_embedding"] += p.numel()
+        else:
+            groups["dense"] += p.numel()
+    total = sum(groups.values())
+    active = total - groups["routed_experts"] * (1 - top_k / num_experts)
+    return {**groups, "total": total, "active": active, "active_without_embedding": active - groups["input_embedding"],
+            "num_experts": num_experts, "top_k": top_k}
+
+
 # Expert load and its balancing (notebook 08): routing statistics per layer and expert, the
 # Switch/GShard auxiliary loss, and DeepSeek-V3's auxiliary-loss-free bias, on a router that
 # replaces transformers' top-k router in place (same parameter, same name in the state dict).
@@ -353,43 +392,6 @@ def load_history(model: nn.Module) -> Tensor:
     if steps == 0:
         return torch.zeros(0, len(found), found[0].num_experts)
     return torch.stack([torch.stack(r.history[:steps]) for r in found], dim=1)
-
-
-def count_moe_parameters(config) -> dict[str, float]:
-    """Total and active parameters of a transformers MoE config, counted on the meta device (no weights).
-
-    The model is instantiated on the "meta" device (shapes only, no memory) and every parameter
-    is put in one group by its name: routed experts (`...mlp.experts...`), shared experts,
-    routers (`...mlp.gate...`), embeddings (input embedding and, when untied, the output head),
-    and dense (attention, norms, the dense MLP of non-MoE layers). A token activates everything
-    except the routed experts it is not sent to: active = total - routed x (1 - top_k / E).
-    Returns counts (floats) per group and total, active, active_without_embeddings, num_experts, top_k.
-    """
-    from transformers import AutoModelForCausalLM
-
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if not num_experts or not top_k:
-        raise ValueError(f"{type(config).__name__} names no routed experts (num_experts / n_routed_experts and "
-                         "num_experts_per_tok): not a MoE config")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    groups = {"routed_experts": 0.0, "shared_experts": 0.0, "routers": 0.0, "embeddings": 0.0, "dense": 0.0}
-    for name, p in model.named_parameters():
-        if "shared_expert" in name:
-            groups["shared_experts"] += p.numel()
-        elif ".experts." in name:
-            groups["routed_experts"] += p.numel()
-        elif ".mlp.gate." in name:
-            groups["routers"] += p.numel()
-        elif "embed_tokens" in name or "lm_head" in name:
-            groups["embeddings"] += p.numel()
-        else:
-            groups["dense"] += p.numel()
-    total = sum(groups.values())
-    active = total - groups["routed_experts"] * (1 - top_k / num_experts)
-    return {**groups, "total": total, "active": active, "active_without_embeddings": active - groups["embeddings"],
-            "num_experts": num_experts, "top_k": top_k}
 
 
 def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):

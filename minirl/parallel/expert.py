@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import minirl
+
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
     """The experts rank `rank` holds: an equal contiguous slice of `num_experts`."""
@@ -189,7 +191,7 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
     local_experts(experts, world_size, 0)
     if tokens < world_size or tokens % world_size:
         raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "expert.json"

@@ -176,3 +176,51 @@ def packed_loss(model, pack: dict[str, Tensor], how: str = "position_ids") -> Te
 def padded_loss(model, batch: dict[str, Tensor]) -> Tensor:
     """The causal-LM loss of a right-padded batch (the reference packing must match)."""
     return model(**batch).loss
+
+
+def long_tail_lengths(n: int, median: int = 600, sigma: float = 1.0, cap: int = 4096,
+                      prompt: tuple[int, int] = (100, 400), seed: int = 0) -> list[int]:
+    """Prompt + completion lengths of `n` RL samples: prompts uniform in `prompt`, completions log-normal
+    (median `median`, log-std `sigma`: most are short, a few run to the cap) truncated at `cap` tokens
+    (max_completion_length), as reasoning rollouts look."""
+    g = torch.Generator().manual_seed(seed)
+    completion = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(float(median))))
+    prompts = torch.randint(prompt[0], prompt[1], (n,), generator=g)
+    return (completion.clamp(1, cap).long() + prompts).tolist()
+
+
+def micro_batch_spread(lengths: list[int], groups: list[list[int]]) -> float:
+    """Largest over mean real tokens per micro-batch: how unevenly the work is split (1.0 = even)."""
+    tokens = [sum(lengths[i] for i in g) for g in groups]
+    return max(tokens) / (sum(tokens) / len(tokens))
+
+
+def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_size: int, pad_token_id: int,
+                          repeats: int = 5) -> dict[str, float]:
+    """One forward + backward over all `sequences`, padded in micro-batches of `batch_size` (arrival
+    order) or packed best-fit into rows of `budget` tokens, interleaved `repeats` times in this process.
+    Returns the median seconds of each and the median of the per-repeat ratios padded / packed."""
+    import time
+
+    lengths = [len(s) for s in sequences]
+    bins = best_fit_decreasing(lengths, budget)
+    packs = [pack_sequences(sequences, [b], budget, pad_token_id) for b in bins]
+    padded = [pad_sequences(sequences[i:i + batch_size], pad_token_id) for i in range(0, len(sequences), batch_size)]
+
+    def epoch(run, batches):
+        start = time.perf_counter()
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            run(batch).backward()
+        return time.perf_counter() - start
+
+    times = {"padded": [], "packed": []}
+    for _ in range(repeats):
+        times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
+        times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
+    model.zero_grad(set_to_none=True)
+    ratios = sorted(a / b for a, b in zip(times["padded"], times["packed"]))
+    return {"padded_seconds": sorted(times["padded"])[repeats // 2], "packed_seconds": sorted(times["packed"])[repeats // 2],
+            "speedup": ratios[repeats // 2], "padded_utilization": padded_utilization(lengths, batch_size),
+            "packed_utilization": utilization(lengths, bins, budget), "rows_padded": sum(len(b["input_ids"]) for b in padded),
+            "rows_packed": len(bins)}

@@ -380,5 +380,5 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = ""):
     ax.set(xlabel="time", title=f"{title}  idle share {timeline.bubble_share:.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     ax.legend(handles, ["forward", "backward", "backward (inputs)", "backward (weights)"], fontsize=7,
-              loc="upper right", ncol=4)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import minirl
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs,
                                       PipelineError, Timeline, check_pipeline, dualpipev_stages,
                                       split_layers)
@@ -205,7 +206,7 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
             check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
             if schedule == "dualpipev" and m < num_stages:
                 raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pipeline.json"
