@@ -7,7 +7,9 @@
                                                                        # count a MoE config (no weights)
 
 Prints the tables of notebook 08 and writes OUT/summary.json with
-`bubble` (schedule -> idle share, measured under torchrun or simulated, with P and M),
+`bubble` (schedule -> {"ratio": the idle share of a step at P = 2 ranks and M micro-batches,
+measured under torchrun or, with --skip-torchrun, simulated; "kind" says which; beside it the
+simulator's share and bubble-over-compute and the source's formula (P-1)/M or (P-1)/2M}),
 `packing_utilization` (method -> 0-1, long-tailed lengths), `expert_load_max_over_mean`
 (before / after balancing, per method), and the details (`moe_parameters`, `gspo`,
 `expert_parallel`, `packing`, `bubble_table`), plus plots (timelines, load, packing).
@@ -20,8 +22,6 @@ import copy
 import statistics
 import time
 from pathlib import Path
-
-import torch
 
 from minirl.utils.cli import common_parser, seed_everything, write_summary
 
@@ -131,9 +131,10 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
     P, M = 2, args.microbatches[0]
     bubble = {}
     for s in SCHEDULES:
-        share = simulate_schedule(s, P, M, Costs(1.0, 2.0)).bubble_share
+        sim = simulate_schedule(s, P, M, Costs(1.0, 2.0))
         formula = (P - 1) / (2 * M) if s == "dualpipev" else (P - 1) / M
-        bubble[s] = {"P": P, "M": M, "ratio": share, "kind": "simulated (B = 2F)", "simulated": share,
+        bubble[s] = {"P": P, "M": M, "ratio": sim.bubble_share, "kind": "simulated (B = 2F)",
+                     "simulated": sim.bubble_share, "simulated_bubble_over_compute": sim.bubble_ratio,
                      "source_formula": formula}
     measured = {}
     if not args.skip_torchrun:
@@ -156,13 +157,15 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
                   f"{r['bytes_sent'] / 1024:.0f} KiB sent, max |diff| {r['max_abs_output']:.1e}")
         measured["expert_parallel"] = ep["rows"]
     for s, b in bubble.items():
-        print(f"bubble {s:>9} (P={b['P']}, M={b['M']}): {b['ratio']:.3f} {b['kind']}, source's formula "
-              f"{b['source_formula']:.3f}")
+        print(f"bubble {s:>9} (P={b['P']}, M={b['M']}): idle share {b['ratio']:.3f} {b['kind']}; simulated bubble "
+              f"over compute {b['simulated_bubble_over_compute']:.3f}, source's formula {b['source_formula']:.3f}")
     return bubble, table, measured
 
 
 def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
     """Section 6: utilization per method on two length distributions, and the packed step-time gain."""
+    import torch
+
     from minirl.memory.measure import build_measure_model
     from minirl.models.policy import load_default_policy
     from minirl.parallel.packing import (PACKERS, long_tail_lengths, padded_utilization, time_packed_vs_padded,
@@ -221,14 +224,23 @@ def main(argv=None) -> dict:
         args.microbatches = tuple(int(m) for m in args.microbatches.split(","))
     except ValueError:
         parser.error(f"--microbatches={args.microbatches!r}: use comma-separated integers, e.g. 4,8")
+    from minirl.parallel.pipeline import PipelineError, check_pipeline, schedule_orders
+
+    try:                                                  # fail before any work: the job has 32 samples, 8 layers
+        for m in args.microbatches:
+            check_pipeline(2, m, num_samples=32, num_layers=8)
+            schedule_orders("dualpipev", 2, m)
+    except PipelineError as err:
+        parser.error(f"--microbatches: {err}")
     if args.device != "cpu":
         parser.error("--device: chapter 08 runs on the CPU (gloo jobs, a tiny MoE); the figures do not need a GPU")
+    import torch                                          # after the argument checks: they fail fast
+
     seed_everything(args.seed)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     from minirl.models.moe import load_moe_policy
     from minirl.models.policy import load_default_policy
-    from minirl.parallel.pipeline import PipelineError
     from minirl.tasks.arithmetic import make_task
 
     started = time.perf_counter()
@@ -244,10 +256,7 @@ def main(argv=None) -> dict:
     else:
         summary["expert_load_max_over_mean"] = {"before": None, "after": {}, "skipped": "--rl-steps 0"}
     summary["gspo"] = gspo(args, moe, tokenizer, task)
-    try:
-        summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
-    except PipelineError as err:
-        parser.error(str(err))
+    summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
     summary.update(measured)
     summary["packing_utilization"], summary["packing"] = packing(args, tokenizer, task, args.out)
     summary["seconds"] = time.perf_counter() - started
