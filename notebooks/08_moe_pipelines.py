@@ -602,15 +602,17 @@ plt.show()
 
 # %% [markdown]
 # What to read off the table and plots. The warm-started router is lopsided: a few experts
-# take a multiple of their 1/E share. Without balancing, RL leaves it that way. Both
-# remedies flatten the load within these 60 steps: the auxiliary loss smoothly, through the
-# router's gradient; the bias in steps of γ, so its curve moves as soon as the first steps
-# close. Neither is free here. The experts were trained on the tokens the unbalanced router
-# sent them, and balancing sends some tokens elsewhere; watch the accuracy column, which can
-# drop by several points in a run this short (and moves by a few points from RL noise
-# alone). That is why production models balance from the first step of pre-training, and
-# why DeepSeek-V3 chose a bias that never touches the language-model gradient with a tiny
-# γ: the router adapts slowly while the experts adapt with it.
+# take a multiple of their 1/E share (the grey bars) and some get almost nothing, which is
+# why hottest/coldest can be huge or infinite. Without balancing, RL leaves it that way. Both
+# remedies flatten the load within these 60 steps: the auxiliary loss through the router's
+# gradient, the bias by changing the choice directly while the router's own probabilities,
+# and so the mixing weights, stay as they were. Neither is free in principle: the experts
+# were trained on the tokens the unbalanced router sent them, and balancing sends some
+# tokens elsewhere. At this scale the accuracy after 60 steps moves by a few points in every
+# run, the unbalanced one included, so this run cannot separate that cost from RL's own
+# noise. Production models avoid the question by balancing from the first step of
+# pre-training, and DeepSeek-V3 chose a bias that never touches the language-model
+# gradient, with a small γ, so that the router moves slowly while the experts adapt.
 
 # %% [markdown]
 # ## 3. Expert parallelism: experts on two processes, tokens through all-to-all
@@ -859,14 +861,20 @@ skewed = {r["rank"]: r for r in ep["rows"] if r["scenario"] == "skewed router"}
 share = skewed[0]["rows_received"] / (skewed[0]["rows_received"] + skewed[1]["rows_received"])
 print(f"with the hot spot rank 0 computes {share:.0%} of the expert rows; if rank 0 is busy all the time, rank 1 is "
       f"busy {skewed[1]['rows_received'] / skewed[0]['rows_received']:.0%} of it")
+built = [r for r in ep["rows"] if r["scenario"] == "router as built"]
+exchange = statistics.median(r["dispatch_seconds"] + r["combine_seconds"] for r in built)
+print(f"router as built: {statistics.mean(r['rows_sent_away'] for r in built) / (2 * built[0]['tokens']):.0%} of the "
+      f"(token, expert) rows leave their rank; the two exchanges take {exchange / statistics.median(r['expert_seconds'] for r in built):.1f}x "
+      f"the experts' own compute time")
 
 # %% [markdown]
-# The distributed layer matches the single-process one to rounding (here exactly: the same
-# float32 operations on the same rows), forward and backward. About half of each rank's
-# (token, expert) pairs leave the rank: with experts spread evenly and routing independent
-# of where a token lives, a share 1 − 1/R of the traffic crosses ranks, twice per layer.
-# On two CPU processes the exchange costs about as much as the experts themselves, which is
-# the point DeepEP and DualPipe's overlap address at scale. With the hot spot, one rank does
+# The distributed layer matches the single-process one to rounding, forward and backward
+# (the differences in the table are float32 round-off). With the router as built, about half
+# of the (token, expert) rows leave their rank: with experts spread evenly and routing
+# independent of where a token lives, a share 1 − 1/R of the traffic crosses ranks, twice
+# per layer. The last line compares the exchange with the experts' arithmetic on these two
+# CPU processes; at scale, hiding that exchange behind compute is what DeepEP's kernels and
+# DualPipe's overlapped forward/backward pairs are for. With the hot spot, one rank does
 # most of the expert work while the other waits at the combine step: the source's symptom
 # "some GPUs at 90 % while others are near 30 %", which the balancing of section 2 removes.
 
@@ -963,7 +971,12 @@ for dtype in ("bfloat16", "float8_e4m3fn"):
           f"{p['token_var']:>9.2e} | {p['sequence_var']:>8.2e} | {p['variance_ratio']:>9.1f} | "
           f"{r3['token_var']:.2e}, {r3['sequence_var']:.2e}")
 length = spread["float8_e4m3fn"]["plain"]["tokens"] / spread["float8_e4m3fn"]["plain"]["sequences"]
-print(f"mean completion length: {length:.1f} tokens (the variance reduction averaging independent tokens would give)")
+print(f"mean completion length: {length:.1f} tokens: averaging that many independent deviations would divide the "
+      f"variance by about {length:.1f}")
+if not SMOKE:
+    for r in spread.values():
+        assert r["plain"]["variance_ratio"] > 1 and r["r3"]["token_var"] <= r["plain"]["token_var"]
+        assert r["token_var_flipped"] > r["token_var_kept"]
 gspo = spread["float8_e4m3fn"]["plain"]
 REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO uses one ratio per sequence",
                     f"fp8 rollout: var token {gspo['token_var']:.1e} vs sequence {gspo['sequence_var']:.1e} "
@@ -972,13 +985,16 @@ REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO uses one r
 
 # %% [markdown]
 # The tokens whose route flipped carry ratios far more spread out than the rest (compare
-# the two variances in the third column), so a few flips dominate the token-level variance.
-# The sequence ratio averages each completion's tokens and its variance is several times
-# smaller, about what averaging the completion's few tokens predicts; on completions of
-# thousands of tokens the factor is correspondingly larger. R3 attacks the cause instead:
-# with the rollout's routes replayed, the flipped tokens disappear and both variances drop.
-# The two combine: GSPO's ratio also copes with what R3 cannot replay, such as routes that
-# change because the weights changed between the rollout and the update.
+# the two variances in the third column), so a few flips dominate the token-level variance,
+# more so in fp8 where more routes flip. The sequence ratio averages each completion's
+# tokens and its variance is smaller (the token/seq column), by at most about the
+# completion length: one completion's deviations are correlated (a flipped route changes
+# the hidden states that later tokens see), so the reduction falls short of the independent
+# case. On completions of thousands of tokens the factor is correspondingly larger. R3
+# attacks the cause instead: with the rollout's routes replayed, flips disappear and the
+# token variance drops toward that of the unflipped tokens. The two combine: GSPO's ratio
+# also copes with what R3 cannot replay, such as routes that change because the weights
+# changed between the rollout and the update.
 #
 # A short training comparison: two runs of the stage-1 loop from the same warm-started MoE
 # with an fp8 rollout, two updates per batch (`num_iterations=2`, so the ratio π/πold moves
@@ -1024,12 +1040,12 @@ plt.show()
 # %% [markdown]
 # Read this run with care: two runs of 60 steps on a tiny policy are one sample each, and
 # the two differ in more than the ratio level (the clip range and the TIS granularity
-# follow it, as they would in practice). What does not depend on luck is the mechanics:
-# GSPO clips whole sequences, so with its tiny ε a large share of sequences sits outside
-# the range on the second update (the clip-fraction curve), while token-level clipping at
-# ε = 0.2 touches a few percent of tokens; and one flipped expert no longer decides a
-# token's weight on its own. `python chapters/08_moe_pipelines.py --gspo-seeds 3` repeats
-# the comparison over several seeds.
+# follow it, as they would in practice), so the accuracy columns are not evidence that one
+# is better. What does not depend on luck is the mechanics: GSPO clips whole sequences,
+# with a range hundreds of times narrower than token-level PPO's because a length-normalized
+# ratio moves much less, and the clip-fraction column shows how differently the two clip;
+# and one flipped expert no longer decides a token's weight on its own.
+# `python chapters/08_moe_pipelines.py --gspo-seeds 3` repeats the comparison over seeds.
 
 # %% [markdown]
 # ## 5. Pipeline bubbles: GPipe, 1F1B and DualPipeV
@@ -1515,6 +1531,8 @@ for row in bubble_table:
         assert abs(row["dualpipev"] - row["dualpipe_source"]) < 1e-9
     if row["B/F"] == 2.0:
         assert abs(row["dualpipev"] - row["dualpipev_table"]) < 1e-9
+    if row["B/F"] == 3.0:
+        assert row["dualpipev"] < row["dualpipev_table"]
 
 # %% [markdown]
 # - GPipe and 1F1B: the simulator gives (P − 1)/M exactly, for any backward/forward ratio,
@@ -1866,9 +1884,13 @@ for r in pipe_rows:
     assert abs(r["loss"] - r["reference_loss"]) < 1e-4, "the pipeline must compute the plain model's loss"
     assert 0 < r["measured"] < 1
 measured = {(r["schedule"], r["M"]): r for r in pipe_rows}
+least = min(SCHEDULES, key=lambda s: measured[(s, 4)]["measured"])
+print(f"least measured idle time at M = 4: {least}; every measured share is at or above the simulator's without "
+      f"latency: {all(r['measured'] >= r['simulated'] - 0.02 for r in pipe_rows)}")
+row = next(r for r in bubble_table if (r["P"], r["M"], r["B/F"]) == (8, 32, 2.0))
 REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
-                    f"simulated P=8, M=32, B=2F: 1F1B {bubble_table[-2]['1f1b']:.3f}, DualPipeV "
-                    f"{bubble_table[-2]['dualpipev']:.3f}; measured P=2, M=4 idle share: "
+                    f"simulated P=8, M=32, B=2F: 1F1B {row['1f1b']:.3f}, DualPipeV "
+                    f"{row['dualpipev']:.3f}; measured P=2, M=4 idle share: "
                     + ", ".join(f"{s} {measured[(s, 4)]['measured']:.2f}" for s in SCHEDULES),
                     "agree (B = F); differ (B = 2F)",
                     "(P-1)/2M holds at B = F; at B = 2F DualPipeV idles (P-1)/3M (DeepSeek-V3's table)")
@@ -1884,13 +1906,14 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The pipeline computes the plain model's loss (the schedules only reorder work), and the
-# measured idle share sits at or above the simulator's. The simulator leaves out what a
-# real job adds: the latency of every send (adding the measured latency moves it up), the
-# Python bookkeeping of the schedule between compute calls, and on this shared two-core
-# machine, time when the operating system runs something else. On a quiet machine with
-# large enough stages the M = 4 rows come within a few points of the simulator's; with
-# small stages overheads dominate. DualPipeV idles least, as simulated.
+# The pipeline computes the plain model's loss (the schedules only reorder work). The
+# simulator leaves out what a real job adds: the latency of every send (the "+ latency"
+# column puts the measured one back), the Python bookkeeping of the schedule between compute
+# calls, and on a shared machine, time when the operating system runs something else; so
+# the measured idle share is expected at or above the simulated one (the line above checks
+# it). How close the two come depends on how large a stage's compute is next to those
+# overheads (the full run's stages are several times larger than the smoke run's), and
+# DualPipeV, with twice the stage boundaries and more, smaller actions, pays them more often.
 
 # %% [markdown]
 # ## 6. Best-fit packing: fill the token budget
@@ -2144,7 +2167,7 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
 # %%
 from minirl.rollout.hf import HFRollout
 
-policy, _, _ = load_default_policy(progress=False)
+policy, _, _ = load_default_policy(progress=False)   # the dense embedded policy of notebook 00
 sampled = HFRollout(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]], num_generations=8,
                                                 max_new_tokens=4, generator=torch.Generator().manual_seed(0))
 distributions = {
@@ -2164,6 +2187,8 @@ for name, (lengths, budgets) in distributions.items():
         print(f"{name:>17} | {budget:>6} | {padded:>16.1%} | " + " | ".join(f"{util[k]:>20.1%}" for k in PACKERS)
               + f" | {micro_batch_spread(lengths, groups):.2f} -> "
               f"{micro_batch_spread(lengths, plans['best_fit_decreasing']):.2f}")
+rollout_lengths = distributions["embedded rollouts"][0]
+print(f"embedded rollouts: {len(rollout_lengths)} sequences of {min(rollout_lengths)} to {max(rollout_lengths)} tokens")
 lt = packing_table[("long tail", 4608)]
 REPRODUCED["25"] = ("best-fit packing: utilization 70 % -> 95 %",
                     f"long tail, budget 4608: padded {lt['padded']:.0%}, next fit {lt['next_fit']:.0%}, "
@@ -2194,8 +2219,8 @@ plt.show()
 # 2024.) First-fit and best-fit decreasing usually need the same number of bins; they differ
 # in which sequences share a bin. The spread column is the other half of the claim: the
 # padded micro-batches carry very different amounts of real work, the packed ones almost the
-# same. On the embedded policy's rollouts, all 8 to 10 tokens long, padding wastes little
-# and packing has nothing to win: measure before you optimize.
+# same. On the embedded policy's rollouts, all of nearly the same length, padding wastes
+# little and packing has nothing to win: measure before you optimize.
 #
 # Packing must not change what is learnt. Each packed sequence restarts its positions at 0
 # and attends only to itself: either through an explicit block-diagonal causal mask, or by
@@ -2237,18 +2262,20 @@ print(f"{'packed, no resets':>22}: loss {leaky:.6f}   (sequences attend to their
 speed = time_packed_vs_padded(lm, sequences, budget=512, batch_size=8, pad_token_id=0, repeats=3 if SMOKE else 5)
 print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, {speed['padded_seconds']:.2f} s | "
       f"packed: {speed['rows_packed']} rows, {speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
-      f"speedup {speed['speedup']:.2f}x")
+      f"speedup {speed['speedup']:.2f}x (the utilization ratio is "
+      f"{speed['packed_utilization'] / speed['padded_utilization']:.2f}x)")
 try:
     best_fit_decreasing([100, 700, 30], budget=512)            # bad input: a sequence longer than the budget
 except PackingError as err:
     print("PackingError:", err)
 
 # %% [markdown]
-# The packed step is faster because it computes fewer padding tokens; the gain is smaller
-# than the utilization ratio because a packed row of 512 tokens pays attention over all 512
-# (the block-diagonal mask removes the cross-sequence terms from the result, not from the
-# dense computation on a CPU; variable-length attention kernels such as FlashAttention's
-# varlen path skip them on a GPU).
+# The packed step is faster because it computes fewer padding tokens. Compare the speedup
+# with the utilization ratio: the time does not fall in proportion, because a packed row of
+# 512 tokens pays attention over all 512 positions (the block-diagonal mask removes the
+# cross-sequence terms from the result, not from the dense computation on a CPU;
+# variable-length attention kernels such as FlashAttention's varlen path skip them on a GPU)
+# and each step has fixed costs that do not shrink with padding.
 
 # %% [markdown]
 # ## 7. The source's claims, reproduced
