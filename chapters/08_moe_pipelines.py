@@ -13,7 +13,7 @@ simulator's share and bubble-over-compute and the source's formula (P-1)/M or (P
 `packing_utilization` (method -> 0-1, long-tailed lengths), `expert_load_max_over_mean`
 (before / after balancing, per method), and the details (`moe_parameters`, `gspo`,
 `expert_parallel`, `packing`, `bubble_table`), plus plots (timelines, load, packing).
-The RL runs use the stage-1 loop (`minirl.train.loop.train`) on the tiny MoE policy.
+The RL runs use the stage-1 run (`minirl.train.run.train` with an `RLConfig`) on the tiny MoE policy.
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ def moe_parameters(args) -> dict:
 
 def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
     """Section 2: three RL runs (no balancing, auxiliary loss, bias); load per step and layer."""
+    from minirl.config import RLConfig
     from minirl.models.moe import install_balancing, load_history, load_imbalance
-    from minirl.train.loop import GRPOConfig, train
+    from minirl.train.run import train
 
     runs = {}
     for name, settings in BALANCING.items():
         model = copy.deepcopy(moe)
         install_balancing(model, **settings)
-        metrics = train(GRPOConfig(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps, seed=args.seed),
-                        model, tokenizer, task, progress=not args.quiet)
+        config = RLConfig.from_flat(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps, seed=args.seed)
+        metrics = train(config, model, tokenizer, task, progress=not args.quiet)
         history = load_history(model)                                              # [steps, L, E]
         runs[name] = {"history": history, "accuracy": [m["accuracy"] for m in metrics if "accuracy" in m],
                       "per_step": [load_imbalance(h)["max_over_mean"] for h in history]}
@@ -79,8 +80,9 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
 
 def gspo(args, moe, tokenizer, task) -> dict:
     """Section 4: token vs sequence ratio variance under routing noise, and short training runs."""
+    from minirl.config import RLConfig
     from minirl.diagnostics.routing import routing_ratio_spread
-    from minirl.train.loop import GRPOConfig, train
+    from minirl.train.run import train
 
     prompts = [row["prompt"] for row in task.rows("train")[:64]]
     spread = {d: routing_ratio_spread(moe, tokenizer, prompts, rollout_dtype=d) for d in ("bfloat16", "float8_e4m3fn")}
@@ -91,9 +93,9 @@ def gspo(args, moe, tokenizer, task) -> dict:
     if args.rl_steps:
         for name, settings in GSPO_RUNS.items():
             for seed in range(args.gspo_seeds):
-                config = GRPOConfig(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps, num_iterations=2,
-                                    rollout_dtype="float8_e4m3fn", importance_sampling_correction=True, seed=seed,
-                                    **settings)
+                config = RLConfig.from_flat(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps,
+                                            num_iterations=2, rollout_dtype="float8_e4m3fn",
+                                            importance_sampling_correction=True, seed=seed, **settings)
                 metrics = train(config, copy.deepcopy(moe), tokenizer, task, progress=not args.quiet)
                 steps = [m for m in metrics if "reward" in m]
                 training.setdefault(name, []).append(
@@ -168,13 +170,15 @@ def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
 
     from minirl.memory.measure import build_measure_model
     from minirl.models.policy import load_default_policy
+    from minirl.config import SamplingConfig
     from minirl.parallel.packing import (PACKERS, long_tail_lengths, padded_utilization, time_packed_vs_padded,
                                          utilization)
-    from minirl.rollout.hf import HFRollout
+    from minirl.rollout.hf import HFEngine
 
     policy, _, _ = load_default_policy(progress=False)
-    sampled = HFRollout(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]], 8, 4,
-                                                    generator=torch.Generator().manual_seed(args.seed))
+    sampled = HFEngine(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]],
+                                                   SamplingConfig(num_generations=8, max_completion_length=4),
+                                                   generator=torch.Generator().manual_seed(args.seed))
     distributions = {"embedded_rollouts": ((sampled.prompt_mask.sum(1) + sampled.completion_mask.sum(1)).tolist(), 64),
                      "long_tail": (long_tail_lengths(1024, seed=args.seed), 4608)}
     detail = {}

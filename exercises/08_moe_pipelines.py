@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 import minirl
 from minirl.algo.logprobs import masked_mean
+from minirl.config import SamplingConfig
 from minirl.diagnostics.mismatch import trainer_logprobs
 from minirl.models.moe import RouteRecorder, replay_routes
-from minirl.rollout.hf import HFRollout
+from minirl.rollout.hf import HFEngine
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs,
                                       PipelineError, Timeline, check_pipeline, dualpipev_stages,
                                       split_layers)
@@ -498,9 +499,9 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
     """Sample with a `rollout_dtype` copy of the MoE `model` (recording its routes), recompute in fp32
     with the trainer's own routes and with the rollout's (R3); returns `ratio_spread` for each, the
     share of completion tokens whose route flipped, and the token-ratio variance split by flip."""
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, engine="hf")
+    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype)          # HF generate: every call covers all rows
     with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations, max_new_tokens, temperature,
+        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
                                  generator=torch.Generator().manual_seed(seed))
     rows, P, C = batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     recorded = recorder.routes(rows)[:, :, :P + C]                             # [L, B, <=T, k]

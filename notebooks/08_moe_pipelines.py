@@ -530,15 +530,16 @@ except RouterError as err:
     print("RouterError:", err)
 
 # %% [markdown]
-# Now RL: three runs of the stage-1 loop (`minirl.train.loop.train`, GRPO, 16 prompts × 8
-# completions per step) from the same warm-started MoE, without balancing, with the
+# Now RL: three runs of the stage-1 loop (`minirl.train.run.train` with an `RLConfig`, GRPO,
+# 16 prompts × 8 completions per step) from the same warm-started MoE, without balancing, with the
 # auxiliary loss (α = 0.2) and with the bias update (γ = 0.002 per step). The coefficients
 # are larger than pre-training's (DeepSeek-V3 uses γ = 0.001 over hundreds of thousands of
 # steps; auxiliary coefficients of 0.001–0.01 are common) because these runs have only
 # 60 steps to show an effect. The loop does not know about balancing: the routers do it.
 
 # %%
-from minirl.train.loop import GRPOConfig, train
+from minirl.config import RLConfig
+from minirl.train.run import train
 
 RL_STEPS = 3 if SMOKE else 60
 BALANCING = {"none": {}, "aux loss": {"aux_loss_coef": 0.2}, "bias": {"bias_update_rate": 0.002}}
@@ -547,8 +548,8 @@ for name, settings in BALANCING.items():
     model = copy.deepcopy(moe)
     install_balancing(model, **settings)
     t0 = time.time()
-    metrics = train(GRPOConfig(steps=RL_STEPS, prompts_per_step=16, eval_every=RL_STEPS), model, tokenizer, task,
-                    progress=False)
+    metrics = train(RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=RL_STEPS), model, tokenizer,
+                    task, progress=False)
     history = load_history(model)                                              # [steps, L, E]
     per_step = torch.tensor([load_imbalance(h)["max_over_mean"] for h in history])   # mean over layers
     load_runs[name] = {"history": history, "per_step": per_step, "seconds": time.time() - t0,
@@ -909,9 +910,10 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
+from minirl.config import SamplingConfig
 from minirl.diagnostics.mismatch import trainer_logprobs
 from minirl.models.moe import RouteRecorder, replay_routes
-from minirl.rollout.hf import HFRollout
+from minirl.rollout.hf import HFEngine
 
 
 def ratio_spread(trainer_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> dict[str, float]:
@@ -934,9 +936,9 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
     """Sample with a `rollout_dtype` copy of the MoE `model` (recording its routes), recompute in fp32
     with the trainer's own routes and with the rollout's (R3); returns `ratio_spread` for each, the
     share of completion tokens whose route flipped, and the token-ratio variance split by flip."""
-    rollout = HFRollout(model, tokenizer, dtype=rollout_dtype, engine="hf")
+    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype)          # HF generate: every call covers all rows
     with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, num_generations, max_new_tokens, temperature,
+        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
                                  generator=torch.Generator().manual_seed(seed))
     rows, P, C = batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     recorded = recorder.routes(rows)[:, :, :P + C]                             # [L, B, <=T, k]
@@ -1011,8 +1013,9 @@ GSPO_RUNS = {"token (GRPO)": dict(importance_sampling_level="token", epsilon=0.2
 gspo_runs = {}
 for name, settings in GSPO_RUNS.items():
     model = copy.deepcopy(moe)
-    config = GRPOConfig(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2), num_iterations=2,
-                        rollout_dtype="float8_e4m3fn", importance_sampling_correction=True, **settings)
+    config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2),
+                                num_iterations=2, rollout_dtype="float8_e4m3fn", importance_sampling_correction=True,
+                                **settings)
     gspo_runs[name] = train(config, model, tokenizer, task, progress=False)
 print(f"{'ratio level':>16} | {'accuracy (start, middle, end)':>29} | {'mean reward':>11} | {'clip fraction':>13} | "
       f"{'grad norm':>9}")
@@ -2165,11 +2168,13 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
 # padding micro-batches of 8 sequences (one GRPO group) in arrival order.
 
 # %%
-from minirl.rollout.hf import HFRollout
+from minirl.config import SamplingConfig
+from minirl.rollout.hf import HFEngine
 
 policy, _, _ = load_default_policy(progress=False)   # the dense embedded policy of notebook 00
-sampled = HFRollout(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]], num_generations=8,
-                                                max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+sampled = HFEngine(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]],
+                                               SamplingConfig(num_generations=8, max_completion_length=4),
+                                               generator=torch.Generator().manual_seed(0))
 distributions = {
     "embedded rollouts": ((sampled.prompt_mask.sum(1) + sampled.completion_mask.sum(1)).tolist(), (32, 64)),
     "long tail": (long_tail_lengths(1024), (4608, 8192)),

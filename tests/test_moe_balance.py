@@ -130,14 +130,14 @@ def test_bias_changes_the_choice_not_the_weights(tiny):
 
 
 def test_rollout_copy_receives_the_bias(tiny):
-    from minirl.rollout.hf import HFRollout
+    from minirl.rollout.hf import HFEngine
 
     model, tokenizer, _ = tiny
     m = copy.deepcopy(model)
     install_balancing(m)
-    rollout = HFRollout(m, tokenizer)
+    rollout = HFEngine(m, tokenizer)
     routers(m)[0].expert_bias[:] = 0.5
-    rollout.load_weights(m.state_dict(), version=1)
+    rollout.load_weights(m.state_dict().items(), version=1)
     assert torch.equal(routers(rollout.model)[0].expert_bias, torch.full((4,), 0.5))
 
 
