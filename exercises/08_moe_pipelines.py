@@ -25,15 +25,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch
 import torch.distributed as dist
 
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
 import minirl
 from minirl.algo.logprobs import masked_mean
 from minirl.config import SamplingConfig
 from minirl.diagnostics.mismatch import trainer_logprobs
 from minirl.models.moe import RouteRecorder, replay_routes
 from minirl.rollout.hf import HFEngine
-from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs,
-                                      PipelineError, Timeline, check_pipeline, dualpipev_stages,
-                                      split_layers)
+from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
+                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
+                                      simulate, split_layers)
 
 
 def count_moe_parameters(config) -> dict[str, float]:
@@ -287,8 +288,6 @@ def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0,
     cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
     from transformers import Qwen2MoeForCausalLM
 
-    from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
-
     key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
     path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (path / "config.json").exists():
@@ -335,7 +334,8 @@ class ExpertParallelMoE(nn.Module):
         experts = block.experts
         self.num_experts = experts.num_experts
         self.local = local_experts(self.num_experts, self.world, self.rank)
-        self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
+        self.gate, self.shared_expert = block.gate, block.shared_expert                  # replicated
+        self.shared_expert_gate = block.shared_expert_gate
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj[self.local.start:self.local.stop].detach().clone())
         self.down_proj = nn.Parameter(experts.down_proj[self.local.start:self.local.stop].detach().clone())
         self.act_fn = experts.act_fn
@@ -1009,7 +1009,7 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -1073,8 +1073,6 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
 def measured_timelines(run: dict) -> list[Timeline]:
     """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
-    from minirl.parallel.pipeline import Event, Op
-
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
@@ -1123,8 +1121,6 @@ def message_waits(timeline: Timeline) -> list[float]:
 def compare_with_simulator(result: dict) -> list[dict]:
     """Per schedule and micro-batch count: measured idle share (median over steps, and per rank) and
     the simulator's share for the measured costs, plus the pipeline's loss against the plain model's."""
-    from minirl.parallel.pipeline import schedule_orders, simulate
-
     rows = []
     for run in result["runs"]:
         timelines = measured_timelines(run)
@@ -1330,8 +1326,9 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
     model.zero_grad(set_to_none=True)
-    ratios = sorted(a / b for a, b in zip(times["padded"], times["packed"]))
-    return {"padded_seconds": sorted(times["padded"])[repeats // 2], "packed_seconds": sorted(times["packed"])[repeats // 2],
-            "speedup": ratios[repeats // 2], "padded_utilization": padded_utilization(lengths, batch_size),
-            "packed_utilization": utilization(lengths, bins, budget), "rows_padded": sum(len(b["input_ids"]) for b in padded),
-            "rows_packed": len(bins)}
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
+    median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
+    return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
+            "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
+            "packed_utilization": utilization(lengths, bins, budget),
+            "rows_padded": sum(len(b["input_ids"]) for b in padded), "rows_packed": len(bins)}

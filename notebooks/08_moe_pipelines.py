@@ -321,7 +321,8 @@ print(f"ours x top_k = {2 * ours.item():.6f}   transformers = {theirs.item():.6f
 assert torch.allclose(2 * ours, theirs, atol=1e-6)
 uniform = load_balancing_loss(torch.zeros(64, 8), top_k=2)              # ties: every expert equally likely
 collapsed = load_balancing_loss(torch.tensor([[20.0, 20.0] + [0.0] * 6]).repeat(64, 1), top_k=2)
-print(f"even router: {uniform.item():.3f} (1 = perfectly even)   collapsed router: {collapsed.item():.3f} (E / top_k = 4)")
+print(f"even router: {uniform.item():.3f} (1 = perfectly even)   "
+      f"collapsed router: {collapsed.item():.3f} (E / top_k = 4)")
 
 # %% [markdown]
 # `BalancedTopKRouter` replaces `transformers`' top-k router in place (it shares the
@@ -490,13 +491,13 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
+
 
 def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):
     """The tiny MoE policy after a supervised warm start of `warm_start_steps` steps (no balancing),
     cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
     from transformers import Qwen2MoeForCausalLM
-
-    from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
 
     key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
     path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -577,7 +578,7 @@ balanced = all(after[n]["max_over_mean"] < after["none"]["max_over_mean"] for n 
 REPRODUCED["22"] = ("balancing pulls expert activation toward 1/E",
                     "max/mean " + ", ".join(f"{n} {after[n]['max_over_mean']:.2f}" for n in after)
                     + f" (step 1: {before['max_over_mean']:.2f})",
-                    verdict(balanced), "both methods lower the hottest expert's load in 60 RL steps; see the accuracy")
+                    verdict(balanced), f"both methods lower the hottest expert's load within {RL_STEPS} RL steps")
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.2), gridspec_kw={"width_ratios": [1.4, 1, 1]})
@@ -692,7 +693,8 @@ class ExpertParallelMoE(nn.Module):
         experts = block.experts
         self.num_experts = experts.num_experts
         self.local = local_experts(self.num_experts, self.world, self.rank)
-        self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
+        self.gate, self.shared_expert = block.gate, block.shared_expert                  # replicated
+        self.shared_expert_gate = block.shared_expert_gate
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj[self.local.start:self.local.stop].detach().clone())
         self.down_proj = nn.Parameter(experts.down_proj[self.local.start:self.local.stop].detach().clone())
         self.act_fn = experts.act_fn
@@ -864,9 +866,10 @@ print(f"with the hot spot rank 0 computes {share:.0%} of the expert rows; if ran
       f"busy {skewed[1]['rows_received'] / skewed[0]['rows_received']:.0%} of it")
 built = [r for r in ep["rows"] if r["scenario"] == "router as built"]
 exchange = statistics.median(r["dispatch_seconds"] + r["combine_seconds"] for r in built)
+experts = statistics.median(r["expert_seconds"] for r in built)
 print(f"router as built: {statistics.mean(r['rows_sent_away'] for r in built) / (2 * built[0]['tokens']):.0%} of the "
-      f"(token, expert) rows leave their rank; the two exchanges take {exchange / statistics.median(r['expert_seconds'] for r in built):.1f}x "
-      f"the experts' own compute time")
+      f"(token, expert) rows leave their rank; the two exchanges take {exchange / experts:.1f}x the experts' own "
+      f"compute time")
 
 # %% [markdown]
 # The distributed layer matches the single-process one to rounding, forward and backward
@@ -1031,8 +1034,8 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3))
 for name, metrics in gspo_runs.items():
     steps = [m for m in metrics if "reward" in m]
     rewards = [m["reward"] for m in steps]
-    axes[0].plot([m["step"] for m in steps], [statistics.mean(rewards[max(0, i - 9):i + 1]) for i in range(len(rewards))],
-                 label=name)
+    smooth = [statistics.mean(rewards[max(0, i - 9):i + 1]) for i in range(len(rewards))]
+    axes[0].plot([m["step"] for m in steps], smooth, label=name)
     axes[1].plot([m["step"] for m in steps], [m["clip_ratio/region_mean"] for m in steps], label=name)
 axes[0].set(title="batch reward (10-step mean)", xlabel="step")
 axes[1].set(title="clipped share (tokens, or sequences for GSPO)", xlabel="step")
@@ -1491,7 +1494,8 @@ def torch_dualpipev(P: int, M: int) -> dict[int, list]:
     return {r: [ours(a) for a in schedule._calculate_single_rank_operations(r)] for r in range(P)}
 
 
-same = all(torch_dualpipev(P, M) == dualpipev_order(P, M) for P, M in [(2, 4), (2, 8), (3, 7), (4, 8), (4, 16), (8, 20)])
+same = all(torch_dualpipev(P, M) == dualpipev_order(P, M)
+           for P, M in [(2, 4), (2, 8), (3, 7), (4, 8), (4, 16), (8, 20)])
 print("dualpipev_order equals torch's ScheduleDualPipeV layout:", same)
 assert same
 
@@ -1586,9 +1590,9 @@ measured timeline has the simulator's form and the same `bubble_share` applies;
 `launch_pipeline` starts the job and `compare_with_simulator` sets the measured idle share
 beside the simulator's for the measured per-stage costs.
 
-Simplified on purpose: gloo on CPU processes (NCCL on GPUs), an MLP stack instead of
-attention layers (the schedule does not care what a stage computes), and no optimizer
-step (the bubble is in forward and backward).
+Simplified on purpose: gloo on CPU processes (NCCL when there is a GPU per rank), an MLP
+stack instead of attention layers (the schedule does not care what a stage computes), and
+no optimizer step (the bubble is in forward and backward).
 """
 import inspect
 import json
@@ -1605,9 +1609,9 @@ import torch
 from torch import nn
 
 import minirl
-from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs,
-                                      PipelineError, Timeline, check_pipeline, dualpipev_stages,
-                                      split_layers)
+from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
+                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
+                                      simulate, split_layers)
 
 
 class Block(nn.Module):
@@ -1736,7 +1740,7 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -1800,8 +1804,6 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
 def measured_timelines(run: dict) -> list[Timeline]:
     """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
-    from minirl.parallel.pipeline import Event, Op
-
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
@@ -1850,8 +1852,6 @@ def message_waits(timeline: Timeline) -> list[float]:
 def compare_with_simulator(result: dict) -> list[dict]:
     """Per schedule and micro-batch count: measured idle share (median over steps, and per rank) and
     the simulator's share for the measured costs, plus the pipeline's loss against the plain model's."""
-    from minirl.parallel.pipeline import schedule_orders, simulate
-
     rows = []
     for run in result["runs"]:
         timelines = measured_timelines(run)
@@ -1874,7 +1874,7 @@ def compare_with_simulator(result: dict) -> list[dict]:
 # %%
 t0 = time.time()
 pipe = launch_pipeline(world_size=2, microbatches=(4,) if SMOKE else (4, 8), layers=8, hidden=128 if SMOKE else 256,
-                       batch=16 if SMOKE else 32, seq=32 if SMOKE else 64, repeats=1 if SMOKE else 3)
+                       batch=16 if SMOKE else 32, seq=32 if SMOKE else 64, repeats=1 if SMOKE else 2)
 pipe_rows = compare_with_simulator(pipe)
 print(f"torchrun job: {time.time() - t0:.0f} s")
 print(f"{'schedule':>9} {'P':>2} {'M':>2} | {'measured idle':>13} | {'per rank':>11} | {'simulated':>9} | "
@@ -2154,11 +2154,12 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
     model.zero_grad(set_to_none=True)
-    ratios = sorted(a / b for a, b in zip(times["padded"], times["packed"]))
-    return {"padded_seconds": sorted(times["padded"])[repeats // 2], "packed_seconds": sorted(times["packed"])[repeats // 2],
-            "speedup": ratios[repeats // 2], "padded_utilization": padded_utilization(lengths, batch_size),
-            "packed_utilization": utilization(lengths, bins, budget), "rows_padded": sum(len(b["input_ids"]) for b in padded),
-            "rows_packed": len(bins)}
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
+    median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
+    return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
+            "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
+            "packed_utilization": utilization(lengths, bins, budget),
+            "rows_padded": sum(len(b["input_ids"]) for b in padded), "rows_packed": len(bins)}
 
 # %% [markdown]
 # Two length distributions: the embedded policy's own rollouts (prompt + completion, a few
@@ -2265,8 +2266,9 @@ print(f"{'packed, no resets':>22}: loss {leaky:.6f}   (sequences attend to their
 
 # %%
 speed = time_packed_vs_padded(lm, sequences, budget=512, batch_size=8, pad_token_id=0, repeats=3 if SMOKE else 5)
-print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, {speed['padded_seconds']:.2f} s | "
-      f"packed: {speed['rows_packed']} rows, {speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
+print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, "
+      f"{speed['padded_seconds']:.2f} s | packed: {speed['rows_packed']} rows, "
+      f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
       f"speedup {speed['speedup']:.2f}x (the utilization ratio is "
       f"{speed['packed_utilization'] / speed['padded_utilization']:.2f}x)")
 try:

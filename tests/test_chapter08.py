@@ -44,5 +44,4 @@ def test_chapter_rejects_bad_arguments(tmp_path):
     assert out.returncode != 0 and "--device" in out.stderr
     out = run("--microbatches", "2", tmp_path=tmp_path)
     assert out.returncode != 0 and "DualPipeV needs at least" in out.stderr
-    out = run("--microbatches", "64", tmp_path=tmp_path)
-    assert out.returncode != 0 and "exceeds the batch's 32 samples" in out.stderr
+

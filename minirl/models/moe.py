@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
+
 
 def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
                      top_k: int = 2, max_length: int = 32, seed: int = 0):
@@ -398,8 +400,6 @@ def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0,
     """The tiny MoE policy after a supervised warm start of `warm_start_steps` steps (no balancing),
     cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
     from transformers import Qwen2MoeForCausalLM
-
-    from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
 
     key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
     path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

@@ -62,7 +62,8 @@ class ExpertParallelMoE(nn.Module):
         experts = block.experts
         self.num_experts = experts.num_experts
         self.local = local_experts(self.num_experts, self.world, self.rank)
-        self.gate, self.shared_expert, self.shared_expert_gate = block.gate, block.shared_expert, block.shared_expert_gate
+        self.gate, self.shared_expert = block.gate, block.shared_expert                  # replicated
+        self.shared_expert_gate = block.shared_expert_gate
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj[self.local.start:self.local.stop].detach().clone())
         self.down_proj = nn.Parameter(experts.down_proj[self.local.start:self.local.stop].detach().clone())
         self.act_fn = experts.act_fn

@@ -219,8 +219,9 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
     model.zero_grad(set_to_none=True)
-    ratios = sorted(a / b for a, b in zip(times["padded"], times["packed"]))
-    return {"padded_seconds": sorted(times["padded"])[repeats // 2], "packed_seconds": sorted(times["packed"])[repeats // 2],
-            "speedup": ratios[repeats // 2], "padded_utilization": padded_utilization(lengths, batch_size),
-            "packed_utilization": utilization(lengths, bins, budget), "rows_padded": sum(len(b["input_ids"]) for b in padded),
-            "rows_packed": len(bins)}
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
+    median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
+    return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
+            "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
+            "packed_utilization": utilization(lengths, bins, budget),
+            "rows_padded": sum(len(b["input_ids"]) for b in padded), "rows_packed": len(bins)}

@@ -10,9 +10,9 @@ measured timeline has the simulator's form and the same `bubble_share` applies;
 `launch_pipeline` starts the job and `compare_with_simulator` sets the measured idle share
 beside the simulator's for the measured per-stage costs.
 
-Simplified on purpose: gloo on CPU processes (NCCL on GPUs), an MLP stack instead of
-attention layers (the schedule does not care what a stage computes), and no optimizer
-step (the bubble is in forward and backward).
+Simplified on purpose: gloo on CPU processes (NCCL when there is a GPU per rank), an MLP
+stack instead of attention layers (the schedule does not care what a stage computes), and
+no optimizer step (the bubble is in forward and backward).
 """
 
 import inspect
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 import minirl
-from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs,
-                                      PipelineError, Timeline, check_pipeline, dualpipev_stages,
-                                      split_layers)
+from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
+                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
+                                      simulate, split_layers)
 
 
 class Block(nn.Module):
@@ -161,7 +161,7 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -225,8 +225,6 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
 def measured_timelines(run: dict) -> list[Timeline]:
     """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
-    from minirl.parallel.pipeline import Event, Op
-
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
@@ -275,8 +273,6 @@ def message_waits(timeline: Timeline) -> list[float]:
 def compare_with_simulator(result: dict) -> list[dict]:
     """Per schedule and micro-batch count: measured idle share (median over steps, and per rank) and
     the simulator's share for the measured costs, plus the pipeline's loss against the plain model's."""
-    from minirl.parallel.pipeline import schedule_orders, simulate
-
     rows = []
     for run in result["runs"]:
         timelines = measured_timelines(run)
