@@ -1,0 +1,2 @@
+# Generated from notebooks/08_moe_pipelines.py by tools/build.py -- edit the notebook, not this file.
+"""minirl.parallel."""
