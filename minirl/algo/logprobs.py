@@ -13,6 +13,10 @@ pass and no vision inputs; logits are cast to float32 before the temperature is 
 more accurate order.
 """
 
+__all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log_softmax",
+           "entropy_from_logits", "completion_logits", "completion_logprobs", "CACHE_ARG",
+           "shared_prefix_logits", "LOGP_TOLERANCE", "check_logprob_pair"]
+
 import torch
 from torch import Tensor
 from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -14,6 +14,8 @@ Simplified on purpose: routers are found by duck typing on transformers' TopKRou
 tokens. The mechanism is the same.
 """
 
+__all__ = ["build_moe_policy", "routers", "RouteRecorder", "replay_routes", "route_agreement"]
+
 from contextlib import contextmanager
 
 import torch
