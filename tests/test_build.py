@@ -107,8 +107,9 @@ def two_notebooks(tmp_path):
 
 def test_module_layout_order_and_hoisting(two_notebooks):
     text = read(two_notebooks, "minirl/tasks.py")
-    assert text == textwrap.dedent('''\
-        # Generated from notebooks/00_tasks.py, notebooks/01_more.py by tools/build.py -- edit the notebook, not this file.
+    assert text == (
+        "# Generated from notebooks/00_tasks.py, notebooks/01_more.py by tools/build.py -- edit the notebook, "
+        "not this file.\n") + textwrap.dedent('''\
         """Tasks: prompts with checkable answers."""
 
         from __future__ import annotations
@@ -318,7 +319,10 @@ def test_check_mode(two_notebooks):
 
 def test_check_cli(two_notebooks):
     tool = REPO / "tools" / "build.py"
-    run = lambda *a: subprocess.run([sys.executable, str(tool), "--root", str(two_notebooks), *a], capture_output=True, text=True)  # noqa: E731
+    def run(*args):
+        return subprocess.run([sys.executable, str(tool), "--root", str(two_notebooks), *args],
+                              capture_output=True, text=True)
+
     ok = run("--check")
     assert ok.returncode == 0 and "in sync (" in ok.stdout
     (two_notebooks / "minirl" / "util.py").write_text("# Generated from notebooks/01_more.py\n")
@@ -354,6 +358,19 @@ def test_refuses_to_overwrite_hand_written(tmp_path):
     root = make_tree(tmp_path, {"00_x.py": '# %%\n# | export minirl/grade.py\n"""Doc."""\n'})
     with pytest.raises(BuildError, match="hand-written"):
         build(root, check=False)
+
+
+def test_long_header_wrapped(tmp_path):
+    cell = '# %%\n# | export minirl/a_rather_long_package/x.py\n"""X."""\nX = 1\n'
+    root = make_tree(tmp_path, {"00_a_notebook_with_a_long_name.py": cell, "01_and_another_long_one.py": cell})
+    build(root, check=False)
+    for rel in ("minirl/a_rather_long_package/x.py", "minirl/a_rather_long_package/__init__.py"):
+        text = read(root, rel)
+        assert text.startswith("# Generated from notebooks/00_a_notebook_with_a_long_name.py, "
+                               "notebooks/01_and_another_long_one.py\n# by tools/build.py -- edit the notebook, "
+                               "not this file.\n"), text
+        assert max(map(len, text.splitlines())) <= 120, "generated lines fit ruff's line length"
+    assert build(root, check=True) == [], "a wrapped header is still recognized as generated"
 
 
 def test_subpackage_marker(tmp_path):
@@ -459,8 +476,9 @@ def test_all_lists_public_names_in_order(tmp_path):
     build(root, check=False)
     text = read(root, "minirl/x.py")
     names = ["MAX_LEN", "LIMITS", "LOW", "HIGH", "helper", "Thing", "fetch"]
-    assert '"""X."""\n\nfrom __future__ import annotations\n\n__all__ = ' + repr(names).replace("'", '"') + "\n\nimport os\n" \
-        in text, "__all__ after __future__ (PEP 8): defs, classes, UPPER_CASE constants, first definition order"
+    expected = '"""X."""\n\nfrom __future__ import annotations\n\n__all__ = ' + repr(names).replace("'", '"')
+    assert expected + "\n\nimport os\n" in text, \
+        "__all__ after __future__ (PEP 8): defs, classes, UPPER_CASE constants, first definition order"
     namespace = {}
     exec(compile(text, "x.py", "exec"), namespace)
     assert namespace["__all__"] == names

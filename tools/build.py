@@ -37,6 +37,7 @@ import io
 import re
 import symtable
 import sys
+import textwrap
 import tokenize
 import warnings
 from dataclasses import dataclass
@@ -402,10 +403,14 @@ def assemble(head: str, imports: list[str], bodies: list[str], path: str, public
     return text
 
 
-def header(notebooks: list[str]) -> str:
-    """The first line of a generated module; it starts with MODULE_PREFIX."""
+def header(notebooks: list[str], width: int = 120) -> str:
+    """The comment that opens a generated module (its first line starts with MODULE_PREFIX), within `width`."""
     sources = ", ".join(sorted(set(notebooks)))
-    return f"# Generated from {sources} by tools/build.py -- edit the notebook, not this file."
+    tail = "by tools/build.py -- edit the notebook, not this file."
+    if len(line := f"# Generated from {sources} {tail}") <= width:
+        return line
+    lines = textwrap.wrap(f"Generated from {sources}", width - 2, break_on_hyphens=False)
+    return "\n".join(f"# {line}" for line in [*lines, tail])
 
 
 def render_module(target: str, cells: list[Cell]) -> str:
@@ -528,9 +533,8 @@ def render_exercises(notebook: str, project: Project, solutions: bool = False) -
         for begin, _ in cell.spans:
             count += 1
             name = enclosing_function(cell.tree, begin + 1)
-            stubs.append(
-                f'raise NotImplementedError("exercise {int(nn)}.{count}: {name} -- see its docstring and notebook {nn}")'
-            )
+            what = f"exercise {int(nn)}.{count}: {name} -- see its docstring and notebook {nn}"
+            stubs.append(f'raise NotImplementedError("{what}")')
         opens_module = project.modules[cell.target][0] is cell
         bodies.append(body(cell, drop_docstring=opens_module, stubs=None if solutions else stubs))
     imports = import_groups(exercise_imports(notebook, included, project))

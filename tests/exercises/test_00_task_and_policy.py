@@ -54,7 +54,8 @@ def test_accuracy_reward_trl_signature_and_chat_form(ex):
     rewards = ex.accuracy_reward(["27+35=", "1+1="], chat, answer=[62, 2], extra_column=["ignored", "too"])
     assert rewards == [1.0, 0.0], "chat-form completions are read from the last message; extra columns are ignored"
     assert ex.accuracy_reward(["a"], [None], answer=[1]) == [0.0], "a malformed completion scores 0.0, never raises"
-    assert ex.accuracy_reward(["a", "b"], [[], [{"role": "assistant", "content": None}]], answer=[1, 1]) == [0.0, 0.0], \
+    no_text = [[], [{"role": "assistant", "content": None}]]
+    assert ex.accuracy_reward(["a", "b"], no_text, answer=[1, 1]) == [0.0, 0.0], \
         "an empty chat or a message without text content is malformed: 0.0"
 
 

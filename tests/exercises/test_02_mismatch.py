@@ -55,7 +55,8 @@ def test_probability_buckets_boundaries_and_clamp(ex):
     assert [r["tokens"] for r in rows] == [1, 2], \
         "edges[i] <= p < edges[i+1]: p on an edge belongs to the bucket above; p is clamped to at most 1"
     assert isinstance(rows[0]["tokens"], int), "tokens is a Python int"
-    assert all(isinstance(rows[0][k], float) for k in ("lo", "hi", "mean_abs_delta", "max_abs_delta", "share_outside")), \
+    statistics = ("lo", "hi", "mean_abs_delta", "max_abs_delta", "share_outside")
+    assert all(isinstance(rows[0][k], float) for k in statistics), \
         "the edges and statistics are Python floats (call .item() on 0-dim tensors)"
 
 

@@ -1,4 +1,6 @@
-"""Exercise 1.4, wrong: forces the advantages to the ratio's shape: a [B, 1] sequence ratio cannot take [B, T] advantages."""
+"""Exercise 1.4, wrong: forces the advantages to the ratio's shape: a [B, 1] sequence ratio cannot take
+[B, T] advantages.
+"""
 
 import torch
 

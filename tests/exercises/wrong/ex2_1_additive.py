@@ -1,4 +1,6 @@
-"""Exercise 2.1, wrong: adds epsilon to the probability instead of scaling it (a ratio bound, not a probability bound)."""
+"""Exercise 2.1, wrong: adds epsilon to the probability instead of scaling it (a ratio bound, not a
+probability bound).
+"""
 
 import torch
 

@@ -1,4 +1,6 @@
-"""Exercise 2.4, wrong: masks by multiplication: (old - behavior) * mask is NaN where a masked log-prob is NaN or inf."""
+"""Exercise 2.4, wrong: masks by multiplication: (old - behavior) * mask is NaN where a masked log-prob
+is NaN or inf.
+"""
 
 import torch
 
