@@ -1,4 +1,5 @@
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
+# by tools/build.py -- edit the notebook, not this file.
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
