@@ -12,6 +12,10 @@ Simplified vs TRL: one optimizer step per generation batch and iteration (no gra
 accumulation, no micro-batches), no learning-rate schedule, rewards summed without weights.
 """
 
+__all__ = ["ALGOS", "LOSS_TYPES", "SCALE_REWARDS", "IMPORTANCE_SAMPLING_LEVELS", "IS_MODES",
+           "ROLLOUT_DTYPES", "ROLLOUT_ENGINES", "REWARD_ERRORS", "AlgorithmConfig",
+           "SamplingConfig", "RolloutConfig", "OptimizerConfig", "RunConfig", "RLConfig"]
+
 import dataclasses
 from dataclasses import dataclass, field
 

@@ -12,6 +12,8 @@ Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
 not a tuned top-p schedule; both are enough to show what each correction does.
 """
 
+__all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_softmax"]
+
 import torch
 from torch import Tensor
 

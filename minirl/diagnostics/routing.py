@@ -12,6 +12,8 @@ Simplified on purpose: one rollout batch, the trainer in fp32, and a token count
 "flipped" when any layer chose another expert set at the position that produced its logits.
 """
 
+__all__ = ["ratio_spread", "routing_ratio_spread"]
+
 import torch
 from torch import Tensor
 

@@ -12,6 +12,12 @@ buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data
 imbalance. Notebook 03 measures how far those take a real run from the figures here.
 """
 
+__all__ = ["COMPONENTS", "PRECISIONS", "STAGES", "GB", "check_positive", "check_precision",
+           "check_stage", "bytes_per_param", "state_bytes", "SHARDED", "zero_per_gpu",
+           "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE", "ATTENTION",
+           "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes", "activation_memory",
+           "lora_params", "lora_memory", "training_memory", "min_gpus"]
+
 import math
 from dataclasses import dataclass
 

@@ -13,6 +13,12 @@ steps. Counting storages shows *what* is held; the allocator's peak (CUDA only) 
 count of named tensors cannot see: communication buffers, temporaries, fragmentation.
 """
 
+__all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
+           "local", "storage_key", "storage_bytes", "SavedActivationMeter", "set_checkpointing",
+           "measure_activations", "time_recomputation", "measure_single", "measure_strategy",
+           "worker_main", "launch_measurement", "NOTES", "compare_measured", "LORA_TARGETS",
+           "measure_lora"]
+
 import gc
 import json
 import os
@@ -175,7 +181,6 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 5) -> dict
     set_checkpointing(model, False)
     plain, ckpt = statistics.median(times[False]), statistics.median(times[True])
     return {"plain_s": plain, "checkpointed_s": ckpt, "slowdown": ckpt / plain - 1}
-
 
 
 def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: int = 5, seed: int = 0) -> dict:

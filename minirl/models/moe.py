@@ -1,4 +1,5 @@
-# Generated from notebooks/02_mismatch.py, notebooks/08_moe_pipelines.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/02_mismatch.py, notebooks/08_moe_pipelines.py
+# by tools/build.py -- edit the notebook, not this file.
 """Mixture-of-experts routing: a tiny Qwen2-MoE policy, route recording and replay (R3).
 
 `RouteRecorder` records which experts every router picks, call by call (so it works during
@@ -13,6 +14,11 @@ Simplified on purpose: routers are found by duck typing on transformers' TopKRou
 (in slime, veRL with SGLang/vLLM) ships the routes from the inference server with the
 tokens. The mechanism is the same.
 """
+
+__all__ = ["build_moe_policy", "routers", "RouteRecorder", "replay_routes", "route_agreement",
+           "count_moe_parameters", "RouterError", "check_router_logits", "load_balancing_loss",
+           "expert_counts", "load_imbalance", "BalancedTopKRouter", "install_balancing",
+           "load_history", "load_moe_policy"]
 
 from contextlib import contextmanager
 import weakref

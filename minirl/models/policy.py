@@ -11,6 +11,11 @@ Simplified on purpose: the warm start is a plain supervised loop rather than TRL
 SFTTrainer, because the whole of it fits on one screen and runs deterministically.
 """
 
+__all__ = ["PAD", "BOS", "EOS", "CHARACTERS", "build_tokenizer", "PolicyConfig", "build_policy",
+           "sft_example", "sft_batch", "WarmStartConfig", "warm_start", "greedy_accuracy",
+           "WARM_START_FORMAT", "cache_dir", "default_policy_dir", "build_default_policy",
+           "load_default_policy", "warm_start_report"]
+
 import hashlib
 import json
 import os

@@ -15,6 +15,9 @@ Simplified on purpose: gloo's all_to_all_single on CPU (NCCL on GPUs); no capaci
 token dropping, no overlap of the exchange with compute (DeepEP's job), one MoE layer.
 """
 
+__all__ = ["local_experts", "exchange", "ExpertParallelMoE", "moe_block", "skew_router",
+           "measure_rank", "worker_main", "launch_expert_parallel"]
+
 import json
 import os
 import statistics

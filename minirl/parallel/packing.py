@@ -19,6 +19,11 @@ et al. 2024, also splits documents longer than the budget; RL does not split a t
 so a sequence longer than the budget is an error here).
 """
 
+__all__ = ["PackingError", "check_lengths", "next_fit", "first_fit_decreasing",
+           "best_fit_decreasing", "PACKERS", "utilization", "padded_utilization", "pack_sequences",
+           "block_diagonal_mask", "pad_sequences", "packed_loss", "padded_loss",
+           "long_tail_lengths", "micro_batch_spread", "time_packed_vs_padded"]
+
 import torch
 from torch import Tensor
 

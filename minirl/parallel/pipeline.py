@@ -15,6 +15,12 @@ overlapped F&B pair costs F + B: overlapping hides communication behind compute 
 purpose), it does not make one device compute two things at once.
 """
 
+__all__ = ["FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "KINDS", "PipelineError",
+           "Op", "Costs", "Event", "Timeline", "bubble_share", "check_pipeline", "split_layers",
+           "gpipe_order", "one_f_one_b_order", "one_f_one_b_schedule", "dualpipev_stages",
+           "dualpipev_order", "simulate", "bubble_formulas", "SCHEDULES", "schedule_orders",
+           "simulate_schedule", "COLORS", "plot_timeline"]
+
 from dataclasses import dataclass
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"

@@ -15,6 +15,10 @@ stack instead of attention layers (the schedule does not care what a stage compu
 no optimizer step (the bubble is in forward and backward).
 """
 
+__all__ = ["Block", "StageModule", "PipelineModel", "token_loss", "record_compute",
+           "build_schedule", "run_steps", "worker_main", "launch_pipeline", "measured_timelines",
+           "measured_costs", "message_waits", "compare_with_simulator"]
+
 import inspect
 import json
 import os

@@ -11,6 +11,9 @@ math-RL setup adds formatting rules, partial credit and a sandbox; none of that 
 how the loop is distributed, which is what this course is about.
 """
 
+__all__ = ["OPERATORS", "TaskConfig", "Problem", "format_prompt", "format_answer", "parse_answer",
+           "completion_text", "accuracy_reward", "format_reward", "ArithmeticTask", "make_task"]
+
 import random
 from dataclasses import dataclass
 

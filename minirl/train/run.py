@@ -10,6 +10,10 @@ Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule
 distributed launcher (notebook 04 adds torchrun).
 """
 
+__all__ = ["ENGINES", "SAFE_ON_RESUME", "build_roles", "build_engine", "RunState", "Callback",
+           "RunStopped", "run", "Evaluator", "JSONLLogger", "Checkpointer", "ProgressBar",
+           "StopAfter", "check_resume_config", "setup", "stage1_step", "train"]
+
 import dataclasses
 import time
 from dataclasses import dataclass, field

@@ -14,6 +14,9 @@ generation batch per step, and the engine holds its own copy of the policy with 
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
+__all__ = ["Roles", "sample_prompts", "score", "make_experience", "importance_weights",
+           "compute_advantages", "rl_step"]
+
 import math
 from dataclasses import dataclass
 
