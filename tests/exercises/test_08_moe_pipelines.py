@@ -1,16 +1,15 @@
-"""Graded checks of notebook 08's exercises (python -m minirl.grade --only 08), and the checks' own tests.
+"""Graded checks of notebook 08's exercises (python -m minirl.grade --only 08).
 
-Each check is a plain function of the implementation under test (`ex`), so that the bottom of
-this file can run it against plausible wrong versions and insist that it fails them.
+Each check is a plain function of the implementation under test (`ex`); the wrong versions it
+must fail are in tests/exercises/wrong/ex8_*.py.
 """
 
-import types
 
 import pytest
 import torch
 
-from minirl.parallel.packing import PackingError, check_lengths
-from minirl.parallel.pipeline import FORWARD, BACKWARD, Costs, Op, simulate
+from minirl.parallel.packing import PackingError
+from minirl.parallel.pipeline import FORWARD, Costs, simulate
 
 # ---------------------------------------------------------------- 8.1 load_balancing_loss
 
@@ -195,125 +194,5 @@ def test_best_fit_plans_are_valid(ex):
     check_best_fit_valid(ex)
 
 
-# ---------------------------------------------------------------- the checks fail plausible wrong versions
-
-
-def _top1_loss(router_logits, top_k, token_mask=None):
-    probs = torch.softmax(router_logits.float(), -1)
-    mask = torch.ones(len(probs)) if token_mask is None else token_mask.float()
-    f = torch.zeros(probs.shape[1]).index_add_(0, probs.argmax(-1), mask) / mask.sum()
-    return probs.shape[1] * (f * (probs * mask[:, None]).sum(0) / mask.sum()).sum()
-
-
-def _unmasked_loss(router_logits, top_k, token_mask=None):
-    from minirl.models.moe import load_balancing_loss
-    return load_balancing_loss(router_logits, top_k)
-
-
-def _soft_loss(router_logits, top_k, token_mask=None):            # f = P: differentiable "counts"
-    probs = torch.softmax(router_logits.float(), -1)
-    if token_mask is not None:
-        probs = probs[token_mask.bool()]
-    P = probs.mean(0)
-    return probs.shape[1] * (P * P).sum()
-
-
-def _no_e_loss(router_logits, top_k, token_mask=None):
-    from minirl.models.moe import load_balancing_loss
-    return load_balancing_loss(router_logits, top_k, token_mask) / router_logits.shape[-1]
-
-
-def _span_from_zero(events, num_ranks):
-    return 1 - sum(e - s for _, s, e in events) / (num_ranks * max(e for _, _, e in events))
-
-
-def _only_active_ranks(events, num_ranks):
-    ranks = len({r for r, _, _ in events})
-    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
-    return 1 - sum(e - s for _, s, e in events) / (ranks * span)
-
-
-def _ratio_not_share(events, num_ranks):
-    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
-    busy = sum(e - s for _, s, e in events)
-    return (num_ranks * span - busy) / busy
-
-
-def _1f1b_off_by_one(stage, num_stages, num_microbatches):
-    warmup = min(num_stages - stage, num_microbatches)
-    order = [Op(FORWARD, m, stage) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [Op(FORWARD, warmup + i, stage), Op(BACKWARD, i, stage)]
-    return order + [Op(BACKWARD, m, stage) for m in range(num_microbatches - warmup, num_microbatches)]
-
-
-def _gpipe_as_1f1b(stage, num_stages, num_microbatches):
-    return ([Op(FORWARD, m, stage) for m in range(num_microbatches)]
-            + [Op(BACKWARD, m, stage) for m in range(num_microbatches)])
-
-
-def _backward_first(stage, num_stages, num_microbatches):
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = [Op(FORWARD, m, stage) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [Op(BACKWARD, i, stage), Op(FORWARD, warmup + i, stage)]
-    return order + [Op(BACKWARD, m, stage) for m in range(num_microbatches - warmup, num_microbatches)]
-
-
-def _fit(lengths, budget, choose, order=None):
-    check_lengths(lengths, budget)
-    bins, room = [], []
-    for i in order if order is not None else sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [j for j, r in enumerate(room) if r >= lengths[i]]
-        if fits:
-            j = choose(fits, room)
-        else:
-            bins.append([])
-            room.append(budget)
-            j = len(bins) - 1
-        bins[j].append(i)
-        room[j] -= lengths[i]
-    return bins
-
-
-WRONG = {
-    "top-1 counting": ("load_balancing_loss", _top1_loss,
-                       [check_balancing_counts_every_slot, check_balancing_matches_transformers]),
-    "padding counted": ("load_balancing_loss", _unmasked_loss, [check_balancing_matches_transformers]),
-    "soft counts f = P": ("load_balancing_loss", _soft_loss, [check_balancing_counts_every_slot, check_balancing_gradient]),
-    "no factor E": ("load_balancing_loss", _no_e_loss, [check_balancing_range]),
-    "span from time 0": ("bubble_share", _span_from_zero, [check_bubble_by_hand]),
-    "idle ranks ignored": ("bubble_share", _only_active_ranks, [check_bubble_by_hand]),
-    "ratio instead of share": ("bubble_share", _ratio_not_share, [check_bubble_by_hand, check_bubble_on_a_schedule]),
-    "warm-up one too long": ("one_f_one_b_order", _1f1b_off_by_one, [check_1f1b_small, check_1f1b_bubble]),
-    "GPipe order": ("one_f_one_b_order", _gpipe_as_1f1b, [check_1f1b_small, check_1f1b_bubble]),
-    "backward before forward": ("one_f_one_b_order", _backward_first, [check_1f1b_small, check_1f1b_bubble]),
-    "first fit": ("best_fit_decreasing", lambda L, b: _fit(L, b, lambda fits, room: fits[0]),
-                  [check_best_fit_example]),
-    "worst fit": ("best_fit_decreasing", lambda L, b: _fit(L, b, lambda fits, room: max(fits, key=lambda j: room[j])),
-                  [check_best_fit_example]),
-    "arrival order": ("best_fit_decreasing",
-                      lambda L, b: _fit(L, b, lambda fits, room: min(fits, key=lambda j: (room[j], j)), range(len(L))),
-                      [check_best_fit_example]),
-}
-
-
-@pytest.mark.parametrize("name", list(WRONG))
-def test_checks_fail_a_wrong_version(name):
-    function, wrong, checks = WRONG[name]
-    fake = types.SimpleNamespace(**{function: wrong})
-    for check in checks:
-        with pytest.raises(Exception):
-            check(fake)
-
-
-def test_checks_pass_the_reference():
-    from minirl.models.moe import load_balancing_loss
-    from minirl.parallel.packing import best_fit_decreasing
-    from minirl.parallel.pipeline import bubble_share, one_f_one_b_order
-
-    ref = types.SimpleNamespace(load_balancing_loss=load_balancing_loss, bubble_share=bubble_share,
-                                one_f_one_b_order=one_f_one_b_order, best_fit_decreasing=best_fit_decreasing)
-    for _, _, checks in WRONG.values():
-        for check in checks:
-            check(ref)
+# The wrong versions these checks must fail live in tests/exercises/wrong/ex8_*.py
+# (run by tests/exercises/test_wrong_versions.py).
