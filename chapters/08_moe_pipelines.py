@@ -74,7 +74,8 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
         print(f"  {name:>8}: held-out accuracy {run['accuracy'][0]:.3f} -> {run['accuracy'][-1]:.3f}")
     detail = {name: {"per_step_max_over_mean": run["per_step"], "accuracy": run["accuracy"],
                      "last_steps_per_layer": [load_imbalance(layer)["max_over_mean"]
-                                              for layer in run["history"][-tail:].sum(0)]} for name, run in runs.items()}
+                                              for layer in run["history"][-tail:].sum(0)]}
+              for name, run in runs.items()}
     return {"before": before, "after": after, "settings": BALANCING}, detail
 
 
@@ -87,7 +88,8 @@ def gspo(args, moe, tokenizer, task) -> dict:
     prompts = [row["prompt"] for row in task.rows("train")[:64]]
     spread = {d: routing_ratio_spread(moe, tokenizer, prompts, rollout_dtype=d) for d in ("bfloat16", "float8_e4m3fn")}
     for d, r in spread.items():
-        print(f"{d:>14} rollout: routes flipped {r['flipped_share']:.1%}, token-ratio var {r['plain']['token_var']:.2e}, "
+        print(f"{d:>14} rollout: routes flipped {r['flipped_share']:.1%}, "
+              f"token-ratio var {r['plain']['token_var']:.2e}, "
               f"sequence-ratio var {r['plain']['sequence_var']:.2e} ({r['plain']['variance_ratio']:.1f}x)")
     training = {}
     if args.rl_steps:
@@ -191,7 +193,8 @@ def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
     short = [max(2, n // 16) for n in long_tail_lengths(64, seed=args.seed + 1)]
     sequences = [torch.randint(3, 18, (n,), generator=g).tolist() for n in short]
     detail["speed"] = time_packed_vs_padded(build_measure_model("tiny"), sequences, 512, 8, 0, repeats=args.repeats)
-    print(f"packed vs padded step time: {detail['speed']['speedup']:.2f}x (median of {args.repeats} interleaved rounds)")
+    print(f"packed vs padded step time: {detail['speed']['speedup']:.2f}x "
+          f"(median of {args.repeats} interleaved rounds)")
     summary = {k: v for k, v in detail["long_tail"].items() if k != "budget"}
     return summary, detail
 

@@ -1741,7 +1741,8 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
                 raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
                                  f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
                                  "floats, or pass reward_errors='zero' to score them 0")
-            errors += [f"{name}[{i}]: not a finite number" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
+            bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
+            errors += [f"{name}[{i}]: not a finite number" for i in bad]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         metrics[f"rewards/{name}"] = values.mean().item()
         total += values

@@ -731,8 +731,9 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
 per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `importance_sampling_correction` is on (its own stage, `minirl.train.step.importance_weights`). `vocabulary_keep_mask` and
-`pruned_log_softmax` prune the low-probability tail identically on both sides.
+when `importance_sampling_correction` is on, in a stage of its own
+(`minirl.train.step.importance_weights`). `vocabulary_keep_mask` and `pruned_log_softmax`
+prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
 `vllm_importance_sampling_clip_min`), and pruning uses a min-p threshold from one side,
@@ -1157,17 +1158,23 @@ training = json.loads((TRAIN_OUT / "summary.json").read_text())["training"]
 print(f"{'':>22} | {'no correction':>13} | {'TIS (cap 2)':>11}")
 for key in training["no_correction"]:
     a, b = training["no_correction"][key], training["tis"][key]
-    fmt = (lambda v: f"{v:.4f}" if isinstance(v, float) else str(v))
-    print(f"{key:>22} | {fmt(a):>13} | {fmt(b):>11}")
+    print(f"{key:>22} | {a if not isinstance(a, float) else f'{a:.4f}':>13} | "
+          f"{b if not isinstance(b, float) else f'{b:.4f}':>11}")
 
 # %%
 runs = {name: [json.loads(line) for line in (TRAIN_OUT / name / "metrics.jsonl").read_text().splitlines()]
         for name in ("no_correction", "tis")}
+
+
+def smooth(values, k=5):
+    """Trailing mean over k steps."""
+    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+
+
 fig, axes = plt.subplots(1, 4, figsize=(13, 3))
 for name, metrics in runs.items():
     steps = [m for m in metrics if "reward" in m]
     xs = [m["step"] for m in steps]
-    smooth = lambda v, k=5: [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1]) for i in range(len(v))]
     axes[0].plot(xs, smooth([m["reward"] for m in steps]), label=name)
     axes[1].plot(xs, [m["ratio/std"] for m in steps], label=name)
     axes[2].plot(xs, [m["ratio/max"] for m in steps], label=name)

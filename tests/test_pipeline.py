@@ -68,7 +68,8 @@ def test_latency_adds_idle_time_and_per_stage_costs_work():
     slow = simulate_schedule("1f1b", 4, 8, Costs(1.0, 2.0, comm=0.5)).bubble_share
     assert slow > free
     uneven = simulate(one_f_one_b_schedule(2, 4), {0: Costs(1.0, 2.0), 1: Costs(3.0, 6.0)})
-    assert uneven.bubble_share > simulate_schedule("1f1b", 2, 4).bubble_share, "an unbalanced split idles the fast stage"
+    assert uneven.bubble_share > simulate_schedule("1f1b", 2, 4).bubble_share, \
+        "an unbalanced split idles the fast stage"
 
 
 def test_bubble_share_of_a_hand_made_timeline():

@@ -41,7 +41,8 @@ def check_balancing_counts_every_slot(ex):
     logits = torch.log(torch.tensor([[0.5, 0.4, 0.05, 0.05]])).repeat(10, 1)
     value = float(ex.load_balancing_loss(logits, top_k=2))
     expected = 4 * (0.5 * 0.5 + 0.5 * 0.4)                     # f = (1/2, 1/2, 0, 0) over the 2 slots
-    assert abs(value - expected) < 1e-4, f"f counts both chosen experts of every token: expected {expected}, got {value}"
+    assert abs(value - expected) < 1e-4, \
+        f"f counts both chosen experts of every token: expected {expected}, got {value}"
 
 
 def check_balancing_gradient(ex):
