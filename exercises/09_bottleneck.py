@@ -664,7 +664,7 @@ def gpu_peak_flops(device_name: str, dtype: str) -> float:
                            f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
                      sizes: tuple[int, ...] = (256, 512)) -> float:
     """The best FLOP/s of a square matmul (torch's CPU GEMM) at `dtype` on `threads` threads, over about `seconds`.

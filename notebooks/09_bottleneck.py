@@ -253,7 +253,7 @@ def profiled_steps(run_dir) -> list[int]:
 
 # %% [markdown]
 # A stage's share of a run is its seconds summed over the steps divided by the steps'
-# total wall-clock time; what no stage timed is "other". This is exercise 9.2; the
+# total wall-clock time; what no stage timed is "other". This is exercise 9.1; the
 # decomposition below calls it on records whose stages no longer overlap.
 
 # %%
@@ -874,7 +874,7 @@ class ModelShape:
                               "stopped before saving; pass the model's shape (ModelShape.from_config)")
 
 # %% [markdown]
-# Exercise 9.1 is the forward pass's FLOPs; everything else is built on it. A GRPO batch
+# Exercise 9.2 is the forward pass's FLOPs; everything else is built on it. A GRPO batch
 # is B groups of G completions that share one prompt, so the work a batch *needs* counts
 # each prompt once: the prompt's forward, then each completion's tokens, which attend to
 # the prompt and to their own earlier tokens. That is the difference of two forwards,
@@ -1008,7 +1008,7 @@ def gpu_peak_flops(device_name: str, dtype: str) -> float:
                            f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
                      sizes: tuple[int, ...] = (256, 512)) -> float:
     """The best FLOP/s of a square matmul (torch's CPU GEMM) at `dtype` on `threads` threads, over about `seconds`.
@@ -1735,8 +1735,8 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 9.1 | `forward_flops` | 2 N per token, causal attention pairs, the MFU of a given training step, agreement with torch's FLOP counter |
-# | 9.2 | `stage_shares` | shares of totals (not means of shares), "other", the evaluation left out |
+# | 9.1 | `stage_shares` | shares of totals (not means of shares), "other", the evaluation left out |
+# | 9.2 | `forward_flops` | 2 N per token, causal attention pairs, the MFU of a given training step, agreement with torch's FLOP counter |
 # | 9.3 | `rules_that_fire` | the rule that fires for a given decomposition: strict thresholds, below for MFU, not measured never fires |
 #
 # Questions to think about (not graded): the update is this run's largest stage. Which of
