@@ -230,7 +230,8 @@ def read_records(run_dir) -> tuple[list[dict], list[str]]:
                                  "the records of more than one run are mixed in this file (two runs writing into one "
                                  "directory, or files joined); analyse one run per directory")
         for key, value in record.items():
-            if key.startswith("time/") and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            if key.startswith("time/") and not seconds_ok:
                 raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
         last = (number, step)
         steps.append(record)
@@ -587,7 +588,7 @@ def operator_table(events, top: int = 15) -> list[dict]:
 
 
 def matmul_summary(events, step_seconds: float) -> dict:
-    """Seconds in matrix products (MATMULS, self time on the device that ran them), the FLOPs torch counted, the rate."""
+    """Seconds in matrix products (MATMULS, self time on the device that ran them), FLOPs torch counted, the rate."""
     mm = [e for e in events if e.key in MATMULS]
     device = sum(getattr(e, "self_device_time_total", 0.0) for e in mm) / 1e6
     seconds = device if device > 0 else sum(e.self_cpu_time_total for e in mm) / 1e6
@@ -1426,7 +1427,8 @@ def _expert_load(records: list[dict], summary: dict) -> tuple[float | None, str]
     load = summary.get("expert_load_max_over_mean")
     if isinstance(load, dict) and isinstance(load.get("after"), dict) and load["after"]:
         name, value = max(load["after"].items(), key=lambda kv: kv[1])
-        return float(value), f"summary.json expert_load_max_over_mean, run {name!r} (the worst of {sorted(load['after'])})"
+        runs = sorted(load["after"])
+        return float(value), f"summary.json expert_load_max_over_mean, run {name!r} (the worst of {runs})"
     return None, "no expert loads recorded (a dense model, or not logged)"
 
 
@@ -1489,7 +1491,8 @@ class Finding:
 
     def line(self) -> str:
         sign = ">" if self.rule.above else "<"
-        return (f"{self.rule.name:>19} | {self.format(self.value):>12} | {sign} {self.format(self.rule.threshold):>7} | "
+        threshold = f"{sign} {self.format(self.rule.threshold):>7}"
+        return (f"{self.rule.name:>19} | {self.format(self.value):>12} | {threshold} | "
                 f"{'FIRES' if self.fired else 'no':>5} | {self.detail}")
 
 
@@ -1532,7 +1535,7 @@ class Diagnosis:
         return "\n".join(lines)
 
     def summary(self) -> dict:
-        """JSON-ready: stage_shares, mfu (trainer, rollout), findings (names of the rules that fired), and the details."""
+        """JSON-ready: stage_shares, mfu (trainer, rollout), findings (the rules that fired), and the details."""
         d = self.decomposition
         return {"run": self.run_dir, "stage_shares": d.shares if d else None,
                 "stage_shares_by_stage": d.stage_shares if d else None, "bottleneck": d.bottleneck if d else None,

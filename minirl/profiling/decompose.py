@@ -27,6 +27,12 @@ traces (torch.profiler gives those); a collective inside a stage is seen only if
 times it.
 """
 
+__all__ = ["METRICS_FILE", "PROFILE_SUMMARY", "STEP_ORDER", "CATEGORIES", "CATEGORY_OF",
+           "COMMUNICATION", "WAITING", "NESTED", "NOT_STAGES", "OVERLAP", "RunDataError",
+           "NoMetricsError", "MetricsFileError", "MixedRunsError", "parent_of", "category_of",
+           "read_records", "profiled_steps", "stage_shares", "own_times", "categorize",
+           "Decomposition", "decompose", "rank_imbalance"]
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -126,7 +132,8 @@ def read_records(run_dir) -> tuple[list[dict], list[str]]:
                                  "the records of more than one run are mixed in this file (two runs writing into one "
                                  "directory, or files joined); analyse one run per directory")
         for key, value in record.items():
-            if key.startswith("time/") and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            if key.startswith("time/") and not seconds_ok:
                 raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
         last = (number, step)
         steps.append(record)

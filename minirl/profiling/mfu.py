@@ -26,6 +26,11 @@ uneven rows slightly; the critic is counted with the policy's shape (its head is
 column, not a vocabulary).
 """
 
+__all__ = ["COMPUTE_DTYPE", "TRAINER_STAGES", "ROLLOUT_STAGES", "ModelShapeError", "ModelShape",
+           "forward_flops", "group_forward_flops", "training_flops", "generation_flops", "mfu",
+           "step_flops", "flat_config", "GPU_PEAK_TFLOPS", "UnknownPeakError", "gpu_peak_flops",
+           "measure_cpu_peak", "peak_flops", "MFUReport", "run_mfu"]
+
 import functools
 import time
 from dataclasses import dataclass, field

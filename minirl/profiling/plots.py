@@ -1,6 +1,8 @@
 # Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
 """Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
 
+__all__ = ["COLORS", "plot_shares", "plot_timeline", "plot_compare"]
+
 import matplotlib.pyplot as plt
 
 from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of

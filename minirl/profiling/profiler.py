@@ -23,6 +23,9 @@ Simplified vs torch.profiler.schedule and TensorBoard's plugin: one trace per st
 directly; the step before is the warm-up; no TensorBoard files.
 """
 
+__all__ = ["MATMULS", "STAGE_CALLS", "operator_table", "matmul_summary", "stage_breakdown",
+           "memory_summary", "TorchProfiler"]
+
 import bisect
 import resource
 import time
@@ -51,7 +54,7 @@ def operator_table(events, top: int = 15) -> list[dict]:
 
 
 def matmul_summary(events, step_seconds: float) -> dict:
-    """Seconds in matrix products (MATMULS, self time on the device that ran them), the FLOPs torch counted, the rate."""
+    """Seconds in matrix products (MATMULS, self time on the device that ran them), FLOPs torch counted, the rate."""
     mm = [e for e in events if e.key in MATMULS]
     device = sum(getattr(e, "self_device_time_total", 0.0) for e in mm) / 1e6
     seconds = device if device > 0 else sum(e.self_cpu_time_total for e in mm) / 1e6

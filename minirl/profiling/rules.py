@@ -16,6 +16,9 @@ source gives no number, fire when the longest completion of a step is on average
 than twice the mean (half of the batch's decode slots idle behind it).
 """
 
+__all__ = ["Rule", "RULES", "rules_that_fire", "measurements", "Finding", "Diagnosis",
+           "run_dir_mfu", "diagnose"]
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -99,7 +102,8 @@ def _expert_load(records: list[dict], summary: dict) -> tuple[float | None, str]
     load = summary.get("expert_load_max_over_mean")
     if isinstance(load, dict) and isinstance(load.get("after"), dict) and load["after"]:
         name, value = max(load["after"].items(), key=lambda kv: kv[1])
-        return float(value), f"summary.json expert_load_max_over_mean, run {name!r} (the worst of {sorted(load['after'])})"
+        runs = sorted(load["after"])
+        return float(value), f"summary.json expert_load_max_over_mean, run {name!r} (the worst of {runs})"
     return None, "no expert loads recorded (a dense model, or not logged)"
 
 
@@ -155,7 +159,8 @@ class Finding:
 
     def line(self) -> str:
         sign = ">" if self.rule.above else "<"
-        return (f"{self.rule.name:>19} | {self.format(self.value):>12} | {sign} {self.format(self.rule.threshold):>7} | "
+        threshold = f"{sign} {self.format(self.rule.threshold):>7}"
+        return (f"{self.rule.name:>19} | {self.format(self.value):>12} | {threshold} | "
                 f"{'FIRES' if self.fired else 'no':>5} | {self.detail}")
 
 
@@ -198,7 +203,7 @@ class Diagnosis:
         return "\n".join(lines)
 
     def summary(self) -> dict:
-        """JSON-ready: stage_shares, mfu (trainer, rollout), findings (names of the rules that fired), and the details."""
+        """JSON-ready: stage_shares, mfu (trainer, rollout), findings (the rules that fired), and the details."""
         d = self.decomposition
         return {"run": self.run_dir, "stage_shares": d.shares if d else None,
                 "stage_shares_by_stage": d.stage_shares if d else None, "bottleneck": d.bottleneck if d else None,
