@@ -10,7 +10,7 @@ For each profiled step it writes, under `run_dir/profile/`:
 - `trace_step-000003.json.gz`: the Chrome trace (open it at https://ui.perfetto.dev, or
   chrome://tracing); with_stack=True adds the Python call stack, so rl_step's stages
   (`generate`, `update`, `push`) appear above the operators they ran;
-- `ops_step-000003.txt`: torch's table of operators, sorted by self time;
+- `ops_step-000003.txt`: every torch operator with its calls, self time, FLOPs and memory;
 and records the step in `summary.json`: the top operators by self time, the matmul share
 of the step and the matmul rate (FLOPs torch counts for mm/addmm/bmm), the same per stage
 of rl_step (with the Python stack: operator, matmul and Python seconds, operator calls,
@@ -23,8 +23,8 @@ Simplified vs torch.profiler.schedule and TensorBoard's plugin: one trace per st
 directly; the step before is the warm-up; no TensorBoard files.
 """
 
-__all__ = ["MATMULS", "STAGE_CALLS", "operator_table", "matmul_summary", "stage_breakdown",
-           "memory_summary", "TorchProfiler"]
+__all__ = ["MATMULS", "STAGE_CALLS", "operator_totals", "operator_table", "operator_text",
+           "matmul_summary", "stage_breakdown", "memory_summary", "TorchProfiler"]
 
 import bisect
 import resource
@@ -43,25 +43,50 @@ STAGE_CALLS = {"generate": "generate", "score": "score", "make_experience": "ref
                "push": "sync"}
 
 
-def operator_table(events, top: int = 15) -> list[dict]:
-    """The `top` torch operators (aten::...) by self time: name, calls, self seconds (CPU, and device), share, FLOPs."""
-    ops = [e for e in events if e.key.startswith("aten::")]
-    total = sum(e.self_cpu_time_total for e in ops) or 1.0
-    ops.sort(key=lambda e: e.self_cpu_time_total + getattr(e, "self_device_time_total", 0.0), reverse=True)
-    return [{"name": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6,
-             "self_device_s": getattr(e, "self_device_time_total", 0.0) / 1e6,
-             "share_of_operator_cpu_time": e.self_cpu_time_total / total, "flops": e.flops} for e in ops[:top]]
+def operator_totals(events) -> dict[str, dict]:
+    """torch operators (aten::...) summed by name over a profile's events: calls, self seconds on the CPU and on
+    the device, FLOPs counted, self bytes allocated. (torch's key_averages does this too, for every event, and
+    is slow with the Python stack recorded.)"""
+    totals = {}
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        t = totals.setdefault(e.name, {"calls": 0, "self_cpu_s": 0.0, "self_device_s": 0.0, "flops": 0.0,
+                                       "self_cpu_bytes": 0})
+        t["calls"] += 1
+        t["self_cpu_s"] += e.self_cpu_time_total / 1e6
+        t["self_device_s"] += getattr(e, "self_device_time_total", 0.0) / 1e6
+        t["flops"] += e.flops or 0.0
+        t["self_cpu_bytes"] += e.self_cpu_memory_usage
+    return totals
 
 
-def matmul_summary(events, step_seconds: float) -> dict:
+def operator_table(totals: dict[str, dict], top: int = 15) -> list[dict]:
+    """The `top` operators by self time (device time first where there is any), with their share of operator time."""
+    total = sum(t["self_cpu_s"] for t in totals.values()) or 1.0
+    order = sorted(totals, key=lambda n: (totals[n]["self_device_s"], totals[n]["self_cpu_s"]), reverse=True)
+    return [{"name": n, **totals[n], "share_of_operator_cpu_time": totals[n]["self_cpu_s"] / total}
+            for n in order[:top]]
+
+
+def operator_text(totals: dict[str, dict]) -> str:
+    """Every operator as a text table, by self time."""
+    lines = [f"{'operator':<60} {'calls':>7} {'self CPU ms':>12} {'self device ms':>15} {'MFLOP':>12} {'self MB':>9}"]
+    for row in operator_table(totals, top=len(totals)):
+        lines.append(f"{row['name'][:60]:<60} {row['calls']:>7} {1e3 * row['self_cpu_s']:>12.3f} "
+                     f"{1e3 * row['self_device_s']:>15.3f} {row['flops'] / 1e6:>12.1f} {row['self_cpu_bytes'] / 1e6:>9.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def matmul_summary(totals: dict[str, dict], step_seconds: float) -> dict:
     """Seconds in matrix products (MATMULS, self time on the device that ran them), FLOPs torch counted, the rate."""
-    mm = [e for e in events if e.key in MATMULS]
-    device = sum(getattr(e, "self_device_time_total", 0.0) for e in mm) / 1e6
-    seconds = device if device > 0 else sum(e.self_cpu_time_total for e in mm) / 1e6
-    flops = float(sum(e.flops for e in mm))
+    mm = [totals[n] for n in MATMULS if n in totals]
+    device = sum(t["self_device_s"] for t in mm)
+    seconds = device if device > 0 else sum(t["self_cpu_s"] for t in mm)
+    flops = float(sum(t["flops"] for t in mm))
     return {"seconds": seconds, "flops": flops, "flops_per_second": flops / seconds if seconds else 0.0,
             "share_of_step": seconds / step_seconds if step_seconds else 0.0,
-            "operator_calls": sum(e.count for e in events if e.key.startswith("aten::"))}
+            "operator_calls": sum(t["calls"] for t in totals.values())}
 
 
 def stage_breakdown(events) -> dict[str, dict]:
@@ -106,11 +131,10 @@ def stage_breakdown(events) -> dict[str, dict]:
     return out
 
 
-def memory_summary(events, top: int = 5) -> dict:
+def memory_summary(totals: dict[str, dict], top: int = 5) -> dict:
     """The operators that allocated most (self bytes), the process's peak resident bytes, the CUDA peak."""
-    ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: e.self_cpu_memory_usage,
-                 reverse=True)
-    out = {"top_allocators": [{"name": e.key, "self_cpu_bytes": e.self_cpu_memory_usage} for e in ops[:top]],
+    order = sorted(totals, key=lambda n: totals[n]["self_cpu_bytes"], reverse=True)
+    out = {"top_allocators": [{"name": n, "self_cpu_bytes": totals[n]["self_cpu_bytes"]} for n in order[:top]],
            "process_peak_resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if torch.cuda.is_available():
         out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
@@ -169,13 +193,13 @@ class TorchProfiler(Callback):
         name = f"step-{step:06d}"
         trace = self.dir / f"trace_{name}.json.gz"
         prof.export_chrome_trace(str(trace))
-        events = prof.key_averages()
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        atomic_write_text(self.dir / f"ops_{name}.txt", events.table(sort_by=sort, row_limit=40))
+        events = prof.events()
+        totals = operator_totals(events)
+        atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
         seconds = record.get("time/step", 0.0)
         self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
-                                   "top_operators": operator_table(events, self.top),
-                                   "matmul": matmul_summary(events, seconds), "stages": stage_breakdown(prof.events()),
-                                   "memory": memory_summary(events)}
+                                   "top_operators": operator_table(totals, self.top),
+                                   "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
+                                   "memory": memory_summary(totals)}
         atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
                                                        "per_step": self.results})
