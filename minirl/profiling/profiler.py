@@ -74,7 +74,8 @@ def operator_text(totals: dict[str, dict]) -> str:
     lines = [f"{'operator':<60} {'calls':>7} {'self CPU ms':>12} {'self device ms':>15} {'MFLOP':>12} {'self MB':>9}"]
     for row in operator_table(totals, top=len(totals)):
         lines.append(f"{row['name'][:60]:<60} {row['calls']:>7} {1e3 * row['self_cpu_s']:>12.3f} "
-                     f"{1e3 * row['self_device_s']:>15.3f} {row['flops'] / 1e6:>12.1f} {row['self_cpu_bytes'] / 1e6:>9.2f}")
+                     f"{1e3 * row['self_device_s']:>15.3f} {row['flops'] / 1e6:>12.1f} "
+                     f"{row['self_cpu_bytes'] / 1e6:>9.2f}")
     return "\n".join(lines) + "\n"
 
 
