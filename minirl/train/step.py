@@ -165,7 +165,9 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
     sync: any WeightSync. The record holds the update's metrics, the batch's reward and
-    completion length, the versions, and `time/<stage>` seconds for every stage.
+    completion length (mean and longest), its real prompt and completion tokens
+    (`tokens/prompt`, `tokens/completion`), the versions, and `time/<stage>` seconds for
+    every stage.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -186,6 +188,8 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
     roles.version = report.version
     lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    tokens = {"tokens/prompt": int(rollout.prompt_mask.sum()), "tokens/completion": int(lengths.sum()),
+              "completion_length_max": lengths.max().item()}                 # for MFU and stragglers (notebook 09)
     return metrics | {"version": roles.version, "generated_version": rollout.version,
                       "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
+                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | tokens | timer.times
