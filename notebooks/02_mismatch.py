@@ -1158,8 +1158,8 @@ training = json.loads((TRAIN_OUT / "summary.json").read_text())["training"]
 print(f"{'':>22} | {'no correction':>13} | {'TIS (cap 2)':>11}")
 for key in training["no_correction"]:
     a, b = training["no_correction"][key], training["tis"][key]
-    print(f"{key:>22} | {a if not isinstance(a, float) else f'{a:.4f}':>13} | "
-          f"{b if not isinstance(b, float) else f'{b:.4f}':>11}")
+    print(f"{key:>22} | {str(a) if not isinstance(a, float) else f'{a:.4f}':>13} | "
+          f"{str(b) if not isinstance(b, float) else f'{b:.4f}':>11}")
 
 # %%
 runs = {name: [json.loads(line) for line in (TRAIN_OUT / name / "metrics.jsonl").read_text().splitlines()]

@@ -8,7 +8,6 @@ must fail are in tests/exercises/wrong/ex8_*.py.
 import pytest
 import torch
 
-from minirl.parallel.packing import PackingError
 from minirl.parallel.pipeline import FORWARD, Costs, simulate
 
 # ---------------------------------------------------------------- 8.1 load_balancing_loss
@@ -176,7 +175,7 @@ def check_best_fit_valid(ex):
         assert sorted(i for b in plan for i in b) == list(range(len(lengths))), "every sequence exactly once"
         assert all(sum(lengths[i] for i in b) <= budget for b in plan), "no bin above the budget"
         assert len(plan) <= len([b for b in _next_fit(lengths, budget)]), "never worse than arrival order"
-    with pytest.raises(PackingError):
+    with pytest.raises(ex.PackingError):          # the implementation's own error type (a ValueError)
         ex.best_fit_decreasing([3, 11], 10)
 
 
