@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from minirl.tasks.arithmetic import ArithmeticTask, Problem
+from minirl.tasks.arithmetic import ArithmeticTask, MAX_DIGITS, Problem
 
 
 def format_prompt(problem: Problem) -> str:
@@ -33,9 +33,10 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
     """Invert `format_answer`: the integer a completion states, or None if malformed.
 
     Leading and trailing whitespace is ignored. A well-formed completion is an optional
-    "-" followed by one or more ASCII digits and nothing else ("26", "-21", "001").
-    Anything else ("", "2 6", "26=", "+26", "٣", None, a non-string) returns None.
-    Never raises.
+    "-" followed by 1 to MAX_DIGITS (1,000) ASCII digits and nothing else ("26", "-21",
+    "001"). Anything else ("", "2 6", "26=", "+26", "٣", 1,001 digits, None, a non-string)
+    returns None. Never raises, whatever arrives: a policy can emit a completion of 4,301
+    digits, which Python's `int()` refuses.
     """
     raise NotImplementedError("exercise 0.2: parse_answer -- see its docstring and notebook 00")
 

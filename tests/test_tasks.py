@@ -5,7 +5,7 @@ import string
 
 import pytest
 
-from minirl.tasks.arithmetic import (TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
+from minirl.tasks.arithmetic import (MAX_DIGITS, TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
                           make_task, parse_answer)
 
 
@@ -39,6 +39,20 @@ def test_verifiers_never_raise_on_any_string():
     assert len(rewards) == len(texts) and set(rewards) <= {0.0, 1.0}
     assert set(format_reward(None, texts)) <= {0.0, 1.0}
     assert accuracy_reward(None, [None, 3, b"1", {"x": 1}, [{}]], answer=[1] * 5) == [0.0] * 5
+
+
+def test_verifiers_never_raise_on_huge_numbers():
+    """A completion of 4,301 digits made int() raise inside accuracy_reward (issue 9, item 14)."""
+    huge = ["9" * 4301, "-" + "1" * 5000, " " + "2" * 1001 + " "]
+    assert accuracy_reward(None, huge, answer=[1] * 3) == [0.0] * 3
+    assert format_reward(None, huge) == [0.0] * 3
+    assert parse_answer("1" * MAX_DIGITS) == int("1" * MAX_DIGITS)
+    assert parse_answer("1" * (MAX_DIGITS + 1)) is None
+
+
+def test_no_answer_exceeds_the_verifier_limit():
+    with pytest.raises(ValueError, match="MAX_DIGITS"):
+        TaskConfig(ops="*", max_operand=10**600, max_length=10**4)
 
 
 def test_reward_length_mismatch_is_an_error():

@@ -11,13 +11,16 @@ math-RL setup adds formatting rules, partial credit and a sandbox; none of that 
 how the loop is distributed, which is what this course is about.
 """
 
-__all__ = ["OPERATORS", "TaskConfig", "Problem", "format_prompt", "format_answer", "parse_answer",
-           "completion_text", "accuracy_reward", "format_reward", "ArithmeticTask", "make_task"]
+__all__ = ["OPERATORS", "MAX_DIGITS", "TaskConfig", "Problem", "format_prompt", "format_answer",
+           "parse_answer", "completion_text", "accuracy_reward", "format_reward", "ArithmeticTask",
+           "make_task"]
 
 import random
 from dataclasses import dataclass
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+MAX_DIGITS = 1000  # longer digit strings are malformed: no task answer is that long, and Python's int()
+                   # refuses strings of more than 4,300 digits (a verifier must not raise on them)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class TaskConfig:
         if self.max_operand < self.min_operand:
             raise ValueError(f"TaskConfig: empty operand range min_operand={self.min_operand} > "
                              f"max_operand={self.max_operand}; set max_operand >= min_operand")
+        if self.max_answer_length > MAX_DIGITS:
+            raise ValueError(f"TaskConfig.max_operand={self.max_operand}: answers of {self.max_answer_length} "
+                             f"digits exceed the verifier's MAX_DIGITS={MAX_DIGITS}; lower max_operand")
         if self.sequence_length > self.max_length:
             raise ValueError(
                 f"TaskConfig.max_operand={self.max_operand}: its longest prompt + answer + EOS "
@@ -99,15 +105,16 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
     """Invert `format_answer`: the integer a completion states, or None if malformed.
 
     Leading and trailing whitespace is ignored. A well-formed completion is an optional
-    "-" followed by one or more ASCII digits and nothing else ("26", "-21", "001").
-    Anything else ("", "2 6", "26=", "+26", "٣", None, a non-string) returns None.
-    Never raises.
+    "-" followed by 1 to MAX_DIGITS (1,000) ASCII digits and nothing else ("26", "-21",
+    "001"). Anything else ("", "2 6", "26=", "+26", "٣", 1,001 digits, None, a non-string)
+    returns None. Never raises, whatever arrives: a policy can emit a completion of 4,301
+    digits, which Python's `int()` refuses.
     """
     if not isinstance(completion, str):
         return None
     text = completion.strip()
     sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text)
-    if not digits or not all(c in "0123456789" for c in digits):
+    if not digits or len(digits) > MAX_DIGITS or not all(c in "0123456789" for c in digits):
         return None
     return sign * int(digits[::-1] if reverse else digits)
 
