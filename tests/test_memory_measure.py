@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from minirl.memory.measure import (SavedActivationMeter, build_measure_model, compare_measured, launch_measurement,
-                               measure_activations, measure_lora, random_batch, storage_bytes)
+                                   measure_activations, measure_lora, padded_mask, random_batch, storage_bytes,
+                                   time_recomputation)
 from minirl.memory.calculator import ModelShape, activation_memory
 
 
@@ -32,6 +33,27 @@ def test_activations_match_the_calculator(tiny, checkpointing, mode):
     tiny.zero_grad(set_to_none=True)
     calc = activation_memory(ModelShape.from_config(tiny.config), 2, 24, "fp32", "sdpa", mode)["total"]
     assert measured == pytest.approx(calc, rel=0.05), f"{mode}: measured {measured} vs calculator {calc}"
+
+
+def test_padded_batch_matches_the_padded_formula(tiny):
+    """SDPA with a padding mask keeps full-width K/V and the mask: measured against both formulas (item 17)."""
+    x, mask = random_batch(2, 32), padded_mask(2, 32)
+    assert mask[0, :8].sum() == 0 and mask[1].all()
+    measured = measure_activations(tiny, x, attention_mask=mask)["peak_bytes"]
+    tiny.zero_grad(set_to_none=True)
+    shape = ModelShape.from_config(tiny.config)
+    padded = activation_memory(shape, 2, 32, "fp32", padding_mask=True)["total"]
+    plain = activation_memory(shape, 2, 32, "fp32")["total"]
+    assert measured == pytest.approx(padded, rel=0.02)
+    assert measured > 1.03 * plain, "the unpadded formula undercounts a padded batch"
+
+
+def test_recomputation_timing_reports_median_and_spread(tiny):
+    t = time_recomputation(tiny, random_batch(1, 8), repeats=3)
+    assert t["slowdown_low"] <= t["slowdown"] <= t["slowdown_high"] and t["repeats"] == 3
+    assert t["plain_s"] > 0 and t["checkpointed_s"] > 0
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_recomputation(tiny, random_batch(1, 8), repeats=0)
 
 
 def test_checkpointing_saves_activations(tiny):

@@ -15,9 +15,9 @@ count of named tensors cannot see: communication buffers, temporaries, fragmenta
 
 __all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
            "local", "storage_key", "storage_bytes", "SavedActivationMeter", "set_checkpointing",
-           "measure_activations", "time_recomputation", "measure_single", "measure_strategy",
-           "worker_main", "launch_measurement", "NOTES", "compare_measured", "LORA_TARGETS",
-           "measure_lora"]
+           "measure_activations", "time_recomputation", "padded_mask", "measure_single",
+           "measure_strategy", "worker_main", "launch_measurement", "NOTES", "compare_measured",
+           "LORA_TARGETS", "measure_lora"]
 
 import gc
 import json
@@ -146,32 +146,40 @@ def set_checkpointing(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False) -> dict:
+def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
+                        attention_mask: torch.Tensor | None = None) -> dict:
     """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
 
-    Returns {"peak_bytes", "seconds"}: the peak of saved activations (parameters excluded)
-    and the wall time of the forward + backward. Gradients are left in place; zero them yourself.
+    attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
+    the peak of saved activations (parameters excluded) and the wall time of the forward +
+    backward. Gradients are left in place; zero them yourself.
     """
     model.train()
     set_checkpointing(model, checkpointing)
     start = time.perf_counter()
     with SavedActivationMeter(exclude=list(model.parameters())) as meter:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
     seconds = time.perf_counter() - start
     set_checkpointing(model, False)
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
-    """Median seconds of a forward + backward without and with per-layer checkpointing.
+def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict:
+    """How much slower a forward + backward runs with per-layer checkpointing: median and spread.
 
-    The two modes alternate, so a slow stretch of a shared machine hits both alike.
-    Returns {"plain_s", "checkpointed_s", "slowdown"} with slowdown = checkpointed / plain - 1.
+    Each of `repeats` rounds (after one untimed warm-up round) times both modes back to back,
+    in alternating order, and takes their ratio, so a slow stretch of a shared machine hits
+    both sides of a ratio alike. Returns {"plain_s", "checkpointed_s" (median seconds),
+    "slowdown" (median ratio - 1), "slowdown_low", "slowdown_high" (the middle half of the
+    rounds' ratios - 1: quartiles), "repeats"}. On a busy machine single rounds of the same
+    setting can differ several-fold, so read the spread, not one figure.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
     times = {False: [], True: []}
     model.train()
     for i in range(repeats + 1):                                    # the first round warms up, untimed
-        for on in (False, True):
+        for on in ((False, True) if i % 2 else (True, False)):
             set_checkpointing(model, on)
             start = time.perf_counter()
             model(input_ids=input_ids, labels=input_ids).loss.backward()
@@ -179,15 +187,27 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 5) -> dict
                 times[on].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     set_checkpointing(model, False)
-    plain, ckpt = statistics.median(times[False]), statistics.median(times[True])
-    return {"plain_s": plain, "checkpointed_s": ckpt, "slowdown": ckpt / plain - 1}
+    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
+            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
+            "repeats": repeats}
 
 
-def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: int = 5, seed: int = 0) -> dict:
+def padded_mask(batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] attention mask whose first row is left-padded by a quarter (the rest unpadded)."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :seq // 4] = 0
+    return mask
+
+
+def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0) -> dict:
     """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
 
-    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "timing": {...}}
-    where each mode has "measured", "calculator" and "ratio" (bytes).
+    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
+    "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
+    "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
+    `time_recomputation`'s.
     """
     from minirl.memory.calculator import ModelShape, activation_memory
 
@@ -195,10 +215,11 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: 
     shape = ModelShape.from_config(model.config)
     x = random_batch(batch, seq, seed)
     out = {"size": size, "batch": batch, "seq": seq, "num_params": shape.param_count()}
-    for mode, on in (("none", False), ("full", True)):
-        measured = measure_activations(model, x, on)["peak_bytes"]
+    for mode, on, mask in (("none", False, None), ("full", True, None), ("padded", False, padded_mask(batch, seq))):
+        measured = measure_activations(model, x, on, attention_mask=mask)["peak_bytes"]
         model.zero_grad(set_to_none=True)
-        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", mode)["total"]
+        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
+                                 padding_mask=mask is not None)["total"]
         out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
     out["timing"] = time_recomputation(model, x, repeats)
     return out
