@@ -25,12 +25,12 @@
 #
 # The loop itself has four steps, and the order is the thing to remember:
 #
-# | step | what happens | where it runs later in minirl |
+# | step | what happens | where it runs in minirl (later notebooks: *coming*) |
 # |---|---|---|
-# | 1. generate | the rollout engine samples completions from the current policy | HF `generate` (01), a paged engine (05), vLLM (04) |
-# | 2. reward | a verifier scores each completion | a plain function (01), a reward worker (06) |
-# | 3. update | the trainer computes a loss and steps the optimizer | one process (01), FSDP under torchrun (04) |
-# | 4. synchronize | the new weights go back to the rollout engine | a copy (01), a broadcast (04, 06) |
+# | 1. generate | the rollout engine samples completions from the current policy | HF `generate` (01); *coming:* vLLM (04), a paged engine (05) |
+# | 2. reward | a verifier scores each completion | a plain function (01); *coming:* a reward worker (06) |
+# | 3. update | the trainer computes a loss and steps the optimizer | one process (01); *coming:* FSDP under torchrun (04) |
+# | 4. synchronize | the new weights go back to the rollout engine | a copy (01); *coming:* a broadcast (04, 06) |
 #
 # In one process these are four function calls. On a cluster each becomes a transfer and a
 # wait; that is what the rest of the course is about.
@@ -44,6 +44,7 @@ import torch
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
+torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; on a busy machine they spin
 
 # %% [markdown]
 # ## 1. The task: two-digit addition, answer written backwards
@@ -321,7 +322,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
@@ -501,19 +503,38 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
 
 
 # %% [markdown]
-# Building the policy takes about a minute, so it is cached on disk under a key made of every
+# Building the policy takes minutes, so it is cached on disk under a key made of every
 # setting that shapes it. The cache is written atomically: the checkpoint goes to a temporary
 # directory that is renamed into place only when complete, so an interrupted build never
-# leaves a half-written policy behind. `MINIRL_CACHE` moves the cache (default
-# `~/.cache/minirl`).
+# leaves a half-written policy behind. That temporary directory is made *before* the
+# training starts, so a cache that cannot be written (read-only, or a path under a file)
+# fails at once instead of after minutes of work. A cached file damaged later (a disk that
+# filled up, a copy cut short) is reported with its name and the command that rebuilds it.
+# `MINIRL_CACHE` moves the cache (default `~/.cache/minirl`).
 
 # %%
 # | export minirl/models/policy.py
 WARM_START_FORMAT = 1  # bump when the warm start's code changes what it produces
 
 
+class PolicyCacheError(RuntimeError):
+    """The policy cache cannot be written, or a cached policy cannot be read back."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl"))
+
+
+def make_build_dir(path: Path) -> Path:
+    """A fresh temporary directory beside `path`, or PolicyCacheError naming the cache and the fix."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    except OSError as err:
+        where = os.environ.get("MINIRL_CACHE", "unset, so ~/.cache/minirl")
+        raise PolicyCacheError(f"cannot write the warm-started policy under {path.parent} "
+                               f"({err.strerror or err}): set MINIRL_CACHE to a writable directory "
+                               f"(MINIRL_CACHE is {where})") from None
 
 
 def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
@@ -526,43 +547,65 @@ def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: Po
 
 def build_default_policy(path: Path, task_config: TaskConfig, policy_config: PolicyConfig,
                          warm_config: WarmStartConfig, progress: bool = True) -> None:
-    """Build, warm-start, evaluate and save the policy at `path`, atomically."""
-    task = make_task(task_config)
-    tokenizer = build_tokenizer(task_config.max_length)
-    model = build_policy(policy_config, tokenizer)
-    losses = warm_start(model, tokenizer, task, warm_config, progress=progress)
-    report = {"losses": losses, "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
-              "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps(report))
+    """Build, warm-start, evaluate and save the policy at `path`, atomically.
+
+    The temporary directory comes first: an unwritable cache is a PolicyCacheError before
+    any training. Whatever stops the build (an error, Ctrl-C) removes the temporary directory.
+    """
+    tmp = make_build_dir(path)
     try:
-        os.replace(tmp, path)           # atomic: readers see all of it or none of it
-    except OSError:                     # another process finished first; keep theirs
+        task = make_task(task_config)
+        tokenizer = build_tokenizer(task_config.max_length)
+        model = build_policy(policy_config, tokenizer)
+        losses = warm_start(model, tokenizer, task, warm_config, progress=progress)
+        report = {"losses": losses, "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
+                  "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warm_start.json").write_text(json.dumps(report))
+        try:
+            os.replace(tmp, path)       # atomic: readers see all of it or none of it
+        except OSError:                 # another process finished first; keep theirs
+            pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PolicyCacheError(f"the cached policy is damaged: {Path(path) / filename} cannot be read "
+                            f"({type(err).__name__}: {reason}). Delete it and rebuild: rm -r {path} "
+                            f"(or python chapters/00_warm_start.py --rebuild)")
 
 
 def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
     """(model, tokenizer, path) of the warm-started policy, built first if not cached."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = default_policy_dir(task_config, policy_config, warm_config)
     if not (path / "warm_start.json").exists():
         build_default_policy(path, task_config, policy_config, warm_config, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(path).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Any failure to read back a cached file means the cache is damaged (safetensors, JSON and
+    # OS errors all occur), so every exception is reported with the file and the fix.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "model.safetensors", err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "tokenizer.json", err) from err
     tokenizer.padding_side = "left"
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer, path
 
 
 def warm_start_report(path: Path) -> dict:
     """The losses and held-out accuracy recorded when the policy at `path` was built."""
-    return json.loads((Path(path) / "warm_start.json").read_text())
+    try:
+        return json.loads((Path(path) / "warm_start.json").read_text())
+    except (OSError, ValueError) as err:
+        raise damaged_cache(path, "warm_start.json", err) from err
 
 
 # %% [markdown]
@@ -617,7 +660,121 @@ for i, p in enumerate(task.test[:8]):
 print(sorted(f.name for f in path.iterdir()))
 
 # %% [markdown]
-# ## 5. The loop, once, by hand
+# ## 5. One loader for every policy
+#
+# Every chapter script takes `--model`: the embedded policy by default, or any Hugging Face
+# causal LM, by hub id or local directory. `load_policy` is that one door. It prepares the
+# tokenizer the way TRL's trainers do: padding on the **left** (so generation continues
+# every prompt from the same column) and, for a model without a pad token, its EOS token as
+# the pad. It checks names and files before loading a single weight: a name that is neither
+# an existing directory nor a well-formed hub id, or a directory without tokenizer files, is
+# an error that says so, instead of a message about repository ids or a crash deep inside
+# `generate` later. Offline (`HF_HUB_OFFLINE=1`, as on the machines of this course) a hub id
+# works only if the model is already in the local Hugging Face cache.
+
+# %%
+# | export minirl/models/policy.py
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+class ModelSourceError(ValueError):
+    """A model name that names no usable model: no such directory, not a hub id, or files missing."""
+
+
+def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
+    """"local" for a model directory, "hub" for a well-formed hub id; ModelSourceError otherwise.
+
+    Looks at names and files only, loads nothing: a directory must hold config.json and (with
+    `need_tokenizer`) one of TOKENIZER_FILES; a name that is no directory must be a valid hub
+    id, "name" or "owner/name".
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelSourceError(f"{name_or_path}: a file, not a model directory (give the directory "
+                                   "that holds config.json)")
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"no config.json in {path}: not a Hugging Face model directory "
+                                   "(model.save_pretrained(DIR) writes one)")
+        if need_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelSourceError(f"no tokenizer files in {path} (none of {', '.join(TOKENIZER_FILES)}): "
+                                   "save the tokenizer beside the model with tokenizer.save_pretrained(DIR)")
+        return "local"
+    try:
+        validate_repo_id(str(name_or_path))
+    except HFValidationError:
+        raise ModelSourceError(f"{name_or_path}: no such directory, and not a hub id "
+                               "(a hub id looks like 'Qwen/Qwen2.5-0.5B')") from None
+    return "hub"
+
+
+def resolve_dtype(dtype):
+    """None, a torch.dtype, or its name ("bfloat16") -> None or a torch.dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r}: use a torch.dtype or its name, e.g. 'float32' or 'bfloat16'")
+
+
+def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progress: bool = True):
+    """(model, tokenizer) ready for the loop: the embedded policy (None), a local directory or a hub id.
+
+    dtype: None keeps the checkpoint's (float32 for the embedded policy), else a torch.dtype or
+    its name. The model is in eval mode on `device`; the tokenizer pads on the left and, when it
+    has no pad token, with its EOS token (as TRL does). Raises ModelSourceError for a name that
+    is no model (see `check_model_source`), a hub id that is neither cached nor downloadable
+    (offline), or a tokenizer with neither a pad nor an EOS token.
+    """
+    dtype = resolve_dtype(dtype)
+    if name_or_path is None:
+        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
+        name = "the embedded policy"
+    else:
+        name = str(name_or_path)
+        kind = check_model_source(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
+        except OSError as err:
+            if kind == "local":
+                raise
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            raise ModelSourceError(f"{name}: no such directory, and hub id {name!r} is not in the local "
+                                   "Hugging Face cache" + (" (HF_HUB_OFFLINE is set)" if offline else
+                                                           " and could not be downloaded")) from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelSourceError(f"{name}: its tokenizer has neither a pad nor an EOS token; set "
+                                   "tokenizer.pad_token and tokenizer.eos_token, then save it again")
+        tokenizer.pad_token = tokenizer.eos_token     # what TRL's trainers do
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval(), tokenizer
+
+
+# %% [markdown]
+# The embedded policy, and the two mistakes the loader names for you (a path that does not
+# exist, and a model saved without its tokenizer):
+
+# %%
+import tempfile  # noqa: E402
+
+model, tokenizer = load_policy()
+print(type(model).__name__, "on", model.device, "| padding side:", tokenizer.padding_side,
+      "| pad token:", tokenizer.pad_token)
+with tempfile.TemporaryDirectory() as no_tokenizer:
+    model.save_pretrained(no_tokenizer)                    # the weights, but no tokenizer files
+    for bad in ("/nonexistent", no_tokenizer):
+        try:
+            load_policy(bad)
+        except ModelSourceError as err:
+            print("ModelSourceError:", err)
+
+# %% [markdown]
+# ## 6. The loop, once, by hand
 #
 # Here are steps 1 and 2 of the loop on four prompts, with the policy sampling eight
 # completions for each, the *group* that GRPO compares. Notebook 01 adds the update (3) and

@@ -1,12 +1,16 @@
-"""The embedded policy: tokenizer, model, warm start determinism, offline loading, the cache."""
+"""The embedded policy: tokenizer, model, warm start determinism, offline loading, the cache, load_policy."""
 
 import json
+import tempfile
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minirl.models.policy import (PolicyConfig, WarmStartConfig, build_default_policy, build_policy, build_tokenizer,
-                           default_policy_dir, greedy_accuracy, load_default_policy, warm_start_report)
+import minirl.models.policy as policy_module
+from minirl.models.policy import (ModelSourceError, PolicyCacheError, PolicyConfig, WarmStartConfig,
+                                  build_default_policy, build_policy, build_tokenizer, default_policy_dir,
+                                  greedy_accuracy, load_default_policy, load_policy, warm_start_report)
 from minirl.tasks.arithmetic import TaskConfig, make_task
 
 SMALL_TASK = TaskConfig(max_operand=19, num_test=40)
@@ -78,3 +82,130 @@ def test_greedy_accuracy_counts_correct_answers():
     solved = greedy_accuracy(model, tok, task, task.test[:50], batch_size=7)
     assert solved == greedy_accuracy(model, tok, task, task.test[:50], batch_size=50), "batching must not matter"
     assert 0 <= solved <= 1
+
+
+# ---------------------------------------------------------------- the cache (issue 9, item 6)
+
+
+def no_training(*args, **kwargs):
+    raise AssertionError("the warm start trained before the cache was found unwritable")
+
+
+def test_a_cache_under_a_file_fails_before_training(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(policy_module, "warm_start", no_training)
+    with pytest.raises(PolicyCacheError, match=r"cannot write the warm-started policy under .*a-file/cache "
+                                                r".*set MINIRL_CACHE to a writable directory"):
+        load_default_policy(SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+
+
+def test_a_read_only_cache_fails_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(policy_module, "warm_start", no_training)
+
+    def read_only(*args, **kwargs):                 # what a read-only directory does (root ignores chmod)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(PolicyCacheError, match="Permission denied"):
+        load_default_policy(SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+
+
+def test_an_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(policy_module, "warm_start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_default_policy(SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("filename", ["model.safetensors", "tokenizer.json", "warm_start.json"])
+def test_a_damaged_cached_file_is_named_with_the_fix(tmp_path, monkeypatch, filename):
+    """A truncated model.safetensors gave a bare SafetensorError with no hint."""
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path))
+    _, _, path = load_default_policy(SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+    damaged = path / filename
+    damaged.write_bytes(damaged.read_bytes()[:40])
+    with pytest.raises(PolicyCacheError, match=rf"damaged: {damaged} cannot be read .*rm -r {path}"):
+        _, _, path = load_default_policy(SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+        warm_start_report(path)
+
+
+# ---------------------------------------------------------------- load_policy (issue 9, item 11)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """A small warm-started policy saved as an ordinary HF checkpoint."""
+    path = tmp_path_factory.mktemp("cache") / "small"
+    build_default_policy(path, SMALL_TASK, SMALL_POLICY, SHORT, progress=False)
+    return path
+
+
+def test_load_policy_from_a_directory(small_dir):
+    model, tok = load_policy(str(small_dir))
+    assert tok.padding_side == "left" and not model.training
+    reference = AutoModelForCausalLM.from_pretrained(small_dir)
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+    half, _ = load_policy(small_dir, dtype="bfloat16")
+    assert next(half.parameters()).dtype == torch.bfloat16
+
+
+def test_load_policy_pads_with_eos_when_there_is_no_pad_token(small_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(small_dir)
+    tok = AutoTokenizer.from_pretrained(small_dir)
+    tok.pad_token = None
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    _, loaded = load_policy(str(tmp_path))
+    assert loaded.pad_token == loaded.eos_token == "<eos>"
+
+
+def test_load_policy_names_what_is_wrong(small_dir, tmp_path, monkeypatch):
+    with pytest.raises(ModelSourceError, match="/nonexistent: no such directory, and not a hub id"):
+        load_policy("/nonexistent")
+    AutoModelForCausalLM.from_pretrained(small_dir).save_pretrained(tmp_path / "weights-only")
+    with pytest.raises(ModelSourceError, match=f"no tokenizer files in {tmp_path / 'weights-only'}"):
+        load_policy(str(tmp_path / "weights-only"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelSourceError, match="no config.json in"):
+        load_policy(str(tmp_path / "empty"))
+    with pytest.raises(ModelSourceError, match="a file, not a model directory"):
+        load_policy(str(small_dir / "config.json"))
+    with pytest.raises(ValueError, match="dtype='float33'"):
+        load_policy(str(small_dir), dtype="float33")
+
+
+def test_load_policy_offline_hub_id_not_in_the_cache(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelSourceError, match=r"hub id 'minirl-tests/no-such-model' is not in the local "
+                                               r"Hugging Face cache \(HF_HUB_OFFLINE is set\)"):
+        load_policy("minirl-tests/no-such-model")
+
+
+def test_load_policy_default_is_the_embedded_policy():
+    model, tok = load_policy()
+    embedded, _, _ = load_default_policy(progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), embedded.state_dict().values()))
+    assert tok.padding_side == "left" and tok.pad_token == "<pad>"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_policy_on_cuda_answers_like_the_cpu():
+    cpu, tok = load_policy()
+    gpu, _ = load_policy(device="cuda")
+    assert next(gpu.parameters()).is_cuda
+    task = make_task()
+    problems = task.test[:200]
+    assert abs(greedy_accuracy(gpu, tok, task, problems) - greedy_accuracy(cpu, tok, task, problems)) <= 0.02

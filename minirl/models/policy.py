@@ -13,8 +13,10 @@ SFTTrainer, because the whole of it fits on one screen and runs deterministicall
 
 __all__ = ["PAD", "BOS", "EOS", "CHARACTERS", "build_tokenizer", "PolicyConfig", "build_policy",
            "sft_example", "sft_batch", "WarmStartConfig", "warm_start", "greedy_accuracy",
-           "WARM_START_FORMAT", "cache_dir", "default_policy_dir", "build_default_policy",
-           "load_default_policy", "warm_start_report"]
+           "WARM_START_FORMAT", "PolicyCacheError", "cache_dir", "make_build_dir",
+           "default_policy_dir", "build_default_policy", "damaged_cache", "load_default_policy",
+           "warm_start_report", "TOKENIZER_FILES", "ModelSourceError", "check_model_source",
+           "resolve_dtype", "load_policy"]
 
 import hashlib
 import json
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
@@ -157,8 +160,24 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
 WARM_START_FORMAT = 1  # bump when the warm start's code changes what it produces
 
 
+class PolicyCacheError(RuntimeError):
+    """The policy cache cannot be written, or a cached policy cannot be read back."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl"))
+
+
+def make_build_dir(path: Path) -> Path:
+    """A fresh temporary directory beside `path`, or PolicyCacheError naming the cache and the fix."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    except OSError as err:
+        where = os.environ.get("MINIRL_CACHE", "unset, so ~/.cache/minirl")
+        raise PolicyCacheError(f"cannot write the warm-started policy under {path.parent} "
+                               f"({err.strerror or err}): set MINIRL_CACHE to a writable directory "
+                               f"(MINIRL_CACHE is {where})") from None
 
 
 def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
@@ -171,40 +190,143 @@ def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: Po
 
 def build_default_policy(path: Path, task_config: TaskConfig, policy_config: PolicyConfig,
                          warm_config: WarmStartConfig, progress: bool = True) -> None:
-    """Build, warm-start, evaluate and save the policy at `path`, atomically."""
-    task = make_task(task_config)
-    tokenizer = build_tokenizer(task_config.max_length)
-    model = build_policy(policy_config, tokenizer)
-    losses = warm_start(model, tokenizer, task, warm_config, progress=progress)
-    report = {"losses": losses, "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
-              "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps(report))
+    """Build, warm-start, evaluate and save the policy at `path`, atomically.
+
+    The temporary directory comes first: an unwritable cache is a PolicyCacheError before
+    any training. Whatever stops the build (an error, Ctrl-C) removes the temporary directory.
+    """
+    tmp = make_build_dir(path)
     try:
-        os.replace(tmp, path)           # atomic: readers see all of it or none of it
-    except OSError:                     # another process finished first; keep theirs
+        task = make_task(task_config)
+        tokenizer = build_tokenizer(task_config.max_length)
+        model = build_policy(policy_config, tokenizer)
+        losses = warm_start(model, tokenizer, task, warm_config, progress=progress)
+        report = {"losses": losses, "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
+                  "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warm_start.json").write_text(json.dumps(report))
+        try:
+            os.replace(tmp, path)       # atomic: readers see all of it or none of it
+        except OSError:                 # another process finished first; keep theirs
+            pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PolicyCacheError(f"the cached policy is damaged: {Path(path) / filename} cannot be read "
+                            f"({type(err).__name__}: {reason}). Delete it and rebuild: rm -r {path} "
+                            f"(or python chapters/00_warm_start.py --rebuild)")
 
 
 def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
     """(model, tokenizer, path) of the warm-started policy, built first if not cached."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = default_policy_dir(task_config, policy_config, warm_config)
     if not (path / "warm_start.json").exists():
         build_default_policy(path, task_config, policy_config, warm_config, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(path).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Any failure to read back a cached file means the cache is damaged (safetensors, JSON and
+    # OS errors all occur), so every exception is reported with the file and the fix.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "model.safetensors", err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "tokenizer.json", err) from err
     tokenizer.padding_side = "left"
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer, path
 
 
 def warm_start_report(path: Path) -> dict:
     """The losses and held-out accuracy recorded when the policy at `path` was built."""
-    return json.loads((Path(path) / "warm_start.json").read_text())
+    try:
+        return json.loads((Path(path) / "warm_start.json").read_text())
+    except (OSError, ValueError) as err:
+        raise damaged_cache(path, "warm_start.json", err) from err
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+class ModelSourceError(ValueError):
+    """A model name that names no usable model: no such directory, not a hub id, or files missing."""
+
+
+def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
+    """"local" for a model directory, "hub" for a well-formed hub id; ModelSourceError otherwise.
+
+    Looks at names and files only, loads nothing: a directory must hold config.json and (with
+    `need_tokenizer`) one of TOKENIZER_FILES; a name that is no directory must be a valid hub
+    id, "name" or "owner/name".
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelSourceError(f"{name_or_path}: a file, not a model directory (give the directory "
+                                   "that holds config.json)")
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"no config.json in {path}: not a Hugging Face model directory "
+                                   "(model.save_pretrained(DIR) writes one)")
+        if need_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelSourceError(f"no tokenizer files in {path} (none of {', '.join(TOKENIZER_FILES)}): "
+                                   "save the tokenizer beside the model with tokenizer.save_pretrained(DIR)")
+        return "local"
+    try:
+        validate_repo_id(str(name_or_path))
+    except HFValidationError:
+        raise ModelSourceError(f"{name_or_path}: no such directory, and not a hub id "
+                               "(a hub id looks like 'Qwen/Qwen2.5-0.5B')") from None
+    return "hub"
+
+
+def resolve_dtype(dtype):
+    """None, a torch.dtype, or its name ("bfloat16") -> None or a torch.dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r}: use a torch.dtype or its name, e.g. 'float32' or 'bfloat16'")
+
+
+def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progress: bool = True):
+    """(model, tokenizer) ready for the loop: the embedded policy (None), a local directory or a hub id.
+
+    dtype: None keeps the checkpoint's (float32 for the embedded policy), else a torch.dtype or
+    its name. The model is in eval mode on `device`; the tokenizer pads on the left and, when it
+    has no pad token, with its EOS token (as TRL does). Raises ModelSourceError for a name that
+    is no model (see `check_model_source`), a hub id that is neither cached nor downloadable
+    (offline), or a tokenizer with neither a pad nor an EOS token.
+    """
+    dtype = resolve_dtype(dtype)
+    if name_or_path is None:
+        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
+        name = "the embedded policy"
+    else:
+        name = str(name_or_path)
+        kind = check_model_source(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
+        except OSError as err:
+            if kind == "local":
+                raise
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            raise ModelSourceError(f"{name}: no such directory, and hub id {name!r} is not in the local "
+                                   "Hugging Face cache" + (" (HF_HUB_OFFLINE is set)" if offline else
+                                                           " and could not be downloaded")) from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelSourceError(f"{name}: its tokenizer has neither a pad nor an EOS token; set "
+                                   "tokenizer.pad_token and tokenizer.eos_token, then save it again")
+        tokenizer.pad_token = tokenizer.eos_token     # what TRL's trainers do
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval(), tokenizer
