@@ -104,3 +104,15 @@ def test_zero_stages_under_torchrun_match_the_calculator():
     psi = rows[0]["num_params"]
     assert by[("fsdp", "state")]["measured_mean"] == pytest.approx(16 * psi / 2, rel=0.05)
     assert by[("ddp", "state")]["measured_mean"] == pytest.approx(16 * psi, rel=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measurement_on_cuda_adds_the_allocator_peaks():
+    """On a GPU the same job runs on NCCL and adds torch.cuda.max_memory_allocated to each row."""
+    rows = launch_measurement(1, strategies=("ddp", "fsdp"), size="tiny", batch=2, seq=16, timeout=300)
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp"}
+    for r in rows:
+        assert r["device"].startswith("cuda") and r["cuda_peak"] >= r["cuda_at_rest"] > 0
+        assert r["cuda_peak"] >= r["weights"] + r["grads"] + r["adam_m"] + r["adam_v"]
