@@ -51,6 +51,7 @@ def test_padded_batch_matches_the_padded_formula(tiny):
 def test_recomputation_timing_reports_median_and_spread(tiny):
     t = time_recomputation(tiny, random_batch(1, 8), repeats=3)
     assert t["slowdown_low"] <= t["slowdown"] <= t["slowdown_high"] and t["repeats"] == 3
+    assert t["clock"] == "process_time"
     assert t["plain_s"] > 0 and t["checkpointed_s"] > 0
     with pytest.raises(ValueError, match="repeats=0"):
         time_recomputation(tiny, random_batch(1, 8), repeats=0)
