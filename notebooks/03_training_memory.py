@@ -887,17 +887,35 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
 
     Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
     wall time includes everybody else's work, and single wall-clock rounds of one setting can
-    differ several-fold; on an idle machine with one thread the two agree. (CPU only: on a GPU
-    the kernels run asynchronously and this would time the launches.) Each of `repeats` rounds,
+    differ several-fold; on an idle machine with one thread the two agree. Torch runs on one
+    thread meanwhile (restored after): idle intra-op threads spin, and spinning counts as CPU
+    time. (CPU only: on a GPU the kernels run asynchronously and this would time the launches.)
+    Each of `repeats` rounds,
     after one untimed warm-up round, times both modes back to back in alternating order and
     takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
     (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
-    "repeats", "clock": "process_time"}.
+    "repeats", "clock"}.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
     times = {False: [], True: []}
     model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _timed_rounds(model, input_ids, repeats, times)
+    finally:
+        torch.set_num_threads(threads)
+        set_checkpointing(model, False)
+    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
+            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
+            "repeats": repeats, "clock": "process_time, 1 thread"}
+
+
+def _timed_rounds(model, input_ids, repeats: int, times: dict) -> None:
+    """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
     for i in range(repeats + 1):                                    # the first round warms up, untimed
         for on in ((False, True) if i % 2 else (True, False)):
             set_checkpointing(model, on)
@@ -906,12 +924,6 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
             if i:
                 times[on].append(time.process_time() - start)
             model.zero_grad(set_to_none=True)
-    set_checkpointing(model, False)
-    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
-    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
-            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
-            "repeats": repeats, "clock": "process_time"}
 
 
 
@@ -1229,7 +1241,7 @@ if SMOKE:
 else:
     cached = ROOT / "runs" / "03_measure" / "summary.json"
     timing = json.loads(cached.read_text()).get("activations", {}).get("timing", {}) if cached.exists() else {}
-    if timing.get("clock") != "process_time":                 # no measurement yet, or one by an older version
+    if timing.get("clock") != "process_time, 1 thread":       # no measurement yet, or one by an older version
         job = subprocess.run([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
                               "--out", str(cached.parent)], cwd=ROOT, capture_output=True, text=True)
         if job.returncode:

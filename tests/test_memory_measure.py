@@ -49,9 +49,10 @@ def test_padded_batch_matches_the_padded_formula(tiny):
 
 
 def test_recomputation_timing_reports_median_and_spread(tiny):
+    threads = torch.get_num_threads()
     t = time_recomputation(tiny, random_batch(1, 8), repeats=3)
     assert t["slowdown_low"] <= t["slowdown"] <= t["slowdown_high"] and t["repeats"] == 3
-    assert t["clock"] == "process_time"
+    assert t["clock"] == "process_time, 1 thread" and torch.get_num_threads() == threads
     assert t["plain_s"] > 0 and t["checkpointed_s"] > 0
     with pytest.raises(ValueError, match="repeats=0"):
         time_recomputation(tiny, random_batch(1, 8), repeats=0)
@@ -117,3 +118,4 @@ def test_measurement_on_cuda_adds_the_allocator_peaks():
     for r in rows:
         assert r["device"].startswith("cuda") and r["cuda_peak"] >= r["cuda_at_rest"] > 0
         assert r["cuda_peak"] >= r["weights"] + r["grads"] + r["adam_m"] + r["adam_v"]
+
