@@ -988,7 +988,8 @@ show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
 
 # %% [markdown]
 # The slowdown is the one figure here that is timed rather than counted. We time the CPU
-# seconds of this process, not the wall clock: on a shared machine the wall clock also counts
+# seconds of this process on one torch thread, not the wall clock: on a shared machine the
+# wall clock also counts
 # everybody else's work, and two wall-clock runs of the same setting can differ several-fold
 # (when this notebook timed the wall clock, this cell and the chapter disagreed by a factor
 # of two). Each round times both modes back to back, and we take the median of the rounds'
@@ -1134,12 +1135,14 @@ def worker_main(argv=None) -> None:
 
 
 def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
-                       seq: int = 32, timeout: float = 600) -> list[dict]:
+                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
     """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
 
     Uses every visible GPU's NCCL when CUDA is available (world_size must then be <= the GPU
-    count), else gloo on CPU processes sharing the cores. Raises RuntimeError with the job's
-    output if it fails.
+    count), else gloo on CPU processes sharing the cores. On an overloaded machine a gloo job
+    occasionally aborts, so a failed job is run again (with a warning that says why) up to
+    `attempts` times in all; the last failure raises RuntimeError with the start and the end
+    of the job's output (a rank's own error comes before torchrun's long summary).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
@@ -1157,11 +1160,20 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
                "--no-python", sys.executable, "-c", "from minirl.memory.measure import worker_main; worker_main()",
                "--strategies", ",".join(strategies), "--size", size, "--batch", str(batch), "--seq", str(seq),
                "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"measurement job (world_size={world_size}) failed with code "
-                               f"{proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        for attempt in range(1, attempts + 1):
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode == 0 and out.exists():
+                return json.loads(out.read_text())
+            failure = (f"measurement job (world_size={world_size}) failed with code {proc.returncode}:\n"
+                       f"{_ends(proc.stdout)}\n{_ends(proc.stderr)}")
+            if attempt < attempts:
+                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
+        raise RuntimeError(failure)
+
+
+def _ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a long output, or all of a short one."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 # %% [markdown]
@@ -1245,7 +1257,7 @@ else:
         job = subprocess.run([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
                               "--out", str(cached.parent)], cwd=ROOT, capture_output=True, text=True)
         if job.returncode:
-            raise RuntimeError(f"chapters/03_memory.py --measure failed:\n{job.stdout[-2000:]}\n{job.stderr[-2000:]}")
+            raise RuntimeError(f"chapters/03_memory.py --measure failed:\n{job.stdout[-2000:]}\n{job.stderr[-8000:]}")
     chapter = json.loads(cached.read_text())
     measured_rows = chapter["rows"]
     print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(ROOT)}")

@@ -119,3 +119,21 @@ def test_measurement_on_cuda_adds_the_allocator_peaks():
         assert r["device"].startswith("cuda") and r["cuda_peak"] >= r["cuda_at_rest"] > 0
         assert r["cuda_peak"] >= r["weights"] + r["grads"] + r["adam_m"] + r["adam_v"]
 
+
+def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
+    """A gloo job that aborts on an overloaded machine is retried; a second failure shows the rank's own error."""
+    import subprocess
+    import warnings
+
+    calls = []
+
+    def aborting(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, -6, stdout="", stderr="rank 0: terminate called\n" + "x" * 9000)
+
+    monkeypatch.setattr(subprocess, "run", aborting)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as err:
+        warnings.simplefilter("always")
+        launch_measurement(2, size="tiny")
+    assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
+    assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)
