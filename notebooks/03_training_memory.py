@@ -711,7 +711,7 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 #
 # A calculator is a claim. To check it we need a model to train, and it should be the same
 # architecture as the embedded policy, only bigger, so memory is dominated by the layers:
-# a Qwen2 with hidden size 512, 6 layers and our 18-token vocabulary, about 24 M parameters,
+# a Qwen2 with hidden size 512, 6 layers and our 19-token vocabulary, about 24 M parameters,
 # built locally with random weights (smoke mode uses a 0.4 M one). Everything runs in FP32:
 # CPUs (and gloo) handle BF16 poorly, so we compare with the calculator's "fp32" variant, whose
 # 16 B/parameter splits 4/4/0/4/4 instead of 2/2/4/4/4.
@@ -758,7 +758,7 @@ MEASURE_SIZES = {
                  num_key_value_heads=2),
 }
 STRATEGIES = {"ddp": 0, "zero1": 1, "fsdp_noreshard": 2, "fsdp": 3}  # strategy -> ZeRO stage it implements
-VOCAB_SIZE = 18  # the embedded policy's character tokenizer
+VOCAB_SIZE = 19  # the embedded policy's character tokenizer (len(build_tokenizer()))
 
 
 def build_measure_model(size: str = "small", seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:

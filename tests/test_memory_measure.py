@@ -120,6 +120,13 @@ def test_measurement_on_cuda_adds_the_allocator_peaks():
         assert r["cuda_peak"] >= r["weights"] + r["grads"] + r["adam_m"] + r["adam_v"]
 
 
+def test_measurement_model_uses_the_embedded_vocabulary():
+    from minirl.memory.measure import VOCAB_SIZE
+    from minirl.models.policy import build_tokenizer
+
+    assert VOCAB_SIZE == len(build_tokenizer())
+
+
 def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
     """A gloo job that aborts on an overloaded machine is retried; a second failure shows the rank's own error."""
     import subprocess

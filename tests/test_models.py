@@ -8,12 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import minirl.models.policy as policy_module
-from minirl.models.policy import (ModelSourceError, PolicyCacheError, PolicyConfig, WarmStartConfig,
-                                  build_default_policy, build_policy, build_tokenizer, default_policy_dir,
-                                  greedy_accuracy, load_default_policy, load_policy, warm_start_report)
+from minirl.models.policy import (ModelSourceError, PolicyCacheError, PolicyConfig, PromptError, WarmStartConfig,
+                                  build_default_policy, build_policy, build_tokenizer, check_prompts,
+                                  default_policy_dir, greedy_accuracy, load_default_policy, load_policy, warm_start,
+                                  warm_start_report)
 from minirl.tasks.arithmetic import TaskConfig, make_task
 
-SMALL_TASK = TaskConfig(max_operand=19, num_test=40)
+SMALL_TASK = TaskConfig(max_operand=19, num_test=40, num_validation=40)
 SMALL_POLICY = PolicyConfig(hidden_size=32, num_layers=2)
 SHORT = WarmStartConfig(steps=12, batch_size=16)
 
@@ -24,8 +25,37 @@ def test_tokenizer_round_trip_and_left_padding():
     enc = tok(texts, padding=True, add_special_tokens=False)
     assert tok.batch_decode(enc["input_ids"], skip_special_tokens=True) == texts
     assert enc["input_ids"][1][:2] == [tok.pad_token_id] * 2, "prompts are padded on the left"
-    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert all(len(tok(c, add_special_tokens=False)["input_ids"]) == 1 for c in "0123456789+-*= ")
+
+
+def test_unknown_characters_are_kept_as_unk_and_vocabularies_agree(tmp_path):
+    """"ab+c=" encoded as "+=" (dropped), and the reloaded tokenizer had 19 ids for 18 embeddings (item 13)."""
+    tok = build_tokenizer()
+    ids = tok("ab+c=", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["<unk>", "<unk>", "+", "<unk>", "="]
+    model = build_policy(SMALL_POLICY, tok)
+    tok.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == len(reloaded) == model.config.vocab_size == 19
+    assert reloaded.unk_token == "<unk>" and reloaded.all_special_tokens.count("<|endoftext|>") == 0
+    with torch.no_grad():                                  # any text, even a special-token string, fits the model
+        model(**reloaded(["<|endoftext|>1+1=", "héllo"], return_tensors="pt", padding=True))
+
+
+def test_check_prompts_refuses_what_would_fail_later():
+    tok = build_tokenizer()
+    check_prompts(tok, ["27+35=", "4+5="], context=32, max_new_tokens=4)
+    cases = [([], r"prompts=\[\]: give a non-empty list"), ("1+1=", r"prompts='1\+1=': give a non-empty list"),
+             (["1+1=", ""], r"prompt 1 \(''\) is empty"),
+             (["ab+c="], r"prompt 0 \('ab\+c='\) has characters the tokenizer does not know: \['a', 'b', 'c'\]"),
+             (["1" * 102], r"is 102 tokens; with max_new_tokens=4 it needs 106 positions, but the model's context is 32"),
+             (["1" * 28 + "+1="], r"is 31 tokens")]
+    for prompts, match in cases:
+        with pytest.raises(PromptError, match=match):
+            check_prompts(tok, prompts, context=32, max_new_tokens=4)
+    check_prompts(tok, ["1" * 5002])                           # no context given: length unchecked
 
 
 def test_policy_is_a_small_qwen2():
@@ -47,6 +77,26 @@ def test_saved_policy_loads_offline_with_auto_classes(tmp_path, monkeypatch):
         assert torch.equal(a, b)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert not list(tmp_path.glob("*.tmp-*")), "no temporary directory is left behind"
+
+
+def test_warm_start_stops_on_validation_and_never_looks_at_held_out(monkeypatch):
+    """The warm start's length is tuned on the validation split, not on held-out (issue 9, item 8)."""
+    task = make_task(SMALL_TASK)
+    tok = build_tokenizer()
+    seen, accuracies = [], iter([0.1, 0.3, 0.5, 0.9])
+
+    def fake_accuracy(model, tokenizer, task_, problems=None, batch_size=500):
+        seen.append(problems)
+        return next(accuracies)
+
+    monkeypatch.setattr(policy_module, "greedy_accuracy", fake_accuracy)
+    config = WarmStartConfig(steps=40, eval_every=2, target_accuracy=0.45, batch_size=8)
+    out = warm_start(build_policy(SMALL_POLICY, tok), tok, task, config, progress=False)
+    assert out["validation"] == [[2, 0.1], [4, 0.3], [6, 0.5]] and len(out["losses"]) == 6
+    assert all(problems is task.validation for problems in seen)
+    out = warm_start(build_policy(SMALL_POLICY, tok), tok, task, WarmStartConfig(steps=5, target_accuracy=None,
+                                                                                batch_size=8), progress=False)
+    assert out["validation"] == [] and len(out["losses"]) == 5
 
 
 def test_warm_start_repeats_bit_for_bit(tmp_path):
@@ -72,8 +122,12 @@ def test_default_warm_start_leaves_room_for_rl():
     """The real default policy: partial skill, recorded accuracy re-measured exactly (builds it if absent)."""
     model, tok, path = load_default_policy(progress=False)
     accuracy = greedy_accuracy(model, tok, make_task())
-    assert accuracy == warm_start_report(path)["heldout_accuracy"]
-    assert 0.2 < accuracy < 0.7, f"warm start should leave clear room for RL, got {accuracy}"
+    report = warm_start_report(path)
+    assert accuracy == report["heldout_accuracy"]
+    assert 0.3 < accuracy < 0.7, f"warm start should leave clear room for RL, got {accuracy}"
+    assert report["validation_accuracy"] >= WarmStartConfig().target_accuracy
+    assert report["validation"][-1] == [report["steps"], report["validation_accuracy"]]
+    assert abs(report["train_accuracy"] - accuracy) < 0.1 and report["train_sample"] == 500
 
 
 def test_greedy_accuracy_counts_correct_answers():
@@ -180,6 +234,13 @@ def test_load_policy_names_what_is_wrong(small_dir, tmp_path, monkeypatch):
         load_policy(str(small_dir / "config.json"))
     with pytest.raises(ValueError, match="dtype='float33'"):
         load_policy(str(small_dir), dtype="float33")
+    tok = AutoTokenizer.from_pretrained(small_dir)
+    narrow = build_policy(SMALL_POLICY, tok)
+    narrow.resize_token_embeddings(10)
+    narrow.save_pretrained(tmp_path / "narrow")
+    tok.save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ModelSourceError, match="the tokenizer has 19 ids but the model embeds only 10"):
+        load_policy(str(tmp_path / "narrow"))
 
 
 def test_load_policy_offline_hub_id_not_in_the_cache(monkeypatch, tmp_path):

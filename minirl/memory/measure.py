@@ -41,7 +41,7 @@ MEASURE_SIZES = {
                  num_key_value_heads=2),
 }
 STRATEGIES = {"ddp": 0, "zero1": 1, "fsdp_noreshard": 2, "fsdp": 3}  # strategy -> ZeRO stage it implements
-VOCAB_SIZE = 18  # the embedded policy's character tokenizer
+VOCAB_SIZE = 19  # the embedded policy's character tokenizer (len(build_tokenizer()))
 
 
 def build_measure_model(size: str = "small", seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
