@@ -156,7 +156,8 @@ def print_tables(calc: dict) -> None:
           f"{'state GB':>9} | {'+ckpt act':>9} | fits? | min GPUs")
     for stage, z in calc["zero"].items():
         total = z["total"] + a["full"]
-        print(f"{stage:>5} | " + " | ".join(f"{z[k] / GB:8.1f}" for k in ("weights", "grads", "master", "adam_m", "adam_v"))
+        parts = " | ".join(f"{z[k] / GB:8.1f}" for k in ("weights", "grads", "master", "adam_m", "adam_v"))
+        print(f"{stage:>5} | " + parts
               + f" | {z['total'] / GB:9.1f} | {total / GB:9.1f} | {'yes' if z['fits_with_checkpointing'] else 'no':>5}"
               + f" | {z['min_gpus_with_checkpointing'] or 'never'}")
     lo = calc["lora"]

@@ -367,9 +367,9 @@ for bad in (dict(min_operand=50, max_operand=10), dict(max_operand=10**20)):
 
 Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
 model and tokenizer from the on-disk cache, building them when absent (a few minutes on one
-CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved directory is an ordinary Hugging Face checkpoint, so
-`AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)` load
-it offline, and vLLM can serve it.
+CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved
+directory is an ordinary Hugging Face checkpoint, so `AutoModelForCausalLM.from_pretrained(path)`
+and `AutoTokenizer.from_pretrained(path)` load it offline, and vLLM can serve it.
 
 Simplified on purpose: the warm start is a plain supervised loop rather than TRL's
 SFTTrainer, because the whole of it fits on one screen and runs deterministically.

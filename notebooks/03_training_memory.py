@@ -670,7 +670,9 @@ n_for_30 = 16 * P70 / (30 * GB - act_for(40, "full"))
 offload = (2 + 2) * P70 / N8 + act_for(N8, "full")
 n_for_8 = (2 * P70 + 16 * lora_n) / (8 * GB - act_for(N8, "full"))  # ZeRO-3 over N: base + adapters
 
-verdict = lambda b: "yes" if b <= H100 else "no"
+def verdict(nbytes):
+    return "yes" if nbytes <= H100 else "no"
+
 rows = [
     ("no sharding", "~940 GB / no", f"{no_shard / GB:.0f} GB / {verdict(no_shard)}", "differ (verdict agrees)",
      f"940 = 12 B x 70 B + 100 GB = {twelve / GB:.0f}: the source dropped the 4 B FP32 master copy"),
@@ -750,6 +752,8 @@ from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -942,8 +946,6 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
     "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
     `time_recomputation`'s.
     """
-    from minirl.memory.calculator import ModelShape, activation_memory
-
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     x = random_batch(batch, seq, seed)
@@ -1093,10 +1095,6 @@ def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: in
     if device.type == "cuda":
         result["cuda_peak"] = torch.cuda.max_memory_allocated(device)
         result["cuda_at_rest"] = torch.cuda.memory_allocated(device)
-    del call, opt, counted, model, shards
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -1123,6 +1121,9 @@ def worker_main(argv=None) -> None:
     try:
         for strategy in args.strategies.split(","):
             mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
+            gc.collect()                                           # the strategy's model and optimizer are gone
+            if cuda:
+                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             rows.extend(everyone)
@@ -1203,8 +1204,6 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
     calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
     else "DIFFER") and "note".
     """
-    from minirl.memory.calculator import zero_per_gpu
-
     groups = {}
     for r in rows:
         groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
@@ -1229,9 +1228,10 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
             if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
                 note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
             verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
+            shown = note if verdict != "agree" or spread > tolerance else ""
             table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
                               calculator=expected[comp], measured_mean=mean, measured_max=max(values),
-                              ratio=ratio, verdict=verdict, note=note if verdict != "agree" or spread > tolerance else ""))
+                              ratio=ratio, verdict=verdict, note=shown))
     return table
 
 
@@ -1367,8 +1367,6 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     Adam m and v bytes and saved-activation peak, each beside the calculator's figure.
     """
     from peft import LoraConfig, get_peft_model
-
-    from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)

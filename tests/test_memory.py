@@ -1,4 +1,4 @@
-"""The memory calculator (minirl.memory.calculator): closed forms, the source's tables, shapes from configs, bad input."""
+"""The memory calculator (minirl.memory.calculator): closed forms, the source's tables, configs, bad input."""
 
 import math
 

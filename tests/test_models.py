@@ -50,7 +50,8 @@ def test_check_prompts_refuses_what_would_fail_later():
     cases = [([], r"prompts=\[\]: give a non-empty list"), ("1+1=", r"prompts='1\+1=': give a non-empty list"),
              (["1+1=", ""], r"prompt 1 \(''\) is empty"),
              (["ab+c="], r"prompt 0 \('ab\+c='\) has characters the tokenizer does not know: \['a', 'b', 'c'\]"),
-             (["1" * 102], r"is 102 tokens; with max_new_tokens=4 it needs 106 positions, but the model's context is 32"),
+             (["1" * 102], r"is 102 tokens; with max_new_tokens=4 it needs 106 positions, but the model's "
+                           r"context is 32"),
              (["1" * 28 + "+1="], r"is 31 tokens")]
     for prompts, match in cases:
         with pytest.raises(PromptError, match=match):

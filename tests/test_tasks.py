@@ -5,8 +5,8 @@ import string
 
 import pytest
 
-from minirl.tasks.arithmetic import (MAX_DIGITS, Problem, TaskConfig, accuracy_reward, format_answer, format_prompt, format_reward,
-                          make_task, parse_answer)
+from minirl.tasks.arithmetic import (MAX_DIGITS, Problem, TaskConfig, accuracy_reward, format_answer, format_prompt,
+                                     format_reward, make_task, parse_answer)
 
 
 def test_split_is_disjoint_deterministic_and_complete():
@@ -17,7 +17,8 @@ def test_split_is_disjoint_deterministic_and_complete():
     assert make_task(TaskConfig(seed=1)).test != a.test
 
 
-@pytest.mark.parametrize("config", [TaskConfig(), TaskConfig(ops="+-*", max_operand=30, num_test=301, num_validation=99)])
+@pytest.mark.parametrize("config", [TaskConfig(),
+                                    TaskConfig(ops="+-*", max_operand=30, num_test=301, num_validation=99)])
 def test_commuted_twins_fall_on_the_same_side(config):
     """476 of the 500 held-out problems had their twin b+a in training (issue 9, item 8)."""
     task = make_task(config)
