@@ -8,7 +8,7 @@ imported below where these cells use it.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minirl.memory.calculator import (ATTENTION, DTYPE_BYTES, LLAMA2_70B, ModelShape, RECOMPUTE,
                                       lora_memory, lora_params)
@@ -128,14 +128,17 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
 
 
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none") -> dict[str, float]:
+                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
 
     Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
     micro-batch. Returns {"layer", "boundary", "head", "total"}: one layer's saved bytes, one
-    layer input, the head's, and the peak under `recompute`. Leaves out: the embedding's index
-    tensor, RoPE tables, gradients of activations in flight (about one layer's worth), and
-    framework buffers. Dropout is off (as in RL fine-tuning); dropout would add its masks.
+    layer input, the head's, and the peak under `recompute`. `padding_mask=True` is a batch
+    with padding (an attention mask with zeros): HF's SDPA path then repeats K and V to every
+    query head (the grouped-query kernel takes no mask) and each layer saves the mask in the
+    compute dtype. Leaves out: the embedding's index tensor, RoPE tables, gradients of
+    activations in flight (about one layer's worth), and framework buffers. Dropout is off
+    (as in RL fine-tuning); dropout would add its masks.
     """
     check_positive("batch", batch)
     check_positive("seq", seq)
@@ -145,7 +148,9 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
         raise ValueError(f"attention={attention!r}: use one of {', '.join(map(repr, ATTENTION))}")
     p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
     norm = 4 * h + 2 * p * h + 4
-    if attention == "sdpa":
+    if attention == "sdpa" and padding_mask:
+        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
+    elif attention == "sdpa":
         attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
     else:
         attn = 4 * p * h + a * seq * (4 + (p if p < 4 else 0))
@@ -160,7 +165,8 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
 def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precision: str = "mixed",
                     shape: ModelShape | None = None, global_batch: int = 1, seq: int = 4096,
                     recompute: str = "none", lora_rank: int | None = None,
-                    base_bytes_per_param: float | None = None, attention: str = "sdpa") -> dict[str, float]:
+                    base_bytes_per_param: float | None = None, attention: str = "sdpa",
+                    padding_mask: bool = False) -> dict[str, float]:
     """Per-GPU bytes of one training step: state by component + activations + "total".
 
     global_batch sequences of `seq` tokens are split evenly over the `num_gpus` data-parallel
@@ -180,7 +186,7 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
         out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 

@@ -40,6 +40,18 @@ def test_parse_answer_malformed_is_none(ex):
         assert ex.parse_answer(bad) is None, f"parse_answer({bad!r}) must be None for a non-string, not raise"
 
 
+@pytest.mark.exercise("0.2")
+def test_parse_answer_digit_limit(ex):
+    assert ex.parse_answer("1" * 1000) == int("1" * 1000), "up to MAX_DIGITS = 1,000 digits is a number"
+    for n in (1001, 4301, 10_000):
+        try:
+            parsed = ex.parse_answer("7" * n)
+        except ValueError as err:
+            raise AssertionError(f"parse_answer of {n:,} digits raised {err!r}: it must return None "
+                                 "(more than MAX_DIGITS digits is malformed; int() refuses > 4,300)") from None
+        assert parsed is None, f"{n:,} digits is more than MAX_DIGITS = 1,000: None"
+
+
 @pytest.mark.exercise("0.3")
 def test_accuracy_reward_scores_exact_matches(ex):
     prompts = ["27+35="] * 4
