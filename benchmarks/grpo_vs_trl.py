@@ -77,8 +77,9 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.models import policy as models
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.cli import common_parser, seed_everything, write_summary
 
 
 def parse_args(argv=None):
@@ -110,18 +111,7 @@ def parse_args(argv=None):
 
 def load_policy(args):
     """A fresh copy of the embedded warm-started policy, or of any HF causal LM (--model)."""
-    if args.model is None:
-        from minirl.models.policy import load_default_policy
-
-        model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval(), tokenizer
+    return models.load_policy(args.model, args.device, progress=False)
 
 
 def prompt_pool(task, n: int, seed: int) -> list[dict]:
