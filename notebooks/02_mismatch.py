@@ -1111,7 +1111,7 @@ from minirl.models.policy import WarmStartConfig, warm_start
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
-warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30), progress=False)
+warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=False)
 print(f"MoE policy: {sum(p.numel() for p in moe_model.parameters()):,} parameters, "
       f"{len(routers(moe_model))} MoE layers, warm start {time.time() - t0:.0f} s")
 print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | {'with R3':>9} | "

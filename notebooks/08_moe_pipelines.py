@@ -503,7 +503,8 @@ def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0,
     path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (path / "config.json").exists():
         model = build_moe_policy(tokenizer, seed=seed)
-        warm_start(model, tokenizer, task, WarmStartConfig(steps=warm_start_steps, seed=seed), progress=progress)
+        warm_start(model, tokenizer, task, WarmStartConfig(steps=warm_start_steps, target_accuracy=None, seed=seed),
+                   progress=progress)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
         model.save_pretrained(tmp)
