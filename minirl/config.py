@@ -118,7 +118,7 @@ class OptimizerConfig:
 class RunConfig:
     """How long, on what, how often to evaluate and checkpoint."""
 
-    steps: int = 600                   # generation batches (= optimizer steps when num_iterations is 1)
+    steps: int = 1000                  # generation batches (= optimizer steps when num_iterations is 1)
     prompts_per_step: int = 16         # B prompts per batch; a batch has B * num_generations completions
     seed: int = 0                      # draws the prompts and the sampling seeds
     eval_every: int = 100              # held-out accuracy at step 0, every N steps and at the end; 0: never
