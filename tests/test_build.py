@@ -1,5 +1,6 @@
 """Tests of tools/build.py on small notebook trees built in tmp_path."""
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -26,6 +27,26 @@ def make_tree(root: Path, notebooks: dict[str, str]) -> Path:
     for name, source in notebooks.items():
         (root / "notebooks" / name).write_text(textwrap.dedent(source).lstrip())
     return root
+
+
+@contextlib.contextmanager
+def another_minirl(root: Path):
+    """Import the `minirl` generated under `root`, then put the real package's modules back as they were.
+
+    Popping the real modules and importing them anew would leave two copies of every class
+    (an `isinstance` check against the new `SamplingConfig` fails on objects made from the old one).
+    """
+    ours = {n: m for n, m in sys.modules.items() if n == "minirl" or n.startswith("minirl.")}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n == "minirl" or n.startswith("minirl.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
 
 
 def read(root: Path, rel: str) -> str:
@@ -158,17 +179,10 @@ def test_notebook_exporting_to_two_modules(two_notebooks):
     )
     assert util.endswith("return random.Random(seed)\n")
     # the generated package imports
-    sys.path.insert(0, str(two_notebooks))
-    try:
-        for name in ("minirl", "minirl.util", "minirl.tasks"):
-            sys.modules.pop(name, None)
+    with another_minirl(two_notebooks):
         import minirl.tasks
 
         assert minirl.tasks.sample([minirl.tasks.Task("a")]).prompt == "a"
-    finally:
-        sys.path.remove(str(two_notebooks))
-        for name in ("minirl", "minirl.util", "minirl.tasks"):
-            sys.modules.pop(name, None)
 
 
 def test_future_import_from_a_later_cell_goes_first(tmp_path):
@@ -702,16 +716,10 @@ def test_solved_exercise_files_run(tmp_path):
     root = make_tree(tmp_path, {"01_stats.py": STATS, "02_losses.py": LIBRARY})
     build(root, check=False)
     solved = build_tool.exercise_files(build_tool.read_notebooks(root)[1], solutions=True)
-    sys.path.insert(0, str(root))
-    try:
+    with another_minirl(root):
         namespace = {}
         exec(compile(solved["exercises/02_losses.py"], "02_losses.py", "exec"), namespace)
         assert namespace["loss_twice"]([0.5, 3.0]) == 2 * (1.0 + 0.5 + 6.0 + 1.0) / 2
-    finally:
-        sys.path.remove(str(root))
-        for name in [n for n in sys.modules if n == "minirl" or n.startswith("minirl.")]:
-            sys.modules.pop(name)
-        import minirl  # noqa: F401  (the real package back for the tests that follow)
 
 
 @pytest.mark.skipif(not list((REPO / "exercises").glob("[0-9][0-9]_*.py")), reason="no exercises in the repo yet")
@@ -733,3 +741,17 @@ def test_repo_exercise_files_import_no_answers():
                     name = alias.asname or alias.name
                     assert name not in answers, f"{path.name} imports {name}, the answer to exercise {answers[name]}"
                     assert name not in defined, f"{path.name} imports {name} from minirl and defines it too"
+
+
+def test_another_minirl_puts_the_real_package_back(two_notebooks):
+    """After a test imports a generated minirl, the real modules are the very same objects (not re-imports)."""
+    import minirl.config
+
+    before = minirl.config.SamplingConfig
+    with another_minirl(two_notebooks):
+        import minirl
+
+        assert Path(minirl.__file__).resolve().parent == (two_notebooks / "minirl").resolve()
+    import minirl.config as again
+
+    assert again.SamplingConfig is before
