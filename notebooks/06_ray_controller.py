@@ -60,7 +60,6 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
@@ -73,13 +72,7 @@ torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; the
 model, tokenizer, policy_path = load_default_policy()
 task = make_task()
 
-# Two Ray "nodes" on this machine: a head and one more, two CPUs each. Workers inherit this
-# process's environment (so they import the same minirl).
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-cluster.add_node(num_cpus=2)
-ray.init(address=cluster.address, log_to_driver=False)
-print("Ray nodes:", [(n["NodeID"][:8], n["Resources"]["CPU"]) for n in ray.nodes() if n["Alive"]])
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # Ray's workers inherit this environment
 
 # %% [markdown]
 # ## 1. Resource pools: which devices, on which nodes
@@ -119,7 +112,9 @@ that Ray cannot grant times out with a message instead.
 
 import socket
 
+import psutil
 import ray
+from ray.cluster_utils import Cluster
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from minirl.utils.validate import ConfigError, check_choice, check_float
@@ -169,7 +164,7 @@ def _fmt(resources: dict) -> str:
     return " ".join(f"{k} {v:g}" for k, v in resources.items() if k in ("CPU", "GPU"))
 
 # %% [markdown]
-# The plan is a small first-fit assignment, and the first exercise (6.2). Every entry of a
+# The plan is a small first-fit assignment, and the first exercise (6.1). Every entry of a
 # pool must land on a node the pool does not use yet (a pool "spans two nodes" means two
 # different machines) and that still has room after the pools placed before it.
 
@@ -214,7 +209,9 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
 # %% [markdown]
 # Reserving, and joining a cluster. `connect` starts a local cluster, or joins one at an
 # address; an address where nothing listens fails within a few seconds (a bare `ray.init`
-# would keep trying for much longer).
+# would keep trying for much longer). `local_cluster` starts Ray's multi-node test cluster
+# on this machine: every node is a real Ray node with its own resources, only the network is
+# the loopback.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -267,14 +264,41 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
     ray.init(address=address, log_to_driver=False)
     return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
 
+
+def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 3):
+    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+
+    Each node is a real raylet with its own resources, so placement across nodes is real;
+    only the network is the loopback. Ray gives a node's helper processes about 15 s to
+    start, which a busy machine can miss: a failed start is cleaned up (this process's own
+    new child processes) and tried again. Connect with `ray.init(address=cluster.address)`.
+    """
+    for attempt in range(attempts):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        cluster = Cluster()
+        try:
+            for _ in range(num_nodes):
+                cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
+            return cluster
+        except Exception:
+            cluster.shutdown()
+            for child in psutil.Process().children(recursive=True):
+                if child.pid not in before:
+                    child.kill()
+            if attempt == attempts - 1:
+                raise
+
 # %% [markdown]
-# Plan three pools on a cluster that exists only on paper (two nodes of 8 GPUs), then on the
-# two nodes Ray reports here. A request too large for the cluster fails before anything
+# Start two Ray nodes here, then plan three pools on a cluster that exists only on paper (two
+# nodes of 8 GPUs) and on the two nodes Ray reports here. A request too large for the cluster fails before anything
 # starts, with the numbers.
 
 # %%
-from minirl.controller.resource_pool import PlacementError, ResourcePool, cluster_nodes, plan_placement  # noqa: E402
+from minirl.controller.resource_pool import (PlacementError, ResourcePool, cluster_nodes, local_cluster,  # noqa: E402
+                                             plan_placement)
 
+cluster = local_cluster(num_nodes=2, cpus_per_node=2)        # two Ray nodes on this machine, two CPUs each
+ray.init(address=cluster.address, log_to_driver=False)
 paper = [{"CPU": 64, "GPU": 8}, {"CPU": 64, "GPU": 8}]
 pools = {"train": ResourcePool([4, 4], "gpu", 8), "rollout": ResourcePool([4], "gpu", 8),
          "reward": ResourcePool([1], "cpu", 4)}
@@ -378,7 +402,8 @@ class Worker:
             self.events.append((what, start, time.time()))
 
     def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
-        events = list(self.events)
+        """The recorded calls by start time (a call inside another, a sleep inside generate, comes after it)."""
+        events = sorted(self.events, key=lambda event: event[1])
         if clear:
             self.events.clear()
         return events
@@ -404,7 +429,7 @@ class Worker:
 # group's methods (`actor_rollout_compute_log_prob`, ...). Here a mode is two plain
 # functions, one to split the arguments and one to collect the results, and the call names
 # the role and the method as data: `group.execute(DP_COMPUTE, "actor", "logprobs", rollout)`.
-# Splitting is the second exercise (6.1): contiguous, equal parts, a prompt's G completions
+# Splitting is the second exercise (6.2): contiguous, equal parts, a prompt's G completions
 # never torn apart.
 
 # %%
@@ -667,6 +692,7 @@ non-finite loss on one rank makes that rank skip its backward while the others w
 all-reduce until the world's timeout, which then stops the run with an error.
 """
 
+import contextlib
 import copy
 
 import ray
@@ -715,7 +741,7 @@ def weighted_all_reduce(share: Share, bucket):
 
 def wrap_ddp(model, group) -> tuple[DistributedDataParallel, Share]:
     share = Share(group)
-    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    ddp = DistributedDataParallel(model, process_group=group)
     ddp.register_comm_hook(share, weighted_all_reduce)
     return ddp, share
 
@@ -765,11 +791,12 @@ class SleepingEngine:
     are used. Otherwise the engine's `.model` drops its weights (`to("meta")`, as vLLM's
     level-2 sleep discards them) and gets empty ones back on wake-up, which the load that
     follows fills; non-persistent buffers (rotary frequencies) are kept aside meanwhile.
-    `freed_bytes` is what the last sleep released.
+    `freed_bytes` is what the last sleep released. `record(what)`: a context manager that
+    times the sleeps and wake-ups (the worker's timeline).
     """
 
     def __init__(self, engine, record=None):
-        self.engine, self.record = engine, record
+        self.engine, self.record = engine, record or (lambda what: contextlib.nullcontext())
         self.asleep, self.freed_bytes, self._buffers = False, 0, {}
 
     @property
@@ -785,6 +812,16 @@ class SleepingEngine:
         return rollout
 
     def sleep(self) -> None:
+        with self.record("rollout.sleep"):
+            self._sleep()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        with self.record("rollout.wake_up"):
+            self._wake_up()
+        self.asleep = False
+
+    def _sleep(self) -> None:
         if isinstance(self.engine, Colocated):
             self.engine.sleep()
         else:
@@ -793,9 +830,8 @@ class SleepingEngine:
             self._device = next(model.parameters()).device
             self._buffers = {name: b.clone() for name, b in model.named_buffers()}
             model.to("meta")
-        self.asleep = True
 
-    def wake_up(self) -> None:
+    def _wake_up(self) -> None:
         if isinstance(self.engine, Colocated):
             self.engine.wake_up()
         else:
@@ -805,7 +841,6 @@ class SleepingEngine:
                 model.get_buffer(name).copy_(buffer)
             if hasattr(model, "tie_weights"):
                 model.tie_weights()                        # to("meta") unties shared embeddings
-        self.asleep = False
 
     def load_weights(self, named_tensors, version: int) -> None:
         if self.asleep:
@@ -1483,6 +1518,7 @@ Simplified vs veRL's RayPPOTrainer: batches pass through the driver (veRL too, a
 """
 
 import dataclasses
+import uuid
 from pathlib import Path
 
 import ray
@@ -1516,6 +1552,7 @@ class Driver:
                  reserve_timeout: float = 60.0):
         check_choice("sync", sync, SYNCS)
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
+        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"                 # workers are named "<name>/<pool>-<rank>"
         self.used = check_placement(placement, config)                      # {pool: roles}, before anything starts
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
@@ -1529,9 +1566,8 @@ class Driver:
                 groups = reserve(pool, pools[pool], [self.nodes[i]["node_id"] for i in self.plan[pool]],
                                  reserve_timeout)
                 self._reserved += groups
-                self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker,
-                                                prefix=f"{name}/" if name else "", nodes=self.plan[pool],
-                                                threads=threads)
+                self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker, prefix=f"{self.name}/",
+                                                nodes=self.plan[pool], threads=threads)
             self._join_world()
             self.model = model.to("cpu").eval()                              # the driver's copy of the policy
             shared = ray.put(self.model)
@@ -1580,13 +1616,22 @@ class Driver:
         self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
     def step(self, state: RunState) -> dict:
-        """Stage 1's step (prompts, then rl_step); then stop if a worker died while its failure was absorbed."""
-        record = stage1_step(state)
+        """Stage 1's step (prompts, then rl_step). A worker that died during it stops the run with a
+        WorkerDiedError, also when the step wrapped the failure (a reward function's error) or absorbed
+        it (reward_errors="zero")."""
+        try:
+            record = stage1_step(state)
+        except Exception as err:
+            self._stop_if_dead(state, err)
+            raise
+        self._stop_if_dead(state)
+        return record
+
+    def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
                 raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint")
-        return record
+                                      "the run stops here: resume it from its last checkpoint") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),

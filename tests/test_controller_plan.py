@@ -199,7 +199,7 @@ def test_exercise_checks_fail_the_wrong_version(path):
     import minirl.controller.worker_group as worker_group
     wrong = load(path, f"wrong_{path.stem}")
     checks = load(Path(__file__).parent / "exercises" / "test_06_ray_controller.py", "checks_06")
-    answer = {"6.1": "split_by_rank", "6.2": "plan_placement", "6.3": "driver_cycles"}[wrong.EXERCISE]
+    answer = {"6.1": "plan_placement", "6.2": "split_by_rank", "6.3": "driver_cycles"}[wrong.EXERCISE]
     namespace = {**vars(worker_group), **vars(resource_pool), **vars(driver), answer: getattr(wrong, answer)}
     ex = types.SimpleNamespace(**namespace)
     failures = 0

@@ -24,6 +24,7 @@ __all__ = ["SYNCS", "MODEL_ROLES", "STEP_ORDER", "SOURCE_ORDER", "Driver", "driv
            "stage_shares"]
 
 import dataclasses
+import uuid
 from pathlib import Path
 
 import ray
@@ -57,6 +58,7 @@ class Driver:
                  reserve_timeout: float = 60.0):
         check_choice("sync", sync, SYNCS)
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
+        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"                 # workers are named "<name>/<pool>-<rank>"
         self.used = check_placement(placement, config)                      # {pool: roles}, before anything starts
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
@@ -70,9 +72,8 @@ class Driver:
                 groups = reserve(pool, pools[pool], [self.nodes[i]["node_id"] for i in self.plan[pool]],
                                  reserve_timeout)
                 self._reserved += groups
-                self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker,
-                                                prefix=f"{name}/" if name else "", nodes=self.plan[pool],
-                                                threads=threads)
+                self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker, prefix=f"{self.name}/",
+                                                nodes=self.plan[pool], threads=threads)
             self._join_world()
             self.model = model.to("cpu").eval()                              # the driver's copy of the policy
             shared = ray.put(self.model)
@@ -121,13 +122,22 @@ class Driver:
         self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
     def step(self, state: RunState) -> dict:
-        """Stage 1's step (prompts, then rl_step); then stop if a worker died while its failure was absorbed."""
-        record = stage1_step(state)
+        """Stage 1's step (prompts, then rl_step). A worker that died during it stops the run with a
+        WorkerDiedError, also when the step wrapped the failure (a reward function's error) or absorbed
+        it (reward_errors="zero")."""
+        try:
+            record = stage1_step(state)
+        except Exception as err:
+            self._stop_if_dead(state, err)
+            raise
+        self._stop_if_dead(state)
+        return record
+
+    def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
                 raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint")
-        return record
+                                      "the run stops here: resume it from its last checkpoint") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),

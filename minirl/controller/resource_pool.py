@@ -17,11 +17,13 @@ that Ray cannot grant times out with a message instead.
 """
 
 __all__ = ["DEVICES", "PlacementError", "ResourcePool", "cluster_nodes", "plan_placement",
-           "reserve", "release", "connect"]
+           "reserve", "release", "connect", "local_cluster"]
 
 import socket
 
+import psutil
 import ray
+from ray.cluster_utils import Cluster
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from minirl.utils.validate import ConfigError, check_choice, check_float
@@ -154,3 +156,27 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
             ) from None
     ray.init(address=address, log_to_driver=False)
     return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
+
+
+def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 3):
+    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+
+    Each node is a real raylet with its own resources, so placement across nodes is real;
+    only the network is the loopback. Ray gives a node's helper processes about 15 s to
+    start, which a busy machine can miss: a failed start is cleaned up (this process's own
+    new child processes) and tried again. Connect with `ray.init(address=cluster.address)`.
+    """
+    for attempt in range(attempts):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        cluster = Cluster()
+        try:
+            for _ in range(num_nodes):
+                cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
+            return cluster
+        except Exception:
+            cluster.shutdown()
+            for child in psutil.Process().children(recursive=True):
+                if child.pid not in before:
+                    child.kill()
+            if attempt == attempts - 1:
+                raise

@@ -22,6 +22,7 @@ all-reduce until the world's timeout, which then stops the run with an error.
 __all__ = ["ROLES", "rank_share", "Share", "weighted_all_reduce", "wrap_ddp", "DataParallelActor",
            "DataParallelCritic", "SleepingEngine", "RewardRole", "build_role", "RoleWorker"]
 
+import contextlib
 import copy
 
 import ray
@@ -70,7 +71,7 @@ def weighted_all_reduce(share: Share, bucket):
 
 def wrap_ddp(model, group) -> tuple[DistributedDataParallel, Share]:
     share = Share(group)
-    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    ddp = DistributedDataParallel(model, process_group=group)
     ddp.register_comm_hook(share, weighted_all_reduce)
     return ddp, share
 
@@ -118,11 +119,12 @@ class SleepingEngine:
     are used. Otherwise the engine's `.model` drops its weights (`to("meta")`, as vLLM's
     level-2 sleep discards them) and gets empty ones back on wake-up, which the load that
     follows fills; non-persistent buffers (rotary frequencies) are kept aside meanwhile.
-    `freed_bytes` is what the last sleep released.
+    `freed_bytes` is what the last sleep released. `record(what)`: a context manager that
+    times the sleeps and wake-ups (the worker's timeline).
     """
 
     def __init__(self, engine, record=None):
-        self.engine, self.record = engine, record
+        self.engine, self.record = engine, record or (lambda what: contextlib.nullcontext())
         self.asleep, self.freed_bytes, self._buffers = False, 0, {}
 
     @property
@@ -138,6 +140,16 @@ class SleepingEngine:
         return rollout
 
     def sleep(self) -> None:
+        with self.record("rollout.sleep"):
+            self._sleep()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        with self.record("rollout.wake_up"):
+            self._wake_up()
+        self.asleep = False
+
+    def _sleep(self) -> None:
         if isinstance(self.engine, Colocated):
             self.engine.sleep()
         else:
@@ -146,9 +158,8 @@ class SleepingEngine:
             self._device = next(model.parameters()).device
             self._buffers = {name: b.clone() for name, b in model.named_buffers()}
             model.to("meta")
-        self.asleep = True
 
-    def wake_up(self) -> None:
+    def _wake_up(self) -> None:
         if isinstance(self.engine, Colocated):
             self.engine.wake_up()
         else:
@@ -158,7 +169,6 @@ class SleepingEngine:
                 model.get_buffer(name).copy_(buffer)
             if hasattr(model, "tie_weights"):
                 model.tie_weights()                        # to("meta") unties shared embeddings
-        self.asleep = False
 
     def load_weights(self, named_tensors, version: int) -> None:
         if self.asleep:

@@ -79,7 +79,8 @@ class Worker:
             self.events.append((what, start, time.time()))
 
     def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
-        events = list(self.events)
+        """The recorded calls by start time (a call inside another, a sleep inside generate, comes after it)."""
+        events = sorted(self.events, key=lambda event: event[1])
         if clear:
             self.events.clear()
         return events

@@ -13,7 +13,7 @@ def rollout_of(n_prompts: int, G: int = 2) -> Rollout:
                    [f"p{i // G}" for i in range(N)], 0, num_generations=G)
 
 
-@pytest.mark.exercise("6.1")
+@pytest.mark.exercise("6.2")
 def test_split_by_rank_lists_are_contiguous_and_in_order(ex):
     out = ex.split_by_rank(3, ["a", "b", "c", "d", "e", "f"], "sampling", 7)
     assert out == [(["a", "b"], "sampling", 7), (["c", "d"], "sampling", 7), (["e", "f"], "sampling", 7)], \
@@ -21,7 +21,7 @@ def test_split_by_rank_lists_are_contiguous_and_in_order(ex):
     assert ex.split_by_rank(1, ["a", "b"]) == [(["a", "b"],)], "one rank gets everything"
 
 
-@pytest.mark.exercise("6.1")
+@pytest.mark.exercise("6.2")
 def test_split_by_rank_keeps_groups_whole_and_concat_gives_the_batch_back(ex):
     ro = rollout_of(4, G=2)
     parts = ex.split_by_rank(2, ro)
@@ -32,7 +32,7 @@ def test_split_by_rank_keeps_groups_whole_and_concat_gives_the_batch_back(ex):
     assert torch.equal(back.completion_ids, ro.completion_ids) and back.completions == ro.completions
 
 
-@pytest.mark.exercise("6.1")
+@pytest.mark.exercise("6.2")
 def test_split_by_rank_refuses_unequal_parts(ex):
     with pytest.raises(ValueError, match="5"):
         ex.split_by_rank(2, ["a", "b", "c", "d", "e"])
@@ -43,7 +43,7 @@ def test_split_by_rank_refuses_unequal_parts(ex):
 NODES = [{"node_id": "n0", "CPU": 2.0, "GPU": 0.0}, {"node_id": "n1", "CPU": 2.0, "GPU": 0.0}]
 
 
-@pytest.mark.exercise("6.2")
+@pytest.mark.exercise("6.1")
 def test_plan_placement_first_fit_in_order(ex):
     pools = {"train": ex.ResourcePool([2], cpus_per_device=1.0), "rollout": ex.ResourcePool([1], cpus_per_device=1.0)}
     assert ex.plan_placement(pools, NODES) == {"train": [0], "rollout": [1]}, \
@@ -52,7 +52,7 @@ def test_plan_placement_first_fit_in_order(ex):
     assert ex.plan_placement(small, NODES) == {"a": [0], "b": [0]}, "0.25 + 3 x 0.25 CPU fit node0"
 
 
-@pytest.mark.exercise("6.2")
+@pytest.mark.exercise("6.1")
 def test_plan_placement_spans_distinct_nodes(ex):
     assert ex.plan_placement({"train": ex.ResourcePool([1, 1])}, NODES) == {"train": [0, 1]}, \
         "a pool's entries go to different nodes, even when the first has room for both"
@@ -60,7 +60,7 @@ def test_plan_placement_spans_distinct_nodes(ex):
         ex.plan_placement({"train": ex.ResourcePool([1, 1, 1])}, NODES)
 
 
-@pytest.mark.exercise("6.2")
+@pytest.mark.exercise("6.1")
 def test_plan_placement_counts_what_earlier_pools_took(ex):
     pools = {"a": ex.ResourcePool([2], cpus_per_device=1.0), "b": ex.ResourcePool([2], cpus_per_device=1.0),
              "c": ex.ResourcePool([1], cpus_per_device=1.0)}
@@ -68,7 +68,7 @@ def test_plan_placement_counts_what_earlier_pools_took(ex):
         ex.plan_placement(pools, NODES)
 
 
-@pytest.mark.exercise("6.2")
+@pytest.mark.exercise("6.1")
 def test_plan_placement_fractional_cpus_and_gpus(ex):
     node = [{"CPU": 0.3, "GPU": 0.0}]
     assert ex.plan_placement({"x": ex.ResourcePool([3], cpus_per_device=0.1)}, node) == {"x": [0]}, \

@@ -1,8 +1,8 @@
-"""Exercise 6.2, wrong: only CPUs are counted; a GPU pool lands on nodes without GPUs."""
+"""Exercise 6.1, wrong: only CPUs are counted; a GPU pool lands on nodes without GPUs."""
 
 from minirl.controller.resource_pool import PlacementError
 
-EXERCISE = "6.2"
+EXERCISE = "6.1"
 
 
 def plan_placement(pools, nodes):

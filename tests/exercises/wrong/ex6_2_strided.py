@@ -1,8 +1,8 @@
-"""Exercise 6.1, wrong: rank r takes every n-th prompt (r, r + n, ...): concatenating gives another order."""
+"""Exercise 6.2, wrong: rank r takes every n-th prompt (r, r + n, ...): concatenating gives another order."""
 
 from minirl.data import Batch
 
-EXERCISE = "6.1"
+EXERCISE = "6.2"
 
 
 def split_by_rank(n, batch, *args):

@@ -1,8 +1,8 @@
-"""Exercise 6.1, wrong: a Batch is cut by rows, not by whole groups of G completions."""
+"""Exercise 6.2, wrong: a Batch is cut by rows, not by whole groups of G completions."""
 
 from minirl.data import Batch
 
-EXERCISE = "6.1"
+EXERCISE = "6.2"
 
 
 def split_by_rank(n, batch, *args):

@@ -1,8 +1,8 @@
-"""Exercise 6.1, wrong: a list that does not divide is split anyway, the last rank taking the rest."""
+"""Exercise 6.2, wrong: a list that does not divide is split anyway, the last rank taking the rest."""
 
 from minirl.data import Batch
 
-EXERCISE = "6.1"
+EXERCISE = "6.2"
 
 
 def split_by_rank(n, batch, *args):

@@ -1,8 +1,8 @@
-"""Exercise 6.2, wrong: a pool's entries may land on the same node (a "two-node" pool on one machine)."""
+"""Exercise 6.1, wrong: resources compared without a tolerance (3 x 0.1 CPU does not fit 0.3 CPU)."""
 
 from minirl.controller.resource_pool import PlacementError
 
-EXERCISE = "6.2"
+EXERCISE = "6.1"
 
 
 def plan_placement(pools, nodes):
@@ -12,7 +12,7 @@ def plan_placement(pools, nodes):
         used = []
         for count in pool.devices_per_node:
             need = {r: count * a for r, a in pool.bundle().items()}
-            fits = [i for i, free in enumerate(left) if all(free[r] >= a - 1e-9 for r, a in need.items())]
+            fits = [i for i, free in enumerate(left) if i not in used and all(free[r] >= a for r, a in need.items())]
             if not fits:
                 raise PlacementError(f"pool {name!r} does not fit")
             for r, a in need.items():
