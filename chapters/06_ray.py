@@ -55,7 +55,8 @@ def parse_args(argv=None):
     ray_group.add_argument("--num-cpus", type=float, default=2,
                            help="CPUs of the local cluster (without --address) (default: %(default)s)")
     ray_group.add_argument("--cpus-per-device", type=float, default=0.25,
-                           help="CPUs each worker reserves (on a CPU pool a device is such a slot) (default: %(default)s)")
+                           help="CPUs each worker reserves (on a CPU pool a device is such a slot) "
+                                "(default: %(default)s)")
     ray_group.add_argument("--sync", choices=SYNCS, default="collective",
                            help="weight sync between separate workers: a bucketed torch.distributed broadcast "
                                 "(gloo; NCCL on GPUs) or Ray's object store (default: %(default)s)")

@@ -24,15 +24,7 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
     The chosen node's resources shrink by k * bundle. Raises PlacementError naming the pool,
     the entry's demand and what every node has left when no node fits.
     """
-    left = [{r: float(node.get(r, 0.0)) for r in ("CPU", "GPU")} for node in nodes]
-    plan = {}
-    for name, pool in pools.items():
-        used = []
-        for k, count in enumerate(pool.devices_per_node):
-            need = {r: count * amount for r, amount in pool.bundle().items()}
-            raise NotImplementedError("exercise 6.1: plan_placement -- see its docstring and notebook 06")
-        plan[name] = used
-    return plan
+    raise NotImplementedError("exercise 6.1: plan_placement -- see its docstring and notebook 06")
 
 
 def split_by_rank(n: int, batch, *args) -> list[tuple]:
@@ -60,13 +52,3 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     always). The last step's sync starts an iteration that never ran and is left out.
     """
     raise NotImplementedError("exercise 6.3: driver_cycles -- see its docstring and notebook 06")
-
-
-def stage_shares(records: list[dict]) -> dict[str, float]:
-    """stage -> its share (0..1) of the steps' total time, in SOURCE_ORDER; "other" is what no stage timed."""
-    steps = [r for r in records if "time/generate" in r]
-    total = sum(r["time/step"] for r in steps) or 1.0
-    shares = {stage: sum(r.get(f"time/{stage}", 0.0) for r in steps) / total for stage in SOURCE_ORDER
-              if any(f"time/{stage}" in r for r in steps)}
-    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-    return shares

@@ -182,13 +182,13 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
     The chosen node's resources shrink by k * bundle. Raises PlacementError naming the pool,
     the entry's demand and what every node has left when no node fits.
     """
+    # BEGIN SOLUTION
     left = [{r: float(node.get(r, 0.0)) for r in ("CPU", "GPU")} for node in nodes]
     plan = {}
     for name, pool in pools.items():
         used = []
         for k, count in enumerate(pool.devices_per_node):
             need = {r: count * amount for r, amount in pool.bundle().items()}
-            # BEGIN SOLUTION
             fits = [i for i, free in enumerate(left)
                     if i not in used and all(free[r] >= amount - 1e-9 for r, amount in need.items())]
             if not fits:
@@ -202,9 +202,9 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
             for r, amount in need.items():
                 left[node][r] -= amount
             used.append(node)
-            # END SOLUTION
         plan[name] = used
     return plan
+    # END SOLUTION
 
 # %% [markdown]
 # Reserving, and joining a cluster. `connect` starts a local cluster, or joins one at an
@@ -1075,11 +1075,11 @@ def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None, device="
 actor group's `RemoteWeights` handle and `engine` the rollout group's `EngineGroup` proxy,
 so the weights move from worker to worker and never through the driver:
 
-| sync | how | when |
-|---|---|---|
-| `CollectiveSync` | trainer rank 0 broadcasts, bucketed, over a torch.distributed group spanning it and the rollout workers (gloo, NCCL on GPUs) | disaggregated, per-role |
-| `ObjectStoreSync` | trainer rank 0 puts its weights in Ray's object store once; each rollout worker gets them | for comparison |
-| `LocalSync` | each worker copies its own actor's weights into its own engine | colocated |
+- `CollectiveSync` (disaggregated, per-role): trainer rank 0 broadcasts, bucketed, over a
+  torch.distributed group spanning it and the rollout workers (gloo; NCCL on GPUs);
+- `ObjectStoreSync` (for comparison): trainer rank 0 puts its weights in Ray's object store
+  once; each rollout worker gets them from there;
+- `LocalSync` (colocated): each worker copies its own actor's weights into its own engine.
 
 Every push ends with stage 1's check: each engine reports the version pushed.
 """
@@ -1325,13 +1325,15 @@ def check_placement(placement: Placement, config) -> dict[str, list[str]]:
 completions, **columns)`; the objects here forward each call to the workers that host the
 role, with an explicit dispatch mode, and return what stage 1's objects return:
 
-| proxy | methods | dispatch |
-|---|---|---|
-| `ActorGroup` | logprobs, update, named_weights, state_dict, load_state_dict, .model | DP_COMPUTE; DP_UPDATE + `reduce_metrics`; a `RemoteWeights` handle; RANK_ZERO; to all |
-| `ReferenceGroup` | logprobs | DP_COMPUTE |
-| `CriticGroup` | values, update, state_dict, load_state_dict | DP_COMPUTE; DP_UPDATE; RANK_ZERO; to all |
-| `EngineGroup` | version, generate, load_weights | prompts split by rank with per-rank generators; to all |
-| `RemoteReward` | __call__ (TRL signature) | completions split across the reward workers |
+- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE, then `reduce_metrics`),
+  named_weights (a `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every
+  rank), `.model` (the driver's copy);
+- `ReferenceGroup`: logprobs (DP_COMPUTE);
+- `CriticGroup`: values (DP_COMPUTE), update (DP_UPDATE), state_dict, load_state_dict;
+- `EngineGroup`: version, generate (prompts split by rank, one generator per rank),
+  load_weights (every rank);
+- `RemoteReward`: a reward function with TRL's signature (completions split across the
+  reward workers).
 
 Sampling: rollout worker r gets a copy of the loop's generator as it is after r seed draws,
 and the driver's generator advances by one draw per worker; with one rollout worker the
@@ -1344,7 +1346,7 @@ import copy
 
 import ray
 
-from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, ONE_TO_ALL, RANK_ZERO, split_by_rank
+from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, RANK_ZERO, split_by_rank
 from minirl.data import Batch
 from minirl.rollout.base import VersionMismatchError, draw_seed
 
@@ -1742,7 +1744,8 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     return cycles
     # END SOLUTION
 
-
+# %%
+# | export minirl/controller/driver.py
 def stage_shares(records: list[dict]) -> dict[str, float]:
     """stage -> its share (0..1) of the steps' total time, in SOURCE_ORDER; "other" is what no stage timed."""
     steps = [r for r in records if "time/generate" in r]

@@ -5,13 +5,15 @@
 completions, **columns)`; the objects here forward each call to the workers that host the
 role, with an explicit dispatch mode, and return what stage 1's objects return:
 
-| proxy | methods | dispatch |
-|---|---|---|
-| `ActorGroup` | logprobs, update, named_weights, state_dict, load_state_dict, .model | DP_COMPUTE; DP_UPDATE + `reduce_metrics`; a `RemoteWeights` handle; RANK_ZERO; to all |
-| `ReferenceGroup` | logprobs | DP_COMPUTE |
-| `CriticGroup` | values, update, state_dict, load_state_dict | DP_COMPUTE; DP_UPDATE; RANK_ZERO; to all |
-| `EngineGroup` | version, generate, load_weights | prompts split by rank with per-rank generators; to all |
-| `RemoteReward` | __call__ (TRL signature) | completions split across the reward workers |
+- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE, then `reduce_metrics`),
+  named_weights (a `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every
+  rank), `.model` (the driver's copy);
+- `ReferenceGroup`: logprobs (DP_COMPUTE);
+- `CriticGroup`: values (DP_COMPUTE), update (DP_UPDATE), state_dict, load_state_dict;
+- `EngineGroup`: version, generate (prompts split by rank, one generator per rank),
+  load_weights (every rank);
+- `RemoteReward`: a reward function with TRL's signature (completions split across the
+  reward workers).
 
 Sampling: rollout worker r gets a copy of the loop's generator as it is after r seed draws,
 and the driver's generator advances by one draw per worker; with one rollout worker the
@@ -27,7 +29,7 @@ import copy
 
 import ray
 
-from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, ONE_TO_ALL, RANK_ZERO, split_by_rank
+from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, RANK_ZERO, split_by_rank
 from minirl.data import Batch
 from minirl.rollout.base import VersionMismatchError, draw_seed
 

@@ -5,11 +5,11 @@
 actor group's `RemoteWeights` handle and `engine` the rollout group's `EngineGroup` proxy,
 so the weights move from worker to worker and never through the driver:
 
-| sync | how | when |
-|---|---|---|
-| `CollectiveSync` | trainer rank 0 broadcasts, bucketed, over a torch.distributed group spanning it and the rollout workers (gloo, NCCL on GPUs) | disaggregated, per-role |
-| `ObjectStoreSync` | trainer rank 0 puts its weights in Ray's object store once; each rollout worker gets them | for comparison |
-| `LocalSync` | each worker copies its own actor's weights into its own engine | colocated |
+- `CollectiveSync` (disaggregated, per-role): trainer rank 0 broadcasts, bucketed, over a
+  torch.distributed group spanning it and the rollout workers (gloo; NCCL on GPUs);
+- `ObjectStoreSync` (for comparison): trainer rank 0 puts its weights in Ray's object store
+  once; each rollout worker gets them from there;
+- `LocalSync` (colocated): each worker copies its own actor's weights into its own engine.
 
 Every push ends with stage 1's check: each engine reports the version pushed.
 """
