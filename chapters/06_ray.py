@@ -8,10 +8,10 @@
     python chapters/06_ray.py --address auto --device cuda --model Qwen/Qwen2.5-0.5B --pools actor=4,rollout=4 ...
 
 Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter 01),
-OUT/timeline.png (which role was busy when, per worker), OUT/placement.png (role -> node ->
-device) and OUT/summary.json with accuracy_before, accuracy_after, stage_shares (stage ->
-share of the step time, 0-1), sync_seconds (mean per step), sync_bytes, placement (role ->
-list of node/device), steps and seconds. Prints the stage shares after every step. Without
+OUT/timeline.png (which role was busy when, per worker, in the last 3 steps),
+OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
+accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
+step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the stage shares after every step. Without
 --address a local Ray cluster starts inside the run and stops at its end. --resume continues
 a stopped run (a worker that died, --stop-after) from its newest checkpoint; every setting of
 minirl.config.RLConfig is a flag below (with this chapter's defaults).
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when")
+    plot_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
+                  "(last 3 steps)", last_steps=3)
     plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,

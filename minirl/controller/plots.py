@@ -9,11 +9,20 @@ ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:gree
                "critic": "tab:red", "sync": "tab:gray"}
 
 
-def plot_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline"):
-    """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor)."""
+def plot_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
+                  last_steps: int | None = None):
+    """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor).
+
+    last_steps=k: only what started after the k-th last generate of the first rollout worker.
+    """
+    if last_steps:
+        generates = next(([s for what, s, _ in events if what == "rollout.generate"]
+                          for events in timelines.values() if any(w == "rollout.generate" for w, _, _ in events)), [])
+        since = sorted(generates)[-last_steps] if len(generates) >= last_steps else float("-inf")
+        timelines = {worker: [e for e in events if e[1] >= since] for worker, events in timelines.items()}
     starts = [start for events in timelines.values() for _, start, _ in events]
     t0 = min(starts) if starts else 0.0
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * max(1, len(timelines))))
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.45 * len(timelines)))
     seen = set()
     for row, (worker, events) in enumerate(timelines.items()):
         for what, start, end in events:
@@ -25,7 +34,7 @@ def plot_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=Non
     ax.invert_yaxis()
     ax.set(xlabel="seconds (wall clock)", title=title)
     if seen:
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(seen), frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)

@@ -17,7 +17,7 @@ that Ray cannot grant times out with a message instead.
 """
 
 __all__ = ["DEVICES", "PlacementError", "ResourcePool", "cluster_nodes", "plan_placement",
-           "reserve", "release", "connect", "local_cluster"]
+           "reserve", "release", "probe", "connect", "local_cluster"]
 
 import socket
 
@@ -134,6 +134,18 @@ def release(groups: list[PlacementGroup]) -> None:
         remove_placement_group(group)
 
 
+def probe(address: str, timeout: float = 5.0) -> None:
+    """Raise ConnectionError within `timeout` seconds unless something listens at host:port."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(
+            f"address={address!r}: no Ray cluster answers there within {timeout:g} s ({err}); start one with "
+            "`ray start --head` and pass the address it prints (host:6379), or 'auto' on one of its nodes"
+        ) from None
+
+
 def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0) -> str:
     """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
 
@@ -146,14 +158,7 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         return f"started a local Ray cluster with {num_cpus:g} CPUs"
     if address != "auto":
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=timeout).close()
-        except (OSError, ValueError) as err:
-            raise ConnectionError(
-                f"address={address!r}: no Ray cluster answers there within {timeout:g} s ({err}); start one with "
-                "`ray start --head` and pass the address it prints (host:6379), or 'auto' on one of its nodes"
-            ) from None
+        probe(address, timeout)
     ray.init(address=address, log_to_driver=False)
     return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
 
