@@ -11,9 +11,10 @@ Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter
 OUT/timeline.png (which role was busy when, per worker, in the last 3 steps),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
-step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the stage shares after every step. Without
---address a local Ray cluster starts inside the run and stops at its end. --resume continues
-a stopped run (a worker that died, --stop-after) from its newest checkpoint; every setting of
+step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the
+stage shares after every step. Without --address a local Ray cluster starts inside the run
+and stops at its end. --resume continues a stopped run (a worker that died, --stop-after)
+from its newest checkpoint; every setting of
 minirl.config.RLConfig is a flag below (with this chapter's defaults).
 """
 
