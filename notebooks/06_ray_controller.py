@@ -32,7 +32,7 @@
 # |---|---|---|
 # | 1 | ResourcePool, a placement plan, placement groups | `controller/resource_pool.py` |
 # | 2 | Worker: rank, world size, a torch.distributed group inside a Ray actor | `controller/worker.py` |
-# | 3 | WorkerGroup and three dispatch modes | `controller/worker_group.py` |
+# | 3 | WorkerGroup and its dispatch modes | `controller/worker_group.py` |
 # | 4 | the five roles as workers | `controller/roles.py` |
 # | 5 | weight sync between actors: a bucketed broadcast, and the object store | `sync/broadcast.py`, `controller/weight_sync.py` |
 # | 6 | placement: colocated, disaggregated, per-role | `controller/placement.py` |
@@ -47,7 +47,7 @@
 #
 # Everything runs on this machine: Ray's test cluster (`ray.cluster_utils.Cluster`) starts
 # two "nodes" here, each with two CPUs, and a device is a slot of a quarter CPU. On a real
-# cluster the same code reserves GPUs (section 9 and the README show how).
+# cluster the same code reserves GPUs (section 12 and the README show how).
 
 # %%
 import json
@@ -295,8 +295,8 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 
 
 # %% [markdown]
 # Start two Ray nodes here, then plan three pools on a cluster that exists only on paper (two
-# nodes of 8 GPUs) and on the two nodes Ray reports here. A request too large for the cluster fails before anything
-# starts, with the numbers.
+# nodes of 8 GPUs) and on the two nodes Ray reports here. A request too large for the
+# cluster fails before anything starts, with the numbers.
 
 # %%
 from minirl.controller.resource_pool import (PlacementError, ResourcePool, cluster_nodes, local_cluster,  # noqa: E402
@@ -421,7 +421,7 @@ class Worker:
 #
 # A `WorkerGroup` is the workers of one pool, rank 0 to n − 1. The driver calls the group,
 # never a worker directly, and a **dispatch mode** says how the call's arguments go out to the
-# ranks and how their results come back. The RL loop needs three:
+# ranks and how their results come back. The RL loop needs four:
 #
 # | mode | arguments | result | used for |
 # |---|---|---|---|
@@ -1844,7 +1844,7 @@ def plot_placement(where: dict[str, list[str]], path=None, title: str = "placeme
 # updates then run the same arithmetic in other processes. The per-role run also places its
 # actor on a pool that **spans both nodes**: two data-parallel ranks, one per node, whose
 # gradients DDP all-reduces over gloo. There the update is the same up to the order of float
-# sums (the token-share weighting of section 4 makes it the same update at all). The
+# sums; without the token-share weighting of section 4 it would be another update. The
 # colocated run uses PPO with a KL penalty, so all five roles (critic and reference
 # included) share its one worker.
 
@@ -2101,7 +2101,7 @@ for framework, style, code, processes, records in styles:
 # algorithm. The mean rewards of the single-process run and of both single-controller runs
 # are the same numbers (section 8); the multiple-controller run differs, and should: its two
 # ranks each sample half the prompts with the step's one seed, so its completions are other
-# draws (stage 4 seeds ranks its own way). Processes count the driver. The seconds per step
+# draws. Processes count the driver. The seconds per step
 # say little about the styles themselves at this size: the tiny policy makes every transfer
 # between processes a visible share of a step that takes a fraction of a second in one
 # process. What the styles change is who holds the loop (one process, every rank, or a driver)
