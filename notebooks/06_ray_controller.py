@@ -665,7 +665,9 @@ release(pgs)
 #   learns the batch's token count (one all-reduce) and weights its gradient by its own share
 #   of it, in a DDP communication hook, before the gradients are summed: W ranks then make the
 #   update one process makes (TRL passes `num_items_in_batch` across processes for the same
-#   reason). For `loss_type="grpo"` or `"dr_grpo"` each rank's share is 1/W.
+#   reason). For `loss_type="grpo"` or `"dr_grpo"` each rank's share is 1/W; so it is for
+#   `"bnpo"`, which by TRL's definition divides by each rank's own tokens (that is where bnpo
+#   and dapo part: with several ranks, bnpo is not the one-process update).
 # - **Colocation.** When the actor and the engine share a worker, the engine frees its
 #   weights right after generating and gets them back from the next sync, so training has the
 #   device's memory to itself (veRL's hybrid engine switches vLLM between rollout and trainer
@@ -706,6 +708,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from minirl.controller.worker import Worker
+from minirl.data import Batch
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -720,11 +723,16 @@ ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 
 def rank_share(mask: torch.Tensor, loss_type: str, group) -> float:
-    """This rank's share of the batch's loss normalizer: its tokens / all ranks' tokens for the
-    token-mean losses (dapo, bnpo), 1 / world size for the per-sequence ones (grpo, dr_grpo)."""
-    if loss_type not in ("dapo", "bnpo"):
+    """This rank's weight in the sum of the ranks' gradients.
+
+    "dapo" divides by the tokens of the whole batch (TRL's `num_items_in_batch`): the weight
+    is this rank's tokens / all ranks' tokens. The others average equal shares, 1 / world
+    size: "grpo" and "dr_grpo" normalize per row (every rank holds as many rows), and "bnpo"
+    by each rank's own tokens (TRL's definition, which is where bnpo and dapo part).
+    """
+    if loss_type != "dapo":
         return 1.0 / dist.get_world_size(group)
-    tokens = mask.sum().to(torch.float64).reshape(1)                          # [1]
+    tokens = mask.sum().to(torch.float64).reshape(1)                          # [1], on the mask's device (NCCL)
     total = tokens.clone()
     dist.all_reduce(total, group=group)
     return (tokens / total.clamp(min=1)).item()
@@ -835,6 +843,8 @@ class SleepingEngine:
             self._device = next(model.parameters()).device
             self._buffers = {name: b.clone() for name, b in model.named_buffers()}
             model.to("meta")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()                   # hand the freed blocks back to the device
 
     def _wake_up(self) -> None:
         if isinstance(self.engine, Colocated):
@@ -872,6 +882,21 @@ class RewardRole:
 
 # %%
 # | export minirl/controller/roles.py
+def moved(value, device):
+    """`value` with every tensor (inside Batches, dicts, lists and tuples too) on `device`.
+
+    Batches arrive from the driver on the CPU and results go back on the CPU: the driver may
+    have no GPU, and a CUDA tensor cannot be unpickled without one.
+    """
+    if isinstance(value, (torch.Tensor, Batch)):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    return value
+
+
 def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
     """One role, as stage 1 builds it; `group`: the data-parallel process group when the pool has > 1 rank."""
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
@@ -894,7 +919,8 @@ class RoleWorker(Worker):
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
-        model = copy.deepcopy(model).to(config.run.device).eval()
+        self.torch_device = torch.device(config.run.device)
+        model = copy.deepcopy(model).to(self.torch_device).eval()
         group = self.groups.get(f"dp:{self.group}") if self.size > 1 else None
         order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor trains
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
@@ -904,9 +930,13 @@ class RoleWorker(Worker):
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"."""
+        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method".
+
+        Tensor arguments move to this worker's device, tensor results back to the CPU.
+        """
         with self.record(f"{role}.{method}"):
-            return getattr(self.roles[role], method)(*args, **kwargs)
+            result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
+            return moved(result, "cpu")
 
     def named_weights(self, role: str = "actor") -> list:
         """The role's weights by name, on the CPU (what the driver's copy and a checkpoint hold)."""
@@ -1540,14 +1570,13 @@ from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.train.checkpoint import latest_checkpoint, restore_checkpoint
 from minirl.train.run import (Checkpointer, Evaluator, JSONLLogger, ProgressBar, RunState, StopAfter,
                               check_resume_config, run, stage1_step)
-from minirl.train.step import Roles, _reward_name
+from minirl.train.step import Roles
 from minirl.utils.io import atomic_write_json
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import check_choice
 
 SYNCS = ("collective", "object_store")
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
-STEP_ORDER = ("generate", "score", "reference", "advantages", "update", "update_critic", "sync")   # rl_step's
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
 
@@ -1613,8 +1642,8 @@ class Driver:
                            ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
                            CriticGroup(self.group_of("critic")) if "critic" in needed else None)
         self.engine = EngineGroup(rollout)
-        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, _reward_name(f))
-                             for i, f in enumerate(reward_funcs)]
+        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, getattr(f, "__name__", type(f).__name__))
+                             for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
         if actor is rollout:
             self.syncs = {"local": LocalSync(actor)}
         else:
@@ -2233,7 +2262,7 @@ else:
                                "--placement", name, "--out", str(target), "--overwrite", "--compare-syncs", "10"],
                               capture_output=True, text=True, timeout=1800)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        print(proc.stdout.splitlines()[-4])
+        print(next(line for line in proc.stdout.splitlines() if "held-out greedy accuracy" in line))
         chapter[name] = json.loads((target / "summary.json").read_text())
     print(f"{'placement':>14} | accuracy before | after | steps | seconds | sync ms | " +
           " | ".join(f"{s:>10}" for s in (*SOURCE_ORDER, "other")))
@@ -2244,11 +2273,15 @@ else:
               + " | ".join(f"{100 * shares[s]:9.1f}%" if s in shares else f"{'-':>10}"
                            for s in (*SOURCE_ORDER, "other")))
     assert all(s["accuracy_after"] > s["accuracy_before"] for s in chapter.values()), "every placement learns"
+    same = len({s["accuracy_after"] for s in chapter.values()}) == 1
+    print("the three placements end at", "the same accuracy" if same else "different accuracies")
 
 # %% [markdown]
 # In full mode the table above shows each placement learning from the same warm start (the
 # held-out accuracy rises in all three), with its stage shares and the sync's milliseconds
-# per step.
+# per step. The last line says whether the three runs also end at the same accuracy: they
+# should, since each reproduces the single-process run step for step (section 8), so their
+# policies are the same; what differs between them is only the time, and where it goes.
 #
 # ## What to take away
 #

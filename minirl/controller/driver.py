@@ -20,8 +20,7 @@ Simplified vs veRL's RayPPOTrainer: batches pass through the driver (veRL too, a
 `DataProto`); no tensor or pipeline parallelism inside a role; one world for all workers.
 """
 
-__all__ = ["SYNCS", "MODEL_ROLES", "STEP_ORDER", "SOURCE_ORDER", "Driver", "driver_cycles",
-           "stage_shares"]
+__all__ = ["SYNCS", "MODEL_ROLES", "SOURCE_ORDER", "Driver", "driver_cycles", "stage_shares"]
 
 import dataclasses
 import uuid
@@ -39,14 +38,13 @@ from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.train.checkpoint import latest_checkpoint, restore_checkpoint
 from minirl.train.run import (Checkpointer, Evaluator, JSONLLogger, ProgressBar, RunState, StopAfter,
                               check_resume_config, run, stage1_step)
-from minirl.train.step import Roles, _reward_name
+from minirl.train.step import Roles
 from minirl.utils.io import atomic_write_json
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import check_choice
 
 SYNCS = ("collective", "object_store")
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
-STEP_ORDER = ("generate", "score", "reference", "advantages", "update", "update_critic", "sync")   # rl_step's
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
 
@@ -112,8 +110,8 @@ class Driver:
                            ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
                            CriticGroup(self.group_of("critic")) if "critic" in needed else None)
         self.engine = EngineGroup(rollout)
-        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, _reward_name(f))
-                             for i, f in enumerate(reward_funcs)]
+        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, getattr(f, "__name__", type(f).__name__))
+                             for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
         if actor is rollout:
             self.syncs = {"local": LocalSync(actor)}
         else:

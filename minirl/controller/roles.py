@@ -20,7 +20,8 @@ all-reduce until the world's timeout, which then stops the run with an error.
 """
 
 __all__ = ["ROLES", "rank_share", "Share", "weighted_all_reduce", "wrap_ddp", "DataParallelActor",
-           "DataParallelCritic", "SleepingEngine", "RewardRole", "build_role", "RoleWorker"]
+           "DataParallelCritic", "SleepingEngine", "RewardRole", "moved", "build_role",
+           "RoleWorker"]
 
 import contextlib
 import copy
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from minirl.controller.worker import Worker
+from minirl.data import Batch
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -45,11 +47,16 @@ ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 
 def rank_share(mask: torch.Tensor, loss_type: str, group) -> float:
-    """This rank's share of the batch's loss normalizer: its tokens / all ranks' tokens for the
-    token-mean losses (dapo, bnpo), 1 / world size for the per-sequence ones (grpo, dr_grpo)."""
-    if loss_type not in ("dapo", "bnpo"):
+    """This rank's weight in the sum of the ranks' gradients.
+
+    "dapo" divides by the tokens of the whole batch (TRL's `num_items_in_batch`): the weight
+    is this rank's tokens / all ranks' tokens. The others average equal shares, 1 / world
+    size: "grpo" and "dr_grpo" normalize per row (every rank holds as many rows), and "bnpo"
+    by each rank's own tokens (TRL's definition, which is where bnpo and dapo part).
+    """
+    if loss_type != "dapo":
         return 1.0 / dist.get_world_size(group)
-    tokens = mask.sum().to(torch.float64).reshape(1)                          # [1]
+    tokens = mask.sum().to(torch.float64).reshape(1)                          # [1], on the mask's device (NCCL)
     total = tokens.clone()
     dist.all_reduce(total, group=group)
     return (tokens / total.clamp(min=1)).item()
@@ -158,6 +165,8 @@ class SleepingEngine:
             self._device = next(model.parameters()).device
             self._buffers = {name: b.clone() for name, b in model.named_buffers()}
             model.to("meta")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()                   # hand the freed blocks back to the device
 
     def _wake_up(self) -> None:
         if isinstance(self.engine, Colocated):
@@ -189,6 +198,21 @@ class RewardRole:
         return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
 
 
+def moved(value, device):
+    """`value` with every tensor (inside Batches, dicts, lists and tuples too) on `device`.
+
+    Batches arrive from the driver on the CPU and results go back on the CPU: the driver may
+    have no GPU, and a CUDA tensor cannot be unpickled without one.
+    """
+    if isinstance(value, (torch.Tensor, Batch)):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    return value
+
+
 def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
     """One role, as stage 1 builds it; `group`: the data-parallel process group when the pool has > 1 rank."""
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
@@ -211,7 +235,8 @@ class RoleWorker(Worker):
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
-        model = copy.deepcopy(model).to(config.run.device).eval()
+        self.torch_device = torch.device(config.run.device)
+        model = copy.deepcopy(model).to(self.torch_device).eval()
         group = self.groups.get(f"dp:{self.group}") if self.size > 1 else None
         order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor trains
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
@@ -221,9 +246,13 @@ class RoleWorker(Worker):
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"."""
+        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method".
+
+        Tensor arguments move to this worker's device, tensor results back to the CPU.
+        """
         with self.record(f"{role}.{method}"):
-            return getattr(self.roles[role], method)(*args, **kwargs)
+            result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
+            return moved(result, "cpu")
 
     def named_weights(self, role: str = "actor") -> list:
         """The role's weights by name, on the CPU (what the driver's copy and a checkpoint hold)."""
