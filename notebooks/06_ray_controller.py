@@ -1884,7 +1884,7 @@ from minirl.controller.placement import make_placement  # noqa: E402
 from minirl.controller.weight_sync import CollectiveSync  # noqa: E402
 from minirl.train.run import train  # noqa: E402
 
-STEPS = 2 if SMOKE else 10
+STEPS = 3 if SMOKE else 10
 rows = task.rows("train")
 grpo = RLConfig.from_flat(steps=STEPS, prompts_per_step=8, num_generations=8, eval_every=0)
 ppo = grpo.replace(algo="ppo", beta=0.04)
@@ -2144,7 +2144,8 @@ for framework, style, code, processes, records in styles:
 # rank. The run stops without a checkpoint of the half-done step, every other worker and
 # reservation is released, and `resume=True` continues from the last checkpoint, exactly.
 # Here a reward function kills its own worker with `ray.kill` on its third call, in the middle
-# of step 3 of a run that checkpoints every 2 steps; then a new Driver resumes the run.
+# of step 3 of section 8's GRPO run, now checkpointing every 2 steps; then a new Driver
+# resumes the run.
 
 # %%
 import shutil  # noqa: E402
@@ -2152,7 +2153,7 @@ import shutil  # noqa: E402
 from minirl.controller.worker_group import WorkerDiedError  # noqa: E402
 from minirl.utils.io import read_jsonl  # noqa: E402
 
-crash = grpo.replace(steps=4, checkpoint_every=2)
+crash = grpo.replace(checkpoint_every=2)                # section 8's GRPO run, with checkpoints
 out = RUNS / "06_crash"
 shutil.rmtree(out, ignore_errors=True)
 
@@ -2182,7 +2183,7 @@ print("workers still alive:", ray.util.list_named_actors())
 with Driver(crash, make_placement("colocated"), fresh_policy(), tokenizer, [task.reward]) as driver:
     driver.train(rows, out_dir=out, resume=True, progress=False)
 resumed = read_jsonl(out / "metrics.jsonl")
-uninterrupted = train(crash, fresh_policy(), tokenizer, task, progress=False)
+uninterrupted = reference["grpo"]                     # section 8's single-process run: the same config, no crash
 print("step | reward, resumed run | reward, one uninterrupted process")
 for r, u in zip(resumed, uninterrupted, strict=True):
     print(f"{r['step']:4d} | {r['reward']:19.4f} | {u['reward']:.4f}")
