@@ -2291,10 +2291,16 @@ else:
 # - A placement is a map from roles to pools, planned against the cluster before anything
 #   starts. Colocated roles take turns on the same devices (the engine frees its memory while
 #   the trainer works); disaggregated roles run in their own processes and pay a weight sync.
-# - The pieces are reusable: a `WorkerGroup` with dispatch modes, a `RoleWorker`, the
-#   engine and sync proxies. Notebook 07 (asynchronous RL) keeps them and changes the
-#   driver's loop: rollout workers produce continuously into a bounded queue, and the sync
-#   pushes new weights while they generate.
+# - The pieces are reusable, and notebook 07 (asynchronous RL) builds on them: rollout
+#   workers that produce continuously into a bounded queue, and weights pushed while they
+#   generate. What it can take as is: `WorkerGroup.run` / `execute` with a dispatch mode and
+#   `gather` (which reports a dead worker at once); `RoleWorker.call(role, method, ...)` for
+#   any role method, with its timeline; `EngineGroup.generate`, which gives each rollout
+#   worker its own generator; and the syncs' `push`, which moves the weights worker to worker.
+#   What it must add: a Ray actor runs one method at a time, so a rollout worker that keeps
+#   generating while new weights arrive needs a second thread (Ray's `max_concurrency`) or
+#   a generation loop that checks for new weights between batches; and the driver's loop
+#   becomes a consumer of the queue instead of `stage1_step`.
 #
 # ## Exercises
 #

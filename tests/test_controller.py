@@ -182,10 +182,11 @@ def test_role_without_a_pool(cluster, make_tiny_policy):
     assert nothing_left(timeout=1)
 
 
-def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path):
+def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path, tiny_model_dir):
     out = tmp_path / "per-role"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(REPO / "chapters" / "06_ray.py"), "--address", cluster.address,
+                           "--model", str(tiny_model_dir),
                            "--placement", "per-role", "--out", str(out), "--steps", "2", "--eval-every", "2",
                            "--prompts-per-step", "4", "--num-generations", "4", "--compare-syncs", "2"],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -193,7 +194,7 @@ def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "stage_shares", "sync_seconds", "placement", "steps"):
         assert key in summary, key
-    assert summary["steps"] == 2 and 0 <= summary["accuracy_after"] <= 1
+    assert summary["steps"] == 2 and 0 <= summary["accuracy_after"] <= 1 and summary["model"] == str(tiny_model_dir)
     assert set(summary["stage_shares"]) == {"sync", "generate", "score", "reference", "advantages", "update", "other"}
     assert all(0 <= v <= 1 for v in summary["stage_shares"].values())
     assert sum(summary["stage_shares"].values()) == pytest.approx(1.0)
