@@ -24,9 +24,19 @@ import dataclasses
 import sys
 import time
 
+import ray
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minirl.config import RLConfig
+from minirl.controller.driver import SOURCE_ORDER, SYNCS, Driver, stage_shares
+from minirl.controller.placement import PLACEMENTS, check_placement, make_placement, parse_pools
+from minirl.controller.plots import plot_placement, plot_timeline
+from minirl.controller.resource_pool import PlacementError, connect
+from minirl.controller.worker_group import WorkerDiedError
+from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.tasks.arithmetic import make_task
+from minirl.train.run import Callback, RunStopped
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
 from minirl.utils.io import write_summary
 from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
@@ -39,9 +49,6 @@ SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
 
 def parse_args(argv=None):
     """(args, config, placement): every flag checked and the placement built, before Ray or a model is touched."""
-    from minirl.controller.placement import PLACEMENTS, make_placement, parse_pools
-    from minirl.controller.driver import SYNCS
-
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)
     ray_group = parser.add_argument_group("placement and cluster")
     ray_group.add_argument("--placement", choices=PLACEMENTS, default="colocated",
@@ -108,11 +115,8 @@ def parse_args(argv=None):
 def load_policy(name_or_path):
     """The embedded warm-started policy, or any HF causal LM id/path (on the CPU: the driver ships it)."""
     if name_or_path is None:
-        from minirl.models.policy import load_default_policy
         model, tokenizer, _ = load_default_policy(progress=False)
         return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:          # what TRL does for models without one
@@ -120,19 +124,18 @@ def load_policy(name_or_path):
     return AutoModelForCausalLM.from_pretrained(name_or_path).eval(), tokenizer
 
 
+class StageLine(Callback):
+    """One line per step: the share of each stage, in the source's Driver order."""
+
+    def on_step(self, state, record):
+        shares = stage_shares([record])
+        print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
+              + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
+              + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
+
+
 def main(argv=None) -> int:
     parser, args, config, placement = parse_args(argv)
-    import ray
-
-    from minirl.controller.driver import SOURCE_ORDER, Driver, stage_shares
-    from minirl.controller.placement import check_placement
-    from minirl.controller.plots import plot_placement, plot_timeline
-    from minirl.controller.resource_pool import PlacementError, connect
-    from minirl.controller.worker_group import WorkerDiedError
-    from minirl.models.policy import greedy_accuracy
-    from minirl.tasks.arithmetic import make_task
-    from minirl.train.run import Callback, RunStopped
-
     try:
         check_placement(placement, config)                  # a role without a pool, a batch that does not split
     except ConfigError as err:
@@ -146,15 +149,6 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     task, out = make_task(), args.out
-
-    class StageLine(Callback):
-        """One line per step: the share of each stage, in the source's Driver order."""
-
-        def on_step(self, state, record):
-            shares = stage_shares([record])
-            print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
-                  + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
-                  + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
 
     started = time.perf_counter()
     try:

@@ -12,6 +12,7 @@ from minirl.controller.proxies import reduce_metrics
 from minirl.controller.resource_pool import PlacementError, ResourcePool, connect, plan_placement
 from minirl.controller.roles import SleepingEngine
 from minirl.controller.worker_group import DP_COMPUTE, concat, rank_zero, split_by_rank
+from minirl.data import Rollout
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.broadcast import TensorMeta, plan_buckets, tensor_metadata
 from minirl.utils.validate import ConfigError
@@ -99,7 +100,6 @@ def test_placement_bad_input_names_role_pool_and_numbers():
 
 def rollout_of(n_prompts: int, G: int = 2):
     N = n_prompts * G
-    from minirl.data import Rollout
     return Rollout(torch.arange(N * 3).view(N, 3), torch.ones(N, 3, dtype=torch.long),
                    torch.arange(N * 2).view(N, 2), torch.ones(N, 2, dtype=torch.long), torch.zeros(N, 2),
                    [str(i) for i in range(N)], [f"p{i // G}" for i in range(N)], 0, num_generations=G)

@@ -57,7 +57,7 @@ def split_by_rank(n: int, batch, *args) -> list[tuple]:
     the batch back. Raises ValueError naming n and the batch's length when the batch does not
     split into n equal parts (of whole groups).
     """
-    if isinstance(batch, Batch):
+    if isinstance(batch, Batch) or hasattr(batch, "group_size"):   # a Batch, whichever copy of minirl.data
         parts = batch.split(n)
     else:
         if n < 1 or len(batch) % n:
