@@ -26,7 +26,6 @@ import time
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minirl.config import RLConfig
 from minirl.controller.driver import SOURCE_ORDER, SYNCS, Driver, stage_shares
@@ -34,7 +33,7 @@ from minirl.controller.placement import PLACEMENTS, check_placement, make_placem
 from minirl.controller.plots import plot_placement, plot_timeline
 from minirl.controller.resource_pool import PlacementError, connect
 from minirl.controller.worker_group import WorkerDiedError
-from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.models.policy import ModelSourceError, PromptError, check_model_source, greedy_accuracy, load_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import Callback, RunStopped
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
@@ -90,13 +89,18 @@ def parse_args(argv=None):
     config = config_from_args(parser, args, DEFAULTS)
     try:
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-    except RunDirError as err:
+        if args.model is not None:
+            check_model_source(args.model)          # a missing directory is named before anything loads
+    except (RunDirError, ModelSourceError) as err:
         parser.error(str(err))
     if args.resume:                        # the run's own settings, changed only where the user says so
         record = read_run_record(args.out)
         saved = RLConfig.from_dict(record["config"])
         if args.model is None:
             args.model = record.get("model")
+        elif args.model != record.get("model"):
+            parser.error(f"--resume: the run in {args.out} trained {record.get('model') or 'the embedded policy'}, "
+                         f"not --model {args.model}; drop --model to resume it")
         typed = explicit_dests(parser, argv) & set(saved.flat())
         changed = [f"{flag(k)} {saved.flat()[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed)
                    if k not in SAFE_ON_RESUME and saved.flat()[k] != getattr(args, k)]
@@ -110,18 +114,6 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument --{err.name}: {err.value!r}: {err.why}")
     return parser, args, config, placement
-
-
-def load_policy(name_or_path):
-    """The embedded warm-started policy, or any HF causal LM id/path (on the CPU: the driver ships it)."""
-    if name_or_path is None:
-        model, tokenizer, _ = load_default_policy(progress=False)
-        return model, tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:          # what TRL does for models without one
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(name_or_path).eval(), tokenizer
 
 
 class StageLine(Callback):
@@ -152,7 +144,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     try:
-        model, tokenizer = load_policy(args.model)
+        model, tokenizer = load_policy(args.model, "cpu", progress=False)     # the driver's copy stays on the CPU
         with Driver(config, placement, model, tokenizer, [task.reward], sync=args.sync, threads=args.threads,
                     bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
             where = driver.where()
@@ -175,8 +167,11 @@ def main(argv=None) -> int:
     except WorkerDiedError as err:
         print(f"error: {err}\ncontinue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
         return 1
-    except (RunDirError, ConfigError, PlacementError) as err:
+    except (RunDirError, ConfigError, PlacementError, PromptError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ModelSourceError as err:
+        print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     finally:
         ray.shutdown()

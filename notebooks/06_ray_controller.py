@@ -1567,6 +1567,7 @@ from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_
 from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
+from minirl.models.policy import check_prompts
 from minirl.train.checkpoint import latest_checkpoint, restore_checkpoint
 from minirl.train.run import (Checkpointer, Evaluator, JSONLLogger, ProgressBar, RunState, StopAfter,
                               check_resume_config, run, stage1_step)
@@ -1681,6 +1682,8 @@ class Driver:
         config = self.config
         if not rows or "prompt" not in rows[0]:
             raise ValueError("rows: pass dataset rows like {'prompt': '27+35=', 'answer': 62}")
+        check_prompts(self.tokenizer, [r["prompt"] for r in rows], getattr(self.model.config,
+                      "max_position_embeddings", None), config.sampling.max_completion_length)   # as stage 1's train
         state = RunState(config, self.roles, self.engine, self.sync, torch.Generator().manual_seed(config.run.seed),
                          list(rows), self.reward_funcs)
         info = {"config": dataclasses.asdict(config), "placement": self.placement.name, **(run_info or {})}

@@ -32,6 +32,7 @@ def main(*args) -> int:
      "4 prompts per step (groups of 8 completions) do not split into equal parts of whole groups across the 3 "
      "workers of pool 'train' (actor)"),
     (["--cpus-per-device", "0"], "argument --cpus-per-device: 0.0"),
+    (["--model", "/no/such/model"], "no such directory"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys, flags, message):
     assert main("--out", tmp_path / "run", *flags) == 2
