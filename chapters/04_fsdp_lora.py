@@ -145,7 +145,7 @@ def summarize(metrics: list[dict], state, pconfig: ParallelConfig, sync_rows: li
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
         "steps": metrics[-1]["step"] if metrics else 0, "world_size": world, "seconds": seconds,
         "peak_bytes": per_rank("memory/peak_bytes"), "state_bytes": per_rank("memory/state_bytes"),
-        "state_bytes_calculator": calc["weights"] + calc["grads"] + calc["adam_m"] + calc["adam_v"],
+        "state_bytes_calculator": calc["total"],
         "sync_seconds": totals["sync"] / max(1, len(steps)), "sync_bytes": steps[-1]["sync/bytes"] if steps else 0,
         "sync_peak_bytes": max((m["sync/peak_bytes"] for m in steps), default=0),
         "sync_share": totals["sync"] / step_time if step_time else 0.0, "sync_threshold": THRESHOLD,

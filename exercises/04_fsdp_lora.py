@@ -365,11 +365,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
 
     Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP. Raises ValueError when the model names none.
+    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
+    ValueError when the model names none.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
     if not layers:
         raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
                          "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
@@ -733,6 +734,8 @@ class ShardedSync:
             if not named:
                 raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
                                  "train with LoRA, or use mode 'full'")
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+            named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:

@@ -448,6 +448,28 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
 
+# %% [markdown]
+# The notebook itself joins a process group of one (through a file store, no `torchrun`), so
+# that FSDP2, DTensors and the sync below run here exactly as on every rank of a real job.
+# And the checks: each names the flag and the fix, before anything is loaded.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.parallel.config import ParallelConfig, check_parallel  # noqa: E402
+from minirl.parallel.launch import ProcessGroup, init_distributed, pick_backend  # noqa: E402
+
+ctx = init_distributed()
+group = ProcessGroup(ctx.device)
+print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
+for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
+            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
+            lambda: pick_backend("nccl", "cpu"),
+            lambda: ParallelConfig(zero=1, mixed_precision="bf16")):
+    try:
+        bad()
+        print("accepted (vLLM / CUDA are present here)")
+    except ValueError as err:
+        print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
 # ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
@@ -517,11 +539,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
 
     Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP. Raises ValueError when the model names none.
+    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
+    ValueError when the model names none.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
     if not layers:
         raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
                          "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
@@ -619,6 +642,32 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
     return optimizer_class(params, **kwargs)
 
 # %% [markdown]
+# What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
+# tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
+# what LoRA leaves trainable:
+
+# %%
+import copy  # noqa: E402
+
+from minirl.models.policy import load_default_policy  # noqa: E402
+from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
+
+model, tokenizer, policy_path = load_default_policy()
+sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
+weight = sharded.model.get_parameter("model.layers.0.mlp.up_proj.weight")
+print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
+print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
+      f"this rank's shard {tuple(weight.to_local().shape)}")
+total = sum(p.numel() for p in model.parameters())
+rows = []
+for rank in (4, 8, 16):
+    adapted = apply_lora(copy.deepcopy(model), rank)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}"))
+print(f"the policy: {total:,} parameters")
+show(rows, ("LoRA rank", "trainable parameters", "of the base"))
+
+# %% [markdown]
 # ## 3. The actor on every rank: a rank's share of the loss
 #
 # DDP and FSDP *average* the ranks' gradients. That average is the single-process gradient
@@ -643,7 +692,7 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # | `bnpo` | Σ tokens / T_r *per process* | 1 | TRL normalizes by each process's own tokens: the batch's loss is the mean of the ranks' |
 #
 # So `bnpo` and `dapo`, equal in one process (notebook 01 said so), part ways here: that is
-# the difference between them. Exercise 4.3 is `rank_loss_weight`.
+# the difference between them. Exercise 4.1 is `rank_loss_weight`.
 #
 # How does the weight get into the loss without rewriting `Actor.update`? Every term of the
 # GRPO loss (the clipped surrogate, the KL, the bias-corrected KL) depends on the
@@ -654,10 +703,15 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # metrics afterwards: token-weighted means of the ranks' values, global minima and maxima,
 # and the batch's loss (1/W) Σ_r w_r loss_r.
 #
-# One more rule. A rank whose batch has a NaN advantage skips its optimizer step (notebook
-# 01), but under DDP or FSDP a rank that skips its backward leaves the others waiting in
-# the gradient all-reduce forever. So the ranks first agree whether any of them holds a
-# non-finite batch, and if one does, all skip.
+# Two more rules. Every rank must make the same forward passes, because under FSDP each
+# pass all-gathers weights with the other ranks (and DDP broadcasts its buffers in every
+# forward). Notebook 01's forward makes one pass when the completions are one token long
+# and two otherwise, and the longest completion differs from rank to rank; so the actor
+# first pads its batch, with masked columns, to the longest completion of *any* rank. And a
+# rank whose batch has a NaN advantage skips its optimizer step (notebook 01), but under DDP
+# or FSDP a rank that skips its backward leaves the others waiting in the gradient
+# all-reduce forever; so the ranks first agree whether any of them holds a non-finite batch,
+# and if one does, all skip.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -838,6 +892,39 @@ class DistributedActor(Actor):
         raise NotImplementedError("a sharded actor is restored with minirl.parallel.checkpoint (DCP)")
 
 # %% [markdown]
+# Check the claim on numbers. Split a batch of per-token losses over three "ranks" with
+# unequal token counts, compute each rank's gradient of its own loss, weight it, average,
+# and compare with the gradient of the whole batch's loss. Without the weights, `dapo`'s
+# average is off; with them, every loss type is exact (`bnpo` is its own, per-rank, loss).
+
+# %%
+from minirl.algo.losses import aggregate_loss  # noqa: E402
+from minirl.parallel.roles import rank_loss_weight  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+per_token = torch.randn(6, 5, generator=g)
+mask = (torch.rand(6, 5, generator=g) < 0.6).long()
+mask[:, 0] = 1
+parts, T, W = [slice(0, 2), slice(2, 4), slice(4, 6)], int(mask.sum()), 3
+rows = []
+for loss_type in ("dapo", "grpo", "dr_grpo"):
+    x = per_token.clone().requires_grad_(True)
+    aggregate_loss(x, mask, loss_type, 5).backward()
+    whole = x.grad.clone()
+    errors = []
+    for weighted in (False, True):
+        x.grad = None
+        for part in parts:
+            w = rank_loss_weight(loss_type, int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
+            (w / W * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
+        errors.append((x.grad - whole).abs().max().item() / whole.abs().max().item())
+    rows.append((loss_type, [int(mask[p].sum()) for p in parts],
+                 [round(rank_loss_weight(loss_type, int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
+                 f"{errors[0]:.1%}", f"{errors[1]:.1e}"))
+show(rows, ("loss_type", "tokens per rank", "w_r", "error, plain average", "error, weighted"))
+assert all(float(r[4]) < 1e-5 for r in rows)
+
+# %% [markdown]
 # ## 4. Getting sharded weights into the engine
 #
 # After the update, every rank's engine must hold the new policy. Under FSDP2 no rank has
@@ -861,8 +948,8 @@ class DistributedActor(Actor):
 # | `adapter` | only A and B | the frozen base + the adapter, applied at generation | ~1 % of the bytes; the engine computes B A x at every token |
 #
 # `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
-# (vLLM serves LoRA adapters natively; veRL can ship adapters only). Exercise 4.1 is
-# `gather_by_layer`, exercise 4.2 is `merge_lora`.
+# (vLLM serves LoRA adapters natively; veRL can ship adapters only). Exercise 4.2 is
+# `gather_by_layer`, exercise 4.3 is `merge_lora`.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -1031,6 +1118,8 @@ class ShardedSync:
             if not named:
                 raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
                                  "train with LoRA, or use mode 'full'")
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+            named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -1108,6 +1197,24 @@ def full_tensor_storage(tensor: Tensor) -> int:
     """The data pointer of the storage a rank holds for `tensor` (its local shard for a DTensor)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.untyped_storage().data_ptr()
+
+# %% [markdown]
+# `merge_lora` against peft's own `merge_and_unload`, on a LoRA layer whose B is not zero:
+
+# %%
+from minirl.sync.sharded import merge_lora  # noqa: E402
+
+adapted = apply_lora(copy.deepcopy(model), 8)
+with torch.no_grad():
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            p.normal_(std=0.02)
+state = adapted.state_dict()
+stem = "base_model.model.model.layers.0.self_attn.q_proj"
+by_hand = merge_lora(state[f"{stem}.base_layer.weight"], state[f"{stem}.lora_A.default.weight"],
+                     state[f"{stem}.lora_B.default.weight"], scaling=16 / 8)
+by_peft = copy.deepcopy(adapted).merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
 
 # %% [markdown]
 # The receiving side must stream too. Notebook 01's `HFEngine.load_weights` first builds a
@@ -1318,6 +1425,66 @@ class SeedPerPrompt:
         return Batch.concat(parts)
 
 # %% [markdown]
+# Now the three modes end to end, in this one-process group: an FSDP2-wrapped actor, its
+# engine, a push in each mode, each checked against the trainer by the stale-parameter check
+# (`verify=True`). The bytes are what travels; the seconds are this machine's. In a group of
+# one nothing is really gathered (the "shard" is the whole tensor), so the gathered peak is
+# measured in the torchrun job of section 7.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.parallel.roles import DistributedActor  # noqa: E402
+from minirl.rollout.colocated import ColocatedEngine  # noqa: E402
+from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
+from minirl.memory.measure import storage_bytes  # noqa: E402
+from minirl.sync.sharded import ShardedSync  # noqa: E402
+
+config = RLConfig.from_flat(num_generations=4)
+rows = []
+for mode in ("full", "merged", "adapter"):
+    policy = copy.deepcopy(model)
+    if mode == "adapter":                          # the engine holds base + adapter: build it from the peft model
+        policy = apply_lora(policy, 8)
+        engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer), adapter_only=True)
+    else:                                          # the engine holds the plain policy
+        engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer))
+        policy = apply_lora(policy, 8) if mode == "merged" else policy
+    actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
+    sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True)
+    reports = [sync.push(actor.named_weights(), engine, version) for version in range(1, 6)]
+    seconds = sorted(r.seconds for r in reports)[2]
+    rows.append((mode, reports[-1].tensors, f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
+show(rows, ("mode", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
+layer_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
+whole_bytes = storage_bytes(model.state_dict().values())
+full_bytes, adapter_bytes = float(rows[0][2]), float(rows[2][2])
+print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
+
+# %% [markdown]
+# And colocation, measured with notebook 03's byte counting (`storage_bytes`): the engine's
+# weights before and after `sleep()`, and what sleeping and waking cost. Waking only
+# allocates; the push that follows refills, and that is the sync's own time (above).
+
+# %%
+from minirl.sync.base import InProcessSync  # noqa: E402
+
+engine = ColocatedEngine(SharedPrefixEngine(copy.deepcopy(model), tokenizer))
+sampling = config.sampling
+awake = storage_bytes(t for _, t in engine.named_weights())
+sleeps, wakes = [], []
+for i in range(20 if not SMOKE else 5):
+    engine.generate(["12+34="], sampling, generator=torch.Generator().manual_seed(i))      # then it sleeps
+    asleep = storage_bytes(t for _, t in engine.named_weights())
+    sleeps.append(engine.stats["sleep_seconds"])
+    InProcessSync().push(model.state_dict().items(), engine, engine.version + 1)          # wakes, refills
+    wakes.append(engine.stats["wake_seconds"])
+median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+show([("engine weights", f"{awake / MiB:.3f}", f"{asleep / MiB:.3f}", f"{(awake - asleep) / MiB:.3f}",
+       f"{1e3 * median(sleeps):.3f}", f"{1e3 * median(wakes):.3f}")],
+     ("", "awake MiB", "asleep MiB", "freed MiB", "sleep ms", "wake ms"))
+assert asleep == 0 and awake > 0
+
+# %% [markdown]
 # ## 5. The vLLM engine, behind the same protocol
 #
 # On GPUs the rollout engine is vLLM: PagedAttention, continuous batching and prefix caching
@@ -1511,6 +1678,14 @@ class VLLMEngine:
         params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
+
+# %%
+import importlib.util  # noqa: E402
+
+have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
+print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
+      + ("--rollout vllm can run here" if have_vllm and have_cuda else
+         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout hf"))
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
@@ -1980,3 +2155,321 @@ class MemoryTracker(Callback):
     def on_end(self, state):
         if self.hook is not None:
             self.hook.remove()
+
+# %% [markdown]
+# ## 7. Run it under `torchrun`
+#
+# The chapter script is the whole job: every rank parses the flags (and refuses bad ones),
+# joins the group, loads the policy, sets up its roles, engine and sync (all ranks agreeing),
+# and runs `spmd_step` with notebook 01's `run` and callbacks; rank 0 evaluates held-out
+# accuracy on its engine, logs, and writes the summary; every rank takes part in the sharded
+# checkpoints. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
+# In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
+# briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
+# sync, and one and two ranks on the same batch.
+
+# %%
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
+LORA_LR = "0.002"   # LoRA trains ~1 % of the weights: it needs a larger step than full fine-tuning's 3e-4
+
+
+def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
+    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
+    out = RUNS / name
+    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
+    if job.returncode:
+        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
+    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
+    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), metrics
+
+
+runs = {}
+started = time.perf_counter()
+if SMOKE:
+    runs["lora"] = run_chapter("04_smoke", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
+                               "--steps", "4", "--eval-every", "2", "--prompts-per-step", "4", "--num-generations", "4")
+else:
+    for zero in (0, 1, 2):
+        runs[f"zero{zero}"] = run_chapter(f"04_zero{zero}", "--zero", str(zero), "--steps", "10", "--eval-every", "0")
+    runs["full"] = run_chapter("04_full", "--zero", "3", "--steps", "150", "--eval-every", "25")
+    runs["zero3"] = runs["full"]
+    runs["lora"] = run_chapter("04_lora", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
+                               "--steps", "150", "--eval-every", "25")
+    runs["adapter"] = run_chapter("04_adapter", "--zero", "3", "--lora-rank", "8", "--sync-mode", "adapter",
+                                  "--learning-rate", LORA_LR, "--steps", "10", "--eval-every", "0")
+print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
+
+# %% [markdown]
+# ### Does it learn?
+#
+# Stage 1's claim was that GRPO from the warm start raises held-out accuracy; the same step on
+# two ranks should do the same per step, since each step sees the same global batch size
+# (16 prompts, 8 completions each, 8 prompts per rank).
+
+# %%
+rows = []
+for name in ("full", "lora"):
+    if name in runs and runs[name][0]["accuracy_before"] is not None:
+        s = runs[name][0]
+        rows.append((name, s["steps"], f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
+                     f"{100 * (s['accuracy_after'] - s['accuracy_before']):+.1f}", f"{s['seconds']:.0f}"))
+show(rows, ("run", "steps", "accuracy before", "after", "points", "seconds"))
+if SMOKE:
+    print("smoke mode: 4 steps on 4 prompts, too short to judge; full mode trains 150 steps")
+else:
+    gain = runs["full"][0]["accuracy_after"] - runs["full"][0]["accuracy_before"]
+    print("held-out accuracy rises as in stage 1:", "yes" if gain > 0.05 else "NO (look at the reward curve)")
+fig, ax = plt.subplots(figsize=(8, 3.4))
+for name, (summary, metrics) in runs.items():
+    if name in ("full", "lora"):
+        steps = [m for m in metrics if "reward" in m]
+        k = max(1, len(steps) // 15)
+        reward = [sum(m["reward"] for m in steps[max(0, i - k + 1):i + 1]) / len(steps[max(0, i - k + 1):i + 1])
+                  for i in range(len(steps))]
+        ax.plot([m["step"] for m in steps], reward, label=f"{name}: batch reward (mean of {k})")
+        evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
+        ax.plot(*zip(*evals), "o--", label=f"{name}: held-out accuracy")
+ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1), title="GRPO on 2 ranks: full fine-tuning vs LoRA")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Per-rank memory at each ZeRO level, against notebook 03's calculator
+#
+# Every step logs each rank's bytes, counted as notebook 03 counts them. The bars are the
+# trainer's state at rest (weights, gradients, Adam), the engine's copy stacked on top, and
+# the dot the peak seen after the update's forward pass; the star is the calculator's FP32
+# state per rank (`zero_per_gpu`, or `lora_memory` for LoRA) for the same parameter count
+# and two ranks.
+
+# %%
+from minirl.memory.calculator import lora_memory, zero_per_gpu  # noqa: E402
+
+labels, rows = [], []
+fig, ax = plt.subplots(figsize=(9, 3.6))
+colors = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "engine": "#bbbbbb"}
+for i, name in enumerate(n for n in ("zero0", "zero1", "zero2", "zero3", "lora") if n in runs):
+    summary, metrics = runs[name]
+    last, zero = [m for m in metrics if "memory/peak_bytes" in m][-1], summary["parallel"]["zero"]
+    psi, trainable = summary["params"], summary["trainable_params"]
+    calc = (zero_per_gpu(psi, 2, zero, "fp32") if trainable == psi
+            else lora_memory(psi - trainable, trainable, 2, zero, "fp32"))["total"]
+    for rank in range(2):
+        x, bottom = 2.5 * i + rank, 0.0
+        for part in ("weights", "grads", "optimizer"):
+            value = last[f"memory/{part}_bytes"][rank] / MiB
+            ax.bar(x, value, bottom=bottom, color=colors[part], label=part if i == rank == 0 else None)
+            bottom += value
+        engine = last["memory/engine_awake_bytes"][rank] / MiB
+        ax.bar(x, engine, bottom=bottom, color=colors["engine"], hatch="//", label="engine (awake)" if i == rank == 0 else None)
+        ax.plot(x, max(summary["peak_bytes"][rank], 0) / MiB, "ko", label="peak" if i == rank == 0 else None)
+        ax.plot(x, calc / MiB, "r*", ms=11, label="calculator (state)" if i == rank == 0 else None)
+        state = last["memory/state_bytes"][rank]
+        rows.append((name, f"ZeRO-{zero}", rank, f"{state / MiB:.2f}", f"{calc / MiB:.2f}", f"{state / calc:.3f}",
+                     f"{summary['peak_bytes'][rank] / MiB:.2f}"))
+    labels.append((2.5 * i + 0.5, f"{name}\nZeRO-{zero}"))
+ax.set_xticks([x for x, _ in labels], [t for _, t in labels])
+ax.set(ylabel="MiB per rank", title="what each rank holds (2 ranks, FP32, embedded policy)")
+ax.legend(fontsize=7, ncol=3)
+plt.tight_layout()
+plt.show()
+show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calculator", "peak MiB"))
+
+# %% [markdown]
+# Read the ratios against notebook 03's table. DDP holds the whole 16 bytes per parameter on
+# each rank and ZeRO-3 a half; ZeRO-1's ZeroRedundancyOptimizer hands out *whole tensors*, so
+# its two ranks differ while their mean is the calculator's; FSDP2's "ZeRO-2" reshards after
+# backward, so at rest it holds ZeRO-3's shard, and only the peak, taken while the layers are
+# still gathered after the forward pass, shows the whole weights. The optimizer adds a few
+# bytes per tensor (Adam's step counters) that the calculator leaves out. The engine's copy
+# is the one thing the calculator does not count, and on every rank it is a whole model:
+# that is what colocation takes back during the update.
+
+# %%
+if not SMOKE:
+    ratios = {r[0]: float(r[5]) for r in rows}
+    for name in ("zero0", "zero3"):
+        assert abs(ratios[name] - 1) < 0.02, f"{name}: measured state differs from the calculator"
+
+# %% [markdown]
+# ### The sync's share of the step, beside the source's 5 %
+#
+# The source's symptom table flags weight synchronization above 5 % of the step and advises
+# syncing only the LoRA adapters, packing the transfers, or syncing less often. Each run
+# times one sync per step; at the end the chapter also times a push in every mode it can
+# ship (into a buffer, so that only the sync is measured) and divides by the run's mean step.
+
+# %%
+summary = runs["lora"][0]
+rows = [(r["mode"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}", f"{100 * r['share']:.1f} %",
+         "above: slow sync" if r["share"] > 0.05 else "below") for r in summary["sync_table"]]
+show(rows, ("sync mode", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+table = {r["mode"]: r for r in summary["sync_table"]}
+print(f"\nthe run itself ({summary['sync_mode']}): sync took {100 * summary['sync_share']:.1f} % of its steps; "
+      f"the gathered copy peaked at {summary['sync_peak_bytes'] / MiB:.2f} MiB "
+      f"(one decoder layer of the policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB)")
+print(f"adapter-only: {table['adapter']['bytes'] / table['merged']['bytes']:.1%} of the bytes, "
+      f"{table['adapter']['seconds'] / table['merged']['seconds']:.0%} of the time of a merged sync")
+assert table["adapter"]["bytes"] < 0.1 * table["merged"]["bytes"]
+
+# %% [markdown]
+# On a CPU with gloo much of a sync's time is latency: one all-gather per tensor, each with
+# a fixed cost whatever its size, which is why the share can sit above the source's 5 %
+# even for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
+# bytes by an order of magnitude but not the number of tensors (two small matrices for each
+# of the 7 adapted linears of a block, against the block's 12 weights and biases), so on a
+# latency-bound link it saves less time than bytes. On GPUs with NCCL and a real model the
+# bandwidth term dominates and the bytes column is the one to read; the packing the source
+# mentions (one flat all-gather per layer instead of one per tensor, which FSDP2's own
+# `unshard()` does for its forward pass) attacks the latency term.
+
+# %% [markdown]
+# ### Full fine-tuning against LoRA
+#
+# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, and how
+# each learns (the curves above).
+
+# %%
+if SMOKE:
+    print("smoke mode: one LoRA job only; full mode runs full fine-tuning beside it")
+else:
+    rows = []
+    for name in ("full", "lora", "adapter"):
+        s = runs[name][0]
+        rows.append((name, f"{s['trainable_params']:,}", f"{s['state_bytes'][0] / MiB:.2f}",
+                     f"{s['peak_bytes'][0] / MiB:.2f}", s["sync_mode"], f"{s['sync_bytes'] / MiB:.3f}",
+                     f"{100 * s['sync_share']:.1f} %", f"{s['accuracy_after'] or float('nan'):.3f}"))
+    show(rows, ("run", "trainable", "state MiB (rank 0)", "peak MiB", "sync", "MiB per sync", "sync share",
+                "accuracy after"))
+
+# %% [markdown]
+# ### Colocation in the run
+#
+# Each rank's engine slept through every update. The record of each step holds its bytes
+# during the update and after the sync, and how long the sleep and the wake-up took:
+
+# %%
+rows = []
+for name in ("zero3", "lora", "adapter"):
+    if name in runs:
+        c = runs[name][0]["colocation"]
+        rows.append((name, f"{c['engine_awake_bytes'][0] / MiB:.3f}", f"{c['engine_asleep_bytes'][0] / MiB:.3f}",
+                     f"{(c['engine_awake_bytes'][0] - c['engine_asleep_bytes'][0]) / MiB:.3f}",
+                     f"{1e3 * c['sleep_seconds']:.2f}", f"{1e3 * c['wake_seconds']:.2f}"))
+show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "wake ms"))
+
+# %% [markdown]
+# ### One rank or two: the same numbers
+#
+# With `--seed-per-prompt` the batch of a step does not depend on how many ranks share it,
+# so one and two ranks must compute the same losses and end with the same weights, up to
+# float rounding (a sum over two halves is not bit for bit a sum over the whole).
+# `tests/test_parallel_torchrun.py` checks this against notebook 01's loop for dapo and grpo,
+# with and without LoRA, under every wrapper; here once more, on the embedded policy.
+
+# %%
+if SMOKE:
+    print("smoke mode: skipped (tests/test_parallel_torchrun.py checks it on every CI run)")
+else:
+    same = ("--seed-per-prompt", "--steps", "5", "--eval-every", "0", "--zero", "3")
+    one = run_chapter("04_one_rank", *same, nproc=1)
+    two = run_chapter("04_two_ranks", *same, nproc=2)
+    from safetensors.torch import load_file
+
+    rows = [(m1["step"], f"{m1['loss']:+.6f}", f"{m2['loss']:+.6f}", f"{m1['reward']:.4f}", f"{m2['reward']:.4f}")
+            for m1, m2 in zip(one[1], two[1])]
+    show(rows, ("step", "loss, 1 rank", "loss, 2 ranks", "reward, 1 rank", "reward, 2 ranks"))
+    w1, w2 = (load_file(RUNS / n / "final" / "model.safetensors") for n in ("04_one_rank", "04_two_ranks"))
+    print(f"largest weight difference after 5 steps: {max((w1[k] - w2[k]).abs().max().item() for k in w1):.2e}")
+
+# %% [markdown]
+# ## 8. Bad input stops every rank, with its cause
+#
+# A job of N processes has N ways to fail halfway. The rule here: anything that can be checked
+# before loading is checked by every rank on its own (they reach the same verdict: a flag is
+# the same everywhere), and anything found later (a LoRA target that matches nothing, an
+# engine that cannot take a tensor) is found inside `agree`, which turns one rank's error into
+# an error on every rank, so that none is left waiting in a collective. `torchrun` then ends
+# the job. The in-process checks:
+
+# %%
+from minirl.rollout.base import VersionMismatchError  # noqa: E402
+from minirl.rollout.colocated import EngineNotReady  # noqa: E402
+from minirl.utils.validate import ConfigError  # noqa: E402
+
+engine = ColocatedEngine(SharedPrefixEngine(copy.deepcopy(model), tokenizer), colocate=False)
+state = list(model.state_dict().items())
+attempts = {
+    "LoRA target that matches nothing": lambda: apply_lora(copy.deepcopy(model), 8, targets=("q_proj", "wq")),
+    "a misnamed tensor": lambda: engine.load_weights([(n.replace("up_proj", "up"), t) for n, t in state], 1),
+    "a missing tensor": lambda: engine.load_weights(state[:-2], 1),
+    "generate after a failed push": lambda: engine.generate(["1+2="], config.sampling),
+}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+    except (ConfigError, ValueError, EngineNotReady) as err:
+        print(f"{what}:\n    {type(err).__name__}: {err}")
+engine.load_weights(state, 5)
+try:
+    engine.load_weights(state, 4)
+except VersionMismatchError as err:
+    print(f"an older version:\n    {type(err).__name__}: {err}")
+
+# %% [markdown]
+# And on two ranks: a batch of 3 prompts does not divide over 2 ranks, and both ranks say so
+# and exit before loading anything (full mode; `tests/test_chapter04.py` runs it in CI, with
+# a LoRA target that matches nothing, a misnamed or missing tensor and an older version on
+# every rank in `tests/test_parallel_torchrun.py`).
+
+# %%
+if not SMOKE:
+    job = torchrun(CHAPTER, 2, ["--out", RUNS / "04_bad", "--prompts-per-step", "3"], timeout=300)
+    print(f"exit status {job.returncode}")
+    print("\n".join(line for line in job.stdout.splitlines() if "error:" in line))
+
+# %% [markdown]
+# ## 9. What to remember
+#
+# | question | answer |
+# |---|---|
+# | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
+# | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
+# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
+# | weight sync from shards | gather one layer at a time (peak ≈ one layer), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
+# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts bytes and tensors alike |
+# | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
+# | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
+#
+# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout vllm`,
+# `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):
+#
+# ```
+# torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
+#     --zero 3 --lora-rank 16 --rollout vllm --mixed-precision bf16 --out runs/04-qwen
+# ```
+
+# %% [markdown]
+# ## Exercises
+#
+# Your stubs are in `exercises/04_fsdp_lora.py`. Fill them in, then grade:
+#
+# ```
+# python -m minirl.grade --only 04
+# ```
+#
+# | exercise | function | what it checks |
+# |---|---|---|
+# | 4.1 | `rank_loss_weight` | each loss type's weight; the ranks' weighted gradients average to the whole batch's |
+# | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
+# | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
+#
+# Questions to think about (not graded): why does `bnpo` give a different gradient on two
+# ranks than on one, and which of `dapo` and `bnpo` would you choose for a job whose ranks
+# see very different completion lengths? With adapter-only sync the engine computes B A x at
+# every generated token: when does that cost more than the sync it saves?

@@ -160,6 +160,8 @@ class ShardedSync:
             if not named:
                 raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
                                  "train with LoRA, or use mode 'full'")
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+            named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
