@@ -307,3 +307,34 @@ def test_distributed_actor_matches_the_plain_actor_in_one_process(group, make_ti
     sharded = sharded_actor(model, group).update(exp)
     assert sharded["loss"] == pytest.approx(plain["loss"], abs=1e-6) and not math.isnan(sharded["grad_norm"])
     assert sharded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
+    """FSDP2's MixedPrecisionPolicy: compute in bfloat16, keep (and update) float32 shards."""
+    model, tok = make_tiny_policy(seed=9, num_layers=2)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
+    config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+    wrapped = wrap_model(model, 3, "cpu", mixed_precision="bf16")
+    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group)
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
+    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the shards stay float32 (the master copy)"
+    assert any(not torch.equal(p.detach().to_local(), before[n]) for n, p in model.named_parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_update(group, make_tiny_policy):
+    """Per-layer recomputation changes memory and time, not the gradient."""
+    from minirl.parallel.wrap import set_checkpointing
+
+    grads = []
+    for on in (False, True):
+        model, tok = make_tiny_policy(seed=10, num_layers=2)
+        ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(3))
+        config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+        set_checkpointing(model, on)
+        actor = DistributedActor(wrap_model(model, 3, "cpu"), config.algorithm, config.optimizer, config.sampling,
+                                 group, checkpointing=on)
+        metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
+        grads.append(metrics["grad_norm"])
+    assert grads[0] == pytest.approx(grads[1], rel=1e-5)

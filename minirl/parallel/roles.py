@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from minirl.algo.logprobs import completion_logprobs
 from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
@@ -118,18 +119,26 @@ class DistributedActor(Actor):
     wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
     DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
     group: a `minirl.parallel.launch.ProcessGroup` (all_sum, gather_objects, world_size).
+    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
+    transformers then turns the KV cache off in training, so the log-probs take one pass over
+    every row instead of sharing each group's prompt (same values, more compute).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
-                 sampling: SamplingConfig, group):
+                 sampling: SamplingConfig, group, checkpointing: bool = False):
         super().__init__(wrapped.module, algorithm, optimizer, sampling)
-        self.module, self.zero, self.group = wrapped.model, wrapped.zero, group
+        self.module, self.zero, self.group, self.checkpointing = wrapped.model, wrapped.zero, group, checkpointing
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.grad_scale = 1.0
 
     def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        logps, entropy = super()._logprobs(rollout, with_entropy)
+        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
+            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                                 rollout.num_completion_tokens, self.sampling.temperature,
+                                                 with_entropy=with_entropy)
+        else:
+            logps, entropy = super()._logprobs(rollout, with_entropy)
         if self.grad_scale != 1.0 and logps.requires_grad:
             logps = scale_gradient(logps, self.grad_scale)        # this rank's share of the batch's loss
         return logps, entropy

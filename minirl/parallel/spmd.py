@@ -76,7 +76,8 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
         set_checkpointing(model, True)
     wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
-    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group)
+    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
+                             checkpointing=pconfig.gradient_checkpointing)
     sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
