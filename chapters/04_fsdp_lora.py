@@ -86,7 +86,8 @@ def parse_args(argv=None):
         if args.model is None:
             args.model = record.get("model")
         typed = explicit_dests(parser, argv)
-        changed = [f"{flag(k)} {old[k]!r} -> {getattr(args, k)!r}" for old in (saved.flat(), dataclasses.asdict(saved_p))
+        olds = (saved.flat(), dataclasses.asdict(saved_p))
+        changed = [f"{flag(k)} {old[k]!r} -> {getattr(args, k)!r}" for old in olds
                    for k in sorted(typed & set(old)) if k not in SAFE_ON_RESUME and old[k] != getattr(args, k)]
         if changed:
             parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
@@ -144,7 +145,8 @@ def summarize(metrics: list[dict], state, pconfig: ParallelConfig, sync_rows: li
         "accuracy_before": evals[0]["accuracy"] if evals else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
         "steps": metrics[-1]["step"] if metrics else 0, "world_size": world, "seconds": seconds,
-        "peak_bytes": per_rank("memory/peak_bytes"), "state_bytes": per_rank("memory/state_bytes"),
+        "peak_bytes": per_rank("memory/peak_bytes"), "update_bytes": per_rank("memory/update_bytes"),
+        "state_bytes": per_rank("memory/state_bytes"),
         "state_bytes_calculator": calc["total"],
         "sync_seconds": totals["sync"] / max(1, len(steps)), "sync_bytes": steps[-1]["sync/bytes"] if steps else 0,
         "sync_peak_bytes": max((m["sync/peak_bytes"] for m in steps), default=0),
@@ -169,10 +171,11 @@ def print_report(summary: dict) -> None:
     for r, (peak, state) in enumerate(zip(summary["peak_bytes"], summary["state_bytes"])):
         awake = summary["colocation"]["engine_awake_bytes"][r]
         asleep = summary["colocation"]["engine_asleep_bytes"][r]
-        print(f"  rank {r}: trainer state {state / MiB:.2f} MiB, peak {peak / MiB:.2f} MiB, engine {awake / MiB:.2f} "
-              f"MiB awake / {asleep / MiB:.2f} MiB asleep")
+        print(f"  rank {r}: trainer state {state / MiB:.2f} MiB, during the update {summary['update_bytes'][r] / MiB:.2f}"
+              f" MiB, peak {peak / MiB:.2f} MiB, engine {awake / MiB:.2f} MiB awake / {asleep / MiB:.2f} MiB asleep")
     whole = sum(summary["stage_seconds"].values()) or 1.0
-    print("stage split (rank 0): " + ", ".join(f"{s} {100 * v / whole:.1f} %" for s, v in summary["stage_seconds"].items()))
+    shares = ", ".join(f"{s} {100 * v / whole:.1f} %" for s, v in summary["stage_seconds"].items())
+    print(f"stage split (rank 0): {shares}")
     print(f"{'sync mode':>9} | {'MiB per sync':>12} | {'seconds':>8} | {'share of step':>13} | source flags > 5 %")
     for row in summary["sync_table"]:
         share = row["share"]

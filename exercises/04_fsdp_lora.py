@@ -277,19 +277,19 @@ DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 class ParallelConfig:
     """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
 
-    zero: int = 3                      # 0: DDP; 1: + ZeroRedundancyOptimizer; 2: FSDP2 keeping weights gathered to backward; 3: FSDP2
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the linear layers that get adapters
+    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces gradients in float32 (ZeRO 2/3)
-    cpu_offload: bool = False          # FSDP2 keeps parameter shards, gradients and Adam state in CPU memory (CUDA, ZeRO 2/3)
-    rollout: str = "hf"                # hf: the in-process engine named by --rollout-engine; vllm: vLLM (CUDA)
-    sync_mode: str = "auto"            # full, merged (LoRA folded into the base) or adapter (LoRA's A and B only); auto: full, or merged with LoRA
-    colocate: bool = True              # the engine releases its weights during the update and takes them back at the sync
+    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
+    cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
+    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
-    seed_per_prompt: bool = False      # sample each prompt from its own seed: the batch no longer depends on the world size (slower)
+    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
     choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
                "backend": ("auto", "gloo", "nccl")}
@@ -356,6 +356,14 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
+        if pconfig.resolved_sync_mode == "adapter":
+            raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
+                                                      "serves adapters through LoRA requests, not wired here: "
+                                                      "use --sync-mode merged with --rollout vllm")
+        if config.rollout.rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
+                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
+                              "pick one of those with --rollout vllm")
 
 
 ZERO_LEVELS = (0, 1, 2, 3)
@@ -995,7 +1003,8 @@ def import_vllm():
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
                                              "pip install -r requirements-gpu.txt, or use --rollout hf") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use --rollout hf")
+        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                             "--rollout hf")
     return vllm
 
 
@@ -1224,7 +1233,8 @@ def evaluate_engine(engine, tokenizer, task) -> float:
     return greedy_accuracy(inner.model, tokenizer, task)
 
 
-def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path, ctx: DistContext) -> Path | None:
+def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
+                  ctx: DistContext) -> Path | None:
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
 
     Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
@@ -1394,7 +1404,7 @@ class MemoryTracker(Callback):
     """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
 
     def __init__(self):
-        self.hook, self.shards, self.peak, self.asleep = None, [], 0, 0
+        self.hook, self.shards, self.update, self.asleep = None, [], 0, 0
 
     def _sample(self, state, registered) -> int:
         """This rank's bytes now: shards + the parameters registered now + gradients + Adam + the engine."""
@@ -1408,7 +1418,7 @@ class MemoryTracker(Callback):
 
         def after_forward(mod, args, output):            # FSDP2 has swapped gathered tensors in
             if torch.is_grad_enabled():
-                self.peak = max(self.peak, self._sample(state, list(module.parameters())))
+                self.update = max(self.update, self._sample(state, list(module.parameters())))
                 self.asleep = engine_bytes(state.engine)
 
         self.hook = module.register_forward_hook(after_forward)
@@ -1418,8 +1428,9 @@ class MemoryTracker(Callback):
     def on_step(self, state, record):
         parts = trainer_bytes(state.roles.actor)
         awake = engine_bytes(state.engine)
-        mine = {"peak": max(self.peak, self._sample(state, [])), "state": sum(parts.values()), "awake": awake,
-                "asleep": self.asleep, **parts}
+        rest = self._sample(state, [])
+        mine = {"update": self.update, "rest": rest, "peak": max(self.update, rest), "state": sum(parts.values()),
+                "awake": awake, "asleep": self.asleep, **parts}
         if torch.cuda.is_available():
             mine["cuda_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -1427,7 +1438,8 @@ class MemoryTracker(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-        record["memory/peak_bytes"] = [m["peak"] for m in everyone]
+        for key in ("update", "rest", "peak"):
+            record[f"memory/{key}_bytes"] = [m[key] for m in everyone]
         record["memory/state_bytes"] = [m["state"] for m in everyone]
         record["memory/engine_awake_bytes"] = [m["awake"] for m in everyone]
         record["memory/engine_asleep_bytes"] = [m["asleep"] for m in everyone]
@@ -1435,7 +1447,7 @@ class MemoryTracker(Callback):
             record[f"memory/{part}_bytes"] = [m[part] for m in everyone]
         if "cuda_peak" in mine:
             record["memory/cuda_peak_bytes"] = [m["cuda_peak"] for m in everyone]
-        self.peak = 0
+        self.update = 0
 
     def on_end(self, state):
         if self.hook is not None:

@@ -368,19 +368,19 @@ DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 class ParallelConfig:
     """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
 
-    zero: int = 3                      # 0: DDP; 1: + ZeroRedundancyOptimizer; 2: FSDP2 keeping weights gathered to backward; 3: FSDP2
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the linear layers that get adapters
+    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces gradients in float32 (ZeRO 2/3)
-    cpu_offload: bool = False          # FSDP2 keeps parameter shards, gradients and Adam state in CPU memory (CUDA, ZeRO 2/3)
-    rollout: str = "hf"                # hf: the in-process engine named by --rollout-engine; vllm: vLLM (CUDA)
-    sync_mode: str = "auto"            # full, merged (LoRA folded into the base) or adapter (LoRA's A and B only); auto: full, or merged with LoRA
-    colocate: bool = True              # the engine releases its weights during the update and takes them back at the sync
+    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
+    cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
+    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
-    seed_per_prompt: bool = False      # sample each prompt from its own seed: the batch no longer depends on the world size (slower)
+    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
     choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
                "backend": ("auto", "gloo", "nccl")}
@@ -447,6 +447,14 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
+        if pconfig.resolved_sync_mode == "adapter":
+            raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
+                                                      "serves adapters through LoRA requests, not wired here: "
+                                                      "use --sync-mode merged with --rollout vllm")
+        if config.rollout.rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
+                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
+                              "pick one of those with --rollout vllm")
 
 # %% [markdown]
 # The notebook itself joins a process group of one (through a file store, no `torchrun`), so
@@ -1568,7 +1576,8 @@ def import_vllm():
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
                                              "pip install -r requirements-gpu.txt, or use --rollout hf") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use --rollout hf")
+        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                             "--rollout hf")
     return vllm
 
 
@@ -1710,13 +1719,14 @@ print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
 # already global; the step adds the sync's peak, the engine's sleep and wake times, and
 # each rank's stage times (the slowest rank sets the pace of a synchronous job).
 #
-# One choice is about randomness. Each rank samples its prompts from its own generator
-# (seeded from the run's seed and the rank), so two ranks never draw the same random
-# numbers. The batch a run sees then depends on the world size. `seed_per_prompt=True`
-# instead samples each prompt from a seed of its own (drawn from the shared generator and
-# the prompt), so the batch is the same for any number of ranks: that is how the tests
-# check that two ranks compute what one process computes. It costs a `generate` call per
-# prompt.
+# One choice is about randomness. Each rank samples its completions with a generator of its
+# own (seeded from the run's seed and the rank), so two ranks never draw the same random
+# numbers; the completions a run sees then depend on the world size. `seed_per_prompt=True`
+# instead samples each prompt from a seed of its own (`SeedPerPrompt`, defined with the
+# colocated engine: a seed drawn from the shared generator, hashed with the prompt), so the
+# batch is the same for any number of ranks: that is how the tests check that two ranks
+# compute what one process computes. It costs a `generate` call per prompt with the HF
+# engines; vLLM takes a seed per request anyway, so `VLLMEngine` always seeds this way.
 
 # %%
 # | export minirl/parallel/spmd.py
@@ -1868,7 +1878,8 @@ def evaluate_engine(engine, tokenizer, task) -> float:
     return greedy_accuracy(inner.model, tokenizer, task)
 
 
-def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path, ctx: DistContext) -> Path | None:
+def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
+                  ctx: DistContext) -> Path | None:
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
 
     Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
@@ -2080,9 +2091,11 @@ optimizer state; `engine_bytes` counts the engine's weights (0 while a colocated
 sleeps). `MemoryTracker` is a run callback: a forward hook on the actor samples the rank's
 total right after the update's forward pass (gathered FSDP2 weights, last step's gradients,
 Adam, the engine, asleep if colocated), the end of each step samples it at rest (engine
-awake after the sync), and every rank's figures are gathered into the record:
-"memory/peak_bytes" (a list, one per rank), "memory/state_bytes", "memory/engine_awake_bytes",
-"memory/engine_asleep_bytes", and on CUDA "memory/cuda_peak_bytes".
+awake after the sync), and every rank's figures are gathered into the record (lists, one
+entry per rank): "memory/update_bytes" (the sample in the update), "memory/rest_bytes" (at
+rest), "memory/peak_bytes" (the larger), "memory/state_bytes", "memory/{weights,grads,
+optimizer}_bytes", "memory/engine_awake_bytes", "memory/engine_asleep_bytes", and on CUDA
+"memory/cuda_peak_bytes".
 
 Simplified: storage counting sees named tensors only (no activations or buffers); the CUDA
 allocator's peak is the ground truth where there is one.
@@ -2119,7 +2132,7 @@ class MemoryTracker(Callback):
     """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
 
     def __init__(self):
-        self.hook, self.shards, self.peak, self.asleep = None, [], 0, 0
+        self.hook, self.shards, self.update, self.asleep = None, [], 0, 0
 
     def _sample(self, state, registered) -> int:
         """This rank's bytes now: shards + the parameters registered now + gradients + Adam + the engine."""
@@ -2133,7 +2146,7 @@ class MemoryTracker(Callback):
 
         def after_forward(mod, args, output):            # FSDP2 has swapped gathered tensors in
             if torch.is_grad_enabled():
-                self.peak = max(self.peak, self._sample(state, list(module.parameters())))
+                self.update = max(self.update, self._sample(state, list(module.parameters())))
                 self.asleep = engine_bytes(state.engine)
 
         self.hook = module.register_forward_hook(after_forward)
@@ -2143,8 +2156,9 @@ class MemoryTracker(Callback):
     def on_step(self, state, record):
         parts = trainer_bytes(state.roles.actor)
         awake = engine_bytes(state.engine)
-        mine = {"peak": max(self.peak, self._sample(state, [])), "state": sum(parts.values()), "awake": awake,
-                "asleep": self.asleep, **parts}
+        rest = self._sample(state, [])
+        mine = {"update": self.update, "rest": rest, "peak": max(self.update, rest), "state": sum(parts.values()),
+                "awake": awake, "asleep": self.asleep, **parts}
         if torch.cuda.is_available():
             mine["cuda_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -2152,7 +2166,8 @@ class MemoryTracker(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-        record["memory/peak_bytes"] = [m["peak"] for m in everyone]
+        for key in ("update", "rest", "peak"):
+            record[f"memory/{key}_bytes"] = [m[key] for m in everyone]
         record["memory/state_bytes"] = [m["state"] for m in everyone]
         record["memory/engine_awake_bytes"] = [m["awake"] for m in everyone]
         record["memory/engine_asleep_bytes"] = [m["asleep"] for m in everyone]
@@ -2160,7 +2175,7 @@ class MemoryTracker(Callback):
             record[f"memory/{part}_bytes"] = [m[part] for m in everyone]
         if "cuda_peak" in mine:
             record["memory/cuda_peak_bytes"] = [m["cuda_peak"] for m in everyone]
-        self.peak = 0
+        self.update = 0
 
     def on_end(self, state):
         if self.hook is not None:
@@ -2252,10 +2267,11 @@ plt.show()
 # ### Per-rank memory at each ZeRO level, against notebook 03's calculator
 #
 # Every step logs each rank's bytes, counted as notebook 03 counts them. The bars are the
-# trainer's state at rest (weights, gradients, Adam), the engine's copy stacked on top, and
-# the dot the peak seen after the update's forward pass; the star is the calculator's FP32
-# state per rank (`zero_per_gpu`, or `lora_memory` for LoRA) for the same parameter count
-# and two ranks.
+# trainer's state at rest (weights, gradients, Adam) with the engine's copy (awake) stacked
+# on top; the triangle is what the rank held right after the update's forward pass (the
+# engine asleep, FSDP2's gathered layers still there, the previous step's gradients not yet
+# freed); the star is the calculator's FP32 state per rank (`zero_per_gpu`, or `lora_memory`
+# for LoRA) for the same parameter count and two ranks.
 
 # %%
 from minirl.memory.calculator import lora_memory, zero_per_gpu  # noqa: E402
@@ -2277,34 +2293,38 @@ for i, name in enumerate(n for n in ("zero0", "zero1", "zero2", "zero3", "lora")
             bottom += value
         engine = last["memory/engine_awake_bytes"][rank] / MiB
         ax.bar(x, engine, bottom=bottom, color=colors["engine"], hatch="//", label="engine (awake)" if i == rank == 0 else None)
-        ax.plot(x, max(summary["peak_bytes"][rank], 0) / MiB, "ko", label="peak" if i == rank == 0 else None)
+        ax.plot(x, summary["update_bytes"][rank] / MiB, "k^", label="during the update" if i == rank == 0 else None)
         ax.plot(x, calc / MiB, "r*", ms=11, label="calculator (state)" if i == rank == 0 else None)
         state = last["memory/state_bytes"][rank]
         rows.append((name, f"ZeRO-{zero}", rank, f"{state / MiB:.2f}", f"{calc / MiB:.2f}", f"{state / calc:.3f}",
-                     f"{summary['peak_bytes'][rank] / MiB:.2f}"))
+                     f"{summary['update_bytes'][rank] / MiB:.2f}", f"{summary['peak_bytes'][rank] / MiB:.2f}"))
     labels.append((2.5 * i + 0.5, f"{name}\nZeRO-{zero}"))
 ax.set_xticks([x for x, _ in labels], [t for _, t in labels])
 ax.set(ylabel="MiB per rank", title="what each rank holds (2 ranks, FP32, embedded policy)")
 ax.legend(fontsize=7, ncol=3)
 plt.tight_layout()
 plt.show()
-show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calculator", "peak MiB"))
+show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calculator", "in update MiB",
+            "peak MiB"))
 
 # %% [markdown]
 # Read the ratios against notebook 03's table. DDP holds the whole 16 bytes per parameter on
-# each rank and ZeRO-3 a half; ZeRO-1's ZeroRedundancyOptimizer hands out *whole tensors*, so
-# its two ranks differ while their mean is the calculator's; FSDP2's "ZeRO-2" reshards after
-# backward, so at rest it holds ZeRO-3's shard, and only the peak, taken while the layers are
-# still gathered after the forward pass, shows the whole weights. The optimizer adds a few
-# bytes per tensor (Adam's step counters) that the calculator leaves out. The engine's copy
-# is the one thing the calculator does not count, and on every rank it is a whole model:
-# that is what colocation takes back during the update.
+# each rank and ZeRO-3 a half. ZeRO-1's ZeroRedundancyOptimizer hands out *whole tensors*, so
+# its ranks' shares need not be equal (the ratio column shows how close they came). FSDP2's
+# "ZeRO-2" reshards after backward, so at rest it holds ZeRO-3's shard (ratio below 1 against
+# the calculator's ZeRO-2, which keeps whole weights); the column "in update" shows the whole
+# weights it keeps gathered from forward to backward, while ZeRO-3 has let them go. The
+# engine's copy is the one thing the calculator does not count, and on every rank it is a
+# whole model; colocation gives it back during the update, and that is exactly the room
+# ZeRO-2's gathered weights take.
 
 # %%
 if not SMOKE:
     ratios = {r[0]: float(r[5]) for r in rows}
-    for name in ("zero0", "zero3"):
+    for name in ("zero0", "zero3", "lora"):
         assert abs(ratios[name] - 1) < 0.02, f"{name}: measured state differs from the calculator"
+    update = {name: runs[name][0]["update_bytes"][0] for name in ("zero2", "zero3")}
+    assert update["zero2"] > update["zero3"], "ZeRO-2 keeps the gathered layers through the update"
 
 # %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
@@ -2328,9 +2348,23 @@ print(f"adapter-only: {table['adapter']['bytes'] / table['merged']['bytes']:.1%}
 assert table["adapter"]["bytes"] < 0.1 * table["merged"]["bytes"]
 
 # %% [markdown]
-# On a CPU with gloo much of a sync's time is latency: one all-gather per tensor, each with
-# a fixed cost whatever its size, which is why the share can sit above the source's 5 %
-# even for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
+# Where the time goes shows in each run's own share, by ZeRO level:
+
+# %%
+rows = [(name, f"ZeRO-{runs[name][0]['parallel']['zero']}", runs[name][0]["sync_mode"],
+         f"{1e3 * runs[name][0]['sync_seconds']:.1f}", f"{100 * runs[name][0]['sync_share']:.1f} %")
+        for name in ("zero0", "zero1", "zero2", "zero3", "lora", "adapter") if name in runs]
+show(rows, ("run", "stage", "sync", "ms per sync", "share of the step"))
+if not SMOKE:
+    ddp, fsdp = runs["zero0"][0]["sync_share"], runs["zero3"][0]["sync_share"]
+    assert ddp < fsdp, "under DDP the engine's weights are already whole on every rank"
+
+# %% [markdown]
+# Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
+# memory and a small share of the step. Under FSDP2 each tensor is first all-gathered, and
+# on CPUs with gloo much of that time is latency: one collective per tensor, each with a
+# fixed cost whatever its size, which is why the share can sit above the source's 5 % even
+# for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
 # bytes by an order of magnitude but not the number of tensors (two small matrices for each
 # of the 7 adapted linears of a block, against the block's 12 weights and biases), so on a
 # latency-bound link it saves less time than bytes. On GPUs with NCCL and a real model the
@@ -2378,7 +2412,9 @@ show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "w
 #
 # With `--seed-per-prompt` the batch of a step does not depend on how many ranks share it,
 # so one and two ranks must compute the same losses and end with the same weights, up to
-# float rounding (a sum over two halves is not bit for bit a sum over the whole).
+# float rounding: a sum over two halves is not bit for bit a sum over the whole, and Adam,
+# which divides by the root of the squared gradient, can turn a rounding difference in a
+# gradient close to zero into a difference of up to about one learning rate per step.
 # `tests/test_parallel_torchrun.py` checks this against notebook 01's loop for dapo and grpo,
 # with and without LoRA, under every wrapper; here once more, on the embedded policy.
 
@@ -2395,7 +2431,9 @@ else:
             for m1, m2 in zip(one[1], two[1])]
     show(rows, ("step", "loss, 1 rank", "loss, 2 ranks", "reward, 1 rank", "reward, 2 ranks"))
     w1, w2 = (load_file(RUNS / n / "final" / "model.safetensors") for n in ("04_one_rank", "04_two_ranks"))
-    print(f"largest weight difference after 5 steps: {max((w1[k] - w2[k]).abs().max().item() for k in w1):.2e}")
+    worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    print(f"largest weight difference after 5 steps: {worst:.2e} (learning rate {RLConfig().optimizer.learning_rate})")
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1])) and worst < 5 * 3e-4
 
 # %% [markdown]
 # ## 8. Bad input stops every rank, with its cause

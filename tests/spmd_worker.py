@@ -76,13 +76,15 @@ def main(cases_path: str, out_dir: str) -> None:
                 result["errors"] = errors_on_every_rank(
                     ctx, lambda: setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx))
             elif kind == "sync_peak":
-                streaming, plain = ColocatedEngine(HFEngine(model, tokenizer), colocate=False), HFEngine(model, tokenizer)
-                whole = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+                streaming = ColocatedEngine(HFEngine(model, tokenizer), colocate=False)
+                plain = HFEngine(model, tokenizer)
+                distinct = {t.data_ptr(): t for t in model.state_dict().values()}.values()     # tied: once
+                whole = sum(t.numel() * t.element_size() for t in distinct)
                 layer = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
                 state = setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx)
                 sync, named = ShardedSync("full"), list(state.roles.actor.named_weights())
-                result = {"streaming": sync.push(named, streaming, 1).peak_bytes, "dict": sync.push(named, plain, 1).peak_bytes,
-                          "layer": layer, "whole": whole}
+                result = {"streaming": sync.push(named, streaming, 1).peak_bytes,
+                          "dict": sync.push(named, plain, 1).peak_bytes, "layer": layer, "whole": whole}
             else:
                 state = setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx)
                 if kind == "push_error":

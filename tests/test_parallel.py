@@ -136,7 +136,8 @@ def test_pad_completions_adds_masked_columns(tiny):
     C = ro.num_completion_tokens
     wide = pad_completions(Experience(ro, torch.zeros(4), advantages=torch.zeros(4), ref_logps=ro.logprobs), C + 2)
     assert wide.rollout.completion_ids.shape[1] == C + 2 and wide.ref_logps.shape[1] == C + 2
-    assert (wide.rollout.completion_mask[:, C:] == 0).all() and (wide.rollout.completion_ids[:, C:] == tok.pad_token_id).all()
+    assert (wide.rollout.completion_mask[:, C:] == 0).all()
+    assert (wide.rollout.completion_ids[:, C:] == tok.pad_token_id).all()
     assert torch.equal(wide.rollout.prompt_ids, ro.prompt_ids) and wide.advantages.shape == (4,)
 
 

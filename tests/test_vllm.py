@@ -44,7 +44,7 @@ def test_vllm_samples_g_completions_with_the_temperature_applied(engine_and_poli
         trainer, _ = completion_logprobs(model, ro.input_ids.cuda(), ro.attention_mask.cuda(),
                                          ro.num_completion_tokens, temperature=0.7)
     gap = (trainer.cpu() - ro.logprobs)[mask].abs().mean().item()
-    assert gap < 0.02, f"vLLM's log-probs are not the trainer's at temperature 0.7 (mean gap {gap}): processed logprobs?"
+    assert gap < 0.02, f"vLLM's log-probs are not the trainer's at temperature 0.7 (mean gap {gap}): processed?"
 
 
 @pytest.mark.vllm

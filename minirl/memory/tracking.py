@@ -6,9 +6,11 @@ optimizer state; `engine_bytes` counts the engine's weights (0 while a colocated
 sleeps). `MemoryTracker` is a run callback: a forward hook on the actor samples the rank's
 total right after the update's forward pass (gathered FSDP2 weights, last step's gradients,
 Adam, the engine, asleep if colocated), the end of each step samples it at rest (engine
-awake after the sync), and every rank's figures are gathered into the record:
-"memory/peak_bytes" (a list, one per rank), "memory/state_bytes", "memory/engine_awake_bytes",
-"memory/engine_asleep_bytes", and on CUDA "memory/cuda_peak_bytes".
+awake after the sync), and every rank's figures are gathered into the record (lists, one
+entry per rank): "memory/update_bytes" (the sample in the update), "memory/rest_bytes" (at
+rest), "memory/peak_bytes" (the larger), "memory/state_bytes", "memory/{weights,grads,
+optimizer}_bytes", "memory/engine_awake_bytes", "memory/engine_asleep_bytes", and on CUDA
+"memory/cuda_peak_bytes".
 
 Simplified: storage counting sees named tensors only (no activations or buffers); the CUDA
 allocator's peak is the ground truth where there is one.
@@ -45,7 +47,7 @@ class MemoryTracker(Callback):
     """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
 
     def __init__(self):
-        self.hook, self.shards, self.peak, self.asleep = None, [], 0, 0
+        self.hook, self.shards, self.update, self.asleep = None, [], 0, 0
 
     def _sample(self, state, registered) -> int:
         """This rank's bytes now: shards + the parameters registered now + gradients + Adam + the engine."""
@@ -59,7 +61,7 @@ class MemoryTracker(Callback):
 
         def after_forward(mod, args, output):            # FSDP2 has swapped gathered tensors in
             if torch.is_grad_enabled():
-                self.peak = max(self.peak, self._sample(state, list(module.parameters())))
+                self.update = max(self.update, self._sample(state, list(module.parameters())))
                 self.asleep = engine_bytes(state.engine)
 
         self.hook = module.register_forward_hook(after_forward)
@@ -69,8 +71,9 @@ class MemoryTracker(Callback):
     def on_step(self, state, record):
         parts = trainer_bytes(state.roles.actor)
         awake = engine_bytes(state.engine)
-        mine = {"peak": max(self.peak, self._sample(state, [])), "state": sum(parts.values()), "awake": awake,
-                "asleep": self.asleep, **parts}
+        rest = self._sample(state, [])
+        mine = {"update": self.update, "rest": rest, "peak": max(self.update, rest), "state": sum(parts.values()),
+                "awake": awake, "asleep": self.asleep, **parts}
         if torch.cuda.is_available():
             mine["cuda_peak"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -78,7 +81,8 @@ class MemoryTracker(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-        record["memory/peak_bytes"] = [m["peak"] for m in everyone]
+        for key in ("update", "rest", "peak"):
+            record[f"memory/{key}_bytes"] = [m[key] for m in everyone]
         record["memory/state_bytes"] = [m["state"] for m in everyone]
         record["memory/engine_awake_bytes"] = [m["awake"] for m in everyone]
         record["memory/engine_asleep_bytes"] = [m["asleep"] for m in everyone]
@@ -86,7 +90,7 @@ class MemoryTracker(Callback):
             record[f"memory/{part}_bytes"] = [m[part] for m in everyone]
         if "cuda_peak" in mine:
             record["memory/cuda_peak_bytes"] = [m["cuda_peak"] for m in everyone]
-        self.peak = 0
+        self.update = 0
 
     def on_end(self, state):
         if self.hook is not None:

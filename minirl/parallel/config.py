@@ -26,19 +26,19 @@ DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 class ParallelConfig:
     """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
 
-    zero: int = 3                      # 0: DDP; 1: + ZeroRedundancyOptimizer; 2: FSDP2 keeping weights gathered to backward; 3: FSDP2
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the linear layers that get adapters
+    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces gradients in float32 (ZeRO 2/3)
-    cpu_offload: bool = False          # FSDP2 keeps parameter shards, gradients and Adam state in CPU memory (CUDA, ZeRO 2/3)
-    rollout: str = "hf"                # hf: the in-process engine named by --rollout-engine; vllm: vLLM (CUDA)
-    sync_mode: str = "auto"            # full, merged (LoRA folded into the base) or adapter (LoRA's A and B only); auto: full, or merged with LoRA
-    colocate: bool = True              # the engine releases its weights during the update and takes them back at the sync
+    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
+    cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
+    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
-    seed_per_prompt: bool = False      # sample each prompt from its own seed: the batch no longer depends on the world size (slower)
+    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
     choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
                "backend": ("auto", "gloo", "nccl")}
@@ -105,3 +105,11 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
+        if pconfig.resolved_sync_mode == "adapter":
+            raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
+                                                      "serves adapters through LoRA requests, not wired here: "
+                                                      "use --sync-mode merged with --rollout vllm")
+        if config.rollout.rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
+                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
+                              "pick one of those with --rollout vllm")

@@ -147,7 +147,8 @@ def evaluate_engine(engine, tokenizer, task) -> float:
     return greedy_accuracy(inner.model, tokenizer, task)
 
 
-def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path, ctx: DistContext) -> Path | None:
+def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
+                  ctx: DistContext) -> Path | None:
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
 
     Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and

@@ -43,7 +43,8 @@ def import_vllm():
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
                                              "pip install -r requirements-gpu.txt, or use --rollout hf") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use --rollout hf")
+        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                             "--rollout hf")
     return vllm
 
 
