@@ -171,8 +171,9 @@ def print_report(summary: dict) -> None:
     for r, (peak, state) in enumerate(zip(summary["peak_bytes"], summary["state_bytes"])):
         awake = summary["colocation"]["engine_awake_bytes"][r]
         asleep = summary["colocation"]["engine_asleep_bytes"][r]
-        print(f"  rank {r}: trainer state {state / MiB:.2f} MiB, during the update {summary['update_bytes'][r] / MiB:.2f}"
-              f" MiB, peak {peak / MiB:.2f} MiB, engine {awake / MiB:.2f} MiB awake / {asleep / MiB:.2f} MiB asleep")
+        update = summary["update_bytes"][r]
+        print(f"  rank {r}: trainer state {state / MiB:.2f} MiB, during the update {update / MiB:.2f} MiB, peak "
+              f"{peak / MiB:.2f} MiB, engine {awake / MiB:.2f} MiB awake / {asleep / MiB:.2f} MiB asleep")
     whole = sum(summary["stage_seconds"].values()) or 1.0
     shares = ", ".join(f"{s} {100 * v / whole:.1f} %" for s, v in summary["stage_seconds"].items())
     print(f"stage split (rank 0): {shares}")

@@ -737,17 +737,10 @@ Simplified: PPO's critic is not sharded (stage 4 trains GRPO); with beta > 0 the
 is a full, unsharded copy on every rank.
 """
 
-import dataclasses
-import math
-
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import completion_logprobs
-from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Batch, Experience, Rollout
-from minirl.parallel.wrap import Wrapped, make_optimizer
-from minirl.roles.actor import Actor
+from minirl.config import LOSS_TYPES
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -790,6 +783,22 @@ def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, loca
         return world_size * local_rows / global_rows
     return 1.0
     # END SOLUTION
+
+
+# %% [markdown]
+# The rest of the actor: the metrics reduced over the ranks, the padding to the widest
+# completion, and the role itself.
+
+# %%
+# | export minirl/parallel/roles.py
+import dataclasses
+import math
+
+from minirl.algo.logprobs import completion_logprobs
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.data import Batch, Experience, Rollout
+from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.roles.actor import Actor
 
 
 def reduce_metrics(metrics: dict, tokens: float, group) -> dict:
@@ -989,16 +998,9 @@ CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
 """
 
 import re
-import time
-import weakref
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import torch
 from torch import Tensor
-
-from minirl.sync.base import SyncReport, check_pushed
-from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
 
 SYNC_MODES = ("full", "merged", "adapter")
 PEFT_PREFIX = "base_model.model."
@@ -1085,6 +1087,24 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
             tensor = merge_lora(tensor, lora[(stem, "A")], lora[(stem, "B")], scaling)
         out.append((engine_name(name), tensor))
     return out
+
+
+# %% [markdown]
+# The sync itself: stream the engine's tensors into `load_weights` one layer at a time, count
+# the gathered bytes alive at once (each tensor counted from its creation until it is freed),
+# check the version, and on request compare every tensor with notebook 02's stale-parameter
+# check.
+
+# %%
+# | export minirl/sync/sharded.py
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from minirl.sync.base import SyncReport, check_pushed
+from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
 
 
 class LiveBytes:

@@ -16,6 +16,8 @@ Simplified: storage counting sees named tensors only (no activations or buffers)
 allocator's peak is the ground truth where there is one.
 """
 
+__all__ = ["trainer_bytes", "engine_bytes", "MemoryTracker"]
+
 import torch
 import torch.distributed as dist
 

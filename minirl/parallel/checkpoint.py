@@ -12,6 +12,9 @@ renames into place once every rank is done. `latest_sharded` finds the newest in
 Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
 """
 
+__all__ = ["PREFIX", "TMP", "save_sharded", "intact", "latest_sharded", "load_sharded",
+           "ShardedCheckpointer"]
+
 import dataclasses
 import os
 import random

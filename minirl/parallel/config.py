@@ -7,6 +7,9 @@ stage-4 run adds these. Every value is checked when the dataclass is built, and
 rank of a job refuses a bad one before it loads anything.
 """
 
+__all__ = ["ZERO_LEVELS", "ROLLOUTS", "SYNC_MODES", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS",
+           "ParallelConfig", "check_parallel"]
+
 import importlib.util
 from dataclasses import dataclass
 

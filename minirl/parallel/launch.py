@@ -13,6 +13,9 @@ Simplified vs torchrun + accelerate: one node, one flat process group, no elasti
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
 """
 
+__all__ = ["BACKENDS", "DistContext", "world_from_env", "pick_backend", "init_distributed",
+           "shutdown", "ProcessGroup", "rank_share", "RankFailed", "agree", "torchrun"]
+
 import os
 import signal
 import subprocess

@@ -13,14 +13,17 @@ Simplified: PPO's critic is not sharded (stage 4 trains GRPO); with beta > 0 the
 is a full, unsharded copy on every rank.
 """
 
+__all__ = ["scale_gradient", "rank_loss_weight", "reduce_metrics", "pad_completions",
+           "DistributedActor"]
+
 import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import completion_logprobs
 from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.algo.logprobs import completion_logprobs
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor

@@ -14,6 +14,9 @@ Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tens
 rollout), GRPO only, one model family's decoder layers per FSDP unit.
 """
 
+__all__ = ["SPMDState", "build_engine", "setup_spmd", "spmd_step", "sync_table", "innermost",
+           "evaluate_engine", "export_policy"]
+
 import os
 import shutil
 import statistics

@@ -16,6 +16,9 @@ FSDP2 without resharding after forward, which still reshards after backward, so 
 steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
 """
 
+__all__ = ["ZERO_LEVELS", "LORA_TARGETS", "decoder_layers", "set_checkpointing", "apply_lora",
+           "Wrapped", "wrap_model", "make_optimizer"]
+
 from dataclasses import dataclass
 
 import torch

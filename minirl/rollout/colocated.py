@@ -15,6 +15,8 @@ and level 2 only (released, then refilled by the next push); level 1 (offload to
 memory) has nowhere to go on a CPU.
 """
 
+__all__ = ["EngineNotReady", "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
+
 import hashlib
 import time
 from typing import Iterable

@@ -14,6 +14,8 @@ the tests marked `vllm` run it. Simplified vs TRL: tensor parallel size 1, no se
 no LoRA adapters inside vLLM (push merged weights).
 """
 
+__all__ = ["import_vllm", "VLLMEngine"]
+
 import os
 import socket
 import tempfile

@@ -1,7 +1,3 @@
-<<<<<<< HEAD
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py, notebooks/04_fsdp_lora.py
 # by tools/build.py -- edit the notebook, not this file.
-=======
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py, notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
->>>>>>> 67b5649 (Stage 4 package (WIP): parallel launch/config/wrap/roles/spmd/checkpoint, sharded sync, colocated and vLLM engines, memory tracking; notebook 03 measures with parallel.wrap; chapter 04; tests)
 """minirl.sync."""

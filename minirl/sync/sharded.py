@@ -17,14 +17,18 @@ Simplified vs TRL / veRL: one all-gather per tensor (no bucketing into flat buff
 CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
 """
 
+__all__ = ["SYNC_MODES", "PEFT_PREFIX", "LAYER", "LORA", "engine_name", "layer_key", "full_tensor",
+           "gather_by_layer", "merge_lora", "engine_tensors", "LiveBytes", "ShardedSyncReport",
+           "ShardedSync", "SinkEngine", "full_tensor_storage"]
+
 import re
+from typing import Iterable, Iterator
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
-import torch
 from torch import Tensor
+import torch
 
 from minirl.sync.base import SyncReport, check_pushed
 from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
