@@ -1,7 +1,7 @@
 """Stage 4: GRPO on every rank of a torchrun job, each with its share of the batch (multi-controller, SPMD).
 
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04              # CPU, embedded policy, ZeRO-3
-    torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04-lora --lora-rank 8
+    torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04-lora --lora-rank 8 --learning-rate 2e-3
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume     # continue a stopped run exactly
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
         --zero 3 --lora-rank 16 --rollout vllm --out runs/04-qwen

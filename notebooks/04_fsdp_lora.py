@@ -2217,7 +2217,7 @@ class MemoryTracker(Callback):
 from minirl.parallel.launch import torchrun  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
-LORA_LR = "0.002"   # LoRA trains ~1 % of the weights: it needs a larger step than full fine-tuning's 3e-4
+LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
 
 
 def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:

@@ -13,25 +13,34 @@ CASES.json maps a name to a case; rank 0 saves OUT_DIR/<name>.pt. Kinds of case:
       notebook 01's HFEngine (which builds a dict of everything), and a layer's and the model's bytes.
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # conftest's builder, without pytest
+from minirl.config import RLConfig
+from minirl.parallel.config import ParallelConfig
+from minirl.parallel.launch import agree, init_distributed, shutdown
+from minirl.parallel.spmd import setup_spmd, spmd_step
+from minirl.rollout.colocated import ColocatedEngine
+from minirl.rollout.hf import HFEngine
+from minirl.sync.sharded import ShardedSync, full_tensor
+from minirl.tasks.arithmetic import make_task
+from minirl.train.run import run
 
-from conftest import build_tiny_policy  # noqa: E402
 
-from minirl.config import RLConfig  # noqa: E402
-from minirl.parallel.config import ParallelConfig  # noqa: E402
-from minirl.parallel.launch import agree, init_distributed, shutdown  # noqa: E402
-from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: E402
-from minirl.rollout.colocated import ColocatedEngine  # noqa: E402
-from minirl.rollout.hf import HFEngine  # noqa: E402
-from minirl.sync.sharded import ShardedSync, full_tensor  # noqa: E402
-from minirl.tasks.arithmetic import make_task  # noqa: E402
-from minirl.train.run import run  # noqa: E402
+def _tests_conftest():
+    """tests/conftest.py by its path (under pytest, the name `conftest` may be another directory's)."""
+    path = Path(__file__).resolve().parent / "conftest.py"
+    spec = importlib.util.spec_from_file_location("minirl_tests_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_tiny_policy = _tests_conftest().build_tiny_policy
 
 
 def low_digits(prompts, completions, **columns) -> list[float]:

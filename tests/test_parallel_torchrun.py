@@ -6,6 +6,7 @@ batch: both sides sample each prompt from its own seed (`SeedPerPrompt`), so the
 not depend on how it is split.
 """
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -21,10 +22,17 @@ from minirl.rollout.colocated import SeedPerPrompt
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run, setup, stage1_step
 
-from conftest import build_tiny_policy
-from spmd_worker import low_digits
-
 WORKER = Path(__file__).resolve().parent / "spmd_worker.py"
+
+
+def _worker():
+    spec = importlib.util.spec_from_file_location("minirl_spmd_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_tiny_policy, low_digits = _worker().build_tiny_policy, _worker().low_digits
 SMALL = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "eval_every": 0, "learning_rate": 0.01}
 TRAIN = {   # loss_type dapo and grpo, with and without LoRA; every wrapper once; batch std and a KL term
     "dapo_full_zero3": {"rl": {"loss_type": "dapo"}, "parallel": {"zero": 3}},
