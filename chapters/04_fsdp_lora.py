@@ -29,6 +29,7 @@ import time
 import torch
 
 from minirl.config import RLConfig
+from minirl.models.policy import ModelSourceError, check_model_source, load_policy
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import RankFailed, agree, init_distributed, pick_backend, shutdown, world_from_env
 from minirl.rollout.base import VersionMismatchError
@@ -41,7 +42,7 @@ from minirl.utils.validate import ConfigError, check_int
 
 THRESHOLD = 0.05     # the source's symptom table: weight sync above 5 % of the step is slow
 STAGES = ("generate", "score", "reference", "advantages", "update", "sync")
-AGREED = (RunDirError, ConfigError, RankFailed, VersionMismatchError, ValueError)   # errors every rank meets alike
+AGREED = (RunDirError, ConfigError, RankFailed, VersionMismatchError, ModelSourceError, ValueError)  # every rank alike
 DEFAULTS = RLConfig.from_flat(steps=300, eval_every=50, checkpoint_every=50)   # minutes on CPUs; stage 1 runs 600
 
 
@@ -76,9 +77,11 @@ def parse_args(argv=None):
         check_parallel(pconfig, config, world_from_env()[1])
         pick_backend(pconfig.backend, config.run.device)
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+        if args.model is not None:
+            check_model_source(args.model)          # a missing directory is named before anything loads
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    except RunDirError as err:
+    except (RunDirError, ModelSourceError) as err:
         parser.error(str(err))
     if args.resume:                        # the run's own settings, changed only where the user says so
         record = read_run_record(args.out)
@@ -95,21 +98,6 @@ def parse_args(argv=None):
         config = saved.replace(**{k: getattr(args, k) for k in typed & set(saved.flat())})
         pconfig = saved_p
     return args, config, pconfig
-
-
-def load_policy(name_or_path, device, progress: bool):
-    """The embedded warm-started policy, or any HF causal LM id / path, with a left-padding tokenizer."""
-    if name_or_path is None:
-        from minirl.models.policy import load_default_policy
-        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:          # what TRL does for models without one
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval(), tokenizer
 
 
 class KillRank(Callback):

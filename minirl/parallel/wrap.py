@@ -19,6 +19,7 @@ steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
 __all__ = ["ZERO_LEVELS", "LORA_TARGETS", "decoder_layers", "set_checkpointing", "apply_lora",
            "Wrapped", "wrap_model", "make_optimizer"]
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
                           f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
                           f"layers are named {', '.join(linear)}")
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, config)
 
 
 @dataclass
