@@ -732,7 +732,9 @@ and GPU). `worker_main` is the body of a `torchrun` job that trains a small Qwen
 at a time under four strategies and reports, per rank, the bytes of parameters, gradients and
 optimizer state each rank actually holds (DTensor shards counted by their local storage);
 `launch_measurement` starts that job and returns its table. On CUDA it adds the caching
-allocator's own peak, `torch.cuda.max_memory_allocated`.
+allocator's own peak, `torch.cuda.max_memory_allocated`. The models are wrapped (DDP, ZeRO-1,
+FSDP2, checkpointing, LoRA) by `minirl.parallel.wrap`, the code notebook 04 trains with, so
+what is measured here is what trains there.
 
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model, three
 steps. Counting storages shows *what* is held; the allocator's peak (CUDA only) adds what a
@@ -754,6 +756,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
+from minirl.parallel import wrap
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -857,15 +860,7 @@ class SavedActivationMeter:
 
 def set_checkpointing(model, on: bool) -> None:
     """Per-layer gradient checkpointing on a transformers model (reentrant, so it can be metered)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    else:
-        model.gradient_checkpointing_disable()
+    wrap.set_checkpointing(model, on, reentrant=True)
 
 
 def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
@@ -1023,22 +1018,9 @@ show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
 # %%
 # | export minirl/memory/measure.py
 def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if strategy in ("ddp", "zero1"):
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
-        if strategy == "ddp":
-            return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4), model
-        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4), model
-    reshard = strategy == "fsdp"
-    for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-4), model
+    """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
+    wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
+    return wrapped.module, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.model
 
 
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
@@ -1357,7 +1339,7 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
 
 # %%
 # | export minirl/memory/measure.py
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = wrap.LORA_TARGETS
 
 
 def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
@@ -1366,15 +1348,10 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     Returns the measured trainable parameters, gradient bytes (frozen weights must have none),
     Adam m and v bytes and saved-activation peak, each beside the calculator's figure.
     """
-    from peft import LoraConfig, get_peft_model
-
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     base = shape.param_count()
-    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
-        warnings.simplefilter("ignore", FutureWarning)
-        lora = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                target_modules=list(LORA_TARGETS)))
+    lora = wrap.apply_lora(model, rank, 2 * rank, LORA_TARGETS)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=1e-4)
     x = random_batch(batch, seq, seed)
