@@ -89,8 +89,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.models import policy as models
+from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.cli import common_parser, seed_everything, write_summary
 
 
 LONG = {"steps": 3, "warmup": 1, "prompts_per_step": 8, "max_completion_length": 256}   # --workload long's defaults
@@ -133,29 +135,14 @@ def parse_args(argv=None):
 def load_policy(args):
     """A fresh copy of the embedded warm-started policy (long workload: the long-tail policy), or of --model."""
     if args.model is None and args.workload == "long":
-        from minirl.rollout.engine.workloads import load_long_tail_policy
-
         model, tokenizer, _ = load_long_tail_policy(device=args.device)
         return model, tokenizer
-    if args.model is None:
-        from minirl.models.policy import load_default_policy
-
-        model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval(), tokenizer
+    return models.load_policy(args.model, args.device, progress=False)
 
 
 def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict]:
     """n training rows {"prompt", "answer"}, drawn once: every step of both trainers uses exactly these."""
     if workload == "long":
-        from minirl.rollout.engine.workloads import few_shot_rows
-
         return few_shot_rows(n, length=64, seed=seed)
     rows = task.rows("train")
     picks = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n].tolist()

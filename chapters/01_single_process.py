@@ -22,6 +22,7 @@ import time
 import torch
 
 from minirl.config import RLConfig
+from minirl.models.policy import ModelSourceError, PromptError, check_model_source, load_policy
 from minirl.train.checkpoint import latest_checkpoint
 from minirl.train.plots import plot_metrics
 from minirl.train.run import SAFE_ON_RESUME, RunStopped, train
@@ -55,7 +56,9 @@ def parse_args(argv=None):
     config = config_from_args(parser, args, RLConfig())
     try:
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-    except RunDirError as err:
+        if args.model is not None:
+            check_model_source(args.model)          # a missing directory is named before anything loads
+    except (RunDirError, ModelSourceError) as err:
         parser.error(str(err))
     if args.resume:                        # the run's own settings, changed only where the user says so
         record = read_run_record(args.out)
@@ -78,27 +81,16 @@ def parse_args(argv=None):
     return args, config
 
 
-def load_policy(name_or_path, device: str, progress: bool):
-    """The embedded warm-started policy, or any HF causal LM id/path."""
-    if name_or_path is None:
-        from minirl.models.policy import load_default_policy
-        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:          # what TRL does for models without one
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval(), tokenizer
-
-
 def main(argv=None) -> int:
     args, config = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
-    model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
+    try:
+        model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
+    except ModelSourceError as err:
+        print(f"error: --model {args.model}: {err}", file=sys.stderr)
+        return 2
     out = args.out
     started = time.perf_counter()
     try:
@@ -112,7 +104,7 @@ def main(argv=None) -> int:
         where = f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
         print(f"\ninterrupted: {where}; continue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
         return 130
-    except (RunDirError, ConfigError) as err:
+    except (RunDirError, ConfigError, PromptError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started

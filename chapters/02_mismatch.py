@@ -17,11 +17,11 @@ import copy
 import json
 from pathlib import Path
 
-import torch
 
 from minirl.utils.cli import check_args, common_parser, seed_everything, write_summary
 from minirl.config import ROLLOUT_DTYPES
 from minirl.diagnostics.mismatch import diagnose
+from minirl.models.policy import ModelSourceError, check_model_source, check_prompts, load_policy
 from minirl.utils.validate import check_float, check_int
 
 
@@ -29,23 +29,16 @@ def load(args):
     """(model, tokenizer, prompts) from --model / --prompts-file, or the embedded default."""
     from minirl.tasks.arithmetic import make_task
 
-    if args.model is None:
-        from minirl.models.policy import load_default_policy
-        model, tokenizer, _ = load_default_policy(device=args.device, progress=False)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).to(args.device).eval()
+    model, tokenizer = load_policy(args.model, args.device, dtype="float32", progress=False)
     if args.prompts_file:
         prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
         if not prompts:
             raise SystemExit(f"error: --prompts-file {args.prompts_file}: holds no prompt (one per line)")
     else:
         prompts = [row["prompt"] for row in make_task().rows("train")]
-    return model, tokenizer, prompts[:args.num_prompts]
+    prompts = prompts[:args.num_prompts]
+    check_prompts(tokenizer, prompts, getattr(model.config, "max_position_embeddings", None), args.max_new_tokens)
+    return model, tokenizer, prompts
 
 
 def training_comparison(args, model, tokenizer) -> dict:
@@ -118,6 +111,11 @@ def main(argv=None) -> dict:
             parser.error(f"argument --sweep: {d!r}: use dtypes from {', '.join(ROLLOUT_DTYPES)}")
     if args.prompts_file and not Path(args.prompts_file).is_file():
         parser.error(f"argument --prompts-file: {args.prompts_file!r}: no such file")
+    if args.model is not None:
+        try:
+            check_model_source(args.model)
+        except ModelSourceError as err:
+            parser.error(f"argument --model: {err}")
     seed_everything(args.seed)
     model, tokenizer, prompts = load(args)
     report = diagnose(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",

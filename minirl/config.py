@@ -12,6 +12,10 @@ Simplified vs TRL: one optimizer step per generation batch and iteration (no gra
 accumulation, no micro-batches), no learning-rate schedule, rewards summed without weights.
 """
 
+__all__ = ["ALGOS", "LOSS_TYPES", "SCALE_REWARDS", "IMPORTANCE_SAMPLING_LEVELS", "IS_MODES",
+           "ROLLOUT_DTYPES", "ROLLOUT_ENGINES", "REWARD_ERRORS", "AlgorithmConfig",
+           "SamplingConfig", "RolloutConfig", "OptimizerConfig", "RunConfig", "RLConfig"]
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -84,7 +88,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: prompt prefilled once; paged: 05
+    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
 
     choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
@@ -114,7 +118,7 @@ class OptimizerConfig:
 class RunConfig:
     """How long, on what, how often to evaluate and checkpoint."""
 
-    steps: int = 600                   # generation batches (= optimizer steps when num_iterations is 1)
+    steps: int = 1000                  # generation batches (= optimizer steps when num_iterations is 1)
     prompts_per_step: int = 16         # B prompts per batch; a batch has B * num_generations completions
     seed: int = 0                      # draws the prompts and the sampling seeds
     eval_every: int = 100              # held-out accuracy at step 0, every N steps and at the end; 0: never

@@ -13,6 +13,8 @@ typed dataclasses and one small base class, so that every field has a name, a sh
 and a type a reader can look up.
 """
 
+__all__ = ["Batch", "Rollout", "Experience"]
+
 import dataclasses
 from dataclasses import dataclass
 

@@ -1,27 +1,49 @@
-"""Grade the exercises: `python -m minirl.grade [--reference] [--only NN]`.
+"""Grade the exercises: `python -m minirl.grade [--reference] [--only NN] [--dir DIR] [--timeout S]`.
 
 Hand-written (it teaches nothing). Each exercise N.M has checks in
 `tests/exercises/test_NN_*.py`, marked `@pytest.mark.exercise("N.M")`. The grader runs
-them with pytest, in this process, against the student's `exercises/NN_*.py` (default) or
-against the package's own solutions (`--reference`), and prints one row per exercise:
-an exercise scores 1 when all of its checks pass, and its first failing check's message
-is shown otherwise. Exceptions in student code fail a check; they never stop the grader.
-The exit status is 0 either way; the last line is `score: X/Y`.
+them with pytest against the student's `exercises/NN_*.py` (default), the exercise files of
+another directory (`--dir`), or the package's own solutions (`--reference`), and prints one
+row per exercise: an exercise scores 1 when all of its checks pass, and its first failing
+check's message is shown otherwise. The last line is `score: X/Y`; the exit status is 0.
+
+Student code cannot take the grader down with it. The checks run under pytest in a child
+process that reports each check's start and outcome over a pipe. An exercise gets
+--timeout seconds for all of its checks together; importing an exercise file gets the same
+again, on its own clock. When an exercise runs past its time, or the child dies inside one
+of its checks (`os._exit`, a segfault), the parent kills the child, scores that exercise 0
+("timeout" or "crash") and starts a fresh child that skips what has been graded. A
+`KeyboardInterrupt` or `pytest.exit` raised by student code fails that check only. One
+child serves all notebooks until something goes wrong: a child costs a Python start-up and
+the imports of torch and the checks (a few seconds), so a child per exercise, or per
+notebook, would make every grading that much slower for a rare failure.
+
+Ctrl-C stops the child and prints the table so far, the exercises not graded marked
+"interrupted", and a last line `score: X/Y (interrupted)`; the exit status is then 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import json
 import os
 import re
+import selectors
+import signal
+import subprocess
 import sys
-from collections import defaultdict
+import tempfile
+import threading
+import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ROOT / "tests" / "exercises"
 STUB = re.compile(r'NotImplementedError\("exercise (\d+\.\d+): (\w[\w ]*?) --')
+STARTUP_S = 120.0  # a child's start-up and collection, and the gaps between checks: no student code runs there
+INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports SIGINT
 
 
 def exercise_names(only: str | None) -> dict[str, str]:
@@ -33,24 +55,85 @@ def exercise_names(only: str | None) -> dict[str, str]:
     return names
 
 
-class Collector:
-    """A pytest plugin that records each check's outcome under its exercise id."""
+def notebook_of(exercise: str) -> int:
+    return int(exercise.split(".")[0])
 
-    def __init__(self):
-        self.exercise_of = {}             # test node id -> "N.M"
-        self.results = defaultdict(list)  # "N.M" -> [(check name, passed, message)]
 
-    def pytest_collection_modifyitems(self, items):
+def exercise_key(exercise: str) -> tuple[int, ...]:
+    return tuple(map(int, exercise.split(".")))
+
+
+# ---------------------------------------------------------------- in the child: the checks under pytest
+
+
+class StoppedByCode(Exception):
+    """A KeyboardInterrupt or pytest.exit raised by the code under test, turned into a failed check."""
+
+
+class Reporter:
+    """A pytest plugin (in the child) that sends each event to the parent as one JSON line."""
+
+    def __init__(self, out, skip_nodes: set[str], skip_exercises: set[str]):
+        self.out, self.skip_nodes, self.skip_exercises = out, skip_nodes, skip_exercises
+
+    def send(self, **event) -> None:
+        self.out.write(json.dumps(event) + "\n")
+        self.out.flush()
+
+    def pytest_collection_modifyitems(self, config, items):
+        keep, checks = [], {}
         for item in items:
-            if marker := item.get_closest_marker("exercise"):
-                self.exercise_of[item.nodeid] = marker.args[0]
+            marker = item.get_closest_marker("exercise")
+            if marker and item.nodeid not in self.skip_nodes and marker.args[0] not in self.skip_exercises:
+                keep.append(item)
+                checks[item.nodeid] = marker.args[0]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+        self.send(event="collected", checks=checks)
+
+    def pytest_collectreport(self, report):
+        if report.failed and (m := re.search(r"test_(\d\d)_\w*\.py$", report.nodeid)):
+            self.send(event="collect_error", notebook=int(m[1]), message=first_line(report))
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.send(event="start", node=nodeid)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.argname != "ex":
+            return (yield)
+        self.send(event="load")  # importing the exercise file: its own clock
+        try:
+            return (yield)
+        finally:
+            self.send(event="loaded")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item):
+        return (yield from stopped_by_code())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        return (yield from stopped_by_code())
 
     def pytest_runtest_logreport(self, report):
-        # one entry per check: its call phase, or the setup phase if that already failed
-        exercise = self.exercise_of.get(report.nodeid)
-        if exercise and (report.when == "call" or report.failed):
-            message = "" if report.passed else first_line(report)
-            self.results[exercise].append((report.nodeid.split("::")[-1], report.passed, message))
+        if report.when == "call" or report.failed:
+            self.send(event="report", node=report.nodeid, passed=report.passed,
+                      message="" if report.passed else first_line(report))
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.send(event="finish", node=nodeid)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.send(event="done")
+
+
+def stopped_by_code():
+    """The body of a hook wrapper: pytest stops the whole run on these two; here they fail one check."""
+    try:
+        return (yield)
+    except (KeyboardInterrupt, pytest.exit.Exception) as e:
+        raise StoppedByCode(f"{type(e).__name__} raised by the code under test") from None
 
 
 def first_line(report) -> str:
@@ -58,22 +141,228 @@ def first_line(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash else str(report.longrepr)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return (lines[0] if lines else "failed")[:160]
+    line = lines[0] if lines else "failed"
+    if m := re.match(r'File "(.+)", line (\d+)', line):  # a SyntaxError: its message is on the last line
+        line = f"{lines[-1]} ({Path(m[1]).name}, line {m[2]})"
+    return line.removeprefix(f"{__name__}.{StoppedByCode.__name__}: ")[:160]
 
 
-def run_checks(target: str, only: str | None) -> Collector:
-    pattern = f"test_{only}_*.py" if only else "test_[0-9][0-9]_*.py"
-    files = sorted(str(p) for p in (ROOT / "tests" / "exercises").glob(pattern))
-    collector = Collector()
-    os.environ["MINIRL_GRADE_TARGET"] = target
-    if not files:
-        return collector
-    import pytest
+def child_main(files: list[str]) -> None:
+    """Run the checks files; the events go to the pipe whose fd is in MINIRL_GRADE_FD."""
+    out = os.fdopen(int(os.environ["MINIRL_GRADE_FD"]), "w")
+    skip = json.loads(os.environ["MINIRL_GRADE_SKIP"])
+    parent = os.getppid()
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        pytest.main([*files, "-q", "--tb=line", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-                     "-o", "addopts="], plugins=[collector])
-    return collector
+    def watch_parent():  # a parent killed hard cannot stop us: do not spin on alone
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(3)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    reporter = Reporter(out, set(skip["nodes"]), set(skip["exercises"]))
+    pytest.main([*files, "-q", "--tb=line", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+                 "-o", "addopts="], plugins=[reporter])
+    out.flush()
+    os._exit(0)  # not sys.exit: a thread the code under test left running must not keep us alive
+
+
+# ---------------------------------------------------------------- in the parent: children, clocks, the table
+
+
+class Child:
+    """The child process running the checks, and where it is: which check, importing or not, since when."""
+
+    def __init__(self, files: list[Path], target: str, skip: dict):
+        self.files = files
+        read, write = os.pipe()
+        self.log = tempfile.TemporaryFile()  # the child's own output: shown only if it dies outside a check
+        env = dict(os.environ, MINIRL_GRADE_TARGET=target, MINIRL_GRADE_FD=str(write),
+                   MINIRL_GRADE_SKIP=json.dumps(skip),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", f"from minirl.grade import child_main; child_main({list(map(str, files))!r})"],
+                cwd=ROOT, env=env, pass_fds=(write,), stdin=subprocess.DEVNULL, stdout=self.log,
+                stderr=subprocess.STDOUT, start_new_session=True)  # a group of its own: Ctrl-C reaches us only
+        finally:
+            os.close(write)
+        os.set_blocking(read, False)
+        self.fd, self.buffer, self.eof, self.done = read, b"", False, False
+        self.node: str | None = None  # the check running now
+        self.loading = False  # the check's setup is importing the exercise file
+        self.clock = time.monotonic()  # when the current phase started
+
+    def events(self) -> list[dict]:
+        """The events that arrived; sets `eof` once the child has exited and the pipe is drained."""
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:  # nothing now; if the child has exited, nothing ever (a grandchild
+                self.eof = self.proc.poll() is not None  # may hold the pipe open after its parent died)
+                break
+            if not data:
+                self.eof = True
+                break
+            self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        os.close(self.fd)
+        self.log.close()
+
+    def how_it_ended(self) -> str:
+        code = self.proc.wait()
+        if code < 0:
+            name = signal.Signals(-code).name
+            return f"killed the process ({name}{', a segmentation fault' if name == 'SIGSEGV' else ''})"
+        return f"ended the process (exit code {code}{', os._exit?' if code else ''})"
+
+    def last_output(self) -> str:
+        self.log.seek(0)
+        lines = [ln.strip() for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:120] if lines else "no output"
+
+
+class Grader:
+    """Runs the checks in a child process, keeps each exercise's clock, records every check's outcome."""
+
+    def __init__(self, files: list[Path], target: str, timeout: float, names: dict[str, str]):
+        self.files, self.target, self.timeout, self.names = files, target, timeout, names
+        self.exercise_of: dict[str, str] = {}  # check node id -> "N.M"
+        self.outcome: dict[str, tuple[bool, str]] = {}  # check node id -> (passed, message)
+        self.status: dict[str, str] = {}  # "N.M" -> why it scores 0 whatever its checks say (timeout, crash)
+        self.used: dict[str, float] = {}  # "N.M" -> seconds its checks have run
+        self.child: Child | None = None
+
+    def run(self) -> None:
+        """Run every check; after a timeout or a crash, a fresh child runs the checks not yet run."""
+        skip = {"nodes": [], "exercises": []}
+        while skip is not None:
+            self.child = Child(self.files, self.target, skip)
+            skip = self.watch(self.child)
+            self.child = None
+
+    def watch(self, child: Child) -> dict | None:
+        """Follow the child to its end; returns what a fresh child must skip, or None when all is done."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(child.fd, selectors.EVENT_READ)
+            while True:
+                selector.select(timeout=min(max(self.deadline(child) - time.monotonic(), 0.0), 0.5))
+                for event in child.events():
+                    self.handle(child, event)
+                if child.eof:
+                    child.stop()
+                    return None if child.done else self.lost(child, self.crash_reason(child))
+                if time.monotonic() > self.deadline(child):
+                    child.stop()
+                    return self.lost(child, self.timeout_reason(child))
+
+    def deadline(self, child: Child) -> float:
+        if child.node is None:
+            return child.clock + max(STARTUP_S, self.timeout)
+        if child.loading:
+            return child.clock + self.timeout
+        return child.clock + self.timeout - self.used.get(self.exercise_of[child.node], 0.0)
+
+    def handle(self, child: Child, event: dict) -> None:
+        now, kind = time.monotonic(), event["event"]
+        if kind == "collected":
+            self.exercise_of.update(event["checks"])
+        elif kind == "collect_error":
+            self.status.update({i: f"crash: the checks did not load: {event['message']}"
+                                for i in self.ungraded(notebook=event["notebook"])})
+        elif kind == "start":
+            child.node, child.loading, child.clock = event["node"], False, now
+        elif kind == "load":
+            self.charge(child, now)
+            child.loading = True
+        elif kind == "loaded":
+            child.loading, child.clock = False, now
+        elif kind == "report":
+            previous = self.outcome.get(event["node"])
+            if previous is None or previous[0]:  # the first failure (setup, call or teardown) is the one shown
+                self.outcome[event["node"]] = (event["passed"], event["message"])
+        elif kind == "finish":
+            self.charge(child, now)
+            child.node, child.loading = None, False
+        elif kind == "done":
+            child.done = True
+
+    def charge(self, child: Child, now: float) -> None:
+        """Add the time since the clock last started to the running check's exercise."""
+        if child.node is not None and not child.loading:
+            exercise = self.exercise_of[child.node]
+            self.used[exercise] = self.used.get(exercise, 0.0) + now - child.clock
+        child.clock = now
+
+    def crash_reason(self, child: Child) -> str:
+        how = child.how_it_ended()
+        if child.node is None:
+            return f"crash: the checks' process died outside any check ({child.last_output()})"
+        if child.loading:
+            return f"crash: importing the exercise file {how}"
+        return f"crash: {child.node.split('::')[-1]} {how}"
+
+    def timeout_reason(self, child: Child) -> str:
+        if child.node is None:
+            return f"timeout: the checks did not run within {max(STARTUP_S, self.timeout):g} s"
+        if child.loading:
+            return f"timeout: importing the exercise file took over {self.timeout:g} s"
+        return f"timeout: over {self.timeout:g} s, stopped in {child.node.split('::')[-1]} (a loop that never ends?)"
+
+    def lost(self, child: Child, why: str) -> dict | None:
+        """The child is gone: score 0 what it was in, and say what a fresh child must skip (None: stop).
+
+        In a check, that is the check's exercise. While importing an exercise file, it is every
+        exercise of that notebook not yet graded. Outside any check the cause is not student
+        code (none runs there), so every exercise not yet graded scores 0 and no child follows.
+        """
+        if child.node is None:
+            self.status.update({i: why for i in self.ungraded()})
+            return None
+        exercise = self.exercise_of[child.node]
+        lost = self.ungraded(notebook=notebook_of(exercise)) if child.loading else [exercise]
+        self.status.update({i: why for i in lost})
+        if not self.ungraded():
+            return None
+        return {"nodes": sorted(self.outcome), "exercises": sorted(self.status)}
+
+    def exercises(self) -> list[str]:
+        return sorted(set(self.names) | set(self.exercise_of.values()) | set(self.status), key=exercise_key)
+
+    def checks(self, exercise: str) -> list[str]:
+        return [node for node, e in self.exercise_of.items() if e == exercise]
+
+    def ungraded(self, notebook: int | None = None) -> list[str]:
+        """Exercises (of one notebook) with checks not run yet, or none collected yet, and no status."""
+        return [i for i in self.exercises() if i not in self.status and (notebook is None or notebook_of(i) == notebook)
+                and (not self.checks(i) or any(n not in self.outcome for n in self.checks(i)))]
+
+    def interrupt(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    def row(self, exercise: str, interrupted: bool) -> tuple[int, int, int, str]:
+        """(checks passed, checks, score, why) for one exercise."""
+        checks = self.checks(exercise)
+        passed = sum(self.outcome.get(n, (False, ""))[0] for n in checks)
+        why = self.status.get(exercise, "")
+        if not why and interrupted and exercise in self.ungraded():
+            why = "interrupted (not graded)"
+        if not why and not checks:
+            why = "no checks found"
+        if not why and any(n not in self.outcome for n in checks):
+            why = "not run (the checks' process stopped early)"
+        if not why:
+            why = next((f"{n.split('::')[-1]}: {self.outcome[n][1]}" for n in checks if not self.outcome[n][0]), "")
+        return passed, len(checks), int(not why), why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,26 +370,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="grade the package's own solutions")
     parser.add_argument("--only", metavar="NN", help="one notebook's exercises, e.g. 00")
     parser.add_argument("--dir", type=Path, help="grade exercise files in this directory instead of exercises/")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="seconds each exercise's checks may run in all (default: %(default)g)")
     args = parser.parse_args(argv)
     if args.only is not None and not re.fullmatch(r"\d\d", args.only):
         parser.error(f"--only {args.only!r}: give a two-digit notebook number such as 00")
+    if not args.timeout > 0:
+        parser.error(f"--timeout {args.timeout:g}: give a positive number of seconds, such as 60")
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir {str(args.dir)!r}: no such directory")
 
     target = "reference" if args.reference else str(args.dir.resolve()) if args.dir else "exercises"
     names = exercise_names(args.only)
-    results = run_checks(target, args.only).results
-    ids = sorted(set(names) | set(results), key=lambda i: tuple(map(int, i.split("."))))
-
-    print(f"grading {'reference solutions' if args.reference else target}")
-    print(f"{'exercise':<9} {'function':<28} {'checks':>7}  score  first failing check")
+    files = sorted(CHECKS.glob(f"test_{args.only}_*.py" if args.only else "test_[0-9][0-9]_*.py"))
+    print(f"grading {'reference solutions' if args.reference else target}", flush=True)
+    grader = Grader(files, target, args.timeout, names)
+    interrupted = False
+    try:
+        if files:
+            grader.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        grader.interrupt()
+    print(f"{'exercise':<9} {'function':<30} {'checks':>7}  score  first failing check")
     total = 0
-    for i in ids:
-        checks = results.get(i, [])
-        passed = sum(ok for _, ok, _ in checks)
-        score = int(bool(checks) and passed == len(checks))
+    for i in grader.exercises():
+        passed, count, score, why = grader.row(i, interrupted)
         total += score
-        why = "no checks found" if not checks else next((f"{n}: {m}" for n, ok, m in checks if not ok), "")
-        print(f"{i:<9} {names.get(i, '?'):<28} {passed:>3}/{len(checks):<3}  {score:>5}  {why}")
-    print(f"score: {total}/{len(ids)}")
+        print(f"{i:<9} {names.get(i, '?'):<30} {passed:>3}/{count:<3}  {score:>5}  {why}")
+    if interrupted:
+        print(f"score: {total}/{len(grader.exercises())} (interrupted)")
+        return INTERRUPTED
+    print(f"score: {total}/{len(grader.exercises())}")
     return 0
 
 

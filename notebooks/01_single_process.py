@@ -53,7 +53,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
 from minirl.tasks.arithmetic import make_task
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
@@ -342,7 +342,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: prompt prefilled once; paged: 05
+    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
 
     choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
@@ -372,7 +372,7 @@ class OptimizerConfig:
 class RunConfig:
     """How long, on what, how often to evaluate and checkpoint."""
 
-    steps: int = 600                   # generation batches (= optimizer steps when num_iterations is 1)
+    steps: int = 1000                  # generation batches (= optimizer steps when num_iterations is 1)
     prompts_per_step: int = 16         # B prompts per batch; a batch has B * num_generations completions
     seed: int = 0                      # draws the prompts and the sampling seeds
     eval_every: int = 100              # held-out accuracy at step 0, every N steps and at the end; 0: never
@@ -1741,7 +1741,8 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
                 raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
                                  f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
                                  "floats, or pass reward_errors='zero' to score them 0")
-            errors += [f"{name}[{i}]: not a finite number" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
+            bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
+            errors += [f"{name}[{i}]: not a finite number" for i in bad]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         metrics[f"rewards/{name}"] = values.mean().item()
         total += values
@@ -1796,10 +1797,20 @@ def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experienc
     return exp
 
 
-def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C]."""
+def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
+    """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
+
+    group: None in one process. In a data-parallel run (notebook 04) each rank holds whole
+    groups, so "group" scaling stays local, but "batch" scaling divides by the std of the
+    whole global batch: `group.all_gather` brings every rank's rewards.
+    """
     if algorithm.algo == "grpo":
-        exp.advantages = group_advantages(exp.rewards, exp.rollout.num_generations, algorithm.scale_rewards)
+        G = exp.rollout.num_generations
+        if algorithm.scale_rewards == "batch" and group is not None and group.world_size > 1:
+            batch_std = group.all_gather(exp.rewards).std()                              # over all ranks' rewards
+            exp.advantages = group_advantages(exp.rewards, G, "none") / (batch_std + 1e-4)
+        else:
+            exp.advantages = group_advantages(exp.rewards, G, algorithm.scale_rewards)
         return exp
     mask = exp.rollout.completion_mask
     token_rewards = terminal_rewards(exp.rewards, mask)                                   # [N, C]
@@ -1817,12 +1828,18 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experienc
 # %%
 # | export minirl/train/step.py
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
-            generator: torch.Generator | None = None) -> dict:
+            generator: torch.Generator | None = None, group=None) -> dict:
     """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
     sync: any WeightSync. The record holds the update's metrics, the batch's reward and
-    completion length, the versions, and `time/<stage>` seconds for every stage.
+    completion length (mean and longest), its real prompt and completion tokens
+    (`tokens/prompt`, `tokens/completion`), the versions, and `time/<stage>` seconds for
+    every stage.
+    group: None in one process. In a data-parallel run (notebook 04) every rank calls rl_step
+    on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
+    ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
+    "batch" reward std and the record's reward, length and token statistics.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -1833,7 +1850,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
     with timer("advantages"):
-        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm)
+        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm, group)
     with timer("update"):
         metrics |= roles.actor.update(exp)
     if roles.critic is not None:
@@ -1843,9 +1860,15 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
     roles.version = report.version
     lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    prompt_tokens = rollout.prompt_mask.sum()
+    if group is not None:                                          # the global batch's rows, every rank's
+        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
+        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
+    tokens = {"tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
+              "completion_length_max": lengths.max().item()}                 # for MFU and stragglers (notebook 09)
     return metrics | {"version": roles.version, "generated_version": rollout.version,
                       "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
+                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | tokens | timer.times
 
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
@@ -1877,7 +1900,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -2114,6 +2137,8 @@ def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=No
         raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
     if "prompt" not in rows[0]:
         raise ValueError(f"dataset rows need a 'prompt' column; got columns {sorted(rows[0])}")
+    check_prompts(tokenizer, [r["prompt"] for r in rows], getattr(model.config, "max_position_embeddings", None),
+                  config.sampling.max_completion_length)     # at the door: unknown characters, too long
     reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
@@ -2425,20 +2450,29 @@ plt.tight_layout()
 plt.show()
 accuracy = {name: [m["accuracy"] for m in ms if "accuracy" in m] for name, ms in (("GRPO", grpo_metrics),
                                                                                   ("PPO", ppo_metrics))}
-third = max(1, len(loss) // 3)
 print(f"final held-out accuracy: GRPO {accuracy['GRPO'][-1]:.3f}, PPO {accuracy['PPO'][-1]:.3f} "
       f"(difference {100 * (accuracy['PPO'][-1] - accuracy['GRPO'][-1]):+.1f} points)")
-print(f"critic loss, mean of the first third of the steps {sum(loss[:third]) / third:.4f}, "
-      f"of the last third {sum(loss[-third:]) / third:.4f}")
+windows = [ppo_metrics[1:][i:i + max(1, len(loss) // 6)] for i in range(0, len(loss), max(1, len(loss) // 6))]
+print(f"{'steps':>9} | batch reward p | ½·p(1-p) | critic loss")
+below = 0
+for w in windows:
+    p = sum(m["reward"] for m in w) / len(w)
+    critic = sum(m["value_loss"] for m in w) / len(w)
+    below += critic < 0.5 * p * (1 - p)
+    print(f"{w[0]['step']:>4}-{w[-1]['step']:<4} | {p:14.3f} | {0.5 * p * (1 - p):8.4f} | {critic:11.4f}")
+print(f"critic loss below ½·p(1-p) in {below} of {len(windows)} windows")
 
 # %% [markdown]
-# Read the critic's curve with care. Its loss is not a score that should fall to zero: its
-# targets, the returns, depend on the rewards the policy earns, and those change as the
-# policy improves; a critic that tracks a moving target can show a flat or even rising loss
-# while it does its job. What matters is the policy's accuracy on the left. On this task,
-# where the reward is a single 0/1 at the end of a 4-token answer, the critic has little to
-# add beyond a per-prompt baseline, and the numbers printed above say how close the two
-# algorithms land after the same steps on this machine.
+# Read the critic's curve with care: its loss is not a score that should fall steadily. Its
+# targets are returns built from a 0/1 reward, so even a critic that knew the success rate p
+# of the batch exactly would be off by the spread of those rewards: its expected loss would
+# be ½·p(1 − p) (half the variance of a 0/1 outcome), which is largest at p = ½. As the
+# policy improves, p climbs from the warm start's level toward 1, so the loss first rises and
+# then falls, following that curve; the table sets the two side by side, window by window.
+# Where the critic's loss sits below ½·p(1 − p), it has learned more than the batch's
+# average: which prompts are easier. On this task, where the reward is a single 0/1 at the end
+# of a 4-token answer, that is about all a critic can add over GRPO's per-group baseline, and
+# the accuracy plot shows how close the two algorithms land after the same steps.
 
 # %% [markdown]
 # ## 10. Bad input fails early, with the parameter's name

@@ -27,11 +27,11 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tiny_gpt2():
-    """A tiny GPT-2 (learned absolute positions) over the same 18-token vocabulary, random weights."""
+    """A tiny GPT-2 (learned absolute positions) over the embedded tokenizer's vocabulary, random weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=18, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(build_tokenizer()), n_positions=32, n_embd=32, n_layer=1, n_head=2,
                                       bos_token_id=1, eos_token_id=2)).eval()
 
 

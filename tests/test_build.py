@@ -1,5 +1,6 @@
 """Tests of tools/build.py on small notebook trees built in tmp_path."""
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -15,6 +16,7 @@ sys.modules[_spec.name] = build_tool  # dataclasses look their module up here
 _spec.loader.exec_module(build_tool)
 build = build_tool.build
 BuildError = build_tool.BuildError
+BuildWarning = build_tool.BuildWarning
 
 
 def make_tree(root: Path, notebooks: dict[str, str]) -> Path:
@@ -25,6 +27,26 @@ def make_tree(root: Path, notebooks: dict[str, str]) -> Path:
     for name, source in notebooks.items():
         (root / "notebooks" / name).write_text(textwrap.dedent(source).lstrip())
     return root
+
+
+@contextlib.contextmanager
+def another_minirl(root: Path):
+    """Import the `minirl` generated under `root`, then put the real package's modules back as they were.
+
+    Popping the real modules and importing them anew would leave two copies of every class
+    (an `isinstance` check against the new `SamplingConfig` fails on objects made from the old one).
+    """
+    ours = {n: m for n, m in sys.modules.items() if n == "minirl" or n.startswith("minirl.")}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n == "minirl" or n.startswith("minirl.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
 
 
 def read(root: Path, rel: str) -> str:
@@ -106,11 +128,14 @@ def two_notebooks(tmp_path):
 
 def test_module_layout_order_and_hoisting(two_notebooks):
     text = read(two_notebooks, "minirl/tasks.py")
-    assert text == textwrap.dedent('''\
-        # Generated from notebooks/00_tasks.py, notebooks/01_more.py by tools/build.py -- edit the notebook, not this file.
+    assert text == (
+        "# Generated from notebooks/00_tasks.py, notebooks/01_more.py by tools/build.py -- edit the notebook, "
+        "not this file.\n") + textwrap.dedent('''\
         """Tasks: prompts with checkable answers."""
 
         from __future__ import annotations
+
+        __all__ = ["Task", "sample", "load"]
 
         import os
         from dataclasses import (
@@ -150,21 +175,14 @@ def test_notebook_exporting_to_two_modules(two_notebooks):
     util = read(two_notebooks, "minirl/util.py")
     assert util.startswith(
         "# Generated from notebooks/01_more.py by tools/build.py -- edit the notebook, not this file.\n"
-        '"""Small helpers."""\n\nimport random\n\nSEED = 0\n\n\ndef seeded'
+        '"""Small helpers."""\n\n__all__ = ["SEED", "seeded"]\n\nimport random\n\nSEED = 0\n\n\ndef seeded'
     )
     assert util.endswith("return random.Random(seed)\n")
     # the generated package imports
-    sys.path.insert(0, str(two_notebooks))
-    try:
-        for name in ("minirl", "minirl.util", "minirl.tasks"):
-            sys.modules.pop(name, None)
+    with another_minirl(two_notebooks):
         import minirl.tasks
 
         assert minirl.tasks.sample([minirl.tasks.Task("a")]).prompt == "a"
-    finally:
-        sys.path.remove(str(two_notebooks))
-        for name in ("minirl", "minirl.util", "minirl.tasks"):
-            sys.modules.pop(name, None)
 
 
 def test_future_import_from_a_later_cell_goes_first(tmp_path):
@@ -187,7 +205,7 @@ def test_future_import_from_a_later_cell_goes_first(tmp_path):
     root = make_tree(tmp_path, {"00_x.py": source})
     build(root, check=False)
     assert read(root, "minirl/x.py").split("\n", 1)[1] == (
-        '"""X."""\n\nfrom __future__ import annotations\n\nimport os\nimport sys\n\n'
+        '"""X."""\n\nfrom __future__ import annotations\n\n__all__ = ["A", "B"]\n\nimport os\nimport sys\n\n'
         "from minirl import tasks\nimport minirl.util as util\n\nA = os.sep\n\n\nB = sys.path\n"
     )
 
@@ -264,6 +282,8 @@ def test_exercises_stubbed(tmp_path):
         "#     python -m minirl.grade --only 03\n"
         '"""Exercises for notebook 03: Policies that act on tasks.\n\n'
         "Each `raise NotImplementedError` marks code to write; the docstring above it says what to return.\n"
+        "Only the notebook's cells that hold exercises are here; the rest of its code is in minirl,\n"
+        "imported below where these cells use it.\n"
         '"""\n\nimport math\n'
     )
     assert "SOLUTION" not in text and "y = 2 * x" not in text and "math.exp" not in text
@@ -313,7 +333,10 @@ def test_check_mode(two_notebooks):
 
 def test_check_cli(two_notebooks):
     tool = REPO / "tools" / "build.py"
-    run = lambda *a: subprocess.run([sys.executable, str(tool), "--root", str(two_notebooks), *a], capture_output=True, text=True)  # noqa: E731
+    def run(*args):
+        return subprocess.run([sys.executable, str(tool), "--root", str(two_notebooks), *args],
+                              capture_output=True, text=True)
+
     ok = run("--check")
     assert ok.returncode == 0 and "in sync (" in ok.stdout
     (two_notebooks / "minirl" / "util.py").write_text("# Generated from notebooks/01_more.py\n")
@@ -349,6 +372,19 @@ def test_refuses_to_overwrite_hand_written(tmp_path):
     root = make_tree(tmp_path, {"00_x.py": '# %%\n# | export minirl/grade.py\n"""Doc."""\n'})
     with pytest.raises(BuildError, match="hand-written"):
         build(root, check=False)
+
+
+def test_long_header_wrapped(tmp_path):
+    cell = '# %%\n# | export minirl/a_rather_long_package/x.py\n"""X."""\nX = 1\n'
+    root = make_tree(tmp_path, {"00_a_notebook_with_a_long_name.py": cell, "01_and_another_long_one.py": cell})
+    build(root, check=False)
+    for rel in ("minirl/a_rather_long_package/x.py", "minirl/a_rather_long_package/__init__.py"):
+        text = read(root, rel)
+        assert text.startswith("# Generated from notebooks/00_a_notebook_with_a_long_name.py, "
+                               "notebooks/01_and_another_long_one.py\n# by tools/build.py -- edit the notebook, "
+                               "not this file.\n"), text
+        assert max(map(len, text.splitlines())) <= 120, "generated lines fit ruff's line length"
+    assert build(root, check=True) == [], "a wrapped header is still recognized as generated"
 
 
 def test_subpackage_marker(tmp_path):
@@ -388,3 +424,334 @@ def test_repo_in_sync():
         [sys.executable, str(REPO / "tools" / "build.py"), "--check"], capture_output=True, text=True, cwd=REPO
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- generated modules read like hand-written ones
+
+
+def test_blank_line_runs_collapsed(tmp_path):
+    nl = "\n"
+    source = (
+        '# %%\n# | export minirl/x.py\n"""X."""\nimport os\n\n\n\n\nA = 1\n\n\n\n\n'
+        "def f():\n    x = 1\n\n\n\n    return x\n\n\n\n\nclass C:\n    def a(self):\n        return 1\n"
+        "    \n  \n\n    def b(self):\n        return '''keep\n\n\n\nme'''\n"
+        "\n\n\n\n# %%\n# | export minirl/x.py\nimport os\n\n\n\n\nB = 2\n"
+    )
+    root = make_tree(tmp_path, {"00_x.py": source})
+    build(root, check=False)
+    assert read(root, "minirl/x.py").split(nl, 1)[1] == (
+        '"""X."""\n\n__all__ = ["A", "f", "C", "B"]\n\nimport os\n\n'
+        "A = 1\n\n\n"                           # four blank lines cut to two at top level
+        "def f():\n    x = 1\n\n    return x\n\n\n"  # three cut to one inside a block
+        "class C:\n    def a(self):\n        return 1\n\n"  # whitespace-only lines are blank lines
+        "    def b(self):\n        return '''keep\n\n\n\nme'''\n\n\n"  # a string's lines are its value
+        "B = 2\n"                               # the hoisted import's blank lines are gone too
+    )
+
+
+def test_all_lists_public_names_in_order(tmp_path):
+    source = '''
+        # %%
+        # | export minirl/x.py
+        """X."""
+        from __future__ import annotations
+        import os
+        from typing import Callable
+        MAX_LEN = 4
+        _PRIVATE = 1
+        lower = 2
+        Reward = Callable[[str], float]
+        LIMITS: tuple = (1, 2)
+        UNSET: int
+        LOW, HIGH = 0.8, 1.2
+
+
+        def helper():
+            INNER = 3
+            return INNER
+
+
+        def _private():
+            pass
+
+
+        class Thing:
+            NAME = "x"
+
+        # %%
+        # | export minirl/x.py
+        async def fetch():
+            pass
+
+
+        MAX_LEN = 5
+    '''
+    root = make_tree(tmp_path, {"00_x.py": source})
+    build(root, check=False)
+    text = read(root, "minirl/x.py")
+    names = ["MAX_LEN", "LIMITS", "LOW", "HIGH", "helper", "Thing", "fetch"]
+    expected = '"""X."""\n\nfrom __future__ import annotations\n\n__all__ = ' + repr(names).replace("'", '"')
+    assert expected + "\n\nimport os\n" in text, \
+        "__all__ after __future__ (PEP 8): defs, classes, UPPER_CASE constants, first definition order"
+    namespace = {}
+    exec(compile(text, "x.py", "exec"), namespace)
+    assert namespace["__all__"] == names
+
+
+def test_all_wraps_long_lists(tmp_path):
+    defs = "".join(f"\n\ndef function_number_{i}():\n    pass\n" for i in range(12))
+    root = make_tree(tmp_path, {"00_x.py": f'# %%\n# | export minirl/x.py\n"""X."""\n{defs}'})
+    build(root, check=False)
+    text = read(root, "minirl/x.py")
+    block = text.split("__all__ = [", 1)[1].split("]", 1)[0]
+    assert "\n" in block and all(len(line) <= 100 for line in text.splitlines())
+    namespace = {}
+    exec(compile(text, "x.py", "exec"), namespace)
+    assert namespace["__all__"] == [f"function_number_{i}" for i in range(12)]
+
+
+def test_all_written_by_hand_is_an_error(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": '# %%\n# | export minirl/x.py\n"""X."""\n__all__ = ["f"]\n'})
+    with pytest.raises(BuildError, match=r"notebooks/00_x.py:\d+: minirl/x.py: the build writes __all__"):
+        build(root, check=False)
+
+
+FUNCTION_IMPORTS = '''
+    # %%
+    # | export minirl/x.py
+    """X."""
+    from minirl.top import fine
+
+
+    def f():
+        from minirl.util import seeded
+        import minirl.tasks as tasks
+        from . import sibling
+        from minirl.rollout import (
+            engine,
+        )
+        import json
+        return seeded, tasks, sibling, engine, json
+
+
+    def g():
+        from minirl.util import seeded  # lazy: minirl.util imports this module
+        from minirl.rollout import (  # avoids a cycle with rollout
+            engine,
+        )
+
+        def inner():
+            from minirl.deep import thing
+            return thing
+        return seeded, engine, inner
+'''
+
+
+def test_function_level_minirl_import_warns(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": FUNCTION_IMPORTS})
+    with pytest.warns(BuildWarning) as caught:
+        build(root, check=False)
+    messages = [str(w.message) for w in caught if issubclass(w.category, BuildWarning)]
+    assert [m.split(": ", 1)[0] for m in messages] == [
+        "notebooks/00_x.py:8", "notebooks/00_x.py:9", "notebooks/00_x.py:10", "notebooks/00_x.py:11",
+        "notebooks/00_x.py:25"], "\n".join(messages)
+    assert "`from minirl.util import seeded` inside f() in minirl/x.py: move it to the top" in messages[0]
+    assert "inside inner()" in messages[-1], "an import in a nested function is reported once, for that function"
+    assert (root / "minirl" / "x.py").exists(), "a warning, not an error: the module is built"
+
+
+def test_function_level_import_warning_printed_by_the_cli(tmp_path):
+    root = make_tree(tmp_path, {"00_x.py": FUNCTION_IMPORTS})
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "build.py"), "--root", str(root)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("warning: notebooks/00_x.py:") == 5, out.stderr
+    check = subprocess.run([sys.executable, str(REPO / "tools" / "build.py"), "--root", str(root), "--check"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0 and "in sync" in check.stdout, "warnings never fail --check"
+
+
+def test_no_warning_without_function_level_minirl_imports(two_notebooks):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BuildWarning)  # TASKS_B's `import gzip` in a function is not minirl's
+        build(two_notebooks, check=False)
+
+
+# ---------------------------------------------------------------- exercise files: the exercise cells only
+
+
+LIBRARY = '''
+    # %% [markdown]
+    # # 02 · Losses, by hand
+
+    # %%
+    # | export minirl/losses.py
+    """Losses."""
+    import math
+    import json
+
+    SCALE = 2.0
+
+
+    def helper(x):
+        return x * SCALE
+
+    # %%
+    # | export minirl/losses.py
+    from minirl.stats import mean, clipped, spread
+    import collections
+
+
+    def loss(xs):
+        """Mean of helper(x) + clipped(x) over xs (imports `mean`, an answer, without using it)."""
+        # BEGIN SOLUTION
+        return sum(helper(x) + clipped(x) for x in xs) / len(xs) + math.e * 0
+        # END SOLUTION
+
+
+    def loss_twice(xs):
+        return 2 * loss(xs)
+
+    # %%
+    # | export minirl/report.py
+    """Reports."""
+    from minirl.losses import loss
+
+
+    def report(xs):
+        return json.dumps(loss(xs))
+'''
+
+STATS = '''
+    # %%
+    # | export minirl/stats.py
+    """Statistics."""
+
+
+    def mean(xs):
+        """Average of xs."""
+        # BEGIN SOLUTION
+        return sum(xs) / len(xs)
+        # END SOLUTION
+
+
+    def spread(xs):
+        return max(xs) - min(xs)
+
+
+    def clipped(x):
+        return min(max(x, -1), 1)
+'''
+
+
+def test_exercise_file_holds_only_the_exercise_cells(tmp_path):
+    root = make_tree(tmp_path, {"01_stats.py": STATS, "02_losses.py": LIBRARY})
+    build(root, check=False)
+    text = read(root, "exercises/02_losses.py")
+    head, code = text.split('"""\n\n', 1)
+    assert head.endswith("Exercises for notebook 02: Losses, by hand.\n\n"
+                         "Each `raise NotImplementedError` marks code to write; the docstring above it says what to "
+                         "return.\nOnly the notebook's cells that hold exercises are here; the rest of its code is in "
+                         "minirl,\nimported below where these cells use it.\n"), "the title is the notebook's heading"
+    assert code.startswith(
+        "import collections\nimport math\n\n"
+        "from minirl.stats import clipped, spread\nfrom minirl.losses import helper\n\n\n"
+        "def loss(xs):\n"), code
+    assert "def report" not in code and "SCALE = 2.0" not in code, "cells without solution spans stay in minirl"
+    assert "mean" not in code.split("def loss")[0], "mean is exercise 1.1's answer: the stub never imports it"
+    assert "import json" not in code, "only what the exercise cells use is imported from other cells"
+    assert 'raise NotImplementedError("exercise 2.1: loss -- see its docstring and notebook 02")' in code
+
+
+def test_exercise_file_drops_imports_of_its_own_names(tmp_path):
+    source = '''
+        # %%
+        # | export minirl/a.py
+        """A."""
+        from minirl.a import gae, whiten as w, masked_mean
+        from minirl.b import only_answer
+
+
+        def gae(x):
+            """GAE."""
+            # BEGIN SOLUTION
+            return w(masked_mean(x))
+            # END SOLUTION
+
+
+        def whiten(x):
+            return x
+    '''
+    root = make_tree(tmp_path, {"01_a.py": source})
+    (root / "minirl" / "b.py").write_text('"""Hand-written in this test."""\n')
+    code = build_tool.render_exercises("notebooks/01_a.py", build_tool.read_notebooks(root)[1])
+    assert "from minirl.a import whiten as w, masked_mean\nfrom minirl.b import only_answer\n" in code, code
+    assert "import gae" not in code and " gae," not in code, "the file defines gae: never import it from minirl"
+
+
+def test_exercise_needing_another_notebooks_answer_is_an_error(tmp_path):
+    uses_mean = STATS.replace("# | export minirl/stats.py", "# | export minirl/stats.py") + '''
+    # %%
+    # | export minirl/summary.py
+    """Summary."""
+    from minirl.stats import mean
+
+
+    def summary(xs):
+        """mean and spread."""
+        # BEGIN SOLUTION
+        return mean(xs), max(xs) - min(xs)
+        # END SOLUTION
+    '''
+    root = make_tree(tmp_path, {"01_stats.py": STATS, "02_summary.py": uses_mean.replace(STATS, "")})
+    with pytest.raises(BuildError, match=r"notebooks/02_summary.py:\d+: this cell holds an exercise and uses `mean`, "
+                                         r"the answer to exercise 1.1 \(notebooks/01_stats.py:\d+\)"):
+        build(root, check=False)
+
+
+def test_solved_exercise_files_run(tmp_path):
+    """With the solutions kept, the exercise file's imports are enough to run it."""
+    root = make_tree(tmp_path, {"01_stats.py": STATS, "02_losses.py": LIBRARY})
+    build(root, check=False)
+    solved = build_tool.exercise_files(build_tool.read_notebooks(root)[1], solutions=True)
+    with another_minirl(root):
+        namespace = {}
+        exec(compile(solved["exercises/02_losses.py"], "02_losses.py", "exec"), namespace)
+        assert namespace["loss_twice"]([0.5, 3.0]) == 2 * (1.0 + 0.5 + 6.0 + 1.0) / 2
+
+
+@pytest.mark.skipif(not list((REPO / "exercises").glob("[0-9][0-9]_*.py")), reason="no exercises in the repo yet")
+def test_repo_exercise_files_import_no_answers():
+    """No exercises/NN_*.py imports from minirl an exercise's answer or a name it defines itself."""
+    import ast
+    import re
+
+    paths = sorted((REPO / "exercises").glob("[0-9][0-9]_*.py"))
+    stub = re.compile(r'NotImplementedError\("exercise (\d+\.\d+): (\w+) --')
+    answers = {name: number for path in paths for number, name in stub.findall(path.read_text())}
+    assert {"gae", "group_advantages", "format_answer"} <= set(answers)
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "minirl":
+                for alias in node.names:
+                    name = alias.asname or alias.name
+                    assert name not in answers, f"{path.name} imports {name}, the answer to exercise {answers[name]}"
+                    assert name not in defined, f"{path.name} imports {name} from minirl and defines it too"
+
+
+def test_another_minirl_puts_the_real_package_back(two_notebooks):
+    """After a test imports a generated minirl, the real modules are the very same objects (not re-imports)."""
+    import minirl.config
+
+    before = minirl.config.SamplingConfig
+    with another_minirl(two_notebooks):
+        import minirl
+
+        assert Path(minirl.__file__).resolve().parent == (two_notebooks / "minirl").resolve()
+    import minirl.config as again
+
+    assert again.SamplingConfig is before

@@ -1,51 +1,158 @@
-"""The grader: stubs score zero, the reference scores full marks, student errors never crash it."""
+"""The grader: stubs score zero, the reference scores full marks, student code never takes it down.
 
+The planted bad code goes into a copy of notebook 03's exercise file (its checks are pure
+arithmetic, so the child's work is start-up, and a small --timeout is safe on a busy machine).
+"""
+
+import importlib.util
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MEMORY = "03_training_memory.py"
+REFERENCE = "\nfrom minirl.memory.calculator import {}  # noqa: E402  planted: the reference answer\n"
 
 
-def grade(*args: str) -> tuple[list[str], int, int]:
-    """Run the grader; return its table rows and the X, Y of its last line `score: X/Y`."""
+def grade(*args: str, expect: int = 0, timeout: float = 300) -> tuple[list[str], int, int]:
+    """Run the grader; return its output lines and the X, Y of its last line `score: X/Y`."""
     out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr
+                         text=True, timeout=timeout)
+    assert out.returncode == expect, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     x, y = map(int, re.fullmatch(r"score: (\d+)/(\d+)", lines[-1]).groups())
     return lines, x, y
 
 
+def row(lines: list[str], exercise: str) -> str:
+    return next(line for line in lines if line.startswith(exercise + " "))
+
+
+def stub_count() -> int:
+    return sum(len(re.findall(r'NotImplementedError\("exercise \d+\.\d+', p.read_text()))
+               for p in (ROOT / "exercises").glob("[0-9][0-9]_*.py"))
+
+
+def plant(directory: Path, name: str, bodies: dict[str, str], tail: str = "") -> Path:
+    """A copy of exercises/<name> in `directory` with the stub of each exercise in `bodies` replaced."""
+    text = (ROOT / "exercises" / name).read_text()
+    for exercise, code in bodies.items():
+        text, n = re.subn(rf'raise NotImplementedError\("exercise {re.escape(exercise)}:[^\n]*', lambda _: code, text)
+        assert n == 1, f"no stub of exercise {exercise} in exercises/{name}"
+    (directory / name).write_text(text + tail)
+    return directory
+
+
 def test_untouched_stubs_score_zero_and_reference_full_marks():
     rows, x, y = grade()
-    assert y >= 4 and x == 0, "\n".join(rows)
+    assert y == stub_count() >= 4 and x == 0, "\n".join(rows)
     assert all("NotImplementedError" in r for r in rows[2:-1]), "each stub's row names the failing check"
     rows, x, y_ref = grade("--reference")
     assert x == y_ref == y, "\n".join(rows)
 
 
+def test_solved_exercise_files_score_full_marks(tmp_path):
+    """The exercise files with their solutions put back pass every check: their imports are enough."""
+    spec = importlib.util.spec_from_file_location("minirl_tools_build", ROOT / "tools" / "build.py")
+    build_tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = build_tool
+    spec.loader.exec_module(build_tool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", build_tool.BuildWarning)
+        solved = build_tool.exercise_files(build_tool.read_notebooks(ROOT)[1], solutions=True)
+    for rel, text in solved.items():
+        assert "NotImplementedError(\"exercise" not in text
+        (tmp_path / Path(rel).name).write_text(text)
+    rows, x, y = grade("--dir", str(tmp_path))
+    assert x == y == stub_count(), "\n".join(rows)
+
+
 def test_partial_work_and_broken_code(tmp_path):
-    source = (ROOT / "exercises" / "00_task_and_policy.py").read_text()
-    solved = source.replace(
-        'raise NotImplementedError("exercise 0.1: format_answer -- see its docstring and notebook 00")',
-        'digits = str(abs(value))[::-1] if reverse else str(abs(value))\n    return ("-" if value < 0 else "") + digits')
-    solved = solved.replace(
-        'raise NotImplementedError("exercise 0.2: parse_answer -- see its docstring and notebook 00")',
-        'raise KeyError("student bug")')
-    assert solved != source
-    (tmp_path / "00_task_and_policy.py").write_text(solved)
+    plant(tmp_path, "00_task_and_policy.py", {
+        "0.1": 'digits = str(abs(value))[::-1] if reverse else str(abs(value))\n'
+               '    return ("-" if value < 0 else "") + digits',
+        "0.2": 'raise KeyError("student bug")'})
     rows, x, y = grade("--only", "00", "--dir", str(tmp_path))
     assert (x, y) == (1, 4), "\n".join(rows)
-    assert any(r.startswith("0.2") and "KeyError" in r for r in rows), "\n".join(rows)
+    assert "KeyError" in row(rows, "0.2"), "\n".join(rows)
 
-    (tmp_path / "00_task_and_policy.py").write_text(source + "\ndef broken(:\n")
-    rows, x, y = grade("--only", "00", "--dir", str(tmp_path))
+    (tmp_path / MEMORY).write_text((ROOT / "exercises" / MEMORY).read_text() + "\ndef broken(:\n")
+    rows, x, y = grade("--only", "03", "--dir", str(tmp_path))
     assert (x, y) == (0, 4), "a file that does not import scores 0 without crashing the grader"
+    assert "SyntaxError" in row(rows, "3.1"), "\n".join(rows)
 
 
-def test_only_rejects_a_bad_notebook_number():
-    out = subprocess.run([sys.executable, "-m", "minirl.grade", "--only", "7"], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert out.returncode == 2 and "--only '7'" in out.stderr
+def test_hang_exit_and_keyboard_interrupt_cost_one_exercise_each(tmp_path):
+    plant(tmp_path, MEMORY, {"3.2": "while True:\n        pass",
+                             "3.3": '__import__("os")._exit(1)',
+                             "3.4": "raise KeyboardInterrupt"}, tail=REFERENCE.format("bytes_per_param"))
+    start = time.monotonic()
+    rows, x, y = grade("--only", "03", "--dir", str(tmp_path), "--timeout", "5", timeout=120)
+    assert time.monotonic() - start < 100
+    assert (x, y) == (1, 4), "\n".join(rows)
+    assert row(rows, "3.1").split()[-1] == "1", "the correct exercise keeps its mark"
+    assert "timeout: over 5 s, stopped in test_zero_per_gpu_stages" in row(rows, "3.2"), "\n".join(rows)
+    assert "crash: test_checkpointed_none_and_full ended the process (exit code 1" in row(rows, "3.3"), \
+        "\n".join(rows)
+    assert "2/2" not in row(rows, "3.4") and "KeyboardInterrupt raised by the code under test" in row(rows, "3.4"), \
+        "the checks after a hang and a crash still run; a KeyboardInterrupt fails its check only"
+
+
+def test_segfault_costs_one_exercise(tmp_path):
+    plant(tmp_path, MEMORY, {"3.1": '__import__("ctypes").string_at(0)'}, tail=REFERENCE.format("zero_per_gpu"))
+    rows, x, y = grade("--only", "03", "--dir", str(tmp_path), "--timeout", "20", timeout=120)
+    assert (x, y) == (1, 4), "\n".join(rows)
+    assert "crash: test_bytes_per_param_mixed killed the process (SIGSEGV" in row(rows, "3.1"), "\n".join(rows)
+    assert row(rows, "3.2").split()[-1] == "1", "the exercise after the crash is graded in a fresh process"
+
+
+def test_hang_while_importing_costs_that_notebook_only(tmp_path):
+    (tmp_path / MEMORY).write_text((ROOT / "exercises" / MEMORY).read_text() + "\n__import__('time').sleep(3600)\n")
+    rows, x, y = grade("--only", "03", "--dir", str(tmp_path), "--timeout", "5", timeout=120)
+    assert (x, y) == (0, 4), "\n".join(rows)
+    assert all("timeout: importing the exercise file took over 5 s" in r for r in rows[2:-1]), "\n".join(rows)
+
+
+def test_ctrl_c_prints_the_table_so_far(tmp_path):
+    marker = tmp_path / "hanging"
+    plant(tmp_path, MEMORY, {"3.2": f"open({str(marker)!r}, 'w').write(str(__import__('os').getpid()))\n"
+                                    "    while True:\n        pass"}, tail=REFERENCE.format("bytes_per_param"))
+    grader = subprocess.Popen([sys.executable, "-m", "minirl.grade", "--only", "03", "--dir", str(tmp_path)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the planted hang never started"
+        grader.send_signal(signal.SIGINT)
+        out, err = grader.communicate(timeout=30)
+    finally:
+        grader.kill()
+    lines = out.strip().splitlines()
+    assert grader.returncode == 130, out + err
+    assert lines[-1] == "score: 1/4 (interrupted)", out + err
+    assert row(lines, "3.1").split()[-1] == "1", "what was graded before Ctrl-C keeps its mark"
+    assert all("interrupted (not graded)" in row(lines, i) for i in ("3.2", "3.3", "3.4")), out
+    assert "Traceback" not in err, err
+    hung, gone = int(marker.read_text()), False
+    for _ in range(50):  # the grader killed it before printing; give init a moment to reap it if need be
+        try:
+            os.kill(hung, 0)
+        except ProcessLookupError:
+            gone = True
+            break
+        time.sleep(0.1)
+    assert gone, "the child running the hanging check is stopped with the grader"
+
+
+def test_bad_arguments():
+    for args, message in ((["--only", "7"], "--only '7'"), (["--timeout", "0"], "--timeout 0"),
+                          (["--dir", "/nonexistent"], "--dir '/nonexistent'")):
+        out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 2 and message in out.stderr, out.stderr

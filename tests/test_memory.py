@@ -1,4 +1,4 @@
-"""The memory calculator (minirl.memory.calculator): closed forms, the source's tables, shapes from configs, bad input."""
+"""The memory calculator (minirl.memory.calculator): closed forms, the source's tables, configs, bad input."""
 
 import math
 
@@ -64,6 +64,43 @@ def test_model_shape_from_config_matches_a_real_model(tmp_path):
     assert (shape.hidden_size, shape.num_layers, shape.kv_dim, shape.qkv_bias) == (64, 3, 32, True)
     closed_form = ModelShape(**{**vars(shape), "num_params": None}).param_count()
     assert closed_form == real, "the closed-form count must match the module's for a Qwen2 layout"
+
+
+def test_from_config_counts_tied_embeddings_once():
+    """init_empty_weights left the tie out: the embedded policy showed 989,824 instead of 987,520 (issue 9, item 15)."""
+    tied = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    real = sum(p.numel() for p in Qwen2ForCausalLM(tied).parameters())   # parameters() yields a tied tensor once
+    shape = ModelShape.from_config(tied)
+    assert shape.param_count() == real and shape.tie_embeddings
+    assert ModelShape(**{**vars(shape), "num_params": None}).param_count() == real
+    qwen25_05b = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    assert ModelShape.from_config(qwen25_05b).param_count() == 494_032_768  # Qwen2.5-0.5B's published 0.49 B
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", -5), ("num_hidden_layers", 0), ("num_attention_heads", 0)])
+def test_from_config_names_a_bad_size(field, value):
+    """hidden_size: -5 gave torch's 'negative dimension' from inside the model build (issue 9, item 18)."""
+    config = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=rf"{field}={value}: must be a positive integer"):
+        ModelShape.from_config(config)
+
+
+def test_padding_mask_repeats_kv_and_keeps_the_mask():
+    """A padded batch makes HF's SDPA repeat K/V to every head and save the mask (issue 9, item 17)."""
+    seq = 4096
+    plain = activation_memory(LLAMA2_70B, 1, seq)["layer"]
+    padded = activation_memory(LLAMA2_70B, 1, seq, padding_mask=True)["layer"]
+    h, kv = LLAMA2_70B.hidden_size, LLAMA2_70B.kv_dim
+    assert padded - plain == seq * (2 * 2 * (h - kv) + 2 * seq)           # bf16: K, V widened; the mask row
+    assert 0.08 < padded / plain - 1 < 0.10                                 # +7 % from K/V, +2 % from the mask
+    eager = activation_memory(LLAMA2_70B, 1, seq, attention="eager")["layer"]
+    assert activation_memory(LLAMA2_70B, 1, seq, attention="eager", padding_mask=True)["layer"] == eager, \
+        "eager attention repeats K/V anyway and its backward does not keep the mask"
 
 
 def test_activation_formula_per_token():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from minirl.memory.measure import (SavedActivationMeter, build_measure_model, compare_measured, launch_measurement,
-                               measure_activations, measure_lora, random_batch, storage_bytes)
+                                   measure_activations, measure_lora, padded_mask, random_batch, storage_bytes,
+                                   time_recomputation)
 from minirl.memory.calculator import ModelShape, activation_memory
 
 
@@ -32,6 +33,29 @@ def test_activations_match_the_calculator(tiny, checkpointing, mode):
     tiny.zero_grad(set_to_none=True)
     calc = activation_memory(ModelShape.from_config(tiny.config), 2, 24, "fp32", "sdpa", mode)["total"]
     assert measured == pytest.approx(calc, rel=0.05), f"{mode}: measured {measured} vs calculator {calc}"
+
+
+def test_padded_batch_matches_the_padded_formula(tiny):
+    """SDPA with a padding mask keeps full-width K/V and the mask: measured against both formulas (item 17)."""
+    x, mask = random_batch(2, 32), padded_mask(2, 32)
+    assert mask[0, :8].sum() == 0 and mask[1].all()
+    measured = measure_activations(tiny, x, attention_mask=mask)["peak_bytes"]
+    tiny.zero_grad(set_to_none=True)
+    shape = ModelShape.from_config(tiny.config)
+    padded = activation_memory(shape, 2, 32, "fp32", padding_mask=True)["total"]
+    plain = activation_memory(shape, 2, 32, "fp32")["total"]
+    assert measured == pytest.approx(padded, rel=0.02)
+    assert measured > 1.03 * plain, "the unpadded formula undercounts a padded batch"
+
+
+def test_recomputation_timing_reports_median_and_spread(tiny):
+    threads = torch.get_num_threads()
+    t = time_recomputation(tiny, random_batch(1, 8), repeats=3)
+    assert t["slowdown_low"] <= t["slowdown"] <= t["slowdown_high"] and t["repeats"] == 3
+    assert t["clock"] == "process_time, 1 thread" and torch.get_num_threads() == threads
+    assert t["plain_s"] > 0 and t["checkpointed_s"] > 0
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_recomputation(tiny, random_batch(1, 8), repeats=0)
 
 
 def test_checkpointing_saves_activations(tiny):
@@ -82,3 +106,41 @@ def test_zero_stages_under_torchrun_match_the_calculator():
     psi = rows[0]["num_params"]
     assert by[("fsdp", "state")]["measured_mean"] == pytest.approx(16 * psi / 2, rel=0.05)
     assert by[("ddp", "state")]["measured_mean"] == pytest.approx(16 * psi, rel=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measurement_on_cuda_adds_the_allocator_peaks():
+    """On a GPU the same job runs on NCCL and adds torch.cuda.max_memory_allocated to each row."""
+    rows = launch_measurement(1, strategies=("ddp", "fsdp"), size="tiny", batch=2, seq=16, timeout=300)
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp"}
+    for r in rows:
+        assert r["device"].startswith("cuda") and r["cuda_peak"] >= r["cuda_at_rest"] > 0
+        assert r["cuda_peak"] >= r["weights"] + r["grads"] + r["adam_m"] + r["adam_v"]
+
+
+def test_measurement_model_uses_the_embedded_vocabulary():
+    from minirl.memory.measure import VOCAB_SIZE
+    from minirl.models.policy import build_tokenizer
+
+    assert VOCAB_SIZE == len(build_tokenizer())
+
+
+def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
+    """A gloo job that aborts on an overloaded machine is retried; a second failure shows the rank's own error."""
+    import subprocess
+    import warnings
+
+    calls = []
+
+    def aborting(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, -6, stdout="", stderr="rank 0: terminate called\n" + "x" * 9000)
+
+    monkeypatch.setattr(subprocess, "run", aborting)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as err:
+        warnings.simplefilter("always")
+        launch_measurement(2, size="tiny")
+    assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
+    assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)

@@ -136,7 +136,8 @@ def test_default_engine_and_update_share_the_prefix(one_rollout):
     snapshot = {k: v.clone() for k, v in actor.model.state_dict().items()}
     optimizer_state = copy.deepcopy(actor.optimizer.state_dict())
     try:
-        actor.update(Experience(ro, torch.zeros(16), advantages=torch.randn(16, generator=torch.Generator().manual_seed(0))))
+        advantages = torch.randn(16, generator=torch.Generator().manual_seed(0))
+        actor.update(Experience(ro, torch.zeros(16), advantages=advantages))
     finally:
         del actor.model.forward
         actor.model.load_state_dict(snapshot)

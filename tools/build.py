@@ -9,9 +9,20 @@ The jupytext "percent" files notebooks/NN_slug.py are the single source of truth
 An export cell is a code cell whose first non-blank line is `# | export minirl/tasks.py`.
 Notebooks are read in filename order and cells in notebook order, so a module may gather
 cells from several notebooks. In a module the cells' top-level imports are hoisted, the
-first cell's docstring becomes the module docstring, and the `# BEGIN SOLUTION` /
-`# END SOLUTION` marker lines are dropped. In an exercise file each marked span becomes a
-`raise NotImplementedError(...)` stub.
+first cell's docstring becomes the module docstring, `__all__` lists the public names
+(top-level defs, classes and UPPER_CASE constants, in order of definition), runs of blank
+lines are collapsed (two at most between top-level blocks, one inside), and the
+`# BEGIN SOLUTION` / `# END SOLUTION` marker lines are dropped.
+
+An exercise file holds only the notebook's export cells that contain a solution span, each
+span cut to a `raise NotImplementedError(...)` stub. It imports what those cells need: their
+own imports, and the names they use that other cells define or import (from the minirl
+module those cells export to). It never imports from minirl an exercise's answer (of any
+notebook) or a name the file itself defines, so a student cannot call the solution by
+accident; the rest of the package stays importable as usual.
+
+A function-level `import minirl...` / `from minirl... import` in an export cell gets a
+build warning unless a comment on its line says why it is not at the top of the module.
 
     python tools/build.py           write what changed, delete stale generated files
     python tools/build.py --check   write nothing; exit 1 if anything is out of date
@@ -21,8 +32,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
+import io
 import re
+import symtable
 import sys
+import textwrap
+import tokenize
+import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -32,8 +49,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 
 # Modules under minirl/ that no notebook generates (any __init__.py is allowed as well).
-HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/utils/cli.py", "minirl/utils/io.py",
-                "minirl/utils/rundir.py", "minirl/utils/seeding.py", "minirl/utils/timing.py",
+HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/utils/argtypes.py", "minirl/utils/cli.py",
+                "minirl/utils/io.py", "minirl/utils/rundir.py", "minirl/utils/seeding.py", "minirl/utils/timing.py",
                 "minirl/utils/validate.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
@@ -54,6 +71,10 @@ KERNEL = {
 
 class BuildError(Exception):
     """A notebook that cannot be built; the message names the file and line."""
+
+
+class BuildWarning(UserWarning):
+    """Something to fix in a notebook that still builds; printed by the CLI, never an error."""
 
 
 @dataclass
@@ -80,6 +101,49 @@ class Cell:
 
     def imports(self) -> list[ast.Import | ast.ImportFrom]:
         return [node for node in self.tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+    def defines(self) -> list[str]:
+        """Names bound at top level other than by imports (defs, classes, assignments), in order."""
+        names = []
+        for node in self.tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        return list(dict.fromkeys(names))
+
+    def uses(self) -> set[str]:
+        """Global names the cell reads (at top level or inside its functions and classes)."""
+        top = symtable.symtable("\n".join(self.lines), self.notebook, "exec")
+        names = {s.get_name() for s in top.get_symbols()
+                 if s.is_referenced() and not (s.is_assigned() or s.is_imported() or s.is_namespace())}
+        tables = list(top.get_children())
+        while tables:
+            table = tables.pop()
+            names |= {s.get_name() for s in table.get_symbols() if s.is_global() and s.is_referenced()}
+            tables += table.get_children()
+        return names
+
+    def answers(self) -> list[str | None]:
+        """For each solution span, the top-level def or class that holds it (None at module level)."""
+        return [next((node.name for node in self.tree.body
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                      and node.lineno <= begin + 1 <= node.end_lineno), None)
+                for begin, _ in self.spans]
+
+
+def bound_name(alias: ast.alias, node: ast.Import | ast.ImportFrom) -> str:
+    """The name an import binds: `import a.b` binds a, `import a.b as c` and `from a import b as c` bind c."""
+    if alias.asname:
+        return alias.asname
+    return alias.name.split(".")[0] if isinstance(node, ast.Import) else alias.name
+
+
+def is_minirl_import(node: ast.Import | ast.ImportFrom) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or node.module.split(".")[0] == "minirl"
+    return any(alias.name.split(".")[0] == "minirl" for alias in node.names)
 
 
 def lines_of(node: ast.stmt) -> range:
@@ -122,7 +186,11 @@ def export_cells(notebook: str, text: str) -> list[Cell]:
                     f"{cell.where(node.lineno - 1)}: exported cells hold package code only; "
                     f"move `{ast.unparse(node)}` to a cell without the export marker"
                 )
+        if "__all__" in cell.defines():
+            raise BuildError(f"{cell.where(0)}: {cell.target}: the build writes __all__ from the public names; "
+                             "remove it from the cell (a name starting with _ stays private)")
         cell.spans = solution_spans(cell)
+        warn_function_level_imports(cell)
         cells.append(cell)
     return cells
 
@@ -142,6 +210,24 @@ def is_debris(node: ast.stmt) -> bool:
     while isinstance(func, ast.Attribute):
         func = func.value
     return isinstance(func, ast.Name) and func.id == "plt"
+
+
+def warn_function_level_imports(cell: Cell) -> None:
+    """A BuildWarning for each minirl import inside a function whose lines carry no comment."""
+    tokens = tokenize.generate_tokens(io.StringIO("\n".join(cell.lines) + "\n").readline)
+    commented = {token.start[0] for token in tokens if token.type == tokenize.COMMENT}
+    inside: dict[int, tuple[ast.stmt, str]] = {}  # id(import) -> (import, innermost function)
+    for function in ast.walk(cell.tree):  # breadth first: an inner function comes after its outer one
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and is_minirl_import(node):
+                    inside[id(node)] = (node, function.name)
+    for node, function in sorted(inside.values(), key=lambda item: item[0].lineno):
+        if not commented.intersection(range(node.lineno, node.end_lineno + 1)):
+            warnings.warn(BuildWarning(
+                f"{cell.where(node.lineno - 1)}: `{ast.unparse(node)}` inside {function}() in {cell.target}: "
+                "move it to the top of the module, or say on its line why it must stay "
+                "(`# lazy: ...`, `# avoids a cycle: ...`)"), stacklevel=2)
 
 
 def import_group(node: ast.Import | ast.ImportFrom) -> int:
@@ -204,66 +290,127 @@ def body(cell: Cell, drop_docstring: bool, stubs: list[str] | None) -> str:
     return re.sub(r"\A(?:[ \t]*\n)+", "", text).rstrip()  # no blank lines around the cell
 
 
-def import_block(cells: list[Cell]) -> str:
-    """All top-level imports of `cells`, de-duplicated, grouped: __future__, stdlib, third party, minirl.
+Import = tuple[ast.Import | ast.ImportFrom, str]  # an import statement and its text as written
+
+
+def cell_imports(cells: list[Cell]) -> list[Import]:
+    return [(node, cell.segment(node)) for cell in cells for node in cell.imports()]
+
+
+def import_groups(imports: list[Import]) -> list[str]:
+    """The imports, de-duplicated, as four blocks: __future__, stdlib, third party, minirl.
 
     Imports are kept as written, except that several `from M import ...` of one module are
     merged into a single statement (cells often import from the same module one name at a time).
     """
     froms: dict[str, list[str]] = {}           # module -> imported names, first-seen order
-    for cell in cells:
-        for node in cell.imports():
-            if isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = froms.setdefault(node.module, [])
-                names += [n for n in (ast.unparse(a) for a in node.names) if n not in names]
+    for node, _ in imports:
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = froms.setdefault(node.module, [])
+            names += [n for n in (ast.unparse(a) for a in node.names) if n not in names]
     seen, groups = set(), ([], [], [], [])
-    for cell in cells:
-        for node in cell.imports():
-            merged = isinstance(node, ast.ImportFrom) and node.level == 0
-            key = ("from", node.module) if merged else ast.unparse(node)
-            if key in seen:
-                continue
-            seen.add(key)
-            text = cell.segment(node)
-            if merged and froms[node.module] != [ast.unparse(a) for a in node.names]:
-                text = from_import(node.module, froms[node.module])
-            groups[import_group(node)].append(text)
-    return "\n\n".join("\n".join(g) for g in groups if g)
+    for node, text in imports:
+        merged = isinstance(node, ast.ImportFrom) and node.level == 0
+        key = ("from", node.module) if merged else ast.unparse(node)
+        if key in seen:
+            continue
+        seen.add(key)
+        if merged and froms[node.module] != [ast.unparse(a) for a in node.names]:
+            text = from_import(node.module, froms[node.module])
+        groups[import_group(node)].append(text)
+    return ["\n".join(g) for g in groups]
 
 
 def from_import(module: str, names: list[str], width: int = 100) -> str:
     """`from module import a, b`, wrapped in parentheses when longer than `width`."""
-    line = f"from {module} import {', '.join(names)}"
-    if len(line) <= width:
-        return line
-    lines, current = [], f"from {module} import ("
-    for name in names:
-        if len(current) + len(name) + 2 > width:
+    return wrapped(f"from {module} import (", names, ")", width, flat=f"from {module} import {', '.join(names)}")
+
+
+def wrapped(opening: str, items: list[str], closing: str, width: int, flat: str) -> str:
+    """`flat` if it fits in `width`, else `opening` + items + `closing` over lines aligned after `opening`."""
+    if len(flat) <= width:
+        return flat
+    lines, current = [], opening
+    for item in items:
+        if len(current) + len(item) + 2 > width and current.strip() != opening.strip():
             lines.append(current.rstrip())
-            current = " " * (len(module) + 14)
-        current += name + ", "
-    return "\n".join(lines + [current.rstrip(", ") + ")"])
+            current = " " * len(opening)
+        current += item + ", "
+    return "\n".join(lines + [current.rstrip(", ") + closing])
 
 
-def assemble(head: str, imports: str, bodies: list[str], path: str) -> str:
-    """Join header+docstring, imports and cell bodies with PEP 8 spacing; check it compiles."""
-    text = head + ("\n\n" + imports if imports else "")
+PUBLIC_CONSTANT = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def public_names(cells: list[Cell]) -> list[str]:
+    """Top-level defs and classes, and UPPER_CASE constants, not starting with _, in order of definition."""
+    names = []
+    for cell in cells:
+        for node in cell.tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.Assign) or isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names += [n.id for t in targets for n in ast.walk(t)
+                          if isinstance(n, ast.Name) and PUBLIC_CONSTANT.fullmatch(n.id)]
+    return [name for name in dict.fromkeys(names) if not name.startswith("_")]
+
+
+def all_statement(names: list[str], width: int = 100) -> str:
+    items = [f'"{name}"' for name in names]
+    return wrapped("__all__ = [", items, "]", width, flat=f"__all__ = [{', '.join(items)}]")
+
+
+def collapse_blank_lines(text: str, tree: ast.Module) -> str:
+    """Runs of blank lines cut to two before a top-level line and one before an indented one.
+
+    Lines inside multi-line strings are left as they are (they are part of a value).
+    """
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            inside.update(range(node.lineno + 1, node.end_lineno + 1))
+    out, blank = [], 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if number not in inside and not line.strip():
+            blank += 1
+            continue
+        if blank:
+            limit = 1 if line[:1] in (" ", "\t") and number not in inside else 2
+            out += [""] * min(blank, limit)
+            blank = 0
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def assemble(head: str, imports: list[str], bodies: list[str], path: str, public: list[str] | None = None) -> str:
+    """Join header+docstring, imports, `__all__` and cell bodies with PEP 8 spacing; check it compiles.
+
+    `imports` are the four blocks of `import_groups`; `__all__` follows `from __future__` (PEP 8).
+    """
+    future, *rest = imports
+    blocks = [future, all_statement(public) if public else "", *rest]
+    text = "".join("\n\n" + block for block in [head, *blocks] if block).removeprefix("\n\n")
     for i, block in enumerate(b for b in bodies if b):
         # two blank lines between cells and before a top-level def/class, else one (like isort)
         text += "\n\n\n" if i or re.match(r"(@|def |async def |class )", block) else "\n\n"
         text += block
-    text += "\n"
     try:
+        text = collapse_blank_lines(text, ast.parse(text))
         compile(text, path, "exec", dont_inherit=True)
     except SyntaxError as e:
         raise BuildError(f"{path}:{e.lineno}: generated code does not compile: {e.msg}") from None
     return text
 
 
-def header(notebooks: list[str]) -> str:
-    """The first line of a generated module; it starts with MODULE_PREFIX."""
+def header(notebooks: list[str], width: int = 120) -> str:
+    """The comment that opens a generated module (its first line starts with MODULE_PREFIX), within `width`."""
     sources = ", ".join(sorted(set(notebooks)))
-    return f"# Generated from {sources} by tools/build.py -- edit the notebook, not this file."
+    tail = "by tools/build.py -- edit the notebook, not this file."
+    if len(line := f"# Generated from {sources} {tail}") <= width:
+        return line
+    lines = textwrap.wrap(f"Generated from {sources}", width - 2, break_on_hyphens=False)
+    return "\n".join(f"# {line}" for line in [*lines, tail])
 
 
 def render_module(target: str, cells: list[Cell]) -> str:
@@ -272,33 +419,126 @@ def render_module(target: str, cells: list[Cell]) -> str:
         raise BuildError(f"{first.where(0)}: {target}: the first exported cell must start with a module docstring")
     head = header([c.notebook for c in cells]) + "\n" + first.segment(first.docstring())
     bodies = [body(c, drop_docstring=c is first, stubs=None) for c in cells]
-    return assemble(head, import_block(cells), bodies, target)
+    return assemble(head, import_groups(cell_imports(cells)), bodies, target, public=public_names(cells))
 
 
-def render_exercises(notebook: str, cells: list[Cell], firsts: dict[str, Cell]) -> str:
-    """The notebook's export cells with every solution span replaced by a NotImplementedError stub."""
+def module_name(target: str) -> str:
+    """"minirl/algo/losses.py" -> "minirl.algo.losses"; a package's __init__.py -> the package."""
+    return ".".join(PurePosixPath(target).with_suffix("").parts).removesuffix(".__init__")
+
+
+def one_name(node: ast.Import | ast.ImportFrom, alias: ast.alias) -> ast.Import | ast.ImportFrom:
+    """The import statement `node` cut down to `alias`."""
+    if isinstance(node, ast.Import):
+        return ast.Import(names=[alias])
+    return ast.ImportFrom(module=node.module, names=[alias], level=node.level)
+
+
+@dataclass
+class Project:
+    """Every notebook's export cells, by notebook and by module, and what an exercise file needs."""
+
+    by_notebook: dict[str, list[Cell]]  # notebook -> its export cells, in order
+    modules: dict[str, list[Cell]]  # module path -> its cells, notebook order; cells[0] holds the docstring
+    answers: dict[str, str]  # name of a def/class holding a solution span -> "N.M" of its first exercise
+    titles: dict[str, str | None]  # notebook -> its first markdown heading
+
+
+def exercise_imports(notebook: str, included: list[Cell], project: Project) -> list[Import]:
+    """The imports of the exercise file made of `included` (see the module docstring for the rule)."""
+    defined = {name for cell in included for name in cell.defines()}
+    forbidden = defined | set(project.answers)
+    imports = []
+    for cell in included:
+        for node in cell.imports():
+            if not is_minirl_import(node):
+                imports.append((node, cell.segment(node)))
+                continue
+            keep = [alias for alias in node.names if bound_name(alias, node) not in forbidden]
+            if len(keep) == len(node.names):
+                imports.append((node, cell.segment(node)))
+            elif keep:
+                cut = ast.ImportFrom(module=node.module, names=keep, level=node.level) \
+                    if isinstance(node, ast.ImportFrom) else ast.Import(names=keep)
+                imports.append((cut, ast.unparse(cut)))
+    bound = defined | {bound_name(alias, node) for node, _ in imports for alias in node.names}
+    uses = [(cell, cell.uses()) for cell in included]
+    needed = set().union(*(names for _, names in uses)) - bound - set(dir(builtins))
+    # where to look: this notebook's cells, then the other cells of the modules these cells export to
+    targets = {cell.target for cell in included}
+    nearby = [c for c in project.by_notebook[notebook] if c not in included]
+    nearby += [c for cells in project.by_notebook.values() for c in cells
+               if c.target in targets and c.notebook != notebook]
+    everywhere = [c for cells in project.by_notebook.values() for c in cells]
+    for name in sorted(needed):
+        user = next(cell for cell, names in uses if name in names)
+        found = resolve(name, nearby) or resolve(name, everywhere)
+        if found is None:
+            warnings.warn(BuildWarning(
+                f"{user.where(0)}: exercises/{PurePosixPath(notebook).name} uses `{name}`, which no export cell "
+                "defines or imports: define it in an export cell (the package module lacks it too)"), stacklevel=2)
+            continue
+        node, cell = found
+        if name in project.answers and is_minirl_import(node):
+            raise BuildError(
+                f"{user.where(0)}: this cell holds an exercise and uses `{name}`, the answer to exercise "
+                f"{project.answers[name]} ({cell.where(0)}); its stub file may not import it: move the code "
+                "that needs it to a cell without solution spans, or make the exercise not depend on it")
+        imports.append((node, ast.unparse(node)))
+    return imports
+
+
+def resolve(name: str, cells: list[Cell]) -> tuple[ast.Import | ast.ImportFrom, Cell] | None:
+    """An import statement that binds `name` as `cells` do: importing their definition, or their import."""
+    for cell in cells:
+        if name in cell.defines():
+            return ast.ImportFrom(module=module_name(cell.target), names=[ast.alias(name)], level=0), cell
+        for node in cell.imports():
+            for alias in node.names:
+                if bound_name(alias, node) == name:
+                    return one_name(node, alias), cell
+    return None
+
+
+def notebook_title(text: str) -> str | None:
+    """The first markdown heading of a notebook, without its leading number: "The task, the policy"."""
+    if m := re.search(r"^# #+ (?:\d\d\s*[·:.-]\s*)?(.+?)\s*$", text, re.M):
+        return m[1]
+    return None
+
+
+def render_exercises(notebook: str, project: Project, solutions: bool = False) -> str:
+    """The notebook's export cells that hold exercises, every solution span replaced by a stub."""
     nn = PurePosixPath(notebook).name[:2]
-    docstring = cells[0].docstring() or firsts[cells[0].target].docstring()
-    summary = next(iter(docstring.value.value.strip().splitlines()), "")
+    included = [cell for cell in project.by_notebook[notebook] if cell.spans]
+    title = project.titles.get(notebook)
+    if title is None:
+        first = project.by_notebook[notebook][0]
+        docstring = first.docstring() or project.modules[first.target][0].docstring()
+        title = next(iter(docstring.value.value.strip().splitlines()), "")
+    summary = title if title.endswith((".", "!", "?")) else title + "."
     head = (
         f"{EXERCISE_PREFIX}{PurePosixPath(notebook).name}, generated by tools/build.py"
         " -- fill in the stubs, then grade:\n"
         f"#     python -m minirl.grade --only {nn}\n"
         f'"""Exercises for notebook {nn}: {summary}\n\n'
         "Each `raise NotImplementedError` marks code to write; the docstring above it says what to return.\n"
+        "Only the notebook's cells that hold exercises are here; the rest of its code is in minirl,\n"
+        "imported below where these cells use it.\n"
         '"""'
     )
     bodies, count = [], 0
-    for cell in cells:
+    for cell in included:
         stubs = []
         for begin, _ in cell.spans:
             count += 1
             name = enclosing_function(cell.tree, begin + 1)
-            stubs.append(
-                f'raise NotImplementedError("exercise {int(nn)}.{count}: {name} -- see its docstring and notebook {nn}")'
-            )
-        bodies.append(body(cell, drop_docstring=firsts[cell.target] is cell, stubs=stubs))
-    return assemble(head, import_block(cells), bodies, f"exercises/{PurePosixPath(notebook).name}")
+            what = f"exercise {int(nn)}.{count}: {name} -- see its docstring and notebook {nn}"
+            stubs.append(f'raise NotImplementedError("{what}")')
+        opens_module = project.modules[cell.target][0] is cell
+        bodies.append(body(cell, drop_docstring=opens_module, stubs=None if solutions else stubs))
+    imports = import_groups(exercise_imports(notebook, included, project))
+    return assemble(head, imports, bodies, f"exercises/{PurePosixPath(notebook).name}")
 
 
 def render_ipynb(text: str) -> str:
@@ -339,28 +579,45 @@ def package_markers(root: Path, modules: dict[str, list[Cell]]) -> dict[str, str
     return markers
 
 
-def generate(root: Path) -> dict[str, str]:
-    """Every generated file, as {path relative to root: content}. Reads only; raises BuildError."""
-    files, by_notebook = {}, {}
+def read_notebooks(root: Path) -> tuple[dict[str, str], Project]:
+    """The notebooks' texts {notebook: text} and their parsed export cells. Raises BuildError."""
+    texts, by_notebook = {}, {}
     for path in sorted((root / "notebooks").glob("[0-9][0-9]_*.py")):
         notebook = path.relative_to(root).as_posix()
-        text = path.read_text(encoding="utf-8")
-        files[notebook.removesuffix(".py") + ".ipynb"] = render_ipynb(text)
-        by_notebook[notebook] = export_cells(notebook, text)
+        texts[notebook] = path.read_text(encoding="utf-8")
+        by_notebook[notebook] = export_cells(notebook, texts[notebook])
     modules: dict[str, list[Cell]] = {}
     for cells in by_notebook.values():
         for cell in cells:
             modules.setdefault(cell.target, []).append(cell)
-    for target, cells in modules.items():
+    answers = {}  # the exercise numbering of render_exercises: N.1, N.2, ... over the notebook's spans
+    for notebook, cells in by_notebook.items():
+        names = [name for cell in cells for name in cell.answers()]
+        for k, name in enumerate(names, 1):
+            if name is not None:
+                answers.setdefault(name, f"{int(PurePosixPath(notebook).name[:2])}.{k}")
+    titles = {notebook: notebook_title(text) for notebook, text in texts.items()}
+    return texts, Project(by_notebook, modules, answers, titles)
+
+
+def exercise_files(project: Project, solutions: bool = False) -> dict[str, str]:
+    """{"exercises/NN_slug.py": text} for each notebook with solution spans; `solutions` keeps
+    them in place of the stubs (what tests use to check that an exercise file's imports suffice)."""
+    return {f"exercises/{PurePosixPath(notebook).name}": render_exercises(notebook, project, solutions)
+            for notebook, cells in project.by_notebook.items() if any(cell.spans for cell in cells)}
+
+
+def generate(root: Path) -> dict[str, str]:
+    """Every generated file, as {path relative to root: content}. Reads only; raises BuildError."""
+    texts, project = read_notebooks(root)
+    files = {notebook.removesuffix(".py") + ".ipynb": render_ipynb(text) for notebook, text in texts.items()}
+    for target, cells in project.modules.items():
         path = root / target
         if target in HAND_WRITTEN or path.exists() and not is_generated(path):
             raise BuildError(f"{cells[0].where(0)}: exports to {target}, a hand-written module; pick another name")
         files[target] = render_module(target, cells)
-    firsts = {target: cells[0] for target, cells in modules.items()}
-    for notebook, cells in by_notebook.items():
-        if any(cell.spans for cell in cells):
-            files[f"exercises/{PurePosixPath(notebook).name}"] = render_exercises(notebook, cells, firsts)
-    files.update(package_markers(root, modules))
+    files.update(exercise_files(project))
+    files.update(package_markers(root, project.modules))
     return files
 
 
@@ -415,11 +672,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        files = generate(args.root)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BuildWarning)
+            files = generate(args.root)
         report = sync(args.root, files, args.check)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        for w in caught:
+            if issubclass(w.category, BuildWarning):
+                print(f"warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     for line in report:
         print(f"  {line}")
     if args.check:

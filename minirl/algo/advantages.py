@@ -8,6 +8,8 @@ veRL's `compute_gae_advantage_return`, without the KL-in-reward bookkeeping, whi
 loop does when it builds per-token rewards.
 """
 
+__all__ = ["group_advantages", "gae", "whiten", "terminal_rewards"]
+
 import torch
 from torch import Tensor
 

@@ -4,13 +4,16 @@
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
 per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `importance_sampling_correction` is on (its own stage, `minirl.train.step.importance_weights`). `vocabulary_keep_mask` and
-`pruned_log_softmax` prune the low-probability tail identically on both sides.
+when `importance_sampling_correction` is on, in a stage of its own
+(`minirl.train.step.importance_weights`). `vocabulary_keep_mask` and `pruned_log_softmax`
+prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
 `vllm_importance_sampling_clip_min`), and pruning uses a min-p threshold from one side,
 not a tuned top-p schedule; both are enough to show what each correction does.
 """
+
+__all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_softmax"]
 
 import torch
 from torch import Tensor

@@ -1,4 +1,5 @@
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
+# by tools/build.py -- edit the notebook, not this file.
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
@@ -12,6 +13,10 @@ pass and no vision inputs; logits are cast to float32 before the temperature is 
 (TRL divides first, in the model's dtype), which only matters for bf16 models and is the
 more accurate order.
 """
+
+__all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log_softmax",
+           "entropy_from_logits", "completion_logits", "completion_logprobs", "CACHE_ARG",
+           "shared_prefix_logits", "LOGP_TOLERANCE", "check_logprob_pair"]
 
 import torch
 from torch import Tensor

@@ -9,6 +9,8 @@ differ only when a batch is split across accumulation steps or processes.
 Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy masking.
 """
 
+__all__ = ["clipped_surrogate", "aggregate_loss", "kl_k3", "policy_loss", "value_loss"]
+
 import torch
 from torch import Tensor
 

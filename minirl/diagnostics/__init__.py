@@ -1,2 +1,3 @@
-# Generated from notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/02_mismatch.py, notebooks/08_moe_pipelines.py
+# by tools/build.py -- edit the notebook, not this file.
 """minirl.diagnostics."""

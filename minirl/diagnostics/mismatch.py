@@ -14,6 +14,10 @@ inference server; here the rollout engine is an HF model copy in the same proces
 difference you measure comes from precision and computation path alone, which is the point.
 """
 
+__all__ = ["ppo_ratio", "clip_bounds", "mismatch_stats", "PROBABILITY_EDGES",
+           "probability_buckets", "format_buckets", "DTYPES", "LogprobPair", "trainer_logprobs",
+           "measure_logprobs", "MismatchReport", "worst_tokens", "diagnose", "compare_routes"]
+
 import math
 from dataclasses import dataclass, field
 import copy

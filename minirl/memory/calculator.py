@@ -12,8 +12,14 @@ buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data
 imbalance. Notebook 03 measures how far those take a real run from the figures here.
 """
 
+__all__ = ["COMPONENTS", "PRECISIONS", "STAGES", "GB", "check_positive", "check_precision",
+           "check_stage", "bytes_per_param", "state_bytes", "SHARDED", "zero_per_gpu",
+           "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE", "ATTENTION",
+           "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes", "activation_memory",
+           "lora_params", "lora_memory", "training_memory", "min_gpus"]
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
@@ -154,21 +160,39 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        """From a transformers config (Llama, Qwen2, Mistral, ...); counts parameters on the meta
-        device (accelerate's init_empty_weights), so a 70 B config costs no memory."""
-        from accelerate import init_empty_weights
+        """From a transformers config (Llama, Qwen2, Mistral, ...).
+
+        The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
+        naming the field, not a "negative dimension" from deep inside torch). Parameters are
+        counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
+        context applies `tie_word_embeddings` as a real build does, where accelerate's
+        `init_empty_weights` leaves the tie out and counts the embedding twice.
+        """
+        import torch
         from transformers import AutoModelForCausalLM
 
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        return cls(hidden_size=text.hidden_size, num_layers=text.num_hidden_layers,
-                   intermediate_size=text.intermediate_size, num_heads=heads,
-                   num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                   vocab_size=text.vocab_size, tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                   qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")),
-                   num_params=sum(p.numel() for p in model.parameters()))
+        sizes = {name: getattr(text, name, None) for name in
+                 ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
+        sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
+                                 f"(is this a decoder-only causal LM config?)")
+        shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
+                    intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
+                    num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
+                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                    qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
+
+    def describe(self) -> str:
+        """One line: the sizes the activation and LoRA figures use."""
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
+                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+                f"{self.param_count() / 1e9:.3g} B parameters")
 
     @classmethod
     def from_pretrained(cls, name_or_path: str) -> "ModelShape":
@@ -213,14 +237,17 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
 
 
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none") -> dict[str, float]:
+                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
 
     Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
     micro-batch. Returns {"layer", "boundary", "head", "total"}: one layer's saved bytes, one
-    layer input, the head's, and the peak under `recompute`. Leaves out: the embedding's index
-    tensor, RoPE tables, gradients of activations in flight (about one layer's worth), and
-    framework buffers. Dropout is off (as in RL fine-tuning); dropout would add its masks.
+    layer input, the head's, and the peak under `recompute`. `padding_mask=True` is a batch
+    with padding (an attention mask with zeros): HF's SDPA path then repeats K and V to every
+    query head (the grouped-query kernel takes no mask) and each layer saves the mask in the
+    compute dtype. Leaves out: the embedding's index tensor, RoPE tables, gradients of
+    activations in flight (about one layer's worth), and framework buffers. Dropout is off
+    (as in RL fine-tuning); dropout would add its masks.
     """
     check_positive("batch", batch)
     check_positive("seq", seq)
@@ -230,7 +257,9 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
         raise ValueError(f"attention={attention!r}: use one of {', '.join(map(repr, ATTENTION))}")
     p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
     norm = 4 * h + 2 * p * h + 4
-    if attention == "sdpa":
+    if attention == "sdpa" and padding_mask:
+        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
+    elif attention == "sdpa":
         attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
     else:
         attn = 4 * p * h + a * seq * (4 + (p if p < 4 else 0))
@@ -276,7 +305,8 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
 def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precision: str = "mixed",
                     shape: ModelShape | None = None, global_batch: int = 1, seq: int = 4096,
                     recompute: str = "none", lora_rank: int | None = None,
-                    base_bytes_per_param: float | None = None, attention: str = "sdpa") -> dict[str, float]:
+                    base_bytes_per_param: float | None = None, attention: str = "sdpa",
+                    padding_mask: bool = False) -> dict[str, float]:
     """Per-GPU bytes of one training step: state by component + activations + "total".
 
     global_batch sequences of `seq` tokens are split evenly over the `num_gpus` data-parallel
@@ -296,7 +326,7 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
         out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 

@@ -6,12 +6,20 @@ and GPU). `worker_main` is the body of a `torchrun` job that trains a small Qwen
 at a time under four strategies and reports, per rank, the bytes of parameters, gradients and
 optimizer state each rank actually holds (DTensor shards counted by their local storage);
 `launch_measurement` starts that job and returns its table. On CUDA it adds the caching
-allocator's own peak, `torch.cuda.max_memory_allocated`.
+allocator's own peak, `torch.cuda.max_memory_allocated`. The models are wrapped (DDP, ZeRO-1,
+FSDP2, checkpointing, LoRA) by `minirl.parallel.wrap`, the code notebook 04 trains with, so
+what is measured here is what trains there.
 
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model, three
 steps. Counting storages shows *what* is held; the allocator's peak (CUDA only) adds what a
 count of named tensors cannot see: communication buffers, temporaries, fragmentation.
 """
+
+__all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
+           "local", "storage_key", "storage_bytes", "SavedActivationMeter", "set_checkpointing",
+           "measure_activations", "time_recomputation", "padded_mask", "measure_single",
+           "measure_strategy", "worker_main", "launch_measurement", "NOTES", "compare_measured",
+           "LORA_TARGETS", "measure_lora"]
 
 import gc
 import json
@@ -21,11 +29,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
+from minirl.parallel import wrap
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -34,7 +46,7 @@ MEASURE_SIZES = {
                  num_key_value_heads=2),
 }
 STRATEGIES = {"ddp": 0, "zero1": 1, "fsdp_noreshard": 2, "fsdp": 3}  # strategy -> ZeRO stage it implements
-VOCAB_SIZE = 18  # the embedded policy's character tokenizer
+VOCAB_SIZE = 19  # the embedded policy's character tokenizer (len(build_tokenizer()))
 
 
 def build_measure_model(size: str = "small", seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
@@ -129,93 +141,104 @@ class SavedActivationMeter:
 
 def set_checkpointing(model, on: bool) -> None:
     """Per-layer gradient checkpointing on a transformers model (reentrant, so it can be metered)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    else:
-        model.gradient_checkpointing_disable()
+    wrap.set_checkpointing(model, on, reentrant=True)
 
 
-def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False) -> dict:
+def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
+                        attention_mask: torch.Tensor | None = None) -> dict:
     """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
 
-    Returns {"peak_bytes", "seconds"}: the peak of saved activations (parameters excluded)
-    and the wall time of the forward + backward. Gradients are left in place; zero them yourself.
+    attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
+    the peak of saved activations (parameters excluded) and the wall time of the forward +
+    backward. Gradients are left in place; zero them yourself.
     """
     model.train()
     set_checkpointing(model, checkpointing)
     start = time.perf_counter()
     with SavedActivationMeter(exclude=list(model.parameters())) as meter:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
     seconds = time.perf_counter() - start
     set_checkpointing(model, False)
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 5) -> dict:
-    """Median seconds of a forward + backward without and with per-layer checkpointing.
+def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict:
+    """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
 
-    The two modes alternate, so a slow stretch of a shared machine hits both alike.
-    Returns {"plain_s", "checkpointed_s", "slowdown"} with slowdown = checkpointed / plain - 1.
+    Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
+    wall time includes everybody else's work, and single wall-clock rounds of one setting can
+    differ several-fold; on an idle machine with one thread the two agree. Torch runs on one
+    thread meanwhile (restored after): idle intra-op threads spin, and spinning counts as CPU
+    time. (CPU only: on a GPU the kernels run asynchronously and this would time the launches.)
+    Each of `repeats` rounds,
+    after one untimed warm-up round, times both modes back to back in alternating order and
+    takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
+    (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
+    "repeats", "clock"}.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
     times = {False: [], True: []}
     model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _timed_rounds(model, input_ids, repeats, times)
+    finally:
+        torch.set_num_threads(threads)
+        set_checkpointing(model, False)
+    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
+            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
+            "repeats": repeats, "clock": "process_time, 1 thread"}
+
+
+def _timed_rounds(model, input_ids, repeats: int, times: dict) -> None:
+    """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
     for i in range(repeats + 1):                                    # the first round warms up, untimed
-        for on in (False, True):
+        for on in ((False, True) if i % 2 else (True, False)):
             set_checkpointing(model, on)
-            start = time.perf_counter()
+            start = time.process_time()
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             if i:
-                times[on].append(time.perf_counter() - start)
+                times[on].append(time.process_time() - start)
             model.zero_grad(set_to_none=True)
-    set_checkpointing(model, False)
-    plain, ckpt = statistics.median(times[False]), statistics.median(times[True])
-    return {"plain_s": plain, "checkpointed_s": ckpt, "slowdown": ckpt / plain - 1}
 
 
+def padded_mask(batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] attention mask whose first row is left-padded by a quarter (the rest unpadded)."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :seq // 4] = 0
+    return mask
 
-def measure_single(size: str = "small", batch: int = 2, seq: int = 32, repeats: int = 5, seed: int = 0) -> dict:
+
+def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0) -> dict:
     """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
 
-    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "timing": {...}}
-    where each mode has "measured", "calculator" and "ratio" (bytes).
+    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
+    "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
+    "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
+    `time_recomputation`'s.
     """
-    from minirl.memory.calculator import ModelShape, activation_memory
-
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     x = random_batch(batch, seq, seed)
     out = {"size": size, "batch": batch, "seq": seq, "num_params": shape.param_count()}
-    for mode, on in (("none", False), ("full", True)):
-        measured = measure_activations(model, x, on)["peak_bytes"]
+    for mode, on, mask in (("none", False, None), ("full", True, None), ("padded", False, padded_mask(batch, seq))):
+        measured = measure_activations(model, x, on, attention_mask=mask)["peak_bytes"]
         model.zero_grad(set_to_none=True)
-        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", mode)["total"]
+        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
+                                 padding_mask=mask is not None)["total"]
         out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
     out["timing"] = time_recomputation(model, x, repeats)
     return out
 
 
 def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if strategy in ("ddp", "zero1"):
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
-        if strategy == "ddp":
-            return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4), model
-        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4), model
-    reshard = strategy == "fsdp"
-    for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-4), model
+    """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
+    wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
+    return wrapped.module, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.model
 
 
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
@@ -272,10 +295,6 @@ def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: in
     if device.type == "cuda":
         result["cuda_peak"] = torch.cuda.max_memory_allocated(device)
         result["cuda_at_rest"] = torch.cuda.memory_allocated(device)
-    del call, opt, counted, model, shards
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -302,6 +321,9 @@ def worker_main(argv=None) -> None:
     try:
         for strategy in args.strategies.split(","):
             mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
+            gc.collect()                                           # the strategy's model and optimizer are gone
+            if cuda:
+                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             rows.extend(everyone)
@@ -314,12 +336,14 @@ def worker_main(argv=None) -> None:
 
 
 def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
-                       seq: int = 32, timeout: float = 600) -> list[dict]:
+                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
     """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
 
     Uses every visible GPU's NCCL when CUDA is available (world_size must then be <= the GPU
-    count), else gloo on CPU processes sharing the cores. Raises RuntimeError with the job's
-    output if it fails.
+    count), else gloo on CPU processes sharing the cores. On an overloaded machine a gloo job
+    occasionally aborts, so a failed job is run again (with a warning that says why) up to
+    `attempts` times in all; the last failure raises RuntimeError with the start and the end
+    of the job's output (a rank's own error comes before torchrun's long summary).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
@@ -337,11 +361,20 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
                "--no-python", sys.executable, "-c", "from minirl.memory.measure import worker_main; worker_main()",
                "--strategies", ",".join(strategies), "--size", size, "--batch", str(batch), "--seq", str(seq),
                "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"measurement job (world_size={world_size}) failed with code "
-                               f"{proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        for attempt in range(1, attempts + 1):
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode == 0 and out.exists():
+                return json.loads(out.read_text())
+            failure = (f"measurement job (world_size={world_size}) failed with code {proc.returncode}:\n"
+                       f"{_ends(proc.stdout)}\n{_ends(proc.stderr)}")
+            if attempt < attempts:
+                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
+        raise RuntimeError(failure)
+
+
+def _ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a long output, or all of a short one."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 NOTES = {
@@ -363,8 +396,6 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
     calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
     else "DIFFER") and "note".
     """
-    from minirl.memory.calculator import zero_per_gpu
-
     groups = {}
     for r in rows:
         groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
@@ -389,13 +420,14 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
             if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
                 note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
             verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
+            shown = note if verdict != "agree" or spread > tolerance else ""
             table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
                               calculator=expected[comp], measured_mean=mean, measured_max=max(values),
-                              ratio=ratio, verdict=verdict, note=note if verdict != "agree" or spread > tolerance else ""))
+                              ratio=ratio, verdict=verdict, note=shown))
     return table
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = wrap.LORA_TARGETS
 
 
 def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
@@ -404,15 +436,10 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     Returns the measured trainable parameters, gradient bytes (frozen weights must have none),
     Adam m and v bytes and saved-activation peak, each beside the calculator's figure.
     """
-    from peft import LoraConfig, get_peft_model
-
-    from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
-
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     base = shape.param_count()
-    lora = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                            target_modules=list(LORA_TARGETS)))
+    lora = wrap.apply_lora(model, rank, 2 * rank, LORA_TARGETS)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=1e-4)
     x = random_batch(batch, seq, seed)

@@ -5,6 +5,8 @@ Simplified vs TRL's PPOTrainer / veRL: no separate reward model and no shared-ba
 option; the critic is initialized from the policy (the warm start) with a zero head.
 """
 
+__all__ = ["ValueModel"]
+
 import copy
 
 from torch import Tensor, nn

@@ -2,14 +2,22 @@
 """The embedded policy: a character tokenizer, a tiny Qwen2 model, and its warm start.
 
 Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
-model and tokenizer from the on-disk cache, building them in about a minute on two CPU cores
-when absent. The saved directory is an ordinary Hugging Face checkpoint, so
-`AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)` load
-it offline, and vLLM can serve it.
+model and tokenizer from the on-disk cache, building them when absent (a few minutes on one
+CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved
+directory is an ordinary Hugging Face checkpoint, so `AutoModelForCausalLM.from_pretrained(path)`
+and `AutoTokenizer.from_pretrained(path)` load it offline, and vLLM can serve it.
 
 Simplified on purpose: the warm start is a plain supervised loop rather than TRL's
 SFTTrainer, because the whole of it fits on one screen and runs deterministically.
 """
+
+__all__ = ["PAD", "BOS", "EOS", "UNK", "CHARACTERS", "build_tokenizer", "PromptError",
+           "check_prompts", "PolicyConfig", "build_policy", "sft_example", "sft_batch",
+           "WarmStartConfig", "warm_start", "greedy_accuracy", "WARM_START_FORMAT", "TRAIN_SAMPLE",
+           "PolicyCacheError", "cache_dir", "make_build_dir", "default_policy_dir",
+           "build_default_policy", "damaged_cache", "load_default_policy", "warm_start_report",
+           "TOKENIZER_FILES", "ModelSourceError", "check_model_source", "resolve_dtype",
+           "load_policy"]
 
 import hashlib
 import json
@@ -22,24 +30,58 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARACTERS = "0123456789+-*= "
 
 
 def build_tokenizer(max_length: int = 32) -> PreTrainedTokenizerFast:
-    """A one-token-per-character tokenizer: ids 0, 1, 2 are <pad>, <bos>, <eos>."""
-    vocab = {PAD: 0, BOS: 1, EOS: 2} | {c: 3 + i for i, c in enumerate(CHARACTERS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
+    """A one-token-per-character tokenizer: ids 0-3 are <pad>, <bos>, <eos>, <unk>, then CHARACTERS.
+
+    Any other character encodes as <unk> (id 3), so nothing is dropped; `len(tokenizer)` is 19
+    before and after a save and reload.
+    """
+    vocab = {PAD: 0, BOS: 1, EOS: 2, UNK: 3} | {c: 4 + i for i, c in enumerate(CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character alone
     core.decoder = decoders.Fuse()                                       # join them back
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
-                                        eos_token=EOS, model_max_length=max_length)
+                                        eos_token=EOS, unk_token=UNK, model_max_length=max_length)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+class PromptError(ValueError):
+    """A prompt the policy cannot take: empty, with unknown characters, or too long for the context."""
+
+
+def check_prompts(tokenizer, prompts: list[str], context: int | None = None, max_new_tokens: int = 0) -> None:
+    """Raise PromptError naming the first bad prompt (its index and text) and what is wrong.
+
+    context: the model's positions (`config.max_position_embeddings`); each prompt's tokens plus
+    `max_new_tokens` must fit in it. Unknown characters are those the tokenizer maps to its
+    unknown token (a byte-level BPE has none, and maps every character somewhere).
+    """
+    if isinstance(prompts, str) or not prompts:
+        raise PromptError(f"prompts={prompts!r}: give a non-empty list of prompt strings")
+    unk = tokenizer.unk_token_id
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt:
+            raise PromptError(f"prompt {i} ({prompt!r}) is empty or not a string")
+        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = enc["input_ids"]
+        if unk is not None and unk in ids:
+            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"]) if t == unk})
+            raise PromptError(f"prompt {i} ({prompt[:40]!r}) has characters the tokenizer does not know: {chars} "
+                              f"(they would become {tokenizer.unk_token})")
+        if context is not None and len(ids) + max_new_tokens > context:
+            raise PromptError(f"prompt {i} ({prompt[:40]!r}) is {len(ids)} tokens; with max_new_tokens="
+                              f"{max_new_tokens} it needs {len(ids) + max_new_tokens} positions, but the model's "
+                              f"context is {context}")
 
 
 @dataclass(frozen=True)
@@ -96,26 +138,39 @@ def sft_batch(task, problems, tokenizer) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    """The supervised warm start. Defaults stop it midway: held-out greedy accuracy ~45 %."""
+    """The supervised warm start: it stops once greedy accuracy on the validation split reaches
+    `target_accuracy`, so the policy is half-skilled whatever the machine or seed."""
 
-    steps: int = 285
+    steps: int = 1500                     # at most this many optimizer steps
+    target_accuracy: float | None = 0.45  # stop at the first check reaching it; None: train all `steps`
+    eval_every: int = 10                  # steps between validation checks
     batch_size: int = 128
     lr: float = 2e-3
     max_grad_norm: float = 1.0
     seed: int = 0
 
+    def __post_init__(self):
+        if self.steps < 0 or self.eval_every < 1 or self.batch_size < 1:
+            raise ValueError(f"WarmStartConfig: steps={self.steps} must be >= 0, eval_every={self.eval_every} "
+                             f"and batch_size={self.batch_size} >= 1")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"WarmStartConfig.target_accuracy={self.target_accuracy}: must be in (0, 1], or None")
+
 
 def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
-               progress: bool = True) -> list[float]:
-    """Train `model` in place on correct answers; returns the loss of every step.
+               progress: bool = True) -> dict:
+    """Train `model` in place on correct answers until validation accuracy reaches the target.
 
-    Deterministic on CPU: batches come from a seeded generator, AdamW has no randomness.
+    Returns {"losses": the loss of every step, "validation": [[step, accuracy], ...] of every
+    check}. Deterministic on CPU: batches come from a seeded generator, AdamW has no randomness,
+    greedy decoding none. Without a validation split (or target None) it trains all `steps`.
     """
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
-    losses = []
-    for _ in tqdm(range(config.steps), desc="warm start", disable=not progress):
+    losses, checks = [], []
+    bar = tqdm(range(1, config.steps + 1), desc="warm start", disable=not progress)
+    for step in bar:
         picks = torch.randint(len(task.train), (config.batch_size,), generator=generator)
         batch = sft_batch(task, [task.train[i] for i in picks.tolist()], tokenizer)
         loss = model(**batch).loss
@@ -124,8 +179,15 @@ def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         losses.append(loss.item())
+        if config.target_accuracy is not None and task.validation and step % config.eval_every == 0:
+            checks.append([step, greedy_accuracy(model, tokenizer, task, task.validation)])   # back in eval mode
+            model.train()
+            bar.set_postfix(validation=f"{checks[-1][1]:.2f}")
+            if checks[-1][1] >= config.target_accuracy:
+                break
+    bar.close()
     model.eval()
-    return losses
+    return {"losses": losses, "validation": checks}
 
 
 @torch.no_grad()
@@ -149,11 +211,28 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
     return correct / len(problems)
 
 
-WARM_START_FORMAT = 1  # bump when the warm start's code changes what it produces
+WARM_START_FORMAT = 2  # bump when the warm start's code changes what it produces
+TRAIN_SAMPLE = 500     # training problems whose accuracy the report records (the split is shuffled)
+
+
+class PolicyCacheError(RuntimeError):
+    """The policy cache cannot be written, or a cached policy cannot be read back."""
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl"))
+
+
+def make_build_dir(path: Path) -> Path:
+    """A fresh temporary directory beside `path`, or PolicyCacheError naming the cache and the fix."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    except OSError as err:
+        where = os.environ.get("MINIRL_CACHE", "unset, so ~/.cache/minirl")
+        raise PolicyCacheError(f"cannot write the warm-started policy under {path.parent} "
+                               f"({err.strerror or err}): set MINIRL_CACHE to a writable directory "
+                               f"(MINIRL_CACHE is {where})") from None
 
 
 def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
@@ -166,40 +245,153 @@ def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: Po
 
 def build_default_policy(path: Path, task_config: TaskConfig, policy_config: PolicyConfig,
                          warm_config: WarmStartConfig, progress: bool = True) -> None:
-    """Build, warm-start, evaluate and save the policy at `path`, atomically."""
-    task = make_task(task_config)
-    tokenizer = build_tokenizer(task_config.max_length)
-    model = build_policy(policy_config, tokenizer)
-    losses = warm_start(model, tokenizer, task, warm_config, progress=progress)
-    report = {"losses": losses, "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
-              "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps(report))
+    """Build, warm-start, evaluate and save the policy at `path`, atomically.
+
+    The temporary directory comes first: an unwritable cache is a PolicyCacheError before
+    any training. Whatever stops the build (an error, Ctrl-C) removes the temporary directory.
+    """
+    tmp = make_build_dir(path)
     try:
-        os.replace(tmp, path)           # atomic: readers see all of it or none of it
-    except OSError:                     # another process finished first; keep theirs
+        task = make_task(task_config)
+        tokenizer = build_tokenizer(task_config.max_length)
+        model = build_policy(policy_config, tokenizer)
+        trained = warm_start(model, tokenizer, task, warm_config, progress=progress)
+        report = {**trained, "steps": len(trained["losses"]),
+                  "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
+                  "validation_accuracy": greedy_accuracy(model, tokenizer, task, task.validation),
+                  "train_accuracy": greedy_accuracy(model, tokenizer, task, task.train[:TRAIN_SAMPLE]),
+                  "train_sample": min(TRAIN_SAMPLE, len(task.train)),
+                  "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warm_start.json").write_text(json.dumps(report))
+        try:
+            os.replace(tmp, path)       # atomic: readers see all of it or none of it
+        except OSError:                 # another process finished first; keep theirs
+            pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PolicyCacheError(f"the cached policy is damaged: {Path(path) / filename} cannot be read "
+                            f"({type(err).__name__}: {reason}). Delete it and rebuild: rm -r {path} "
+                            f"(or python chapters/00_warm_start.py --rebuild)")
 
 
 def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
     """(model, tokenizer, path) of the warm-started policy, built first if not cached."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = default_policy_dir(task_config, policy_config, warm_config)
     if not (path / "warm_start.json").exists():
         build_default_policy(path, task_config, policy_config, warm_config, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(path).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Any failure to read back a cached file means the cache is damaged (safetensors, JSON and
+    # OS errors all occur), so every exception is reported with the file and the fix.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "model.safetensors", err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise damaged_cache(path, "tokenizer.json", err) from err
     tokenizer.padding_side = "left"
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer, path
 
 
 def warm_start_report(path: Path) -> dict:
-    """The losses and held-out accuracy recorded when the policy at `path` was built."""
-    return json.loads((Path(path) / "warm_start.json").read_text())
+    """What was recorded when the policy at `path` was built: "losses", "validation" checks,
+    "steps", and greedy accuracy on the held-out, validation and (a sample of) training problems."""
+    try:
+        return json.loads((Path(path) / "warm_start.json").read_text())
+    except (OSError, ValueError) as err:
+        raise damaged_cache(path, "warm_start.json", err) from err
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+class ModelSourceError(ValueError):
+    """A model name that names no usable model: no such directory, not a hub id, or files missing."""
+
+
+def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
+    """"local" for a model directory, "hub" for a well-formed hub id; ModelSourceError otherwise.
+
+    Looks at names and files only, loads nothing: a directory must hold config.json and (with
+    `need_tokenizer`) one of TOKENIZER_FILES; a name that is no directory must be a valid hub
+    id, "name" or "owner/name".
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelSourceError(f"{name_or_path}: a file, not a model directory (give the directory "
+                                   "that holds config.json)")
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"no config.json in {path}: not a Hugging Face model directory "
+                                   "(model.save_pretrained(DIR) writes one)")
+        if need_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelSourceError(f"no tokenizer files in {path} (none of {', '.join(TOKENIZER_FILES)}): "
+                                   "save the tokenizer beside the model with tokenizer.save_pretrained(DIR)")
+        return "local"
+    try:
+        validate_repo_id(str(name_or_path))
+    except HFValidationError:
+        raise ModelSourceError(f"{name_or_path}: no such directory, and not a hub id "
+                               "(a hub id looks like 'Qwen/Qwen2.5-0.5B')") from None
+    return "hub"
+
+
+def resolve_dtype(dtype):
+    """None, a torch.dtype, or its name ("bfloat16") -> None or a torch.dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"dtype={dtype!r}: use a torch.dtype or its name, e.g. 'float32' or 'bfloat16'")
+
+
+def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progress: bool = True):
+    """(model, tokenizer) ready for the loop: the embedded policy (None), a local directory or a hub id.
+
+    dtype: None keeps the checkpoint's (float32 for the embedded policy), else a torch.dtype or
+    its name. The model is in eval mode on `device`; the tokenizer pads on the left and, when it
+    has no pad token, with its EOS token (as TRL does). Raises ModelSourceError for a name that
+    is no model (see `check_model_source`), a hub id that is neither cached nor downloadable
+    (offline), or a tokenizer with neither a pad nor an EOS token.
+    """
+    dtype = resolve_dtype(dtype)
+    if name_or_path is None:
+        model, tokenizer, _ = load_default_policy(device=device, progress=progress)
+        name = "the embedded policy"
+    else:
+        name = str(name_or_path)
+        kind = check_model_source(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
+        except OSError as err:
+            if kind == "local":
+                raise
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            raise ModelSourceError(f"{name}: no such directory, and hub id {name!r} is not in the local "
+                                   "Hugging Face cache" + (" (HF_HUB_OFFLINE is set)" if offline else
+                                                           " and could not be downloaded")) from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelSourceError(f"{name}: its tokenizer has neither a pad nor an EOS token; set "
+                                   "tokenizer.pad_token and tokenizer.eos_token, then save it again")
+        tokenizer.pad_token = tokenizer.eos_token     # what TRL's trainers do
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelSourceError(f"{name}: the tokenizer has {len(tokenizer)} ids but the model embeds only {rows}: "
+                               "ids beyond that would fail inside the model; resize the embeddings "
+                               "(model.resize_token_embeddings(len(tokenizer))) or use the matching tokenizer")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval(), tokenizer

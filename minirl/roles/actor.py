@@ -11,6 +11,8 @@ Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (no 
 accumulation or micro-batches), no learning-rate schedule.
 """
 
+__all__ = ["optimizer_step", "ratio_statistics", "Actor"]
+
 import math
 
 import torch

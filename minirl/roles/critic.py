@@ -6,6 +6,8 @@ zero-initialized scalar head (`ValueModel.from_policy`), trained with the clippe
 in one step per batch.
 """
 
+__all__ = ["Critic"]
+
 import torch
 from torch import Tensor
 

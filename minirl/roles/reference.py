@@ -5,6 +5,8 @@ Simplified vs TRL / veRL: a full copy in the same process and precision (TRL can
 disable a LoRA adapter to recover the reference; veRL can colocate it with the actor).
 """
 
+__all__ = ["Reference"]
+
 import copy
 
 import torch

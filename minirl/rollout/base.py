@@ -12,6 +12,9 @@ their weights and KV cache during the update) and `wake_up()`; the loop calls th
 present.
 """
 
+__all__ = ["VersionMismatchError", "RolloutEngine", "Colocated", "check_request", "draw_seed",
+           "completion_mask_from_ids", "check_tokenizer", "make_rollout"]
+
 from typing import Iterable, Protocol, runtime_checkable
 
 import torch

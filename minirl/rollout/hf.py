@@ -14,6 +14,8 @@ on a CPU: weights are round-tripped through float8_e4m3fn with one scale per ten
 computed in bfloat16.
 """
 
+__all__ = ["fp8_round_trip", "HFEngine"]
+
 import copy
 from typing import Iterable
 

@@ -12,6 +12,8 @@ repetition penalty or other `generation_config` processors); the model's cache m
 `batch_repeat_interleave` (HF's DynamicCache does).
 """
 
+__all__ = ["SharedPrefixEngine", "sample_shared_prefix"]
+
 import torch
 from torch import Tensor
 

@@ -10,6 +10,8 @@ engine reports the version that was pushed (`check_pushed`), and on request the 
 holds are compared with the trainer's (`minirl.sync.checks`, notebook 02).
 """
 
+__all__ = ["SyncReport", "WeightSync", "check_pushed", "InProcessSync"]
+
 import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol

@@ -8,6 +8,8 @@ Notebook 02 uses it as step 1 of the mismatch diagnosis; `InProcessSync(verify=T
 syncs of notebooks 04 and 06 run it after a push.
 """
 
+__all__ = ["stale_parameters", "rounding_tolerance", "dtype_name", "check_synchronization"]
+
 import torch
 from torch import Tensor
 

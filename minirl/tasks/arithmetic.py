@@ -1,5 +1,5 @@
 # Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
-"""The embedded arithmetic task: problems, a train/held-out split, prompts, verifiers.
+"""The embedded arithmetic task: problems, a train/validation/held-out split, prompts, verifiers.
 
 A prompt is `"a+b="`; the target completion is the answer (reversed digits by default) and
 an end-of-sequence token. Reward functions follow TRL's signature,
@@ -11,10 +11,16 @@ math-RL setup adds formatting rules, partial credit and a sandbox; none of that 
 how the loop is distributed, which is what this course is about.
 """
 
+__all__ = ["OPERATORS", "MAX_DIGITS", "TaskConfig", "Problem", "format_prompt", "format_answer",
+           "parse_answer", "completion_text", "accuracy_reward", "format_reward", "ArithmeticTask",
+           "make_task"]
+
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+MAX_DIGITS = 1000  # longer digit strings are malformed: no task answer is that long, and Python's int()
+                   # refuses strings of more than 4,300 digits (a verifier must not raise on them)
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,8 @@ class TaskConfig:
     ops: str = "+"             # any of "+-*"
     min_operand: int = 0
     max_operand: int = 99
-    num_test: int = 500        # held-out problems, never trained on
+    num_test: int = 500        # held-out problems: never trained on, never used to tune anything
+    num_validation: int = 500  # carved from training: what the warm start's length is tuned on
     seed: int = 0              # the split's seed
     reverse_answer: bool = True
     max_length: int = 32       # the tokenizer's context: prompt + answer + EOS must fit
@@ -38,6 +45,9 @@ class TaskConfig:
         if self.max_operand < self.min_operand:
             raise ValueError(f"TaskConfig: empty operand range min_operand={self.min_operand} > "
                              f"max_operand={self.max_operand}; set max_operand >= min_operand")
+        if self.max_answer_length > MAX_DIGITS:
+            raise ValueError(f"TaskConfig.max_operand={self.max_operand}: answers of {self.max_answer_length} "
+                             f"digits exceed the verifier's MAX_DIGITS={MAX_DIGITS}; lower max_operand")
         if self.sequence_length > self.max_length:
             raise ValueError(
                 f"TaskConfig.max_operand={self.max_operand}: its longest prompt + answer + EOS "
@@ -46,6 +56,10 @@ class TaskConfig:
         if not 0 < self.num_test < self.num_problems:
             raise ValueError(f"TaskConfig.num_test={self.num_test}: must be in 1..{self.num_problems - 1} "
                              f"(there are {self.num_problems} problems)")
+        if not 0 <= self.num_validation < self.num_problems - self.num_test:
+            raise ValueError(f"TaskConfig.num_validation={self.num_validation}: must be in 0.."
+                             f"{self.num_problems - self.num_test - 1} (there are {self.num_problems} problems, "
+                             f"{self.num_test} held out, and training needs at least one)")
 
     @property
     def num_problems(self) -> int:
@@ -74,6 +88,11 @@ class Problem:
     def value(self) -> int:
         return OPERATORS[self.op](self.a, self.b)
 
+    @property
+    def pair(self) -> tuple:
+        """The unordered operand pair with its operator: a+b and b+a share it (so do a-b and b-a)."""
+        return (self.op, min(self.a, self.b), max(self.a, self.b))
+
 
 def format_prompt(problem: Problem) -> str:
     """`Problem(27, "+", 35)` -> `"27+35="`."""
@@ -96,15 +115,16 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
     """Invert `format_answer`: the integer a completion states, or None if malformed.
 
     Leading and trailing whitespace is ignored. A well-formed completion is an optional
-    "-" followed by one or more ASCII digits and nothing else ("26", "-21", "001").
-    Anything else ("", "2 6", "26=", "+26", "٣", None, a non-string) returns None.
-    Never raises.
+    "-" followed by 1 to MAX_DIGITS (1,000) ASCII digits and nothing else ("26", "-21",
+    "001"). Anything else ("", "2 6", "26=", "+26", "٣", 1,001 digits, None, a non-string)
+    returns None. Never raises, whatever arrives: a policy can emit a completion of 4,301
+    digits, which Python's `int()` refuses.
     """
     if not isinstance(completion, str):
         return None
     text = completion.strip()
     sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text)
-    if not digits or not all(c in "0123456789" for c in digits):
+    if not digits or len(digits) > MAX_DIGITS or not all(c in "0123456789" for c in digits):
         return None
     return sign * int(digits[::-1] if reverse else digits)
 
@@ -141,11 +161,12 @@ def format_reward(prompts, completions, reverse_answer: bool = True, **columns) 
 
 @dataclass
 class ArithmeticTask:
-    """A config and its split: `train` and `test` are lists of Problems."""
+    """A config and its split: `train`, `test` (held out) and `validation` are lists of Problems."""
 
     config: TaskConfig
     train: list[Problem]
     test: list[Problem]
+    validation: list[Problem] = field(default_factory=list)
 
     def prompt(self, problem: Problem) -> str:
         return format_prompt(problem)
@@ -159,7 +180,10 @@ class ArithmeticTask:
 
     def rows(self, split: str = "train") -> list[dict]:
         """Dataset rows `{"prompt", "answer"}` in TRL's standard (non-chat) format."""
-        problems = {"train": self.train, "test": self.test}[split]
+        splits = {"train": self.train, "validation": self.validation, "test": self.test}
+        if split not in splits:
+            raise ValueError(f"split={split!r}: use one of {', '.join(map(repr, splits))}")
+        problems = splits[split]
         return [{"prompt": format_prompt(p), "answer": p.value} for p in problems]
 
     def dataset(self, split: str = "train"):
@@ -170,9 +194,32 @@ class ArithmeticTask:
 
 
 def make_task(config: TaskConfig | None = None) -> ArithmeticTask:
-    """Every problem of the config, shuffled by `config.seed`, the first `num_test` held out."""
+    """Every problem of the config, split by unordered operand pair into test, validation and train.
+
+    a+b and b+a always land in the same split, so no held-out problem has its commuted twin
+    in training. The pairs are shuffled by `config.seed`; the held-out set takes whole pairs
+    until it holds `num_test` problems, then the validation set until `num_validation` (a
+    pair that would overshoot is passed over for a later one, so the sizes are exact when
+    enough a+a problems exist, and never larger); training gets the rest. Each split is then
+    shuffled on its own, so a problem and its twin are not neighbours.
+    """
     config = config or TaskConfig()
     operands = range(config.min_operand, config.max_operand + 1)
-    problems = [Problem(a, op, b) for op in config.ops for a in operands for b in operands]
-    random.Random(config.seed).shuffle(problems)
-    return ArithmeticTask(config, train=problems[config.num_test:], test=problems[:config.num_test])
+    groups = {}
+    for problem in (Problem(a, op, b) for op in config.ops for a in operands for b in operands):
+        groups.setdefault(problem.pair, []).append(problem)
+    pairs = list(groups)
+    rng = random.Random(config.seed)
+    rng.shuffle(pairs)
+    test, validation, train = [], [], []
+    for pair in pairs:
+        group = groups[pair]
+        if len(test) + len(group) <= config.num_test:
+            test += group
+        elif len(validation) + len(group) <= config.num_validation:
+            validation += group
+        else:
+            train += group
+    for split in (test, validation, train):
+        rng.shuffle(split)
+    return ArithmeticTask(config, train=train, test=test, validation=validation)

@@ -14,6 +14,9 @@ sharded checkpoints with torch.distributed.checkpoint); the frozen reference is 
 (it is the initial policy, rebuilt from the model the run starts from).
 """
 
+__all__ = ["PREFIX", "TMP_PREFIX", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "remove_stale_temporaries", "restore_checkpoint"]
+
 import dataclasses
 import os
 import random

@@ -1,6 +1,8 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Plots of a run's records: the reward per step and the held-out accuracy."""
 
+__all__ = ["plot_metrics"]
+
 import matplotlib.pyplot as plt
 
 

@@ -10,6 +10,10 @@ Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule
 distributed launcher (notebook 04 adds torchrun).
 """
 
+__all__ = ["ENGINES", "SAFE_ON_RESUME", "build_roles", "build_engine", "RunState", "Callback",
+           "RunStopped", "run", "Evaluator", "JSONLLogger", "Checkpointer", "ProgressBar",
+           "StopAfter", "check_resume_config", "setup", "stage1_step", "train"]
+
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -19,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -246,6 +250,8 @@ def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=No
         raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
     if "prompt" not in rows[0]:
         raise ValueError(f"dataset rows need a 'prompt' column; got columns {sorted(rows[0])}")
+    check_prompts(tokenizer, [r["prompt"] for r in rows], getattr(model.config, "max_position_embeddings", None),
+                  config.sampling.max_completion_length)     # at the door: unknown characters, too long
     reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")

@@ -14,6 +14,9 @@ generation batch per step, and the engine holds its own copy of the policy with 
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
+__all__ = ["Roles", "sample_prompts", "score", "make_experience", "importance_weights",
+           "compute_advantages", "rl_step"]
+
 import math
 from dataclasses import dataclass
 
@@ -94,7 +97,8 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
                 raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
                                  f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
                                  "floats, or pass reward_errors='zero' to score them 0")
-            errors += [f"{name}[{i}]: not a finite number" for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist()]
+            bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
+            errors += [f"{name}[{i}]: not a finite number" for i in bad]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         metrics[f"rewards/{name}"] = values.mean().item()
         total += values
@@ -141,10 +145,20 @@ def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experienc
     return exp
 
 
-def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C]."""
+def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
+    """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
+
+    group: None in one process. In a data-parallel run (notebook 04) each rank holds whole
+    groups, so "group" scaling stays local, but "batch" scaling divides by the std of the
+    whole global batch: `group.all_gather` brings every rank's rewards.
+    """
     if algorithm.algo == "grpo":
-        exp.advantages = group_advantages(exp.rewards, exp.rollout.num_generations, algorithm.scale_rewards)
+        G = exp.rollout.num_generations
+        if algorithm.scale_rewards == "batch" and group is not None and group.world_size > 1:
+            batch_std = group.all_gather(exp.rewards).std()                              # over all ranks' rewards
+            exp.advantages = group_advantages(exp.rewards, G, "none") / (batch_std + 1e-4)
+        else:
+            exp.advantages = group_advantages(exp.rewards, G, algorithm.scale_rewards)
         return exp
     mask = exp.rollout.completion_mask
     token_rewards = terminal_rewards(exp.rewards, mask)                                   # [N, C]
@@ -156,12 +170,18 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig) -> Experienc
 
 
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
-            generator: torch.Generator | None = None) -> dict:
+            generator: torch.Generator | None = None, group=None) -> dict:
     """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
     sync: any WeightSync. The record holds the update's metrics, the batch's reward and
-    completion length, the versions, and `time/<stage>` seconds for every stage.
+    completion length (mean and longest), its real prompt and completion tokens
+    (`tokens/prompt`, `tokens/completion`), the versions, and `time/<stage>` seconds for
+    every stage.
+    group: None in one process. In a data-parallel run (notebook 04) every rank calls rl_step
+    on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
+    ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
+    "batch" reward std and the record's reward, length and token statistics.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -172,7 +192,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
     with timer("advantages"):
-        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm)
+        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm, group)
     with timer("update"):
         metrics |= roles.actor.update(exp)
     if roles.critic is not None:
@@ -182,6 +202,12 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
     roles.version = report.version
     lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    prompt_tokens = rollout.prompt_mask.sum()
+    if group is not None:                                          # the global batch's rows, every rank's
+        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
+        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
+    tokens = {"tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
+              "completion_length_max": lengths.max().item()}                 # for MFU and stragglers (notebook 09)
     return metrics | {"version": roles.version, "generated_version": rollout.version,
                       "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | timer.times
+                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | tokens | timer.times

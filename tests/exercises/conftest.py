@@ -1,10 +1,12 @@
 """The `ex` fixture: the implementation a graded check runs against.
 
 A check file is named `test_NN_<slug>.py`; its `ex` is notebook NN's code:
-- the reference (the minirl modules that notebook NN exports) in a normal test run, or
+- the reference in a normal test run: the minirl modules that hold notebook NN's exercises
+  (those its solution cells export to), or
 - the student's `exercises/NN_<slug>.py` when `MINIRL_GRADE_TARGET=exercises` (set by
   `python -m minirl.grade`), or the exercise files of another directory when the variable
   holds a path.
+Both hold the same exercise functions: an exercise file is made of those same cells.
 """
 
 import importlib
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPORT = re.compile(r"^#\s*\|\s*export\s+minirl/(\S+)\.py\s*$", re.M)
+EXPORT = re.compile(r"^#\s*\|\s*export\s+minirl/(\S+)\.py\s*$")
+CELL = re.compile(r"^# ?%%(.*)$", re.M)  # a jupytext percent cell marker; group 1: "[markdown]" or ""
 
 
 def notebook_source(nn: str) -> Path:
@@ -28,11 +31,24 @@ def notebook_source(nn: str) -> Path:
     return matches[0]
 
 
+def exercise_modules(nn: str) -> list[str]:
+    """The modules notebook NN's solution cells export to, in notebook order: ["algo.losses", ...]."""
+    modules = []
+    parts = CELL.split(notebook_source(nn).read_text())  # [preamble, marker, cell, marker, cell, ...]
+    for marker, cell in zip(parts[1::2], parts[2::2]):
+        lines = [line for line in cell.splitlines() if line.strip()]
+        if re.search(r"\[(markdown|md|raw)\]", marker) or not lines:
+            continue
+        if (m := EXPORT.match(lines[0])) and any(line.strip() == "# BEGIN SOLUTION" for line in lines):
+            modules.append(m[1].replace("/", "."))
+    return list(dict.fromkeys(modules))
+
+
 def reference(nn: str) -> types.SimpleNamespace:
-    """Every public name of every module notebook NN exports to, later modules winning."""
+    """Every public name of the modules that hold notebook NN's exercises, later modules winning."""
     namespace = {}
-    for module in dict.fromkeys(EXPORT.findall(notebook_source(nn).read_text())):
-        mod = importlib.import_module("minirl." + module.replace("/", "."))
+    for module in exercise_modules(nn):
+        mod = importlib.import_module("minirl." + module)
         namespace.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
     return types.SimpleNamespace(**namespace)
 

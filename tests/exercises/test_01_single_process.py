@@ -21,6 +21,19 @@ def test_selective_log_softmax_is_stable_for_large_logits(ex):
     out = ex.selective_log_softmax(logits, torch.tensor([[0]]))
     assert torch.isfinite(out).all(), "use logsumexp: exp(1000) overflows float32"
     assert abs(out.item()) < 1e-5, "the dominant token has log-probability ~0"
+    out = ex.selective_log_softmax(logits, torch.tensor([[2]]))
+    assert torch.isfinite(out).all() and abs(out.item() + 2000) < 1e-2, \
+        "an unlikely token keeps its exact log-probability (-2000 here): log(softmax) underflows to -inf"
+
+
+@pytest.mark.exercise("1.1")
+def test_selective_log_softmax_keeps_the_dtype(ex):
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    index = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    out = ex.selective_log_softmax(logits, index)
+    assert out.dtype == torch.float64, f"the result has the dtype of the logits (float64 here), got {out.dtype}"
+    expected = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
+    assert torch.allclose(out, expected, atol=1e-12, rtol=0), "computed in float64 too, not in float32"
 
 
 @pytest.mark.exercise("1.1")
@@ -110,6 +123,15 @@ def test_clipped_surrogate_gradient_and_clip_higher(ex):
     loss.sum().backward()
     assert torch.allclose(ratio.grad, torch.tensor([[-1.0, -1.0, 0.0]])), \
         "no gradient once the ratio is clipped (use torch.min/torch.clamp, not .item())"
+
+
+@pytest.mark.exercise("1.4")
+def test_clipped_surrogate_sequence_level_ratio_broadcasts(ex):
+    ratio = torch.tensor([[1.5], [0.5]])                            # [B, 1]: one ratio per sequence
+    advantages = torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]])  # [B, T]
+    loss = ex.clipped_surrogate(ratio, advantages, 0.2)
+    assert loss.shape == (2, 3), f"ratio [B, 1] and advantages [B, T] broadcast to [B, T], got {tuple(loss.shape)}"
+    assert torch.allclose(loss, torch.tensor([[-1.2, 1.5, -2.4], [-0.5, 0.8, -1.0]]))
 
 
 @pytest.mark.exercise("1.5")

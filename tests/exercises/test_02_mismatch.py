@@ -47,6 +47,28 @@ def test_probability_buckets_mask_and_edges(ex):
     assert (rows[1]["lo"], rows[1]["hi"]) == (0.5, 1.0)
 
 
+@pytest.mark.exercise("2.2")
+def test_probability_buckets_boundaries_and_clamp(ex):
+    behavior = torch.tensor([[-1.0, 1e-6, -3.0]])     # p = exp(-1) exactly on an edge; p slightly above 1
+    trainer = torch.zeros(1, 3)
+    rows = ex.probability_buckets(trainer, behavior, torch.ones(1, 3), edges=(0.0, math.exp(-1.0), 1.0))
+    assert [r["tokens"] for r in rows] == [1, 2], \
+        "edges[i] <= p < edges[i+1]: p on an edge belongs to the bucket above; p is clamped to at most 1"
+    assert isinstance(rows[0]["tokens"], int), "tokens is a Python int"
+    statistics = ("lo", "hi", "mean_abs_delta", "max_abs_delta", "share_outside")
+    assert all(isinstance(rows[0][k], float) for k in statistics), \
+        "the edges and statistics are Python floats (call .item() on 0-dim tensors)"
+
+
+@pytest.mark.exercise("2.2")
+def test_probability_buckets_low_and_high(ex):
+    behavior = torch.log(torch.tensor([[0.2, 0.2, 0.2]]))
+    trainer = torch.log(torch.tensor([[0.5, 0.5, 0.08]]))          # exp(delta) = 2.5, 2.5, 0.4
+    rows = ex.probability_buckets(trainer, behavior, torch.ones(1, 3), edges=(0.0, 1.0), low=0.5, high=3.0)
+    assert math.isclose(rows[0]["share_outside"], 1 / 3, rel_tol=1e-6), \
+        "outside: exp(trainer - behavior) < low or > high, with the low and high given; only 0.4 is, of 2.5, 2.5, 0.4"
+
+
 @pytest.mark.exercise("2.3")
 def test_stale_parameters_finds_the_planted_stale_tensor(ex):
     w = {"a": torch.tensor([1.0, -2.0, 0.5]), "b": torch.tensor([0.25, 0.125])}
@@ -63,6 +85,17 @@ def test_stale_parameters_missing_shapes_and_abs_tol(ex):
     assert ex.stale_parameters(w, rollout, abs_tol=1e-2) == ["extra", "y", "z"], \
         "report names missing on either side and shape changes, sorted; x is within abs_tol"
     assert ex.stale_parameters(w, rollout) == ["extra", "x", "y", "z"], "with no tolerance x differs too"
+
+
+@pytest.mark.exercise("2.3")
+def test_stale_parameters_tolerance_edges(ex):
+    w = {"a": torch.tensor([1.0]), "b": torch.tensor([1.0])}
+    rollout = {"a": torch.tensor([1.5]), "b": torch.tensor([2.0])}
+    assert ex.stale_parameters(w, rollout, abs_tol=0.5) == ["b"], \
+        "a differs by exactly abs_tol: stale only when |rollout - trainer| > abs_tol + rel_tol * |trainer|"
+    assert ex.stale_parameters(w, rollout, rel_tol=0.5) == ["b"], \
+        "rel_tol is relative to the trainer's value: b moved by 1.0 > 0.5 * |1.0| (not 0.5 * |2.0|)"
+    assert ex.stale_parameters(w, rollout, rel_tol=1.0) == [], "b moved by 1.0, not more than 1.0 * |1.0|"
 
 
 @pytest.mark.exercise("2.4")
@@ -90,6 +123,35 @@ def test_importance_sampling_weights_sequence_modes(ex):
     w = ex.importance_sampling_weights(old, behavior, mask, "sequence_mask", 1.5)
     assert torch.allclose(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])), \
         "sequence_mask: a sequence whose ratio exceeds the cap gets weight 0 on every token"
+    w = ex.importance_sampling_weights(old, behavior, mask, "sequence_truncate", 1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 0.0], [1.0, 1.0, 1.0]])), \
+        "sequence_truncate: min(sequence ratio, cap) on every token of the sequence"
+
+
+@pytest.mark.exercise("2.4")
+def test_importance_sampling_weights_ignore_garbage_at_masked_positions(ex):
+    nan, inf = float("nan"), float("inf")
+    old = torch.tensor([[math.log(0.3), nan, nan], [math.log(0.5), math.log(0.5), inf]])
+    behavior = torch.tensor([[math.log(0.2), 0.0, inf], [math.log(0.4), nan, -inf]])
+    mask = torch.tensor([[1, 0, 0], [1, 0, 0]])
+    for mode, cap in (("token_truncate", 2.0), ("token_mask", 2.0), ("sequence_truncate", 2.0), ("sequence_mask", 2.0)):
+        w = ex.importance_sampling_weights(old, behavior, mask, mode, cap)
+        assert torch.isfinite(w).all(), \
+            f"{mode}: NaN/inf log-probs at masked positions must not leak (x * 0 is NaN for x = NaN or inf: use where)"
+        assert torch.allclose(w, torch.tensor([[1.5, 0.0, 0.0], [1.25, 0.0, 0.0]])), f"{mode}: 0 where mask is 0"
+
+
+@pytest.mark.exercise("2.4")
+def test_importance_sampling_weights_cap_is_inclusive_and_dtype_kept(ex):
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -3.0]], dtype=torch.float64)
+    behavior = old.clone()                                         # every ratio is exactly 1.0
+    mask = torch.tensor([[1, 1], [1, 0]])
+    for mode in ("token_mask", "sequence_mask"):
+        w = ex.importance_sampling_weights(old, behavior, mask, mode, 1.0)
+        assert torch.equal(w, mask.double()), f"{mode}: a ratio equal to the cap is kept (ratio <= cap), not zeroed"
+        assert w.dtype == torch.float64, f"{mode}: the weights have old_logps' dtype (float64 here), got {w.dtype}"
+    w = ex.importance_sampling_weights(old, behavior, mask, "token_truncate", 2.0)
+    assert w.dtype == torch.float64, f"token_truncate: the weights have old_logps' dtype, got {w.dtype}"
 
 
 @pytest.mark.exercise("2.5")
@@ -108,3 +170,10 @@ def test_vocabulary_keep_mask_batched_and_top_kept(ex):
     assert keep.shape == logits.shape, "same shape as the logits [..., V]"
     assert torch.equal(keep.sum(-1), torch.ones(2, 3, dtype=torch.long)), "min_p = 1 keeps exactly the top token"
     assert keep.gather(-1, logits.argmax(-1, keepdim=True)).all(), "the most probable token is always kept"
+
+
+@pytest.mark.exercise("2.5")
+def test_vocabulary_keep_mask_ties_at_the_top(ex):
+    logits = torch.tensor([[2.0, 2.0, 0.0], [1.0, 3.0, 3.0]])
+    assert ex.vocabulary_keep_mask(logits, 1.0).tolist() == [[True, True, False], [False, True, True]], \
+        "min_p = 1 keeps the most probable token(s): tied top tokens are all kept (p >= min_p * max p)"

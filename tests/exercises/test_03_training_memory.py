@@ -11,14 +11,16 @@ def test_bytes_per_param_mixed(ex):
     assert per["weights"] == 2 and per["grads"] == 2, "mixed precision: BF16 weights and gradients are 2 B each"
     assert per["master"] == 4 and per["adam_m"] == 4 and per["adam_v"] == 4, "FP32 master, m and v are 4 B each"
     assert per["total"] == 16, "the total is the sum of the five components: 16 B"
+    assert ex.bytes_per_param() == per, "precision defaults to 'mixed'"
+    assert all(type(v) is int for v in per.values()), "all values are ints (bytes)"
 
 
 @pytest.mark.exercise("3.1")
 def test_bytes_per_param_variants(ex):
-    fp32 = ex.bytes_per_param("fp32")
-    assert (fp32["weights"], fp32["master"], fp32["total"]) == (4, 0, 16), "fp32: 4 B weights, no master copy, 16 B"
-    bf16 = ex.bytes_per_param("bf16")
-    assert (bf16["adam_m"], bf16["total"]) == (2, 8), "pure bf16: Adam moments are 2 B, total 8 B"
+    assert ex.bytes_per_param("fp32") == dict(weights=4, grads=4, master=0, adam_m=4, adam_v=4, total=16), \
+        "fp32: 4 B weights and gradients, no master copy, 4 B m and v: 16 B"
+    assert ex.bytes_per_param("bf16") == dict(weights=2, grads=2, master=0, adam_m=2, adam_v=2, total=8), \
+        "pure bf16: everything 2 B, no master copy: 8 B"
     with pytest.raises(ValueError, match="precision"):
         ex.bytes_per_param("int4")
 
@@ -34,6 +36,19 @@ def test_zero_per_gpu_stages(ex):
     assert z2["grads"] == pytest.approx(2e9 / 8) and z2["weights"] == pytest.approx(2e9), \
         "stage 2 also divides the gradients, weights stay whole"
     assert ex.zero_per_gpu(psi, 8, 3)["total"] == pytest.approx(2e9), "stage 3 divides everything: 16 B / 8"
+
+
+@pytest.mark.exercise("3.2")
+def test_zero_per_gpu_every_component(ex):
+    whole = dict(weights=2e9, grads=2e9, master=4e9, adam_m=4e9, adam_v=4e9)
+    sharded = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "adam_m", "adam_v"),
+               3: ("weights", "grads", "master", "adam_m", "adam_v")}
+    for stage, parts in sharded.items():
+        z = ex.zero_per_gpu(1e9, 4, stage)
+        want = {k: v / 4 if k in parts else v for k, v in whole.items()}
+        for k, v in want.items():
+            assert z[k] == pytest.approx(v), f"stage {stage}: {k} should be {v:.3g} B per GPU, got {z[k]:.3g}"
+        assert z["total"] == pytest.approx(sum(want.values())), f"stage {stage}: total is the sum of the five"
 
 
 @pytest.mark.exercise("3.2")
@@ -61,6 +76,8 @@ def test_checkpointed_sqrt_segments(ex):
         "sqrt with L=16: k=4 segment inputs + one segment of 4 layers"
     assert ex.checkpointed_activation_bytes(100.0, 5.0, 0.0, 10, "sqrt") == pytest.approx(4 * 5 + 3 * 100), \
         "sqrt with L=10: k=ceil(sqrt(10))=4 segments of ceil(10/4)=3 layers"
+    assert ex.checkpointed_activation_bytes(100.0, 5.0, 1000.0, 16, "sqrt") == pytest.approx(4 * 5 + 1000), \
+        "sqrt: when the head is larger than a segment (4 x 100), the head sets the peak"
     with pytest.raises(ValueError, match="recompute"):
         ex.checkpointed_activation_bytes(1.0, 1.0, 1.0, 4, "half")
 
@@ -71,6 +88,15 @@ def test_min_gpus_zero3(ex):
     assert ex.min_gpus(70e9, 80 * GB, 3, activation_bytes=10 * GB) == 16, \
         "with 10 GB of activations per GPU only 70 GB is left for state: ceil(1120/70) = 16"
     assert ex.min_gpus(1e9, 80 * GB, 3) == 1, "a 1B model (16 GB) fits one 80 GB GPU"
+    assert ex.min_gpus(70e9, 80 * GB, 3, "bf16") == 7, "precision counts: pure bf16 needs 8 B x 70e9 = 560 GB: 7"
+
+
+@pytest.mark.exercise("3.4")
+def test_min_gpus_exact_fit_and_max_gpus(ex):
+    assert ex.min_gpus(1e9, 16 * GB, 0) == 1, "16 GB of state on a 16 GB GPU fits: the need may equal the memory"
+    assert ex.min_gpus(1e9, 4 * GB, 3) == 4, "16 GB over 4 GB GPUs: exactly 4"
+    assert ex.min_gpus(70e9, 80 * GB, 3, max_gpus=13) is None, "14 GPUs are needed: more than max_gpus gives None"
+    assert ex.min_gpus(70e9, 80 * GB, 3, max_gpus=14) == 14
 
 
 @pytest.mark.exercise("3.4")

@@ -17,6 +17,9 @@ boolean mask. Supports Llama-style
 models with full attention (Llama, Qwen2, Qwen3, Mistral without a sliding window).
 """
 
+__all__ = ["SUPPORTED", "Chunk", "Group", "Step", "BUCKET_TOKENS", "make_step", "make_group",
+           "paged_attention", "rotate", "check_architecture", "PagedModel"]
+
 from dataclasses import dataclass
 
 import torch

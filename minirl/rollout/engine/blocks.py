@@ -15,6 +15,8 @@ Simplified vs vLLM: one pool on one device, no swapping to CPU memory, no copy-o
 partly filled shared block (only full blocks are shared).
 """
 
+__all__ = ["blocks_needed", "grow_table", "block_hash", "BlockPool"]
+
 from collections import OrderedDict
 from typing import Callable
 

@@ -21,6 +21,8 @@ Simplified vs vLLM: one process, one device, no CUDA graphs, no detokenization s
 plain temperature sampling (no top-k/top-p), weights updated in place between batches.
 """
 
+__all__ = ["DTYPES", "CACHES", "Request", "Stats", "sample", "PagedEngine"]
+
 import copy
 import time
 from dataclasses import dataclass, field

@@ -7,6 +7,10 @@ accepted drafts, cache hits) that do not depend on the machine, and timed ones (
 second) whose alternatives run interleaved, `repeats` times each, compared by their medians.
 """
 
+__all__ = ["interleaved", "kv_utilization", "effective_batch", "continuous_vs_static",
+           "step_costs", "predicted_seconds", "step_seconds", "closed_form_saved",
+           "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf"]
+
 import statistics
 import time
 
@@ -233,8 +237,9 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
     engine's cache is emptied before every call (as a weight update would). Compared: generated
     tokens (up to and including EOS) per second; `speedup` is the median over repeats of the
     ratio within a repeat (the two calls of a repeat see about the same machine load). The
-    completions differ (other random streams), so token counts differ a little. Also returns the engine's median seconds per phase and
-    token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
+    completions differ (other random streams), so token counts differ a little. Also returns the
+    engine's median seconds per phase and token counts, and HF's work: prompt tokens prefilled and
+    rows x steps decoded.
     """
     engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
     for engine in engines.values():

@@ -16,6 +16,8 @@ comparing the tokens); the last block of a sequence is never matched, even when 
 at least one token is computed and gives the logits to sample from (vLLM does the same).
 """
 
+__all__ = ["match_prefix", "PrefixCache"]
+
 from minirl.rollout.engine.blocks import BlockPool, block_hash
 
 

@@ -17,6 +17,8 @@ Simplified vs SGLang: whole blocks only (SGLang can match single tokens); no cac
 reordering of the waiting queue (SGLang serves the longest shared prefix first).
 """
 
+__all__ = ["Node", "RadixCache"]
+
 import heapq
 import itertools
 

@@ -20,6 +20,8 @@ Simplified vs vLLM: no chunked prefill (a prompt longer than the token budget ru
 its step), no priorities, no swapping preempted blocks to CPU memory (recompute only).
 """
 
+__all__ = ["WAITING", "RUNNING", "FINISHED", "Sequence", "can_admit", "Scheduler"]
+
 from collections import deque
 from dataclasses import dataclass, field
 

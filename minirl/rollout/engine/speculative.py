@@ -17,6 +17,8 @@ Simplified vs vLLM: a fixed k for all sequences, no tree of drafts; a step that 
 sequences runs as a plain step (prefill + one decode token), only pure decode steps speculate.
 """
 
+__all__ = ["accept_draft", "probabilities", "NgramDraft", "ModelDraft", "speculative_step"]
+
 import copy
 import time
 

@@ -16,6 +16,10 @@ arithmetic task (solved examples, then one question), the ~64-token prompts of t
 long-tail workload; `load_draft_policy()` is a small warm-started draft for speculation.
 """
 
+__all__ = ["LONG_TAIL_CHARACTERS", "LongTailConfig", "long_tail_tokenizer",
+           "build_long_tail_policy", "load_long_tail_policy", "DRAFT_POLICY", "load_draft_policy",
+           "few_shot_rows", "few_shot_prompts"]
+
 import hashlib
 import json
 import os

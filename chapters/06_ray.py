@@ -1,0 +1,215 @@
+"""Stage 6: the single controller on Ray: one Driver runs stage 1's step on workers placed on pools.
+
+    python chapters/06_ray.py --placement colocated --out runs/06-colocated        # local Ray cluster, CPU
+    python chapters/06_ray.py --placement disaggregated --pools actor=2,rollout=1 --out runs/06-disagg
+    python chapters/06_ray.py --placement per-role --sync object_store --out runs/06-per-role
+    ray start --head --num-cpus 8        # then, on any node of that cluster:
+    python chapters/06_ray.py --address auto --placement disaggregated --out runs/06-cluster
+    python chapters/06_ray.py --address auto --device cuda --model Qwen/Qwen2.5-0.5B --pools actor=4,rollout=4 ...
+
+Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter 01),
+OUT/timeline.png (which role was busy when, per worker, in the last 3 steps),
+OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
+accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
+step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the
+stage shares after every step. Without --address a local Ray cluster starts inside the run
+and stops at its end. --resume continues a stopped run (a worker that died, --stop-after)
+from its newest checkpoint; every setting of
+minirl.config.RLConfig is a flag below (with this chapter's defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import ray
+import torch
+
+from minirl.config import RLConfig
+from minirl.controller.driver import SOURCE_ORDER, SYNCS, Driver, stage_shares
+from minirl.controller.placement import PLACEMENTS, check_placement, make_placement, parse_pools
+from minirl.controller.plots import plot_placement, plot_timeline
+from minirl.controller.resource_pool import PlacementError, connect
+from minirl.controller.worker_group import WorkerDiedError
+from minirl.models.policy import ModelSourceError, PromptError, check_model_source, greedy_accuracy, load_policy
+from minirl.tasks.arithmetic import make_task
+from minirl.train.run import Callback, RunStopped
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.utils.io import write_summary
+from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.utils.seeding import seed_everything
+from minirl.utils.validate import ConfigError, check_float, check_int
+
+DEFAULTS = RLConfig().replace(steps=100, eval_every=25, checkpoint_every=25)
+SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
+
+
+def parse_args(argv=None):
+    """(args, config, placement): every flag checked and the placement built, before Ray or a model is touched."""
+    parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)
+    ray_group = parser.add_argument_group("placement and cluster")
+    ray_group.add_argument("--placement", choices=PLACEMENTS, default="colocated",
+                           help="colocated: every role on one pool; disaggregated: train and rollout pools; "
+                                "per-role: each role its own workers (default: %(default)s)")
+    ray_group.add_argument("--pools", default=None, metavar="ROLE=N[+M],...",
+                           help="devices of the pool that hosts each role, per node: actor=2,rollout=1+1 "
+                                "(default: one device per pool)")
+    ray_group.add_argument("--address", default=None,
+                           help="join the Ray cluster there ('auto', or host:port printed by `ray start --head`); "
+                                "default: start a local cluster")
+    ray_group.add_argument("--num-cpus", type=float, default=2,
+                           help="CPUs of the local cluster (without --address) (default: %(default)s)")
+    ray_group.add_argument("--cpus-per-device", type=float, default=0.25,
+                           help="CPUs each worker reserves (on a CPU pool a device is such a slot) "
+                                "(default: %(default)s)")
+    ray_group.add_argument("--sync", choices=SYNCS, default="collective",
+                           help="weight sync between separate workers: a bucketed torch.distributed broadcast "
+                                "(gloo; NCCL on GPUs) or Ray's object store (default: %(default)s)")
+    ray_group.add_argument("--bucket-mb", type=float, default=32, help="broadcast bucket size, MiB (default: 32)")
+    ray_group.add_argument("--compare-syncs", type=int, default=0, metavar="N",
+                           help="after training, time N pushes through each sync, interleaved (default: 0)")
+    group = parser.add_argument_group("run directory and process")
+    group.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    group.add_argument("--overwrite", action="store_true", help="delete the run in --out and start a new one")
+    group.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                       help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
+    group.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: 1)")
+    add_config_flags(parser, DEFAULTS)
+    args = parser.parse_args(argv)
+    try:
+        for dest, low in (("stop_after", 1), ("threads", 0), ("compare_syncs", 0)):
+            if getattr(args, dest) is not None:
+                check_int(dest, getattr(args, dest), low=low)
+        for dest in ("num_cpus", "cpus_per_device", "bucket_mb"):
+            check_float(dest, getattr(args, dest), low=0.0, low_open=True)
+    except ConfigError as err:
+        parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+    config = config_from_args(parser, args, DEFAULTS)
+    try:
+        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+        if args.model is not None:
+            check_model_source(args.model)          # a missing directory is named before anything loads
+    except (RunDirError, ModelSourceError) as err:
+        parser.error(str(err))
+    if args.resume:                        # the run's own settings, changed only where the user says so
+        record = read_run_record(args.out)
+        saved = RLConfig.from_dict(record["config"])
+        if args.model is None:
+            args.model = record.get("model")
+        elif args.model != record.get("model"):
+            parser.error(f"--resume: the run in {args.out} trained {record.get('model') or 'the embedded policy'}, "
+                         f"not --model {args.model}; drop --model to resume it")
+        typed = explicit_dests(parser, argv) & set(saved.flat())
+        changed = [f"{flag(k)} {saved.flat()[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed)
+                   if k not in SAFE_ON_RESUME and saved.flat()[k] != getattr(args, k)]
+        if changed:
+            parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
+                         f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
+        config = saved.replace(**{k: getattr(args, k) for k in typed})
+    device = "gpu" if config.run.device.startswith("cuda") else "cpu"
+    try:
+        placement = make_placement(args.placement, parse_pools(args.pools), device, args.cpus_per_device)
+    except ConfigError as err:
+        parser.error(f"argument --{err.name}: {err.value!r}: {err.why}")
+    return parser, args, config, placement
+
+
+class StageLine(Callback):
+    """One line per step: the share of each stage, in the source's Driver order."""
+
+    def on_step(self, state, record):
+        shares = stage_shares([record])
+        print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
+              + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
+              + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
+
+
+def main(argv=None) -> int:
+    parser, args, config, placement = parse_args(argv)
+    try:
+        check_placement(placement, config)                  # a role without a pool, a batch that does not split
+    except ConfigError as err:
+        parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(config.run.seed)
+    try:
+        print(connect(args.address, num_cpus=args.num_cpus))
+    except ConnectionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    task, out = make_task(), args.out
+
+    started = time.perf_counter()
+    try:
+        model, tokenizer = load_policy(args.model, "cpu", progress=False)     # the driver's copy stays on the CPU
+        with Driver(config, placement, model, tokenizer, [task.reward], sync=args.sync, threads=args.threads,
+                    bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
+            where = driver.where()
+            print(f"placement {placement.describe(driver.roles_needed())}; sync: {type(driver.sync).__name__}")
+            for role, devices in where.items():
+                print(f"  {role:>9} -> {', '.join(devices)}")
+            metrics = driver.train(task.rows("train"), eval_fn=lambda m: greedy_accuracy(m, tokenizer, task),
+                                   out_dir=out, resume=args.resume, overwrite=args.overwrite, progress=False,
+                                   stop_after=args.stop_after, extra_callbacks=(StageLine(),),
+                                   run_info={"model": args.model, "placement": args.placement, "pools": args.pools})
+            timeline = driver.timeline()
+            compared = {}
+            for _ in range(args.compare_syncs):                      # interleaved: each sync in turn
+                for name, sync in driver.syncs.items():
+                    report = sync.push(driver.roles.actor.named_weights(), driver.engine, driver.roles.version)
+                    compared.setdefault(name, []).append((report.seconds, report.bytes))
+    except RunStopped as stop:
+        print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
+        return 1
+    except WorkerDiedError as err:
+        print(f"error: {err}\ncontinue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
+        return 1
+    except (RunDirError, ConfigError, PlacementError, PromptError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ModelSourceError as err:
+        print(f"error: --model {args.model}: {err}", file=sys.stderr)
+        return 2
+    finally:
+        ray.shutdown()
+    seconds = time.perf_counter() - started
+    steps = [m for m in metrics if "time/generate" in m]
+    evals = [m for m in metrics if "accuracy" in m]
+    plot_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
+                  "(last 3 steps)", last_steps=3)
+    plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
+    summary = {
+        "accuracy_before": evals[0]["accuracy"] if evals else None,
+        "accuracy_after": evals[-1]["accuracy"] if evals else None,
+        "stage_shares": stage_shares(steps),
+        "sync_seconds": sum(m["time/sync"] for m in steps) / max(1, len(steps)),
+        "sync_bytes": steps[-1]["sync/bytes"] if steps else 0,
+        "sync": args.sync if args.placement != "colocated" else "local",
+        "sync_compare": {name: {"seconds_median": sorted(s for s, _ in runs)[len(runs) // 2], "bytes": runs[0][1],
+                                "repeats": len(runs)} for name, runs in compared.items()},
+        "placement": where, "placement_kind": args.placement, "pools": args.pools,
+        "steps": metrics[-1]["step"] if metrics else 0, "seconds": seconds,
+        "seconds_training": sum(m.get("time/step", 0.0) for m in steps),
+        "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
+        "metrics": str(out / "metrics.jsonl"), "timeline": str(out / "timeline.png"),
+        "placement_plot": str(out / "placement.png"), "config": dataclasses.asdict(config),
+    }
+    write_summary(out, summary)
+    if evals:
+        before, after = summary["accuracy_before"], summary["accuracy_after"]
+        print(f"{args.placement}: held-out greedy accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
+              f"points) in {summary['steps']} steps, {seconds:.0f} s")
+    shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())
+    print(f"stage shares: {shares}; sync {summary['sync_seconds'] * 1e3:.1f} ms and "
+          f"{summary['sync_bytes'] / 2**20:.1f} MiB per step")
+    for name, row in summary["sync_compare"].items():
+        print(f"sync {name}: median {row['seconds_median'] * 1e3:.1f} ms for {row['bytes'] / 2**20:.1f} MiB")
+    print(f"timeline: {out / 'timeline.png'}   placement: {out / 'placement.png'}   summary: {out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
+"""The stage-4 run: every rank runs notebook 01's `rl_step` on its share of the batch (SPMD).
+
+`setup_spmd` builds, on every rank, the reference copy (beta > 0), the rank's engine (a full
+copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
+trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
+engine fails before any step. `spmd_step` draws the global batch from the generator every
+rank shares, keeps this rank's share and calls `rl_step` with the process group. `run` and
+the callbacks of notebook 01 drive it unchanged. `evaluate_engine` measures held-out
+accuracy on the engine's copy (the trainer's latest weights, whole), and `export_policy`
+gathers the (LoRA-merged) policy into a Hugging Face directory.
+
+Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
+rollout), GRPO only, one model family's decoder layers per FSDP unit.
+"""
+
+__all__ = ["SPMDState", "build_engine", "setup_spmd", "spmd_step", "sync_table", "innermost",
+           "evaluate_engine", "export_policy"]
+
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from minirl.config import RLConfig
+from minirl.models.policy import greedy_accuracy
+from minirl.parallel.config import ParallelConfig
+from minirl.parallel.launch import DistContext, ProcessGroup, rank_share
+from minirl.parallel.roles import DistributedActor
+from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
+from minirl.roles.reference import Reference
+from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
+from minirl.rollout.vllm import VLLMEngine
+from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_by_layer
+from minirl.tasks.arithmetic import format_prompt
+from minirl.train.run import ENGINES, RunState
+from minirl.train.step import Roles, rl_step, sample_prompts
+
+
+@dataclass
+class SPMDState(RunState):
+    """A RunState with what a rank of a data-parallel run also needs."""
+
+    pconfig: ParallelConfig | None = None
+    ctx: DistContext | None = None
+    group: ProcessGroup | None = None
+    sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
+
+
+def build_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
+    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
+    adapter = pconfig.resolved_sync_mode == "adapter"
+    if pconfig.rollout == "vllm":
+        return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
+                          colocate=pconfig.colocate, seed=config.run.seed)
+    inner = ENGINES[config.rollout.rollout_engine](model, tokenizer, config.rollout.rollout_dtype, device=device)
+    if pconfig.seed_per_prompt:
+        inner = SeedPerPrompt(inner)
+    return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
+
+
+def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
+               ctx: DistContext) -> SPMDState:
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
+    model.to(ctx.device).eval()
+    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
+    mode = pconfig.resolved_sync_mode
+    engine = None if mode == "adapter" else build_engine(config, pconfig, model, tokenizer, ctx.device)
+    if pconfig.lora_rank:
+        model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
+    if engine is None:                                    # adapter-only: the engine holds base + adapter
+        engine = build_engine(config, pconfig, model, tokenizer, ctx.device)
+    if pconfig.gradient_checkpointing:
+        set_checkpointing(model, True)
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
+    group = ProcessGroup(ctx.device)
+    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
+                             checkpointing=pconfig.gradient_checkpointing)
+    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
+    sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
+    seed = config.run.seed
+    return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
+                     reward_funcs, pconfig=pconfig, ctx=ctx, group=group,
+                     sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
+
+
+def spmd_step(state: SPMDState) -> dict:
+    """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
+    config, group = state.config, state.group
+    rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
+    mine = rank_share(rows, group.rank, group.world_size)
+    sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
+    record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
+    report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
+    record |= {"sync/peak_bytes": report.peak_bytes, "sync/tensors": report.tensors,
+               "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
+    local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
+    everyone = group.gather_objects(local)
+    for key in local:
+        if key.startswith("rewards/"):                    # equal shares: the mean of the ranks' means
+            record[key] = sum(r[key] for r in everyone) / len(everyone)
+    record["reward_errors"] = sum(r.get("reward_errors", 0) for r in everyone)
+    record["time_by_rank"] = [{k: v for k, v in r.items() if k.startswith("time/")} for r in everyone]
+    return record
+
+
+def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 3) -> list[dict]:
+    """Seconds, bytes and share of the step of one sync in each mode this run can ship (every rank calls it).
+
+    Each mode pushes the trainer's current weights into a `SinkEngine` once to allocate, then
+    `repeats` times, timed (median). "full" ships every tensor unmerged (for a LoRA run: the
+    base weights, as full fine-tuning ships them); "merged" and "adapter" need LoRA. share =
+    seconds / this rank's mean step time.
+    """
+    steps = [m["time/step"] for m in metrics if "time/step" in m]
+    step_time = sum(steps) / len(steps) if steps else float("nan")
+    scaling = state.sync.lora_scaling
+    modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
+    named = list(state.roles.actor.named_weights())
+    rows = []
+    for mode in modes:
+        sync, sink = ShardedSync(mode, scaling), SinkEngine()
+        sync.push(named, sink, 0)
+        reports = [sync.push(named, sink, 0) for _ in range(repeats)]
+        seconds = statistics.median(r.seconds for r in reports)
+        rows.append({"mode": mode, "seconds": seconds, "bytes": reports[-1].bytes, "tensors": reports[-1].tensors,
+                     "peak_bytes": reports[-1].peak_bytes, "share": seconds / step_time})
+    return rows
+
+
+def innermost(engine):
+    """The engine under any wrappers (SeedPerPrompt, ColocatedEngine)."""
+    while hasattr(engine, "engine"):
+        engine = engine.engine
+    return engine
+
+
+def evaluate_engine(engine, tokenizer, task) -> float:
+    """Held-out greedy accuracy (0..1) of the policy the engine holds: the trainer's latest weights, whole."""
+    inner = innermost(engine)
+    if hasattr(inner, "greedy_completions"):              # vLLM
+        problems = task.test
+        texts = inner.greedy_completions([format_prompt(p) for p in problems], task.config.max_answer_length + 1)
+        return sum(task.reward(None, texts, answer=[p.value for p in problems])) / len(problems)
+    return greedy_accuracy(inner.model, tokenizer, task)
+
+
+def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
+                  ctx: DistContext) -> Path | None:
+    """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
+
+    Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
+    returns it, the others return None. `AutoModelForCausalLM.from_pretrained(path)` loads it.
+    """
+    mode = "merged" if lora_scaling is not None else "full"
+    state = {}
+    for layer in gather_by_layer(list(actor.named_weights())):
+        for name, tensor in engine_tensors(layer, mode, lora_scaling):
+            if ctx.is_main:
+                state[name] = tensor.detach().to("cpu", copy=True)
+    if not ctx.is_main:
+        return None
+    base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
+    model = AutoModelForCausalLM.from_config(base.config)
+    model.load_state_dict(state, strict=True)
+    path = Path(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path

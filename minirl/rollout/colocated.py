@@ -1,0 +1,187 @@
+# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
+"""An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
+
+`ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
+`SharedPrefixEngine`). `load_weights` copies each tensor into place as it arrives, so a
+sender that gathers layer by layer never needs a second whole copy; bad input (an unknown
+name, a wrong shape, an older version, a tensor missing at the end) is an error, and until a
+complete push succeeds the engine refuses to generate. With colocate=True the engine sleeps
+after every `generate`: the storage of its weights is released (resized to 0) until the next
+push wakes it up. Only the tensors every push brings are released: all of them, or with
+adapter_only=True just LoRA's A and B (the frozen base must survive the sleep).
+
+Simplified vs vLLM's sleep mode: no KV cache to release (the HF engines build it per call),
+and level 2 only (released, then refilled by the next push); level 1 (offload to host
+memory) has nowhere to go on a CPU.
+"""
+
+__all__ = ["EngineNotReady", "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
+
+import hashlib
+import time
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from minirl.config import SamplingConfig
+from minirl.data import Batch, Rollout
+from minirl.rollout.base import VersionMismatchError, draw_seed
+from minirl.rollout.hf import fp8_round_trip
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is asleep, or its last push did not complete: it holds no usable weights."""
+
+
+class ColocatedEngine:
+    """Streams weights in one tensor at a time; with colocate=True, sleeps between generate and the next push.
+
+    engine: an in-process engine with `.model`, `.version`, `generate`; adapter_only: pushes
+    bring only the LoRA tensors (names containing "lora_"), the base stays resident.
+    `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    """
+
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False):
+        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+        state = engine.model.state_dict(keep_vars=True)
+        self.names = [n for n in state if not adapter_only or "lora_" in n]
+        if not self.names:
+            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA tensors; build "
+                             "it from the peft model")
+        self.asleep, self.ready = False, True
+        self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    def _tensors(self) -> dict[str, Tensor]:
+        state = self.engine.model.state_dict(keep_vars=True)
+        return {n: state[n].data for n in self.names}
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """The inner engine's `generate`; then, when colocated, sleep until the next push."""
+        if self.asleep or not self.ready:
+            raise EngineNotReady(f"{type(self.engine).__name__} is {'asleep' if self.asleep else 'half-loaded'}: "
+                                 "push the trainer's weights (sync.push / load_weights) before generating")
+        rollout = self.engine.generate(prompts, sampling, expected_version, generator)
+        if self.colocate:
+            self.sleep()
+        return rollout
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype); then hold `version`.
+
+        Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
+        than the one held, ValueError naming an unknown name, a wrong shape, or the names
+        missing at the end; after an error the engine refuses to generate until a complete push.
+        """
+        if version < self.engine.version:
+            raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
+                                       f"version {self.engine.version}: refusing to go back to older weights")
+        if self.asleep:
+            self.wake_up()
+        own, seen = self._tensors(), set()
+        self.ready = False
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                     f"{len(own)} tensors named like {self.names[0]!r}: push them under the engine's "
+                                     "names (the policy's state_dict names)")
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                     f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+                if self.engine.dtype == "float8_e4m3fn" and tensor.dim() >= 2:
+                    tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+                own[name].copy_(tensor)
+                seen.add(name)
+        missing = [n for n in self.names if n not in seen]
+        if missing:
+            raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
+                             f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                             "the last version")
+        self.engine.version, self.ready = version, True
+
+    def named_weights(self):
+        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
+        return self.engine.model.state_dict().items()
+
+    def sleep(self) -> None:
+        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+        if self.asleep:
+            return
+        start, released = time.perf_counter(), 0
+        seen = set()
+        for tensor in self._tensors().values():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            released += storage.nbytes()
+            storage.resize_(0)
+        self.asleep = True
+        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+
+    def wake_up(self) -> None:
+        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        for tensor in self._tensors().values():
+            storage = tensor.untyped_storage()
+            needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+            if storage.nbytes() < needed:
+                storage.resize_(needed)
+        self.asleep, self.ready = False, False                  # awake, but stale until the push completes
+        self.stats["wake_seconds"] = time.perf_counter() - start
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
+    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**62
+
+
+class SeedPerPrompt:
+    """An engine whose samples for a prompt depend only on one seed drawn for the batch and on the prompt.
+
+    generate() draws a seed s from the generator, then samples each prompt alone from
+    `prompt_seed(s, prompt)`: a batch split over any number of ranks (each drawing s from the
+    same shared generator) gets the same completions. One generate call per prompt (slower).
+    Everything else is the wrapped engine's.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):                          # model, dtype, tokenizer, named_weights, ...
+        return getattr(self.engine, name)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.version = value
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.engine.load_weights(named_tensors, version)
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        seed = draw_seed(generator) or 0
+        parts = [self.engine.generate([prompt], sampling, expected_version,
+                                      torch.Generator().manual_seed(prompt_seed(seed, prompt))) for prompt in prompts]
+        return Batch.concat(parts)

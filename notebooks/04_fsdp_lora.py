@@ -1,0 +1,2543 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · LoRA + FSDP: the same loop on every rank, and weights that must reach the engine
+#
+# **By the end of this notebook you can** run notebook 01's RL step on several processes at
+# once under `torchrun`, each holding a shard of the trainer (DDP, ZeRO-1, or FSDP2 as
+# ZeRO-2/3), with or without LoRA; say exactly which numbers must be reduced across the ranks
+# for the result to equal the single-process one; get the sharded weights into a rollout
+# engine layer by layer (whole, LoRA-merged, or adapter only) and check that they arrived;
+# let the engine give its memory back while the trainer updates (colocation); checkpoint and
+# resume a sharded run exactly; and read the vLLM engine that does the same on GPUs.
+#
+# The source's question: *a model too large for one GPU is trained sharded, and the rollout
+# engine needs whole weights after every update. How do they get there, what does it cost,
+# and when does the synchronization itself become the bottleneck?* Its symptom table flags
+# weight synchronization above **5 %** of the step and proposes syncing only the LoRA
+# adapters; its memory table pairs ZeRO-3 with LoRA for a 70 B model. We measure both here,
+# small: per-rank memory at each ZeRO level against notebook 03's calculator, and the sync's
+# seconds, bytes and share of the step for full fine-tuning, LoRA merged, and adapter only.
+
+# %%
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
+ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
+RUNS = ROOT / "runs"                                                          # every run lands here
+torch.manual_seed(0)
+torch.set_num_threads(1)  # the tiny policy's matrices are too small to gain from more threads
+MiB = 2**20
+
+
+def show(rows, header):
+    """Print a small aligned table (a list of tuples under a header tuple)."""
+    rows = [tuple(str(c) for c in r) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for j, r in enumerate(rows):
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            print("-+-".join("-" * w for w in widths))
+
+
+# %% [markdown]
+# ## 1. Many controllers: every rank runs the loop
+#
+# Stage 1 was one process: it generated, scored, updated and synchronized, in that order.
+# Stage 4 starts N copies of that same process with `torchrun`, one per device. Each copy (a
+# **rank**) draws the same global batch of prompts from a generator seeded alike on every
+# rank, keeps its own share of the prompts (a prompt's G completions stay together, because
+# GRPO normalizes within the group), generates them with its own engine, scores them, and
+# updates its shard of the trainer. Nobody tells the ranks what to do: each runs the whole
+# loop, and they meet only inside collectives (an all-gather of weights in FSDP's forward, an
+# all-reduce of gradients, a handful of numbers the step must make global). This is **SPMD**,
+# single program multiple data, and it is how NeMo-Aligner runs RLHF on Megatron, where
+# every rank executes the same driver loop; the source's framework table calls it *multiple
+# controllers*. Notebook 06 builds the opposite: one driver that tells worker groups what to
+# run.
+#
+# | | stage 1 (TRL style) | stage 4 (NeMo-Aligner style, SPMD) |
+# |---|---|---|
+# | processes | one | N under `torchrun`, identical code |
+# | who decides the next stage | the one loop | every rank's own copy of the loop, in lockstep |
+# | the batch | all B prompts | B / N prompts per rank, whole groups |
+# | trainer state | whole | sharded (ZeRO-1/2/3) or replicated (DDP) |
+# | the engine | one copy | one copy per rank, beside that rank's trainer shard |
+# | what is communicated | nothing | gradients (and weights under FSDP), a few global numbers, the gathered weights for the engine |
+#
+# The loop itself does not change: each rank calls notebook 01's `rl_step`. Three of its
+# numbers are properties of the *whole* batch, though, and a rank sees only its part: the
+# reward standard deviation when `scale_rewards="batch"`, the token count that `dapo`
+# divides by, and the batch statistics in the record (mean reward, its std, completion
+# length). So `rl_step` gained one optional argument, `group`, the process group: with it,
+# those numbers are gathered over the ranks; without it (stage 1, every earlier notebook)
+# the step is exactly what it was, and a 30-step GRPO run gives bit-for-bit the same records
+# as before the change. The dapo token count is the actor's business (section 3).
+#
+# First, the plumbing: a process group. Under `torchrun` each process finds its rank and the
+# world size in its environment. On CPUs the backend is gloo, on GPUs NCCL; asking for NCCL
+# on a machine without CUDA is an error that says so, raised before anything is loaded.
+
+# %%
+# | export minirl/parallel/launch.py
+"""Starting a data-parallel job: one process per device under torchrun, gloo on CPUs, NCCL on GPUs.
+
+`init_distributed` reads what torchrun puts in the environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR), picks the backend for the device, joins the default process group
+and returns a `DistContext`. `ProcessGroup` is the small object the step and the roles use
+for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
+rank into an error on every rank, so that a bad input stops the whole job with its cause
+instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
+from Python (the notebook and the tests do).
+
+Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
+(a failed rank ends the job; it resumes from its last sharded checkpoint).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from minirl.utils.validate import ConfigError, check_choice
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as torchrun sets them; (0, 1, 0) in a plain process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_backend(backend: str, device: str) -> str:
+    """The process-group backend for `device`: "auto" is nccl on CUDA and gloo on CPU.
+
+    Raises ConfigError for NCCL without a CUDA device (NCCL only moves GPU memory) and for
+    a CUDA device on a machine that has none, naming the flag and the fix.
+    """
+    check_choice("backend", backend, BACKENDS)
+    cuda = str(device).startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError("device", device, "CUDA is not available on this machine; use --device cpu")
+    if backend == "nccl" and not cuda:
+        where = "this machine has no CUDA device" if not torch.cuda.is_available() else f"--device is {device}"
+        raise ConfigError("backend", backend, f"NCCL communicates between CUDA GPUs and {where}; use --backend gloo "
+                                              "(or auto) on CPUs, or --device cuda on a GPU machine")
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    return backend
+
+
+def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0) -> DistContext:
+    """Join the job's process group (a group of one in a plain process); returns this rank's context.
+
+    Under torchrun: rank and world size from the environment, one CUDA device per local rank.
+    Without it (a notebook, a test): a one-process group through a file store, so the same
+    FSDP2 and DTensor code runs. Collectives give up after `timeout_s` seconds instead of
+    waiting forever for a rank that died.
+    """
+    rank, world, local = world_from_env()
+    name = pick_backend(backend, device)
+    dev = torch.device("cuda", local) if str(device).startswith("cuda") else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        kwargs = dict(backend=name, timeout=timedelta(seconds=timeout_s))
+        if "MASTER_ADDR" not in os.environ:           # not under torchrun: a group of one
+            store = Path(tempfile.mkdtemp(prefix="minirl-pg-")) / "store"
+            kwargs.update(init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(**kwargs)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local, dev, name)
+
+
+def shutdown(together: bool = True) -> None:
+    """Leave the job: with together=True a barrier first (a rank whose peers already closed their gloo
+    connections can abort at exit); after an error only this rank met, none (its peers may be inside
+    another collective: a barrier there would wait forever)."""
+    if dist.is_initialized():
+        try:
+            if together:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+class ProcessGroup:
+    """The default process group as the step and the roles use it (rl_step's `group`).
+
+    Tensors travel on `device` (NCCL moves only GPU memory) and come back where they were.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(device)
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """[n, ...] on every rank (the same n) -> [world_size * n, ...], rank 0's rows first."""
+        local = tensor.detach().contiguous().to(self.device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
+
+    def all_sum(self, values) -> Tensor:
+        """The elementwise sum over ranks of `values` (numbers or a tensor), as a float64 tensor on the CPU."""
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def all_max(self, value: int) -> int:
+        """The largest of the ranks' integers."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def rank_share(items: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous share of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
+
+    Raises ConfigError when the batch does not divide evenly: every rank must hold whole
+    prompts (a prompt's G completions stay together) and as many as the others.
+    """
+    if len(items) % world_size:
+        raise ConfigError("prompts_per_step", len(items),
+                          f"a batch of {len(items)} prompts does not divide over {world_size} ranks; every rank "
+                          f"needs the same number of whole prompts: use a multiple of {world_size}")
+    k = len(items) // world_size
+    return items[rank * k:(rank + 1) * k]
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed; the message names the rank and its error."""
+
+
+def agree(what: str, fn):
+    """fn() on every rank; if it raised anywhere, raise on every rank (none is left waiting).
+
+    The rank that failed re-raises its own error; the others raise RankFailed naming the
+    rank and the error. Use it around work whose collectives every rank either reaches or
+    skips alike (setup, checks): a rank stuck inside a collective cannot report.
+    """
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as err:                 # reported to the other ranks, then re-raised
+        error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+    else:
+        reports = [None if error is None else str(error)]
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, msg in enumerate(reports) if msg]
+    if failed:
+        rank, msg = failed[0]
+        raise RankFailed(f"{what}: rank {rank} failed with {msg}")
+    return result
+
+
+def torchrun(script, nproc: int, args=(), timeout: float = 600, stream: bool = False,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
+
+    The job imports this checkout's minirl (PYTHONPATH) and runs one torch thread per rank;
+    stdout and stderr come back together in `.stdout`. stream=True also prints the output as
+    it comes (a notebook cell shows progress). After `timeout` seconds the whole job (torchrun
+    and its ranks: it runs in a session of its own) is killed and subprocess.TimeoutExpired
+    raised with the output so far.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
+    repo = str(Path(__file__).resolve().parents[2])
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+           *map(str, args)]
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    expired = threading.Event()
+
+    def kill_job():                                      # torchrun and every rank it started
+        expired.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout, kill_job)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if stream:
+                sys.stdout.write(line)
+        proc.wait()
+    except BaseException:                                # Ctrl-C in the notebook: stop the job too
+        kill_job()
+        raise
+    finally:
+        timer.cancel()
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+# %% [markdown]
+# A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
+# sharded, LoRA, how the weights travel to the engine, which engine. They live in their own
+# dataclass, checked when built like every config here; the chapter script turns each field
+# into a flag (`--zero`, `--lora-rank`, `--rollout`, ...). `check_parallel` adds the checks
+# that need the world size or span both configs, so that every rank refuses a bad job in its
+# first second, before it loads a model.
+
+# %%
+# | export minirl/parallel/config.py
+"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, which engine.
+
+The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01); a
+stage-4 run adds these. Every value is checked when the dataclass is built, and
+`check_parallel` adds the checks that need the world size or the RLConfig, so that every
+rank of a job refuses a bad one before it loads anything.
+"""
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from minirl.config import RLConfig
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+
+ZERO_LEVELS = (0, 1, 2, 3)
+ROLLOUTS = ("hf", "vllm")
+SYNC_MODES = ("auto", "full", "merged", "adapter")
+MIXED_PRECISION = ("none", "bf16")
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class ParallelConfig:
+    """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
+
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
+    lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
+    lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
+    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
+    cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
+    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
+    backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
+    verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
+    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
+
+    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
+               "backend": ("auto", "gloo", "nccl")}
+
+    def __post_init__(self):
+        for name, allowed in self.choices.items():
+            check_choice(name, getattr(self, name), allowed)
+        check_int("lora_rank", self.lora_rank, low=0, why="0 is full fine-tuning")
+        check_float("lora_alpha", self.lora_alpha, low=0.0, why="0: twice the rank")
+        if self.lora_rank and not self.targets:
+            raise ConfigError("lora_target_modules", self.lora_target_modules, "name at least one linear layer")
+        mode = self.resolved_sync_mode
+        if mode in ("merged", "adapter") and not self.lora_rank:
+            raise ConfigError("sync_mode", self.sync_mode, "merging or shipping an adapter needs LoRA: pass "
+                                                           "--lora-rank R, or --sync-mode full")
+        if mode == "full" and self.lora_rank:
+            raise ConfigError("sync_mode", self.sync_mode, "with LoRA the engine needs the adapter merged "
+                                                           "(--sync-mode merged) or applied (--sync-mode adapter)")
+        if self.zero < 2 and (self.mixed_precision != "none" or self.cpu_offload):
+            flag = "mixed_precision" if self.mixed_precision != "none" else "cpu_offload"
+            raise ConfigError(flag, getattr(self, flag), f"is FSDP2's (MixedPrecisionPolicy / CPUOffloadPolicy) and "
+                                                         f"--zero {self.zero} is DDP; use --zero 2 or 3")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha or 2.0 * self.lora_rank
+
+    @property
+    def resolved_sync_mode(self) -> str:
+        if self.sync_mode != "auto":
+            return self.sync_mode
+        return "merged" if self.lora_rank else "full"
+
+
+def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -> None:
+    """The checks that need the world size or both configs; ConfigError naming the flag and the fix.
+
+    Run on every rank before anything is loaded: each rank reaches the same verdict on its
+    own, so the job stops everywhere with the cause and no rank waits for another.
+    """
+    B = config.run.prompts_per_step
+    if B % world_size:
+        raise ConfigError("prompts_per_step", B, f"{B} prompts do not divide over {world_size} ranks; every rank "
+                                                 f"needs the same number of whole prompts: use a multiple of "
+                                                 f"{world_size}, e.g. {world_size * max(1, B // world_size)}")
+    if config.algorithm.algo != "grpo":
+        raise ConfigError("algo", config.algorithm.algo, "stage 4 trains GRPO (the critic is not sharded here); "
+                                                         "use --algo grpo, or chapters/01_single_process.py for PPO")
+    cuda = config.run.device.startswith("cuda")
+    if pconfig.cpu_offload and not cuda:
+        raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
+                                               "already on the CPU; drop --cpu-offload")
+    if pconfig.rollout == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
+                                                 "pip install -r requirements-gpu.txt, or use --rollout hf")
+        if not (cuda and torch.cuda.is_available()):
+            raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
+                                                 "machine, or use --rollout hf")
+        if pconfig.verify_sync:
+            raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
+                                                   "hand them back by name; drop --verify-sync with --rollout vllm")
+        if pconfig.resolved_sync_mode == "adapter":
+            raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
+                                                      "serves adapters through LoRA requests, not wired here: "
+                                                      "use --sync-mode merged with --rollout vllm")
+        if config.rollout.rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
+                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
+                              "pick one of those with --rollout vllm")
+
+# %% [markdown]
+# The notebook itself joins a process group of one (through a file store, no `torchrun`), so
+# that FSDP2, DTensors and the sync below run here exactly as on every rank of a real job.
+# And the checks: each names the flag and the fix, before anything is loaded.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.parallel.config import ParallelConfig, check_parallel  # noqa: E402
+from minirl.parallel.launch import ProcessGroup, init_distributed, pick_backend  # noqa: E402
+
+ctx = init_distributed()
+group = ProcessGroup(ctx.device)
+print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
+for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
+            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
+            lambda: pick_backend("nccl", "cpu"),
+            lambda: ParallelConfig(zero=1, mixed_precision="bf16")):
+    try:
+        bad()
+        print("accepted (vLLM / CUDA are present here)")
+    except ValueError as err:
+        print(f"{type(err).__name__}: {err}")
+
+# %% [markdown]
+# ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
+#
+# Notebook 03 measured what each ZeRO stage keeps per GPU; here the same wrappers train. They
+# live in `minirl/parallel/wrap.py`, and notebook 03's measurement now calls them too, so the
+# bytes measured there are the bytes of the trainer here.
+#
+# | `--zero` | wrapper | each rank holds |
+# |---|---|---|
+# | 0 | `DistributedDataParallel` | everything; gradients are all-reduced |
+# | 1 | DDP + `ZeroRedundancyOptimizer` | everything but Adam's state, which is split by whole tensors |
+# | 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per decoder layer | shards; a layer's full weights from its forward to its backward |
+# | 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | shards; each layer gathered for its forward, freed, gathered again for backward |
+#
+# FSDP2 shards each decoder layer as one unit (the layer classes a Hugging Face model lists in
+# `_no_split_modules`, as accelerate and TRL do) and the rest of the model as the root unit.
+# Options: a `MixedPrecisionPolicy` (compute in BF16, reduce gradients in FP32: the source's
+# 2 + 2 + 12 bytes), a `CPUOffloadPolicy` (shards, gradients and Adam state in host memory),
+# and per-layer gradient checkpointing.
+#
+# LoRA goes *inside* FSDP: peft first replaces each targeted linear layer by one that holds
+# the frozen base weight and two small trainable matrices A (r × in) and B (out × r), then
+# FSDP2 shards the result. Frozen and trainable tensors share one FSDP unit, which FSDP2
+# allows (FSDP1 needed `use_orig_params=True` for it). The optimizer only sees the trainable
+# tensors. A target that matches no layer of the model is an error, naming the layers there
+# are: peft would otherwise adapt the ones that do match and leave you to find out.
+
+# %%
+# | export minirl/parallel/wrap.py
+"""Wrapping a causal LM for data-parallel training: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
+
+One function per concern, all stock PyTorch and peft:
+- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
+- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
+- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
+  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
+  forward; with an optional MixedPrecisionPolicy and CPU offload;
+- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
+  state with ZeroRedundancyOptimizer).
+Notebook 03 measures memory with these wrappers; notebook 04 trains with them.
+
+Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
+FSDP2 without resharding after forward, which still reshards after backward, so between
+steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
+"""
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from minirl.utils.validate import ConfigError, check_choice, check_int
+
+ZERO_LEVELS = (0, 1, 2, 3)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
+
+    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
+    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
+    ValueError when the model names none.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
+    if not layers:
+        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
+                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
+    return layers
+
+
+def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
+    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
+
+    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
+    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
+    """
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
+               dropout: float = 0.0) -> nn.Module:
+    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
+
+    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
+    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
+    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
+    listing the linear layers the model has.
+    """
+    check_int("lora_rank", rank, low=1)
+    targets = tuple(targets)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    unmatched = [t for t in targets if t not in linear]
+    if not targets or unmatched:
+        raise ConfigError("lora_target_modules", ",".join(targets),
+                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
+                          f"layers are named {', '.join(linear)}")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
+    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, config)
+
+
+@dataclass
+class Wrapped:
+    """A model wrapped for data-parallel training."""
+
+    module: nn.Module      # what to call: the DDP wrapper, or the FSDP2-sharded model itself
+    model: nn.Module       # the model underneath (Hugging Face or peft): its names, config and parameters
+    zero: int
+
+
+def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
+               cpu_offload: bool = False) -> Wrapped:
+    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the current process group.
+
+    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
+    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
+    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
+    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
+    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
+    """
+    check_choice("zero", zero, ZERO_LEVELS)
+    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
+    device = torch.device(device)
+    model.to(device)
+    if zero <= 1:
+        if mixed_precision != "none" or cpu_offload:
+            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
+        ids = [device.index] if device.type == "cuda" else None
+        return Wrapped(DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True), model, zero)
+    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
+    if mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return Wrapped(model, model, zero)
+
+
+def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
+    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
+    params = [p for p in wrapped.module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
+    if wrapped.zero == 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+    return optimizer_class(params, **kwargs)
+
+# %% [markdown]
+# What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
+# tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
+# what LoRA leaves trainable:
+
+# %%
+import copy  # noqa: E402
+
+from minirl.models.policy import load_default_policy  # noqa: E402
+from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
+
+model, tokenizer, policy_path = load_default_policy()
+sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
+weight = sharded.model.get_parameter("model.layers.0.mlp.up_proj.weight")
+print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
+print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
+      f"this rank's shard {tuple(weight.to_local().shape)}")
+total = sum(p.numel() for p in model.parameters())
+rows = []
+for rank in (4, 8, 16):
+    adapted = apply_lora(copy.deepcopy(model), rank)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}"))
+print(f"the policy: {total:,} parameters")
+show(rows, ("LoRA rank", "trainable parameters", "of the base"))
+
+# %% [markdown]
+# ## 3. The actor on every rank: a rank's share of the loss
+#
+# DDP and FSDP *average* the ranks' gradients. That average is the single-process gradient
+# only if each rank's loss is the right share of the whole batch's loss. Take `dapo`, TRL's
+# default: the sum of the per-token losses over the **whole generation batch**, divided by
+# that batch's token count T. Rank r computes notebook 01's loss over its own rows,
+# sum_r / T_r. Averaging W such gradients gives (1/W) Σ_r ∇sum_r / T_r, which is not
+# ∇(Σ_r sum_r / T) unless every rank happens to hold as many tokens. The fix TRL uses is to
+# divide by T / W instead, the global count gathered from all processes, i.e. to weight rank
+# r's own loss by
+#
+#   w_r = W · T_r / T.
+#
+# Then (1/W) Σ_r w_r ∇loss_r = ∇(Σ_r sum_r / T): the whole batch's gradient, whatever the
+# split. The other loss types differ:
+#
+# | `loss_type` | the batch's loss | w_r | why |
+# |---|---|---|---|
+# | `dapo` | Σ tokens / T (global count) | W · T_r / T | TRL gathers `num_items_in_batch` over processes |
+# | `grpo` | mean over sequences of per-sequence means | W · N_r / N | 1 when every rank holds N / W rows |
+# | `dr_grpo` | Σ tokens / (N · L) | W · N_r / N | a constant denominator |
+# | `bnpo` | Σ tokens / T_r *per process* | 1 | TRL normalizes by each process's own tokens: the batch's loss is the mean of the ranks' |
+#
+# So `bnpo` and `dapo`, equal in one process (notebook 01 said so), part ways here: that is
+# the difference between them. Exercise 4.1 is `rank_loss_weight`.
+#
+# How does the weight get into the loss without rewriting `Actor.update`? Every term of the
+# GRPO loss (the clipped surrogate, the KL, the bias-corrected KL) depends on the
+# parameters only through the log-probs. So scaling the gradient that flows back through
+# the log-probs by w_r scales the gradient of the whole loss by w_r, while every value
+# (ratios, clip fractions, the loss printed) stays the rank's own. `DistributedActor`
+# overrides only `_logprobs` to do that, and `update` to compute w_r first and to reduce the
+# metrics afterwards: token-weighted means of the ranks' values, global minima and maxima,
+# and the batch's loss (1/W) Σ_r w_r loss_r.
+#
+# Two more rules. Every rank must make the same forward passes, because under FSDP each
+# pass all-gathers weights with the other ranks (and DDP broadcasts its buffers in every
+# forward). Notebook 01's forward makes one pass when the completions are one token long
+# and two otherwise, and the longest completion differs from rank to rank; so the actor
+# first pads its batch, with masked columns, to the longest completion of *any* rank. And a
+# rank whose batch has a NaN advantage skips its optimizer step (notebook 01), but under DDP
+# or FSDP a rank that skips its backward leaves the others waiting in the gradient
+# all-reduce forever; so the ranks first agree whether any of them holds a non-finite batch,
+# and if one does, all skip.
+
+# %%
+# | export minirl/parallel/roles.py
+"""The actor on every rank of a data-parallel job: notebook 01's Actor, with a rank's share of the loss.
+
+`DistributedActor` wraps a model prepared by `minirl.parallel.wrap` (DDP, ZeRO-1, FSDP2,
+with or without LoRA). Each rank updates on its share of the global batch and the wrapper
+averages the gradients; for that average to be the gradient of the whole batch, each rank's
+loss is weighted by its share of the global normalization (`rank_loss_weight`), applied as
+a gradient scale on the log-probs, so `Actor.update` runs unchanged. Metrics are reduced
+over the ranks (token-weighted means, global min / max, the batch's loss), and a
+non-finite batch on any rank makes every rank skip the step together.
+
+Simplified: PPO's critic is not sharded (stage 4 trains GRPO); with beta > 0 the reference
+is a full, unsharded copy on every rank.
+"""
+
+import torch
+from torch import Tensor
+
+from minirl.config import LOSS_TYPES
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(x: Tensor, scale: float) -> Tensor:
+    """`x` unchanged in value; the gradient flowing back through it is multiplied by `scale`."""
+    return _ScaleGradient.apply(x, scale)
+
+
+def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
+                     world_size: int) -> float:
+    """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
+
+    Each rank computes notebook 01's `aggregate_loss` over its own rows; the batch's loss is
+    (1 / world_size) * sum over ranks of w * (that rank's loss), and DDP / FSDP average the
+    gradients, so scaling each rank's gradient by its w makes the average the batch's gradient.
+      "dapo":              w = world_size * max(local_tokens, 1) / max(global_tokens, 1)
+                           (TRL divides by the global batch's token count)
+      "grpo", "dr_grpo":   w = world_size * local_rows / global_rows
+                           (1 when every rank holds as many rows)
+      "bnpo":              w = 1 (TRL divides by each process's own tokens)
+    local_tokens / global_tokens: completion tokens (mask sum) of this rank / of all ranks;
+    local_rows / global_rows: completions. Raises ValueError for an unknown loss_type.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    # BEGIN SOLUTION
+    if loss_type == "dapo":
+        return world_size * max(local_tokens, 1) / max(global_tokens, 1)
+    if loss_type in ("grpo", "dr_grpo"):
+        return world_size * local_rows / global_rows
+    return 1.0
+    # END SOLUTION
+
+
+# %% [markdown]
+# The rest of the actor: the metrics reduced over the ranks, the padding to the widest
+# completion, and the role itself.
+
+# %%
+# | export minirl/parallel/roles.py
+import dataclasses
+import math
+
+from minirl.algo.logprobs import completion_logprobs
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.data import Batch, Experience, Rollout
+from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.roles.actor import Actor
+
+
+def reduce_metrics(metrics: dict, tokens: float, group) -> dict:
+    """The ranks' metrics as one record: keys ending in "/min" and "/max" (and "skipped") take the global
+    min / max, "grad_norm" is already global (gradients were averaged first), every other number is the
+    token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std" the mean of the
+    ranks' stds). Non-numbers are this rank's."""
+    everyone = group.gather_objects((metrics, float(tokens)))
+    total = sum(w for _, w in everyone) or 1.0
+    out = {}
+    for key, value in metrics.items():
+        values = [m.get(key) for m, _ in everyone]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = value
+        elif key.endswith("/min"):
+            out[key] = min(values)
+        elif key.endswith("/max") or key == "skipped":
+            out[key] = max(values)
+        elif key == "grad_norm":
+            out[key] = value
+        else:
+            out[key] = sum(v * w for v, (_, w) in zip(values, everyone)) / total
+    return out
+
+
+def pad_completions(batch: Batch, width: int) -> Batch:
+    """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
+
+    The new columns are padding (pad id in `*_ids`, 0 elsewhere, mask 0), so no loss or
+    metric sees them; earlier positions do not attend to later ones, so no value changes.
+    """
+    values = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, Batch):
+            value = pad_completions(value, width)
+        elif (isinstance(value, Tensor) and value.dim() == 2 and f.name not in batch.LEFT_PADDED
+              and value.shape[1] < width):
+            filler = value.new_full((value.shape[0], width - value.shape[1]), batch.pad_value(f.name))
+            value = torch.cat([value, filler], 1)
+        values[f.name] = value
+    return dataclasses.replace(batch, **values)
+
+
+def _finite(exp: Experience) -> bool:
+    tensors = (exp.advantages, exp.old_logps, exp.ref_logps, exp.is_weights, exp.rewards)
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class DistributedActor(Actor):
+    """Notebook 01's Actor on one rank of a data-parallel job.
+
+    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
+    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, gather_objects, world_size).
+    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
+    transformers then turns the KV cache off in training, so the log-probs take one pass over
+    every row instead of sharing each group's prompt (same values, more compute).
+    """
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 sampling: SamplingConfig, group, checkpointing: bool = False):
+        super().__init__(wrapped.module, algorithm, optimizer, sampling)
+        self.module, self.zero, self.group, self.checkpointing = wrapped.model, wrapped.zero, group, checkpointing
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+        self.grad_scale = 1.0
+
+    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
+            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                                 rollout.num_completion_tokens, self.sampling.temperature,
+                                                 with_entropy=with_entropy)
+        else:
+            logps, entropy = super()._logprobs(rollout, with_entropy)
+        if self.grad_scale != 1.0 and logps.requires_grad:
+            logps = scale_gradient(logps, self.grad_scale)        # this rank's share of the batch's loss
+        return logps, entropy
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
+        C = rollout.num_completion_tokens
+        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
+
+    def update(self, exp: Experience) -> dict:
+        """Actor.update on this rank's rows with its loss weighted by `rank_loss_weight`; global metrics.
+
+        The batch is first padded to the widest completion of any rank: notebook 01's forward
+        makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
+        broadcasts buffers in every forward) all ranks must make the same passes.
+        """
+        exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
+        mask = exp.rollout.completion_mask
+        tokens, rows = float(mask.sum()), len(exp.rollout)
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not _finite(exp))]).tolist()
+        if bad:                                  # a NaN anywhere: every rank skips, none waits in a collective
+            exp.advantages = torch.full_like(exp.advantages, math.nan)
+        weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
+                                  self.group.world_size)
+        self.grad_scale = weight
+        try:
+            metrics = super().update(exp)
+        finally:
+            self.grad_scale = 1.0
+        loss = self.group.all_sum(metrics["loss"] * weight / self.group.world_size).item()
+        return reduce_metrics(metrics, tokens, self.group) | {"loss": loss, "loss_weight": weight}
+
+    def named_weights(self):
+        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
+        return self.module.state_dict().items()
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("a sharded actor is checkpointed with minirl.parallel.checkpoint (DCP)")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("a sharded actor is restored with minirl.parallel.checkpoint (DCP)")
+
+# %% [markdown]
+# Check the claim on numbers. Split a batch of per-token losses over three "ranks" with
+# unequal token counts, compute each rank's gradient of its own loss, weight it, average,
+# and compare with the gradient of the whole batch's loss. Without the weights, `dapo`'s
+# average is off; with them, every loss type is exact (`bnpo` is its own, per-rank, loss).
+
+# %%
+from minirl.algo.losses import aggregate_loss  # noqa: E402
+from minirl.parallel.roles import rank_loss_weight  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+per_token = torch.randn(6, 5, generator=g)
+mask = (torch.rand(6, 5, generator=g) < 0.6).long()
+mask[:, 0] = 1
+parts, T, W = [slice(0, 2), slice(2, 4), slice(4, 6)], int(mask.sum()), 3
+rows = []
+for loss_type in ("dapo", "grpo", "dr_grpo"):
+    x = per_token.clone().requires_grad_(True)
+    aggregate_loss(x, mask, loss_type, 5).backward()
+    whole = x.grad.clone()
+    errors = []
+    for weighted in (False, True):
+        x.grad = None
+        for part in parts:
+            w = rank_loss_weight(loss_type, int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
+            (w / W * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
+        errors.append((x.grad - whole).abs().max().item() / whole.abs().max().item())
+    rows.append((loss_type, [int(mask[p].sum()) for p in parts],
+                 [round(rank_loss_weight(loss_type, int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
+                 f"{errors[0]:.1%}", f"{errors[1]:.1e}"))
+show(rows, ("loss_type", "tokens per rank", "w_r", "error, plain average", "error, weighted"))
+assert all(float(r[4]) < 1e-5 for r in rows)
+
+# %% [markdown]
+# ## 4. Getting sharded weights into the engine
+#
+# After the update, every rank's engine must hold the new policy. Under FSDP2 no rank has
+# it: each holds a 1/W shard of every tensor (a `DTensor`), and the engine wants whole tensors
+# under its own names. The naive sync gathers the full state dict on every rank and hands it
+# over: that costs a full extra copy of the model at the worst moment, when the trainer's
+# shards, its gradients, Adam's state and the engine all sit on the same device. The sync
+# here walks the state **one decoder layer at a time**: gather that layer's tensors (an
+# all-gather every rank joins, in the same order), turn them into what the engine loads, hand
+# them over, drop them, then the next layer. The extra memory is about one layer, and the sync
+# measures it (`peak_bytes`: the bytes of gathered tensors alive at once, counted as they
+# are created and freed). This is what TRL does for FSDP2 (`full_tensor()` per parameter)
+# and veRL does with per-layer summoning.
+#
+# With LoRA there are three ways to ship the policy:
+#
+# | mode | what travels | the engine holds | cost |
+# |---|---|---|---|
+# | `full` | every tensor (full fine-tuning) | the policy | the model's bytes |
+# | `merged` | W + (α/r) B A for each adapted layer, under the base names | the merged policy | the model's bytes, plus a matmul per layer |
+# | `adapter` | only A and B | the frozen base + the adapter, applied at generation | ~1 % of the bytes; the engine computes B A x at every token |
+#
+# `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
+# (vLLM serves LoRA adapters natively; veRL can ship adapters only). Exercise 4.2 is
+# `gather_by_layer`, exercise 4.3 is `merge_lora`.
+
+# %%
+# | export minirl/sync/sharded.py
+"""Weight sync from a sharded trainer: gather layer by layer, merge LoRA or ship only the adapter.
+
+Under FSDP2 each rank holds 1/W of every tensor (a DTensor shard); the engine needs whole
+tensors under its own names. `ShardedSync.push` walks the trainer's state one decoder layer
+at a time: gathers that layer's full tensors (an all-gather every rank joins, in the same
+order), turns them into what the engine loads, and streams them into the engine before it
+gathers the next layer, so the gathered copy stays about one layer (`peak_bytes`, measured).
+Three modes:
+  full:    every tensor, under the engine's (Hugging Face) names;
+  merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
+  adapter: only LoRA's A and B (the engine keeps the frozen base and applies the adapter).
+It ends with the version check every sync makes (`check_pushed`) and, on request, the
+stale-parameter check of notebook 02, within the engine dtype's rounding.
+
+Simplified vs TRL / veRL: one all-gather per tensor (no bucketing into flat buffers, no
+CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
+"""
+
+import re
+from typing import Iterable, Iterator
+
+from torch import Tensor
+
+SYNC_MODES = ("full", "merged", "adapter")
+PEFT_PREFIX = "base_model.model."
+LAYER = re.compile(r"\.layers\.\d+\.")
+LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def engine_name(name: str) -> str:
+    """A trainer tensor's Hugging Face name: peft's "base_model.model." prefix and ".base_layer" removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def layer_key(name: str) -> str:
+    """The decoder layer a tensor belongs to ("...layers.3."), or the name itself outside the layers."""
+    match = LAYER.search(name)
+    return name[:match.end()] if match else name
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a DTensor shard (an all-gather: every rank must call it), else the tensor."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+    """The trainer's tensors, whole, one layer at a time.
+
+    named_weights: (name, tensor) pairs in state_dict order; a tensor is a DTensor (an FSDP2
+    shard) or a plain tensor. Yields lists of (name, whole tensor), names unchanged:
+    consecutive names with the same `layer_key` form one list (a decoder layer's tensors),
+    any other tensor is a list of its own. Shards are gathered with `full_tensor` (a
+    collective: every rank gathers the same tensors in the same order); plain tensors are
+    passed on detached. A layer is gathered only when the consumer asks for it, and this
+    generator keeps no reference to a layer once it has yielded it: a consumer that drops
+    each list before asking for the next holds at most one layer.
+    """
+    # BEGIN SOLUTION
+    layer, key = [], None
+    for name, tensor in named_weights:
+        if layer and layer_key(name) != key:
+            yield layer
+            layer = []
+        key = layer_key(name)
+        layer.append((name, full_tensor(tensor)))
+    if layer:
+        yield layer
+    # END SOLUTION
+
+
+def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """The weight an adapted linear layer computes with: W + scaling * B @ A.
+
+    weight: [out, in] (the frozen base); lora_A: [r, in]; lora_B: [out, r]; scaling: peft's
+    `scaling`, alpha / r. The product is computed in float32 and the result returned in
+    weight's dtype, [out, in], a new tensor (weight is not modified). Raises ValueError when
+    the shapes do not fit together.
+    """
+    if lora_A.shape[1] != weight.shape[1] or lora_B.shape[0] != weight.shape[0] or lora_B.shape[1] != lora_A.shape[0]:
+        raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
+                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
+    # BEGIN SOLUTION
+    return (weight.float() + scaling * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+    # END SOLUTION
+
+
+def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
+                   ) -> list[tuple[str, Tensor]]:
+    """What the engine loads from one gathered layer: see the module docstring for the three modes.
+
+    full and merged give Hugging Face names (`engine_name`); adapter keeps peft's names (the
+    engine holds a peft copy). merged needs `scaling` (alpha / r).
+    """
+    if mode == "adapter":
+        return [(name, t) for name, t in layer if LORA.match(name)]
+    lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}
+    out = []
+    for name, tensor in layer:
+        if LORA.match(name):
+            continue
+        stem = name.removesuffix(".base_layer.weight")
+        if mode == "merged" and stem != name and (stem, "A") in lora:
+            if scaling is None:
+                raise ValueError("engine_tensors(mode='merged') needs the LoRA scaling alpha / r")
+            tensor = merge_lora(tensor, lora[(stem, "A")], lora[(stem, "B")], scaling)
+        out.append((engine_name(name), tensor))
+    return out
+
+
+# %% [markdown]
+# The sync itself: stream the engine's tensors into `load_weights` one layer at a time, count
+# the gathered bytes alive at once (each tensor counted from its creation until it is freed),
+# check the version, and on request compare every tensor with notebook 02's stale-parameter
+# check.
+
+# %%
+# | export minirl/sync/sharded.py
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from minirl.sync.base import SyncReport, check_pushed
+from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
+
+
+class LiveBytes:
+    """Bytes of the tracked tensors still alive, and their peak (each tensor counted until it is freed)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def track(self, tensor: Tensor) -> None:
+        nbytes = tensor.untyped_storage().nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._free, nbytes)
+
+
+@dataclass
+class ShardedSyncReport(SyncReport):
+    """A SyncReport with the peak of gathered bytes alive at once and the mode."""
+
+    peak_bytes: int = 0
+    mode: str = "full"
+
+
+class ShardedSync:
+    """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
+
+    mode: "full", "merged" or "adapter" (module docstring); lora_scaling: alpha / r for
+    "merged". verify=True compares every tensor the engine holds with a second gathering of
+    the trainer's, within the engine dtype's rounding (notebook 02's check; twice the traffic).
+    The last report is kept in `last_report`.
+    """
+
+    def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False):
+        if mode not in SYNC_MODES:
+            raise ValueError(f"sync mode {mode!r}: use one of {SYNC_MODES}")
+        if mode == "merged" and lora_scaling is None:
+            raise ValueError("sync mode 'merged' needs lora_scaling (alpha / r)")
+        self.mode, self.lora_scaling, self.verify = mode, lora_scaling, verify
+        self.last_report = None
+
+    def _source(self, named_weights) -> list[tuple[str, Tensor]]:
+        named = list(named_weights)                       # references to shards: nothing is gathered yet
+        if self.mode == "adapter":
+            named = [(n, t) for n, t in named if LORA.match(n)]
+            if not named:
+                raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
+                                 "train with LoRA, or use mode 'full'")
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+            named = [(n, t) for n, t in named if not LORA.match(n)]
+        return named
+
+    def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(engine name, whole tensor) pairs, one layer gathered at a time; new tensors are tracked by `meter`."""
+        own = {full_tensor_storage(t) for _, t in named}
+        for layer in gather_by_layer(named):
+            for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
+                if meter is not None and tensor.untyped_storage().data_ptr() not in own:
+                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
+                yield name, tensor
+            del layer
+
+    def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
+        """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
+        start = time.perf_counter()
+        named = self._source(named_weights)
+        meter, counts = LiveBytes(), [0, 0]
+
+        def counted():
+            for name, tensor in self.stream(named, meter):
+                counts[0] += 1
+                counts[1] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        pairs = counted()
+        engine.load_weights(pairs, version)
+        left = sum(1 for _ in pairs)                      # every rank must join every gather, even now
+        if left:
+            raise RuntimeError(f"{type(engine).__name__}.load_weights stopped {left} tensors early: an engine must "
+                               "consume every tensor it is handed")
+        check_pushed(engine, version)
+        if self.verify:
+            stale = self.stale_tensors(named, engine)
+            if stale:
+                raise RuntimeError(f"weight sync left the engine stale: {len(stale)} tensors differ beyond "
+                                   f"{dtype_name(engine)} rounding (first: {stale[0]})")
+        self.last_report = ShardedSyncReport(version, counts[0], counts[1], time.perf_counter() - start,
+                                             peak_bytes=meter.peak, mode=self.mode)
+        return self.last_report
+
+    def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
+        """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
+        held = dict(engine.named_weights())
+        dtype, stale = dtype_name(engine), []
+        for name, tensor in self.stream(named):
+            amax = tensor.abs().max().item() if tensor.numel() else 1.0
+            stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
+                                      *rounding_tolerance(dtype, amax))
+        return stale
+
+
+class SinkEngine:
+    """A stand-in engine for timing a sync: copies each tensor it is handed into a buffer of its own.
+
+    Takes any names (allocating a buffer the first time it sees one), so one sync can be timed
+    in every mode; what an engine does with the weights afterwards is not part of the sync.
+    """
+
+    def __init__(self):
+        self.version, self.buffers, self.dtype = 0, {}, "float32"
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        for name, tensor in named_tensors:
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape != tensor.shape:
+                buffer = self.buffers[name] = torch.empty_like(tensor)
+            buffer.copy_(tensor)
+        self.version = version
+
+    def named_weights(self):
+        return self.buffers.items()
+
+
+def full_tensor_storage(tensor: Tensor) -> int:
+    """The data pointer of the storage a rank holds for `tensor` (its local shard for a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+# %% [markdown]
+# `merge_lora` against peft's own `merge_and_unload`, on a LoRA layer whose B is not zero:
+
+# %%
+from minirl.sync.sharded import merge_lora  # noqa: E402
+
+adapted = apply_lora(copy.deepcopy(model), 8)
+with torch.no_grad():
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            p.normal_(std=0.02)
+state = adapted.state_dict()
+stem = "base_model.model.model.layers.0.self_attn.q_proj"
+by_hand = merge_lora(state[f"{stem}.base_layer.weight"], state[f"{stem}.lora_A.default.weight"],
+                     state[f"{stem}.lora_B.default.weight"], scaling=16 / 8)
+by_peft = copy.deepcopy(adapted).merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
+
+# %% [markdown]
+# The receiving side must stream too. Notebook 01's `HFEngine.load_weights` first builds a
+# dict of everything it is handed (so that it can refuse a partial set before copying
+# anything), which holds a whole extra copy of the model no matter how carefully the sender
+# gathers. `ColocatedEngine` wraps an in-process engine and loads one tensor at a time,
+# copying each into place as it arrives. Refusing bad input still works, differently: a name
+# the engine does not know, a wrong shape, a version older than the one it holds, or a
+# missing tensor at the end is an error, and until a complete push succeeds the engine
+# refuses to generate (vLLM's `load_weights` streams the same way).
+#
+# The same wrapper does **colocation**. The trainer and the engine share the device, and they
+# are never busy at the same time: the engine generates while the trainer waits, and the
+# trainer updates while the engine waits. So after `generate` the engine goes to sleep,
+# releasing the storage of its weights (and of its KV cache, where an engine keeps one
+# between calls; the HF engines here build theirs per call), and the next push wakes it up
+# by allocating the storage again just before filling it. This is vLLM's sleep mode at level
+# 2 (discard, then reload from the trainer), which TRL's colocate mode and veRL's hybrid
+# engine use. In `adapter` mode the frozen base must survive the sleep, so only the adapter is
+# released: on a GPU vLLM's level 1 would move the base to host memory; on a CPU there is no
+# other memory to move it to.
+
+# %%
+# | export minirl/rollout/colocated.py
+"""An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
+
+`ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
+`SharedPrefixEngine`). `load_weights` copies each tensor into place as it arrives, so a
+sender that gathers layer by layer never needs a second whole copy; bad input (an unknown
+name, a wrong shape, an older version, a tensor missing at the end) is an error, and until a
+complete push succeeds the engine refuses to generate. With colocate=True the engine sleeps
+after every `generate`: the storage of its weights is released (resized to 0) until the next
+push wakes it up. Only the tensors every push brings are released: all of them, or with
+adapter_only=True just LoRA's A and B (the frozen base must survive the sleep).
+
+Simplified vs vLLM's sleep mode: no KV cache to release (the HF engines build it per call),
+and level 2 only (released, then refilled by the next push); level 1 (offload to host
+memory) has nowhere to go on a CPU.
+"""
+
+import hashlib
+import time
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from minirl.config import SamplingConfig
+from minirl.data import Batch, Rollout
+from minirl.rollout.base import VersionMismatchError, draw_seed
+from minirl.rollout.hf import fp8_round_trip
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is asleep, or its last push did not complete: it holds no usable weights."""
+
+
+class ColocatedEngine:
+    """Streams weights in one tensor at a time; with colocate=True, sleeps between generate and the next push.
+
+    engine: an in-process engine with `.model`, `.version`, `generate`; adapter_only: pushes
+    bring only the LoRA tensors (names containing "lora_"), the base stays resident.
+    `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    """
+
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False):
+        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+        state = engine.model.state_dict(keep_vars=True)
+        self.names = [n for n in state if not adapter_only or "lora_" in n]
+        if not self.names:
+            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA tensors; build "
+                             "it from the peft model")
+        self.asleep, self.ready = False, True
+        self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    def _tensors(self) -> dict[str, Tensor]:
+        state = self.engine.model.state_dict(keep_vars=True)
+        return {n: state[n].data for n in self.names}
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """The inner engine's `generate`; then, when colocated, sleep until the next push."""
+        if self.asleep or not self.ready:
+            raise EngineNotReady(f"{type(self.engine).__name__} is {'asleep' if self.asleep else 'half-loaded'}: "
+                                 "push the trainer's weights (sync.push / load_weights) before generating")
+        rollout = self.engine.generate(prompts, sampling, expected_version, generator)
+        if self.colocate:
+            self.sleep()
+        return rollout
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype); then hold `version`.
+
+        Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
+        than the one held, ValueError naming an unknown name, a wrong shape, or the names
+        missing at the end; after an error the engine refuses to generate until a complete push.
+        """
+        if version < self.engine.version:
+            raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
+                                       f"version {self.engine.version}: refusing to go back to older weights")
+        if self.asleep:
+            self.wake_up()
+        own, seen = self._tensors(), set()
+        self.ready = False
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                     f"{len(own)} tensors named like {self.names[0]!r}: push them under the engine's "
+                                     "names (the policy's state_dict names)")
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                     f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+                if self.engine.dtype == "float8_e4m3fn" and tensor.dim() >= 2:
+                    tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+                own[name].copy_(tensor)
+                seen.add(name)
+        missing = [n for n in self.names if n not in seen]
+        if missing:
+            raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
+                             f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                             "the last version")
+        self.engine.version, self.ready = version, True
+
+    def named_weights(self):
+        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
+        return self.engine.model.state_dict().items()
+
+    def sleep(self) -> None:
+        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+        if self.asleep:
+            return
+        start, released = time.perf_counter(), 0
+        seen = set()
+        for tensor in self._tensors().values():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            released += storage.nbytes()
+            storage.resize_(0)
+        self.asleep = True
+        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+
+    def wake_up(self) -> None:
+        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        for tensor in self._tensors().values():
+            storage = tensor.untyped_storage()
+            needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+            if storage.nbytes() < needed:
+                storage.resize_(needed)
+        self.asleep, self.ready = False, False                  # awake, but stale until the push completes
+        self.stats["wake_seconds"] = time.perf_counter() - start
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
+    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**62
+
+
+class SeedPerPrompt:
+    """An engine whose samples for a prompt depend only on one seed drawn for the batch and on the prompt.
+
+    generate() draws a seed s from the generator, then samples each prompt alone from
+    `prompt_seed(s, prompt)`: a batch split over any number of ranks (each drawing s from the
+    same shared generator) gets the same completions. One generate call per prompt (slower).
+    Everything else is the wrapped engine's.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):                          # model, dtype, tokenizer, named_weights, ...
+        return getattr(self.engine, name)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.version = value
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.engine.load_weights(named_tensors, version)
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        seed = draw_seed(generator) or 0
+        parts = [self.engine.generate([prompt], sampling, expected_version,
+                                      torch.Generator().manual_seed(prompt_seed(seed, prompt))) for prompt in prompts]
+        return Batch.concat(parts)
+
+# %% [markdown]
+# Now the three modes end to end, in this one-process group: an FSDP2-wrapped actor, its
+# engine, a push in each mode, each checked against the trainer by the stale-parameter check
+# (`verify=True`). The bytes are what travels; the seconds are this machine's. In a group of
+# one nothing is really gathered (the "shard" is the whole tensor), so the gathered peak is
+# measured in the torchrun job of section 7.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.parallel.roles import DistributedActor  # noqa: E402
+from minirl.rollout.colocated import ColocatedEngine  # noqa: E402
+from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
+from minirl.memory.measure import storage_bytes  # noqa: E402
+from minirl.sync.sharded import ShardedSync  # noqa: E402
+
+config = RLConfig.from_flat(num_generations=4)
+rows = []
+for mode in ("full", "merged", "adapter"):
+    policy = copy.deepcopy(model)
+    if mode == "adapter":                          # the engine holds base + adapter: build it from the peft model
+        policy = apply_lora(policy, 8)
+        engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer), adapter_only=True)
+    else:                                          # the engine holds the plain policy
+        engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer))
+        policy = apply_lora(policy, 8) if mode == "merged" else policy
+    actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
+    sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True)
+    reports = [sync.push(actor.named_weights(), engine, version) for version in range(1, 6)]
+    seconds = sorted(r.seconds for r in reports)[2]
+    rows.append((mode, reports[-1].tensors, f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
+show(rows, ("mode", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
+layer_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
+whole_bytes = storage_bytes(model.state_dict().values())
+full_bytes, adapter_bytes = float(rows[0][2]), float(rows[2][2])
+print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
+
+# %% [markdown]
+# And colocation, measured with notebook 03's byte counting (`storage_bytes`): the engine's
+# weights before and after `sleep()`, and what sleeping and waking cost. Waking only
+# allocates; the push that follows refills, and that is the sync's own time (above).
+
+# %%
+from minirl.sync.base import InProcessSync  # noqa: E402
+
+engine = ColocatedEngine(SharedPrefixEngine(copy.deepcopy(model), tokenizer))
+sampling = config.sampling
+awake = storage_bytes(t for _, t in engine.named_weights())
+sleeps, wakes = [], []
+for i in range(20 if not SMOKE else 5):
+    engine.generate(["12+34="], sampling, generator=torch.Generator().manual_seed(i))      # then it sleeps
+    asleep = storage_bytes(t for _, t in engine.named_weights())
+    sleeps.append(engine.stats["sleep_seconds"])
+    InProcessSync().push(model.state_dict().items(), engine, engine.version + 1)          # wakes, refills
+    wakes.append(engine.stats["wake_seconds"])
+median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+show([("engine weights", f"{awake / MiB:.3f}", f"{asleep / MiB:.3f}", f"{(awake - asleep) / MiB:.3f}",
+       f"{1e3 * median(sleeps):.3f}", f"{1e3 * median(wakes):.3f}")],
+     ("", "awake MiB", "asleep MiB", "freed MiB", "sleep ms", "wake ms"))
+assert asleep == 0 and awake > 0
+
+# %% [markdown]
+# ## 5. The vLLM engine, behind the same protocol
+#
+# On GPUs the rollout engine is vLLM: PagedAttention, continuous batching and prefix caching
+# (notebook 05 builds each of them small). `VLLMEngine` puts it behind the same
+# `RolloutEngine` protocol, using only vLLM's documented offline API the way TRL's colocate
+# mode does:
+#
+# - `LLM(model=path, enable_prefix_caching=True, enable_sleep_mode=True,
+#   logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher")`:
+#   one engine per rank inside the training process (external launcher: torchrun started the
+#   processes), prefix caching on (the G samples of a prompt share its prefill), and
+#   log-probs taken **after** the temperature is applied. vLLM's default returns the raw
+#   model's log-probs, which at temperature ≠ 1 are not the distribution the tokens were
+#   drawn from: the importance ratio of notebook 02 would be biased.
+# - `SamplingParams(n=G, temperature=T, max_tokens=C, logprobs=0, seed=s)`: G samples per
+#   prompt, and the sampled token's own log-prob (0 extra candidates), one seed per prompt.
+# - After an update: `wake_up(tags=["weights"])`, then `load_weights` on the model inside the
+#   engine, `model_executor.driver_worker.model_runner.model`, streamed one tensor at a time
+#   (vLLM's `load_weights` maps Hugging Face names onto its fused layouts itself); then
+#   `reset_prefix_cache()`, because cached prefixes were computed with the old weights.
+# - Colocation: `sleep(level=2)` after generating (weights and KV cache discarded; the next
+#   push refills the weights), `wake_up(tags=["kv_cache"])` before the next generation.
+#
+# vLLM is not installed on the machines that run CI and it needs a CUDA GPU, so this engine
+# is exercised only by the tests marked `vllm` (skipped cleanly elsewhere) and by
+# `--rollout vllm` on a GPU machine. Asking for it where it cannot run is an error before
+# anything is loaded (section 8).
+
+# %%
+# | export minirl/rollout/vllm.py
+"""The vLLM engine behind the rollout protocol: paged KV cache, prefix caching, sleep mode, in-place weight loads.
+
+Written against vLLM's documented offline API as TRL's colocate mode uses it: one `vllm.LLM`
+per training process (`distributed_executor_backend="external_launcher"` under torchrun),
+prefix caching on, log-probs after the temperature (`logprobs_mode="processed_logprobs"`),
+`SamplingParams(n=G, logprobs=0, seed=...)` per prompt, `sleep(level=2)` after generating and
+`wake_up(tags=...)` before loading weights and before generating, weights streamed into the
+engine's model with its own `load_weights` (it maps Hugging Face names onto vLLM's fused
+layers), and `reset_prefix_cache()` after every push.
+
+Needs vLLM and a CUDA GPU (`pip install -r requirements-gpu.txt`); CI has neither, so only
+the tests marked `vllm` run it. Simplified vs TRL: tensor parallel size 1, no server mode,
+no LoRA adapters inside vLLM (push merged weights).
+"""
+
+import os
+import socket
+import tempfile
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from minirl.config import SamplingConfig
+from minirl.data import Rollout
+from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
+from minirl.rollout.colocated import prompt_seed
+from minirl.utils.validate import ConfigError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def import_vllm():
+    """The vllm module, or ConfigError saying how to get it (and that it needs a CUDA GPU)."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
+                                             "pip install -r requirements-gpu.txt, or use --rollout hf") from None
+    if not torch.cuda.is_available():
+        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                             "--rollout hf")
+    return vllm
+
+
+class VLLMEngine:
+    """A vLLM `LLM` in this process, holding version `version` of the policy.
+
+    model, tokenizer: the policy to start from (saved to a temporary directory that vLLM
+    loads); dtype: vLLM's compute dtype; colocate: sleep after generating, wake before
+    loading weights and before generating; gpu_memory_utilization: the share of the GPU
+    vLLM may take for weights and KV cache (the trainer needs the rest).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "bfloat16", device=None, *, colocate: bool = True,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None):
+        vllm = import_vllm()
+        check_tokenizer(tokenizer)
+        self.tokenizer, self.dtype, self.colocate = tokenizer, dtype, colocate
+        self.names = list(model.state_dict())
+        self.dir = tempfile.mkdtemp(prefix="minirl-vllm-")
+        model.save_pretrained(self.dir)
+        tokenizer.save_pretrained(self.dir)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        self.llm = vllm.LLM(model=self.dir, tokenizer=self.dir, dtype=dtype, seed=seed,
+                            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                            enable_sleep_mode=colocate, logprobs_mode="processed_logprobs",
+                            distributed_executor_backend="external_launcher",
+                            max_model_len=max_model_len or getattr(model.config, "max_position_embeddings", None))
+        self.SamplingParams = vllm.SamplingParams
+        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
+
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        tags = [t for t in tags if t in self.sleeping]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.sleeping -= set(tags)
+
+    def _model(self):
+        """The nn.Module inside vLLM's worker (TRL's path to it in colocate mode)."""
+        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """G samples per prompt with the sampled tokens' log-probs (after temperature); rows i*G .. i*G+G-1
+        continue prompts[i]. With a generator, each prompt samples from `prompt_seed(s, prompt)`, s drawn
+        from it, so a batch's samples do not depend on how it is split over ranks."""
+        check_request(self, prompts, sampling, expected_version)
+        if not self.ready:
+            raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights did not "
+                               "complete); push the trainer's weights before generating")
+        self._wake(("weights", "kv_cache"))
+        G, C, tok = sampling.num_generations, sampling.max_completion_length, self.tokenizer
+        seed = draw_seed(generator)
+        ids = tok(prompts, add_special_tokens=False)["input_ids"]
+        params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
+                                      seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
+        if self.colocate:
+            self.sleep()
+        P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
+        pad = tok.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
+        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
+        completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
+        logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
+        return make_rollout(tok, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, self.version)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; then reset the prefix cache.
+
+        Raises VersionMismatchError for an older version, ValueError for an unknown name or
+        names missing at the end (after which the engine refuses to generate until a full push).
+        """
+        if version < self.version:
+            raise VersionMismatchError(f"load_weights(version={version}) but the vLLM engine holds version "
+                                       f"{self.version}: refusing to go back to older weights")
+        self._wake(("weights",))                              # the KV cache stays released until generate
+        model, seen, known = self._model(), set(), set(self.names)
+        self.ready = False
+        for name, tensor in named_tensors:
+            if name not in known:
+                raise ValueError(f"VLLMEngine.load_weights(version={version}): unexpected tensor {name!r}; push "
+                                 "the policy's tensors under their Hugging Face names")
+            model.load_weights([(name, tensor)])
+            seen.add(name)
+        missing = [n for n in self.names if n not in seen]
+        if missing:
+            raise ValueError(f"VLLMEngine.load_weights(version={version}): {len(missing)} tensors never pushed "
+                             f"(first: {missing[0]}); push all of them")
+        self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
+        self.version, self.ready = version, True
+
+    def named_weights(self):
+        raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
+                                  "log-probs instead (notebook 02) to check a vLLM sync")
+
+    def sleep(self) -> None:
+        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
+        if not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = {"weights", "kv_cache"}
+            self.ready = False                                # level 2 discarded the weights
+
+    def wake_up(self) -> None:
+        self._wake(("weights", "kv_cache"))
+
+    def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+        """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
+        if not self.ready:
+            raise RuntimeError("VLLMEngine: no complete weights (asleep or half-loaded); push the weights first")
+        self._wake(("kv_cache",))
+        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
+
+# %%
+import importlib.util  # noqa: E402
+
+have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
+print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
+      + ("--rollout vllm can run here" if have_vllm and have_cuda else
+         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout hf"))
+
+# %% [markdown]
+# ## 6. The stage-4 run: `rl_step` on every rank
+#
+# Everything above comes together in `setup_spmd` and `spmd_step`. Setup, on every rank:
+# move the policy to the rank's device; copy the frozen reference if β > 0; build the
+# rank's engine (from the base model, or from the peft model when only adapters travel);
+# add LoRA; wrap for the ZeRO level; build the `DistributedActor` and the `ShardedSync`; and
+# push version 0 through the sync, so that an engine that cannot take the trainer's tensors
+# (a misnamed or missing tensor, a wrong shape) fails now, on every rank, before step 1. The
+# step, on every rank: draw the global batch from the shared generator, keep this rank's
+# share, and call notebook 01's `rl_step` with the process group. The record it returns is
+# already global; the step adds the sync's peak, the engine's sleep and wake times, and
+# each rank's stage times (the slowest rank sets the pace of a synchronous job).
+#
+# One choice is about randomness. Each rank samples its completions with a generator of its
+# own (seeded from the run's seed and the rank), so two ranks never draw the same random
+# numbers; the completions a run sees then depend on the world size. `seed_per_prompt=True`
+# instead samples each prompt from a seed of its own (`SeedPerPrompt`, defined with the
+# colocated engine: a seed drawn from the shared generator, hashed with the prompt), so the
+# batch is the same for any number of ranks: that is how the tests check that two ranks
+# compute what one process computes. It costs a `generate` call per prompt with the HF
+# engines; vLLM takes a seed per request anyway, so `VLLMEngine` always seeds this way.
+
+# %%
+# | export minirl/parallel/spmd.py
+"""The stage-4 run: every rank runs notebook 01's `rl_step` on its share of the batch (SPMD).
+
+`setup_spmd` builds, on every rank, the reference copy (beta > 0), the rank's engine (a full
+copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
+trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
+engine fails before any step. `spmd_step` draws the global batch from the generator every
+rank shares, keeps this rank's share and calls `rl_step` with the process group. `run` and
+the callbacks of notebook 01 drive it unchanged. `evaluate_engine` measures held-out
+accuracy on the engine's copy (the trainer's latest weights, whole), and `export_policy`
+gathers the (LoRA-merged) policy into a Hugging Face directory.
+
+Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
+rollout), GRPO only, one model family's decoder layers per FSDP unit.
+"""
+
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from minirl.config import RLConfig
+from minirl.models.policy import greedy_accuracy
+from minirl.parallel.config import ParallelConfig
+from minirl.parallel.launch import DistContext, ProcessGroup, rank_share
+from minirl.parallel.roles import DistributedActor
+from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
+from minirl.roles.reference import Reference
+from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
+from minirl.rollout.vllm import VLLMEngine
+from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_by_layer
+from minirl.tasks.arithmetic import format_prompt
+from minirl.train.run import ENGINES, RunState
+from minirl.train.step import Roles, rl_step, sample_prompts
+
+
+@dataclass
+class SPMDState(RunState):
+    """A RunState with what a rank of a data-parallel run also needs."""
+
+    pconfig: ParallelConfig | None = None
+    ctx: DistContext | None = None
+    group: ProcessGroup | None = None
+    sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
+
+
+def build_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
+    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
+    adapter = pconfig.resolved_sync_mode == "adapter"
+    if pconfig.rollout == "vllm":
+        return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
+                          colocate=pconfig.colocate, seed=config.run.seed)
+    inner = ENGINES[config.rollout.rollout_engine](model, tokenizer, config.rollout.rollout_dtype, device=device)
+    if pconfig.seed_per_prompt:
+        inner = SeedPerPrompt(inner)
+    return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
+
+
+def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
+               ctx: DistContext) -> SPMDState:
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
+    model.to(ctx.device).eval()
+    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
+    mode = pconfig.resolved_sync_mode
+    engine = None if mode == "adapter" else build_engine(config, pconfig, model, tokenizer, ctx.device)
+    if pconfig.lora_rank:
+        model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
+    if engine is None:                                    # adapter-only: the engine holds base + adapter
+        engine = build_engine(config, pconfig, model, tokenizer, ctx.device)
+    if pconfig.gradient_checkpointing:
+        set_checkpointing(model, True)
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
+    group = ProcessGroup(ctx.device)
+    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
+                             checkpointing=pconfig.gradient_checkpointing)
+    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
+    sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
+    seed = config.run.seed
+    return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
+                     reward_funcs, pconfig=pconfig, ctx=ctx, group=group,
+                     sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
+
+
+def spmd_step(state: SPMDState) -> dict:
+    """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
+    config, group = state.config, state.group
+    rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
+    mine = rank_share(rows, group.rank, group.world_size)
+    sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
+    record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
+    report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
+    record |= {"sync/peak_bytes": report.peak_bytes, "sync/tensors": report.tensors,
+               "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
+    local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
+    everyone = group.gather_objects(local)
+    for key in local:
+        if key.startswith("rewards/"):                    # equal shares: the mean of the ranks' means
+            record[key] = sum(r[key] for r in everyone) / len(everyone)
+    record["reward_errors"] = sum(r.get("reward_errors", 0) for r in everyone)
+    record["time_by_rank"] = [{k: v for k, v in r.items() if k.startswith("time/")} for r in everyone]
+    return record
+
+
+def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 3) -> list[dict]:
+    """Seconds, bytes and share of the step of one sync in each mode this run can ship (every rank calls it).
+
+    Each mode pushes the trainer's current weights into a `SinkEngine` once to allocate, then
+    `repeats` times, timed (median). "full" ships every tensor unmerged (for a LoRA run: the
+    base weights, as full fine-tuning ships them); "merged" and "adapter" need LoRA. share =
+    seconds / this rank's mean step time.
+    """
+    steps = [m["time/step"] for m in metrics if "time/step" in m]
+    step_time = sum(steps) / len(steps) if steps else float("nan")
+    scaling = state.sync.lora_scaling
+    modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
+    named = list(state.roles.actor.named_weights())
+    rows = []
+    for mode in modes:
+        sync, sink = ShardedSync(mode, scaling), SinkEngine()
+        sync.push(named, sink, 0)
+        reports = [sync.push(named, sink, 0) for _ in range(repeats)]
+        seconds = statistics.median(r.seconds for r in reports)
+        rows.append({"mode": mode, "seconds": seconds, "bytes": reports[-1].bytes, "tensors": reports[-1].tensors,
+                     "peak_bytes": reports[-1].peak_bytes, "share": seconds / step_time})
+    return rows
+
+
+def innermost(engine):
+    """The engine under any wrappers (SeedPerPrompt, ColocatedEngine)."""
+    while hasattr(engine, "engine"):
+        engine = engine.engine
+    return engine
+
+
+def evaluate_engine(engine, tokenizer, task) -> float:
+    """Held-out greedy accuracy (0..1) of the policy the engine holds: the trainer's latest weights, whole."""
+    inner = innermost(engine)
+    if hasattr(inner, "greedy_completions"):              # vLLM
+        problems = task.test
+        texts = inner.greedy_completions([format_prompt(p) for p in problems], task.config.max_answer_length + 1)
+        return sum(task.reward(None, texts, answer=[p.value for p in problems])) / len(problems)
+    return greedy_accuracy(inner.model, tokenizer, task)
+
+
+def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
+                  ctx: DistContext) -> Path | None:
+    """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
+
+    Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
+    returns it, the others return None. `AutoModelForCausalLM.from_pretrained(path)` loads it.
+    """
+    mode = "merged" if lora_scaling is not None else "full"
+    state = {}
+    for layer in gather_by_layer(list(actor.named_weights())):
+        for name, tensor in engine_tensors(layer, mode, lora_scaling):
+            if ctx.is_main:
+                state[name] = tensor.detach().to("cpu", copy=True)
+    if not ctx.is_main:
+        return None
+    base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
+    model = AutoModelForCausalLM.from_config(base.config)
+    model.load_state_dict(state, strict=True)
+    path = Path(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+# %% [markdown]
+# ### Sharded checkpoints
+#
+# A sharded trainer saves sharded: each rank writes its own shards with
+# `torch.distributed.checkpoint` (DCP), which also records how they fit together, so a run
+# can resume on the same number of ranks (and DCP could reshard to another). The state that
+# `get_state_dict` returns for the model and the optimizer covers DDP, FSDP2 and LoRA alike;
+# ZeRO-1's `ZeroRedundancyOptimizer` is not one DCP knows, so each rank saves its own part
+# of Adam's state beside the shards. What the weights do not say (step, version, records, the
+# shared generator; each rank's sampling generator and RNG) goes into small files. As in
+# stage 1, a checkpoint is written into a temporary directory and renamed into place by rank
+# 0 after every rank has finished, so a crash mid-write (say, rank 1 killed) leaves the
+# previous checkpoint as the newest intact one. Resuming loads the shards, the optimizer
+# and the generators and pushes the restored weights into the engines at the restored
+# version; on one CPU the resumed run ends with exactly the weights of an uninterrupted one.
+
+# %%
+# | export minirl/parallel/checkpoint.py
+"""Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, exactly resumable.
+
+`save_sharded` writes `root/step-000010/`: every rank's model and optimizer shards with DCP
+(`get_state_dict` covers DDP, FSDP2 and peft models), ZeRO-1's per-rank optimizer state
+(ZeroRedundancyOptimizer is not a DCP optimizer), each rank's RNG and sampling generator
+(`rank-N.pt`), and on rank 0 `training_state.pt` (step, version, records, the shared
+generator, the settings, the world size). Written to a temporary directory that rank 0
+renames into place once every rank is done. `latest_sharded` finds the newest intact one;
+`load_sharded` restores it into a freshly built state and pushes the weights to the engine.
+
+Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
+"""
+
+import dataclasses
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from minirl.train.run import Callback
+from minirl.utils.validate import ConfigError
+
+PREFIX, TMP = "step-", ".tmp-step-"
+
+
+def _broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _model_and_optimizer(state):
+    """What DCP saves: the model's state, and the optimizer's unless it is ZeRO-1's (saved per rank)."""
+    actor = state.roles.actor
+    if actor.zero == 1:
+        return {"model": get_state_dict(actor.module, [])[0]}
+    model_state, optim_state = get_state_dict(actor.module, actor.optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _rank_state(state) -> dict:
+    actor = state.roles.actor
+    return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "sampling_generator": state.sampling_generator.get_state(),
+            "zero1_optimizer": actor.optimizer.optim.state_dict() if actor.zero == 1 else None}
+
+
+def save_sharded(root, state, keep: int = 2) -> Path:
+    """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path."""
+    root = Path(root)
+    rank = dist.get_rank()
+    final, tmp = root / f"{PREFIX}{state.step:06d}", root / f"{TMP}{state.step:06d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_model_and_optimizer(state), checkpoint_id=str(tmp))
+    torch.save(_rank_state(state), tmp / f"rank-{rank}.pt")
+    dist.barrier()                                        # every rank's files are on disk
+    if rank == 0:
+        torch.save({"step": state.step, "version": state.roles.version, "metrics": state.metrics,
+                    "generator": state.generator.get_state(), "world_size": dist.get_world_size(),
+                    "config": dataclasses.asdict(state.config), "pconfig": dataclasses.asdict(state.pconfig)},
+                   tmp / "training_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)                            # all of it or none of it
+        for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def intact(path: Path, world_size: int) -> bool:
+    """A checkpoint directory with DCP's metadata, the training state and every rank's file."""
+    needed = [".metadata", "training_state.pt", *(f"rank-{r}.pt" for r in range(world_size))]
+    return all((path / name).is_file() and (path / name).stat().st_size > 0 for name in needed)
+
+
+def latest_sharded(root, world_size: int) -> Path | None:
+    """The newest intact checkpoint under `root` (decided on rank 0, the same on every rank), or None."""
+    found = None
+    if dist.get_rank() == 0:
+        root = Path(root)
+        candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
+        found = next((str(p) for p in candidates if intact(p, world_size)), None)
+    found = _broadcast(found)
+    return None if found is None else Path(found)
+
+
+def load_sharded(path, state) -> None:
+    """Restore checkpoint `path` into a freshly built state (every rank), then push the weights to the engine."""
+    path = Path(path)
+    training = torch.load(path / "training_state.pt", weights_only=False)
+    if training["world_size"] != dist.get_world_size():
+        raise ConfigError("nproc_per_node", dist.get_world_size(),
+                          f"the checkpoint {path} was written by {training['world_size']} ranks; resume with "
+                          f"torchrun --nproc_per_node {training['world_size']}")
+    actor = state.roles.actor
+    target = _model_and_optimizer(state)
+    dcp.load(target, checkpoint_id=str(path))
+    if actor.zero == 1:
+        set_state_dict(actor.module, [], model_state_dict=target["model"], optim_state_dict={})
+    else:
+        set_state_dict(actor.module, actor.optimizer, model_state_dict=target["model"],
+                       optim_state_dict=target["optimizer"])
+    mine = torch.load(path / f"rank-{dist.get_rank()}.pt", weights_only=False)
+    if actor.zero == 1:
+        actor.optimizer.optim.load_state_dict(mine["zero1_optimizer"])
+    torch.set_rng_state(mine["torch_rng"])
+    random.setstate(mine["python_rng"])
+    state.sampling_generator.set_state(mine["sampling_generator"])
+    state.generator.set_state(training["generator"])
+    state.step, state.roles.version, state.metrics = training["step"], training["version"], training["metrics"]
+    state.sync.push(actor.named_weights(), state.engine, state.roles.version)
+
+
+class ShardedCheckpointer(Callback):
+    """A sharded checkpoint every `every` steps and at a normal end (every rank takes part)."""
+
+    def __init__(self, root, every: int, keep: int):
+        self.root, self.every, self.keep = Path(root), every, keep
+        self.saved_step = None
+
+    def on_start(self, state):
+        if dist.get_rank() == 0 and self.root.is_dir():
+            for stale in self.root.glob(f"{TMP}*"):       # half-written by a crash
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+
+    def on_step(self, state, record):
+        if self.every and state.step % self.every == 0:
+            save_sharded(self.root, state, self.keep)
+            self.saved_step = state.step
+
+    def on_end(self, state):
+        if not state.interrupted and self.saved_step != state.step:
+            save_sharded(self.root, state, self.keep)
+
+# %% [markdown]
+# ### Memory, per rank, as notebook 03 counts it
+#
+# Notebook 03 counted what a rank holds by the storages behind its tensors (DTensor shards
+# by their local storage, shared storages once). `MemoryTracker` applies the same count to a
+# live RL run: the trainer's parameters, gradients and Adam state at rest, the engine's
+# weights, and a peak taken right after the actor's forward pass in the update, when FSDP2
+# has a layer's full weights gathered (ZeRO-2 keeps them all until backward) and the
+# previous step's gradients still exist. The engine's bytes are taken twice: during the
+# update (asleep, when colocated) and after the sync (awake). Their difference is what
+# colocation gives back to the trainer. On CUDA it also reads the allocator's own peak,
+# which sees what counting named tensors cannot: activations, communication buffers, KV
+# caches, fragmentation.
+
+# %%
+# | export minirl/memory/tracking.py
+"""Memory of a live data-parallel run, per rank, counted as notebook 03 counts it.
+
+`trainer_bytes` splits what a rank's actor holds into weights (local shards), gradients and
+optimizer state; `engine_bytes` counts the engine's weights (0 while a colocated engine
+sleeps). `MemoryTracker` is a run callback: a forward hook on the actor samples the rank's
+total right after the update's forward pass (gathered FSDP2 weights, last step's gradients,
+Adam, the engine, asleep if colocated), the end of each step samples it at rest (engine
+awake after the sync), and every rank's figures are gathered into the record (lists, one
+entry per rank): "memory/update_bytes" (the sample in the update), "memory/rest_bytes" (at
+rest), "memory/peak_bytes" (the larger), "memory/state_bytes", "memory/{weights,grads,
+optimizer}_bytes", "memory/engine_awake_bytes", "memory/engine_asleep_bytes", and on CUDA
+"memory/cuda_peak_bytes".
+
+Simplified: storage counting sees named tensors only (no activations or buffers); the CUDA
+allocator's peak is the ground truth where there is one.
+"""
+
+import torch
+import torch.distributed as dist
+
+from minirl.memory.measure import storage_bytes
+from minirl.train.run import Callback
+
+
+def _optimizer_tensors(actor) -> list:
+    optimizer = actor.optimizer.optim if hasattr(actor.optimizer, "optim") else actor.optimizer   # ZeRO-1 wraps one
+    return [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+
+
+def trainer_bytes(actor) -> dict[str, int]:
+    """{"weights", "grads", "optimizer"}: storage bytes this rank's actor holds at rest (DTensor shards locally)."""
+    params = list(actor.model.parameters())
+    return {"weights": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+            "optimizer": storage_bytes(_optimizer_tensors(actor))}
+
+
+def engine_bytes(engine) -> int:
+    """Bytes of the engine's weights as it holds them now (0 for engines that cannot say, e.g. vLLM)."""
+    try:
+        return storage_bytes(t for _, t in engine.named_weights())
+    except NotImplementedError:
+        return 0
+
+
+class MemoryTracker(Callback):
+    """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
+
+    def __init__(self):
+        self.hook, self.shards, self.update, self.asleep = None, [], 0, 0
+
+    def _sample(self, state, registered) -> int:
+        """This rank's bytes now: shards + the parameters registered now + gradients + Adam + the engine."""
+        grads = [p.grad for p in self.shards]
+        tensors = [*self.shards, *registered, *grads, *_optimizer_tensors(state.roles.actor)]
+        return storage_bytes(tensors) + engine_bytes(state.engine)
+
+    def on_start(self, state):
+        module = state.roles.actor.module
+        self.shards = list(module.parameters())          # at rest: what the rank owns
+
+        def after_forward(mod, args, output):            # FSDP2 has swapped gathered tensors in
+            if torch.is_grad_enabled():
+                self.update = max(self.update, self._sample(state, list(module.parameters())))
+                self.asleep = engine_bytes(state.engine)
+
+        self.hook = module.register_forward_hook(after_forward)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step(self, state, record):
+        parts = trainer_bytes(state.roles.actor)
+        awake = engine_bytes(state.engine)
+        rest = self._sample(state, [])
+        mine = {"update": self.update, "rest": rest, "peak": max(self.update, rest), "state": sum(parts.values()),
+                "awake": awake, "asleep": self.asleep, **parts}
+        if torch.cuda.is_available():
+            mine["cuda_peak"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        for key in ("update", "rest", "peak"):
+            record[f"memory/{key}_bytes"] = [m[key] for m in everyone]
+        record["memory/state_bytes"] = [m["state"] for m in everyone]
+        record["memory/engine_awake_bytes"] = [m["awake"] for m in everyone]
+        record["memory/engine_asleep_bytes"] = [m["asleep"] for m in everyone]
+        for part in ("weights", "grads", "optimizer"):
+            record[f"memory/{part}_bytes"] = [m[part] for m in everyone]
+        if "cuda_peak" in mine:
+            record["memory/cuda_peak_bytes"] = [m["cuda_peak"] for m in everyone]
+        self.update = 0
+
+    def on_end(self, state):
+        if self.hook is not None:
+            self.hook.remove()
+
+# %% [markdown]
+# ## 7. Run it under `torchrun`
+#
+# The chapter script is the whole job: every rank parses the flags (and refuses bad ones),
+# joins the group, loads the policy, sets up its roles, engine and sync (all ranks agreeing),
+# and runs `spmd_step` with notebook 01's `run` and callbacks; rank 0 evaluates held-out
+# accuracy on its engine, logs, and writes the summary; every rank takes part in the sharded
+# checkpoints. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
+# In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
+# briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
+# sync, and one and two ranks on the same batch.
+
+# %%
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
+LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
+
+
+def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
+    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
+    out = RUNS / name
+    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
+    if job.returncode:
+        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
+    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
+    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), metrics
+
+
+runs = {}
+started = time.perf_counter()
+if SMOKE:
+    runs["lora"] = run_chapter("04_smoke", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
+                               "--steps", "4", "--eval-every", "2", "--prompts-per-step", "4", "--num-generations", "4")
+else:
+    for zero in (0, 1, 2):
+        runs[f"zero{zero}"] = run_chapter(f"04_zero{zero}", "--zero", str(zero), "--steps", "10", "--eval-every", "0")
+    runs["full"] = run_chapter("04_full", "--zero", "3", "--steps", "150", "--eval-every", "25")
+    runs["zero3"] = runs["full"]
+    runs["lora"] = run_chapter("04_lora", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
+                               "--steps", "150", "--eval-every", "25")
+    runs["adapter"] = run_chapter("04_adapter", "--zero", "3", "--lora-rank", "8", "--sync-mode", "adapter",
+                                  "--learning-rate", LORA_LR, "--steps", "10", "--eval-every", "0")
+print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
+
+# %% [markdown]
+# ### Does it learn?
+#
+# Stage 1's claim was that GRPO from the warm start raises held-out accuracy; the same step on
+# two ranks should do the same per step, since each step sees the same global batch size
+# (16 prompts, 8 completions each, 8 prompts per rank).
+
+# %%
+rows = []
+for name in ("full", "lora"):
+    if name in runs and runs[name][0]["accuracy_before"] is not None:
+        s = runs[name][0]
+        rows.append((name, s["steps"], f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
+                     f"{100 * (s['accuracy_after'] - s['accuracy_before']):+.1f}", f"{s['seconds']:.0f}"))
+show(rows, ("run", "steps", "accuracy before", "after", "points", "seconds"))
+if SMOKE:
+    print("smoke mode: 4 steps on 4 prompts, too short to judge; full mode trains 150 steps")
+else:
+    gain = runs["full"][0]["accuracy_after"] - runs["full"][0]["accuracy_before"]
+    print("held-out accuracy rises as in stage 1:", "yes" if gain > 0.05 else "NO (look at the reward curve)")
+fig, ax = plt.subplots(figsize=(8, 3.4))
+for name, (summary, metrics) in runs.items():
+    if name in ("full", "lora"):
+        steps = [m for m in metrics if "reward" in m]
+        k = max(1, len(steps) // 15)
+        reward = [sum(m["reward"] for m in steps[max(0, i - k + 1):i + 1]) / len(steps[max(0, i - k + 1):i + 1])
+                  for i in range(len(steps))]
+        ax.plot([m["step"] for m in steps], reward, label=f"{name}: batch reward (mean of {k})")
+        evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
+        ax.plot(*zip(*evals), "o--", label=f"{name}: held-out accuracy")
+ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1), title="GRPO on 2 ranks: full fine-tuning vs LoRA")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Per-rank memory at each ZeRO level, against notebook 03's calculator
+#
+# Every step logs each rank's bytes, counted as notebook 03 counts them. The bars are the
+# trainer's state at rest (weights, gradients, Adam) with the engine's copy (awake) stacked
+# on top; the triangle is what the rank held right after the update's forward pass (the
+# engine asleep, FSDP2's gathered layers still there, the previous step's gradients not yet
+# freed); the star is the calculator's FP32 state per rank (`zero_per_gpu`, or `lora_memory`
+# for LoRA) for the same parameter count and two ranks.
+
+# %%
+from minirl.memory.calculator import lora_memory, zero_per_gpu  # noqa: E402
+
+labels, rows = [], []
+fig, ax = plt.subplots(figsize=(9, 3.6))
+colors = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "engine": "#bbbbbb"}
+for i, name in enumerate(n for n in ("zero0", "zero1", "zero2", "zero3", "lora") if n in runs):
+    summary, metrics = runs[name]
+    last, zero = [m for m in metrics if "memory/peak_bytes" in m][-1], summary["parallel"]["zero"]
+    psi, trainable = summary["params"], summary["trainable_params"]
+    calc = (zero_per_gpu(psi, 2, zero, "fp32") if trainable == psi
+            else lora_memory(psi - trainable, trainable, 2, zero, "fp32"))["total"]
+    for rank in range(2):
+        x, bottom = 2.5 * i + rank, 0.0
+        for part in ("weights", "grads", "optimizer"):
+            value = last[f"memory/{part}_bytes"][rank] / MiB
+            ax.bar(x, value, bottom=bottom, color=colors[part], label=part if i == rank == 0 else None)
+            bottom += value
+        engine = last["memory/engine_awake_bytes"][rank] / MiB
+        ax.bar(x, engine, bottom=bottom, color=colors["engine"], hatch="//", label="engine (awake)" if i == rank == 0 else None)
+        ax.plot(x, summary["update_bytes"][rank] / MiB, "k^", label="during the update" if i == rank == 0 else None)
+        ax.plot(x, calc / MiB, "r*", ms=11, label="calculator (state)" if i == rank == 0 else None)
+        state = last["memory/state_bytes"][rank]
+        rows.append((name, f"ZeRO-{zero}", rank, f"{state / MiB:.2f}", f"{calc / MiB:.2f}", f"{state / calc:.3f}",
+                     f"{summary['update_bytes'][rank] / MiB:.2f}", f"{summary['peak_bytes'][rank] / MiB:.2f}"))
+    labels.append((2.5 * i + 0.5, f"{name}\nZeRO-{zero}"))
+ax.set_xticks([x for x, _ in labels], [t for _, t in labels])
+ax.set(ylabel="MiB per rank", title="what each rank holds (2 ranks, FP32, embedded policy)")
+ax.legend(fontsize=7, ncol=3)
+plt.tight_layout()
+plt.show()
+show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calculator", "in update MiB",
+            "peak MiB"))
+
+# %% [markdown]
+# Read the ratios against notebook 03's table. DDP holds the whole 16 bytes per parameter on
+# each rank and ZeRO-3 a half. ZeRO-1's ZeroRedundancyOptimizer hands out *whole tensors*, so
+# its ranks' shares need not be equal (the ratio column shows how close they came). FSDP2's
+# "ZeRO-2" reshards after backward, so at rest it holds ZeRO-3's shard (ratio below 1 against
+# the calculator's ZeRO-2, which keeps whole weights); the column "in update" shows the whole
+# weights it keeps gathered from forward to backward, while ZeRO-3 has let them go. The
+# engine's copy is the one thing the calculator does not count, and on every rank it is a
+# whole model; colocation gives it back during the update, and that is exactly the room
+# ZeRO-2's gathered weights take.
+
+# %%
+if not SMOKE:
+    ratios = {r[0]: float(r[5]) for r in rows}
+    for name in ("zero0", "zero3", "lora"):
+        assert abs(ratios[name] - 1) < 0.02, f"{name}: measured state differs from the calculator"
+    update = {name: runs[name][0]["update_bytes"][0] for name in ("zero2", "zero3")}
+    assert update["zero2"] > update["zero3"], "ZeRO-2 keeps the gathered layers through the update"
+
+# %% [markdown]
+# ### The sync's share of the step, beside the source's 5 %
+#
+# The source's symptom table flags weight synchronization above 5 % of the step and advises
+# syncing only the LoRA adapters, packing the transfers, or syncing less often. Each run
+# times one sync per step; at the end the chapter also times a push in every mode it can
+# ship (into a buffer, so that only the sync is measured) and divides by the run's mean step.
+
+# %%
+summary = runs["lora"][0]
+rows = [(r["mode"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}", f"{100 * r['share']:.1f} %",
+         "above: slow sync" if r["share"] > 0.05 else "below") for r in summary["sync_table"]]
+show(rows, ("sync mode", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+table = {r["mode"]: r for r in summary["sync_table"]}
+print(f"\nthe run itself ({summary['sync_mode']}): sync took {100 * summary['sync_share']:.1f} % of its steps; "
+      f"the gathered copy peaked at {summary['sync_peak_bytes'] / MiB:.2f} MiB "
+      f"(one decoder layer of the policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB)")
+print(f"adapter-only: {table['adapter']['bytes'] / table['merged']['bytes']:.1%} of the bytes, "
+      f"{table['adapter']['seconds'] / table['merged']['seconds']:.0%} of the time of a merged sync")
+assert table["adapter"]["bytes"] < 0.1 * table["merged"]["bytes"]
+
+# %% [markdown]
+# Where the time goes shows in each run's own share, by ZeRO level:
+
+# %%
+rows = [(name, f"ZeRO-{runs[name][0]['parallel']['zero']}", runs[name][0]["sync_mode"],
+         f"{1e3 * runs[name][0]['sync_seconds']:.1f}", f"{100 * runs[name][0]['sync_share']:.1f} %")
+        for name in ("zero0", "zero1", "zero2", "zero3", "lora", "adapter") if name in runs]
+show(rows, ("run", "stage", "sync", "ms per sync", "share of the step"))
+if not SMOKE:
+    ddp, fsdp = runs["zero0"][0]["sync_share"], runs["zero3"][0]["sync_share"]
+    assert ddp < fsdp, "under DDP the engine's weights are already whole on every rank"
+
+# %% [markdown]
+# Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
+# memory and a small share of the step. Under FSDP2 each tensor is first all-gathered, and
+# on CPUs with gloo much of that time is latency: one collective per tensor, each with a
+# fixed cost whatever its size, which is why the share can sit above the source's 5 % even
+# for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
+# bytes by an order of magnitude but not the number of tensors (two small matrices for each
+# of the 7 adapted linears of a block, against the block's 12 weights and biases), so on a
+# latency-bound link it saves less time than bytes. On GPUs with NCCL and a real model the
+# bandwidth term dominates and the bytes column is the one to read; the packing the source
+# mentions (one flat all-gather per layer instead of one per tensor, which FSDP2's own
+# `unshard()` does for its forward pass) attacks the latency term.
+
+# %% [markdown]
+# ### Full fine-tuning against LoRA
+#
+# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, and how
+# each learns (the curves above).
+
+# %%
+if SMOKE:
+    print("smoke mode: one LoRA job only; full mode runs full fine-tuning beside it")
+else:
+    rows = []
+    for name in ("full", "lora", "adapter"):
+        s = runs[name][0]
+        rows.append((name, f"{s['trainable_params']:,}", f"{s['state_bytes'][0] / MiB:.2f}",
+                     f"{s['peak_bytes'][0] / MiB:.2f}", s["sync_mode"], f"{s['sync_bytes'] / MiB:.3f}",
+                     f"{100 * s['sync_share']:.1f} %", f"{s['accuracy_after'] or float('nan'):.3f}"))
+    show(rows, ("run", "trainable", "state MiB (rank 0)", "peak MiB", "sync", "MiB per sync", "sync share",
+                "accuracy after"))
+
+# %% [markdown]
+# ### Colocation in the run
+#
+# Each rank's engine slept through every update. The record of each step holds its bytes
+# during the update and after the sync, and how long the sleep and the wake-up took:
+
+# %%
+rows = []
+for name in ("zero3", "lora", "adapter"):
+    if name in runs:
+        c = runs[name][0]["colocation"]
+        rows.append((name, f"{c['engine_awake_bytes'][0] / MiB:.3f}", f"{c['engine_asleep_bytes'][0] / MiB:.3f}",
+                     f"{(c['engine_awake_bytes'][0] - c['engine_asleep_bytes'][0]) / MiB:.3f}",
+                     f"{1e3 * c['sleep_seconds']:.2f}", f"{1e3 * c['wake_seconds']:.2f}"))
+show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "wake ms"))
+
+# %% [markdown]
+# ### One rank or two: the same numbers
+#
+# With `--seed-per-prompt` the batch of a step does not depend on how many ranks share it,
+# so one and two ranks must compute the same losses and end with the same weights, up to
+# float rounding: a sum over two halves is not bit for bit a sum over the whole, and Adam,
+# which divides by the root of the squared gradient, can turn a rounding difference in a
+# gradient close to zero into a difference of up to about one learning rate per step.
+# `tests/test_parallel_torchrun.py` checks this against notebook 01's loop for dapo and grpo,
+# with and without LoRA, under every wrapper; here once more, on the embedded policy.
+
+# %%
+if SMOKE:
+    print("smoke mode: skipped (tests/test_parallel_torchrun.py checks it on every CI run)")
+else:
+    same = ("--seed-per-prompt", "--steps", "5", "--eval-every", "0", "--zero", "3")
+    one = run_chapter("04_one_rank", *same, nproc=1)
+    two = run_chapter("04_two_ranks", *same, nproc=2)
+    from safetensors.torch import load_file
+
+    rows = [(m1["step"], f"{m1['loss']:+.6f}", f"{m2['loss']:+.6f}", f"{m1['reward']:.4f}", f"{m2['reward']:.4f}")
+            for m1, m2 in zip(one[1], two[1])]
+    show(rows, ("step", "loss, 1 rank", "loss, 2 ranks", "reward, 1 rank", "reward, 2 ranks"))
+    w1, w2 = (load_file(RUNS / n / "final" / "model.safetensors") for n in ("04_one_rank", "04_two_ranks"))
+    worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    print(f"largest weight difference after 5 steps: {worst:.2e} (learning rate {RLConfig().optimizer.learning_rate})")
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1])) and worst < 5 * 3e-4
+
+# %% [markdown]
+# ## 8. Bad input stops every rank, with its cause
+#
+# A job of N processes has N ways to fail halfway. The rule here: anything that can be checked
+# before loading is checked by every rank on its own (they reach the same verdict: a flag is
+# the same everywhere), and anything found later (a LoRA target that matches nothing, an
+# engine that cannot take a tensor) is found inside `agree`, which turns one rank's error into
+# an error on every rank, so that none is left waiting in a collective. `torchrun` then ends
+# the job. The in-process checks:
+
+# %%
+from minirl.rollout.base import VersionMismatchError  # noqa: E402
+from minirl.rollout.colocated import EngineNotReady  # noqa: E402
+from minirl.utils.validate import ConfigError  # noqa: E402
+
+engine = ColocatedEngine(SharedPrefixEngine(copy.deepcopy(model), tokenizer), colocate=False)
+state = list(model.state_dict().items())
+attempts = {
+    "LoRA target that matches nothing": lambda: apply_lora(copy.deepcopy(model), 8, targets=("q_proj", "wq")),
+    "a misnamed tensor": lambda: engine.load_weights([(n.replace("up_proj", "up"), t) for n, t in state], 1),
+    "a missing tensor": lambda: engine.load_weights(state[:-2], 1),
+    "generate after a failed push": lambda: engine.generate(["1+2="], config.sampling),
+}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+    except (ConfigError, ValueError, EngineNotReady) as err:
+        print(f"{what}:\n    {type(err).__name__}: {err}")
+engine.load_weights(state, 5)
+try:
+    engine.load_weights(state, 4)
+except VersionMismatchError as err:
+    print(f"an older version:\n    {type(err).__name__}: {err}")
+
+# %% [markdown]
+# And on two ranks: a batch of 3 prompts does not divide over 2 ranks, and both ranks say so
+# and exit before loading anything (full mode; `tests/test_chapter04.py` runs it in CI, with
+# a LoRA target that matches nothing, a misnamed or missing tensor and an older version on
+# every rank in `tests/test_parallel_torchrun.py`).
+
+# %%
+if not SMOKE:
+    job = torchrun(CHAPTER, 2, ["--out", RUNS / "04_bad", "--prompts-per-step", "3"], timeout=300)
+    print(f"exit status {job.returncode}")
+    print("\n".join(line for line in job.stdout.splitlines() if "error:" in line))
+
+# %% [markdown]
+# ## 9. What to remember
+#
+# | question | answer |
+# |---|---|
+# | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
+# | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
+# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
+# | weight sync from shards | gather one layer at a time (peak ≈ one layer), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
+# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts bytes and tensors alike |
+# | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
+# | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
+#
+# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout vllm`,
+# `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):
+#
+# ```
+# torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
+#     --zero 3 --lora-rank 16 --rollout vllm --mixed-precision bf16 --out runs/04-qwen
+# ```
+
+# %% [markdown]
+# ## Exercises
+#
+# Your stubs are in `exercises/04_fsdp_lora.py`. Fill them in, then grade:
+#
+# ```
+# python -m minirl.grade --only 04
+# ```
+#
+# | exercise | function | what it checks |
+# |---|---|---|
+# | 4.1 | `rank_loss_weight` | each loss type's weight; the ranks' weighted gradients average to the whole batch's |
+# | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
+# | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
+#
+# Questions to think about (not graded): why does `bnpo` give a different gradient on two
+# ranks than on one, and which of `dapo` and `bnpo` would you choose for a job whose ranks
+# see very different completion lengths? With adapter-only sync the engine computes B A x at
+# every generated token: when does that cost more than the sync it saves?

@@ -1,0 +1,9 @@
+"""Exercise 0.3, wrong: always parses reversed digits, whatever reverse_answer says."""
+
+from minirl.tasks.arithmetic import completion_text, parse_answer
+
+EXERCISE = "0.3"
+
+
+def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns):
+    return [1.0 if parse_answer(completion_text(c)) == a else 0.0 for c, a in zip(completions, answer)]

@@ -1,0 +1,9 @@
+"""Exercise 0.3, wrong: returns ints (1 and 0), not floats."""
+
+from minirl.tasks.arithmetic import completion_text, parse_answer
+
+EXERCISE = "0.3"
+
+
+def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns):
+    return [int(parse_answer(completion_text(c), reverse_answer) == a) for c, a in zip(completions, answer)]

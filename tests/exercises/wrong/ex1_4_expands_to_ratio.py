@@ -1,0 +1,14 @@
+"""Exercise 1.4, wrong: forces the advantages to the ratio's shape: a [B, 1] sequence ratio cannot take
+[B, T] advantages.
+"""
+
+import torch
+
+EXERCISE = "1.4"
+
+
+def clipped_surrogate(ratio, advantages, epsilon_low=0.2, epsilon_high=None):
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    advantages = advantages.expand_as(ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages)

@@ -1,0 +1,11 @@
+"""Exercise 1.4, wrong: clips both sides with epsilon_low (epsilon_high ignored)."""
+
+import torch
+
+EXERCISE = "1.4"
+
+
+def clipped_surrogate(ratio, advantages, epsilon_low=0.2, epsilon_high=None):
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_low)
+    return -torch.min(ratio * advantages, clipped * advantages)

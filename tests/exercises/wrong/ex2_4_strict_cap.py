@@ -1,0 +1,18 @@
+"""Exercise 2.4, wrong: keeps a ratio only below the cap (<), zeroing a ratio equal to it."""
+
+import torch
+
+EXERCISE = "2.4"
+
+
+def importance_sampling_weights(old_logps, behavior_logps, mask, mode="token_truncate", cap=2.0):
+    valid = mask.bool()
+    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(), torch.zeros_like(old_logps))
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(ratio < cap, ratio, torch.zeros_like(ratio))
+    return (weights * valid).to(old_logps.dtype)

@@ -1,0 +1,11 @@
+"""Exercise 4.1, wrong: weights grpo by tokens like dapo (grpo averages sequences, not tokens)."""
+
+EXERCISE = "4.1"
+
+
+def rank_loss_weight(loss_type, local_tokens, global_tokens, local_rows, global_rows, world_size):
+    if loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        raise ValueError(f"loss_type={loss_type!r}")
+    if loss_type in ("dapo", "grpo", "dr_grpo"):
+        return world_size * max(local_tokens, 1) / max(global_tokens, 1)
+    return 1.0

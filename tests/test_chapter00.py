@@ -1,0 +1,77 @@
+"""chapters/00_warm_start.py: the summary, the thread policy, flags checked at the door, cache errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirl.models.policy import default_policy_dir, load_default_policy
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "chapters" / "00_warm_start.py"
+
+
+def run(*args, env=None, check=True):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--no-progress", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_summary_of_the_cached_policy(tmp_path):
+    load_default_policy(progress=False)                       # built once, shared with the other tests
+    proc = run("--out", tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["policy_dir"] == str(default_policy_dir()) and summary["built"] is False
+    assert summary["heldout_accuracy"] == summary["recorded_accuracy"]
+    assert summary["threads"] == 1, "one torch thread by default, like chapter 01"
+    assert (tmp_path / "warm_start.png").stat().st_size > 0
+    assert f"{summary['heldout_accuracy']:.3f}" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--threads", "-1"), "argument --threads: -1: must be >= 0"),
+    (("--threads", "two"), "argument --threads: invalid int value: 'two'"),
+    (("--device", "gpu:0"), "argument --device: 'gpu:0': not a device; use cpu, cuda or cuda:N"),
+    (("--model", "Qwen/Qwen2.5-0.5B"), "argument --model: chapter 00 builds the embedded policy"),
+])
+def test_bad_flags_exit_2_with_one_line(args, message):
+    proc = run(*args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("00_warm_start.py: error: ") and message in last, last
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_a_flag_error():
+    proc = run("--device", "cuda", check=False)
+    assert proc.returncode == 2 and "argument --device: 'cuda': this machine has 0 CUDA devices" in proc.stderr
+
+
+def test_unwritable_cache_is_reported_before_any_training(tmp_path):
+    """It used to train the whole warm start (344 s on a busy machine) before failing to save it."""
+    (tmp_path / "a-file").write_text("")
+    proc = run("--out", tmp_path / "out", env={"MINIRL_CACHE": str(tmp_path / "a-file" / "cache")}, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot write the warm-started policy under {tmp_path / 'a-file' / 'cache'} (Not a directory): "
+        f"set MINIRL_CACHE to a writable directory (MINIRL_CACHE is {tmp_path / 'a-file' / 'cache'})"]
+
+
+def test_a_truncated_cached_model_names_the_file_and_the_fix(tmp_path):
+    _, _, path = load_default_policy(progress=False)
+    copy = tmp_path / "cache" / path.name
+    shutil.copytree(path, copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = run("--out", tmp_path / "out", env={"MINIRL_CACHE": str(tmp_path / "cache")}, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: the cached policy is damaged: {weights} cannot be read" in proc.stderr
+    assert f"rm -r {copy}" in proc.stderr and "--rebuild" in proc.stderr

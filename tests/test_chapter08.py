@@ -1,0 +1,47 @@
+"""chapters/08_moe_pipelines.py end to end with small settings (no torchrun jobs), and its argument checks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, str(ROOT / "chapters" / "08_moe_pipelines.py"), "--out", str(tmp_path),
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_chapter_writes_the_summary(tmp_path):
+    out = run("--skip-torchrun", "--rl-steps", "2", "--warm-start-steps", "2", "--repeats", "1", "--quiet",
+              tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["bubble"]) == {"gpipe", "1f1b", "dualpipev"}
+    for schedule, b in summary["bubble"].items():
+        assert b["P"] == 2 and b["M"] == 4 and 0 < b["ratio"] < 1 and b["kind"].startswith("simulated")
+    assert abs(summary["bubble"]["gpipe"]["ratio"] - 1 / 5) < 1e-9, "(P-1)/(M+P-1) at P = 2, M = 4"
+    assert summary["bubble"]["dualpipev"]["ratio"] < summary["bubble"]["1f1b"]["ratio"]
+    util = summary["packing_utilization"]
+    assert set(util) == {"padded_8", "next_fit", "first_fit_decreasing", "best_fit_decreasing"}
+    assert all(0 < v <= 1 for v in util.values())
+    assert util["best_fit_decreasing"] > 0.95 > util["next_fit"] > util["padded_8"]
+    load = summary["expert_load_max_over_mean"]
+    assert 1 <= load["before"] <= 4 and set(load["after"]) == {"none", "aux loss", "bias"}
+    assert summary["moe_parameters"]["configs"]["DeepSeek-V3 defaults"]["total"] > 6.7e11
+    assert summary["gspo"]["variance_ratio"] > 0
+    assert (tmp_path / "pipeline_timelines.png").exists() and (tmp_path / "expert_load.png").exists()
+    assert "bubble" in out.stdout and "packing" in out.stdout
+
+
+def test_chapter_rejects_bad_arguments(tmp_path):
+    out = run("--microbatches", "4,x", tmp_path=tmp_path)
+    assert out.returncode != 0 and "--microbatches" in out.stderr
+    out = run("--device", "cuda", tmp_path=tmp_path)
+    assert out.returncode != 0 and "--device" in out.stderr
+    out = run("--microbatches", "2", tmp_path=tmp_path)
+    assert out.returncode != 0 and "DualPipeV needs at least" in out.stderr
+

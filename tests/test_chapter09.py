@@ -1,0 +1,135 @@
+"""chapters/09_profile.py: a profiled stage-1 run end to end, the analysis of finished run directories (stage 1,
+notebook 08's, synthetic ones with planted symptoms or bad files), and its flag checks."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_profiling import CONFIG, make_run, step_record
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "chapters" / "09_profile.py"
+
+
+def load_chapter():
+    spec = importlib.util.spec_from_file_location("chapter09", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+chapter = load_chapter()
+
+
+def run_script(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def test_profile_a_new_run_then_analyse_it(tmp_path, capsys):
+    out = tmp_path / "profiled"
+    argv = ["--profile-steps", "2", "--steps", "3", "--prompts-per-step", "4", "--num-generations", "2",
+            "--rollout-engine", "hf", "--no-progress", "--out", str(out)]
+    assert chapter.main(argv) == 0                     # in-process: the CLI's own start is tested below
+    stdout = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["stage_shares"]) >= {"generation", "reward", "update", "sync", "communication", "waiting"}
+    assert abs(sum(summary["stage_shares"].values()) - 1) < 1e-9
+    assert 0 < summary["mfu"]["trainer"] < 1 and 0 < summary["mfu"]["rollout"] < 1
+    assert isinstance(summary["findings"], list) and "low_mfu" in summary["findings"]
+    trace = Path(summary["profile"]["per_step"]["2"]["trace"])
+    assert trace.is_file() and trace.parent == out / "run" / "profile"
+    assert (out / "shares.png").stat().st_size > 1000 and "perfetto" in stdout
+    assert summary["steps"] == 2, "the profiled step is left out of the shares"
+
+    again = tmp_path / "analysis"
+    assert chapter.main(["--run", str(out / "run"), "--out", str(again)]) == 0
+    second = json.loads((again / "summary.json").read_text())
+    assert second["findings"] == summary["findings"] or set(second) == set(summary)
+    assert set(second) >= {"stage_shares", "mfu", "findings", "partial", "rules", "measured"}
+
+
+def test_analyse_synthetic_runs(tmp_path, capsys):
+    healthy = make_run(tmp_path / "healthy", [step_record(s) for s in (1, 2, 3)])
+    out = tmp_path / "a"
+    assert chapter.main(["--run", str(healthy), "--out", str(out), "--peak-tflops", "1e-6"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["findings"] == [] and summary["mfu"]["trainer"] > 0.3
+    assert summary["stage_shares"]["update"] == pytest.approx(3 * 0.5 / (3 * step_record(1)["time/step"]))
+
+    slow = make_run(tmp_path / "slow", [step_record(s, generate=5.0) for s in (1, 2)])
+    assert chapter.main(["--run", str(slow), "--out", str(tmp_path / "b"), "--peak-tflops", "1e-6"]) == 0
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["findings"] == ["slow_rollout"]
+    assert "FINDING slow_rollout" in capsys.readouterr().out
+
+
+def test_analyse_a_stage8_directory_and_an_unknown_gpu(tmp_path):
+    moe = tmp_path / "08"
+    moe.mkdir()
+    load = {"expert_load_max_over_mean": {"before": 2.5, "after": {"none": 2.0}}}
+    (moe / "summary.json").write_text(json.dumps(load))
+    assert chapter.main(["--run", str(moe), "--out", str(tmp_path / "a")]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["stage_shares"] is None and summary["mfu"]["trainer"] is None
+    assert summary["findings"] == ["expert_imbalance"] and summary["partial"]
+
+    gpu = make_run(tmp_path / "gpu", [step_record(1)], config=CONFIG.replace(device="cuda"))
+    assert chapter.main(["--run", str(gpu), "--out", str(tmp_path / "b")]) == 0
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    if summary["mfu"]["trainer"] is None:                      # this machine cannot name the run's GPU
+        assert any("--peak-tflops" in note for note in summary["partial"])
+
+
+def test_damaged_or_mixed_metrics_are_errors(tmp_path, capsys):
+    mixed = make_run(tmp_path / "mixed", [step_record(2), step_record(1)])
+    assert chapter.main(["--run", str(mixed), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "more than one run" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "pass --run DIR"),
+    (["--run", "RUN", "--profile-steps", "2"], "one of the two"),
+    (["--run", "MISSING"], "argument --run: .* is not a directory"),
+    (["--run", "EMPTY"], "argument --run: .* holds no run"),
+    (["--run", "RUN", "--out", "RUN"], "argument --out: must differ from --run"),
+    (["--run", "RUN", "--learning-rate", "0.1"], "argument --learning-rate: applies to --profile-steps runs only"),
+    (["--run", "RUN", "--peak-tflops", "0"], "argument --peak-tflops: 0.0: must be > 0"),
+    (["--run", "RUN", "--threads", "0"], "argument --threads: 0: must be >= 1"),
+    (["--profile-steps", "0"], "argument --profile-steps: '0': steps from 1 to --steps"),
+    (["--profile-steps", "2,x"], "argument --profile-steps: '2,x': step numbers separated by commas"),
+    (["--profile-steps", "7", "--steps", "6"], "argument --profile-steps: '7': steps from 1 to --steps \\(6\\)"),
+    (["--profile-steps", "2", "--out", "HOLDS"], "already holds a run; pass --resume"),
+    (["--run", "RUN", "--out", "RUN2"], "argument --out: .* holds a run"),
+])
+def test_bad_flags_fail_in_one_line(tmp_path, capsys, argv, message):
+    run = make_run(tmp_path / "run", [step_record(1)])
+    make_run(tmp_path / "run2", [step_record(1)])
+    (tmp_path / "empty").mkdir()
+    make_run(tmp_path / "holds" / "run", [step_record(1)])
+    names = {"RUN": run, "RUN2": tmp_path / "run2", "MISSING": tmp_path / "missing", "EMPTY": tmp_path / "empty",
+             "HOLDS": tmp_path / "holds"}
+    argv = [str(names.get(a, a)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        chapter.parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    import re
+    assert re.search(message, err), err
+
+
+def test_a_bad_flag_fails_before_anything_loads(tmp_path):
+    proc = run_script("--profile-steps", "9", "--out", tmp_path / "x")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1].endswith("steps from 1 to --steps (6); step 1 is the run's first "
+                                                         "(and slowest)")
+    assert not (tmp_path / "x").exists(), "nothing was created"

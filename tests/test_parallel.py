@@ -1,0 +1,405 @@
+"""Stage 4 in one process: configs and checks, LoRA, the rank's loss weight, the sharded sync, the colocated engine.
+
+A one-rank gloo group (a file store, no torchrun) lets FSDP2 and DTensor run here; the
+multi-rank behaviour is in test_parallel_torchrun.py.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minirl.config import RLConfig, SamplingConfig
+from minirl.data import Experience
+from minirl.memory.measure import storage_bytes
+from minirl.parallel.config import ParallelConfig, check_parallel
+from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_share
+from minirl.parallel.roles import DistributedActor, pad_completions, rank_loss_weight, scale_gradient
+from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
+from minirl.rollout.base import VersionMismatchError
+from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
+from minirl.rollout.hf import HFEngine
+from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.sync.sharded import LiveBytes, ShardedSync, engine_name, gather_by_layer, merge_lora
+from minirl.utils.validate import ConfigError
+
+SAMPLING = SamplingConfig(num_generations=2, max_completion_length=3)
+PROMPTS = ["1+2=", "3+4="]
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A process group of one (gloo through a file store), destroyed when the module ends."""
+    ctx = init_distributed()
+    yield ProcessGroup(ctx.device)
+    dist.destroy_process_group()
+
+
+# ---- settings and checks: each bad input names the flag and the fix --------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(zero=4), r"zero=4: use one of 0, 1, 2, 3"),
+    (dict(lora_rank=-1), r"lora_rank=-1: must be >= 0"),
+    (dict(sync_mode="adapter"), r"sync_mode='adapter': merging or shipping an adapter needs LoRA"),
+    (dict(lora_rank=4, sync_mode="full"), r"sync_mode='full': with LoRA"),
+    (dict(zero=1, mixed_precision="bf16"), r"mixed_precision='bf16'.*use --zero 2 or 3"),
+    (dict(rollout="sglang"), r"rollout='sglang'"),
+    (dict(lora_rank=2, lora_target_modules=" , "), r"lora_target_modules"),
+])
+def test_parallel_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_check_parallel_names_the_cause_before_anything_loads():
+    with pytest.raises(ConfigError, match=r"prompts_per_step=6: 6 prompts do not divide over 4 ranks.*multiple of 4"):
+        check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4)
+    with pytest.raises(ConfigError, match=r"algo='ppo': stage 4 trains GRPO"):
+        check_parallel(ParallelConfig(), RLConfig.from_flat(algo="ppo"), 2)
+    with pytest.raises(ConfigError, match=r"cpu_offload=True.*already on the CPU"):
+        check_parallel(ParallelConfig(cpu_offload=True), RLConfig(), 2)
+    check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=8), 4)     # fine
+
+
+def test_vllm_without_vllm_is_a_named_error():
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ConfigError, match=r"rollout='vllm': vLLM is not installed.*requirements-gpu.txt.*--rollout hf"):
+        check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2)
+
+
+def test_nccl_without_cuda_is_a_named_error():
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"backend='nccl'.*--device is cpu"):
+            pick_backend("nccl", "cpu")
+        return
+    with pytest.raises(ConfigError, match=r"backend='nccl': NCCL communicates between CUDA GPUs and this machine"):
+        pick_backend("nccl", "cpu")
+    with pytest.raises(ConfigError, match=r"device='cuda': CUDA is not available"):
+        pick_backend("auto", "cuda")
+    assert pick_backend("auto", "cpu") == "gloo"
+
+
+def test_rank_share_is_contiguous_and_refuses_uneven_batches():
+    rows = list(range(8))
+    assert [rank_share(rows, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="prompts_per_step=6.*multiple of 4"):
+        rank_share(list(range(6)), 0, 4)
+
+
+def test_lora_targets_must_match_a_linear_layer(make_tiny_policy):
+    model, _ = make_tiny_policy(seed=2, num_layers=1)
+    with pytest.raises(ConfigError, match=r"lora_target_modules='q_proj,qkv': \['qkv'\] matches no linear layer.*"
+                                          r"named .*down_proj"):
+        apply_lora(model, 4, targets=("q_proj", "qkv"))
+    lora = apply_lora(model, 4, targets=("q_proj",))
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and "q_proj" in n for n in trainable)
+
+
+def test_decoder_layers_found_by_no_split_modules(make_tiny_policy):
+    model, _ = make_tiny_policy(seed=2, num_layers=2)
+    assert len(decoder_layers(model)) == 2
+    assert len(decoder_layers(apply_lora(model, 2))) == 2
+    with pytest.raises(ValueError, match="names no decoder-layer class"):
+        decoder_layers(nn.Linear(2, 2))
+
+
+# ---- a rank's share of the loss ------------------------------------------------------------------
+
+def test_rank_loss_weights_make_the_average_the_whole_batch():
+    # two ranks holding 3 and 5 tokens of 8: dapo's weights are W * T_r / T, and average to 1
+    w = [rank_loss_weight("dapo", t, 8, 2, 4, 2) for t in (3, 5)]
+    assert w == pytest.approx([0.75, 1.25]) and sum(w) / 2 == pytest.approx(1)
+    assert rank_loss_weight("grpo", 3, 8, 2, 4, 2) == pytest.approx(1.0)
+    assert rank_loss_weight("dr_grpo", 3, 8, 1, 4, 2) == pytest.approx(0.5)
+    assert rank_loss_weight("bnpo", 3, 8, 2, 4, 2) == 1.0
+    assert rank_loss_weight("dapo", 0, 0, 2, 4, 2) == pytest.approx(2.0)   # empty batch: the clamp, no NaN
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        rank_loss_weight("ppo", 1, 2, 1, 2, 2)
+
+
+def test_scale_gradient_scales_only_the_gradient():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = scale_gradient(x, 3.0)
+    assert torch.equal(y, x)
+    (y ** 2).sum().backward()
+    assert torch.allclose(x.grad, 3.0 * 2 * x.detach())
+
+
+def test_pad_completions_adds_masked_columns(tiny):
+    model, tok = tiny
+    ro = HFEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(0))
+    C = ro.num_completion_tokens
+    wide = pad_completions(Experience(ro, torch.zeros(4), advantages=torch.zeros(4), ref_logps=ro.logprobs), C + 2)
+    assert wide.rollout.completion_ids.shape[1] == C + 2 and wide.ref_logps.shape[1] == C + 2
+    assert (wide.rollout.completion_mask[:, C:] == 0).all()
+    assert (wide.rollout.completion_ids[:, C:] == tok.pad_token_id).all()
+    assert torch.equal(wide.rollout.prompt_ids, ro.prompt_ids) and wide.advantages.shape == (4,)
+
+
+# ---- the sharded sync ----------------------------------------------------------------------------
+
+def shard(model, group, zero=3):
+    return wrap_model(model, zero, "cpu")
+
+
+def test_gather_by_layer_yields_whole_tensors_one_layer_at_a_time(group, make_tiny_policy):
+    model, _ = make_tiny_policy(seed=4, num_layers=2)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = shard(model, group)
+    named = list(wrapped.model.state_dict().items())
+    assert any(hasattr(t, "full_tensor") for _, t in named), "FSDP2 holds DTensors"
+    layers = list(gather_by_layer(named))
+    assert sum(len(layer) for layer in layers) == len(named)
+    assert {n.split(".layers.")[1].split(".")[0] for layer in layers for n, _ in layer if ".layers." in n} == {"0", "1"}
+    for layer in layers:
+        keys = {n.split(".layers.")[1].split(".")[0] if ".layers." in n else n for n, _ in layer}
+        assert len(keys) == 1, f"one layer per list, got {keys}"
+        for name, tensor in layer:
+            assert type(tensor) is torch.Tensor and torch.equal(tensor, reference[name])
+
+
+def test_merge_lora_agrees_with_peft(make_tiny_policy):
+    model, _ = make_tiny_policy(seed=4, num_layers=1)
+    lora = apply_lora(model, 4, alpha=12)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_()                                # B starts at zero: give it something to merge
+    state = dict(lora.state_dict())
+    stem = "base_model.model.model.layers.0.self_attn.q_proj"
+    merged = merge_lora(state[f"{stem}.base_layer.weight"], state[f"{stem}.lora_A.default.weight"],
+                        state[f"{stem}.lora_B.default.weight"], 12 / 4)
+    expected = lora.merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.allclose(merged, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        merge_lora(torch.zeros(4, 3), torch.zeros(2, 4), torch.zeros(4, 2), 1.0)
+
+
+def test_engine_name_strips_peft():
+    assert engine_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert engine_name("model.norm.weight") == "model.norm.weight"
+
+
+def sharded_actor(model, group, zero=3):
+    config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+    return DistributedActor(wrap_model(model, zero, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sharded_sync_streams_into_a_sleeping_engine(group, make_tiny_policy, lora):
+    """Correct weights under the engine's names, verified; the bounded peak needs two ranks (torchrun test)."""
+    model, tok = make_tiny_policy(seed=6, num_layers=3)
+    engine = ColocatedEngine(SharedPrefixEngine(model, tok), colocate=True)
+    if lora:
+        model = apply_lora(model, 2, alpha=4)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+        merged = {k: v.clone() for k, v in apply_lora_copy_merged(model).items()}
+    actor = sharded_actor(model, group)
+    sync = ShardedSync("merged" if lora else "full", lora_scaling=2.0 if lora else None, verify=True)
+    engine.generate(PROMPTS, SAMPLING)                     # then it sleeps
+    assert engine.asleep and storage_bytes(t for _, t in engine.named_weights()) == 0
+    report = sync.push(actor.named_weights(), engine, 1)
+    assert engine.version == 1 and not engine.asleep and report.tensors == len(engine.names)
+    assert report.bytes == storage_bytes(t for _, t in engine.named_weights()) + \
+        sum(t.numel() * 4 for n, t in engine.named_weights() if n == "lm_head.weight")   # tied: pushed twice
+    if lora:
+        held = dict(engine.named_weights())
+        assert all(torch.allclose(held[k], v, atol=1e-6) for k, v in merged.items())
+
+
+def apply_lora_copy_merged(peft_model):
+    import copy
+    return copy.deepcopy(peft_model).merge_and_unload().state_dict()
+
+
+def test_adapter_sync_ships_only_the_adapter(group, make_tiny_policy):
+    model, tok = make_tiny_policy(seed=6, num_layers=2)
+    model = apply_lora(model, 2)
+    engine = ColocatedEngine(SharedPrefixEngine(model, tok), adapter_only=True)
+    actor = sharded_actor(model, group, zero=2)
+    report = ShardedSync("adapter", verify=True).push(actor.named_weights(), engine, 1)
+    lora_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+    assert report.bytes == lora_bytes and report.tensors == len(engine.names)
+    assert all("lora_" in n for n in engine.names)
+    with pytest.raises(ValueError, match="holds no LoRA tensors"):
+        ShardedSync("adapter").push([("model.norm.weight", torch.zeros(2))], engine, 2)
+
+
+def test_live_bytes_counts_until_freed():
+    meter = LiveBytes()
+    a, b = torch.zeros(10), torch.zeros(20)
+    meter.track(a)
+    meter.track(b)
+    del a
+    assert meter.live == 80 and meter.peak == 120
+
+
+# ---- the colocated engine refuses bad pushes, and sleeps for real ----------------------------------
+
+def test_colocated_engine_refuses_bad_pushes_and_stays_unusable(tiny):
+    model, tok = tiny
+    engine = ColocatedEngine(SharedPrefixEngine(model, tok), colocate=False)
+    state = list(model.state_dict().items())
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model.layers.0.attn.weight'.*engine's names"):
+        engine.load_weights([(n.replace("self_attn.q_proj", "attn") if "q_proj.weight" in n else n, t)
+                             for n, t in state], 1)
+    with pytest.raises(EngineNotReady, match="half-loaded"):
+        engine.generate(PROMPTS, SAMPLING)
+    with pytest.raises(ValueError, match=r"1 of \d+ tensors were never pushed \(first: model.norm.weight\)"):
+        engine.load_weights([(n, t) for n, t in state if n != "model.norm.weight"], 1)
+    with pytest.raises(ValueError, match="has shape"):
+        engine.load_weights([(n, t.T if t.dim() == 2 else t) for n, t in state], 1)
+    engine.load_weights(state, 3)
+    with pytest.raises(VersionMismatchError, match="holds version 3: refusing to go back"):
+        engine.load_weights(state, 2)
+    with pytest.raises(VersionMismatchError, match="holds policy version 3 but the loop expected version 2"):
+        engine.generate(PROMPTS, SAMPLING, expected_version=2)
+    assert len(engine.generate(PROMPTS, SAMPLING, expected_version=3)) == 4
+
+
+def test_sleep_releases_the_weights_and_a_push_restores_them(tiny):
+    model, tok = tiny
+    engine = ColocatedEngine(SharedPrefixEngine(model, tok))
+    awake = storage_bytes(t for _, t in engine.named_weights())
+    engine.generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(1))
+    assert engine.asleep and storage_bytes(t for _, t in engine.named_weights()) == 0
+    assert engine.stats["released_bytes"] == awake
+    with pytest.raises(EngineNotReady, match="asleep"):
+        engine.generate(PROMPTS, SAMPLING)
+    engine.load_weights(model.state_dict().items(), 1)
+    assert storage_bytes(t for _, t in engine.named_weights()) == awake
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_weights(), model.state_dict().items()))
+
+
+def test_seed_per_prompt_does_not_depend_on_the_split(tiny):
+    model, tok = tiny
+    engine = SeedPerPrompt(SharedPrefixEngine(model, tok))
+    prompts = ["1+2=", "3+4=", "5+6=", "7+8="]
+    whole = engine.generate(prompts, SAMPLING, generator=torch.Generator().manual_seed(5))
+    halves = [engine.generate(prompts[i:i + 2], SAMPLING, generator=torch.Generator().manual_seed(5)) for i in (0, 2)]
+    assert whole.completions == halves[0].completions + halves[1].completions
+
+
+def test_agree_in_one_process_reraises(group):
+    with pytest.raises(KeyError):
+        agree("a test", lambda: {}["missing"])
+    assert agree("a test", lambda: 3) == 3
+
+
+def test_distributed_actor_matches_the_plain_actor_in_one_process(group, make_tiny_policy):
+    """World size 1: the weight is 1, and one update equals notebook 01's Actor's."""
+    from minirl.roles.actor import Actor
+
+    model, tok = make_tiny_policy(seed=8, num_layers=2)
+    plain_model, _ = make_tiny_policy(seed=8, num_layers=2)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
+    exp = Experience(ro, torch.tensor([1.0, 0.0, 0.0, 1.0]), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+    plain = Actor(plain_model, config.algorithm, config.optimizer, config.sampling).update(exp)
+    sharded = sharded_actor(model, group).update(exp)
+    assert sharded["loss"] == pytest.approx(plain["loss"], abs=1e-6) and not math.isnan(sharded["grad_norm"])
+    assert sharded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
+    """FSDP2's MixedPrecisionPolicy: compute in bfloat16, keep (and update) float32 shards."""
+    model, tok = make_tiny_policy(seed=9, num_layers=2)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
+    config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+    wrapped = wrap_model(model, 3, "cpu", mixed_precision="bf16")
+    actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group)
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
+    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the shards stay float32 (the master copy)"
+    assert any(not torch.equal(p.detach().to_local(), before[n]) for n, p in model.named_parameters())
+
+
+def test_gradient_checkpointing_gives_the_same_update(group, make_tiny_policy):
+    """Per-layer recomputation changes memory and time, not the gradient."""
+    from minirl.parallel.wrap import set_checkpointing
+
+    grads = []
+    for on in (False, True):
+        model, tok = make_tiny_policy(seed=10, num_layers=2)
+        ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(3))
+        config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
+        set_checkpointing(model, on)
+        actor = DistributedActor(wrap_model(model, 3, "cpu"), config.algorithm, config.optimizer, config.sampling,
+                                 group, checkpointing=on)
+        metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
+        grads.append(metrics["grad_norm"])
+    assert grads[0] == pytest.approx(grads[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("zero, lora", [(0, 0), (1, 0), (3, 4)])
+def test_sharded_checkpoint_resumes_exactly(group, make_tiny_policy, tmp_path, zero, lora):
+    """Save after 1 step, restore into a fresh state, 2 more steps: the weights of 3 uninterrupted steps.
+    ZeRO-1's optimizer is saved per rank (ZeroRedundancyOptimizer is not one DCP knows)."""
+    from minirl.parallel.checkpoint import latest_sharded, load_sharded, save_sharded
+    from minirl.parallel.launch import DistContext
+    from minirl.parallel.spmd import setup_spmd, spmd_step
+    from minirl.sync.sharded import full_tensor
+    from minirl.tasks.arithmetic import make_task
+    from minirl.train.run import run
+
+    def digits(prompts, completions, **columns):
+        return [sum(c in "01234" for c in text) / max(1, len(text)) for text in completions]
+
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    config = RLConfig.from_flat(steps=3, prompts_per_step=2, num_generations=4, eval_every=0, learning_rate=0.01)
+    pconfig = ParallelConfig(zero=zero, lora_rank=lora)
+    rows = make_task().rows("train")
+
+    def fresh():
+        model, tok = make_tiny_policy(seed=11, num_layers=2)
+        return setup_spmd(config, pconfig, model, tok, rows, [digits], ctx)
+
+    def weights(state):
+        return {n: full_tensor(t).clone() for n, t in state.roles.actor.named_weights()}
+
+    whole = fresh()
+    run(whole, spmd_step, [], 3)
+    broken = fresh()
+    run(broken, spmd_step, [], 1)
+    save_sharded(tmp_path, broken)
+    resumed = fresh()
+    found = latest_sharded(tmp_path, 1)
+    assert found is not None and found.name == "step-000001"
+    load_sharded(found, resumed)
+    assert resumed.step == 1 and resumed.roles.version == 1 and resumed.engine.version == 1
+    run(resumed, spmd_step, [], 3)
+    a, b = weights(whole), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed != uninterrupted"
+    assert any(not torch.equal(a[k], v) for k, v in weights(fresh()).items()), "the steps moved the weights"
+
+
+def test_export_loads_and_resume_on_another_world_size_is_refused(group, make_tiny_policy, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from minirl.parallel.checkpoint import load_sharded, save_sharded
+    from minirl.parallel.launch import DistContext
+    from minirl.parallel.spmd import export_policy, setup_spmd
+    from minirl.tasks.arithmetic import make_task
+
+    model, tok = make_tiny_policy(seed=12, num_layers=1)
+    state = setup_spmd(RLConfig.from_flat(num_generations=2), ParallelConfig(), model, tok,
+                       make_task().rows("train"), [lambda prompts, completions, **kw: [0.0] * len(completions)],
+                       DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    exported = export_policy(state.roles.actor, None, tok, tmp_path / "final", state.ctx)
+    loaded = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.engine.named_weights()), "the export is the policy"
+    path = save_sharded(tmp_path / "checkpoints", state)
+    training = torch.load(path / "training_state.pt", weights_only=False)
+    torch.save(training | {"world_size": 4}, path / "training_state.pt")
+    with pytest.raises(ConfigError, match=r"written by 4 ranks; resume with torchrun --nproc_per_node 4"):
+        load_sharded(path, state)
