@@ -2467,8 +2467,10 @@ def long_tail_tokenizer(max_length: int = 512) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
+    # unk_token named: without one, a reload next to a Qwen2 config.json (AutoTokenizer picks
+    # Qwen2Tokenizer) adds '<|endoftext|>' as a 71st id the model does not embed.
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                        model_max_length=max_length)
+                                        unk_token=PAD, model_max_length=max_length)
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -2488,7 +2490,7 @@ def build_long_tail_policy(config: LongTailConfig = LongTailConfig()):
 
 def load_long_tail_policy(config: LongTailConfig = LongTailConfig(), device: str = "cpu"):
     """(model, tokenizer, path) of the larger policy, saved once as an ordinary HF checkpoint."""
-    key = json.dumps(asdict(config), sort_keys=True)
+    key = json.dumps(asdict(config) | {"unk_token": PAD}, sort_keys=True)   # a cache from before unk_token: rebuilt
     path = cache_dir() / f"long-tail-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (path / "config.json").exists():
         model, tokenizer = build_long_tail_policy(config)

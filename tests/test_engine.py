@@ -339,13 +339,15 @@ def test_bad_engine_settings_name_the_value_and_the_limit(policy, small_draft):
     with pytest.raises(ValueError, match="num_speculative_tokens=2 with draft=None"):
         PagedEngine(model, tokenizer, num_speculative_tokens=2)
     long_model, _, _ = load_long_tail_policy()
-    with pytest.raises(ValueError, match="draft's vocab_size=70 differs from the target's 18"):
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"draft's vocab_size=70 differs from the target's {vocab}"):
         PagedEngine(model, tokenizer, draft=ModelDraft(long_model), num_speculative_tokens=2)
 
 
 def test_weights_or_models_of_another_architecture_are_refused(policy):
     model, tokenizer = policy
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=18, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+    vocab = model.config.vocab_size
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, n_positions=32,
                                       bos_token_id=1, eos_token_id=2))
     with pytest.raises(ValueError, match="model_type='gpt2'.*not supported"):
         PagedEngine(gpt2, tokenizer)
@@ -354,7 +356,7 @@ def test_weights_or_models_of_another_architecture_are_refused(policy):
                                          r"unexpected \['transformer.h.0.attn.c_attn.bias'"):
         engine.load_weights(gpt2.state_dict().items(), version=1)
     wider = build_policy(PolicyConfig(hidden_size=64), build_tokenizer())
-    with pytest.raises(ValueError, match=r"wrong shape \['lm_head.weight \(18, 64\) != \(18, 128\)'"):
+    with pytest.raises(ValueError, match=rf"wrong shape \['lm_head.weight \({vocab}, 64\) != \({vocab}, 128\)'"):
         engine.load_weights(wider.state_dict().items(), version=1)
     assert engine.version == 0, "nothing is loaded when anything is wrong"
 
