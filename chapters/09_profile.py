@@ -99,22 +99,14 @@ def profile_run(args, config) -> tuple[Path, str | None]:
     """Run stage 1 into OUT/run with TorchProfiler on the chosen steps; (run directory, error or None)."""
     import torch
 
+    from minirl.models.policy import load_policy
     from minirl.profiling.profiler import TorchProfiler
     from minirl.train.run import train
     from minirl.utils.seeding import seed_everything
 
     torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
-    if args.model is None:
-        from minirl.models.policy import load_default_policy
-        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=not args.no_progress)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model).to(config.run.device).eval()
+    model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
     run_dir = args.out / "run"
     try:
         train(config, model, tokenizer, out_dir=run_dir, overwrite=args.overwrite, progress=not args.no_progress,

@@ -25,12 +25,12 @@
 #
 # The loop itself has four steps, and the order is the thing to remember:
 #
-# | step | what happens | where it runs in minirl (later notebooks: *coming*) |
+# | step | what happens | where it runs in minirl (notebook) |
 # |---|---|---|
-# | 1. generate | the rollout engine samples completions from the current policy | HF `generate` (01); *coming:* vLLM (04), a paged engine (05) |
-# | 2. reward | a verifier scores each completion | a plain function (01); *coming:* a reward worker (06) |
-# | 3. update | the trainer computes a loss and steps the optimizer | one process (01); *coming:* FSDP under torchrun (04) |
-# | 4. synchronize | the new weights go back to the rollout engine | a copy (01); *coming:* a broadcast (04, 06) |
+# | 1. generate | the rollout engine samples completions from the current policy | HF `generate` (01); vLLM (04); a paged engine (05) |
+# | 2. reward | a verifier scores each completion | a plain function (01); a reward worker (06) |
+# | 3. update | the trainer computes a loss and steps the optimizer | one process (01); FSDP under torchrun (04) |
+# | 4. synchronize | the new weights go back to the rollout engine | a copy (01); gathered from shards (04), broadcast (06) |
 #
 # In one process these are four function calls. On a cluster each becomes a transfer and a
 # wait; that is what the rest of the course is about.
@@ -350,7 +350,11 @@ for bad in (dict(min_operand=50, max_operand=10), dict(max_operand=10**20)):
 # One token per character keeps every completion short and every log-probability easy to
 # read. We build it with the `tokenizers` library (a `WordLevel` model over single
 # characters) and wrap it as a `PreTrainedTokenizerFast`, so it saves as `tokenizer.json`
-# and loads anywhere with `AutoTokenizer.from_pretrained`, vLLM included.
+# with the model, an ordinary Hugging Face checkpoint. One trap when reading it back:
+# transformers 5's `AutoTokenizer` rebuilds the tokenizer of any Qwen2 checkpoint as a
+# byte-level BPE from the vocabulary, ignoring the pipeline in `tokenizer.json`; for this
+# vocabulary that silently drops spaces and unknown characters. `load_tokenizer` (section 4)
+# reads the file as it was saved, and every minirl loader uses it.
 #
 # Padding goes on the **left**: in a batch of prompts of different lengths, every prompt
 # then ends at the same column and generation continues from there.
@@ -368,8 +372,10 @@ for bad in (dict(min_operand=50, max_operand=10), dict(max_operand=10**20)):
 Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
 model and tokenizer from the on-disk cache, building them when absent (a few minutes on one
 CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved
-directory is an ordinary Hugging Face checkpoint, so `AutoModelForCausalLM.from_pretrained(path)`
-and `AutoTokenizer.from_pretrained(path)` load it offline, and vLLM can serve it.
+directory is an ordinary Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained(path)`
+loads the model offline, and `load_tokenizer(path)` the tokenizer as saved (transformers 5's
+`AutoTokenizer` rebuilds a Qwen2 checkpoint's tokenizer as a byte-level BPE, which drops this
+one's spaces and unknown characters).
 
 Simplified on purpose: the warm start is a plain supervised loop rather than TRL's
 SFTTrainer, because the whole of it fits on one screen and runs deterministically.
@@ -720,6 +726,26 @@ def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError
                             f"(or python chapters/00_warm_start.py --rebuild)")
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in the directory `path`, exactly as saved; AutoTokenizer's for anything else.
+
+    transformers 5 loads the tokenizer of every qwen2 checkpoint through `AutoTokenizer` as a
+    byte-level BPE (`Qwen2Tokenizer`) rebuilt from the vocabulary, whatever `tokenizer.json`
+    says. Our character tokenizer would then lose its spaces and drop unknown characters
+    without a trace. A directory whose tokenizer_config.json names the generic class (ours do)
+    therefore gets its `tokenizer.json` pipeline as it was saved.
+    """
+    path = Path(path)
+    config = path / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
@@ -734,7 +760,7 @@ def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: P
     except Exception as err:
         raise damaged_cache(path, "model.safetensors", err) from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except Exception as err:
         raise damaged_cache(path, "tokenizer.json", err) from err
     tokenizer.padding_side = "left"
@@ -894,7 +920,7 @@ def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progr
         name = str(name_or_path)
         kind = check_model_source(name)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
+            tokenizer = load_tokenizer(name) if kind == "local" else AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
         except OSError as err:
             if kind == "local":
@@ -936,6 +962,22 @@ with tempfile.TemporaryDirectory() as no_tokenizer:
             load_policy(bad)
         except ModelSourceError as err:
             print("ModelSourceError:", err)
+
+# %% [markdown]
+# The tokenizer trap of section 2, shown: the cached policy's directory read back by
+# `AutoTokenizer` and by `load_tokenizer`, on a text with spaces and a character the
+# vocabulary lacks.
+
+# %%
+from transformers import AutoTokenizer  # noqa: E402
+
+text = "12 + 34 =Q"
+cached = load_default_policy(progress=False)[2]
+for name, loaded in (("AutoTokenizer", AutoTokenizer.from_pretrained(cached)), ("load_tokenizer", load_tokenizer(cached))):
+    ids = loaded(text, add_special_tokens=False)["input_ids"]
+    print(f"{name:15} {type(loaded).__name__:24} {loaded.convert_ids_to_tokens(ids)}")
+print(f"{'as built':15} {type(tokenizer).__name__:24}",
+      tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"]))
 
 # %% [markdown]
 # ## 6. The loop, once, by hand

@@ -52,15 +52,15 @@ def test_a_killed_rank_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     assert table["full"]["bytes"] == table["merged"]["bytes"]
     assert "source flags > 5 %" in job.stdout and "rank 1: trainer state" in job.stdout
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from minirl.models.policy import greedy_accuracy, load_default_policy
+    from minirl.models.policy import greedy_accuracy, load_default_policy, load_tokenizer
     from minirl.tasks.arithmetic import make_task
     exported = AutoModelForCausalLM.from_pretrained(whole / "final")          # LoRA merged into the base
     base, _, _ = load_default_policy(progress=False)
     assert set(exported.state_dict()) == set(base.state_dict())
     assert any(not torch.equal(exported.state_dict()[k], v) for k, v in base.state_dict().items()), "it trained"
-    accuracy = greedy_accuracy(exported, AutoTokenizer.from_pretrained(whole / "final"), make_task())
+    accuracy = greedy_accuracy(exported, load_tokenizer(whole / "final"), make_task())
     assert accuracy == pytest.approx(summary["accuracy_after"]), "the export is the policy the engine evaluated"
 
     job = launch("--out", broken, *QUICK, "--kill-rank", "1:3")

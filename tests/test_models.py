@@ -271,3 +271,18 @@ def test_load_policy_on_cuda_answers_like_the_cpu():
     task = make_task()
     problems = task.test[:200]
     assert abs(greedy_accuracy(gpu, tok, task, problems) - greedy_accuracy(cpu, tok, task, problems)) <= 0.02
+
+
+def test_a_saved_policy_reads_back_the_tokenizer_it_was_built_with(small_dir):
+    """AutoTokenizer (transformers 5) rebuilds a qwen2 checkpoint's tokenizer as a byte-level BPE that drops
+    spaces and unknown characters; every minirl loader reads tokenizer.json as saved."""
+    from minirl.models.policy import load_tokenizer
+
+    text, built = "12 + 34 =Q", build_tokenizer()
+    want = built(text, add_special_tokens=False)["input_ids"]
+    assert built.convert_ids_to_tokens(want)[-1] == "<unk>" and len(want) == len(text)
+    _, from_load_policy = load_policy(str(small_dir))
+    for tok in (load_tokenizer(small_dir), from_load_policy):
+        assert tok(text, add_special_tokens=False)["input_ids"] == want
+        with pytest.raises(PromptError, match=r"does not know: \['Q'\]"):
+            check_prompts(tok, ["12+Q="])

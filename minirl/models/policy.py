@@ -4,8 +4,10 @@
 Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
 model and tokenizer from the on-disk cache, building them when absent (a few minutes on one
 CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved
-directory is an ordinary Hugging Face checkpoint, so `AutoModelForCausalLM.from_pretrained(path)`
-and `AutoTokenizer.from_pretrained(path)` load it offline, and vLLM can serve it.
+directory is an ordinary Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained(path)`
+loads the model offline, and `load_tokenizer(path)` the tokenizer as saved (transformers 5's
+`AutoTokenizer` rebuilds a Qwen2 checkpoint's tokenizer as a byte-level BPE, which drops this
+one's spaces and unknown characters).
 
 Simplified on purpose: the warm start is a plain supervised loop rather than TRL's
 SFTTrainer, because the whole of it fits on one screen and runs deterministically.
@@ -15,9 +17,9 @@ __all__ = ["PAD", "BOS", "EOS", "UNK", "CHARACTERS", "build_tokenizer", "PromptE
            "check_prompts", "PolicyConfig", "build_policy", "sft_example", "sft_batch",
            "WarmStartConfig", "warm_start", "greedy_accuracy", "WARM_START_FORMAT", "TRAIN_SAMPLE",
            "PolicyCacheError", "cache_dir", "make_build_dir", "default_policy_dir",
-           "build_default_policy", "damaged_cache", "load_default_policy", "warm_start_report",
-           "TOKENIZER_FILES", "ModelSourceError", "check_model_source", "resolve_dtype",
-           "load_policy"]
+           "build_default_policy", "damaged_cache", "GENERIC_TOKENIZER_CLASSES", "load_tokenizer",
+           "load_default_policy", "warm_start_report", "TOKENIZER_FILES", "ModelSourceError",
+           "check_model_source", "resolve_dtype", "load_policy"]
 
 import hashlib
 import json
@@ -280,6 +282,26 @@ def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError
                             f"(or python chapters/00_warm_start.py --rebuild)")
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in the directory `path`, exactly as saved; AutoTokenizer's for anything else.
+
+    transformers 5 loads the tokenizer of every qwen2 checkpoint through `AutoTokenizer` as a
+    byte-level BPE (`Qwen2Tokenizer`) rebuilt from the vocabulary, whatever `tokenizer.json`
+    says. Our character tokenizer would then lose its spaces and drop unknown characters
+    without a trace. A directory whose tokenizer_config.json names the generic class (ours do)
+    therefore gets its `tokenizer.json` pipeline as it was saved.
+    """
+    path = Path(path)
+    config = path / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
@@ -294,7 +316,7 @@ def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: P
     except Exception as err:
         raise damaged_cache(path, "model.safetensors", err) from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except Exception as err:
         raise damaged_cache(path, "tokenizer.json", err) from err
     tokenizer.padding_side = "left"
@@ -372,7 +394,7 @@ def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progr
         name = str(name_or_path)
         kind = check_model_source(name)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
+            tokenizer = load_tokenizer(name) if kind == "local" else AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
         except OSError as err:
             if kind == "local":
