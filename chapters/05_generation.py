@@ -29,10 +29,9 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minirl.config import SamplingConfig
-from minirl.models.policy import load_default_policy
+from minirl.models.policy import ModelSourceError, check_model_source, load_default_policy, load_policy
 from minirl.rollout.engine.engine import Request
 from minirl.rollout.engine.measure import (continuous_vs_static, effective_batch, kv_utilization, multi_turn,
                                            prefix_savings, speculative_sweep)
@@ -75,18 +74,16 @@ def parse_args(argv=None):
         parser.error(f"argument --ks: {raw!r}: comma-separated integers >= 1, e.g. 1,2,4")
     if args.draft and not args.model:
         parser.error("argument --draft: only with --model (the default target has its own draft)")
+    for flag, name in (("--model", args.model), ("--draft", args.draft)):
+        try:
+            if name:
+                check_model_source(name)          # a missing directory is named before anything loads
+        except ModelSourceError as err:
+            parser.error(f"argument {flag}: {err}")
     if args.quick:
         args.num_prompts, args.num_generations, args.max_new_tokens = 4, 4, 48
         args.repeats, args.slots, args.cache_tokens, args.ks = 1, 4, 512, args.ks[:2]
     return args
-
-
-def load_hf(name: str, device: str):
-    """(model in float32, tokenizer with a pad token) of any HF causal LM id or directory."""
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32).to(device).eval(), tokenizer
 
 
 def verdict(ok: bool) -> str:
@@ -99,9 +96,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     if args.model:
-        model, tokenizer = load_hf(args.model, args.device)
+        model, tokenizer = load_policy(args.model, args.device, dtype=torch.float32, progress=False)
         spec_model, spec_tok = model, tokenizer
-        draft = load_hf(args.draft, args.device)[0] if args.draft else None
+        draft = load_policy(args.draft, args.device, dtype=torch.float32, progress=False)[0] if args.draft else None
     else:
         model, tokenizer, _ = load_long_tail_policy(device=args.device)
         spec_model, spec_tok, _ = load_default_policy(device=args.device, progress=False)

@@ -2440,9 +2440,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.models.policy import BOS, EOS, PAD, PolicyConfig, cache_dir, load_default_policy
+from minirl.models.policy import BOS, EOS, PAD, PolicyConfig, cache_dir, load_default_policy, load_tokenizer
 from minirl.tasks.arithmetic import make_task
 
 LONG_TAIL_CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()[]{}<>/|&%$#@^~_'\""
@@ -2503,7 +2503,7 @@ def load_long_tail_policy(config: LongTailConfig = LongTailConfig(), device: str
         except OSError:                         # another process finished first; keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)   # as saved (AutoTokenizer would rebuild it as a byte-level BPE)
     tokenizer.padding_side = "left"
     return model, tokenizer, path
 

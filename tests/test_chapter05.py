@@ -48,6 +48,7 @@ def test_quick_run_on_any_hf_model_writes_the_summary(tiny_model, tmp_path):
     (["--ks", "0,2"], "argument --ks"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--draft", "somewhere"], "argument --draft: only with --model"),
+    (["--model", "/nonexistent"], "argument --model: /nonexistent: no such directory"),
 ])
 def test_bad_flags_fail_before_loading(flags, message, tmp_path):
     proc = run(*flags, "--out", str(tmp_path))
