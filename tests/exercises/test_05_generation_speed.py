@@ -1,8 +1,8 @@
 """Graded checks of notebook 05's exercises (python -m minirl.grade --only 05).
 
-Each check is a plain function of the implementation (`check_*`), so that
-tests/test_exercise_checks_05.py can run it against plausible wrong versions and make sure it
-fails them.
+Each check is a plain function of the implementation (`check_*`); the wrong versions in
+tests/exercises/wrong/ex5_*.py must each fail one (tests/exercises/test_wrong_versions.py), and
+tests/test_exercise_checks_05.py runs 5.4's statistical check on a correct rule over other seeds.
 """
 
 import pytest
