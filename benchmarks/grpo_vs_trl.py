@@ -4,6 +4,7 @@
     python benchmarks/grpo_vs_trl.py --quick              # a few steps (a notebook cell)
     python benchmarks/grpo_vs_trl.py --threads 1          # steadier on a shared machine
     python benchmarks/grpo_vs_trl.py --out runs/bench     # summary.json there (default runs/latest)
+    python benchmarks/grpo_vs_trl.py --workload long      # long completions: the paged engine (notebook 05)
 
 The last line printed is `speedup_vs_trl: X`, TRL's median seconds per step over minirl's
 (X > 1: minirl is faster).
@@ -59,6 +60,17 @@ Where the difference comes from (notebook 01, section 11, measures each part):
     training model), records the sampled tokens' log-probs (behaviour log-probs), which TRL
     does not, and computes the entropy with a full softmax over the vocabulary (for its metrics).
 
+The long workload (`--workload long`). Sharing the prompt saves less as completions grow longer
+than prompts, so this workload asks what generation itself costs: the long-tail policy of
+notebook 05 (a Qwen2 of 7.6 M parameters with random weights, whose completion lengths have a
+long tail: median ~30 tokens, a few at the cap), 8 few-shot arithmetic prompts of ~70 tokens per
+step (`--prompts-per-step`), G = 8, at most 256 new tokens, 1 warm-up + 3 measured steps. minirl
+generates with the paged engine (`rollout_engine="paged"`: continuous batching drops each
+completion at its EOS, the prefix cache prefills each prompt's full blocks once); TRL with HF
+generate over the 64 rows until the longest ends. Everything else is as above (the task's reward
+on the last sum of each prompt: the random policy earns ~0, so advantages are ~0, but both
+sides still run the whole forward and backward pass). The default workload is unchanged.
+
 Threads. With torch's default (2 threads on a 2-core machine) TRL's large matrix products gain
 more from the second core than minirl's smaller ones (a prompt pass over B rows, decoding steps
 of one token), so the ratio is lower than with `--threads 1`; compare like with like, and
@@ -78,27 +90,38 @@ import torch
 from transformers import TrainerCallback
 
 from minirl.models import policy as models
+from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.utils.cli import common_parser, seed_everything, write_summary
 
 
+LONG = {"steps": 3, "warmup": 1, "prompts_per_step": 8, "max_completion_length": 256}   # --workload long's defaults
+
+
 def parse_args(argv=None):
     parser = common_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per trainer")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per trainer, before")
+    parser.add_argument("--workload", choices=("default", "long"), default="default",
+                        help="default: the embedded policy, <= 4 new tokens; long: the long-tail policy, ~70-token "
+                             "prompts, <= 256 new tokens, minirl with the paged engine (see the docstring)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per trainer (default 20; long: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps per trainer, before (3; long: 1)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 4 measured steps (a notebook cell)")
-    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--prompts-per-step", type=int, default=None, help="default 16; long: 8")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=None,
-                        help="default: the task's longest answer + EOS")
+                        help="default: the task's longest answer + EOS; long: 256")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--loss-type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--only", choices=("minirl", "trl"), default=None, help="run one side only (profiling)")
     args = parser.parse_args(argv)
+    defaults = LONG if args.workload == "long" else {"steps": 20, "warmup": 3, "prompts_per_step": 16}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
-        args.steps, args.warmup = 4, 1
+        args.steps, args.warmup = (1, 1) if args.workload == "long" else (4, 1)
     for name in ("steps", "prompts_per_step"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
@@ -110,19 +133,30 @@ def parse_args(argv=None):
 
 
 def load_policy(args):
-    """A fresh copy of the embedded warm-started policy, or of any HF causal LM (--model)."""
+    """A fresh copy of the embedded warm-started policy (long workload: the long-tail policy), or of --model."""
+    if args.model is None and args.workload == "long":
+        model, tokenizer, _ = load_long_tail_policy(device=args.device)
+        return model, tokenizer
     return models.load_policy(args.model, args.device, progress=False)
 
 
-def prompt_pool(task, n: int, seed: int) -> list[dict]:
+def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict]:
     """n training rows {"prompt", "answer"}, drawn once: every step of both trainers uses exactly these."""
+    if workload == "long":
+        return few_shot_rows(n, length=64, seed=seed)
     rows = task.rows("train")
     picks = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n].tolist()
     return [rows[i] for i in picks]
 
 
+MINIRL_RECORDS: list[dict] = []    # each minirl step's record (time/generate, time/update, ...), warm-up included
+
+
 def minirl_stepper(args, task, rows, max_completion_length: int):
-    """A function that runs one minirl GRPO step (the loop's own `stage1_step`) and returns its seconds."""
+    """A function that runs one minirl GRPO step (the loop's own `stage1_step`) and returns its seconds.
+
+    The step's record (with the loop's own per-stage seconds) is appended to MINIRL_RECORDS.
+    """
     from minirl.config import RLConfig
     from minirl.train.run import setup, stage1_step
 
@@ -131,12 +165,13 @@ def minirl_stepper(args, task, rows, max_completion_length: int):
                                 num_generations=args.num_generations, max_completion_length=max_completion_length,
                                 temperature=args.temperature, learning_rate=args.learning_rate, beta=0.0,
                                 loss_type=args.loss_type, num_iterations=1, eval_every=0, seed=args.seed,
-                                device=args.device)
+                                device=args.device,
+                                rollout_engine="paged" if args.workload == "long" else "shared_prefix")
     state = setup(config, model, tokenizer, rows, [task.reward])
 
     def step() -> float:
         t0 = time.perf_counter()
-        stage1_step(state)
+        MINIRL_RECORDS.append(stage1_step(state))
         return time.perf_counter() - t0
 
     return step
@@ -211,10 +246,11 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     seed_everything(args.seed)
     task = make_task()
-    rows = prompt_pool(task, args.prompts_per_step, args.seed)
+    rows = prompt_pool(task, args.prompts_per_step, args.seed, args.workload)
     max_len = args.max_completion_length or task.config.max_answer_length + 1
     load_before = os.getloadavg()
-    print(f"B={len(rows)} prompts x G={args.num_generations} completions, <= {max_len} new tokens, "
+    print(f"workload {args.workload}: B={len(rows)} prompts x G={args.num_generations} completions, "
+          f"<= {max_len} new tokens, "
           f"loss_type={args.loss_type}, {args.warmup} warm-up + {args.steps} measured steps each, "
           f"{torch.get_num_threads()} torch threads, load average {load_before[0]:.2f}", flush=True)
 
@@ -238,6 +274,13 @@ def main(argv=None) -> int:
                     f"{name}_median_seconds": statistics.median(measured)}
         print(f"{name:>6}: median {statistics.median(measured):.4f} s/step "
               f"(min {min(measured):.4f}, max {max(measured):.4f}, {len(measured)} steps)", flush=True)
+    measured = MINIRL_RECORDS[args.warmup:]
+    if measured:                               # where minirl's step goes, by the loop's own stage clocks
+        stages = {k: statistics.median(r[k] for r in measured) for k in measured[0]
+                  if k.startswith("time/") and k != "time/step"}
+        summary["minirl_stage_median_seconds"] = stages
+        print("minirl stages (median s/step): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items()
+                                                           if v >= 0.0005), flush=True)
     summary["load_average_after"] = os.getloadavg()[0]
     if args.only is None:
         summary["speedup_vs_trl"] = summary["trl_median_seconds"] / summary["minirl_median_seconds"]

@@ -27,7 +27,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-ROLLOUT_ENGINES = ("shared_prefix", "hf")
+ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -88,7 +88,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: each prompt prefilled once
+    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
 
     choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}

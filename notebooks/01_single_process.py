@@ -281,7 +281,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-ROLLOUT_ENGINES = ("shared_prefix", "hf")
+ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -342,7 +342,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: HF generate over B*G rows; shared_prefix: each prompt prefilled once
+    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
     rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
 
     choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
@@ -1905,6 +1905,7 @@ from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
@@ -1915,7 +1916,7 @@ from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import ConfigError
 
-ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}   # RolloutConfig.rollout_engine -> class
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine, "paged": PagedEngine}   # rollout_engine -> class
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 

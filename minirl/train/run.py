@@ -28,6 +28,7 @@ from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
@@ -38,7 +39,7 @@ from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import ConfigError
 
-ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}   # RolloutConfig.rollout_engine -> class
+ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine, "paged": PagedEngine}   # rollout_engine -> class
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 

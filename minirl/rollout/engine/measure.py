@@ -1,0 +1,277 @@
+# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
+"""The measurements of notebook 05 and chapters/05, one function per row of the source's table.
+
+Each function runs the paged engine on a workload it is given (any HF Llama/Qwen2-style model
+and tokenizer) and returns a plain dict of figures: counted ones (KV slots, prefill tokens,
+accepted drafts, cache hits) that do not depend on the machine, and timed ones (tokens per
+second) whose alternatives run interleaved, `repeats` times each, compared by their medians.
+"""
+
+__all__ = ["interleaved", "kv_utilization", "effective_batch", "continuous_vs_static",
+           "step_costs", "predicted_seconds", "step_seconds", "closed_form_saved",
+           "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf"]
+
+import statistics
+import time
+
+import torch
+
+from minirl.config import SamplingConfig
+from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.engine.engine import PagedEngine, Request
+from minirl.rollout.hf import HFEngine
+
+
+def interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each run (a no-argument function), in turn, `repeats` times: A, B, A, B, ...
+
+    Each run is called once before, unmeasured: first calls pay one-time costs (allocation,
+    kernel selection) that would otherwise land on whichever runs first.
+    """
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def kv_utilization(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16,
+                   seed: int = 0) -> dict:
+    """KV slots filled / slots held, summed over the steps of one generate call, paged vs contiguous.
+
+    Paged: the blocks the engine actually holds (no prefix cache, so that sharing does not
+    flatter it). Contiguous: what preallocating prompt + max_tokens slots per running sequence
+    would hold for the very same sequences at the very same steps.
+    """
+    engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none")
+    rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+    timeline = engine.scheduler.timeline
+    held = sum(row["held"] for row in timeline)
+    lengths = rollout.completion_mask.sum(1).tolist()
+    return {"paged": held / sum(row["blocks_used"] * block_size for row in timeline),
+            "contiguous": held / sum(row["reserved_max"] for row in timeline),
+            "block_size": block_size, "completion_lengths": lengths}
+
+
+def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConfig, cache_tokens: int,
+                    block_size: int = 16, seed: int = 0) -> dict:
+    """Sequences running at once when the KV cache holds `cache_tokens`: paged vs contiguous reservation.
+
+    The mean is taken over the steps in which requests were still waiting, the steps when
+    memory, not the workload, sets the batch size. Also counts the steps each needs in all.
+    """
+    out = {}
+    for reserve in ("on_demand", "max_length"):
+        engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none", reserve=reserve,
+                             num_blocks=cache_tokens // block_size)
+        engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        timeline = engine.scheduler.timeline
+        full = [row["running"] for row in timeline if row["waiting"] > 0] or [row["running"] for row in timeline]
+        out[reserve] = (statistics.mean(full), len(timeline), engine.stats.preemptions)
+    return {"paged": out["on_demand"][0], "contiguous": out["max_length"][0],
+            "ratio": out["on_demand"][0] / out["max_length"][0],
+            "steps": {"paged": out["on_demand"][1], "contiguous": out["max_length"][1]},
+            "preemptions": out["on_demand"][2], "cache_tokens": cache_tokens}
+
+
+def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
+                         repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
+    """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots.
+
+    Also counts, per policy, the work of one run: steps, decode rows (a static batch's padding
+    rows included) and prefill tokens.
+    """
+    engines = {policy: PagedEngine(model, tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   cache="none", policy=policy) for policy in ("continuous", "static")}
+    tokens, work = {}, {}
+
+    def run(policy):
+        engine = engines[policy]
+        rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
+        tokens[policy] = int(rollout.completion_mask.sum())
+        stats = engine.stats
+        work[policy] = {"steps": stats.steps, "decode_rows": stats.decode_tokens + stats.padding_tokens,
+                        "prefill_tokens": stats.prefill_tokens}
+
+    seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats)
+    rate = {p: tokens[p] / statistics.median(seconds[p]) for p in engines}
+    return {"continuous_tokens_per_s": rate["continuous"], "static_tokens_per_s": rate["static"],
+            "ratio": rate["continuous"] / rate["static"], "work": work,
+            "step_ratio": work["static"]["steps"] / work["continuous"]["steps"],
+            "row_ratio": work["static"]["decode_rows"] / work["continuous"]["decode_rows"],
+            "tokens": tokens, "seconds": seconds}
+
+
+def step_costs(model, rows: int, context: int = 128, prompt: int = 64, block_size: int = 16) -> dict:
+    """A linear cost model of an engine step on this device, in seconds: fixed + per decode row + per prefill token.
+
+    Fitted from three timed forward passes: 1 decode row, `rows` decode rows (both after
+    `context` cached tokens) and one prefill of `prompt` tokens.
+    """
+    one = step_seconds(model, 1, 1, context, block_size=block_size)
+    many = step_seconds(model, rows, 1, context, block_size=block_size)
+    prefill = step_seconds(model, 1, prompt, 0, block_size=block_size)
+    per_row = max(many - one, 0.0) / (rows - 1)
+    fixed = one - per_row
+    return {"fixed": fixed, "per_row": per_row, "per_prefill_token": max(prefill - fixed, 0.0) / prompt}
+
+
+def predicted_seconds(costs: dict, work: dict) -> float:
+    """What the cost model says a run with this work (steps, decode_rows, prefill_tokens) takes."""
+    return (costs["fixed"] * work["steps"] + costs["per_row"] * work["decode_rows"]
+            + costs["per_prefill_token"] * work["prefill_tokens"])
+
+
+def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
+    """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
+    after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
+    paged = PagedModel(model)
+    per_row = -(-(context + tokens_per_row) // block_size)
+    paged.allocate_cache(rows * per_row, block_size)
+    chunks = [Chunk([3] * tokens_per_row, context, list(range(r * per_row, (r + 1) * per_row)), tokens_per_row)
+              for r in range(rows)]
+    step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
+    paged(step)
+    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+
+
+def closed_form_saved(prompt_len: int, num_generations: int, block_size: int) -> float:
+    """Share of prefill tokens a prefix cache saves when G completions share one prompt of P tokens.
+
+    The first completion computes all P tokens; each of the other G - 1 reuses the prompt's
+    full blocks except that the last token is always computed: bs * floor((P - 1) / bs) tokens.
+    saved = (G - 1) * bs * floor((P - 1) / bs) / (G * P), which tends to 1 - 1/G for long prompts.
+    """
+    shared = block_size * ((prompt_len - 1) // block_size)
+    return (num_generations - 1) * shared / (num_generations * prompt_len)
+
+
+def prefix_savings(model, tokenizer, prompts: list[str], num_generations: int, block_size: int) -> dict:
+    """Share of prompt tokens a prefix cache keeps from being prefilled, G completions per prompt, counted.
+
+    Each run generates one token per completion, so that only the prefill is measured.
+    """
+    sampling = SamplingConfig(num_generations=num_generations, max_completion_length=1)
+    computed = {}
+    for cache in ("none", "prefix"):
+        engine = PagedEngine(model, tokenizer, block_size=block_size, cache=cache)
+        engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+        computed[cache] = engine.stats.prefill_tokens
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    closed = sum(closed_form_saved(n, num_generations, block_size) * n for n in lengths) / sum(lengths)
+    return {"saved": 1 - computed["prefix"] / computed["none"], "closed_form": closed,
+            "prefill_tokens": computed, "prompt_tokens": sum(lengths) * num_generations,
+            "mean_prompt_len": sum(lengths) / len(lengths), "block_size": block_size, "G": num_generations}
+
+
+def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], max_tokens: int, cache: str,
+               num_blocks: int | None = None, block_size: int = 16, seed: int = 0) -> dict:
+    """A multi-turn workload: turn t + 1 of conversation c is turn t's prompt and answer plus a new message.
+
+    first: the opening message of each conversation; follow_ups[t][c]: the message of
+    conversation c at turn t + 1. Every turn is one `run` of all conversations (greedy).
+    Returns the share of prompt tokens found in the cache, over all turns and from turn 2 on.
+    """
+    engine = PagedEngine(model, tokenizer, block_size=block_size, cache=cache, num_blocks=num_blocks)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    prompts = [encode(text) for text in first]
+    hits, totals = [], []
+    for turn in range(len(follow_ups) + 1):
+        seqs = engine.run([Request(p, max_tokens, 0.0) for p in prompts])
+        hits.append(engine.stats.cached_tokens)
+        totals.append(engine.stats.prompt_tokens)
+        if turn < len(follow_ups):
+            answers = [[t for t in s.completion if t != tokenizer.eos_token_id] for s in seqs]
+            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn])]
+    return {"hit_rate": sum(hits) / sum(totals), "hit_rate_after_first": sum(hits[1:]) / max(1, sum(totals[1:])),
+            "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
+
+
+def speculative_sweep(model, tokenizer, make_draft, requests: list[Request], ks: list[int], repeats: int = 3,
+                      block_size: int = 16, seed: int = 0) -> dict:
+    """Acceptance rate, tokens per verification and speedup (tokens/s over plain decoding) for each k.
+
+    make_draft() -> a fresh draft (ModelDraft or NgramDraft). acceptance: accepted / proposed
+    drafts; tokens_per_round: tokens a sequence gains per verification pass (accepted + 1).
+    """
+    engines = {0: PagedEngine(model, tokenizer, block_size=block_size)}
+    engines |= {k: PagedEngine(model, tokenizer, block_size=block_size, draft=make_draft(),
+                               num_speculative_tokens=k) for k in ks}
+    tokens, accepted, per_round = {}, {}, {}
+
+    def run(k):
+        engine = engines[k]
+        engine.reset()
+        seqs = engine.run(requests, torch.Generator().manual_seed(seed))
+        tokens[k] = sum(len(s.completion) for s in seqs)
+        stats = engine.stats
+        accepted[k] = stats.accepted_tokens / max(1, stats.draft_tokens)
+        per_round[k] = (stats.accepted_tokens + stats.verified_rows) / max(1, stats.verified_rows)
+
+    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats)
+    rate = {k: tokens[k] / statistics.median(seconds[k]) for k in engines}
+    return {"acceptance": {k: accepted[k] for k in ks}, "tokens_per_round": {k: per_round[k] for k in ks},
+            "speedup": {k: rate[k] / rate[0] for k in ks}, "tokens_per_s": rate, "seconds": seconds}
+
+
+def speculative_speedup(tokens_per_round: float, k: int, draft_cost: float, verify_cost: float) -> float:
+    """Speedup of speculation over plain decoding when costs are counted in target decode steps.
+
+    Each round the draft runs k steps of `draft_cost` each and the target one pass over k + 1
+    tokens costing `verify_cost` decode steps; it yields `tokens_per_round` tokens, where plain
+    decoding yields 1 per step. On a GPU a decode step is memory-bound, so verify_cost ~ 1 and
+    a draft ~20x smaller has draft_cost ~0.05; on a CPU both grow with the work.
+    """
+    return tokens_per_round / (k * draft_cost + verify_cost)
+
+
+def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16, repeats: int = 3,
+              seed: int = 0, log=None) -> dict:
+    """The paged engine against HF generate (`HFEngine`) on the same model, prompts, G and length limit.
+
+    One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
+    engine's cache is emptied before every call (as a weight update would). Compared: generated
+    tokens (up to and including EOS) per second; `speedup` is the median over repeats of the
+    ratio within a repeat (the two calls of a repeat see about the same machine load). The
+    completions differ (other random streams), so token counts differ a little. Also returns the
+    engine's median seconds per phase and token counts, and HF's work: prompt tokens prefilled and
+    rows x steps decoded.
+    """
+    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
+    for engine in engines.values():
+        engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
+    seconds, tokens = {k: [] for k in engines}, {k: [] for k in engines}
+    phases, counts, hf_rows = [], [], []
+    for r in range(repeats):
+        for kind, engine in engines.items():
+            if kind == "paged":
+                engine.reset()
+            start = time.perf_counter()
+            rollout = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed + r))
+            seconds[kind].append(time.perf_counter() - start)
+            tokens[kind].append(int(rollout.completion_mask.sum()))
+            if kind == "paged":
+                phases.append(dict(engine.stats.seconds))
+                counts.append({k: getattr(engine.stats, k) for k in ("prompt_tokens", "cached_tokens", "prefill_tokens",
+                                                                      "decode_tokens", "steps")})
+            else:
+                hf_rows.append(rollout.completion_ids.numel())            # B*G rows x the longest completion
+        if log is not None:
+            log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
+                f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
+    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
+    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    return {"prompts": len(prompts), "num_generations": sampling.num_generations,
+            "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,
+            "parameters": sum(p.numel() for p in model.parameters()), "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": rate, "speedup": statistics.median(ratios), "speedups": ratios,
+            "paged_phase_seconds": {p: statistics.median(x[p] for x in phases) for p in phases[0]},
+            "paged_counts": {c: statistics.median(x[c] for x in counts) for c in counts[0]},
+            "hf_prefill_tokens": prompt_tokens * sampling.num_generations,
+            "hf_rows_x_steps": statistics.median(hf_rows)}

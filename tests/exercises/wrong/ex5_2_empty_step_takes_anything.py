@@ -1,0 +1,9 @@
+"""Exercise 5.2, wrong: lets an empty step take anything, memory included."""
+
+EXERCISE = "5.2"
+
+
+def can_admit(num_running, max_num_seqs, blocks_wanted, blocks_free, new_tokens, token_budget, step_is_empty):
+    if step_is_empty:
+        return True
+    return num_running < max_num_seqs and blocks_wanted <= blocks_free and new_tokens <= token_budget

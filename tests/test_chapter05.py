@@ -1,0 +1,87 @@
+"""chapters/05_generation.py: the measurements on a locally saved HF model, and its bad flags."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minirl.rollout.engine.workloads import LongTailConfig, build_long_tail_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "chapters" / "05_generation.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Qwen2 with the long-tail policy's tokenizer, saved as an ordinary HF checkpoint."""
+    path = tmp_path_factory.mktemp("tiny")
+    model, tokenizer = build_long_tail_policy(LongTailConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                                             intermediate_size=64))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_quick_run_on_any_hf_model_writes_the_summary(tiny_model, tmp_path):
+    proc = run("--model", tiny_model, "--draft", tiny_model, "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kv = summary["kv_utilization"]
+    assert 0 < kv["contiguous"] < kv["paged"] <= 1
+    assert summary["continuous_vs_static"]["ratio"] > 0 and summary["continuous_vs_static"]["step_ratio"] >= 1
+    assert summary["continuous_vs_static"]["row_ratio"] > 1
+    assert 0 < summary["prefix_saved_share"] < 7 / 8 and summary["prefix_saved_share"] == \
+        pytest.approx(summary["prefix"]["closed_form"])
+    assert set(summary["spec_acceptance"]) == set(summary["spec_speedup"]) == {"1", "2"}
+    assert summary["spec_acceptance"]["1"] == pytest.approx(1.0), "the draft is the target itself: all accepted"
+    assert 0 < summary["radix_hit_rate"] < 1
+    assert "prefix caching at G = 8" in proc.stdout and "agree" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ks", "0,2"], "argument --ks"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--draft", "somewhere"], "argument --draft: only with --model"),
+    (["--model", "/nonexistent"], "argument --model: /nonexistent: no such directory"),
+])
+def test_bad_flags_fail_before_loading(flags, message, tmp_path):
+    proc = run(*flags, "--out", str(tmp_path))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
+    """benchmarks/engine_vs_hf.py --quick on the long-tail workload: a summary and the last line (no timing claim)."""
+    assert load_script("engine_vs_hf").main(["--quick", "--workload", "long", "--threads", "1",
+                                             "--out", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert last == f"speedup_vs_hf: {summary['speedup_vs_hf']:.2f}"
+    work = summary["long"]
+    assert work["paged_counts"]["cached_tokens"] > 0, "the G completions of a prompt share its full blocks"
+    assert work["hf_rows_x_steps"] >= work["paged_counts"]["decode_tokens"], "HF decodes padding rows, the engine not"
+
+
+def test_grpo_vs_trl_long_workload_runs_the_paged_engine(tiny_model, tmp_path, capsys):
+    bench = load_script("grpo_vs_trl")
+    assert bench.main(["--workload", "long", "--model", tiny_model, "--steps", "1", "--warmup", "0",
+                       "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8",
+                       "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("speedup_vs_trl: ")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["workload"] == "long" and summary["max_completion_length"] == 8
+    assert "generate" in " ".join(summary["minirl_stage_median_seconds"])
