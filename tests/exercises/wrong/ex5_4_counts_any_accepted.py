@@ -1,20 +1,13 @@
 """Exercise 5.4, wrong: counts every accepted token, not the leading run (tokens after a rejection kept)."""
 
-import torch
+import importlib.util
+from pathlib import Path
 
 EXERCISE = "5.4"
+_spec = importlib.util.spec_from_file_location("_engine", Path(__file__).with_name("_engine.py"))
+_engine = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_engine)
 
 
 def accept_draft(p, q, draft, generator=None):
-    rule = "right"
-    run, residual = "any", "p - q"
-    S, k = draft.shape
-    p_d = p[:, :k].gather(2, draft[..., None]).squeeze(2)
-    q_d = q.gather(2, draft[..., None]).squeeze(2)
-    u = torch.rand(S, k, generator=generator)
-    kept = {"right": u * q_d < p_d, "p >= q": p_d >= q_d, "q / p": u * p_d < q_d}[rule]
-    accepted = kept.long().cumprod(1).sum(1) if run == "leading" else kept.long().sum(1)
-    rows = torch.arange(S)
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
-    dist = p[rows, accepted] if residual == "p" else (p[rows, accepted] - q_pad[rows, accepted]).clamp(min=0)
-    return accepted, torch.multinomial(dist / dist.sum(1, keepdim=True), 1, generator=generator).squeeze(1)
+    return _engine.accept(p, q, draft, generator, run="any")
