@@ -22,13 +22,14 @@ import time
 import torch
 
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, PromptError, check_model_source, load_policy
+from minirl.models.policy import ModelSourceError, PromptError, load_policy
 from minirl.train.checkpoint import latest_checkpoint
 from minirl.train.plots import plot_metrics
-from minirl.train.run import SAFE_ON_RESUME, RunStopped, train
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.train.cli import check_run_flags, resumed_config
+from minirl.train.run import RunStopped, train
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.utils.rundir import RunDirError
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_int
 
@@ -54,30 +55,9 @@ def parse_args(argv=None):
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
-    try:
-        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-        if args.model is not None:
-            check_model_source(args.model)          # a missing directory is named before anything loads
-    except (RunDirError, ModelSourceError) as err:
-        parser.error(str(err))
+    check_run_flags(parser, args)
     if args.resume:                        # the run's own settings, changed only where the user says so
-        record = read_run_record(args.out)
-        saved = RLConfig.from_dict(record["config"])
-        if args.model is None:
-            args.model = record.get("model")
-        elif args.model != record.get("model"):
-            parser.error(f"--resume: the run in {args.out} trained {record.get('model') or 'the embedded policy'}, "
-                         f"not --model {args.model}; drop --model to resume it")
-        typed = explicit_dests(parser, argv) & set(saved.flat())
-        changed = [f"{flag(k)} {saved.flat()[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed)
-                   if k not in SAFE_ON_RESUME and saved.flat()[k] != getattr(args, k)]
-        if changed:
-            parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
-                         f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
-        try:
-            config = saved.replace(**{k: getattr(args, k) for k in typed})
-        except ConfigError as err:
-            parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+        config, _ = resumed_config(parser, args, argv)
     return args, config
 
 

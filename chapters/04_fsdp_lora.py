@@ -29,14 +29,15 @@ import time
 import torch
 
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, check_model_source, load_policy
+from minirl.models.policy import ModelSourceError, load_policy
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import RankFailed, agree, init_distributed, pick_backend, shutdown, world_from_env
 from minirl.rollout.base import VersionMismatchError
-from minirl.train.run import SAFE_ON_RESUME, Callback, RunStopped, StopAfter
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.train.cli import check_run_flags, resumed_config
+from minirl.train.run import Callback, RunStopped, StopAfter
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.utils.rundir import RunDirError, read_run_record
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_int
 
@@ -76,26 +77,12 @@ def parse_args(argv=None):
     try:
         check_parallel(pconfig, config, world_from_env()[1])
         pick_backend(pconfig.backend, config.run.device)
-        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-        if args.model is not None:
-            check_model_source(args.model)          # a missing directory is named before anything loads
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    except (RunDirError, ModelSourceError) as err:
-        parser.error(str(err))
+    check_run_flags(parser, args)
     if args.resume:                        # the run's own settings, changed only where the user says so
-        record = read_run_record(args.out)
-        saved, saved_p = RLConfig.from_dict(record["config"]), ParallelConfig(**record["pconfig"])
-        if args.model is None:
-            args.model = record.get("model")
-        typed = explicit_dests(parser, argv)
-        olds = (saved.flat(), dataclasses.asdict(saved_p))
-        changed = [f"{flag(k)} {old[k]!r} -> {getattr(args, k)!r}" for old in olds
-                   for k in sorted(typed & set(old)) if k not in SAFE_ON_RESUME and old[k] != getattr(args, k)]
-        if changed:
-            parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
-                         f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
-        config = saved.replace(**{k: getattr(args, k) for k in typed & set(saved.flat())})
+        saved_p = ParallelConfig(**read_run_record(args.out)["pconfig"])
+        config, _ = resumed_config(parser, args, argv, also=dataclasses.asdict(saved_p))
         pconfig = saved_p
     return args, config, pconfig
 

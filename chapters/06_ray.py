@@ -33,17 +33,17 @@ from minirl.controller.placement import PLACEMENTS, check_placement, make_placem
 from minirl.controller.plots import plot_placement, plot_timeline
 from minirl.controller.resource_pool import PlacementError, connect
 from minirl.controller.worker_group import WorkerDiedError
-from minirl.models.policy import ModelSourceError, PromptError, check_model_source, greedy_accuracy, load_policy
+from minirl.models.policy import ModelSourceError, PromptError, greedy_accuracy, load_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.train.cli import check_run_flags, resumed_config
 from minirl.train.run import Callback, RunStopped
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.utils.rundir import RunDirError
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_float, check_int
 
 DEFAULTS = RLConfig().replace(steps=100, eval_every=25, checkpoint_every=25)
-SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 
 def parse_args(argv=None):
@@ -87,27 +87,9 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
-    try:
-        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-        if args.model is not None:
-            check_model_source(args.model)          # a missing directory is named before anything loads
-    except (RunDirError, ModelSourceError) as err:
-        parser.error(str(err))
+    check_run_flags(parser, args)
     if args.resume:                        # the run's own settings, changed only where the user says so
-        record = read_run_record(args.out)
-        saved = RLConfig.from_dict(record["config"])
-        if args.model is None:
-            args.model = record.get("model")
-        elif args.model != record.get("model"):
-            parser.error(f"--resume: the run in {args.out} trained {record.get('model') or 'the embedded policy'}, "
-                         f"not --model {args.model}; drop --model to resume it")
-        typed = explicit_dests(parser, argv) & set(saved.flat())
-        changed = [f"{flag(k)} {saved.flat()[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed)
-                   if k not in SAFE_ON_RESUME and saved.flat()[k] != getattr(args, k)]
-        if changed:
-            parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
-                         f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
-        config = saved.replace(**{k: getattr(args, k) for k in typed})
+        config, _ = resumed_config(parser, args, argv)
     device = "gpu" if config.run.device.startswith("cuda") else "cpu"
     try:
         placement = make_placement(args.placement, parse_pools(args.pools), device, args.cpus_per_device)
