@@ -1876,7 +1876,9 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
 # A run repeats the step and does a few other jobs around it: evaluate now and then, log
 # every step, save checkpoints, show progress. Each job is a small **callback** that sees
 # every record; the loop itself stays a few lines long (minGPT keeps its trainer short the
-# same way). Later stages reuse `run` and the callbacks with their own step functions.
+# same way). `train` checks its inputs, builds the state and hands it to `run_in_dir`, which
+# opens the run directory, resumes, sets up the callbacks and calls `run`; later stages
+# (the Ray driver of notebook 06) call `run_in_dir` with their own step functions.
 
 # %%
 # | export minirl/train/run.py
@@ -2142,10 +2144,24 @@ def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=No
     reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
-    if resume and out_dir is None:
-        raise ValueError("train: resume=True needs the out_dir of the run to continue")
     eval_fn = eval_fn or (lambda m: greedy_accuracy(m, tokenizer, task))
     state = setup(config, model, tokenizer, rows, reward_funcs)
+    return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
+                      eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
+                      stop_after=stop_after, run_info=run_info)
+
+
+def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
+               eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
+               stop_after: int | None = None, run_info: dict | None = None) -> list[dict]:
+    """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
+
+    One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`,
+    stage 6's Driver): where the step runs changes, what a run directory holds does not.
+    """
+    config = state.config
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs the out_dir of the run to continue")
     record = {"config": dataclasses.asdict(config), **(run_info or {})}
     run_dir = None if out_dir is None else open_run_dir(out_dir, record, resume=resume, overwrite=overwrite)
     try:
@@ -2158,17 +2174,17 @@ def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=No
             check_resume_config(training["config"], config)
             restore_checkpoint(training, weights, state)
             atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
-        callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)]
+        callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)] if eval_fn else []
         if out_dir is not None:
             callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl"),
                           Checkpointer(out_dir, config.run.checkpoint_every, config.run.keep_checkpoints, config,
                                        tokenizer)]
         if progress:
-            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} (stage 1)"))
+            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
         callbacks += list(extra_callbacks)
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))
-        return run(state, stage1_step, callbacks, config.run.steps)
+        return run(state, step_fn, callbacks, config.run.steps)
     finally:
         if run_dir is not None:
             run_dir.close()

@@ -1527,8 +1527,8 @@ class RemoteReward:
 # its roles from it.
 #
 # Its step is stage 1's `stage1_step` (draw the prompts, then `rl_step`), and its run is
-# stage 1's `run` with stage 1's callbacks: evaluator, JSON-lines logger, checkpointer,
-# progress bar. One check is added after each step: a worker that died while its failure
+# stage 1's `run_in_dir`, the very function under stage 1's `train`: the run directory,
+# resume, evaluator, JSON-lines logger, checkpointer, progress bar. One check is added after each step: a worker that died while its failure
 # was absorbed (a reward worker's, under `reward_errors="zero"`) still stops the run.
 
 # %%
@@ -1543,7 +1543,7 @@ spanning trainer rank 0 and the rollout workers), builds the roles on the worker
 copy of the policy in Ray's object store, and hands `rl_step` the proxies of
 `controller/proxies.py` and a weight sync. If any of that fails, whatever was started is
 stopped before the error propagates. `Driver.train(rows, ...)` is stage 1's `train` with
-the Driver's step: stage 1's `run`, callbacks, checkpoints and resume.
+the Driver's step: stage 1's `run_in_dir` (run directory, callbacks, checkpoints, resume).
 
 The source writes the Driver's loop as sync -> generate -> score -> values -> advantages ->
 update actor -> update critic; `rl_step` runs generate -> ... -> update -> sync. It is the
@@ -1554,9 +1554,7 @@ Simplified vs veRL's RayPPOTrainer: batches pass through the driver (veRL too, a
 `DataProto`); no tensor or pipeline parallelism inside a role; one world for all workers.
 """
 
-import dataclasses
 import uuid
-from pathlib import Path
 
 import ray
 import torch
@@ -1568,12 +1566,8 @@ from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.models.policy import check_prompts
-from minirl.train.checkpoint import latest_checkpoint, restore_checkpoint
-from minirl.train.run import (Checkpointer, Evaluator, JSONLLogger, ProgressBar, RunState, StopAfter,
-                              check_resume_config, run, stage1_step)
+from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
-from minirl.utils.io import atomic_write_json
-from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import check_choice
 
 SYNCS = ("collective", "object_store")
@@ -1686,34 +1680,12 @@ class Driver:
                       "max_position_embeddings", None), config.sampling.max_completion_length)   # as stage 1's train
         state = RunState(config, self.roles, self.engine, self.sync, torch.Generator().manual_seed(config.run.seed),
                          list(rows), self.reward_funcs)
-        info = {"config": dataclasses.asdict(config), "placement": self.placement.name, **(run_info or {})}
-        run_dir = None if out_dir is None else open_run_dir(out_dir, info, resume=resume, overwrite=overwrite)
-        try:
-            if resume:
-                found = latest_checkpoint(Path(out_dir) / "checkpoints")
-                if found is None:
-                    raise RunDirError(f"resume: {out_dir} holds no intact checkpoint; start it again with "
-                                      "overwrite=True (--overwrite)")
-                _, training, weights = found
-                check_resume_config(training["config"], config)
-                restore_checkpoint(training, weights, state)
-                atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | info)
-            callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)] if eval_fn else []
-            if out_dir is not None:
-                callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl"),
-                              Checkpointer(out_dir, config.run.checkpoint_every, config.run.keep_checkpoints,
-                                           config, self.tokenizer)]
-            if progress:
-                callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({self.placement.name})"))
-            callbacks += list(extra_callbacks)
-            if stop_after is not None:
-                callbacks.append(StopAfter(stop_after))
-            records = run(state, self.step, callbacks, config.run.steps)
-            self.roles.actor.model                                           # noqa: B018 -- refresh the driver's copy
-            return records
-        finally:
-            if run_dir is not None:
-                run_dir.close()
+        info = {"placement": self.placement.name, **(run_info or {})}
+        records = run_in_dir(state, self.step, self.tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
+                             eval_fn=eval_fn, progress=progress, label=self.placement.name,
+                             extra_callbacks=extra_callbacks, stop_after=stop_after, run_info=info)
+        self.roles.actor.model                                           # noqa: B018 -- refresh the driver's copy
+        return records
 
     def where(self) -> dict[str, list[str]]:
         """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
