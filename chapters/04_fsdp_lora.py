@@ -44,7 +44,7 @@ from minirl.utils.validate import ConfigError, check_int
 THRESHOLD = 0.05     # the source's symptom table: weight sync above 5 % of the step is slow
 STAGES = ("generate", "score", "reference", "advantages", "update", "sync")
 AGREED = (RunDirError, ConfigError, RankFailed, VersionMismatchError, ModelSourceError, ValueError)  # every rank alike
-DEFAULTS = RLConfig.from_flat(steps=300, eval_every=50, checkpoint_every=50)   # minutes on CPUs; stage 1 runs 600
+DEFAULTS = RLConfig.from_flat(steps=300, eval_every=50, checkpoint_every=50)   # minutes on CPUs; stage 1 runs 1000
 
 
 def parse_args(argv=None):

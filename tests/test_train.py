@@ -218,6 +218,7 @@ def test_rl_step_reads_as_the_source_order(one_rollout):
                                          ("grpo", {"rollout_engine": "hf", "beta": 0.05, "num_iterations": 2,
                                                    "use_bias_correction_kl": True}),
                                          ("grpo", {"importance_sampling_correction": True}),
+                                         ("grpo", {"rollout_engine": "paged"}),      # notebook 05's engine
                                          ("ppo", {}), ("ppo", {"beta": 0.05})])
 def test_train_runs_and_repeats_bit_for_bit(algo, extra, tmp_path, make_tiny_policy):
     task = make_task()
