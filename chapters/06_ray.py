@@ -43,7 +43,7 @@ from minirl.utils.rundir import RunDirError
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_float, check_int
 
-DEFAULTS = RLConfig().replace(steps=100, eval_every=25, checkpoint_every=25)
+DEFAULTS = RLConfig()   # stage 1's run (1000 steps): the same seed learns the same on every placement
 
 
 def parse_args(argv=None):
