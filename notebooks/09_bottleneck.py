@@ -56,7 +56,7 @@ TAG = "09_smoke" if SMOKE else "09"          # smoke runs never overwrite full o
 STEPS = 8 if SMOKE else 60
 torch.manual_seed(0)
 torch.set_num_threads(1)   # the tiny policy's matrices are too small to gain from more threads
-REPRODUCED = {}            # row of the source -> (source, minirl, verdict, why): the table of section 6
+REPRODUCED = {}            # row of the source -> (source, minirl, verdict, why): the table of section 7
 
 
 def stage1_run(name: str, **settings) -> Path:
@@ -85,7 +85,7 @@ def stage1_run(name: str, **settings) -> Path:
 # | reference/values | reference, advantages | |
 # | update | update, update_critic | (04) gradient collectives, once timed as `time/update/all_reduce` |
 # | sync | sync | (04) the engine's `wake`, timed inside the sync; (06) the broadcast to Ray actors |
-# | communication | any `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `comm*` | |
+# | communication | any `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `comm*`, `rpc` | (06) a Ray call's time outside the worker, `<stage>/rpc` (section 6) |
 # | waiting | any `wait*`, `queue*` | (07) the trainer waiting on the queue |
 # | other | what no timer covers: drawing prompts, building the record, the loop | |
 #
@@ -1618,7 +1618,8 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
             out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
                                                 "sync" + ray)
         else:
-            out["heavy_communication"] = (None, "no collective timed in the records (one process, or not timed)" + ray)
+            out["heavy_communication"] = (None, "no collective timed apart in the records (one process, or "
+                                                "untimed)" + ray)
     else:
         for name in ("slow_rollout", "slow_sync", "heavy_communication"):
             out[name] = (None, "no time decomposition")
@@ -1887,7 +1888,88 @@ fast_diagnosis = diagnose(fast_dir, threads=1, quiet=True)
 print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosis.fired)
 
 # %% [markdown]
-# ## 6. The source's claims, reproduced
+# ## 6. Stages 4 and 6, decomposed
+#
+# The same reader on a run of chapter 04 (two ranks under torchrun, ZeRO-3) and one of
+# chapter 06 (a Ray driver, rollout and trainer on separate workers). Here is what a run
+# directory must hold to be analysed, whichever stage (or a stage yet to come, such as the
+# asynchronous one) wrote it:
+#
+# | file | key | needed for | if missing |
+# |---|---|---|---|
+# | metrics.jsonl | `step` (int, increasing), `time/step` (the step's wall clock) | everything | no decomposition (a named error) |
+# | | `time/<stage>` for the shared names (generate, score, reference, advantages, update, update_critic, sync) | the categories | an unknown name counts as other, and the report says so |
+# | | `time/<stage>/<part>`: a collective's name, `wait*`/`queue*`, `rpc` | communication, waiting | they stay inside their stage |
+# | | `tokens/prompt`, `tokens/completion` (the whole batch's) | MFU | MFU is a lower bound (said) |
+# | | `completion_length`, `completion_length_max` | stragglers | not measured |
+# | | `time_by_rank` (every rank's timers), `moe/load_max_over_mean`, `error` | rank balance, expert load, OOM | not measured |
+# | run.json | `config` (RLConfig as a dict); `world_size`, `pconfig` (stage 4); `threads` | MFU | no MFU (said) |
+# | final/ or checkpoints/ | the model's `config.json` | MFU | no MFU (said) |
+# | summary.json | `placement` (stage 6: role -> devices) | MFU per pool | one device per role |
+# | timeline.json | `workers`: each worker's `[what, start, end]` calls (stage 6) | Ray calls split out, workers' busy time | Ray calls stay inside their stages (said) |
+#
+# Smoke mode skips the two runs (tests/test_chapter09.py runs both, smaller); full mode
+# runs them here, about a minute each on two cores.
+
+# %%
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+STAGE_RUN = ["--steps", "8", "--prompts-per-step", "8", "--eval-every", "0", "--checkpoint-every", "0", "--overwrite"]
+stage4_dir, stage6_dir = RUNS / f"{TAG}_stage4", RUNS / f"{TAG}_stage6"
+if SMOKE:
+    print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs both); "
+          "run this notebook without MINIRL_SMOKE to see them decomposed")
+else:
+    job = torchrun(ROOT / "chapters" / "04_fsdp_lora.py", 2, ["--out", stage4_dir, "--zero", "3", "--no-progress",
+                                                              *STAGE_RUN], timeout=1200)
+    assert job.returncode == 0, job.stdout[-3000:]
+    job = subprocess.run([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir),
+                          "--placement", "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    stage4, stage6 = diagnose(stage4_dir, quiet=True), diagnose(stage6_dir, quiet=True)
+    for name, d in (("stage 4 (torchrun, 2 ranks, ZeRO-3)", stage4), ("stage 6 (Ray, disaggregated)", stage6)):
+        print(f"--- {name}\n{d.report()}\n")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    plot_shares(stage4.decomposition, ax=axes[0], title="stage 4: each step by category")
+    plot_shares(stage6.decomposition, ax=axes[1], title="stage 6: each step by category")
+    fig.tight_layout()
+    plt.show()
+    four, six = stage4.decomposition, stage6.decomposition
+    busy = six.workers
+    print(f"stage 4: sync {100 * four.shares['sync']:.1f} % of the step (stage 1: {100 * base.shares['sync']:.1f} %); "
+          f"communication measured: {stage4.summary()['measured']['heavy_communication']}")
+    print(f"stage 6: Ray calls {100 * six.shares['communication']:.1f} % of the step; workers busy: "
+          + ", ".join(f"{w} {100 * v:.0f} %" for w, v in busy.items()))
+    assert any(n.startswith("2 ranks:") for n in stage4.partial) and four.shares["communication"] == 0
+    assert stage4.summary()["measured"]["heavy_communication"] is None
+    assert four.shares["sync"] > base.shares["sync"], "ZeRO-3's sync gathers every shard across the ranks"
+    assert six.shares["communication"] > 0 and len(busy) == 2 and all(v < 0.95 for v in busy.values())
+    assert not stage6.partial, stage6.partial
+
+# %% [markdown]
+# What full mode prints, read row by row. The stage-4 report carries a PARTIAL line: its
+# update and sync include the ranks' collectives and the waits for the slower rank, which
+# no timer separates, so the communication rule says "not measured" rather than 0 %. Its
+# sync's share is larger than stage 1's, because a ZeRO-3 sync first gathers every
+# parameter's shards from both ranks. To see the collectives themselves, profile a step
+# (section 2) or time them as `time/update/all_reduce`, and the reader puts them under
+# communication.
+#
+# The stage-6 report has a communication share that stage 1 never shows: each stage's time
+# on the driver minus the busiest worker's time in that stage's calls, that is Ray's
+# dispatch, the batches through the object store, and the driver gathering the parts. It
+# is not a collective, so the source's all-reduce rule leaves it out and names it. The
+# workers' busy shares are the waiting the source asks about: in this synchronous loop
+# the rollout worker idles while the trainer updates, and the trainer idles while the
+# rollout generates, so neither is busy for the whole step. That idle time is what an
+# asynchronous pipeline (notebook 07) is built to fill.
+
+# %% [markdown]
+# ## 7. The source's claims, reproduced
 
 # %%
 mm_share = profiled["matmul"]["share_of_step"]
@@ -1903,10 +1985,11 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
     print(f"{row:>2} | {source:<78} | {ours:<62} | {agree:<7} | {why}")
 
 # %% [markdown]
-# ## 7. The same as a script
+# ## 8. The same as a script
 #
 # `python chapters/09_profile.py --run runs/01 --out runs/09` analyses any finished run
-# directory (stage 1's, notebook 08's, and later stages' as they land) and writes
+# directory (stage 1's, 4's, 6's, notebook 08's, and any run that writes the keys of
+# section 6) and writes
 # `runs/09/summary.json` with `stage_shares`, `mfu` (`trainer`, `rollout`) and `findings`
 # (the rules that fired), plus the plots. `--profile-steps 3` starts a new stage-1 run with
 # that step profiled (its Chrome trace lands in `OUT/run/profile/`), then analyses it.

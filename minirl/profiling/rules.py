@@ -135,7 +135,8 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
             out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
                                                 "sync" + ray)
         else:
-            out["heavy_communication"] = (None, "no collective timed in the records (one process, or not timed)" + ray)
+            out["heavy_communication"] = (None, "no collective timed apart in the records (one process, or "
+                                                "untimed)" + ray)
     else:
         for name in ("slow_rollout", "slow_sync", "heavy_communication"):
             out[name] = (None, "no time decomposition")
