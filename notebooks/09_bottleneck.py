@@ -438,8 +438,8 @@ def rank_imbalance(records: list[dict]) -> float | None:
 # gathering the workers' parts. Each worker also keeps a timeline of what it ran, which
 # chapter 06 writes to `timeline.json`. `split_calls` cuts the timeline into steps (a step
 # starts when the first rollout worker starts generating), takes per step and stage the
-# busiest worker's time in that stage's calls, and moves the rest of the driver's time
-# into `<stage>/rpc`, counted as communication. It also measures how busy each worker was:
+# time during which some worker ran one of that stage's calls, and moves the rest of the
+# driver's time into `<stage>/rpc`, counted as communication. It also measures how busy each worker was:
 # in a synchronous loop a worker that is not busy waits for the others (a disaggregated
 # placement's rollout pool idles during the update, and the trainer during generation).
 
@@ -488,8 +488,10 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     timeline: worker -> (what, start, end) calls, wall-clock seconds. The steps this process
     ran are the last K records, K = the generate calls of the first rollout worker; step k's
     calls are those that start between its generate call's start and the next one's (or
-    time/step later, for the last). Per step and stage, the busiest worker's seconds in the
-    stage's calls (STAGE_CALLS) are the work; the driver's time/<stage> minus that is `rpc`.
+    time/step later, for the last). Per step and stage, the work is the time during which
+    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    ranks overlap, roles called one after another add up); the driver's time/<stage> minus
+    that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
     Records are returned unchanged (and partial says why) when the timeline does not match.
     """
     starts = next(([s for what, s, _ in events if what == "rollout.generate"] for events in timeline.values()
@@ -510,7 +512,7 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
                  for w, events in timeline.items()}
         record = dict(record)
         for stage, names in STAGE_CALLS.items():
-            work = max(_busy([(s, e) for what, s, e in c if what.startswith(names)]) for c in calls.values())
+            work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
             if work > 0 and f"time/{stage}" in record:
                 record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
         for w, c in calls.items():
@@ -521,17 +523,27 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
 
 
 def rank_notes(run_dir, records: list[dict]) -> list[str]:
-    """What a multi-rank run (stage 4's `time_by_rank`, or run.json's world_size > 1) does not let the reader split."""
+    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
+    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
     ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
     try:
         ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
     except (OSError, ValueError, TypeError, AttributeError):
         pass
-    if ranks < 2 or any(category_of(k[5:]) == "communication" for r in records for k in r if k.startswith("time/")):
+    try:
+        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
+        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
+                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
+    if ranks < 2 or timed:
         return []
-    return [f"{ranks} ranks: the shares are rank 0's timers; the ranks' collectives (gradient all-reduce, FSDP's "
-            "all-gather/reduce-scatter, the sync's gathers) and the waits for the slowest rank run inside update and "
-            "sync, not timed apart: communication and waiting are in those shares, not measured on their own"]
+    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
+        else ""
+    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
+            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
+            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]
 
 # %% [markdown]
 # Plots: stacked bars of the category shares per step, the first steps as a timeline (the
@@ -1614,7 +1626,7 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
         ray = f"; Ray calls (rpc, not collectives) {100 * rpc:.1f} %, not counted" if rpc else ""
         if collectives:
             out["heavy_communication"] = (sum(collectives.values()), "collectives' share of the run's time" + ray)
-        elif any(note.split(" ", 1)[0].isdigit() and " ranks: " in note for note in decomposition.partial):
+        elif any(" data-parallel ranks: " in note for note in decomposition.partial):
             out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
                                                 "sync" + ray)
         else:
@@ -1944,7 +1956,7 @@ else:
           f"communication measured: {stage4.summary()['measured']['heavy_communication']}")
     print(f"stage 6: Ray calls {100 * six.shares['communication']:.1f} % of the step; workers busy: "
           + ", ".join(f"{w} {100 * v:.0f} %" for w, v in busy.items()))
-    assert any(n.startswith("2 ranks:") for n in stage4.partial) and four.shares["communication"] == 0
+    assert any(n.startswith("2 data-parallel ranks:") for n in stage4.partial) and four.shares["communication"] == 0
     assert stage4.summary()["measured"]["heavy_communication"] is None
     assert four.shares["sync"] > base.shares["sync"], "ZeRO-3's sync gathers every shard across the ranks"
     assert six.shares["communication"] > 0 and len(busy) == 2 and all(v < 0.95 for v in busy.values())

@@ -32,12 +32,12 @@ def test_a_stage4_run_is_a_marked_partial_report(tmp_path):
     run = stage4_run(tmp_path / "r04")
     d = decompose(run)
     assert d.shares["communication"] == 0 and d.shares["waiting"] == 0
-    assert any(n.startswith("2 ranks:") and "not timed apart" in n for n in d.partial), d.partial
+    assert any(n.startswith("2 data-parallel ranks:") and "not timed apart" in n for n in d.partial), d.partial
     assert abs(sum(d.shares.values()) - 1) < 1e-9
     diagnosis = diagnose(run, peak_tflops=0.001, quiet=True)
     comm = next(f for f in diagnosis.findings if f.rule.name == "heavy_communication")
     assert comm.value is None and "several ranks" in comm.detail, "untimed collectives are not a 0 % share"
-    assert any("2 ranks" in n for n in diagnosis.summary()["partial"])
+    assert any("2 data-parallel ranks" in n for n in diagnosis.summary()["partial"])
 
 
 def test_a_stage4_run_with_timed_collectives_is_not_partial(tmp_path):
@@ -140,6 +140,23 @@ def test_a_ray_run_without_timeline_is_partial(tmp_path):
     d = decompose(ray_run(tmp_path / "r", timeline=False))
     assert d.shares["communication"] == 0
     assert any("without timeline.json" in n and "not separated" in n for n in d.partial)
+
+
+def test_roles_called_one_after_another_add_up_and_a_trainer_pool_is_ranks(tmp_path):
+    run = ray_run(tmp_path / "r", steps=1)
+    timeline = json.loads((run / TIMELINE_FILE).read_text())
+    t = T0 + 0.05
+    timeline["workers"] |= {"ref[0]": [("reference.logprobs", t + 0.402, t + 0.403)],     # per-role: sequential
+                            "critic[0]": [("critic.values", t + 0.4031, t + 0.4035)]}
+    timeline["workers"]["train[0]"].append(("actor.logprobs", t + 0.4036, t + 0.4039))
+    (run / TIMELINE_FILE).write_text(json.dumps(timeline))
+    d = decompose(run)
+    assert d.per_step[0]["reference/rpc"] == near(0.002 - 0.001 - 0.0004 - 0.0003), "three workers' calls add up"
+    assert not any("ranks" in n for n in d.partial)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["placement"]["actor"] = ["node0/cpu0", "node0/cpu2"]                        # --pools actor=2
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert any(n.startswith("2 data-parallel ranks:") and "rank 0's" not in n for n in decompose(run).partial)
 
 
 def test_stage6_mfu_counts_each_pool_s_devices(tmp_path):

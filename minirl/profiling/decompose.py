@@ -360,8 +360,10 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     timeline: worker -> (what, start, end) calls, wall-clock seconds. The steps this process
     ran are the last K records, K = the generate calls of the first rollout worker; step k's
     calls are those that start between its generate call's start and the next one's (or
-    time/step later, for the last). Per step and stage, the busiest worker's seconds in the
-    stage's calls (STAGE_CALLS) are the work; the driver's time/<stage> minus that is `rpc`.
+    time/step later, for the last). Per step and stage, the work is the time during which
+    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    ranks overlap, roles called one after another add up); the driver's time/<stage> minus
+    that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
     Records are returned unchanged (and partial says why) when the timeline does not match.
     """
     starts = next(([s for what, s, _ in events if what == "rollout.generate"] for events in timeline.values()
@@ -382,7 +384,7 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
                  for w, events in timeline.items()}
         record = dict(record)
         for stage, names in STAGE_CALLS.items():
-            work = max(_busy([(s, e) for what, s, e in c if what.startswith(names)]) for c in calls.values())
+            work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
             if work > 0 and f"time/{stage}" in record:
                 record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
         for w, c in calls.items():
@@ -393,14 +395,24 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
 
 
 def rank_notes(run_dir, records: list[dict]) -> list[str]:
-    """What a multi-rank run (stage 4's `time_by_rank`, or run.json's world_size > 1) does not let the reader split."""
+    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
+    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
     ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
     try:
         ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
     except (OSError, ValueError, TypeError, AttributeError):
         pass
-    if ranks < 2 or any(category_of(k[5:]) == "communication" for r in records for k in r if k.startswith("time/")):
+    try:
+        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
+        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
+                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
+    if ranks < 2 or timed:
         return []
-    return [f"{ranks} ranks: the shares are rank 0's timers; the ranks' collectives (gradient all-reduce, FSDP's "
-            "all-gather/reduce-scatter, the sync's gathers) and the waits for the slowest rank run inside update and "
-            "sync, not timed apart: communication and waiting are in those shares, not measured on their own"]
+    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
+        else ""
+    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
+            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
+            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]

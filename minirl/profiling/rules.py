@@ -131,7 +131,7 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
         ray = f"; Ray calls (rpc, not collectives) {100 * rpc:.1f} %, not counted" if rpc else ""
         if collectives:
             out["heavy_communication"] = (sum(collectives.values()), "collectives' share of the run's time" + ray)
-        elif any(note.split(" ", 1)[0].isdigit() and " ranks: " in note for note in decomposition.partial):
+        elif any(" data-parallel ranks: " in note for note in decomposition.partial):
             out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
                                                 "sync" + ray)
         else:
