@@ -8,8 +8,8 @@
     python chapters/06_ray.py --address auto --device cuda --model Qwen/Qwen2.5-0.5B --pools actor=4,rollout=4 ...
 
 Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter 01),
-OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OUT/timeline.json (every
-worker's calls as [what, start, end], wall-clock seconds; notebook 09 reads them),
+OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OUT/timeline.json (the
+steps this process ran, every worker's calls as [what, start, end] in wall-clock seconds; notebook 09 reads it),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
 step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
                                    run_info={"model": args.model, "placement": args.placement, "pools": args.pools})
             timeline = driver.timeline()
             atomic_write_json(out / "timeline.json", {"clock": "time.time", "placement": args.placement,   # notebook 09
+                                                      "steps": [m["step"] for m in metrics if "time/generate" in m],
                                                       "workers": timeline})
             compared = {}
             for _ in range(args.compare_syncs):                      # interleaved: each sync in turn

@@ -383,7 +383,7 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
             partial.append("every step ran under torch.profiler: the times include its overhead")
     timeline, workers = read_timeline(run_dir, partial), {}
     if timeline is not None:
-        records, workers = split_calls(records, timeline, partial)
+        records, workers = split_calls(records, timeline[0], partial, timeline[1])
     partial += rank_notes(run_dir, records)
     per_step, step_seconds, flat, overlapped = [], [], [], 0
     for record in records:
@@ -450,8 +450,9 @@ STAGE_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker
                "update_critic": ("critic.update",), "sync": ("sync.",)}
 
 
-def read_timeline(run_dir, partial: list[str]) -> dict[str, list] | None:
-    """Stage 6's timeline.json as {worker: [(what, start, end), ...]}; None if absent or unreadable (see partial)."""
+def read_timeline(run_dir, partial: list[str]) -> tuple[dict[str, list], list[int] | None] | None:
+    """Stage 6's timeline.json as ({worker: [(what, start, end), ...]}, the steps it covers or None if it does not
+    say); None if absent or unreadable (see partial)."""
     run_dir = Path(run_dir)
     path = run_dir / TIMELINE_FILE
     if not path.is_file():
@@ -465,9 +466,11 @@ def read_timeline(run_dir, partial: list[str]) -> dict[str, list] | None:
                            "not measured")
         return None
     try:
-        workers = json.loads(path.read_text())["workers"]
-        return {str(w): [(str(e[0]), float(e[1]), float(e[2])) for e in events] for w, events in workers.items()}
-    except (OSError, ValueError, TypeError, KeyError, IndexError) as err:
+        saved = json.loads(path.read_text())
+        steps = None if saved.get("steps") is None else [int(step) for step in saved["steps"]]
+        return ({str(w): [(str(e[0]), float(e[1]), float(e[2])) for e in events] for w, events in
+                 saved["workers"].items()}, steps)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
         partial.append(f"{TIMELINE_FILE} does not load ({type(err).__name__}: {err}): Ray calls not separated")
         return None
 
@@ -482,11 +485,13 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def split_calls(records: list[dict], timeline: dict[str, list], partial: list[str]) -> tuple[list[dict], dict]:
+def split_calls(records: list[dict], timeline: dict[str, list], partial: list[str],
+                steps: list[int] | None = None) -> tuple[list[dict], dict]:
     """(records with `time/<stage>/rpc` added, worker -> busy share): a Ray run's driver time outside the workers.
 
-    timeline: worker -> (what, start, end) calls, wall-clock seconds. The steps this process
-    ran are the last K records, K = the generate calls of the first rollout worker; step k's
+    timeline: worker -> (what, start, end) calls, wall-clock seconds; steps: the steps it
+    covers (chapter 06 writes them), else the last K records, K = the generate calls of the
+    first rollout worker (a file older than the records would then be misread); step k's
     calls are those that start between its generate call's start and the next one's (or
     time/step later, for the last). Per step and stage, the work is the time during which
     any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
@@ -496,16 +501,22 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     """
     starts = next(([s for what, s, _ in events if what == "rollout.generate"] for events in timeline.values()
                    if any(what == "rollout.generate" for what, _, _ in events)), [])
-    if not starts or len(starts) > len(records):
-        partial.append(f"{TIMELINE_FILE} holds {len(starts)} generate call(s) for {len(records)} step record(s): it "
-                       "does not match metrics.jsonl; Ray calls not separated")
+    ran = ([r for r in records if r["step"] in set(steps)] if steps is not None
+           else records[len(records) - len(starts):] if len(starts) <= len(records) else [])
+    if not starts or len(starts) != len(ran) or (steps is not None and len(steps) != len(ran)):
+        partial.append(f"{TIMELINE_FILE} holds {len(starts)} generate call(s) for steps {steps or '?'}, and "
+                       f"metrics.jsonl {len(ran)} matching record(s) of {len(records)}: they do not match; Ray calls "
+                       "not separated")
         return records, {}
-    ran = records[len(records) - len(starts):]
     if len(ran) < len(records):
-        partial.append(f"{TIMELINE_FILE} covers the last {len(ran)} of {len(records)} steps (a resumed run): Ray calls "
-                       "separated in those only")
-    out, busy, wall = list(records[:len(records) - len(ran)]), {w: 0.0 for w in timeline}, 0.0
-    for k, record in enumerate(ran):
+        partial.append(f"{TIMELINE_FILE} covers {len(ran)} of {len(records)} steps (a resumed run, or one that "
+                       "stopped): Ray calls separated in those only")
+    covered, out, busy, wall = {id(r): k for k, r in enumerate(ran)}, [], {w: 0.0 for w in timeline}, 0.0
+    for record in records:
+        if id(record) not in covered:
+            out.append(record)
+            continue
+        k = covered[id(record)]
         end = starts[k] + record["time/step"]
         end = min(end, starts[k + 1]) if k + 1 < len(starts) else end
         calls = {w: [(what, max(s, starts[k]), min(e, end)) for what, s, e in events if starts[k] <= s < end]

@@ -77,12 +77,13 @@ def near(x):
     return pytest.approx(x, abs=1e-5)    # microseconds: float64 resolution near T0
 
 
-def ray_run(path, *, placement="disaggregated", steps=3, timeline_steps=None, timeline=True):
+def ray_run(path, *, placement="disaggregated", steps=3, timeline_steps=None, timeline=True, say_steps=True):
     """A stage-6 run: the driver's records and the workers' calls (rollout 0.3 s of the driver's 0.4 s generate,
     update 0.45 of 0.5, score 0.001 of 0.01, sync 0.015 of 0.02; a colocated engine's sleep timed inside generate)."""
     records = [step_record(s) for s in range(1, steps + 1)]
     rollout, train, start = [], [], T0
-    for record in records[steps - (timeline_steps or steps):]:
+    covered = records[steps - (timeline_steps or steps):]
+    for record in covered:
         t = start + 0.05
         rollout += [("rollout.generate", t, t + 0.3), ("rollout.sleep", t + 0.29, t + 0.3),
                     ("reward.score", t + 0.405, t + 0.406)]
@@ -95,8 +96,9 @@ def ray_run(path, *, placement="disaggregated", steps=3, timeline_steps=None, ti
                    summary={"placement": {"actor": ["node0/cpu0"], "rollout": ["node0/cpu1"],
                                           "reward": ["node0/cpu1"]}})
     if timeline:
-        (path / TIMELINE_FILE).write_text(json.dumps({"clock": "time.time", "workers": {"rollout[0]": rollout,
-                                                                                        "train[0]": train}}))
+        saved = {"clock": "time.time", "workers": {"rollout[0]": rollout, "train[0]": train}}
+        (path / TIMELINE_FILE).write_text(json.dumps(saved | ({"steps": [r["step"] for r in covered]} if say_steps
+                                                              else {})))
     return run
 
 
@@ -119,17 +121,28 @@ def test_a_ray_run_splits_the_driver_time_outside_the_workers(tmp_path):
     assert diagnosis.summary()["workers_busy"] == d.workers
 
 
-def test_a_resumed_ray_run_splits_the_steps_its_timeline_covers(tmp_path):
-    d = decompose(ray_run(tmp_path / "r", steps=3, timeline_steps=2))
+@pytest.mark.parametrize("say_steps", [True, False])
+def test_a_resumed_ray_run_splits_the_steps_its_timeline_covers(tmp_path, say_steps):
+    d = decompose(ray_run(tmp_path / "r", steps=3, timeline_steps=2, say_steps=say_steps))
     assert "generate/rpc" not in d.per_step[0] and d.per_step[2]["generate/rpc"] == near(0.1)
-    assert any("last 2 of 3 steps" in n for n in d.partial)
+    assert any("covers 2 of 3 steps" in n for n in d.partial)
+
+
+def test_a_timeline_left_by_an_earlier_process_is_read_at_its_own_steps(tmp_path):
+    run = ray_run(tmp_path / "r", steps=2)                  # steps 1-2 ran and wrote the timeline ...
+    more = [step_record(3, generate=0.9), step_record(4, generate=0.9)]   # ... then a resume stopped after step 4
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in more))
+    d = decompose(run)
+    assert [("generate/rpc" in s) for s in d.per_step] == [True, True, False, False]
+    assert d.per_step[0]["generate/rpc"] == near(0.1) and any("covers 2 of 4 steps" in n for n in d.partial)
 
 
 def test_a_ray_timeline_that_does_not_match_is_said(tmp_path):
     run = ray_run(tmp_path / "r", steps=2)
     (run / "metrics.jsonl").write_text(json.dumps(step_record(1)) + "\n")     # 2 generate calls, 1 record
     d = decompose(run)
-    assert d.shares["communication"] == 0 and any("does not match" in n for n in d.partial)
+    assert d.shares["communication"] == 0 and any("do not match" in n for n in d.partial)
     (run / TIMELINE_FILE).write_text("{not json")
     assert any("does not load" in n for n in decompose(run).partial)
     records = [step_record(1)]
