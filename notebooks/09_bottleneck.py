@@ -1783,6 +1783,9 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
              for role in ("actor", "rollout")}
     report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], pools["actor"] or world,
                      pools["rollout"] or world)
+    if device.startswith("cpu") and peak_tflops is None and "threads" not in run_info:   # chapters 01, 04, 06
+        trainer, rollout = ((p, f"{how}; --threads: run.json does not record the run's") for p, how in
+                            (trainer, rollout))
     report.peak = {"trainer": trainer, "rollout": rollout}
     return report
 
@@ -1971,7 +1974,7 @@ else:
     assert stage4.summary()["measured"]["heavy_communication"] is None
     assert four.shares["sync"] > base.shares["sync"], "ZeRO-3's sync gathers every shard across the ranks"
     assert six.shares["communication"] > 0 and len(busy) == 2 and all(v < 0.95 for v in busy.values())
-    assert not stage6.partial, stage6.partial
+    assert not [n for n in stage6.partial if "timeline" in n or "ranks" in n], stage6.partial
 
 # %% [markdown]
 # What full mode prints, read row by row. The stage-4 report carries a PARTIAL line: its

@@ -269,6 +269,9 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
              for role in ("actor", "rollout")}
     report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], pools["actor"] or world,
                      pools["rollout"] or world)
+    if device.startswith("cpu") and peak_tflops is None and "threads" not in run_info:   # chapters 01, 04, 06
+        trainer, rollout = ((p, f"{how}; --threads: run.json does not record the run's") for p, how in
+                            (trainer, rollout))
     report.peak = {"trainer": trainer, "rollout": rollout}
     return report
 
