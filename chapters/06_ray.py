@@ -8,7 +8,8 @@
     python chapters/06_ray.py --address auto --device cuda --model Qwen/Qwen2.5-0.5B --pools actor=4,rollout=4 ...
 
 Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter 01),
-OUT/timeline.png (which role was busy when, per worker, in the last 3 steps),
+OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OUT/timeline.json (the
+steps this process ran, every worker's calls as [what, start, end] in wall-clock seconds; notebook 09 reads it),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
 step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the
@@ -38,7 +39,7 @@ from minirl.tasks.arithmetic import make_task
 from minirl.train.cli import check_run_flags, resumed_config
 from minirl.train.run import Callback, RunStopped
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
-from minirl.utils.io import write_summary
+from minirl.utils.io import atomic_write_json, write_summary
 from minirl.utils.rundir import RunDirError
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_float, check_int
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
                                    stop_after=args.stop_after, extra_callbacks=(StageLine(),),
                                    run_info={"model": args.model, "placement": args.placement, "pools": args.pools})
             timeline = driver.timeline()
+            atomic_write_json(out / "timeline.json", {"clock": "time.time", "placement": args.placement,   # notebook 09
+                                                      "steps": [m["step"] for m in metrics if "time/generate" in m],
+                                                      "workers": timeline})
             compared = {}
             for _ in range(args.compare_syncs):                      # interleaved: each sync in turn
                 for name, sync in driver.syncs.items():

@@ -56,7 +56,7 @@ TAG = "09_smoke" if SMOKE else "09"          # smoke runs never overwrite full o
 STEPS = 8 if SMOKE else 60
 torch.manual_seed(0)
 torch.set_num_threads(1)   # the tiny policy's matrices are too small to gain from more threads
-REPRODUCED = {}            # row of the source -> (source, minirl, verdict, why): the table of section 6
+REPRODUCED = {}            # row of the source -> (source, minirl, verdict, why): the table of section 7
 
 
 def stage1_run(name: str, **settings) -> Path:
@@ -85,7 +85,7 @@ def stage1_run(name: str, **settings) -> Path:
 # | reference/values | reference, advantages | |
 # | update | update, update_critic | (04) gradient collectives, once timed as `time/update/all_reduce` |
 # | sync | sync | (04) the engine's `wake`, timed inside the sync; (06) the broadcast to Ray actors |
-# | communication | any `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `comm*` | |
+# | communication | any `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `comm*`, `rpc` | (06) a Ray call's time outside the worker, `<stage>/rpc` (section 6) |
 # | waiting | any `wait*`, `queue*` | (07) the trainer waiting on the queue |
 # | other | what no timer covers: drawing prompts, building the record, the loop | |
 #
@@ -119,6 +119,12 @@ middle (`MetricsFileError`), two runs' records in one file (`MixedRunsError`). A
 cut short by a crash, step records without `time/step`, and steps that ran under
 torch.profiler (slower; `minirl.profiling.profiler`) are left out and listed in `partial`.
 
+What later stages' run directories add: stage 4 (torchrun) writes rank 0's timers and
+`time_by_rank`, every rank's (`rank_notes`: the ranks' collectives run inside update and
+sync, untimed, and the report says so); stage 6 (Ray) times each stage on the driver, and
+`timeline.json` holds what each worker ran (`split_calls` takes the driver's time outside
+the workers' calls out of each stage as `<stage>/rpc`, communication).
+
 Simplified vs veRL's profiler: one wall-clock number per stage and step, not kernel
 traces (torch.profiler gives those); a collective inside a stage is seen only if the stage
 times it.
@@ -131,11 +137,13 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 PROFILE_SUMMARY = "profile/summary.json"       # written by minirl.profiling.profiler.TorchProfiler
+TIMELINE_FILE = "timeline.json"                 # stage 6 (chapters/06_ray.py): every Ray worker's calls
 STEP_ORDER = ("generate", "score", "reference", "advantages", "update", "update_critic", "sync")   # rl_step's
 CATEGORIES = ("generation", "reward", "reference/values", "update", "sync", "communication", "waiting", "other")
 CATEGORY_OF = {"generate": "generation", "score": "reward", "reference": "reference/values",
                "advantages": "reference/values", "update": "update", "update_critic": "update", "sync": "sync"}
-COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective")
+COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective",
+                 "rpc")                         # rpc: a Ray call's time outside the worker (stage 6, `split_calls`)
 WAITING = ("wait", "queue")
 NESTED = {"sleep": "generate", "wake": "sync"}  # stage 4 (rollout/colocated.py) times these inside their parents
 NOT_STAGES = ("step", "eval")                   # time/step is the wall clock; time/eval runs between steps
@@ -331,6 +339,7 @@ class Decomposition:
     records: list[dict]                     # the step records decomposed (MFU and the rules read them)
     partial: list[str] = field(default_factory=list)    # what was left out or approximated, and why
     overlapped: int = 0                     # steps whose stages overlap
+    workers: dict[str, float] = field(default_factory=dict)   # stage 6: Ray worker -> busy share of the steps' time
 
     @property
     def total_seconds(self) -> float:
@@ -350,6 +359,9 @@ class Decomposition:
             stages = [f"{s} {seconds[s]:.2f}" for s in self.stage_shares
                       if (s == "other" and category == "other") or (s != "other" and category_of(s) == category)]
             lines.append(f"{category:>18} | {100 * share:6.1f}% | {', '.join(stages) or '-'}")
+        if self.workers:
+            lines.append("workers busy (share of the steps' time; the rest they wait): "
+                         + ", ".join(f"{w} {100 * v:.0f} %" for w, v in self.workers.items()))
         return "\n".join(lines + [f"partial: {note}" for note in self.partial])
 
 
@@ -369,6 +381,10 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
             records = kept
         else:
             partial.append("every step ran under torch.profiler: the times include its overhead")
+    timeline, workers = read_timeline(run_dir, partial), {}
+    if timeline is not None:
+        records, workers = split_calls(records, timeline[0], partial, timeline[1])
+    partial += rank_notes(run_dir, records)
     per_step, step_seconds, flat, overlapped = [], [], [], 0
     for record in records:
         own, seconds, over = own_times(record)
@@ -386,7 +402,7 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
     shares = stage_shares(flat)
     return Decomposition(str(run_dir), [r["step"] for r in records], step_seconds, per_step, shares,
                          categorize(shares), [categorize(stage_shares([r])) for r in flat], records, partial,
-                         overlapped)
+                         overlapped, workers)
 
 
 def rank_imbalance(records: list[dict]) -> float | None:
@@ -405,6 +421,140 @@ def rank_imbalance(records: list[dict]) -> float | None:
         if sum(busy) > 0:
             ratios.append(max(busy) / (sum(busy) / len(busy)))
     return sum(ratios) / len(ratios) if ratios else None
+
+# %% [markdown]
+# ### What stages 4 and 6 add, and what they hide
+#
+# A stage-4 run (torchrun) writes one `metrics.jsonl`, rank 0's: its `time/<stage>` keys
+# are rank 0's timers, and `time_by_rank` holds every rank's. The ranks' collectives (DDP's
+# gradient all-reduce, FSDP's all-gathers and reduce-scatters, the sharded sync's gathers)
+# run *inside* the update and the sync and are not timed apart, and neither is the time a
+# fast rank waits there for the slowest. The reader cannot split what was never timed: it
+# says so in the report (and the communication rule reads "not measured"), and
+# `rank_imbalance` compares the ranks' busy seconds.
+#
+# A stage-6 run (Ray) times each stage on the driver, so a stage's seconds include the
+# Ray call: dispatch, arguments and results through the object store, the driver
+# gathering the workers' parts. Each worker also keeps a timeline of what it ran, which
+# chapter 06 writes to `timeline.json`. `split_calls` cuts the timeline into steps (a step
+# starts when the first rollout worker starts generating), takes per step and stage the
+# time during which some worker ran one of that stage's calls, and moves the rest of the
+# driver's time into `<stage>/rpc`, counted as communication. It also measures how busy each worker was:
+# in a synchronous loop a worker that is not busy waits for the others (a disaggregated
+# placement's rollout pool idles during the update, and the trainer during generation).
+
+# %%
+# | export minirl/profiling/decompose.py
+STAGE_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
+               "reference": ("reference.", "actor.logprobs", "critic.values"), "update": ("actor.update",),
+               "update_critic": ("critic.update",), "sync": ("sync.",)}
+
+
+def read_timeline(run_dir, partial: list[str]) -> tuple[dict[str, list], list[int] | None] | None:
+    """Stage 6's timeline.json as ({worker: [(what, start, end), ...]}, the steps it covers or None if it does not
+    say); None if absent or unreadable (see partial)."""
+    run_dir = Path(run_dir)
+    path = run_dir / TIMELINE_FILE
+    if not path.is_file():
+        try:
+            ray_run = "placement" in json.loads((run_dir / "run.json").read_text())
+        except (OSError, ValueError, TypeError):
+            ray_run = False
+        if ray_run:
+            partial.append(f"a Ray run without {TIMELINE_FILE} (chapter 06 writes it since notebook 09): each "
+                           "stage's time includes its Ray calls (dispatch, transfers), not separated; communication "
+                           "not measured")
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        steps = None if saved.get("steps") is None else [int(step) for step in saved["steps"]]
+        return ({str(w): [(str(e[0]), float(e[1]), float(e[2])) for e in events] for w, events in
+                 saved["workers"].items()}, steps)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        partial.append(f"{TIMELINE_FILE} does not load ({type(err).__name__}: {err}): Ray calls not separated")
+        return None
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of intervals (a call timed inside another counts once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def split_calls(records: list[dict], timeline: dict[str, list], partial: list[str],
+                steps: list[int] | None = None) -> tuple[list[dict], dict]:
+    """(records with `time/<stage>/rpc` added, worker -> busy share): a Ray run's driver time outside the workers.
+
+    timeline: worker -> (what, start, end) calls, wall-clock seconds; steps: the steps it
+    covers (chapter 06 writes them), else the last K records, K = the generate calls of the
+    first rollout worker (a file older than the records would then be misread); step k's
+    calls are those that start between its generate call's start and the next one's (or
+    time/step later, for the last). Per step and stage, the work is the time during which
+    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    ranks overlap, roles called one after another add up); the driver's time/<stage> minus
+    that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
+    Records are returned unchanged (and partial says why) when the timeline does not match.
+    """
+    starts = next(([s for what, s, _ in events if what == "rollout.generate"] for events in timeline.values()
+                   if any(what == "rollout.generate" for what, _, _ in events)), [])
+    ran = ([r for r in records if r["step"] in set(steps)] if steps is not None
+           else records[len(records) - len(starts):] if len(starts) <= len(records) else [])
+    if not starts or len(starts) != len(ran) or (steps is not None and len(steps) != len(ran)):
+        partial.append(f"{TIMELINE_FILE} holds {len(starts)} generate call(s) for steps {steps or '?'}, and "
+                       f"metrics.jsonl {len(ran)} matching record(s) of {len(records)}: they do not match; Ray calls "
+                       "not separated")
+        return records, {}
+    if len(ran) < len(records):
+        partial.append(f"{TIMELINE_FILE} covers {len(ran)} of {len(records)} steps (a resumed run, or one that "
+                       "stopped): Ray calls separated in those only")
+    covered, out, busy, wall = {id(r): k for k, r in enumerate(ran)}, [], {w: 0.0 for w in timeline}, 0.0
+    for record in records:
+        if id(record) not in covered:
+            out.append(record)
+            continue
+        k = covered[id(record)]
+        end = starts[k] + record["time/step"]
+        end = min(end, starts[k + 1]) if k + 1 < len(starts) else end
+        calls = {w: [(what, max(s, starts[k]), min(e, end)) for what, s, e in events if starts[k] <= s < end]
+                 for w, events in timeline.items()}
+        record = dict(record)
+        for stage, names in STAGE_CALLS.items():
+            work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
+            if work > 0 and f"time/{stage}" in record:
+                record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
+        for w, c in calls.items():
+            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(STAGE_CALLS.values(), ()))])
+        wall += record["time/step"]
+        out.append(record)
+    return out, {w: b / wall for w, b in busy.items()} if wall > 0 else {}
+
+
+def rank_notes(run_dir, records: list[dict]) -> list[str]:
+    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
+    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
+    ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
+    try:
+        ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    try:
+        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
+        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
+                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
+    if ranks < 2 or timed:
+        return []
+    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
+        else ""
+    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
+            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
+            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]
 
 # %% [markdown]
 # Plots: stacked bars of the category shares per step, the first steps as a timeline (the
@@ -963,7 +1113,10 @@ def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float
     tokens, every row's); config: the run's flat settings (`flat_config(run.json["config"])`).
     The trainer runs forwards without gradients for the reference (beta > 0), pi_old (several
     iterations, the IS correction, or PPO's KL reward) and the critic's values (PPO), then
-    num_iterations actor updates and, for PPO, one critic update.
+    num_iterations actor updates and, for PPO, one critic update. With LoRA (stage 4's
+    `lora_rank` > 0) the frozen weights get no gradient: an actor update is the forward and
+    the backward to the activations, two forwards, not three (the adapters' own FLOPs, a few
+    per mille at small ranks, are not counted).
     """
     groups, group_size = config["prompts_per_step"], config["num_generations"]
     rows = groups * group_size
@@ -975,7 +1128,9 @@ def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float
                  or (ppo and config["beta"] > 0))
     no_grad = int(config["beta"] > 0) + int(needs_old) + int(ppo)
     updates = config["num_iterations"] + int(ppo)
-    trainer = no_grad * forward + updates * training_flops(*shape_args, *batch)
+    actor_update = 2 * forward if config.get("lora_rank") else training_flops(*shape_args, *batch)
+    critic_update = int(ppo) * training_flops(*shape_args, *batch)
+    trainer = no_grad * forward + config["num_iterations"] * actor_update + critic_update
     recompute = updates * forward if config.get("gradient_checkpointing") else 0.0
     return {"rollout": generation_flops(*shape_args, *batch), "trainer": trainer,
             "trainer_hardware": trainer + recompute}
@@ -1115,10 +1270,11 @@ class MFUReport:
 
 
 def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
-            world_size: int = 1) -> MFUReport:
+            world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
     """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
 
-    world_size: devices the times were measured across (their FLOPs are the whole batch's).
+    world_size: devices the times were measured across (their FLOPs are the whole batch's);
+    rollout_world_size: the rollout's, where it differs (stage 6's pools; default world_size).
     Records without `tokens/prompt` (written before notebook 09 added it) count the
     completions from `completion_length` and the prompts as 0 tokens: a lower bound, said in `partial`.
     """
@@ -1135,7 +1291,7 @@ def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: 
             totals[key] += value
     seconds = {"trainer": sum(r.get(f"time/{s}", 0.0) for r in records for s in TRAINER_STAGES),
                "rollout": sum(r.get(f"time/{s}", 0.0) for r in records for s in ROLLOUT_STAGES)}
-    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * world_size}
+    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * (rollout_world_size or world_size)}
     result = {k: mfu(totals[k], seconds[k], peaks[k]) if seconds[k] > 0 else None for k in ("trainer", "rollout")}
     hardware = mfu(totals["trainer_hardware"], seconds["trainer"], peaks["trainer"]) if seconds["trainer"] else None
     n = max(1, len(records))
@@ -1474,9 +1630,19 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
         shares = decomposition.shares
         out["slow_rollout"] = (shares["generation"], "generation's share of the run's time")
         out["slow_sync"] = (shares["sync"], "sync's share of the run's time")
-        timed = any(category_of(s) == "communication" for s in decomposition.stage_shares if s != "other")
-        out["heavy_communication"] = ((shares["communication"], "collectives' share of the run's time") if timed
-                                      else (None, "no collective timed in the records (one process, or not timed)"))
+        comm = {s: v for s, v in decomposition.stage_shares.items()
+                if s != "other" and category_of(s) == "communication"}
+        rpc = sum(v for s, v in comm.items() if s.endswith("/rpc"))
+        collectives = {s: v for s, v in comm.items() if not s.endswith("/rpc")}
+        ray = f"; Ray calls (rpc, not collectives) {100 * rpc:.1f} %, not counted" if rpc else ""
+        if collectives:
+            out["heavy_communication"] = (sum(collectives.values()), "collectives' share of the run's time" + ray)
+        elif any(" data-parallel ranks: " in note for note in decomposition.partial):
+            out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
+                                                "sync" + ray)
+        else:
+            out["heavy_communication"] = (None, "no collective timed apart in the records (one process, or "
+                                                "untimed)" + ray)
     else:
         for name in ("slow_rollout", "slow_sync", "heavy_communication"):
             out[name] = (None, "no time decomposition")
@@ -1541,6 +1707,9 @@ class Diagnosis:
         if d is not None:
             lines.append(f"  {len(d.steps)} steps, {d.total_seconds:.2f} s; shares: "
                          + ", ".join(f"{c} {100 * v:.1f} %" for c, v in d.shares.items() if v >= 0.0005))
+            if d.workers:
+                lines.append("  Ray workers busy (the rest of the steps' time they wait): "
+                             + ", ".join(f"{w} {100 * v:.0f} %" for w, v in d.workers.items()))
         if self.mfu is not None:
             peaks = "; ".join(f"{k} peak {v[0] / 1e9:,.1f} GFLOP/s ({v[1]})" for k, v in self.mfu.peak.items())
             show = [f"{k} {100 * v:.2f} %" for k, v in (("trainer", self.mfu.trainer), ("rollout", self.mfu.rollout))
@@ -1565,6 +1734,7 @@ class Diagnosis:
         return {"run": self.run_dir, "stage_shares": d.shares if d else None,
                 "stage_shares_by_stage": d.stage_shares if d else None, "bottleneck": d.bottleneck if d else None,
                 "steps": len(d.steps) if d else 0, "seconds": d.total_seconds if d else None,
+                "workers_busy": d.workers if d else {},
                 "mfu": self.mfu.as_dict() if self.mfu else {"trainer": None, "rollout": None},
                 "findings": self.fired, "measured": {f.rule.name: f.value for f in self.findings},
                 "rules": [{"name": f.rule.name, "value": f.value, "threshold": f.rule.threshold,
@@ -1587,12 +1757,17 @@ def _read_json(path: Path, partial: list[str]) -> dict:
 
 
 def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflops: float | None = None,
-                threads: int = 1, shape: ModelShape | None = None) -> MFUReport:
-    """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing)."""
+                threads: int = 1, shape: ModelShape | None = None, summary: dict | None = None) -> MFUReport:
+    """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing).
+
+    Devices: run.json's world_size (stage 4's ranks) or summary.json's placement (stage 6:
+    the actor's and the rollout's devices); one otherwise. Stage 4's pconfig adds LoRA and
+    gradient checkpointing to the settings.
+    """
     if not isinstance(run_info.get("config"), dict):
         raise ModelShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
                               "the batch")
-    config = flat_config(run_info["config"])
+    config = flat_config(run_info["config"]) | flat_config(run_info.get("pconfig") or {})   # stage 4: LoRA, ...
     missing = [k for k in ("prompts_per_step", "num_generations", "algo", "beta", "num_iterations",
                            "importance_sampling_correction") if k not in config]
     if missing:
@@ -1602,8 +1777,15 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
     rollout = peak_flops(device, str(config.get("rollout_dtype", shape.dtype)), threads, peak_tflops)
-    world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)
-    report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], world)
+    world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)    # stage 4: every rank trains
+    devices = (summary or {}).get("placement")                                   # stage 6: role -> its devices
+    pools = {role: len(devices[role]) if isinstance(devices, dict) and isinstance(devices.get(role), list) else None
+             for role in ("actor", "rollout")}
+    report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], pools["actor"] or world,
+                     pools["rollout"] or world)
+    if device.startswith("cpu") and peak_tflops is None and "threads" not in run_info:   # chapters 01, 04, 06
+        trainer, rollout = ((p, f"{how}; --threads: run.json does not record the run's") for p, how in
+                            (trainer, rollout))
     report.peak = {"trainer": trainer, "rollout": rollout}
     return report
 
@@ -1634,7 +1816,7 @@ def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, sha
     if decomposition is not None:
         partial += decomposition.partial
         try:
-            mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape)
+            mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape, summary)
             partial += mfu_report.partial
         except (UnknownPeakError, ModelShapeError) as err:
             partial.append(f"no MFU: {err}")
@@ -1732,7 +1914,88 @@ fast_diagnosis = diagnose(fast_dir, threads=1, quiet=True)
 print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosis.fired)
 
 # %% [markdown]
-# ## 6. The source's claims, reproduced
+# ## 6. Stages 4 and 6, decomposed
+#
+# The same reader on a run of chapter 04 (two ranks under torchrun, ZeRO-3) and one of
+# chapter 06 (a Ray driver, rollout and trainer on separate workers). Here is what a run
+# directory must hold to be analysed, whichever stage (or a stage yet to come, such as the
+# asynchronous one) wrote it:
+#
+# | file | key | needed for | if missing |
+# |---|---|---|---|
+# | metrics.jsonl | `step` (int, increasing), `time/step` (the step's wall clock) | everything | no decomposition (a named error) |
+# | | `time/<stage>` for the shared names (generate, score, reference, advantages, update, update_critic, sync) | the categories | an unknown name counts as other, and the report says so |
+# | | `time/<stage>/<part>`: a collective's name, `wait*`/`queue*`, `rpc` | communication, waiting | they stay inside their stage |
+# | | `tokens/prompt`, `tokens/completion` (the whole batch's) | MFU | MFU is a lower bound (said) |
+# | | `completion_length`, `completion_length_max` | stragglers | not measured |
+# | | `time_by_rank` (every rank's timers), `moe/load_max_over_mean`, `error` | rank balance, expert load, OOM | not measured |
+# | run.json | `config` (RLConfig as a dict); `world_size`, `pconfig` (stage 4); `threads` | MFU | no MFU (said) |
+# | final/ or checkpoints/ | the model's `config.json` | MFU | no MFU (said) |
+# | summary.json | `placement` (stage 6: role -> devices) | MFU per pool | one device per role |
+# | timeline.json | `workers`: each worker's `[what, start, end]` calls (stage 6) | Ray calls split out, workers' busy time | Ray calls stay inside their stages (said) |
+#
+# Smoke mode skips the two runs (tests/test_chapter09.py runs both, smaller); full mode
+# runs them here, about a minute each on two cores.
+
+# %%
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+STAGE_RUN = ["--steps", "8", "--prompts-per-step", "8", "--eval-every", "0", "--checkpoint-every", "0", "--overwrite"]
+stage4_dir, stage6_dir = RUNS / f"{TAG}_stage4", RUNS / f"{TAG}_stage6"
+if SMOKE:
+    print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs both); "
+          "run this notebook without MINIRL_SMOKE to see them decomposed")
+else:
+    job = torchrun(ROOT / "chapters" / "04_fsdp_lora.py", 2, ["--out", stage4_dir, "--zero", "3", "--no-progress",
+                                                              *STAGE_RUN], timeout=1200)
+    assert job.returncode == 0, job.stdout[-3000:]
+    job = subprocess.run([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir),
+                          "--placement", "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    stage4, stage6 = diagnose(stage4_dir, quiet=True), diagnose(stage6_dir, quiet=True)
+    for name, d in (("stage 4 (torchrun, 2 ranks, ZeRO-3)", stage4), ("stage 6 (Ray, disaggregated)", stage6)):
+        print(f"--- {name}\n{d.report()}\n")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    plot_shares(stage4.decomposition, ax=axes[0], title="stage 4: each step by category")
+    plot_shares(stage6.decomposition, ax=axes[1], title="stage 6: each step by category")
+    fig.tight_layout()
+    plt.show()
+    four, six = stage4.decomposition, stage6.decomposition
+    busy = six.workers
+    print(f"stage 4: sync {100 * four.shares['sync']:.1f} % of the step (stage 1: {100 * base.shares['sync']:.1f} %); "
+          f"communication measured: {stage4.summary()['measured']['heavy_communication']}")
+    print(f"stage 6: Ray calls {100 * six.shares['communication']:.1f} % of the step; workers busy: "
+          + ", ".join(f"{w} {100 * v:.0f} %" for w, v in busy.items()))
+    assert any(n.startswith("2 data-parallel ranks:") for n in stage4.partial) and four.shares["communication"] == 0
+    assert stage4.summary()["measured"]["heavy_communication"] is None
+    assert four.shares["sync"] > base.shares["sync"], "ZeRO-3's sync gathers every shard across the ranks"
+    assert six.shares["communication"] > 0 and len(busy) == 2 and all(v < 0.95 for v in busy.values())
+    assert not [n for n in stage6.partial if "timeline" in n or "ranks" in n], stage6.partial
+
+# %% [markdown]
+# What full mode prints, read row by row. The stage-4 report carries a PARTIAL line: its
+# update and sync include the ranks' collectives and the waits for the slower rank, which
+# no timer separates, so the communication rule says "not measured" rather than 0 %. Its
+# sync's share is larger than stage 1's, because a ZeRO-3 sync first gathers every
+# parameter's shards from both ranks. To see the collectives themselves, profile a step
+# (section 2) or time them as `time/update/all_reduce`, and the reader puts them under
+# communication.
+#
+# The stage-6 report has a communication share that stage 1 never shows: each stage's time
+# on the driver minus the busiest worker's time in that stage's calls, that is Ray's
+# dispatch, the batches through the object store, and the driver gathering the parts. It
+# is not a collective, so the source's all-reduce rule leaves it out and names it. The
+# workers' busy shares are the waiting the source asks about: in this synchronous loop
+# the rollout worker idles while the trainer updates, and the trainer idles while the
+# rollout generates, so neither is busy for the whole step. That idle time is what an
+# asynchronous pipeline (notebook 07) is built to fill.
+
+# %% [markdown]
+# ## 7. The source's claims, reproduced
 
 # %%
 mm_share = profiled["matmul"]["share_of_step"]
@@ -1748,10 +2011,11 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
     print(f"{row:>2} | {source:<78} | {ours:<62} | {agree:<7} | {why}")
 
 # %% [markdown]
-# ## 7. The same as a script
+# ## 8. The same as a script
 #
 # `python chapters/09_profile.py --run runs/01 --out runs/09` analyses any finished run
-# directory (stage 1's, notebook 08's, and later stages' as they land) and writes
+# directory (stage 1's, 4's, 6's, notebook 08's, and any run that writes the keys of
+# section 6) and writes
 # `runs/09/summary.json` with `stage_shares`, `mfu` (`trainer`, `rollout`) and `findings`
 # (the rules that fired), plus the plots. `--profile-steps 3` starts a new stage-1 run with
 # that step profiled (its Chrome trace lands in `OUT/run/profile/`), then analyses it.

@@ -1,5 +1,5 @@
 """chapters/09_profile.py: a profiled stage-1 run end to end, the analysis of finished run directories (stage 1,
-notebook 08's, synthetic ones with planted symptoms or bad files), and its flag checks."""
+real stage-4 and stage-6 runs, notebook 08's, synthetic ones with planted symptoms or bad files), its flag checks."""
 
 import importlib.util
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from minirl.parallel.launch import torchrun
 from test_profiling import CONFIG, make_run, step_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +68,47 @@ def test_analyse_synthetic_runs(tmp_path, capsys):
     assert chapter.main(["--run", str(slow), "--out", str(tmp_path / "b"), "--peak-tflops", "1e-6"]) == 0
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["findings"] == ["slow_rollout"]
     assert "FINDING slow_rollout" in capsys.readouterr().out
+
+
+TINY_RUN = ["--steps", "2", "--prompts-per-step", "2", "--num-generations", "2", "--eval-every", "0",
+            "--checkpoint-every", "0"]
+
+
+@pytest.mark.distributed
+def test_analyse_a_real_stage4_run(tmp_path):
+    run = tmp_path / "r04"
+    proc = torchrun(ROOT / "chapters" / "04_fsdp_lora.py", 2, ["--out", str(run), *TINY_RUN, "--zero", "3",
+                                                               "--lora-rank", "2", "--no-progress"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert chapter.main(["--run", str(run), "--out", str(tmp_path / "a")]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    shares = summary["stage_shares"]
+    assert abs(sum(shares.values()) - 1) < 1e-9 and shares["update"] > 0 and shares["sync"] > 0
+    assert shares["communication"] == 0 and summary["measured"]["heavy_communication"] is None
+    assert any(n.startswith("2 data-parallel ranks:") for n in summary["partial"]), "untimed collectives: said"
+    mfu = summary["mfu"]
+    assert 0 < mfu["trainer"] < 1 and 0 < mfu["rollout"] < 1
+    expected = mfu["flops_per_step"]["trainer"] * 2 / (2 * mfu["peak_flops"]["trainer"] * mfu["seconds"]["trainer"])
+    assert mfu["trainer"] == pytest.approx(expected), "the batch's FLOPs over both ranks' peak"
+
+
+@pytest.mark.ray
+def test_analyse_a_real_stage6_run(tmp_path):
+    pytest.importorskip("ray")
+    run = tmp_path / "r06"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg", RAY_ADDRESS="local")  # its own cluster
+    proc = subprocess.run([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(run), *TINY_RUN,
+                           "--placement", "colocated"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (run / "timeline.json").is_file()
+    assert chapter.main(["--run", str(run), "--out", str(tmp_path / "a")]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert not [n for n in summary["partial"] if "timeline" in n or "Ray" in n], "the timeline matches the records"
+    assert abs(sum(summary["stage_shares"].values()) - 1) < 1e-9
+    assert summary["stage_shares"]["communication"] > 0, "the driver's time outside the workers' calls"
+    assert {s for s in summary["stage_shares_by_stage"] if s.endswith("/rpc")} >= {"generate/rpc", "update/rpc"}
+    assert list(summary["workers_busy"]) == ["shared[0]"] and 0 < summary["workers_busy"]["shared[0]"] < 1
+    assert summary["measured"]["heavy_communication"] is None and 0 < summary["mfu"]["trainer"] < 1
 
 
 def test_analyse_a_stage8_directory_and_an_unknown_gpu(tmp_path):

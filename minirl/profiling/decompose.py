@@ -22,16 +22,23 @@ middle (`MetricsFileError`), two runs' records in one file (`MixedRunsError`). A
 cut short by a crash, step records without `time/step`, and steps that ran under
 torch.profiler (slower; `minirl.profiling.profiler`) are left out and listed in `partial`.
 
+What later stages' run directories add: stage 4 (torchrun) writes rank 0's timers and
+`time_by_rank`, every rank's (`rank_notes`: the ranks' collectives run inside update and
+sync, untimed, and the report says so); stage 6 (Ray) times each stage on the driver, and
+`timeline.json` holds what each worker ran (`split_calls` takes the driver's time outside
+the workers' calls out of each stage as `<stage>/rpc`, communication).
+
 Simplified vs veRL's profiler: one wall-clock number per stage and step, not kernel
 traces (torch.profiler gives those); a collective inside a stage is seen only if the stage
 times it.
 """
 
-__all__ = ["METRICS_FILE", "PROFILE_SUMMARY", "STEP_ORDER", "CATEGORIES", "CATEGORY_OF",
-           "COMMUNICATION", "WAITING", "NESTED", "NOT_STAGES", "OVERLAP", "RunDataError",
-           "NoMetricsError", "MetricsFileError", "MixedRunsError", "parent_of", "category_of",
-           "read_records", "profiled_steps", "stage_shares", "own_times", "categorize",
-           "Decomposition", "decompose", "rank_imbalance"]
+__all__ = ["METRICS_FILE", "PROFILE_SUMMARY", "TIMELINE_FILE", "STEP_ORDER", "CATEGORIES",
+           "CATEGORY_OF", "COMMUNICATION", "WAITING", "NESTED", "NOT_STAGES", "OVERLAP",
+           "RunDataError", "NoMetricsError", "MetricsFileError", "MixedRunsError", "parent_of",
+           "category_of", "read_records", "profiled_steps", "stage_shares", "own_times",
+           "categorize", "Decomposition", "decompose", "rank_imbalance", "STAGE_CALLS",
+           "read_timeline", "split_calls", "rank_notes"]
 
 import json
 import math
@@ -40,11 +47,13 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 PROFILE_SUMMARY = "profile/summary.json"       # written by minirl.profiling.profiler.TorchProfiler
+TIMELINE_FILE = "timeline.json"                 # stage 6 (chapters/06_ray.py): every Ray worker's calls
 STEP_ORDER = ("generate", "score", "reference", "advantages", "update", "update_critic", "sync")   # rl_step's
 CATEGORIES = ("generation", "reward", "reference/values", "update", "sync", "communication", "waiting", "other")
 CATEGORY_OF = {"generate": "generation", "score": "reward", "reference": "reference/values",
                "advantages": "reference/values", "update": "update", "update_critic": "update", "sync": "sync"}
-COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective")
+COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective",
+                 "rpc")                         # rpc: a Ray call's time outside the worker (stage 6, `split_calls`)
 WAITING = ("wait", "queue")
 NESTED = {"sleep": "generate", "wake": "sync"}  # stage 4 (rollout/colocated.py) times these inside their parents
 NOT_STAGES = ("step", "eval")                   # time/step is the wall clock; time/eval runs between steps
@@ -224,6 +233,7 @@ class Decomposition:
     records: list[dict]                     # the step records decomposed (MFU and the rules read them)
     partial: list[str] = field(default_factory=list)    # what was left out or approximated, and why
     overlapped: int = 0                     # steps whose stages overlap
+    workers: dict[str, float] = field(default_factory=dict)   # stage 6: Ray worker -> busy share of the steps' time
 
     @property
     def total_seconds(self) -> float:
@@ -243,6 +253,9 @@ class Decomposition:
             stages = [f"{s} {seconds[s]:.2f}" for s in self.stage_shares
                       if (s == "other" and category == "other") or (s != "other" and category_of(s) == category)]
             lines.append(f"{category:>18} | {100 * share:6.1f}% | {', '.join(stages) or '-'}")
+        if self.workers:
+            lines.append("workers busy (share of the steps' time; the rest they wait): "
+                         + ", ".join(f"{w} {100 * v:.0f} %" for w, v in self.workers.items()))
         return "\n".join(lines + [f"partial: {note}" for note in self.partial])
 
 
@@ -262,6 +275,10 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
             records = kept
         else:
             partial.append("every step ran under torch.profiler: the times include its overhead")
+    timeline, workers = read_timeline(run_dir, partial), {}
+    if timeline is not None:
+        records, workers = split_calls(records, timeline[0], partial, timeline[1])
+    partial += rank_notes(run_dir, records)
     per_step, step_seconds, flat, overlapped = [], [], [], 0
     for record in records:
         own, seconds, over = own_times(record)
@@ -279,7 +296,7 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
     shares = stage_shares(flat)
     return Decomposition(str(run_dir), [r["step"] for r in records], step_seconds, per_step, shares,
                          categorize(shares), [categorize(stage_shares([r])) for r in flat], records, partial,
-                         overlapped)
+                         overlapped, workers)
 
 
 def rank_imbalance(records: list[dict]) -> float | None:
@@ -298,3 +315,115 @@ def rank_imbalance(records: list[dict]) -> float | None:
         if sum(busy) > 0:
             ratios.append(max(busy) / (sum(busy) / len(busy)))
     return sum(ratios) / len(ratios) if ratios else None
+
+
+STAGE_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
+               "reference": ("reference.", "actor.logprobs", "critic.values"), "update": ("actor.update",),
+               "update_critic": ("critic.update",), "sync": ("sync.",)}
+
+
+def read_timeline(run_dir, partial: list[str]) -> tuple[dict[str, list], list[int] | None] | None:
+    """Stage 6's timeline.json as ({worker: [(what, start, end), ...]}, the steps it covers or None if it does not
+    say); None if absent or unreadable (see partial)."""
+    run_dir = Path(run_dir)
+    path = run_dir / TIMELINE_FILE
+    if not path.is_file():
+        try:
+            ray_run = "placement" in json.loads((run_dir / "run.json").read_text())
+        except (OSError, ValueError, TypeError):
+            ray_run = False
+        if ray_run:
+            partial.append(f"a Ray run without {TIMELINE_FILE} (chapter 06 writes it since notebook 09): each "
+                           "stage's time includes its Ray calls (dispatch, transfers), not separated; communication "
+                           "not measured")
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        steps = None if saved.get("steps") is None else [int(step) for step in saved["steps"]]
+        return ({str(w): [(str(e[0]), float(e[1]), float(e[2])) for e in events] for w, events in
+                 saved["workers"].items()}, steps)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        partial.append(f"{TIMELINE_FILE} does not load ({type(err).__name__}: {err}): Ray calls not separated")
+        return None
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of intervals (a call timed inside another counts once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def split_calls(records: list[dict], timeline: dict[str, list], partial: list[str],
+                steps: list[int] | None = None) -> tuple[list[dict], dict]:
+    """(records with `time/<stage>/rpc` added, worker -> busy share): a Ray run's driver time outside the workers.
+
+    timeline: worker -> (what, start, end) calls, wall-clock seconds; steps: the steps it
+    covers (chapter 06 writes them), else the last K records, K = the generate calls of the
+    first rollout worker (a file older than the records would then be misread); step k's
+    calls are those that start between its generate call's start and the next one's (or
+    time/step later, for the last). Per step and stage, the work is the time during which
+    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    ranks overlap, roles called one after another add up); the driver's time/<stage> minus
+    that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
+    Records are returned unchanged (and partial says why) when the timeline does not match.
+    """
+    starts = next(([s for what, s, _ in events if what == "rollout.generate"] for events in timeline.values()
+                   if any(what == "rollout.generate" for what, _, _ in events)), [])
+    ran = ([r for r in records if r["step"] in set(steps)] if steps is not None
+           else records[len(records) - len(starts):] if len(starts) <= len(records) else [])
+    if not starts or len(starts) != len(ran) or (steps is not None and len(steps) != len(ran)):
+        partial.append(f"{TIMELINE_FILE} holds {len(starts)} generate call(s) for steps {steps or '?'}, and "
+                       f"metrics.jsonl {len(ran)} matching record(s) of {len(records)}: they do not match; Ray calls "
+                       "not separated")
+        return records, {}
+    if len(ran) < len(records):
+        partial.append(f"{TIMELINE_FILE} covers {len(ran)} of {len(records)} steps (a resumed run, or one that "
+                       "stopped): Ray calls separated in those only")
+    covered, out, busy, wall = {id(r): k for k, r in enumerate(ran)}, [], {w: 0.0 for w in timeline}, 0.0
+    for record in records:
+        if id(record) not in covered:
+            out.append(record)
+            continue
+        k = covered[id(record)]
+        end = starts[k] + record["time/step"]
+        end = min(end, starts[k + 1]) if k + 1 < len(starts) else end
+        calls = {w: [(what, max(s, starts[k]), min(e, end)) for what, s, e in events if starts[k] <= s < end]
+                 for w, events in timeline.items()}
+        record = dict(record)
+        for stage, names in STAGE_CALLS.items():
+            work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
+            if work > 0 and f"time/{stage}" in record:
+                record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
+        for w, c in calls.items():
+            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(STAGE_CALLS.values(), ()))])
+        wall += record["time/step"]
+        out.append(record)
+    return out, {w: b / wall for w, b in busy.items()} if wall > 0 else {}
+
+
+def rank_notes(run_dir, records: list[dict]) -> list[str]:
+    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
+    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
+    ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
+    try:
+        ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    try:
+        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
+        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
+                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
+    if ranks < 2 or timed:
+        return []
+    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
+        else ""
+    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
+            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
+            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]

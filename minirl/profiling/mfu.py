@@ -144,7 +144,10 @@ def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float
     tokens, every row's); config: the run's flat settings (`flat_config(run.json["config"])`).
     The trainer runs forwards without gradients for the reference (beta > 0), pi_old (several
     iterations, the IS correction, or PPO's KL reward) and the critic's values (PPO), then
-    num_iterations actor updates and, for PPO, one critic update.
+    num_iterations actor updates and, for PPO, one critic update. With LoRA (stage 4's
+    `lora_rank` > 0) the frozen weights get no gradient: an actor update is the forward and
+    the backward to the activations, two forwards, not three (the adapters' own FLOPs, a few
+    per mille at small ranks, are not counted).
     """
     groups, group_size = config["prompts_per_step"], config["num_generations"]
     rows = groups * group_size
@@ -156,7 +159,9 @@ def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float
                  or (ppo and config["beta"] > 0))
     no_grad = int(config["beta"] > 0) + int(needs_old) + int(ppo)
     updates = config["num_iterations"] + int(ppo)
-    trainer = no_grad * forward + updates * training_flops(*shape_args, *batch)
+    actor_update = 2 * forward if config.get("lora_rank") else training_flops(*shape_args, *batch)
+    critic_update = int(ppo) * training_flops(*shape_args, *batch)
+    trainer = no_grad * forward + config["num_iterations"] * actor_update + critic_update
     recompute = updates * forward if config.get("gradient_checkpointing") else 0.0
     return {"rollout": generation_flops(*shape_args, *batch), "trainer": trainer,
             "trainer_hardware": trainer + recompute}
@@ -281,10 +286,11 @@ class MFUReport:
 
 
 def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
-            world_size: int = 1) -> MFUReport:
+            world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
     """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
 
-    world_size: devices the times were measured across (their FLOPs are the whole batch's).
+    world_size: devices the times were measured across (their FLOPs are the whole batch's);
+    rollout_world_size: the rollout's, where it differs (stage 6's pools; default world_size).
     Records without `tokens/prompt` (written before notebook 09 added it) count the
     completions from `completion_length` and the prompts as 0 tokens: a lower bound, said in `partial`.
     """
@@ -301,7 +307,7 @@ def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: 
             totals[key] += value
     seconds = {"trainer": sum(r.get(f"time/{s}", 0.0) for r in records for s in TRAINER_STAGES),
                "rollout": sum(r.get(f"time/{s}", 0.0) for r in records for s in ROLLOUT_STAGES)}
-    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * world_size}
+    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * (rollout_world_size or world_size)}
     result = {k: mfu(totals[k], seconds[k], peaks[k]) if seconds[k] > 0 else None for k in ("trainer", "rollout")}
     hardware = mfu(totals["trainer_hardware"], seconds["trainer"], peaks["trainer"]) if seconds["trainer"] else None
     n = max(1, len(records))

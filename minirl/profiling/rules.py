@@ -124,9 +124,19 @@ def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, rec
         shares = decomposition.shares
         out["slow_rollout"] = (shares["generation"], "generation's share of the run's time")
         out["slow_sync"] = (shares["sync"], "sync's share of the run's time")
-        timed = any(category_of(s) == "communication" for s in decomposition.stage_shares if s != "other")
-        out["heavy_communication"] = ((shares["communication"], "collectives' share of the run's time") if timed
-                                      else (None, "no collective timed in the records (one process, or not timed)"))
+        comm = {s: v for s, v in decomposition.stage_shares.items()
+                if s != "other" and category_of(s) == "communication"}
+        rpc = sum(v for s, v in comm.items() if s.endswith("/rpc"))
+        collectives = {s: v for s, v in comm.items() if not s.endswith("/rpc")}
+        ray = f"; Ray calls (rpc, not collectives) {100 * rpc:.1f} %, not counted" if rpc else ""
+        if collectives:
+            out["heavy_communication"] = (sum(collectives.values()), "collectives' share of the run's time" + ray)
+        elif any(" data-parallel ranks: " in note for note in decomposition.partial):
+            out["heavy_communication"] = (None, "several ranks, but their collectives run untimed inside update and "
+                                                "sync" + ray)
+        else:
+            out["heavy_communication"] = (None, "no collective timed apart in the records (one process, or "
+                                                "untimed)" + ray)
     else:
         for name in ("slow_rollout", "slow_sync", "heavy_communication"):
             out[name] = (None, "no time decomposition")
@@ -184,6 +194,9 @@ class Diagnosis:
         if d is not None:
             lines.append(f"  {len(d.steps)} steps, {d.total_seconds:.2f} s; shares: "
                          + ", ".join(f"{c} {100 * v:.1f} %" for c, v in d.shares.items() if v >= 0.0005))
+            if d.workers:
+                lines.append("  Ray workers busy (the rest of the steps' time they wait): "
+                             + ", ".join(f"{w} {100 * v:.0f} %" for w, v in d.workers.items()))
         if self.mfu is not None:
             peaks = "; ".join(f"{k} peak {v[0] / 1e9:,.1f} GFLOP/s ({v[1]})" for k, v in self.mfu.peak.items())
             show = [f"{k} {100 * v:.2f} %" for k, v in (("trainer", self.mfu.trainer), ("rollout", self.mfu.rollout))
@@ -208,6 +221,7 @@ class Diagnosis:
         return {"run": self.run_dir, "stage_shares": d.shares if d else None,
                 "stage_shares_by_stage": d.stage_shares if d else None, "bottleneck": d.bottleneck if d else None,
                 "steps": len(d.steps) if d else 0, "seconds": d.total_seconds if d else None,
+                "workers_busy": d.workers if d else {},
                 "mfu": self.mfu.as_dict() if self.mfu else {"trainer": None, "rollout": None},
                 "findings": self.fired, "measured": {f.rule.name: f.value for f in self.findings},
                 "rules": [{"name": f.rule.name, "value": f.value, "threshold": f.rule.threshold,
@@ -229,12 +243,17 @@ def _read_json(path: Path, partial: list[str]) -> dict:
 
 
 def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflops: float | None = None,
-                threads: int = 1, shape: ModelShape | None = None) -> MFUReport:
-    """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing)."""
+                threads: int = 1, shape: ModelShape | None = None, summary: dict | None = None) -> MFUReport:
+    """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing).
+
+    Devices: run.json's world_size (stage 4's ranks) or summary.json's placement (stage 6:
+    the actor's and the rollout's devices); one otherwise. Stage 4's pconfig adds LoRA and
+    gradient checkpointing to the settings.
+    """
     if not isinstance(run_info.get("config"), dict):
         raise ModelShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
                               "the batch")
-    config = flat_config(run_info["config"])
+    config = flat_config(run_info["config"]) | flat_config(run_info.get("pconfig") or {})   # stage 4: LoRA, ...
     missing = [k for k in ("prompts_per_step", "num_generations", "algo", "beta", "num_iterations",
                            "importance_sampling_correction") if k not in config]
     if missing:
@@ -244,8 +263,15 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
     rollout = peak_flops(device, str(config.get("rollout_dtype", shape.dtype)), threads, peak_tflops)
-    world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)
-    report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], world)
+    world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)    # stage 4: every rank trains
+    devices = (summary or {}).get("placement")                                   # stage 6: role -> its devices
+    pools = {role: len(devices[role]) if isinstance(devices, dict) and isinstance(devices.get(role), list) else None
+             for role in ("actor", "rollout")}
+    report = run_mfu(decomposition.records, config, shape, trainer[0], rollout[0], pools["actor"] or world,
+                     pools["rollout"] or world)
+    if device.startswith("cpu") and peak_tflops is None and "threads" not in run_info:   # chapters 01, 04, 06
+        trainer, rollout = ((p, f"{how}; --threads: run.json does not record the run's") for p, how in
+                            (trainer, rollout))
     report.peak = {"trainer": trainer, "rollout": rollout}
     return report
 
@@ -276,7 +302,7 @@ def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, sha
     if decomposition is not None:
         partial += decomposition.partial
         try:
-            mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape)
+            mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape, summary)
             partial += mfu_report.partial
         except (UnknownPeakError, ModelShapeError) as err:
             partial.append(f"no MFU: {err}")
