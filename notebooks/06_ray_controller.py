@@ -262,7 +262,8 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
     if ray.is_initialized():
         return f"connected to {ray.get_runtime_context().gcs_address}"
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # "local": a new cluster of our own, even where another process left one running
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         return f"started a local Ray cluster with {num_cpus:g} CPUs"
     if address != "auto":
         probe(address, timeout)

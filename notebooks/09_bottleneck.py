@@ -1393,7 +1393,10 @@ for stage, w in why.items():
           f"{1e6 * (w['seconds'] - w['matmul_seconds']) / w['operator_calls']:.0f} us each on average outside matmuls")
 matmul_share = sum(w["matmul_seconds"] for w in why.values()) / sum(w["seconds"] for w in why.values())
 print(f"the two stages together: {100 * matmul_share:.0f} % of their time in matrix products")
-assert matmul_share < 0.5, "most of the time is not in matrix products"
+if SMOKE:        # timings of a few smoke-mode steps on a busy machine can say anything
+    print("smoke mode: too few steps to judge the shares; the text below describes a full run")
+else:
+    assert matmul_share < 0.5, "most of the time is not in matrix products"
 assert all(w["operator_calls"] > 1000 for w in why.values())
 assert why["generate"]["flops"] > why["generate"]["model_flops"], "the hf engine computes each prompt G times"
 
@@ -1896,9 +1899,12 @@ print(f"generation {speedup:.1f}x faster; its share {100 * base.shares['generati
       f"{100 * fast.shares['generation']:.0f} %; the update's {100 * base.shares['update']:.0f} % -> "
       f"{100 * fast.shares['update']:.0f} %; the sync's {100 * base.shares['sync']:.1f} % -> "
       f"{100 * fast.shares['sync']:.1f} %")
-assert speedup > 1.2 and fast.shares["generation"] < base.shares["generation"]
-assert fast.shares["update"] > base.shares["update"]
-assert fast_mfu.rollout > base_mfu.rollout and fast.bottleneck == "update"
+if SMOKE:        # a few smoke-mode steps are too noisy to hold to the text below
+    print("smoke mode: too few steps to judge; the text below describes a full run")
+else:
+    assert speedup > 1.2 and fast.shares["generation"] < base.shares["generation"]
+    assert fast.shares["update"] > base.shares["update"]
+    assert fast_mfu.rollout > base_mfu.rollout and fast.bottleneck == "update"
 
 # %% [markdown]
 # Generation got faster and its share fell; the update's code did not change, yet its
