@@ -2407,7 +2407,8 @@ else:
         s = runs[name][0]
         rows.append((name, f"{s['trainable_params']:,}", f"{s['state_bytes'][0] / MiB:.2f}",
                      f"{s['peak_bytes'][0] / MiB:.2f}", s["sync_mode"], f"{s['sync_bytes'] / MiB:.3f}",
-                     f"{100 * s['sync_share']:.1f} %", f"{s['accuracy_after'] or float('nan'):.3f}"))
+                     f"{100 * s['sync_share']:.1f} %",
+                     "not evaluated" if s["accuracy_after"] is None else f"{s['accuracy_after']:.3f}"))
     show(rows, ("run", "trainable", "state MiB (rank 0)", "peak MiB", "sync", "MiB per sync", "sync share",
                 "accuracy after"))
 
@@ -2510,7 +2511,7 @@ if not SMOKE:
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
 # | weight sync from shards | gather one layer at a time (peak ≈ one layer), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts bytes and tensors alike |
+# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts the bytes by an order of magnitude, not the number of tensors |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
 #
