@@ -2129,9 +2129,10 @@ assert all(p > 1e-4 for p, _ in pvalues["accept_draft"]) and all(p < 1e-6 for p,
 # Now measured, in two regimes. First the GRPO case: the embedded policy as target and a
 # policy about 8× smaller, warm-started the same way (in smoke mode an untrained one), as
 # draft; 16 prompts × G = 8 (2 × 8 in smoke mode) sampled at temperature 1, and one
-# sequence alone, the latency case the source has in mind. Second, n-gram lookup on the long-tail policy decoding
-# greedily at batch size 1: greedy decoding of a random model falls into loops, which a
-# lookup predicts, a stand-in for outputs that copy their context (code edits, extraction).
+# sequence alone, the latency case the source has in mind. Second, n-gram lookup on the
+# long-tail policy decoding greedily at batch size 1: greedy decoding of a random model either
+# stops at once or falls into a loop, which a lookup predicts (we take the first prompt that
+# loops), a stand-in for outputs that copy their context (code edits, extraction).
 
 # %%
 # | export minirl/rollout/engine/measure.py
@@ -2180,6 +2181,20 @@ draft_model = build_policy(DRAFT_POLICY, build_tokenizer()).eval() if SMOKE else
 print(f"draft: {sum(p.numel() for p in draft_model.parameters()) / 1e3:.0f} k parameters; target "
       f"{sum(p.numel() for p in policy.parameters()) / 1e3:.0f} k")
 ks = [1, 3] if SMOKE else [1, 2, 3, 4]
+
+
+def looping_prompt(model, tok, prompts: list[str]) -> list[int]:
+    """The first prompt whose greedy continuation runs 16 tokens without EOS (some end at once)."""
+    for text in prompts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(ids):]
+        if len(out) == 16 and tok.eos_token_id not in out.tolist():
+            return ids
+    raise RuntimeError("no prompt loops under greedy decoding: the n-gram workload needs one")
+
+
 encode = lambda texts: [policy_tok(t, add_special_tokens=False)["input_ids"] for t in texts]   # noqa: E731
 grpo_prompts = [r["prompt"] for r in TASK.rows("train")[:2 if SMOKE else 16]]
 workloads_ = {
@@ -2188,9 +2203,7 @@ workloads_ = {
     "batch 1": (policy, policy_tok, lambda: ModelDraft(draft_model),
                 [Request(x, 4, 1.0) for x in encode(grpo_prompts[:1])], 4),
     "n-gram, batch 1": (big, big_tok, lambda: NgramDraft(3),
-                        [Request(big_tok(PROMPTS[0], add_special_tokens=False)["input_ids"],
-                                 24 if SMOKE else 128, 0.0)],
-                        16),
+                        [Request(looping_prompt(big, big_tok, PROMPTS), 24 if SMOKE else 128, 0.0)], 16),
 }
 spec = {}
 for name, (model, tok, make, reqs, bs) in workloads_.items():
