@@ -1,6 +1,6 @@
 """Stage 7: asynchronous RL: producers fill a bounded queue, the trainer consumes it, staleness is bounded.
 
-    python chapters/07_async.py --out runs/07                                  # eta = 2, no correction, CPU
+    python chapters/07_async.py --out runs/07                                  # eta = 1, no correction, CPU
     python chapters/07_async.py --max-staleness 0 --out runs/07-sync           # synchronous: the baseline
     python chapters/07_async.py --max-staleness 4 --correction areal --out runs/07-areal
     python chapters/07_async.py --correction tis --env-latency 0.02 --env-latency-sigma 2 --out runs/07-slow

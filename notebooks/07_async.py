@@ -1173,7 +1173,7 @@ class AsyncConfig:
 
     choices = {"correction": CORRECTIONS, "areal_weight": AREAL_WEIGHTS}      # for the chapter's flags
 
-    max_staleness: int = 2             # eta: a trajectory may be at most this many versions behind the trainer
+    max_staleness: int = 1             # eta: a trajectory may be at most this many versions behind the trainer
     correction: str = "none"           # none (LlamaRL), areal (decoupled objective), tis (truncated IS, notebook 02)
     areal_weight: str = "clip"         # areal's behaviour weight: clip to [0.8, 1.2] (the source) or cap (AReaL's code)
     producers: int = 4                 # producer threads (or slots on the Ray actors)
@@ -1378,9 +1378,18 @@ def evaluate_snapshots(result: AsyncResult, model, eval_fn) -> list[dict]:
     return result.accuracy
 
 
-def time_to_accuracy(accuracy: list[dict], target: float) -> float:
-    """Wall seconds of the first evaluation after step 0 at or above `target`; inf when none reaches it."""
-    return next((a["wall"] for a in accuracy if a["step"] > 0 and a["accuracy"] >= target), math.inf)
+def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> float:
+    """Wall seconds at which held-out accuracy first reaches `target`; inf when it never does.
+
+    accuracy: evaluate_snapshots' list. The first time after step 0 that the mean of `window`
+    consecutive evaluations (ending there) is at or above `target`: window = 2 keeps one lucky
+    evaluation (a 500-problem test moves by a few points) from counting as arrival.
+    """
+    trained = [a for a in accuracy if a["step"] > 0]
+    for i in range(window - 1, len(trained)):
+        if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
+            return trained[i]["wall"]
+    return math.inf
 
 # %%
 # | export minirl/asyncrl/plots.py
@@ -1489,7 +1498,8 @@ run_async("eta=2 in-flight", ASYNC_STEPS, max_staleness=2, in_flight=True)
 # %% [markdown]
 # The table: throughput, the trainer's idle share, how stale the batches were, and the wall
 # time each run took to reach the synchronous run's final held-out accuracy minus 3 points
-# (the issue's target), with that time as a share of the synchronous run's. One run each, so
+# (the issue's target; reached when two consecutive evaluations average that much), with that
+# time as a share of the synchronous run's. One run each, so
 # the accuracy columns are noisy (a 500-problem evaluation moves by a few points between
 # snapshots); `benchmarks/async_vs_sync.py` repeats sync and async interleaved and reports
 # medians.
@@ -1497,14 +1507,14 @@ run_async("eta=2 in-flight", ASYNC_STEPS, max_staleness=2, in_flight=True)
 # %%
 sync = RESULTS["sync (eta=0)"]
 target = sync.accuracy[-1]["accuracy"] - 0.03
-sync_time = time_to_accuracy(sync.accuracy, target)
+sync_time = time_to_accuracy(sync.accuracy, target, window=2)
 print(f"target: sync's final accuracy {sync.accuracy[-1]['accuracy']:.3f} - 0.03 = {target:.3f}; sync's wall time "
       f"{sync.wall:.1f} s (it reached the target at {sync_time:.1f} s)\n")
 print(f"{'run':16s} {'traj/s':>7s} {'idle':>6s} {'stale':>6s} {'drop':>5s} {'final':>6s} {'to target':>10s} "
       f"{'share of sync':>13s}")
 for name, result in RESULTS.items():
     s = result.summary()
-    reach = time_to_accuracy(result.accuracy, target)
+    reach = time_to_accuracy(result.accuracy, target, window=2)
     print(f"{name:16s} {s['trajectories_per_second']:7.0f} {100 * s['trainer_idle_share']:5.0f}% "
           f"{s['mean_staleness']:6.2f} {s['dropped']:5d} {s['accuracy_after']:6.3f} {reach:9.1f}s "
           f"{reach / sync.wall:13.2f}")
@@ -1515,12 +1525,12 @@ assert fastest > sync.summary()["trajectories_per_second"], "async produces more
 assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["trainer_idle_share"]
 
 # %% [markdown]
-# What the table says, on any machine: the synchronous trainer idles most of its wall time (it
-# waits for each batch's slowest tool call), and asynchrony turns that wait into throughput:
-# more trajectories per second and an idle share that falls as $\eta$ grows (the producers
-# may run further ahead). The maximum staleness seen never exceeds the bound (the assert
-# above), and some trajectories are dropped at admission: the slowest ones, overtaken by
-# $\eta$ updates while their tool call hung in the tail. The price is the accuracy a step buys.
+# What the table says: the synchronous trainer idles while it waits for each batch's slowest
+# tool call, and asynchrony turns that wait into throughput: more trajectories per second and
+# a lower idle share (the asserts above check both). The maximum staleness seen never exceeds
+# the bound. The `drop` column counts trajectories refused at admission: the slowest ones,
+# overtaken by more than $\eta$ updates while their tool call sat in the tail (in smoke mode,
+# with its short latencies, there may be none). The price is the accuracy a step buys.
 # How large that price is, and whether a correction pays it back, is what the learning curves
 # below show; on this tiny policy a single update moves the greedy answers a lot (its
 # held-out accuracy first dips in every run), so even one version of staleness is felt.
@@ -1531,9 +1541,9 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 # Two seconds of the synchronous run and of the asynchronous run at $\eta = 2$: the trainer's
 # row (blue: training, red: waiting for a batch) and the first producers' (orange: sampling,
 # gray: environment sessions). Synchronously, the producers sample a batch, wait in the
-# environment for its tail, and idle while the trainer trains; the trainer waits in red most
-# of the time. Asynchronously, the producers work while the trainer trains, and the red all
-# but disappears.
+# environment for its tail, and idle while the trainer trains, and the trainer waits (red)
+# for the slowest session of every batch. Asynchronously, the producers work while the
+# trainer trains, and the trainer's red shrinks to the idle share of the table.
 
 # %%
 from minirl.asyncrl.plots import plot_learning_curves, plot_timelines
@@ -1611,7 +1621,7 @@ print(f"synchronous trainer idle share: predicted from durations {sum(predicted)
 
 # %%
 eta2 = RESULTS["eta=2 none"]
-speedup = sync_time / time_to_accuracy(eta2.accuracy, target)
+speedup = sync_time / time_to_accuracy(eta2.accuracy, target, window=2)
 throughput = eta2.summary()["trajectories_per_second"] / sync.summary()["trajectories_per_second"]
 sync_step = sum(r["time/step"] for r in sync.records) / len(sync.records)
 busy = sum(r["time/step"] - r["time/wait"] for r in eta2.records) / len(eta2.records)
@@ -1632,9 +1642,10 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 #
 # - **Two cores, one interpreter.** Producers and trainer share two CPU cores, and the tiny
 #   model's forward pass is mostly Python overhead, held under the GIL. Asynchrony overlaps
-#   *waiting* (the tool's latency) with work, but it cannot overlap work with work here: the
-#   update takes longer beside the producers than alone (the last line above). On a cluster
-#   the trainer and the rollout engines sit on different GPUs, so both kinds of overlap count.
+#   *waiting* (the tool's latency) with work, but it can hardly overlap work with work here:
+#   compare the update's seconds alone and beside the producers (the last line above; on a
+#   loaded machine the difference is large). On a cluster the trainer and the rollout engines
+#   sit on different GPUs, so both kinds of overlap count.
 # - **The length distribution.** Our tail is in the environment (a lognormal tool latency,
 #   median 10 ms) over completions of at most four tokens. The ideal ratio is a synchronous
 #   step over the trainer's busy time: the heavier the tail relative to the update, the larger

@@ -280,6 +280,9 @@ def test_runner_short_run_records_versions_queue_and_staleness(make_tiny_policy,
     summary = result.summary()
     assert 0 <= summary["trainer_idle_share"] <= 1 and summary["trajectories_per_second"] > 0
     assert time_to_accuracy(acc, 0.5) == acc[1]["wall"] > 0 and time_to_accuracy(acc, 0.9) == math.inf
+    points = ((0, 0.9), (1, 0.7), (2, 0.4), (3, 0.6), (4, 0.6))
+    curve = [{"step": s, "wall": float(s), "accuracy": a} for s, a in points]
+    assert time_to_accuracy(curve, 0.6) == 1.0 and time_to_accuracy(curve, 0.6, window=2) == 4.0
 
 
 def test_runner_survives_a_broken_environment(make_tiny_policy):
