@@ -47,7 +47,7 @@ class AsyncConfig:
 
     choices = {"correction": CORRECTIONS, "areal_weight": AREAL_WEIGHTS}      # for the chapter's flags
 
-    max_staleness: int = 2             # eta: a trajectory may be at most this many versions behind the trainer
+    max_staleness: int = 1             # eta: a trajectory may be at most this many versions behind the trainer
     correction: str = "none"           # none (LlamaRL), areal (decoupled objective), tis (truncated IS, notebook 02)
     areal_weight: str = "clip"         # areal's behaviour weight: clip to [0.8, 1.2] (the source) or cap (AReaL's code)
     producers: int = 4                 # producer threads (or slots on the Ray actors)
