@@ -10,8 +10,9 @@
 Writes OUT/run.json (the run's settings), OUT/metrics.jsonl (one line per trainer step: stage 1's
 keys plus time/wait, queue/depth, queue/age_mean, queue/age_max, queue/dropped, staleness/max,
 env/failures, ...), OUT/timeline.png (what the trainer and the first producers did, and when),
-OUT/learning_curve.png and OUT/summary.json with accuracy_before, accuracy_after (held-out greedy
-accuracy, 0-1), trajectories_per_second (completions trained on per wall second),
+OUT/learning_curve.png, OUT/final/ (the trained policy, Hugging Face format) and
+OUT/summary.json with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1),
+trajectories_per_second (completions trained on per wall second),
 trainer_idle_share (0-1), max_staleness_seen (versions), and more. Prints one line every few
 steps with the queue's depth and age and the trainer's idle share. Held-out accuracy is measured
 after the run on weight snapshots, so evaluation never pauses the trainer. An async run has no
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
         plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
                        out / "timeline.png")
         plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
+        model.save_pretrained(out / "final")                               # the trained policy (HF format)
+        tokenizer.save_pretrained(out / "final")
         write_summary(out, summary)
     finally:
         run_dir.close()

@@ -294,6 +294,14 @@ def test_runner_survives_a_broken_environment(make_tiny_policy):
     assert "ConnectionError" in result.records[0]["env/errors"][0]
 
 
+def test_runner_multi_turn_run(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=2)
+    acfg = AsyncConfig(max_staleness=1, producers=2, max_turns=2, **FAST)
+    result = train_async(small(steps=2), acfg, model, tok, ROWS)
+    assert len(result.records) == 2 and all(r["env/failures"] == 0 for r in result.records)
+    assert all(0.0 <= r["reward"] <= 1.0 for r in result.records)
+
+
 def test_runner_in_flight_run(make_tiny_policy):
     model, tok = make_tiny_policy(seed=2)
     acfg = AsyncConfig(max_staleness=2, producers=3, in_flight=True, **FAST)

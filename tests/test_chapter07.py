@@ -57,5 +57,6 @@ def test_short_run_writes_the_summary_and_refuses_to_overwrite(tmp_path, capsys,
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "queue/depth" in json.loads(lines[0])
     assert (out / "timeline.png").exists() and (out / "learning_curve.png").exists()
+    assert (out / "final" / "config.json").exists()
     assert main("--out", out, *flags) == 2
     assert "already holds a run" in capsys.readouterr().err

@@ -146,7 +146,9 @@ def train_on(roles, trajectories: list[Trajectory], config: RLConfig, acfg: Asyn
     lengths = rollout.completion_mask.float().sum(1)                                    # [N]
     return metrics | timer.times | {
         "generated_version": rollout.version, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-        "completion_length": lengths.mean().item(), "trajectories": len(rewards),
+        "completion_length": lengths.mean().item(), "completion_length_max": lengths.max().item(),
+        "tokens/prompt": int(rollout.prompt_mask.sum()), "tokens/completion": int(lengths.sum()),
+        "trajectories": len(rewards),
         "staleness/max": max(behind), "staleness/mean": sum(behind) / len(behind), "tokens/mixed_versions": mixed,
         "env/failures": sum(t.env_failures for t in trajectories),
         "env/timeouts": sum(t.env_timeouts for t in trajectories),
