@@ -33,11 +33,12 @@ from minirl.asyncrl.plots import plot_learning_curves, plot_timelines
 from minirl.asyncrl.runner import AsyncConfig, evaluate_snapshots, train_async
 from minirl.config import RLConfig
 from minirl.controller.resource_pool import connect
-from minirl.models.policy import ModelSourceError, check_model_source, greedy_accuracy, load_policy
+from minirl.models.policy import greedy_accuracy, load_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.train.cli import check_run_flags
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
 from minirl.utils.io import write_jsonl, write_summary
-from minirl.utils.rundir import RunDirError, check_run_dir, open_run_dir
+from minirl.utils.rundir import open_run_dir
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_float, check_int
 
@@ -69,12 +70,8 @@ def parse_args(argv=None):
                      f"--prompts-per-step {config.run.prompts_per_step} trajectories")
     if acfg.ray and acfg.in_flight:
         parser.error("argument --in-flight: in-flight updates run in local producer threads only; drop it with --ray")
-    try:
-        check_run_dir(args.out, overwrite=args.overwrite, flag_names=("--resume", "--overwrite", "--out"))
-        if args.model is not None:
-            check_model_source(args.model)          # a missing directory is named before anything loads
-    except (RunDirError, ModelSourceError) as err:
-        parser.error(str(err))
+    args.resume = False                     # an async run is not resumable (its queue is not saved)
+    check_run_flags(parser, args)           # --out free (or --overwrite), --model exists: before anything loads
     return args, config, acfg
 
 
