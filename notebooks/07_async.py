@@ -562,7 +562,8 @@ assert torch.allclose(rows["AReaL code: cap 1.2 (drop)"], torch.tensor([[0.0, ma
 # - `reset(row, rng) -> observation` (the first prompt), `step(action) -> (observation,
 #   reward, done)`;
 # - a **calculator tool** that evaluates `a+b` after a latency drawn, seeded, from a
-#   lognormal distribution (median a few milliseconds, a tail that reaches a second);
+#   lognormal distribution (by default a median of 10 ms, and one call in a hundred slower
+#   than a quarter of a second);
 # - the multi-turn variant of the task: the environment checks the policy's answer with the
 #   tool and, when it is wrong, asks again (up to `max_turns`); the reward is 1 / turn of
 #   the first correct answer. The policy trains on the first turn's tokens (the group GRPO
@@ -609,7 +610,7 @@ class EnvError(RuntimeError):
 class Latency:
     """A tool call's latency: lognormal, median * exp(sigma * N(0, 1)) seconds, at most max_seconds."""
 
-    median: float = 0.005
+    median: float = 0.01
     sigma: float = 1.5
     max_seconds: float = 10.0
 
@@ -1566,8 +1567,8 @@ plt.show()
 
 # %% [markdown]
 # Left, accuracy against wall time: the asynchronous runs cover more steps in the same time.
-# Right, against completions trained on: there a fresh sample is worth more than a stale one,
-# so the synchronous curve is the one to beat per sample. The corrections (areal, tis) reweight
+# Right, against completions trained on: per sample, staleness can only cost, so this is where
+# its price shows (compare each curve with the synchronous one at the same number of samples). The corrections (areal, tis) reweight
 # tokens whose trainer probability moved away from the behaviour policy; with one update per
 # batch the PPO ratio is 1, so their effect is only through those weights, which stay near 1
 # at small $\eta$ (see `correction/weight_mean` in the records).
@@ -1655,8 +1656,8 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 #   where generation of long reasoning traces dominates a step many times over and rollout and
 #   training run on separate, large GPU pools.
 # - **The staleness bound.** A larger $\eta$ removes more waiting but makes each sample less
-#   useful; on this policy, whose greedy answers move a lot with one update, stale samples cost
-#   visibly, so the wall-time speedup is well below the throughput ratio. AReaL's corrected
+#   useful; on this policy, whose greedy answers move a lot with one update, stale samples can
+#   cost visibly, and then the wall-time speedup falls below the throughput ratio. AReaL's corrected
 #   objective is meant to let $\eta$ grow without that cost; at one update per batch its effect
 #   here is small.
 

@@ -34,7 +34,7 @@ class EnvError(RuntimeError):
 class Latency:
     """A tool call's latency: lognormal, median * exp(sigma * N(0, 1)) seconds, at most max_seconds."""
 
-    median: float = 0.005
+    median: float = 0.01
     sigma: float = 1.5
     max_seconds: float = 10.0
 
