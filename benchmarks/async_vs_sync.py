@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from minirl.asyncrl.runner import AsyncConfig, evaluate_snapshots, time_to_accuracy, train_async
 from minirl.config import RLConfig
@@ -85,6 +86,7 @@ def one_run(eta: int, correction: str, steps: int, seed: int, args, task) -> dic
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()            # a fresh policy per run: no "Loading weights" bar each time
     task = make_task()
     settings = [(eta, c) for eta in args.etas for c in args.corrections]
     rows = []
