@@ -1,0 +1,315 @@
+"""Stage 7 in one process: the staleness rule, the gate and the queue, the corrections by hand,
+environments that fail, in-flight weight updates, and short runs of the asynchronous runner."""
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from minirl.asyncrl.corrections import apply_correction, capped_token_weight, clipped_token_weight
+from minirl.asyncrl.env import ArithmeticToolEnv, EnvError, Latency, calculator, check_step, run_sessions
+from minirl.asyncrl.producer import Producer, WeightStore, sample_in_flight
+from minirl.asyncrl.queue import ExperienceQueue, FutureVersionError, StartGate, Trajectory, admit
+from minirl.asyncrl.runner import AsyncConfig, batch_of, evaluate_snapshots, time_to_accuracy, train_async
+from minirl.asyncrl.timeline import sync_step_idle
+from minirl.config import AlgorithmConfig, RLConfig, SamplingConfig
+from minirl.data import Experience, Rollout
+from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.tasks.arithmetic import make_task
+from minirl.utils.validate import ConfigError
+
+TASK = make_task()
+ROWS = TASK.rows("train")
+FAST = dict(env_latency=0.001, env_latency_sigma=0.5)
+
+
+def rollout_of(version: int, G: int = 2, C: int = 2) -> Rollout:
+    return Rollout(torch.ones(G, 3, dtype=torch.long), torch.ones(G, 3, dtype=torch.long),
+                   torch.ones(G, C, dtype=torch.long), torch.ones(G, C, dtype=torch.long), torch.zeros(G, C),
+                   ["c"] * G, ["p"] * G, version, num_generations=G, token_versions=torch.full((G, C), version))
+
+
+def traj(version: int, finished: float = 0.0) -> Trajectory:
+    return Trajectory(rollout_of(version), torch.zeros(2), {"prompt": "1+1="}, "t", 0.0, 0.0, finished)
+
+
+def test_admit_rule_and_bad_input():
+    assert admit(5, 5, 0) and admit(5, 3, 2) and not admit(5, 2, 2) and not admit(5, 4, 0)
+    with pytest.raises(FutureVersionError, match="newer"):
+        admit(3, 4, 2)
+    with pytest.raises(ConfigError, match="max_staleness"):
+        admit(3, 3, -1)
+
+
+def test_async_config_names_bad_values():
+    with pytest.raises(ConfigError, match="max_staleness"):
+        AsyncConfig(max_staleness=-1)
+    with pytest.raises(ConfigError, match="correction"):
+        AsyncConfig(correction="ppo")
+    with pytest.raises(ConfigError, match="env_latency_sigma"):
+        AsyncConfig(env_latency_sigma=-0.1)
+
+
+def test_queue_capacity_below_one_batch_is_refused():
+    with pytest.raises(ConfigError, match="queue_capacity"):
+        ExperienceQueue(capacity=3, batch_size=4, max_staleness=1)
+    cfg = RLConfig.from_flat(steps=1, prompts_per_step=4, num_generations=2)
+    model_free = AsyncConfig(queue_capacity=2)
+    with pytest.raises(ConfigError, match="queue_capacity"):
+        train_async(cfg, model_free, *_tiny_policy(), ROWS)
+
+
+def _tiny_policy():
+    from tests.conftest import build_tiny_policy  # noqa: PLC0415 (the shared factory, outside a fixture)
+    return build_tiny_policy()
+
+
+def test_queue_admission_drops_stale_refunds_the_gate_and_refuses_future_versions():
+    gate = StartGate(batch_size=2, max_staleness=1)
+    q = ExperienceQueue(capacity=6, batch_size=2, max_staleness=1, gate=gate)
+    assert [gate.acquire() for _ in range(3)] == [[0], [1], [2]]
+    assert gate.acquire(5) == [3]            # (0 + 1 + 1) * 2 tickets at version 0
+    for v in (0, 0, 0):
+        assert q.put(traj(v))
+    q.advance(2)                                                          # two updates later: version 0 is too stale
+    assert not q.put(traj(0)) and q.dropped == 1 and gate.started == 3   # dropped at put, start refunded
+    assert q.put(traj(1)) and q.put(traj(2))
+    batch = q.get_batch(timeout=1)                                        # the three of version 0 are dropped now
+    assert [t.version for t in batch] == [1, 2] and q.dropped == 4
+    with pytest.raises(FutureVersionError):
+        q.put(traj(3))
+    stats = q.stats()
+    assert stats["queue/depth"] == 0 and stats["queue/dropped"] == 4 and stats["queue/admitted"] == 2
+
+
+def test_queue_blocks_when_full_and_times_out_without_producers():
+    q = ExperienceQueue(capacity=2, batch_size=2, max_staleness=0)
+    q.put(traj(0, finished=time.perf_counter()))
+    q.put(traj(0))
+    put_done = threading.Event()
+    threading.Thread(target=lambda: (q.put(traj(0)), put_done.set()), daemon=True).start()
+    assert not put_done.wait(0.2), "a full queue must block the producer"
+    assert len(q.get_batch(timeout=1)) == 2
+    assert put_done.wait(1.0)
+    with pytest.raises(TimeoutError, match="1 of 2"):
+        q.get_batch(timeout=0.1)
+    assert len(q) == 1, "a timed-out get puts its partial batch back"
+
+
+def test_gate_at_eta_zero_is_synchronous():
+    gate = StartGate(batch_size=3, max_staleness=0)
+    assert gate.acquire(2) == [0, 1] and gate.acquire(2) == [2]
+    got = []
+    t = threading.Thread(target=lambda: got.append(gate.acquire()), daemon=True)
+    t.start()
+    t.join(0.2)
+    assert not got, "the fourth trajectory waits for version 1"
+    gate.advance(1)
+    t.join(1.0)
+    assert got == [[3]]
+    gate.close()
+    assert gate.acquire() is None
+
+
+def test_corrections_by_hand():
+    cur = torch.tensor([[-1.0, -2.0, -0.3]])
+    beh = torch.tensor([[-1.5, -1.0, float("nan")]])                       # garbage under the mask
+    mask = torch.tensor([[1, 1, 0]])
+    assert torch.allclose(clipped_token_weight(cur, beh, mask), torch.tensor([[1.2, 0.8, 0.0]]))
+    assert torch.allclose(clipped_token_weight(cur, beh, mask, 0.5, 2.0), torch.tensor([[math.exp(0.5), 0.5, 0.0]]))
+    assert torch.allclose(capped_token_weight(cur, beh, mask, 1.2), torch.tensor([[0.0, math.exp(-1.0), 0.0]]))
+    with pytest.raises(ValueError, match="low"):
+        clipped_token_weight(cur, beh, mask, low=1.1)
+    cur.requires_grad_(True)
+    assert not clipped_token_weight(cur, beh, mask).requires_grad
+
+
+class FixedActor:
+    def __init__(self, logps):
+        self.logps = logps
+
+    def logprobs(self, rollout):
+        return self.logps
+
+
+def test_apply_correction_fills_the_fields_policy_loss_reads():
+    ro = rollout_of(0)
+    ro.logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -0.5]])
+    current = torch.tensor([[-0.5, -3.0], [-2.0, -0.4]])
+    algo = AlgorithmConfig()
+    exp = apply_correction(Experience(ro, torch.zeros(2)), "none", FixedActor(current), algo)
+    assert exp.old_logps is None and exp.is_weights is None
+    exp = apply_correction(Experience(ro, torch.zeros(2)), "tis", FixedActor(current), algo)
+    assert torch.equal(exp.old_logps, current)
+    assert torch.allclose(exp.is_weights, torch.tensor([[math.exp(0.5), math.exp(-2.0)], [1.0, math.exp(0.1)]]))
+    exp = apply_correction(Experience(ro, torch.zeros(2)), "areal", FixedActor(current), algo)
+    assert torch.allclose(exp.is_weights, torch.tensor([[1.2, 0.8], [1.0, math.exp(0.1)]]))
+    with pytest.raises(ConfigError, match="correction"):
+        apply_correction(Experience(ro, torch.zeros(2)), "vtrace", FixedActor(current), algo)
+
+
+def test_sync_step_idle():
+    out = sync_step_idle([1.0, 2.0, 4.0], train_seconds=1.0)
+    assert out["trainer"] == pytest.approx(4 / 5)
+    assert out["rollout"] == pytest.approx(((5 - 1) + (5 - 2) + (5 - 4)) / 15)
+
+
+def test_calculator_latency_is_seeded_and_long_tailed():
+    import random
+    lat = Latency(0.002, 1.5)
+    a = [lat.draw(random.Random(7)) for _ in range(3)]
+    assert a == [lat.draw(random.Random(7)) for _ in range(3)]
+    assert calculator("12+30=", Latency(0.0), random.Random(0)) == 42
+    with pytest.raises(ValueError, match="cannot evaluate"):
+        calculator("12/3", Latency(0.0), random.Random(0))
+
+
+class Raises:
+    def reset(self, row, rng):
+        return row["prompt"]
+
+    def step(self, action):
+        raise ConnectionError("tool server refused")
+
+
+class Hangs(Raises):
+    def step(self, action):
+        time.sleep(2.0)
+        return None, 1.0, True
+
+
+class JunkObservation(Raises):
+    def reset(self, row, rng):
+        return {"not": "a string"}
+
+
+class JunkReward(Raises):
+    def step(self, action):
+        return None, "high", True
+
+
+def test_failed_hung_and_malformed_environments_are_scored_zero_and_counted():
+    row = {"prompt": "12+30=", "answer": 42}
+    good = run_sessions(lambda: ArithmeticToolEnv(Latency(0.0)), row, ["24", "42"], None, [0, 1], timeout=1.0)
+    assert [r.reward for r in good] == [1.0, 0.0] and all(r.error is None for r in good)
+    start = time.perf_counter()
+    for make_env, words in ((Raises, "ConnectionError"), (Hangs, "timeout"), (JunkObservation, "reset returned"),
+                            (JunkReward, "finite number")):
+        (r,) = run_sessions(make_env, row, ["24"], None, [0], timeout=0.3)
+        assert r.reward == 0.0 and words in r.error, (make_env, r)
+        assert r.timed_out == (make_env is Hangs)
+    assert time.perf_counter() - start < 1.5, "a hung session is abandoned at its timeout"
+    with pytest.raises(EnvError, match="done"):
+        check_step((None, 1.0, "yes"))
+
+
+def test_multi_turn_environment_asks_again():
+    row = {"prompt": "12+30=", "answer": 42}
+    answers = iter(["24"])
+    (r,) = run_sessions(lambda: ArithmeticToolEnv(Latency(0.0), max_turns=2), row, ["99"], lambda obs: next(answers),
+                        [0], timeout=1.0, max_turns=2)
+    assert (r.reward, r.turns, r.error) == (0.5, 2, None)
+
+
+def test_in_flight_update_mixes_versions_without_dropping_the_sequence(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=3)
+    other, _ = make_tiny_policy(seed=4)
+    engine = SharedPrefixEngine(model, tok)
+    store = WeightStore()
+    store.publish(model.state_dict().items(), 0)
+    producer = Producer("p", engine, store, None, SamplingConfig(num_generations=3, max_completion_length=4))
+    calls = [0]
+
+    def refresh():                       # version 1 is published after the second token
+        calls[0] += 1
+        if calls[0] == 3:
+            store.publish(other.state_dict().items(), 1)
+        producer.refresh(mid_sequence=calls[0] > 1)
+
+    sampling = SamplingConfig(num_generations=3, max_completion_length=4, temperature=1.0)
+    ro = sample_in_flight(engine, "12+30=", sampling, torch.Generator().manual_seed(0), refresh)
+    C = ro.completion_ids.shape[1]
+    assert ro.token_versions[:, :2].eq(0).all()
+    if C > 2:
+        assert ro.token_versions[:, 2:].eq(1).all() and producer.switches == 1
+    assert ro.version == 0 and engine.version == 1
+    # each token's behaviour log-prob is the one it was sampled with: the first two tokens under version 0
+    fresh = SharedPrefixEngine(model, tok)
+    ro0 = sample_in_flight(fresh, "12+30=", sampling, torch.Generator().manual_seed(0))
+    assert torch.equal(ro.completion_ids[:, :2], ro0.completion_ids[:, :2])
+    assert torch.allclose(ro.logprobs[:, :2], ro0.logprobs[:, :2])
+
+
+def test_sample_in_flight_without_updates_matches_the_trainers_logprobs(make_tiny_policy):
+    from minirl.roles.actor import Actor
+    from minirl.config import OptimizerConfig
+    model, tok = make_tiny_policy(seed=5)
+    engine = SharedPrefixEngine(model, tok)
+    sampling = SamplingConfig(num_generations=4, max_completion_length=4)
+    ro = sample_in_flight(engine, "7+8=", sampling, torch.Generator().manual_seed(1))
+    actor = Actor(model, AlgorithmConfig(), OptimizerConfig(), sampling)
+    m = ro.completion_mask.bool()
+    assert torch.allclose(actor.logprobs(ro)[m], ro.logprobs[m], atol=1e-5)
+
+
+def small(**kw):
+    return RLConfig.from_flat(**{"steps": 4, "prompts_per_step": 4, "num_generations": 4, "eval_every": 0} | kw)
+
+
+@pytest.mark.parametrize("eta,correction", [(0, "none"), (1, "areal"), (2, "tis")])
+def test_runner_short_run_records_versions_queue_and_staleness(make_tiny_policy, eta, correction):
+    torch.set_num_threads(1)
+    model, tok = make_tiny_policy(seed=2)
+    acfg = AsyncConfig(max_staleness=eta, correction=correction, producers=4, snapshot_every=2, **FAST)
+    result = train_async(small(), acfg, model, tok, ROWS)
+    recs = result.records
+    assert [r["version"] for r in recs] == [1, 2, 3, 4] and [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(0 <= r["staleness/max"] <= eta for r in recs)
+    assert all(r["generated_version"] <= r["version"] - 1 for r in recs)
+    for key in ("time/wait", "time/update", "time/sync", "queue/depth", "queue/age_max", "queue/dropped", "reward",
+                "env/failures", "trajectories"):
+        assert key in recs[0], key
+    if eta == 0:
+        assert all(r["staleness/max"] == 0 for r in recs)
+    if correction != "none":
+        assert "correction/weight_mean" in recs[-1]
+    acc = evaluate_snapshots(result, model, lambda m: 0.5)
+    assert [a["step"] for a in acc] == [0, 2, 4] and acc[-1]["samples"] == 4 * 4 * 4
+    summary = result.summary()
+    assert 0 <= summary["trainer_idle_share"] <= 1 and summary["trajectories_per_second"] > 0
+    assert time_to_accuracy(acc, 0.5) == acc[1]["wall"] > 0 and time_to_accuracy(acc, 0.9) == math.inf
+    points = ((0, 0.9), (1, 0.7), (2, 0.4), (3, 0.6), (4, 0.6))
+    curve = [{"step": s, "wall": float(s), "accuracy": a} for s, a in points]
+    assert time_to_accuracy(curve, 0.6) == 1.0 and time_to_accuracy(curve, 0.6, window=2) == 4.0
+
+
+def test_runner_survives_a_broken_environment(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=2)
+    acfg = AsyncConfig(max_staleness=1, producers=2, env_timeout=0.2, **FAST)
+    acfg.make_env = lambda: Raises
+    result = train_async(small(steps=2), acfg, model, tok, ROWS)
+    assert all(r["env/failures"] == 16 for r in result.records) and result.records[-1]["reward"] == 0.0
+    assert "ConnectionError" in result.records[0]["env/errors"][0]
+
+
+def test_runner_multi_turn_run(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=2)
+    acfg = AsyncConfig(max_staleness=1, producers=2, max_turns=2, **FAST)
+    result = train_async(small(steps=2), acfg, model, tok, ROWS)
+    assert len(result.records) == 2 and all(r["env/failures"] == 0 for r in result.records)
+    assert all(0.0 <= r["reward"] <= 1.0 for r in result.records)
+
+
+def test_runner_in_flight_run(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=2)
+    acfg = AsyncConfig(max_staleness=2, producers=3, in_flight=True, **FAST)
+    result = train_async(small(steps=3), acfg, model, tok, ROWS)
+    assert len(result.records) == 3 and result.switches >= 0
+
+
+def test_batch_of_keeps_per_token_versions_and_the_oldest_version():
+    rollout, rewards = batch_of([traj(3), traj(1), traj(2)])
+    assert rollout.version == 1 and rewards.shape == (6,)
+    assert rollout.token_versions[:, 0].tolist() == [3, 3, 1, 1, 2, 2]
