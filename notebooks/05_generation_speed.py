@@ -2253,9 +2253,9 @@ ngram_best = max(ngram["speedup"].values())
 show([("speculation, model draft", "2-3x", f"{model_best:.2f}x", "agree" if 2 <= model_best <= 3 else "differ",
        f"<= 4-token answers; the draft costs c = {c_cpu:.2f} target steps here (~0.05 on a GPU), and verifying "
        f"{k_show + 1} tokens in a batch of {rows_n} costs {v_batch:.1f} steps (~1 on a GPU)"),
-      ("speculation, n-gram lookup", "2-3x", f"{ngram_best:.2f}x", "agree" if ngram_best >= 2 else "differ",
+      ("speculation, n-gram lookup", "2-3x", f"{ngram_best:.2f}x", "agree" if 2 <= ngram_best <= 3 else "differ",
        f"one sequence, a free draft accepted {pct(max(ngram['acceptance'].values()))} of the time "
-       "(repetitive output)")],
+       "(a loop: the best case for a lookup, so it may land above the source's range)")],
      ("quantity", "source", "minirl (best k)", "agree?", "why"))
 
 
