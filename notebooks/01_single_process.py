@@ -2718,6 +2718,47 @@ print(f"prefix compute saved, G = {G} | 70-80 % | {100 * saved:.1f} % (prompt to
 # Everything else (shapes, masks, the behaviour log-probs, padding after EOS, the version
 # check, determinism for a seeded generator) is the same.
 
+# %% [markdown]
+# Every hand-written decoding loop in minirl (this engine's, notebook 05's paged engine and its
+# speculative verifier, notebook 07's in-flight producer) samples a token and records its
+# behaviour log-prob the same way, so that the way is written once: `sample_tokens`.
+
+# %%
+# | export minirl/rollout/sampling.py
+"""One token per row and its behaviour log-prob: the sampling step every hand-written decoding loop shares.
+
+HF `generate` (HFEngine) and vLLM sample inside their own code; minirl's own loops (the
+shared-prefix engine, the paged engine of notebook 05 and its speculative verifier, the
+in-flight producer of notebook 07) call `sample_tokens`, so a behaviour log-prob means the
+same thing in every engine: log_softmax(logits / temperature) at the sampled token.
+
+Simplified: plain sampling (no top-k, top-p or repetition penalty), which is what the RL
+loss assumes.
+"""
+
+import torch
+from torch import Tensor
+
+
+def sample_tokens(logits: Tensor, temperature: float | Tensor,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """One token per row from softmax(logits / temperature); temperature 0 picks the argmax.
+
+    logits: [R, V] (upcast to float32); temperature: a float, or [R] per row. Returns
+    (tokens [R] long, logprobs [R] float32), logprobs = log_softmax(logits / temperature)
+    at the token (at temperature 1 for greedy rows). `generator` draws the samples (the
+    global RNG when None); greedy rows draw too, so a row's temperature never shifts the
+    random stream of the others.
+    """
+    logits = logits.float()                                                              # [R, V]
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(logits.shape[0])  # [R]
+    greedy = t == 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, t)[:, None], -1)        # [R, V]
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)           # [R]
+    tokens = torch.where(greedy, logp.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
 # %%
 # | export minirl/rollout/shared_prefix.py
 """The shared-prefix engine: prefill each prompt once, repeat its KV cache G times, sample in a plain loop.
@@ -2736,9 +2777,10 @@ repetition penalty or other `generation_config` processors); the model's cache m
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
+from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask
 from minirl.config import SamplingConfig
 from minirl.rollout.hf import HFEngine
+from minirl.rollout.sampling import sample_tokens
 
 
 class SharedPrefixEngine(HFEngine):
@@ -2781,11 +2823,10 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
     unfinished = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
     tokens, logprobs = [], []
     for step in range(max_new_tokens):
-        scores = logits.float() / temperature                                  # [N, V]
-        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)   # [N]
+        token, logp = sample_tokens(logits, temperature, generator)            # [N] each
         token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
         tokens.append(token)
-        logprobs.append(selective_log_softmax(scores, token))                  # [N]
+        logprobs.append(logp)                                                  # [N]
         unfinished = unfinished & (token != eos_token_id)
         if not unfinished.any() or step == max_new_tokens - 1:
             break

@@ -17,9 +17,10 @@ __all__ = ["SharedPrefixEngine", "sample_shared_prefix"]
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask, selective_log_softmax
+from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask
 from minirl.config import SamplingConfig
 from minirl.rollout.hf import HFEngine
+from minirl.rollout.sampling import sample_tokens
 
 
 class SharedPrefixEngine(HFEngine):
@@ -61,11 +62,10 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
     unfinished = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
     tokens, logprobs = [], []
     for step in range(max_new_tokens):
-        scores = logits.float() / temperature                                  # [N, V]
-        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)   # [N]
+        token, logp = sample_tokens(logits, temperature, generator)            # [N] each
         token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
         tokens.append(token)
-        logprobs.append(selective_log_softmax(scores, token))                  # [N]
+        logprobs.append(logp)                                                  # [N]
         unfinished = unfinished & (token != eos_token_id)
         if not unfinished.any() or step == max_new_tokens - 1:
             break

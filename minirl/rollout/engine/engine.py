@@ -21,7 +21,7 @@ Simplified vs vLLM: one process, one device, no CUDA graphs, no detokenization s
 plain temperature sampling (no top-k/top-p), weights updated in place between batches.
 """
 
-__all__ = ["DTYPES", "CACHES", "Request", "Stats", "sample", "PagedEngine"]
+__all__ = ["DTYPES", "CACHES", "Request", "Stats", "PagedEngine"]
 
 import copy
 import time
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
+from minirl.rollout.sampling import sample_tokens
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
@@ -71,19 +72,6 @@ class Stats:
     verified_rows: int = 0         # speculation: sequences verified (each gets accepted + 1 tokens)
     seconds: dict = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "draft", "postprocess"), 0.0))
-
-
-def sample(logits: Tensor, temperatures: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """One token per row from softmax(logits / temperature); temperature 0 picks the argmax.
-
-    logits: [R, V] float32; temperatures: [R]. Returns (tokens [R] long, logprobs [R] float32),
-    logprobs = log_softmax(logits / temperature) at the token (at temperature 1 for greedy rows).
-    """
-    greedy = temperatures == 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], -1)     # [R, V]
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)                 # [R]
-    tokens = torch.where(greedy, logp.argmax(-1), tokens)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 class PagedEngine:
@@ -259,7 +247,7 @@ class PagedEngine:
         clock = self.tick("forward", clock)
         live = [seq for seq, _ in work if seq.status == RUNNING]
         temperatures = torch.tensor([s.temperature for s in live], device=logits.device)
-        tokens, logprobs = sample(logits, temperatures, generator)
+        tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling step
         clock = self.tick("sample", clock)
         for seq, n in work:
             seq.num_computed += n
