@@ -1,4 +1,4 @@
-"""Grade the exercises: `python -m minirl.grade [--reference] [--only NN] [--dir DIR] [--timeout S]`.
+"""Grade the exercises: `python -m minirl.grade [--reference] [--only NN[,NN]] [--dir DIR] [--timeout S]`.
 
 Hand-written (it teaches nothing). Each exercise N.M has checks in
 `tests/exercises/test_NN_*.py`, marked `@pytest.mark.exercise("N.M")`. The grader runs
@@ -13,10 +13,15 @@ process that reports each check's start and outcome over a pipe. An exercise get
 again, on its own clock. When an exercise runs past its time, or the child dies inside one
 of its checks (`os._exit`, a segfault), the parent kills the child, scores that exercise 0
 ("timeout" or "crash") and starts a fresh child that skips what has been graded. A
-`KeyboardInterrupt` or `pytest.exit` raised by student code fails that check only. One
-child serves all notebooks until something goes wrong: a child costs a Python start-up and
-the imports of torch and the checks (a few seconds), so a child per exercise, or per
-notebook, would make every grading that much slower for a rare failure.
+`KeyboardInterrupt` or `pytest.exit` raised by student code fails that check only.
+
+No exercise can change another's score. Each notebook's checks run in a child of their own
+(a Python start-up and the imports of torch, a few seconds each), so nothing one notebook's
+code does to the interpreter reaches another's. Inside a child, the attributes of torch's
+public namespaces (`torch`, `torch.Tensor`, `torch.nn.functional`, `torch.testing`, ...),
+`math` and `builtins`, and torch's global settings (default dtype, grad mode, threads), are
+put back as they were after every check: a student function that patches `torch.allclose`
+or `torch.Tensor.sum` cannot make a later check pass or fail.
 
 Ctrl-C stops the child and prints the table so far, the exercises not graded marked
 "interrupted", and a last line `score: X/Y (interrupted)`; the exit status is then 130.
@@ -35,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -46,11 +52,11 @@ STARTUP_S = 120.0  # a child's start-up and collection, and the gaps between che
 INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports SIGINT
 
 
-def exercise_names(only: str | None) -> dict[str, str]:
-    """{"0.1": "format_answer", ...} from the stubs in exercises/, in notebook order."""
+def exercise_names(only: list[str] | None) -> dict[str, str]:
+    """{"0.1": "format_answer", ...} from the stubs in exercises/ (of the notebooks in `only`), in notebook order."""
     names = {}
     for path in sorted((ROOT / "exercises").glob("[0-9][0-9]_*.py")):
-        if only is None or path.name.startswith(only + "_"):
+        if only is None or path.name[:2] in only:
             names.update(dict(STUB.findall(path.read_text())))
     return names
 
@@ -75,6 +81,7 @@ class Reporter:
 
     def __init__(self, out, skip_nodes: set[str], skip_exercises: set[str]):
         self.out, self.skip_nodes, self.skip_exercises = out, skip_nodes, skip_exercises
+        self.state: GlobalState | None = None
 
     def send(self, **event) -> None:
         self.out.write(json.dumps(event) + "\n")
@@ -89,6 +96,7 @@ class Reporter:
                 checks[item.nodeid] = marker.args[0]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+        self.state = GlobalState()  # after the checks' imports, before any student code runs
         self.send(event="collected", checks=checks)
 
     def pytest_collectreport(self, report):
@@ -121,11 +129,59 @@ class Reporter:
             self.send(event="report", node=report.nodeid, passed=report.passed,
                       message="" if report.passed else first_line(report))
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        try:
+            return (yield from stopped_by_code())
+        finally:
+            if self.state is not None:
+                self.state.restore()  # whatever this check's code patched, the next check does not see
+
     def pytest_runtest_logfinish(self, nodeid, location):
         self.send(event="finish", node=nodeid)
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.send(event="done")
+
+
+class GlobalState:
+    """What student code may patch in the interpreter, saved once and put back after every check.
+
+    The attributes of a few namespaces every check uses (a replaced function is restored, an
+    added attribute removed unless it is a submodule that an import bound there) and torch's
+    global settings. Not saved: the random number generators (the checks seed their own).
+    """
+
+    def __init__(self):
+        import builtins
+        import math
+
+        import torch
+        import torch.nn.functional
+        import torch.testing
+
+        self.torch = torch
+        self.spaces = [torch, torch.Tensor, torch.nn.functional, torch.testing, torch.linalg, torch.nn.Module,
+                       math, builtins]
+        self.saved = [dict(vars(space)) for space in self.spaces]
+        self.settings = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads())
+
+    def restore(self) -> None:
+        for space, saved in zip(self.spaces, self.saved):
+            now = vars(space)
+            for name in [n for n in now if n not in saved and not isinstance(now[n], types.ModuleType)]:
+                delattr(space, name)
+            for name, value in saved.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(space, name, value)
+        dtype, grad, threads = self.settings
+        self.torch.set_default_dtype(dtype)
+        self.torch.set_grad_enabled(grad)
+        if self.torch.get_num_threads() != threads:
+            self.torch.set_num_threads(threads)
+
+
+_MISSING = object()
 
 
 def stopped_by_code():
@@ -240,14 +296,18 @@ class Grader:
         self.status: dict[str, str] = {}  # "N.M" -> why it scores 0 whatever its checks say (timeout, crash)
         self.used: dict[str, float] = {}  # "N.M" -> seconds its checks have run
         self.child: Child | None = None
+        self.notebook: int | None = None  # the notebook whose checks the current child runs
 
     def run(self) -> None:
-        """Run every check; after a timeout or a crash, a fresh child runs the checks not yet run."""
-        skip = {"nodes": [], "exercises": []}
-        while skip is not None:
-            self.child = Child(self.files, self.target, skip)
-            skip = self.watch(self.child)
-            self.child = None
+        """Each notebook's checks in a child of their own; after a timeout or a crash, a fresh child for
+        that notebook runs its checks not yet run."""
+        for path in self.files:
+            self.notebook = int(re.match(r"test_(\d\d)_", path.name)[1])
+            skip = {"nodes": [], "exercises": []}
+            while skip is not None:
+                self.child = Child([path], self.target, skip)
+                skip = self.watch(self.child)
+                self.child = None
 
     def watch(self, child: Child) -> dict | None:
         """Follow the child to its end; returns what a fresh child must skip, or None when all is done."""
@@ -322,15 +382,16 @@ class Grader:
 
         In a check, that is the check's exercise. While importing an exercise file, it is every
         exercise of that notebook not yet graded. Outside any check the cause is not student
-        code (none runs there), so every exercise not yet graded scores 0 and no child follows.
+        code (none runs there), so every exercise of the notebook not yet graded scores 0 and no
+        child follows for it.
         """
         if child.node is None:
-            self.status.update({i: why for i in self.ungraded()})
+            self.status.update({i: why for i in self.ungraded(notebook=self.notebook)})
             return None
         exercise = self.exercise_of[child.node]
         lost = self.ungraded(notebook=notebook_of(exercise)) if child.loading else [exercise]
         self.status.update({i: why for i in lost})
-        if not self.ungraded():
+        if not self.ungraded(notebook=self.notebook):
             return None
         return {"nodes": sorted(self.outcome), "exercises": sorted(self.status)}
 
@@ -368,21 +429,22 @@ class Grader:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minirl.grade", description=__doc__.splitlines()[0])
     parser.add_argument("--reference", action="store_true", help="grade the package's own solutions")
-    parser.add_argument("--only", metavar="NN", help="one notebook's exercises, e.g. 00")
+    parser.add_argument("--only", metavar="NN[,NN]", help="these notebooks' exercises, e.g. 00 or 00,01")
     parser.add_argument("--dir", type=Path, help="grade exercise files in this directory instead of exercises/")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
                         help="seconds each exercise's checks may run in all (default: %(default)g)")
     args = parser.parse_args(argv)
-    if args.only is not None and not re.fullmatch(r"\d\d", args.only):
-        parser.error(f"--only {args.only!r}: give a two-digit notebook number such as 00")
+    if args.only is not None and not re.fullmatch(r"\d\d(,\d\d)*", args.only):
+        parser.error(f"--only {args.only!r}: give two-digit notebook numbers such as 00 or 00,01")
     if not args.timeout > 0:
         parser.error(f"--timeout {args.timeout:g}: give a positive number of seconds, such as 60")
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {str(args.dir)!r}: no such directory")
 
     target = "reference" if args.reference else str(args.dir.resolve()) if args.dir else "exercises"
-    names = exercise_names(args.only)
-    files = sorted(CHECKS.glob(f"test_{args.only}_*.py" if args.only else "test_[0-9][0-9]_*.py"))
+    only = args.only.split(",") if args.only else None
+    names = exercise_names(only)
+    files = sorted(f for f in CHECKS.glob("test_[0-9][0-9]_*.py") if only is None or f.name[5:7] in only)
     print(f"grading {'reference solutions' if args.reference else target}", flush=True)
     grader = Grader(files, target, args.timeout, names)
     interrupted = False

@@ -56,8 +56,8 @@ def test_untouched_stubs_score_zero_and_reference_full_marks():
     assert x == y_ref == y, "\n".join(rows)
 
 
-def test_solved_exercise_files_score_full_marks(tmp_path):
-    """The exercise files with their solutions put back pass every check: their imports are enough."""
+def solved_files(directory: Path, *names: str) -> Path:
+    """The exercise files `names` (default: all) with their solutions put back, written into `directory`."""
     spec = importlib.util.spec_from_file_location("minirl_tools_build", ROOT / "tools" / "build.py")
     build_tool = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = build_tool
@@ -67,8 +67,14 @@ def test_solved_exercise_files_score_full_marks(tmp_path):
         solved = build_tool.exercise_files(build_tool.read_notebooks(ROOT)[1], solutions=True)
     for rel, text in solved.items():
         assert "NotImplementedError(\"exercise" not in text
-        (tmp_path / Path(rel).name).write_text(text)
-    rows, x, y = grade("--dir", str(tmp_path))
+        if not names or Path(rel).name in names:
+            (directory / Path(rel).name).write_text(text)
+    return directory
+
+
+def test_solved_exercise_files_score_full_marks(tmp_path):
+    """The exercise files with their solutions put back pass every check: their imports are enough."""
+    rows, x, y = grade("--dir", str(solved_files(tmp_path)))
     assert x == y == stub_count(), "\n".join(rows)
 
 
@@ -151,8 +157,53 @@ def test_ctrl_c_prints_the_table_so_far(tmp_path):
     assert gone, "the child running the hanging check is stopped with the grader"
 
 
+ALLCLOSE_ALWAYS_TRUE = "\n__import__('torch').allclose = lambda *args, **kwargs: True  # planted\n"
+PATCHES_IN_A_CHECK = ("    __import__('torch').allclose = lambda *args, **kwargs: True  # planted\n"
+                      "    __import__('torch').Tensor.sum = lambda self, *a, **k: self.new_zeros(())  # planted\n")
+POPULATION_STD = ("    r = rewards.view(-1, num_generations)\n"
+                  "    return ((r - r.mean(1, keepdim=True)) / (r.std(1, correction=0, keepdim=True) + 1e-4))"
+                  ".view(-1)\n")
+
+
+def score_of(rows: list[str], exercise: str) -> int:
+    return int(row(rows, exercise).split()[3])
+
+
+def edit_function(path: Path, name: str, *, prepend: str = "", body: str | None = None) -> None:
+    """In the exercise file `path`, put `prepend` at the start of function `name`'s body (after its
+    docstring), or replace its body with `body`."""
+    text = path.read_text()
+    start = text.index(f"def {name}(")
+    doc = text.index('"""', start)
+    begin = text.index("\n", text.index('"""', doc + 3)) + 1           # the line after the docstring
+    end = text.index("\n\n\n", begin) + 1
+    text = text[:begin] + prepend + (text[begin:end] if body is None else body) + text[end:]
+    path.write_text(text)
+
+
+def test_an_exercise_that_patches_torch_cannot_pass_another_notebooks_wrong_exercise(tmp_path):
+    """Notebook 00's file replaces torch.allclose; notebook 01's wrong 1.2 (population std) still fails."""
+    plant(tmp_path, "00_task_and_policy.py", {}, tail=ALLCLOSE_ALWAYS_TRUE)
+    solved_files(tmp_path, "01_single_process.py")
+    edit_function(tmp_path / "01_single_process.py", "group_advantages", body=POPULATION_STD)
+    rows, x, y = grade("--only", "00,01", "--dir", str(tmp_path))
+    assert score_of(rows, "1.2") == 0, "\n".join(rows)
+    assert score_of(rows, "1.1") == 1, "the other solved exercises of notebook 01 keep their marks\n" + "\n".join(rows)
+
+
+def test_a_patch_inside_one_check_is_undone_before_the_next(tmp_path):
+    """Exercise 1.1's solution also patches torch.allclose and torch.Tensor.sum when it runs: the wrong
+    1.2 still fails, and every correct exercise after it keeps its mark."""
+    solved_files(tmp_path, "01_single_process.py")
+    edit_function(tmp_path / "01_single_process.py", "selective_log_softmax", prepend=PATCHES_IN_A_CHECK)
+    edit_function(tmp_path / "01_single_process.py", "group_advantages", body=POPULATION_STD)
+    rows, x, y = grade("--only", "01", "--dir", str(tmp_path))
+    assert score_of(rows, "1.2") == 0, "\n".join(rows)
+    assert x == y - 1, "every exercise but 1.2 passes: the patches did not outlive their check\n" + "\n".join(rows)
+
+
 def test_bad_arguments():
-    for args, message in ((["--only", "7"], "--only '7'"), (["--timeout", "0"], "--timeout 0"),
-                          (["--dir", "/nonexistent"], "--dir '/nonexistent'")):
+    for args, message in ((["--only", "7"], "--only '7'"), (["--only", "00,1"], "--only '00,1'"),
+                          (["--timeout", "0"], "--timeout 0"), (["--dir", "/nonexistent"], "--dir '/nonexistent'")):
         out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 2 and message in out.stderr, out.stderr
