@@ -1,0 +1,125 @@
+"""Edits take effect: an exported notebook cell, once run, is the code the package runs.
+
+Hand-written (notebook plumbing, it teaches nothing). Every notebook loads it in its first
+code cell (`%load_ext minirl.utils.live`). After a cell whose first line is an export marker
+(`# | export minirl/algo/advantages.py`) runs without error, the extension runs the same
+source again inside that module (`minirl.algo.advantages`), so the module's names are the
+cell's, and then patches the objects the module held before in place, with IPython's own
+autoreload machinery (`update_generic`: a function gets the new code, a class the new
+methods). References other modules took earlier (`from minirl.algo.advantages import
+group_advantages` in `minirl.train.step`) therefore run the edited code too, for the rest of
+the kernel's life.
+
+Simplified: the files on disk do not change (save the notebook and run `python tools/build.py`
+to regenerate them); a cell that fails is not applied; an object the edit deletes stays in
+the module until the kernel restarts; instances created before the edit keep their data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import types
+
+EXPORT = re.compile(r"^#\s*\|\s*export\s+(minirl/\S+)\.py\s*$")
+
+_shell = None
+_told = False
+
+
+def export_target(source: str) -> str | None:
+    """The module a cell exports to ("minirl.algo.advantages"), from its first non-blank line; None if none."""
+    for line in source.splitlines():
+        if line.strip():
+            m = EXPORT.match(line.strip())
+            return m[1].replace("/", ".").removesuffix(".__init__") if m else None
+    return None
+
+
+def patch_function(old: types.FunctionType, new: types.FunctionType) -> bool:
+    """Make `old` run `new`'s code in place (code, defaults, closure cells, attributes); False if it cannot."""
+    try:
+        old.__code__ = new.__code__                 # refused when the number of free variables differs
+    except ValueError:
+        return False
+    for old_cell, new_cell in zip(old.__closure__ or (), new.__closure__ or (), strict=True):
+        old_cell.cell_contents = new_cell.cell_contents           # a decorator's wrapped function, say
+    old.__defaults__, old.__kwdefaults__, old.__doc__ = new.__defaults__, new.__kwdefaults__, new.__doc__
+    old.__dict__.update(new.__dict__)
+    return True
+
+
+def patch_class(old: type, new: type) -> None:
+    """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow."""
+    for name, value in vars(new).items():
+        if name in ("__dict__", "__weakref__"):
+            continue
+        current = vars(old).get(name)
+        if isinstance(current, types.FunctionType) and isinstance(value, types.FunctionType):
+            if patch_function(current, value):
+                continue
+        try:
+            setattr(old, name, value)
+        except (AttributeError, TypeError):          # __doc__ of some builtins' subclasses, say
+            pass
+
+
+def patch(old, new) -> bool:
+    """Make `old` behave as `new` in place (a function or a class); False when it is some other value."""
+    if isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType):
+        return patch_function(old, new)
+    if isinstance(old, type) and isinstance(new, type):
+        patch_class(old, new)
+        return True
+    return False
+
+
+def apply_cell(source: str, module_name: str) -> list[str]:
+    """Run `source` inside `module_name` and patch the objects it replaces in place; returns the names it set."""
+    module = importlib.import_module(module_name)
+    namespace = vars(module)
+    before = dict(namespace)
+    exec(compile(source, getattr(module, "__file__", None) or module_name, "exec"), namespace)  # noqa: S102
+    changed = []
+    for name, new in list(namespace.items()):
+        old = before.get(name)
+        if name.startswith("__") or new is old:
+            continue
+        changed.append(name)
+        if old is not None and patch(old, new):
+            namespace[name] = old             # one object per name, edit after edit: earlier imports follow it
+    return changed
+
+
+def _post_run_cell(result) -> None:
+    global _told
+    source = getattr(result.info, "raw_cell", "") or ""
+    target = export_target(source)
+    if target is None or not result.success:
+        return
+    try:
+        names = apply_cell(source, target)
+    except Exception as err:  # the notebook's own run succeeded; say why the package could not take it
+        print(f"[minirl] this cell ran, but {target} could not take it: {type(err).__name__}: {err}")
+        return
+    if not _told:
+        _told = True
+        print(f"[minirl] exported cell: {target} now runs this cell's code ({', '.join(names[:4]) or 'no names'}"
+              f"{', ...' if len(names) > 4 else ''}), and so does every module that imported it, until the kernel "
+              "restarts. The files on disk change when you save the notebook and run `python tools/build.py`.")
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext minirl.utils.live`: apply every exported cell to the package after it runs."""
+    global _shell
+    if _shell is not None:
+        return
+    _shell = ipython
+    ipython.events.register("post_run_cell", _post_run_cell)
+
+
+def unload_ipython_extension(ipython) -> None:
+    global _shell
+    if _shell is not None:
+        ipython.events.unregister("post_run_cell", _post_run_cell)
+        _shell = None

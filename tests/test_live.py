@@ -1,0 +1,100 @@
+"""Edits take effect: a learner's edit to an exported cell is what the package runs afterwards."""
+
+import os
+import re
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+from minirl.utils.live import apply_cell, export_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exported_cell(notebook: str, defines: str) -> str:
+    """The source of the exported cell of notebooks/<notebook> that defines `defines`."""
+    text = (ROOT / "notebooks" / notebook).read_text()
+    cells = re.split(r"^# %%.*$", text, flags=re.M)
+    return next(c.strip("\n") for c in cells if export_target(c) and f"\ndef {defines}(" in c)
+
+
+def test_export_target_reads_the_first_line():
+    assert export_target("\n# | export minirl/algo/advantages.py\nx = 1") == "minirl.algo.advantages"
+    assert export_target("# | export minirl/tasks/__init__.py\n") == "minirl.tasks"
+    assert export_target("x = 1\n# | export minirl/algo/advantages.py") is None
+    assert export_target("") is None
+
+
+@pytest.mark.notebook
+def test_an_edited_exported_cell_changes_what_package_code_computes(monkeypatch):
+    """Copy notebook 01's cell that defines group_advantages, break it on purpose, run it in a kernel:
+    minirl.train.step (which imported group_advantages before the edit) now computes the edited version."""
+    cell = exported_cell("01_single_process.py", "group_advantages")
+    edited = cell.replace("    return advantages.reshape(-1)                                         # [N]",
+                          "    return advantages.reshape(-1) * 0 + 42.0                              # edited")
+    assert edited != cell, "the cell's return line moved: update this test"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.live"),
+                nbformat.v4.new_code_cell("import torch\nimport minirl.train.step as step\n"
+                                          "before = step.group_advantages(torch.tensor([1., 0.]), 2).tolist()"),
+                nbformat.v4.new_code_cell(edited),
+                nbformat.v4.new_code_cell("after = step.group_advantages(torch.tensor([1., 0.]), 2).tolist()\n"
+                                          "print('before', before, 'after', after)")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "before [0.7" in printed and "after [42.0, 42.0]" in printed, printed
+    assert "[minirl] exported cell: minirl.algo.advantages now runs this cell's code" in printed, printed
+
+
+def test_apply_cell_patches_earlier_references_in_place():
+    import torch
+
+    import minirl.train.step as step
+
+    cell = exported_cell("01_single_process.py", "group_advantages")
+    try:
+        names = apply_cell(cell.replace("grouped.mean(1, keepdim=True)", "grouped.mean(1, keepdim=True) * 0"),
+                           "minirl.algo.advantages")
+        assert "group_advantages" in names
+        out = step.group_advantages(torch.tensor([1.0, 3.0]), 2, "none")
+        assert out.tolist() == [1.0, 3.0], "step.py's reference runs the edited code (mean no longer subtracted)"
+    finally:
+        apply_cell(cell, "minirl.algo.advantages")              # the notebook's own code again
+    assert step.group_advantages(torch.tensor([1.0, 3.0]), 2, "none").tolist() == [-1.0, 1.0]
+
+
+def test_decorated_functions_classes_and_repeated_edits_follow(monkeypatch):
+    """A @torch.no_grad() function, a class's method and a dataclass: references taken before the first
+    edit run the code of the latest edit, edit after edit (IPython's autoreload misses the decorated one)."""
+    import sys
+    import types
+
+    scratch = types.ModuleType("minirl_live_scratch")
+    monkeypatch.setitem(sys.modules, "minirl_live_scratch", scratch)
+    source = '''
+import dataclasses
+import torch
+
+@torch.no_grad()
+def double(x):
+    return x * {k}
+
+class Scale:
+    def apply(self, x):
+        return x * {k}
+
+@dataclasses.dataclass
+class Box:
+    size: int = {k}
+'''
+    apply_cell(source.format(k=2), "minirl_live_scratch")
+    double, Scale, Box, instance = scratch.double, scratch.Scale, scratch.Box, scratch.Scale()
+    for k in (3, 5):
+        apply_cell(source.format(k=k), "minirl_live_scratch")
+        assert double(1) == k, "the decorated function taken before the edits runs the latest code"
+        assert instance.apply(1) == k and Scale().apply(1) == k, "old instances and the old class follow"
+        assert Box().size == k and scratch.Box is Box, "one class object per name, edit after edit"
