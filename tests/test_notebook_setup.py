@@ -1,4 +1,5 @@
-"""Edits take effect: a learner's edit to an exported cell is what the package runs afterwards."""
+"""The notebooks' kernel setup: figures whatever MPLBACKEND says; a learner's edit to an exported cell is what
+the package runs afterwards."""
 
 import os
 import re
@@ -8,7 +9,7 @@ import nbclient
 import nbformat
 import pytest
 
-from minirl.utils.live import apply_cell, export_target
+from minirl.utils.notebook import apply_cell, export_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ def test_an_edited_exported_cell_changes_what_package_code_computes(monkeypatch)
                           "    return advantages.reshape(-1) * 0 + 42.0                              # edited")
     assert edited != cell, "the cell's return line moved: update this test"
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.live"),
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.notebook"),
                 nbformat.v4.new_code_cell("import torch\nimport minirl.train.step as step\n"
                                           "before = step.group_advantages(torch.tensor([1., 0.]), 2).tolist()"),
                 nbformat.v4.new_code_cell(edited),
@@ -98,3 +99,15 @@ class Box:
         assert double(1) == k, "the decorated function taken before the edits runs the latest code"
         assert instance.apply(1) == k and Scale().apply(1) == k, "old instances and the old class follow"
         assert Box().size == k and scratch.Box is Box, "one class object per name, edit after edit"
+
+
+@pytest.mark.notebook
+def test_figures_show_inline_even_with_mplbackend_agg(monkeypatch):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.notebook"),
+                nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()")]
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    images = [o for o in nb.cells[1].get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, f"no figure in the cell's outputs: {nb.cells[1].get('outputs')}"

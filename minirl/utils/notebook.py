@@ -1,7 +1,12 @@
-"""Edits take effect: an exported notebook cell, once run, is the code the package runs.
+"""The notebooks' kernel setup: figures shown inline, and an exported cell, once run, is the code the package runs.
 
 Hand-written (notebook plumbing, it teaches nothing). Every notebook loads it in its first
-code cell (`%load_ext minirl.utils.live`). After a cell whose first line is an export marker
+code cell (`%load_ext minirl.utils.notebook`), which does two things.
+
+Figures: matplotlib's inline backend, whatever `MPLBACKEND` says (with `MPLBACKEND=Agg` in
+the environment, a notebook would otherwise draw nothing).
+
+Edits take effect. After a cell whose first line is an export marker
 (`# | export minirl/algo/advantages.py`) runs without error, the extension runs the same
 source again inside that module (`minirl.algo.advantages`), so the module's names are the
 cell's, and then patches the objects the module held before in place, with IPython's own
@@ -110,8 +115,9 @@ def _post_run_cell(result) -> None:
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext minirl.utils.live`: apply every exported cell to the package after it runs."""
+    """`%load_ext minirl.utils.notebook`: figures inline; every exported cell applied to the package after it runs."""
     global _shell
+    ipython.run_line_magic("matplotlib", "inline")
     if _shell is not None:
         return
     _shell = ipython
