@@ -4,13 +4,24 @@
     python chapters/01_single_process.py --algo ppo --out runs/01-ppo
     python chapters/01_single_process.py --model Qwen/Qwen2.5-0.5B --device cuda --out runs/01-qwen
     python chapters/01_single_process.py --out runs/01 --resume    # continue a stopped run exactly
+    python chapters/01_single_process.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --out runs/01-words \
+        --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
+        --reward math --reward format --reward-weights 1 0.5 --max-completion-length 256
+    python chapters/01_single_process.py --config run.yaml --out runs/01-yaml   # settings from a YAML file
 
 Writes OUT/run.json (the run's settings), OUT/metrics.jsonl (one line per step),
 OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_state.pt,
 written atomically), OUT/final/ (the final policy, Hugging Face format) and OUT/summary.json
-with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1), steps and seconds.
-A directory holds one run: --resume continues it, --overwrite replaces it. Every setting of
-minirl.config.RLConfig is a flag below (with its default).
+with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1; with --eval-dataset and no
+correctness reward, the mean weighted reward), steps, seconds and every setting (`settings`, after
+--config and the flags). A directory holds one run: --resume continues it, --overwrite replaces it.
+Every setting of minirl.config.RLConfig is a flag below (with its default).
+
+The task: --dataset (a `prompt` column, the other columns passed to the rewards, as in TRL;
+a prompt may be a list of chat messages, rendered by the model's chat template),
+--eval-dataset (held-out rows, decoded greedily and scored by the rewards), --reward
+(repeatable: arithmetic, math, format, or module:function) and --reward-weights. Without
+them, the embedded arithmetic task.
 """
 
 from __future__ import annotations
@@ -18,24 +29,63 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, PromptError, load_policy
+from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy, load_tokenizer
+from minirl.tasks.rewards import SPEC_HELP, apply_weights
+from minirl.tasks.task import Task, load_task
 from minirl.train.checkpoint import latest_checkpoint
 from minirl.train.plots import plot_metrics
 from minirl.train.cli import check_run_flags, resumed_config
 from minirl.train.run import RunStopped, train
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
+from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError
+from minirl.utils.rundir import RunDirError, read_run_record
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_int
 
+TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what run.json records as "task"
+
+
+def add_task_flags(parser) -> None:
+    group = parser.add_argument_group("task (default: the embedded arithmetic task)")
+    group.add_argument("--dataset", default=None, metavar="PATH",
+                       help="training rows: a JSONL, JSON, CSV or Parquet file, or a datasets.save_to_disk directory, "
+                            "with a 'prompt' column (text or chat messages); its other columns go to the rewards")
+    group.add_argument("--eval-dataset", default=None, metavar="PATH",
+                       help="held-out rows, decoded greedily and scored by the rewards (default: the embedded task's "
+                            "held-out split without --dataset, else no evaluation)")
+    group.add_argument("--reward", action="append", default=None, metavar="NAME_OR_MODULE:FUNCTION",
+                       help=f"a reward function, repeatable: {SPEC_HELP} (default: arithmetic)")
+    group.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
+                       help="one weight per --reward, in their order (default: 1 each)")
+
+
+def tokenizer_only(parser, name: str | None):
+    """The tokenizer of --model, loaded alone (a chat template is checked before the model loads)."""
+    if name is None:
+        return None                                   # the embedded policy's tokenizer has no chat template
+    try:
+        return load_tokenizer(name)
+    except Exception as err:                           # offline hub ids, damaged files: one line, as load_policy's
+        parser.error(f"argument --model: {name}: its tokenizer does not load ({type(err).__name__}: "
+                     f"{str(err).splitlines()[0] if str(err) else ''})")
+
+
+def task_from_args(parser, args) -> Task:
+    """The run's task from --dataset, --eval-dataset, --reward, --reward-weights; a parser error before loading."""
+    tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
+    try:
+        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer)
+    except ConfigError as err:
+        value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))
+        parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")
 
 def parse_args(argv=None):
-    """(args, config): flags checked and the config built, before anything is loaded."""
+    """(args, config, task, settings): flags checked, the config and the task built, before any model loads."""
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)   # both are config fields
     group = parser.add_argument_group("run directory and process")
     group.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
@@ -46,6 +96,7 @@ def parse_args(argv=None):
                        help="torch CPU threads; 1 suits the tiny policy (its matrices are too small to gain from "
                             "more, and threads on a busy machine spin); 0: torch's default (default: 1)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_task_flags(parser)
     add_config_flags(parser, RLConfig())
     args = parser.parse_args(argv)
     for dest, low in (("stop_after", 1), ("threads", 0)):
@@ -56,13 +107,23 @@ def parse_args(argv=None):
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
     check_run_flags(parser, args)
-    if args.resume:                        # the run's own settings, changed only where the user says so
-        config, _ = resumed_config(parser, args, argv)
-    return args, config
+    for dest in ("dataset", "eval_dataset"):   # one spelling of a path: run.json records it, --resume compares it
+        if getattr(args, dest) is not None:
+            setattr(args, dest, str(Path(getattr(args, dest)).expanduser().resolve()))
+    if args.resume:                        # the run's own settings (and task), changed only where the user says so
+        saved = read_run_record(args.out).get("task") or dict.fromkeys(TASK_FLAGS)
+        config, _ = resumed_config(parser, args, argv, also=saved)
+        for dest in TASK_FLAGS:
+            setattr(args, dest, saved.get(dest))
+    task = task_from_args(parser, args)
+    if not task.test and config.run.eval_every:
+        print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
+        config = config.replace(eval_every=0)
+    return args, config, task, merged_settings(parser, args)
 
 
 def main(argv=None) -> int:
-    args, config = parse_args(argv)
+    args, config, task, settings = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
@@ -71,11 +132,24 @@ def main(argv=None) -> int:
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
+    max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
+    context = getattr(model.config, "max_position_embeddings", None)
+    for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
+                            ("eval_dataset", task.test, max_new_tokens)):
+        try:
+            if rows:
+                check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
+        except PromptError as err:
+            print(f"error: {flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}", file=sys.stderr)
+            return 2
     out = args.out
     started = time.perf_counter()
+    run_info = {"model": args.model, "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings}
     try:
         metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
-                        progress=not args.no_progress, stop_after=args.stop_after, run_info={"model": args.model})
+                        progress=not args.no_progress, stop_after=args.stop_after, run_info=run_info,
+                        dataset=task.train, reward_funcs=apply_weights(task.reward_funcs, task.reward_weights),
+                        eval_fn=task.eval_fn(tokenizer, max_new_tokens))
     except RunStopped as stop:
         print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
         return 1
@@ -89,6 +163,7 @@ def main(argv=None) -> int:
         return 2
     seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
+    metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
     plot_path = out / "reward_curve.png"
     plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}")
     steps = [m for m in metrics if "reward" in m]
@@ -102,12 +177,16 @@ def main(argv=None) -> int:
         "final_reward": sum(last20) / max(1, len(last20)),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
-        "config": dataclasses.asdict(config),
+        "task": {"name": task.name, **{k: getattr(args, k) for k in TASK_FLAGS}, "rewards": task.reward_names,
+                 "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric},
+        "config": dataclasses.asdict(config), "settings": settings,
+        "config_file": None if args.config is None else str(args.config),
     }
     write_summary(out, summary)
     if evals:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        print(f"{config.algorithm.algo}: held-out greedy accuracy {before:.3f} -> {after:.3f} "
+        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
+        print(f"{config.algorithm.algo}: held-out {what} {before:.3f} -> {after:.3f} "
               f"({100 * (after - before):+.1f} points) in {summary['steps']} steps, {seconds:.0f} s")
     else:
         print(f"{config.algorithm.algo}: {summary['steps']} steps in {seconds:.0f} s (--eval-every 0: no evaluation)")

@@ -66,6 +66,11 @@ def format_reward(prompts, completions, reverse_answer: bool = True, **columns) 
     return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
 
 
+def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
+    """The embedded task's reward, `--reward arithmetic`: `accuracy_reward` on reversed digits."""
+    return accuracy_reward(prompts, completions, answer, reverse_answer=True)
+
+
 def sft_example(task: ArithmeticTask, problem: Problem, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and labels for one supervised example.
 

@@ -241,6 +241,11 @@ def format_reward(prompts, completions, reverse_answer: bool = True, **columns) 
     return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
 
 
+def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
+    """The embedded task's reward, `--reward arithmetic`: `accuracy_reward` on reversed digits."""
+    return accuracy_reward(prompts, completions, answer, reverse_answer=True)
+
+
 # %%
 # | export minirl/tasks/arithmetic.py
 @dataclass
@@ -1000,6 +1005,445 @@ rewards = torch.tensor(task.reward(None, completions, answer=answers)).view(-1, 
 for r, group in zip(rows, rewards):
     print(f"{r['prompt']:>7}  rewards {group.tolist()}  group mean {group.mean():.2f}")
 # 3. update and 4. synchronize: notebook 01.
+
+# %% [markdown]
+# ## 7. Your model, your task
+#
+# Everything above trains one policy on one task. A practitioner brings their own: an
+# Instruct model from the hub and a data set of word problems. Three pieces make that the
+# same loop rather than a special case: a verifier for what real models write, rows read
+# from a file, and one `Task` interface that the embedded task is an instance of.
+#
+# Real models write answers forwards, with words around them. The embedded verifier, built
+# for reversed digits and nothing else, scores every one of these 0:
+
+# %%
+natural = ["62", " 62", "The answer is 62.", "... so 31 + 31 = 62.\n#### 62"]
+print(accuracy_reward(None, natural, answer=[62] * len(natural)))
+
+# %% [markdown]
+# GSM8K's solutions end with `#### 62`; models trained on MATH put the answer in `\boxed{62}`.
+# A number must compare as a number: `1,234` is 1234 and `62.0` is 62. The parser below
+# accepts exactly the ways of writing a number that mean one value, and returns a
+# `Fraction`, so decimals compare exactly. Like `parse_answer`, it never raises.
+
+# %%
+# | export minirl/tasks/math_answer.py
+"""A math-answer verifier for real models: the final number of a worked solution, in forward digits.
+
+GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}`. `final_answer`
+reads that number (after the last `####` or inside the last `\\boxed{}`, whichever comes last;
+else a completion that is a number and nothing else), and `math_reward` compares it with the
+row's `answer` column as a number: "1,234" equals 1234, "62.0" equals 62, "$5." equals 5.
+
+Simplified on purpose: numbers only. No fractions, expressions or units, which a symbolic
+checker such as math-verify (behind TRL's `accuracy_reward`) compares; GSM8K's answers are
+integers, and a number is all a word-problem reward needs.
+"""
+
+import re
+from fractions import Fraction
+
+from minirl.tasks.arithmetic import completion_text
+
+MAX_NUMBER_CHARS = 64  # longer "numbers" are malformed: no answer is that long, and Fraction() refuses
+                       # strings of more than 4,300 digits (a verifier must not raise on them)
+NUMBER = re.compile(r"(?P<sign>[+-]?)\s*\$?\s*(?P<sign2>[+-]?)\s*"                 # -$5 and $-5 alike
+                    r"(?P<digits>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+                    r"(?![0-9]|[.,][0-9])", re.ASCII)                                # a number ends here
+
+
+def _number(match) -> Fraction | None:
+    if match is None or (match["sign"] and match["sign2"]):
+        return None
+    value = Fraction(match["digits"].replace(",", ""))
+    return -value if "-" in (match["sign"], match["sign2"]) else value
+
+
+def parse_number(text) -> Fraction | None:
+    """The number that `text` is, exactly, or None.
+
+    Parses "62", " 62 ", "+62", "-5", "1,234" (commas only between groups of three), "$1,234.50",
+    "62." (a sentence's period) and "62.0" (equal to 62); refuses "", "6 2", "1,23", "62 apples",
+    "٣" (ASCII digits only) and anything over MAX_NUMBER_CHARS characters. Never raises.
+    """
+    if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS:
+        return None
+    text = text.strip().removesuffix(".").replace("\\$", "$").strip()
+    return _number(NUMBER.fullmatch(text))
+
+
+# %% [markdown]
+# Where is the final answer? After the last `####`, the number that starts the rest (as
+# GSM8K's own evaluation reads it); inside the last `\boxed{}`, the whole content. When a
+# completion has both, the later one is final. A completion with neither counts only if it
+# is a number and nothing else, so `"62"` scores but `"I think 61, no, 62"` does not.
+
+# %%
+# | export minirl/tasks/math_answer.py
+def _boxed(text: str) -> tuple[str, int] | None:
+    """(content, index after its closing brace) of the last `\\boxed{...}`, braces matched; None if it never closes."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j], j + 1
+    return None
+
+
+def _latex_number(content: str) -> Fraction | None:
+    """A number written in LaTeX: thin spaces (\\, \\!) and dollars dropped, {,} read as a thousands comma."""
+    for old, new in (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\ ", ""), ("\\$", ""), ("$", "")):
+        content = content.replace(old, new)
+    return parse_number(content)
+
+
+def final_answer(completion) -> Fraction | None:
+    """The final number of a completion (a string or TRL's chat messages), or None.
+
+    After the last `####`, the number that starts the rest ("#### 62" and "#### 62 apples"
+    both give 62); inside the last `\\boxed{}`, the whole content must be a number. When both
+    markers occur, the later one is the final answer. Without either, the completion must be
+    a number and nothing else (" 62", "1,234."). Never raises.
+    """
+    text = completion_text(completion)
+    if not isinstance(text, str):
+        return None
+    hashes, boxed = text.rfind("####"), text.rfind("\\boxed{")
+    if hashes >= 0 and hashes > boxed:
+        match = NUMBER.match(text[hashes + 4:].lstrip()[:MAX_NUMBER_CHARS])
+        return _number(match) if match and match.end() < MAX_NUMBER_CHARS else None
+    if boxed >= 0:
+        found = _boxed(text)
+        return _latex_number(found[0]) if found else None
+    return parse_number(text)
+
+
+def reference_answer(answer) -> Fraction | None:
+    """A row's `answer` as a number: an int or float as it is, a string through `final_answer`
+    (GSM8K's "...#### 62", "62", "\\boxed{62}"). None for anything else (a bool, NaN, "")."""
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, int):
+        return Fraction(answer)
+    if isinstance(answer, float):
+        return Fraction(repr(answer)) if answer == answer and abs(answer) != float("inf") else None
+    return final_answer(answer) if isinstance(answer, str) else None
+
+
+# %%
+examples = natural + ["#### 1,234.", "#### $5 per hour", r"so \boxed{1{,}234}", r"\boxed{5} ... #### 7",
+                      "I think 61, no, 62", "#### ", [{"role": "assistant", "content": "#### 62"}]]
+for text in examples:
+    found = final_answer(text)
+    print(f"{str(text)[:44]!r:50} -> {found if found is None else str(found)}")
+
+# %% [markdown]
+# The rewards, with TRL's signature. `math_reward` is 1 when the final number equals the
+# row's `answer` (GSM8K's answer column is itself a worked solution ending in `#### N`, so it
+# goes through the same reader). `math_format_reward` pays for ending with a marked answer,
+# right or wrong: a shaping signal that teaches the format before the arithmetic.
+
+# %%
+# | export minirl/tasks/math_answer.py
+def math_reward(prompts, completions, answer, **columns) -> list[float]:
+    """1.0 where a completion's final number equals the row's answer, else 0.0 (TRL signature).
+
+    completions: list[str] or chat messages; answer: one per completion, a number or a
+    GSM8K-style solution string. An answer that states no number is a ValueError naming it
+    (a data set error: every completion of that prompt would score 0, silently).
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"math_reward: {len(completions)} completions but {len(answer)} answers")
+    rewards = []
+    for completion, target in zip(completions, answer):
+        expected = reference_answer(target)
+        if expected is None:
+            raise ValueError(f"math_reward: answer {str(target)[:60]!r} states no number; give a number (62), "
+                             "GSM8K's '... #### 62' or '\\boxed{62}'")
+        rewards.append(1.0 if final_answer(completion) == expected else 0.0)
+    return rewards
+
+
+def math_format_reward(prompts, completions, **columns) -> list[float]:
+    """1.0 where a completion ends with a marked number, `#### N` or `\\boxed{N}`, else 0.0; right or wrong.
+
+    Whitespace, a period or a closing `$` may follow the marker; anything else after it scores 0.
+    """
+    rewards = []
+    for completion in completions:
+        text, ok = completion_text(completion), False
+        if isinstance(text, str):
+            hashes = text.rfind("####")
+            if hashes >= 0 and hashes > text.rfind("\\boxed{"):
+                ok = parse_number(text[hashes + 4:]) is not None
+            else:
+                found = _boxed(text)
+                ok = found is not None and _latex_number(found[0]) is not None \
+                    and not text[found[1]:].strip(" \t\n$.")
+        rewards.append(1.0 if ok else 0.0)
+    return rewards
+
+
+# %%
+gsm8k_answer = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
+print("math:  ", math_reward(None, natural, answer=[gsm8k_answer] * len(natural)))
+print("format:", math_format_reward(None, natural))
+
+# %% [markdown]
+# **Rows from a file, and a data set to try.** A data set is rows with a `prompt` column; the
+# other columns reach the rewards by name, as in TRL. `minirl.tasks.data_files.load_rows`
+# reads JSONL, JSON, CSV, Parquet or a `datasets.save_to_disk` directory, and names the
+# problem in one line when it cannot. A prompt may be a conversation (a list of
+# `{"role", "content"}` messages), which goes through the tokenizer's chat template.
+#
+# No data set is downloaded here, so minirl generates its own in GSM8K's format from ten
+# templates and a seed (`python -m minirl.tasks.word_problems`; a copy is in `data/`).
+# A test problem is its template and its numbers, and none of those is in training.
+
+# %%
+from minirl.tasks.word_problems import generate
+
+problems = generate(n_train=5, n_test=1, seed=0)
+print(problems["test"][0]["prompt"])
+print(problems["test"][0]["answer"])
+print(generate(n_train=1, n_test=1, chat=True)["test"][0]["prompt"])
+
+# %% [markdown]
+# **One interface.** A `Task` is the rows a run trains on, the rows it is judged on, and the
+# weighted rewards that score both. Evaluation decodes each held-out prompt greedily and
+# scores it: the mean weighted reward, each reward's mean, and the accuracy when one reward
+# is a 0/1 correctness check. The rollout engines take text, so conversational prompts are
+# rendered first, but the rewards still see the messages, as TRL's do.
+
+# %%
+# | export minirl/tasks/task.py
+"""A task: the rows a run trains on, the rows it is judged on, and the rewards that score them.
+
+Every chapter trains a `Task`: the embedded arithmetic task is one (`arithmetic_task`), a data
+set file with named rewards is another (`load_task`, what `--dataset`, `--eval-dataset`,
+`--reward` and `--reward-weights` build). `Task.evaluate` decodes the held-out prompts
+greedily and scores them with the task's rewards.
+
+Simplified vs TRL: evaluation decodes each held-out prompt once, greedily (TRL samples
+`num_generations_eval` completions with the training sampler's settings).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minirl.tasks.rewards import combine_rewards, reward_name
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500) -> list[str]:
+    """Greedy completions of text prompts, in order, decoded without special tokens.
+
+    Prompts are tokenized as they are (no special tokens added: a chat template has already
+    put its own), left-padded in batches of `batch_size`; generation stops at EOS.
+    """
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"                # every prompt ends at the same column
+    device = next(model.parameters()).device
+    texts = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = side
+    return texts
+
+
+# %%
+# | export minirl/tasks/task.py
+@dataclass
+class Task:
+    """What a run trains on and how it is judged.
+
+    train, test: rows {"prompt": text, **columns}; prompts are text (a conversation has been
+    through the chat template), the other columns reach the rewards. test may be empty (no
+    evaluation). reward_funcs: TRL-style f(prompts, completions, **columns); reward_weights:
+    one float each (TRL's `reward_weights`, default 1.0). accuracy_reward: the name of a 0/1
+    correctness reward, whose mean is the task's accuracy (None: there is none, and a run
+    reports the mean weighted reward). max_new_tokens: evaluation's length (None: the caller's).
+    """
+
+    name: str
+    train: list[dict]
+    test: list[dict]
+    reward_funcs: list
+    reward_weights: list[float] = field(default_factory=list)
+    accuracy_reward: str | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        self.reward_weights = list(self.reward_weights) or [1.0] * len(self.reward_funcs)
+        if len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"Task {self.name}: {len(self.reward_weights)} reward_weights for "
+                             f"{len(self.reward_funcs)} reward_funcs; give one weight per function")
+        if self.accuracy_reward is not None and self.accuracy_reward not in self.reward_names:
+            raise ValueError(f"Task {self.name}: accuracy_reward={self.accuracy_reward!r} is none of the reward "
+                             f"functions ({', '.join(self.reward_names)})")
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [reward_name(f) for f in self.reward_funcs]
+
+    def score(self, rows: list[dict], completions: list) -> tuple[torch.Tensor, dict]:
+        """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64."""
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        prompts = [r["prompt"] for r in rows]
+        per_func = torch.tensor([[float(v) for v in f(prompts=prompts, completions=completions, **columns)]
+                                 for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]
+        return combine_rewards(per_func, self.reward_weights, self.reward_names)
+
+    def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500) -> dict:
+        """Greedy completions of every test prompt, scored: {"reward": mean weighted reward,
+        "rewards/<name>": each reward's mean, "accuracy": the accuracy reward's mean (0..1), if any}."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        if not self.test or max_new_tokens is None:
+            raise ValueError(f"Task {self.name}: evaluate needs test rows and max_new_tokens (it has "
+                             f"{len(self.test)} test rows, max_new_tokens={max_new_tokens})")
+        completions = greedy_completions(model, tokenizer, [r["prompt"] for r in self.test], max_new_tokens,
+                                         batch_size)
+        total, metrics = self.score(self.test, completions)
+        result = {"reward": total.mean().item(), **metrics}
+        if self.accuracy_reward is not None:
+            result["accuracy"] = metrics[f"rewards/{self.accuracy_reward}"]
+        return result
+
+    def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
+        """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
+        (None when the task has no test rows)."""
+        if not self.test:
+            return None
+        key = "accuracy" if self.accuracy_reward is not None else "reward"
+        return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
+
+# %% [markdown]
+# The embedded task is one `Task`, and a data set with named rewards is another.
+# `load_task` is what the chapters' `--dataset`, `--eval-dataset`, `--reward` and
+# `--reward-weights` build; every mistake in them is an error naming the flag, before any
+# model loads.
+
+# %%
+# | export minirl/tasks/task.py
+from pathlib import Path
+
+from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
+from minirl.tasks.data_files import check_rows, load_rows, render_prompts
+from minirl.tasks.math_answer import math_reward, reference_answer
+from minirl.tasks.rewards import CORRECTNESS, as_conversational, check_reward_columns, resolve_rewards
+from minirl.utils.validate import ConfigError
+
+
+def arithmetic_task(config: TaskConfig | None = None) -> Task:
+    """The embedded task as a Task: its training split, its held-out split, its exact-match reward.
+
+    Its held-out accuracy is `greedy_accuracy`'s: the same prompts, decoded greedily for the
+    longest answer plus EOS, scored by the same verifier.
+    """
+    task = make_task(config)
+    reward = arithmetic_reward if task.config.reverse_answer else task.reward
+    return Task("arithmetic", task.rows("train"), task.rows("test"), [reward], [1.0],
+                accuracy_reward=reward_name(reward), max_new_tokens=task.config.max_answer_length + 1)
+
+
+def _rows(source, param: str) -> tuple[list[dict], str]:
+    """(rows, how errors name them) from a path, or from rows given directly (a list or a datasets.Dataset)."""
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return load_rows(source, param), str(source)
+    rows = source.to_list() if hasattr(source, "to_list") else [dict(r) for r in source]
+    check_rows(rows, param)
+    return rows, "rows"
+
+
+def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
+    for i, row in enumerate(rows):
+        if reference_answer(row.get("answer")) is None:
+            raise ConfigError(param, value, f"row {i}'s answer {str(row.get('answer'))[:40]!r} states no number, "
+                                            "which the math reward compares with: give a number (62), GSM8K's "
+                                            "'... #### 62' or '\\boxed{62}'")
+
+
+def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
+              reward_weights: list[float] | None = None, tokenizer=None) -> Task:
+    """The task that a run's data set and reward settings name; a ConfigError naming the setting otherwise.
+
+    dataset: a file or directory (see `load_rows`) or rows; None: the embedded task's
+    training split. eval_dataset: the held-out rows, the same way; None: the embedded task's
+    held-out split when dataset is None, else no evaluation. rewards: specs (see
+    `resolve_rewards`); None: `["arithmetic"]` for the embedded rows, an error for a data set.
+    reward_weights: one per reward. tokenizer: renders conversational prompts (needed for those only).
+    The accuracy is the first correctness reward's (arithmetic or math), if any is given.
+    """
+    embedded = arithmetic_task() if dataset is None else None
+    train, value = (embedded.train, "embedded") if embedded else _rows(dataset, "dataset")
+    if eval_dataset is not None:
+        test, eval_value = _rows(eval_dataset, "eval_dataset")
+    else:
+        test, eval_value = (embedded.test if embedded else []), "embedded"
+    if not rewards and embedded is None:
+        raise ConfigError("reward", rewards, "a data set needs at least one reward: a built-in (arithmetic, math, "
+                                             "format) or module:function")
+    funcs, weights = resolve_rewards(list(rewards or ["arithmetic"]), reward_weights)
+    accuracy = next((reward_name(f) for f in funcs if f in CORRECTNESS), None)
+    if math_reward in funcs:
+        _check_math_answers(train, "dataset", value)
+        _check_math_answers(test, "eval_dataset", eval_value)
+    train, lookup = render_prompts(train, tokenizer, "dataset", value)
+    test, eval_lookup = render_prompts(test, tokenizer, "eval_dataset", eval_value)
+    check_reward_columns(funcs, train, "dataset", value)
+    if test:
+        check_reward_columns(funcs, test, "eval_dataset", eval_value)
+    if lookup or eval_lookup:                      # TRL's rewards see a conversation's messages, not its text
+        funcs = [as_conversational(f, lookup | eval_lookup) for f in funcs]
+    name = "arithmetic" if embedded else "/".join(Path(value).parts[-2:])     # data/word_problems/train.jsonl
+    return Task(name, train, test, funcs, weights, accuracy_reward=accuracy,
+                max_new_tokens=embedded.max_new_tokens if embedded and eval_dataset is None else None)
+
+
+# %% [markdown]
+# The embedded task through the interface gives exactly the held-out accuracy that
+# `greedy_accuracy` computes, and the word problems load as a task with two weighted rewards
+# (the embedded policy knows no letters, so it is not asked to solve them).
+
+# %%
+embedded_task = arithmetic_task()
+evaluated = embedded_task.evaluate(model, tokenizer)
+print(f"Task.evaluate: {evaluated}   greedy_accuracy: {greedy_accuracy(model, tokenizer, task):.3f}")
+assert evaluated["accuracy"] == greedy_accuracy(model, tokenizer, task)
+
+# %%
+import json
+
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "train.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in problems["train"])
+    words = load_task(path, rewards=["math", "format"], reward_weights=[1.0, 0.5])
+    print(words.name, len(words.train), "rows, rewards", words.reward_names, "weights", words.reward_weights)
+    good = words.train[0]["answer"].split("\n")[-1]                     # "#### N": right and well formed
+    total, per_reward = words.score(words.train[:3], [good, "#### 0", "no idea"])
+    print("weighted totals", total.tolist(), per_reward)
+    with open(path, "w") as f:
+        f.write(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    for bad in (dict(dataset=path, rewards=["math"]), dict(rewards=["mathh"]),
+                dict(rewards=["math", "format"], reward_weights=[1.0])):
+        try:
+            load_task(**bad)
+        except ConfigError as err:
+            print("ConfigError:", err)
 
 # %% [markdown]
 # ## Exercises

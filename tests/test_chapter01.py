@@ -204,3 +204,130 @@ def test_bad_flags_fail_in_one_line_before_loading(tmp_path, chapter, monkeypatc
     assert exit_.value.code == 2 and message in err, err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
     assert not (tmp_path / "x").exists(), "nothing is created for a bad command line"
+
+
+# --- your model, your task (issue 19): --dataset, --eval-dataset, --reward, --reward-weights, --config ----------------
+
+SPY = '''
+import json, os
+def spy(prompts, completions, answer, **columns):
+    """Records what TRL's signature hands a reward; scores 1.0 for anything."""
+    with open(os.path.join(os.path.dirname(__file__), "spy.jsonl"), "a") as f:
+        f.write(json.dumps({"prompts": prompts[:2], "completions": completions[:2], "answer": answer[:2],
+                            "columns": sorted(columns), "n": len(completions)}) + "\\n")
+    return [1.0] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    """Word problems (text and chat); tiny Qwen2s with a byte-level BPE tokenizer, with and without a chat template."""
+    from tiny_bpe import save_tiny_bpe_model
+    from minirl.tasks.word_problems import write
+
+    root = tmp_path_factory.mktemp("words")
+    write(root / "plain", n_train=40, n_test=6)
+    write(root / "chat", n_train=40, n_test=6, chat=True)
+    (root / "spy.py").write_text(SPY)
+    return {"root": root, "chat_model": save_tiny_bpe_model(root / "instruct"),
+            "plain_model": save_tiny_bpe_model(root / "base", chat_template=False)}
+
+
+def test_a_chat_model_trains_on_word_problems_with_weighted_rewards_and_a_config_file(tmp_path, words):
+    """The issue's recipe on chapter 01: a BPE Qwen2, chat prompts, math + format + a user reward, settings in YAML."""
+    root, out = words["root"], tmp_path / "run"
+    (tmp_path / "words.yaml").write_text(f"""
+dataset: {root / "chat" / "train.jsonl"}
+eval_dataset: {root / "chat" / "test.jsonl"}
+reward: [math, format, {root / "spy.py"}:spy]
+reward_weights: [1, 0.5, 0.25]
+max-completion-length: 12
+learning_rate: 1.0e-3
+num_generations: 2
+steps: 9
+""")
+    proc = run("--config", tmp_path / "words.yaml", "--model", words["chat_model"], "--out", out, "--steps", 3,
+               "--prompts-per-step", 4, "--eval-every", 3, "--checkpoint-every", 0)
+    assert "held-out greedy accuracy" in proc.stdout
+    records = [m for m in read_metrics(out) if "reward" in m]
+    assert len(records) == 3, "--steps on the command line overrides the file's 9"
+    for m in records:
+        names = ("math_reward", "math_format_reward", "spy")
+        assert all(f"rewards/{n}" in m for n in names), sorted(m)
+        spy = m["rewards/spy"]                # the spy scores 1.0: its metric says whether it is logged weighted
+        assert spy in (1.0, 0.25)
+        scale = {1.0: [1, 0.5, 0.25], 0.25: [1, 1, 1]}[spy]
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip(scale, names)), abs=1e-6)
+    calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]
+    train_calls = [c for c in calls if c["n"] == 8]                # 4 prompts x 2 generations
+    assert len(train_calls) == 3 and {c["n"] for c in calls} == {8, 6}, "3 steps, and the 6 held-out rows (twice)"
+    first = train_calls[0]
+    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### ")
+    assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
+    assert first["completions"][0][0]["role"] == "assistant"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"]["rewards"] == ["math_reward", "math_format_reward", "spy"]
+    assert summary["task"]["reward_weights"] == [1.0, 0.5, 0.25] and summary["task"]["eval_rows"] == 6
+    assert summary["task"]["eval_metric"] == "accuracy (math_reward)"
+    assert summary["settings"]["learning_rate"] == 1e-3 and summary["settings"]["steps"] == 3
+    assert summary["settings"]["max_completion_length"] == 12 and summary["config"]["sampling"]["num_generations"] == 2
+    assert summary["config_file"] == str(tmp_path / "words.yaml")
+    assert 0 <= summary["accuracy_after"] <= 1
+
+
+def test_a_text_dataset_on_a_base_model_resumes_with_its_task(tmp_path, words):
+    """--resume restores --dataset and --reward from run.json; another --reward is refused by name."""
+    root, out = words["root"], tmp_path / "run"
+    task = ["--dataset", root / "plain" / "train.jsonl", "--reward", "math", "--reward", "format",
+            "--reward-weights", 1, 0.5]
+    run("--model", words["plain_model"], "--out", out, *task, *QUICK, "--max-completion-length", 8, "--steps", 2,
+        "--checkpoint-every", 1, "--eval-every", 1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy_before"] is None, "no --eval-dataset: no held-out evaluation"
+    assert [m for m in read_metrics(out) if "accuracy" in m] == []
+    refused = run("--out", out, "--resume", "--reward", "math", check=False)
+    assert refused.returncode == 2 and "--reward ['math', 'format'] -> ['math']" in refused.stderr, refused.stderr
+    run("--out", out, "--resume", "--steps", 3)
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["steps"] == 3 and resumed["task"] == summary["task"] and resumed["resumed"] is True
+    assert "rewards/math_format_reward" in read_metrics(out)[-1]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("noprompt", "argument --dataset: {p}: has no 'prompt' column (its columns: question, answer)"),
+    ("empty", "argument --dataset: {p}: is empty (0 rows)"),
+    ("broken_module", "argument --reward: {root}/broken.py:f: module '{root}/broken.py' does not import "
+                      "(ModuleNotFoundError: No module named 'no_such_package_xyz')"),
+    ("missing_function", "argument --reward: {root}/spy.py:nope: module '{root}/spy.py' has no 'nope'; "
+                         "its functions: spy"),
+    ("weights", "argument --reward-weights: 1.0: 1 weight for 2 rewards (math, format)"),
+    ("yaml_key", "argument --config: {root}/bad.yaml: 'rewards' is no setting; did you mean reward"),
+    ("chat_without_template", "argument --dataset: {p}: its prompts are chat messages, but the model's tokenizer has "
+                              "no chat template"),
+    ("no_reward", "argument --reward: a data set needs at least one reward"),
+])
+def test_bad_task_inputs_fail_in_one_line_before_the_model_loads(tmp_path, chapter, monkeypatch, capsys, words, case,
+                                                                 message):
+    root = words["root"]
+    (root / "broken.py").write_text("import no_such_package_xyz\n")
+    (root / "bad.yaml").write_text("rewards: [math]\n")
+    (root / "noprompt.jsonl").write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    (root / "empty.jsonl").write_text("")
+    plain, chat = root / "plain" / "train.jsonl", root / "chat" / "train.jsonl"
+    args, path = {
+        "noprompt": (["--dataset", root / "noprompt.jsonl", "--reward", "math"], root / "noprompt.jsonl"),
+        "empty": (["--dataset", root / "empty.jsonl", "--reward", "math"], root / "empty.jsonl"),
+        "broken_module": (["--dataset", plain, "--reward", f"{root}/broken.py:f"], plain),
+        "missing_function": (["--dataset", plain, "--reward", f"{root}/spy.py:nope"], plain),
+        "weights": (["--dataset", plain, "--reward", "math", "--reward", "format", "--reward-weights", "1"], plain),
+        "yaml_key": (["--config", root / "bad.yaml"], None),
+        "chat_without_template": (["--model", words["plain_model"], "--dataset", chat, "--reward", "math"], chat),
+        "no_reward": (["--dataset", plain], plain),
+    }[case]
+    monkeypatch.setattr(chapter, "load_policy", lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
+    with pytest.raises(SystemExit) as exit_:
+        chapter.main(["--out", str(tmp_path / "x"), *map(str, args)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(p=path, root=root) in err, err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert not (tmp_path / "x").exists(), "nothing is created for a bad command line"

@@ -49,7 +49,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 
 # Modules under minirl/ that no notebook generates (any __init__.py is allowed as well).
-HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/train/cli.py", "minirl/utils/argtypes.py",
+HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/tasks/data_files.py", "minirl/tasks/rewards.py",
+                "minirl/tasks/word_problems.py", "minirl/train/cli.py", "minirl/utils/argtypes.py",
                 "minirl/utils/cli.py", "minirl/utils/io.py", "minirl/utils/notebook.py", "minirl/utils/rundir.py",
                 "minirl/utils/seeding.py", "minirl/utils/timing.py", "minirl/utils/validate.py")
 

@@ -12,8 +12,8 @@ how the loop is distributed, which is what this course is about.
 """
 
 __all__ = ["OPERATORS", "MAX_DIGITS", "TaskConfig", "Problem", "format_prompt", "format_answer",
-           "parse_answer", "completion_text", "accuracy_reward", "format_reward", "ArithmeticTask",
-           "make_task"]
+           "parse_answer", "completion_text", "accuracy_reward", "format_reward",
+           "arithmetic_reward", "ArithmeticTask", "make_task"]
 
 import random
 from dataclasses import dataclass, field
@@ -157,6 +157,11 @@ def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, *
 def format_reward(prompts, completions, reverse_answer: bool = True, **columns) -> list[float]:
     """1.0 for a well-formed number, right or wrong; a shaping signal, off by default."""
     return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
+
+
+def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
+    """The embedded task's reward, `--reward arithmetic`: `accuracy_reward` on reversed digits."""
+    return accuracy_reward(prompts, completions, answer, reverse_answer=True)
 
 
 @dataclass

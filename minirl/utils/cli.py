@@ -7,14 +7,24 @@ fields of its config dataclass (one source, so flag and field cannot drift): a f
 dataclass (`RLConfig.sampling`) becomes an argument group. A bad value is reported by
 argparse, naming the flag, before anything is loaded: `error: argument
 --max-completion-length: 0: must be >= 1`, exit status 2.
+
+Every script made by `common_parser` also takes `--config FILE.yaml` (TRL's convention): a
+YAML mapping of settings named as the flags' destinations (`learning_rate: 1.0e-5`; a `-`
+for `_` is accepted too). Its values become flags placed before the command line's, so they
+are typed and checked exactly as flags are, and a flag typed on the command line overrides
+the file. `merged_settings` gives every setting's final value, for summary.json (and it is
+itself a valid config file).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import io
+import re
+import sys
 import tokenize
 import types
 import typing
@@ -25,11 +35,146 @@ from minirl.utils.seeding import seed_everything  # noqa: F401  (re-exported for
 from minirl.utils.validate import ConfigError
 
 
-def common_parser(description: str, seed: bool = True, device: bool = True) -> argparse.ArgumentParser:
-    """An ArgumentParser with the flags every chapter script shares: --out, --model (and --seed, --device,
-    unless the script's config dataclass brings its own)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="%(prog)s [--out DIR] [options]   (--help lists every option)")
+class ConfigFileParser(argparse.ArgumentParser):
+    """An ArgumentParser with `--config FILE.yaml`: the file's settings, then the command line's flags.
+
+    The file is a YAML mapping {setting: value}; a setting is a flag's destination
+    (`num_generations` for `--num-generations`). Each value becomes that flag's tokens, put
+    before the command line (so the last, the typed flag, wins; a repeatable flag typed on the
+    command line replaces the file's list instead of adding to it): `true`/`false` for a switch,
+    a list for a flag that takes several values or repeats. Errors name the file: an unknown
+    setting (with the nearest valid names), a value a flag would refuse, a file that is not
+    a YAML mapping.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--config", type=Path, default=None, metavar="FILE.yaml",
+                          help="a YAML file of settings named as the flags, with _ (TRL's convention: "
+                               "learning_rate: 1.0e-5); flags on the command line override it")
+        self._from_config: tuple[Path, dict[str, list[str]]] | None = None
+
+    def settings(self) -> dict[str, argparse.Action]:
+        """{setting name: its action} for every flag a config file may set."""
+        return {a.dest: a for a in self._actions if a.option_strings and a.dest not in ("help", "config")
+                and a.dest != argparse.SUPPRESS}
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        probe, _ = super().parse_known_args(args, argparse.Namespace())
+        path = getattr(probe, "config", None)
+        if path is None:
+            return super().parse_known_args(args, namespace)
+        typed = self._typed(args)
+        tokens = {dest: toks for dest, toks in self._config_tokens(Path(path)).items() if dest not in typed}
+        self._from_config = (Path(path), {d: self.settings()[d].option_strings for d in tokens})
+        return super().parse_known_args([t for toks in tokens.values() for t in toks] + args, namespace)
+
+    def error(self, message):
+        """argparse's error, saying where a setting came from when it came from the config file."""
+        if self._from_config is not None:
+            path, options = self._from_config
+            if any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", message) for opts in options.values()
+                   for o in opts):
+                message = f"{message} (set in --config {path})"
+        super().error(message)
+
+    def _typed(self, args: list[str]) -> set[str]:
+        """Destinations of the flags typed in `args` (the config file is not read)."""
+        saved = [(action, action.default) for action in self._actions]
+        try:
+            for action, _ in saved:
+                action.default = argparse.SUPPRESS
+            namespace, _ = super().parse_known_args(args, argparse.Namespace())
+        finally:
+            for action, default in saved:
+                action.default = default
+        return set(vars(namespace))
+
+    def _config_tokens(self, path: Path) -> dict[str, list[str]]:
+        """{setting: its command-line tokens} from the YAML file at `path`; parser errors naming the file."""
+        import yaml   # imported here: only a script given --config needs it
+
+        where = f"argument --config: {path}"
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as err:
+            self.error(f"{where}: cannot be read ({err.strerror or err}); give a YAML file of settings")
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f" on line {mark.line + 1}" if mark is not None else ""
+            self.error(f"{where}: not valid YAML{line} ({getattr(err, 'problem', None) or err}); fix the file")
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            self.error(f"{where}: holds a {type(data).__name__}, not a mapping of settings (learning_rate: 1.0e-5)")
+        settings, tokens = self.settings(), {}
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name == "config":
+                self.error(f"{where}: a config file cannot name another (config: {value}); merge the two files")
+            if name not in settings:
+                close = difflib.get_close_matches(name, settings, n=3, cutoff=0.6)
+                hint = f"did you mean {', '.join(close)}?" if close else "the settings are the flags' names with _ " \
+                                                                        "(--help lists them)"
+                self.error(f"{where}: {key!r} is no setting; {hint}")
+            tokens[name] = self._tokens(settings[name], value, f"{where}: {key}")
+        return tokens
+
+    def _tokens(self, action: argparse.Action, value, where: str) -> list[str]:
+        """The command-line tokens that set `action` to the YAML `value`."""
+        option = next(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+            if not isinstance(value, bool):
+                self.error(f"{where}: {value!r}: give true or false")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                return [option if value else "--no-" + option[2:]]
+            return [option] if value == action.const else []      # store_true: true sets it, false leaves it
+        if value is None and action.default is None:
+            return []                                                # null: the flag's default, "not given"
+        if isinstance(value, dict):
+            self.error(f"{where}: a mapping; give a value (or a list of values)")
+        values = value if isinstance(value, list) else [value]
+        if isinstance(action, argparse._AppendAction):
+            return [f"{option}={_yaml_token(v)}" for v in values]
+        if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+            if not values and action.nargs != "*":
+                self.error(f"{where}: an empty list; give at least one value")
+            return [option, *map(_yaml_token, values)]
+        if isinstance(value, list):
+            self.error(f"{where}: a list; {option} takes one value")
+        return [f"{option}={_yaml_token(value)}"]
+
+
+def _yaml_token(value) -> str:
+    """A YAML scalar as a command-line token: null -> "none" (what optional settings parse), a float -> its repr."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def merged_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """{setting: final value} of every flag, after the config file and the command line, as JSON values.
+
+    What summary.json records; written out as YAML it is a config file that repeats the run.
+    """
+    actions = parser.settings() if isinstance(parser, ConfigFileParser) else \
+        {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    def plain(value):
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return {dest: plain(getattr(args, dest)) for dest in actions if hasattr(args, dest)}
+
+
+def common_parser(description: str, seed: bool = True, device: bool = True) -> ConfigFileParser:
+    """An ArgumentParser with the flags every chapter script shares: --out, --model, --config (and --seed,
+    --device, unless the script's config dataclass brings its own)."""
+    parser = ConfigFileParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              usage="%(prog)s [--out DIR] [options]   (--help lists every option)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "latest",
                         help="directory for summary.json, metrics and plots (default: %(default)s)")
     parser.add_argument("--model", default=None,

@@ -1,0 +1,213 @@
+"""Reward functions by name: built-ins, `module:function`, weights, and the step's reward bookkeeping.
+
+Hand-written (plumbing). A reward spec, what `--reward` takes, is a built-in name or
+`module:function` (an importable module, or a file path `path/to/rewards.py:function`), as
+TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signature,
+`f(prompts, completions, **columns) -> list[float]`.
+
+| built-in     | function                         | scores                                                  |
+|--------------|----------------------------------|---------------------------------------------------------|
+| `arithmetic` | `arithmetic.arithmetic_reward`   | the embedded task: exact reversed digits (notebook 00)  |
+| `math`       | `math_answer.math_reward`        | the final number (`#### N`, `\\boxed{N}`) vs `answer`    |
+| `format`     | `math_answer.math_format_reward` | ends with `#### N` or `\\boxed{N}`, right or wrong       |
+
+`combine_rewards` and `frac_reward_zero_std` are TRL's weighted sum and its logged share of
+groups whose rewards are all equal (their advantages are 0: those prompts teach nothing).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minirl.tasks.arithmetic import arithmetic_reward
+from minirl.tasks.math_answer import math_format_reward, math_reward
+from minirl.utils.validate import ConfigError
+
+REWARDS = {"arithmetic": arithmetic_reward, "math": math_reward, "format": math_format_reward}
+CORRECTNESS = (arithmetic_reward, math_reward)   # 0/1 correctness rewards: their mean is an accuracy
+SPEC_HELP = (f"a built-in ({', '.join(REWARDS)}) or module:function (my_rewards:length_penalty, "
+             "or path/to/rewards.py:length_penalty)")
+
+
+def reward_name(func) -> str:
+    """The name a reward's metrics go under, `rewards/<name>` (TRL's: the function's __name__)."""
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _import(module: str, spec: str, param: str):
+    """The module of a spec: a .py path (loaded as a file, not registered in sys.modules) or an import name."""
+    try:
+        if module.endswith(".py") or os.sep in module or "/" in module:
+            path = Path(module).expanduser()
+            if not path.is_file():
+                raise ConfigError(param, spec, f"no such file {module!r}; give {SPEC_HELP}")
+            found = importlib.util.spec_from_file_location(f"minirl_rewards_{path.stem}", path)
+            loaded = importlib.util.module_from_spec(found)
+            found.loader.exec_module(loaded)
+            return loaded
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())          # as TRL's script: modules beside the user's working directory
+        return importlib.import_module(module)
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as err:
+        text = str(err).strip().splitlines()
+        raise ConfigError(param, spec, f"module {module!r} does not import ({type(err).__name__}: "
+                                       f"{text[0] if text else ''}); fix it, or check the name") from None
+
+
+def resolve_reward(spec: str, param: str = "reward"):
+    """The reward function a spec names; a ConfigError naming the spec and the fix otherwise."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(param, spec, f"give {SPEC_HELP}")
+    spec = spec.strip()
+    if spec in REWARDS:
+        return REWARDS[spec]
+    module, sep, name = spec.rpartition(":")
+    if not sep or not module or not name:
+        close = difflib.get_close_matches(spec, REWARDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(param, spec, f"not a built-in reward{hint}; give {SPEC_HELP}")
+    loaded = _import(module, spec, param)
+    func = getattr(loaded, name, None)
+    if func is None:
+        has = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_")
+                     and not inspect.isclass(v) and getattr(v, "__module__", None) == loaded.__name__)
+        raise ConfigError(param, spec, f"module {module!r} has no {name!r}; its functions: "
+                                       f"{', '.join(has) or 'none'}")
+    if not callable(func):
+        raise ConfigError(param, spec, f"{name!r} in {module!r} is a {type(func).__name__}, not a function")
+    return func
+
+
+def resolve_rewards(specs: list[str], weights: list[float] | None = None,
+                    params: tuple[str, str] = ("reward", "reward_weights")) -> tuple[list, list[float]]:
+    """(functions, weights) for `specs`; weights default to 1.0 each (TRL's `reward_weights`).
+
+    Errors (ConfigError, naming params[0] or params[1]): an unknown name, a module that does not
+    import (with its import error), a missing function (listing the module's functions), two
+    functions with one name (their `rewards/<name>` metrics would collide), weights of another
+    length than the specs, a weight that is not a finite number.
+    """
+    if isinstance(specs, str) or not specs:
+        raise ConfigError(params[0], specs, f"give a list of one or more rewards: {SPEC_HELP}")
+    funcs = [resolve_reward(s, params[0]) for s in specs]
+    names = [reward_name(f) for f in funcs]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        same = [s for s, n in zip(specs, names) if n == twice]
+        raise ConfigError(params[0], same, f"two reward functions named {twice!r}: their rewards/{twice} metrics "
+                                           "would collide; give each reward once (rename one of them)")
+    if weights is None:
+        return funcs, [1.0] * len(funcs)
+    weights = list(weights)
+    if len(weights) != len(funcs):
+        raise ConfigError(params[1], weights, f"{len(weights)} weight{'s' * (len(weights) != 1)} for {len(funcs)} "
+                                              f"reward{'s' * (len(funcs) != 1)} ({', '.join(specs)}); give one "
+                                              "weight per reward, in their order")
+    for w in weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(params[1], weights, f"weight {w!r} is not a finite number")
+    return funcs, [float(w) for w in weights]
+
+
+def check_reward_columns(funcs: list, rows: list[dict], param: str = "dataset", value=None) -> None:
+    """Each function's required keyword parameters must be columns of `rows`, before anything runs.
+
+    TRL calls f(prompts=..., completions=..., **columns), so a function without `**kwargs`
+    must also accept every column. Callables whose signature cannot be read are not checked.
+    """
+    columns = [c for c in rows[0] if c != "prompt"] if rows else []
+    for func in funcs:
+        try:
+            params = inspect.signature(func).parameters
+        except (TypeError, ValueError):
+            continue
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        missing = [n for n, p in params.items() if n not in ("prompts", "completions") and p.default is p.empty
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in columns]
+        if missing:
+            raise ConfigError(param, "rows" if value is None else value,
+                              f"reward {reward_name(func)} needs the column {missing[0]!r}, but the rows have "
+                              f"{', '.join(columns) or 'only a prompt'}; add it, or use another reward")
+        extra = [c for c in columns if c not in named]
+        if extra and not takes_any:
+            raise ConfigError(param, "rows" if value is None else value,
+                              f"reward {reward_name(func)} does not take the column {extra[0]!r}: add **kwargs to "
+                              "its parameters (every column is passed, as TRL does)")
+
+
+def as_conversational(func, lookup: dict):
+    """`func` called as TRL calls it on a conversational dataset, under its own name.
+
+    The engines see rendered text; TRL's reward functions see the prompt's messages and each
+    completion as `[{"role": "assistant", "content": text}]`. lookup: {rendered prompt: its
+    messages} (from `render_prompts`); a prompt not in it passes as text.
+    """
+    @functools.wraps(func)
+    def conversational(prompts, completions, **columns):
+        prompts = [lookup.get(p, p) if isinstance(p, str) else p for p in prompts]
+        completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) else c for c in completions]
+        return func(prompts=prompts, completions=completions, **columns)
+    return conversational
+
+
+def apply_weights(funcs: list, weights: list[float]) -> list:
+    """Functions whose rewards are multiplied by their weights, under their own names (weight 1: unchanged).
+
+    For a step that sums unweighted rewards: the sum is then TRL's weighted sum, but the
+    step's `rewards/<name>` metric is the weighted mean. Prefer `combine_rewards` in the step,
+    which logs the unweighted means as TRL does.
+    """
+    def weighted(func, w):
+        @functools.wraps(func)
+        def scaled(prompts, completions, **columns):
+            return [r * w if isinstance(r, (int, float)) and not isinstance(r, bool) else r
+                    for r in func(prompts=prompts, completions=completions, **columns)]
+        return scaled
+    return [f if w == 1.0 else weighted(f, w) for f, w in zip(funcs, weights)]
+
+
+def combine_rewards(rewards_per_func: Tensor, weights, names: list[str]) -> tuple[Tensor, dict]:
+    """(total [N], metrics): the weighted sum over functions, and each function's unweighted mean.
+
+    rewards_per_func: [N, F], one column per function, finite; weights: F floats (a list or
+    a tensor); names: F names. metrics: {"rewards/<name>": mean of column f} (TRL logs the
+    same under rewards/<name>/mean). TRL's sum skips NaN (a function that does not apply to a
+    sample); here every reward must be a number, so the step has already refused NaN.
+    """
+    weights = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    if rewards_per_func.dim() != 2 or rewards_per_func.shape[1] != len(weights) or len(names) != len(weights):
+        raise ValueError(f"combine_rewards: rewards_per_func {tuple(rewards_per_func.shape)} must be [N, F] with "
+                         f"F = {len(weights)} weights and {len(names)} names")
+    total = (rewards_per_func * weights).sum(dim=1)                                  # [N]
+    return total, {f"rewards/{n}": rewards_per_func[:, i].mean().item() for i, n in enumerate(names)}
+
+
+def frac_reward_zero_std(rewards: Tensor, num_generations: int) -> float:
+    """Share (0..1) of prompt groups whose G rewards are all equal (TRL's `frac_reward_zero_std`).
+
+    rewards: [N] in generation order, N = B * G. A group with zero std has zero advantages
+    under GRPO, so it teaches nothing; a share near 1 means the task is too easy or too hard
+    for the policy. One completion per group (G = 1) always has zero std, as in TRL.
+    """
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(f"frac_reward_zero_std: {rewards.numel()} rewards do not split into groups of "
+                         f"num_generations={num_generations}")
+    groups = rewards.detach().float().view(-1, num_generations)                      # [B, G]
+    if num_generations == 1:
+        return 1.0
+    std = groups.std(dim=1)                                                           # [B], Bessel-corrected as TRL's
+    return torch.isclose(std, torch.zeros_like(std)).float().mean().item()

@@ -1,0 +1,181 @@
+# Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
+"""A task: the rows a run trains on, the rows it is judged on, and the rewards that score them.
+
+Every chapter trains a `Task`: the embedded arithmetic task is one (`arithmetic_task`), a data
+set file with named rewards is another (`load_task`, what `--dataset`, `--eval-dataset`,
+`--reward` and `--reward-weights` build). `Task.evaluate` decodes the held-out prompts
+greedily and scores them with the task's rewards.
+
+Simplified vs TRL: evaluation decodes each held-out prompt once, greedily (TRL samples
+`num_generations_eval` completions with the training sampler's settings).
+"""
+
+__all__ = ["greedy_completions", "Task", "arithmetic_task", "load_task"]
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minirl.tasks.rewards import (combine_rewards, reward_name, CORRECTNESS, as_conversational,
+                                  check_reward_columns, resolve_rewards)
+from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
+from minirl.tasks.data_files import check_rows, load_rows, render_prompts
+from minirl.tasks.math_answer import math_reward, reference_answer
+from minirl.utils.validate import ConfigError
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500) -> list[str]:
+    """Greedy completions of text prompts, in order, decoded without special tokens.
+
+    Prompts are tokenized as they are (no special tokens added: a chat template has already
+    put its own), left-padded in batches of `batch_size`; generation stops at EOS.
+    """
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"                # every prompt ends at the same column
+    device = next(model.parameters()).device
+    texts = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = side
+    return texts
+
+
+@dataclass
+class Task:
+    """What a run trains on and how it is judged.
+
+    train, test: rows {"prompt": text, **columns}; prompts are text (a conversation has been
+    through the chat template), the other columns reach the rewards. test may be empty (no
+    evaluation). reward_funcs: TRL-style f(prompts, completions, **columns); reward_weights:
+    one float each (TRL's `reward_weights`, default 1.0). accuracy_reward: the name of a 0/1
+    correctness reward, whose mean is the task's accuracy (None: there is none, and a run
+    reports the mean weighted reward). max_new_tokens: evaluation's length (None: the caller's).
+    """
+
+    name: str
+    train: list[dict]
+    test: list[dict]
+    reward_funcs: list
+    reward_weights: list[float] = field(default_factory=list)
+    accuracy_reward: str | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        self.reward_weights = list(self.reward_weights) or [1.0] * len(self.reward_funcs)
+        if len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"Task {self.name}: {len(self.reward_weights)} reward_weights for "
+                             f"{len(self.reward_funcs)} reward_funcs; give one weight per function")
+        if self.accuracy_reward is not None and self.accuracy_reward not in self.reward_names:
+            raise ValueError(f"Task {self.name}: accuracy_reward={self.accuracy_reward!r} is none of the reward "
+                             f"functions ({', '.join(self.reward_names)})")
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [reward_name(f) for f in self.reward_funcs]
+
+    def score(self, rows: list[dict], completions: list) -> tuple[torch.Tensor, dict]:
+        """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64."""
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        prompts = [r["prompt"] for r in rows]
+        per_func = torch.tensor([[float(v) for v in f(prompts=prompts, completions=completions, **columns)]
+                                 for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]
+        return combine_rewards(per_func, self.reward_weights, self.reward_names)
+
+    def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500) -> dict:
+        """Greedy completions of every test prompt, scored: {"reward": mean weighted reward,
+        "rewards/<name>": each reward's mean, "accuracy": the accuracy reward's mean (0..1), if any}."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        if not self.test or max_new_tokens is None:
+            raise ValueError(f"Task {self.name}: evaluate needs test rows and max_new_tokens (it has "
+                             f"{len(self.test)} test rows, max_new_tokens={max_new_tokens})")
+        completions = greedy_completions(model, tokenizer, [r["prompt"] for r in self.test], max_new_tokens,
+                                         batch_size)
+        total, metrics = self.score(self.test, completions)
+        result = {"reward": total.mean().item(), **metrics}
+        if self.accuracy_reward is not None:
+            result["accuracy"] = metrics[f"rewards/{self.accuracy_reward}"]
+        return result
+
+    def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
+        """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
+        (None when the task has no test rows)."""
+        if not self.test:
+            return None
+        key = "accuracy" if self.accuracy_reward is not None else "reward"
+        return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
+
+
+def arithmetic_task(config: TaskConfig | None = None) -> Task:
+    """The embedded task as a Task: its training split, its held-out split, its exact-match reward.
+
+    Its held-out accuracy is `greedy_accuracy`'s: the same prompts, decoded greedily for the
+    longest answer plus EOS, scored by the same verifier.
+    """
+    task = make_task(config)
+    reward = arithmetic_reward if task.config.reverse_answer else task.reward
+    return Task("arithmetic", task.rows("train"), task.rows("test"), [reward], [1.0],
+                accuracy_reward=reward_name(reward), max_new_tokens=task.config.max_answer_length + 1)
+
+
+def _rows(source, param: str) -> tuple[list[dict], str]:
+    """(rows, how errors name them) from a path, or from rows given directly (a list or a datasets.Dataset)."""
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return load_rows(source, param), str(source)
+    rows = source.to_list() if hasattr(source, "to_list") else [dict(r) for r in source]
+    check_rows(rows, param)
+    return rows, "rows"
+
+
+def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
+    for i, row in enumerate(rows):
+        if reference_answer(row.get("answer")) is None:
+            raise ConfigError(param, value, f"row {i}'s answer {str(row.get('answer'))[:40]!r} states no number, "
+                                            "which the math reward compares with: give a number (62), GSM8K's "
+                                            "'... #### 62' or '\\boxed{62}'")
+
+
+def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
+              reward_weights: list[float] | None = None, tokenizer=None) -> Task:
+    """The task that a run's data set and reward settings name; a ConfigError naming the setting otherwise.
+
+    dataset: a file or directory (see `load_rows`) or rows; None: the embedded task's
+    training split. eval_dataset: the held-out rows, the same way; None: the embedded task's
+    held-out split when dataset is None, else no evaluation. rewards: specs (see
+    `resolve_rewards`); None: `["arithmetic"]` for the embedded rows, an error for a data set.
+    reward_weights: one per reward. tokenizer: renders conversational prompts (needed for those only).
+    The accuracy is the first correctness reward's (arithmetic or math), if any is given.
+    """
+    embedded = arithmetic_task() if dataset is None else None
+    train, value = (embedded.train, "embedded") if embedded else _rows(dataset, "dataset")
+    if eval_dataset is not None:
+        test, eval_value = _rows(eval_dataset, "eval_dataset")
+    else:
+        test, eval_value = (embedded.test if embedded else []), "embedded"
+    if not rewards and embedded is None:
+        raise ConfigError("reward", rewards, "a data set needs at least one reward: a built-in (arithmetic, math, "
+                                             "format) or module:function")
+    funcs, weights = resolve_rewards(list(rewards or ["arithmetic"]), reward_weights)
+    accuracy = next((reward_name(f) for f in funcs if f in CORRECTNESS), None)
+    if math_reward in funcs:
+        _check_math_answers(train, "dataset", value)
+        _check_math_answers(test, "eval_dataset", eval_value)
+    train, lookup = render_prompts(train, tokenizer, "dataset", value)
+    test, eval_lookup = render_prompts(test, tokenizer, "eval_dataset", eval_value)
+    check_reward_columns(funcs, train, "dataset", value)
+    if test:
+        check_reward_columns(funcs, test, "eval_dataset", eval_value)
+    if lookup or eval_lookup:                      # TRL's rewards see a conversation's messages, not its text
+        funcs = [as_conversational(f, lookup | eval_lookup) for f in funcs]
+    name = "arithmetic" if embedded else "/".join(Path(value).parts[-2:])     # data/word_problems/train.jsonl
+    return Task(name, train, test, funcs, weights, accuracy_reward=accuracy,
+                max_new_tokens=embedded.max_new_tokens if embedded and eval_dataset is None else None)
