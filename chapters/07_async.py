@@ -31,7 +31,7 @@ may change; another --max-staleness, --producers, ... is refused before anything
 --overwrite replaces a run. At --max-staleness 0 a resumed run repeats the uninterrupted one
 exactly; above it, which trajectory lands in which batch depends on timing anyway. Exit status:
 0 done, 1 stopped (--stop-after, or a producer failed), 2 bad input, 130 interrupted. Every
-setting of minirl.config.RLConfig and of AsyncConfig is a flag below.
+setting of minirl.config.RLConfig and of AsyncConfig is a flag.
 """
 
 from __future__ import annotations
@@ -65,8 +65,11 @@ SKIPPED = ("eval_every",)          # evaluation: on snapshots after the run (--s
 def parse_args(argv=None):
     """(args, config, async_config): every flag checked before anything is loaded."""
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)
+    parser.epilog = next(p for p in __doc__.split("\n\n") if p.startswith("A checkpoint holds"))
     group = parser.add_argument_group("run directory and process")
-    group.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    group.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its newest checkpoint (its queued trajectories are "
+                            "re-queued, the ones in flight are sampled again from their tickets)")
     group.add_argument("--overwrite", action="store_true", help="delete the run in --out and start a new one")
     group.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                        help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
