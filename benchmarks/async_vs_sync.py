@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from minirl.asyncrl.runner import AsyncConfig, evaluate_snapshots, time_to_accuracy, train_async
+from minirl.asyncrl.runner import AsyncConfig, train_async
+from minirl.asyncrl.snapshots import evaluate_snapshots, time_to_accuracy
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.tasks.arithmetic import make_task

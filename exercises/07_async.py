@@ -9,6 +9,7 @@ imported below where these cells use it.
 
 import threading
 import time
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ class Trajectory:
 
     rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
     its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds.
+    time.perf_counter seconds; ticket: its number at the start gate (-1: none).
     """
 
     rollout: Rollout
@@ -97,40 +98,87 @@ class Trajectory:
     env_failures: int = 0         # sessions that raised, hung past their timeout or returned junk
     env_timeouts: int = 0         # of those, the ones that hung
     env_errors: tuple = ()        # a few of the failures, as text
+    ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
 
     @property
     def version(self) -> int:
         return self.rollout.version
 
+    def shifted(self, seconds: float) -> "Trajectory":
+        """The same trajectory with its times moved by `seconds` (to carry them across processes)."""
+        return dataclasses.replace(self, started=self.started + seconds, generated=self.generated + seconds,
+                                   finished=self.finished + seconds)
+
 
 class StartGate:
-    """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V."""
+    """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V.
+
+    Each `acquire` is one call (the tickets one engine call samples together); the gate keeps
+    every call until each of its tickets is resolved (`resolve`: queued, then trained, or
+    dropped), so that a checkpoint knows what is in flight.
+    """
 
     def __init__(self, batch_size: int, max_staleness: int):
         check_int("batch_size", batch_size, low=1)
         check_int("max_staleness", max_staleness, low=0)
         self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.started = 0        # tickets handed out, minus refunds
+        self.started = 0        # trajectories counted against the bound: handed out, minus refunds
+        self.next_ticket = 0    # ticket numbers are never reused
         self.version = 0
         self.closed = False
+        self.calls: dict[int, dict[int, str]] = {}   # first ticket -> {ticket: out, queued, trained or dropped}
+        self.again: deque[list[int]] = deque()        # calls to hand out again first (from a checkpoint)
         self._cond = threading.Condition()
 
     def limit(self) -> int:
         return (self.version + self.max_staleness + 1) * self.batch_size
 
     def acquire(self, most: int = 1) -> list[int] | None:
-        """Block until a trajectory may start; then up to `most` ticket numbers (at least one).
-
-        None once the gate is closed.
-        """
+        """Block until a trajectory may start; then the tickets of one call: up to `most` new ones, or a
+        whole call to sample again (after a resume). None once the gate is closed."""
         with self._cond:
-            while not self.closed and self.started >= self.limit():
+            while not self.closed:
+                room = self.limit() - self.started
+                if self.again and len(self.again[0]) <= room:
+                    tickets = self.again.popleft()
+                    break
+                if not self.again and room > 0:
+                    n = min(most, room)
+                    tickets = list(range(self.next_ticket, self.next_ticket + n))
+                    self.next_ticket += n
+                    break
                 self._cond.wait()
             if self.closed:
                 return None
-            n = min(most, self.limit() - self.started)
-            self.started += n
-            return list(range(self.started - n, self.started))
+            self.started += len(tickets)
+            self.calls[tickets[0]] = {t: "out" for t in tickets}
+            return tickets
+
+    def resolve(self, ticket: int, outcome: str) -> None:
+        """What became of a ticket: "queued", "trained" or "dropped"; a call whose tickets are all past
+        "out" is forgotten once none of them is queued either. Unknown tickets (-1) are ignored."""
+        with self._cond:
+            for first, call in self.calls.items():
+                if ticket in call:
+                    call[ticket] = outcome
+                    if all(state in ("trained", "dropped") for state in call.values()):
+                        del self.calls[first]
+                    return
+
+    def checkpoint(self) -> dict:
+        """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
+        ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
+        with self._cond:
+            open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
+                          if "out" in call.values()]
+            return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
+
+    def restore(self, checkpoint: dict, started: int, version: int) -> None:
+        """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
+        with self._cond:
+            self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
+            self.started, self.version, self.calls = started, version, {}
+            self._cond.notify_all()
 
     def advance(self, version: int) -> None:
         """The trainer published `version`: more trajectories may start."""
@@ -155,7 +203,7 @@ class ExperienceQueue:
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
     a batch); batch_size: trajectories per training batch (B); max_staleness: eta.
-    gate: a StartGate to refund when a trajectory is dropped (None: no refunds).
+    gate: the StartGate whose tickets it resolves and refunds (None: neither).
     """
 
     def __init__(self, capacity: int, batch_size: int, max_staleness: int, gate: StartGate | None = None):
@@ -175,8 +223,13 @@ class ExperienceQueue:
     def __len__(self) -> int:
         return len(self._items)
 
+    def _resolve(self, traj: Trajectory, outcome: str) -> None:
+        if self.gate is not None:
+            self.gate.resolve(traj.ticket, outcome)
+
     def _drop(self, traj: Trajectory) -> None:
         self.dropped += 1
+        self._resolve(traj, "dropped")
         if self.gate is not None:
             self.gate.refund()
 
@@ -194,6 +247,7 @@ class ExperienceQueue:
                 self._drop(traj)
                 return False
             self._items.append(traj)
+            self._resolve(traj, "queued")
             self._cond.notify_all()
             return True
 
@@ -225,6 +279,8 @@ class ExperienceQueue:
                                        f"{timeout} s; are the producers running?")
                 self._cond.wait(left)
             self.admitted += len(batch)
+            for traj in batch:
+                self._resolve(traj, "trained")
         return batch
 
     def advance(self, version: int) -> None:
@@ -243,6 +299,30 @@ class ExperienceQueue:
             return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
                     "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
                     "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
+        times relative to now), the gate's calls to sample again and its next ticket, the counters.
+
+        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
+        saved or sampled again, never both, never neither.
+        """
+        with self._cond:
+            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
+            again = {t for call in gate["again"] for t in call}
+            now = time.perf_counter()
+            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
+            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
+        now = time.perf_counter()
+        with self._cond:
+            self._items = deque(t.shifted(now) for t in state["queued"])
+            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
+            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
+                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

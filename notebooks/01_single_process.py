@@ -1652,7 +1652,9 @@ their protocols: a rollout engine (`generate`, `load_weights`), the roles (`Acto
 `Reference`, `Critic`), and a weight sync (`push`). Stage 1 passes plain in-process
 objects; notebook 04 passes FSDP-wrapped roles on every rank; notebook 06 passes Ray
 worker groups with the same methods. The step never changes, so what it computes never
-changes with where it runs.
+changes with where it runs. Its middle, `learn` (experience -> correction -> advantages ->
+update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
+come from a queue instead of an engine call, runs the same `learn` on them.
 
 Simplified vs TRL's GRPOTrainer: rewards are summed over reward functions (no weights), one
 generation batch per step, and the engine holds its own copy of the policy with a version
@@ -1823,13 +1825,54 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) 
 # %% [markdown]
 # And the step itself, in the source's order. It talks to the seams only through their
 # methods: an engine, the roles, a sync. Read it top to bottom; this is the function every
-# later stage runs.
+# later stage runs. Its middle, from the batch and its rewards to the updated roles, is a
+# function of its own, `learn`: notebook 07's asynchronous trainer takes its batches from a
+# queue instead of an engine call and runs this same `learn` on them.
 
 # %%
 # | export minirl/train/step.py
+def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, group=None,
+          timer: StageTimer | None = None, correct=None) -> dict:
+    """The update half of a step: experience -> correction -> advantages -> actor update (+ critic); its metrics.
+
+    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
+    behaviour correction (`is_weights`, and `old_logps` if it needs them); default
+    `importance_weights` (notebook 02's truncated IS, when the config turns it on).
+    Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
+    gets the "reference", "advantages", "update" (and "update_critic") seconds.
+    group: as in `rl_step`.
+    """
+    timer = StageTimer() if timer is None else timer
+    with timer("reference"):
+        exp = make_experience(rollout, rewards, roles, config.algorithm)
+    with timer("advantages"):
+        exp = importance_weights(exp, config.algorithm) if correct is None else correct(exp)
+        exp = compute_advantages(exp, config.algorithm, group)
+    with timer("update"):
+        metrics = roles.actor.update(exp)
+    if roles.critic is not None:
+        with timer("update_critic"):
+            metrics |= roles.critic.update(exp)
+    return metrics
+
+
+def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
+    """The record's numbers about a batch: its version, reward (mean, std), completion length (mean, longest),
+    real prompt and completion tokens. group: as in `rl_step` (every rank's rows)."""
+    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    prompt_tokens = rollout.prompt_mask.sum()
+    if group is not None:                                          # the global batch's rows, every rank's
+        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
+        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
+    return {"generated_version": rollout.version, "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(), "completion_length": lengths.mean().item(),
+            "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
+            "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
+
+
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None) -> dict:
-    """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
+    """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
     sync: any WeightSync. The record holds the update's metrics, the batch's reward and
@@ -1847,28 +1890,12 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
                                   generator=generator)
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
-    with timer("reference"):
-        exp = make_experience(rollout, rewards, roles, config.algorithm)
-    with timer("advantages"):
-        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm, group)
-    with timer("update"):
-        metrics |= roles.actor.update(exp)
-    if roles.critic is not None:
-        with timer("update_critic"):
-            metrics |= roles.critic.update(exp)
+    metrics |= learn(roles, rollout, rewards, config, group, timer)
     with timer("sync"):
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
     roles.version = report.version
-    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
-    prompt_tokens = rollout.prompt_mask.sum()
-    if group is not None:                                          # the global batch's rows, every rank's
-        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
-        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
-    tokens = {"tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
-              "completion_length_max": lengths.max().item()}                 # for MFU and stragglers (notebook 09)
-    return metrics | {"version": roles.version, "generated_version": rollout.version,
-                      "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | tokens | timer.times
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)
 
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
@@ -1952,6 +1979,14 @@ class RunState:
     step: int = 0
     metrics: list[dict] = field(default_factory=list)
     interrupted: bool = False
+
+    def extra_state(self) -> dict:
+        """What a later stage's state adds to a checkpoint beyond the roles and the generator ({} here;
+        notebook 07 saves its queue)."""
+        return {}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore what `extra_state` returned (nothing here)."""
 
 
 class Callback:
@@ -2206,8 +2241,9 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
 A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
 (`save_pretrained`, tokenizer included, so any tool can load it) and `training_state.pt`
 with what the weights do not say: the run's config, the optimizers, the critic, the
-prompt/sampling generator, torch's and Python's RNG states, the step, the policy version and
-the metrics so far. It is written to a temporary directory and renamed into place, so a
+prompt/sampling generator, torch's and Python's RNG states, the step, the policy version,
+the metrics so far, and what a later stage's state adds (`RunState.extra_state`: notebook
+07's queued trajectories and tickets). It is written to a temporary directory and renamed into place, so a
 crash mid-write never leaves a half checkpoint. Before a resume each candidate is verified
 (both files load); a broken one is reported by name and the previous intact one is used.
 
@@ -2252,6 +2288,7 @@ def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
         "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "extra": state.extra_state(),        # what a later stage adds (notebook 07: its queue); {} here
     }
     torch.save(training, tmp / "training_state.pt")
     if final.exists():
@@ -2333,6 +2370,7 @@ def restore_checkpoint(training: dict, weights: dict, state) -> None:
     if training["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(training["cuda_rng"])
     state.step, roles.version, state.metrics = training["step"], training["version"], training["metrics"]
+    state.load_extra_state(training.get("extra", {}))
     state.sync.push(roles.actor.named_weights(), state.engine, roles.version)
 
 # %%
@@ -2719,18 +2757,19 @@ print(f"prefix compute saved, G = {G} | 70-80 % | {100 * saved:.1f} % (prompt to
 # check, determinism for a seeded generator) is the same.
 
 # %% [markdown]
-# Every hand-written decoding loop in minirl (this engine's, notebook 05's paged engine and its
-# speculative verifier, notebook 07's in-flight producer) samples a token and records its
-# behaviour log-prob the same way, so that the way is written once: `sample_tokens`.
+# Every hand-written decoding loop in minirl (this engine's, which notebook 07's in-flight
+# producer also runs, and notebook 05's paged engine and its speculative verifier) samples a
+# token and records its behaviour log-prob the same way, so that the way is written once:
+# `sample_tokens`.
 
 # %%
 # | export minirl/rollout/sampling.py
 """One token per row and its behaviour log-prob: the sampling step every hand-written decoding loop shares.
 
 HF `generate` (HFEngine) and vLLM sample inside their own code; minirl's own loops (the
-shared-prefix engine, the paged engine of notebook 05 and its speculative verifier, the
-in-flight producer of notebook 07) call `sample_tokens`, so a behaviour log-prob means the
-same thing in every engine: log_softmax(logits / temperature) at the sampled token.
+shared-prefix engine, which notebook 07's in-flight producer also runs, and the paged engine
+of notebook 05 and its speculative verifier) call `sample_tokens`, so a behaviour log-prob
+means the same thing in every engine: log_softmax(logits / temperature) at the sampled token.
 
 Simplified: plain sampling (no top-k, top-p or repetition penalty), which is what the RL
 loss assumes.
@@ -2769,6 +2808,10 @@ the cache, and decodes the N = B * G rows token by token with nothing but a soft
 multinomial draw per step: about twice as fast as `HFEngine` on the tiny policy (notebook
 01, section 10), for the same distribution.
 
+Its loop is the one decoding loop of minirl's in-process engines: notebook 07's in-flight
+weight updates run it with a hook (`before_forward`) that may load new weights between two
+decoding steps, instead of a loop of their own.
+
 Simplified: plain sampling only (softmax(logits / temperature), no top-k / top-p, no
 repetition penalty or other `generation_config` processors); the model's cache must support
 `batch_repeat_interleave` (HF's DynamicCache does).
@@ -2779,20 +2822,36 @@ from torch import Tensor
 
 from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask
 from minirl.config import SamplingConfig
+from minirl.data import Rollout
+from minirl.rollout.base import check_request, draw_seed, make_rollout
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.sampling import sample_tokens
 
 
 class SharedPrefixEngine(HFEngine):
-    """HFEngine's copy and checks, with the prefill shared by each prompt's G samples."""
+    """HFEngine's copy and checks, with the prefill shared by each prompt's G samples.
 
-    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
+    `generate` also takes `before_forward`: a callable run before every forward pass (the
+    prefill and each decoding step), which may load new weights into the engine
+    (notebook 07's in-flight updates; the Rollout then carries the engine's version at the end).
+    """
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+                 generator: torch.Generator | None = None, before_forward=None) -> Rollout:
+        check_request(self, prompts, sampling, expected_version)
+        prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator),
+                                                                        before_forward)
+        return make_rollout(self.tokenizer, prompts, sampling.num_generations, prompt_ids, prompt_mask,
+                            completion_ids, logprobs, self.version)
+
+    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None, before_forward=None):
         tok, G = self.tokenizer, sampling.num_generations
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         completion_ids, logprobs = sample_shared_prefix(
             self.model, enc.input_ids, enc.attention_mask, G, sampling.max_completion_length, sampling.temperature,
-            tok.eos_token_id, tok.pad_token_id, sampler)                                  # [N, C] each
+            tok.eos_token_id, tok.pad_token_id, sampler, before_forward)                  # [N, C] each
         return (enc.input_ids.repeat_interleave(G, 0), enc.attention_mask.repeat_interleave(G, 0),
                 completion_ids, logprobs)
 
@@ -2801,7 +2860,7 @@ class SharedPrefixEngine(HFEngine):
 @torch.no_grad()
 def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, max_new_tokens: int,
                          temperature: float, eos_token_id: int, pad_token_id: int,
-                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                         generator: torch.Generator | None = None, before_forward=None) -> tuple[Tensor, Tensor]:
     """Sample G completions per prompt with a KV cache, prefilling each prompt once.
 
     prompt_ids, prompt_mask: [B, P], each prompt once, left-padded. Rows i*G .. i*G+G-1 of
@@ -2811,8 +2870,13 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
     or after max_new_tokens. Returns (completion_ids [N, C] long, logprobs [N, C] float32),
     C <= max_new_tokens, where logprobs are log_softmax(logits.float() / temperature) at the
     sampled tokens: the behaviour log-probs (also at pad positions; the caller masks them).
+    before_forward: None, or a callable run before each of the C forward passes (the prefill,
+    whose logits give token 0, and the step that gives each later token); it may load new
+    weights into `model` in place. The KV cache of earlier tokens is kept as it was computed.
     """
     G = num_generations
+    if before_forward is not None:
+        before_forward()
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
                 use_cache=True, logits_to_keep=1)
     cache = getattr(out, CACHE_ARG)
@@ -2832,6 +2896,8 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
             break
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
         position = position + 1
+        if before_forward is not None:
+            before_forward()                                                   # e.g. newer weights (notebook 07)
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
                        use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]     # [N, V]
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)                    # [N, C] each

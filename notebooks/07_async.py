@@ -36,13 +36,15 @@
 # | 3 | corrections: none (LlamaRL), AReaL's decoupled weight, truncated IS | `asyncrl/corrections.py` |
 # | 4 | environments: multi-turn sessions, a slow calculator tool, timeouts | `asyncrl/env.py` |
 # | 5 | producers, the weight store, in-flight weight updates | `asyncrl/producer.py` |
-# | 6 | the asynchronous runner (the trainer consumes the queue) | `asyncrl/runner.py` |
+# | 6 | the asynchronous trainer under notebook 01's run loop; snapshots; checkpoints and resume | `asyncrl/runner.py`, `asyncrl/snapshots.py` |
+# | 10 | the producers as Ray actors | `asyncrl/ray_producer.py` |
 #
 # Then we measure (sections 7 to 9): synchronous against asynchronous at staleness bounds
 # 0, 1, 2 and 4, with each correction, on a workload whose environment latency has a long
 # tail; and we put our speedup beside the published ones (rows 5, 19 and 20 of the source's
-# figures). The algorithm is the one of notebook 01 throughout: `make_experience`,
-# `compute_advantages` and `Actor.update` are called unchanged; only who calls them, and when,
+# figures). The algorithm is the one of notebook 01 throughout: its `learn` (`make_experience`,
+# the correction, `compute_advantages`, `Actor.update`) runs unchanged, under notebook 01's run
+# loop (`run_in_dir`: callbacks, metrics, checkpoints, resume); only who feeds it, and when,
 # changes.
 
 # %%
@@ -168,19 +170,31 @@ assert abs(example["trainer"] - 2.0 / 2.5) < 1e-9
 """The bounded experience queue of asynchronous RL: who may start, who is admitted, what waits.
 
 - `admit(trainer_version, version, max_staleness)`: the staleness rule.
-- `StartGate`: AReaL's bound on how far rollout runs ahead of training. The k-th trajectory
-  (0-based) may start only while k < (V + eta + 1) * B for trainer version V and batch size B,
-  so at eta = 0 producers make exactly one batch per version and wait for the trainer
-  (synchronous RL), and at eta = 1 they make the next batch while the trainer works on this.
+- `StartGate`: AReaL's bound on how far rollout runs ahead of training. It hands out
+  numbered tickets, one per trajectory, in calls (the tickets of one engine call); at most
+  (V + eta + 1) * B may be started for trainer version V and batch size B, so at eta = 0
+  producers make exactly one batch per version and wait for the trainer (synchronous RL),
+  and at eta = 1 they make the next batch while the trainer works on this. A ticket fixes
+  its trajectory's prompt and seed, so a ticket handed out again samples the same way.
 - `ExperienceQueue`: a bounded FIFO between producers and the trainer. `put` blocks while it
   is full and drops a trajectory that is already too stale (refunding its start at the gate),
   and `get_batch` checks every trajectory again against the trainer's version when it is
   taken. Its `stats` (depth, ages, drops) go into every step's record.
 
+At a checkpoint (`ExperienceQueue.state_dict`, taken under both locks, so no trajectory is
+counted twice or lost): the queued trajectories are saved and re-queued on resume; the
+trajectories still in flight (being sampled, in an environment session, or waiting for room)
+are not saved: their tickets are handed out again on resume, in their original calls, so
+they are sampled again from the same prompts and seeds with the checkpoint's weights. A
+queued trajectory whose call still has one in flight goes with its call (sampled again), so
+that a call is always sampled whole; at eta = 0 the resumed run then repeats the
+uninterrupted one exactly.
+
 Simplified vs AReaL and LlamaRL: one process holds the queue (Ray producers ship their
 trajectories to it); no priority by age, no training on partial batches.
 """
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -220,7 +234,7 @@ class Trajectory:
 
     rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
     its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds.
+    time.perf_counter seconds; ticket: its number at the start gate (-1: none).
     """
 
     rollout: Rollout
@@ -233,40 +247,87 @@ class Trajectory:
     env_failures: int = 0         # sessions that raised, hung past their timeout or returned junk
     env_timeouts: int = 0         # of those, the ones that hung
     env_errors: tuple = ()        # a few of the failures, as text
+    ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
 
     @property
     def version(self) -> int:
         return self.rollout.version
 
+    def shifted(self, seconds: float) -> "Trajectory":
+        """The same trajectory with its times moved by `seconds` (to carry them across processes)."""
+        return dataclasses.replace(self, started=self.started + seconds, generated=self.generated + seconds,
+                                   finished=self.finished + seconds)
+
 
 class StartGate:
-    """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V."""
+    """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V.
+
+    Each `acquire` is one call (the tickets one engine call samples together); the gate keeps
+    every call until each of its tickets is resolved (`resolve`: queued, then trained, or
+    dropped), so that a checkpoint knows what is in flight.
+    """
 
     def __init__(self, batch_size: int, max_staleness: int):
         check_int("batch_size", batch_size, low=1)
         check_int("max_staleness", max_staleness, low=0)
         self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.started = 0        # tickets handed out, minus refunds
+        self.started = 0        # trajectories counted against the bound: handed out, minus refunds
+        self.next_ticket = 0    # ticket numbers are never reused
         self.version = 0
         self.closed = False
+        self.calls: dict[int, dict[int, str]] = {}   # first ticket -> {ticket: out, queued, trained or dropped}
+        self.again: deque[list[int]] = deque()        # calls to hand out again first (from a checkpoint)
         self._cond = threading.Condition()
 
     def limit(self) -> int:
         return (self.version + self.max_staleness + 1) * self.batch_size
 
     def acquire(self, most: int = 1) -> list[int] | None:
-        """Block until a trajectory may start; then up to `most` ticket numbers (at least one).
-
-        None once the gate is closed.
-        """
+        """Block until a trajectory may start; then the tickets of one call: up to `most` new ones, or a
+        whole call to sample again (after a resume). None once the gate is closed."""
         with self._cond:
-            while not self.closed and self.started >= self.limit():
+            while not self.closed:
+                room = self.limit() - self.started
+                if self.again and len(self.again[0]) <= room:
+                    tickets = self.again.popleft()
+                    break
+                if not self.again and room > 0:
+                    n = min(most, room)
+                    tickets = list(range(self.next_ticket, self.next_ticket + n))
+                    self.next_ticket += n
+                    break
                 self._cond.wait()
             if self.closed:
                 return None
-            n = min(most, self.limit() - self.started)
-            self.started += n
-            return list(range(self.started - n, self.started))
+            self.started += len(tickets)
+            self.calls[tickets[0]] = {t: "out" for t in tickets}
+            return tickets
+
+    def resolve(self, ticket: int, outcome: str) -> None:
+        """What became of a ticket: "queued", "trained" or "dropped"; a call whose tickets are all past
+        "out" is forgotten once none of them is queued either. Unknown tickets (-1) are ignored."""
+        with self._cond:
+            for first, call in self.calls.items():
+                if ticket in call:
+                    call[ticket] = outcome
+                    if all(state in ("trained", "dropped") for state in call.values()):
+                        del self.calls[first]
+                    return
+
+    def checkpoint(self) -> dict:
+        """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
+        ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
+        with self._cond:
+            open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
+                          if "out" in call.values()]
+            return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
+
+    def restore(self, checkpoint: dict, started: int, version: int) -> None:
+        """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
+        with self._cond:
+            self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
+            self.started, self.version, self.calls = started, version, {}
+            self._cond.notify_all()
 
     def advance(self, version: int) -> None:
         """The trainer published `version`: more trajectories may start."""
@@ -291,7 +352,7 @@ class ExperienceQueue:
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
     a batch); batch_size: trajectories per training batch (B); max_staleness: eta.
-    gate: a StartGate to refund when a trajectory is dropped (None: no refunds).
+    gate: the StartGate whose tickets it resolves and refunds (None: neither).
     """
 
     def __init__(self, capacity: int, batch_size: int, max_staleness: int, gate: StartGate | None = None):
@@ -311,8 +372,13 @@ class ExperienceQueue:
     def __len__(self) -> int:
         return len(self._items)
 
+    def _resolve(self, traj: Trajectory, outcome: str) -> None:
+        if self.gate is not None:
+            self.gate.resolve(traj.ticket, outcome)
+
     def _drop(self, traj: Trajectory) -> None:
         self.dropped += 1
+        self._resolve(traj, "dropped")
         if self.gate is not None:
             self.gate.refund()
 
@@ -330,6 +396,7 @@ class ExperienceQueue:
                 self._drop(traj)
                 return False
             self._items.append(traj)
+            self._resolve(traj, "queued")
             self._cond.notify_all()
             return True
 
@@ -361,6 +428,8 @@ class ExperienceQueue:
                                        f"{timeout} s; are the producers running?")
                 self._cond.wait(left)
             self.admitted += len(batch)
+            for traj in batch:
+                self._resolve(traj, "trained")
         return batch
 
     def advance(self, version: int) -> None:
@@ -379,6 +448,30 @@ class ExperienceQueue:
             return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
                     "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
                     "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
+        times relative to now), the gate's calls to sample again and its next ticket, the counters.
+
+        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
+        saved or sampled again, never both, never neither.
+        """
+        with self._cond:
+            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
+            again = {t for call in gate["again"] for t in call}
+            now = time.perf_counter()
+            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
+            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
+        now = time.perf_counter()
+        with self._cond:
+            self._items = deque(t.shifted(now) for t in state["queued"])
+            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
+            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
+                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -402,10 +495,13 @@ except FutureVersionError as err:
 #
 # - **none** (LlamaRL): train on it as if it were fresh. With one update per batch the PPO
 #   ratio is 1 and the gradient is the plain policy gradient on old samples; the staleness
-#   bound alone keeps the bias small.
+#   bound alone keeps the bias small. With `num_iterations` > 1 the ratio is taken against
+#   $\pi_{\text{old}}$, the trainer's weights when the batch arrived, exactly as in stage 1:
+#   *none* adds no behaviour weight, it does not remove the trust region.
 # - **tis**: notebook 02's truncated importance sampling, unchanged: the trainer recomputes
 #   $\pi_{\text{old}}$ on the batch and weights each token by
-#   $\min(\pi_{\text{old}} / \pi_{\text{behav}}, C)$.
+#   $\min(\pi_{\text{old}} / \pi_{\text{behav}}, C)$. It is stage 1's
+#   `importance_sampling_correction` itself: either switch turns it on.
 # - **areal**: AReaL's *decoupled* objective. It separates the two jobs PPO's old policy did:
 #   the **proximal** policy $\pi_{\text{prox}}$ (the trainer's weights when the batch arrives)
 #   anchors the trust region, $\text{clip}(\pi_\theta/\pi_{\text{prox}}, 1-\epsilon,
@@ -425,7 +521,9 @@ except FutureVersionError as err:
 # the `areal` correction), and AReaL's capped one (`capped_token_weight`, with
 # `areal_weight="cap"`). The trust region is the loss's own clip, `epsilon` = 0.2, in both.
 # Every correction reuses notebook 01's `policy_loss`: the proximal log-probs go in as
-# `old_logps`, the behaviour weight as `is_weights`.
+# `old_logps`, the behaviour weight as `is_weights`; and each is the `correct` step of notebook
+# 01's `learn`, in the place where stage 1 applies truncated IS. AReaL's weight takes that
+# place, so `areal` together with `importance_sampling_correction` is refused by name.
 
 # %%
 # | export minirl/asyncrl/corrections.py
@@ -434,16 +532,21 @@ except FutureVersionError as err:
 Each correction fills the Experience fields that notebook 01's `policy_loss` already reads:
 `old_logps` (the policy the PPO ratio is taken against) and `is_weights` (a per-token
 weight on the clipped objective). So the algorithm code is untouched; only the numbers
-handed to it differ:
+handed to it differ. `apply_correction` is the `correct` step of notebook 01's `learn`:
 
 | correction | old_logps (trust region) | is_weights (behaviour correction) |
 |---|---|---|
-| none  | None (pi_theta detached: ratio 1) | None |
-| tis   | the trainer's recomputed pi_old | min(pi_old / pi_behav, cap) (notebook 02) |
+| none  | as in stage 1: pi_old recomputed when the update needs it (num_iterations > 1, ...) | None |
+| tis   | the trainer's recomputed pi_old | min(pi_old / pi_behav, cap): stage 1's `importance_weights` |
 | areal | the proximal pi_prox (recomputed) | clip(pi_prox / pi_behav, 0.8, 1.2) (the source), or AReaL's cap |
 
+`tis` and RLConfig's `importance_sampling_correction` are one switch (notebook 02's truncated
+IS): either turns it on, and `none` with the switch on is `tis`. `areal` puts its own weight
+where TIS would go, so `areal` with the switch on is refused (`check_correction`).
+
 Simplified vs AReaL: the proximal policy is always recomputed (no approximation from the
-versions), and one update per batch, so pi_prox equals the weights before the update.
+versions); pi_prox is the trainer's weights when the batch arrives, which is also pi_old of
+its `num_iterations` updates.
 """
 
 import torch
@@ -481,10 +584,12 @@ def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: T
 
 # %%
 # | export minirl/asyncrl/corrections.py
-from minirl.algo.corrections import importance_sampling_weights
+import dataclasses
+
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
-from minirl.utils.validate import check_choice
+from minirl.train.step import importance_weights
+from minirl.utils.validate import ConfigError, check_choice
 
 
 def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, cap: float = 1.2) -> Tensor:
@@ -502,32 +607,58 @@ def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Te
     return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid          # [B, C]
 
 
+def check_correction(correction: str, algorithm: AlgorithmConfig) -> str:
+    """The correction a run applies: `correction`, or "tis" when it is "none" and the algorithm turns
+    truncated IS on. Raises ConfigError naming importance_sampling_correction for "areal" with it on."""
+    check_choice("correction", correction, CORRECTIONS)
+    if correction == "areal" and algorithm.importance_sampling_correction:
+        raise ConfigError("importance_sampling_correction", True,
+                          "--correction areal weights each token by AReaL's behaviour weight where truncated IS "
+                          "would go; drop --importance-sampling-correction, or pass --correction tis")
+    return "tis" if algorithm.importance_sampling_correction else correction
+
+
 def apply_correction(exp: Experience, correction: str, actor, algorithm: AlgorithmConfig,
                      areal_weight: str = "clip", low: float = 0.8, high: float = 1.2) -> Experience:
     """Fill exp.old_logps and exp.is_weights for `correction` (see the module's table); returns exp.
 
     actor: anything with `logprobs(rollout) -> [N, C]` (the trainer's current weights: the
-    proximal policy). tis uses algorithm.importance_sampling_mode and importance_sampling_cap
-    (notebook 02's defaults: per token, truncated at 2). areal_weight: "clip" (the source:
-    clamp to [low, high]) or "cap" (AReaL's code: drop tokens above `high`).
+    proximal policy), asked only when exp.old_logps is None and the correction needs them.
+    exp.old_logps that `make_experience` computed (for num_iterations > 1, say) are kept by
+    every correction. none and tis are stage 1's `importance_weights`, with truncated IS off
+    or on (tis uses algorithm.importance_sampling_mode and importance_sampling_cap: per token,
+    truncated at 2 by default). areal_weight: "clip" (the source: clamp to [low, high]) or
+    "cap" (AReaL's code: drop tokens above `high`).
     """
-    check_choice("correction", correction, CORRECTIONS)
     check_choice("areal_weight", areal_weight, AREAL_WEIGHTS)
+    correction = check_correction(correction, algorithm)
     ro = exp.rollout
-    if correction == "none":
-        exp.old_logps, exp.is_weights = None, None
-        return exp
-    if exp.old_logps is None:
+    if correction != "none" and exp.old_logps is None:
         exp.old_logps = actor.logprobs(ro)                                                   # [N, C]
-    if correction == "tis":
-        exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
-                                                     algorithm.importance_sampling_mode,
-                                                     algorithm.importance_sampling_cap)
-    elif areal_weight == "clip":
-        exp.is_weights = clipped_token_weight(exp.old_logps, ro.logprobs, ro.completion_mask, low, high)
-    else:
-        exp.is_weights = capped_token_weight(exp.old_logps, ro.logprobs, ro.completion_mask, high)
-    return exp
+    if correction == "areal":
+        weight = clipped_token_weight if areal_weight == "clip" else capped_token_weight
+        bounds = (low, high) if areal_weight == "clip" else (high,)
+        exp.is_weights = weight(exp.old_logps, ro.logprobs, ro.completion_mask, *bounds)     # [N, C]
+        return exp
+    tis = dataclasses.replace(algorithm, importance_sampling_correction=correction == "tis")
+    return importance_weights(exp, tis)
+
+
+class Correction:
+    """`apply_correction` with a run's settings, as the `correct` step of notebook 01's `learn`; keeps the
+    mean weight of its last batch's tokens (`weight_mean`, None without weights) for the step's record."""
+
+    def __init__(self, correction: str, actor, algorithm: AlgorithmConfig, areal_weight: str = "clip"):
+        self.correction = check_correction(correction, algorithm)
+        check_choice("areal_weight", areal_weight, AREAL_WEIGHTS)
+        self.actor, self.algorithm, self.areal_weight = actor, algorithm, areal_weight
+        self.weight_mean = None
+
+    def __call__(self, exp: Experience) -> Experience:
+        exp = apply_correction(exp, self.correction, self.actor, self.algorithm, self.areal_weight)
+        mask = exp.rollout.completion_mask.bool()
+        self.weight_mean = None if exp.is_weights is None else exp.is_weights[mask].mean().item()
+        return exp
 
 # %% [markdown]
 # By hand, for three tokens whose trainer log-probs moved by +0.5, -1.0 and +0.1 from the
@@ -793,25 +924,30 @@ for name, make_env in envs.items():
 #
 # With **in-flight updates** (PipelineRL, and AReaL's interruptible generation) a producer
 # also checks the store between decoding steps: new weights are loaded mid-sequence and the
-# sequence goes on, so its tokens carry mixed versions. We sample token by token with a KV
-# cache; after a switch the cache still holds keys and values computed by the old weights
-# (recomputing it would cost a prefill; PipelineRL keeps it too), and each token's behaviour
-# log-prob is the one it was sampled with.
+# sequence goes on, so its tokens carry mixed versions. There is no decoding loop for this
+# here: the producer runs the shared-prefix engine's own loop (notebook 01) with a hook,
+# `before_forward`, that the loop calls before every forward pass, and records the engine's
+# version there for each token. After a switch the KV cache still holds keys and values
+# computed by the old weights (recomputing it would cost a prefill; PipelineRL keeps it too),
+# and each token's behaviour log-prob is the one it was sampled with.
 
 # %%
 # | export minirl/asyncrl/producer.py
-"""Rollout producers: a weight store, token-level sampling with in-flight updates, threads and Ray actors.
+"""Rollout producers: a weight store, sampling with in-flight updates, the producer threads' loop.
 
-`WeightStore` holds the trainer's latest published weights and their version. A `Producer`
-owns an engine (any stage-1 engine: a copy of the policy), pulls the newest weights through
-an `InProcessSync` before each trajectory (or between decoding steps with `in_flight`), samples
-one prompt's G completions, runs their environment sessions and returns a `Trajectory` with
-per-token versions and behaviour log-probs. `producer_loop` is what a producer thread runs:
-gate ticket -> trajectory -> queue. `RayProducer` runs the same `Producer` inside a Ray actor
-(stage 6's `Worker`), and `RayProducerClient` gives the driver's threads the same `produce`.
+`WeightStore` holds the trainer's latest published weights and their version; it stands
+where stage 1's engine stood for the trainer's weight sync (`load_weights`, `version`), so
+the trainer pushes into it with stage 1's `InProcessSync`. A `Producer` owns an engine (any
+stage-1 engine: a copy of the policy), pulls the newest weights through an `InProcessSync`
+before each engine call, samples the G completions of each of its prompts, runs their
+environment sessions and returns `Trajectory` objects with per-token versions and
+behaviour log-probs. With `in_flight` it also pulls new weights between decoding steps: it
+runs the shared-prefix engine's own loop (notebook 01) with a hook before every forward pass,
+so there is no decoding loop here. `producer_loop` is what a producer thread runs: gate
+tickets -> trajectories -> queue. The producers as Ray actors are in `asyncrl/ray_producer.py`.
 
 Simplified vs AReaL / PipelineRL: the KV cache is not recomputed after an in-flight switch;
-the store is a dict of tensors in one process (on Ray, one object-store copy per version).
+the store is a dict of tensors in one process.
 """
 
 import dataclasses
@@ -819,23 +955,19 @@ import random
 import threading
 import time
 
-import ray
 import torch
 from torch import Tensor
 
 from minirl.asyncrl.env import run_sessions
-from minirl.algo.logprobs import CACHE_ARG
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
-from minirl.config import RLConfig, SamplingConfig
-from minirl.controller.worker import Worker
+from minirl.config import SamplingConfig
 from minirl.data import Rollout
-from minirl.rollout.base import make_rollout
+from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import build_engine
 
 
 class WeightStore:
-    """The trainer's latest weights and version; `publish` from the trainer, `latest` from any producer."""
+    """The trainer's latest weights and version: `load_weights` from the trainer's sync, `latest` from a producer."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -851,6 +983,10 @@ class WeightStore:
             self.version, self.weights = version, copy
         return sum(t.numel() * t.element_size() for t in copy.values())
 
+    def load_weights(self, named_weights, version: int) -> None:
+        """The engine protocol's name for `publish`: what a WeightSync pushes into."""
+        self.publish(named_weights, version)
+
     def latest(self) -> tuple[int, dict[str, Tensor]]:
         with self._lock:
             return self.version, self.weights
@@ -865,58 +1001,20 @@ def pick_row(rows: list[dict], seed: int, ticket: int) -> dict:
     return rows[random.Random(trajectory_seed(seed, ticket)).randrange(len(rows))]
 
 
-@torch.no_grad()
-def sample_in_flight(engine, prompt: str, sampling: SamplingConfig, generator: torch.Generator,
-                     refresh=None) -> Rollout:
-    """G completions of one prompt, token by token with a KV cache; refresh() runs before every token.
-
-    engine: an HFEngine-like object (`model`, `tokenizer`, `version`); refresh: a callable that
-    may load new weights into engine.model and bump engine.version (None: never). Returns a
-    Rollout whose token_versions [G, C] hold the version each token was sampled with and whose
-    version is the oldest of them; logprobs [G, C] are the behaviour log-probs of the sampled
-    tokens under the weights and cache that sampled them.
-    """
-    tok, G = engine.tokenizer, sampling.num_generations
-    enc = tok([prompt] * G, return_tensors="pt", add_special_tokens=False).to(engine.device)
-    ids, attention = enc.input_ids, enc.attention_mask                                    # [G, P]
-    past, step_input = None, ids
-    tokens, logps, versions = [], [], []
-    done = torch.zeros(G, dtype=torch.bool, device=engine.device)
-    for _ in range(sampling.max_completion_length):
-        if refresh is not None:
-            refresh()                                               # new weights between decoding steps
-        cached = {} if past is None else {CACHE_ARG: past}
-        out = engine.model(input_ids=step_input, attention_mask=attention, use_cache=True, **cached)
-        logits = out.logits[:, -1].float() / sampling.temperature                        # [G, V]
-        logp = torch.log_softmax(logits, -1)
-        nxt = torch.multinomial(logp.exp(), 1, generator=generator)                      # [G, 1]
-        nxt = torch.where(done[:, None], torch.full_like(nxt, tok.pad_token_id), nxt)
-        tokens.append(nxt)
-        logps.append(logp.gather(1, nxt))
-        versions.append(torch.full_like(nxt, engine.version))
-        done |= nxt[:, 0] == tok.eos_token_id
-        past, step_input = getattr(out, CACHE_ARG), nxt
-        attention = torch.cat([attention, torch.ones_like(nxt)], 1)
-        if done.all():
-            break
-    completion_ids = torch.cat(tokens, 1)                                                 # [G, C]
-    rollout = make_rollout(tok, [prompt], G, ids, enc.attention_mask, completion_ids, torch.cat(logps, 1), 0)
-    rollout.token_versions = torch.cat(versions, 1)                                       # [G, C]
-    live = rollout.token_versions[rollout.completion_mask.bool()]
-    rollout.version = int(live.min()) if live.numel() else int(rollout.token_versions.min())
-    return rollout
-
-
 class Producer:
     """One rollout worker: an engine, its environment, and the store it pulls weights from.
 
     make_env: a callable returning a fresh environment (one per session); env_timeout: seconds
     a session may take; in_flight: pick up new weights between decoding steps (else between
-    trajectories only). Thread-safe: generation holds the producer's lock, sessions do not.
+    engine calls only; needs a SharedPrefixEngine, whose loop takes the hook). Thread-safe:
+    generation holds the producer's lock, sessions do not.
     """
 
     def __init__(self, name: str, engine, store: WeightStore, make_env, sampling: SamplingConfig,
                  env_timeout: float = 5.0, max_turns: int = 1, in_flight: bool = False):
+        if in_flight and not isinstance(engine, SharedPrefixEngine):
+            raise TypeError(f"Producer(in_flight=True) needs a SharedPrefixEngine (its decoding loop takes new "
+                            f"weights between tokens), not {type(engine).__name__}")
         self.name, self.engine, self.store, self.make_env = name, engine, store, make_env
         self.sampling, self.env_timeout, self.max_turns, self.in_flight = sampling, env_timeout, max_turns, in_flight
         self.sync = InProcessSync()
@@ -936,31 +1034,42 @@ class Producer:
         with self.lock:
             return self.engine.generate([prompt], one).completions[0]
 
+    def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
+        """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
+
+        With in_flight the engine's loop calls `refresh` before every forward pass but the first,
+        so each token records the version that sampled it (one per decoding step, shared by
+        the rows) and its behaviour log-prob is the one it was sampled with.
+        """
+        self.refresh()
+        if not self.in_flight:
+            rollout = self.engine.generate(prompts, self.sampling, generator=generator)
+            rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
+            return rollout
+        versions = []                                                # the version of each decoding step
+
+        def before_forward():
+            if versions:
+                self.refresh(mid_sequence=True)                      # new weights between decoding steps
+            versions.append(self.engine.version)
+        rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
+        steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
+        rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
+        rollout.version = versions[0]                                # every row's first token is the oldest
+        return rollout
+
     def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
-        """Sample G completions of each row's prompt (one engine call for all of them, or token by token
-        with `in_flight`); returns (row, its G-row Rollout with token_versions, started, generated) per row."""
+        """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
+        started, generated) per row."""
         started = time.perf_counter()
         generator = torch.Generator(device=self.engine.device).manual_seed(seed)
         with self.lock:
-            self.refresh()
-            if self.in_flight:
-                parts = []
-                for row in rows:
-                    tokens = [0]                                     # tokens sampled so far in this sequence
-
-                    def between_tokens():
-                        self.refresh(mid_sequence=tokens[0] > 0)
-                        tokens[0] += 1
-                    parts.append(sample_in_flight(self.engine, row["prompt"], self.sampling, generator,
-                                                  between_tokens))
-            else:
-                rollout = self.engine.generate([r["prompt"] for r in rows], self.sampling, generator=generator)
-                rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)     # [N, C]
-                parts = rollout.split(len(rows))                     # one G-row part per prompt
+            parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
         generated = time.perf_counter()
         return [(row, part, started, generated) for row, part in zip(rows, parts)]
 
-    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float) -> Trajectory:
+    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
+              ticket: int = -1) -> Trajectory:
         """Run one isolated environment session per completion; the scored Trajectory."""
         G = len(rollout.completions)
         results = run_sessions(self.make_env, row, rollout.completions, self.policy,
@@ -968,15 +1077,16 @@ class Producer:
         failed = [r for r in results if r.error is not None]
         return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
                           started, generated, time.perf_counter(), env_failures=len(failed),
-                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]))
+                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
+                          ticket=ticket)
 
-    def produce(self, rows: list[dict], seeds: list[int]) -> list[Trajectory]:
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
         """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
         generated = self.generate(rows, seeds[0])
         out: list[Trajectory | None] = [None] * len(rows)
 
         def finish(i, item):
-            out[i] = self.score(*item[:2], seeds[i], *item[2:])
+            out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
         threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
         for t in threads:
             t.start()
@@ -995,12 +1105,13 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
                   errors: list | None = None, prompts_per_call: int = 1) -> None:
     """What a producer thread runs until the gate closes: tickets -> generation -> sessions -> queue.
 
-    A local Producer samples up to `prompts_per_call` prompts in one engine call, then scores
-    each prompt's group in a thread of its own and queues it as soon as its own sessions end
-    (a slow session delays only its group), and goes on sampling. A RayProducerClient's
-    `produce` returns the groups of one remote call together. An exception (a broken engine,
-    a FutureVersionError) is appended to `errors` and closes the queue, so the trainer stops
-    with it instead of waiting forever.
+    A ticket fixes its trajectory's prompt (`pick_row`) and seed (`trajectory_seed`); one call
+    of up to `prompts_per_call` tickets samples with its first ticket's seed. A local Producer
+    scores each prompt's group in a thread of its own and queues it as soon as its own
+    sessions end (a slow session delays only its group), and goes on sampling. A
+    RayProducerClient's `produce` returns the groups of one remote call together. An
+    exception (a broken engine, a FutureVersionError) is appended to `errors` and closes the
+    queue, so the trainer stops with it instead of waiting forever.
     """
     def fail(err):
         if errors is not None:
@@ -1008,9 +1119,9 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
         queue.close()
         gate.close()
 
-    def finish(item, ticket):
+    def finish(item, seed_, ticket):
         try:
-            traj = producer.score(*item[:2], trajectory_seed(seed, ticket), *item[2:])
+            traj = producer.score(*item[:2], seed_, *item[2:], ticket=ticket)
             _record(timeline, traj)
             queue.put(traj)
         except Exception as err:  # handed to the trainer, which raises it
@@ -1019,55 +1130,16 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
     try:
         while (tickets := gate.acquire(prompts_per_call)) is not None:
             picked = [pick_row(rows, seed, t) for t in tickets]
+            seeds = [trajectory_seed(seed, t) for t in tickets]
             if isinstance(producer, Producer):
-                for item, ticket in zip(producer.generate(picked, trajectory_seed(seed, tickets[0])), tickets):
-                    threading.Thread(target=finish, args=(item, ticket), daemon=True).start()
+                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets):
+                    threading.Thread(target=finish, args=(item, seed_, ticket), daemon=True).start()
             else:
-                for traj in producer.produce(picked, [trajectory_seed(seed, t) for t in tickets]):
+                for traj in producer.produce(picked, seeds, tickets):
                     _record(timeline, traj)
                     queue.put(traj)
     except Exception as err:  # handed to the trainer, which raises it
         fail(err)
-
-
-class RayProducer(Worker):
-    """A Producer inside a Ray actor (stage 6's Worker): concurrent `produce` calls share its engine."""
-
-    def __init__(self, group: str, rank: int, size: int, model, tokenizer, config: RLConfig, make_env,
-                 env_timeout: float, max_turns: int, threads: int = 1):
-        super().__init__(group, rank, size, "cpu", threads)
-        self.store = WeightStore()
-        self.producer = Producer(f"ray {rank}/{size}", build_engine(config, model, tokenizer), self.store, make_env,
-                                 config.sampling, env_timeout, max_turns)
-
-    def produce(self, rows: list[dict], seeds: list[int], version: int, weights_ref: list) -> list[Trajectory]:
-        """weights_ref: [ObjectRef] of the store's weights at `version` (in a list, so Ray does not fetch
-        it unless this actor needs it)."""
-        if version > self.store.version:
-            with self.producer.lock:
-                if version > self.store.version:
-                    self.store.publish(ray.get(weights_ref[0]).items(), version)
-        return self.producer.produce(rows, seeds)
-
-
-class RayProducerClient:
-    """The driver's handle on a RayProducer: `produce(rows, seeds)` as a local Producer's, weights from `store`."""
-
-    _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
-    _lock = threading.Lock()
-
-    def __init__(self, actor, name: str, store: WeightStore):
-        self.actor, self.name, self.store = actor, name, store
-
-    def produce(self, rows: list[dict], seeds: list[int]) -> list[Trajectory]:
-        version, weights = self.store.latest()
-        key = (id(self.store), version)
-        with self._lock:
-            if key not in self._refs:
-                self._refs.clear()
-                self._refs[key] = [ray.put(weights)]
-            ref = self._refs[key]
-        return ray.get(self.actor.produce.remote(rows, seeds, version, ref))
 
 # %% [markdown]
 # ### In-flight updates against finishing on the old weights
@@ -1080,7 +1152,7 @@ class RayProducerClient:
 # trajectory.
 
 # %%
-from minirl.asyncrl.producer import Producer, WeightStore, sample_in_flight
+from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.config import SamplingConfig
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 
@@ -1091,17 +1163,17 @@ nudged = {k: v + 0.02 * torch.randn_like(v) if v.is_floating_point() else v for 
 def mid_sequence_publish(in_flight: bool):
     store = WeightStore()
     store.publish(model.state_dict().items(), 0)
-    producer = Producer("demo", SharedPrefixEngine(model, tokenizer), store, None, sampling, in_flight=in_flight)
-    calls = [0]
+    producer = Producer("demo", SharedPrefixEngine(model, tokenizer), store, None, sampling, in_flight=True)
+    pull, calls = producer.refresh, [0]
 
-    def between_tokens():
+    def refresh(mid_sequence=False):         # call 1: before the engine call; 2, 3, ...: before tokens 1, 2, ...
         calls[0] += 1
-        if calls[0] == 3:                                    # after the second token
-            store.publish(nudged.items(), 1)
-        if in_flight:
-            producer.refresh(mid_sequence=calls[0] > 1)
-    rollout = sample_in_flight(producer.engine, "47+25=", sampling, torch.Generator().manual_seed(0), between_tokens)
-    return rollout, producer
+        if calls[0] == 3:
+            store.publish(nudged.items(), 1)                 # the trainer publishes after the second token
+        if in_flight or not mid_sequence:                    # the other producer finishes on its old weights
+            pull(mid_sequence)
+    producer.refresh = refresh
+    return producer.sample(["47+25="], torch.Generator().manual_seed(0)), producer
 
 
 for in_flight in (True, False):
@@ -1114,58 +1186,210 @@ for in_flight in (True, False):
 # %% [markdown]
 # ## 6. The asynchronous runner
 #
-# The trainer's loop is a consumer of the queue: take the next admissible batch (waiting if
-# there is none: that wait is the trainer's idle time), run notebook 01's algorithm on it
-# (`make_experience`, the correction, `compute_advantages`, `Actor.update`), publish the new
-# weights, move the gate and the queue's admission to the new version. Producer threads run
-# `producer_loop` meanwhile. The trainer's record keeps stage 1's names (`time/update`,
-# `time/sync`, `reward`, `version`, `generated_version`) and adds `time/wait`, `queue/*`,
-# `staleness/*` and `env/*`.
+# The trainer is a consumer of the queue. Its step takes the next admissible batch (waiting if
+# there is none: that wait is the trainer's idle time), runs notebook 01's `learn` on it
+# (`make_experience`, the correction as `learn`'s `correct` step, `compute_advantages`,
+# `Actor.update`), pushes the new weights into the store with stage 1's `InProcessSync` (the
+# store stands where stage 1's engine stood) and moves the gate and the queue's admission to
+# the new version. That step is handed to notebook 01's `run_in_dir`, the loop every stage
+# runs: the run directory, the evaluator, `metrics.jsonl` written as steps happen, atomic
+# checkpoints, the progress bar and `resume` all come with it. A `Producers` callback starts
+# the producer threads when the run starts and stops them when it ends. The trainer's record
+# keeps stage 1's names (`time/update`, `time/sync`, `reward`, `version`, `generated_version`)
+# and adds `time/wait`, `queue/*`, `staleness/*` and `env/*`.
+#
+# **What a checkpoint keeps of the queue.** Everything stage 1 keeps (weights, optimizer, RNG
+# states, step, version), and the queue's `state_dict`: the *queued* trajectories are saved
+# and re-queued on resume; the trajectories *in flight* (being sampled, in an environment
+# session, waiting for room) are not: their tickets are handed out again, so they are sampled
+# anew from the same prompts and seeds with the checkpoint's weights. A queued trajectory
+# whose engine call still has a sibling in flight goes with its call, so that a call is
+# always sampled whole. A resume with another $\eta$ (or other producers, a different
+# correction: anything that changes what is computed) is refused by name.
 #
 # At $\eta = 0$ the gate lets producers start only the current version's batch, so the
 # runner *is* synchronous training (with the batch's sessions running concurrently, as a
 # synchronous system's rollout workers do): the baseline is the same code with one number
 # changed.
 
+# %% [markdown]
+# Held-out accuracy is measured on **snapshots** of the weights, after the run: evaluating in
+# the trainer's thread would pause the trainer while the producers go on, and would put the
+# evaluation's seconds into the wall time that asynchrony is meant to shorten. A snapshot is a
+# run callback (notebook 01's `Callback`); with a run directory it is written to disk, so a
+# resumed run keeps the earlier ones.
+
 # %%
-# | export minirl/asyncrl/runner.py
-"""The asynchronous runner: producers fill a bounded queue, the trainer consumes it and publishes weights.
+# | export minirl/asyncrl/snapshots.py
+"""Weight snapshots of an asynchronous run, evaluated after it: accuracy against wall time and samples.
 
-`train_async(config, acfg, model, tokenizer, rows)` starts `acfg.producers` producer threads
-(or Ray actors with `acfg.ray`), then runs `config.run.steps` trainer steps. Each step takes
-the next batch of B = prompts_per_step admissible trajectories from the queue, runs the
-algorithm of notebook 01 on it (`make_experience`, `apply_correction`, `compute_advantages`,
-`Actor.update`), publishes the weights as the next version and logs one record. Snapshots
-of the weights (every `acfg.snapshot_every` steps) are evaluated after the run
-(`evaluate_snapshots`), so evaluation never pauses the trainer while producers go on.
-max_staleness = 0 is synchronous RL with concurrent sessions: the same code, the baseline.
+`Snapshots` is a run callback (stage 1's `Callback`): it keeps a copy of the trainer's
+weights at step 0, every `every` steps and at the last step, with the run's wall seconds
+and completions trained on at that moment. Without a directory the copies stay in memory;
+with one (a run directory's `snapshots/`) each is written there atomically, so a resumed run
+keeps the earlier ones (those after the checkpoint it resumes from are deleted: the resumed
+run makes its own). `evaluate_snapshots` measures each afterwards; `time_to_accuracy` reads
+the wall time at which a target was reached.
 
-Simplified: no checkpoints or resume (an async run's in-flight trajectories are not saved);
-one trainer process; the trajectory's version is its oldest token's.
+Why after the run: evaluating in the trainer's thread would pause the trainer while the
+producers go on, and put the evaluation's seconds into the wall time that asynchrony is
+meant to shorten.
 """
 
 import copy
-import dataclasses
 import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from minirl.train.run import Callback
+
+
+@dataclass
+class Snapshot:
+    """The weights after `step` trainer steps (in memory, or in the file at `path`)."""
+
+    step: int
+    wall: float                   # the run's wall seconds then
+    samples: int                  # completions trained on by then
+    weights: dict | None = None
+    path: Path | None = None
+
+    def load(self) -> dict:
+        return self.weights if self.weights is not None else load_file(self.path)
+
+
+class Snapshots(Callback):
+    """Snapshots at step 0, every `every` steps and at `last_step`, in memory or under `directory`."""
+
+    def __init__(self, every: int, last_step: int, directory=None):
+        self.every, self.last_step = every, last_step
+        self.directory = None if directory is None else Path(directory)
+        self.kept: list[Snapshot] = []
+
+    def take(self, state, wall: float, samples: int) -> None:
+        weights = {k: v.detach().clone().cpu().contiguous() for k, v in state.roles.actor.named_weights()}
+        snap = Snapshot(state.step, wall, samples)
+        if self.directory is None:
+            snap.weights = weights
+        else:
+            snap.path = self.directory / f"step-{state.step:06d}.safetensors"
+            tmp = snap.path.with_suffix(".tmp")
+            save_file(weights, tmp, metadata={"step": str(state.step), "wall": repr(wall), "samples": str(samples)})
+            os.replace(tmp, snap.path)                             # atomic: a crash never leaves half a snapshot
+        self.kept.append(snap)
+
+    def on_start(self, state):
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for path in sorted(self.directory.glob("step-*")):
+                step = -1
+                if path.suffix == ".safetensors":
+                    with safe_open(path, "pt") as f:
+                        meta = f.metadata()
+                    step = int(meta["step"])
+                if step < 0 or step > state.step or state.step == 0:
+                    path.unlink()                    # half-written, after the checkpoint, or of a replaced run
+                else:
+                    self.kept.append(Snapshot(step, float(meta["wall"]), int(meta["samples"]), path=path))
+        due = state.step == 0 or state.step % self.every == 0
+        if due and all(s.step != state.step for s in self.kept):
+            self.take(state, state.wall(), state.samples)
+
+    def on_step(self, state, record):
+        if state.step % self.every == 0 or state.step == self.last_step:
+            self.take(state, record["wall"], record["samples"])
+
+
+def evaluate_snapshots(result, model, eval_fn) -> list[dict]:
+    """Held-out accuracy of every snapshot of `result` (an AsyncResult): [{"step", "wall", "samples",
+    "accuracy"}], also kept in result.accuracy. model: one of the run's architecture (copied, not changed)."""
+    probe = copy.deepcopy(model)
+    result.accuracy = []
+    for snap in sorted(result.snapshots, key=lambda s: s.step):
+        probe.load_state_dict(snap.load())
+        result.accuracy.append({"step": snap.step, "wall": snap.wall, "samples": snap.samples,
+                                "accuracy": eval_fn(probe)})
+    return result.accuracy
+
+
+def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> float:
+    """Wall seconds at which held-out accuracy first reaches `target`; inf when it never does.
+
+    accuracy: evaluate_snapshots' list. The first time after step 0 that the mean of `window`
+    consecutive evaluations (ending there) is at or above `target`: window = 2 keeps one lucky
+    evaluation (a 500-problem test moves by a few points) from counting as arrival.
+    """
+    trained = [a for a in accuracy if a["step"] > 0]
+    for i in range(window - 1, len(trained)):
+        if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
+            return trained[i]["wall"]
+    return math.inf
+
+# %%
+# | export minirl/asyncrl/runner.py
+"""The asynchronous trainer: producers fill a bounded queue; stage 1's run loop runs the trainer's step on it.
+
+`train_async(config, acfg, model, tokenizer, rows)` builds an `AsyncState` (stage 1's
+RunState, whose engine is the weight store, plus the queue and its gate) and hands
+`trainer_step` to stage 1's `run_in_dir`, so an asynchronous run has what every stage's run
+has: the run directory, the callbacks (evaluator, metrics.jsonl written as steps happen,
+atomic checkpoints, progress bar), and `resume`. The `Producers` callback starts
+`acfg.producers` producer threads (or Ray actors with `acfg.ray`) when the run starts, after
+a resume has restored the queue, and stops them when it ends.
+
+`trainer_step` takes the next batch of B = prompts_per_step admissible trajectories from the
+queue (waiting for it is the trainer's idle time), runs notebook 01's `learn` on it with the
+run's correction as its `correct` step, pushes the weights into the store as the next
+version with stage 1's `InProcessSync`, and moves the gate and the queue's admission to it.
+max_staleness = 0 is synchronous RL with concurrent sessions: the same code, the baseline.
+
+Checkpoints (`AsyncState.extra_state`) add the queue's `state_dict`: queued trajectories are
+saved and re-queued on resume; in-flight ones are not saved, their tickets are handed out
+again, and they are sampled anew from the same prompts and seeds with the checkpoint's
+weights. At max_staleness = 0 with single-turn sessions a resumed run repeats the
+uninterrupted one exactly; above it, which trajectory lands in which batch depends on
+timing, so a resumed run continues from the checkpoint's state exactly, not along the
+crashed run's future. A resume with other AsyncConfig settings is refused (only
+snapshot_every may change).
+
+Evaluation: weight snapshots (`asyncrl/snapshots.py`) are evaluated after the run, so
+evaluation never pauses the trainer while producers go on and wall time to an accuracy
+counts training only. An `eval_fn` runs stage 1's Evaluator inline instead: the trainer
+pauses for it while the producers fill the queue up to the gate's bound.
+
+Simplified: one trainer process; a trajectory's version is its oldest token's; a resumed
+run's timeline starts at the resume.
+"""
+
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
-import ray
 import torch
 
-from minirl.asyncrl.corrections import AREAL_WEIGHTS, CORRECTIONS, apply_correction
+from minirl.asyncrl.corrections import AREAL_WEIGHTS, CORRECTIONS, Correction, check_correction
 from minirl.asyncrl.env import ArithmeticToolEnv, Latency
-from minirl.asyncrl.producer import Producer, RayProducer, RayProducerClient, WeightStore, producer_loop
+from minirl.asyncrl.producer import Producer, WeightStore, producer_loop
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
+from minirl.asyncrl.snapshots import Snapshot, Snapshots
 from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
-from minirl.train.run import build_engine, build_roles
-from minirl.train.step import compute_advantages, make_experience
+from minirl.sync.base import InProcessSync
+from minirl.train.run import Callback, RunState, build_engine, build_roles, run_in_dir
+from minirl.train.step import batch_statistics, learn
+from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+
+SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
 
 
 @dataclass
@@ -1184,7 +1408,7 @@ class AsyncConfig:
     env_latency_sigma: float = 1.5     # the lognormal's sigma: the tail's weight (0: every call takes the median)
     env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
     max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
-    in_flight: bool = False            # producers pick up new weights between decoding steps
+    in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
     ray: bool = False                  # producers are Ray actors (needs a running Ray cluster: ray.init)
     ray_actors: int = 2                # Ray actors sharing the producer slots
     snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
@@ -1211,22 +1435,202 @@ class AsyncConfig:
         return partial(ArithmeticToolEnv, Latency(self.env_latency, self.env_latency_sigma), self.max_turns)
 
 
+def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
+    """The checks across the two configs, before anything is built: ConfigError naming the setting."""
+    check_correction(acfg.correction, config.algorithm)
+    if acfg.capacity(config.run.prompts_per_step) < config.run.prompts_per_step:
+        raise ConfigError("queue_capacity", acfg.queue_capacity, "the queue must hold at least one batch of "
+                          f"--prompts-per-step {config.run.prompts_per_step} trajectories; raise it, or leave it "
+                          "unset")
+    if acfg.in_flight and acfg.ray:
+        raise ConfigError("in_flight", True, "in-flight updates run in local producer threads only; "
+                          "drop --in-flight with --ray")
+    if acfg.in_flight and config.rollout.rollout_engine != "shared_prefix":
+        raise ConfigError("in_flight", True, "in-flight updates run the shared-prefix engine's decoding loop; "
+                          f"pass --rollout-engine shared_prefix (not {config.rollout.rollout_engine})")
+
+
+def check_resume_async(saved: dict | None, acfg: AsyncConfig) -> None:
+    """Refuse to resume with AsyncConfig settings that change what the run computes (ConfigError naming the first)."""
+    now = dataclasses.asdict(acfg)
+    if saved is None:
+        raise ConfigError("resume", True, "the run directory holds no asynchronous run (its run.json has no "
+                          "'async' settings); resume it with the script that started it")
+    changed = [k for k in now if k not in SAFE_ON_RESUME and saved.get(k) != now[k]]
+    if changed:
+        diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise ConfigError(changed[0], now[changed[0]], f"the run was started with other settings ({diffs}); resume "
+                          f"with the run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a "
+                          "new run")
+
+
+@dataclass
+class AsyncState(RunState):
+    """Stage 1's RunState with what stage 7 adds. engine: the WeightStore (what the trainer's sync pushes
+    into); sync: an InProcessSync; reward_funcs: none (the producers' environments score)."""
+
+    acfg: AsyncConfig | None = None
+    queue: ExperienceQueue | None = None
+    gate: StartGate | None = None
+    correct: Correction | None = None       # the `correct` step of notebook 01's `learn`
+    timeline: Timeline = field(default_factory=Timeline)
+    errors: list = field(default_factory=list)   # what the producer threads raised
+    samples: int = 0                        # completions trained on so far
+    wall_offset: float = 0.0                # wall seconds of the run before this process (a resume)
+    t0: float | None = None                 # perf_counter when the producers started
+    last: float | None = None               # perf_counter of the last publish
+    batch_timeout: float = 300.0            # seconds the trainer waits for one batch
+
+    def wall(self, now: float | None = None) -> float:
+        """Seconds of the run so far (from the producers' start, across resumes)."""
+        if self.t0 is None:
+            return self.wall_offset
+        return self.wall_offset + (time.perf_counter() if now is None else now) - self.t0
+
+    def extra_state(self) -> dict:
+        return {"async": dataclasses.asdict(self.acfg), "queue": self.queue.state_dict(), "samples": self.samples,
+                "wall": self.wall()}
+
+    def load_extra_state(self, extra: dict) -> None:
+        check_resume_async(extra.get("async"), self.acfg)
+        self.queue.load_state_dict(extra["queue"], self.roles.version)
+        self.samples, self.wall_offset = extra["samples"], extra["wall"]
+
+
+def setup_async(config: RLConfig, acfg: AsyncConfig, model, rows: list[dict],
+                batch_timeout: float = 300.0) -> AsyncState:
+    """The state of a fresh asynchronous run: roles, a store holding version 0, the gate and the queue."""
+    B, eta = config.run.prompts_per_step, acfg.max_staleness
+    roles = build_roles(config, model)
+    store = WeightStore()
+    store.publish(roles.actor.named_weights(), 0)
+    gate = StartGate(B, eta)
+    queue = ExperienceQueue(acfg.capacity(B), B, eta, gate)
+    correct = Correction(acfg.correction, roles.actor, config.algorithm, acfg.areal_weight)
+    return AsyncState(config, roles, store, InProcessSync(), torch.Generator().manual_seed(config.run.seed), rows, [],
+                      acfg=acfg, queue=queue, gate=gate, correct=correct, batch_timeout=batch_timeout)
+
+
+def batch_of(trajectories: list[Trajectory]):
+    """(rollout, rewards) of a batch: the trajectories' rows in ticket order (so that the rows never depend on
+    which session ended first), version = the oldest."""
+    ordered = sorted(trajectories, key=lambda t: t.ticket)
+    oldest = min(t.version for t in ordered)
+    rollout = Batch.concat([dataclasses.replace(t.rollout, version=oldest) for t in ordered])
+    return rollout, torch.cat([t.rewards for t in ordered])                            # rewards [N]
+
+
+def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) -> dict:
+    """The record's stage-7 numbers about a batch: completions, staleness, mixed-version sequences, env failures."""
+    behind = [trainer_version - t.version for t in trajectories]
+    mask = rollout.completion_mask.bool()
+    tv = rollout.token_versions                                                         # [N, C]
+    mixed = ((tv.masked_fill(~mask, -1).max(1).values != tv.masked_fill(~mask, 2**62).min(1).values)
+             & mask.any(1)).sum().item()
+    return {"trajectories": len(rollout), "staleness/max": max(behind), "staleness/mean": sum(behind) / len(behind),
+            "tokens/mixed_versions": mixed, "env/failures": sum(t.env_failures for t in trajectories),
+            "env/timeouts": sum(t.env_timeouts for t in trajectories),
+            "env/errors": [e for t in trajectories for e in t.env_errors][:2]}
+
+
+def trainer_step(state: AsyncState) -> dict:
+    """One trainer step: the next admissible batch from the queue, notebook 01's `learn` on it, the weights
+    published as the next version."""
+    waited = time.perf_counter()
+    try:
+        trajectories = state.queue.get_batch(timeout=state.batch_timeout)
+    except RuntimeError:
+        if state.errors:
+            raise state.errors[0] from None
+        raise
+    began = time.perf_counter()
+    state.timeline.add("trainer", "wait", waited, began)
+    roles, timer = state.roles, StageTimer()
+    rollout, rewards = batch_of(trajectories)
+    health = batch_health(trajectories, rollout, roles.version)
+    metrics = learn(roles, rollout, rewards, state.config, timer=timer, correct=state.correct)
+    if state.correct.weight_mean is not None:
+        metrics["correction/weight_mean"] = state.correct.weight_mean
+    with timer("sync"):
+        report = state.sync.push(roles.actor.named_weights(), state.engine, roles.version + 1)
+    roles.version = report.version
+    state.queue.advance(roles.version)
+    state.gate.advance(roles.version)
+    state.last = end = time.perf_counter()
+    state.timeline.add("trainer", "train", began, end)
+    state.samples += len(rewards)
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards)
+            | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
+            | state.queue.stats(end) | timer.times)
+
+
+class Producers(Callback):
+    """Starts the producers when the run starts (a resume has restored the queue by then), stops them at its end."""
+
+    def __init__(self, config: RLConfig, acfg: AsyncConfig, model, tokenizer):
+        self.config, self.acfg, self.model, self.tokenizer = config, acfg, model, tokenizer
+        self.producers, self.actors, self.threads = [], [], []
+
+    @property
+    def switches(self) -> int:
+        """In-flight weight loads in the middle of a sequence, over the local producers."""
+        return sum(getattr(p, "switches", 0) for p in self.producers)
+
+    def on_start(self, state: AsyncState) -> None:
+        config, acfg = self.config, self.acfg
+        if acfg.ray:
+            from minirl.asyncrl.ray_producer import start_ray_producers  # noqa: PLC0415 (Ray only when asked)
+            self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine)
+        else:
+            self.producers = [Producer(f"producer {i}", build_engine(config, self.model, self.tokenizer), state.engine,
+                                       acfg.make_env(), config.sampling, acfg.env_timeout, acfg.max_turns,
+                                       acfg.in_flight) for i in range(acfg.producers)]
+        self.threads = [threading.Thread(target=producer_loop, daemon=True, name=f"producer-{i}",
+                                         args=(p, state.rows, config.run.seed, state.gate, state.queue, state.timeline,
+                                               state.errors, acfg.prompts_per_call))
+                        for i, p in enumerate(self.producers)]
+        state.t0 = time.perf_counter()
+        for t in self.threads:
+            t.start()
+
+    def on_end(self, state: AsyncState) -> None:
+        state.gate.close()
+        state.queue.close()
+        for t in self.threads:
+            t.join(timeout=self.acfg.env_timeout + 5.0)
+        if self.actors:
+            from minirl.asyncrl.ray_producer import stop_ray_producers  # noqa: PLC0415
+            stop_ray_producers(self.actors)
+
+
+class OnStep(Callback):
+    """Calls fn(record) after every step (a progress line, a plot)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_step(self, state, record):
+        self.fn(record)
+
+
 @dataclass
 class AsyncResult:
-    """A run's records (one per trainer step), weight snapshots, timeline and the producers' counters."""
+    """A run's trainer records (one per step, a resumed run's earlier ones included), weight snapshots,
+    timeline and the producers' counters."""
 
     records: list[dict]
-    snapshots: list[tuple[int, float, int, dict]]   # (step, wall seconds, completions trained on, weights)
+    snapshots: list[Snapshot]
     timeline: Timeline
     wall: float                                     # seconds from the producers' start to the last publish
+    ended: float                                    # perf_counter of the last publish (the timeline's clock)
     switches: int = 0                               # in-flight weight loads in the middle of a sequence
     accuracy: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
-        """trajectories_per_second, trainer_idle_share, max_staleness_seen, drops, env failures, ..."""
+        """steps, seconds, trajectories_per_second, trainer_idle_share, max_staleness_seen, drops, env failures, ..."""
         recs = self.records
         waited = sum(r["time/wait"] for r in recs)
-        out = {"steps": len(recs), "seconds": self.wall,
+        out = {"steps": recs[-1]["step"] if recs else 0, "seconds": self.wall,
                "trajectories": sum(r["trajectories"] for r in recs),
                "trajectories_per_second": sum(r["trajectories"] for r in recs) / max(self.wall, 1e-9),
                "trainer_idle_share": waited / max(self.wall, 1e-9),
@@ -1242,157 +1646,42 @@ class AsyncResult:
         return out
 
 
-def batch_of(trajectories: list[Trajectory]):
-    """(rollout, rewards) of a batch: the trajectories' rows one after another, version = the oldest."""
-    oldest = min(t.version for t in trajectories)
-    rollout = Batch.concat([dataclasses.replace(t.rollout, version=oldest) for t in trajectories])
-    return rollout, torch.cat([t.rewards for t in trajectories])                       # rewards [N]
-
-
-def train_on(roles, trajectories: list[Trajectory], config: RLConfig, acfg: AsyncConfig) -> dict:
-    """Notebook 01's algorithm on one batch from the queue; the record's metrics (without the sync)."""
-    timer = StageTimer()
-    rollout, rewards = batch_of(trajectories)
-    with timer("reference"):
-        exp = make_experience(rollout, rewards, roles, config.algorithm)
-        exp = apply_correction(exp, acfg.correction, roles.actor, config.algorithm, acfg.areal_weight)
-    with timer("advantages"):
-        exp = compute_advantages(exp, config.algorithm)
-    with timer("update"):
-        metrics = roles.actor.update(exp)
-    if roles.critic is not None:
-        with timer("update_critic"):
-            metrics |= roles.critic.update(exp)
-    behind = [roles.version - t.version for t in trajectories]
-    mask = rollout.completion_mask.bool()
-    tv = rollout.token_versions.masked_fill(~mask, -1)
-    mixed = ((tv.max(1).values != rollout.token_versions.masked_fill(~mask, 2**62).min(1).values)
-             & mask.any(1)).sum().item()
-    if exp.is_weights is not None:
-        metrics["correction/weight_mean"] = exp.is_weights[mask].mean().item()
-    lengths = rollout.completion_mask.float().sum(1)                                    # [N]
-    return metrics | timer.times | {
-        "generated_version": rollout.version, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-        "completion_length": lengths.mean().item(), "completion_length_max": lengths.max().item(),
-        "tokens/prompt": int(rollout.prompt_mask.sum()), "tokens/completion": int(lengths.sum()),
-        "trajectories": len(rewards),
-        "staleness/max": max(behind), "staleness/mean": sum(behind) / len(behind), "tokens/mixed_versions": mixed,
-        "env/failures": sum(t.env_failures for t in trajectories),
-        "env/timeouts": sum(t.env_timeouts for t in trajectories),
-        "env/errors": [e for t in trajectories for e in t.env_errors][:2]}
-
-
-def _start_producers(config, acfg, model, tokenizer, store):
-    """Local Producers (each its own engine), or clients of Ray actors; and the actors to kill after."""
-    make_env = acfg.make_env()
-    if not acfg.ray:
-        return [Producer(f"producer {i}", build_engine(config, model, tokenizer), store, make_env, config.sampling,
-                         acfg.env_timeout, acfg.max_turns, acfg.in_flight) for i in range(acfg.producers)], []
-    if not ray.is_initialized():
-        raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call ray.init(num_cpus=2) (or "
-                           "minirl.controller.resource_pool.connect) first")
-    if acfg.in_flight:
-        raise ConfigError("in_flight", True, "in-flight updates run in local producer threads only; "
-                          "drop --in-flight with --ray")
-    slots = math.ceil(acfg.producers / acfg.ray_actors)
-    remote = ray.remote(RayProducer)
-    actors = [remote.options(num_cpus=0.5, max_concurrency=slots).remote(
-        "rollout", r, acfg.ray_actors, model, tokenizer, config, make_env, acfg.env_timeout, acfg.max_turns)
-        for r in range(acfg.ray_actors)]
-    ray.get([a.ping.remote() for a in actors])                   # started (a failure is named here)
-    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store)
-            for i in range(acfg.producers)], actors
-
-
-def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], on_step=None,
+def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], *, out_dir=None,
+                resume: bool = False, overwrite: bool = False, eval_fn=None, progress: bool = False, on_step=None,
+                stop_after: int | None = None, run_info: dict | None = None, extra_callbacks: tuple = (),
                 batch_timeout: float = 300.0) -> AsyncResult:
-    """config.run.steps trainer steps fed by producers; trains `model` in place. See the module docstring.
+    """config.run.steps trainer steps fed by producers, under stage 1's `run_in_dir`; trains `model` in place.
 
-    on_step(record): called after every step (a logger, a progress line). batch_timeout:
-    seconds the trainer waits for one batch before it gives up (TimeoutError).
+    out_dir, resume, overwrite, progress, stop_after, run_info, extra_callbacks: as stage 1's
+    `train` (run.json then also records the AsyncConfig; snapshots go to out_dir/snapshots/).
+    eval_fn(model) -> accuracy: evaluate inline every config.run.eval_every steps (None: only
+    the snapshots, evaluated after the run with `evaluate_snapshots`). on_step(record): called
+    after every step. batch_timeout: seconds the trainer waits for one batch (TimeoutError).
+    See the module docstring for what a checkpoint holds.
     """
-    B, eta = config.run.prompts_per_step, acfg.max_staleness
     if not rows:
         raise ValueError("train_async: rows is empty; pass dataset rows like {'prompt': '27+35=', 'answer': 62}")
-    roles = build_roles(config, model)
-    store = WeightStore()
-    store.publish(roles.actor.named_weights(), 0)
-    gate = StartGate(B, eta)
-    queue = ExperienceQueue(acfg.capacity(B), B, eta, gate)
-    timeline, errors = Timeline(), []
-    producers, actors = _start_producers(config, acfg, model, tokenizer, store)
-    threads = [threading.Thread(target=producer_loop, daemon=True, name=f"producer-{i}",
-                                args=(p, rows, config.run.seed, gate, queue, timeline, errors,
-                                      acfg.prompts_per_call))
-               for i, p in enumerate(producers)]
-    start = time.perf_counter()
-    snapshots = [(0, 0.0, 0, {k: v.detach().clone() for k, v in roles.actor.named_weights()})]
-    records, samples = [], 0
-    try:
-        for t in threads:
-            t.start()
-        for step in range(1, config.run.steps + 1):
-            waited = time.perf_counter()
-            try:
-                batch = queue.get_batch(timeout=batch_timeout)
-            except RuntimeError:
-                if errors:
-                    raise errors[0]
-                raise
-            began = time.perf_counter()
-            timeline.add("trainer", "wait", waited, began)
-            record = train_on(roles, batch, config, acfg)
-            publish = time.perf_counter()
-            sync_bytes = store.publish(roles.actor.named_weights(), roles.version + 1)
-            roles.version += 1
-            queue.advance(roles.version)
-            gate.advance(roles.version)
-            end = time.perf_counter()
-            timeline.add("trainer", "train", began, end)
-            samples += record["trajectories"]
-            record |= {"step": step, "version": roles.version, "time/wait": began - waited,
-                       "time/sync": end - publish, "sync/bytes": sync_bytes, "time/step": end - waited,
-                       "wall": end - start, "samples": samples} | queue.stats(end)
-            records.append(record)
-            if step % acfg.snapshot_every == 0 or step == config.run.steps:
-                snapshots.append((step, end - start, samples,
-                                  {k: v.detach().clone() for k, v in roles.actor.named_weights()}))
-            if on_step is not None:
-                on_step(record)
-        wall = time.perf_counter() - start
-    finally:
-        gate.close()
-        queue.close()
-        for t in threads:
-            t.join(timeout=acfg.env_timeout + 5.0)
-        for actor in actors:
-            ray.kill(actor)
-    switches = sum(getattr(p, "switches", 0) for p in producers)
-    return AsyncResult(records, snapshots, timeline, wall, switches)
+    check_async(config, acfg)
+    if acfg.ray:
+        import ray  # noqa: PLC0415 (Ray only when asked)
+        if not ray.is_initialized():
+            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call ray.init(num_cpus=2) (or "
+                               "minirl.controller.resource_pool.connect) first")
+    if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
+        check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
+    state = setup_async(config, acfg, model, rows, batch_timeout)
+    producers = Producers(config, acfg, model, tokenizer)
+    snapshots = Snapshots(acfg.snapshot_every, config.run.steps,
+                          None if out_dir is None else Path(out_dir) / "snapshots")
+    callbacks = ([snapshots] + ([OnStep(on_step)] if on_step is not None else []) + list(extra_callbacks)
+                 + [producers])                  # last: they start after every other callback's on_start
+    run_in_dir(state, trainer_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite, eval_fn=eval_fn,
+               progress=progress, label="stage 7", extra_callbacks=tuple(callbacks), stop_after=stop_after,
+               run_info={"async": dataclasses.asdict(acfg)} | (run_info or {}))
+    ended = state.last if state.last is not None else time.perf_counter()
+    return AsyncResult([r for r in state.metrics if "trajectories" in r], snapshots.kept, state.timeline,
+                       state.wall(ended), ended, producers.switches)
 
-
-def evaluate_snapshots(result: AsyncResult, model, eval_fn) -> list[dict]:
-    """Held-out accuracy of every snapshot: [{"step", "wall", "samples", "accuracy"}], also kept in result."""
-    probe = copy.deepcopy(model)
-    result.accuracy = []
-    for step, wall, samples, weights in result.snapshots:
-        probe.load_state_dict(weights)
-        result.accuracy.append({"step": step, "wall": wall, "samples": samples, "accuracy": eval_fn(probe)})
-    return result.accuracy
-
-
-def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> float:
-    """Wall seconds at which held-out accuracy first reaches `target`; inf when it never does.
-
-    accuracy: evaluate_snapshots' list. The first time after step 0 that the mean of `window`
-    consecutive evaluations (ending there) is at or above `target`: window = 2 keeps one lucky
-    evaluation (a 500-problem test moves by a few points) from counting as arrival.
-    """
-    trained = [a for a in accuracy if a["step"] > 0]
-    for i in range(window - 1, len(trained)):
-        if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
-            return trained[i]["wall"]
-    return math.inf
 
 # %%
 # | export minirl/asyncrl/plots.py
@@ -1442,6 +1731,50 @@ def plot_learning_curves(curves: dict[str, list[dict]], path=None, target: float
     return fig
 
 # %% [markdown]
+# A crash and a resume, at $\eta = 0$: an uninterrupted run of 5 steps, and one that stops
+# after step 3 (its last checkpoint is step 2) and is resumed. The resumed run must end where
+# the uninterrupted one did, to the last bit: the batches are drawn from the same tickets, the
+# in-flight ones are sampled again with the same weights and seeds, and the optimizer and
+# counters come back from the checkpoint. Above $\eta = 0$ which trajectory lands in which
+# batch depends on timing, so there a resumed run continues from its checkpoint's state, not
+# along the crashed run's future.
+
+# %%
+import tempfile
+
+from minirl.asyncrl.runner import AsyncConfig, train_async
+from minirl.train.run import RunStopped
+
+RESUME = RLConfig().replace(steps=5, prompts_per_step=4, num_generations=4, checkpoint_every=2, eval_every=0)
+SMALL = AsyncConfig(max_staleness=0, producers=2, prompts_per_call=2, env_latency=0.001)
+workdir = Path(tempfile.mkdtemp())
+
+
+def resume_run(name: str, **kw):
+    fresh, tok, _ = load_default_policy(progress=False)
+    try:
+        result = train_async(RESUME, SMALL, fresh, tok, task.rows("train"), out_dir=workdir / name, **kw)
+    except RunStopped as stop:
+        print(f"{name}: {stop}")
+        return None, fresh
+    return result, fresh
+
+
+straight, straight_model = resume_run("straight")
+resume_run("crashed", stop_after=3)
+saved = torch.load(workdir / "crashed" / "checkpoints" / "step-000002" / "training_state.pt", weights_only=False)
+queue_state = saved["extra"]["queue"]
+print(f"checkpoint at step 2: queued tickets {[t.ticket for t in queue_state['queued']]}, calls to sample again "
+      f"{queue_state['gate']['again']}, next ticket {queue_state['gate']['next_ticket']}")
+resumed, resumed_model = resume_run("crashed", resume=True)
+same_records = [(r["reward"], r["loss"]) for r in resumed.records] == [(r["reward"], r["loss"]) for r in straight.records]
+same_weights = all(torch.equal(a, b) for a, b in zip(straight_model.state_dict().values(),
+                                                       resumed_model.state_dict().values()))
+print(f"resumed run: steps {[r['step'] for r in resumed.records]}; rewards and losses equal to the uninterrupted "
+      f"run's: {same_records}; final weights equal: {same_weights}")
+assert same_records and same_weights
+
+# %% [markdown]
 # ## 7. Synchronous against asynchronous, on a long-tail workload
 #
 # The workload: the single-turn task, each completion checked by the calculator tool, whose
@@ -1457,7 +1790,7 @@ def plot_learning_curves(curves: dict[str, list[dict]], path=None, target: float
 # time we compare. Each cell runs at most a few runs (about a minute in full mode).
 
 # %%
-from minirl.asyncrl.runner import AsyncConfig, evaluate_snapshots, time_to_accuracy, train_async
+from minirl.asyncrl.snapshots import evaluate_snapshots, time_to_accuracy
 from minirl.models.policy import greedy_accuracy
 
 SYNC_STEPS, ASYNC_STEPS, EVERY = (4, 6, 2) if SMOKE else (60, 90, 5)
@@ -1553,8 +1886,7 @@ from minirl.asyncrl.plots import plot_learning_curves, plot_timelines
 
 
 def last_seconds(result, seconds=2.0):
-    end = result.timeline.t0 + result.wall
-    return result.timeline.window(end - seconds, end)
+    return result.timeline.window(result.ended - seconds, result.ended)
 
 
 plot_timelines({"synchronous (eta = 0): the last 2 s": last_seconds(RESULTS["sync (eta=0)"]),
@@ -1579,15 +1911,20 @@ for name in ("eta=2 areal", "eta=2 tis", "eta=4 areal", "eta=4 tis"):
     weights = [r["correction/weight_mean"] for r in recs]
     print(f"{name:12s} mean token weight {sum(weights) / len(weights):.4f} (min over steps {min(weights):.4f}, "
           f"max {max(weights):.4f})")
+in_flight = RESULTS["eta=2 in-flight"].summary()
 print(f"in-flight run: {RESULTS['eta=2 in-flight'].switches} weight loads in the middle of a sequence, "
-      f"{RESULTS['eta=2 in-flight'].summary()['mixed_version_sequences']} trained sequences with mixed versions")
+      f"{in_flight['mixed_version_sequences']} trained sequences with mixed versions of {in_flight['trajectories']}; "
+      f"throughput {in_flight['trajectories_per_second'] / RESULTS['eta=2 none'].summary()['trajectories_per_second']:.2f}"
+      "x the eta=2 run's without in-flight updates")
 
 # %% [markdown]
 # The in-flight run switches weights in the middle of a sequence only for a small share of
 # its sequences (compare the count with the completions it trained on): ours are at most four
-# tokens, sampled in milliseconds, so a publish rarely lands inside one. It is also slower
-# (its trajectories per second in the table): it samples each prompt token by token in Python,
-# checking the store between tokens, without the shared-prefix engine's batching of prompts. With long reasoning traces (thousands of tokens, seconds to minutes each)
+# tokens, sampled in milliseconds, so a publish rarely lands inside one. What it costs is a
+# look at the store before every forward pass: it runs the same shared-prefix loop as the
+# other runs, batching the prompts of a call, so its throughput differs from the run at the
+# same $\eta$ without it by that look and by run-to-run noise (the ratio printed above; one
+# run each). With long reasoning traces (thousands of tokens, seconds to minutes each)
 # almost every sequence would straddle an update, which is why PipelineRL and AReaL need it.
 #
 # Where the trainer's idle time goes in the synchronous run follows from section 1's
@@ -1671,8 +2008,94 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 # With `ray=True` the producers run in Ray actors (stage 6's `Worker`, two actors, half a CPU
 # each, several `produce` calls at once through Ray's `max_concurrency`); the driver keeps
 # the queue, the gate and the trainer, ships each new version to the object store once, and
-# each actor pulls it before its next trajectory. The notebook runs this in full mode only
-# (a Ray cluster takes a while to start); `tests/test_asyncrl_ray.py` runs it in CI.
+# each actor pulls it before its next trajectory. This is the one module of stage 7 that
+# imports Ray, and only a run that asks for it imports the module. The notebook runs this in
+# full mode only (a Ray cluster takes a while to start); `tests/test_asyncrl_ray.py` runs it in
+# CI.
+
+# %%
+# | export minirl/asyncrl/ray_producer.py
+"""The producers as Ray actors: stage 6's `Worker` holding a `Producer`, and the driver's handle on it.
+
+`RayProducer` runs the same `Producer` inside a Ray actor (concurrent `produce` calls share
+its engine); `RayProducerClient` gives the driver's producer threads the same `produce` as a
+local Producer's, shipping each new version to the object store once. Imported only when a
+run asks for Ray (`AsyncConfig.ray`), so the rest of stage 7 runs without it.
+
+Simplified: one object-store copy per version, pulled by each actor before its next call
+(no broadcast, no in-flight updates across processes).
+"""
+
+import math
+import threading
+
+import ray
+
+from minirl.asyncrl.producer import Producer, WeightStore
+from minirl.asyncrl.queue import Trajectory
+from minirl.config import RLConfig
+from minirl.controller.worker import Worker
+from minirl.train.run import build_engine
+
+
+class RayProducer(Worker):
+    """A Producer inside a Ray actor (stage 6's Worker): concurrent `produce` calls share its engine."""
+
+    def __init__(self, group: str, rank: int, size: int, model, tokenizer, config: RLConfig, make_env,
+                 env_timeout: float, max_turns: int, threads: int = 1):
+        super().__init__(group, rank, size, "cpu", threads)
+        self.store = WeightStore()
+        self.producer = Producer(f"ray {rank}/{size}", build_engine(config, model, tokenizer), self.store, make_env,
+                                 config.sampling, env_timeout, max_turns)
+
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int], version: int,
+                weights_ref: list) -> list[Trajectory]:
+        """weights_ref: [ObjectRef] of the store's weights at `version` (in a list, so Ray does not fetch
+        it unless this actor needs it)."""
+        if version > self.store.version:
+            with self.producer.lock:
+                if version > self.store.version:
+                    self.store.publish(ray.get(weights_ref[0]).items(), version)
+        return self.producer.produce(rows, seeds, tickets)
+
+
+class RayProducerClient:
+    """The driver's handle on a RayProducer: `produce(rows, seeds, tickets)` as a local Producer's; weights from
+    `store`."""
+
+    _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
+    _lock = threading.Lock()
+
+    def __init__(self, actor, name: str, store: WeightStore):
+        self.actor, self.name, self.store = actor, name, store
+
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+        version, weights = self.store.latest()
+        key = (id(self.store), version)
+        with self._lock:
+            if key not in self._refs:
+                self._refs.clear()
+                self._refs[key] = [ray.put(weights)]
+            ref = self._refs[key]
+        return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+
+
+def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore):
+    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors)."""
+    slots = math.ceil(acfg.producers / acfg.ray_actors)
+    remote = ray.remote(RayProducer)
+    make_env = acfg.make_env()
+    actors = [remote.options(num_cpus=0.5, max_concurrency=slots).remote(
+        "rollout", r, acfg.ray_actors, model, tokenizer, config, make_env, acfg.env_timeout, acfg.max_turns)
+        for r in range(acfg.ray_actors)]
+    ray.get([a.ping.remote() for a in actors])                   # started (a failure is named here)
+    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store)
+            for i in range(acfg.producers)], actors
+
+
+def stop_ray_producers(actors) -> None:
+    for actor in actors:
+        ray.kill(actor)
 
 # %%
 if not SMOKE:
@@ -1690,17 +2113,23 @@ if not SMOKE:
 # Every mistake below is named before anything runs, or counted while the run goes on.
 
 # %%
+import dataclasses
+
 from minirl.asyncrl.queue import ExperienceQueue
 from minirl.utils.validate import ConfigError
 
+from minirl.asyncrl.runner import check_async
+
 for attempt in (lambda: AsyncConfig(max_staleness=-1), lambda: AsyncConfig(correction="vtrace"),
-                lambda: ExperienceQueue(capacity=8, batch_size=16, max_staleness=1)):
+                lambda: ExperienceQueue(capacity=8, batch_size=16, max_staleness=1),
+                lambda: check_async(RLConfig().replace(importance_sampling_correction=True),
+                                    AsyncConfig(correction="areal")),
+                lambda: train_async(RESUME, dataclasses.replace(SMALL, max_staleness=1), model, tokenizer,
+                                    task.rows("train"), out_dir=workdir / "crashed", resume=True)):
     try:
         attempt()
     except ConfigError as err:
         print(f"ConfigError: {err}")
-import dataclasses
-
 from minirl.asyncrl.queue import Trajectory
 
 queue = ExperienceQueue(capacity=16, batch_size=16, max_staleness=2)        # the trainer is at version 0
@@ -1727,6 +2156,9 @@ print("environments that raise, hang or return junk: scored 0 and counted, see s
 #   [0.8, 1.2]) mixes AReaL's behaviour weight with its trust region; both variants are here.
 # - Environments fail: a session that raises, hangs or returns junk is scored 0 and counted,
 #   and the run goes on.
+# - The trainer's step runs under the same run loop as every stage, so checkpoints and resume
+#   come with it; what is new is the queue: queued trajectories are saved, in-flight ones are
+#   sampled again from their tickets, and at $\eta = 0$ a resumed run is the uninterrupted one.
 # - What asynchrony buys depends on how much waiting there is to hide: here, the tool's tail
 #   on two shared cores; at scale, long generations on separate GPU pools.
 #

@@ -1,5 +1,6 @@
-"""Stage 7 in one process: the staleness rule, the gate and the queue, the corrections by hand,
-environments that fail, in-flight weight updates, and short runs of the asynchronous runner."""
+"""Stage 7 in one process: the staleness rule, the gate and the queue (and what a checkpoint keeps of
+them), the corrections by hand, environments that fail, in-flight weight updates, and short runs of the
+asynchronous trainer (one algorithm with stage 1: num_iterations and truncated IS act; exact resume)."""
 
 import math
 import threading
@@ -10,9 +11,10 @@ import torch
 
 from minirl.asyncrl.corrections import apply_correction, capped_token_weight, clipped_token_weight
 from minirl.asyncrl.env import ArithmeticToolEnv, EnvError, Latency, calculator, check_step, run_sessions
-from minirl.asyncrl.producer import Producer, WeightStore, sample_in_flight
+from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import ExperienceQueue, FutureVersionError, StartGate, Trajectory, admit
-from minirl.asyncrl.runner import AsyncConfig, batch_of, evaluate_snapshots, time_to_accuracy, train_async
+from minirl.asyncrl.runner import AsyncConfig, batch_of, train_async
+from minirl.asyncrl.snapshots import evaluate_snapshots, time_to_accuracy
 from minirl.asyncrl.timeline import sync_step_idle
 from minirl.config import AlgorithmConfig, RLConfig, SamplingConfig
 from minirl.data import Experience, Rollout
@@ -31,8 +33,8 @@ def rollout_of(version: int, G: int = 2, C: int = 2) -> Rollout:
                    ["c"] * G, ["p"] * G, version, num_generations=G, token_versions=torch.full((G, C), version))
 
 
-def traj(version: int, finished: float = 0.0) -> Trajectory:
-    return Trajectory(rollout_of(version), torch.zeros(2), {"prompt": "1+1="}, "t", 0.0, 0.0, finished)
+def traj(version: int, finished: float = 0.0, ticket: int = -1) -> Trajectory:
+    return Trajectory(rollout_of(version), torch.zeros(2), {"prompt": "1+1="}, "t", 0.0, 0.0, finished, ticket=ticket)
 
 
 def test_admit_rule_and_bad_input():
@@ -141,13 +143,22 @@ def test_apply_correction_fills_the_fields_policy_loss_reads():
     algo = AlgorithmConfig()
     exp = apply_correction(Experience(ro, torch.zeros(2)), "none", FixedActor(current), algo)
     assert exp.old_logps is None and exp.is_weights is None
+    pi_old = torch.full((2, 2), -0.7)                       # make_experience's pi_old (num_iterations > 1)
+    exp = apply_correction(Experience(ro, torch.zeros(2), old_logps=pi_old), "none", FixedActor(current), algo)
+    assert exp.old_logps is pi_old and exp.is_weights is None, "none keeps the pi_old the iterations need"
     exp = apply_correction(Experience(ro, torch.zeros(2)), "tis", FixedActor(current), algo)
     assert torch.equal(exp.old_logps, current)
-    assert torch.allclose(exp.is_weights, torch.tensor([[math.exp(0.5), math.exp(-2.0)], [1.0, math.exp(0.1)]]))
+    tis = torch.tensor([[math.exp(0.5), math.exp(-2.0)], [1.0, math.exp(0.1)]])
+    assert torch.allclose(exp.is_weights, tis)
+    on = AlgorithmConfig(importance_sampling_correction=True)       # stage 1's switch is the same correction
+    exp = apply_correction(Experience(ro, torch.zeros(2)), "none", FixedActor(current), on)
+    assert torch.allclose(exp.is_weights, tis), "importance_sampling_correction is honoured, not dropped"
     exp = apply_correction(Experience(ro, torch.zeros(2)), "areal", FixedActor(current), algo)
     assert torch.allclose(exp.is_weights, torch.tensor([[1.2, 0.8], [1.0, math.exp(0.1)]]))
     with pytest.raises(ConfigError, match="correction"):
         apply_correction(Experience(ro, torch.zeros(2)), "vtrace", FixedActor(current), algo)
+    with pytest.raises(ConfigError, match="importance_sampling_correction"):
+        apply_correction(Experience(ro, torch.zeros(2)), "areal", FixedActor(current), on)
 
 
 def test_sync_step_idle():
@@ -213,45 +224,57 @@ def test_multi_turn_environment_asks_again():
     assert (r.reward, r.turns, r.error) == (0.5, 2, None)
 
 
+def in_flight_producer(model, tok, store, sampling):
+    return Producer("p", SharedPrefixEngine(model, tok), store, None, sampling, in_flight=True)
+
+
 def test_in_flight_update_mixes_versions_without_dropping_the_sequence(make_tiny_policy):
     model, tok = make_tiny_policy(seed=3)
     other, _ = make_tiny_policy(seed=4)
-    engine = SharedPrefixEngine(model, tok)
+    sampling = SamplingConfig(num_generations=3, max_completion_length=4, temperature=1.0)
     store = WeightStore()
     store.publish(model.state_dict().items(), 0)
-    producer = Producer("p", engine, store, None, SamplingConfig(num_generations=3, max_completion_length=4))
-    calls = [0]
+    producer = in_flight_producer(model, tok, store, sampling)
+    pull, calls = producer.refresh, [0]
 
-    def refresh():                       # version 1 is published after the second token
+    def refresh(mid_sequence=False):         # call 1: before the engine call; 2: before token 1; 3: before token 2
         calls[0] += 1
         if calls[0] == 3:
-            store.publish(other.state_dict().items(), 1)
-        producer.refresh(mid_sequence=calls[0] > 1)
-
-    sampling = SamplingConfig(num_generations=3, max_completion_length=4, temperature=1.0)
-    ro = sample_in_flight(engine, "12+30=", sampling, torch.Generator().manual_seed(0), refresh)
+            store.publish(other.state_dict().items(), 1)           # version 1 lands after the second token
+        pull(mid_sequence)
+    producer.refresh = refresh
+    ro = producer.sample(["12+30="], torch.Generator().manual_seed(0))
     C = ro.completion_ids.shape[1]
     assert ro.token_versions[:, :2].eq(0).all()
     if C > 2:
         assert ro.token_versions[:, 2:].eq(1).all() and producer.switches == 1
-    assert ro.version == 0 and engine.version == 1
+    assert ro.version == 0 and producer.engine.version == 1
     # each token's behaviour log-prob is the one it was sampled with: the first two tokens under version 0
-    fresh = SharedPrefixEngine(model, tok)
-    ro0 = sample_in_flight(fresh, "12+30=", sampling, torch.Generator().manual_seed(0))
+    fresh = WeightStore()
+    fresh.publish(model.state_dict().items(), 0)
+    ro0 = in_flight_producer(model, tok, fresh, sampling).sample(["12+30="], torch.Generator().manual_seed(0))
     assert torch.equal(ro.completion_ids[:, :2], ro0.completion_ids[:, :2])
     assert torch.allclose(ro.logprobs[:, :2], ro0.logprobs[:, :2])
 
 
-def test_sample_in_flight_without_updates_matches_the_trainers_logprobs(make_tiny_policy):
+def test_in_flight_sampling_is_the_shared_prefix_loop_and_matches_the_trainers_logprobs(make_tiny_policy):
     from minirl.roles.actor import Actor
     from minirl.config import OptimizerConfig
     model, tok = make_tiny_policy(seed=5)
-    engine = SharedPrefixEngine(model, tok)
     sampling = SamplingConfig(num_generations=4, max_completion_length=4)
-    ro = sample_in_flight(engine, "7+8=", sampling, torch.Generator().manual_seed(1))
+    store = WeightStore()
+    store.publish(model.state_dict().items(), 0)
+    ro = in_flight_producer(model, tok, store, sampling).sample(["7+8=", "12+3="], torch.Generator().manual_seed(1))
+    plain = SharedPrefixEngine(model, tok).generate(["7+8=", "12+3="], sampling,
+                                                    generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ro.completion_ids, plain.completion_ids), "no updates: the engine's own samples"
+    assert ro.token_versions.eq(0).all() and ro.version == 0
     actor = Actor(model, AlgorithmConfig(), OptimizerConfig(), sampling)
     m = ro.completion_mask.bool()
     assert torch.allclose(actor.logprobs(ro)[m], ro.logprobs[m], atol=1e-5)
+    from minirl.rollout.hf import HFEngine
+    with pytest.raises(TypeError, match="SharedPrefixEngine"):
+        Producer("p", HFEngine(model, tok), store, None, sampling, in_flight=True)
 
 
 def small(**kw):
@@ -313,3 +336,179 @@ def test_batch_of_keeps_per_token_versions_and_the_oldest_version():
     rollout, rewards = batch_of([traj(3), traj(1), traj(2)])
     assert rollout.version == 1 and rewards.shape == (6,)
     assert rollout.token_versions[:, 0].tolist() == [3, 3, 1, 1, 2, 2]
+
+
+def test_gate_never_reuses_a_ticket_after_a_refund():
+    gate = StartGate(batch_size=2, max_staleness=0)
+    assert gate.acquire(2) == [0, 1]
+    gate.refund()                                           # ticket 1 was dropped: one more may start
+    assert gate.acquire(2) == [2], "a new number: ticket 1's prompt and seed are not sampled twice"
+
+
+def test_queue_state_dict_saves_queued_and_hands_in_flight_calls_out_again():
+    gate = StartGate(batch_size=4, max_staleness=1)
+    q = ExperienceQueue(capacity=8, batch_size=4, max_staleness=1, gate=gate)
+    calls = [gate.acquire(2) for _ in range(4)]             # [0, 1] [2, 3] [4, 5] [6, 7]
+    assert calls == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for t in (0, 1, 2, 3):
+        q.put(traj(0, ticket=t))
+    assert [t.ticket for t in q.get_batch(timeout=1)] == [0, 1, 2, 3]
+    q.advance(1)
+    gate.advance(1)
+    q.put(traj(1, ticket=4))
+    q.put(traj(1, ticket=5))                                # call [4, 5] complete and queued
+    q.put(traj(1, ticket=6))                                # call [6, 7]: 6 queued, 7 still in flight
+    assert gate.acquire(2) == [8, 9]                        # in flight: nothing of it queued yet
+    saved = q.state_dict()
+    assert [t.ticket for t in saved["queued"]] == [4, 5], "queued: saved; 6 goes with its call"
+    assert saved["gate"]["again"] == [[6, 7], [8, 9]] and saved["gate"]["next_ticket"] == 10
+    assert saved["admitted"] == 4
+
+    gate2 = StartGate(batch_size=4, max_staleness=1)
+    q2 = ExperienceQueue(capacity=8, batch_size=4, max_staleness=1, gate=gate2)
+    q2.load_state_dict(saved, version=1)
+    assert [t.ticket for t in q2._items] == [4, 5] and q2.trainer_version == 1 and q2.admitted == 4
+    assert gate2.started == 6, "trained + queued; what was in flight starts again"
+    assert gate2.acquire(2) == [6, 7] and gate2.acquire(2) == [8, 9], "in-flight calls, whole, first"
+    assert gate2.started == 10 and gate2.limit() == 12
+    assert gate2.acquire(2) == [10, 11], "then new tickets, where the run left off"
+    with pytest.raises(FutureVersionError):
+        q2.put(traj(2, ticket=6))
+
+
+class Parity:
+    """Reward 1 for a completion of even length: a reward that varies within a group even for a random policy
+    (so the updates move the weights)."""
+
+    def reset(self, row, rng):
+        return row["prompt"]
+
+    def step(self, action):
+        return None, float(len(action) % 2 == 0), True
+
+
+def parity_run(model, tok, steps=3, eta=1, correction="none", **config):
+    acfg = AsyncConfig(max_staleness=eta, correction=correction, producers=2, prompts_per_call=2, **FAST)
+    acfg.make_env = lambda: Parity
+    settings = {"learning_rate": 3e-2, "num_iterations": 4} | config
+    return train_async(small(steps=steps, **settings), acfg, model, tok, ROWS)
+
+
+def later_iterations_move(records) -> bool:
+    """With num_iterations = 4 the last iteration's ratio is against pi_old, three updates back: not 1, and
+    clipping acts. (Ratio 1 on every iteration is four unclipped policy-gradient steps.)"""
+    return (any(abs(r["ratio_mean"] - 1) > 1e-3 for r in records)
+            and any(r["clip_ratio/region_mean"] > 0 for r in records))
+
+
+@pytest.mark.parametrize("correction", ["none", "areal", "tis"])
+def test_num_iterations_ratio_is_against_pi_old_under_every_correction(make_tiny_policy, correction):
+    torch.set_num_threads(1)
+    model, tok = make_tiny_policy(seed=2)
+    result = parity_run(model, tok, correction=correction)
+    assert later_iterations_move(result.records), [(r["ratio_mean"], r["clip_ratio/region_mean"])
+                                                   for r in result.records]
+
+
+def test_the_old_none_correction_fails_the_iterations_check(make_tiny_policy, monkeypatch):
+    """The wrong version (`none` threw pi_old away): every iteration's ratio is 1 and the check above fails."""
+    import minirl.asyncrl.corrections as corrections
+
+    def old_none(exp, correction, actor, algorithm, areal_weight="clip"):
+        exp.old_logps, exp.is_weights = None, None
+        return exp
+    monkeypatch.setattr(corrections, "apply_correction", old_none)
+    model, tok = make_tiny_policy(seed=2)
+    records = parity_run(model, tok).records
+    assert all(r["ratio_mean"] == 1.0 and r["clip_ratio/region_mean"] == 0.0 for r in records)
+    assert not later_iterations_move(records)
+
+
+def test_importance_sampling_correction_is_honoured_and_refused_with_areal(make_tiny_policy):
+    model, tok = make_tiny_policy(seed=2)
+    records = parity_run(model, tok, steps=2, num_iterations=1, importance_sampling_correction=True).records
+    assert all("correction/weight_mean" in r for r in records), "stage 1's truncated IS switch acts in stage 7"
+    plain = parity_run(*make_tiny_policy(seed=2), steps=2, num_iterations=1).records
+    assert all("correction/weight_mean" not in r for r in plain)
+    with pytest.raises(ConfigError, match="importance_sampling_correction"):
+        parity_run(model, tok, correction="areal", importance_sampling_correction=True)
+    with pytest.raises(ConfigError, match="in_flight"):
+        train_async(small(rollout_engine="paged"), AsyncConfig(in_flight=True), model, tok, ROWS)
+
+
+def test_run_directory_metrics_as_they_happen_evaluator_and_snapshots(make_tiny_policy, tmp_path):
+    from minirl.train.run import Callback
+
+    class CountLines(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step(self, state, record):
+            self.seen.append(len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+    model, tok = make_tiny_policy(seed=2)
+    lines = CountLines()
+    acfg = AsyncConfig(max_staleness=1, producers=2, prompts_per_call=2, snapshot_every=2, **FAST)
+    result = train_async(small(steps=3, eval_every=2, checkpoint_every=2), acfg, model, tok, ROWS,
+                         out_dir=tmp_path / "run", eval_fn=lambda m: 0.25, extra_callbacks=(lines,))
+    assert lines.seen == [2, 3, 4], "metrics.jsonl has the step-0 evaluation and each step when it is logged"
+    assert [r["step"] for r in result.records] == [1, 2, 3] and "accuracy" in result.records[1]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert [s.step for s in result.snapshots] == [0, 2, 3] and all(s.path.exists() for s in result.snapshots)
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def resumable(model, tok, out, steps, eta, stop_after=None, resume=False, extra=(), **async_settings):
+    from minirl.train.run import RunStopped
+    acfg = AsyncConfig(**{"max_staleness": eta, "producers": 3, "prompts_per_call": 2, "snapshot_every": 2} | FAST
+                       | async_settings)
+    acfg.make_env = lambda: Parity
+    config = small(steps=steps, checkpoint_every=2, keep_checkpoints=5, learning_rate=1e-2, num_iterations=2)
+    try:
+        return train_async(config, acfg, model, tok, ROWS, out_dir=out, stop_after=stop_after, resume=resume,
+                           extra_callbacks=extra)
+    except RunStopped:
+        return None
+
+
+ALGORITHM_KEYS = ("step", "version", "generated_version", "reward", "reward_std", "loss", "ratio_mean", "grad_norm",
+                  "staleness/max", "tokens/completion", "trajectories", "samples")
+
+
+def test_resume_at_eta_zero_repeats_the_uninterrupted_run_exactly(make_tiny_policy, tmp_path):
+    torch.set_num_threads(1)
+    whole, tok = make_tiny_policy(seed=2)
+    straight = resumable(whole, tok, tmp_path / "a", 5, eta=0)
+    crashed, _ = make_tiny_policy(seed=2)
+    assert resumable(crashed, tok, tmp_path / "b", 5, eta=0, stop_after=3) is None      # last checkpoint: step 2
+    resumed = resumable(crashed, tok, tmp_path / "b", 5, eta=0, resume=True)
+    assert [[r[k] for k in ALGORITHM_KEYS] for r in resumed.records] == \
+           [[r[k] for k in ALGORITHM_KEYS] for r in straight.records]
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), crashed.state_dict().values()))
+    assert [s.step for s in resumed.snapshots] == [0, 2, 4, 5] and resumed.summary()["steps"] == 5
+
+
+def test_resume_requeues_the_checkpoints_queue_and_refuses_other_async_settings(make_tiny_policy, tmp_path):
+    from minirl.train.run import Callback
+
+    class Seen(Callback):
+        def on_start(self, state):
+            self.queued = [t.ticket for t in state.queue._items]
+            self.again = [list(c) for c in state.gate.again]
+            self.step, self.version = state.step, state.roles.version
+    model, tok = make_tiny_policy(seed=2)
+    assert resumable(model, tok, tmp_path / "run", 6, eta=1, stop_after=3) is None
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "training_state.pt", weights_only=False)
+    queue = saved["extra"]["queue"]
+    with pytest.raises(ConfigError, match="max_staleness"):
+        resumable(model, tok, tmp_path / "run", 6, eta=2, resume=True)
+    with pytest.raises(ConfigError, match="producers"):
+        resumable(model, tok, tmp_path / "run", 6, eta=1, resume=True, producers=1)
+    seen = Seen()
+    resumed = resumable(model, tok, tmp_path / "run", 6, eta=1, resume=True, extra=(seen,))
+    assert (seen.step, seen.version) == (2, 2)
+    assert seen.queued == [t.ticket for t in queue["queued"]], "the checkpoint's queued trajectories, re-queued"
+    assert seen.again == queue["gate"]["again"], "its in-flight calls, handed out again"
+    assert len(queue["queued"]) + sum(map(len, queue["gate"]["again"])) > 0, "eta = 1 runs a batch ahead"
+    assert [r["step"] for r in resumed.records] == [1, 2, 3, 4, 5, 6]
+    assert [r["version"] for r in resumed.records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness/max"] <= 1 for r in resumed.records)

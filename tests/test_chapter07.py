@@ -1,7 +1,8 @@
-"""chapters/07_async.py: bad flags are named before anything loads; a short run writes summary.json.
+"""chapters/07_async.py: bad flags are named before anything loads; a short run writes summary.json;
+--resume continues a run (with a larger --steps) and refuses other settings in one line.
 
-In-process (the script's `main`), to spare a Python start per case; one small end-to-end run on a saved
-tiny model (`--model`), and a second one into the same directory refused without --overwrite.
+In-process (the script's `main`), to spare a Python start per case; small end-to-end runs on a saved
+tiny model (`--model`).
 """
 
 import importlib.util
@@ -31,6 +32,9 @@ def main(*args) -> int:
     (["--env-timeout", "0"], "argument --env-timeout: 0.0"),
     (["--producers", "0"], "argument --producers: 0: must be >= 1"),
     (["--ray", "--in-flight"], "in-flight updates run in local producer threads only"),
+    (["--in-flight", "--rollout-engine", "paged"], "argument --in-flight: True: in-flight updates run the shared"),
+    (["--correction", "areal", "--importance-sampling-correction"], "argument --importance-sampling-correction"),
+    (["--stop-after", "0"], "argument --stop-after: 0"),
     (["--threads", "-1"], "argument --threads: -1"),
     (["--model", "/no/such/model"], "no such directory"),
 ])
@@ -60,3 +64,35 @@ def test_short_run_writes_the_summary_and_refuses_to_overwrite(tmp_path, capsys,
     assert (out / "final" / "config.json").exists()
     assert main("--out", out, *flags) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_resume_continues_with_more_steps_and_refuses_other_settings(tmp_path, capsys, tiny_model_dir):
+    out = tmp_path / "run"
+    flags = ["--model", tiny_model_dir, "--prompts-per-step", 4, "--num-generations", 4, "--producers", 2,
+             "--prompts-per-call", 2, "--env-latency", 0.001, "--snapshot-every", 2]
+    assert main("--steps", 3, "--checkpoint-every", 2, "--out", out, *flags) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    capsys.readouterr()
+    assert main("--resume", "--max-staleness", 2, "--steps", 5, "--out", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--max-staleness 1 -> 2" in err[-1] and "--resume" in err[-1], err
+    assert main("--resume", "--producers", 3, "--steps", 5, "--out", out) == 2
+    assert "--producers 2 -> 3" in capsys.readouterr().err
+    assert main("--resume", "--steps", 5, "--snapshot-every", 1, "--out", out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["resumed"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5], "the resumed run continues the log after its checkpoint"
+    assert [a["step"] for a in summary["accuracy_curve"]] == [0, 2, 3, 4, 5]
+
+
+def test_stop_after_then_resume(tmp_path, capsys, tiny_model_dir):
+    out = tmp_path / "run"
+    flags = ["--model", tiny_model_dir, "--prompts-per-step", 4, "--num-generations", 4, "--producers", 2,
+             "--prompts-per-call", 2, "--env-latency", 0.001, "--max-staleness", 0, "--checkpoint-every", 2]
+    assert main("--steps", 4, "--stop-after", 3, "--out", out, *flags) == 1
+    assert "continue with" in capsys.readouterr().out
+    assert not (out / "summary.json").exists()
+    assert main("--steps", 4, "--resume", "--out", out) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4

@@ -4,29 +4,36 @@
 Each correction fills the Experience fields that notebook 01's `policy_loss` already reads:
 `old_logps` (the policy the PPO ratio is taken against) and `is_weights` (a per-token
 weight on the clipped objective). So the algorithm code is untouched; only the numbers
-handed to it differ:
+handed to it differ. `apply_correction` is the `correct` step of notebook 01's `learn`:
 
 | correction | old_logps (trust region) | is_weights (behaviour correction) |
 |---|---|---|
-| none  | None (pi_theta detached: ratio 1) | None |
-| tis   | the trainer's recomputed pi_old | min(pi_old / pi_behav, cap) (notebook 02) |
+| none  | as in stage 1: pi_old recomputed when the update needs it (num_iterations > 1, ...) | None |
+| tis   | the trainer's recomputed pi_old | min(pi_old / pi_behav, cap): stage 1's `importance_weights` |
 | areal | the proximal pi_prox (recomputed) | clip(pi_prox / pi_behav, 0.8, 1.2) (the source), or AReaL's cap |
 
+`tis` and RLConfig's `importance_sampling_correction` are one switch (notebook 02's truncated
+IS): either turns it on, and `none` with the switch on is `tis`. `areal` puts its own weight
+where TIS would go, so `areal` with the switch on is refused (`check_correction`).
+
 Simplified vs AReaL: the proximal policy is always recomputed (no approximation from the
-versions), and one update per batch, so pi_prox equals the weights before the update.
+versions); pi_prox is the trainer's weights when the batch arrives, which is also pi_old of
+its `num_iterations` updates.
 """
 
 __all__ = ["CORRECTIONS", "AREAL_WEIGHTS", "clipped_token_weight", "capped_token_weight",
-           "apply_correction"]
+           "check_correction", "apply_correction", "Correction"]
+
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
-from minirl.algo.corrections import importance_sampling_weights
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
-from minirl.utils.validate import check_choice
+from minirl.train.step import importance_weights
+from minirl.utils.validate import ConfigError, check_choice
 
 CORRECTIONS = ("none", "areal", "tis")
 AREAL_WEIGHTS = ("clip", "cap")
@@ -66,29 +73,55 @@ def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Te
     return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid          # [B, C]
 
 
+def check_correction(correction: str, algorithm: AlgorithmConfig) -> str:
+    """The correction a run applies: `correction`, or "tis" when it is "none" and the algorithm turns
+    truncated IS on. Raises ConfigError naming importance_sampling_correction for "areal" with it on."""
+    check_choice("correction", correction, CORRECTIONS)
+    if correction == "areal" and algorithm.importance_sampling_correction:
+        raise ConfigError("importance_sampling_correction", True,
+                          "--correction areal weights each token by AReaL's behaviour weight where truncated IS "
+                          "would go; drop --importance-sampling-correction, or pass --correction tis")
+    return "tis" if algorithm.importance_sampling_correction else correction
+
+
 def apply_correction(exp: Experience, correction: str, actor, algorithm: AlgorithmConfig,
                      areal_weight: str = "clip", low: float = 0.8, high: float = 1.2) -> Experience:
     """Fill exp.old_logps and exp.is_weights for `correction` (see the module's table); returns exp.
 
     actor: anything with `logprobs(rollout) -> [N, C]` (the trainer's current weights: the
-    proximal policy). tis uses algorithm.importance_sampling_mode and importance_sampling_cap
-    (notebook 02's defaults: per token, truncated at 2). areal_weight: "clip" (the source:
-    clamp to [low, high]) or "cap" (AReaL's code: drop tokens above `high`).
+    proximal policy), asked only when exp.old_logps is None and the correction needs them.
+    exp.old_logps that `make_experience` computed (for num_iterations > 1, say) are kept by
+    every correction. none and tis are stage 1's `importance_weights`, with truncated IS off
+    or on (tis uses algorithm.importance_sampling_mode and importance_sampling_cap: per token,
+    truncated at 2 by default). areal_weight: "clip" (the source: clamp to [low, high]) or
+    "cap" (AReaL's code: drop tokens above `high`).
     """
-    check_choice("correction", correction, CORRECTIONS)
     check_choice("areal_weight", areal_weight, AREAL_WEIGHTS)
+    correction = check_correction(correction, algorithm)
     ro = exp.rollout
-    if correction == "none":
-        exp.old_logps, exp.is_weights = None, None
-        return exp
-    if exp.old_logps is None:
+    if correction != "none" and exp.old_logps is None:
         exp.old_logps = actor.logprobs(ro)                                                   # [N, C]
-    if correction == "tis":
-        exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
-                                                     algorithm.importance_sampling_mode,
-                                                     algorithm.importance_sampling_cap)
-    elif areal_weight == "clip":
-        exp.is_weights = clipped_token_weight(exp.old_logps, ro.logprobs, ro.completion_mask, low, high)
-    else:
-        exp.is_weights = capped_token_weight(exp.old_logps, ro.logprobs, ro.completion_mask, high)
-    return exp
+    if correction == "areal":
+        weight = clipped_token_weight if areal_weight == "clip" else capped_token_weight
+        bounds = (low, high) if areal_weight == "clip" else (high,)
+        exp.is_weights = weight(exp.old_logps, ro.logprobs, ro.completion_mask, *bounds)     # [N, C]
+        return exp
+    tis = dataclasses.replace(algorithm, importance_sampling_correction=correction == "tis")
+    return importance_weights(exp, tis)
+
+
+class Correction:
+    """`apply_correction` with a run's settings, as the `correct` step of notebook 01's `learn`; keeps the
+    mean weight of its last batch's tokens (`weight_mean`, None without weights) for the step's record."""
+
+    def __init__(self, correction: str, actor, algorithm: AlgorithmConfig, areal_weight: str = "clip"):
+        self.correction = check_correction(correction, algorithm)
+        check_choice("areal_weight", areal_weight, AREAL_WEIGHTS)
+        self.actor, self.algorithm, self.areal_weight = actor, algorithm, areal_weight
+        self.weight_mean = None
+
+    def __call__(self, exp: Experience) -> Experience:
+        exp = apply_correction(exp, self.correction, self.actor, self.algorithm, self.areal_weight)
+        mask = exp.rollout.completion_mask.bool()
+        self.weight_mean = None if exp.is_weights is None else exp.is_weights[mask].mean().item()
+        return exp

@@ -1,43 +1,41 @@
 # Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
-"""Rollout producers: a weight store, token-level sampling with in-flight updates, threads and Ray actors.
+"""Rollout producers: a weight store, sampling with in-flight updates, the producer threads' loop.
 
-`WeightStore` holds the trainer's latest published weights and their version. A `Producer`
-owns an engine (any stage-1 engine: a copy of the policy), pulls the newest weights through
-an `InProcessSync` before each trajectory (or between decoding steps with `in_flight`), samples
-one prompt's G completions, runs their environment sessions and returns a `Trajectory` with
-per-token versions and behaviour log-probs. `producer_loop` is what a producer thread runs:
-gate ticket -> trajectory -> queue. `RayProducer` runs the same `Producer` inside a Ray actor
-(stage 6's `Worker`), and `RayProducerClient` gives the driver's threads the same `produce`.
+`WeightStore` holds the trainer's latest published weights and their version; it stands
+where stage 1's engine stood for the trainer's weight sync (`load_weights`, `version`), so
+the trainer pushes into it with stage 1's `InProcessSync`. A `Producer` owns an engine (any
+stage-1 engine: a copy of the policy), pulls the newest weights through an `InProcessSync`
+before each engine call, samples the G completions of each of its prompts, runs their
+environment sessions and returns `Trajectory` objects with per-token versions and
+behaviour log-probs. With `in_flight` it also pulls new weights between decoding steps: it
+runs the shared-prefix engine's own loop (notebook 01) with a hook before every forward pass,
+so there is no decoding loop here. `producer_loop` is what a producer thread runs: gate
+tickets -> trajectories -> queue. The producers as Ray actors are in `asyncrl/ray_producer.py`.
 
 Simplified vs AReaL / PipelineRL: the KV cache is not recomputed after an in-flight switch;
-the store is a dict of tensors in one process (on Ray, one object-store copy per version).
+the store is a dict of tensors in one process.
 """
 
-__all__ = ["WeightStore", "trajectory_seed", "pick_row", "sample_in_flight", "Producer",
-           "producer_loop", "RayProducer", "RayProducerClient"]
+__all__ = ["WeightStore", "trajectory_seed", "pick_row", "Producer", "producer_loop"]
 
 import dataclasses
 import random
 import threading
 import time
 
-import ray
 import torch
 from torch import Tensor
 
 from minirl.asyncrl.env import run_sessions
-from minirl.algo.logprobs import CACHE_ARG
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
-from minirl.config import RLConfig, SamplingConfig
-from minirl.controller.worker import Worker
+from minirl.config import SamplingConfig
 from minirl.data import Rollout
-from minirl.rollout.base import make_rollout
+from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import build_engine
 
 
 class WeightStore:
-    """The trainer's latest weights and version; `publish` from the trainer, `latest` from any producer."""
+    """The trainer's latest weights and version: `load_weights` from the trainer's sync, `latest` from a producer."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -53,6 +51,10 @@ class WeightStore:
             self.version, self.weights = version, copy
         return sum(t.numel() * t.element_size() for t in copy.values())
 
+    def load_weights(self, named_weights, version: int) -> None:
+        """The engine protocol's name for `publish`: what a WeightSync pushes into."""
+        self.publish(named_weights, version)
+
     def latest(self) -> tuple[int, dict[str, Tensor]]:
         with self._lock:
             return self.version, self.weights
@@ -67,58 +69,20 @@ def pick_row(rows: list[dict], seed: int, ticket: int) -> dict:
     return rows[random.Random(trajectory_seed(seed, ticket)).randrange(len(rows))]
 
 
-@torch.no_grad()
-def sample_in_flight(engine, prompt: str, sampling: SamplingConfig, generator: torch.Generator,
-                     refresh=None) -> Rollout:
-    """G completions of one prompt, token by token with a KV cache; refresh() runs before every token.
-
-    engine: an HFEngine-like object (`model`, `tokenizer`, `version`); refresh: a callable that
-    may load new weights into engine.model and bump engine.version (None: never). Returns a
-    Rollout whose token_versions [G, C] hold the version each token was sampled with and whose
-    version is the oldest of them; logprobs [G, C] are the behaviour log-probs of the sampled
-    tokens under the weights and cache that sampled them.
-    """
-    tok, G = engine.tokenizer, sampling.num_generations
-    enc = tok([prompt] * G, return_tensors="pt", add_special_tokens=False).to(engine.device)
-    ids, attention = enc.input_ids, enc.attention_mask                                    # [G, P]
-    past, step_input = None, ids
-    tokens, logps, versions = [], [], []
-    done = torch.zeros(G, dtype=torch.bool, device=engine.device)
-    for _ in range(sampling.max_completion_length):
-        if refresh is not None:
-            refresh()                                               # new weights between decoding steps
-        cached = {} if past is None else {CACHE_ARG: past}
-        out = engine.model(input_ids=step_input, attention_mask=attention, use_cache=True, **cached)
-        logits = out.logits[:, -1].float() / sampling.temperature                        # [G, V]
-        logp = torch.log_softmax(logits, -1)
-        nxt = torch.multinomial(logp.exp(), 1, generator=generator)                      # [G, 1]
-        nxt = torch.where(done[:, None], torch.full_like(nxt, tok.pad_token_id), nxt)
-        tokens.append(nxt)
-        logps.append(logp.gather(1, nxt))
-        versions.append(torch.full_like(nxt, engine.version))
-        done |= nxt[:, 0] == tok.eos_token_id
-        past, step_input = getattr(out, CACHE_ARG), nxt
-        attention = torch.cat([attention, torch.ones_like(nxt)], 1)
-        if done.all():
-            break
-    completion_ids = torch.cat(tokens, 1)                                                 # [G, C]
-    rollout = make_rollout(tok, [prompt], G, ids, enc.attention_mask, completion_ids, torch.cat(logps, 1), 0)
-    rollout.token_versions = torch.cat(versions, 1)                                       # [G, C]
-    live = rollout.token_versions[rollout.completion_mask.bool()]
-    rollout.version = int(live.min()) if live.numel() else int(rollout.token_versions.min())
-    return rollout
-
-
 class Producer:
     """One rollout worker: an engine, its environment, and the store it pulls weights from.
 
     make_env: a callable returning a fresh environment (one per session); env_timeout: seconds
     a session may take; in_flight: pick up new weights between decoding steps (else between
-    trajectories only). Thread-safe: generation holds the producer's lock, sessions do not.
+    engine calls only; needs a SharedPrefixEngine, whose loop takes the hook). Thread-safe:
+    generation holds the producer's lock, sessions do not.
     """
 
     def __init__(self, name: str, engine, store: WeightStore, make_env, sampling: SamplingConfig,
                  env_timeout: float = 5.0, max_turns: int = 1, in_flight: bool = False):
+        if in_flight and not isinstance(engine, SharedPrefixEngine):
+            raise TypeError(f"Producer(in_flight=True) needs a SharedPrefixEngine (its decoding loop takes new "
+                            f"weights between tokens), not {type(engine).__name__}")
         self.name, self.engine, self.store, self.make_env = name, engine, store, make_env
         self.sampling, self.env_timeout, self.max_turns, self.in_flight = sampling, env_timeout, max_turns, in_flight
         self.sync = InProcessSync()
@@ -138,31 +102,42 @@ class Producer:
         with self.lock:
             return self.engine.generate([prompt], one).completions[0]
 
+    def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
+        """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
+
+        With in_flight the engine's loop calls `refresh` before every forward pass but the first,
+        so each token records the version that sampled it (one per decoding step, shared by
+        the rows) and its behaviour log-prob is the one it was sampled with.
+        """
+        self.refresh()
+        if not self.in_flight:
+            rollout = self.engine.generate(prompts, self.sampling, generator=generator)
+            rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
+            return rollout
+        versions = []                                                # the version of each decoding step
+
+        def before_forward():
+            if versions:
+                self.refresh(mid_sequence=True)                      # new weights between decoding steps
+            versions.append(self.engine.version)
+        rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
+        steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
+        rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
+        rollout.version = versions[0]                                # every row's first token is the oldest
+        return rollout
+
     def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
-        """Sample G completions of each row's prompt (one engine call for all of them, or token by token
-        with `in_flight`); returns (row, its G-row Rollout with token_versions, started, generated) per row."""
+        """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
+        started, generated) per row."""
         started = time.perf_counter()
         generator = torch.Generator(device=self.engine.device).manual_seed(seed)
         with self.lock:
-            self.refresh()
-            if self.in_flight:
-                parts = []
-                for row in rows:
-                    tokens = [0]                                     # tokens sampled so far in this sequence
-
-                    def between_tokens():
-                        self.refresh(mid_sequence=tokens[0] > 0)
-                        tokens[0] += 1
-                    parts.append(sample_in_flight(self.engine, row["prompt"], self.sampling, generator,
-                                                  between_tokens))
-            else:
-                rollout = self.engine.generate([r["prompt"] for r in rows], self.sampling, generator=generator)
-                rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)     # [N, C]
-                parts = rollout.split(len(rows))                     # one G-row part per prompt
+            parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
         generated = time.perf_counter()
         return [(row, part, started, generated) for row, part in zip(rows, parts)]
 
-    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float) -> Trajectory:
+    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
+              ticket: int = -1) -> Trajectory:
         """Run one isolated environment session per completion; the scored Trajectory."""
         G = len(rollout.completions)
         results = run_sessions(self.make_env, row, rollout.completions, self.policy,
@@ -170,15 +145,16 @@ class Producer:
         failed = [r for r in results if r.error is not None]
         return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
                           started, generated, time.perf_counter(), env_failures=len(failed),
-                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]))
+                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
+                          ticket=ticket)
 
-    def produce(self, rows: list[dict], seeds: list[int]) -> list[Trajectory]:
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
         """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
         generated = self.generate(rows, seeds[0])
         out: list[Trajectory | None] = [None] * len(rows)
 
         def finish(i, item):
-            out[i] = self.score(*item[:2], seeds[i], *item[2:])
+            out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
         threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
         for t in threads:
             t.start()
@@ -197,12 +173,13 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
                   errors: list | None = None, prompts_per_call: int = 1) -> None:
     """What a producer thread runs until the gate closes: tickets -> generation -> sessions -> queue.
 
-    A local Producer samples up to `prompts_per_call` prompts in one engine call, then scores
-    each prompt's group in a thread of its own and queues it as soon as its own sessions end
-    (a slow session delays only its group), and goes on sampling. A RayProducerClient's
-    `produce` returns the groups of one remote call together. An exception (a broken engine,
-    a FutureVersionError) is appended to `errors` and closes the queue, so the trainer stops
-    with it instead of waiting forever.
+    A ticket fixes its trajectory's prompt (`pick_row`) and seed (`trajectory_seed`); one call
+    of up to `prompts_per_call` tickets samples with its first ticket's seed. A local Producer
+    scores each prompt's group in a thread of its own and queues it as soon as its own
+    sessions end (a slow session delays only its group), and goes on sampling. A
+    RayProducerClient's `produce` returns the groups of one remote call together. An
+    exception (a broken engine, a FutureVersionError) is appended to `errors` and closes the
+    queue, so the trainer stops with it instead of waiting forever.
     """
     def fail(err):
         if errors is not None:
@@ -210,9 +187,9 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
         queue.close()
         gate.close()
 
-    def finish(item, ticket):
+    def finish(item, seed_, ticket):
         try:
-            traj = producer.score(*item[:2], trajectory_seed(seed, ticket), *item[2:])
+            traj = producer.score(*item[:2], seed_, *item[2:], ticket=ticket)
             _record(timeline, traj)
             queue.put(traj)
         except Exception as err:  # handed to the trainer, which raises it
@@ -221,52 +198,13 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
     try:
         while (tickets := gate.acquire(prompts_per_call)) is not None:
             picked = [pick_row(rows, seed, t) for t in tickets]
+            seeds = [trajectory_seed(seed, t) for t in tickets]
             if isinstance(producer, Producer):
-                for item, ticket in zip(producer.generate(picked, trajectory_seed(seed, tickets[0])), tickets):
-                    threading.Thread(target=finish, args=(item, ticket), daemon=True).start()
+                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets):
+                    threading.Thread(target=finish, args=(item, seed_, ticket), daemon=True).start()
             else:
-                for traj in producer.produce(picked, [trajectory_seed(seed, t) for t in tickets]):
+                for traj in producer.produce(picked, seeds, tickets):
                     _record(timeline, traj)
                     queue.put(traj)
     except Exception as err:  # handed to the trainer, which raises it
         fail(err)
-
-
-class RayProducer(Worker):
-    """A Producer inside a Ray actor (stage 6's Worker): concurrent `produce` calls share its engine."""
-
-    def __init__(self, group: str, rank: int, size: int, model, tokenizer, config: RLConfig, make_env,
-                 env_timeout: float, max_turns: int, threads: int = 1):
-        super().__init__(group, rank, size, "cpu", threads)
-        self.store = WeightStore()
-        self.producer = Producer(f"ray {rank}/{size}", build_engine(config, model, tokenizer), self.store, make_env,
-                                 config.sampling, env_timeout, max_turns)
-
-    def produce(self, rows: list[dict], seeds: list[int], version: int, weights_ref: list) -> list[Trajectory]:
-        """weights_ref: [ObjectRef] of the store's weights at `version` (in a list, so Ray does not fetch
-        it unless this actor needs it)."""
-        if version > self.store.version:
-            with self.producer.lock:
-                if version > self.store.version:
-                    self.store.publish(ray.get(weights_ref[0]).items(), version)
-        return self.producer.produce(rows, seeds)
-
-
-class RayProducerClient:
-    """The driver's handle on a RayProducer: `produce(rows, seeds)` as a local Producer's, weights from `store`."""
-
-    _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
-    _lock = threading.Lock()
-
-    def __init__(self, actor, name: str, store: WeightStore):
-        self.actor, self.name, self.store = actor, name, store
-
-    def produce(self, rows: list[dict], seeds: list[int]) -> list[Trajectory]:
-        version, weights = self.store.latest()
-        key = (id(self.store), version)
-        with self._lock:
-            if key not in self._refs:
-                self._refs.clear()
-                self._refs[key] = [ray.put(weights)]
-            ref = self._refs[key]
-        return ray.get(self.actor.produce.remote(rows, seeds, version, ref))

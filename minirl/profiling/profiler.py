@@ -94,11 +94,11 @@ def stage_breakdown(events) -> dict[str, dict]:
     """Per stage of rl_step: wall seconds, seconds in torch operators and in matmuls, the rest (Python and
     dispatch), operator calls and the FLOPs torch counted. Needs the Python stack (with_stack=True); {} without.
 
-    A stage is a call made directly by rl_step (`STAGE_CALLS`; a critic's update is
+    A stage is a call made directly by rl_step or by its `learn` (`STAGE_CALLS`; a critic's update is
     "update_critic"; decorators and context managers in between are skipped); each operator belongs to
     the stage whose call encloses it on its thread.
     """
-    steps = {id(e) for e in events if e.name.endswith(": rl_step")}
+    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn"))}
     spans = []
     for e in events:
         caller = e.cpu_parent

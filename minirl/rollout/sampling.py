@@ -2,9 +2,9 @@
 """One token per row and its behaviour log-prob: the sampling step every hand-written decoding loop shares.
 
 HF `generate` (HFEngine) and vLLM sample inside their own code; minirl's own loops (the
-shared-prefix engine, the paged engine of notebook 05 and its speculative verifier, the
-in-flight producer of notebook 07) call `sample_tokens`, so a behaviour log-prob means the
-same thing in every engine: log_softmax(logits / temperature) at the sampled token.
+shared-prefix engine, which notebook 07's in-flight producer also runs, and the paged engine
+of notebook 05 and its speculative verifier) call `sample_tokens`, so a behaviour log-prob
+means the same thing in every engine: log_softmax(logits / temperature) at the sampled token.
 
 Simplified: plain sampling (no top-k, top-p or repetition penalty), which is what the RL
 loss assumes.

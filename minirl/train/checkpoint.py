@@ -4,8 +4,9 @@
 A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
 (`save_pretrained`, tokenizer included, so any tool can load it) and `training_state.pt`
 with what the weights do not say: the run's config, the optimizers, the critic, the
-prompt/sampling generator, torch's and Python's RNG states, the step, the policy version and
-the metrics so far. It is written to a temporary directory and renamed into place, so a
+prompt/sampling generator, torch's and Python's RNG states, the step, the policy version,
+the metrics so far, and what a later stage's state adds (`RunState.extra_state`: notebook
+07's queued trajectories and tickets). It is written to a temporary directory and renamed into place, so a
 crash mid-write never leaves a half checkpoint. Before a resume each candidate is verified
 (both files load); a broken one is reported by name and the previous intact one is used.
 
@@ -53,6 +54,7 @@ def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
         "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "extra": state.extra_state(),        # what a later stage adds (notebook 07: its queue); {} here
     }
     torch.save(training, tmp / "training_state.pt")
     if final.exists():
@@ -134,4 +136,5 @@ def restore_checkpoint(training: dict, weights: dict, state) -> None:
     if training["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(training["cuda_rng"])
     state.step, roles.version, state.metrics = training["step"], training["version"], training["metrics"]
+    state.load_extra_state(training.get("extra", {}))
     state.sync.push(roles.actor.named_weights(), state.engine, roles.version)

@@ -29,12 +29,13 @@ def check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None,
-                   also: dict | None = None) -> tuple[RLConfig, dict]:
+                   also: dict | None = None, safe: tuple[str, ...] = SAFE_ON_RESUME) -> tuple[RLConfig, dict]:
     """(the run's RLConfig with the typed safe flags applied, its run.json record) for `--resume`.
 
     Sets `args.model` to the run's model. A typed flag that would change the run's settings
     (or those in `also`, {flag dest: saved value}, e.g. a parallel config) is a parser error
-    naming each one; so is another `--model`.
+    naming each one; so is another `--model`. safe: the dests that may change (a script with
+    more bookkeeping flags, such as chapter 07's --snapshot-every, names its own).
     """
     record = read_run_record(args.out)
     saved = RLConfig.from_dict(record["config"])
@@ -46,10 +47,10 @@ def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, ar
     typed = explicit_dests(parser, argv)
     olds = saved.flat() | (also or {})
     changed = [f"{flag(k)} {olds[k]!r} -> {getattr(args, k)!r}" for k in sorted(typed & set(olds))
-               if k not in SAFE_ON_RESUME and olds[k] != getattr(args, k)]
+               if k not in safe and olds[k] != getattr(args, k)]
     if changed:
         parser.error(f"--resume: the run in {args.out} was started with other settings ({'; '.join(changed)}); "
-                     f"only {', '.join(flag(k) for k in SAFE_ON_RESUME)} may change on resume")
+                     f"only {', '.join(flag(k) for k in safe)} may change on resume")
     try:
         return saved.replace(**{k: getattr(args, k) for k in typed & set(saved.flat())}), record
     except ConfigError as err:

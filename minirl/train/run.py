@@ -74,6 +74,14 @@ class RunState:
     metrics: list[dict] = field(default_factory=list)
     interrupted: bool = False
 
+    def extra_state(self) -> dict:
+        """What a later stage's state adds to a checkpoint beyond the roles and the generator ({} here;
+        notebook 07 saves its queue)."""
+        return {}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore what `extra_state` returned (nothing here)."""
+
 
 class Callback:
     """Hooks of a run; each does one job. on_end runs last, also after an error (see state.interrupted)."""

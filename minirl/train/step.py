@@ -6,7 +6,9 @@ their protocols: a rollout engine (`generate`, `load_weights`), the roles (`Acto
 `Reference`, `Critic`), and a weight sync (`push`). Stage 1 passes plain in-process
 objects; notebook 04 passes FSDP-wrapped roles on every rank; notebook 06 passes Ray
 worker groups with the same methods. The step never changes, so what it computes never
-changes with where it runs.
+changes with where it runs. Its middle, `learn` (experience -> correction -> advantages ->
+update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
+come from a queue instead of an engine call, runs the same `learn` on them.
 
 Simplified vs TRL's GRPOTrainer: rewards are summed over reward functions (no weights), one
 generation batch per step, and the engine holds its own copy of the policy with a version
@@ -15,7 +17,7 @@ reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrai
 """
 
 __all__ = ["Roles", "sample_prompts", "score", "make_experience", "importance_weights",
-           "compute_advantages", "rl_step"]
+           "compute_advantages", "learn", "batch_statistics", "rl_step"]
 
 import math
 from dataclasses import dataclass
@@ -169,9 +171,48 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) 
     return exp
 
 
+def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, group=None,
+          timer: StageTimer | None = None, correct=None) -> dict:
+    """The update half of a step: experience -> correction -> advantages -> actor update (+ critic); its metrics.
+
+    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
+    behaviour correction (`is_weights`, and `old_logps` if it needs them); default
+    `importance_weights` (notebook 02's truncated IS, when the config turns it on).
+    Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
+    gets the "reference", "advantages", "update" (and "update_critic") seconds.
+    group: as in `rl_step`.
+    """
+    timer = StageTimer() if timer is None else timer
+    with timer("reference"):
+        exp = make_experience(rollout, rewards, roles, config.algorithm)
+    with timer("advantages"):
+        exp = importance_weights(exp, config.algorithm) if correct is None else correct(exp)
+        exp = compute_advantages(exp, config.algorithm, group)
+    with timer("update"):
+        metrics = roles.actor.update(exp)
+    if roles.critic is not None:
+        with timer("update_critic"):
+            metrics |= roles.critic.update(exp)
+    return metrics
+
+
+def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
+    """The record's numbers about a batch: its version, reward (mean, std), completion length (mean, longest),
+    real prompt and completion tokens. group: as in `rl_step` (every rank's rows)."""
+    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
+    prompt_tokens = rollout.prompt_mask.sum()
+    if group is not None:                                          # the global batch's rows, every rank's
+        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
+        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
+    return {"generated_version": rollout.version, "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(), "completion_length": lengths.mean().item(),
+            "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
+            "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
+
+
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None) -> dict:
-    """One pass generate -> score -> experience -> advantages -> update -> sync; returns the step's record.
+    """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
     sync: any WeightSync. The record holds the update's metrics, the batch's reward and
@@ -189,25 +230,9 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
                                   generator=generator)
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
-    with timer("reference"):
-        exp = make_experience(rollout, rewards, roles, config.algorithm)
-    with timer("advantages"):
-        exp = compute_advantages(importance_weights(exp, config.algorithm), config.algorithm, group)
-    with timer("update"):
-        metrics |= roles.actor.update(exp)
-    if roles.critic is not None:
-        with timer("update_critic"):
-            metrics |= roles.critic.update(exp)
+    metrics |= learn(roles, rollout, rewards, config, group, timer)
     with timer("sync"):
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
     roles.version = report.version
-    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
-    prompt_tokens = rollout.prompt_mask.sum()
-    if group is not None:                                          # the global batch's rows, every rank's
-        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
-        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
-    tokens = {"tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
-              "completion_length_max": lengths.max().item()}                 # for MFU and stragglers (notebook 09)
-    return metrics | {"version": roles.version, "generated_version": rollout.version,
-                      "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                      "completion_length": lengths.mean().item(), "sync/bytes": report.bytes} | tokens | timer.times
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)

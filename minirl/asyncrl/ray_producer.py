@@ -1,0 +1,84 @@
+# Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
+"""The producers as Ray actors: stage 6's `Worker` holding a `Producer`, and the driver's handle on it.
+
+`RayProducer` runs the same `Producer` inside a Ray actor (concurrent `produce` calls share
+its engine); `RayProducerClient` gives the driver's producer threads the same `produce` as a
+local Producer's, shipping each new version to the object store once. Imported only when a
+run asks for Ray (`AsyncConfig.ray`), so the rest of stage 7 runs without it.
+
+Simplified: one object-store copy per version, pulled by each actor before its next call
+(no broadcast, no in-flight updates across processes).
+"""
+
+__all__ = ["RayProducer", "RayProducerClient", "start_ray_producers", "stop_ray_producers"]
+
+import math
+import threading
+
+import ray
+
+from minirl.asyncrl.producer import Producer, WeightStore
+from minirl.asyncrl.queue import Trajectory
+from minirl.config import RLConfig
+from minirl.controller.worker import Worker
+from minirl.train.run import build_engine
+
+
+class RayProducer(Worker):
+    """A Producer inside a Ray actor (stage 6's Worker): concurrent `produce` calls share its engine."""
+
+    def __init__(self, group: str, rank: int, size: int, model, tokenizer, config: RLConfig, make_env,
+                 env_timeout: float, max_turns: int, threads: int = 1):
+        super().__init__(group, rank, size, "cpu", threads)
+        self.store = WeightStore()
+        self.producer = Producer(f"ray {rank}/{size}", build_engine(config, model, tokenizer), self.store, make_env,
+                                 config.sampling, env_timeout, max_turns)
+
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int], version: int,
+                weights_ref: list) -> list[Trajectory]:
+        """weights_ref: [ObjectRef] of the store's weights at `version` (in a list, so Ray does not fetch
+        it unless this actor needs it)."""
+        if version > self.store.version:
+            with self.producer.lock:
+                if version > self.store.version:
+                    self.store.publish(ray.get(weights_ref[0]).items(), version)
+        return self.producer.produce(rows, seeds, tickets)
+
+
+class RayProducerClient:
+    """The driver's handle on a RayProducer: `produce(rows, seeds, tickets)` as a local Producer's; weights from
+    `store`."""
+
+    _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
+    _lock = threading.Lock()
+
+    def __init__(self, actor, name: str, store: WeightStore):
+        self.actor, self.name, self.store = actor, name, store
+
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+        version, weights = self.store.latest()
+        key = (id(self.store), version)
+        with self._lock:
+            if key not in self._refs:
+                self._refs.clear()
+                self._refs[key] = [ray.put(weights)]
+            ref = self._refs[key]
+        return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+
+
+def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore):
+    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors)."""
+    slots = math.ceil(acfg.producers / acfg.ray_actors)
+    remote = ray.remote(RayProducer)
+    make_env = acfg.make_env()
+    actors = [remote.options(num_cpus=0.5, max_concurrency=slots).remote(
+        "rollout", r, acfg.ray_actors, model, tokenizer, config, make_env, acfg.env_timeout, acfg.max_turns)
+        for r in range(acfg.ray_actors)]
+    ray.get([a.ping.remote() for a in actors])                   # started (a failure is named here)
+    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store)
+            for i in range(acfg.producers)], actors
+
+
+def stop_ray_producers(actors) -> None:
+    for actor in actors:
+        ray.kill(actor)

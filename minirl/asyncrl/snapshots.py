@@ -1,0 +1,110 @@
+# Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
+"""Weight snapshots of an asynchronous run, evaluated after it: accuracy against wall time and samples.
+
+`Snapshots` is a run callback (stage 1's `Callback`): it keeps a copy of the trainer's
+weights at step 0, every `every` steps and at the last step, with the run's wall seconds
+and completions trained on at that moment. Without a directory the copies stay in memory;
+with one (a run directory's `snapshots/`) each is written there atomically, so a resumed run
+keeps the earlier ones (those after the checkpoint it resumes from are deleted: the resumed
+run makes its own). `evaluate_snapshots` measures each afterwards; `time_to_accuracy` reads
+the wall time at which a target was reached.
+
+Why after the run: evaluating in the trainer's thread would pause the trainer while the
+producers go on, and put the evaluation's seconds into the wall time that asynchrony is
+meant to shorten.
+"""
+
+__all__ = ["Snapshot", "Snapshots", "evaluate_snapshots", "time_to_accuracy"]
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from minirl.train.run import Callback
+
+
+@dataclass
+class Snapshot:
+    """The weights after `step` trainer steps (in memory, or in the file at `path`)."""
+
+    step: int
+    wall: float                   # the run's wall seconds then
+    samples: int                  # completions trained on by then
+    weights: dict | None = None
+    path: Path | None = None
+
+    def load(self) -> dict:
+        return self.weights if self.weights is not None else load_file(self.path)
+
+
+class Snapshots(Callback):
+    """Snapshots at step 0, every `every` steps and at `last_step`, in memory or under `directory`."""
+
+    def __init__(self, every: int, last_step: int, directory=None):
+        self.every, self.last_step = every, last_step
+        self.directory = None if directory is None else Path(directory)
+        self.kept: list[Snapshot] = []
+
+    def take(self, state, wall: float, samples: int) -> None:
+        weights = {k: v.detach().clone().cpu().contiguous() for k, v in state.roles.actor.named_weights()}
+        snap = Snapshot(state.step, wall, samples)
+        if self.directory is None:
+            snap.weights = weights
+        else:
+            snap.path = self.directory / f"step-{state.step:06d}.safetensors"
+            tmp = snap.path.with_suffix(".tmp")
+            save_file(weights, tmp, metadata={"step": str(state.step), "wall": repr(wall), "samples": str(samples)})
+            os.replace(tmp, snap.path)                             # atomic: a crash never leaves half a snapshot
+        self.kept.append(snap)
+
+    def on_start(self, state):
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for path in sorted(self.directory.glob("step-*")):
+                step = -1
+                if path.suffix == ".safetensors":
+                    with safe_open(path, "pt") as f:
+                        meta = f.metadata()
+                    step = int(meta["step"])
+                if step < 0 or step > state.step or state.step == 0:
+                    path.unlink()                    # half-written, after the checkpoint, or of a replaced run
+                else:
+                    self.kept.append(Snapshot(step, float(meta["wall"]), int(meta["samples"]), path=path))
+        due = state.step == 0 or state.step % self.every == 0
+        if due and all(s.step != state.step for s in self.kept):
+            self.take(state, state.wall(), state.samples)
+
+    def on_step(self, state, record):
+        if state.step % self.every == 0 or state.step == self.last_step:
+            self.take(state, record["wall"], record["samples"])
+
+
+def evaluate_snapshots(result, model, eval_fn) -> list[dict]:
+    """Held-out accuracy of every snapshot of `result` (an AsyncResult): [{"step", "wall", "samples",
+    "accuracy"}], also kept in result.accuracy. model: one of the run's architecture (copied, not changed)."""
+    probe = copy.deepcopy(model)
+    result.accuracy = []
+    for snap in sorted(result.snapshots, key=lambda s: s.step):
+        probe.load_state_dict(snap.load())
+        result.accuracy.append({"step": snap.step, "wall": snap.wall, "samples": snap.samples,
+                                "accuracy": eval_fn(probe)})
+    return result.accuracy
+
+
+def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> float:
+    """Wall seconds at which held-out accuracy first reaches `target`; inf when it never does.
+
+    accuracy: evaluate_snapshots' list. The first time after step 0 that the mean of `window`
+    consecutive evaluations (ending there) is at or above `target`: window = 2 keeps one lucky
+    evaluation (a 500-problem test moves by a few points) from counting as arrival.
+    """
+    trained = [a for a in accuracy if a["step"] > 0]
+    for i in range(window - 1, len(trained)):
+        if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
+            return trained[i]["wall"]
+    return math.inf
