@@ -35,7 +35,7 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy, load_tokenizer
-from minirl.tasks.rewards import SPEC_HELP, apply_weights
+from minirl.tasks.rewards import SPEC_HELP
 from minirl.tasks.task import Task, load_task
 from minirl.train.checkpoint import latest_checkpoint
 from minirl.train.plots import plot_metrics
@@ -148,8 +148,7 @@ def main(argv=None) -> int:
     try:
         metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
                         progress=not args.no_progress, stop_after=args.stop_after, run_info=run_info,
-                        dataset=task.train, reward_funcs=apply_weights(task.reward_funcs, task.reward_weights),
-                        eval_fn=task.eval_fn(tokenizer, max_new_tokens))
+                        task=task, eval_fn=task.eval_fn(tokenizer, max_new_tokens))
     except RunStopped as stop:
         print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
         return 1

@@ -53,7 +53,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, load_default_policy
 from minirl.tasks.arithmetic import make_task
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
@@ -1656,9 +1656,10 @@ changes with where it runs. Its middle, `learn` (experience -> correction -> adv
 update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
 come from a queue instead of an engine call, runs the same `learn` on them.
 
-Simplified vs TRL's GRPOTrainer: rewards are summed over reward functions (no weights), one
-generation batch per step, and the engine holds its own copy of the policy with a version
-(TRL samples with the training model itself). PPO puts its KL penalty in the per-token
+Simplified vs TRL's GRPOTrainer: the weighted sum of the reward functions must be a number
+for every sample (TRL's skips a function's NaN, "does not apply"), one generation batch per
+step, and the engine holds its own copy of the policy with a version (TRL samples with the
+training model itself). PPO puts its KL penalty in the per-token
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
@@ -1675,6 +1676,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
 from minirl.utils.timing import StageTimer
 
 
@@ -1697,16 +1699,12 @@ def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list
 
 # %%
 # | export minirl/train/step.py
-def _reward_name(func) -> str:
-    return getattr(func, "__name__", type(func).__name__)
-
-
 def _call_reward(func, prompts, completions, columns, reward_errors, errors: list) -> list[float]:
     try:
         return list(func(prompts=prompts, completions=completions, **columns))
     except Exception as err:
         if reward_errors == "raise":
-            raise RuntimeError(f"reward function {_reward_name(func)} raised {type(err).__name__}: {err}; "
+            raise RuntimeError(f"reward function {reward_name(func)} raised {type(err).__name__}: {err}; "
                                "fix it, or pass reward_errors='zero' to score failing samples 0") from err
     values = []
     for i in range(len(completions)):            # find the failing samples one by one
@@ -1714,26 +1712,32 @@ def _call_reward(func, prompts, completions, columns, reward_errors, errors: lis
             values.append(float(func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
                                      **{k: v[i:i + 1] for k, v in columns.items()})[0]))
         except Exception as err:
-            errors.append(f"{_reward_name(func)}[{i}]: {type(err).__name__}: {err}")
+            errors.append(f"{reward_name(func)}[{i}]: {type(err).__name__}: {err}")
             values.append(0.0)
     return values
 
 
-def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise") -> tuple[Tensor, dict]:
-    """Stage 2: rewards [N] (summed over functions) and metrics (per-function mean, error count).
+def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise",
+          reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
+    """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
     Each function is called with TRL's signature, f(prompts, completions, **columns), where the
     columns are the dataset rows' other fields, repeated G times. A wrong number of rewards, a
     non-numeric or non-finite reward is an error naming the function; with reward_errors="zero"
-    a failing sample scores 0 and is counted in metrics["reward_errors"].
+    a failing sample scores 0 and is counted in metrics["reward_errors"]. reward_weights: one
+    per function (TRL's `reward_weights`; None: 1 each); `rewards/<name>` is the function's
+    unweighted mean, as TRL logs it.
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-    total = torch.zeros(len(rollout.completions))
-    metrics, errors = {}, []
+    weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
+                         "give one weight per function")
+    per_func, errors = [], []
     for func in reward_funcs:
         values = _call_reward(func, rollout.prompts, rollout.completions, columns, reward_errors, errors)
-        name = _reward_name(func)
+        name = reward_name(func)
         if len(values) != len(rollout.completions):
             raise ValueError(f"reward function {name} returned {len(values)} rewards for "
                              f"{len(rollout.completions)} completions: reward_funcs must return one float each")
@@ -1746,8 +1750,9 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
             bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
             errors += [f"{name}[{i}]: not a finite number" for i in bad]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        metrics[f"rewards/{name}"] = values.mean().item()
-        total += values
+        per_func.append(values)
+    total, metrics = combine_rewards(torch.stack(per_func, 1), weights,
+                                     [reward_name(f) for f in reward_funcs])              # [N], per-function means
     metrics["reward_errors"] = len(errors)
     if errors:
         metrics["reward_error_examples"] = errors[:3]
@@ -1857,21 +1862,25 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
 
 
 def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
-    """The record's numbers about a batch: its version, reward (mean, std), completion length (mean, longest),
-    real prompt and completion tokens. group: as in `rl_step` (every rank's rows)."""
+    """The record's numbers about a batch: its version, reward (mean, std), the share of groups whose rewards
+    are all equal (`frac_reward_zero_std`, TRL's name: those groups have zero advantage and teach nothing),
+    completion length (mean, longest), real prompt and completion tokens. group: as in `rl_step` (every
+    rank's rows; each rank holds whole groups)."""
     lengths = rollout.completion_mask.float().sum(1)                                      # [N]
     prompt_tokens = rollout.prompt_mask.sum()
     if group is not None:                                          # the global batch's rows, every rank's
         rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
         prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
     return {"generated_version": rollout.version, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(), "completion_length": lengths.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": frac_reward_zero_std(rewards, rollout.num_generations),
+            "completion_length": lengths.mean().item(),
             "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
-            generator: torch.Generator | None = None, group=None) -> dict:
+            generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
@@ -1883,13 +1892,14 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
     ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
     "batch" reward std and the record's reward, length and token statistics.
+    reward_weights: one per reward function (None: 1 each).
     """
     timer = StageTimer()
     with timer("generate"):
         rollout = engine.generate([r["prompt"] for r in rows], config.sampling, expected_version=roles.version,
                                   generator=generator)
     with timer("score"):
-        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
+        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
     with timer("sync"):
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
@@ -1921,6 +1931,7 @@ distributed launcher (notebook 04 adds torchrun).
 """
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1929,7 +1940,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, load_default_policy
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -1939,7 +1950,7 @@ from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
-from minirl.tasks.arithmetic import make_task
+from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.step import Roles, rl_step, sample_prompts
 from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
@@ -1976,6 +1987,7 @@ class RunState:
     generator: torch.Generator              # draws the prompts and the sampling seeds
     rows: list[dict]                        # the dataset
     reward_funcs: list
+    reward_weights: list[float] | None = None   # one per reward function (None: 1 each)
     step: int = 0
     metrics: list[dict] = field(default_factory=list)
     interrupted: bool = False
@@ -2107,6 +2119,41 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
+class NoSignalWarning(Callback):
+    """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
+    GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
+
+    def __init__(self, steps: int = 3):
+        self.steps, self.seen, self.done = steps, [], False
+
+    def on_step(self, state, record):
+        if self.done or "frac_reward_zero_std" not in record:
+            return
+        self.seen.append(record)
+        if record["frac_reward_zero_std"] < 1:
+            self.done = True
+        elif len(self.seen) >= self.steps:
+            self.done = True
+            print(no_signal_message(self.seen), file=sys.stderr, flush=True)
+
+
+def no_signal_message(records: list[dict]) -> str:
+    """The warning of `NoSignalWarning`: what happened in `records` and what to check."""
+    means = {k.removeprefix("rewards/"): sum(r[k] for r in records) / len(records)
+             for k in records[-1] if k.startswith("rewards/")}
+    reward = sum(r["reward"] for r in records) / len(records)
+    if all(v == 0 for v in means.values()):
+        why = ("every completion scored 0: check that the policy's completions can match the reward's format "
+               "(the math reward wants a final '#### N' or \\boxed{N}; a base model may need a chat or few-shot "
+               "prompt), that the reward reads the right dataset column, or warm-start the policy first")
+    else:
+        why = ("every completion of a prompt scored the same (all right or all wrong): use prompts nearer the "
+               "policy's skill, more num_generations, a higher temperature, or a graded reward")
+    return (f"warning: no learning signal in the first {len(records)} steps: in every group all completions had "
+            f"equal rewards (frac_reward_zero_std = 1), so every advantage was 0 (mean reward {reward:.3g}; "
+            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + f"). {why[0].upper()}{why[1:]}.")
+
+
 class StopAfter(Callback):
     """Stop right after step k, as a crash would (no final save): raises RunStopped."""
 
@@ -2137,50 +2184,55 @@ def check_resume_config(saved: dict, config: RLConfig) -> None:
                           f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
 
 
-def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list) -> RunState:
+def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
+          reward_weights: list[float] | None = None) -> RunState:
     """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
     roles = build_roles(config, model)
     return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
-                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs)
+                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs, reward_weights)
 
 
 def stage1_step(state: RunState) -> dict:
     """Stage 1's step: draw this step's prompts, then `rl_step`."""
     rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
-    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator)
+    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator,
+                   reward_weights=state.reward_weights)
 
 
-def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=None, resume: bool = False,
-          overwrite: bool = False, progress: bool = True, reward_funcs=None, dataset=None, eval_fn=None,
-          stop_after: int | None = None, extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
+def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None, *, out_dir=None,
+          resume: bool = False, overwrite: bool = False, progress: bool = True, reward_funcs=None,
+          reward_weights=None, dataset=None, eval_fn=None, stop_after: int | None = None,
+          extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
-    model/tokenizer: default the embedded warm-started policy; task: default `make_task()`;
-    dataset: rows {"prompt", **columns} (default task.rows("train")); reward_funcs: TRL-style
-    functions (default [task.reward]); eval_fn(model) -> accuracy in 0..1 (default held-out
-    greedy accuracy). With out_dir: run.json, metrics.jsonl, checkpoints/ and final/ there
-    (the directory must be new, or resume=True continues its run from the newest intact
-    checkpoint, or overwrite=True replaces it). stop_after=k raises RunStopped after step k.
-    extra_callbacks run after the built-in ones (evaluator, logger, checkpointer, progress bar).
-    run_info: more facts for run.json besides the settings (a script records the model's name).
+    model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
+    (its training rows, reward functions and weights, and its held-out evaluation); default the
+    embedded arithmetic task (`arithmetic_task()`). dataset, reward_funcs (with reward_weights)
+    and eval_fn(model) -> 0..1 override the task's. With out_dir: run.json, metrics.jsonl,
+    checkpoints/ and final/ there (the directory must be new, or resume=True continues its run
+    from the newest intact checkpoint, or overwrite=True replaces it). stop_after=k raises
+    RunStopped after step k. extra_callbacks run after the built-in ones (evaluator, logger,
+    checkpointer, progress bar, the no-signal warning). run_info: more facts for run.json besides
+    the settings (a script records the model's name).
     """
     if (model is None) != (tokenizer is None):
         raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
     if model is None:
         model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
-    task = task or make_task()
-    rows = task.rows("train") if dataset is None else list(dataset)
+    task = task or arithmetic_task()
+    rows = task.train if dataset is None else list(dataset)
     if not rows:
         raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
     if "prompt" not in rows[0]:
         raise ValueError(f"dataset rows need a 'prompt' column; got columns {sorted(rows[0])}")
     check_prompts(tokenizer, [r["prompt"] for r in rows], getattr(model.config, "max_position_embeddings", None),
                   config.sampling.max_completion_length)     # at the door: unknown characters, too long
-    reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
+    if reward_funcs is None:
+        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
-    eval_fn = eval_fn or (lambda m: greedy_accuracy(m, tokenizer, task))
-    state = setup(config, model, tokenizer, rows, reward_funcs)
+    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
+    state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
     return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
                       stop_after=stop_after, run_info=run_info)
@@ -2216,6 +2268,7 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
                                        tokenizer)]
         if progress:
             callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
+        callbacks.append(NoSignalWarning())
         callbacks += list(extra_callbacks)
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))
@@ -2430,7 +2483,7 @@ def run_chapter(out: Path, *flags: str) -> list[dict]:
 
 if SMOKE:
     model, tokenizer, _ = load_default_policy()
-    grpo_metrics = train(RLConfig.from_flat(steps=20, eval_every=10), model, tokenizer, task, progress=False)
+    grpo_metrics = train(RLConfig.from_flat(steps=20, eval_every=10), model, tokenizer, progress=False)
 else:
     grpo_metrics = run_chapter(RUNS / "01_grpo")
 evals = [m for m in grpo_metrics if "accuracy" in m]
@@ -2488,7 +2541,7 @@ print("largest:", max(totals, key=totals.get))
 # %%
 if SMOKE:
     model, tokenizer, _ = load_default_policy()
-    ppo_metrics = train(RLConfig.from_flat(algo="ppo", steps=20, eval_every=10), model, tokenizer, task,
+    ppo_metrics = train(RLConfig.from_flat(algo="ppo", steps=20, eval_every=10), model, tokenizer,
                         progress=False)
 else:
     ppo_metrics = run_chapter(RUNS / "01_ppo", "--algo", "ppo")
@@ -2551,10 +2604,10 @@ def show(fn):
 show(lambda: RLConfig.from_flat(num_generations=1))
 show(lambda: RLConfig.from_flat(loss_type="ppo"))
 show(lambda: RLConfig.from_flat(max_completion_length=0))
-show(lambda: train(RLConfig.from_flat(steps=1), model, tokenizer, task, dataset=[], progress=False))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, task, progress=False,
+show(lambda: train(RLConfig.from_flat(steps=1), model, tokenizer, dataset=[], progress=False))
+show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
                    reward_funcs=[lambda prompts, completions, **kw: [1.0]]))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, task, progress=False,
+show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
                    reward_funcs=[lambda prompts, completions, **kw: ["good"] * len(completions)]))
 
 # %% [markdown]

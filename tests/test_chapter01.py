@@ -254,10 +254,10 @@ steps: 9
     for m in records:
         names = ("math_reward", "math_format_reward", "spy")
         assert all(f"rewards/{n}" in m for n in names), sorted(m)
-        spy = m["rewards/spy"]                # the spy scores 1.0: its metric says whether it is logged weighted
-        assert spy in (1.0, 0.25)
-        scale = {1.0: [1, 0.5, 0.25], 0.25: [1, 1, 1]}[spy]
-        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip(scale, names)), abs=1e-6)
+        assert m["rewards/spy"] == 1.0, "rewards/<name> is the function's unweighted mean, as TRL logs it"
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+                                            abs=1e-6), "the reward trained on is the weighted sum"
+        assert 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]
     train_calls = [c for c in calls if c["n"] == 8]                # 4 prompts x 2 generations
     assert len(train_calls) == 3 and {c["n"] for c in calls} == {8, 6}, "3 steps, and the 6 held-out rows (twice)"

@@ -11,7 +11,7 @@ import torch
 from minirl.tasks.arithmetic import accuracy_reward, arithmetic_reward, format_reward, make_task
 from minirl.tasks.data_files import load_rows, render_prompts
 from minirl.tasks.math_answer import final_answer, math_format_reward, math_reward, parse_number, reference_answer
-from minirl.tasks.rewards import (REWARDS, apply_weights, as_conversational, check_reward_columns, combine_rewards,
+from minirl.tasks.rewards import (REWARDS, as_conversational, check_reward_columns, combine_rewards,
                                   frac_reward_zero_std, resolve_rewards)
 from minirl.tasks.task import Task, arithmetic_task, load_task
 from minirl.tasks.word_problems import generate
@@ -178,12 +178,6 @@ def test_conversational_rewards_see_messages_under_their_own_name():
     assert seen["prompts"] == [messages, "other"]
     assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
     assert seen["columns"] == {"answer": [4, 4]}
-
-
-def test_apply_weights_scales_under_the_same_name():
-    scaled = apply_weights([math_reward, math_format_reward], [2.0, 1.0])
-    assert [f.__name__ for f in scaled] == ["math_reward", "math_format_reward"] and scaled[1] is math_format_reward
-    assert scaled[0](prompts=None, completions=["#### 1", "#### 2"], answer=[1, 1]) == [2.0, 0.0]
 
 
 def test_combine_rewards_is_trls_weighted_sum():

@@ -221,11 +221,10 @@ def test_rl_step_reads_as_the_source_order(one_rollout):
                                          ("grpo", {"rollout_engine": "paged"}),      # notebook 05's engine
                                          ("ppo", {}), ("ppo", {"beta": 0.05})])
 def test_train_runs_and_repeats_bit_for_bit(algo, extra, tmp_path, make_tiny_policy):
-    task = make_task()
     runs = []
     for i in range(2):
         model, tok = make_tiny_policy(seed=3, num_layers=1)
-        runs.append(train(small(algo=algo, eval_every=2, **extra), model, tok, task,
+        runs.append(train(small(algo=algo, eval_every=2, **extra), model, tok,
                           out_dir=tmp_path / str(i), progress=False))
         weights = model.state_dict()
         if i == 0:
@@ -280,7 +279,7 @@ def test_grpo_improves_the_warm_start():
     task = make_task()
     problems = task.test[:200]
     before = greedy_accuracy(model, tok, task, problems)
-    metrics = train(RLConfig.from_flat(steps=120, eval_every=0), model, tok, task, progress=False)
+    metrics = train(RLConfig.from_flat(steps=120, eval_every=0), model, tok, progress=False)
     after = greedy_accuracy(model, tok, task, problems)
     torch.set_num_threads(threads)
     first = sum(m["reward"] for m in metrics[:20]) / 20
@@ -288,3 +287,38 @@ def test_grpo_improves_the_warm_start():
     assert last > first + 0.08, f"batch reward (temperature 1) did not rise: {first:.2f} -> {last:.2f}"
     assert after >= before - 0.02, f"held-out greedy accuracy fell: {before:.3f} -> {after:.3f}"
     assert sum(m["skipped"] for m in metrics) == 0
+
+
+def test_score_weights_rewards_as_trl_and_logs_unweighted_means(one_rollout):
+    state, task, rows, ro, config = one_rollout
+
+    def one(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    plain, _ = score([task.reward], ro, rows)
+    rewards, metrics = score([one, task.reward], ro, rows, reward_weights=[2.0, 0.5])
+    assert torch.allclose(rewards, 2.0 + 0.5 * plain), "the reward is TRL's weighted sum"
+    assert metrics["rewards/one"] == 1.0 and metrics[f"rewards/{task.reward.__name__}"] == plain.mean().item()
+    with pytest.raises(ValueError, match="reward_weights has 1 weights for 2 reward functions"):
+        score([one, task.reward], ro, rows, reward_weights=[1.0])
+
+
+def test_frac_reward_zero_std_is_logged_and_no_signal_is_said_once(make_tiny_policy, capsys):
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+
+    def zero(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    records = [m for m in train(small(steps=4), model, tok, progress=False, reward_funcs=[zero]) if "reward" in m]
+    assert [m["frac_reward_zero_std"] for m in records] == [1.0] * 4
+    err = capsys.readouterr().err
+    assert err.count("warning: no learning signal in the first 3 steps") == 1, err
+    assert "Every completion scored 0" in err and "zero 0" in err, err
+
+    def coin(prompts, completions, **kw):                   # half of each group right: every group has signal
+        return [float(i % 2) for i in range(len(completions))]
+
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    records = [m for m in train(small(steps=3), model, tok, progress=False, reward_funcs=[coin]) if "reward" in m]
+    assert [m["frac_reward_zero_std"] for m in records] == [0.0] * 3
+    assert "no learning signal" not in capsys.readouterr().err

@@ -164,22 +164,6 @@ def as_conversational(func, lookup: dict):
     return conversational
 
 
-def apply_weights(funcs: list, weights: list[float]) -> list:
-    """Functions whose rewards are multiplied by their weights, under their own names (weight 1: unchanged).
-
-    For a step that sums unweighted rewards: the sum is then TRL's weighted sum, but the
-    step's `rewards/<name>` metric is the weighted mean. Prefer `combine_rewards` in the step,
-    which logs the unweighted means as TRL does.
-    """
-    def weighted(func, w):
-        @functools.wraps(func)
-        def scaled(prompts, completions, **columns):
-            return [r * w if isinstance(r, (int, float)) and not isinstance(r, bool) else r
-                    for r in func(prompts=prompts, completions=completions, **columns)]
-        return scaled
-    return [f if w == 1.0 else weighted(f, w) for f, w in zip(funcs, weights)]
-
-
 def combine_rewards(rewards_per_func: Tensor, weights, names: list[str]) -> tuple[Tensor, dict]:
     """(total [N], metrics): the weighted sum over functions, and each function's unweighted mean.
 

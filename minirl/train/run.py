@@ -12,9 +12,11 @@ distributed launcher (notebook 04 adds torchrun).
 
 __all__ = ["ENGINES", "SAFE_ON_RESUME", "build_roles", "build_engine", "RunState", "Callback",
            "RunStopped", "run", "Evaluator", "JSONLLogger", "Checkpointer", "ProgressBar",
-           "StopAfter", "check_resume_config", "setup", "stage1_step", "train", "run_in_dir"]
+           "NoSignalWarning", "no_signal_message", "StopAfter", "check_resume_config", "setup",
+           "stage1_step", "train", "run_in_dir"]
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.models.policy import check_prompts, greedy_accuracy, load_default_policy
+from minirl.models.policy import check_prompts, load_default_policy
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -33,7 +35,7 @@ from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
-from minirl.tasks.arithmetic import make_task
+from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.step import Roles, rl_step, sample_prompts
 from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
@@ -70,6 +72,7 @@ class RunState:
     generator: torch.Generator              # draws the prompts and the sampling seeds
     rows: list[dict]                        # the dataset
     reward_funcs: list
+    reward_weights: list[float] | None = None   # one per reward function (None: 1 each)
     step: int = 0
     metrics: list[dict] = field(default_factory=list)
     interrupted: bool = False
@@ -200,6 +203,41 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
+class NoSignalWarning(Callback):
+    """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
+    GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
+
+    def __init__(self, steps: int = 3):
+        self.steps, self.seen, self.done = steps, [], False
+
+    def on_step(self, state, record):
+        if self.done or "frac_reward_zero_std" not in record:
+            return
+        self.seen.append(record)
+        if record["frac_reward_zero_std"] < 1:
+            self.done = True
+        elif len(self.seen) >= self.steps:
+            self.done = True
+            print(no_signal_message(self.seen), file=sys.stderr, flush=True)
+
+
+def no_signal_message(records: list[dict]) -> str:
+    """The warning of `NoSignalWarning`: what happened in `records` and what to check."""
+    means = {k.removeprefix("rewards/"): sum(r[k] for r in records) / len(records)
+             for k in records[-1] if k.startswith("rewards/")}
+    reward = sum(r["reward"] for r in records) / len(records)
+    if all(v == 0 for v in means.values()):
+        why = ("every completion scored 0: check that the policy's completions can match the reward's format "
+               "(the math reward wants a final '#### N' or \\boxed{N}; a base model may need a chat or few-shot "
+               "prompt), that the reward reads the right dataset column, or warm-start the policy first")
+    else:
+        why = ("every completion of a prompt scored the same (all right or all wrong): use prompts nearer the "
+               "policy's skill, more num_generations, a higher temperature, or a graded reward")
+    return (f"warning: no learning signal in the first {len(records)} steps: in every group all completions had "
+            f"equal rewards (frac_reward_zero_std = 1), so every advantage was 0 (mean reward {reward:.3g}; "
+            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + f"). {why[0].upper()}{why[1:]}.")
+
+
 class StopAfter(Callback):
     """Stop right after step k, as a crash would (no final save): raises RunStopped."""
 
@@ -221,50 +259,55 @@ def check_resume_config(saved: dict, config: RLConfig) -> None:
                           f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
 
 
-def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list) -> RunState:
+def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
+          reward_weights: list[float] | None = None) -> RunState:
     """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
     roles = build_roles(config, model)
     return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
-                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs)
+                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs, reward_weights)
 
 
 def stage1_step(state: RunState) -> dict:
     """Stage 1's step: draw this step's prompts, then `rl_step`."""
     rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
-    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator)
+    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator,
+                   reward_weights=state.reward_weights)
 
 
-def train(config: RLConfig, model=None, tokenizer=None, task=None, *, out_dir=None, resume: bool = False,
-          overwrite: bool = False, progress: bool = True, reward_funcs=None, dataset=None, eval_fn=None,
-          stop_after: int | None = None, extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
+def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None, *, out_dir=None,
+          resume: bool = False, overwrite: bool = False, progress: bool = True, reward_funcs=None,
+          reward_weights=None, dataset=None, eval_fn=None, stop_after: int | None = None,
+          extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
-    model/tokenizer: default the embedded warm-started policy; task: default `make_task()`;
-    dataset: rows {"prompt", **columns} (default task.rows("train")); reward_funcs: TRL-style
-    functions (default [task.reward]); eval_fn(model) -> accuracy in 0..1 (default held-out
-    greedy accuracy). With out_dir: run.json, metrics.jsonl, checkpoints/ and final/ there
-    (the directory must be new, or resume=True continues its run from the newest intact
-    checkpoint, or overwrite=True replaces it). stop_after=k raises RunStopped after step k.
-    extra_callbacks run after the built-in ones (evaluator, logger, checkpointer, progress bar).
-    run_info: more facts for run.json besides the settings (a script records the model's name).
+    model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
+    (its training rows, reward functions and weights, and its held-out evaluation); default the
+    embedded arithmetic task (`arithmetic_task()`). dataset, reward_funcs (with reward_weights)
+    and eval_fn(model) -> 0..1 override the task's. With out_dir: run.json, metrics.jsonl,
+    checkpoints/ and final/ there (the directory must be new, or resume=True continues its run
+    from the newest intact checkpoint, or overwrite=True replaces it). stop_after=k raises
+    RunStopped after step k. extra_callbacks run after the built-in ones (evaluator, logger,
+    checkpointer, progress bar, the no-signal warning). run_info: more facts for run.json besides
+    the settings (a script records the model's name).
     """
     if (model is None) != (tokenizer is None):
         raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
     if model is None:
         model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
-    task = task or make_task()
-    rows = task.rows("train") if dataset is None else list(dataset)
+    task = task or arithmetic_task()
+    rows = task.train if dataset is None else list(dataset)
     if not rows:
         raise ValueError("dataset is empty: pass rows like {'prompt': '27+35=', 'answer': 62}")
     if "prompt" not in rows[0]:
         raise ValueError(f"dataset rows need a 'prompt' column; got columns {sorted(rows[0])}")
     check_prompts(tokenizer, [r["prompt"] for r in rows], getattr(model.config, "max_position_embeddings", None),
                   config.sampling.max_completion_length)     # at the door: unknown characters, too long
-    reward_funcs = [task.reward] if reward_funcs is None else list(reward_funcs)
+    if reward_funcs is None:
+        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
-    eval_fn = eval_fn or (lambda m: greedy_accuracy(m, tokenizer, task))
-    state = setup(config, model, tokenizer, rows, reward_funcs)
+    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
+    state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
     return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
                       stop_after=stop_after, run_info=run_info)
@@ -300,6 +343,7 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
                                        tokenizer)]
         if progress:
             callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
+        callbacks.append(NoSignalWarning())
         callbacks += list(extra_callbacks)
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))

@@ -10,9 +10,10 @@ changes with where it runs. Its middle, `learn` (experience -> correction -> adv
 update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
 come from a queue instead of an engine call, runs the same `learn` on them.
 
-Simplified vs TRL's GRPOTrainer: rewards are summed over reward functions (no weights), one
-generation batch per step, and the engine holds its own copy of the policy with a version
-(TRL samples with the training model itself). PPO puts its KL penalty in the per-token
+Simplified vs TRL's GRPOTrainer: the weighted sum of the reward functions must be a number
+for every sample (TRL's skips a function's NaN, "does not apply"), one generation batch per
+step, and the engine holds its own copy of the policy with a version (TRL samples with the
+training model itself). PPO puts its KL penalty in the per-token
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
@@ -32,6 +33,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
 from minirl.utils.timing import StageTimer
 
 
@@ -53,16 +55,12 @@ def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list
     return [rows[i] for i in picks]
 
 
-def _reward_name(func) -> str:
-    return getattr(func, "__name__", type(func).__name__)
-
-
 def _call_reward(func, prompts, completions, columns, reward_errors, errors: list) -> list[float]:
     try:
         return list(func(prompts=prompts, completions=completions, **columns))
     except Exception as err:
         if reward_errors == "raise":
-            raise RuntimeError(f"reward function {_reward_name(func)} raised {type(err).__name__}: {err}; "
+            raise RuntimeError(f"reward function {reward_name(func)} raised {type(err).__name__}: {err}; "
                                "fix it, or pass reward_errors='zero' to score failing samples 0") from err
     values = []
     for i in range(len(completions)):            # find the failing samples one by one
@@ -70,26 +68,32 @@ def _call_reward(func, prompts, completions, columns, reward_errors, errors: lis
             values.append(float(func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
                                      **{k: v[i:i + 1] for k, v in columns.items()})[0]))
         except Exception as err:
-            errors.append(f"{_reward_name(func)}[{i}]: {type(err).__name__}: {err}")
+            errors.append(f"{reward_name(func)}[{i}]: {type(err).__name__}: {err}")
             values.append(0.0)
     return values
 
 
-def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise") -> tuple[Tensor, dict]:
-    """Stage 2: rewards [N] (summed over functions) and metrics (per-function mean, error count).
+def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise",
+          reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
+    """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
     Each function is called with TRL's signature, f(prompts, completions, **columns), where the
     columns are the dataset rows' other fields, repeated G times. A wrong number of rewards, a
     non-numeric or non-finite reward is an error naming the function; with reward_errors="zero"
-    a failing sample scores 0 and is counted in metrics["reward_errors"].
+    a failing sample scores 0 and is counted in metrics["reward_errors"]. reward_weights: one
+    per function (TRL's `reward_weights`; None: 1 each); `rewards/<name>` is the function's
+    unweighted mean, as TRL logs it.
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-    total = torch.zeros(len(rollout.completions))
-    metrics, errors = {}, []
+    weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
+                         "give one weight per function")
+    per_func, errors = [], []
     for func in reward_funcs:
         values = _call_reward(func, rollout.prompts, rollout.completions, columns, reward_errors, errors)
-        name = _reward_name(func)
+        name = reward_name(func)
         if len(values) != len(rollout.completions):
             raise ValueError(f"reward function {name} returned {len(values)} rewards for "
                              f"{len(rollout.completions)} completions: reward_funcs must return one float each")
@@ -102,8 +106,9 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
             bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
             errors += [f"{name}[{i}]: not a finite number" for i in bad]
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        metrics[f"rewards/{name}"] = values.mean().item()
-        total += values
+        per_func.append(values)
+    total, metrics = combine_rewards(torch.stack(per_func, 1), weights,
+                                     [reward_name(f) for f in reward_funcs])              # [N], per-function means
     metrics["reward_errors"] = len(errors)
     if errors:
         metrics["reward_error_examples"] = errors[:3]
@@ -197,21 +202,25 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
 
 
 def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
-    """The record's numbers about a batch: its version, reward (mean, std), completion length (mean, longest),
-    real prompt and completion tokens. group: as in `rl_step` (every rank's rows)."""
+    """The record's numbers about a batch: its version, reward (mean, std), the share of groups whose rewards
+    are all equal (`frac_reward_zero_std`, TRL's name: those groups have zero advantage and teach nothing),
+    completion length (mean, longest), real prompt and completion tokens. group: as in `rl_step` (every
+    rank's rows; each rank holds whole groups)."""
     lengths = rollout.completion_mask.float().sum(1)                                      # [N]
     prompt_tokens = rollout.prompt_mask.sum()
     if group is not None:                                          # the global batch's rows, every rank's
         rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
         prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
     return {"generated_version": rollout.version, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(), "completion_length": lengths.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": frac_reward_zero_std(rewards, rollout.num_generations),
+            "completion_length": lengths.mean().item(),
             "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
-            generator: torch.Generator | None = None, group=None) -> dict:
+            generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
@@ -223,13 +232,14 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
     ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
     "batch" reward std and the record's reward, length and token statistics.
+    reward_weights: one per reward function (None: 1 each).
     """
     timer = StageTimer()
     with timer("generate"):
         rollout = engine.generate([r["prompt"] for r in rows], config.sampling, expected_version=roles.version,
                                   generator=generator)
     with timer("score"):
-        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors)
+        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
     with timer("sync"):
         report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
