@@ -31,7 +31,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.controller.driver import SOURCE_ORDER, SYNCS, Driver, stage_shares
 from minirl.controller.placement import PLACEMENTS, check_placement, make_placement, parse_pools
-from minirl.controller.plots import plot_placement, plot_timeline
+from minirl.controller.plots import plot_placement, plot_worker_timeline
 from minirl.controller.resource_pool import PlacementError, connect
 from minirl.controller.worker_group import WorkerDiedError
 from minirl.models.policy import ModelSourceError, PromptError, greedy_accuracy, load_policy
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
+    plot_worker_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
                   "(last 3 steps)", last_steps=3)
     plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {

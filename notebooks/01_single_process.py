@@ -650,8 +650,11 @@ update. HF `generate` (`rollout/hf.py`), the shared-prefix sampler
 (notebook 05) all stand behind this one protocol, so the loop never knows which it drives.
 
 Colocated engines, which share devices with the trainer, also offer `sleep()` (release
-their weights and KV cache during the update) and `wake_up()`; the loop calls them when
-present.
+their weights and KV cache during the update) and `wake_up()`: the `Colocated` protocol.
+The loop never calls them. Such an engine sleeps at the end of its own `generate` and wakes
+at the start of the next `load_weights` (notebook 04's `ColocatedEngine`, used by stages 4
+and 6, and the vLLM engine), so the step reads the same whether the engine shares the
+trainer's devices or not.
 """
 
 from typing import Iterable, Protocol, runtime_checkable

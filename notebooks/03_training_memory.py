@@ -1020,7 +1020,7 @@ show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
 def _wrap(model, strategy: str, device: torch.device):
     """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
     wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.module, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.model
+    return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,

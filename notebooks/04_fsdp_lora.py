@@ -206,38 +206,41 @@ def shutdown(together: bool = True) -> None:
 
 
 class ProcessGroup:
-    """The default process group as the step and the roles use it (rl_step's `group`).
+    """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
 
     Tensors travel on `device` (NCCL moves only GPU memory) and come back where they were.
+    group: a torch.distributed subgroup (`dist.new_group`), e.g. the data-parallel ranks of a
+    Ray pool (notebook 06); None: the whole world.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    def __init__(self, device: torch.device | str = "cpu", group=None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device)
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         """[n, ...] on every rank (the same n) -> [world_size * n, ...], rank 0's rows first."""
         local = tensor.detach().contiguous().to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
+        dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).to(tensor.device)
 
     def all_sum(self, values) -> Tensor:
         """The elementwise sum over ranks of `values` (numbers or a tensor), as a float64 tensor on the CPU."""
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.cpu()
 
     def all_max(self, value: int) -> int:
         """The largest of the ranks' integers."""
         t = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
 
@@ -604,30 +607,36 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
 class Wrapped:
     """A model wrapped for data-parallel training."""
 
-    module: nn.Module      # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    model: nn.Module       # the model underneath (Hugging Face or peft): its names, config and parameters
+    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
+    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
     zero: int
 
 
 def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the current process group.
+               cpu_offload: bool = False, process_group=None) -> Wrapped:
+    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
 
     0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
     gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
     2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
     reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
     (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
+    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
+    data-parallel ranks of a Ray pool, notebook 06).
     """
     check_choice("zero", zero, ZERO_LEVELS)
     check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
+    if process_group is not None and zero != 0:
+        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
+                                        "use zero 0")
     device = torch.device(device)
     model.to(device)
     if zero <= 1:
         if mixed_precision != "none" or cpu_offload:
             raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
         ids = [device.index] if device.type == "cuda" else None
-        return Wrapped(DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True), model, zero)
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
+        return Wrapped(ddp, model, zero)
     kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -662,7 +671,7 @@ from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model  # noqa:
 
 model, tokenizer, policy_path = load_default_policy()
 sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
-weight = sharded.model.get_parameter("model.layers.0.mlp.up_proj.weight")
+weight = sharded.module.get_parameter("model.layers.0.mlp.up_proj.weight")
 print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
 print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
       f"this rank's shard {tuple(weight.to_local().shape)}")
@@ -708,33 +717,42 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base"))
 # the log-probs by w_r scales the gradient of the whole loss by w_r, while every value
 # (ratios, clip fractions, the loss printed) stays the rank's own. `DistributedActor`
 # overrides only `_logprobs` to do that, and `update` to compute w_r first and to reduce the
-# metrics afterwards: token-weighted means of the ranks' values, global minima and maxima,
-# and the batch's loss (1/W) Σ_r w_r loss_r.
+# metrics afterwards into one record, the same on every rank: token-weighted means of the
+# ranks' values, global minima and maxima, and the batch's loss (1/W) Σ_r w_r loss_r. The
+# critic's value loss depends on its parameters only through the values, so
+# `DistributedCritic` (used by notebook 06's PPO on a pool of several ranks) scales the
+# gradient there; what both share lives once, in `DataParallelRole`.
 #
 # Two more rules. Every rank must make the same forward passes, because under FSDP each
 # pass all-gathers weights with the other ranks (and DDP broadcasts its buffers in every
 # forward). Notebook 01's forward makes one pass when the completions are one token long
-# and two otherwise, and the longest completion differs from rank to rank; so the actor
+# and two otherwise, and the longest completion differs from rank to rank; so the role
 # first pads its batch, with masked columns, to the longest completion of *any* rank. And a
-# rank whose batch has a NaN advantage skips its optimizer step (notebook 01), but under DDP
-# or FSDP a rank that skips its backward leaves the others waiting in the gradient
-# all-reduce forever; so the ranks first agree whether any of them holds a non-finite batch,
-# and if one does, all skip.
+# rank whose loss is not finite skips its optimizer step (notebook 01), but under DDP or
+# FSDP a rank that skips its backward leaves the others waiting in the gradient all-reduce
+# until the job's timeout. So the ranks agree first: whether any of them holds a non-finite
+# batch (an advantage, a log-prob, a value that is NaN or infinite), and after the training
+# forward whether any of them got a non-finite output. If one did, every rank skips.
 
 # %%
 # | export minirl/parallel/roles.py
-"""The actor on every rank of a data-parallel job: notebook 01's Actor, with a rank's share of the loss.
+"""The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` wraps a model prepared by `minirl.parallel.wrap` (DDP, ZeRO-1, FSDP2,
-with or without LoRA). Each rank updates on its share of the global batch and the wrapper
-averages the gradients; for that average to be the gradient of the whole batch, each rank's
-loss is weighted by its share of the global normalization (`rank_loss_weight`), applied as
-a gradient scale on the log-probs, so `Actor.update` runs unchanged. Metrics are reduced
-over the ranks (token-weighted means, global min / max, the batch's loss), and a
-non-finite batch on any rank makes every rank skip the step together.
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
+4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
+the global batch and the wrapper averages the gradients; for that average to be the
+gradient of the whole batch, each rank's loss is weighted by its share of the global
+normalization (`rank_loss_weight`), applied as a gradient scale on the output of the
+training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
+runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
+record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
+on any rank makes every rank skip the step together (none waits in a collective).
 
-Simplified: PPO's critic is not sharded (stage 4 trains GRPO); with beta > 0 the reference
-is a full, unsharded copy on every rank.
+Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
+is wrapped by DDP only (its value model names no decoder layers for FSDP2; stage 4 trains
+GRPO); a loss that overflows on one rank from finite inputs and log-probs (an exp inside
+the loss) is not caught before the backward, and leaves the others waiting until the timeout.
 """
 
 import torch
@@ -786,8 +804,8 @@ def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, loca
 
 
 # %% [markdown]
-# The rest of the actor: the metrics reduced over the ranks, the padding to the widest
-# completion, and the role itself.
+# The rest: the metrics reduced over the ranks, the padding to the widest completion, what
+# both roles share, and the two roles.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -799,28 +817,45 @@ from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
+from minirl.roles.critic import Critic
+
+LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
-def reduce_metrics(metrics: dict, tokens: float, group) -> dict:
-    """The ranks' metrics as one record: keys ending in "/min" and "/max" (and "skipped") take the global
-    min / max, "grad_norm" is already global (gradients were averaged first), every other number is the
-    token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std" the mean of the
-    ranks' stds). Non-numbers are this rank's."""
-    everyone = group.gather_objects((metrics, float(tokens)))
-    total = sum(w for _, w in everyone) or 1.0
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
+    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+
+    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
+    w_r (`rank_loss_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
+    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
+    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
+    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
+    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
+    One rank: its record unchanged.
+    """
+    if len(records) == 1:
+        return dict(records[0])
+    total = sum(tokens) or 1.0
     out = {}
-    for key, value in metrics.items():
-        values = [m.get(key) for m, _ in everyone]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    for key, value in records[0].items():
+        values = [r.get(key) for r in records]
+        if not all(_number(v) for v in values):
             out[key] = value
         elif key.endswith("/min"):
             out[key] = min(values)
-        elif key.endswith("/max") or key == "skipped":
+        elif key.endswith(("/max", "skipped")):
             out[key] = max(values)
-        elif key == "grad_norm":
+        elif key.endswith("grad_norm"):
             out[key] = value
+        elif key in LOSSES and loss_weights is not None:
+            out[key] = sum(w * v for w, v in zip(loss_weights, values)) / len(records)
         else:
-            out[key] = sum(v * w for v, (_, w) in zip(values, everyone)) / total
+            out[key] = sum(v * t for v, t in zip(values, tokens)) / total
     return out
 
 
@@ -843,49 +878,47 @@ def pad_completions(batch: Batch, width: int) -> Batch:
     return dataclasses.replace(batch, **values)
 
 
-def _finite(exp: Experience) -> bool:
-    tensors = (exp.advantages, exp.old_logps, exp.ref_logps, exp.is_weights, exp.rewards)
+def finite_batch(exp: Experience) -> bool:
+    """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
+    is finite."""
+    tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
-class DistributedActor(Actor):
-    """Notebook 01's Actor on one rank of a data-parallel job.
+class DataParallelRole:
+    """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
-    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
-    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, gather_objects, world_size).
-    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
-    transformers then turns the KV cache off in training, so the log-probs take one pass over
-    every row instead of sharing each group's prompt (same values, more compute).
+    A role sets `self.module` (the plain model underneath: names, state_dict), `self.zero`
+    and `self.group` (a ProcessGroup) with `_join`, and passes the output of its training
+    forward through `_weighted`. `update` pads the batch to the widest completion of any
+    rank, agrees on the rank's weight and on whether any rank's batch is not finite (then
+    `skip_field` becomes NaN on every rank, so that notebook 01's update skips its step
+    everywhere), runs the role's own update, and returns `reduce_metrics` of every rank's
+    metrics, plus "<loss_key>_weight": rank 0's w. Every rank must call `update` together.
     """
 
-    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
-                 sampling: SamplingConfig, group, checkpointing: bool = False):
-        super().__init__(wrapped.module, algorithm, optimizer, sampling)
-        self.module, self.zero, self.group, self.checkpointing = wrapped.model, wrapped.zero, group, checkpointing
-        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
-                                        weight_decay=optimizer.weight_decay)
-        self.grad_scale = 1.0
+    skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
+    loss_key = "loss"
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
-            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                                 rollout.num_completion_tokens, self.sampling.temperature,
-                                                 with_entropy=with_entropy)
-        else:
-            logps, entropy = super()._logprobs(rollout, with_entropy)
-        if self.grad_scale != 1.0 and logps.requires_grad:
-            logps = scale_gradient(logps, self.grad_scale)        # this rank's share of the batch's loss
-        return logps, entropy
+    def _join(self, wrapped: Wrapped, group) -> None:
+        self.module, self.zero, self.group = wrapped.module, wrapped.zero, group
+        self.grad_scale, self.skipping = 1.0, False
 
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
-        C = rollout.num_completion_tokens
-        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
+    def _weighted(self, output: Tensor) -> Tensor:
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled by w_r.
+
+        Forwards without gradient (log-probs and values before the update) pass untouched.
+        """
+        if not output.requires_grad:
+            return output
+        if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
+            output = output * math.nan                       # some rank's forward is not finite: every rank skips
+        if self.grad_scale != 1.0:
+            output = scale_gradient(output, self.grad_scale)
+        return output
 
     def update(self, exp: Experience) -> dict:
-        """Actor.update on this rank's rows with its loss weighted by `rank_loss_weight`; global metrics.
+        """The role's update on this rank's rows, its loss weighted by `rank_loss_weight`; the ranks' one record.
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
@@ -894,28 +927,99 @@ class DistributedActor(Actor):
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
-        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not _finite(exp))]).tolist()
-        if bad:                                  # a NaN anywhere: every rank skips, none waits in a collective
-            exp.advantages = torch.full_like(exp.advantages, math.nan)
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
+            setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
         weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
                                   self.group.world_size)
-        self.grad_scale = weight
+        self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
         finally:
-            self.grad_scale = 1.0
-        loss = self.group.all_sum(metrics["loss"] * weight / self.group.world_size).item()
-        return reduce_metrics(metrics, tokens, self.group) | {"loss": loss, "loss_weight": weight}
+            self.grad_scale, self.skipping = 1.0, False
+        records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
+            (metrics, tokens, weight))))
+        return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
+
+    def _replicated(self, what: str) -> None:
+        if self.zero:
+            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
+                                      "minirl.parallel.checkpoint (DCP)")
+
+
+class DistributedActor(DataParallelRole, Actor):
+    """Notebook 01's Actor on one rank of a data-parallel job.
+
+    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
+    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
+    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
+    transformers then turns the KV cache off in training, so the log-probs take one pass over
+    every row instead of sharing each group's prompt (same values, more compute).
+    """
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 sampling: SamplingConfig, group, checkpointing: bool = False):
+        super().__init__(wrapped.wrapper, algorithm, optimizer, sampling)
+        self._join(wrapped, group)
+        self.checkpointing = checkpointing
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+
+    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
+            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                                 rollout.num_completion_tokens, self.sampling.temperature,
+                                                 with_entropy=with_entropy)
+        else:
+            logps, entropy = super()._logprobs(rollout, with_entropy)
+        return self._weighted(logps), entropy
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
+        C = rollout.num_completion_tokens
+        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
 
     def named_weights(self):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
         return self.module.state_dict().items()
 
     def state_dict(self) -> dict:
-        raise NotImplementedError("a sharded actor is checkpointed with minirl.parallel.checkpoint (DCP)")
+        """The optimizer's state, when every rank holds all of it (zero 0: DDP replicas)."""
+        self._replicated("state_dict")
+        return super().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("a sharded actor is restored with minirl.parallel.checkpoint (DCP)")
+        self._replicated("load_state_dict")
+        super().load_state_dict(state)
+
+
+class DistributedCritic(DataParallelRole, Critic):
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
+
+    wrapped: the value model from `wrap_model` (zero 0 or 1); a forward hook passes the
+    values of the training forward through `_weighted`. A skip makes the returns NaN.
+    """
+
+    skip_field, loss_key = "returns", "value_loss"
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, group):
+        super().__init__(wrapped.wrapper, algorithm, optimizer)
+        self._join(wrapped, group)
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+        self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
+
+    def state_dict(self) -> dict:
+        """The value model's weights (plain names) and the optimizer's state (zero 0)."""
+        self._replicated("state_dict")
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._replicated("load_state_dict")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
 # %% [markdown]
 # Check the claim on numbers. Split a batch of per-token losses over three "ranks" with
@@ -1273,25 +1377,41 @@ print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
 # engine use. In `adapter` mode the frozen base must survive the sleep, so only the adapter is
 # released: on a GPU vLLM's level 1 would move the base to host memory; on a CPU there is no
 # other memory to move it to.
+#
+# Nothing in the loop calls `sleep` or `wake_up`: the engine sleeps at the end of its own
+# `generate` and wakes at the start of the next push, so `rl_step` reads the same colocated
+# or not. Notebook 06 puts the same wrapper around the engine of a Ray worker that also hosts
+# the actor, with `stream=False`: there the push goes to the engine's own `load_weights`,
+# which every engine accepts (the paged engine of notebook 05 also empties its prefix cache
+# there), and that worker's in-process sync hands over a whole list anyway.
 
 # %%
 # | export minirl/rollout/colocated.py
 """An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
 
 `ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
-`SharedPrefixEngine`). `load_weights` copies each tensor into place as it arrives, so a
-sender that gathers layer by layer never needs a second whole copy; bad input (an unknown
-name, a wrong shape, an older version, a tensor missing at the end) is an error, and until a
-complete push succeeds the engine refuses to generate. With colocate=True the engine sleeps
-after every `generate`: the storage of its weights is released (resized to 0) until the next
-push wakes it up. Only the tensors every push brings are released: all of them, or with
-adapter_only=True just LoRA's A and B (the frozen base must survive the sleep).
+`SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
+copies each tensor into place as it arrives, so a sender that gathers layer by layer never
+needs a second whole copy; bad input (an unknown name, a wrong shape, an older version, a
+tensor missing at the end) is an error, and until a complete push succeeds the engine
+refuses to generate. With stream=False the push goes to the engine's own `load_weights`
+(its checks, and whatever it derives from the weights: the paged engine empties its prefix
+cache). With colocate=True the engine sleeps after every `generate`: the storage of its
+weights is released (resized to 0) until the next push wakes it up. Only the tensors every
+push brings are released: all of them, or with adapter_only=True just LoRA's A and B (the
+frozen base must survive the sleep).
 
-Simplified vs vLLM's sleep mode: no KV cache to release (the HF engines build it per call),
-and level 2 only (released, then refilled by the next push); level 1 (offload to host
-memory) has nowhere to go on a CPU.
+This is the one colocation mechanism of minirl: stage 4 wraps every rank's engine in it,
+and stage 6 the engine of a Ray worker that also hosts the actor. The loop never calls
+`sleep` or `wake_up`: the engine sleeps at the end of its own `generate` and wakes at the
+start of the next `load_weights`, so the step reads the same colocated or not.
+
+Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call;
+the paged engine keeps its pool allocated), and level 2 only (released, then refilled by the
+next push); level 1 (offload to host memory) has nowhere to go on a CPU.
 """
 
+import contextlib
 import hashlib
 import time
 from typing import Iterable
@@ -1310,15 +1430,24 @@ class EngineNotReady(RuntimeError):
 
 
 class ColocatedEngine:
-    """Streams weights in one tensor at a time; with colocate=True, sleeps between generate and the next push.
+    """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
-    engine: an in-process engine with `.model`, `.version`, `generate`; adapter_only: pushes
-    bring only the LoRA tensors (names containing "lora_"), the base stays resident.
-    `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    engine: an in-process engine with `.model` (an nn.Module), `.version`, `generate` and
+    `load_weights`. adapter_only: pushes bring only the LoRA tensors (names containing
+    "lora_"), the base stays resident (needs stream=True). stream: copy each pushed tensor
+    into `engine.model` under its state_dict name (for engines that keep nothing derived from
+    the weights, such as the HF engines); False: hand the push to `engine.load_weights`.
+    record(what): a context manager around every "sleep" and "wake_up" (a Ray worker's
+    timeline); `stats` holds the last sleep's and wake-up's seconds and the bytes released.
     """
 
-    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False):
-        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
+                 record=None):
+        if adapter_only and not stream:
+            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own load_weights "
+                             "takes every tensor, not only the adapter; pass stream=True")
+        self.engine, self.colocate, self.adapter_only, self.stream = engine, colocate, adapter_only, stream
+        self.record = record or (lambda what: contextlib.nullcontext())
         state = engine.model.state_dict(keep_vars=True)
         self.names = [n for n in state if not adapter_only or "lora_" in n]
         if not self.names:
@@ -1355,19 +1484,29 @@ class ColocatedEngine:
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype); then hold `version`.
+        """Load the push (streamed, or by the engine's own load_weights); then the engine holds `version`.
 
         Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
-        than the one held, ValueError naming an unknown name, a wrong shape, or the names
-        missing at the end; after an error the engine refuses to generate until a complete push.
+        than the one held; streamed, ValueError naming an unknown name, a wrong shape, or the
+        names missing at the end (the engine's own load_weights raises its own errors). After
+        an error the engine refuses to generate until a complete push.
         """
         if version < self.engine.version:
             raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
                                        f"version {self.engine.version}: refusing to go back to older weights")
         if self.asleep:
             self.wake_up()
-        own, seen = self._tensors(), set()
         self.ready = False
+        if self.stream:
+            self._stream(named_tensors, version)
+            self.engine.version = version
+        else:
+            self.engine.load_weights(named_tensors, version)     # it sets its version
+        self.ready = True
+
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
+        own, seen = self._tensors(), set()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in own:
@@ -1386,40 +1525,41 @@ class ColocatedEngine:
             raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
                              f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
                              "the last version")
-        self.engine.version, self.ready = version, True
 
     def named_weights(self):
-        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
-        return self.engine.model.state_dict().items()
+        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
+        return self.engine.named_weights()
 
     def sleep(self) -> None:
         """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
         if self.asleep:
             return
-        start, released = time.perf_counter(), 0
-        seen = set()
-        for tensor in self._tensors().values():
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            released += storage.nbytes()
-            storage.resize_(0)
-        self.asleep = True
-        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+        with self.record("sleep"):
+            start, released = time.perf_counter(), 0
+            seen = set()
+            for tensor in self._tensors().values():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                released += storage.nbytes()
+                storage.resize_(0)
+            self.asleep = True
+            self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
     def wake_up(self) -> None:
         """Allocate the storage again (its contents undefined until the push that follows fills it)."""
         if not self.asleep:
             return
-        start = time.perf_counter()
-        for tensor in self._tensors().values():
-            storage = tensor.untyped_storage()
-            needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-            if storage.nbytes() < needed:
-                storage.resize_(needed)
-        self.asleep, self.ready = False, False                  # awake, but stale until the push completes
-        self.stats["wake_seconds"] = time.perf_counter() - start
+        with self.record("wake_up"):
+            start = time.perf_counter()
+            for tensor in self._tensors().values():
+                storage = tensor.untyped_storage()
+                needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+                if storage.nbytes() < needed:
+                    storage.resize_(needed)
+            self.asleep, self.ready = False, False              # awake, but stale until the push completes
+            self.stats["wake_seconds"] = time.perf_counter() - start
 
 
 def prompt_seed(seed: int, prompt: str) -> int:

@@ -428,7 +428,7 @@ class Worker:
 # |---|---|---|---|
 # | `ONE_TO_ALL` | the same to every rank | a list, by rank | set-up, loading weights, restoring |
 # | `DP_COMPUTE` | a batch split into equal parts of whole groups, one per rank | the parts' results concatenated | log-probs, values, generation |
-# | `DP_UPDATE` | split the same way | a list (the proxy reduces the metrics) | the actor's and the critic's update |
+# | `DP_UPDATE` | split the same way | rank 0's (the ranks reduce their metrics into one record) | the actor's and the critic's update |
 # | `RANK_ZERO` | to rank 0 only | rank 0's result | weights and optimizer state for a checkpoint |
 #
 # veRL attaches its modes to worker methods with a decorator that also generates the
@@ -446,7 +446,8 @@ A dispatch mode is a pair of plain functions: `dispatch(n, *args)` turns one cal
 arguments into one argument tuple per rank (None: that rank sits out) and `collect(results)`
 turns the called ranks' results, in rank order, into the call's result. `ONE_TO_ALL`,
 `DP_COMPUTE` (split a batch by data-parallel rank, concatenate the results), `DP_UPDATE`
-(split, return the list) and `RANK_ZERO` cover the RL loop. `WorkerGroup.execute(mode, role,
+(split; rank 0's result: a data-parallel update returns the same record on every rank) and
+`RANK_ZERO` cover the RL loop. `WorkerGroup.execute(mode, role,
 method, *args)` runs `role.method` on the ranks the mode picks; `gather` waits for the calls
 and reports the first failure as soon as it happens: a dead worker as a `WorkerDiedError`
 naming its roles, group and rank; an exception raised in a worker as itself, with a note
@@ -528,7 +529,7 @@ def first(results: list):
 
 ONE_TO_ALL = Mode(one_to_all, as_list)
 DP_COMPUTE = Mode(split_by_rank, concat)
-DP_UPDATE = Mode(split_by_rank, as_list)
+DP_UPDATE = Mode(split_by_rank, first)       # every rank returns the same record
 RANK_ZERO = Mode(rank_zero, first)
 
 # %% [markdown]
@@ -658,24 +659,25 @@ release(pgs)
 # Ray's object store once. Nothing here computes anything new; a worker adds three things
 # around the roles:
 #
-# - **Data parallelism.** With several ranks, the actor's (and critic's) model is wrapped in
-#   PyTorch's DDP over the group's process group. DDP *averages* the ranks' gradients, which
-#   is right only when every rank's loss has the same normalizer. The default loss
-#   (`loss_type="dapo"`) divides by the number of completion tokens *in the whole batch*,
-#   and two halves of a batch rarely hold the same number of tokens. So each rank first
-#   learns the batch's token count (one all-reduce) and weights its gradient by its own share
-#   of it, in a DDP communication hook, before the gradients are summed: W ranks then make the
-#   update one process makes (TRL passes `num_items_in_batch` across processes for the same
-#   reason). For `loss_type="grpo"` or `"dr_grpo"` each rank's share is 1/W; so it is for
-#   `"bnpo"`, which by TRL's definition divides by each rank's own tokens (that is where bnpo
-#   and dapo part: with several ranks, bnpo is not the one-process update).
-# - **Colocation.** When the actor and the engine share a worker, the engine frees its
-#   weights right after generating and gets them back from the next sync, so training has the
-#   device's memory to itself (veRL's hybrid engine switches vLLM between rollout and trainer
-#   mode the same way; vLLM calls it `sleep`). An engine with its own `sleep()`/`wake_up()`
-#   (the `Colocated` protocol) is put to sleep with them; any other engine that keeps its
-#   weights in `.model` is wrapped in `SleepingEngine`, which drops them (`to("meta")`) and
-#   rebuilds empty ones on wake-up, to be filled by the load that follows.
+# - **Data parallelism.** With several ranks, the actor and the critic are notebook 04's
+#   `DistributedActor` and `DistributedCritic`, built over the pool's own process group
+#   (a `ProcessGroup` around the subgroup of its ranks; gloo here, NCCL on GPUs) with DDP
+#   (`wrap_model(..., zero=0)`). DDP *averages* the ranks' gradients, which is right only
+#   when every rank's loss has the same normalizer. The default loss (`loss_type="dapo"`)
+#   divides by the number of completion tokens *in the whole batch*, and two halves of a
+#   batch rarely hold the same number of tokens; so each rank weights its loss by
+#   `rank_loss_weight` (W · T_r / T for dapo, TRL's `num_items_in_batch` across processes),
+#   and W ranks make the update one process makes. The rest comes with it: one metric
+#   record, the same on every rank (so the driver takes rank 0's), and the NaN rule: a
+#   non-finite batch on any rank makes every rank skip the step together, where a rank
+#   skipping alone would leave the others waiting in DDP's all-reduce until the world's
+#   timeout (120 s here). Stage 4 and stage 6 share this one implementation.
+# - **Colocation.** When the actor and the engine share a worker, the engine is wrapped in
+#   notebook 04's `ColocatedEngine`: it frees its weights right after generating and gets
+#   them back from the next sync, so training has the device's memory to itself (veRL's
+#   hybrid engine switches vLLM between rollout and trainer mode the same way; vLLM calls it
+#   `sleep`). The worker passes its `record`, so the sleeps and wake-ups show in its
+#   timeline, and `stream=False`: the sync's push goes to the engine's own `load_weights`.
 # - **The worker side of the weight syncs** (section 5).
 
 # %%
@@ -688,183 +690,37 @@ builds them: `Actor`, `Reference`, `Critic` (minirl.roles), any engine behind th
 `RolloutEngine` protocol (`build_engine`), and the reward functions (`RewardRole`). So a
 change of placement cannot change what is computed.
 
-Around the roles a worker adds data parallelism (`DataParallelActor`/`DataParallelCritic`:
-DDP over the group's process group, each rank's gradient weighted by its share of the
-batch's tokens so that W ranks update as one process does), colocation (`SleepingEngine`:
-an engine that shares a worker with the actor frees its weights after generating and gets
-them back from the next sync), and the worker side of the weight syncs (send, receive, put
-in the object store, copy in-process).
+Around the roles a worker adds data parallelism (on a pool of several ranks the actor and
+the critic are stage 4's `DistributedActor` and `DistributedCritic`, DDP over the pool's
+process group: the same loss weighting, metric reduction and NaN rule as under torchrun),
+colocation (an engine that shares a worker with the actor is stage 4's `ColocatedEngine`:
+it frees its weights after generating and gets them back from the next sync), and the
+worker side of the weight syncs (send, receive, put in the object store, copy in-process).
 
-Simplified: a data-parallel rank holds a full replica (no FSDP sharding, notebook 04); a
-non-finite loss on one rank makes that rank skip its backward while the others wait in the
-all-reduce until the world's timeout, which then stops the run with an error.
+Simplified: a data-parallel rank holds a full replica (DDP; no FSDP sharding inside a pool).
 """
 
-import contextlib
 import copy
 
 import ray
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from minirl.controller.worker import Worker
 from minirl.data import Batch
 from minirl.models.critic import ValueModel
+from minirl.parallel.launch import ProcessGroup
+from minirl.parallel.roles import DistributedActor, DistributedCritic
+from minirl.parallel.wrap import wrap_model
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
-from minirl.rollout.base import Colocated
+from minirl.rollout.colocated import ColocatedEngine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
 from minirl.train.run import build_engine
 from minirl.utils.seeding import seed_everything
 
 ROLES = ("actor", "rollout", "reward", "reference", "critic")
-
-
-def rank_share(mask: torch.Tensor, loss_type: str, group) -> float:
-    """This rank's weight in the sum of the ranks' gradients.
-
-    "dapo" divides by the tokens of the whole batch (TRL's `num_items_in_batch`): the weight
-    is this rank's tokens / all ranks' tokens. The others average equal shares, 1 / world
-    size: "grpo" and "dr_grpo" normalize per row (every rank holds as many rows), and "bnpo"
-    by each rank's own tokens (TRL's definition, which is where bnpo and dapo part).
-    """
-    if loss_type != "dapo":
-        return 1.0 / dist.get_world_size(group)
-    tokens = mask.sum().to(torch.float64).reshape(1)                          # [1], on the mask's device (NCCL)
-    total = tokens.clone()
-    dist.all_reduce(total, group=group)
-    return (tokens / total.clamp(min=1)).item()
-
-
-class Share:
-    """The state of the communication hook: this rank's weight for the next backward."""
-
-    def __init__(self, group):
-        self.group, self.weight = group, None
-
-
-def weighted_all_reduce(share: Share, bucket):
-    """DDP communication hook: sum over ranks of (this rank's share x its gradient), not their mean."""
-    buffer = bucket.buffer().mul_(share.weight)
-    work = dist.all_reduce(buffer, group=share.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def wrap_ddp(model, group) -> tuple[DistributedDataParallel, Share]:
-    share = Share(group)
-    ddp = DistributedDataParallel(model, process_group=group)
-    ddp.register_comm_hook(share, weighted_all_reduce)
-    return ddp, share
-
-# %%
-# | export minirl/controller/roles.py
-class DataParallelActor(Actor):
-    """Stage 1's Actor on one data-parallel rank: the model in DDP, the gradient weighted by this rank's share."""
-
-    def __init__(self, model, algorithm, optimizer, sampling, group):
-        super().__init__(model, algorithm, optimizer, sampling)
-        self.module = model                                     # the plain model: its weights have the usual names
-        self.model, self.share = wrap_ddp(model, group)
-
-    def update(self, exp) -> dict:
-        self.share.weight = rank_share(exp.rollout.completion_mask, self.algorithm.loss_type, self.share.group)
-        return super().update(exp) | {"dp/tokens": exp.rollout.completion_mask.sum().item()}
-
-    def named_weights(self):
-        return self.module.state_dict().items()
-
-
-class DataParallelCritic(Critic):
-    """Stage 1's Critic on one data-parallel rank, the same way."""
-
-    def __init__(self, value_model, algorithm, optimizer, group):
-        super().__init__(value_model, algorithm, optimizer)
-        self.module = value_model
-        self.model, self.share = wrap_ddp(value_model, group)
-
-    def update(self, exp) -> dict:
-        self.share.weight = rank_share(exp.rollout.completion_mask, self.algorithm.loss_type, self.share.group)
-        return super().update(exp) | {"dp/tokens": exp.rollout.completion_mask.sum().item()}
-
-    def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-# %%
-# | export minirl/controller/roles.py
-class SleepingEngine:
-    """A colocated engine: it sleeps after every generate and wakes when the next weights arrive.
-
-    With the engine's own `sleep()`/`wake_up()` (the `Colocated` protocol, e.g. vLLM's), those
-    are used. Otherwise the engine's `.model` drops its weights (`to("meta")`, as vLLM's
-    level-2 sleep discards them) and gets empty ones back on wake-up, which the load that
-    follows fills; non-persistent buffers (rotary frequencies) are kept aside meanwhile.
-    `freed_bytes` is what the last sleep released. `record(what)`: a context manager that
-    times the sleeps and wake-ups (the worker's timeline).
-    """
-
-    def __init__(self, engine, record=None):
-        self.engine, self.record = engine, record or (lambda what: contextlib.nullcontext())
-        self.asleep, self.freed_bytes, self._buffers = False, 0, {}
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    def generate(self, *args, **kwargs):
-        if self.asleep:
-            raise RuntimeError("generate: the colocated engine is asleep; push the trainer's weights first "
-                               "(its next load_weights wakes it)")
-        rollout = self.engine.generate(*args, **kwargs)
-        self.sleep()
-        return rollout
-
-    def sleep(self) -> None:
-        with self.record("rollout.sleep"):
-            self._sleep()
-        self.asleep = True
-
-    def wake_up(self) -> None:
-        with self.record("rollout.wake_up"):
-            self._wake_up()
-        self.asleep = False
-
-    def _sleep(self) -> None:
-        if isinstance(self.engine, Colocated):
-            self.engine.sleep()
-        else:
-            model = self.engine.model
-            self.freed_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            self._device = next(model.parameters()).device
-            self._buffers = {name: b.clone() for name, b in model.named_buffers()}
-            model.to("meta")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()                   # hand the freed blocks back to the device
-
-    def _wake_up(self) -> None:
-        if isinstance(self.engine, Colocated):
-            self.engine.wake_up()
-        else:
-            model = self.engine.model
-            model.to_empty(device=self._device)            # uninitialized: the next load_weights fills them
-            for name, buffer in self._buffers.items():
-                model.get_buffer(name).copy_(buffer)
-            if hasattr(model, "tie_weights"):
-                model.tie_weights()                        # to("meta") unties shared embeddings
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        if self.asleep:
-            self.wake_up()
-        self.engine.load_weights(named_tensors, version)
-
-    def named_weights(self):
-        return self.engine.named_weights()
 
 
 class RewardRole:
@@ -898,14 +754,22 @@ def moved(value, device):
     return value
 
 
-def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
-    """One role, as stage 1 builds it; `group`: the data-parallel process group when the pool has > 1 rank."""
+def build_role(name: str, config, model, tokenizer, reward_funcs, group: ProcessGroup | None = None):
+    """One role, as stage 1 builds it; `group`: the pool's data-parallel ranks when it has more than one.
+
+    With a group the actor and the critic are stage 4's data-parallel roles, DDP over it.
+    """
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
     if name == "actor":
-        return DataParallelActor(model, algo, opt, sampling, group) if group else Actor(model, algo, opt, sampling)
+        if group is None:
+            return Actor(model, algo, opt, sampling)
+        return DistributedActor(wrap_model(model, 0, group.device, process_group=group.group), algo, opt, sampling,
+                                group)
     if name == "critic":
         value = ValueModel.from_policy(model)
-        return DataParallelCritic(value, algo, opt, group) if group else Critic(value, algo, opt)
+        if group is None:
+            return Critic(value, algo, opt)
+        return DistributedCritic(wrap_model(value, 0, group.device, process_group=group.group), algo, opt, group)
     if name == "reference":
         return Reference(model, sampling.temperature)
     if name == "rollout":
@@ -922,12 +786,14 @@ class RoleWorker(Worker):
         seed_everything(config.run.seed)
         self.torch_device = torch.device(config.run.device)
         model = copy.deepcopy(model).to(self.torch_device).eval()
-        group = self.groups.get(f"dp:{self.group}") if self.size > 1 else None
+        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # only pools that hold models
+        group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
         order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor trains
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
                       for name in order if name in roles}
         if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns on the device
-            self.roles["rollout"] = SleepingEngine(self.roles["rollout"], self.record)
+            self.roles["rollout"] = ColocatedEngine(self.roles["rollout"], stream=False,
+                                                    record=lambda what: self.record(f"rollout.{what}"))
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
@@ -1361,9 +1227,10 @@ def check_placement(placement: Placement, config) -> dict[str, list[str]]:
 completions, **columns)`; the objects here forward each call to the workers that host the
 role, with an explicit dispatch mode, and return what stage 1's objects return:
 
-- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE, then `reduce_metrics`),
-  named_weights (a `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every
-  rank), `.model` (the driver's copy);
+- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE: the ranks reduce their metrics
+  together, stage 4's `reduce_metrics`, and return one record), named_weights (a
+  `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every rank), `.model`
+  (the driver's copy);
 - `ReferenceGroup`: logprobs (DP_COMPUTE);
 - `CriticGroup`: values (DP_COMPUTE), update (DP_UPDATE), state_dict, load_state_dict;
 - `EngineGroup`: version, generate (prompts split by rank, one generator per rank),
@@ -1385,27 +1252,6 @@ import ray
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, RANK_ZERO, split_by_rank
 from minirl.data import Batch
 from minirl.rollout.base import VersionMismatchError, draw_seed
-
-
-def reduce_metrics(parts: list[dict]) -> dict:
-    """One rank: its metrics unchanged. Several: each metric averaged over the ranks weighted by their
-    tokens ("dp/tokens"), ".../min" and ".../max" as the min and max, anything else from rank 0."""
-    if len(parts) == 1:
-        return parts[0]
-    weights = [part.pop("dp/tokens") for part in parts]
-    total = sum(weights) or 1
-    out = {}
-    for key, value in parts[0].items():
-        values = [part[key] for part in parts]
-        if key.endswith("/min"):
-            out[key] = min(values)
-        elif key.endswith("/max"):
-            out[key] = max(values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = sum(w * v for w, v in zip(weights, values)) / total
-        else:
-            out[key] = value
-    return out
 
 
 class RemoteWeights:
@@ -1438,7 +1284,7 @@ class ActorGroup:
 
     def update(self, exp) -> dict:
         self._fresh = False
-        return reduce_metrics(self.group.execute(DP_UPDATE, "actor", "update", exp))
+        return self.group.execute(DP_UPDATE, "actor", "update", exp)
 
     def named_weights(self) -> RemoteWeights:
         return RemoteWeights(self.group)
@@ -1468,7 +1314,7 @@ class CriticGroup:
         return self.group.execute(DP_COMPUTE, "critic", "values", rollout)
 
     def update(self, exp) -> dict:
-        return reduce_metrics(self.group.execute(DP_UPDATE, "critic", "update", exp))
+        return self.group.execute(DP_UPDATE, "critic", "update", exp)
 
     def state_dict(self) -> dict:
         return self.group.execute(RANK_ZERO, "critic", "state_dict")
@@ -1782,7 +1628,7 @@ ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:gree
                "critic": "tab:red", "sync": "tab:gray"}
 
 
-def plot_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
+def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
                   last_steps: int | None = None):
     """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor).
 
@@ -1960,7 +1806,7 @@ for name, result in runs.items():
 
 # %%
 from minirl.controller.driver import SOURCE_ORDER, driver_cycles, stage_shares  # noqa: E402
-from minirl.controller.plots import plot_placement, plot_timeline  # noqa: E402
+from minirl.controller.plots import plot_placement, plot_worker_timeline  # noqa: E402
 
 for name, result in runs.items():
     print(f"{name:>14}:", {role: devices for role, devices in result["where"].items()})
@@ -1976,7 +1822,7 @@ for name, result in runs.items():
 
 # %%
 for name, result in runs.items():
-    plot_timeline(result["timeline"], title=f"{name}: which role was busy when, last 2 steps", last_steps=2)
+    plot_worker_timeline(result["timeline"], title=f"{name}: which role was busy when, last 2 steps", last_steps=2)
     plt.show()
 first = {name: [what for what, _, _ in sorted((e for events in result["timeline"].values() for e in events),
                                                key=lambda e: e[1])] for name, result in runs.items()}
@@ -2034,57 +1880,50 @@ for k, cycle in enumerate(cycles, 1):
 # 1. **Single process** (TRL): stage 1's `train`, the reference of section 8.
 # 2. **Multiple controllers** (NeMo-Aligner): SPMD under `torchrun`. There is no driver;
 #    every rank runs the whole loop on its share of the batch, and the ranks meet only in
-#    collectives (here DDP's all-reduce inside the actor's update, with section 4's token
-#    shares). The script below is written for this cell with the pieces main has today.
-#    TODO(stage 4, integrator): replace it with notebook 04's launcher and wrappers
-#    (`minirl.parallel`) once they are on main; the point made here stays the same.
+#    collectives (here DDP's all-reduce inside the update of notebook 04's
+#    `DistributedActor`, the very actor of a data-parallel pool in section 4). The script
+#    below is notebook 04's run (`setup_spmd`, `spmd_step`) with DDP (zero 0), launched by
+#    `minirl.parallel.launch.torchrun`.
 # 3. **Single controller** (veRL / HybridFlow): one Driver, WorkerGroups on ResourcePools:
 #    the disaggregated run of section 8.
 # 4. **Single controller with Ray actor isolation** (OpenRLHF): one Driver, every role its
 #    own group of Ray actors: the per-role run of section 8.
 
 # %%
+from minirl.parallel.launch import torchrun  # noqa: E402
+
 SPMD = '''
 """Multiple controllers: every rank runs the loop on its share of each batch (launched by torchrun)."""
-import json, sys
-import torch, torch.distributed as dist
-from minirl.config import RLConfig
-from minirl.controller.roles import DataParallelActor
-from minirl.models.policy import load_default_policy
-from minirl.sync.base import InProcessSync
-from minirl.tasks.arithmetic import make_task
-from minirl.train.run import build_engine
-from minirl.train.step import Roles, rl_step, sample_prompts
+import json
+import sys
 
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
+import torch
+
+from minirl.config import RLConfig
+from minirl.models.policy import load_default_policy
+from minirl.parallel.config import ParallelConfig
+from minirl.parallel.launch import init_distributed, shutdown
+from minirl.parallel.spmd import setup_spmd, spmd_step
+from minirl.tasks.arithmetic import make_task
+from minirl.train.run import run
+
+ctx = init_distributed()                                     # gloo on CPUs, NCCL on GPUs
 torch.set_num_threads(1)
 config = RLConfig.from_flat(steps=int(sys.argv[1]), prompts_per_step=8, num_generations=8, eval_every=0)
 model, tokenizer, _ = load_default_policy(progress=False)
 task = make_task()
-actor = DataParallelActor(model, config.algorithm, config.optimizer, config.sampling, group=None)  # DDP, all ranks
-roles, engine = Roles(actor), build_engine(config, model, tokenizer)
-generator = torch.Generator().manual_seed(config.run.seed)      # the same on every rank: the same prompts
-for step in range(config.run.steps):
-    batch = sample_prompts(task.rows("train"), config.run.prompts_per_step, generator)
-    share = len(batch) // world
-    record = rl_step(roles, engine, InProcessSync(), batch[rank * share:(rank + 1) * share], [task.reward],
-                     config, generator)
-    reward = torch.tensor([record["reward"]])
-    dist.all_reduce(reward)
-    if rank == 0:
-        print(json.dumps({"step": step + 1, "reward": reward.item() / world, "time/step": sum(
-            v for k, v in record.items() if k.startswith("time/"))}), flush=True)
-dist.destroy_process_group()
+state = setup_spmd(config, ParallelConfig(zero=0), model, tokenizer, task.rows("train"), [task.reward], ctx)
+for record in run(state, spmd_step, [], config.run.steps):   # DistributedActor (DDP) and rl_step on every rank
+    if ctx.is_main:
+        print(json.dumps({"step": record["step"], "reward": record["reward"], "time/step": record["time/step"]}))
+shutdown()
 '''
 spmd_path = RUNS / "06_spmd.py"
 spmd_path.parent.mkdir(parents=True, exist_ok=True)
 spmd_path.write_text(SPMD)
 started = time.perf_counter()
-proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                       str(spmd_path), str(STEPS)], capture_output=True, text=True, timeout=600,
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-assert proc.returncode == 0, proc.stderr[-3000:]
+proc = torchrun(spmd_path, 2, [STEPS], timeout=600)
+assert proc.returncode == 0, proc.stdout[-3000:]
 spmd = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 spmd_seconds = time.perf_counter() - started
 styles = [
@@ -2105,8 +1944,8 @@ for framework, style, code, processes, records in styles:
 # Row 8 of the source, the four orchestration styles: **agree**, all four run, on one
 # algorithm. The mean rewards of the single-process run and of both single-controller runs
 # are the same numbers (section 8); the multiple-controller run differs, and should: its two
-# ranks each sample half the prompts with the step's one seed, so its completions are other
-# draws. Processes count the driver. The seconds per step
+# ranks each sample their half of the prompts from seeds of their own (notebook 04), so its
+# completions are other draws. Processes count the driver. The seconds per step
 # say little about the styles themselves at this size: the tiny policy makes every transfer
 # between processes a visible share of a step that takes a fraction of a second in one
 # process. What the styles change is who holds the loop (one process, every rank, or a driver)

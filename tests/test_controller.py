@@ -1,10 +1,13 @@
 """Stage 6 on a two-node Ray cluster (one machine): same algorithm in every placement, data parallelism across
-nodes, worker death and exact resume, bad input before any actor starts, the chapter against an existing cluster.
+nodes (stage 4's roles: the same update, a NaN on one rank skipped by both at once), worker death and exact resume,
+bad input before any actor starts, the chapter against an existing cluster.
 
 One cluster for the module (Ray starts slowly), two nodes of 2 CPUs; a device is a quarter-CPU slot.
 """
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +24,7 @@ from minirl.controller.driver import Driver  # noqa: E402
 from minirl.controller.placement import make_placement  # noqa: E402
 from minirl.controller.resource_pool import PlacementError, local_cluster  # noqa: E402
 from minirl.controller.worker_group import WorkerDiedError  # noqa: E402
+from minirl.data import Experience  # noqa: E402
 from minirl.tasks.arithmetic import make_task  # noqa: E402
 from minirl.train.run import train  # noqa: E402
 from minirl.utils.io import read_jsonl  # noqa: E402
@@ -105,8 +109,10 @@ def test_colocated_ppo_reproduces_stage1_and_the_engine_sleeps_during_the_update
     assert calls.index("rollout.wake_up") > calls.index("actor.update"), "woken by the sync that follows"
 
 
-def test_two_data_parallel_actors_across_two_nodes_update_as_one(cluster, make_tiny_policy):
-    config = small(steps=2)
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_data_parallel_ranks_across_two_nodes_update_as_one(cluster, make_tiny_policy, algo):
+    """The actor (and PPO's critic) on a pool of two ranks, one per node: stage 1's update, up to float sums."""
+    config = small(steps=2, algo=algo)
     expected, weights = stage1(config, make_tiny_policy)
     model, tok = make_tiny_policy(seed=3, num_layers=1)
     placement = make_placement("disaggregated", {"actor": [1, 1]})          # a pool that spans both nodes
@@ -116,10 +122,57 @@ def test_two_data_parallel_actors_across_two_nodes_update_as_one(cluster, make_t
     assert [d.split("/")[0] for d in where["actor"]] == ["node0", "node1"]
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    keys = ("loss", "grad_norm", "entropy", "clip_ratio/region_mean") + (("value_loss", "value_grad_norm")
+                                                                         if algo == "ppo" else ())
     for got, want in zip(records, expected):
         assert got["reward"] == want["reward"], "one rollout worker: the same samples"
-        for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"):
+        assert got["skipped"] == 0 and "loss_weight" in got, "the data-parallel actor's record"
+        for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_nan_on_one_actor_rank_makes_both_skip_at_once(cluster, make_tiny_policy):
+    """Stage 4's NaN rule on a Ray pool of two actor ranks: a non-finite batch, or a non-finite forward, on one
+    rank makes both skip the step with the same record, long before the world's 120 s timeout (a rank that
+    skipped alone would leave the other in DDP's all-reduce until then); afterwards the pair trains on."""
+    config = small()
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    with Driver(config, make_placement("disaggregated", {"actor": [2]}), model, tok, [TASK.reward]) as driver:
+        actor = driver.group_of("actor")
+        rollout = driver.engine.generate([r["prompt"] for r in ROWS[:4]], config.sampling, 0,
+                                         torch.Generator().manual_seed(0))
+        advantages = torch.randn(len(rollout), generator=torch.Generator().manual_seed(1))
+        parts = Experience(rollout, torch.zeros(len(rollout)), advantages=advantages).split(2)
+
+        def update(per_rank, what="a finite batch"):
+            """Both ranks' records; fails (instead of hanging) if a rank still waits after 60 s."""
+            calls = [worker.call.remote("actor", "update", part) for worker, part in zip(actor.workers, per_rank)]
+            done, _ = ray.wait(calls, num_returns=len(calls), timeout=60)
+            assert len(done) == len(calls), f"{what}: a rank still waits in a collective after 60 s"
+            return ray.get(calls)
+
+        def weights():
+            return [dict(named) for named in actor.run("named_weights", [("actor",)] * 2)]
+
+        before, state = weights(), driver.roles.actor.state_dict()
+        nan_batch = dataclasses.replace(parts[1], advantages=parts[1].advantages.clone())
+        nan_batch.advantages[0] = math.nan
+        nan_weights = dict(before[1], **{"model.norm.weight": torch.full_like(before[1]["model.norm.weight"],
+                                                                              math.nan)})
+        for planted, per_rank in (("a NaN advantage on rank 1", [parts[0], nan_batch]),
+                                  ("NaN weights on rank 1 (its forward is NaN)", parts)):
+            if planted.startswith("NaN weights"):
+                actor.run("restore", [None, ("actor", nan_weights, state)])
+            records = update(per_rank, planted)
+            assert [r["skipped"] for r in records] == [1, 1] and math.isnan(records[0]["loss"]), planted
+            assert str(records[0]) == str(records[1]), f"{planted}: one record on both ranks"
+            assert all(torch.equal(v, before[0][k]) for k, v in weights()[0].items()), f"{planted}: rank 0 moved"
+        actor.run("restore", [None, ("actor", before[1], state)])
+        records = update(parts)
+        after = weights()
+    assert [r["skipped"] for r in records] == [0, 0] and math.isfinite(records[0]["loss"])
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0]), "the ranks still update together"
+    assert any(not torch.equal(after[0][k], before[0][k]) for k in after[0]), "and the update moved the weights"
 
 
 def killer_reward(kill_at: int, stamp: str):

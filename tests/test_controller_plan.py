@@ -1,5 +1,6 @@
 """Stage 6 without a Ray cluster: plans, placements, dispatch, buckets, stage order, colocated sleep, bad input."""
 
+import contextlib
 import time
 
 import pytest
@@ -8,11 +9,12 @@ import torch
 from minirl.config import RLConfig, SamplingConfig
 from minirl.controller.driver import SOURCE_ORDER, driver_cycles, stage_shares
 from minirl.controller.placement import check_placement, make_placement, needed_roles, parse_pools
-from minirl.controller.proxies import reduce_metrics
 from minirl.controller.resource_pool import PlacementError, ResourcePool, connect, plan_placement
-from minirl.controller.roles import SleepingEngine
-from minirl.controller.worker_group import DP_COMPUTE, concat, rank_zero, split_by_rank
+from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, concat, rank_zero, split_by_rank
 from minirl.data import Rollout
+from minirl.memory.measure import storage_bytes
+from minirl.rollout.colocated import ColocatedEngine, EngineNotReady
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.broadcast import TensorMeta, plan_buckets, tensor_metadata
 from minirl.utils.validate import ConfigError
@@ -117,12 +119,11 @@ def test_dp_compute_round_trips_a_batch_and_modes_pick_ranks():
         split_by_rank(2, rollout_of(3))
 
 
-def test_reduce_metrics_weights_by_tokens():
-    one = {"loss": 1.0, "ratio/min": 0.9}
-    assert reduce_metrics([dict(one)]) == one
-    parts = [{"loss": 1.0, "ratio/min": 0.9, "ratio/max": 1.1, "dp/tokens": 30},
-             {"loss": 3.0, "ratio/min": 0.8, "ratio/max": 1.3, "dp/tokens": 10}]
-    assert reduce_metrics(parts) == {"loss": 1.5, "ratio/min": 0.8, "ratio/max": 1.3}
+def test_dp_update_returns_rank_zeros_record():
+    """A data-parallel update returns the same record on every rank (stage 4's reduce_metrics, on the ranks)."""
+    per_rank = DP_UPDATE.dispatch(2, rollout_of(4))
+    assert [len(args[0]) for args in per_rank] == [4, 4]
+    assert DP_UPDATE.collect([{"loss": 1.0}, {"loss": 1.0}]) == {"loss": 1.0}
 
 
 # ---------------------------------------------------------------- buckets
@@ -157,19 +158,32 @@ def test_driver_cycles_shift_the_sync_and_stage_shares_sum_to_one():
 
 # ---------------------------------------------------------------- colocated sleep
 
-def test_sleeping_engine_frees_its_weights_and_the_next_sync_restores_them(make_tiny_policy):
+@pytest.mark.parametrize("engine_class", [SharedPrefixEngine, PagedEngine])
+def test_colocated_engine_of_a_worker_sleeps_and_the_next_sync_restores_it(make_tiny_policy, engine_class):
+    """What a colocated Ray worker builds: stage 4's ColocatedEngine, pushes through the engine's own load_weights
+    (stream=False: the paged engine's names differ from its module's, and it must empty its prefix cache)."""
     model, tok = make_tiny_policy(seed=2, num_layers=1)
-    engine = SleepingEngine(SharedPrefixEngine(model, tok))
+    events = []
+
+    @contextlib.contextmanager
+    def record(what):                                          # what a worker's timeline gets
+        events.append(what)
+        yield
+
+    engine = ColocatedEngine(engine_class(model, tok), stream=False, record=record)
     sampling = SamplingConfig(num_generations=2)
-    first = engine.generate(["1+2="], sampling, generator=torch.Generator().manual_seed(0))
-    assert engine.asleep and engine.freed_bytes > 0
-    assert all(p.device.type == "meta" for p in engine.engine.model.parameters()), "asleep: no weights held"
-    with pytest.raises(RuntimeError, match="asleep"):
+    awake = storage_bytes(t for _, t in engine.named_weights())
+    engine.generate(["1+2="], sampling, generator=torch.Generator().manual_seed(0))
+    assert engine.asleep and engine.stats["released_bytes"] > 0 and events == ["sleep"]
+    assert storage_bytes(t for _, t in engine.named_weights()) == 0, "asleep: no weights held"
+    with pytest.raises(EngineNotReady, match="asleep"):
         engine.generate(["1+2="], sampling)
-    engine.load_weights(model.state_dict().items(), version=1)
-    inner = engine.engine.model
-    assert not engine.asleep and inner.lm_head.weight is inner.model.embed_tokens.weight, "awake, embeddings tied"
-    again = SharedPrefixEngine(model, tok).generate(["1+2="], sampling, generator=torch.Generator().manual_seed(0))
+    newer, _ = make_tiny_policy(seed=3, num_layers=1)          # other weights: a stale prefix cache would show
+    engine.load_weights(newer.state_dict().items(), version=1)
+    assert not engine.asleep and engine.version == 1 and events == ["sleep", "wake_up"]
+    assert storage_bytes(t for _, t in engine.named_weights()) == awake
+    fresh = engine_class(newer, tok).generate(["1+2="], sampling, generator=torch.Generator().manual_seed(0))
     woke = engine.generate(["1+2="], sampling, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(woke.completion_ids, again.completion_ids) and torch.allclose(woke.logprobs, again.logprobs)
-    assert torch.equal(woke.completion_ids, first.completion_ids), "the same weights and seed sample the same"
+    assert torch.equal(woke.completion_ids, fresh.completion_ids) and torch.allclose(woke.logprobs, fresh.logprobs)
+    with pytest.raises(ValueError, match=r"adapter_only=True, stream=False"):
+        ColocatedEngine(engine_class(model, tok), adapter_only=True, stream=False)

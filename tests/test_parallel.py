@@ -1,4 +1,5 @@
-"""Stage 4 in one process: configs and checks, LoRA, the rank's loss weight, the sharded sync, the colocated engine.
+"""Stage 4 in one process: configs and checks, LoRA, the rank's loss weight, the data-parallel roles, the sharded
+sync, the colocated engine.
 
 A one-rank gloo group (a file store, no torchrun) lets FSDP2 and DTensor run here; the
 multi-rank behaviour is in test_parallel_torchrun.py.
@@ -16,7 +17,8 @@ from minirl.data import Experience
 from minirl.memory.measure import storage_bytes
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_share
-from minirl.parallel.roles import DistributedActor, pad_completions, rank_loss_weight, scale_gradient
+from minirl.parallel.roles import (DistributedActor, DistributedCritic, pad_completions, rank_loss_weight,
+                                   reduce_metrics, scale_gradient)
 from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
@@ -151,7 +153,7 @@ def test_gather_by_layer_yields_whole_tensors_one_layer_at_a_time(group, make_ti
     model, _ = make_tiny_policy(seed=4, num_layers=2)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped = shard(model, group)
-    named = list(wrapped.model.state_dict().items())
+    named = list(wrapped.module.state_dict().items())
     assert any(hasattr(t, "full_tensor") for _, t in named), "FSDP2 holds DTensors"
     layers = list(gather_by_layer(named))
     assert sum(len(layer) for layer in layers) == len(named)
@@ -308,6 +310,65 @@ def test_distributed_actor_matches_the_plain_actor_in_one_process(group, make_ti
     sharded = sharded_actor(model, group).update(exp)
     assert sharded["loss"] == pytest.approx(plain["loss"], abs=1e-6) and not math.isnan(sharded["grad_norm"])
     assert sharded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def test_reduce_metrics_makes_one_record_of_the_ranks():
+    """One rule for every data-parallel role (stage 4 and stage 6): which metric is reduced how."""
+    records = [{"loss": 1.0, "value_loss": 0.5, "entropy": 2.0, "ratio/min": 0.9, "ratio/max": 1.1, "skipped": 0,
+                "value_skipped": 1, "grad_norm": 3.0, "value_grad_norm": 1.0, "note": "rank 0"},
+               {"loss": 3.0, "value_loss": 1.5, "entropy": 4.0, "ratio/min": 0.8, "ratio/max": 1.3, "skipped": 1,
+                "value_skipped": 0, "grad_norm": 3.5, "value_grad_norm": 2.0, "note": "rank 1"}]
+    out = reduce_metrics(records, [30.0, 10.0], [1.0, 1.0])       # grpo's weights: equal rows, unequal tokens
+    assert out == {"loss": 2.0, "value_loss": 1.0,                 # the batch's: (1/W) sum w_r loss_r
+                   "entropy": 2.5,                                 # token-weighted: (30 * 2 + 10 * 4) / 40
+                   "ratio/min": 0.8, "ratio/max": 1.3, "skipped": 1, "value_skipped": 1,   # any rank skipped
+                   "grad_norm": 3.0, "value_grad_norm": 1.0, "note": "rank 0"}            # global already
+    assert reduce_metrics(records, [30.0, 10.0])["loss"] == 1.5, "without weights: token-weighted"
+    assert reduce_metrics(records[:1], [30.0], [1.0]) == records[0], "one rank: its record"
+
+
+def update_twice(actor, exp, bad):
+    """The actor's weights after an update on `bad` (then on `exp`), and both records."""
+    before = {k: v.detach().clone() for k, v in actor.named_weights()}
+    skipped = actor.update(bad)
+    unchanged = all(torch.equal(v, before[k]) for k, v in actor.named_weights())
+    return skipped, unchanged, actor.update(exp)
+
+
+def test_distributed_roles_skip_a_non_finite_batch_and_keep_their_weights(group, make_tiny_policy):
+    model, tok = make_tiny_policy(seed=8, num_layers=1)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
+    exp = Experience(ro, torch.tensor([1.0, 0.0, 0.0, 1.0]), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    bad = Experience(ro, exp.rewards, advantages=torch.tensor([1.0, math.nan, -1.0, 1.0]))
+    skipped, unchanged, after = update_twice(sharded_actor(model, group, zero=0), exp, bad)
+    assert skipped["skipped"] == 1 and math.isnan(skipped["loss"]) and unchanged
+    assert after["skipped"] == 0 and math.isfinite(after["loss"]) and after["loss_weight"] == 1.0
+
+
+def test_distributed_critic_matches_the_plain_critic_in_one_process(group, make_tiny_policy):
+    from minirl.models.critic import ValueModel
+    from minirl.roles.critic import Critic
+
+    model, tok = make_tiny_policy(seed=8, num_layers=1)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
+    C = ro.num_completion_tokens
+    exp = Experience(ro, torch.zeros(4), values=torch.zeros(4, C), returns=torch.linspace(-1, 1, 4 * C).view(4, C))
+    config = RLConfig.from_flat(algo="ppo", num_generations=2, max_completion_length=3)
+    plain = Critic(ValueModel.from_policy(model), config.algorithm, config.optimizer)
+    critic = DistributedCritic(wrap_model(ValueModel.from_policy(model), 0, "cpu"), config.algorithm,
+                               config.optimizer, group)
+    assert critic.optimizer.param_groups[0]["lr"] == config.optimizer.value_learning_rate
+    want, got = plain.update(exp), critic.update(exp)
+    assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-7) and got["value_skipped"] == 0
+    assert got["value_grad_norm"] == pytest.approx(want["value_grad_norm"], rel=1e-5) and want["value_grad_norm"] > 0
+    assert set(critic.state_dict()["model"]) == set(plain.state_dict()["model"]), "the plain model's names"
+    bad = Experience(ro, exp.rewards, values=exp.values, returns=exp.returns.clone())
+    bad.returns[1, 0] = math.inf
+    before = {k: v.clone() for k, v in critic.module.state_dict().items()}
+    assert critic.update(bad)["value_skipped"] == 1
+    assert all(torch.equal(v, before[k]) for k, v in critic.module.state_dict().items())
+    with pytest.raises(NotImplementedError, match=r"zero=3.*DCP"):
+        sharded_actor(make_tiny_policy(seed=8, num_layers=1)[0], group, zero=3).state_dict()
 
 
 def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):

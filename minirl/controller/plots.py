@@ -1,7 +1,7 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
 """Pictures of a placement: role -> node -> device, and a timeline of what each worker ran."""
 
-__all__ = ["ROLE_COLORS", "plot_timeline", "plot_placement"]
+__all__ = ["ROLE_COLORS", "plot_worker_timeline", "plot_placement"]
 
 import matplotlib.pyplot as plt
 
@@ -9,7 +9,7 @@ ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:gree
                "critic": "tab:red", "sync": "tab:gray"}
 
 
-def plot_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
+def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
                   last_steps: int | None = None):
     """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor).
 

@@ -5,9 +5,10 @@
 completions, **columns)`; the objects here forward each call to the workers that host the
 role, with an explicit dispatch mode, and return what stage 1's objects return:
 
-- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE, then `reduce_metrics`),
-  named_weights (a `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every
-  rank), `.model` (the driver's copy);
+- `ActorGroup`: logprobs (DP_COMPUTE), update (DP_UPDATE: the ranks reduce their metrics
+  together, stage 4's `reduce_metrics`, and return one record), named_weights (a
+  `RemoteWeights` handle), state_dict (RANK_ZERO), load_state_dict (every rank), `.model`
+  (the driver's copy);
 - `ReferenceGroup`: logprobs (DP_COMPUTE);
 - `CriticGroup`: values (DP_COMPUTE), update (DP_UPDATE), state_dict, load_state_dict;
 - `EngineGroup`: version, generate (prompts split by rank, one generator per rank),
@@ -22,8 +23,8 @@ refreshed from rank 0 when the workers have updated since it was last read: eval
 checkpoints and `restore_checkpoint` use it.
 """
 
-__all__ = ["reduce_metrics", "RemoteWeights", "ActorGroup", "ReferenceGroup", "CriticGroup",
-           "EngineGroup", "RemoteReward"]
+__all__ = ["RemoteWeights", "ActorGroup", "ReferenceGroup", "CriticGroup", "EngineGroup",
+           "RemoteReward"]
 
 import copy
 
@@ -32,27 +33,6 @@ import ray
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, RANK_ZERO, split_by_rank
 from minirl.data import Batch
 from minirl.rollout.base import VersionMismatchError, draw_seed
-
-
-def reduce_metrics(parts: list[dict]) -> dict:
-    """One rank: its metrics unchanged. Several: each metric averaged over the ranks weighted by their
-    tokens ("dp/tokens"), ".../min" and ".../max" as the min and max, anything else from rank 0."""
-    if len(parts) == 1:
-        return parts[0]
-    weights = [part.pop("dp/tokens") for part in parts]
-    total = sum(weights) or 1
-    out = {}
-    for key, value in parts[0].items():
-        values = [part[key] for part in parts]
-        if key.endswith("/min"):
-            out[key] = min(values)
-        elif key.endswith("/max"):
-            out[key] = max(values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = sum(w * v for w, v in zip(weights, values)) / total
-        else:
-            out[key] = value
-    return out
 
 
 class RemoteWeights:
@@ -85,7 +65,7 @@ class ActorGroup:
 
     def update(self, exp) -> dict:
         self._fresh = False
-        return reduce_metrics(self.group.execute(DP_UPDATE, "actor", "update", exp))
+        return self.group.execute(DP_UPDATE, "actor", "update", exp)
 
     def named_weights(self) -> RemoteWeights:
         return RemoteWeights(self.group)
@@ -115,7 +95,7 @@ class CriticGroup:
         return self.group.execute(DP_COMPUTE, "critic", "values", rollout)
 
     def update(self, exp) -> dict:
-        return reduce_metrics(self.group.execute(DP_UPDATE, "critic", "update", exp))
+        return self.group.execute(DP_UPDATE, "critic", "update", exp)
 
     def state_dict(self) -> dict:
         return self.group.execute(RANK_ZERO, "critic", "state_dict")

@@ -5,7 +5,8 @@ A dispatch mode is a pair of plain functions: `dispatch(n, *args)` turns one cal
 arguments into one argument tuple per rank (None: that rank sits out) and `collect(results)`
 turns the called ranks' results, in rank order, into the call's result. `ONE_TO_ALL`,
 `DP_COMPUTE` (split a batch by data-parallel rank, concatenate the results), `DP_UPDATE`
-(split, return the list) and `RANK_ZERO` cover the RL loop. `WorkerGroup.execute(mode, role,
+(split; rank 0's result: a data-parallel update returns the same record on every rank) and
+`RANK_ZERO` cover the RL loop. `WorkerGroup.execute(mode, role,
 method, *args)` runs `role.method` on the ranks the mode picks; `gather` waits for the calls
 and reports the first failure as soon as it happens: a dead worker as a `WorkerDiedError`
 naming its roles, group and rank; an exception raised in a worker as itself, with a note
@@ -87,7 +88,7 @@ def first(results: list):
 
 ONE_TO_ALL = Mode(one_to_all, as_list)
 DP_COMPUTE = Mode(split_by_rank, concat)
-DP_UPDATE = Mode(split_by_rank, as_list)
+DP_UPDATE = Mode(split_by_rank, first)       # every rank returns the same record
 RANK_ZERO = Mode(rank_zero, first)
 
 

@@ -238,7 +238,7 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
 def _wrap(model, strategy: str, device: torch.device):
     """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
     wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.module, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.model
+    return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,

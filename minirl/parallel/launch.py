@@ -109,38 +109,41 @@ def shutdown(together: bool = True) -> None:
 
 
 class ProcessGroup:
-    """The default process group as the step and the roles use it (rl_step's `group`).
+    """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
 
     Tensors travel on `device` (NCCL moves only GPU memory) and come back where they were.
+    group: a torch.distributed subgroup (`dist.new_group`), e.g. the data-parallel ranks of a
+    Ray pool (notebook 06); None: the whole world.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    def __init__(self, device: torch.device | str = "cpu", group=None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device)
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         """[n, ...] on every rank (the same n) -> [world_size * n, ...], rank 0's rows first."""
         local = tensor.detach().contiguous().to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
+        dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).to(tensor.device)
 
     def all_sum(self, values) -> Tensor:
         """The elementwise sum over ranks of `values` (numbers or a tensor), as a float64 tensor on the CPU."""
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.cpu()
 
     def all_max(self, value: int) -> int:
         """The largest of the ranks' integers."""
         t = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
 

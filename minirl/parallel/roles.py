@@ -1,20 +1,25 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""The actor on every rank of a data-parallel job: notebook 01's Actor, with a rank's share of the loss.
+"""The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` wraps a model prepared by `minirl.parallel.wrap` (DDP, ZeRO-1, FSDP2,
-with or without LoRA). Each rank updates on its share of the global batch and the wrapper
-averages the gradients; for that average to be the gradient of the whole batch, each rank's
-loss is weighted by its share of the global normalization (`rank_loss_weight`), applied as
-a gradient scale on the log-probs, so `Actor.update` runs unchanged. Metrics are reduced
-over the ranks (token-weighted means, global min / max, the batch's loss), and a
-non-finite batch on any rank makes every rank skip the step together.
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
+4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
+the global batch and the wrapper averages the gradients; for that average to be the
+gradient of the whole batch, each rank's loss is weighted by its share of the global
+normalization (`rank_loss_weight`), applied as a gradient scale on the output of the
+training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
+runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
+record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
+on any rank makes every rank skip the step together (none waits in a collective).
 
-Simplified: PPO's critic is not sharded (stage 4 trains GRPO); with beta > 0 the reference
-is a full, unsharded copy on every rank.
+Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
+is wrapped by DDP only (its value model names no decoder layers for FSDP2; stage 4 trains
+GRPO); a loss that overflows on one rank from finite inputs and log-probs (an exp inside
+the loss) is not caught before the backward, and leaves the others waiting until the timeout.
 """
 
-__all__ = ["scale_gradient", "rank_loss_weight", "reduce_metrics", "pad_completions",
-           "DistributedActor"]
+__all__ = ["scale_gradient", "rank_loss_weight", "LOSSES", "reduce_metrics", "pad_completions",
+           "finite_batch", "DataParallelRole", "DistributedActor", "DistributedCritic"]
 
 import dataclasses
 import math
@@ -27,6 +32,7 @@ from minirl.algo.logprobs import completion_logprobs
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
+from minirl.roles.critic import Critic
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -69,26 +75,43 @@ def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, loca
     return 1.0
 
 
-def reduce_metrics(metrics: dict, tokens: float, group) -> dict:
-    """The ranks' metrics as one record: keys ending in "/min" and "/max" (and "skipped") take the global
-    min / max, "grad_norm" is already global (gradients were averaged first), every other number is the
-    token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std" the mean of the
-    ranks' stds). Non-numbers are this rank's."""
-    everyone = group.gather_objects((metrics, float(tokens)))
-    total = sum(w for _, w in everyone) or 1.0
+LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
+    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+
+    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
+    w_r (`rank_loss_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
+    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
+    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
+    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
+    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
+    One rank: its record unchanged.
+    """
+    if len(records) == 1:
+        return dict(records[0])
+    total = sum(tokens) or 1.0
     out = {}
-    for key, value in metrics.items():
-        values = [m.get(key) for m, _ in everyone]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    for key, value in records[0].items():
+        values = [r.get(key) for r in records]
+        if not all(_number(v) for v in values):
             out[key] = value
         elif key.endswith("/min"):
             out[key] = min(values)
-        elif key.endswith("/max") or key == "skipped":
+        elif key.endswith(("/max", "skipped")):
             out[key] = max(values)
-        elif key == "grad_norm":
+        elif key.endswith("grad_norm"):
             out[key] = value
+        elif key in LOSSES and loss_weights is not None:
+            out[key] = sum(w * v for w, v in zip(loss_weights, values)) / len(records)
         else:
-            out[key] = sum(v * w for v, (_, w) in zip(values, everyone)) / total
+            out[key] = sum(v * t for v, t in zip(values, tokens)) / total
     return out
 
 
@@ -111,49 +134,47 @@ def pad_completions(batch: Batch, width: int) -> Batch:
     return dataclasses.replace(batch, **values)
 
 
-def _finite(exp: Experience) -> bool:
-    tensors = (exp.advantages, exp.old_logps, exp.ref_logps, exp.is_weights, exp.rewards)
+def finite_batch(exp: Experience) -> bool:
+    """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
+    is finite."""
+    tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
-class DistributedActor(Actor):
-    """Notebook 01's Actor on one rank of a data-parallel job.
+class DataParallelRole:
+    """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
-    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
-    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, gather_objects, world_size).
-    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
-    transformers then turns the KV cache off in training, so the log-probs take one pass over
-    every row instead of sharing each group's prompt (same values, more compute).
+    A role sets `self.module` (the plain model underneath: names, state_dict), `self.zero`
+    and `self.group` (a ProcessGroup) with `_join`, and passes the output of its training
+    forward through `_weighted`. `update` pads the batch to the widest completion of any
+    rank, agrees on the rank's weight and on whether any rank's batch is not finite (then
+    `skip_field` becomes NaN on every rank, so that notebook 01's update skips its step
+    everywhere), runs the role's own update, and returns `reduce_metrics` of every rank's
+    metrics, plus "<loss_key>_weight": rank 0's w. Every rank must call `update` together.
     """
 
-    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
-                 sampling: SamplingConfig, group, checkpointing: bool = False):
-        super().__init__(wrapped.module, algorithm, optimizer, sampling)
-        self.module, self.zero, self.group, self.checkpointing = wrapped.model, wrapped.zero, group, checkpointing
-        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
-                                        weight_decay=optimizer.weight_decay)
-        self.grad_scale = 1.0
+    skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
+    loss_key = "loss"
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
-            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                                 rollout.num_completion_tokens, self.sampling.temperature,
-                                                 with_entropy=with_entropy)
-        else:
-            logps, entropy = super()._logprobs(rollout, with_entropy)
-        if self.grad_scale != 1.0 and logps.requires_grad:
-            logps = scale_gradient(logps, self.grad_scale)        # this rank's share of the batch's loss
-        return logps, entropy
+    def _join(self, wrapped: Wrapped, group) -> None:
+        self.module, self.zero, self.group = wrapped.module, wrapped.zero, group
+        self.grad_scale, self.skipping = 1.0, False
 
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
-        C = rollout.num_completion_tokens
-        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
+    def _weighted(self, output: Tensor) -> Tensor:
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled by w_r.
+
+        Forwards without gradient (log-probs and values before the update) pass untouched.
+        """
+        if not output.requires_grad:
+            return output
+        if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
+            output = output * math.nan                       # some rank's forward is not finite: every rank skips
+        if self.grad_scale != 1.0:
+            output = scale_gradient(output, self.grad_scale)
+        return output
 
     def update(self, exp: Experience) -> dict:
-        """Actor.update on this rank's rows with its loss weighted by `rank_loss_weight`; global metrics.
+        """The role's update on this rank's rows, its loss weighted by `rank_loss_weight`; the ranks' one record.
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
@@ -162,25 +183,96 @@ class DistributedActor(Actor):
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
-        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not _finite(exp))]).tolist()
-        if bad:                                  # a NaN anywhere: every rank skips, none waits in a collective
-            exp.advantages = torch.full_like(exp.advantages, math.nan)
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
+            setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
         weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
                                   self.group.world_size)
-        self.grad_scale = weight
+        self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
         finally:
-            self.grad_scale = 1.0
-        loss = self.group.all_sum(metrics["loss"] * weight / self.group.world_size).item()
-        return reduce_metrics(metrics, tokens, self.group) | {"loss": loss, "loss_weight": weight}
+            self.grad_scale, self.skipping = 1.0, False
+        records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
+            (metrics, tokens, weight))))
+        return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
+
+    def _replicated(self, what: str) -> None:
+        if self.zero:
+            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
+                                      "minirl.parallel.checkpoint (DCP)")
+
+
+class DistributedActor(DataParallelRole, Actor):
+    """Notebook 01's Actor on one rank of a data-parallel job.
+
+    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
+    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
+    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
+    transformers then turns the KV cache off in training, so the log-probs take one pass over
+    every row instead of sharing each group's prompt (same values, more compute).
+    """
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 sampling: SamplingConfig, group, checkpointing: bool = False):
+        super().__init__(wrapped.wrapper, algorithm, optimizer, sampling)
+        self._join(wrapped, group)
+        self.checkpointing = checkpointing
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+
+    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
+            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
+                                                 rollout.num_completion_tokens, self.sampling.temperature,
+                                                 with_entropy=with_entropy)
+        else:
+            logps, entropy = super()._logprobs(rollout, with_entropy)
+        return self._weighted(logps), entropy
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
+        C = rollout.num_completion_tokens
+        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
 
     def named_weights(self):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
         return self.module.state_dict().items()
 
     def state_dict(self) -> dict:
-        raise NotImplementedError("a sharded actor is checkpointed with minirl.parallel.checkpoint (DCP)")
+        """The optimizer's state, when every rank holds all of it (zero 0: DDP replicas)."""
+        self._replicated("state_dict")
+        return super().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("a sharded actor is restored with minirl.parallel.checkpoint (DCP)")
+        self._replicated("load_state_dict")
+        super().load_state_dict(state)
+
+
+class DistributedCritic(DataParallelRole, Critic):
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
+
+    wrapped: the value model from `wrap_model` (zero 0 or 1); a forward hook passes the
+    values of the training forward through `_weighted`. A skip makes the returns NaN.
+    """
+
+    skip_field, loss_key = "returns", "value_loss"
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, group):
+        super().__init__(wrapped.wrapper, algorithm, optimizer)
+        self._join(wrapped, group)
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+        self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
+
+    def state_dict(self) -> dict:
+        """The value model's weights (plain names) and the optimizer's state (zero 0)."""
+        self._replicated("state_dict")
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._replicated("load_state_dict")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -98,30 +98,36 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
 class Wrapped:
     """A model wrapped for data-parallel training."""
 
-    module: nn.Module      # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    model: nn.Module       # the model underneath (Hugging Face or peft): its names, config and parameters
+    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
+    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
     zero: int
 
 
 def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the current process group.
+               cpu_offload: bool = False, process_group=None) -> Wrapped:
+    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
 
     0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
     gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
     2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
     reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
     (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
+    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
+    data-parallel ranks of a Ray pool, notebook 06).
     """
     check_choice("zero", zero, ZERO_LEVELS)
     check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
+    if process_group is not None and zero != 0:
+        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
+                                        "use zero 0")
     device = torch.device(device)
     model.to(device)
     if zero <= 1:
         if mixed_precision != "none" or cpu_offload:
             raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
         ids = [device.index] if device.type == "cuda" else None
-        return Wrapped(DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True), model, zero)
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
+        return Wrapped(ddp, model, zero)
     kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

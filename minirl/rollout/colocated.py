@@ -2,21 +2,30 @@
 """An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
 
 `ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
-`SharedPrefixEngine`). `load_weights` copies each tensor into place as it arrives, so a
-sender that gathers layer by layer never needs a second whole copy; bad input (an unknown
-name, a wrong shape, an older version, a tensor missing at the end) is an error, and until a
-complete push succeeds the engine refuses to generate. With colocate=True the engine sleeps
-after every `generate`: the storage of its weights is released (resized to 0) until the next
-push wakes it up. Only the tensors every push brings are released: all of them, or with
-adapter_only=True just LoRA's A and B (the frozen base must survive the sleep).
+`SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
+copies each tensor into place as it arrives, so a sender that gathers layer by layer never
+needs a second whole copy; bad input (an unknown name, a wrong shape, an older version, a
+tensor missing at the end) is an error, and until a complete push succeeds the engine
+refuses to generate. With stream=False the push goes to the engine's own `load_weights`
+(its checks, and whatever it derives from the weights: the paged engine empties its prefix
+cache). With colocate=True the engine sleeps after every `generate`: the storage of its
+weights is released (resized to 0) until the next push wakes it up. Only the tensors every
+push brings are released: all of them, or with adapter_only=True just LoRA's A and B (the
+frozen base must survive the sleep).
 
-Simplified vs vLLM's sleep mode: no KV cache to release (the HF engines build it per call),
-and level 2 only (released, then refilled by the next push); level 1 (offload to host
-memory) has nowhere to go on a CPU.
+This is the one colocation mechanism of minirl: stage 4 wraps every rank's engine in it,
+and stage 6 the engine of a Ray worker that also hosts the actor. The loop never calls
+`sleep` or `wake_up`: the engine sleeps at the end of its own `generate` and wakes at the
+start of the next `load_weights`, so the step reads the same colocated or not.
+
+Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call;
+the paged engine keeps its pool allocated), and level 2 only (released, then refilled by the
+next push); level 1 (offload to host memory) has nowhere to go on a CPU.
 """
 
 __all__ = ["EngineNotReady", "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
 
+import contextlib
 import hashlib
 import time
 from typing import Iterable
@@ -35,15 +44,24 @@ class EngineNotReady(RuntimeError):
 
 
 class ColocatedEngine:
-    """Streams weights in one tensor at a time; with colocate=True, sleeps between generate and the next push.
+    """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
-    engine: an in-process engine with `.model`, `.version`, `generate`; adapter_only: pushes
-    bring only the LoRA tensors (names containing "lora_"), the base stays resident.
-    `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    engine: an in-process engine with `.model` (an nn.Module), `.version`, `generate` and
+    `load_weights`. adapter_only: pushes bring only the LoRA tensors (names containing
+    "lora_"), the base stays resident (needs stream=True). stream: copy each pushed tensor
+    into `engine.model` under its state_dict name (for engines that keep nothing derived from
+    the weights, such as the HF engines); False: hand the push to `engine.load_weights`.
+    record(what): a context manager around every "sleep" and "wake_up" (a Ray worker's
+    timeline); `stats` holds the last sleep's and wake-up's seconds and the bytes released.
     """
 
-    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False):
-        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
+                 record=None):
+        if adapter_only and not stream:
+            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own load_weights "
+                             "takes every tensor, not only the adapter; pass stream=True")
+        self.engine, self.colocate, self.adapter_only, self.stream = engine, colocate, adapter_only, stream
+        self.record = record or (lambda what: contextlib.nullcontext())
         state = engine.model.state_dict(keep_vars=True)
         self.names = [n for n in state if not adapter_only or "lora_" in n]
         if not self.names:
@@ -80,19 +98,29 @@ class ColocatedEngine:
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype); then hold `version`.
+        """Load the push (streamed, or by the engine's own load_weights); then the engine holds `version`.
 
         Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
-        than the one held, ValueError naming an unknown name, a wrong shape, or the names
-        missing at the end; after an error the engine refuses to generate until a complete push.
+        than the one held; streamed, ValueError naming an unknown name, a wrong shape, or the
+        names missing at the end (the engine's own load_weights raises its own errors). After
+        an error the engine refuses to generate until a complete push.
         """
         if version < self.engine.version:
             raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
                                        f"version {self.engine.version}: refusing to go back to older weights")
         if self.asleep:
             self.wake_up()
-        own, seen = self._tensors(), set()
         self.ready = False
+        if self.stream:
+            self._stream(named_tensors, version)
+            self.engine.version = version
+        else:
+            self.engine.load_weights(named_tensors, version)     # it sets its version
+        self.ready = True
+
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
+        own, seen = self._tensors(), set()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in own:
@@ -111,40 +139,41 @@ class ColocatedEngine:
             raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
                              f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
                              "the last version")
-        self.engine.version, self.ready = version, True
 
     def named_weights(self):
-        """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
-        return self.engine.model.state_dict().items()
+        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
+        return self.engine.named_weights()
 
     def sleep(self) -> None:
         """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
         if self.asleep:
             return
-        start, released = time.perf_counter(), 0
-        seen = set()
-        for tensor in self._tensors().values():
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            released += storage.nbytes()
-            storage.resize_(0)
-        self.asleep = True
-        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+        with self.record("sleep"):
+            start, released = time.perf_counter(), 0
+            seen = set()
+            for tensor in self._tensors().values():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                released += storage.nbytes()
+                storage.resize_(0)
+            self.asleep = True
+            self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
     def wake_up(self) -> None:
         """Allocate the storage again (its contents undefined until the push that follows fills it)."""
         if not self.asleep:
             return
-        start = time.perf_counter()
-        for tensor in self._tensors().values():
-            storage = tensor.untyped_storage()
-            needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-            if storage.nbytes() < needed:
-                storage.resize_(needed)
-        self.asleep, self.ready = False, False                  # awake, but stale until the push completes
-        self.stats["wake_seconds"] = time.perf_counter() - start
+        with self.record("wake_up"):
+            start = time.perf_counter()
+            for tensor in self._tensors().values():
+                storage = tensor.untyped_storage()
+                needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+                if storage.nbytes() < needed:
+                    storage.resize_(needed)
+            self.asleep, self.ready = False, False              # awake, but stale until the push completes
+            self.stats["wake_seconds"] = time.perf_counter() - start
 
 
 def prompt_seed(seed: int, prompt: str) -> int:
