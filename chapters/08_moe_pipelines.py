@@ -61,7 +61,7 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
         model = copy.deepcopy(moe)
         install_balancing(model, **settings)
         config = RLConfig.from_flat(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps, seed=args.seed)
-        metrics = train(config, model, tokenizer, task, progress=not args.quiet)
+        metrics = train(config, model, tokenizer, progress=not args.quiet)
         history = load_history(model)                                              # [steps, L, E]
         runs[name] = {"history": history, "accuracy": [m["accuracy"] for m in metrics if "accuracy" in m],
                       "per_step": [load_imbalance(h)["max_over_mean"] for h in history]}
@@ -98,7 +98,7 @@ def gspo(args, moe, tokenizer, task) -> dict:
                 config = RLConfig.from_flat(steps=args.rl_steps, prompts_per_step=16, eval_every=args.rl_steps,
                                             num_iterations=2, rollout_dtype="float8_e4m3fn",
                                             importance_sampling_correction=True, seed=seed, **settings)
-                metrics = train(config, copy.deepcopy(moe), tokenizer, task, progress=not args.quiet)
+                metrics = train(config, copy.deepcopy(moe), tokenizer, progress=not args.quiet)
                 steps = [m for m in metrics if "reward" in m]
                 training.setdefault(name, []).append(
                     {"seed": seed, "accuracy": [m["accuracy"] for m in metrics if "accuracy" in m],

@@ -1717,8 +1717,8 @@ def fresh_policy():
     return load_default_policy(progress=False)[0]
 
 
-reference = {"grpo": train(grpo, fresh_policy(), tokenizer, task, progress=False),
-             "ppo": train(ppo, fresh_policy(), tokenizer, task, progress=False)}
+reference = {"grpo": train(grpo, fresh_policy(), tokenizer, progress=False),
+             "ppo": train(ppo, fresh_policy(), tokenizer, progress=False)}
 runs = {}
 plans = [("colocated", ppo, make_placement("colocated")),
          ("disaggregated", grpo, make_placement("disaggregated")),

@@ -1020,7 +1020,7 @@ for name, settings in GSPO_RUNS.items():
     config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2),
                                 num_iterations=2, rollout_dtype="float8_e4m3fn", importance_sampling_correction=True,
                                 **settings)
-    gspo_runs[name] = train(config, model, tokenizer, task, progress=False)
+    gspo_runs[name] = train(config, model, tokenizer, progress=False)
 print(f"{'ratio level':>16} | {'accuracy (start, middle, end)':>29} | {'mean reward':>11} | {'clip fraction':>13} | "
       f"{'grad norm':>9}")
 for name, metrics in gspo_runs.items():

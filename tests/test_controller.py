@@ -59,7 +59,7 @@ def without_timing(records):
 def stage1(config, make_tiny_policy, **kw):
     """The single-process reference: (records, final weights)."""
     model, tok = make_tiny_policy(seed=3, num_layers=1)
-    records = train(config, model, tok, TASK, progress=False, **kw)
+    records = train(config, model, tok, progress=False, reward_funcs=[TASK.reward], **kw)
     return records, {k: v.clone() for k, v in model.state_dict().items()}
 
 
