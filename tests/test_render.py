@@ -85,6 +85,13 @@ def run_render(root: Path, *args: str, env: dict | None = None) -> subprocess.Co
                           capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
 
 
+def main(capsys, root: Path, *args: str) -> subprocess.CompletedProcess:
+    """tools/render.py's command line in this process (for what executes nothing): exit code, stdout, stderr."""
+    code = render_tool.main(["--root", str(root), *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def fake_copy(root: Path, stem: str, digest: str, mode: str = "full") -> None:
     """A rendered copy as render.py writes one, without executing anything."""
     (root / "docs" / "notebooks").mkdir(parents=True, exist_ok=True)
@@ -105,7 +112,7 @@ def rendered(tmp_path_factory):
 # ---------------------------------------------------------------- stamps and --check (nothing executed)
 
 
-def test_check_names_a_copy_whose_source_changed(tmp_path):
+def test_check_names_a_copy_whose_source_changed(tmp_path, capsys):
     root = make_tree(tmp_path, {"90_plot.py": PLOT, "91_text.py": TEXT})
     stamps = {}
     for stem in ("90_plot", "91_text"):
@@ -115,7 +122,7 @@ def test_check_names_a_copy_whose_source_changed(tmp_path):
     (root / "docs" / "stamps.json").write_text(json.dumps(stamps))
     (root / "docs" / "index.md").write_text(render_tool.index_page(root, stamps))
     assert render_tool.check(root) == ([], [])
-    done = run_render(root, "--check")
+    done = main(capsys, root, "--check")
     assert done.returncode == 0
     assert done.stdout.splitlines()[-1] == "render check: all 2 rendered copies match their sources"
 
@@ -125,12 +132,12 @@ def test_check_names_a_copy_whose_source_changed(tmp_path):
     assert refresh == ["91"]
     assert len(lines) == 1 and lines[0].startswith("docs/notebooks/91_text.ipynb: stale: notebooks/91_text.py changed")
     assert lines[0].endswith("refresh: python tools/render.py --only 91")
-    done = run_render(root, "--check")
+    done = main(capsys, root, "--check")
     assert done.returncode == 0, "--check lists, it does not fail (CI shows the list)"
     assert lines[0] in done.stdout
     assert done.stdout.splitlines()[-1] == ("render check: 1 of 2 rendered copies current, 1 to refresh: "
                                             "python tools/render.py --only 91")
-    assert run_render(root, "--check", "--strict").returncode == 1
+    assert main(capsys, root, "--check", "--strict").returncode == 1
 
 
 def test_check_lists_missing_unstamped_smoke_and_orphaned_copies(tmp_path):
@@ -153,14 +160,14 @@ def test_check_lists_missing_unstamped_smoke_and_orphaned_copies(tmp_path):
     assert "docs/index.md: out of date; refresh: python tools/render.py --site" in text
 
 
-def test_bad_flags_are_one_line_errors_before_any_work(tmp_path):
+def test_bad_flags_are_one_line_errors_before_any_work(tmp_path, capsys):
     root = make_tree(tmp_path, {"90_plot.py": PLOT})
-    done = run_render(root, "--only", "42")
+    done = main(capsys, root, "--only", "42")
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --only '42': no notebook numbered 42; choose from 90"
     assert not (root / "docs" / "notebooks").exists() and not (root / "docs" / "stamps.json").exists()
     (root / "docs" / "stamps.json").write_text("{not json")
-    done = run_render(root, "--check")
+    done = main(capsys, root, "--check")
     assert done.returncode == 2 and done.stderr.startswith("error: docs/stamps.json: not JSON")
 
 
