@@ -23,7 +23,6 @@ live kernel's JavaScript; GitHub and the static site show the text bar's last st
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import os
@@ -130,16 +129,14 @@ def kernel_env(root: Path, smoke: bool) -> dict[str, str]:
     return env
 
 
-def source_line(text: str, cell: nbformat.NotebookNode) -> int | None:
-    """The line of notebooks/NN_slug.py where a code cell's first non-blank line is (None if not found)."""
-    first = next((line for line in cell.source.splitlines() if line.strip()), None)
-    lines = text.splitlines()
-    return next((i for i, line in enumerate(lines, 1) if first is not None and line == first), None)
+def source_line(text: str, cells: int, index: int) -> int | None:
+    """The line of notebooks/NN_slug.py where cell `index` starts (after its `# %%`), if every cell has a marker."""
+    markers = [i for i, line in enumerate(text.splitlines(), 1) if re.match(r"# ?%%", line)]
+    return markers[index] + 1 if len(markers) == cells else None
 
 
 def clean(nb: nbformat.NotebookNode, stamp: dict[str, str]) -> nbformat.NotebookNode:
-    """The executed notebook with reproducible metadata: fixed ids, no jupytext header, its stamp."""
-    nb = copy.deepcopy(nb)
+    """The executed notebook (changed in place) with reproducible metadata: fixed ids, no jupytext header, its stamp."""
     widgets = nb.metadata.get("widgets")
     nb.metadata = nbformat.from_dict({**KERNEL, "minirl": stamp})
     if widgets:  # a notebook that shows a real widget keeps its state, or no viewer can draw it
@@ -186,7 +183,7 @@ def failure(path: Path, failed: NotebookFailed) -> str:
     where = ""
     if failed.index is not None:
         code = [i for i, c in enumerate(failed.nb.cells) if c.cell_type == "code"]
-        line = source_line(path.read_text(encoding="utf-8"), failed.nb.cells[failed.index])
+        line = source_line(path.read_text(encoding="utf-8"), len(failed.nb.cells), failed.index)
         where = f" cell {code.index(failed.index) + 1}/{len(code)}" + (f" (line {line})" if line else "")
     error = failed.error
     if isinstance(error, CellExecutionError):
