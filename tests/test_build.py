@@ -403,7 +403,7 @@ def test_ipynb_clean_and_deterministic(two_notebooks):
     first = (two_notebooks / "notebooks" / "00_tasks.ipynb").read_bytes()
     nb = nbformat.reads(first.decode(), as_version=4)
     nbformat.validate(nb)
-    assert nb.metadata == build_tool.KERNEL
+    assert nb.metadata == {**build_tool.PAIRING, **build_tool.KERNEL}
     assert [c.id for c in nb.cells] == ["c000", "c001", "c002", "c003"]
     assert [c.cell_type for c in nb.cells] == ["markdown", "code", "code", "code"]
     for cell in nb.cells:
@@ -755,3 +755,103 @@ def test_another_minirl_puts_the_real_package_back(two_notebooks):
     import minirl.config as again
 
     assert again.SamplingConfig is before
+
+
+# ---------------------------------------------------------------- the .ipynb is paired with its .py by jupytext
+
+PAIRED = "ipynb,py:percent"
+
+
+@pytest.fixture
+def notebook_pair(tmp_path):
+    """A copy of a real notebook pair (notebook 03's .py, its .ipynb as the build writes it) and the folder's config."""
+    source = REPO / "notebooks" / "03_training_memory.py"
+    py, ipynb = tmp_path / source.name, tmp_path / (source.stem + ".ipynb")
+    py.write_bytes(source.read_bytes())
+    ipynb.write_text(build_tool.render_ipynb(source.read_text(encoding="utf-8")), encoding="utf-8")
+    (tmp_path / "jupytext.toml").write_bytes((REPO / "notebooks" / "jupytext.toml").read_bytes())
+    return py, ipynb
+
+
+def newer(path: Path, seconds: float = 10) -> None:
+    """Make `path` look edited `seconds` after the rest of its pair (jupytext reads the newer file's inputs)."""
+    import os
+    import time
+
+    os.utime(path, (time.time() + seconds, time.time() + seconds))
+
+
+def body_lines(text: str) -> list[str]:
+    """A .py without the lines jupytext stamps into its header on every save (its format and own version)."""
+    return [line for line in text.splitlines() if not line.startswith(("#       format_version:",
+                                                                       "#       jupytext_version:"))]
+
+
+def jupytext_sync(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jupytext", "--sync", str(path)], capture_output=True, text=True,
+                          cwd=path.parent)
+
+
+def test_ipynb_carries_jupytext_pairing(notebook_pair):
+    import nbformat
+
+    py, ipynb = notebook_pair
+    nb = nbformat.read(ipynb, as_version=4)
+    assert nb.metadata["jupytext"] == {"formats": PAIRED}
+    import jupytext
+
+    assert jupytext.read(py).metadata["jupytext"]["formats"] == PAIRED  # the .py's header says the same
+
+
+def test_sync_after_editing_the_ipynb_updates_the_py(notebook_pair):
+    """What Jupyter's save does, from a shell: an edit in the .ipynb reaches the .py, and nothing else changes."""
+    import nbformat
+
+    py, ipynb = notebook_pair
+    before = py.read_text(encoding="utf-8")
+    nb = nbformat.read(ipynb, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    cell.source += '\nprint("edited in Jupyter")'
+    nbformat.write(nb, ipynb)
+    newer(ipynb)
+    done = jupytext_sync(ipynb)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = py.read_text(encoding="utf-8")
+    assert 'print("edited in Jupyter")' in after
+    added = [line for line in body_lines(after) if line not in body_lines(before)]
+    assert added == ['print("edited in Jupyter")']
+
+
+def test_sync_of_an_unedited_ipynb_leaves_the_py_cells_as_they_were(notebook_pair):
+    """The pair round-trips: blank lines between cells survive (the build keeps jupytext's lines_to_next_cell)."""
+    py, ipynb = notebook_pair
+    before = py.read_text(encoding="utf-8")
+    newer(ipynb)
+    done = jupytext_sync(ipynb)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert body_lines(py.read_text(encoding="utf-8")) == body_lines(before)
+
+
+def test_jupyter_opens_the_pair_and_saving_the_ipynb_writes_the_py(notebook_pair):
+    """Jupyter's jupytext contents manager: a freshly built .ipynb (newer than its .py) opens, saving writes the .py."""
+    from jupytext import TextFileContentsManager
+
+    py, ipynb = notebook_pair
+    newer(ipynb)  # as after `python tools/build.py`: jupytext refuses a newer .ipynb whose inputs differ from the .py
+    manager = TextFileContentsManager(root_dir=str(py.parent))
+    model = manager.get(ipynb.name)
+    cells = model["content"]["cells"]
+    index = next(i for i, c in enumerate(cells) if c["cell_type"] == "code")
+    cells[index]["source"] += '\nprint("saved from Jupyter")'
+    manager.save(model, ipynb.name)
+    assert 'print("saved from Jupyter")' in py.read_text(encoding="utf-8")
+    assert manager.get(py.name)["type"] == "notebook"  # the .py opens as a notebook too
+
+
+def test_repo_notebooks_paired():
+    import nbformat
+
+    config = (REPO / "notebooks" / "jupytext.toml").read_text(encoding="utf-8")
+    assert f'formats = "{PAIRED}"' in config
+    for ipynb in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        assert nbformat.read(ipynb, as_version=4).metadata.get("jupytext") == {"formats": PAIRED}, ipynb.name

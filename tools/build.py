@@ -4,7 +4,8 @@ The jupytext "percent" files notebooks/NN_slug.py are the single source of truth
 
     notebooks/NN_slug.py --+--> minirl/<module>.py       its export cells, gathered per module
                            +--> exercises/NN_slug.py     the same cells, solutions cut out
-                           +--> notebooks/NN_slug.ipynb  for Jupyter, without outputs
+                           +--> notebooks/NN_slug.ipynb  for Jupyter, without outputs, paired with
+                                                         the .py by jupytext (saving either updates both)
 
 An export cell is a code cell whose first non-blank line is `# | export minirl/tasks.py`.
 Notebooks are read in filename order and cells in notebook order, so a module may gather
@@ -68,6 +69,9 @@ KERNEL = {
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "language_info": {"name": "python"},
 }
+# jupytext's pairing, as it writes it in an .ipynb (the .py's header holds the same formats, and
+# notebooks/jupytext.toml pairs the folder): Jupyter saves the .py whenever it saves the .ipynb.
+PAIRING = {"jupytext": {"formats": "ipynb,py:percent"}}
 
 
 class BuildError(Exception):
@@ -543,13 +547,17 @@ def render_exercises(notebook: str, project: Project, solutions: bool = False) -
 
 
 def render_ipynb(text: str) -> str:
-    """The notebook as .ipynb: no outputs, fixed metadata and cell ids, so the bytes are reproducible."""
+    """The notebook as .ipynb paired with its .py: no outputs, fixed metadata and cell ids (reproducible bytes).
+
+    The cells keep jupytext's `lines_to_next_cell` (the blank lines after a cell in the .py, where
+    they differ from its default): with them the pair's inputs are identical, so jupytext opens
+    the pair whichever file is newer, and saving the .ipynb rewrites the .py's cells as they were.
+    """
     nb = jupytext.reads(text, fmt="py:percent")
-    nb.metadata = nbformat.from_dict(KERNEL)
+    nb.metadata = nbformat.from_dict({**PAIRING, **KERNEL})
     nb.nbformat, nb.nbformat_minor = 4, 5
     for i, cell in enumerate(nb.cells):
         cell.id = f"c{i:03d}"
-        cell.metadata.pop("lines_to_next_cell", None)  # jupytext's round-trip hint, noise here
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     return nbformat.writes(nb, version=4) + "\n"
