@@ -55,3 +55,14 @@ def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, ar
         return saved.replace(**{k: getattr(args, k) for k in typed & set(saved.flat())}), record
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+
+
+def stop_line(what: str, checkpoint, resume_command: str) -> str:
+    """The one line a training chapter prints when a run stops early (Ctrl-C, a dead rank, worker or producer).
+
+    what: what happened, naming who died ("interrupted", "rank 1 (pid 4242) died", "the rollout worker on
+    node 2 was killed by Ray's memory monitor"); checkpoint: the last intact checkpoint (a path) or None;
+    resume_command: the command that continues the run.
+    """
+    where = f"the last intact checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+    return f"{what}: {where}; continue with: {resume_command}"

@@ -297,3 +297,12 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str] | None = Non
         for action, default in saved:
             action.default = default
     return set(vars(namespace))
+
+
+def check_device(parser: argparse.ArgumentParser, device: str, dest: str = "device") -> None:
+    """A parser error (one line, exit status 2) when `device` cannot run on this machine; see `device_problem`."""
+    from minirl.utils.validate import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:
+        parser.error(f"argument {flag(dest)}: {device!r}: {problem}")

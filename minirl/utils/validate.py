@@ -46,3 +46,30 @@ def check_float(name: str, value, low: float | None = None, high: float | None =
         hi = "" if high is None else f"<= {high}"
         raise ConfigError(name, value, f"must be {' and '.join(x for x in (lo, hi) if x)}"
                           + (f" ({why})" if why else ""))
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run here ("cuda" on a machine without CUDA, "cuda:3" with 2 GPUs, a typo), or None.
+
+    Imports torch (a second or two): call it after parsing the arguments, before any model loads.
+    Every chapter script reports the answer as one line against its --device flag.
+    """
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device: use cpu, cuda, cuda:1, ..."
+    if parsed.type == "cpu":
+        return None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return "this machine has no CUDA device (torch.cuda.is_available() is False): run with --device cpu"
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return (f"this machine has {torch.cuda.device_count()} CUDA device(s): use cuda:0 .. "
+                    f"cuda:{torch.cuda.device_count() - 1}")
+        return None
+    if parsed.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return None if mps is not None and mps.is_available() else "MPS is not available here: run with --device cpu"
+    return f"device type {parsed.type!r} is not supported by minirl: use cpu or cuda"

@@ -1,0 +1,37 @@
+"""The chapter scripts' shared refusals: a device this machine lacks, and the one line a stopped run prints."""
+
+import argparse
+
+import pytest
+import torch
+
+from minirl.train.cli import stop_line
+from minirl.utils.cli import check_device
+from minirl.utils.validate import device_problem
+
+
+def test_device_problem_names_what_is_missing():
+    assert device_problem("cpu") is None
+    assert "not a device" in device_problem("gpu")
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in device_problem("cuda") and "--device cpu" in device_problem("cuda:0")
+    else:
+        assert device_problem("cuda") is None
+        assert f"cuda:{torch.cuda.device_count() - 1}" in device_problem(f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_check_device_is_one_parser_error(capsys):
+    parser = argparse.ArgumentParser(prog="chapter")
+    with pytest.raises(SystemExit) as stop:
+        check_device(parser, "cuda")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err[-1].startswith("chapter: error: argument --device: 'cuda': this machine")
+
+
+def test_stop_line_names_the_checkpoint_and_the_resume_command():
+    line = stop_line("interrupted", "runs/x/checkpoints/step-000004", "python chapters/01_single_process.py "
+                     "--out runs/x --resume")
+    assert line == ("interrupted: the last intact checkpoint is runs/x/checkpoints/step-000004; continue with: "
+                    "python chapters/01_single_process.py --out runs/x --resume")
+    assert "no checkpoint was written yet" in stop_line("rank 1 died", None, "...")
