@@ -648,10 +648,7 @@ Simplified on purpose: gloo's all_to_all_single on CPU (NCCL on GPUs); no capaci
 token dropping, no overlap of the exchange with compute (DeepEP's job), one MoE layer.
 """
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -660,7 +657,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -821,22 +818,19 @@ def worker_main(argv=None) -> None:
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
                            tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300) -> dict:
     """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
-    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails."""
+    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`)."""
     local_experts(experts, world_size, 0)
     if tokens < world_size or tokens % world_size:
         raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "expert.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.parallel.expert import worker_main; worker_main()",
-               "--hidden", str(hidden), "--experts", str(experts), "--top-k", str(top_k), "--tokens", str(tokens),
-               "--skew", str(skew), "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
+                 "--repeats", repeats, "--out", out]
+        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{job.stdout[-6000:]}")
         return json.loads(out.read_text())
 
 # %% [markdown]
@@ -1599,8 +1593,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -1609,7 +1601,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import torchrun
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
                                       Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
                                       simulate, split_layers)
@@ -1776,7 +1768,8 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
     Checks the settings first: every micro-batch count must fit the batch and the layers must
     split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
-    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails.
+    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
     """
     for schedule in schedules:
         num_stages = 2 * world_size if schedule == "dualpipev" else world_size
@@ -1786,20 +1779,15 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
             check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
             if schedule == "dualpipev" and m < num_stages:
                 raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pipeline.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c",
-               "from minirl.parallel.pipeline_run import worker_main; worker_main()",
-               "--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
-               "--layers", str(layers), "--hidden", str(hidden), "--batch", str(batch), "--seq", str(seq),
-               "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
+                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
+                 "--out", out]
+        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{job.stdout[-6000:]}")
         return json.loads(out.read_text())
 
 

@@ -15,7 +15,7 @@ from minirl.config import RLConfig, SamplingConfig
 from minirl.data import Experience
 from minirl.memory.measure import storage_bytes
 from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_share
+from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
 from minirl.parallel.roles import DistributedActor, pad_completions, rank_loss_weight, scale_gradient
 from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
@@ -83,11 +83,11 @@ def test_nccl_without_cuda_is_a_named_error():
     assert pick_backend("auto", "cpu") == "gloo"
 
 
-def test_rank_share_is_contiguous_and_refuses_uneven_batches():
+def test_rank_slice_is_contiguous_and_refuses_uneven_batches():
     rows = list(range(8))
-    assert [rank_share(rows, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_slice(rows, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ConfigError, match="prompts_per_step=6.*multiple of 4"):
-        rank_share(list(range(6)), 0, 4)
+        rank_slice(list(range(6)), 0, 4)
 
 
 def test_lora_targets_must_match_a_linear_layer(make_tiny_policy):

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import DistContext, ProcessGroup, rank_share
+from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
@@ -93,7 +93,7 @@ def spmd_step(state: SPMDState) -> dict:
     """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
     config, group = state.config, state.group
     rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
-    mine = rank_share(rows, group.rank, group.world_size)
+    mine = rank_slice(rows, group.rank, group.world_size)
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
     record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
