@@ -116,7 +116,7 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
     """Section 5: the simulator's sweep, timelines, and (unless --skip-torchrun) the measured pipeline."""
     import matplotlib.pyplot as plt
 
-    from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, plot_timeline, simulate_schedule
+    from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, plot_pipeline, simulate_schedule
 
     table = []
     for P, M in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
@@ -128,7 +128,7 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
                           **{f"{s}_share": sim[s].bubble_share for s in SCHEDULES}, **bubble_formulas(P, M, costs)})
     fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
     for ax, schedule in zip(axes, SCHEDULES):
-        plot_timeline(simulate_schedule(schedule, 4, 8, Costs(1.0, 2.0)), ax=ax, title=f"{schedule}, P = 4, M = 8")
+        plot_pipeline(simulate_schedule(schedule, 4, 8, Costs(1.0, 2.0)), ax=ax, title=f"{schedule}, P = 4, M = 8")
     fig.tight_layout()
     fig.savefig(out / "pipeline_timelines.png", dpi=120)
     plt.close(fig)

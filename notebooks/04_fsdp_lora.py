@@ -389,12 +389,12 @@ from dataclasses import dataclass
 
 import torch
 
-from minirl.config import RLConfig
+from minirl.config import RLConfig, RolloutConfig
+from minirl.sync.sharded import SYNC_MODES
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("hf", "vllm")
-SYNC_MODES = ("auto", "full", "merged", "adapter")
+ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -410,21 +410,32 @@ class ParallelConfig:
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
+    sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
+    sync_every: int = 1                # push the weights every K steps: batches up to K-1 updates stale
     colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
-               "backend": ("auto", "gloo", "nccl")}
+    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+               "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
         for name, allowed in self.choices.items():
             check_choice(name, getattr(self, name), allowed)
         check_int("lora_rank", self.lora_rank, low=0, why="0 is full fine-tuning")
         check_float("lora_alpha", self.lora_alpha, low=0.0, why="0: twice the rank")
+        check_float("sync_bucket_mb", self.sync_bucket_mb, low=0.0, why="0: one decoder layer per all-gather")
+        check_int("sync_every", self.sync_every, low=1, why="1: push after every update; K: after every K-th, "
+                                                          "the rollout up to K-1 updates behind")
+        if self.sync_every > 1 and self.colocate:
+            raise ConfigError("sync_every", self.sync_every, "a colocated engine discards its weights after every "
+                                                             "generate, so every step must refill them: pass "
+                                                             "--no-colocate (the engine keeps its copy), or "
+                                                             "--sync-every 1")
         if self.lora_rank and not self.targets:
             raise ConfigError("lora_target_modules", self.lora_target_modules, "name at least one linear layer")
         mode = self.resolved_sync_mode
@@ -473,12 +484,16 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
     if pconfig.rollout == "vllm":
+        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
+            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
+                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
+                              "drop --rollout-engine, or use --rollout minirl")
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout hf")
+                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
         if not (cuda and torch.cuda.is_available()):
             raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout hf")
+                                                 "machine, or use --rollout minirl")
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
@@ -1021,6 +1036,8 @@ tensors under its own names. `ShardedSync.push` walks the trainer's state one de
 at a time: gathers that layer's full tensors (an all-gather every rank joins, in the same
 order), turns them into what the engine loads, and streams them into the engine before it
 gathers the next layer, so the gathered copy stays about one layer (`peak_bytes`, measured).
+A layer's shards travel packed: one flat buffer per rank and one all-gather per layer
+(`gather_packed`), instead of one all-gather per tensor (`gather_by_layer`, kept to compare).
 Three modes:
   full:    every tensor, under the engine's (Hugging Face) names;
   merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
@@ -1028,8 +1045,8 @@ Three modes:
 It ends with the version check every sync makes (`check_pushed`) and, on request, the
 stale-parameter check of notebook 02, within the engine dtype's rounding.
 
-Simplified vs TRL / veRL: one all-gather per tensor (no bucketing into flat buffers, no
-CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
+Simplified vs TRL / veRL: buckets are decoder layers (no byte-sized buckets spanning layers,
+no CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
 """
 
 import re
@@ -1125,6 +1142,135 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 
 
 # %% [markdown]
+# ### Packed transfers: one collective per layer
+#
+# `gather_by_layer` gathers tensor by tensor: `full_tensor()` is one all-gather per tensor,
+# 51 of them for the embedded policy (a decoder layer has 12 tensors, biases and norms
+# included), each paying the collective's fixed cost (a round trip between the ranks, plus
+# DTensor's own bookkeeping) however few bytes it carries. On CPUs with gloo, for a model of
+# a few MiB, that fixed cost *is* the sync. The remedy the source names, packing, is what
+# FSDP2 itself does for its forward pass (`unshard()`: one all-gather per unit): each rank
+# copies its shards of one layer, flat, into one buffer, the buffers are all-gathered in a
+# single collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0
+# as `torch.chunk` does, so every rank knows every rank's share of every tensor from the
+# global shape alone and nothing but the data has to travel. The price is memory: the
+# gathered buffer (about one layer) is alive while the layer's whole tensors are cut out of
+# it, so the peak is about two layers instead of one (measured in section 7).
+
+# %%
+# | export minirl/sync/sharded.py
+import functools
+import math
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_numels(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """Elements of every rank's local shard of a tensor of `shape` sharded on dim 0 over `world` ranks.
+
+    FSDP2 and DTensor split dim 0 as `torch.chunk` does: ceil(n / W) rows per rank, the last
+    ranks fewer or none. Computed from the global shape alone, so every rank knows every
+    rank's share without asking (and once per shape: the answer is cached).
+    """
+    rows = [len(chunk) for chunk in torch.empty(shape[0], device="meta").chunk(world)]
+    rows += [0] * (world - len(rows))
+    per_row = math.prod(shape[1:])
+    return tuple(r * per_row for r in rows)
+
+
+def packable(tensor: Tensor) -> bool:
+    """A DTensor sharded on dim 0 over a one-dimensional mesh: what FSDP2 holds, and what packing handles."""
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() > 0
+            and tuple(tensor.placements) == (Shard(0),))
+
+
+def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str, Tensor]]:
+    """One layer's tensors, whole, with one all-gather per dtype instead of one per tensor.
+
+    layer: (name, tensor) pairs, one decoder layer's (as `gather_by_layer` groups them); a
+    tensor is a DTensor shard on dim 0 (FSDP2's), another DTensor, or a plain tensor.
+    Returns (name, whole tensor) in the same order, names unchanged: bit for bit what
+    `full_tensor` gives. Every rank copies its local shards of the layer's dim-0 DTensors,
+    flat, into one buffer padded to the largest rank's size, all-gathers the buffers in one
+    collective (every rank must call it, for the same layer), and cuts each whole tensor out:
+    rank r's rows of a tensor sit in row r of the result, at that tensor's offset on rank r.
+    Other DTensors are gathered one by one (`full_tensor`); plain tensors pass through,
+    detached. `meter` (a LiveBytes) counts the gathered buffer, freed once the layer is cut out.
+    """
+    out = [(name, full_tensor(t)) if not packable(t) else None for name, t in layer]
+    by_dtype = {}
+    for i, (name, t) in enumerate(layer):
+        if packable(t):
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, items in by_dtype.items():
+        mesh = layer[items[0]][1].device_mesh
+        rank, world = mesh.get_local_rank(), mesh.size()
+        numels = [shard_numels(tuple(layer[i][1].shape), world) for i in items]   # [tensors][ranks]
+        width = max(sum(n[r] for n in numels) for r in range(world))
+        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        pad = torch.zeros(width - sum(n[rank] for n in numels), dtype=dtype, device=device)
+        mine = torch.cat([layer[i][1].to_local().reshape(-1).to(device) for i in items] + [pad])   # [width]
+        rows = torch.empty(world * width, dtype=dtype, device=device)
+        dist.all_gather_single(rows, mine, group=mesh.get_group())
+        rows = rows.view(world, width)                                           # [W, width]
+        if meter is not None:
+            meter.track(rows)
+        offsets = [0] * world
+        for i, n in zip(items, numels):
+            parts = [rows[r, offsets[r]:offsets[r] + n[r]] for r in range(world)]
+            out[i] = (layer[i][0], torch.cat(parts).view(layer[i][1].shape))
+            offsets = [o + k for o, k in zip(offsets, n)]
+        del rows, mine
+    return out
+
+
+def split_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+    """`gather_by_layer`'s lists, ungathered: consecutive names with the same `layer_key` form one list."""
+    layer, key = [], None
+    for name, tensor in named_weights:
+        if layer and layer_key(name) != key:
+            yield layer
+            layer = []
+        key = layer_key(name)
+        layer.append((name, tensor))
+    if layer:
+        yield layer
+
+
+def layer_buckets(named_weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """The trainer's (name, tensor) pairs, ungathered, in buckets of whole layers of at most `bucket_bytes`.
+
+    Consecutive layers (`split_by_layer`) share a bucket while its whole tensors (global
+    sizes: a DTensor's numel is the whole tensor's) stay within `bucket_bytes`. A layer is
+    never split: one larger than the cap, or any layer when bucket_bytes is 0, is a bucket alone.
+    """
+    bucket, size = [], 0
+    for layer in split_by_layer(named_weights):
+        nbytes = sum(t.numel() * t.element_size() for _, t in layer)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket, size = bucket + layer, size + nbytes
+    if bucket:
+        yield bucket
+
+
+def gather_buckets(named_weights: Iterable[tuple[str, Tensor]], bucket_bytes: int = 0,
+                   meter=None) -> Iterator[list[tuple[str, Tensor]]]:
+    """`gather_by_layer`, packed: lists of whole tensors, one all-gather per bucket of layers (`gather_packed`).
+
+    bucket_bytes=0 gathers one layer per collective (the extra memory stays about two
+    layers); a larger cap puts several layers in one collective (fewer round trips, more
+    memory: the buffer and the whole tensors of a bucket). Each list holds whole layers, so
+    a LoRA layer's W, A and B always arrive together (what `engine_tensors` needs to merge).
+    """
+    for bucket in layer_buckets(named_weights, bucket_bytes):
+        yield gather_packed(bucket, meter)
+
+
+# %% [markdown]
 # The sync itself: stream the engine's tensors into `load_weights` one layer at a time, count
 # the gathered bytes alive at once (each tensor counted from its creation until it is freed),
 # check the version, and on request compare every tensor with notebook 02's stale-parameter
@@ -1170,17 +1316,21 @@ class ShardedSync:
     """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
 
     mode: "full", "merged" or "adapter" (module docstring); lora_scaling: alpha / r for
-    "merged". verify=True compares every tensor the engine holds with a second gathering of
-    the trainer's, within the engine dtype's rounding (notebook 02's check; twice the traffic).
-    The last report is kept in `last_report`.
+    "merged". packed=True gathers whole layers in one all-gather per bucket of at most
+    `bucket_bytes` (`gather_buckets`; 0: one layer per all-gather), packed=False one per
+    tensor (`gather_by_layer`). verify=True compares every tensor the engine holds with a
+    second gathering of the trainer's, within the engine dtype's rounding (notebook 02's
+    check; twice the traffic). The last report is kept in `last_report`.
     """
 
-    def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False):
+    def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
+                 packed: bool = True, bucket_bytes: int = 0):
         if mode not in SYNC_MODES:
             raise ValueError(f"sync mode {mode!r}: use one of {SYNC_MODES}")
         if mode == "merged" and lora_scaling is None:
             raise ValueError("sync mode 'merged' needs lora_scaling (alpha / r)")
         self.mode, self.lora_scaling, self.verify = mode, lora_scaling, verify
+        self.packed, self.bucket_bytes = packed, bucket_bytes
         self.last_report = None
 
     def _source(self, named_weights) -> list[tuple[str, Tensor]]:
@@ -1197,7 +1347,8 @@ class ShardedSync:
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
         """(engine name, whole tensor) pairs, one layer gathered at a time; new tensors are tracked by `meter`."""
         own = {full_tensor_storage(t) for _, t in named}
-        for layer in gather_by_layer(named):
+        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+        for layer in layers:
             for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
                 if meter is not None and tensor.untyped_storage().data_ptr() not in own:
                     meter.track(tensor)                    # gathered or merged here, not the trainer's own
@@ -1629,10 +1780,10 @@ def import_vllm():
         import vllm
     except ImportError as err:
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout hf") from None
+                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
     if not torch.cuda.is_available():
         raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout hf")
+                                             "--rollout minirl")
     return vllm
 
 
@@ -1758,7 +1909,7 @@ import importlib.util  # noqa: E402
 have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
 print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
       + ("--rollout vllm can run here" if have_vllm and have_cuda else
-         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout hf"))
+         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout minirl"))
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
@@ -1791,10 +1942,13 @@ print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
 copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
 trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
 engine fails before any step. `spmd_step` draws the global batch from the generator every
-rank shares, keeps this rank's share and calls `rl_step` with the process group. `run` and
-the callbacks of notebook 01 drive it unchanged. `evaluate_engine` measures held-out
-accuracy on the engine's copy (the trainer's latest weights, whole), and `export_policy`
-gathers the (LoRA-merged) policy into a Hugging Face directory.
+rank shares, keeps this rank's share and calls `rl_step` with the process group; with
+`sync_every` K > 1 only every K-th step pushes its update (`sync_due`; the other steps hand
+`rl_step` a `KeepWeights`, and the engine generates with weights up to K-1 updates old,
+recorded per step as `staleness`). `run` and the callbacks of notebook 01 drive it
+unchanged. `evaluate_engine` measures held-out accuracy on the engine's copy (the
+trainer's latest weights, whole), and `export_policy` gathers the (LoRA-merged) policy
+into a Hugging Face directory.
 
 Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
 rollout), GRPO only, one model family's decoder layers per FSDP unit.
@@ -1819,9 +1973,10 @@ from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
 from minirl.rollout.vllm import VLLMEngine
-from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_by_layer
+from minirl.sync.base import SyncReport
+from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.arithmetic import format_prompt
-from minirl.train.run import ENGINES, RunState
+from minirl.train.run import RunState, engine_class
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -1833,15 +1988,16 @@ class SPMDState(RunState):
     ctx: DistContext | None = None
     group: ProcessGroup | None = None
     sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
+    lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
-def build_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
+def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
     """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
     adapter = pconfig.resolved_sync_mode == "adapter"
     if pconfig.rollout == "vllm":
         return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
                           colocate=pconfig.colocate, seed=config.run.seed)
-    inner = ENGINES[config.rollout.rollout_engine](model, tokenizer, config.rollout.rollout_dtype, device=device)
+    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.rollout.rollout_dtype, device=device)
     if pconfig.seed_per_prompt:
         inner = SeedPerPrompt(inner)
     return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
@@ -1853,23 +2009,52 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
-    engine = None if mode == "adapter" else build_engine(config, pconfig, model, tokenizer, ctx.device)
+    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.lora_rank:
         model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
     if engine is None:                                    # adapter-only: the engine holds base + adapter
-        engine = build_engine(config, pconfig, model, tokenizer, ctx.device)
+        engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
     wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
-    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
+    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync,
+                       packed=pconfig.packed_sync, bucket_bytes=int(pconfig.sync_bucket_mb * 2**20))
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
     return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
                      reward_funcs, pconfig=pconfig, ctx=ctx, group=group,
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
+
+
+class KeepWeights:
+    """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
+
+    push() moves nothing and reports the engine's own version, so `rl_step` keeps expecting
+    the version the engine really holds: the next batch is generated, version-checked and
+    logged (`generated_version`, the rollout's log-probs that an importance-sampling
+    correction divides by) as the older policy it is. A version counts pushes, not updates.
+    """
+
+    def push(self, named_weights, engine, version: int) -> SyncReport:
+        return SyncReport(engine.version, 0, 0, 0.0)
+
+
+def sync_due(step: int, pconfig: ParallelConfig, config: RLConfig) -> bool:
+    """Whether step `step` (1, 2, ...) pushes its update to the engine.
+
+    Every `sync_every`-th step, and always the steps that evaluate, checkpoint or end the
+    run: an evaluation measures the engine's copy (it must be the trainer's latest), and a
+    resume refills the engine from the restored trainer (the engine must have held those
+    weights when the checkpoint was taken, or the resumed run would differ). Between two
+    pushes the engine generates with weights up to sync_every - 1 updates old.
+    """
+    run = config.run
+    return (step % pconfig.sync_every == 0 or step == run.steps
+            or bool(run.eval_every and step % run.eval_every == 0)
+            or bool(run.checkpoint_every and step % run.checkpoint_every == 0))
 
 
 def spmd_step(state: SPMDState) -> dict:
@@ -1878,9 +2063,13 @@ def spmd_step(state: SPMDState) -> dict:
     rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
     mine = rank_slice(rows, group.rank, group.world_size)
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
-    record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
+    staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
+    sync = state.sync if due else KeepWeights()
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group)
+    state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
-    record |= {"sync/peak_bytes": report.peak_bytes, "sync/tensors": report.tensors,
+    record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
+               "sync/pushed": int(due), "staleness": staleness,
                "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
     local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
     everyone = group.gather_objects(local)
@@ -1892,27 +2081,36 @@ def spmd_step(state: SPMDState) -> dict:
     return record
 
 
-def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 3) -> list[dict]:
-    """Seconds, bytes and share of the step of one sync in each mode this run can ship (every rank calls it).
+def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[dict]:
+    """Seconds, bytes and share of the step of one sync in each mode and transfer this run can ship.
 
-    Each mode pushes the trainer's current weights into a `SinkEngine` once to allocate, then
-    `repeats` times, timed (median). "full" ships every tensor unmerged (for a LoRA run: the
-    base weights, as full fine-tuning ships them); "merged" and "adapter" need LoRA. share =
-    seconds / this rank's mean step time.
+    Every rank calls it (the pushes are collectives). Each mode ("full"; with LoRA also
+    "merged" and "adapter") is pushed into a `SinkEngine` three ways: one all-gather per
+    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb`;
+    once to allocate, then `repeats` times in turn (the machine's load hits every row alike),
+    timed (median). "full" ships every tensor unmerged (for a LoRA run: the base weights, as
+    full fine-tuning ships them). share = seconds / this run's median step (rank 0's clock).
     """
     steps = [m["time/step"] for m in metrics if "time/step" in m]
-    step_time = sum(steps) / len(steps) if steps else float("nan")
+    step_time = statistics.median(steps) if steps else float("nan")
     scaling = state.sync.lora_scaling
     modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
+    bucket = state.sync.bucket_bytes
+    transfers = {"per tensor": (False, 0), "per layer": (True, 0), f"{bucket / 2**20:g} MiB buckets": (True, bucket)}
     named = list(state.roles.actor.named_weights())
-    rows = []
-    for mode in modes:
-        sync, sink = ShardedSync(mode, scaling), SinkEngine()
+    syncs = {(mode, name): (ShardedSync(mode, scaling, packed=packed, bucket_bytes=cap), SinkEngine())
+             for mode in modes for name, (packed, cap) in transfers.items()}
+    reports = {key: [] for key in syncs}
+    for sync, sink in syncs.values():
         sync.push(named, sink, 0)
-        reports = [sync.push(named, sink, 0) for _ in range(repeats)]
-        seconds = statistics.median(r.seconds for r in reports)
-        rows.append({"mode": mode, "seconds": seconds, "bytes": reports[-1].bytes, "tensors": reports[-1].tensors,
-                     "peak_bytes": reports[-1].peak_bytes, "share": seconds / step_time})
+    for _ in range(repeats):
+        for key, (sync, sink) in syncs.items():
+            reports[key].append(sync.push(named, sink, 0))
+    rows = []
+    for (mode, transfer), got in reports.items():
+        seconds = statistics.median(r.seconds for r in got)
+        rows.append({"mode": mode, "transfer": transfer, "seconds": seconds, "bytes": got[-1].bytes,
+                     "tensors": got[-1].tensors, "peak_bytes": got[-1].peak_bytes, "share": seconds / step_time})
     return rows
 
 
@@ -1942,7 +2140,7 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
     """
     mode = "merged" if lora_scaling is not None else "full"
     state = {}
-    for layer in gather_by_layer(list(actor.named_weights())):
+    for layer in gather_buckets(list(actor.named_weights())):       # one layer at a time
         for name, tensor in engine_tensors(layer, mode, lora_scaling):
             if ctx.is_main:
                 state[name] = tensor.detach().to("cpu", copy=True)
@@ -1987,6 +2185,7 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
 generator, the settings, the world size). Written to a temporary directory that rank 0
 renames into place once every rank is done. `latest_sharded` finds the newest intact one;
 `load_sharded` restores it into a freshly built state and pushes the weights to the engine.
+`ShardedCheckpoints` hands both to notebook 01's `run_in_dir`.
 
 Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
 """
@@ -2003,6 +2202,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from minirl.train.run import Callback
+from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
 PREFIX, TMP = "step-", ".tmp-step-"
@@ -2122,6 +2322,27 @@ class ShardedCheckpointer(Callback):
     def on_end(self, state):
         if not state.interrupted and self.saved_step != state.step:
             save_sharded(self.root, state, self.keep)
+
+
+class ShardedCheckpoints:
+    """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
+
+    `callback()` is a ShardedCheckpointer under `out_dir/checkpoints`; `restore(state)` loads
+    the newest intact one on every rank (RunDirError, on every rank alike, if there is none).
+    """
+
+    def __init__(self, out_dir, config):
+        self.root, self.config = Path(out_dir) / "checkpoints", config
+
+    def callback(self) -> ShardedCheckpointer:
+        return ShardedCheckpointer(self.root, self.config.run.checkpoint_every, self.config.run.keep_checkpoints)
+
+    def restore(self, state) -> None:
+        found = latest_sharded(self.root, dist.get_world_size())
+        if found is None:
+            raise RunDirError(f"--resume: {self.root.parent} holds no intact checkpoint (the run stopped before its "
+                              "first one); start it again with --overwrite")
+        load_sharded(found, state)
 
 # %% [markdown]
 # ### Memory, per rank, as notebook 03 counts it

@@ -33,8 +33,8 @@ from torch import nn
 
 from minirl.parallel.launch import torchrun
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
-                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
-                                      simulate, split_layers)
+                                      Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
+                                      schedule_orders, simulate, split_layers)
 
 
 class Block(nn.Module):
@@ -221,18 +221,18 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
         return json.loads(out.read_text())
 
 
-def measured_timelines(run: dict) -> list[Timeline]:
-    """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
+def measured_timelines(run: dict) -> list[PipelineTimeline]:
+    """One PipelineTimeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
         events = [Event(r["rank"], Op(kind, m, stage), start, end) for r in run["per_rank"]
                   for kind, m, stage, start, end in r["steps"][i]["events"]]
-        timelines.append(Timeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
+        timelines.append(PipelineTimeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
     return timelines
 
 
-def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
+def measured_costs(timelines: list[PipelineTimeline]) -> dict[int, Costs]:
     """Median measured time per stage of F, B (or I + W), and the message latency -> Costs per stage."""
     by = {}
     for t in timelines:
@@ -249,7 +249,7 @@ def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
     return costs
 
 
-def message_waits(timeline: Timeline) -> list[float]:
+def message_waits(timeline: PipelineTimeline) -> list[float]:
     """Gaps between an op's input being computed on one rank and the op starting on another, counted
     only where the receiving rank sat idle in between: the cost of one send, as the job saw it."""
     finished = {}
