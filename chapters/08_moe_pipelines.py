@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -213,7 +215,8 @@ def plot_load(detail: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
+    """0 when summary.json and the plots are written; 1 with a one-line error when a torchrun job fails."""
     parser = common_parser(__doc__.splitlines()[0])
     parser.set_defaults(out=Path("runs") / "08")
     parser.add_argument("--rl-steps", type=int, default=60, help="steps of each RL run (0: skip the runs)")
@@ -263,14 +266,18 @@ def main(argv=None) -> dict:
     else:
         summary["expert_load_max_over_mean"] = {"before": None, "after": {}, "skipped": "--rl-steps 0"}
     summary["gspo"] = gspo(args, moe, tokenizer, task)
-    summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
+    try:
+        summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:      # a measurement job: its output is in the message
+        print(f"{err}\nerror: a torchrun job failed: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
     summary.update(measured)
     summary["packing_utilization"], summary["packing"] = packing(args, tokenizer, task, args.out)
     summary["seconds"] = time.perf_counter() - started
     path = write_summary(args.out, summary)
     print("wrote", path)
-    return summary
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

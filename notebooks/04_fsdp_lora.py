@@ -26,9 +26,11 @@
 # engine needs whole weights after every update. How do they get there, what does it cost,
 # and when does the synchronization itself become the bottleneck?* Its symptom table flags
 # weight synchronization above **5 %** of the step and proposes syncing only the LoRA
-# adapters; its memory table pairs ZeRO-3 with LoRA for a 70 B model. We measure both here,
-# small: per-rank memory at each ZeRO level against notebook 03's calculator, and the sync's
-# seconds, bytes and share of the step for full fine-tuning, LoRA merged, and adapter only.
+# adapters, packing the transfers or syncing less often; its memory table pairs ZeRO-3 with
+# LoRA for a 70 B model. We measure both here, small: per-rank memory at each ZeRO level
+# against notebook 03's calculator, and the sync's seconds, bytes and share of the step for
+# full fine-tuning, LoRA merged and adapter only, one collective per tensor or packed, every
+# step or every K-th.
 
 # %%
 import json
@@ -1036,8 +1038,9 @@ tensors under its own names. `ShardedSync.push` walks the trainer's state one de
 at a time: gathers that layer's full tensors (an all-gather every rank joins, in the same
 order), turns them into what the engine loads, and streams them into the engine before it
 gathers the next layer, so the gathered copy stays about one layer (`peak_bytes`, measured).
-A layer's shards travel packed: one flat buffer per rank and one all-gather per layer
-(`gather_packed`), instead of one all-gather per tensor (`gather_by_layer`, kept to compare).
+Packed (the default), whole layers travel together: one flat buffer per rank and one
+all-gather per bucket of layers (`gather_buckets`, `gather_packed`), instead of one per
+tensor (`gather_by_layer`); the gathered copy is then about two buckets.
 Three modes:
   full:    every tensor, under the engine's (Hugging Face) names;
   merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
@@ -1142,20 +1145,28 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 
 
 # %% [markdown]
-# ### Packed transfers: one collective per layer
+# ### Packed transfers: one collective per bucket, not per tensor
 #
 # `gather_by_layer` gathers tensor by tensor: `full_tensor()` is one all-gather per tensor,
 # 51 of them for the embedded policy (a decoder layer has 12 tensors, biases and norms
-# included), each paying the collective's fixed cost (a round trip between the ranks, plus
-# DTensor's own bookkeeping) however few bytes it carries. On CPUs with gloo, for a model of
-# a few MiB, that fixed cost *is* the sync. The remedy the source names, packing, is what
-# FSDP2 itself does for its forward pass (`unshard()`: one all-gather per unit): each rank
-# copies its shards of one layer, flat, into one buffer, the buffers are all-gathered in a
-# single collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0
-# as `torch.chunk` does, so every rank knows every rank's share of every tensor from the
-# global shape alone and nothing but the data has to travel. The price is memory: the
-# gathered buffer (about one layer) is alive while the layer's whole tensors are cut out of
-# it, so the peak is about two layers instead of one (measured in section 7).
+# included), each paying the collective's fixed cost (a round trip between the ranks, and
+# DTensor's bookkeeping around it) however few bytes it carries. On CPUs with gloo, for a
+# model of a few MiB, that fixed cost *is* the sync; profiled on two ranks, the gather is
+# nearly all of a push (the engine's copy of 3.8 MiB takes under a millisecond, the version
+# check and the names nothing). The remedy the source names, packing, is what FSDP2 itself
+# does for its forward pass (`unshard()`: one all-gather per unit): each rank copies its
+# shards of a layer, flat, into one buffer, the buffers are all-gathered in a single
+# collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0 as
+# `torch.chunk` does, so every rank knows every rank's share of every tensor from the
+# global shape alone, and only the data travels.
+#
+# How much goes into one collective is the bucket size, and it trades round trips for
+# memory: the gathered buffer is alive while its whole tensors are cut out of it, so one
+# layer per bucket costs about two layers of extra memory (instead of one), and a bucket of
+# B bytes about 2 B. slime ships weights to SGLang in buckets of 256 MiB and veRL in 512 MiB;
+# minirl's default is 256 MiB of whole layers (a layer is never split). For a 0.5 B model
+# in FP32 that is a few layers per collective; for the embedded policy (3.8 MiB) it is the
+# whole model in one, which is exactly the trade a latency-bound link wants.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -1271,10 +1282,10 @@ def gather_buckets(named_weights: Iterable[tuple[str, Tensor]], bucket_bytes: in
 
 
 # %% [markdown]
-# The sync itself: stream the engine's tensors into `load_weights` one layer at a time, count
-# the gathered bytes alive at once (each tensor counted from its creation until it is freed),
-# check the version, and on request compare every tensor with notebook 02's stale-parameter
-# check.
+# The sync itself: stream the engine's tensors into `load_weights` one layer (or one bucket)
+# at a time, count the gathered bytes alive at once (each tensor counted from its creation
+# until it is freed), check the version, and on request compare every tensor with notebook
+# 02's stale-parameter check.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -1345,7 +1356,7 @@ class ShardedSync:
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer gathered at a time; new tensors are tracked by `meter`."""
+        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
         own = {full_tensor_storage(t) for _, t in named}
         layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
         for layer in layers:
@@ -1649,10 +1660,11 @@ class SeedPerPrompt:
 
 # %% [markdown]
 # Now the three modes end to end, in this one-process group: an FSDP2-wrapped actor, its
-# engine, a push in each mode, each checked against the trainer by the stale-parameter check
-# (`verify=True`). The bytes are what travels; the seconds are this machine's. In a group of
-# one nothing is really gathered (the "shard" is the whole tensor), so the gathered peak is
-# measured in the torchrun job of section 7.
+# engine, a push in each mode, one all-gather per tensor and packed, each checked against
+# the trainer by the stale-parameter check (`verify=True`). The bytes are what travels; the
+# seconds are this machine's. In a group of one nothing really travels (the "shard" is the
+# whole tensor), so the collectives' cost, the gathered peak and the share of a step are
+# measured in the torchrun jobs of section 7.
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
@@ -1673,15 +1685,19 @@ for mode in ("full", "merged", "adapter"):
         engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer))
         policy = apply_lora(policy, 8) if mode == "merged" else policy
     actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
-    sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True)
-    reports = [sync.push(actor.named_weights(), engine, version) for version in range(1, 6)]
-    seconds = sorted(r.seconds for r in reports)[2]
-    rows.append((mode, reports[-1].tensors, f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
-show(rows, ("mode", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
+    for packed in (False, True):
+        sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True, packed=packed,
+                           bucket_bytes=256 * MiB)
+        reports = [sync.push(actor.named_weights(), engine, engine.version + 1) for _ in range(5)]
+        seconds = sorted(r.seconds for r in reports)[2]
+        rows.append((mode, "packed" if packed else "per tensor", reports[-1].tensors,
+                     f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
+show(rows, ("mode", "transfer", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
 layer_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
 whole_bytes = storage_bytes(model.state_dict().values())
-full_bytes, adapter_bytes = float(rows[0][2]), float(rows[2][2])
-print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
+full_bytes, adapter_bytes = float(rows[0][3]), float(rows[4][3])
+print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync; every push above was "
+      "verified tensor by tensor, packed or not")
 
 # %% [markdown]
 # And colocation, measured with notebook 03's byte counting (`storage_bytes`): the engine's
@@ -2462,18 +2478,23 @@ class MemoryTracker(Callback):
 #
 # The chapter script is the whole job: every rank parses the flags (and refuses bad ones),
 # joins the group, loads the policy, sets up its roles, engine and sync (all ranks agreeing),
-# and runs `spmd_step` with notebook 01's `run` and callbacks; rank 0 evaluates held-out
-# accuracy on its engine, logs, and writes the summary; every rank takes part in the sharded
-# checkpoints. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
+# and runs `spmd_step` through notebook 01's `run_in_dir`, the function under stage 1's
+# `train` and stage 6's Driver (the run directory, resume, evaluation, log, checkpoints):
+# rank 0 opens the directory, evaluates held-out accuracy on its engine, logs, and writes
+# the summary (`main=False` on the others); every rank takes part in the sharded
+# checkpoints (`ShardedCheckpoints`, with the two methods of stage 1's `LocalCheckpoints`),
+# and `agree` makes a failure while opening or restoring stop every rank. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
 # In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
-# sync, and one and two ranks on the same batch.
+# sync, the sync before packing (one all-gather per tensor), syncing every 4th step, and
+# one and two ranks on the same batch.
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
+SYNC_EVERY = 4      # the run that synchronizes less often: every 4th update
 
 
 def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
@@ -2501,7 +2522,11 @@ else:
     runs["lora"] = run_chapter("04_lora", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
                                "--steps", "150", "--eval-every", "25")
     runs["adapter"] = run_chapter("04_adapter", "--zero", "3", "--lora-rank", "8", "--sync-mode", "adapter",
-                                  "--learning-rate", LORA_LR, "--steps", "10", "--eval-every", "0")
+                                  "--learning-rate", LORA_LR, "--steps", "30", "--eval-every", "0")
+    runs["per_tensor"] = run_chapter("04_per_tensor", "--zero", "3", "--no-packed-sync", "--steps", "30",
+                                     "--eval-every", "0")                      # the sync before packing
+    runs["sync_every"] = run_chapter("04_sync_every", "--zero", "3", "--sync-every", str(SYNC_EVERY),
+                                     "--no-colocate", "--steps", "40", "--eval-every", "0")
 print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
 
 # %% [markdown]
@@ -2605,48 +2630,116 @@ if not SMOKE:
 # %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
-# The source's symptom table flags weight synchronization above 5 % of the step and advises
-# syncing only the LoRA adapters, packing the transfers, or syncing less often. Each run
-# times one sync per step; at the end the chapter also times a push in every mode it can
-# ship (into a buffer, so that only the sync is measured) and divides by the run's mean step.
+# The source's symptom table flags weight synchronization above 5 % of the step and names
+# three remedies: pack the transfers, synchronize only the LoRA adapters, synchronize less
+# often. Each run times its sync at every step; at the end the chapter also pushes the
+# trainer's weights in every mode it can ship, one all-gather per tensor (the sync before
+# packing), one per layer, and in 256 MiB buckets, into a buffer (so only the sync is
+# timed, interleaved so the machine's load hits every row alike), and divides by the run's
+# median step. First that table, from the LoRA run:
 
 # %%
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+
+print("machine load (uptime):", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 summary = runs["lora"][0]
-rows = [(r["mode"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}", f"{100 * r['share']:.1f} %",
-         "above: slow sync" if r["share"] > 0.05 else "below") for r in summary["sync_table"]]
-show(rows, ("sync mode", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
-table = {r["mode"]: r for r in summary["sync_table"]}
-print(f"\nthe run itself ({summary['sync_mode']}): sync took {100 * summary['sync_share']:.1f} % of its steps; "
-      f"the gathered copy peaked at {summary['sync_peak_bytes'] / MiB:.2f} MiB "
-      f"(one decoder layer of the policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB)")
-print(f"adapter-only: {table['adapter']['bytes'] / table['merged']['bytes']:.1%} of the bytes, "
-      f"{table['adapter']['seconds'] / table['merged']['seconds']:.0%} of the time of a merged sync")
-assert table["adapter"]["bytes"] < 0.1 * table["merged"]["bytes"]
+rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}",
+         f"{100 * r['share']:.1f} %", "above: slow sync" if r["share"] > 0.05 else "below")
+        for r in summary["sync_table"]]
+show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+table = {(r["mode"], r["transfer"]): r for r in summary["sync_table"]}
+bucketed = next(t for _, t in table if t.endswith("buckets"))
+for mode in ("full", "merged", "adapter"):
+    per_tensor, packed = table[(mode, "per tensor")]["seconds"], table[(mode, bucketed)]["seconds"]
+    print(f"{mode}: packed into {bucketed} it takes {packed / per_tensor:.0%} of the per-tensor time "
+          f"({per_tensor / packed:.1f}x faster)")
+adapter, merged = table[("adapter", bucketed)], table[("merged", bucketed)]
+print(f"adapter-only against merged, both packed: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
+      f"{adapter['seconds'] / merged['seconds']:.0%} of the time"
+      + (" (faster in time, not only in bytes)" if adapter["seconds"] < merged["seconds"] else
+         " (NOT faster in time on this run: see the load above)"))
+assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# Where the time goes shows in each run's own share, by ZeRO level:
+# Packing saves round trips, and that is what lets the adapter win in time as well as in
+# bytes: it gathers only A and B (the frozen base never moves and nothing is merged), the
+# engine copies only those into place, and in one bucket the whole adapter is one small
+# collective, where a merged sync gathers every base weight with its adapter, multiplies
+# B A for every adapted layer and copies whole matrices. One tensor per collective, the
+# adapter's 56 small tensors cost 56 round trips, more than the 51 of a full sync: fewer
+# bytes, about as many waits.
+#
+# The table times pushes into a buffer; each run's own share also pays the real engine
+# (waking it up, copying into place) and the wait for the slower rank at the first
+# collective after its update. The runs, side by side (full mode: one run per remedy;
+# smoke mode: the one LoRA job). The defaults of `chapters/04_fsdp_lora.py` are the `full`
+# run's settings: ZeRO-3, full fine-tuning, packed in 256 MiB buckets, a sync every step.
+
+# %%
+def sync_row(name: str) -> tuple:
+    """One run's own sync: what it shipped, how often, its share of the steps and the staleness it paid."""
+    s, metrics = runs[name]
+    steps = [m for m in metrics if "reward" in m]
+    median_ms = 1e3 * statistics.median(m["time/sync"] for m in steps if m.get("sync/pushed", 1))
+    transfer = f"{s['parallel']['sync_bucket_mb']:g} MiB buckets" if s["packed_sync"] else "per tensor"
+    return (name, s["sync_mode"], transfer, s["sync_every"], f"{s['sync_bytes'] / MiB:.3f}", f"{median_ms:.1f}",
+            f"{100 * s['sync_share']:.1f} %", f"{100 * s['sync_share_median']:.1f} %", s["staleness_max"],
+            "above: slow sync" if s["sync_share"] > 0.05 else "below")
+
+
+names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every") if n in runs]
+show([sync_row(n) for n in names], ("run", "mode", "transfer", "sync every", "MiB per push", "ms per push (median)",
+                                    "share of steps", "median share", "max staleness", "source: 5 %"))
+if "sync_every" in runs:
+    s = runs["sync_every"][0]
+    print(f"\nsync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
+          f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
+          f"(mean {s['staleness_mean']:.2f}): that is the price, paid in freshness, not in seconds")
+    before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
+    print(f"full fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
+          f"{100 * after:.1f} % packed: " + ("under" if after < 0.05 else "NOT under") + " the source's 5 %")
+
+# %% [markdown]
+# Synchronizing every K-th step divides the sync's share by about K and costs freshness:
+# between two pushes the engine keeps generating with the weights it holds, so a batch can
+# be up to K-1 updates old. The step stays honest about it. The skipped syncs hand
+# `rl_step` a `KeepWeights`, which moves nothing and reports the version the engine really
+# holds, so every batch is generated, version-checked and logged as the policy that made
+# it (`generated_version`); the rollout's log-probs, the denominator of notebook 02's
+# importance-sampling correction (`--importance-sampling-correction`), come from that same
+# older policy; and each record says how many updates it lagged (`staleness`). Without the
+# correction the update treats the stale batch as on-policy, as LlamaRL does (notebook 07);
+# with it, each token is reweighted by pi_theta / pi_behaviour, truncated. Evaluations,
+# checkpoints and the last step always push: an evaluation must measure the latest weights,
+# and a resume refills the engine from the restored trainer, so the engine must have held
+# exactly those when the checkpoint was taken (otherwise the resumed run would differ).
+# Syncing less often needs the engine to keep its weights between steps, so it cannot be
+# colocated at vLLM's sleep level 2 (`--no-colocate`; on a GPU, level 1 would offload them).
+#
+# By ZeRO level, the runs' own shares:
 
 # %%
 rows = [(name, f"ZeRO-{runs[name][0]['parallel']['zero']}", runs[name][0]["sync_mode"],
          f"{1e3 * runs[name][0]['sync_seconds']:.1f}", f"{100 * runs[name][0]['sync_share']:.1f} %")
         for name in ("zero0", "zero1", "zero2", "zero3", "lora", "adapter") if name in runs]
 show(rows, ("run", "stage", "sync", "ms per sync", "share of the step"))
+s = runs["lora"][0]
+print(f"the gathered copy peaked at {s['sync_peak_bytes'] / MiB:.2f} MiB in the LoRA run (one decoder layer of the "
+      f"policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB): a 256 MiB bucket holds "
+      "this whole model, buffer and tensors")
 if not SMOKE:
     ddp, fsdp = runs["zero0"][0]["sync_share"], runs["zero3"][0]["sync_share"]
-    assert ddp < fsdp, "under DDP the engine's weights are already whole on every rank"
+    print("DDP's sync is a copy (its weights are whole on every rank), FSDP2's needs a gather: DDP's share is",
+          "smaller" if ddp < fsdp else "NOT smaller on this run")
 
 # %% [markdown]
 # Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
-# memory and a small share of the step. Under FSDP2 each tensor is first all-gathered, and
-# on CPUs with gloo much of that time is latency: one collective per tensor, each with a
-# fixed cost whatever its size, which is why the share can sit above the source's 5 % even
-# for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
-# bytes by an order of magnitude but not the number of tensors (two small matrices for each
-# of the 7 adapted linears of a block, against the block's 12 weights and biases), so on a
-# latency-bound link it saves less time than bytes. On GPUs with NCCL and a real model the
-# bandwidth term dominates and the bytes column is the one to read; the packing the source
-# mentions (one flat all-gather per layer instead of one per tensor, which FSDP2's own
-# `unshard()` does for its forward pass) attacks the latency term.
+# memory. Under FSDP2 the weights are first all-gathered, and on CPUs with gloo that time
+# is mostly latency, which is why one collective per tensor put a 1 M-parameter model's sync
+# far above the source's 5 %. On GPUs with NCCL and a real model the bandwidth term grows
+# and the bytes column becomes the one to read: that is where adapter-only sync pays most,
+# and where the bucket size (memory against round trips) is a real decision.
 
 # %% [markdown]
 # ### Full fine-tuning against LoRA
@@ -2766,8 +2859,8 @@ if not SMOKE:
 # | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
-# | weight sync from shards | gather one layer at a time (peak ≈ one layer), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts the bytes by an order of magnitude, not the number of tensors |
+# | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K for batches up to K-1 updates stale |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
 #

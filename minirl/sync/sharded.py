@@ -6,8 +6,9 @@ tensors under its own names. `ShardedSync.push` walks the trainer's state one de
 at a time: gathers that layer's full tensors (an all-gather every rank joins, in the same
 order), turns them into what the engine loads, and streams them into the engine before it
 gathers the next layer, so the gathered copy stays about one layer (`peak_bytes`, measured).
-A layer's shards travel packed: one flat buffer per rank and one all-gather per layer
-(`gather_packed`), instead of one all-gather per tensor (`gather_by_layer`, kept to compare).
+Packed (the default), whole layers travel together: one flat buffer per rank and one
+all-gather per bucket of layers (`gather_buckets`, `gather_packed`), instead of one per
+tensor (`gather_by_layer`); the gathered copy is then about two buckets.
 Three modes:
   full:    every tensor, under the engine's (Hugging Face) names;
   merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
@@ -284,7 +285,7 @@ class ShardedSync:
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer gathered at a time; new tensors are tracked by `meter`."""
+        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
         own = {full_tensor_storage(t) for _, t in named}
         layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
         for layer in layers:
