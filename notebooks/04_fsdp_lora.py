@@ -1208,7 +1208,8 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
     collective (every rank must call it, for the same layer), and cuts each whole tensor out:
     rank r's rows of a tensor sit in row r of the result, at that tensor's offset on rank r.
     Other DTensors are gathered one by one (`full_tensor`); plain tensors pass through,
-    detached. `meter` (a LiveBytes) counts the gathered buffer, freed once the layer is cut out.
+    detached. `meter` (a LiveBytes) counts the gathered buffer, freed once the layer is cut out,
+    and each whole tensor from the moment it is cut: at the end both are alive.
     """
     out = [(name, full_tensor(t)) if not packable(t) else None for name, t in layer]
     by_dtype = {}
@@ -1233,6 +1234,8 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
             parts = [rows[r, offsets[r]:offsets[r] + n[r]] for r in range(world)]
             out[i] = (layer[i][0], torch.cat(parts).view(layer[i][1].shape))
             offsets = [o + k for o, k in zip(offsets, n)]
+            if meter is not None:
+                meter.track(out[i][1])                                           # alive beside the buffer
         del rows, mine
     return out
 
@@ -1300,19 +1303,29 @@ from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
 
 
 class LiveBytes:
-    """Bytes of the tracked tensors still alive, and their peak (each tensor counted until it is freed)."""
+    """Bytes of the tracked tensors still alive, and their peak (each tensor counted until it is freed).
+
+    A storage is counted once: tracking a tensor whose storage is already counted (it was
+    tracked where it was made, and is tracked again where it is handed on) adds nothing.
+    """
 
     def __init__(self):
         self.live = self.peak = 0
+        self.alive = set()                     # data pointers of the storages counted now
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
+        self.alive.discard(key)
 
     def track(self, tensor: Tensor) -> None:
-        nbytes = tensor.untyped_storage().nbytes()
-        self.live += nbytes
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.alive:
+            return
+        self.alive.add(key)
+        self.live += storage.nbytes()
         self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._free, nbytes)
+        weakref.finalize(tensor, self._free, key, storage.nbytes())
 
 
 @dataclass
