@@ -2115,7 +2115,7 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
 
     Every rank calls it (the pushes are collectives). Each mode ("full"; with LoRA also
     "merged" and "adapter") is pushed into a `SinkEngine` three ways: one all-gather per
-    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb`;
+    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb` (if > 0);
     once to allocate, then `repeats` times in turn (the machine's load hits every row alike),
     timed (median). "full" ships every tensor unmerged (for a LoRA run: the base weights, as
     full fine-tuning ships them). share = seconds / this run's median step (rank 0's clock).
@@ -2125,7 +2125,9 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
     scaling = state.sync.lora_scaling
     modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
     bucket = state.sync.bucket_bytes
-    transfers = {"per tensor": (False, 0), "per layer": (True, 0), f"{bucket / 2**20:g} MiB buckets": (True, bucket)}
+    transfers = {"per tensor": (False, 0), "per layer": (True, 0)}
+    if bucket:
+        transfers[f"{bucket / 2**20:g} MiB buckets"] = (True, bucket)
     named = list(state.roles.actor.named_weights())
     syncs = {(mode, name): (ShardedSync(mode, scaling, packed=packed, bucket_bytes=cap), SinkEngine())
              for mode in modes for name, (packed, cap) in transfers.items()}
@@ -2499,15 +2501,16 @@ class MemoryTracker(Callback):
 # and `agree` makes a failure while opening or restoring stop every rank. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
 # In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
-# sync, the sync before packing (one all-gather per tensor), syncing every 4th step, and
-# one and two ranks on the same batch.
+# sync, the sync before packing (one all-gather per tensor), syncing every 4th step (without
+# and with an importance-sampling correction), and one and two ranks on the same batch.
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
-SYNC_EVERY = 4      # the run that synchronizes less often: every 4th update
+SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
+STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)
 
 
 def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
@@ -2538,8 +2541,9 @@ else:
                                   "--learning-rate", LORA_LR, "--steps", "30", "--eval-every", "0")
     runs["per_tensor"] = run_chapter("04_per_tensor", "--zero", "3", "--no-packed-sync", "--steps", "30",
                                      "--eval-every", "0")                      # the sync before packing
-    runs["sync_every"] = run_chapter("04_sync_every", "--zero", "3", "--sync-every", str(SYNC_EVERY),
-                                     "--no-colocate", "--steps", "40", "--eval-every", "0")
+    for name, extra in (("sync_every", ()), ("sync_every_tis", ("--importance-sampling-correction",))):
+        runs[name] = run_chapter(f"04_{name}", "--zero", "3", "--sync-every", str(SYNC_EVERY), "--no-colocate",
+                                 "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
 print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
 
 # %% [markdown]
@@ -2701,22 +2705,41 @@ def sync_row(name: str) -> tuple:
             "above: slow sync" if s["sync_share"] > 0.05 else "below")
 
 
-names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every") if n in runs]
+names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis") if n in runs]
 show([sync_row(n) for n in names], ("run", "mode", "transfer", "sync every", "MiB per push", "ms per push (median)",
                                     "share of steps", "median share", "max staleness", "source: 5 %"))
 if "sync_every" in runs:
-    s = runs["sync_every"][0]
-    print(f"\nsync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
-          f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
-          f"(mean {s['staleness_mean']:.2f}): that is the price, paid in freshness, not in seconds")
     before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
-    print(f"full fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
+    print(f"\nfull fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
           f"{100 * after:.1f} % packed: " + ("under" if after < 0.05 else "NOT under") + " the source's 5 %")
+    s = runs["sync_every"][0]
+    print(f"sync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
+          f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
+          f"(mean {s['staleness_mean']:.2f}). What that costs the learning, over the same first {STALE_STEPS} steps:")
+
+    def mean_reward(name: str) -> float:
+        steps = [m for m in runs[name][1] if "reward" in m][:STALE_STEPS]
+        return sum(m["reward"] for m in steps) / len(steps)
+
+    fresh = mean_reward("full")
+    show([(name, runs[name][0]["sync_every"], "TIS" if runs[name][0]["config"]["algorithm"][
+              "importance_sampling_correction"] else "none", runs[name][0]["staleness_max"],
+           f"{mean_reward(name):.3f}", f"{mean_reward(name) - fresh:+.3f}")
+          for name in ("full", "sync_every", "sync_every_tis")],
+         ("run", "sync every", "correction", "max staleness", f"mean batch reward, steps 1-{STALE_STEPS}",
+          "vs every step"))
+    stale, corrected = mean_reward("sync_every"), mean_reward("sync_every_tis")
+    print("stale batches learn " + ("less" if stale < fresh else "NOT less") + " than fresh ones here, and the "
+          "correction " + ("recovers part of it" if stale < corrected < fresh else
+                           "recovers all of it" if corrected >= fresh else "does not help on this run"))
 
 # %% [markdown]
 # Synchronizing every K-th step divides the sync's share by about K and costs freshness:
 # between two pushes the engine keeps generating with the weights it holds, so a batch can
-# be up to K-1 updates old. The step stays honest about it. The skipped syncs hand
+# be up to K-1 updates old, and a policy gradient taken on another policy's samples is a
+# biased one: the table above puts a number on what that did to the learning here (the
+# embedded policy moves a long way in a few updates at this learning rate, so K = 4 is a
+# harsh setting for it). The step stays honest about the staleness. The skipped syncs hand
 # `rl_step` a `KeepWeights`, which moves nothing and reports the version the engine really
 # holds, so every batch is generated, version-checked and logged as the policy that made
 # it (`generated_version`); the rollout's log-probs, the denominator of notebook 02's
@@ -2873,7 +2896,7 @@ if not SMOKE:
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
 # | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K for batches up to K-1 updates stale |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
 #

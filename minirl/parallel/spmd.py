@@ -152,7 +152,7 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
 
     Every rank calls it (the pushes are collectives). Each mode ("full"; with LoRA also
     "merged" and "adapter") is pushed into a `SinkEngine` three ways: one all-gather per
-    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb`;
+    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb` (if > 0);
     once to allocate, then `repeats` times in turn (the machine's load hits every row alike),
     timed (median). "full" ships every tensor unmerged (for a LoRA run: the base weights, as
     full fine-tuning ships them). share = seconds / this run's median step (rank 0's clock).
@@ -162,7 +162,9 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
     scaling = state.sync.lora_scaling
     modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
     bucket = state.sync.bucket_bytes
-    transfers = {"per tensor": (False, 0), "per layer": (True, 0), f"{bucket / 2**20:g} MiB buckets": (True, bucket)}
+    transfers = {"per tensor": (False, 0), "per layer": (True, 0)}
+    if bucket:
+        transfers[f"{bucket / 2**20:g} MiB buckets"] = (True, bucket)
     named = list(state.roles.actor.named_weights())
     syncs = {(mode, name): (ShardedSync(mode, scaling, packed=packed, bucket_bytes=cap), SinkEngine())
              for mode in modes for name, (packed, cap) in transfers.items()}
