@@ -1117,7 +1117,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
                          f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
     # BEGIN SOLUTION
-    return (weight.float() + scaling * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)   # W + s B A, one op
+    return merged.to(weight.dtype)
     # END SOLUTION
 
 

@@ -98,7 +98,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
     if lora_A.shape[1] != weight.shape[1] or lora_B.shape[0] != weight.shape[0] or lora_B.shape[1] != lora_A.shape[0]:
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
                          f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
-    return (weight.float() + scaling * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)   # W + s B A, one op
+    return merged.to(weight.dtype)
 
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
