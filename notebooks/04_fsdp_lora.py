@@ -523,8 +523,11 @@ group = ProcessGroup(ctx.device)
 print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
 for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
             lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
+            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2),
             lambda: pick_backend("nccl", "cpu"),
-            lambda: ParallelConfig(zero=1, mixed_precision="bf16")):
+            lambda: ParallelConfig(zero=1, mixed_precision="bf16"),
+            lambda: ParallelConfig(sync_every=0),
+            lambda: ParallelConfig(sync_every=4)):
     try:
         bad()
         print("accepted (vLLM / CUDA are present here)")
