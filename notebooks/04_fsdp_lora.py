@@ -342,6 +342,12 @@ def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool 
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
 
 
+def output_ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
+    error comes before torchrun's long summary of the failure, which ends the output)."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
+
+
 def stop_job(pid: int, grace: float = 5.0) -> None:
     """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
 

@@ -657,7 +657,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minirl.parallel.launch import torchrun
+from minirl.parallel.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -830,7 +830,7 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
         job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{job.stdout[-6000:]}")
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
 
 # %% [markdown]
@@ -1602,7 +1602,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minirl.parallel.launch import torchrun
+from minirl.parallel.launch import output_ends, torchrun
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
                                       Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
                                       schedule_orders, simulate, split_layers)
@@ -1788,7 +1788,7 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
         job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{job.stdout[-6000:]}")
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
 
 

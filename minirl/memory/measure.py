@@ -36,7 +36,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
 from minirl.parallel import wrap
-from minirl.parallel.launch import torchrun
+from minirl.parallel.launch import output_ends, torchrun
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -362,15 +362,10 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
             if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
-                       f"{_ends(job.stdout)}")
+                       f"{output_ends(job.stdout)}")
             if attempt < attempts:
                 warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
         raise RuntimeError(failure)
-
-
-def _ends(text: str, n: int = 2500) -> str:
-    """The first and last `n` characters of a long output, or all of a short one."""
-    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 NOTES = {

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minirl.parallel.launch import torchrun
+from minirl.parallel.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -200,5 +200,5 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
         job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{job.stdout[-6000:]}")
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())

@@ -15,7 +15,8 @@ Simplified vs torchrun + accelerate: one node, one flat process group, no elasti
 """
 
 __all__ = ["BACKENDS", "DistContext", "world_from_env", "pick_backend", "init_distributed",
-           "shutdown", "ProcessGroup", "rank_slice", "RankFailed", "agree", "torchrun", "stop_job"]
+           "shutdown", "ProcessGroup", "rank_slice", "RankFailed", "agree", "torchrun",
+           "output_ends", "stop_job"]
 
 import os
 import subprocess
@@ -241,6 +242,12 @@ def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool 
     if expired.is_set():
         raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+
+def output_ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
+    error comes before torchrun's long summary of the failure, which ends the output)."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 def stop_job(pid: int, grace: float = 5.0) -> None:
