@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
+    """0 when the policy is built (or cached) and summarized; 1 with a one-line error when its cache fails."""
     args = parse_args(argv)
     import torch  # after the flags: a wrong flag is reported at once, not after seconds of imports
 
@@ -79,7 +80,8 @@ def main(argv=None) -> dict:
         model, tokenizer, path = load_default_policy(device=args.device, progress=not args.no_progress)
         report = warm_start_report(path)
     except PolicyCacheError as err:
-        sys.exit(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     build_seconds = time.perf_counter() - started
     accuracy = greedy_accuracy(model, tokenizer, make_task())
 
@@ -114,8 +116,8 @@ def main(argv=None) -> dict:
           f"({report['train_sample']} problems), validation {report['validation_accuracy']:.3f}, "
           f"held-out {accuracy:.3f}")
     print(f"plot: {args.out / 'warm_start.png'}   summary: {args.out / 'summary.json'}")
-    return summary
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

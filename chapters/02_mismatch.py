@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 
@@ -77,7 +78,8 @@ def summarize_run(metrics: list[dict]) -> dict:
             "clip_ratio": mean("clip_ratio/region_mean", steps)}
 
 
-def main(argv=None) -> dict:
+def mismatch(argv=None) -> dict:
+    """Parse the flags (bad ones exit 2 before anything loads), diagnose, optionally train; the summary."""
     parser = common_parser(__doc__.splitlines()[0])
     parser.add_argument("--rollout-dtype", default=None, choices=ROLLOUT_DTYPES,
                         help="the rollout dtype for the detailed report (default bfloat16); the sweep covers all")
@@ -137,5 +139,15 @@ def main(argv=None) -> dict:
     return summary
 
 
+def main(argv=None) -> int:
+    """0 when the report and summary.json are written; 1 with a one-line error when the work fails."""
+    try:
+        mismatch(argv)
+    except (ValueError, RuntimeError, OSError) as err:       # a bad model or prompts file found while loading
+        print(f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,8 @@ naming the flag, the value and the valid range.
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -201,17 +203,23 @@ def measure(args) -> dict:
     return summary
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
+    """0 when the tables (or the measurement) are printed; 1 with a one-line error when a measurement job fails."""
     args = parse_args(argv)
     if args.measure:
-        return measure(args)
+        try:
+            measure(args)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:    # the job's output is in the message
+            print(f"{err}\nerror: the measurement job failed: {str(err).splitlines()[0]}", file=sys.stderr)
+            return 1
+        return 0
     calc = calculate(args)
     if args.json:
         print(json.dumps(calc))
     else:
         print_tables(calc)
-    return calc
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,13 +8,17 @@
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
-(--rollout hf|vllm; --colocate lets the engine release its weights during the update). After each
-update the weights are gathered layer by layer into every engine (--sync-mode full, merged or
-adapter). Rank 0 writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/step-N/ (sharded,
-torch.distributed.checkpoint), OUT/final/ (the merged policy, Hugging Face format) and
-OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one per rank), sync_seconds,
-sync_bytes, sync_share (0-1), steps, the stage split, the sync table (full / merged / adapter)
-and the memory freed by colocation. Every setting of RLConfig and ParallelConfig is a flag.
+(--rollout minirl: the in-process engine --rollout-engine names, or vllm; --colocate lets the
+engine release its weights during the update). After each update the weights are gathered layer
+by layer, one all-gather per layer (--no-packed-sync: one per tensor), into every engine
+(--sync-mode full, merged or adapter); --sync-every K pushes only every K-th update (and at
+every evaluation, checkpoint and the last step), so a batch is generated up to K-1 updates
+behind the trainer (needs --no-colocate). Rank 0 writes OUT/run.json, OUT/metrics.jsonl,
+OUT/checkpoints/step-N/ (sharded, torch.distributed.checkpoint), OUT/final/ (the merged policy,
+Hugging Face format) and OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one
+per rank), sync_seconds, sync_bytes, sync_share (0-1: the sync's seconds over the steps'),
+staleness, steps, the stage split, the sync table (full / merged / adapter, per tensor and
+packed) and the memory freed by colocation. Every setting of RLConfig and ParallelConfig is a flag.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import RankFailed, agree, init_distributed, pick_backend, shutdown, world_from_env
 from minirl.rollout.base import VersionMismatchError
 from minirl.train.cli import check_run_flags, resumed_config
-from minirl.train.run import Callback, RunStopped, StopAfter
+from minirl.train.run import Callback, RunStopped
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
 from minirl.utils.io import write_summary
 from minirl.utils.rundir import RunDirError, read_run_record
@@ -105,6 +109,8 @@ def summarize(metrics: list[dict], state, pconfig: ParallelConfig, sync_rows: li
 
     steps = [m for m in metrics if "reward" in m]
     evals = [m for m in metrics if "accuracy" in m]
+    pushes = sum(m.get("sync/pushed", 1) for m in steps)
+    staleness = [m.get("staleness", 0) for m in steps]
     world = state.group.world_size
     per_rank = lambda key: [max(m[key][r] for m in steps) for r in range(world)]   # noqa: E731
     step_time = sum(m["time/step"] for m in steps)
@@ -123,10 +129,15 @@ def summarize(metrics: list[dict], state, pconfig: ParallelConfig, sync_rows: li
         "peak_bytes": per_rank("memory/peak_bytes"), "update_bytes": per_rank("memory/update_bytes"),
         "state_bytes": per_rank("memory/state_bytes"),
         "state_bytes_calculator": calc["total"],
-        "sync_seconds": totals["sync"] / max(1, len(steps)), "sync_bytes": steps[-1]["sync/bytes"] if steps else 0,
+        "sync_seconds": totals["sync"] / max(1, len(steps)), "sync_seconds_per_push": totals["sync"] / max(1, pushes),
+        "sync_bytes": max((m["sync/bytes"] for m in steps), default=0),
         "sync_peak_bytes": max((m["sync/peak_bytes"] for m in steps), default=0),
-        "sync_share": totals["sync"] / step_time if step_time else 0.0, "sync_threshold": THRESHOLD,
-        "sync_mode": pconfig.resolved_sync_mode, "sync_table": sync_rows,
+        "sync_share": totals["sync"] / step_time if step_time else 0.0,
+        "sync_share_median": statistics.median(m["time/sync"] / m["time/step"] for m in steps) if steps else 0.0,
+        "sync_threshold": THRESHOLD, "sync_mode": pconfig.resolved_sync_mode, "packed_sync": pconfig.packed_sync,
+        "sync_every": pconfig.sync_every, "pushes": pushes,
+        "staleness_max": max(staleness, default=0),
+        "staleness_mean": statistics.mean(staleness) if staleness else 0.0, "sync_table": sync_rows,
         "stage_seconds": totals, "stage_seconds_by_rank": by_rank,
         "colocation": {"engine_awake_bytes": per_rank("memory/engine_awake_bytes"),
                        "engine_asleep_bytes": [min(m["memory/engine_asleep_bytes"][r] for m in steps)
@@ -152,12 +163,19 @@ def print_report(summary: dict) -> None:
     whole = sum(summary["stage_seconds"].values()) or 1.0
     shares = ", ".join(f"{s} {100 * v / whole:.1f} %" for s, v in summary["stage_seconds"].items())
     print(f"stage split (rank 0): {shares}")
-    print(f"{'sync mode':>9} | {'MiB per sync':>12} | {'seconds':>8} | {'share of step':>13} | source flags > 5 %")
+    print(f"{'sync mode':>9} | {'transfer':>16} | {'tensors':>7} | {'MiB per sync':>12} | {'ms':>7} | "
+          f"{'share of step':>13} | source flags > 5 %")
     for row in summary["sync_table"]:
         share = row["share"]
-        print(f"{row['mode']:>9} | {row['bytes'] / MiB:12.3f} | {row['seconds']:8.4f} | {100 * share:12.2f} % | "
-              f"{'above: slow sync' if share > THRESHOLD else 'below'}")
-    print(f"this run ({summary['sync_mode']}): sync {100 * summary['sync_share']:.2f} % of the step")
+        verdict = "above: slow sync" if share > THRESHOLD else "below"
+        print(f"{row['mode']:>9} | {row['transfer']:>16} | {row['tensors']:7d} | {row['bytes'] / MiB:12.3f} | "
+              f"{1e3 * row['seconds']:7.2f} | {100 * share:12.2f} % | {verdict}")
+    every = summary["sync_every"]
+    stale = (f"every {every} steps: {summary['pushes']} pushes, batches up to {summary['staleness_max']} updates "
+             f"behind (mean {summary['staleness_mean']:.2f})" if every > 1 else "every step: on-policy batches")
+    print(f"this run ({summary['sync_mode']}, {'packed' if summary['packed_sync'] else 'per tensor'}, {stale}): "
+          f"sync {100 * summary['sync_share']:.2f} % of the step (median over steps "
+          f"{100 * summary['sync_share_median']:.2f} %)")
 
 
 def main(argv=None) -> int:
@@ -185,80 +203,54 @@ def main(argv=None) -> int:
 
 
 def train_rank(args, config, pconfig, ctx) -> int:
-    """The body every rank runs: load, set up (all ranks agree), run, export, summarize (rank 0 writes)."""
+    """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
     import torch.distributed as dist
 
     from minirl.memory.tracking import MemoryTracker
-    from minirl.parallel.checkpoint import ShardedCheckpointer, latest_sharded, load_sharded
+    from minirl.parallel.checkpoint import ShardedCheckpoints
     from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table
     from minirl.tasks.arithmetic import make_task
     from minirl.train.plots import plot_metrics
-    from minirl.train.run import Evaluator, JSONLLogger, ProgressBar, run
-    from minirl.utils.io import atomic_write_json
-    from minirl.utils.rundir import RUN_FILE, open_run_dir
+    from minirl.train.run import run_in_dir
 
     out, main_rank = args.out, ctx.is_main
     seed_everything(config.run.seed)
-    info = {"config": dataclasses.asdict(config), "pconfig": dataclasses.asdict(pconfig), "model": args.model,
-            "world_size": ctx.world_size}
-    run_dir = agree("opening the run directory", lambda: open_run_dir(out, info, resume=args.resume,
-                                                                      overwrite=args.overwrite) if main_rank else None)
-    try:
-        if not main_rank:
-            dist.barrier()                                   # rank 0 builds the embedded policy's cache first
-        model, tokenizer = load_policy(args.model, config.run.device, progress=main_rank and not args.no_progress)
-        if main_rank:
-            dist.barrier()
-        task = make_task()
-        rows, reward_funcs = task.rows("train"), [task.reward]
-        state = agree("setting up the roles, the engine and the sync",
-                      lambda: setup_spmd(config, pconfig, model, tokenizer, rows, reward_funcs, ctx))
-        if args.resume:
-            found = latest_sharded(out / "checkpoints", ctx.world_size)
-            if found is None:
-                raise RunDirError(f"--resume: {out} holds no intact checkpoint (the run stopped before its first "
-                                  "one); start it again with --overwrite")
-            agree("restoring the checkpoint", lambda: load_sharded(found, state))
-            if main_rank:
-                atomic_write_json(out / RUN_FILE, info)
-        callbacks = []
-        if main_rank:
-            callbacks.append(Evaluator(lambda _model: evaluate_engine(state.engine, tokenizer, task),
-                                       config.run.eval_every, config.run.steps))
-        callbacks += [MemoryTracker(), ShardedCheckpointer(out / "checkpoints", config.run.checkpoint_every,
-                                                           config.run.keep_checkpoints)]
-        if main_rank:
-            callbacks.append(JSONLLogger(out / "metrics.jsonl"))
-            if not args.no_progress:
-                callbacks.append(ProgressBar(config.run.steps, f"grpo, {ctx.world_size} ranks, zero {pconfig.zero}"))
-        if args.kill_rank is not None:
-            rank, step = map(int, args.kill_rank.split(":"))
-            callbacks.append(KillRank(rank, step, ctx.rank))
-        if args.stop_after is not None:
-            callbacks.append(StopAfter(args.stop_after))
-        started = time.perf_counter()
-        metrics = run(state, spmd_step, callbacks, config.run.steps)
-        seconds = time.perf_counter() - started
-        export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
-        rows_table = sync_table(state, metrics)
-        if not main_rank:
-            return 0
-        summary = summarize(metrics, state, pconfig, rows_table, seconds)
-        summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
-                    "metrics": str(out / "metrics.jsonl"), "config": dataclasses.asdict(config)}
-        plot_metrics(metrics, out / "reward_curve.png",
-                     title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}")
-        write_summary(out, summary)
-        print_report(summary)
-        if summary["accuracy_before"] is not None:
-            before, after = summary["accuracy_before"], summary["accuracy_after"]
-            print(f"held-out greedy accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
-                  f"{summary['steps']} steps, {seconds:.0f} s")
-        print(f"summary: {out / 'summary.json'}")
+    if not main_rank:
+        dist.barrier()                                   # rank 0 builds the embedded policy's cache first
+    model, tokenizer = load_policy(args.model, config.run.device, progress=main_rank and not args.no_progress)
+    if main_rank:
+        dist.barrier()
+    task = make_task()
+    rows, reward_funcs = task.rows("train"), [task.reward]
+    state = agree("setting up the roles, the engine and the sync",
+                  lambda: setup_spmd(config, pconfig, model, tokenizer, rows, reward_funcs, ctx))
+    kill = [KillRank(*map(int, args.kill_rank.split(":")), ctx.rank)] if args.kill_rank is not None else []
+    started = time.perf_counter()
+    metrics = run_in_dir(
+        state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
+        eval_fn=(lambda _model: evaluate_engine(state.engine, tokenizer, task)) if main_rank else None,
+        progress=not args.no_progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
+        first_callbacks=(MemoryTracker(),), extra_callbacks=kill, stop_after=args.stop_after,
+        run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size},
+        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
+    seconds = time.perf_counter() - started
+    export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
+    rows_table = sync_table(state, metrics)
+    if not main_rank:
         return 0
-    finally:
-        if run_dir is not None:
-            run_dir.close()
+    summary = summarize(metrics, state, pconfig, rows_table, seconds)
+    summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
+                "metrics": str(out / "metrics.jsonl"), "config": dataclasses.asdict(config)}
+    plot_metrics(metrics, out / "reward_curve.png",
+                 title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}")
+    write_summary(out, summary)
+    print_report(summary)
+    if summary["accuracy_before"] is not None:
+        before, after = summary["accuracy_before"], summary["accuracy_after"]
+        print(f"held-out greedy accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
+              f"{summary['steps']} steps, {seconds:.0f} s")
+    print(f"summary: {out / 'summary.json'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
     """Section 5: the simulator's sweep, timelines, and (unless --skip-torchrun) the measured pipeline."""
     import matplotlib.pyplot as plt
 
-    from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, plot_timeline, simulate_schedule
+    from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, plot_pipeline, simulate_schedule
 
     table = []
     for P, M in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
@@ -128,7 +130,7 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
                           **{f"{s}_share": sim[s].bubble_share for s in SCHEDULES}, **bubble_formulas(P, M, costs)})
     fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
     for ax, schedule in zip(axes, SCHEDULES):
-        plot_timeline(simulate_schedule(schedule, 4, 8, Costs(1.0, 2.0)), ax=ax, title=f"{schedule}, P = 4, M = 8")
+        plot_pipeline(simulate_schedule(schedule, 4, 8, Costs(1.0, 2.0)), ax=ax, title=f"{schedule}, P = 4, M = 8")
     fig.tight_layout()
     fig.savefig(out / "pipeline_timelines.png", dpi=120)
     plt.close(fig)
@@ -213,7 +215,8 @@ def plot_load(detail: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
+    """0 when summary.json and the plots are written; 1 with a one-line error when a torchrun job fails."""
     parser = common_parser(__doc__.splitlines()[0])
     parser.set_defaults(out=Path("runs") / "08")
     parser.add_argument("--rl-steps", type=int, default=60, help="steps of each RL run (0: skip the runs)")
@@ -263,14 +266,18 @@ def main(argv=None) -> dict:
     else:
         summary["expert_load_max_over_mean"] = {"before": None, "after": {}, "skipped": "--rl-steps 0"}
     summary["gspo"] = gspo(args, moe, tokenizer, task)
-    summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
+    try:
+        summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:      # a measurement job: its output is in the message
+        print(f"{err}\nerror: a torchrun job failed: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
     summary.update(measured)
     summary["packing_utilization"], summary["packing"] = packing(args, tokenizer, task, args.out)
     summary["seconds"] = time.perf_counter() - started
     path = write_summary(args.out, summary)
     print("wrote", path)
-    return summary
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
 
     from minirl.profiling.decompose import RunDataError
-    from minirl.profiling.plots import plot_shares, plot_timeline
+    from minirl.profiling.plots import plot_shares, plot_stage_timeline
     from minirl.profiling.rules import diagnose
 
     try:
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     if diagnosis.decomposition is not None:
         fig, axes = plt.subplots(2, 1, figsize=(9, 5.5))
         plot_shares(diagnosis.decomposition, ax=axes[0], title=f"{run_dir}: each step's time by category")
-        plot_timeline(diagnosis.decomposition, steps=3, ax=axes[1])
+        plot_stage_timeline(diagnosis.decomposition, steps=3, ax=axes[1])
         fig.tight_layout()
         fig.savefig(args.out / "shares.png", dpi=120)
         plt.close(fig)

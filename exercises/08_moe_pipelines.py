@@ -133,7 +133,7 @@ class Event:
 
 
 @dataclass
-class Timeline:
+class PipelineTimeline:
     """What `simulate` returns: every op's start and end, per rank."""
 
     events: list[Event]

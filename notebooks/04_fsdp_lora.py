@@ -26,9 +26,11 @@
 # engine needs whole weights after every update. How do they get there, what does it cost,
 # and when does the synchronization itself become the bottleneck?* Its symptom table flags
 # weight synchronization above **5 %** of the step and proposes syncing only the LoRA
-# adapters; its memory table pairs ZeRO-3 with LoRA for a 70 B model. We measure both here,
-# small: per-rank memory at each ZeRO level against notebook 03's calculator, and the sync's
-# seconds, bytes and share of the step for full fine-tuning, LoRA merged, and adapter only.
+# adapters, packing the transfers or syncing less often; its memory table pairs ZeRO-3 with
+# LoRA for a 70 B model. We measure both here, small: per-rank memory at each ZeRO level
+# against notebook 03's calculator, and the sync's seconds, bytes and share of the step for
+# full fine-tuning, LoRA merged and adapter only, one collective per tensor or packed, every
+# step or every K-th.
 
 # %%
 import json
@@ -107,14 +109,14 @@ and returns a `DistContext`. `ProcessGroup` is the small object the step and the
 for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
 rank into an error on every rank, so that a bad input stops the whole job with its cause
 instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
-from Python (the notebook and the tests do).
+or a function from Python (the notebooks, the tests and the measurement jobs do), and ends
+every process of the job on a timeout or Ctrl-C (`stop_job`).
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
 """
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -123,6 +125,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -244,8 +247,8 @@ class ProcessGroup:
         return out
 
 
-def rank_share(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous share of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
+def rank_slice(items: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous slice of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
 
     Raises ConfigError when the batch does not divide evenly: every rank must hold whole
     prompts (a prompt's G completions stay together) and as many as the others.
@@ -288,35 +291,41 @@ def agree(what: str, fn):
     return result
 
 
-def torchrun(script, nproc: int, args=(), timeout: float = 600, stream: bool = False,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
+def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
+             env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
+    """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
 
-    The job imports this checkout's minirl (PYTHONPATH) and runs one torch thread per rank;
+    target: a script's path, or "package.module:function" (every rank imports the module and
+    calls the function, which reads its flags from sys.argv); args: its command-line words.
+    The job imports this checkout's minirl (PYTHONPATH) with `threads` torch threads per rank;
     stdout and stderr come back together in `.stdout`. stream=True also prints the output as
-    it comes (a notebook cell shows progress). After `timeout` seconds the whole job (torchrun
-    and its ranks: it runs in a session of its own) is killed and subprocess.TimeoutExpired
-    raised with the output so far.
+    it comes (a notebook cell shows progress). The launcher runs in a session of its own and
+    torchrun starts each rank in another; after `timeout` seconds, or on Ctrl-C, `stop_job`
+    ends all of them (SIGTERM, then SIGKILL `grace` seconds later), and a timeout raises
+    subprocess.TimeoutExpired with the output so far. The only launcher in minirl: the
+    notebooks, the tests and the measurement jobs of notebooks 03 and 08 all use it.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
     repo = str(Path(__file__).resolve().parents[2])
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+    module, _, function = str(target).partition(":")
+    if function and not Path(str(target)).exists():       # an entry point, not a file
+        entry = ["--no-python", sys.executable, "-c", f"from {module} import {function}; {function}()"]
+    else:
+        entry = [str(target)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
            *map(str, args)]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     expired = threading.Event()
 
-    def kill_job():                                      # torchrun and every rank it started
+    def on_timeout():
         expired.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_job(proc.pid, grace)
 
-    timer = threading.Timer(timeout, kill_job)
+    timer = threading.Timer(timeout, on_timeout)
     timer.start()
     lines = []
     try:
@@ -326,13 +335,47 @@ def torchrun(script, nproc: int, args=(), timeout: float = 600, stream: bool = F
                 sys.stdout.write(line)
         proc.wait()
     except BaseException:                                # Ctrl-C in the notebook: stop the job too
-        kill_job()
+        stop_job(proc.pid, grace)
         raise
     finally:
         timer.cancel()
+        proc.stdout.close()
     if expired.is_set():
         raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+
+def output_ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
+    error comes before torchrun's long summary of the failure, which ends the output)."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
+
+
+def stop_job(pid: int, grace: float = 5.0) -> None:
+    """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
+
+    torchrun starts every rank in a session of its own (so that it can signal each rank's
+    group), so killing the launcher's process group alone would leave the ranks running:
+    the processes are found through their parents (psutil), before any is signalled.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
 
 # %% [markdown]
 # A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
@@ -357,12 +400,12 @@ from dataclasses import dataclass
 
 import torch
 
-from minirl.config import RLConfig
+from minirl.config import RLConfig, RolloutConfig
+from minirl.sync.sharded import SYNC_MODES
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("hf", "vllm")
-SYNC_MODES = ("auto", "full", "merged", "adapter")
+ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -378,21 +421,32 @@ class ParallelConfig:
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
+    sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
+    sync_every: int = 1                # push the weights every K steps: batches up to K-1 updates stale
     colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
-               "backend": ("auto", "gloo", "nccl")}
+    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+               "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
         for name, allowed in self.choices.items():
             check_choice(name, getattr(self, name), allowed)
         check_int("lora_rank", self.lora_rank, low=0, why="0 is full fine-tuning")
         check_float("lora_alpha", self.lora_alpha, low=0.0, why="0: twice the rank")
+        check_float("sync_bucket_mb", self.sync_bucket_mb, low=0.0, why="0: one decoder layer per all-gather")
+        check_int("sync_every", self.sync_every, low=1, why="1: push after every update; K: after every K-th, "
+                                                          "the rollout up to K-1 updates behind")
+        if self.sync_every > 1 and self.colocate:
+            raise ConfigError("sync_every", self.sync_every, "a colocated engine discards its weights after every "
+                                                             "generate, so every step must refill them: pass "
+                                                             "--no-colocate (the engine keeps its copy), or "
+                                                             "--sync-every 1")
         if self.lora_rank and not self.targets:
             raise ConfigError("lora_target_modules", self.lora_target_modules, "name at least one linear layer")
         mode = self.resolved_sync_mode
@@ -441,12 +495,16 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
     if pconfig.rollout == "vllm":
+        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
+            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
+                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
+                              "drop --rollout-engine, or use --rollout minirl")
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout hf")
+                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
         if not (cuda and torch.cuda.is_available()):
             raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout hf")
+                                                 "machine, or use --rollout minirl")
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")
@@ -474,8 +532,11 @@ group = ProcessGroup(ctx.device)
 print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
 for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
             lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
+            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2),
             lambda: pick_backend("nccl", "cpu"),
-            lambda: ParallelConfig(zero=1, mixed_precision="bf16")):
+            lambda: ParallelConfig(zero=1, mixed_precision="bf16"),
+            lambda: ParallelConfig(sync_every=0),
+            lambda: ParallelConfig(sync_every=4)):
     try:
         bad()
         print("accepted (vLLM / CUDA are present here)")
@@ -1090,6 +1151,9 @@ tensors under its own names. `ShardedSync.push` walks the trainer's state one de
 at a time: gathers that layer's full tensors (an all-gather every rank joins, in the same
 order), turns them into what the engine loads, and streams them into the engine before it
 gathers the next layer, so the gathered copy stays about one layer (`peak_bytes`, measured).
+Packed (the default), whole layers travel together: one flat buffer per rank and one
+all-gather per bucket of layers (`gather_buckets`, `gather_packed`), instead of one per
+tensor (`gather_by_layer`); the gathered copy is then about two buckets.
 Three modes:
   full:    every tensor, under the engine's (Hugging Face) names;
   merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
@@ -1097,8 +1161,8 @@ Three modes:
 It ends with the version check every sync makes (`check_pushed`) and, on request, the
 stale-parameter check of notebook 02, within the engine dtype's rounding.
 
-Simplified vs TRL / veRL: one all-gather per tensor (no bucketing into flat buffers, no
-CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
+Simplified vs TRL / veRL: buckets are decoder layers (no byte-sized buckets spanning layers,
+no CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
 """
 
 import re
@@ -1166,7 +1230,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
                          f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
     # BEGIN SOLUTION
-    return (weight.float() + scaling * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)   # W + s B A, one op
+    return merged.to(weight.dtype)
     # END SOLUTION
 
 
@@ -1194,10 +1259,150 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 
 
 # %% [markdown]
-# The sync itself: stream the engine's tensors into `load_weights` one layer at a time, count
-# the gathered bytes alive at once (each tensor counted from its creation until it is freed),
-# check the version, and on request compare every tensor with notebook 02's stale-parameter
-# check.
+# ### Packed transfers: one collective per bucket, not per tensor
+#
+# `gather_by_layer` gathers tensor by tensor: `full_tensor()` is one all-gather per tensor,
+# 51 of them for the embedded policy (a decoder layer has 12 tensors, biases and norms
+# included), each paying the collective's fixed cost (a round trip between the ranks, and
+# DTensor's bookkeeping around it) however few bytes it carries. On CPUs with gloo, for a
+# model of a few MiB, that fixed cost *is* the sync; profiled on two ranks, the gather is
+# nearly all of a push (the engine's copy of 3.8 MiB takes under a millisecond, the version
+# check and the names nothing). The remedy the source names, packing, is what FSDP2 itself
+# does for its forward pass (`unshard()`: one all-gather per unit): each rank copies its
+# shards of a layer, flat, into one buffer, the buffers are all-gathered in a single
+# collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0 as
+# `torch.chunk` does, so every rank knows every rank's share of every tensor from the
+# global shape alone, and only the data travels.
+#
+# How much goes into one collective is the bucket size, and it trades round trips for
+# memory: the gathered buffer is alive while its whole tensors are cut out of it, so one
+# layer per bucket costs about two layers of extra memory (instead of one), and a bucket of
+# B bytes about 2 B. slime ships weights to SGLang in buckets of 256 MiB and veRL in 512 MiB;
+# minirl's default is 256 MiB of whole layers (a layer is never split). For a 0.5 B model
+# in FP32 that is a few layers per collective; for the embedded policy (3.8 MiB) it is the
+# whole model in one, which is exactly the trade a latency-bound link wants.
+
+# %%
+# | export minirl/sync/sharded.py
+import functools
+import math
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_numels(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """Elements of every rank's local shard of a tensor of `shape` sharded on dim 0 over `world` ranks.
+
+    FSDP2 and DTensor split dim 0 as `torch.chunk` does: ceil(n / W) rows per rank, the last
+    ranks fewer or none. Computed from the global shape alone, so every rank knows every
+    rank's share without asking (and once per shape: the answer is cached).
+    """
+    rows = [len(chunk) for chunk in torch.empty(shape[0], device="meta").chunk(world)]
+    rows += [0] * (world - len(rows))
+    per_row = math.prod(shape[1:])
+    return tuple(r * per_row for r in rows)
+
+
+def packable(tensor: Tensor) -> bool:
+    """A DTensor sharded on dim 0 over a one-dimensional mesh: what FSDP2 holds, and what packing handles."""
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() > 0
+            and tuple(tensor.placements) == (Shard(0),))
+
+
+def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str, Tensor]]:
+    """One layer's tensors, whole, with one all-gather per dtype instead of one per tensor.
+
+    layer: (name, tensor) pairs, one decoder layer's (as `gather_by_layer` groups them); a
+    tensor is a DTensor shard on dim 0 (FSDP2's), another DTensor, or a plain tensor.
+    Returns (name, whole tensor) in the same order, names unchanged: bit for bit what
+    `full_tensor` gives. Every rank copies its local shards of the layer's dim-0 DTensors,
+    flat, into one buffer padded to the largest rank's size, all-gathers the buffers in one
+    collective (every rank must call it, for the same layer), and cuts each whole tensor out:
+    rank r's rows of a tensor sit in row r of the result, at that tensor's offset on rank r.
+    Other DTensors are gathered one by one (`full_tensor`); plain tensors pass through,
+    detached. `meter` (a LiveBytes) counts the gathered buffer, freed once the layer is cut out,
+    and each whole tensor from the moment it is cut: at the end both are alive.
+    """
+    out = [(name, full_tensor(t)) if not packable(t) else None for name, t in layer]
+    by_dtype = {}
+    for i, (name, t) in enumerate(layer):
+        if packable(t):
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, items in by_dtype.items():
+        mesh = layer[items[0]][1].device_mesh
+        rank, world = mesh.get_local_rank(), mesh.size()
+        numels = [shard_numels(tuple(layer[i][1].shape), world) for i in items]   # [tensors][ranks]
+        width = max(sum(n[r] for n in numels) for r in range(world))
+        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        pad = torch.zeros(width - sum(n[rank] for n in numels), dtype=dtype, device=device)
+        mine = torch.cat([layer[i][1].to_local().reshape(-1).to(device) for i in items] + [pad])   # [width]
+        rows = torch.empty(world * width, dtype=dtype, device=device)
+        dist.all_gather_single(rows, mine, group=mesh.get_group())
+        rows = rows.view(world, width)                                           # [W, width]
+        if meter is not None:
+            meter.track(rows)
+        offsets = [0] * world
+        for i, n in zip(items, numels):
+            parts = [rows[r, offsets[r]:offsets[r] + n[r]] for r in range(world)]
+            out[i] = (layer[i][0], torch.cat(parts).view(layer[i][1].shape))
+            offsets = [o + k for o, k in zip(offsets, n)]
+            if meter is not None:
+                meter.track(out[i][1])                                           # alive beside the buffer
+        del rows, mine
+    return out
+
+
+def split_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+    """`gather_by_layer`'s lists, ungathered: consecutive names with the same `layer_key` form one list."""
+    layer, key = [], None
+    for name, tensor in named_weights:
+        if layer and layer_key(name) != key:
+            yield layer
+            layer = []
+        key = layer_key(name)
+        layer.append((name, tensor))
+    if layer:
+        yield layer
+
+
+def layer_buckets(named_weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """The trainer's (name, tensor) pairs, ungathered, in buckets of whole layers of at most `bucket_bytes`.
+
+    Consecutive layers (`split_by_layer`) share a bucket while its whole tensors (global
+    sizes: a DTensor's numel is the whole tensor's) stay within `bucket_bytes`. A layer is
+    never split: one larger than the cap, or any layer when bucket_bytes is 0, is a bucket alone.
+    """
+    bucket, size = [], 0
+    for layer in split_by_layer(named_weights):
+        nbytes = sum(t.numel() * t.element_size() for _, t in layer)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket, size = bucket + layer, size + nbytes
+    if bucket:
+        yield bucket
+
+
+def gather_buckets(named_weights: Iterable[tuple[str, Tensor]], bucket_bytes: int = 0,
+                   meter=None) -> Iterator[list[tuple[str, Tensor]]]:
+    """`gather_by_layer`, packed: lists of whole tensors, one all-gather per bucket of layers (`gather_packed`).
+
+    bucket_bytes=0 gathers one layer per collective (the extra memory stays about two
+    layers); a larger cap puts several layers in one collective (fewer round trips, more
+    memory: the buffer and the whole tensors of a bucket). Each list holds whole layers, so
+    a LoRA layer's W, A and B always arrive together (what `engine_tensors` needs to merge).
+    """
+    for bucket in layer_buckets(named_weights, bucket_bytes):
+        yield gather_packed(bucket, meter)
+
+
+# %% [markdown]
+# The sync itself: stream the engine's tensors into `load_weights` one layer (or one bucket)
+# at a time, count the gathered bytes alive at once (each tensor counted from its creation
+# until it is freed), check the version, and on request compare every tensor with notebook
+# 02's stale-parameter check.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -1212,19 +1417,29 @@ from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
 
 
 class LiveBytes:
-    """Bytes of the tracked tensors still alive, and their peak (each tensor counted until it is freed)."""
+    """Bytes of the tracked tensors still alive, and their peak (each tensor counted until it is freed).
+
+    A storage is counted once: tracking a tensor whose storage is already counted (it was
+    tracked where it was made, and is tracked again where it is handed on) adds nothing.
+    """
 
     def __init__(self):
         self.live = self.peak = 0
+        self.alive = set()                     # data pointers of the storages counted now
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
+        self.alive.discard(key)
 
     def track(self, tensor: Tensor) -> None:
-        nbytes = tensor.untyped_storage().nbytes()
-        self.live += nbytes
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.alive:
+            return
+        self.alive.add(key)
+        self.live += storage.nbytes()
         self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._free, nbytes)
+        weakref.finalize(tensor, self._free, key, storage.nbytes())
 
 
 @dataclass
@@ -1239,17 +1454,21 @@ class ShardedSync:
     """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
 
     mode: "full", "merged" or "adapter" (module docstring); lora_scaling: alpha / r for
-    "merged". verify=True compares every tensor the engine holds with a second gathering of
-    the trainer's, within the engine dtype's rounding (notebook 02's check; twice the traffic).
-    The last report is kept in `last_report`.
+    "merged". packed=True gathers whole layers in one all-gather per bucket of at most
+    `bucket_bytes` (`gather_buckets`; 0: one layer per all-gather), packed=False one per
+    tensor (`gather_by_layer`). verify=True compares every tensor the engine holds with a
+    second gathering of the trainer's, within the engine dtype's rounding (notebook 02's
+    check; twice the traffic). The last report is kept in `last_report`.
     """
 
-    def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False):
+    def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
+                 packed: bool = True, bucket_bytes: int = 0):
         if mode not in SYNC_MODES:
             raise ValueError(f"sync mode {mode!r}: use one of {SYNC_MODES}")
         if mode == "merged" and lora_scaling is None:
             raise ValueError("sync mode 'merged' needs lora_scaling (alpha / r)")
         self.mode, self.lora_scaling, self.verify = mode, lora_scaling, verify
+        self.packed, self.bucket_bytes = packed, bucket_bytes
         self.last_report = None
 
     def _source(self, named_weights) -> list[tuple[str, Tensor]]:
@@ -1264,9 +1483,10 @@ class ShardedSync:
         return named
 
     def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer gathered at a time; new tensors are tracked by `meter`."""
+        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
         own = {full_tensor_storage(t) for _, t in named}
-        for layer in gather_by_layer(named):
+        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+        for layer in layers:
             for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
                 if meter is not None and tensor.untyped_storage().data_ptr() not in own:
                     meter.track(tensor)                    # gathered or merged here, not the trainer's own
@@ -1603,10 +1823,11 @@ class SeedPerPrompt:
 
 # %% [markdown]
 # Now the three modes end to end, in this one-process group: an FSDP2-wrapped actor, its
-# engine, a push in each mode, each checked against the trainer by the stale-parameter check
-# (`verify=True`). The bytes are what travels; the seconds are this machine's. In a group of
-# one nothing is really gathered (the "shard" is the whole tensor), so the gathered peak is
-# measured in the torchrun job of section 7.
+# engine, a push in each mode, one all-gather per tensor and packed, each checked against
+# the trainer by the stale-parameter check (`verify=True`). The bytes are what travels; the
+# seconds are this machine's. In a group of one nothing really travels (the "shard" is the
+# whole tensor), so the collectives' cost, the gathered peak and the share of a step are
+# measured in the torchrun jobs of section 7.
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
@@ -1627,15 +1848,19 @@ for mode in ("full", "merged", "adapter"):
         engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer))
         policy = apply_lora(policy, 8) if mode == "merged" else policy
     actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
-    sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True)
-    reports = [sync.push(actor.named_weights(), engine, version) for version in range(1, 6)]
-    seconds = sorted(r.seconds for r in reports)[2]
-    rows.append((mode, reports[-1].tensors, f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
-show(rows, ("mode", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
+    for packed in (False, True):
+        sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True, packed=packed,
+                           bucket_bytes=256 * MiB)
+        reports = [sync.push(actor.named_weights(), engine, engine.version + 1) for _ in range(5)]
+        seconds = sorted(r.seconds for r in reports)[2]
+        rows.append((mode, "packed" if packed else "per tensor", reports[-1].tensors,
+                     f"{reports[-1].bytes / MiB:.3f}", f"{1000 * seconds:.1f}"))
+show(rows, ("mode", "transfer", "tensors", "MiB pushed", "ms per push (median of 5, verified)"))
 layer_bytes = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
 whole_bytes = storage_bytes(model.state_dict().values())
-full_bytes, adapter_bytes = float(rows[0][2]), float(rows[2][2])
-print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
+full_bytes, adapter_bytes = float(rows[0][3]), float(rows[4][3])
+print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync; every push above was "
+      "verified tensor by tensor, packed or not")
 
 # %% [markdown]
 # And colocation, measured with notebook 03's byte counting (`storage_bytes`): the engine's
@@ -1734,10 +1959,10 @@ def import_vllm():
         import vllm
     except ImportError as err:
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout hf") from None
+                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
     if not torch.cuda.is_available():
         raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout hf")
+                                             "--rollout minirl")
     return vllm
 
 
@@ -1863,7 +2088,7 @@ import importlib.util  # noqa: E402
 have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
 print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
       + ("--rollout vllm can run here" if have_vllm and have_cuda else
-         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout hf"))
+         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout minirl"))
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
@@ -1896,10 +2121,13 @@ print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
 copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
 trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
 engine fails before any step. `spmd_step` draws the global batch from the generator every
-rank shares, keeps this rank's share and calls `rl_step` with the process group. `run` and
-the callbacks of notebook 01 drive it unchanged. `evaluate_engine` measures held-out
-accuracy on the engine's copy (the trainer's latest weights, whole), and `export_policy`
-gathers the (LoRA-merged) policy into a Hugging Face directory.
+rank shares, keeps this rank's share and calls `rl_step` with the process group; with
+`sync_every` K > 1 only every K-th step pushes its update (`sync_due`; the other steps hand
+`rl_step` a `KeepWeights`, and the engine generates with weights up to K-1 updates old,
+recorded per step as `staleness`). `run` and the callbacks of notebook 01 drive it
+unchanged. `evaluate_engine` measures held-out accuracy on the engine's copy (the
+trainer's latest weights, whole), and `export_policy` gathers the (LoRA-merged) policy
+into a Hugging Face directory.
 
 Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
 rollout), GRPO only, one model family's decoder layers per FSDP unit.
@@ -1918,15 +2146,16 @@ from transformers import AutoModelForCausalLM
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import DistContext, ProcessGroup, rank_share
+from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
 from minirl.rollout.vllm import VLLMEngine
-from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_by_layer
+from minirl.sync.base import SyncReport
+from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.arithmetic import format_prompt
-from minirl.train.run import ENGINES, RunState
+from minirl.train.run import RunState, engine_class
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -1938,15 +2167,16 @@ class SPMDState(RunState):
     ctx: DistContext | None = None
     group: ProcessGroup | None = None
     sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
+    lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
-def build_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
+def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
     """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
     adapter = pconfig.resolved_sync_mode == "adapter"
     if pconfig.rollout == "vllm":
         return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
                           colocate=pconfig.colocate, seed=config.run.seed)
-    inner = ENGINES[config.rollout.rollout_engine](model, tokenizer, config.rollout.rollout_dtype, device=device)
+    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.rollout.rollout_dtype, device=device)
     if pconfig.seed_per_prompt:
         inner = SeedPerPrompt(inner)
     return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
@@ -1958,18 +2188,19 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
-    engine = None if mode == "adapter" else build_engine(config, pconfig, model, tokenizer, ctx.device)
+    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.lora_rank:
         model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
     if engine is None:                                    # adapter-only: the engine holds base + adapter
-        engine = build_engine(config, pconfig, model, tokenizer, ctx.device)
+        engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
     wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
-    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
+    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync,
+                       packed=pconfig.packed_sync, bucket_bytes=int(pconfig.sync_bucket_mb * 2**20))
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
     return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
@@ -1977,15 +2208,47 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
+class KeepWeights:
+    """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
+
+    push() moves nothing and reports the engine's own version, so `rl_step` keeps expecting
+    the version the engine really holds: the next batch is generated, version-checked and
+    logged (`generated_version`, the rollout's log-probs that an importance-sampling
+    correction divides by) as the older policy it is. A version counts pushes, not updates.
+    """
+
+    def push(self, named_weights, engine, version: int) -> SyncReport:
+        return SyncReport(engine.version, 0, 0, 0.0)
+
+
+def sync_due(step: int, pconfig: ParallelConfig, config: RLConfig) -> bool:
+    """Whether step `step` (1, 2, ...) pushes its update to the engine.
+
+    Every `sync_every`-th step, and always the steps that evaluate, checkpoint or end the
+    run: an evaluation measures the engine's copy (it must be the trainer's latest), and a
+    resume refills the engine from the restored trainer (the engine must have held those
+    weights when the checkpoint was taken, or the resumed run would differ). Between two
+    pushes the engine generates with weights up to sync_every - 1 updates old.
+    """
+    run = config.run
+    return (step % pconfig.sync_every == 0 or step == run.steps
+            or bool(run.eval_every and step % run.eval_every == 0)
+            or bool(run.checkpoint_every and step % run.checkpoint_every == 0))
+
+
 def spmd_step(state: SPMDState) -> dict:
     """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
     config, group = state.config, state.group
     rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
-    mine = rank_share(rows, group.rank, group.world_size)
+    mine = rank_slice(rows, group.rank, group.world_size)
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
-    record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
+    staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
+    sync = state.sync if due else KeepWeights()
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group)
+    state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
-    record |= {"sync/peak_bytes": report.peak_bytes, "sync/tensors": report.tensors,
+    record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
+               "sync/pushed": int(due), "staleness": staleness,
                "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
     local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
     everyone = group.gather_objects(local)
@@ -1997,27 +2260,38 @@ def spmd_step(state: SPMDState) -> dict:
     return record
 
 
-def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 3) -> list[dict]:
-    """Seconds, bytes and share of the step of one sync in each mode this run can ship (every rank calls it).
+def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[dict]:
+    """Seconds, bytes and share of the step of one sync in each mode and transfer this run can ship.
 
-    Each mode pushes the trainer's current weights into a `SinkEngine` once to allocate, then
-    `repeats` times, timed (median). "full" ships every tensor unmerged (for a LoRA run: the
-    base weights, as full fine-tuning ships them); "merged" and "adapter" need LoRA. share =
-    seconds / this rank's mean step time.
+    Every rank calls it (the pushes are collectives). Each mode ("full"; with LoRA also
+    "merged" and "adapter") is pushed into a `SinkEngine` three ways: one all-gather per
+    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb` (if > 0);
+    once to allocate, then `repeats` times in turn (the machine's load hits every row alike),
+    timed (median). "full" ships every tensor unmerged (for a LoRA run: the base weights, as
+    full fine-tuning ships them). share = seconds / this run's median step (rank 0's clock).
     """
     steps = [m["time/step"] for m in metrics if "time/step" in m]
-    step_time = sum(steps) / len(steps) if steps else float("nan")
+    step_time = statistics.median(steps) if steps else float("nan")
     scaling = state.sync.lora_scaling
     modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
+    bucket = state.sync.bucket_bytes
+    transfers = {"per tensor": (False, 0), "per layer": (True, 0)}
+    if bucket:
+        transfers[f"{bucket / 2**20:g} MiB buckets"] = (True, bucket)
     named = list(state.roles.actor.named_weights())
-    rows = []
-    for mode in modes:
-        sync, sink = ShardedSync(mode, scaling), SinkEngine()
+    syncs = {(mode, name): (ShardedSync(mode, scaling, packed=packed, bucket_bytes=cap), SinkEngine())
+             for mode in modes for name, (packed, cap) in transfers.items()}
+    reports = {key: [] for key in syncs}
+    for sync, sink in syncs.values():
         sync.push(named, sink, 0)
-        reports = [sync.push(named, sink, 0) for _ in range(repeats)]
-        seconds = statistics.median(r.seconds for r in reports)
-        rows.append({"mode": mode, "seconds": seconds, "bytes": reports[-1].bytes, "tensors": reports[-1].tensors,
-                     "peak_bytes": reports[-1].peak_bytes, "share": seconds / step_time})
+    for _ in range(repeats):
+        for key, (sync, sink) in syncs.items():
+            reports[key].append(sync.push(named, sink, 0))
+    rows = []
+    for (mode, transfer), got in reports.items():
+        seconds = statistics.median(r.seconds for r in got)
+        rows.append({"mode": mode, "transfer": transfer, "seconds": seconds, "bytes": got[-1].bytes,
+                     "tensors": got[-1].tensors, "peak_bytes": got[-1].peak_bytes, "share": seconds / step_time})
     return rows
 
 
@@ -2047,7 +2321,7 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
     """
     mode = "merged" if lora_scaling is not None else "full"
     state = {}
-    for layer in gather_by_layer(list(actor.named_weights())):
+    for layer in gather_buckets(list(actor.named_weights())):       # one layer at a time
         for name, tensor in engine_tensors(layer, mode, lora_scaling):
             if ctx.is_main:
                 state[name] = tensor.detach().to("cpu", copy=True)
@@ -2092,6 +2366,7 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
 generator, the settings, the world size). Written to a temporary directory that rank 0
 renames into place once every rank is done. `latest_sharded` finds the newest intact one;
 `load_sharded` restores it into a freshly built state and pushes the weights to the engine.
+`ShardedCheckpoints` hands both to notebook 01's `run_in_dir`.
 
 Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
 """
@@ -2108,6 +2383,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from minirl.train.run import Callback
+from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
 PREFIX, TMP = "step-", ".tmp-step-"
@@ -2228,6 +2504,27 @@ class ShardedCheckpointer(Callback):
         if not state.interrupted and self.saved_step != state.step:
             save_sharded(self.root, state, self.keep)
 
+
+class ShardedCheckpoints:
+    """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
+
+    `callback()` is a ShardedCheckpointer under `out_dir/checkpoints`; `restore(state)` loads
+    the newest intact one on every rank (RunDirError, on every rank alike, if there is none).
+    """
+
+    def __init__(self, out_dir, config):
+        self.root, self.config = Path(out_dir) / "checkpoints", config
+
+    def callback(self) -> ShardedCheckpointer:
+        return ShardedCheckpointer(self.root, self.config.run.checkpoint_every, self.config.run.keep_checkpoints)
+
+    def restore(self, state) -> None:
+        found = latest_sharded(self.root, dist.get_world_size())
+        if found is None:
+            raise RunDirError(f"--resume: {self.root.parent} holds no intact checkpoint (the run stopped before its "
+                              "first one); start it again with --overwrite")
+        load_sharded(found, state)
+
 # %% [markdown]
 # ### Memory, per rank, as notebook 03 counts it
 #
@@ -2346,18 +2643,24 @@ class MemoryTracker(Callback):
 #
 # The chapter script is the whole job: every rank parses the flags (and refuses bad ones),
 # joins the group, loads the policy, sets up its roles, engine and sync (all ranks agreeing),
-# and runs `spmd_step` with notebook 01's `run` and callbacks; rank 0 evaluates held-out
-# accuracy on its engine, logs, and writes the summary; every rank takes part in the sharded
-# checkpoints. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
+# and runs `spmd_step` through notebook 01's `run_in_dir`, the function under stage 1's
+# `train` and stage 6's Driver (the run directory, resume, evaluation, log, checkpoints):
+# rank 0 opens the directory, evaluates held-out accuracy on its engine, logs, and writes
+# the summary (`main=False` on the others); every rank takes part in the sharded
+# checkpoints (`ShardedCheckpoints`, with the two methods of stage 1's `LocalCheckpoints`),
+# and `agree` makes a failure while opening or restoring stop every rank. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
 # In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
-# sync, and one and two ranks on the same batch.
+# sync, the sync before packing (one all-gather per tensor), syncing every 4th step (without
+# and with an importance-sampling correction), and one and two ranks on the same batch.
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
+SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
+STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)
 
 
 def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
@@ -2385,7 +2688,12 @@ else:
     runs["lora"] = run_chapter("04_lora", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
                                "--steps", "150", "--eval-every", "25")
     runs["adapter"] = run_chapter("04_adapter", "--zero", "3", "--lora-rank", "8", "--sync-mode", "adapter",
-                                  "--learning-rate", LORA_LR, "--steps", "10", "--eval-every", "0")
+                                  "--learning-rate", LORA_LR, "--steps", "30", "--eval-every", "0")
+    runs["per_tensor"] = run_chapter("04_per_tensor", "--zero", "3", "--no-packed-sync", "--steps", "30",
+                                     "--eval-every", "0")                      # the sync before packing
+    for name, extra in (("sync_every", ()), ("sync_every_tis", ("--importance-sampling-correction",))):
+        runs[name] = run_chapter(f"04_{name}", "--zero", "3", "--sync-every", str(SYNC_EVERY), "--no-colocate",
+                                 "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
 print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
 
 # %% [markdown]
@@ -2489,48 +2797,135 @@ if not SMOKE:
 # %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
-# The source's symptom table flags weight synchronization above 5 % of the step and advises
-# syncing only the LoRA adapters, packing the transfers, or syncing less often. Each run
-# times one sync per step; at the end the chapter also times a push in every mode it can
-# ship (into a buffer, so that only the sync is measured) and divides by the run's mean step.
+# The source's symptom table flags weight synchronization above 5 % of the step and names
+# three remedies: pack the transfers, synchronize only the LoRA adapters, synchronize less
+# often. Each run times its sync at every step; at the end the chapter also pushes the
+# trainer's weights in every mode it can ship, one all-gather per tensor (the sync before
+# packing), one per layer, and in 256 MiB buckets, into a buffer (so only the sync is
+# timed, interleaved so the machine's load hits every row alike), and divides by the run's
+# median step. First that table, from the LoRA run:
 
 # %%
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+
+print("machine load (uptime):", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 summary = runs["lora"][0]
-rows = [(r["mode"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}", f"{100 * r['share']:.1f} %",
-         "above: slow sync" if r["share"] > 0.05 else "below") for r in summary["sync_table"]]
-show(rows, ("sync mode", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
-table = {r["mode"]: r for r in summary["sync_table"]}
-print(f"\nthe run itself ({summary['sync_mode']}): sync took {100 * summary['sync_share']:.1f} % of its steps; "
-      f"the gathered copy peaked at {summary['sync_peak_bytes'] / MiB:.2f} MiB "
-      f"(one decoder layer of the policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB)")
-print(f"adapter-only: {table['adapter']['bytes'] / table['merged']['bytes']:.1%} of the bytes, "
-      f"{table['adapter']['seconds'] / table['merged']['seconds']:.0%} of the time of a merged sync")
-assert table["adapter"]["bytes"] < 0.1 * table["merged"]["bytes"]
+rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}",
+         f"{100 * r['share']:.1f} %", "above: slow sync" if r["share"] > 0.05 else "below")
+        for r in summary["sync_table"]]
+show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+table = {(r["mode"], r["transfer"]): r for r in summary["sync_table"]}
+bucketed = next(t for _, t in table if t.endswith("buckets"))
+for mode in ("full", "merged", "adapter"):
+    per_tensor, packed = table[(mode, "per tensor")]["seconds"], table[(mode, bucketed)]["seconds"]
+    print(f"{mode}: packed into {bucketed} it takes {packed / per_tensor:.0%} of the per-tensor time "
+          f"({per_tensor / packed:.1f}x faster)")
+adapter, merged = table[("adapter", bucketed)], table[("merged", bucketed)]
+print(f"adapter-only against merged, both packed: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
+      f"{adapter['seconds'] / merged['seconds']:.0%} of the time"
+      + (" (faster in time, not only in bytes)" if adapter["seconds"] < merged["seconds"] else
+         " (NOT faster in time on this run: see the load above)"))
+assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# Where the time goes shows in each run's own share, by ZeRO level:
+# Packing saves round trips, and that is what lets the adapter win in time as well as in
+# bytes: it gathers only A and B (the frozen base never moves and nothing is merged), the
+# engine copies only those into place, and in one bucket the whole adapter is one small
+# collective, where a merged sync gathers every base weight with its adapter, multiplies
+# B A for every adapted layer and copies whole matrices. One tensor per collective, the
+# adapter's 56 small tensors cost 56 round trips, more than the 51 of a full sync: fewer
+# bytes, about as many waits.
+#
+# The table times pushes into a buffer; each run's own share also pays the real engine
+# (waking it up, copying into place) and the wait for the slower rank at the first
+# collective after its update. The runs, side by side (full mode: one run per remedy;
+# smoke mode: the one LoRA job). The defaults of `chapters/04_fsdp_lora.py` are the `full`
+# run's settings: ZeRO-3, full fine-tuning, packed in 256 MiB buckets, a sync every step.
+
+# %%
+def sync_row(name: str) -> tuple:
+    """One run's own sync: what it shipped, how often, its share of the steps and the staleness it paid."""
+    s, metrics = runs[name]
+    steps = [m for m in metrics if "reward" in m]
+    median_ms = 1e3 * statistics.median(m["time/sync"] for m in steps if m.get("sync/pushed", 1))
+    transfer = f"{s['parallel']['sync_bucket_mb']:g} MiB buckets" if s["packed_sync"] else "per tensor"
+    return (name, s["sync_mode"], transfer, s["sync_every"], f"{s['sync_bytes'] / MiB:.3f}", f"{median_ms:.1f}",
+            f"{100 * s['sync_share']:.1f} %", f"{100 * s['sync_share_median']:.1f} %", s["staleness_max"],
+            "above: slow sync" if s["sync_share"] > 0.05 else "below")
+
+
+names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis") if n in runs]
+show([sync_row(n) for n in names], ("run", "mode", "transfer", "sync every", "MiB per push", "ms per push (median)",
+                                    "share of steps", "median share", "max staleness", "source: 5 %"))
+if "sync_every" in runs:
+    before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
+    print(f"\nfull fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
+          f"{100 * after:.1f} % packed: " + ("under" if after < 0.05 else "NOT under") + " the source's 5 %")
+    s = runs["sync_every"][0]
+    print(f"sync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
+          f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
+          f"(mean {s['staleness_mean']:.2f}). What that costs the learning, over the same first {STALE_STEPS} steps:")
+
+    def mean_reward(name: str) -> float:
+        steps = [m for m in runs[name][1] if "reward" in m][:STALE_STEPS]
+        return sum(m["reward"] for m in steps) / len(steps)
+
+    fresh = mean_reward("full")
+    show([(name, runs[name][0]["sync_every"], "TIS" if runs[name][0]["config"]["algorithm"][
+              "importance_sampling_correction"] else "none", runs[name][0]["staleness_max"],
+           f"{mean_reward(name):.3f}", f"{mean_reward(name) - fresh:+.3f}")
+          for name in ("full", "sync_every", "sync_every_tis")],
+         ("run", "sync every", "correction", "max staleness", f"mean batch reward, steps 1-{STALE_STEPS}",
+          "vs every step"))
+    stale, corrected = mean_reward("sync_every"), mean_reward("sync_every_tis")
+    print("stale batches learn " + ("less" if stale < fresh else "NOT less") + " than fresh ones here, and the "
+          "correction " + ("recovers part of it" if stale < corrected < fresh else
+                           "recovers all of it" if corrected >= fresh else "does not help on this run"))
+
+# %% [markdown]
+# Synchronizing every K-th step divides the sync's share by about K and costs freshness:
+# between two pushes the engine keeps generating with the weights it holds, so a batch can
+# be up to K-1 updates old, and a policy gradient taken on another policy's samples is a
+# biased one: the table above puts a number on what that did to the learning here (the
+# embedded policy moves a long way in a few updates at this learning rate, so K = 4 is a
+# harsh setting for it). The step stays honest about the staleness. The skipped syncs hand
+# `rl_step` a `KeepWeights`, which moves nothing and reports the version the engine really
+# holds, so every batch is generated, version-checked and logged as the policy that made
+# it (`generated_version`); the rollout's log-probs, the denominator of notebook 02's
+# importance-sampling correction (`--importance-sampling-correction`), come from that same
+# older policy; and each record says how many updates it lagged (`staleness`). Without the
+# correction the update treats the stale batch as on-policy, as LlamaRL does (notebook 07);
+# with it, each token is reweighted by pi_theta / pi_behaviour, truncated. Evaluations,
+# checkpoints and the last step always push: an evaluation must measure the latest weights,
+# and a resume refills the engine from the restored trainer, so the engine must have held
+# exactly those when the checkpoint was taken (otherwise the resumed run would differ).
+# Syncing less often needs the engine to keep its weights between steps, so it cannot be
+# colocated at vLLM's sleep level 2 (`--no-colocate`; on a GPU, level 1 would offload them).
+#
+# By ZeRO level, the runs' own shares:
 
 # %%
 rows = [(name, f"ZeRO-{runs[name][0]['parallel']['zero']}", runs[name][0]["sync_mode"],
          f"{1e3 * runs[name][0]['sync_seconds']:.1f}", f"{100 * runs[name][0]['sync_share']:.1f} %")
         for name in ("zero0", "zero1", "zero2", "zero3", "lora", "adapter") if name in runs]
 show(rows, ("run", "stage", "sync", "ms per sync", "share of the step"))
+s = runs["lora"][0]
+print(f"the gathered copy peaked at {s['sync_peak_bytes'] / MiB:.2f} MiB in the LoRA run (one decoder layer of the "
+      f"policy: {layer_bytes / MiB:.2f} MiB; the whole policy: {whole_bytes / MiB:.2f} MiB): a 256 MiB bucket holds "
+      "this whole model, buffer and tensors")
 if not SMOKE:
     ddp, fsdp = runs["zero0"][0]["sync_share"], runs["zero3"][0]["sync_share"]
-    assert ddp < fsdp, "under DDP the engine's weights are already whole on every rank"
+    print("DDP's sync is a copy (its weights are whole on every rank), FSDP2's needs a gather: DDP's share is",
+          "smaller" if ddp < fsdp else "NOT smaller on this run")
 
 # %% [markdown]
 # Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
-# memory and a small share of the step. Under FSDP2 each tensor is first all-gathered, and
-# on CPUs with gloo much of that time is latency: one collective per tensor, each with a
-# fixed cost whatever its size, which is why the share can sit above the source's 5 % even
-# for a 1 M-parameter model whose whole state is a few MiB. Adapter-only sync cuts the
-# bytes by an order of magnitude but not the number of tensors (two small matrices for each
-# of the 7 adapted linears of a block, against the block's 12 weights and biases), so on a
-# latency-bound link it saves less time than bytes. On GPUs with NCCL and a real model the
-# bandwidth term dominates and the bytes column is the one to read; the packing the source
-# mentions (one flat all-gather per layer instead of one per tensor, which FSDP2's own
-# `unshard()` does for its forward pass) attacks the latency term.
+# memory. Under FSDP2 the weights are first all-gathered, and on CPUs with gloo that time
+# is mostly latency, which is why one collective per tensor put a 1 M-parameter model's sync
+# far above the source's 5 %. On GPUs with NCCL and a real model the bandwidth term grows
+# and the bytes column becomes the one to read: that is where adapter-only sync pays most,
+# and where the bucket size (memory against round trips) is a real decision.
 
 # %% [markdown]
 # ### Full fine-tuning against LoRA
@@ -2650,8 +3045,8 @@ if not SMOKE:
 # | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
-# | weight sync from shards | gather one layer at a time (peak ≈ one layer), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo the per-tensor latency dominates; adapter-only sync cuts the bytes by an order of magnitude, not the number of tensors |
+# | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
 #

@@ -648,10 +648,7 @@ Simplified on purpose: gloo's all_to_all_single on CPU (NCCL on GPUs); no capaci
 token dropping, no overlap of the exchange with compute (DeepEP's job), one MoE layer.
 """
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -660,7 +657,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -821,22 +818,19 @@ def worker_main(argv=None) -> None:
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
                            tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300) -> dict:
     """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
-    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails."""
+    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`)."""
     local_experts(experts, world_size, 0)
     if tokens < world_size or tokens % world_size:
         raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "expert.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.parallel.expert import worker_main; worker_main()",
-               "--hidden", str(hidden), "--experts", str(experts), "--top-k", str(top_k), "--tokens", str(tokens),
-               "--skew", str(skew), "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
+                 "--repeats", repeats, "--out", out]
+        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
 
 # %% [markdown]
@@ -1147,7 +1141,7 @@ class Event:
 
 
 @dataclass
-class Timeline:
+class PipelineTimeline:
     """What `simulate` returns: every op's start and end, per rank."""
 
     events: list[Event]
@@ -1314,7 +1308,7 @@ def _dualpipev_rank(P: int, M: int, rank: int) -> list:
 
 # %%
 # | export minirl/parallel/pipeline.py
-def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs()) -> Timeline:
+def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs()) -> PipelineTimeline:
     """Run every rank's ordered actions; each starts when its rank is free and its inputs have arrived.
 
     orders: rank -> [Op or (Op, Op)] (a pair runs as one overlapped action costing the sum).
@@ -1381,7 +1375,7 @@ def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs())
             stuck = {r: str(a[position[r]]) for r, a in orders.items() if position[r] < len(a)}
             raise PipelineError(f"the schedule deadlocks: every rank waits for another ({stuck}); "
                                 "a backward must come after its forward, stage s after stage s-1")
-    return Timeline(events, num_ranks=len(orders))
+    return PipelineTimeline(events, num_ranks=len(orders))
 
 
 def _ops(actions):
@@ -1441,7 +1435,8 @@ def schedule_orders(schedule: str, num_ranks: int, num_microbatches: int) -> dic
     raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
 
 
-def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int, costs: Costs = Costs()) -> Timeline:
+def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
+                      costs: Costs = Costs()) -> PipelineTimeline:
     """Simulate a named schedule with `costs` per rank and micro-batch (DualPipeV's chunks cost half)."""
     orders = schedule_orders(schedule, num_ranks, num_microbatches)
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)
@@ -1451,7 +1446,7 @@ def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int, cost
 COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
 
 
-def plot_timeline(timeline: Timeline, ax=None, title: str = ""):
+def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
     """Draw one row per rank, one box per op (labelled with its micro-batch); returns the axes."""
     import matplotlib.pyplot as plt
 
@@ -1504,7 +1499,7 @@ assert same
 P, M = 4, 8
 fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
 for ax, schedule in zip(axes, SCHEDULES):
-    plot_timeline(simulate_schedule(schedule, P, M, Costs(forward=1.0, backward=2.0)), ax=ax,
+    plot_pipeline(simulate_schedule(schedule, P, M, Costs(forward=1.0, backward=2.0)), ax=ax,
                   title=f"{schedule}, P = {P}, M = {M}, B = 2F")
 plt.tight_layout()
 plt.show()
@@ -1599,8 +1594,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -1609,10 +1602,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import output_ends, torchrun
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
-                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
-                                      simulate, split_layers)
+                                      Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
+                                      schedule_orders, simulate, split_layers)
 
 
 class Block(nn.Module):
@@ -1776,7 +1769,8 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
     Checks the settings first: every micro-batch count must fit the batch and the layers must
     split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
-    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails.
+    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
     """
     for schedule in schedules:
         num_stages = 2 * world_size if schedule == "dualpipev" else world_size
@@ -1786,35 +1780,30 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
             check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
             if schedule == "dualpipev" and m < num_stages:
                 raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pipeline.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c",
-               "from minirl.parallel.pipeline_run import worker_main; worker_main()",
-               "--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
-               "--layers", str(layers), "--hidden", str(hidden), "--batch", str(batch), "--seq", str(seq),
-               "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
+                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
+                 "--out", out]
+        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
 
 
-def measured_timelines(run: dict) -> list[Timeline]:
-    """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
+def measured_timelines(run: dict) -> list[PipelineTimeline]:
+    """One PipelineTimeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
         events = [Event(r["rank"], Op(kind, m, stage), start, end) for r in run["per_rank"]
                   for kind, m, stage, start, end in r["steps"][i]["events"]]
-        timelines.append(Timeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
+        timelines.append(PipelineTimeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
     return timelines
 
 
-def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
+def measured_costs(timelines: list[PipelineTimeline]) -> dict[int, Costs]:
     """Median measured time per stage of F, B (or I + W), and the message latency -> Costs per stage."""
     by = {}
     for t in timelines:
@@ -1831,7 +1820,7 @@ def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
     return costs
 
 
-def message_waits(timeline: Timeline) -> list[float]:
+def message_waits(timeline: PipelineTimeline) -> list[float]:
     """Gaps between an op's input being computed on one rank and the op starting on another, counted
     only where the receiving rank sat idle in between: the cost of one send, as the job saw it."""
     finished = {}
@@ -1903,9 +1892,9 @@ REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
 run = next(r for r in pipe["runs"] if r["schedule"] == "1f1b" and r["microbatches"] == 4)
 measured_timeline = measured_timelines(run)[0]
 fig, axes = plt.subplots(2, 1, figsize=(11, 3.8))
-plot_timeline(measured_timeline, ax=axes[0], title="measured 1F1B, P = 2, M = 4 (gloo, CPU)")
+plot_pipeline(measured_timeline, ax=axes[0], title="measured 1F1B, P = 2, M = 4 (gloo, CPU)")
 costs = measured_costs(measured_timelines(run))
-plot_timeline(simulate(schedule_orders("1f1b", 2, 4), costs), ax=axes[1], title="simulated with the measured costs")
+plot_pipeline(simulate(schedule_orders("1f1b", 2, 4), costs), ax=axes[1], title="simulated with the measured costs")
 plt.tight_layout()
 plt.show()
 

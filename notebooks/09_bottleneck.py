@@ -591,7 +591,7 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     return ax
 
 
-def plot_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
+def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
     """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
 
     Sub-timers are drawn at the end of their parent's span; untimed time ("other") at the end of each step.
@@ -649,14 +649,14 @@ def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str |
 
 # %%
 from minirl.profiling.decompose import decompose  # noqa: E402
-from minirl.profiling.plots import plot_compare, plot_shares, plot_timeline  # noqa: E402
+from minirl.profiling.plots import plot_compare, plot_shares, plot_stage_timeline  # noqa: E402
 
 base_dir = stage1_run("hf", rollout_engine="hf")
 base = decompose(base_dir)
 print(base.table())
 fig, axes = plt.subplots(2, 1, figsize=(9, 5.5))
 plot_shares(base, ax=axes[0], title="stage 1, hf engine: each step's time by category")
-plot_timeline(base, steps=3, ax=axes[1])
+plot_stage_timeline(base, steps=3, ax=axes[1])
 fig.tight_layout()
 plt.show()
 

@@ -9,8 +9,13 @@ CASES.json maps a name to a case; rank 0 saves OUT_DIR/<name>.pt. Kinds of case:
       -> every rank's error (each rank records what it raised, through `agree`);
   "push_error": a good setup, then a push with {"sabotage": "rename" | "drop" | "older"}
       -> every rank's error;
-  "sync_peak": the gathered bytes alive at once when pushing into a streaming engine and into
-      notebook 01's HFEngine (which builds a dict of everything), and a layer's and the model's bytes.
+  "sync_peak": the gathered bytes alive at once when pushing into a streaming engine (one all-gather per
+      tensor, packed per layer, packed in one bucket) and into notebook 01's HFEngine (which builds a dict
+      of everything), and a layer's and the model's bytes;
+  "packed_gather": packed gathering against DTensor.full_tensor, tensor by tensor, and how many
+      all-gathers each way makes;
+  "sync_every": a run with sync_every=2: the engine's weights after a step that did not push (still the
+      initial ones) and after the last step (the trainer's), and the records.
 """
 
 import importlib.util
@@ -26,7 +31,7 @@ from minirl.parallel.launch import agree, init_distributed, shutdown
 from minirl.parallel.spmd import setup_spmd, spmd_step
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.hf import HFEngine
-from minirl.sync.sharded import ShardedSync, full_tensor
+from minirl.sync.sharded import ShardedSync, full_tensor, gather_buckets, split_by_layer
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run
 
@@ -69,6 +74,45 @@ def errors_on_every_rank(ctx, fn) -> list:
     return errors
 
 
+def engine_weights(state) -> dict:
+    return {n: t.detach().clone() for n, t in state.engine.named_weights()}
+
+
+def trainer_weights(state) -> dict:
+    return {n: full_tensor(t).clone() for n, t in state.roles.actor.named_weights()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def packed_against_full_tensor(state) -> dict:
+    """Gather the trainer's state per tensor and packed (per layer, one bucket); count the all-gathers."""
+    import torch.distributed as dist
+
+    named = list(state.roles.actor.named_weights())
+    calls, original = [0], dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    reference = {n: full_tensor(t) for n, t in named}
+    found = {}
+    dist.all_gather_single = counted
+    try:
+        for cap in (0, 2**30):
+            calls[0] = 0
+            got = {n: t for layer in gather_buckets(named, cap) for n, t in layer}
+            found[cap] = {"equal": same(got, reference), "calls": calls[0],
+                          "shapes": all(got[n].shape == reference[n].shape for n in reference)}
+    finally:
+        dist.all_gather_single = original
+    uneven = [n for n, t in named if hasattr(t, "to_local") and t.shape[0] % dist.get_world_size()]
+    return {"per_layer": found[0], "one_bucket": found[2**30], "layers": len(list(split_by_layer(named))),
+            "uneven": uneven, "tensors": len(named)}
+
+
 def main(cases_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     cases = json.loads(Path(cases_path).read_text())
@@ -91,9 +135,24 @@ def main(cases_path: str, out_dir: str) -> None:
                 whole = sum(t.numel() * t.element_size() for t in distinct)
                 layer = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".layers.0." in n)
                 state = setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx)
-                sync, named = ShardedSync("full"), list(state.roles.actor.named_weights())
-                result = {"streaming": sync.push(named, streaming, 1).peak_bytes,
-                          "dict": sync.push(named, plain, 1).peak_bytes, "layer": layer, "whole": whole}
+                named = list(state.roles.actor.named_weights())
+                per_tensor, per_layer = ShardedSync("full", packed=False), ShardedSync("full", bucket_bytes=0)
+                result = {"streaming": per_tensor.push(named, streaming, 1).peak_bytes,
+                          "packed_layer": per_layer.push(named, streaming, 2).peak_bytes,
+                          "packed_bucket": ShardedSync("full", bucket_bytes=2**30).push(named, streaming, 3).peak_bytes,
+                          "dict": per_tensor.push(named, plain, 1).peak_bytes, "layer": layer, "whole": whole}
+            elif kind == "packed_gather":
+                result = packed_against_full_tensor(setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits],
+                                                               ctx))
+            elif kind == "sync_every":
+                state = setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx)
+                initial = engine_weights(state)
+                run(state, spmd_step, [], 1)
+                after_one, trainer_one = engine_weights(state), trainer_weights(state)
+                records = run(state, spmd_step, [], case["steps"])
+                result = {"records": records, "stale_after_one": same(after_one, initial),
+                          "trained_after_one": not same(trainer_one, initial),
+                          "fresh_at_end": same(engine_weights(state), trainer_weights(state))}
             else:
                 state = setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx)
                 if kind == "push_error":

@@ -56,9 +56,11 @@ def test_bad_flags_fail_before_loading(tmp_path, chapter, monkeypatch, capsys, a
 def test_training_comparison_trains_the_given_model(tmp_path, tiny_model_dir, chapter, monkeypatch):
     """Item 12: --train-steps trains --model (not the embedded policy), both runs in their own directories."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    summary = chapter.main(["--out", str(tmp_path), "--model", str(tiny_model_dir), "--sweep", "float32",
-                            "--num-prompts", "2", "--num-generations", "2", "--train-steps", "1",
-                            "--prompts-per-step", "2", "--eval-every", "0", "--quiet"])
+    code = chapter.main(["--out", str(tmp_path), "--model", str(tiny_model_dir), "--sweep", "float32",
+                         "--num-prompts", "2", "--num-generations", "2", "--train-steps", "1",
+                         "--prompts-per-step", "2", "--eval-every", "0", "--quiet"])
+    assert code == 0, "main returns the exit status"
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["training"]) == {"no_correction", "tis"}
     for name in ("no_correction", "tis"):
         trained = json.loads((tmp_path / name / "final" / "config.json").read_text())

@@ -110,3 +110,26 @@ def test_a_model_config_with_a_negative_size(tmp_path):
     (tmp_path / "config.json").unlink()
     proc = run("--model", str(tmp_path), check=False)
     assert proc.returncode == 2 and "no config.json in" in proc.stderr
+
+
+def _chapter():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chapter03", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_returns_the_exit_status(monkeypatch, capsys, tmp_path):
+    """0 on success; a failed measurement job is 1 with its cause on the last line (not a dict and exit 0)."""
+    chapter = _chapter()
+    assert chapter.main(["--params", "7e9", "--json"]) == 0
+
+    def failing(args):
+        raise RuntimeError("measurement job (world_size=2) failed with code -6:\nrank 0: terminate called")
+
+    monkeypatch.setattr(chapter, "measure", failing)
+    assert chapter.main(["--measure", "--out", str(tmp_path)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "error: the measurement job failed: measurement job (world_size=2) failed with code -6:", last

@@ -46,10 +46,14 @@ def test_a_killed_rank_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert len(summary["peak_bytes"]) == 2 and all(p > 0 for p in summary["peak_bytes"])
     assert summary["sync_seconds"] > 0 and summary["sync_bytes"] > 0 and 0 < summary["sync_share"] < 1
-    assert [r["mode"] for r in summary["sync_table"]] == ["full", "merged", "adapter"]
-    table = {r["mode"]: r for r in summary["sync_table"]}
-    assert table["adapter"]["bytes"] < 0.2 * table["merged"]["bytes"]
-    assert table["full"]["bytes"] == table["merged"]["bytes"]
+    modes = [(r["mode"], r["transfer"]) for r in summary["sync_table"]]
+    assert modes == [(m, t) for m in ("full", "merged", "adapter") for t in ("per tensor", "per layer",
+                                                                             "256 MiB buckets")], modes
+    table = {(r["mode"], r["transfer"]): r for r in summary["sync_table"]}
+    for transfer in ("per tensor", "per layer", "256 MiB buckets"):
+        assert table[("adapter", transfer)]["bytes"] < 0.2 * table[("merged", transfer)]["bytes"]
+        assert table[("full", transfer)]["bytes"] == table[("merged", transfer)]["bytes"]
+    assert summary["sync_every"] == 1 and summary["staleness_max"] == 0 and summary["pushes"] == 4
     assert "source flags > 5 %" in job.stdout and "rank 1: trainer state" in job.stdout
 
     from transformers import AutoModelForCausalLM
@@ -75,6 +79,29 @@ def test_a_killed_rank_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.distributed
+def test_sync_every_resumes_exactly(tmp_path):
+    """--sync-every 2 with checkpoints every 3 steps: the step-3 checkpoint forces a push (3 is odd), so the
+    resumed engine holds what the uninterrupted one held, and both runs end with the same weights."""
+    flags = ["--steps", 6, "--eval-every", 0, "--checkpoint-every", 3, "--prompts-per-step", 4, "--num-generations",
+             4, "--zero", 3, "--learning-rate", 0.001, "--sync-every", 2, "--no-colocate", "--no-progress"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    job = launch("--out", whole, *flags)
+    assert job.returncode == 0, job.stdout[-4000:]
+    summary = json.loads((whole / "summary.json").read_text())
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sync/pushed"] for r in records] == [0, 1, 1, 1, 0, 1], "every 2nd step, the checkpoint, the last"
+    assert [r["staleness"] for r in records] == [0, 1, 0, 0, 0, 1]
+    assert summary["staleness_max"] == 1 and summary["pushes"] == 4 and 0 < summary["sync_share"] < 1
+    assert "batches up to 1 updates behind" in job.stdout
+    job = launch("--out", broken, *flags, "--kill-rank", "0:4")
+    assert job.returncode != 0 and "rank 0: killed after step 4" in job.stdout
+    job = launch("--out", broken, "--resume", "--no-progress")
+    assert job.returncode == 0, job.stdout[-4000:]
+    a, b = load_file(whole / "final" / "model.safetensors"), load_file(broken / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed != uninterrupted"
+
+
+@pytest.mark.distributed
 def test_a_bad_flag_stops_every_rank_before_loading(tmp_path):
     job = launch("--out", tmp_path / "bad", "--prompts-per-step", 3, timeout=180)
     assert job.returncode != 0
@@ -91,6 +118,11 @@ def test_a_bad_flag_stops_every_rank_before_loading(tmp_path):
     (["--zero", "5"], "invalid choice: 5"),
     (["--lora-rank", "0", "--sync-mode", "merged"], "merging or shipping an adapter needs LoRA"),
     (["--zero", "1", "--mixed-precision", "bf16"], "use --zero 2 or 3"),
+    (["--sync-every", "0"], "argument --sync-every: 0: must be >= 1"),
+    (["--sync-every", "4"], "argument --sync-every: 4: a colocated engine discards its weights"),
+    (["--rollout", "hf"], "argument --rollout: invalid choice: 'hf'"),
+    (["--rollout", "vllm", "--rollout-engine", "paged"],
+     "argument --rollout-engine: 'paged': names one of minirl's in-process engines"),
 ])
 def test_bad_flags_are_refused_with_their_name(tmp_path, monkeypatch, capsys, flags, message):
     if "nccl" in flags and torch.cuda.is_available():

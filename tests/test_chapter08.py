@@ -45,3 +45,22 @@ def test_chapter_rejects_bad_arguments(tmp_path):
     out = run("--microbatches", "2", tmp_path=tmp_path)
     assert out.returncode != 0 and "DualPipeV needs at least" in out.stderr
 
+
+
+def test_a_failed_torchrun_job_is_exit_status_1(tmp_path, monkeypatch, capsys):
+    """main returns its exit status: a failed measurement job is 1, its cause on the last line of stderr."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chapter08", ROOT / "chapters" / "08_moe_pipelines.py")
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+
+    def failing(args, out):
+        raise RuntimeError("pipeline job (world_size=2) failed with code 1:\nrank 1: boom")
+
+    monkeypatch.setattr(chapter, "bubbles", failing)
+    monkeypatch.setattr(chapter, "gspo", lambda *a: {})
+    code = chapter.main(["--out", str(tmp_path), "--rl-steps", "0", "--warm-start-steps", "2", "--quiet"])
+    assert code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "error: a torchrun job failed: pipeline job (world_size=2) failed with code 1:"

@@ -132,15 +132,18 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
     import subprocess
     import warnings
 
+    import minirl.memory.measure as measure
+
     calls = []
 
-    def aborting(cmd, **kwargs):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, -6, stdout="", stderr="rank 0: terminate called\n" + "x" * 9000)
+    def aborting(target, nproc, args=(), **kwargs):          # the one launcher, minirl.parallel.launch.torchrun
+        calls.append((target, nproc, list(args), kwargs))
+        return subprocess.CompletedProcess(target, -6, stdout="rank 0: terminate called\n" + "x" * 9000, stderr="")
 
-    monkeypatch.setattr(subprocess, "run", aborting)
+    monkeypatch.setattr(measure, "torchrun", aborting)
     with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as err:
         warnings.simplefilter("always")
         launch_measurement(2, size="tiny")
     assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
+    assert calls[0][:2] == ("minirl.memory.measure:worker_main", 2) and calls[0][3]["timeout"] == 600
     assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)

@@ -16,7 +16,7 @@ from minirl.config import RLConfig, SamplingConfig
 from minirl.data import Experience
 from minirl.memory.measure import storage_bytes
 from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_share
+from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
 from minirl.parallel.roles import (DistributedActor, DistributedCritic, pad_completions, rank_loss_weight,
                                    reduce_metrics, scale_gradient)
 from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
@@ -24,7 +24,8 @@ from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
-from minirl.sync.sharded import LiveBytes, ShardedSync, engine_name, gather_by_layer, merge_lora
+from minirl.sync.sharded import (LiveBytes, ShardedSync, engine_name, gather_buckets, gather_by_layer, gather_packed,
+                                  layer_buckets, merge_lora, shard_numels, split_by_layer)
 from minirl.utils.validate import ConfigError
 
 SAMPLING = SamplingConfig(num_generations=2, max_completion_length=3)
@@ -48,6 +49,10 @@ def group():
     (dict(lora_rank=4, sync_mode="full"), r"sync_mode='full': with LoRA"),
     (dict(zero=1, mixed_precision="bf16"), r"mixed_precision='bf16'.*use --zero 2 or 3"),
     (dict(rollout="sglang"), r"rollout='sglang'"),
+    (dict(rollout="hf"), r"rollout='hf': use one of 'minirl', 'vllm'"),
+    (dict(sync_every=0), r"sync_every=0: must be >= 1 \(1: push after every update"),
+    (dict(sync_every=3), r"sync_every=3: a colocated engine discards its weights.*--no-colocate"),
+    (dict(sync_bucket_mb=-1.0), r"sync_bucket_mb=-1.0: must be >= 0.0"),
     (dict(lora_rank=2, lora_target_modules=" , "), r"lora_target_modules"),
 ])
 def test_parallel_config_rejects_bad_values(kwargs, match):
@@ -69,8 +74,40 @@ def test_vllm_without_vllm_is_a_named_error():
     import importlib.util
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(ConfigError, match=r"rollout='vllm': vLLM is not installed.*requirements-gpu.txt.*--rollout hf"):
+    with pytest.raises(ConfigError,
+                       match=r"rollout='vllm': vLLM is not installed.*requirements-gpu.txt.*--rollout minirl"):
         check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2)
+
+
+def test_vllm_with_an_in_process_engine_is_a_contradiction():
+    """--rollout vllm generates with vLLM: naming one of minirl's engines as well is refused, not ignored."""
+    with pytest.raises(ConfigError, match=r"rollout_engine='paged': names one of minirl's in-process engines.*"
+                                          r"--rollout minirl"):
+        check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2)
+
+
+def test_engine_class_picks_the_engine_the_config_names():
+    from minirl.rollout.engine.engine import PagedEngine
+    from minirl.train.run import engine_class
+
+    assert [engine_class(n) for n in ("hf", "shared_prefix", "paged")] == [HFEngine, SharedPrefixEngine, PagedEngine]
+    with pytest.raises(ConfigError, match=r"rollout_engine='tgi': use one of"):
+        engine_class("tgi")
+
+
+def test_sync_due_every_k_steps_and_where_the_engine_must_be_fresh():
+    from minirl.parallel.spmd import KeepWeights, sync_due
+
+    config = RLConfig.from_flat(steps=10, eval_every=5, checkpoint_every=3)
+    due = [s for s in range(1, 11) if sync_due(s, ParallelConfig(sync_every=4, colocate=False), config)]
+    assert due == [3, 4, 5, 6, 8, 9, 10], "every 4th, every checkpoint (3), evaluation (5) and the last step"
+    assert all(sync_due(s, ParallelConfig(), config) for s in range(1, 11)), "sync_every=1: every step"
+
+    class Engine:
+        version = 7
+
+    report = KeepWeights().push([("w", torch.ones(2))], Engine(), 8)
+    assert (report.version, report.tensors, report.bytes) == (7, 0, 0), "nothing moves; the engine's own version"
 
 
 def test_nccl_without_cuda_is_a_named_error():
@@ -85,11 +122,11 @@ def test_nccl_without_cuda_is_a_named_error():
     assert pick_backend("auto", "cpu") == "gloo"
 
 
-def test_rank_share_is_contiguous_and_refuses_uneven_batches():
+def test_rank_slice_is_contiguous_and_refuses_uneven_batches():
     rows = list(range(8))
-    assert [rank_share(rows, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_slice(rows, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ConfigError, match="prompts_per_step=6.*multiple of 4"):
-        rank_share(list(range(6)), 0, 4)
+        rank_slice(list(range(6)), 0, 4)
 
 
 def test_lora_targets_must_match_a_linear_layer(make_tiny_policy):
@@ -163,6 +200,37 @@ def test_gather_by_layer_yields_whole_tensors_one_layer_at_a_time(group, make_ti
         assert len(keys) == 1, f"one layer per list, got {keys}"
         for name, tensor in layer:
             assert type(tensor) is torch.Tensor and torch.equal(tensor, reference[name])
+
+
+def test_packed_gathering_gives_whole_tensors_in_buckets_of_whole_layers(group, make_tiny_policy):
+    """In a group of one: the same tensors as gather_by_layer, grouped by bucket (two ranks: test_parallel_torchrun)."""
+    model, _ = make_tiny_policy(seed=4, num_layers=3)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    named = list(shard(model, group).model.state_dict().items())
+    layer_bytes = sum(t.numel() * t.element_size() for n, t in named if ".layers.0." in n)
+    per_layer = list(gather_buckets(named, 0))
+    assert [[n for n, _ in b] for b in per_layer] == [[n for n, _ in layer] for layer in gather_by_layer(named)]
+    for cap, expected in ((0, len(per_layer)), (2 * layer_bytes, None), (10**12, 1)):
+        buckets = list(layer_buckets(named, cap))
+        assert [n for b in buckets for n, _ in b] == [n for n, _ in named], "every tensor once, in order"
+        layers_in = [{n.split(".layers.")[1].split(".")[0] for n, _ in b if ".layers." in n} for b in buckets]
+        assert sum(len(x) for x in layers_in) == 3, "a decoder layer is never split between buckets"
+        if expected is not None:
+            assert len(buckets) == expected
+        for b in buckets:
+            groups = list(split_by_layer(b))
+            size = sum(t.numel() * t.element_size() for _, t in b)
+            assert len(groups) == 1 or size <= cap, "several layers share a bucket only within the cap"
+        assert cap == 0 or len(buckets) < len(per_layer), "a cap of two layers or more merges some"
+    whole = {n: t for b in gather_buckets(named, 10**12) for n, t in b}
+    assert all(type(t) is torch.Tensor and torch.equal(t, reference[n]) for n, t in whole.items())
+    plain = [("lm_head.weight", torch.ones(2, 3))]
+    assert gather_packed(plain)[0][1] is not None and torch.equal(gather_packed(plain)[0][1], plain[0][1])
+
+
+@pytest.mark.parametrize("rows, world, expected", [(19, 2, (10 * 4, 9 * 4)), (3, 4, (4, 4, 4, 0)), (8, 1, (32,))])
+def test_shard_numels_follow_torch_chunk(rows, world, expected):
+    assert shard_numels((rows, 4), world) == expected
 
 
 def test_merge_lora_agrees_with_peft(make_tiny_policy):

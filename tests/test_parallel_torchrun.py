@@ -56,7 +56,10 @@ def cases() -> dict:
         out[name] = {"rl": SMALL | case["rl"], "parallel": {"seed_per_prompt": True} | case["parallel"],
                      "steps": SMALL["steps"]}
     out |= ERRORS
-    out["sync_peak"] = {"kind": "sync_peak", "layers": 3, "parallel": {"zero": 3}}
+    out["sync_peak"] = {"kind": "sync_peak", "layers": 6, "parallel": {"zero": 3}}
+    out["packed_gather"] = {"kind": "packed_gather", "layers": 2, "parallel": {"zero": 3, "lora_rank": 3}}
+    out["sync_every"] = {"kind": "sync_every", "steps": 3, "rl": SMALL | {"checkpoint_every": 0},
+                         "parallel": {"zero": 3, "sync_every": 2, "colocate": False}}
     return out
 
 
@@ -129,3 +132,28 @@ def test_gathering_layer_by_layer_bounds_the_extra_memory(results):
     peak = results["sync_peak"]
     assert 0 < peak["streaming"] <= 1.05 * peak["layer"], peak
     assert peak["dict"] >= 0.9 * peak["whole"] > 2 * peak["streaming"], peak
+    # packed: the gathered buffer lives while its whole tensors are cut out of it
+    assert peak["layer"] < peak["packed_layer"] <= 2.1 * peak["layer"] < 0.5 * peak["whole"], peak
+    assert peak["packed_bucket"] >= 0.9 * peak["whole"], "one bucket for the whole model: a model's memory"
+
+
+@pytest.mark.distributed
+def test_packed_gathering_is_full_tensor_with_one_collective_per_bucket(results):
+    got = results["packed_gather"]
+    assert got["uneven"], "the case must shard some tensor unevenly (vocabulary 19, LoRA rank 3 on 2 ranks)"
+    for way in ("per_layer", "one_bucket"):
+        assert got[way]["equal"] and got[way]["shapes"], f"{way}: packed != full_tensor"
+    assert got["per_layer"]["calls"] == got["layers"] < got["tensors"], got
+    assert got["one_bucket"]["calls"] == 1, got
+
+
+@pytest.mark.distributed
+def test_sync_every_k_generates_with_the_version_the_engine_holds(results):
+    got = results["sync_every"]
+    assert got["trained_after_one"] and got["stale_after_one"], "step 1 updated the trainer, not the engine"
+    assert got["fresh_at_end"], "the last step always pushes"
+    records = got["records"]
+    assert [r["sync/pushed"] for r in records] == [0, 1, 1]
+    assert [r["staleness"] for r in records] == [0, 1, 0], "updates between the generating policy and the trainer"
+    assert [r["generated_version"] for r in records] == [0, 0, 1], "the batch's version is the engine's"
+    assert [r["version"] for r in records] == [0, 1, 2] and records[0]["sync/bytes"] == 0

@@ -25,8 +25,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -38,6 +36,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
 from minirl.parallel import wrap
+from minirl.parallel.launch import output_ends, torchrun
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -339,11 +338,13 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
                        seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
     """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
 
-    Uses every visible GPU's NCCL when CUDA is available (world_size must then be <= the GPU
-    count), else gloo on CPU processes sharing the cores. On an overloaded machine a gloo job
-    occasionally aborts, so a failed job is run again (with a warning that says why) up to
-    `attempts` times in all; the last failure raises RuntimeError with the start and the end
-    of the job's output (a rank's own error comes before torchrun's long summary).
+    Launched with notebook 04's `torchrun` (a timeout ends every rank, then raises
+    subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
+    (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
+    On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
+    (with a warning that says why) up to `attempts` times in all; the last failure raises
+    RuntimeError with the start and the end of the job's output (a rank's own error comes
+    before torchrun's long summary).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
@@ -352,29 +353,19 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"strategies={unknown!r}: use names from {', '.join(STRATEGIES)}")
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world_size)))
+    threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.memory.measure import worker_main; worker_main()",
-               "--strategies", ",".join(strategies), "--size", size, "--batch", str(batch), "--seq", str(seq),
-               "--out", str(out)]
+        flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
         for attempt in range(1, attempts + 1):
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode == 0 and out.exists():
+            job = torchrun("minirl.memory.measure:worker_main", world_size, flags, timeout=timeout, threads=threads)
+            if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
-            failure = (f"measurement job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                       f"{_ends(proc.stdout)}\n{_ends(proc.stderr)}")
+            failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
+                       f"{output_ends(job.stdout)}")
             if attempt < attempts:
                 warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
         raise RuntimeError(failure)
-
-
-def _ends(text: str, n: int = 2500) -> str:
-    """The first and last `n` characters of a long output, or all of a short one."""
-    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
 
 
 NOTES = {

@@ -8,12 +8,13 @@
 generator, the settings, the world size). Written to a temporary directory that rank 0
 renames into place once every rank is done. `latest_sharded` finds the newest intact one;
 `load_sharded` restores it into a freshly built state and pushes the weights to the engine.
+`ShardedCheckpoints` hands both to notebook 01's `run_in_dir`.
 
 Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
 """
 
 __all__ = ["PREFIX", "TMP", "save_sharded", "intact", "latest_sharded", "load_sharded",
-           "ShardedCheckpointer"]
+           "ShardedCheckpointer", "ShardedCheckpoints"]
 
 import dataclasses
 import os
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from minirl.train.run import Callback
+from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
 PREFIX, TMP = "step-", ".tmp-step-"
@@ -146,3 +148,24 @@ class ShardedCheckpointer(Callback):
     def on_end(self, state):
         if not state.interrupted and self.saved_step != state.step:
             save_sharded(self.root, state, self.keep)
+
+
+class ShardedCheckpoints:
+    """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
+
+    `callback()` is a ShardedCheckpointer under `out_dir/checkpoints`; `restore(state)` loads
+    the newest intact one on every rank (RunDirError, on every rank alike, if there is none).
+    """
+
+    def __init__(self, out_dir, config):
+        self.root, self.config = Path(out_dir) / "checkpoints", config
+
+    def callback(self) -> ShardedCheckpointer:
+        return ShardedCheckpointer(self.root, self.config.run.checkpoint_every, self.config.run.keep_checkpoints)
+
+    def restore(self, state) -> None:
+        found = latest_sharded(self.root, dist.get_world_size())
+        if found is None:
+            raise RunDirError(f"--resume: {self.root.parent} holds no intact checkpoint (the run stopped before its "
+                              "first one); start it again with --overwrite")
+        load_sharded(found, state)

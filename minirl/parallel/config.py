@@ -7,20 +7,20 @@ stage-4 run adds these. Every value is checked when the dataclass is built, and
 rank of a job refuses a bad one before it loads anything.
 """
 
-__all__ = ["ZERO_LEVELS", "ROLLOUTS", "SYNC_MODES", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS",
-           "ParallelConfig", "check_parallel"]
+__all__ = ["ZERO_LEVELS", "ROLLOUTS", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS", "ParallelConfig",
+           "check_parallel"]
 
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 
-from minirl.config import RLConfig
+from minirl.config import RLConfig, RolloutConfig
+from minirl.sync.sharded import SYNC_MODES
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("hf", "vllm")
-SYNC_MODES = ("auto", "full", "merged", "adapter")
+ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -36,21 +36,32 @@ class ParallelConfig:
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "hf"                # hf: the in-process engine of --rollout-engine; vllm: vLLM (CUDA)
+    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
+    packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
+    sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
+    sync_every: int = 1                # push the weights every K steps: batches up to K-1 updates stale
     colocate: bool = True              # the engine releases its weights during the update, refilled at the sync
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": SYNC_MODES, "mixed_precision": MIXED_PRECISION,
-               "backend": ("auto", "gloo", "nccl")}
+    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+               "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
         for name, allowed in self.choices.items():
             check_choice(name, getattr(self, name), allowed)
         check_int("lora_rank", self.lora_rank, low=0, why="0 is full fine-tuning")
         check_float("lora_alpha", self.lora_alpha, low=0.0, why="0: twice the rank")
+        check_float("sync_bucket_mb", self.sync_bucket_mb, low=0.0, why="0: one decoder layer per all-gather")
+        check_int("sync_every", self.sync_every, low=1, why="1: push after every update; K: after every K-th, "
+                                                          "the rollout up to K-1 updates behind")
+        if self.sync_every > 1 and self.colocate:
+            raise ConfigError("sync_every", self.sync_every, "a colocated engine discards its weights after every "
+                                                             "generate, so every step must refill them: pass "
+                                                             "--no-colocate (the engine keeps its copy), or "
+                                                             "--sync-every 1")
         if self.lora_rank and not self.targets:
             raise ConfigError("lora_target_modules", self.lora_target_modules, "name at least one linear layer")
         mode = self.resolved_sync_mode
@@ -99,12 +110,16 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
     if pconfig.rollout == "vllm":
+        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
+            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
+                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
+                              "drop --rollout-engine, or use --rollout minirl")
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout hf")
+                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
         if not (cuda and torch.cuda.is_available()):
             raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout hf")
+                                                 "machine, or use --rollout minirl")
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
                                                    "hand them back by name; drop --verify-sync with --rollout vllm")

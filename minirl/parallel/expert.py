@@ -19,10 +19,7 @@ __all__ = ["local_experts", "exchange", "ExpertParallelMoE", "moe_block", "skew_
            "measure_rank", "worker_main", "launch_expert_parallel"]
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -191,20 +188,17 @@ def worker_main(argv=None) -> None:
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
                            tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300) -> dict:
     """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
-    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails."""
+    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`)."""
     local_experts(experts, world_size, 0)
     if tokens < world_size or tokens % world_size:
         raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "expert.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c", "from minirl.parallel.expert import worker_main; worker_main()",
-               "--hidden", str(hidden), "--experts", str(experts), "--top-k", str(top_k), "--tokens", str(tokens),
-               "--skew", str(skew), "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
+                 "--repeats", repeats, "--out", out]
+        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())

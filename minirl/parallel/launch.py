@@ -7,17 +7,18 @@ and returns a `DistContext`. `ProcessGroup` is the small object the step and the
 for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
 rank into an error on every rank, so that a bad input stops the whole job with its cause
 instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
-from Python (the notebook and the tests do).
+or a function from Python (the notebooks, the tests and the measurement jobs do), and ends
+every process of the job on a timeout or Ctrl-C (`stop_job`).
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
 """
 
 __all__ = ["BACKENDS", "DistContext", "world_from_env", "pick_backend", "init_distributed",
-           "shutdown", "ProcessGroup", "rank_share", "RankFailed", "agree", "torchrun"]
+           "shutdown", "ProcessGroup", "rank_slice", "RankFailed", "agree", "torchrun",
+           "output_ends", "stop_job"]
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -147,8 +149,8 @@ class ProcessGroup:
         return out
 
 
-def rank_share(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous share of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
+def rank_slice(items: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous slice of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
 
     Raises ConfigError when the batch does not divide evenly: every rank must hold whole
     prompts (a prompt's G completions stay together) and as many as the others.
@@ -191,35 +193,41 @@ def agree(what: str, fn):
     return result
 
 
-def torchrun(script, nproc: int, args=(), timeout: float = 600, stream: bool = False,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `script` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
+def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
+             env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
+    """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
 
-    The job imports this checkout's minirl (PYTHONPATH) and runs one torch thread per rank;
+    target: a script's path, or "package.module:function" (every rank imports the module and
+    calls the function, which reads its flags from sys.argv); args: its command-line words.
+    The job imports this checkout's minirl (PYTHONPATH) with `threads` torch threads per rank;
     stdout and stderr come back together in `.stdout`. stream=True also prints the output as
-    it comes (a notebook cell shows progress). After `timeout` seconds the whole job (torchrun
-    and its ranks: it runs in a session of its own) is killed and subprocess.TimeoutExpired
-    raised with the output so far.
+    it comes (a notebook cell shows progress). The launcher runs in a session of its own and
+    torchrun starts each rank in another; after `timeout` seconds, or on Ctrl-C, `stop_job`
+    ends all of them (SIGTERM, then SIGKILL `grace` seconds later), and a timeout raises
+    subprocess.TimeoutExpired with the output so far. The only launcher in minirl: the
+    notebooks, the tests and the measurement jobs of notebooks 03 and 08 all use it.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
     repo = str(Path(__file__).resolve().parents[2])
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+    module, _, function = str(target).partition(":")
+    if function and not Path(str(target)).exists():       # an entry point, not a file
+        entry = ["--no-python", sys.executable, "-c", f"from {module} import {function}; {function}()"]
+    else:
+        entry = [str(target)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
            *map(str, args)]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     expired = threading.Event()
 
-    def kill_job():                                      # torchrun and every rank it started
+    def on_timeout():
         expired.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_job(proc.pid, grace)
 
-    timer = threading.Timer(timeout, kill_job)
+    timer = threading.Timer(timeout, on_timeout)
     timer.start()
     lines = []
     try:
@@ -229,10 +237,43 @@ def torchrun(script, nproc: int, args=(), timeout: float = 600, stream: bool = F
                 sys.stdout.write(line)
         proc.wait()
     except BaseException:                                # Ctrl-C in the notebook: stop the job too
-        kill_job()
+        stop_job(proc.pid, grace)
         raise
     finally:
         timer.cancel()
+        proc.stdout.close()
     if expired.is_set():
         raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+
+
+def output_ends(text: str, n: int = 2500) -> str:
+    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
+    error comes before torchrun's long summary of the failure, which ends the output)."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
+
+
+def stop_job(pid: int, grace: float = 5.0) -> None:
+    """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
+
+    torchrun starts every rank in a session of its own (so that it can signal each rank's
+    group), so killing the launcher's process group alone would leave the ranks running:
+    the processes are found through their parents (psutil), before any is signalled.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)

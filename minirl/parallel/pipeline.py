@@ -16,10 +16,10 @@ purpose), it does not make one device compute two things at once.
 """
 
 __all__ = ["FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "KINDS", "PipelineError",
-           "Op", "Costs", "Event", "Timeline", "bubble_share", "check_pipeline", "split_layers",
-           "gpipe_order", "one_f_one_b_order", "one_f_one_b_schedule", "dualpipev_stages",
-           "dualpipev_order", "simulate", "bubble_formulas", "SCHEDULES", "schedule_orders",
-           "simulate_schedule", "COLORS", "plot_timeline"]
+           "Op", "Costs", "Event", "PipelineTimeline", "bubble_share", "check_pipeline",
+           "split_layers", "gpipe_order", "one_f_one_b_order", "one_f_one_b_schedule",
+           "dualpipev_stages", "dualpipev_order", "simulate", "bubble_formulas", "SCHEDULES",
+           "schedule_orders", "simulate_schedule", "COLORS", "plot_pipeline"]
 
 from dataclasses import dataclass
 
@@ -72,7 +72,7 @@ class Event:
 
 
 @dataclass
-class Timeline:
+class PipelineTimeline:
     """What `simulate` returns: every op's start and end, per rank."""
 
     events: list[Event]
@@ -233,7 +233,7 @@ def _dualpipev_rank(P: int, M: int, rank: int) -> list:
     return order
 
 
-def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs()) -> Timeline:
+def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs()) -> PipelineTimeline:
     """Run every rank's ordered actions; each starts when its rank is free and its inputs have arrived.
 
     orders: rank -> [Op or (Op, Op)] (a pair runs as one overlapped action costing the sum).
@@ -300,7 +300,7 @@ def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs())
             stuck = {r: str(a[position[r]]) for r, a in orders.items() if position[r] < len(a)}
             raise PipelineError(f"the schedule deadlocks: every rank waits for another ({stuck}); "
                                 "a backward must come after its forward, stage s after stage s-1")
-    return Timeline(events, num_ranks=len(orders))
+    return PipelineTimeline(events, num_ranks=len(orders))
 
 
 def _ops(actions):
@@ -360,7 +360,8 @@ def schedule_orders(schedule: str, num_ranks: int, num_microbatches: int) -> dic
     raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
 
 
-def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int, costs: Costs = Costs()) -> Timeline:
+def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
+                      costs: Costs = Costs()) -> PipelineTimeline:
     """Simulate a named schedule with `costs` per rank and micro-batch (DualPipeV's chunks cost half)."""
     orders = schedule_orders(schedule, num_ranks, num_microbatches)
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)
@@ -369,7 +370,7 @@ def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int, cost
 COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
 
 
-def plot_timeline(timeline: Timeline, ax=None, title: str = ""):
+def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
     """Draw one row per rank, one box per op (labelled with its micro-batch); returns the axes."""
     import matplotlib.pyplot as plt
 

@@ -23,8 +23,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -33,10 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import minirl
+from minirl.parallel.launch import output_ends, torchrun
 from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
-                                      Op, PipelineError, Timeline, check_pipeline, dualpipev_stages, schedule_orders,
-                                      simulate, split_layers)
+                                      Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
+                                      schedule_orders, simulate, split_layers)
 
 
 class Block(nn.Module):
@@ -200,7 +198,8 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
     Checks the settings first: every micro-batch count must fit the batch and the layers must
     split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
-    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails.
+    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
     """
     for schedule in schedules:
         num_stages = 2 * world_size if schedule == "dualpipev" else world_size
@@ -210,35 +209,30 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
             check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
             if schedule == "dualpipev" and m < num_stages:
                 raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    repo = str(Path(minirl.__file__).resolve().parents[1])   # the checkout the job imports
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pipeline.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "--no-python", sys.executable, "-c",
-               "from minirl.parallel.pipeline_run import worker_main; worker_main()",
-               "--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
-               "--layers", str(layers), "--hidden", str(hidden), "--batch", str(batch), "--seq", str(seq),
-               "--repeats", str(repeats), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {proc.returncode}:\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
+                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
+                 "--out", out]
+        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
 
 
-def measured_timelines(run: dict) -> list[Timeline]:
-    """One Timeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
+def measured_timelines(run: dict) -> list[PipelineTimeline]:
+    """One PipelineTimeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
     steps = len(run["per_rank"][0]["steps"])
     timelines = []
     for i in range(steps):
         events = [Event(r["rank"], Op(kind, m, stage), start, end) for r in run["per_rank"]
                   for kind, m, stage, start, end in r["steps"][i]["events"]]
-        timelines.append(Timeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
+        timelines.append(PipelineTimeline(sorted(events, key=lambda e: e.start), num_ranks=run["ranks"]))
     return timelines
 
 
-def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
+def measured_costs(timelines: list[PipelineTimeline]) -> dict[int, Costs]:
     """Median measured time per stage of F, B (or I + W), and the message latency -> Costs per stage."""
     by = {}
     for t in timelines:
@@ -255,7 +249,7 @@ def measured_costs(timelines: list[Timeline]) -> dict[int, Costs]:
     return costs
 
 
-def message_waits(timeline: Timeline) -> list[float]:
+def message_waits(timeline: PipelineTimeline) -> list[float]:
     """Gaps between an op's input being computed on one rank and the op starting on another, counted
     only where the receiving rank sat idle in between: the cost of one send, as the job saw it."""
     finished = {}

@@ -5,17 +5,20 @@
 copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
 trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
 engine fails before any step. `spmd_step` draws the global batch from the generator every
-rank shares, keeps this rank's share and calls `rl_step` with the process group. `run` and
-the callbacks of notebook 01 drive it unchanged. `evaluate_engine` measures held-out
-accuracy on the engine's copy (the trainer's latest weights, whole), and `export_policy`
-gathers the (LoRA-merged) policy into a Hugging Face directory.
+rank shares, keeps this rank's share and calls `rl_step` with the process group; with
+`sync_every` K > 1 only every K-th step pushes its update (`sync_due`; the other steps hand
+`rl_step` a `KeepWeights`, and the engine generates with weights up to K-1 updates old,
+recorded per step as `staleness`). `run` and the callbacks of notebook 01 drive it
+unchanged. `evaluate_engine` measures held-out accuracy on the engine's copy (the
+trainer's latest weights, whole), and `export_policy` gathers the (LoRA-merged) policy
+into a Hugging Face directory.
 
 Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
 rollout), GRPO only, one model family's decoder layers per FSDP unit.
 """
 
-__all__ = ["SPMDState", "build_engine", "setup_spmd", "spmd_step", "sync_table", "innermost",
-           "evaluate_engine", "export_policy"]
+__all__ = ["SPMDState", "build_rank_engine", "setup_spmd", "KeepWeights", "sync_due", "spmd_step",
+           "sync_table", "innermost", "evaluate_engine", "export_policy"]
 
 import os
 import shutil
@@ -30,15 +33,16 @@ from transformers import AutoModelForCausalLM
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import DistContext, ProcessGroup, rank_share
+from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
 from minirl.rollout.vllm import VLLMEngine
-from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_by_layer
+from minirl.sync.base import SyncReport
+from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.arithmetic import format_prompt
-from minirl.train.run import ENGINES, RunState
+from minirl.train.run import RunState, engine_class
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -50,15 +54,16 @@ class SPMDState(RunState):
     ctx: DistContext | None = None
     group: ProcessGroup | None = None
     sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
+    lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
-def build_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
+def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
     """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
     adapter = pconfig.resolved_sync_mode == "adapter"
     if pconfig.rollout == "vllm":
         return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
                           colocate=pconfig.colocate, seed=config.run.seed)
-    inner = ENGINES[config.rollout.rollout_engine](model, tokenizer, config.rollout.rollout_dtype, device=device)
+    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.rollout.rollout_dtype, device=device)
     if pconfig.seed_per_prompt:
         inner = SeedPerPrompt(inner)
     return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
@@ -70,18 +75,19 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
-    engine = None if mode == "adapter" else build_engine(config, pconfig, model, tokenizer, ctx.device)
+    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.lora_rank:
         model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
     if engine is None:                                    # adapter-only: the engine holds base + adapter
-        engine = build_engine(config, pconfig, model, tokenizer, ctx.device)
+        engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
     wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
-    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync)
+    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync,
+                       packed=pconfig.packed_sync, bucket_bytes=int(pconfig.sync_bucket_mb * 2**20))
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
     return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
@@ -89,15 +95,47 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
+class KeepWeights:
+    """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
+
+    push() moves nothing and reports the engine's own version, so `rl_step` keeps expecting
+    the version the engine really holds: the next batch is generated, version-checked and
+    logged (`generated_version`, the rollout's log-probs that an importance-sampling
+    correction divides by) as the older policy it is. A version counts pushes, not updates.
+    """
+
+    def push(self, named_weights, engine, version: int) -> SyncReport:
+        return SyncReport(engine.version, 0, 0, 0.0)
+
+
+def sync_due(step: int, pconfig: ParallelConfig, config: RLConfig) -> bool:
+    """Whether step `step` (1, 2, ...) pushes its update to the engine.
+
+    Every `sync_every`-th step, and always the steps that evaluate, checkpoint or end the
+    run: an evaluation measures the engine's copy (it must be the trainer's latest), and a
+    resume refills the engine from the restored trainer (the engine must have held those
+    weights when the checkpoint was taken, or the resumed run would differ). Between two
+    pushes the engine generates with weights up to sync_every - 1 updates old.
+    """
+    run = config.run
+    return (step % pconfig.sync_every == 0 or step == run.steps
+            or bool(run.eval_every and step % run.eval_every == 0)
+            or bool(run.checkpoint_every and step % run.checkpoint_every == 0))
+
+
 def spmd_step(state: SPMDState) -> dict:
     """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
     config, group = state.config, state.group
     rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
-    mine = rank_share(rows, group.rank, group.world_size)
+    mine = rank_slice(rows, group.rank, group.world_size)
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
-    record = rl_step(state.roles, state.engine, state.sync, mine, state.reward_funcs, config, sampler, group=group)
+    staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
+    sync = state.sync if due else KeepWeights()
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group)
+    state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
-    record |= {"sync/peak_bytes": report.peak_bytes, "sync/tensors": report.tensors,
+    record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
+               "sync/pushed": int(due), "staleness": staleness,
                "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
     local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
     everyone = group.gather_objects(local)
@@ -109,27 +147,38 @@ def spmd_step(state: SPMDState) -> dict:
     return record
 
 
-def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 3) -> list[dict]:
-    """Seconds, bytes and share of the step of one sync in each mode this run can ship (every rank calls it).
+def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[dict]:
+    """Seconds, bytes and share of the step of one sync in each mode and transfer this run can ship.
 
-    Each mode pushes the trainer's current weights into a `SinkEngine` once to allocate, then
-    `repeats` times, timed (median). "full" ships every tensor unmerged (for a LoRA run: the
-    base weights, as full fine-tuning ships them); "merged" and "adapter" need LoRA. share =
-    seconds / this rank's mean step time.
+    Every rank calls it (the pushes are collectives). Each mode ("full"; with LoRA also
+    "merged" and "adapter") is pushed into a `SinkEngine` three ways: one all-gather per
+    tensor, one per layer (packed), and packed in buckets of the run's `sync_bucket_mb` (if > 0);
+    once to allocate, then `repeats` times in turn (the machine's load hits every row alike),
+    timed (median). "full" ships every tensor unmerged (for a LoRA run: the base weights, as
+    full fine-tuning ships them). share = seconds / this run's median step (rank 0's clock).
     """
     steps = [m["time/step"] for m in metrics if "time/step" in m]
-    step_time = sum(steps) / len(steps) if steps else float("nan")
+    step_time = statistics.median(steps) if steps else float("nan")
     scaling = state.sync.lora_scaling
     modes = ("full", "merged", "adapter") if scaling is not None else ("full",)
+    bucket = state.sync.bucket_bytes
+    transfers = {"per tensor": (False, 0), "per layer": (True, 0)}
+    if bucket:
+        transfers[f"{bucket / 2**20:g} MiB buckets"] = (True, bucket)
     named = list(state.roles.actor.named_weights())
-    rows = []
-    for mode in modes:
-        sync, sink = ShardedSync(mode, scaling), SinkEngine()
+    syncs = {(mode, name): (ShardedSync(mode, scaling, packed=packed, bucket_bytes=cap), SinkEngine())
+             for mode in modes for name, (packed, cap) in transfers.items()}
+    reports = {key: [] for key in syncs}
+    for sync, sink in syncs.values():
         sync.push(named, sink, 0)
-        reports = [sync.push(named, sink, 0) for _ in range(repeats)]
-        seconds = statistics.median(r.seconds for r in reports)
-        rows.append({"mode": mode, "seconds": seconds, "bytes": reports[-1].bytes, "tensors": reports[-1].tensors,
-                     "peak_bytes": reports[-1].peak_bytes, "share": seconds / step_time})
+    for _ in range(repeats):
+        for key, (sync, sink) in syncs.items():
+            reports[key].append(sync.push(named, sink, 0))
+    rows = []
+    for (mode, transfer), got in reports.items():
+        seconds = statistics.median(r.seconds for r in got)
+        rows.append({"mode": mode, "transfer": transfer, "seconds": seconds, "bytes": got[-1].bytes,
+                     "tensors": got[-1].tensors, "peak_bytes": got[-1].peak_bytes, "share": seconds / step_time})
     return rows
 
 
@@ -159,7 +208,7 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
     """
     mode = "merged" if lora_scaling is not None else "full"
     state = {}
-    for layer in gather_by_layer(list(actor.named_weights())):
+    for layer in gather_buckets(list(actor.named_weights())):       # one layer at a time
         for name, tensor in engine_tensors(layer, mode, lora_scaling):
             if ctx.is_main:
                 state[name] = tensor.detach().to("cpu", copy=True)

@@ -1,7 +1,7 @@
 # Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
 """Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
 
-__all__ = ["COLORS", "plot_shares", "plot_timeline", "plot_compare"]
+__all__ = ["COLORS", "plot_shares", "plot_stage_timeline", "plot_compare"]
 
 import matplotlib.pyplot as plt
 
@@ -30,7 +30,7 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     return ax
 
 
-def plot_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
+def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
     """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
 
     Sub-timers are drawn at the end of their parent's span; untimed time ("other") at the end of each step.

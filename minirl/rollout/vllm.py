@@ -43,10 +43,10 @@ def import_vllm():
         import vllm
     except ImportError as err:
         raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout hf") from None
+                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
     if not torch.cuda.is_available():
         raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout hf")
+                                             "--rollout minirl")
     return vllm
 
 

@@ -10,10 +10,10 @@ Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule
 distributed launcher (notebook 04 adds torchrun).
 """
 
-__all__ = ["ENGINES", "SAFE_ON_RESUME", "build_roles", "build_engine", "RunState", "Callback",
+__all__ = ["SAFE_ON_RESUME", "build_roles", "engine_class", "build_engine", "RunState", "Callback",
            "RunStopped", "run", "Evaluator", "JSONLLogger", "Checkpointer", "ProgressBar",
            "NoSignalWarning", "no_signal_message", "StopAfter", "check_resume_config", "setup",
-           "stage1_step", "train", "run_in_dir"]
+           "stage1_step", "train", "LocalCheckpoints", "run_in_dir"]
 
 import dataclasses
 import sys
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minirl.config import RLConfig
+from minirl.config import ROLLOUT_ENGINES, RLConfig
 from minirl.models.policy import check_prompts, load_default_policy
 from minirl.models.critic import ValueModel
 from minirl.roles.actor import Actor
@@ -41,7 +41,6 @@ from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.utils.validate import ConfigError
 
-ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine, "paged": PagedEngine}   # rollout_engine -> class
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 
@@ -55,9 +54,24 @@ def build_roles(config: RLConfig, model) -> Roles:
     return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
 
 
+def engine_class(rollout_engine: str) -> type:
+    """The class of the in-process engine `rollout_engine` names (config.rollout.rollout_engine).
+
+    Every one is built alike, `cls(model, tokenizer, dtype, device=...)`, and speaks the
+    RolloutEngine protocol; a name outside ROLLOUT_ENGINES is a ConfigError.
+    """
+    if rollout_engine == "hf":
+        return HFEngine                   # transformers' generate on B*G rows
+    if rollout_engine == "shared_prefix":
+        return SharedPrefixEngine         # each prompt prefilled once for its G samples
+    if rollout_engine == "paged":
+        return PagedEngine                # notebook 05: paged KV cache, continuous batching
+    raise ConfigError("rollout_engine", rollout_engine, f"use one of {', '.join(ROLLOUT_ENGINES)}")
+
+
 def build_engine(config: RLConfig, model, tokenizer):
     """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0)."""
-    engine = ENGINES[config.rollout.rollout_engine]
+    engine = engine_class(config.rollout.rollout_engine)
     return engine(model, tokenizer, config.rollout.rollout_dtype, device=config.run.device)
 
 
@@ -313,35 +327,67 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
                       stop_after=stop_after, run_info=run_info)
 
 
+class LocalCheckpoints:
+    """One process's checkpoints, as `run_in_dir` uses them: saved by a callback, restored on resume.
+
+    The protocol is two methods, `callback()` (the Callback that saves them during the run)
+    and `restore(state)` (the newest intact one into a fresh state; RunDirError if there is
+    none); stage 4 passes sharded checkpoints with the same two methods.
+    """
+
+    def __init__(self, out_dir, config: RLConfig, tokenizer):
+        self.out_dir, self.config, self.tokenizer = Path(out_dir), config, tokenizer
+
+    def callback(self) -> Callback:
+        run = self.config.run
+        return Checkpointer(self.out_dir, run.checkpoint_every, run.keep_checkpoints, self.config, self.tokenizer)
+
+    def restore(self, state: RunState) -> None:
+        found = latest_checkpoint(self.out_dir / "checkpoints")
+        if found is None:
+            raise RunDirError(f"resume: {self.out_dir} holds no intact checkpoint (the run stopped before its "
+                              "first one); start it again with overwrite=True (--overwrite)")
+        _, training, weights = found
+        check_resume_config(training["config"], state.config)
+        restore_checkpoint(training, weights, state)
+
+
 def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
                eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
-               stop_after: int | None = None, run_info: dict | None = None) -> list[dict]:
+               stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
+               agree=None, first_callbacks: tuple = ()) -> list[dict]:
     """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
 
     One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`,
-    stage 6's Driver): where the step runs changes, what a run directory holds does not.
+    stage 6's Driver, every rank of stage 4): where the step runs changes, what a run
+    directory holds does not. checkpoints: `LocalCheckpoints` by default (anything with its
+    `callback()` and `restore(state)`). In a job of several processes each calls run_in_dir:
+    main=False on all but one, which alone writes run.json and metrics.jsonl and shows the
+    bar (all take part in checkpoints), and agree(what, fn) runs the opening and the restore
+    so that a failure on one process stops every one (stage 4: `minirl.parallel.launch.agree`).
+    first_callbacks run before the built-in ones (to add to a record before it is logged).
     """
     config = state.config
+    together = agree or (lambda what, fn: fn())
     if resume and out_dir is None:
         raise ValueError("resume=True needs the out_dir of the run to continue")
     record = {"config": dataclasses.asdict(config), **(run_info or {})}
-    run_dir = None if out_dir is None else open_run_dir(out_dir, record, resume=resume, overwrite=overwrite)
+    run_dir = together("opening the run directory", lambda: None if out_dir is None or not main else
+                       open_run_dir(out_dir, record, resume=resume, overwrite=overwrite))
+    if out_dir is not None and checkpoints is None:
+        checkpoints = LocalCheckpoints(out_dir, config, tokenizer)
     try:
         if resume:
-            found = latest_checkpoint(Path(out_dir) / "checkpoints")
-            if found is None:
-                raise RunDirError(f"resume: {out_dir} holds no intact checkpoint (the run stopped before its "
-                                  "first one); start it again with overwrite=True (--overwrite)")
-            _, training, weights = found
-            check_resume_config(training["config"], config)
-            restore_checkpoint(training, weights, state)
-            atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
-        callbacks = [Evaluator(eval_fn, config.run.eval_every, config.run.steps)] if eval_fn else []
+            together("restoring the checkpoint", lambda: checkpoints.restore(state))
+            if main:
+                atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
+        callbacks = list(first_callbacks)
+        if eval_fn:
+            callbacks.append(Evaluator(eval_fn, config.run.eval_every, config.run.steps))
         if out_dir is not None:
-            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl"),
-                          Checkpointer(out_dir, config.run.checkpoint_every, config.run.keep_checkpoints, config,
-                                       tokenizer)]
-        if progress:
+            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl")] if main else []
+            callbacks.append(checkpoints.callback())
+        if progress and main:
             callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
         callbacks.append(NoSignalWarning())
         callbacks += list(extra_callbacks)
