@@ -206,7 +206,7 @@ def test_packed_gathering_gives_whole_tensors_in_buckets_of_whole_layers(group, 
     """In a group of one: the same tensors as gather_by_layer, grouped by bucket (two ranks: test_parallel_torchrun)."""
     model, _ = make_tiny_policy(seed=4, num_layers=3)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    named = list(shard(model, group).model.state_dict().items())
+    named = list(shard(model, group).module.state_dict().items())
     layer_bytes = sum(t.numel() * t.element_size() for n, t in named if ".layers.0." in n)
     per_layer = list(gather_buckets(named, 0))
     assert [[n for n, _ in b] for b in per_layer] == [[n for n, _ in layer] for layer in gather_by_layer(named)]
