@@ -17,9 +17,13 @@ that Ray cannot grant times out with a message instead.
 """
 
 __all__ = ["DEVICES", "PlacementError", "ResourcePool", "cluster_nodes", "plan_placement",
-           "reserve", "release", "probe", "connect", "local_cluster"]
+           "reserve", "release", "probe", "START_WAITS", "AUTH_HINT", "raise_start_waits",
+           "token_available", "started", "connect", "local_cluster"]
 
+import os
 import socket
+import time
+from pathlib import Path
 
 import psutil
 import ray
@@ -146,43 +150,95 @@ def probe(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
-def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0) -> str:
-    """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
-
-    Returns a one-line description. An address where nothing listens raises ConnectionError
-    within `timeout` seconds. Already connected: nothing changes.
-    """
-    if ray.is_initialized():
-        return f"connected to {ray.get_runtime_context().gcs_address}"
-    if address is None:
-        # "local": a new cluster of our own, even where another process left one running
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        return f"started a local Ray cluster with {num_cpus:g} CPUs"
-    if address != "auto":
-        probe(address, timeout)
-    ray.init(address=address, log_to_driver=False)
-    return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
+# Ray's start-up waits, raised where the user set none: the raylet gives its dashboard agent 15 s
+# to register and a worker process 60 s, which a machine at load 15-20 misses (the node then dies).
+START_WAITS = {"RAY_agent_register_timeout_ms": "120000", "RAY_worker_register_timeout_seconds": "180"}
+AUTH_HINT = ("a cluster started by `ray start --head` asks for a token by default (Ray 2.60): run with "
+             "RAY_AUTH_MODE=token and its token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+             "(`ray get-auth-token` on the head prints it)")
 
 
-def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 3):
-    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+def raise_start_waits() -> None:
+    """Set START_WAITS in this process's environment (Ray's nodes started from here inherit it)."""
+    for key, value in START_WAITS.items():
+        os.environ.setdefault(key, value)
 
-    Each node is a real raylet with its own resources, so placement across nodes is real;
-    only the network is the loopback. Ray gives a node's helper processes about 15 s to
-    start, which a busy machine can miss: a failed start is cleaned up (this process's own
-    new child processes) and tried again. Connect with `ray.init(address=cluster.address)`.
+
+def token_available() -> bool:
+    """Whether a Ray auth token is at hand: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
+def started(start, stop, what: str, attempts: int = 4, backoff: float = 2.0):
+    """start() until it succeeds, at most `attempts` times, waiting backoff * 2**k s after the k-th failure.
+
+    A failed start is undone (stop(), then the processes this process started during it are
+    killed: a raylet or GCS left half-started), so the next try begins clean. The last failure
+    raises ConnectionError in one line: what, how often, and the first line of Ray's error.
     """
     for attempt in range(attempts):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        cluster = Cluster()
         try:
-            for _ in range(num_nodes):
-                cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
-            return cluster
-        except Exception:
-            cluster.shutdown()
+            return start()
+        except Exception as err:
+            stop()
             for child in psutil.Process().children(recursive=True):
                 if child.pid not in before:
                     child.kill()
             if attempt == attempts - 1:
-                raise
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                raise ConnectionError(f"{what} failed {attempts} times ({type(err).__name__}: {reason}); the machine "
+                                      "may be too busy: retry later, or start one with `ray start --head` and pass "
+                                      "--address") from None
+            time.sleep(backoff * 2**attempt)
+
+
+def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0, attempts: int = 4) -> str:
+    """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
+
+    Returns a one-line description. A local start is tried `attempts` times with backoff
+    (`started`), with Ray's start-up waits raised (`raise_start_waits`). An address where
+    nothing listens raises ConnectionError within `timeout` seconds; where a cluster listens
+    but refuses us, ConnectionError names token auth. Already connected: nothing changes.
+    """
+    if ray.is_initialized():
+        return f"connected to {ray.get_runtime_context().gcs_address}"
+    raise_start_waits()
+    if address is None:
+        # "local": a new cluster of our own, even where another process left one running
+        started(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False),
+                ray.shutdown, f"starting a local Ray cluster of {num_cpus:g} CPUs", attempts)
+        return f"started a local Ray cluster with {num_cpus:g} CPUs"
+    if address != "auto":
+        probe(address, timeout)
+    if "RAY_AUTH_MODE" not in os.environ and token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"              # a token here: the cluster may well want it
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
+        ray.shutdown()
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConnectionError(f"address={address!r}: the cluster there did not let us in ({reason}); "
+                              f"{AUTH_HINT}") from None
+    return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
+
+
+def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 4):
+    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+
+    Each node is a real raylet with its own resources, so placement across nodes is real;
+    only the network is the loopback. A busy machine can still miss Ray's start-up waits
+    (raised first, `raise_start_waits`): a failed start is cleaned up and tried again with
+    backoff (`started`). Connect with `ray.init(address=cluster.address)`.
+    """
+    raise_start_waits()
+    holder = {}
+
+    def start():
+        holder["cluster"] = cluster = Cluster()
+        for _ in range(num_nodes):
+            cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
+        return cluster
+    return started(start, lambda: holder["cluster"].shutdown() if "cluster" in holder else None,
+                   f"starting a local Ray cluster of {num_nodes} nodes", attempts)
