@@ -110,6 +110,7 @@ placement that happens. Resources other jobs hold are not seen by the plan: a re
 that Ray cannot grant times out with a message instead.
 """
 
+import logging
 import os
 import socket
 import time
@@ -313,7 +314,8 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
     raise_start_waits()
     if address is None:
         # "local": a new cluster of our own, even where another process left one running
-        started(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False),
+        started(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                                 logging_level=logging.WARNING),
                 ray.shutdown, f"starting a local Ray cluster of {num_cpus:g} CPUs", attempts)
         return f"started a local Ray cluster with {num_cpus:g} CPUs"
     if address != "auto":
@@ -321,7 +323,7 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
     if "RAY_AUTH_MODE" not in os.environ and token_available():
         os.environ["RAY_AUTH_MODE"] = "token"              # a token here: the cluster may well want it
     try:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
         ray.shutdown()
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
