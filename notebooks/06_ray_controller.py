@@ -216,6 +216,14 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
 # would keep trying for much longer). `local_cluster` starts Ray's multi-node test cluster
 # on this machine: every node is a real Ray node with its own resources, only the network is
 # the loopback.
+#
+# Starting Ray on a busy machine fails more often than one would think: a node's raylet gives
+# its dashboard agent 15 s to register and then gives up, which a machine at load 15-20 misses
+# most of the time. So both raise Ray's start-up waits (only where the user set none) and try a
+# failed start again after 2, 4, 8 s, cleaning up what the failed try left running. And since
+# Ray 2.60, `ray start --head` turns token authentication on: a driver without the token is
+# refused after 20 s with a bare "Failed to connect", so `connect` tries once more with
+# `RAY_AUTH_MODE=token` when a token is at hand, and otherwise says so.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -306,8 +314,11 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
 
     Returns a one-line description. A local start is tried `attempts` times with backoff
     (`started`), with Ray's start-up waits raised (`raise_start_waits`). An address where
-    nothing listens raises ConnectionError within `timeout` seconds; where a cluster listens
-    but refuses us, ConnectionError names token auth. Already connected: nothing changes.
+    nothing listens raises ConnectionError within `timeout` seconds. A cluster that refuses us
+    (Ray gives up after about 20 s) is tried once more with token auth when RAY_AUTH_MODE is
+    unset and a token is at hand (`ray start --head` turns token auth on by default in Ray
+    2.60; a cluster without it refuses a token-mode driver's actors, so token mode is not the
+    first try); otherwise ConnectionError names token auth. Already connected: nothing changes.
     """
     if ray.is_initialized():
         return f"connected to {ray.get_runtime_context().gcs_address}"
@@ -320,10 +331,16 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
         return f"started a local Ray cluster with {num_cpus:g} CPUs"
     if address != "auto":
         probe(address, timeout)
-    if "RAY_AUTH_MODE" not in os.environ and token_available():
-        os.environ["RAY_AUTH_MODE"] = "token"              # a token here: the cluster may well want it
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except ConnectionError:
+            if "RAY_AUTH_MODE" in os.environ or not token_available():
+                raise
+            ray.shutdown()                                 # a token here: the cluster may want it (Ray 2.60's default)
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray._raylet.Config.initialize("")              # as Ray does when it turns token auth on in a process
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
         ray.shutdown()
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -628,7 +645,7 @@ class WorkerGroup:
                  prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group (for messages)
-        self.world_ranks, self.dead = [], None
+        self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
         slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
@@ -651,7 +668,8 @@ class WorkerGroup:
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
                  for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
                  if args is not None]
-        return gather(calls, method)
+        first = next((args for args in per_rank_args if args is not None), ())
+        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
         """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
@@ -681,13 +699,13 @@ def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> 
         try:
             results[i] = ray.get(done[0])
         except DEATHS as err:
-            group.dead = rank
-            raise died(group.describe(rank), what, err) from None
+            group.dead, group.death = rank, died(group.describe(rank), what, err)
+            raise group.death from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             if isinstance(cause, DEATHS):                  # a worker that died while this one waited on it
-                group.dead = rank
-                raise died(group.describe(rank), what, cause) from None
+                group.dead, group.death = rank, died(group.describe(rank), what, cause)
+                raise group.death from None
             cause.add_note(f"(raised in {group.describe(rank)} during {what})")
             raise cause from None
     return results
@@ -1600,8 +1618,8 @@ class Driver:
     def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
-                raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint") from cause
+                what = group.death.what if group.death is not None else f"{group.describe(group.dead)} died"
+                raise WorkerDiedError(f"{what}, in step {state.step + 1}") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),

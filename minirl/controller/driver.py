@@ -136,8 +136,8 @@ class Driver:
     def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
-                raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint") from cause
+                what = group.death.what if group.death is not None else f"{group.describe(group.dead)} died"
+                raise WorkerDiedError(f"{what}, in step {state.step + 1}") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),

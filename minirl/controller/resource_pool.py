@@ -200,8 +200,11 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
 
     Returns a one-line description. A local start is tried `attempts` times with backoff
     (`started`), with Ray's start-up waits raised (`raise_start_waits`). An address where
-    nothing listens raises ConnectionError within `timeout` seconds; where a cluster listens
-    but refuses us, ConnectionError names token auth. Already connected: nothing changes.
+    nothing listens raises ConnectionError within `timeout` seconds. A cluster that refuses us
+    (Ray gives up after about 20 s) is tried once more with token auth when RAY_AUTH_MODE is
+    unset and a token is at hand (`ray start --head` turns token auth on by default in Ray
+    2.60; a cluster without it refuses a token-mode driver's actors, so token mode is not the
+    first try); otherwise ConnectionError names token auth. Already connected: nothing changes.
     """
     if ray.is_initialized():
         return f"connected to {ray.get_runtime_context().gcs_address}"
@@ -214,10 +217,16 @@ def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.
         return f"started a local Ray cluster with {num_cpus:g} CPUs"
     if address != "auto":
         probe(address, timeout)
-    if "RAY_AUTH_MODE" not in os.environ and token_available():
-        os.environ["RAY_AUTH_MODE"] = "token"              # a token here: the cluster may well want it
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except ConnectionError:
+            if "RAY_AUTH_MODE" in os.environ or not token_available():
+                raise
+            ray.shutdown()                                 # a token here: the cluster may want it (Ray 2.60's default)
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray._raylet.Config.initialize("")              # as Ray does when it turns token auth on in a process
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
         ray.shutdown()
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

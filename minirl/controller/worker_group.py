@@ -122,7 +122,7 @@ class WorkerGroup:
                  prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group (for messages)
-        self.world_ranks, self.dead = [], None
+        self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
         slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
@@ -145,7 +145,8 @@ class WorkerGroup:
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
                  for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
                  if args is not None]
-        return gather(calls, method)
+        first = next((args for args in per_rank_args if args is not None), ())
+        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
         """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
@@ -175,13 +176,13 @@ def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> 
         try:
             results[i] = ray.get(done[0])
         except DEATHS as err:
-            group.dead = rank
-            raise died(group.describe(rank), what, err) from None
+            group.dead, group.death = rank, died(group.describe(rank), what, err)
+            raise group.death from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             if isinstance(cause, DEATHS):                  # a worker that died while this one waited on it
-                group.dead = rank
-                raise died(group.describe(rank), what, cause) from None
+                group.dead, group.death = rank, died(group.describe(rank), what, cause)
+                raise group.death from None
             cause.add_note(f"(raised in {group.describe(rank)} during {what})")
             raise cause from None
     return results
