@@ -206,8 +206,11 @@ def test_a_failed_start_is_cleaned_up_and_tried_again_with_backoff():
         if len(tries) < 3:
             raise RuntimeError("Timed out while waiting for the dashboard agent to register\nmore Ray lines")
         return "up"
+    import os
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
     assert started(flaky, lambda: stops.append(1), "starting X", attempts=4, backoff=0.0) == "up"
     assert len(tries) == 3 and len(stops) == 2, "each failure undone before the next try"
+    assert os.getpriority(os.PRIO_PROCESS, 0) == niceness, "the raised priority lasts for the start only"
 
     def broken():
         raise RuntimeError("Timed out while waiting for the dashboard agent to register\nmore Ray lines")
@@ -219,13 +222,15 @@ def test_a_failed_start_is_cleaned_up_and_tried_again_with_backoff():
 
 
 def test_start_waits_are_raised_only_where_unset(monkeypatch):
-    from minirl.controller.resource_pool import START_WAITS, raise_start_waits
+    from minirl.controller.resource_pool import START_ENV, raise_start_waits
     monkeypatch.setenv("RAY_agent_register_timeout_ms", "5000")
     monkeypatch.delenv("RAY_worker_register_timeout_seconds", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
     raise_start_waits()
     import os
     assert os.environ["RAY_agent_register_timeout_ms"] == "5000", "the user's own setting stays"
-    assert os.environ["RAY_worker_register_timeout_seconds"] == START_WAITS["RAY_worker_register_timeout_seconds"]
+    assert os.environ["RAY_worker_register_timeout_seconds"] == START_ENV["RAY_worker_register_timeout_seconds"]
+    assert os.environ["RAY_worker_niceness"] == "0", "Ray's workers get a fair share of a busy machine"
 
 
 def test_a_dead_or_oom_killed_worker_becomes_one_named_error():
