@@ -29,60 +29,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy, load_tokenizer
-from minirl.tasks.rewards import SPEC_HELP
-from minirl.tasks.task import Task, load_task
+from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy
 from minirl.train.checkpoint import latest_checkpoint
 from minirl.train.plots import plot_metrics
-from minirl.train.cli import check_run_flags, resumed_config
+from minirl.train.cli import (TASK_FLAGS, add_task_flags, check_run_flags, resolve_task_paths, restore_task_flags,
+                              resumed_config, saved_task, task_from_args)
 from minirl.train.run import RunStopped, train
 from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, read_run_record
+from minirl.utils.rundir import RunDirError
 from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_int
-
-TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what run.json records as "task"
-
-
-def add_task_flags(parser) -> None:
-    group = parser.add_argument_group("task (default: the embedded arithmetic task)")
-    group.add_argument("--dataset", default=None, metavar="PATH",
-                       help="training rows: a JSONL, JSON, CSV or Parquet file, or a datasets.save_to_disk directory, "
-                            "with a 'prompt' column (text or chat messages); its other columns go to the rewards")
-    group.add_argument("--eval-dataset", default=None, metavar="PATH",
-                       help="held-out rows, decoded greedily and scored by the rewards (default: the embedded task's "
-                            "held-out split without --dataset, else no evaluation)")
-    group.add_argument("--reward", action="append", default=None, metavar="NAME_OR_MODULE:FUNCTION",
-                       help=f"a reward function, repeatable: {SPEC_HELP} (default: arithmetic)")
-    group.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
-                       help="one weight per --reward, in their order (default: 1 each)")
-
-
-def tokenizer_only(parser, name: str | None):
-    """The tokenizer of --model, loaded alone (a chat template is checked before the model loads)."""
-    if name is None:
-        return None                                   # the embedded policy's tokenizer has no chat template
-    try:
-        return load_tokenizer(name)
-    except Exception as err:                           # offline hub ids, damaged files: one line, as load_policy's
-        parser.error(f"argument --model: {name}: its tokenizer does not load ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''})")
-
-
-def task_from_args(parser, args) -> Task:
-    """The run's task from --dataset, --eval-dataset, --reward, --reward-weights; a parser error before loading."""
-    tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
-    try:
-        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer)
-    except ConfigError as err:
-        value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))
-        parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")
 
 def parse_args(argv=None):
     """(args, config, task, settings): flags checked, the config and the task built, before any model loads."""
@@ -107,14 +68,11 @@ def parse_args(argv=None):
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
     check_run_flags(parser, args)
-    for dest in ("dataset", "eval_dataset"):   # one spelling of a path: run.json records it, --resume compares it
-        if getattr(args, dest) is not None:
-            setattr(args, dest, str(Path(getattr(args, dest)).expanduser().resolve()))
+    resolve_task_paths(args)               # one spelling of a path: run.json records it, --resume compares it
     if args.resume:                        # the run's own settings (and task), changed only where the user says so
-        saved = read_run_record(args.out).get("task") or dict.fromkeys(TASK_FLAGS)
+        saved = saved_task(args)
         config, _ = resumed_config(parser, args, argv, also=saved)
-        for dest in TASK_FLAGS:
-            setattr(args, dest, saved.get(dest))
+        restore_task_flags(args, saved)
     task = task_from_args(parser, args)
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)

@@ -6,17 +6,30 @@
     ray start --head --num-cpus 8        # then, on any node of that cluster:
     python chapters/06_ray.py --address auto --placement disaggregated --out runs/06-cluster
     python chapters/06_ray.py --address auto --device cuda --model Qwen/Qwen2.5-0.5B --pools actor=4,rollout=4 ...
+    python chapters/06_ray.py --model Qwen/Qwen2.5-0.5B-Instruct --out runs/06-words \
+        --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
+        --reward math --reward format --reward-weights 1 0.5 --max-completion-length 256
+    python chapters/06_ray.py --config run.yaml --out runs/06-yaml      # settings from a YAML file
 
 Writes OUT/run.json, OUT/metrics.jsonl, OUT/checkpoints/, OUT/final/ (as chapter 01),
 OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OUT/timeline.json (the
 steps this process ran, every worker's calls as [what, start, end] in wall-clock seconds; notebook 09 reads it),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
-step), sync_bytes, placement (role -> list of node/device), steps and seconds. Prints the
-stage shares after every step. Without --address a local Ray cluster starts inside the run
-and stops at its end. --resume continues a stopped run (a worker that died, --stop-after)
-from its newest checkpoint; every setting of
-minirl.config.RLConfig is a flag below (with this chapter's defaults).
+step), sync_bytes, placement (role -> list of node/device), steps and seconds, the task
+and every setting (`settings`, after --config and the flags). Prints the stage shares after
+every step. Without --address a local Ray cluster starts inside the run (tried a few times,
+with Ray's start-up waits raised, on a busy machine) and stops at its end. A cluster started by
+`ray start --head` asks for a token (Ray 2.60): on its nodes RAY_AUTH_MODE=token is set for you
+when ~/.ray/auth_token exists. --resume continues a stopped run (Ctrl-C, a worker that died,
+--stop-after) from its newest intact checkpoint; every setting of minirl.config.RLConfig is a
+flag below (with this chapter's defaults). Exit status: 0 done, 1 stopped (a dead worker,
+--stop-after, a disk that filled), 2 bad input, 130 interrupted.
+
+The task flags are chapter 01's: --dataset, --eval-dataset, --reward (repeatable),
+--reward-weights; the reward workers call the reward functions, and the records are the
+ones chapter 01 writes for the same task (`rewards/<name>`, the weighted reward,
+`frac_reward_zero_std`). Without them, the embedded arithmetic task.
 """
 
 from __future__ import annotations
@@ -25,30 +38,23 @@ import dataclasses
 import sys
 import time
 
-import ray
-import torch
-
 from minirl.config import RLConfig
-from minirl.controller.driver import SOURCE_ORDER, SYNCS, Driver, stage_shares
-from minirl.controller.placement import PLACEMENTS, check_placement, make_placement, parse_pools
-from minirl.controller.plots import plot_placement, plot_worker_timeline
-from minirl.controller.resource_pool import PlacementError, connect
-from minirl.controller.worker_group import WorkerDiedError
-from minirl.models.policy import ModelSourceError, PromptError, greedy_accuracy, load_policy
-from minirl.tasks.arithmetic import make_task
-from minirl.train.cli import check_run_flags, resumed_config
-from minirl.train.run import Callback, RunStopped
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
-from minirl.utils.io import atomic_write_json, write_summary
-from minirl.utils.rundir import RunDirError
-from minirl.utils.seeding import seed_everything
+from minirl.train.cli import (add_task_flags, check_run_flags, interrupted_line, last_checkpoint, resolve_task_paths,
+                              restore_task_flags, resume_command, resumed_config, saved_task, stop_line, task_from_args,
+                              task_summary, write_failure)
+from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.validate import ConfigError, check_float, check_int
 
+# minirl.controller's names, here so that the parser is built (and a bad command line refused) before torch and
+# Ray load; tests/test_chapter06.py keeps them equal to placement.PLACEMENTS and driver.SYNCS
+PLACEMENTS = ("colocated", "disaggregated", "per-role")
+SYNCS = ("collective", "object_store")
 DEFAULTS = RLConfig()   # stage 1's run (1000 steps): the same seed learns the same on every placement
 
 
 def parse_args(argv=None):
-    """(args, config, placement): every flag checked and the placement built, before Ray or a model is touched."""
+    """(parser, args, config, placement, task, settings): every flag checked, the placement and the task built,
+    before Ray starts or a model loads. The parser runs before any heavy import: a usage error is immediate."""
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)
     ray_group = parser.add_argument_group("placement and cluster")
     ray_group.add_argument("--placement", choices=PLACEMENTS, default="colocated",
@@ -58,8 +64,8 @@ def parse_args(argv=None):
                            help="devices of the pool that hosts each role, per node: actor=2,rollout=1+1 "
                                 "(default: one device per pool)")
     ray_group.add_argument("--address", default=None,
-                           help="join the Ray cluster there ('auto', or host:port printed by `ray start --head`); "
-                                "default: start a local cluster")
+                           help="join the Ray cluster there ('auto', or host:port printed by `ray start --head`; "
+                                "with token auth, RAY_AUTH_MODE=token and its token); default: start a local cluster")
     ray_group.add_argument("--num-cpus", type=float, default=2,
                            help="CPUs of the local cluster (without --address) (default: %(default)s)")
     ray_group.add_argument("--cpus-per-device", type=float, default=0.25,
@@ -77,6 +83,7 @@ def parse_args(argv=None):
     group.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                        help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: 1)")
+    add_task_flags(parser)
     add_config_flags(parser, DEFAULTS)
     args = parser.parse_args(argv)
     try:
@@ -89,55 +96,88 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     check_run_flags(parser, args)
-    if args.resume:                        # the run's own settings, changed only where the user says so
-        config, _ = resumed_config(parser, args, argv)
+    resolve_task_paths(args)
+    if args.resume:                        # the run's own settings (and task), changed only where the user says so
+        saved = saved_task(args)
+        config, _ = resumed_config(parser, args, argv, also=saved)
+        restore_task_flags(args, saved)
+    if args.address is None:               # on a cluster the workers' nodes have the devices, not necessarily this one
+        check_device(parser, config.run.device)
+    from minirl.controller.placement import check_placement, make_placement, parse_pools  # noqa: PLC0415 (Ray, torch)
+
     device = "gpu" if config.run.device.startswith("cuda") else "cpu"
     try:
         placement = make_placement(args.placement, parse_pools(args.pools), device, args.cpus_per_device)
-    except ConfigError as err:
-        parser.error(f"argument --{err.name}: {err.value!r}: {err.why}")
-    return parser, args, config, placement
-
-
-class StageLine(Callback):
-    """One line per step: the share of each stage, in the source's Driver order."""
-
-    def on_step(self, state, record):
-        shares = stage_shares([record])
-        print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
-              + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
-              + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
-
-
-def main(argv=None) -> int:
-    parser, args, config, placement = parse_args(argv)
-    try:
         check_placement(placement, config)                  # a role without a pool, a batch that does not split
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+    task = task_from_args(parser, args)
+    if not task.test and config.run.eval_every:
+        print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
+        config = config.replace(eval_every=0)
+    return parser, args, config, placement, task, merged_settings(parser, args)
+
+
+def main(argv=None) -> int:
+    parser, args, config, placement, task, settings = parse_args(argv)
+    import ray  # noqa: PLC0415 (after the arguments: a usage error never waits for torch and Ray)
+    import torch  # noqa: PLC0415
+
+    from minirl.controller.driver import SOURCE_ORDER, Driver, stage_shares  # noqa: PLC0415
+    from minirl.controller.plots import plot_placement, plot_worker_timeline  # noqa: PLC0415
+    from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
+    from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
+    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy  # noqa: PLC0415
+    from minirl.train.run import Callback, RunStopped  # noqa: PLC0415
+    from minirl.utils.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.utils.rundir import RunDirError  # noqa: PLC0415
+    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
+
+    class StageLine(Callback):
+        """One line per step: the share of each stage, in the source's Driver order."""
+
+        def on_step(self, state, record):
+            shares = stage_shares([record])
+            print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
+                  + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
+                  + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
+
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
+    out, again = args.out, resume_command(args.out)
     try:
-        print(connect(args.address, num_cpus=args.num_cpus))
+        print(connect(args.address, num_cpus=args.num_cpus), flush=True)
     except ConnectionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    task, out = make_task(), args.out
-
+    except KeyboardInterrupt:
+        ray.shutdown()
+        print(f"\n{interrupted_line(out, again)}", file=sys.stderr)
+        return 130
     started = time.perf_counter()
+    max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
     try:
         model, tokenizer = load_policy(args.model, "cpu", progress=False)     # the driver's copy stays on the CPU
-        with Driver(config, placement, model, tokenizer, [task.reward], sync=args.sync, threads=args.threads,
-                    bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
+        context = getattr(model.config, "max_position_embeddings", None)
+        for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
+                                ("eval_dataset", task.test, max_new_tokens)):
+            try:
+                if rows:
+                    check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
+            except PromptError as err:
+                raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
+        with Driver(config, placement, model, tokenizer, task.reward_funcs, reward_weights=task.reward_weights,
+                    sync=args.sync, threads=args.threads, bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
             where = driver.where()
             print(f"placement {placement.describe(driver.roles_needed())}; sync: {type(driver.sync).__name__}")
             for role, devices in where.items():
                 print(f"  {role:>9} -> {', '.join(devices)}")
-            metrics = driver.train(task.rows("train"), eval_fn=lambda m: greedy_accuracy(m, tokenizer, task),
-                                   out_dir=out, resume=args.resume, overwrite=args.overwrite, progress=False,
-                                   stop_after=args.stop_after, extra_callbacks=(StageLine(),),
-                                   run_info={"model": args.model, "placement": args.placement, "pools": args.pools})
+            run_info = {"model": args.model, "placement": args.placement, "pools": args.pools, "settings": settings,
+                        "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")}}
+            metrics = driver.train(task.train, eval_fn=task.eval_fn(tokenizer, max_new_tokens), out_dir=out,
+                                   resume=args.resume, overwrite=args.overwrite, progress=False,
+                                   stop_after=args.stop_after, extra_callbacks=(StageLine(),), run_info=run_info)
             timeline = driver.timeline()
             atomic_write_json(out / "timeline.json", {"clock": "time.time", "placement": args.placement,   # notebook 09
                                                       "steps": [m["step"] for m in metrics if "time/generate" in m],
@@ -148,24 +188,33 @@ def main(argv=None) -> int:
                     report = sync.push(driver.roles.actor.named_weights(), driver.engine, driver.roles.version)
                     compared.setdefault(name, []).append((report.seconds, report.bytes))
     except RunStopped as stop:
-        print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
+        print(stop_line(str(stop), last_checkpoint(out), again))
         return 1
     except WorkerDiedError as err:
-        print(f"error: {err}\ncontinue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
+        print(stop_line(err.what, last_checkpoint(out), again), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\n{interrupted_line(out, again)}", file=sys.stderr)
+        return 130
     except (RunDirError, ConfigError, PlacementError, PromptError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
+    except OSError as err:                    # a disk that filled, a directory made read-only during the run
+        line = write_failure(err, out)
+        if line is None:
+            raise
+        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
+        return 1
     finally:
         ray.shutdown()
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
     plot_worker_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
-                  "(last 3 steps)", last_steps=3)
+                         "(last 3 steps)", last_steps=3)
     plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,
@@ -181,12 +230,15 @@ def main(argv=None) -> int:
         "seconds_training": sum(m.get("time/step", 0.0) for m in steps),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
         "metrics": str(out / "metrics.jsonl"), "timeline": str(out / "timeline.png"),
-        "placement_plot": str(out / "placement.png"), "config": dataclasses.asdict(config),
+        "placement_plot": str(out / "placement.png"), "task": task_summary(task, args),
+        "config": dataclasses.asdict(config), "settings": settings,
+        "config_file": None if args.config is None else str(args.config),
     }
     write_summary(out, summary)
     if evals:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        print(f"{args.placement}: held-out greedy accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
+        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
+        print(f"{args.placement}: held-out {what} {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
               f"points) in {summary['steps']} steps, {seconds:.0f} s")
     shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())
     print(f"stage shares: {shares}; sync {summary['sync_seconds'] * 1e3:.1f} ms and "

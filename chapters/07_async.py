@@ -7,6 +7,9 @@
     python chapters/07_async.py --max-turns 2 --in-flight --out runs/07-multiturn
     python chapters/07_async.py --ray --out runs/07-ray        # producers as Ray actors (local cluster)
     python chapters/07_async.py --out runs/07 --resume --steps 90              # continue a run (or a crash)
+    python chapters/07_async.py --model Qwen/Qwen2.5-0.5B-Instruct --out runs/07-words \
+        --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
+        --reward math --reward format --reward-weights 1 0.5 --max-completion-length 256
 
 The trainer's loop is stage 1's (minirl.train.run.run_in_dir): OUT/run.json (the run's
 settings), OUT/metrics.jsonl (one line per trainer step, written as it happens: stage 1's keys
@@ -15,7 +18,8 @@ env/failures, ...), OUT/checkpoints/step-N/ every --checkpoint-every steps and a
 (atomic; the newest --keep-checkpoints are kept), OUT/snapshots/ (weights every --snapshot-every
 steps), OUT/timeline.png (what the trainer and the first producers did in the last 2 s),
 OUT/learning_curve.png, OUT/final/ (the trained policy, Hugging Face format) and
-OUT/summary.json with steps, accuracy_before, accuracy_after (held-out greedy accuracy, 0-1),
+OUT/summary.json with steps, accuracy_before, accuracy_after (held-out greedy accuracy, 0-1; with
+--eval-dataset and no correctness reward, the mean weighted reward),
 trajectories_per_second (completions trained on per wall second), trainer_idle_share (0-1),
 max_staleness_seen (versions), and more. Prints one line every few steps with the queue's
 depth and age and the trainer's idle share. Held-out accuracy is measured after the run on the
@@ -30,8 +34,15 @@ settings (only --steps, --checkpoint-every, --keep-checkpoints, --snapshot-every
 may change; another --max-staleness, --producers, ... is refused before anything loads);
 --overwrite replaces a run. At --max-staleness 0 a resumed run repeats the uninterrupted one
 exactly; above it, which trajectory lands in which batch depends on timing anyway. Exit status:
-0 done, 1 stopped (--stop-after, or a producer failed), 2 bad input, 130 interrupted. Every
-setting of minirl.config.RLConfig and of AsyncConfig is a flag.
+0 done, 1 stopped (--stop-after, a producer that failed or died, a disk that filled), 2 bad
+input, 130 interrupted. Every setting of minirl.config.RLConfig and of AsyncConfig is a flag.
+
+The task flags are chapter 01's (--dataset, --eval-dataset, --reward, --reward-weights). A
+data set's completions are scored by its reward functions in single-turn sessions
+(`RewardEnv`: the row's columns, the weights; a reward that raises scores that session 0 and
+counts as an environment failure), and every record has `rewards/<name>` and
+`frac_reward_zero_std`. Without them, the embedded arithmetic task and its calculator tool
+(--env-latency, --max-turns).
 """
 
 from __future__ import annotations
@@ -40,30 +51,25 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from minirl.asyncrl.plots import plot_learning_curves, plot_timelines
-from minirl.asyncrl.runner import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
-from minirl.asyncrl.runner import AsyncConfig, check_async, train_async
-from minirl.asyncrl.snapshots import evaluate_snapshots
+from minirl.asyncrl.config import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
+from minirl.asyncrl.config import AsyncConfig
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, greedy_accuracy, load_policy
-from minirl.tasks.arithmetic import make_task
-from minirl.train.checkpoint import latest_checkpoint
-from minirl.train.cli import check_run_flags, resumed_config
-from minirl.train.run import SAFE_ON_RESUME, RunStopped
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
-from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, read_run_record
-from minirl.utils.seeding import seed_everything
+from minirl.train.cli import (add_task_flags, check_run_flags, interrupted_line, last_checkpoint, resolve_task_paths,
+                              restore_task_flags, resume_command, resumed_config, saved_task, stop_line, task_from_args,
+                              task_summary, write_failure)
+from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int
 
 DEFAULTS = RLConfig().replace(steps=60, learning_rate=1e-4, checkpoint_every=20)
 SKIPPED = ("eval_every",)          # evaluation: on snapshots after the run (--snapshot-every)
+STAGE1_SAFE_ON_RESUME = ("steps", "checkpoint_every", "keep_checkpoints", "device")   # minirl.train.run's, less
+# eval_every (a test keeps them equal): here, so that a bad command line is refused before torch loads
 
 
 def parse_args(argv=None):
-    """(args, config, async_config): every flag checked before anything is loaded."""
+    """(args, config, async_config, task, settings): every flag checked and the task built, before a model loads.
+    The parser runs before any heavy import: a usage error is immediate."""
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)
     parser.epilog = next(p for p in __doc__.split("\n\n") if p.startswith("A checkpoint holds"))
     group = parser.add_argument_group("run directory and process")
@@ -76,6 +82,7 @@ def parse_args(argv=None):
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
     group.add_argument("--num-cpus", type=float, default=2, help="CPUs of the local Ray cluster (--ray) (default: 2)")
     group.add_argument("--print-every", type=int, default=10, help="a progress line every N steps (default: 10)")
+    add_task_flags(parser)
     add_config_flags(parser, DEFAULTS, skip=SKIPPED)
     add_config_flags(parser, AsyncConfig())
     args = parser.parse_args(argv)
@@ -89,20 +96,31 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     acfg = config_from_args(parser, args, AsyncConfig())
-    check_run_flags(parser, args)           # --out free (or --resume / --overwrite), --model exists
+    check_run_flags(parser, args)           # --out free (or --resume / --overwrite) and writable, --model exists
+    resolve_task_paths(args)
     if args.resume:                         # the run's own settings, changed only where it cannot matter
         saved = read_run_record(args.out).get("async")
         if saved is None:
             parser.error(f"--resume: {args.out} holds no asynchronous run (its run.json has no async settings); "
                          "resume it with the chapter that started it")
-        safe = tuple(k for k in SAFE_ON_RESUME if k not in SKIPPED) + ASYNC_SAFE_ON_RESUME
-        config, _ = resumed_config(parser, args, argv, also=saved, safe=safe)
+        task_flags = saved_task(args)
+        config, _ = resumed_config(parser, args, argv, also=saved | task_flags,
+                                   safe=STAGE1_SAFE_ON_RESUME + ASYNC_SAFE_ON_RESUME)
         acfg = AsyncConfig(**saved | {k: getattr(args, k) for k in ASYNC_SAFE_ON_RESUME})
+        restore_task_flags(args, task_flags)
+    check_device(parser, config.run.device)
+    from minirl.asyncrl.runner import check_async  # noqa: PLC0415 (torch: after the arguments)
+
     try:
         check_async(config, acfg)
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    return args, config, acfg
+    if args.dataset is not None and acfg.max_turns > 1:
+        parser.error(f"argument --max-turns: {acfg.max_turns}: a --dataset task is scored in one turn by its "
+                     "rewards; multi-turn sessions are the embedded task's calculator tool (drop --dataset, or "
+                     "--max-turns)")
+    task = task_from_args(parser, args)
+    return args, config, acfg, task, merged_settings(parser, args)
 
 
 def progress_line(every: int, steps: int):
@@ -116,55 +134,105 @@ def progress_line(every: int, steps: int):
 
 
 def main(argv=None) -> int:
-    args, config, acfg = parse_args(argv)
+    args, config, acfg, task, settings = parse_args(argv)
+    from functools import partial  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
+
+    import torch  # noqa: PLC0415
+
+    from minirl.asyncrl.env import RewardEnv  # noqa: PLC0415
+    from minirl.asyncrl.plots import plot_learning_curves, plot_timelines  # noqa: PLC0415
+    from minirl.asyncrl.runner import train_async  # noqa: PLC0415
+    from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
+    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy  # noqa: PLC0415
+    from minirl.train.run import RunStopped  # noqa: PLC0415
+    from minirl.utils.io import write_summary  # noqa: PLC0415
+    from minirl.utils.rundir import RunDirError  # noqa: PLC0415
+    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
+
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
-    task, out = make_task(), Path(args.out)
+    out, again = Path(args.out), resume_command(args.out)
     try:
         model, tokenizer = load_policy(args.model, config.run.device, progress=False)
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
-    if acfg.ray:
-        from minirl.controller.resource_pool import connect  # noqa: PLC0415 (Ray only with --ray)
-        print(connect(None, num_cpus=args.num_cpus))
+    max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
+    context = getattr(model.config, "max_position_embeddings", None)
+    for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
+                            ("eval_dataset", task.test, max_new_tokens)):
+        try:
+            if rows:
+                check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
+        except PromptError as err:
+            print(f"error: {flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}", file=sys.stderr)
+            return 2
+    embedded = args.dataset is None          # the calculator tool; a data set: its rewards, one turn
+    make_env = None if embedded else partial(RewardEnv, task.reward_funcs, task.reward_weights)
+    ray = None
     started = time.perf_counter()
     try:
-        result = train_async(config, acfg, model, tokenizer, task.rows("train"), out_dir=out, resume=args.resume,
+        if acfg.ray:
+            import ray  # noqa: PLC0415 (Ray only with --ray)
+
+            from minirl.controller.resource_pool import connect  # noqa: PLC0415
+            print(connect(None, num_cpus=args.num_cpus), flush=True)
+        from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415 (imports Ray)
+    except ConnectionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError:                      # no Ray installed: no Ray producer can die
+        WorkerDiedError = type("WorkerDiedError", (RuntimeError,), {})  # noqa: N806
+    run_info = {"model": args.model, "settings": settings,
+                "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")}}
+    try:
+        result = train_async(config, acfg, model, tokenizer, task.train, out_dir=out, resume=args.resume,
                              overwrite=args.overwrite, on_step=progress_line(args.print_every, config.run.steps),
-                             stop_after=args.stop_after, run_info={"model": args.model})
+                             stop_after=args.stop_after, run_info=run_info, make_env=make_env)
     except RunStopped as stop:
-        print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
+        print(stop_line(str(stop), last_checkpoint(out), again))
         return 1
     except KeyboardInterrupt:
-        found = latest_checkpoint(out / "checkpoints")
-        where = f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
-        print(f"\ninterrupted: {where}; continue with: python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
+        print(f"\n{interrupted_line(out, again)}", file=sys.stderr)
         return 130
+    except WorkerDiedError as err:                       # a Ray producer that died (killed, out of memory)
+        print(stop_line(getattr(err, "what", str(err)), last_checkpoint(out), again), file=sys.stderr)
+        return 1
     except (RunDirError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:                    # a disk that filled, a directory made read-only during the run
+        line = write_failure(err, out)
+        if line is None:
+            raise
+        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
+        return 1
     except (RuntimeError, TimeoutError) as err:          # a producer failed, or no batch came
-        print(f"error: the run stopped: {type(err).__name__}: {err}; continue from its last checkpoint with: "
-              f"python {sys.argv[0]} --out {out} --resume", file=sys.stderr)
+        print(stop_line(f"the run stopped: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                        last_checkpoint(out), again), file=sys.stderr)
         return 1
     finally:
-        if acfg.ray:
-            import ray  # noqa: PLC0415
+        if ray is not None:
             ray.shutdown()
-    accuracy = evaluate_snapshots(result, model, lambda m: greedy_accuracy(m, tokenizer, task))
-    summary = result.summary() | {"max_staleness": acfg.max_staleness, "correction": acfg.correction,
-                                  "resumed": args.resume, "accuracy_curve": accuracy,
-                                  "seconds_total": time.perf_counter() - started, "model": args.model or "embedded",
-                                  "metrics": str(out / "metrics.jsonl"), "final_model": str(out / "final")}
+    eval_fn = task.eval_fn(tokenizer, max_new_tokens)
+    accuracy = evaluate_snapshots(result, model, eval_fn) if eval_fn is not None else []
+    metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
+    summary = (result.summary() | {"accuracy_before": accuracy[0]["accuracy"] if accuracy else None,
+                                   "accuracy_after": accuracy[-1]["accuracy"] if accuracy else None}
+               | {"max_staleness": acfg.max_staleness, "correction": acfg.correction, "resumed": args.resume,
+                  "accuracy_curve": accuracy, "eval_metric": metric, "seconds_total": time.perf_counter() - started,
+                  "model": args.model or "embedded", "metrics": str(out / "metrics.jsonl"),
+                  "final_model": str(out / "final"), "task": task_summary(task, args), "settings": settings,
+                  "config_file": None if args.config is None else str(args.config)})
     end = result.ended
     plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
                    out / "timeline.png")
     plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
     write_summary(out, summary)
-    print(f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after "
-          f"{summary['steps']} steps; {summary['trajectories_per_second']:.0f} trajectories/s; "
+    held_out = (f"held-out {metric} {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after "
+                if accuracy else "no held-out evaluation (no --eval-dataset); ")
+    print(f"{held_out}{summary['steps']} steps; {summary['trajectories_per_second']:.0f} trajectories/s; "
           f"trainer idle {100 * summary['trainer_idle_share']:.0f} %; "
           f"max staleness seen {summary['max_staleness_seen']} (bound {acfg.max_staleness}); "
           f"queue depth mean {summary['queue_depth_mean']:.1f}; dropped {summary['dropped']}; "

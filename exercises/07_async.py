@@ -11,7 +11,7 @@ import threading
 import time
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 import torch
@@ -19,6 +19,7 @@ import torch
 from minirl.data import Rollout
 from minirl.utils.validate import ConfigError, check_int
 from minirl.algo.logprobs import check_logprob_pair
+from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
@@ -85,7 +86,8 @@ class Trajectory:
 
     rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
     its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none).
+    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
+    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
     """
 
     rollout: Rollout
@@ -99,6 +101,7 @@ class Trajectory:
     env_timeouts: int = 0         # of those, the ones that hung
     env_errors: tuple = ()        # a few of the failures, as text
     ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
+    scores: dict = field(default_factory=dict)   # {reward function: [G] values} (a failed session: 0)
 
     @property
     def version(self) -> int:
@@ -328,10 +331,6 @@ class ExperienceQueue:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
-
-
-CORRECTIONS = ("none", "areal", "tis")
-AREAL_WEIGHTS = ("clip", "cap")
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,

@@ -110,7 +110,12 @@ placement that happens. Resources other jobs hold are not seen by the plan: a re
 that Ray cannot grant times out with a message instead.
 """
 
+import contextlib
+import logging
+import os
 import socket
+import time
+from pathlib import Path
 
 import psutil
 import ray
@@ -212,6 +217,17 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
 # would keep trying for much longer). `local_cluster` starts Ray's multi-node test cluster
 # on this machine: every node is a real Ray node with its own resources, only the network is
 # the loopback.
+#
+# Starting Ray on a busy machine fails more often than one would think: a node's raylet gives
+# its dashboard agent (a Python process) 15 s to write each of its port files and then aborts,
+# and at load 15-20 on two cores the agent's imports alone take longer. That wait is fixed in
+# Ray 2.60, so both start Ray's processes at a raised CPU priority (where the OS allows it, and
+# only for the start), raise the waits that are settings, run Ray's workers at nice 0 instead of
+# Ray's 15 (beside other work they would get a sliver of a CPU), and try a failed start again
+# after 2, 4, 8 s, cleaning up what the failed try left running. And since
+# Ray 2.60, `ray start --head` turns token authentication on: a driver without the token is
+# refused after 20 s with a bare "Failed to connect", so `connect` tries once more with
+# `RAY_AUTH_MODE=token` when a token is at hand, and otherwise says so.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -253,46 +269,129 @@ def probe(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
-def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0) -> str:
-    """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
-
-    Returns a one-line description. An address where nothing listens raises ConnectionError
-    within `timeout` seconds. Already connected: nothing changes.
-    """
-    if ray.is_initialized():
-        return f"connected to {ray.get_runtime_context().gcs_address}"
-    if address is None:
-        # "local": a new cluster of our own, even where another process left one running
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        return f"started a local Ray cluster with {num_cpus:g} CPUs"
-    if address != "auto":
-        probe(address, timeout)
-    ray.init(address=address, log_to_driver=False)
-    return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
+# Ray's start-up settings, applied where the user set none. A raylet gives its dashboard agent 15 s to
+# write each of its port files (fixed in Ray 2.60) and its Python start takes longer than that on a
+# machine at load 15-20, so the start itself runs at a raised CPU priority where allowed (`started`).
+# The waits that are settings are raised: an agent's registration, a worker's. And Ray runs its
+# workers at nice 15, a sliver of a CPU beside other work at nice 0 on a busy machine: 0 is their
+# fair share.
+START_ENV = {"RAY_agent_register_timeout_ms": "120000", "RAY_worker_register_timeout_seconds": "180",
+             "RAY_worker_niceness": "0"}
+AUTH_HINT = ("a cluster started by `ray start --head` asks for a token by default (Ray 2.60): run with "
+             "RAY_AUTH_MODE=token and its token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+             "(`ray get-auth-token` on the head prints it)")
 
 
-def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 3):
-    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+def raise_start_waits() -> None:
+    """Set START_ENV in this process's environment (Ray's nodes started from here inherit it)."""
+    for key, value in START_ENV.items():
+        os.environ.setdefault(key, value)
 
-    Each node is a real raylet with its own resources, so placement across nodes is real;
-    only the network is the loopback. Ray gives a node's helper processes about 15 s to
-    start, which a busy machine can miss: a failed start is cleaned up (this process's own
-    new child processes) and tried again. Connect with `ray.init(address=cluster.address)`.
+
+def token_available() -> bool:
+    """Whether a Ray auth token is at hand: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
+def started(start, stop, what: str, attempts: int = 4, backoff: float = 2.0, boost: int = 10):
+    """start() until it succeeds, at most `attempts` times, waiting backoff * 2**k s after the k-th failure.
+
+    Each try runs at a CPU priority `boost` steps above this process's (where the OS allows it:
+    root, or a lowered niceness to take back), so that Ray's helper processes, which inherit it,
+    start within Ray's fixed waits on a busy machine; this process and the ones the start left
+    running go back to the old priority after it. A failed start is undone (stop(), then the
+    processes this process started during it are killed: a raylet or GCS left half-started), so
+    the next try begins clean. The last failure raises ConnectionError in one line: what, how
+    often, and the first line of Ray's error.
     """
     for attempt in range(attempts):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        cluster = Cluster()
+        old = os.getpriority(os.PRIO_PROCESS, 0)
         try:
-            for _ in range(num_nodes):
-                cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
-            return cluster
-        except Exception:
-            cluster.shutdown()
+            os.setpriority(os.PRIO_PROCESS, 0, max(-20, old - boost))
+        except OSError:                                    # not allowed here: start at the usual priority
+            pass
+        try:
+            return start()
+        except Exception as err:
+            stop()
             for child in psutil.Process().children(recursive=True):
                 if child.pid not in before:
                     child.kill()
             if attempt == attempts - 1:
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                raise ConnectionError(f"{what} failed {attempts} times ({type(err).__name__}: {reason}); the machine "
+                                      "may be too busy: retry later, or start one with `ray start --head` and pass "
+                                      "--address") from None
+            time.sleep(backoff * 2**attempt)
+        finally:
+            if os.getpriority(os.PRIO_PROCESS, 0) != old:
+                os.setpriority(os.PRIO_PROCESS, 0, old)
+                for child in psutil.Process().children(recursive=True):
+                    if child.pid not in before:
+                        with contextlib.suppress(psutil.Error):
+                            child.nice(old)
+
+
+def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0, attempts: int = 4) -> str:
+    """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
+
+    Returns a one-line description. A local start is tried `attempts` times with backoff
+    (`started`), with Ray's start-up waits raised (`raise_start_waits`). An address where
+    nothing listens raises ConnectionError within `timeout` seconds. A cluster that refuses us
+    (Ray gives up after about 20 s) is tried once more with token auth when RAY_AUTH_MODE is
+    unset and a token is at hand (`ray start --head` turns token auth on by default in Ray
+    2.60; a cluster without it refuses a token-mode driver's actors, so token mode is not the
+    first try); otherwise ConnectionError names token auth. Already connected: nothing changes.
+    """
+    if ray.is_initialized():
+        return f"connected to {ray.get_runtime_context().gcs_address}"
+    raise_start_waits()
+    if address is None:
+        # "local": a new cluster of our own, even where another process left one running
+        started(lambda: ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                                 logging_level=logging.WARNING),
+                ray.shutdown, f"starting a local Ray cluster of {num_cpus:g} CPUs", attempts)
+        return f"started a local Ray cluster with {num_cpus:g} CPUs"
+    if address != "auto":
+        probe(address, timeout)
+    try:
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except ConnectionError:
+            if "RAY_AUTH_MODE" in os.environ or not token_available():
                 raise
+            ray.shutdown()                                 # a token here: the cluster may want it (Ray 2.60's default)
+            os.environ["RAY_AUTH_MODE"] = "token"
+            ray._raylet.Config.initialize("")              # as Ray does when it turns token auth on in a process
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
+        ray.shutdown()
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConnectionError(f"address={address!r}: the cluster there did not let us in ({reason}); "
+                              f"{AUTH_HINT}") from None
+    return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
+
+
+def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 4):
+    """Ray's multi-node test cluster on this machine: `num_nodes` nodes of `cpus_per_node` CPUs each.
+
+    Each node is a real raylet with its own resources, so placement across nodes is real;
+    only the network is the loopback. A busy machine can still miss Ray's start-up waits
+    (raised first, `raise_start_waits`): a failed start is cleaned up and tried again with
+    backoff (`started`). Connect with `ray.init(address=cluster.address)`.
+    """
+    raise_start_waits()
+    holder = {}
+
+    def start():
+        holder["cluster"] = cluster = Cluster()
+        for _ in range(num_nodes):
+            cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False)
+        return cluster
+    return started(start, lambda: holder["cluster"].shutdown() if "cluster" in holder else None,
+                   f"starting a local Ray cluster of {num_nodes} nodes", attempts)
 
 # %% [markdown]
 # Start two Ray nodes here, then plan three pools on a cluster that exists only on paper (two
@@ -542,8 +641,27 @@ RANK_ZERO = Mode(rank_zero, first)
 # %%
 # | export minirl/controller/worker_group.py
 class WorkerDiedError(RuntimeError):
-    """A worker of the run died; the message names its roles, its group and its rank."""
+    """A worker of the run died (killed, crashed, out of memory, its node lost); the message names its roles,
+    its group, its rank and its node. `what` is that first part alone (the chapters' one stop line)."""
 
+    def __init__(self, what: str, advice: str = "the run stops here: resume it from its last checkpoint"):
+        super().__init__(f"{what}; {advice}")
+        self.what = what
+
+
+# what Ray raises when the process behind a call is gone: killed, crashed, its node lost, or killed by Ray's
+# memory monitor (OutOfMemoryError); each becomes a WorkerDiedError naming the worker
+DEATHS = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError,
+          ray.exceptions.NodeDiedError, ray.exceptions.LocalRayletDiedError)
+
+
+def died(who: str, what: str, err: BaseException) -> WorkerDiedError:
+    """The WorkerDiedError for `who` (a worker's description) failing with Ray's `err` during `what`."""
+    oom = isinstance(err, ray.exceptions.OutOfMemoryError) or "memory monitor" in str(err)
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    reason = ("killed by Ray's memory monitor: the node ran out of memory; give the role fewer or smaller "
+              "workers, or more memory" if oom else lines[0][:200])
+    return WorkerDiedError(f"{who} died during {what} ({reason})")
 
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
@@ -552,7 +670,7 @@ class WorkerGroup:
                  prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group (for messages)
-        self.world_ranks, self.dead = [], None
+        self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
         slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
@@ -575,7 +693,8 @@ class WorkerGroup:
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
                  for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
                  if args is not None]
-        return gather(calls, method)
+        first = next((args for args in per_rank_args if args is not None), ())
+        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
         """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
@@ -590,7 +709,12 @@ class WorkerGroup:
 
 
 def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> list:
-    """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens."""
+    """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens.
+
+    Every `ray.get` on a worker goes through here: a dead worker (DEATHS) raises a
+    WorkerDiedError naming its roles, rank and node; an exception raised in a worker raises
+    as itself, with a note saying where.
+    """
     index = {ref: i for i, (_, _, ref) in enumerate(calls)}
     results, pending = [None] * len(calls), list(index)
     while pending:
@@ -599,13 +723,14 @@ def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> 
         group, rank, _ = calls[i]
         try:
             results[i] = ray.get(done[0])
-        except ray.exceptions.RayActorError as err:
-            group.dead = rank
-            reason = str(err).strip().splitlines()[0][:200]
-            raise WorkerDiedError(f"{group.describe(rank)} died during {what} ({reason}); the run stops here: "
-                                  "resume it from its last checkpoint") from None
+        except DEATHS as err:
+            group.dead, group.death = rank, died(group.describe(rank), what, err)
+            raise group.death from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
+            if isinstance(cause, DEATHS):                  # a worker that died while this one waited on it
+                group.dead, group.death = rank, died(group.describe(rank), what, cause)
+                raise group.death from None
             cause.add_note(f"(raised in {group.describe(rank)} during {what})")
             raise cause from None
     return results
@@ -1135,6 +1260,9 @@ def parse_pools(text: str | None) -> dict[str, list[int]]:
         except ValueError:
             raise ConfigError("pools", text, f"{item!r} is not role=N or role=N+M (devices on each node), "
                                              "e.g. actor=2,rollout=1+1") from None
+        if min(sizes[role.strip()]) < 1:
+            raise ConfigError("pools", text, f"role {role.strip()!r} is given 0 devices; a pool needs at least 1 "
+                                             "on each node it spans: use N >= 1, or leave the role out (1 device)")
     return sizes
 
 
@@ -1389,7 +1517,9 @@ hold models into one torch.distributed world (a data-parallel group per pool, a 
 spanning trainer rank 0 and the rollout workers), builds the roles on the workers from one
 copy of the policy in Ray's object store, and hands `rl_step` the proxies of
 `controller/proxies.py` and a weight sync. If any of that fails, whatever was started is
-stopped before the error propagates. `Driver.train(rows, ...)` is stage 1's `train` with
+stopped before the error propagates. reward_weights: one per reward function, as stage 1's
+(a task's `reward_funcs` and `reward_weights` give the records stage 1 gives for it:
+`rewards/<name>` unweighted, the reward trained on weighted). `Driver.train(rows, ...)` is stage 1's `train` with
 the Driver's step: stage 1's `run_in_dir` (run directory, callbacks, checkpoints, resume).
 
 The source writes the Driver's loop as sync -> generate -> score -> values -> advantages ->
@@ -1413,6 +1543,7 @@ from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.models.policy import check_prompts
+from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
 from minirl.utils.validate import check_choice
@@ -1427,9 +1558,13 @@ class Driver:
 
     def __init__(self, config, placement: Placement, model, tokenizer, reward_funcs, *, sync: str = "collective",
                  bucket_bytes: int = 32 << 20, threads: int = 1, name: str | None = None,
-                 reserve_timeout: float = 60.0):
+                 reserve_timeout: float = 60.0, reward_weights: list[float] | None = None):
         check_choice("sync", sync, SYNCS)
+        if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+            raise ValueError(f"reward_weights has {len(reward_weights)} weights for {len(reward_funcs)} reward "
+                             "functions: give one weight per function")
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
+        self.reward_weights = None if reward_weights is None else list(reward_weights)   # stage 1's score weighs
         self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"                 # workers are named "<name>/<pool>-<rank>"
         self.used = check_placement(placement, config)                      # {pool: roles}, before anything starts
         self.nodes = cluster_nodes()
@@ -1466,7 +1601,7 @@ class Driver:
         members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
         world = [(group, rank) for group in members for rank in range(len(group))]
         backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
-        address = ray.get(world[0][0].workers[0].free_address.remote())
+        address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
         gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
                 for i, (g, r) in enumerate(world)], "init_world")
         for group in members:
@@ -1484,7 +1619,7 @@ class Driver:
                            ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
                            CriticGroup(self.group_of("critic")) if "critic" in needed else None)
         self.engine = EngineGroup(rollout)
-        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, getattr(f, "__name__", type(f).__name__))
+        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
                              for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
         if actor is rollout:
             self.syncs = {"local": LocalSync(actor)}
@@ -1508,8 +1643,8 @@ class Driver:
     def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
-                raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint") from cause
+                what = group.death.what if group.death is not None else f"{group.describe(group.dead)} died"
+                raise WorkerDiedError(f"{what}, in step {state.step + 1}") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),
@@ -1526,7 +1661,7 @@ class Driver:
         check_prompts(self.tokenizer, [r["prompt"] for r in rows], getattr(self.model.config,
                       "max_position_embeddings", None), config.sampling.max_completion_length)   # as stage 1's train
         state = RunState(config, self.roles, self.engine, self.sync, torch.Generator().manual_seed(config.run.seed),
-                         list(rows), self.reward_funcs)
+                         list(rows), self.reward_funcs, self.reward_weights)
         info = {"placement": self.placement.name, **(run_info or {})}
         records = run_in_dir(state, self.step, self.tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                              eval_fn=eval_fn, progress=progress, label=self.placement.name,

@@ -198,7 +198,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -234,7 +234,8 @@ class Trajectory:
 
     rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
     its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none).
+    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
+    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
     """
 
     rollout: Rollout
@@ -248,6 +249,7 @@ class Trajectory:
     env_timeouts: int = 0         # of those, the ones that hung
     env_errors: tuple = ()        # a few of the failures, as text
     ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
+    scores: dict = field(default_factory=dict)   # {reward function: [G] values} (a failed session: 0)
 
     @property
     def version(self) -> int:
@@ -526,6 +528,24 @@ except FutureVersionError as err:
 # place, so `areal` together with `importance_sampling_correction` is refused by name.
 
 # %%
+# | export minirl/asyncrl/config.py
+"""Stage 7's settings: `AsyncConfig`, what stage 7 adds to RLConfig, and the names its checks use.
+
+Light on purpose (no torch, no model code): chapter 07 builds its flags from AsyncConfig and
+refuses a bad command line before anything heavy is imported. The corrections' names are
+here (`asyncrl/corrections.py` implements them); the environment it makes by default is the
+calculator tool of `asyncrl/env.py`, imported when the factory is made.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+from minirl.utils.validate import check_choice, check_float, check_int
+
+CORRECTIONS = ("none", "areal", "tis")
+AREAL_WEIGHTS = ("clip", "cap")
+
+# %%
 # | export minirl/asyncrl/corrections.py
 """Corrections for stale experience: none (LlamaRL), AReaL's decoupled weight, truncated IS.
 
@@ -553,9 +573,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
-
-CORRECTIONS = ("none", "areal", "tis")
-AREAL_WEIGHTS = ("clip", "cap")
+from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,
@@ -729,7 +747,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from minirl.tasks.arithmetic import OPERATORS, parse_answer
+from minirl.tasks.rewards import combine_rewards, reward_name
 from minirl.utils.validate import check_float, check_int
 
 
@@ -795,6 +816,41 @@ class ArithmeticToolEnv:
         return self.prompt, 0.0, False                                    # try again
 
 
+class RewardEnv:
+    """Any task as a single-turn environment: its reward functions score the completion.
+
+    reward_funcs: TRL-style f(prompts, completions, **columns); weights: one per function (None:
+    1 each). `step(action)` calls each function on this one completion with the row's other
+    columns (lists of one), ends the episode with their weighted sum (stage 1's
+    `combine_rewards`) and keeps each function's value in `scores` ({name: value}: the record's
+    `rewards/<name>`). Stage 1 calls each function once per batch; here each session scores
+    its own completion, so a reward that raises, hangs or returns junk costs one session (scored
+    0 and counted as an environment failure), not the run.
+    """
+
+    def __init__(self, reward_funcs, weights=None):
+        self.funcs = list(reward_funcs)
+        self.weights = [1.0] * len(self.funcs) if weights is None else list(weights)
+        self.names = [reward_name(f) for f in self.funcs]
+        self.row, self.scores = None, {}
+
+    def reset(self, row: dict, rng: random.Random) -> str:
+        self.row, self.scores = row, {}
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[None, float, bool]:
+        columns = {k: [v] for k, v in self.row.items() if k != "prompt"}
+        values = []
+        for func, name in zip(self.funcs, self.names):
+            out = list(func(prompts=[self.row["prompt"]], completions=[action], **columns))
+            if len(out) != 1 or isinstance(out[0], (str, bytes)):
+                raise EnvError(f"reward function {name} returned {out!r} for one completion; return one float")
+            values.append(float(out[0]))
+        total, _ = combine_rewards(torch.tensor([values], dtype=torch.float64), self.weights, self.names)
+        self.scores = dict(zip(self.names, values))
+        return None, total.item(), True
+
+
 @dataclass
 class SessionResult:
     """What one session gave: its reward (0 on failure), turns, seconds, and the error's text if it failed."""
@@ -804,6 +860,7 @@ class SessionResult:
     seconds: float
     error: str | None = None
     timed_out: bool = False
+    scores: dict | None = None         # {reward function: value} from an environment that keeps them (RewardEnv)
 
 
 def check_step(out) -> tuple[str | None, float, bool]:
@@ -833,7 +890,7 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
         if done:
             break
         action = policy(observation)                       # a later turn: the policy answers again
-    return SessionResult(reward, turn, time.perf_counter() - start)
+    return SessionResult(reward, turn, time.perf_counter() - start, scores=getattr(env, "scores", None) or None)
 
 
 def run_sessions(make_env, row: dict, actions: list[str], policy, seeds: list[int], timeout: float,
@@ -1075,10 +1132,12 @@ class Producer:
         results = run_sessions(self.make_env, row, rollout.completions, self.policy,
                                [seed + i for i in range(G)], self.env_timeout, self.max_turns)
         failed = [r for r in results if r.error is not None]
+        names = dict.fromkeys(name for r in results for name in (r.scores or {}))
+        scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
         return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
                           started, generated, time.perf_counter(), env_failures=len(failed),
                           env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
-                          ticket=ticket)
+                          ticket=ticket, scores=scores)
 
     def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
         """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
@@ -1330,6 +1389,56 @@ def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> fl
     return math.inf
 
 # %%
+# | export minirl/asyncrl/config.py
+SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
+
+
+@dataclass
+class AsyncConfig:
+    """What stage 7 adds to RLConfig: the staleness bound, the correction, producers and environment."""
+
+    choices = {"correction": CORRECTIONS, "areal_weight": AREAL_WEIGHTS}      # for the chapter's flags
+
+    max_staleness: int = 1             # eta: a trajectory may be at most this many versions behind the trainer
+    correction: str = "none"           # none (LlamaRL), areal (decoupled objective), tis (truncated IS, notebook 02)
+    areal_weight: str = "clip"         # areal's behaviour weight: clip to [0.8, 1.2] (the source) or cap (AReaL's code)
+    producers: int = 4                 # producer threads (or slots on the Ray actors)
+    prompts_per_call: int = 4          # prompts a producer samples in one engine call (their groups are queued apart)
+    queue_capacity: int | None = None  # trajectories the queue holds; None: (max_staleness + 1) * prompts_per_step
+    env_latency: float = 0.01          # the calculator tool's median latency, seconds (lognormal)
+    env_latency_sigma: float = 1.5     # the lognormal's sigma: the tail's weight (0: every call takes the median)
+    env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
+    max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
+    in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
+    ray: bool = False                  # producers are Ray actors (needs a running Ray cluster: ray.init)
+    ray_actors: int = 2                # Ray actors sharing the producer slots
+    snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
+
+    def __post_init__(self):
+        check_int("max_staleness", self.max_staleness, low=0)
+        check_choice("correction", self.correction, CORRECTIONS)
+        check_choice("areal_weight", self.areal_weight, AREAL_WEIGHTS)
+        check_int("producers", self.producers, low=1)
+        check_int("prompts_per_call", self.prompts_per_call, low=1)
+        if self.queue_capacity is not None:
+            check_int("queue_capacity", self.queue_capacity, low=1)
+        check_float("env_latency", self.env_latency, low=0.0)             # the checks of env.Latency
+        check_float("env_latency_sigma", self.env_latency_sigma, low=0.0)
+        check_float("env_timeout", self.env_timeout, low=0.0, low_open=True)
+        check_int("max_turns", self.max_turns, low=1)
+        check_int("ray_actors", self.ray_actors, low=1)
+        check_int("snapshot_every", self.snapshot_every, low=1)
+
+    def capacity(self, batch_size: int) -> int:
+        return self.queue_capacity if self.queue_capacity is not None else (self.max_staleness + 1) * batch_size
+
+    def make_env(self):
+        """A picklable factory of fresh environments (one per session): the embedded task's calculator tool."""
+        from minirl.asyncrl.env import ArithmeticToolEnv, Latency  # noqa: PLC0415 (torch: only when a run starts)
+
+        return partial(ArithmeticToolEnv, Latency(self.env_latency, self.env_latency_sigma), self.max_turns)
+
+# %%
 # | export minirl/asyncrl/runner.py
 """The asynchronous trainer: producers fill a bounded queue; stage 1's run loop runs the trainer's step on it.
 
@@ -1369,13 +1478,12 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from minirl.asyncrl.corrections import AREAL_WEIGHTS, CORRECTIONS, Correction, check_correction
-from minirl.asyncrl.env import ArithmeticToolEnv, Latency
+from minirl.asyncrl.config import SAFE_ON_RESUME, AsyncConfig
+from minirl.asyncrl.corrections import Correction, check_correction
 from minirl.asyncrl.producer import Producer, WeightStore, producer_loop
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
 from minirl.asyncrl.snapshots import Snapshot, Snapshots
@@ -1387,53 +1495,7 @@ from minirl.train.run import Callback, RunState, build_engine, build_roles, run_
 from minirl.train.step import batch_statistics, learn
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
-
-SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
-
-
-@dataclass
-class AsyncConfig:
-    """What stage 7 adds to RLConfig: the staleness bound, the correction, producers and environment."""
-
-    choices = {"correction": CORRECTIONS, "areal_weight": AREAL_WEIGHTS}      # for the chapter's flags
-
-    max_staleness: int = 1             # eta: a trajectory may be at most this many versions behind the trainer
-    correction: str = "none"           # none (LlamaRL), areal (decoupled objective), tis (truncated IS, notebook 02)
-    areal_weight: str = "clip"         # areal's behaviour weight: clip to [0.8, 1.2] (the source) or cap (AReaL's code)
-    producers: int = 4                 # producer threads (or slots on the Ray actors)
-    prompts_per_call: int = 4          # prompts a producer samples in one engine call (their groups are queued apart)
-    queue_capacity: int | None = None  # trajectories the queue holds; None: (max_staleness + 1) * prompts_per_step
-    env_latency: float = 0.01          # the calculator tool's median latency, seconds (lognormal)
-    env_latency_sigma: float = 1.5     # the lognormal's sigma: the tail's weight (0: every call takes the median)
-    env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
-    max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
-    in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
-    ray: bool = False                  # producers are Ray actors (needs a running Ray cluster: ray.init)
-    ray_actors: int = 2                # Ray actors sharing the producer slots
-    snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
-
-    def __post_init__(self):
-        check_int("max_staleness", self.max_staleness, low=0)
-        check_choice("correction", self.correction, CORRECTIONS)
-        check_choice("areal_weight", self.areal_weight, AREAL_WEIGHTS)
-        check_int("producers", self.producers, low=1)
-        check_int("prompts_per_call", self.prompts_per_call, low=1)
-        if self.queue_capacity is not None:
-            check_int("queue_capacity", self.queue_capacity, low=1)
-        Latency(self.env_latency, self.env_latency_sigma)
-        check_float("env_timeout", self.env_timeout, low=0.0, low_open=True)
-        check_int("max_turns", self.max_turns, low=1)
-        check_int("ray_actors", self.ray_actors, low=1)
-        check_int("snapshot_every", self.snapshot_every, low=1)
-
-    def capacity(self, batch_size: int) -> int:
-        return self.queue_capacity if self.queue_capacity is not None else (self.max_staleness + 1) * batch_size
-
-    def make_env(self):
-        """A picklable factory of fresh environments (one per session)."""
-        return partial(ArithmeticToolEnv, Latency(self.env_latency, self.env_latency_sigma), self.max_turns)
-
+from minirl.utils.validate import ConfigError
 
 def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
     """The checks across the two configs, before anything is built: ConfigError naming the setting."""
@@ -1521,8 +1583,13 @@ def batch_of(trajectories: list[Trajectory]):
 
 
 def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) -> dict:
-    """The record's stage-7 numbers about a batch: completions, staleness, mixed-version sequences, env failures."""
+    """The record's stage-7 numbers about a batch: completions, staleness, mixed-version sequences, env failures,
+    and `rewards/<name>`, each reward function's unweighted mean over the batch (stage 1's names), when the
+    environment kept them."""
     behind = [trainer_version - t.version for t in trajectories]
+    names = dict.fromkeys(name for t in trajectories for name in t.scores)
+    means = {f"rewards/{name}": torch.cat([t.scores.get(name, torch.zeros(len(t.rewards))) for t in trajectories])
+             .double().mean().item() for name in names}
     mask = rollout.completion_mask.bool()
     tv = rollout.token_versions                                                         # [N, C]
     mixed = ((tv.masked_fill(~mask, -1).max(1).values != tv.masked_fill(~mask, 2**62).min(1).values)
@@ -1530,7 +1597,7 @@ def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) 
     return {"trajectories": len(rollout), "staleness/max": max(behind), "staleness/mean": sum(behind) / len(behind),
             "tokens/mixed_versions": mixed, "env/failures": sum(t.env_failures for t in trajectories),
             "env/timeouts": sum(t.env_timeouts for t in trajectories),
-            "env/errors": [e for t in trajectories for e in t.env_errors][:2]}
+            "env/errors": [e for t in trajectories for e in t.env_errors][:2]} | means
 
 
 def trainer_step(state: AsyncState) -> dict:
@@ -1567,8 +1634,9 @@ def trainer_step(state: AsyncState) -> dict:
 class Producers(Callback):
     """Starts the producers when the run starts (a resume has restored the queue by then), stops them at its end."""
 
-    def __init__(self, config: RLConfig, acfg: AsyncConfig, model, tokenizer):
+    def __init__(self, config: RLConfig, acfg: AsyncConfig, model, tokenizer, make_env=None):
         self.config, self.acfg, self.model, self.tokenizer = config, acfg, model, tokenizer
+        self.make_env = make_env or acfg.make_env()
         self.producers, self.actors, self.threads = [], [], []
 
     @property
@@ -1580,10 +1648,11 @@ class Producers(Callback):
         config, acfg = self.config, self.acfg
         if acfg.ray:
             from minirl.asyncrl.ray_producer import start_ray_producers  # noqa: PLC0415 (Ray only when asked)
-            self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine)
+            self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine,
+                                                              self.make_env)
         else:
             self.producers = [Producer(f"producer {i}", build_engine(config, self.model, self.tokenizer), state.engine,
-                                       acfg.make_env(), config.sampling, acfg.env_timeout, acfg.max_turns,
+                                       self.make_env, config.sampling, acfg.env_timeout, acfg.max_turns,
                                        acfg.in_flight) for i in range(acfg.producers)]
         self.threads = [threading.Thread(target=producer_loop, daemon=True, name=f"producer-{i}",
                                          args=(p, state.rows, config.run.seed, state.gate, state.queue, state.timeline,
@@ -1649,7 +1718,7 @@ class AsyncResult:
 def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], *, out_dir=None,
                 resume: bool = False, overwrite: bool = False, eval_fn=None, progress: bool = False, on_step=None,
                 stop_after: int | None = None, run_info: dict | None = None, extra_callbacks: tuple = (),
-                batch_timeout: float = 300.0) -> AsyncResult:
+                batch_timeout: float = 300.0, make_env=None) -> AsyncResult:
     """config.run.steps trainer steps fed by producers, under stage 1's `run_in_dir`; trains `model` in place.
 
     out_dir, resume, overwrite, progress, stop_after, run_info, extra_callbacks: as stage 1's
@@ -1657,6 +1726,8 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     eval_fn(model) -> accuracy: evaluate inline every config.run.eval_every steps (None: only
     the snapshots, evaluated after the run with `evaluate_snapshots`). on_step(record): called
     after every step. batch_timeout: seconds the trainer waits for one batch (TimeoutError).
+    make_env: a picklable factory of environments (default `acfg.make_env()`, the embedded task's
+    calculator tool); `partial(RewardEnv, task.reward_funcs, task.reward_weights)` trains any task.
     See the module docstring for what a checkpoint holds.
     """
     if not rows:
@@ -1670,7 +1741,7 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
     state = setup_async(config, acfg, model, rows, batch_timeout)
-    producers = Producers(config, acfg, model, tokenizer)
+    producers = Producers(config, acfg, model, tokenizer, make_env)
     snapshots = Snapshots(acfg.snapshot_every, config.run.steps,
                           None if out_dir is None else Path(out_dir) / "snapshots")
     callbacks = ([snapshots] + ([OnStep(on_step)] if on_step is not None else []) + list(extra_callbacks)
@@ -2035,6 +2106,7 @@ from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
+from minirl.controller.worker_group import DEATHS, died
 from minirl.train.run import build_engine
 
 
@@ -2066,10 +2138,11 @@ class RayProducerClient:
     _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
     _lock = threading.Lock()
 
-    def __init__(self, actor, name: str, store: WeightStore):
-        self.actor, self.name, self.store = actor, name, store
+    def __init__(self, actor, name: str, store: WeightStore, where: str = ""):
+        self.actor, self.name, self.store, self.where = actor, name, store, where
 
     def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+        """A dead actor (killed, crashed, out of memory) raises stage 6's WorkerDiedError naming it."""
         version, weights = self.store.latest()
         key = (id(self.store), version)
         with self._lock:
@@ -2077,20 +2150,30 @@ class RayProducerClient:
                 self._refs.clear()
                 self._refs[key] = [ray.put(weights)]
             ref = self._refs[key]
-        return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+        try:
+            return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+        except DEATHS as err:
+            raise died(f"RayProducer {self.name}{self.where}", "produce", err) from None
 
 
-def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore):
-    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors)."""
+def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore, make_env=None):
+    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors).
+
+    make_env: the environments' factory (default acfg.make_env()), pickled to the actors."""
     slots = math.ceil(acfg.producers / acfg.ray_actors)
     remote = ray.remote(RayProducer)
-    make_env = acfg.make_env()
+    make_env = make_env or acfg.make_env()
     actors = [remote.options(num_cpus=0.5, max_concurrency=slots).remote(
         "rollout", r, acfg.ray_actors, model, tokenizer, config, make_env, acfg.env_timeout, acfg.max_turns)
         for r in range(acfg.ray_actors)]
-    ray.get([a.ping.remote() for a in actors])                   # started (a failure is named here)
-    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store)
-            for i in range(acfg.producers)], actors
+    try:
+        infos = ray.get([a.where.remote() for a in actors])        # started (a failure is named here)
+    except DEATHS as err:
+        stop_ray_producers(actors)
+        raise died(f"a RayProducer of {acfg.ray_actors}", "its start", err) from None
+    where = [f" (pid {info['pid']} on node {info['node_id'][:8]})" for info in infos]
+    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store,
+                              where[i % len(actors)]) for i in range(acfg.producers)], actors
 
 
 def stop_ray_producers(actors) -> None:

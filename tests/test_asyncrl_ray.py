@@ -19,9 +19,11 @@ ROWS = make_task().rows("train")
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A local cluster of our own (address="local": never another process's), started with retries."""
+    from minirl.controller.resource_pool import connect
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        connect(None, num_cpus=2)
         yield
     finally:
         ray.shutdown()

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -63,9 +65,14 @@ def stage1(config, make_tiny_policy, **kw):
     return records, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def load_factor() -> float:
+    """How much slower than idle this machine runs now (1 on an idle one): waits scale with it."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def nothing_left(timeout=15.0):
     """No named worker alive and every CPU of the cluster free again (actors and reservations gone)."""
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout * load_factor()
     while time.time() < deadline:
         if not ray.util.list_named_actors() and ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
             return True
@@ -147,7 +154,7 @@ def test_a_nan_on_one_actor_rank_makes_both_skip_at_once(cluster, make_tiny_poli
         def update(per_rank, what="a finite batch"):
             """Both ranks' records; fails (instead of hanging) if a rank still waits after 60 s."""
             calls = [worker.call.remote("actor", "update", part) for worker, part in zip(actor.workers, per_rank)]
-            done, _ = ray.wait(calls, num_returns=len(calls), timeout=60)
+            done, _ = ray.wait(calls, num_returns=len(calls), timeout=60 * load_factor())
             assert len(done) == len(calls), f"{what}: a rank still waits in a collective after 60 s"
             return ray.get(calls)
 
@@ -198,7 +205,7 @@ def test_dead_worker_is_named_within_seconds_and_the_run_resumes_exactly(cluster
         with pytest.raises(WorkerDiedError, match=r"actor\+rollout\+reward worker shared\[rank 0\].*step 3") as err:
             with Driver(config, make_placement("colocated"), model, tok, [killer_reward(3, str(stamp))]) as driver:
                 driver.train(ROWS, out_dir=out, progress=False)
-        assert time.time() - float(stamp.read_text()) < 10, "reported within seconds"
+        assert time.time() - float(stamp.read_text()) < 10 * load_factor(), "reported within seconds"
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert "resume" in str(err.value) and nothing_left(), "no worker left running"
@@ -223,7 +230,7 @@ def test_bad_input_fails_before_any_actor_starts(cluster, make_tiny_policy, plac
     start = time.perf_counter()
     with pytest.raises(error, match=match):
         Driver(config, placement, model, tok, [TASK.reward])
-    assert time.perf_counter() - start < 5 and nothing_left(timeout=1)
+    assert time.perf_counter() - start < 5 * load_factor() and nothing_left(timeout=1)
 
 
 def test_role_without_a_pool(cluster, make_tiny_policy):
@@ -255,3 +262,143 @@ def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path, tin
     assert set(summary["sync_compare"]) == {"collective", "object_store"} and summary["sync_seconds"] > 0
     assert proc.stdout.count("generate") >= 2 and "joined the Ray cluster" in proc.stdout
     assert (out / "timeline.png").stat().st_size > 1000 and (out / "placement.png").stat().st_size > 1000
+
+
+# --- chapter 06 on a data set, and what stops it (issues 19 and 22) ------------------------------------------------
+
+SPY = '''
+import json, os
+def spy(prompts, completions, answer, **columns):
+    """Records what TRL's signature hands a reward (in the reward worker); scores 1.0 for anything."""
+    with open(os.path.join(os.path.dirname(__file__), "spy.jsonl"), "a") as f:
+        f.write(json.dumps({"prompts": prompts[:2], "answer": answer[:2], "columns": sorted(columns),
+                            "n": len(completions), "pid": os.getpid()}) + "\\n")
+    return [1.0] * len(completions)
+'''
+KILLER = '''
+import os
+from pathlib import Path
+def kill_once(prompts, completions, **columns):
+    """The first call in a Ray worker after the stamp's step kills that worker (and leaves the stamp)."""
+    import ray
+    stamp = Path(__file__).with_name("killed")
+    calls = Path(__file__).with_name("calls")
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None and not stamp.exists():
+        with calls.open("a") as f:
+            f.write("x")
+        if len(calls.read_text()) == 2:             # the second step's scoring
+            stamp.write_text("1")
+            os._exit(1)
+    return [0.5] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    """Word problems as text, a tiny Qwen2 with a byte-level BPE tokenizer, a spying and a killing reward."""
+    from tiny_bpe import save_tiny_bpe_model
+    from minirl.tasks.word_problems import write
+
+    root = tmp_path_factory.mktemp("words")
+    write(root / "plain", n_train=40, n_test=6)
+    (root / "spy.py").write_text(SPY)
+    (root / "killer.py").write_text(KILLER)
+    return {"root": root, "model": save_tiny_bpe_model(root / "base", chat_template=False)}
+
+
+def chapter(script: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "chapters" / script), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=timeout * load_factor())
+
+
+def steps_of(out):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "seconds"))}
+            for r in read_jsonl(out / "metrics.jsonl")]
+
+
+def test_chapter_on_a_data_set_gives_chapter_01s_records_and_falls_back_from_a_broken_checkpoint(
+        cluster, tmp_path, words):
+    """--dataset/--reward/--reward-weights/--config on stage 6: the reward workers call the task's functions with
+    the columns; the records are stage 1's for the same task, bit for bit (one rollout worker). A garbage
+    training_state.pt in the newest checkpoint: named, skipped, the run resumes from the one before."""
+    root = words["root"]
+    (tmp_path / "words.yaml").write_text(f"""
+dataset: {root / "plain" / "train.jsonl"}
+eval_dataset: {root / "plain" / "test.jsonl"}
+reward: [math, format, {root / "spy.py"}:spy]
+reward_weights: [1, 0.5, 0.25]
+max_completion_length: 6
+num_generations: 2
+prompts_per_step: 4
+learning_rate: 1.0e-3
+steps: 9
+""")
+    common = ["--config", tmp_path / "words.yaml", "--model", words["model"], "--steps", 2, "--eval-every", 2,
+              "--checkpoint-every", 1, "--threads", 1]
+    out6, out1 = tmp_path / "06", tmp_path / "01"
+    proc = chapter("06_ray.py", "--address", cluster.address, "--out", out6, *common)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "held-out greedy accuracy" in proc.stdout
+    ref = chapter("01_single_process.py", "--no-progress", "--out", out1, *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got, want = steps_of(out6), steps_of(out1)
+    assert got == want, "stage 6 on a data set computes what stage 1 computes"
+    names = ("math_reward", "math_format_reward", "spy")
+    for m in (r for r in got if "reward" in r):
+        assert all(f"rewards/{n}" in m for n in names) and m["rewards/spy"] == 1.0, sorted(m)
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+                                            abs=1e-6) and 0 <= m["frac_reward_zero_std"] <= 1
+    calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]
+    worker_calls = [c for c in calls if c["n"] == 8 and c["pid"] != os.getpid()]   # 4 prompts x 2, both chapters
+    assert len({c["pid"] for c in worker_calls}) == 2 and worker_calls[0]["columns"] == []
+    assert worker_calls[0]["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns reach the reward"
+    summary = json.loads((out6 / "summary.json").read_text())
+    assert summary["task"]["rewards"] == list(names) and summary["task"]["reward_weights"] == [1.0, 0.5, 0.25]
+    assert summary["task"]["eval_metric"] == "accuracy (math_reward)" and summary["settings"]["steps"] == 2
+    assert summary["config_file"] == str(tmp_path / "words.yaml") and summary["settings"]["learning_rate"] == 1e-3
+
+    newest = out6 / "checkpoints" / "step-000002"
+    (newest / "training_state.pt").write_bytes(b"not a checkpoint")
+    proc = chapter("06_ray.py", "--address", cluster.address, "--out", out6, "--resume", "--steps", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-000002" in proc.stderr and "training_state.pt does not load" in proc.stderr, proc.stderr[-3000:]
+    assert "falling back" in proc.stderr
+    assert [r["step"] for r in steps_of(out6)] == [0, 1, 2, 3], "step 2 redone from step 1's checkpoint, once"
+    assert json.loads((out6 / "summary.json").read_text())["task"]["rewards"] == list(names), "the run's own task"
+
+
+def test_chapter_ctrl_c_and_a_dead_worker_each_stop_in_one_line(cluster, tmp_path, words, tiny_model_dir):
+    """SIGINT: exit 130 and one line (the last intact checkpoint, the resume command). A reward worker killed in
+    step 2: exit 1 and one line naming its roles, rank and node; --resume then finishes the run."""
+    out = tmp_path / "int"
+    proc = subprocess.Popen([sys.executable, str(REPO / "chapters" / "06_ray.py"), "--address", cluster.address,
+                             "--model", str(tiny_model_dir), "--out", str(out), "--steps", "100000", "--eval-every",
+                             "0", "--checkpoint-every", "1", "--prompts-per-step", "4", "--num-generations", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.time() + 300 * load_factor()
+    while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120 * load_factor())
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    last = [line for line in stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("interrupted: the last intact checkpoint is ") and f"--out {out} --resume" in last, last
+    assert nothing_left(), "the run's workers are gone"
+
+    root, out = words["root"], tmp_path / "dead"
+    task = ["--dataset", root / "plain" / "train.jsonl", "--reward", f"{root}/killer.py:kill_once"]
+    flags = ["--model", words["model"], "--prompts-per-step", 4, "--num-generations", 2, "--max-completion-length",
+             4, "--eval-every", 0, "--checkpoint-every", 1]
+    proc = chapter("06_ray.py", "--address", cluster.address, "--out", out, *task, *flags, "--steps", 3)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "died" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"actor\+rollout\+reward worker shared\[rank 0\] on node\d died during", lines[0]), lines[0]
+    assert "the last intact checkpoint is" in lines[0] and "step-000001" in lines[0], lines[0]
+    assert lines[0].endswith(f"--out {out} --resume") and nothing_left()
+    proc = chapter("06_ray.py", "--address", cluster.address, "--out", out, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in steps_of(out)] == [1, 2, 3]

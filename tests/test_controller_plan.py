@@ -187,3 +187,63 @@ def test_colocated_engine_of_a_worker_sleeps_and_the_next_sync_restores_it(make_
     assert torch.equal(woke.completion_ids, fresh.completion_ids) and torch.allclose(woke.logprobs, fresh.logprobs)
     with pytest.raises(ValueError, match=r"adapter_only=True, stream=False"):
         ColocatedEngine(engine_class(model, tok), adapter_only=True, stream=False)
+
+
+# ---------------------------------------------------------------- what stops a run, in one line (issue 22)
+
+def test_a_pool_of_zero_devices_is_refused_by_its_flag():
+    with pytest.raises(ConfigError, match=r"role 'actor' is given 0 devices") as err:
+        parse_pools("actor=0,rollout=1")
+    assert err.value.name == "pools", "named as the --pools flag, not an internal setting"
+
+
+def test_a_failed_start_is_cleaned_up_and_tried_again_with_backoff():
+    from minirl.controller.resource_pool import started
+    tries, stops = [], []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise RuntimeError("Timed out while waiting for the dashboard agent to register\nmore Ray lines")
+        return "up"
+    import os
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    assert started(flaky, lambda: stops.append(1), "starting X", attempts=4, backoff=0.0) == "up"
+    assert len(tries) == 3 and len(stops) == 2, "each failure undone before the next try"
+    assert os.getpriority(os.PRIO_PROCESS, 0) == niceness, "the raised priority lasts for the start only"
+
+    def broken():
+        raise RuntimeError("Timed out while waiting for the dashboard agent to register\nmore Ray lines")
+    with pytest.raises(ConnectionError) as err:
+        started(broken, lambda: None, "starting a local Ray cluster of 2 CPUs", attempts=2, backoff=0.0)
+    message = str(err.value)
+    assert "\n" not in message and "failed 2 times" in message and "dashboard agent" in message, message
+    assert "more Ray lines" not in message and "ray start --head" in message
+
+
+def test_start_waits_are_raised_only_where_unset(monkeypatch):
+    from minirl.controller.resource_pool import START_ENV, raise_start_waits
+    monkeypatch.setenv("RAY_agent_register_timeout_ms", "5000")
+    monkeypatch.delenv("RAY_worker_register_timeout_seconds", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    raise_start_waits()
+    import os
+    assert os.environ["RAY_agent_register_timeout_ms"] == "5000", "the user's own setting stays"
+    assert os.environ["RAY_worker_register_timeout_seconds"] == START_ENV["RAY_worker_register_timeout_seconds"]
+    assert os.environ["RAY_worker_niceness"] == "0", "Ray's workers get a fair share of a busy machine"
+
+
+def test_a_dead_or_oom_killed_worker_becomes_one_named_error():
+    import ray
+
+    from minirl.controller.worker_group import DEATHS, WorkerDiedError, died
+    oom = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\nMemory on the "
+                                          "node (IP: 10.0.0.1) was 61 GB / 64 GB")
+    err = died("actor worker train[rank 1] on node2", "actor.update", oom)
+    assert isinstance(err, WorkerDiedError) and isinstance(oom, DEATHS)
+    assert err.what.startswith("actor worker train[rank 1] on node2 died during actor.update (killed by Ray's "
+                               "memory monitor"), err.what
+    assert "resume it from its last checkpoint" in str(err) and "\n" not in str(err)
+    crashed = died("reward worker rollout[rank 0] on node0", "reward.score",
+                   ray.exceptions.WorkerCrashedError())
+    assert "reward worker rollout[rank 0] on node0 died during reward.score (" in crashed.what

@@ -21,8 +21,8 @@ versions); pi_prox is the trainer's weights when the batch arrives, which is als
 its `num_iterations` updates.
 """
 
-__all__ = ["CORRECTIONS", "AREAL_WEIGHTS", "clipped_token_weight", "capped_token_weight",
-           "check_correction", "apply_correction", "Correction"]
+__all__ = ["clipped_token_weight", "capped_token_weight", "check_correction", "apply_correction",
+           "Correction"]
 
 import dataclasses
 
@@ -30,13 +30,11 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
+from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
 from minirl.train.step import importance_weights
 from minirl.utils.validate import ConfigError, check_choice
-
-CORRECTIONS = ("none", "areal", "tis")
-AREAL_WEIGHTS = ("clip", "cap")
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,

@@ -12,8 +12,8 @@ Simplified vs AgentRL: sessions are threads in the producer's process, not conta
 arithmetic; later turns are sampled by the policy but not trained on.
 """
 
-__all__ = ["EnvError", "Latency", "EXPRESSION", "calculator", "ArithmeticToolEnv", "SessionResult",
-           "check_step", "run_session", "run_sessions"]
+__all__ = ["EnvError", "Latency", "EXPRESSION", "calculator", "ArithmeticToolEnv", "RewardEnv",
+           "SessionResult", "check_step", "run_session", "run_sessions"]
 
 import math
 import random
@@ -22,7 +22,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from minirl.tasks.arithmetic import OPERATORS, parse_answer
+from minirl.tasks.rewards import combine_rewards, reward_name
 from minirl.utils.validate import check_float, check_int
 
 
@@ -88,6 +91,41 @@ class ArithmeticToolEnv:
         return self.prompt, 0.0, False                                    # try again
 
 
+class RewardEnv:
+    """Any task as a single-turn environment: its reward functions score the completion.
+
+    reward_funcs: TRL-style f(prompts, completions, **columns); weights: one per function (None:
+    1 each). `step(action)` calls each function on this one completion with the row's other
+    columns (lists of one), ends the episode with their weighted sum (stage 1's
+    `combine_rewards`) and keeps each function's value in `scores` ({name: value}: the record's
+    `rewards/<name>`). Stage 1 calls each function once per batch; here each session scores
+    its own completion, so a reward that raises, hangs or returns junk costs one session (scored
+    0 and counted as an environment failure), not the run.
+    """
+
+    def __init__(self, reward_funcs, weights=None):
+        self.funcs = list(reward_funcs)
+        self.weights = [1.0] * len(self.funcs) if weights is None else list(weights)
+        self.names = [reward_name(f) for f in self.funcs]
+        self.row, self.scores = None, {}
+
+    def reset(self, row: dict, rng: random.Random) -> str:
+        self.row, self.scores = row, {}
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[None, float, bool]:
+        columns = {k: [v] for k, v in self.row.items() if k != "prompt"}
+        values = []
+        for func, name in zip(self.funcs, self.names):
+            out = list(func(prompts=[self.row["prompt"]], completions=[action], **columns))
+            if len(out) != 1 or isinstance(out[0], (str, bytes)):
+                raise EnvError(f"reward function {name} returned {out!r} for one completion; return one float")
+            values.append(float(out[0]))
+        total, _ = combine_rewards(torch.tensor([values], dtype=torch.float64), self.weights, self.names)
+        self.scores = dict(zip(self.names, values))
+        return None, total.item(), True
+
+
 @dataclass
 class SessionResult:
     """What one session gave: its reward (0 on failure), turns, seconds, and the error's text if it failed."""
@@ -97,6 +135,7 @@ class SessionResult:
     seconds: float
     error: str | None = None
     timed_out: bool = False
+    scores: dict | None = None         # {reward function: value} from an environment that keeps them (RewardEnv)
 
 
 def check_step(out) -> tuple[str | None, float, bool]:
@@ -126,7 +165,7 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
         if done:
             break
         action = policy(observation)                       # a later turn: the policy answers again
-    return SessionResult(reward, turn, time.perf_counter() - start)
+    return SessionResult(reward, turn, time.perf_counter() - start, scores=getattr(env, "scores", None) or None)
 
 
 def run_sessions(make_env, row: dict, actions: list[str], policy, seeds: list[int], timeout: float,

@@ -143,10 +143,12 @@ class Producer:
         results = run_sessions(self.make_env, row, rollout.completions, self.policy,
                                [seed + i for i in range(G)], self.env_timeout, self.max_turns)
         failed = [r for r in results if r.error is not None]
+        names = dict.fromkeys(name for r in results for name in (r.scores or {}))
+        scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
         return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
                           started, generated, time.perf_counter(), env_failures=len(failed),
                           env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
-                          ticket=ticket)
+                          ticket=ticket, scores=scores)
 
     def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
         """generate, then score every row's group (their sessions all at once); one Trajectory per row."""

@@ -32,7 +32,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -66,7 +66,8 @@ class Trajectory:
 
     rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
     its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none).
+    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
+    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
     """
 
     rollout: Rollout
@@ -80,6 +81,7 @@ class Trajectory:
     env_timeouts: int = 0         # of those, the ones that hung
     env_errors: tuple = ()        # a few of the failures, as text
     ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
+    scores: dict = field(default_factory=dict)   # {reward function: [G] values} (a failed session: 0)
 
     @property
     def version(self) -> int:

@@ -21,6 +21,7 @@ from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
+from minirl.controller.worker_group import DEATHS, died
 from minirl.train.run import build_engine
 
 
@@ -52,10 +53,11 @@ class RayProducerClient:
     _refs: dict = {}          # (id of the store, version) -> [ObjectRef]: one object-store copy per version
     _lock = threading.Lock()
 
-    def __init__(self, actor, name: str, store: WeightStore):
-        self.actor, self.name, self.store = actor, name, store
+    def __init__(self, actor, name: str, store: WeightStore, where: str = ""):
+        self.actor, self.name, self.store, self.where = actor, name, store, where
 
     def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+        """A dead actor (killed, crashed, out of memory) raises stage 6's WorkerDiedError naming it."""
         version, weights = self.store.latest()
         key = (id(self.store), version)
         with self._lock:
@@ -63,20 +65,30 @@ class RayProducerClient:
                 self._refs.clear()
                 self._refs[key] = [ray.put(weights)]
             ref = self._refs[key]
-        return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+        try:
+            return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+        except DEATHS as err:
+            raise died(f"RayProducer {self.name}{self.where}", "produce", err) from None
 
 
-def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore):
-    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors)."""
+def start_ray_producers(config: RLConfig, acfg, model, tokenizer, store: WeightStore, make_env=None):
+    """acfg.producers clients sharing acfg.ray_actors RayProducer actors (half a CPU each); (clients, actors).
+
+    make_env: the environments' factory (default acfg.make_env()), pickled to the actors."""
     slots = math.ceil(acfg.producers / acfg.ray_actors)
     remote = ray.remote(RayProducer)
-    make_env = acfg.make_env()
+    make_env = make_env or acfg.make_env()
     actors = [remote.options(num_cpus=0.5, max_concurrency=slots).remote(
         "rollout", r, acfg.ray_actors, model, tokenizer, config, make_env, acfg.env_timeout, acfg.max_turns)
         for r in range(acfg.ray_actors)]
-    ray.get([a.ping.remote() for a in actors])                   # started (a failure is named here)
-    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store)
-            for i in range(acfg.producers)], actors
+    try:
+        infos = ray.get([a.where.remote() for a in actors])        # started (a failure is named here)
+    except DEATHS as err:
+        stop_ray_producers(actors)
+        raise died(f"a RayProducer of {acfg.ray_actors}", "its start", err) from None
+    where = [f" (pid {info['pid']} on node {info['node_id'][:8]})" for info in infos]
+    return [RayProducerClient(actors[i % len(actors)], f"ray {i % len(actors)} slot {i // len(actors)}", store,
+                              where[i % len(actors)]) for i in range(acfg.producers)], actors
 
 
 def stop_ray_producers(actors) -> None:

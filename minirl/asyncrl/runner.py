@@ -33,21 +33,19 @@ Simplified: one trainer process; a trajectory's version is its oldest token's; a
 run's timeline starts at the resume.
 """
 
-__all__ = ["SAFE_ON_RESUME", "AsyncConfig", "check_async", "check_resume_async", "AsyncState",
-           "setup_async", "batch_of", "batch_health", "trainer_step", "Producers", "OnStep",
-           "AsyncResult", "train_async"]
+__all__ = ["check_async", "check_resume_async", "AsyncState", "setup_async", "batch_of",
+           "batch_health", "trainer_step", "Producers", "OnStep", "AsyncResult", "train_async"]
 
 import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from minirl.asyncrl.corrections import AREAL_WEIGHTS, CORRECTIONS, Correction, check_correction
-from minirl.asyncrl.env import ArithmeticToolEnv, Latency
+from minirl.asyncrl.config import SAFE_ON_RESUME, AsyncConfig
+from minirl.asyncrl.corrections import Correction, check_correction
 from minirl.asyncrl.producer import Producer, WeightStore, producer_loop
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
 from minirl.asyncrl.snapshots import Snapshot, Snapshots
@@ -59,52 +57,7 @@ from minirl.train.run import Callback, RunState, build_engine, build_roles, run_
 from minirl.train.step import batch_statistics, learn
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
-
-SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
-
-
-@dataclass
-class AsyncConfig:
-    """What stage 7 adds to RLConfig: the staleness bound, the correction, producers and environment."""
-
-    choices = {"correction": CORRECTIONS, "areal_weight": AREAL_WEIGHTS}      # for the chapter's flags
-
-    max_staleness: int = 1             # eta: a trajectory may be at most this many versions behind the trainer
-    correction: str = "none"           # none (LlamaRL), areal (decoupled objective), tis (truncated IS, notebook 02)
-    areal_weight: str = "clip"         # areal's behaviour weight: clip to [0.8, 1.2] (the source) or cap (AReaL's code)
-    producers: int = 4                 # producer threads (or slots on the Ray actors)
-    prompts_per_call: int = 4          # prompts a producer samples in one engine call (their groups are queued apart)
-    queue_capacity: int | None = None  # trajectories the queue holds; None: (max_staleness + 1) * prompts_per_step
-    env_latency: float = 0.01          # the calculator tool's median latency, seconds (lognormal)
-    env_latency_sigma: float = 1.5     # the lognormal's sigma: the tail's weight (0: every call takes the median)
-    env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
-    max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
-    in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
-    ray: bool = False                  # producers are Ray actors (needs a running Ray cluster: ray.init)
-    ray_actors: int = 2                # Ray actors sharing the producer slots
-    snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
-
-    def __post_init__(self):
-        check_int("max_staleness", self.max_staleness, low=0)
-        check_choice("correction", self.correction, CORRECTIONS)
-        check_choice("areal_weight", self.areal_weight, AREAL_WEIGHTS)
-        check_int("producers", self.producers, low=1)
-        check_int("prompts_per_call", self.prompts_per_call, low=1)
-        if self.queue_capacity is not None:
-            check_int("queue_capacity", self.queue_capacity, low=1)
-        Latency(self.env_latency, self.env_latency_sigma)
-        check_float("env_timeout", self.env_timeout, low=0.0, low_open=True)
-        check_int("max_turns", self.max_turns, low=1)
-        check_int("ray_actors", self.ray_actors, low=1)
-        check_int("snapshot_every", self.snapshot_every, low=1)
-
-    def capacity(self, batch_size: int) -> int:
-        return self.queue_capacity if self.queue_capacity is not None else (self.max_staleness + 1) * batch_size
-
-    def make_env(self):
-        """A picklable factory of fresh environments (one per session)."""
-        return partial(ArithmeticToolEnv, Latency(self.env_latency, self.env_latency_sigma), self.max_turns)
+from minirl.utils.validate import ConfigError
 
 
 def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
@@ -193,8 +146,13 @@ def batch_of(trajectories: list[Trajectory]):
 
 
 def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) -> dict:
-    """The record's stage-7 numbers about a batch: completions, staleness, mixed-version sequences, env failures."""
+    """The record's stage-7 numbers about a batch: completions, staleness, mixed-version sequences, env failures,
+    and `rewards/<name>`, each reward function's unweighted mean over the batch (stage 1's names), when the
+    environment kept them."""
     behind = [trainer_version - t.version for t in trajectories]
+    names = dict.fromkeys(name for t in trajectories for name in t.scores)
+    means = {f"rewards/{name}": torch.cat([t.scores.get(name, torch.zeros(len(t.rewards))) for t in trajectories])
+             .double().mean().item() for name in names}
     mask = rollout.completion_mask.bool()
     tv = rollout.token_versions                                                         # [N, C]
     mixed = ((tv.masked_fill(~mask, -1).max(1).values != tv.masked_fill(~mask, 2**62).min(1).values)
@@ -202,7 +160,7 @@ def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) 
     return {"trajectories": len(rollout), "staleness/max": max(behind), "staleness/mean": sum(behind) / len(behind),
             "tokens/mixed_versions": mixed, "env/failures": sum(t.env_failures for t in trajectories),
             "env/timeouts": sum(t.env_timeouts for t in trajectories),
-            "env/errors": [e for t in trajectories for e in t.env_errors][:2]}
+            "env/errors": [e for t in trajectories for e in t.env_errors][:2]} | means
 
 
 def trainer_step(state: AsyncState) -> dict:
@@ -239,8 +197,9 @@ def trainer_step(state: AsyncState) -> dict:
 class Producers(Callback):
     """Starts the producers when the run starts (a resume has restored the queue by then), stops them at its end."""
 
-    def __init__(self, config: RLConfig, acfg: AsyncConfig, model, tokenizer):
+    def __init__(self, config: RLConfig, acfg: AsyncConfig, model, tokenizer, make_env=None):
         self.config, self.acfg, self.model, self.tokenizer = config, acfg, model, tokenizer
+        self.make_env = make_env or acfg.make_env()
         self.producers, self.actors, self.threads = [], [], []
 
     @property
@@ -252,10 +211,11 @@ class Producers(Callback):
         config, acfg = self.config, self.acfg
         if acfg.ray:
             from minirl.asyncrl.ray_producer import start_ray_producers  # noqa: PLC0415 (Ray only when asked)
-            self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine)
+            self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine,
+                                                              self.make_env)
         else:
             self.producers = [Producer(f"producer {i}", build_engine(config, self.model, self.tokenizer), state.engine,
-                                       acfg.make_env(), config.sampling, acfg.env_timeout, acfg.max_turns,
+                                       self.make_env, config.sampling, acfg.env_timeout, acfg.max_turns,
                                        acfg.in_flight) for i in range(acfg.producers)]
         self.threads = [threading.Thread(target=producer_loop, daemon=True, name=f"producer-{i}",
                                          args=(p, state.rows, config.run.seed, state.gate, state.queue, state.timeline,
@@ -321,7 +281,7 @@ class AsyncResult:
 def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], *, out_dir=None,
                 resume: bool = False, overwrite: bool = False, eval_fn=None, progress: bool = False, on_step=None,
                 stop_after: int | None = None, run_info: dict | None = None, extra_callbacks: tuple = (),
-                batch_timeout: float = 300.0) -> AsyncResult:
+                batch_timeout: float = 300.0, make_env=None) -> AsyncResult:
     """config.run.steps trainer steps fed by producers, under stage 1's `run_in_dir`; trains `model` in place.
 
     out_dir, resume, overwrite, progress, stop_after, run_info, extra_callbacks: as stage 1's
@@ -329,6 +289,8 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     eval_fn(model) -> accuracy: evaluate inline every config.run.eval_every steps (None: only
     the snapshots, evaluated after the run with `evaluate_snapshots`). on_step(record): called
     after every step. batch_timeout: seconds the trainer waits for one batch (TimeoutError).
+    make_env: a picklable factory of environments (default `acfg.make_env()`, the embedded task's
+    calculator tool); `partial(RewardEnv, task.reward_funcs, task.reward_weights)` trains any task.
     See the module docstring for what a checkpoint holds.
     """
     if not rows:
@@ -342,7 +304,7 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
     state = setup_async(config, acfg, model, rows, batch_timeout)
-    producers = Producers(config, acfg, model, tokenizer)
+    producers = Producers(config, acfg, model, tokenizer, make_env)
     snapshots = Snapshots(acfg.snapshot_every, config.run.steps,
                           None if out_dir is None else Path(out_dir) / "snapshots")
     callbacks = ([snapshots] + ([OnStep(on_step)] if on_step is not None else []) + list(extra_callbacks)

@@ -8,7 +8,9 @@ hold models into one torch.distributed world (a data-parallel group per pool, a 
 spanning trainer rank 0 and the rollout workers), builds the roles on the workers from one
 copy of the policy in Ray's object store, and hands `rl_step` the proxies of
 `controller/proxies.py` and a weight sync. If any of that fails, whatever was started is
-stopped before the error propagates. `Driver.train(rows, ...)` is stage 1's `train` with
+stopped before the error propagates. reward_weights: one per reward function, as stage 1's
+(a task's `reward_funcs` and `reward_weights` give the records stage 1 gives for it:
+`rewards/<name>` unweighted, the reward trained on weighted). `Driver.train(rows, ...)` is stage 1's `train` with
 the Driver's step: stage 1's `run_in_dir` (run directory, callbacks, checkpoints, resume).
 
 The source writes the Driver's loop as sync -> generate -> score -> values -> advantages ->
@@ -34,6 +36,7 @@ from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.models.policy import check_prompts
+from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
 from minirl.utils.validate import check_choice
@@ -48,9 +51,13 @@ class Driver:
 
     def __init__(self, config, placement: Placement, model, tokenizer, reward_funcs, *, sync: str = "collective",
                  bucket_bytes: int = 32 << 20, threads: int = 1, name: str | None = None,
-                 reserve_timeout: float = 60.0):
+                 reserve_timeout: float = 60.0, reward_weights: list[float] | None = None):
         check_choice("sync", sync, SYNCS)
+        if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+            raise ValueError(f"reward_weights has {len(reward_weights)} weights for {len(reward_funcs)} reward "
+                             "functions: give one weight per function")
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
+        self.reward_weights = None if reward_weights is None else list(reward_weights)   # stage 1's score weighs
         self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"                 # workers are named "<name>/<pool>-<rank>"
         self.used = check_placement(placement, config)                      # {pool: roles}, before anything starts
         self.nodes = cluster_nodes()
@@ -87,7 +94,7 @@ class Driver:
         members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
         world = [(group, rank) for group in members for rank in range(len(group))]
         backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
-        address = ray.get(world[0][0].workers[0].free_address.remote())
+        address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
         gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
                 for i, (g, r) in enumerate(world)], "init_world")
         for group in members:
@@ -105,7 +112,7 @@ class Driver:
                            ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
                            CriticGroup(self.group_of("critic")) if "critic" in needed else None)
         self.engine = EngineGroup(rollout)
-        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, getattr(f, "__name__", type(f).__name__))
+        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
                              for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
         if actor is rollout:
             self.syncs = {"local": LocalSync(actor)}
@@ -129,8 +136,8 @@ class Driver:
     def _stop_if_dead(self, state: RunState, cause: BaseException | None = None) -> None:
         for group in self.groups.values():
             if group.dead is not None:
-                raise WorkerDiedError(f"{group.describe(group.dead)} died during step {state.step + 1}; "
-                                      "the run stops here: resume it from its last checkpoint") from cause
+                what = group.death.what if group.death is not None else f"{group.describe(group.dead)} died"
+                raise WorkerDiedError(f"{what}, in step {state.step + 1}") from cause
 
     def train(self, rows: list[dict], *, eval_fn=None, out_dir=None, resume: bool = False, overwrite: bool = False,
               progress: bool = True, stop_after: int | None = None, extra_callbacks: tuple = (),
@@ -147,7 +154,7 @@ class Driver:
         check_prompts(self.tokenizer, [r["prompt"] for r in rows], getattr(self.model.config,
                       "max_position_embeddings", None), config.sampling.max_completion_length)   # as stage 1's train
         state = RunState(config, self.roles, self.engine, self.sync, torch.Generator().manual_seed(config.run.seed),
-                         list(rows), self.reward_funcs)
+                         list(rows), self.reward_funcs, self.reward_weights)
         info = {"placement": self.placement.name, **(run_info or {})}
         records = run_in_dir(state, self.step, self.tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                              eval_fn=eval_fn, progress=progress, label=self.placement.name,

@@ -73,6 +73,9 @@ def parse_pools(text: str | None) -> dict[str, list[int]]:
         except ValueError:
             raise ConfigError("pools", text, f"{item!r} is not role=N or role=N+M (devices on each node), "
                                              "e.g. actor=2,rollout=1+1") from None
+        if min(sizes[role.strip()]) < 1:
+            raise ConfigError("pools", text, f"role {role.strip()!r} is given 0 devices; a pool needs at least 1 "
+                                             "on each node it spans: use N >= 1, or leave the role out (1 device)")
     return sizes
 
 

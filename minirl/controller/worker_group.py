@@ -17,8 +17,8 @@ group's methods; the role and method are named in the call.
 """
 
 __all__ = ["Mode", "one_to_all", "rank_zero", "split_by_rank", "as_list", "concat", "first",
-           "ONE_TO_ALL", "DP_COMPUTE", "DP_UPDATE", "RANK_ZERO", "WorkerDiedError", "WorkerGroup",
-           "gather"]
+           "ONE_TO_ALL", "DP_COMPUTE", "DP_UPDATE", "RANK_ZERO", "WorkerDiedError", "DEATHS",
+           "died", "WorkerGroup", "gather"]
 
 from dataclasses import dataclass
 from typing import Callable
@@ -93,8 +93,27 @@ RANK_ZERO = Mode(rank_zero, first)
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker of the run died; the message names its roles, its group and its rank."""
+    """A worker of the run died (killed, crashed, out of memory, its node lost); the message names its roles,
+    its group, its rank and its node. `what` is that first part alone (the chapters' one stop line)."""
 
+    def __init__(self, what: str, advice: str = "the run stops here: resume it from its last checkpoint"):
+        super().__init__(f"{what}; {advice}")
+        self.what = what
+
+
+# what Ray raises when the process behind a call is gone: killed, crashed, its node lost, or killed by Ray's
+# memory monitor (OutOfMemoryError); each becomes a WorkerDiedError naming the worker
+DEATHS = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError,
+          ray.exceptions.NodeDiedError, ray.exceptions.LocalRayletDiedError)
+
+
+def died(who: str, what: str, err: BaseException) -> WorkerDiedError:
+    """The WorkerDiedError for `who` (a worker's description) failing with Ray's `err` during `what`."""
+    oom = isinstance(err, ray.exceptions.OutOfMemoryError) or "memory monitor" in str(err)
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    reason = ("killed by Ray's memory monitor: the node ran out of memory; give the role fewer or smaller "
+              "workers, or more memory" if oom else lines[0][:200])
+    return WorkerDiedError(f"{who} died during {what} ({reason})")
 
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
@@ -103,7 +122,7 @@ class WorkerGroup:
                  prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group (for messages)
-        self.world_ranks, self.dead = [], None
+        self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
         slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
@@ -126,7 +145,8 @@ class WorkerGroup:
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
                  for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
                  if args is not None]
-        return gather(calls, method)
+        first = next((args for args in per_rank_args if args is not None), ())
+        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
         """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
@@ -141,7 +161,12 @@ class WorkerGroup:
 
 
 def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> list:
-    """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens."""
+    """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens.
+
+    Every `ray.get` on a worker goes through here: a dead worker (DEATHS) raises a
+    WorkerDiedError naming its roles, rank and node; an exception raised in a worker raises
+    as itself, with a note saying where.
+    """
     index = {ref: i for i, (_, _, ref) in enumerate(calls)}
     results, pending = [None] * len(calls), list(index)
     while pending:
@@ -150,13 +175,14 @@ def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> 
         group, rank, _ = calls[i]
         try:
             results[i] = ray.get(done[0])
-        except ray.exceptions.RayActorError as err:
-            group.dead = rank
-            reason = str(err).strip().splitlines()[0][:200]
-            raise WorkerDiedError(f"{group.describe(rank)} died during {what} ({reason}); the run stops here: "
-                                  "resume it from its last checkpoint") from None
+        except DEATHS as err:
+            group.dead, group.death = rank, died(group.describe(rank), what, err)
+            raise group.death from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
+            if isinstance(cause, DEATHS):                  # a worker that died while this one waited on it
+                group.dead, group.death = rank, died(group.describe(rank), what, cause)
+                raise group.death from None
             cause.add_note(f"(raised in {group.describe(rank)} during {what})")
             raise cause from None
     return results
