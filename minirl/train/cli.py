@@ -1,42 +1,87 @@
-"""Command-line plumbing of the chapter scripts that train (01, 04, 06): the run directory, --model, --resume.
+"""Command-line plumbing of the chapter scripts that train (01, 04, 06, 07): run directory, --model, --resume, task.
 
-Hand-written (it teaches nothing): every training chapter checks its run directory and
-`--model` before anything loads, and on `--resume` takes the run's own settings back from its
-`run.json`, letting only the flags that cannot change what was computed differ. One copy, so
-that the three scripts cannot drift apart.
+Hand-written (it teaches nothing): every training chapter checks its run directory (free, and
+writable) and `--model` before anything loads, and on `--resume` takes the run's own settings
+back from its `run.json`, letting only the flags that cannot change what was computed differ;
+the task flags (`--dataset`, `--eval-dataset`, `--reward`, `--reward-weights`) and the task they
+build are the same in every chapter. One copy, so that the scripts cannot drift apart.
+
+Importing this module is light (no torch): a chapter can build its parser from it and refuse a
+bad command line before the heavy imports; the functions import what they need.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import sys
+import tempfile
+from pathlib import Path
 
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, check_model_source
-from minirl.train.run import SAFE_ON_RESUME
 from minirl.utils.cli import explicit_dests, flag
 from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.utils.validate import ConfigError
 
+TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what run.json records as "task"
+BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)
+REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:function (my_rewards:length_penalty, "
+                    "or path/to/rewards.py:length_penalty)")   # rewards.SPEC_HELP, without importing torch
+
+
+def out_problem(path) -> str | None:
+    """Why nothing can be written at `path` (a read-only file system or directory, a full disk), or None.
+
+    Tries a temporary file in `path`, or in its nearest existing parent when it does not exist yet.
+    """
+    where = Path(path).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            return None
+    except OSError as err:
+        return f"cannot write in {where} ({err.strerror or err}); pass a writable --out"
+
+
+def write_failure(err: OSError, out) -> str | None:
+    """The one line for an OSError of writing the run (disk full, read-only, no permission), or None for another."""
+    if err.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
+        return None
+    advice = "free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+    return (f"cannot write {err.filename or out} ({err.strerror}): {advice}, or pass another --out; nothing "
+            "half-written is promoted (checkpoints are renamed into place once whole)")
+
 
 def check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """`--out` (free, or ours with --resume / --overwrite) and `--model` (a directory or a hub id), before loading."""
+    """`--out` (free, or ours with --resume / --overwrite; writable) and `--model` (a directory or a hub id),
+    before loading."""
+    from minirl.models.policy import ModelSourceError, check_model_source  # noqa: PLC0415 (torch: after parsing)
+
     try:
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
         if args.model is not None:
             check_model_source(args.model)          # a missing directory is named before anything loads
     except (RunDirError, ModelSourceError) as err:
         parser.error(str(err))
+    problem = out_problem(args.out)
+    if problem is not None:
+        parser.error(f"argument --out: {args.out}: {problem}")
 
 
 def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None,
-                   also: dict | None = None, safe: tuple[str, ...] = SAFE_ON_RESUME) -> tuple[RLConfig, dict]:
+                   also: dict | None = None, safe: tuple[str, ...] | None = None) -> tuple[RLConfig, dict]:
     """(the run's RLConfig with the typed safe flags applied, its run.json record) for `--resume`.
 
     Sets `args.model` to the run's model. A typed flag that would change the run's settings
     (or those in `also`, {flag dest: saved value}, e.g. a parallel config) is a parser error
     naming each one; so is another `--model`. safe: the dests that may change (a script with
-    more bookkeeping flags, such as chapter 07's --snapshot-every, names its own).
+    more bookkeeping flags, such as chapter 07's --snapshot-every, names its own; default stage 1's
+    SAFE_ON_RESUME).
     """
+    if safe is None:
+        from minirl.train.run import SAFE_ON_RESUME  # noqa: PLC0415 (torch: after parsing)
+        safe = SAFE_ON_RESUME
     record = read_run_record(args.out)
     saved = RLConfig.from_dict(record["config"])
     if args.model is None:
@@ -66,3 +111,91 @@ def stop_line(what: str, checkpoint, resume_command: str) -> str:
     """
     where = f"the last intact checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
     return f"{what}: {where}; continue with: {resume_command}"
+
+
+def add_task_flags(parser: argparse.ArgumentParser) -> None:
+    """--dataset, --eval-dataset, --reward (repeatable), --reward-weights: the task of every training chapter."""
+    group = parser.add_argument_group("task (default: the embedded arithmetic task)")
+    group.add_argument("--dataset", default=None, metavar="PATH",
+                       help="training rows: a JSONL, JSON, CSV or Parquet file, or a datasets.save_to_disk directory, "
+                            "with a 'prompt' column (text or chat messages); its other columns go to the rewards")
+    group.add_argument("--eval-dataset", default=None, metavar="PATH",
+                       help="held-out rows, decoded greedily and scored by the rewards (default: the embedded task's "
+                            "held-out split without --dataset, else no evaluation)")
+    group.add_argument("--reward", action="append", default=None, metavar="NAME_OR_MODULE:FUNCTION",
+                       help=f"a reward function, repeatable: {REWARD_SPEC_HELP} (default: arithmetic)")
+    group.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
+                       help="one weight per --reward, in their order (default: 1 each)")
+
+
+def resolve_task_paths(args: argparse.Namespace) -> None:
+    """One spelling of --dataset and --eval-dataset (absolute): run.json records it, --resume compares it."""
+    for dest in ("dataset", "eval_dataset"):
+        if getattr(args, dest) is not None:
+            setattr(args, dest, str(Path(getattr(args, dest)).expanduser().resolve()))
+
+
+def saved_task(args: argparse.Namespace) -> dict:
+    """On --resume: the task flags as the run's run.json records them (compare with `resumed_config(also=...)`,
+    then `restore_task_flags`)."""
+    return read_run_record(args.out).get("task") or dict.fromkeys(TASK_FLAGS)
+
+
+def restore_task_flags(args: argparse.Namespace, saved: dict) -> None:
+    """Put the run's own task flags (`saved_task`) into args."""
+    for dest in TASK_FLAGS:
+        setattr(args, dest, saved.get(dest))
+
+
+def tokenizer_only(parser: argparse.ArgumentParser, name: str | None):
+    """The tokenizer of --model, loaded alone (a chat template is checked before the model loads)."""
+    if name is None:
+        return None                                   # the embedded policy's tokenizer has no chat template
+    from minirl.models.policy import load_tokenizer  # noqa: PLC0415 (transformers: after parsing)
+
+    try:
+        return load_tokenizer(name)
+    except Exception as err:                           # offline hub ids, damaged files: one line, as load_policy's
+        parser.error(f"argument --model: {name}: its tokenizer does not load ({type(err).__name__}: "
+                     f"{str(err).splitlines()[0] if str(err) else ''})")
+
+
+def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The run's Task from --dataset, --eval-dataset, --reward, --reward-weights; a parser error before loading."""
+    from minirl.tasks.task import load_task  # noqa: PLC0415 (torch: after parsing)
+
+    tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
+    try:
+        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer)
+    except ConfigError as err:
+        value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))
+        parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")
+
+
+def task_summary(task, args: argparse.Namespace) -> dict:
+    """summary.json's "task": its name, flags, reward names and weights, held-out rows and metric."""
+    metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
+    return {"name": task.name, **{k: getattr(args, k) for k in TASK_FLAGS}, "rewards": task.reward_names,
+            "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric}
+
+
+def interrupted_line(out, resume_command: str) -> str:
+    """stop_line for Ctrl-C: the newest intact checkpoint under out/checkpoints (verified as a resume would)."""
+    return stop_line("interrupted", last_checkpoint(out), resume_command)
+
+
+def last_checkpoint(out):
+    """The newest intact checkpoint's path under out/checkpoints, or None (broken newer ones are skipped)."""
+    import warnings  # noqa: PLC0415
+
+    from minirl.train.checkpoint import latest_checkpoint  # noqa: PLC0415 (torch)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # a broken newer one is named when the run resumes
+        found = latest_checkpoint(Path(out) / "checkpoints")
+    return None if found is None else found[0]
+
+
+def resume_command(out, script: str | None = None) -> str:
+    """`python SCRIPT --out OUT --resume`: the command that continues the run in `out`."""
+    return f"python {script or sys.argv[0]} --out {out} --resume"

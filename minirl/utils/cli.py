@@ -31,8 +31,16 @@ import typing
 from pathlib import Path
 
 from minirl.utils.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
-from minirl.utils.seeding import seed_everything  # noqa: F401  (re-exported for the chapter scripts)
 from minirl.utils.validate import ConfigError
+
+
+def __getattr__(name: str):
+    """`seed_everything`, re-exported for the chapter scripts, imported (with torch) only when asked for: a
+    script can build its parser from this module and refuse a bad command line before torch loads."""
+    if name == "seed_everything":
+        from minirl.utils.seeding import seed_everything
+        return seed_everything
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigFileParser(argparse.ArgumentParser):
