@@ -2601,6 +2601,33 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
 
 
 # %% [markdown]
+# What each kind of stop prints, for a job of two ranks where "rank 1" is a process that has
+# already ended (rank 0 reports; the same calls on rank 1 return no line):
+
+# %%
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+
+from minirl.parallel.launch import RankFailed  # noqa: E402
+from minirl.parallel.stops import StopSignals, why_stopped  # noqa: E402
+from minirl.train.cli import stop_line  # noqa: E402
+
+peer = subprocess.Popen([sys.executable, "-c", "pass"])
+peer.wait()                                         # rank 1's process has ended
+here = socket.gethostname()
+stops = {"Ctrl-C": (KeyboardInterrupt(), [(here, os.getpid()), (here, peer.pid)]),
+         "rank 1 killed": (RuntimeError("[gloo] Read error: Connection reset by peer"),
+                           [(here, os.getpid()), (here, peer.pid)]),
+         "a full disk on rank 1": (RankFailed("writing: rank 1 failed with OSError", 1,
+                                              OSError(28, "No space left on device", "runs/04/checkpoints/"
+                                                      ".tmp-step-000060/__1_0.distcp")),
+                                   [(here, os.getpid()), (here, os.getpid())])}
+again = "torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume"
+for what, (err, processes) in stops.items():
+    stop = why_stopped(err, StopSignals(), processes, 0, "runs/04")
+    print(f"{what} (exit {stop.code}):\n    {stop_line(stop.what, 'runs/04/checkpoints/step-000050', again)}")
+
+# %% [markdown]
 # ### Sharded checkpoints
 #
 # A sharded trainer saves sharded: each rank writes its own shards with
