@@ -9,6 +9,7 @@
         --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
         --reward math --lora-rank 16 --max-completion-length 256 --out runs/04-words
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --config run.yaml --out runs/04-yaml   # settings in YAML
+    python chapters/04_fsdp_lora.py --nproc-per-node 2 --out runs/04    # this process launches the job (quiet)
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
@@ -31,13 +32,17 @@ the model's chat template; the other columns go to the rewards), --eval-dataset,
 the embedded arithmetic task. Only rank 0 prints (the other ranks' stderr is quiet, but for
 their own death). Exit status: 0 done, 1 stopped (--stop-after, a rank that died, a disk that
 filled: one line names it, the last intact checkpoint and the command that continues the run),
-2 bad input, 130 interrupted (Ctrl-C).
+2 bad input, 130 interrupted (Ctrl-C). torchrun adds its own report of a failed or interrupted
+job (a few log lines and a traceback, exit status 1); with --nproc-per-node N instead of
+torchrun, this process runs torchrun's launcher itself, without its report, and exits with
+the ranks' status (130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -111,14 +116,19 @@ def parse_args(argv=None):
     group.add_argument("--kill-rank", default=None, metavar="RANK:STEP",
                        help="simulate a node failure: rank RANK dies (SIGKILL) right after step STEP")
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default: 1)")
+    group.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="without torchrun: launch the job on N local processes from this one (torchrun's "
+                            "launcher, quiet: the ranks' one-line stops and their exit status)")
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
     add_config_flags(parser, DEFAULTS)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
+    if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+        parser.error("argument --nproc-per-node: the job is already under torchrun (its --nproc_per_node); drop it")
     try:
-        for dest, low in (("stop_after", 1), ("threads", 0)):
+        for dest, low in (("stop_after", 1), ("threads", 0), ("nproc_per_node", 1)):
             if getattr(args, dest) is not None:
                 check_int(dest, getattr(args, dest), low=low)
         if args.kill_rank is not None:
@@ -129,7 +139,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
-    world = job_rank()[1]
+    world = args.nproc_per_node or job_rank()[1]
     problem = out_problem(args.out)        # the quick refusals first: --out, the world size, --device
     if problem is not None:
         parser.error(f"argument --out: {args.out}: {problem}")
@@ -263,12 +273,52 @@ def print_report(summary: dict) -> None:
           f"{100 * summary['sync_share_median']:.2f} %)")
 
 
+def launch_job(nproc: int, argv: list[str]) -> int:
+    """`--nproc-per-node N`: run torchrun's launcher (`torch.distributed.run --standalone`) in this process on this
+    script, without its own report of a failure (the ranks say what happened, in one line); returns the ranks'
+    exit status (130 when Ctrl-C stopped them)."""
+    import logging  # noqa: PLC0415
+
+    os.environ["LOGLEVEL"] = "CRITICAL"             # torchrun's agent logs each signal it forwards and each exit
+    os.environ["MINIRL_LAUNCHED"] = f"python {sys.argv[0]} --nproc-per-node {nproc}"
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import parse_args as torchrun_args  # noqa: PLC0415
+    from torch.distributed.run import run as torchrun  # noqa: PLC0415
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun(torchrun_args(["--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *argv]))
+    except SignalException as stop:                   # Ctrl-C: the ranks have said where the run stopped
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        return max(1, failed.get_first_failure()[1].exitcode)
+    return 0
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line without --nproc-per-node N (what the ranks get)."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--nproc-per-node":
+            skip = True
+        elif not word.startswith("--nproc-per-node="):
+            out.append(word)
+    return out
+
+
 def main(argv=None) -> int:
     rank, _ = job_rank()
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     stderr = quiet_stderr() if under_torchrun and rank != 0 else sys.stderr
     try:
         args, config, pconfig, task, settings = parse_args(argv)
+        if args.nproc_per_node is not None:
+            return launch_job(args.nproc_per_node, without_nproc(list(sys.argv[1:] if argv is None else argv)))
     except KeyboardInterrupt:
         if rank == 0:
             print("interrupted before the run started: nothing was written", file=stderr)
@@ -288,6 +338,8 @@ def main(argv=None) -> int:
 
         hf_logging.disable_progress_bar()
     again = relaunch_command(sys.argv[0], ["--out", args.out, "--resume"])
+    if "MINIRL_LAUNCHED" in os.environ:                   # launched by --nproc-per-node: resumed the same way
+        again = f"{os.environ['MINIRL_LAUNCHED']} --out {shlex.quote(str(args.out))} --resume"
     last = lambda: newest_intact(args.out / "checkpoints")[0]      # noqa: E731  (verified, as a resume reads it)
     processes = [(None, os.getpid())]
     with StopSignals() as signals:

@@ -147,22 +147,29 @@ def test_sync_every_resumes_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed != uninterrupted"
 
 
-@pytest.mark.distributed
-def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
-    """SIGINT to the launcher (what Ctrl-C does): the ranks print one line between them, naming the last intact
-    checkpoint and the resume command, and no traceback; nothing half-written is left as a checkpoint."""
-    out = tmp_path / "run"
+def interrupt(command: list[str], out: Path) -> tuple[int, str]:
+    """Start chapter 04 with `command` (a launcher and the script), SIGINT the launcher (what Ctrl-C does) once
+    its first checkpoint is written; (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(SCRIPT), "--out", str(out), "--checkpoint-every", "2", "--steps", "100000",
+    proc = subprocess.Popen([*command, "--out", str(out), "--checkpoint-every", "2", "--steps", "100000",
                              "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300 * load_factor()
     while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120 * load_factor())
+    _, stderr = proc.communicate(timeout=120 * load_factor())
+    return proc.returncode, stderr
+
+
+@pytest.mark.distributed
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    """SIGINT to torchrun: the ranks print one line between them, naming the last intact checkpoint and the resume
+    command, and no traceback (torchrun adds its own lines and exit status); every checkpoint left is intact."""
+    out = tmp_path / "run"
+    _, stderr = interrupt([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(SCRIPT)], out)
     said = ranks_lines(stderr)
     assert len(said) == 1, stderr[-3000:]
     assert re.fullmatch(rf"interrupted: the last intact checkpoint is {out}/checkpoints/step-\d{{6}}; continue with: "
@@ -173,6 +180,18 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     named = Path(said[0].split("checkpoint is ")[1].split(";")[0])
     assert named == checkpoints_in(out / "checkpoints")[0], "the newest checkpoint is named"
     assert all(sharded_problem(p) is None for p in checkpoints_in(out / "checkpoints")), "every one is intact"
+
+
+@pytest.mark.distributed
+def test_launched_by_the_chapter_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """--nproc-per-node 2: this process is torchrun's launcher, quiet; SIGINT to it gives the ranks' one line on
+    stderr, nothing else, and exit status 130."""
+    out = tmp_path / "run"
+    code, stderr = interrupt([sys.executable, str(SCRIPT), "--nproc-per-node", "2"], out)
+    lines = stderr.splitlines()
+    assert code == 130 and len(lines) == 1, (code, stderr[-3000:])
+    assert re.fullmatch(rf"interrupted: the last intact checkpoint is {out}/checkpoints/step-\d{{6}}; continue with: "
+                        rf"python \S+04_fsdp_lora.py --nproc-per-node 2 --out {out} --resume", lines[0]), lines
 
 
 @pytest.mark.distributed

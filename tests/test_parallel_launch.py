@@ -136,11 +136,15 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     from minirl.parallel.launch import RankFailed
     from minirl.utils.validate import ConfigError
 
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{time.monotonic_ns()}")
+    def new_job():
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{time.monotonic_ns()}")
+
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    # Ctrl-C: rank 0 says it, exit 130; rank 1 is quiet (also when its error is the broken collective)
-    assert (_stop(KeyboardInterrupt()).what, _stop(KeyboardInterrupt()).code) == ("interrupted", 130)
+    # Ctrl-C: rank 0 says it, once, exit 130; rank 1 is quiet (also when its error is the broken collective)
+    new_job()
     assert _stop(RuntimeError("Connection reset by peer"), [signal.SIGINT], rank=1).what is None
+    stop = _stop(KeyboardInterrupt())
+    assert (stop.what, stop.code) == ("interrupted", 130) and _stop(KeyboardInterrupt()).what is None
     # an error every rank met: rank 0 says it; bad input is exit 2 and needs no resume hint
     bad = ConfigError("lora_target_modules", "wq", "matches no linear layer")
     bad.agreed = True
@@ -153,6 +157,7 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     assert stop.code == 1 and stop.resumable
     assert stop.what.startswith("error: cannot write /tmp/run/checkpoints/.tmp-step-000004/rank-1.pt (No space")
     # a rank of this host that died: the lowest rank alive says so, once (the rank that died may have said why)
+    new_job()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     host = socket.gethostname()
@@ -162,12 +167,12 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     assert said[1].what == f"rank 1 (pid {child.pid} on {host}) died" and said[1].code == 1
     assert said[2].what is None, "said once"
     # this rank's own error (nobody else has it), once per job
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-own-{os.getpid()}-{time.monotonic_ns()}")
+    new_job()
     stop = _stop(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB\nmore"), rank=1)
     assert stop.what == f"rank 1 (pid {os.getpid()} on {host}) failed with RuntimeError: CUDA out of memory. " \
                         "Tried to allocate 2 GiB" and stop.code == 1
     # SIGTERM without a dead rank: someone stopped the job
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-term-{os.getpid()}-{time.monotonic_ns()}")
+    new_job()
     stop = _stop(RuntimeError("Connection closed by peer"), [signal.SIGTERM])
     assert (stop.what, stop.code) == ("stopped by SIGTERM", 143)
 

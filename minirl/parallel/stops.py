@@ -177,8 +177,9 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
     the run directory (a write failure outside it still names its file).
     """
     alive = lambda: min(set(range(len(processes))) - set(dead_ranks(processes)))   # noqa: E731
+    says = lambda: rank == alive() and first_to_report("stop")    # noqa: E731  (rank 0 may have said it and left)
     if signal.SIGINT in signals.received or isinstance(err, KeyboardInterrupt):
-        return Stop("interrupted" if rank == alive() else None, 130)
+        return Stop("interrupted" if says() else None, 130)
     cause = err.cause if isinstance(err, RankFailed) and err.cause is not None else err
     line = write_failure(cause, out) if isinstance(cause, OSError) else None
     if getattr(err, "agreed", False) or isinstance(err, RankFailed):      # every rank has it: rank 0 says it
@@ -189,18 +190,17 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
     while True:
         dead = dead_ranks(processes)
         if dead:
-            says = rank == alive() and first_to_report("stop")
-            return Stop(f"{_names(dead, processes)} died" if says else None, 1)
+            return Stop(f"{_names(dead, processes)} died" if says() else None, 1)
         if signal.SIGINT in signals.received:
-            return Stop("interrupted" if rank == alive() else None, 130)
+            return Stop("interrupted" if says() else None, 130)
         if signal.SIGTERM in signals.received or isinstance(err, Terminated):
             return Stop("stopped by SIGTERM" if rank == 0 else None, 143)
         if not isinstance(err, RuntimeError) or time.monotonic() > deadline:
             break
         time.sleep(0.05)                        # a broken collective: who broke it shows in a moment
-    says = first_to_report("stop")
+    first = first_to_report("stop")
     if line is not None:
-        return Stop(f"error on {_names([rank], processes)}: {line}" if says else None, 1)
+        return Stop(f"error on {_names([rank], processes)}: {line}" if first else None, 1)
     text = str(err).strip().splitlines()
     return Stop(f"{_names([rank], processes)} failed with {type(err).__name__}: {text[0] if text else ''}"
-                if says else None, 1)
+                if first else None, 1)
