@@ -5,6 +5,11 @@
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume     # continue a stopped run exactly
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
         --zero 3 --lora-rank 16 --rollout vllm --out runs/04-qwen
+    torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda \
+        --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
+        --reward math --lora-rank 16 --max-completion-length 256 --out runs/04-words
+    torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --config run.yaml --out runs/04-yaml   # settings in YAML
+    python chapters/04_fsdp_lora.py --nproc-per-node 2 --out runs/04    # this process launches the job (quiet)
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
@@ -18,41 +23,90 @@ OUT/checkpoints/step-N/ (sharded, torch.distributed.checkpoint), OUT/final/ (the
 Hugging Face format) and OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one
 per rank), sync_seconds, sync_bytes, sync_share (0-1: the sync's seconds over the steps'),
 staleness, steps, the stage split, the sync table (full / merged / adapter, per tensor and
-packed) and the memory freed by colocation. Every setting of RLConfig and ParallelConfig is a flag.
+packed), the memory freed by colocation, the task and every setting (`settings`, after
+--config and the flags). Every setting of RLConfig and ParallelConfig is a flag.
+
+The task flags are chapter 01's: --dataset (a `prompt` column, text or chat messages rendered by
+the model's chat template; the other columns go to the rewards), --eval-dataset, --reward
+(repeatable: arithmetic, math, format, or module:function) and --reward-weights; without them,
+the embedded arithmetic task. Only rank 0 prints (the other ranks' stderr is quiet, but for
+their own death). Exit status: 0 done, 1 stopped (--stop-after, a rank that died, a disk that
+filled: one line names it, the last intact checkpoint and the command that continues the run),
+2 bad input, 130 interrupted (Ctrl-C). torchrun adds its own report of a failed or interrupted
+job (a few log lines and a traceback, exit status 1); with --nproc-per-node N instead of
+torchrun, this process runs torchrun's launcher itself, without its report, and exits with
+the ranks' status (130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import signal
 import statistics
 import sys
 import time
 
-import torch
-
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, load_policy
 from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.parallel.launch import RankFailed, agree, init_distributed, pick_backend, shutdown, world_from_env
-from minirl.rollout.base import VersionMismatchError
-from minirl.train.cli import check_run_flags, resumed_config
-from minirl.train.run import Callback, RunStopped
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag
-from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, read_run_record
-from minirl.utils.seeding import seed_everything
+from minirl.train.cli import (TASK_FLAGS, add_task_flags, check_run_flags, out_problem, resolve_task_paths,
+                              restore_task_flags, resumed_config, saved_task, stop_line, task_from_args, task_summary)
+from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.utils.validate import ConfigError, check_int
 
+# Light imports only above this line: the flags are parsed (and a usage error reported) before torch loads.
 THRESHOLD = 0.05     # the source's symptom table: weight sync above 5 % of the step is slow
 STAGES = ("generate", "score", "reference", "advantages", "update", "sync")
-AGREED = (RunDirError, ConfigError, RankFailed, VersionMismatchError, ModelSourceError, ValueError)  # every rank alike
 DEFAULTS = RLConfig.from_flat(steps=300, eval_every=50, checkpoint_every=50)   # minutes on CPUs; stage 1 runs 1000
 
 
+def job_rank() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; (0, 1) in a plain process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def quiet_stderr():
+    """Send this rank's stderr (Python's and the C libraries') to /dev/null; returns a stream to the real one,
+    for the rank's own death: the other ranks' copies of every warning and progress bar stay off the terminal."""
+    real = os.fdopen(os.dup(2), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    return real
+
+
+def check_world_size(parser, args, world: int) -> None:
+    """--resume on the run's own number of ranks (its shards, generators and random states are per rank): refused
+    first, from run.json alone, before any other setting is compared and before anything heavy is imported."""
+    try:
+        trained = read_run_record(args.out).get("world_size")
+    except (OSError, ValueError):
+        return                             # no run.json (or a broken one): check_run_flags names the problem
+    if trained is not None and trained != world:
+        parser.error(f"--resume: the run in {args.out} trained on {trained} ranks, and its checkpoints hold "
+                     f"{trained} ranks' shards, generators and random states; this job has {world}: resume it with "
+                     f"torchrun --nproc_per_node {trained} (on one node), the run's settings otherwise unchanged")
+
+
+def check_resumable(parser, args) -> None:
+    """--resume: a checkpoint whose files are intact, before any model loads (a broken newer one is named and
+    skipped when the run restores, as stage 1 does)."""
+    from minirl.parallel.checkpoint import newest_intact   # noqa: PLC0415 (torch: after parsing)
+
+    found, problems = newest_intact(args.out / "checkpoints")
+    if found is None and problems:
+        parser.error(f"--resume: no checkpoint in {args.out / 'checkpoints'} is intact ({'; '.join(problems)}); put "
+                     "the files back from a copy, or start the run again with --overwrite")
+    if found is None:
+        parser.error(f"--resume: {args.out} holds no checkpoint yet (the run stopped before its first one); start it "
+                     "again with --overwrite")
+
+
 def parse_args(argv=None):
-    """(args, config, pconfig): flags checked and both configs built on every rank, before anything is loaded."""
+    """(args, config, pconfig, task, settings): flags checked, both configs and the task built on every rank,
+    before any model loads. The parser itself runs before torch is imported: a usage error is immediate."""
     parser = common_parser(__doc__.split("\n\n")[0], seed=False, device=False)   # both are config fields
     group = parser.add_argument_group("run directory and process")
     group.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
@@ -62,12 +116,19 @@ def parse_args(argv=None):
     group.add_argument("--kill-rank", default=None, metavar="RANK:STEP",
                        help="simulate a node failure: rank RANK dies (SIGKILL) right after step STEP")
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default: 1)")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="without torchrun: launch the job on N local processes from this one (torchrun's "
+                            "launcher, quiet: the ranks' one-line stops and their exit status)")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
+    add_task_flags(parser)
     add_config_flags(parser, DEFAULTS)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
+    if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+        parser.error("argument --nproc-per-node: the job is already under torchrun (its --nproc_per_node); drop it")
     try:
-        for dest, low in (("stop_after", 1), ("threads", 0)):
+        for dest, low in (("stop_after", 1), ("threads", 0), ("nproc_per_node", 1)):
             if getattr(args, dest) is not None:
                 check_int(dest, getattr(args, dest), low=low)
         if args.kill_rank is not None:
@@ -78,29 +139,63 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
+    world = args.nproc_per_node or job_rank()[1]
+    problem = out_problem(args.out)        # the quick refusals first: --out, the world size, --device
+    if problem is not None:
+        parser.error(f"argument --out: {args.out}: {problem}")
+    if args.resume:
+        check_world_size(parser, args, world)
     try:
-        check_parallel(pconfig, config, world_from_env()[1])
+        check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+    except RunDirError as err:
+        parser.error(str(err))
+    if config.run.device != "cpu":
+        check_device(parser, config.run.device)
+    check_run_flags(parser, args)          # and --model
+    resolve_task_paths(args)
+    if args.resume:                        # the run's own settings (and task), changed only where the user says so
+        check_resumable(parser, args)
+        saved_p, saved = ParallelConfig(**read_run_record(args.out)["pconfig"]), saved_task(args)
+        config, _ = resumed_config(parser, args, argv, also=dataclasses.asdict(saved_p) | saved)
+        restore_task_flags(args, saved)
+        pconfig = saved_p
+        for name, value in {**config.flat(), **dataclasses.asdict(pconfig)}.items():
+            setattr(args, name, value)     # what `settings` records: the run's own
+        if config.run.device != "cpu":
+            check_device(parser, config.run.device)
+    try:
+        check_parallel(pconfig, config, world)
+    except ConfigError as err:
+        parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+    from minirl.parallel.launch import pick_backend  # noqa: PLC0415 (torch: after parsing)
+
+    try:
         pick_backend(pconfig.backend, config.run.device)
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    check_run_flags(parser, args)
-    if args.resume:                        # the run's own settings, changed only where the user says so
-        saved_p = ParallelConfig(**read_run_record(args.out)["pconfig"])
-        config, _ = resumed_config(parser, args, argv, also=dataclasses.asdict(saved_p))
-        pconfig = saved_p
-    return args, config, pconfig
+    task = task_from_args(parser, args)
+    if not task.test and config.run.eval_every:
+        print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
+        config = config.replace(eval_every=0)
+    return args, config, pconfig, task, merged_settings(parser, args)
 
 
-class KillRank(Callback):
-    """Rank `rank` dies by SIGKILL right after step `step`: a node failure, for the resume test."""
+class KillRank:
+    """Rank `rank` dies by SIGKILL right after step `step`: a node failure, for the resume test (a run callback)."""
 
     def __init__(self, rank: int, step: int, my_rank: int):
         self.rank, self.step, self.my_rank = rank, step, my_rank
+
+    def on_start(self, state):
+        pass
 
     def on_step(self, state, record):
         if state.step == self.step and self.my_rank == self.rank:
             print(f"rank {self.rank}: killed after step {self.step} (--kill-rank)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_end(self, state):
+        pass
 
 
 def summarize(metrics: list[dict], state, pconfig: ParallelConfig, sync_rows: list[dict], seconds: float) -> dict:
@@ -178,76 +273,166 @@ def print_report(summary: dict) -> None:
           f"{100 * summary['sync_share_median']:.2f} %)")
 
 
+def launch_job(nproc: int, argv: list[str]) -> int:
+    """`--nproc-per-node N`: run torchrun's launcher (`torch.distributed.run --standalone`) in this process on this
+    script, without its own report of a failure (the ranks say what happened, in one line); returns the ranks'
+    exit status (130 when Ctrl-C stopped them)."""
+    import logging  # noqa: PLC0415
+
+    os.environ["LOGLEVEL"] = "CRITICAL"             # torchrun's agent logs each signal it forwards and each exit
+    os.environ["MINIRL_LAUNCHED"] = f"python {sys.argv[0]} --nproc-per-node {nproc}"
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import parse_args as torchrun_args  # noqa: PLC0415
+    from torch.distributed.run import run as torchrun  # noqa: PLC0415
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun(torchrun_args(["--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *argv]))
+    except SignalException as stop:                   # Ctrl-C: the ranks have said where the run stopped
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        return max(1, failed.get_first_failure()[1].exitcode)
+    return 0
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line without --nproc-per-node N (what the ranks get)."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--nproc-per-node":
+            skip = True
+        elif not word.startswith("--nproc-per-node="):
+            out.append(word)
+    return out
+
+
 def main(argv=None) -> int:
-    args, config, pconfig = parse_args(argv)
+    rank, _ = job_rank()
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    stderr = quiet_stderr() if under_torchrun and rank != 0 else sys.stderr
+    try:
+        args, config, pconfig, task, settings = parse_args(argv)
+        if args.nproc_per_node is not None:
+            return launch_job(args.nproc_per_node, without_nproc(list(sys.argv[1:] if argv is None else argv)))
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted before the run started: nothing was written", file=stderr)
+        return 130
+    import torch  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
+
+    from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415
+    from minirl.parallel.launch import init_distributed, shutdown  # noqa: PLC0415
+    from minirl.parallel.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
+    from minirl.train.run import RunStopped  # noqa: PLC0415
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.no_progress:
-        from transformers.utils import logging as hf_logging
+    progress = not args.no_progress and rank == 0 and stderr.isatty()
+    if not progress:
+        from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
         hf_logging.disable_progress_bar()
-    ctx = init_distributed(pconfig.backend, config.run.device)
-    try:
-        code = train_rank(args, config, pconfig, ctx)
-    except RunStopped as stop:                          # every rank stops after the same step
-        if ctx.is_main:
-            print(f"{stop}; continue with: torchrun ... {sys.argv[0]} --out {args.out} --resume")
-        code = 1
-    except AGREED as err:                               # raised on every rank alike (checks, agree())
-        print(f"error (rank {ctx.rank}): {type(err).__name__}: {err}", file=sys.stderr)
-        code = 2
-    except BaseException:                               # only this rank may have met it: leave at once
-        shutdown(together=False)
-        raise
+    again = relaunch_command(sys.argv[0], ["--out", args.out, "--resume"])
+    if "MINIRL_LAUNCHED" in os.environ:                   # launched by --nproc-per-node: resumed the same way
+        again = f"{os.environ['MINIRL_LAUNCHED']} --out {shlex.quote(str(args.out))} --resume"
+    last = lambda: newest_intact(args.out / "checkpoints")[0]      # noqa: E731  (verified, as a resume reads it)
+    processes = [(None, os.getpid())]
+    with StopSignals() as signals:
+        try:
+            ctx = init_distributed(pconfig.backend, config.run.device)
+            processes = rank_processes()
+            code = train_rank(args, config, pconfig, task, settings, ctx, progress)
+        except RunStopped as stop:                          # every rank stops after the same step
+            if rank == 0:
+                print(stop_line(str(stop), last(), again), flush=True)
+            code = 1
+        except BaseException as err:                        # Ctrl-C, a dead rank, a full disk, an error
+            signals.quiet()
+            stop = why_stopped(err, signals, processes, rank, args.out)
+            if stop.what is not None:
+                print(stop_line(stop.what, last(), again) if stop.resumable else stop.what, file=stderr, flush=True)
+            if under_torchrun:                              # the group is broken: leave now, nothing to wait for
+                sys.stdout.flush()
+                os._exit(stop.code)
+            shutdown(together=False)
+            return stop.code
     shutdown()
     return code
 
 
-def train_rank(args, config, pconfig, ctx) -> int:
+def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> int:
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
-    import torch.distributed as dist
-
-    from minirl.memory.tracking import MemoryTracker
-    from minirl.parallel.checkpoint import ShardedCheckpoints
-    from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table
-    from minirl.tasks.arithmetic import make_task
-    from minirl.train.plots import plot_metrics
-    from minirl.train.run import run_in_dir
+    from minirl.memory.tracking import MemoryTracker  # noqa: PLC0415
+    from minirl.models.policy import PromptError, check_prompts, load_policy  # noqa: PLC0415
+    from minirl.parallel.checkpoint import ShardedCheckpoints  # noqa: PLC0415
+    from minirl.parallel.launch import agree  # noqa: PLC0415
+    from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table  # noqa: PLC0415
+    from minirl.train.plots import plot_metrics  # noqa: PLC0415
+    from minirl.train.run import run_in_dir  # noqa: PLC0415
+    from minirl.utils.io import write_summary  # noqa: PLC0415
+    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
 
     out, main_rank = args.out, ctx.is_main
     seed_everything(config.run.seed)
-    if not main_rank:
-        dist.barrier()                                   # rank 0 builds the embedded policy's cache first
-    model, tokenizer = load_policy(args.model, config.run.device, progress=main_rank and not args.no_progress)
-    if main_rank:
-        dist.barrier()
-    task = make_task()
-    rows, reward_funcs = task.rows("train"), [task.reward]
+    load = lambda: load_policy(args.model, config.run.device, progress=progress)     # noqa: E731
+    loaded = agree("loading the policy", load if main_rank else lambda: None)  # rank 0 first: it builds the cache
+    loaded = agree("loading the policy", (lambda: loaded) if main_rank else load)
+    model, tokenizer = loaded
+    max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
+
+    def check_task_prompts():                  # unknown characters, too long for the model: named, on every rank
+        context = getattr(model.config, "max_position_embeddings", None)
+        for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
+                                ("eval_dataset", task.test, max_new_tokens)):
+            try:
+                if rows:
+                    check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
+            except PromptError as err:
+                raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
+
+    agree("checking the prompts", check_task_prompts)
     state = agree("setting up the roles, the engine and the sync",
-                  lambda: setup_spmd(config, pconfig, model, tokenizer, rows, reward_funcs, ctx))
+                  lambda: setup_spmd(config, pconfig, model, tokenizer, task.train, task.reward_funcs, ctx,
+                                     task.reward_weights))
     kill = [KillRank(*map(int, args.kill_rank.split(":")), ctx.rank)] if args.kill_rank is not None else []
+    eval_fn = (lambda _model: evaluate_engine(state.engine, tokenizer, task, max_new_tokens)) \
+        if main_rank and task.test else None
     started = time.perf_counter()
     metrics = run_in_dir(
-        state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
-        eval_fn=(lambda _model: evaluate_engine(state.engine, tokenizer, task)) if main_rank else None,
-        progress=not args.no_progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
+        state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite, eval_fn=eval_fn,
+        progress=progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
         first_callbacks=(MemoryTracker(),), extra_callbacks=kill, stop_after=args.stop_after,
-        run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size},
+        run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
+                  "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings},
         checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
     seconds = time.perf_counter() - started
     export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
     rows_table = sync_table(state, metrics)
+
+    def write_results() -> dict:                         # rank 0; a full disk stops every rank with its file named
+        summary = summarize(metrics, state, pconfig, rows_table, seconds)
+        summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
+                    "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
+                    "config": dataclasses.asdict(config), "settings": settings,
+                    "config_file": None if args.config is None else str(args.config)}
+        plot_metrics(metrics, out / "reward_curve.png",
+                     title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}")
+        write_summary(out, summary)
+        return summary
+
+    summary = agree("writing the summary", write_results if main_rank else lambda: None)
     if not main_rank:
         return 0
-    summary = summarize(metrics, state, pconfig, rows_table, seconds)
-    summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
-                "metrics": str(out / "metrics.jsonl"), "config": dataclasses.asdict(config)}
-    plot_metrics(metrics, out / "reward_curve.png",
-                 title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}")
-    write_summary(out, summary)
     print_report(summary)
     if summary["accuracy_before"] is not None:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        print(f"held-out greedy accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
+        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
+        print(f"held-out {what} {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
               f"{summary['steps']} steps, {seconds:.0f} s")
     print(f"summary: {out / 'summary.json'}")
     return 0

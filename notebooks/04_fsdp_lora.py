@@ -116,6 +116,7 @@ Simplified vs torchrun + accelerate: one node, one flat process group, no elasti
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -262,32 +263,42 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed; the message names the rank and its error."""
+    """Another rank failed; the message names the rank and its error. rank: that rank; cause: its error
+    when it is an OSError (a disk that filled names its file on every rank), else None."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: OSError | None = None):
+        super().__init__(message)
+        self.rank, self.cause = rank, cause
 
 
 def agree(what: str, fn):
     """fn() on every rank; if it raised anywhere, raise on every rank (none is left waiting).
 
-    The rank that failed re-raises its own error; the others raise RankFailed naming the
-    rank and the error. Use it around work whose collectives every rank either reaches or
-    skips alike (setup, checks): a rank stuck inside a collective cannot report.
+    The rank that failed re-raises its own error, marked `agreed = True` (every rank knows:
+    one of them reports it); the others raise RankFailed naming the rank and the error. Use it
+    around work whose collectives every rank either reaches or skips alike (setup, checks,
+    writing a checkpoint): a rank stuck inside a collective cannot report.
     """
     error, result = None, None
     try:
         result = fn()
     except Exception as err:                 # reported to the other ranks, then re-raised
         error = err
+    report = None if error is None else (f"{type(error).__name__}: {error}",
+                                         error if isinstance(error, OSError) else None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+        dist.all_gather_object(reports, report)
     else:
-        reports = [None if error is None else str(error)]
+        reports = [report]
     if error is not None:
+        with contextlib.suppress(AttributeError):
+            error.agreed = True
         raise error
-    failed = [(r, msg) for r, msg in enumerate(reports) if msg]
+    failed = [(r, got) for r, got in enumerate(reports) if got]
     if failed:
-        rank, msg = failed[0]
-        raise RankFailed(f"{what}: rank {rank} failed with {msg}")
+        rank, (msg, cause) = failed[0]
+        raise RankFailed(f"{what}: rank {rank} failed with {msg}", rank, cause)
     return result
 
 
@@ -393,17 +404,18 @@ The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 0
 stage-4 run adds these. Every value is checked when the dataclass is built, and
 `check_parallel` adds the checks that need the world size or the RLConfig, so that every
 rank of a job refuses a bad one before it loads anything.
+
+Importing it is light (no torch): a chapter builds its flags from these fields and refuses a
+bad command line before the heavy imports.
 """
 
 import importlib.util
 from dataclasses import dataclass
 
-import torch
-
 from minirl.config import RLConfig, RolloutConfig
-from minirl.sync.sharded import SYNC_MODES
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int, device_problem
 
+SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
 ZERO_LEVELS = (0, 1, 2, 3)
 ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
@@ -502,7 +514,7 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
                                                  "pip install -r requirements-gpu.txt, or use --rollout minirl")
-        if not (cuda and torch.cuda.is_available()):
+        if not cuda or device_problem(config.run.device) is not None:
             raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
                                                  "machine, or use --rollout minirl")
         if pconfig.verify_sync:
@@ -2125,7 +2137,7 @@ rank shares, keeps this rank's share and calls `rl_step` with the process group;
 `sync_every` K > 1 only every K-th step pushes its update (`sync_due`; the other steps hand
 `rl_step` a `KeepWeights`, and the engine generates with weights up to K-1 updates old,
 recorded per step as `staleness`). `run` and the callbacks of notebook 01 drive it
-unchanged. `evaluate_engine` measures held-out accuracy on the engine's copy (the
+unchanged. `evaluate_engine` scores a task's held-out rows on the engine's copy (the
 trainer's latest weights, whole), and `export_policy` gathers the (LoRA-merged) policy
 into a Hugging Face directory.
 
@@ -2133,7 +2145,9 @@ Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tens
 rollout), GRPO only, one model family's decoder layers per FSDP unit.
 """
 
+import errno
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -2141,20 +2155,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
-from minirl.models.policy import greedy_accuracy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
+from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
+from minirl.parallel.stops import deferred_signals
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
 from minirl.rollout.vllm import VLLMEngine
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
-from minirl.tasks.arithmetic import format_prompt
+from minirl.tasks.task import Task
 from minirl.train.run import RunState, engine_class
 from minirl.train.step import Roles, rl_step, sample_prompts
 
@@ -2183,8 +2198,11 @@ def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenize
 
 
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
-               ctx: DistContext) -> SPMDState:
-    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
+               ctx: DistContext, reward_weights: list[float] | None = None) -> SPMDState:
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here).
+
+    rows: the task's training rows; reward_funcs, reward_weights: its rewards (TRL's signature and
+    weights; None: 1 each)."""
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
@@ -2204,7 +2222,7 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
     return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
-                     reward_funcs, pconfig=pconfig, ctx=ctx, group=group,
+                     reward_funcs, reward_weights, pconfig=pconfig, ctx=ctx, group=group,
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
@@ -2244,7 +2262,8 @@ def spmd_step(state: SPMDState) -> dict:
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
-    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group)
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group,
+                     reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
     record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
@@ -2302,14 +2321,27 @@ def innermost(engine):
     return engine
 
 
-def evaluate_engine(engine, tokenizer, task) -> float:
-    """Held-out greedy accuracy (0..1) of the policy the engine holds: the trainer's latest weights, whole."""
+def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float:
+    """The task's evaluation of the policy the engine holds (the trainer's latest weights, whole): its held-out
+    rows decoded greedily and scored by its rewards; the accuracy (0..1) when the task has a correctness
+    reward, else the mean weighted reward (`Task.eval_fn`'s number)."""
     inner = innermost(engine)
-    if hasattr(inner, "greedy_completions"):              # vLLM
-        problems = task.test
-        texts = inner.greedy_completions([format_prompt(p) for p in problems], task.config.max_answer_length + 1)
-        return sum(task.reward(None, texts, answer=[p.value for p in problems])) / len(problems)
-    return greedy_accuracy(inner.model, tokenizer, task)
+    if not hasattr(inner, "greedy_completions"):          # minirl's engines hold a transformers model
+        return task.eval_fn(tokenizer, max_new_tokens)(inner.model)
+    completions = inner.greedy_completions([r["prompt"] for r in task.test], max_new_tokens)     # vLLM
+    total, metrics = task.score(task.test, completions)
+    return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
+
+
+def _save_pretrained(model, tokenizer, path: Path) -> None:
+    """save_pretrained, with safetensors' errors (which name no file) as the OSError they are, naming `path`."""
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    except SafetensorError as err:
+        code = re.search(r"(?:os error|code:) (\d+)", str(err))      # "No space left on device (os error 28)"
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(path / "model.safetensors")) from err
 
 
 def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
@@ -2317,7 +2349,8 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
 
     Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
-    returns it, the others return None. `AutoModelForCausalLM.from_pretrained(path)` loads it.
+    returns it, the others return None; a failed write (a full disk) is raised on every rank.
+    `AutoModelForCausalLM.from_pretrained(path)` loads it.
     """
     mode = "merged" if lora_scaling is not None else "full"
     state = {}
@@ -2325,19 +2358,274 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
         for name, tensor in engine_tensors(layer, mode, lora_scaling):
             if ctx.is_main:
                 state[name] = tensor.detach().to("cpu", copy=True)
-    if not ctx.is_main:
-        return None
-    base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
-    model = AutoModelForCausalLM.from_config(base.config)
-    model.load_state_dict(state, strict=True)
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+
+    def write() -> Path:                                   # rank 0: a temporary directory, renamed when whole
+        base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
+        model = AutoModelForCausalLM.from_config(base.config)
+        model.load_state_dict(state, strict=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            _save_pretrained(model, tokenizer, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with deferred_signals():
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        return path
+
+    return agree(f"writing {path}", write if ctx.is_main else lambda: None)
+
+# %% [markdown]
+# ### When a job stops early
+#
+# A job of N processes can stop in N + 1 ways: Ctrl-C (torchrun forwards it to every rank as
+# SIGINT), or one rank dying (its own error, the kernel's OOM killer, a lost node), after which
+# torchrun sends SIGTERM to the others. Either way, the ranks still alive meet a broken
+# collective, and each one's traceback says little: gloo's "Connection reset by peer" names an
+# address, not who died. What a user needs is one line: what stopped (which rank, on which
+# host, which pid), the last intact checkpoint, and the command that continues the run. So each
+# rank records every rank's host and pid at the start (`rank_processes`); a rank that stops
+# looks which of them have ended (`dead_ranks`: a process of this host that is gone, or a
+# zombie torchrun has not reaped yet) and which signals it received (`StopSignals`), and
+# `why_stopped` turns that into the line and the exit status. Only one rank says it: rank 0
+# for Ctrl-C, the job's errors and SIGTERM; the rank that died of its own error for that error;
+# the lowest survivor for a rank killed outright (`first_to_report` keeps it to one). The
+# chapter script sends the other ranks' standard error to /dev/null, so that a warning or a
+# progress bar is printed once, not once per rank, and a rank's own death is still said.
+
+# %%
+# | export minirl/parallel/stops.py
+"""Why a data-parallel job stopped, in one line from one rank: Ctrl-C, a dead rank, a full disk, an error.
+
+`rank_processes` records every rank's host and pid at the start; after a failure,
+`dead_ranks` finds the ones of this host that have ended. `StopSignals` turns the first
+SIGINT and SIGTERM into exceptions and remembers what arrived; `deferred_signals` holds them
+off while a checkpoint is promoted. `why_stopped` decides what this rank says (if anything)
+and the exit status; `first_to_report` lets only one process say that a rank died;
+`relaunch_command` is the torchrun command that continues the run.
+
+Simplified vs torchelastic: no restarts and no health checks of other nodes (a rank on
+another host is seen dying only as the broken connection, and reported as such).
+"""
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch.distributed as dist
+
+from minirl.parallel.launch import RankFailed, world_from_env
+from minirl.rollout.base import VersionMismatchError
+from minirl.train.cli import write_failure
+from minirl.utils.rundir import RunDirError
+from minirl.utils.validate import ConfigError
+
+def rank_processes() -> list[tuple[str, int]]:
+    """(host, pid) of every rank, in rank order, on every rank (a collective): who to name when one dies."""
+    mine = (socket.gethostname(), os.getpid())
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def dead_ranks(processes: list[tuple[str, int]]) -> list[int]:
+    """The ranks of this host whose process has ended (gone, or a zombie not yet reaped by torchrun).
+
+    processes: `rank_processes()`. A rank on another host cannot be seen from here and is never listed.
+    """
+    host, dead = socket.gethostname(), []
+    for rank, (where, pid) in enumerate(processes):
+        if where != host or pid == os.getpid():
+            continue
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                dead.append(rank)
+        except psutil.NoSuchProcess:
+            dead.append(rank)
+        except psutil.AccessDenied:
+            pass
+    return dead
+
+
+class Terminated(BaseException):
+    """SIGTERM, as an exception (BaseException, like KeyboardInterrupt: `agree` does not catch it)."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """A context manager: the first SIGINT raises KeyboardInterrupt, the first SIGTERM `Terminated`.
+
+    Later ones (and all of them after `quiet()`) are only recorded in `received`, so that a rank
+    reporting why it stops is not interrupted again. torchrun forwards Ctrl-C to every rank as
+    SIGINT, and sends SIGTERM to the other ranks when one dies. The handlers are put back on exit.
+    """
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.raising = True
+
+    def __enter__(self):
+        self.saved = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.saved.items():
+            signal.signal(s, handler)
+
+    def quiet(self) -> None:
+        self.raising = False
+
+    def _handle(self, signum, frame):
+        first = signum not in self.received
+        self.received.append(signum)
+        if self.raising and first:
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """SIGINT and SIGTERM wait until the block is done (then reach their handlers): for a file's promotion."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    saved = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
+def first_to_report(key: str) -> bool:
+    """True for the first process of this job (under torchrun, on this host) to ask with `key`; False after.
+
+    A marker file in the temporary directory, created atomically: when a rank dies of its own
+    error it says so, and the rank that then finds it dead stays quiet. Outside torchrun: True.
+    """
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job is None:
+        return True
+    marker = Path(tempfile.gettempdir()) / f"minirl-{job}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{key}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def relaunch_command(script, args: list[str]) -> str:
+    """The torchrun command line that starts this job's script again with `args`, on as many ranks."""
+    _, world, _ = world_from_env()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = f"--nnodes {world // local} " if world > local else ""
+    return f"torchrun {nodes}--nproc_per_node {local} {shlex.join([str(script), *map(str, args)])}"
+
+
+BAD_INPUT = (ConfigError, RunDirError, ValueError, VersionMismatchError)   # found alike on every rank: exit 2
+
+
+@dataclass
+class Stop:
+    """What a stopping rank says: `what` happened (None: this rank stays quiet), its exit status, and
+    whether the line goes on with the last intact checkpoint and the resume command."""
+
+    what: str | None
+    code: int
+    resumable: bool = True
+
+
+def _names(ranks: list[int], processes: list[tuple[str, int]]) -> str:
+    return ", ".join(f"rank {r} (pid {processes[r][1]} on {processes[r][0]})" for r in ranks)
+
+
+def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[str, int]], rank: int, out,
+                wait: float = 1.0) -> Stop:
+    """This rank's `Stop` for `err`, the exception that ended its run.
+
+    In order: Ctrl-C (rank 0 says "interrupted", exit 130); an error every rank met (`agree`, or
+    marked `agreed`): rank 0 says it, exit 1 for a file that could not be written (disk full,
+    read-only), else 2 (bad input); a rank of this host that died (the lowest rank alive says
+    so, unless the dead one already said why: exit 1); SIGTERM without a dead rank (rank 0,
+    143); this rank's own error: it says so itself (1). A broken collective without a dead
+    rank in sight waits up to `wait` seconds for the death or the signal that caused it. out:
+    the run directory (a write failure outside it still names its file).
+    """
+    alive = lambda: min(set(range(len(processes))) - set(dead_ranks(processes)))   # noqa: E731
+    says = lambda: rank == alive() and first_to_report("stop")    # noqa: E731  (rank 0 may have said it and left)
+    if signal.SIGINT in signals.received or isinstance(err, KeyboardInterrupt):
+        return Stop("interrupted" if says() else None, 130)
+    cause = err.cause if isinstance(err, RankFailed) and err.cause is not None else err
+    line = write_failure(cause, out) if isinstance(cause, OSError) else None
+    if getattr(err, "agreed", False) or isinstance(err, RankFailed):      # every rank has it: rank 0 says it
+        if line is not None:
+            return Stop(f"error: {line}" if rank == 0 else None, 1)
+        return Stop(f"error: {err}" if rank == 0 else None, 2 if isinstance(err, BAD_INPUT) else 1, resumable=False)
+    deadline = time.monotonic() + wait
+    while True:
+        dead = dead_ranks(processes)
+        if dead:
+            return Stop(f"{_names(dead, processes)} died" if says() else None, 1)
+        if signal.SIGINT in signals.received:
+            return Stop("interrupted" if says() else None, 130)
+        if signal.SIGTERM in signals.received or isinstance(err, Terminated):
+            return Stop("stopped by SIGTERM" if rank == 0 else None, 143)
+        if not isinstance(err, RuntimeError) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)                        # a broken collective: who broke it shows in a moment
+    first = first_to_report("stop")
+    if line is not None:
+        return Stop(f"error on {_names([rank], processes)}: {line}" if first else None, 1)
+    text = str(err).strip().splitlines()
+    return Stop(f"{_names([rank], processes)} failed with {type(err).__name__}: {text[0] if text else ''}"
+                if first else None, 1)
+
+
+# %% [markdown]
+# What each kind of stop prints, for a job of two ranks where "rank 1" is a process that has
+# already ended (rank 0 reports; the same calls on rank 1 return no line):
+
+# %%
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+
+from minirl.parallel.launch import RankFailed  # noqa: E402
+from minirl.parallel.stops import StopSignals, why_stopped  # noqa: E402
+from minirl.train.cli import stop_line  # noqa: E402
+
+peer = subprocess.Popen([sys.executable, "-c", "pass"])
+peer.wait()                                         # rank 1's process has ended
+here = socket.gethostname()
+stops = {"Ctrl-C": (KeyboardInterrupt(), [(here, os.getpid()), (here, peer.pid)]),
+         "rank 1 killed": (RuntimeError("[gloo] Read error: Connection reset by peer"),
+                           [(here, os.getpid()), (here, peer.pid)]),
+         "a full disk on rank 1": (RankFailed("writing: rank 1 failed with OSError", 1,
+                                              OSError(28, "No space left on device", "runs/04/checkpoints/"
+                                                      ".tmp-step-000060/__1_0.distcp")),
+                                   [(here, os.getpid()), (here, os.getpid())])}
+again = "torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume"
+for what, (err, processes) in stops.items():
+    stop = why_stopped(err, StopSignals(), processes, 0, "runs/04")
+    print(f"{what} (exit {stop.code}):\n    {stop_line(stop.what, 'runs/04/checkpoints/step-000050', again)}")
 
 # %% [markdown]
 # ### Sharded checkpoints
@@ -2357,36 +2645,47 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
 
 # %%
 # | export minirl/parallel/checkpoint.py
-"""Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, exactly resumable.
+"""Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, verified, exactly resumable.
 
 `save_sharded` writes `root/step-000010/`: every rank's model and optimizer shards with DCP
 (`get_state_dict` covers DDP, FSDP2 and peft models), ZeRO-1's per-rank optimizer state
 (ZeroRedundancyOptimizer is not a DCP optimizer), each rank's RNG and sampling generator
 (`rank-N.pt`), and on rank 0 `training_state.pt` (step, version, records, the shared
 generator, the settings, the world size). Written to a temporary directory that rank 0
-renames into place once every rank is done. `latest_sharded` finds the newest intact one;
-`load_sharded` restores it into a freshly built state and pushes the weights to the engine.
-`ShardedCheckpoints` hands both to notebook 01's `run_in_dir`.
+renames into place once every rank is done (a failed write on any rank stops every rank,
+and nothing is renamed). Stage 1's rule for reading them back (notebook 01): newest intact
+first, a broken one named and skipped. `sharded_problem` checks a checkpoint's files without
+loading the shards (the training state loads, DCP's metadata loads, every shard file is as
+long as the metadata says, every rank's file is there); `newest_intact` applies it, in one
+process; `ShardedCheckpoints.restore` also falls back when loading fails on any rank.
 
-Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
+Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume, no
+checksums (a shard overwritten with garbage of the same length loads as garbage weights).
 """
 
 import dataclasses
+import errno
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from minirl.parallel.launch import RankFailed, agree
+from minirl.parallel.stops import deferred_signals
+from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
 from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
-PREFIX, TMP = "step-", ".tmp-step-"
+TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written
 
 
 def _broadcast(obj):
@@ -2405,6 +2704,16 @@ def _model_and_optimizer(state):
     return {"model": model_state, "optimizer": optim_state}
 
 
+def _dcp_error(err: CheckpointException, what: str) -> Exception:
+    """DCP's CheckpointException (a BaseException, raised on every rank with each failed rank's error) as the first
+    failed rank's error, marked `agreed` (every rank has it): an OSError stays one (a full disk names its file)."""
+    rank, (first, _) = min(err.failures.items(), key=lambda item: item[0])
+    error = first if isinstance(first, OSError) else \
+        CheckpointError(f"{what}: rank {rank} failed with {type(first).__name__}: {first}")
+    error.agreed = True
+    return error
+
+
 def _rank_state(state) -> dict:
     actor = state.roles.actor
     return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
@@ -2412,66 +2721,160 @@ def _rank_state(state) -> dict:
             "zero1_optimizer": actor.optimizer.optim.state_dict() if actor.zero == 1 else None}
 
 
+def _disk_error(err: Exception, where: Path) -> Exception:
+    """`err` as the OSError it is when the disk holding `where` is full (torch.save's zip writer reports a full
+    disk as a RuntimeError, "unexpected pos"), marked `agreed` like `err`; else `err` itself."""
+    if isinstance(err, OSError):
+        return err
+    try:
+        full = shutil.disk_usage(where if where.exists() else where.parent).free < 2**20
+    except OSError:
+        return err
+    if not full:
+        return err
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    error.agreed = getattr(err, "agreed", False) or isinstance(err, RankFailed)
+    return error
+
+
 def save_sharded(root, state, keep: int = 2) -> Path:
-    """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path."""
+    """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path.
+
+    An error while writing on any rank (a full disk, say) is raised on every rank (`agree`):
+    the temporary directory is then deleted, never renamed into place.
+    """
     root = Path(root)
     rank = dist.get_rank()
     final, tmp = root / f"{PREFIX}{state.step:06d}", root / f"{TMP}{state.step:06d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_model_and_optimizer(state), checkpoint_id=str(tmp))
-    torch.save(_rank_state(state), tmp / f"rank-{rank}.pt")
-    dist.barrier()                                        # every rank's files are on disk
-    if rank == 0:
+
+    def promote():                                        # rank 0, once every rank's files are on disk
         torch.save({"step": state.step, "version": state.roles.version, "metrics": state.metrics,
                     "generator": state.generator.get_state(), "world_size": dist.get_world_size(),
                     "config": dataclasses.asdict(state.config), "pconfig": dataclasses.asdict(state.pconfig)},
                    tmp / "training_state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)                            # all of it or none of it
+        with deferred_signals():                          # Ctrl-C waits: all of it or none of it
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        agree(f"creating {tmp}", lambda: tmp.mkdir(parents=True) if rank == 0 else None)
+        try:
+            dcp.save(_model_and_optimizer(state), checkpoint_id=str(tmp))
+        except CheckpointException as err:                # on every rank alike
+            raise _dcp_error(err, f"writing {tmp}") from None
+        agree(f"writing {tmp}", lambda: torch.save(_rank_state(state), tmp / f"rank-{rank}.pt"))
+        agree(f"writing {tmp}", promote if rank == 0 else lambda: None)
+    except Exception as err:
+        error = _disk_error(err, tmp)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written stays (and the space comes back)
+        if error is err:
+            raise
+        raise error from err
     return final
 
 
-def intact(path: Path, world_size: int) -> bool:
-    """A checkpoint directory with DCP's metadata, the training state and every rank's file."""
-    needed = [".metadata", "training_state.pt", *(f"rank-{r}.pt" for r in range(world_size))]
-    return all((path / name).is_file() and (path / name).stat().st_size > 0 for name in needed)
+def sharded_problem(path) -> str | None:
+    """What is wrong with checkpoint `path`, naming the file, or None when it is intact (one process, no collectives).
 
-
-def latest_sharded(root, world_size: int) -> Path | None:
-    """The newest intact checkpoint under `root` (decided on rank 0, the same on every rank), or None."""
-    found = None
-    if dist.get_rank() == 0:
-        root = Path(root)
-        candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
-        found = next((str(p) for p in candidates if intact(p, world_size)), None)
-    found = _broadcast(found)
-    return None if found is None else Path(found)
-
-
-def load_sharded(path, state) -> None:
-    """Restore checkpoint `path` into a freshly built state (every rank), then push the weights to the engine."""
+    Checked without loading the shards: training_state.pt loads and names the world size;
+    every rank-N.pt is there and not empty; DCP's .metadata loads, and every shard file it
+    lists holds at least the bytes it records there (a truncated .distcp is caught).
+    """
     path = Path(path)
-    training = torch.load(path / "training_state.pt", weights_only=False)
+    name = path / "training_state.pt"
+    try:
+        training = torch.load(name, weights_only=False, map_location="cpu")
+        world = int(training["world_size"])
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except Exception as err:
+        return f"{name} does not load ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''})"
+    for r in range(world):
+        own = path / f"rank-{r}.pt"
+        if not own.is_file() or own.stat().st_size == 0:
+            return f"{own} is missing or empty"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        return f"{path / '.metadata'} does not load ({type(err).__name__}: {err})"
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        shard = path / relative
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None:
+            return f"{shard} is missing"
+        if have < size:
+            return f"{shard} is truncated ({have} of {size} bytes)"
+    return None
+
+
+def checkpoints_in(root) -> list[Path]:
+    """The checkpoint directories under `root`, newest first (half-written `.tmp-step-*` ones excluded)."""
+    root = Path(root)
+    return sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
+
+
+def newest_intact(root) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under `root` whose files are intact, or None; what is wrong with each newer one)."""
+    problems = []
+    for path in checkpoints_in(root):
+        problem = sharded_problem(path)
+        if problem is None:
+            return path, problems
+        problems.append(problem)
+    return None, problems
+
+
+def latest_sharded(root, world_size: int | None = None) -> Path | None:
+    """The newest intact checkpoint under `root` (decided on rank 0, the same on every rank), or None."""
+    found = str(newest_intact(root)[0] or "") if dist.get_rank() == 0 else None
+    found = _broadcast(found)
+    return Path(found) if found else None
+
+
+def load_sharded(path, state, push: bool = True) -> None:
+    """Restore checkpoint `path` into a freshly built state (every rank), then (push=True) push the weights
+    to the engine.
+
+    ConfigError when it was written by another number of ranks; CheckpointError naming the file
+    that does not load.
+    """
+    path = Path(path)
+    try:
+        training = torch.load(path / "training_state.pt", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{path / 'training_state.pt'} does not load ({type(err).__name__}: {err})") from None
     if training["world_size"] != dist.get_world_size():
         raise ConfigError("nproc_per_node", dist.get_world_size(),
                           f"the checkpoint {path} was written by {training['world_size']} ranks; resume with "
                           f"torchrun --nproc_per_node {training['world_size']}")
     actor = state.roles.actor
     target = _model_and_optimizer(state)
-    dcp.load(target, checkpoint_id=str(path))
+    try:
+        dcp.load(target, checkpoint_id=str(path))
+    except CheckpointException as err:
+        raise _dcp_error(err, f"{path}: the shards do not load") from None
+    except Exception as err:
+        raise CheckpointError(f"{path}: the shards do not load ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0] if str(err) else ''})") from None
     if actor.zero == 1:
         set_state_dict(actor.module, [], model_state_dict=target["model"], optim_state_dict={})
     else:
         set_state_dict(actor.module, actor.optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
-    mine = torch.load(path / f"rank-{dist.get_rank()}.pt", weights_only=False)
+    own = path / f"rank-{dist.get_rank()}.pt"
+    try:
+        mine = torch.load(own, weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{own} does not load ({type(err).__name__}: {err})") from None
     if actor.zero == 1:
         actor.optimizer.optim.load_state_dict(mine["zero1_optimizer"])
     torch.set_rng_state(mine["torch_rng"])
@@ -2479,7 +2882,8 @@ def load_sharded(path, state) -> None:
     state.sampling_generator.set_state(mine["sampling_generator"])
     state.generator.set_state(training["generator"])
     state.step, state.roles.version, state.metrics = training["step"], training["version"], training["metrics"]
-    state.sync.push(actor.named_weights(), state.engine, state.roles.version)
+    if push:
+        state.sync.push(actor.named_weights(), state.engine, state.roles.version)
 
 
 class ShardedCheckpointer(Callback):
@@ -2509,7 +2913,9 @@ class ShardedCheckpoints:
     """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
 
     `callback()` is a ShardedCheckpointer under `out_dir/checkpoints`; `restore(state)` loads
-    the newest intact one on every rank (RunDirError, on every rank alike, if there is none).
+    the newest intact one on every rank: a checkpoint whose files are broken, or that fails to
+    load on any rank, is named on rank 0's stderr and the one before it is tried (RunDirError,
+    on every rank alike, when none is left).
     """
 
     def __init__(self, out_dir, config):
@@ -2519,11 +2925,31 @@ class ShardedCheckpoints:
         return ShardedCheckpointer(self.root, self.config.run.checkpoint_every, self.config.run.keep_checkpoints)
 
     def restore(self, state) -> None:
-        found = latest_sharded(self.root, dist.get_world_size())
-        if found is None:
-            raise RunDirError(f"--resume: {self.root.parent} holds no intact checkpoint (the run stopped before its "
-                              "first one); start it again with --overwrite")
-        load_sharded(found, state)
+        main, problems = dist.get_rank() == 0, []
+        for path in map(Path, _broadcast([str(p) for p in checkpoints_in(self.root)] if main else None)):
+            problem = _broadcast(sharded_problem(path) if main else None)
+            if problem is None:
+                try:
+                    agree(f"restoring {path}", lambda: load_sharded(path, state, push=False))
+                except ConfigError:
+                    raise
+                except Exception as err:                  # on every rank alike: this rank's or another's error
+                    problem = str(err)
+                else:
+                    state.sync.push(state.roles.actor.named_weights(), state.engine, state.roles.version)
+                    return
+            if main:
+                print(f"warning: checkpoint {path} is broken: {problem}; falling back to the one before it",
+                      file=sys.stderr, flush=True)
+            problems.append(problem)
+        if problems:
+            error = RunDirError(f"--resume: no checkpoint in {self.root} is intact (each is named above); put the "
+                                "files back from a copy, or start the run again with --overwrite")
+        else:
+            error = RunDirError(f"--resume: {self.root.parent} holds no checkpoint yet (the run stopped before its "
+                                "first one); start it again with --overwrite")
+        error.agreed = True                               # every rank raises it (see `agree`)
+        raise error
 
 # %% [markdown]
 # ### Memory, per rank, as notebook 03 counts it
@@ -3048,7 +3474,8 @@ if not SMOKE:
 # | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
 # | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
-# | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run |
+# | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
+| a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
 #
 # On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout vllm`,
 # `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):

@@ -95,3 +95,116 @@ def test_one_launcher_in_the_package():
     launching = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
                        if "torch.distributed.run" in p.read_text())
     assert launching == ["parallel/launch.py"], launching
+
+
+# --- a job that stops early (issue 22): who died, which signal, one line from one rank ---------------------------
+
+def test_dead_ranks_sees_a_process_of_this_host_that_ended():
+    from minirl.parallel.stops import dead_ranks
+
+    import socket
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        processes = [(socket.gethostname(), os.getpid()), (socket.gethostname(), child.pid),
+                     ("another-host", child.pid)]
+        assert dead_ranks(processes) == [], "alive: nobody is dead; another host is never judged"
+        child.kill()
+        time.sleep(0.5)                                 # a zombie until reaped: dead all the same
+        assert dead_ranks(processes) == [1]
+        child.wait()
+        assert dead_ranks(processes) == [1]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _stop(err, received=(), rank=0, processes=None, out="/tmp/run", wait=0.0):
+    from minirl.parallel.stops import StopSignals, why_stopped
+
+    signals = StopSignals()
+    signals.received = list(received)
+    import socket
+    processes = processes or [(socket.gethostname(), os.getpid()), (socket.gethostname(), os.getpid())]
+    return why_stopped(err, signals, processes, rank, out, wait=wait)
+
+
+def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
+    import errno
+    import signal
+    import socket
+
+    from minirl.parallel.launch import RankFailed
+    from minirl.utils.validate import ConfigError
+
+    def new_job():
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{time.monotonic_ns()}")
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    # Ctrl-C: rank 0 says it, once, exit 130; rank 1 is quiet (also when its error is the broken collective)
+    new_job()
+    assert _stop(RuntimeError("Connection reset by peer"), [signal.SIGINT], rank=1).what is None
+    stop = _stop(KeyboardInterrupt())
+    assert (stop.what, stop.code) == ("interrupted", 130) and _stop(KeyboardInterrupt()).what is None
+    # an error every rank met: rank 0 says it; bad input is exit 2 and needs no resume hint
+    bad = ConfigError("lora_target_modules", "wq", "matches no linear layer")
+    bad.agreed = True
+    stop = _stop(bad)
+    assert stop.code == 2 and not stop.resumable and stop.what.startswith("error: lora_target_modules='wq'")
+    assert _stop(bad, rank=1).what is None
+    # a full disk on rank 1 reaches rank 0 as RankFailed with the OSError: one line naming the file
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/run/checkpoints/.tmp-step-000004/rank-1.pt")
+    stop = _stop(RankFailed("writing: rank 1 failed with OSError", 1, full))
+    assert stop.code == 1 and stop.resumable
+    assert stop.what.startswith("error: cannot write /tmp/run/checkpoints/.tmp-step-000004/rank-1.pt (No space")
+    # a rank of this host that died: the lowest rank alive says so, once (the rank that died may have said why)
+    new_job()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    host = socket.gethostname()
+    three = [(host, os.getpid()), (host, child.pid), (host, os.getpid())]
+    said = [_stop(RuntimeError("Connection reset by peer"), rank=r, processes=three) for r in (2, 0, 0)]
+    assert said[0].what is None, "rank 2 is not the lowest rank alive"
+    assert said[1].what == f"rank 1 (pid {child.pid} on {host}) died" and said[1].code == 1
+    assert said[2].what is None, "said once"
+    # this rank's own error (nobody else has it), once per job
+    new_job()
+    stop = _stop(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB\nmore"), rank=1)
+    assert stop.what == f"rank 1 (pid {os.getpid()} on {host}) failed with RuntimeError: CUDA out of memory. " \
+                        "Tried to allocate 2 GiB" and stop.code == 1
+    # SIGTERM without a dead rank: someone stopped the job
+    new_job()
+    stop = _stop(RuntimeError("Connection closed by peer"), [signal.SIGTERM])
+    assert (stop.what, stop.code) == ("stopped by SIGTERM", 143)
+
+
+def test_stop_signals_raise_once_and_deferred_signals_wait_for_the_block():
+    import signal
+
+    from minirl.parallel.stops import StopSignals, Terminated, deferred_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as signals:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)              # the second one is only recorded
+        events = []
+        with pytest.raises(Terminated):
+            with deferred_signals():
+                signal.raise_signal(signal.SIGTERM)
+                events.append("the block finished first")
+        assert events == ["the block finished first"]
+        assert signals.received == [signal.SIGINT, signal.SIGINT, signal.SIGTERM]
+        signals.quiet()
+        signal.raise_signal(signal.SIGTERM)            # quiet: recorded, nothing raised
+    assert signal.getsignal(signal.SIGTERM) is before, "the handlers are put back"
+
+
+def test_relaunch_command_repeats_the_world(monkeypatch):
+    from minirl.parallel.stops import relaunch_command
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert relaunch_command("chapters/04_fsdp_lora.py", ["--out", "runs/my run", "--resume"]) == \
+        "torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --out 'runs/my run' --resume"
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert relaunch_command("x.py", ["--resume"]).startswith("torchrun --nnodes 2 --nproc_per_node 8 x.py")

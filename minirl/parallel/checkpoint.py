@@ -1,37 +1,48 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, exactly resumable.
+"""Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, verified, exactly resumable.
 
 `save_sharded` writes `root/step-000010/`: every rank's model and optimizer shards with DCP
 (`get_state_dict` covers DDP, FSDP2 and peft models), ZeRO-1's per-rank optimizer state
 (ZeroRedundancyOptimizer is not a DCP optimizer), each rank's RNG and sampling generator
 (`rank-N.pt`), and on rank 0 `training_state.pt` (step, version, records, the shared
 generator, the settings, the world size). Written to a temporary directory that rank 0
-renames into place once every rank is done. `latest_sharded` finds the newest intact one;
-`load_sharded` restores it into a freshly built state and pushes the weights to the engine.
-`ShardedCheckpoints` hands both to notebook 01's `run_in_dir`.
+renames into place once every rank is done (a failed write on any rank stops every rank,
+and nothing is renamed). Stage 1's rule for reading them back (notebook 01): newest intact
+first, a broken one named and skipped. `sharded_problem` checks a checkpoint's files without
+loading the shards (the training state loads, DCP's metadata loads, every shard file is as
+long as the metadata says, every rank's file is there); `newest_intact` applies it, in one
+process; `ShardedCheckpoints.restore` also falls back when loading fails on any rank.
 
-Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume.
+Simplified vs torchtitan: synchronous saves (no async staging), same world size on resume, no
+checksums (a shard overwritten with garbage of the same length loads as garbage weights).
 """
 
-__all__ = ["PREFIX", "TMP", "save_sharded", "intact", "latest_sharded", "load_sharded",
-           "ShardedCheckpointer", "ShardedCheckpoints"]
+__all__ = ["TMP", "save_sharded", "sharded_problem", "checkpoints_in", "newest_intact",
+           "latest_sharded", "load_sharded", "ShardedCheckpointer", "ShardedCheckpoints"]
 
 import dataclasses
+import errno
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from minirl.parallel.launch import RankFailed, agree
+from minirl.parallel.stops import deferred_signals
+from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
 from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
-PREFIX, TMP = "step-", ".tmp-step-"
+TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written
 
 
 def _broadcast(obj):
@@ -50,6 +61,16 @@ def _model_and_optimizer(state):
     return {"model": model_state, "optimizer": optim_state}
 
 
+def _dcp_error(err: CheckpointException, what: str) -> Exception:
+    """DCP's CheckpointException (a BaseException, raised on every rank with each failed rank's error) as the first
+    failed rank's error, marked `agreed` (every rank has it): an OSError stays one (a full disk names its file)."""
+    rank, (first, _) = min(err.failures.items(), key=lambda item: item[0])
+    error = first if isinstance(first, OSError) else \
+        CheckpointError(f"{what}: rank {rank} failed with {type(first).__name__}: {first}")
+    error.agreed = True
+    return error
+
+
 def _rank_state(state) -> dict:
     actor = state.roles.actor
     return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
@@ -57,66 +78,160 @@ def _rank_state(state) -> dict:
             "zero1_optimizer": actor.optimizer.optim.state_dict() if actor.zero == 1 else None}
 
 
+def _disk_error(err: Exception, where: Path) -> Exception:
+    """`err` as the OSError it is when the disk holding `where` is full (torch.save's zip writer reports a full
+    disk as a RuntimeError, "unexpected pos"), marked `agreed` like `err`; else `err` itself."""
+    if isinstance(err, OSError):
+        return err
+    try:
+        full = shutil.disk_usage(where if where.exists() else where.parent).free < 2**20
+    except OSError:
+        return err
+    if not full:
+        return err
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    error.agreed = getattr(err, "agreed", False) or isinstance(err, RankFailed)
+    return error
+
+
 def save_sharded(root, state, keep: int = 2) -> Path:
-    """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path."""
+    """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path.
+
+    An error while writing on any rank (a full disk, say) is raised on every rank (`agree`):
+    the temporary directory is then deleted, never renamed into place.
+    """
     root = Path(root)
     rank = dist.get_rank()
     final, tmp = root / f"{PREFIX}{state.step:06d}", root / f"{TMP}{state.step:06d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_model_and_optimizer(state), checkpoint_id=str(tmp))
-    torch.save(_rank_state(state), tmp / f"rank-{rank}.pt")
-    dist.barrier()                                        # every rank's files are on disk
-    if rank == 0:
+
+    def promote():                                        # rank 0, once every rank's files are on disk
         torch.save({"step": state.step, "version": state.roles.version, "metrics": state.metrics,
                     "generator": state.generator.get_state(), "world_size": dist.get_world_size(),
                     "config": dataclasses.asdict(state.config), "pconfig": dataclasses.asdict(state.pconfig)},
                    tmp / "training_state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)                            # all of it or none of it
+        with deferred_signals():                          # Ctrl-C waits: all of it or none of it
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        agree(f"creating {tmp}", lambda: tmp.mkdir(parents=True) if rank == 0 else None)
+        try:
+            dcp.save(_model_and_optimizer(state), checkpoint_id=str(tmp))
+        except CheckpointException as err:                # on every rank alike
+            raise _dcp_error(err, f"writing {tmp}") from None
+        agree(f"writing {tmp}", lambda: torch.save(_rank_state(state), tmp / f"rank-{rank}.pt"))
+        agree(f"writing {tmp}", promote if rank == 0 else lambda: None)
+    except Exception as err:
+        error = _disk_error(err, tmp)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written stays (and the space comes back)
+        if error is err:
+            raise
+        raise error from err
     return final
 
 
-def intact(path: Path, world_size: int) -> bool:
-    """A checkpoint directory with DCP's metadata, the training state and every rank's file."""
-    needed = [".metadata", "training_state.pt", *(f"rank-{r}.pt" for r in range(world_size))]
-    return all((path / name).is_file() and (path / name).stat().st_size > 0 for name in needed)
+def sharded_problem(path) -> str | None:
+    """What is wrong with checkpoint `path`, naming the file, or None when it is intact (one process, no collectives).
 
-
-def latest_sharded(root, world_size: int) -> Path | None:
-    """The newest intact checkpoint under `root` (decided on rank 0, the same on every rank), or None."""
-    found = None
-    if dist.get_rank() == 0:
-        root = Path(root)
-        candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
-        found = next((str(p) for p in candidates if intact(p, world_size)), None)
-    found = _broadcast(found)
-    return None if found is None else Path(found)
-
-
-def load_sharded(path, state) -> None:
-    """Restore checkpoint `path` into a freshly built state (every rank), then push the weights to the engine."""
+    Checked without loading the shards: training_state.pt loads and names the world size;
+    every rank-N.pt is there and not empty; DCP's .metadata loads, and every shard file it
+    lists holds at least the bytes it records there (a truncated .distcp is caught).
+    """
     path = Path(path)
-    training = torch.load(path / "training_state.pt", weights_only=False)
+    name = path / "training_state.pt"
+    try:
+        training = torch.load(name, weights_only=False, map_location="cpu")
+        world = int(training["world_size"])
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except Exception as err:
+        return f"{name} does not load ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''})"
+    for r in range(world):
+        own = path / f"rank-{r}.pt"
+        if not own.is_file() or own.stat().st_size == 0:
+            return f"{own} is missing or empty"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        return f"{path / '.metadata'} does not load ({type(err).__name__}: {err})"
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        shard = path / relative
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None:
+            return f"{shard} is missing"
+        if have < size:
+            return f"{shard} is truncated ({have} of {size} bytes)"
+    return None
+
+
+def checkpoints_in(root) -> list[Path]:
+    """The checkpoint directories under `root`, newest first (half-written `.tmp-step-*` ones excluded)."""
+    root = Path(root)
+    return sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
+
+
+def newest_intact(root) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under `root` whose files are intact, or None; what is wrong with each newer one)."""
+    problems = []
+    for path in checkpoints_in(root):
+        problem = sharded_problem(path)
+        if problem is None:
+            return path, problems
+        problems.append(problem)
+    return None, problems
+
+
+def latest_sharded(root, world_size: int | None = None) -> Path | None:
+    """The newest intact checkpoint under `root` (decided on rank 0, the same on every rank), or None."""
+    found = str(newest_intact(root)[0] or "") if dist.get_rank() == 0 else None
+    found = _broadcast(found)
+    return Path(found) if found else None
+
+
+def load_sharded(path, state, push: bool = True) -> None:
+    """Restore checkpoint `path` into a freshly built state (every rank), then (push=True) push the weights
+    to the engine.
+
+    ConfigError when it was written by another number of ranks; CheckpointError naming the file
+    that does not load.
+    """
+    path = Path(path)
+    try:
+        training = torch.load(path / "training_state.pt", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{path / 'training_state.pt'} does not load ({type(err).__name__}: {err})") from None
     if training["world_size"] != dist.get_world_size():
         raise ConfigError("nproc_per_node", dist.get_world_size(),
                           f"the checkpoint {path} was written by {training['world_size']} ranks; resume with "
                           f"torchrun --nproc_per_node {training['world_size']}")
     actor = state.roles.actor
     target = _model_and_optimizer(state)
-    dcp.load(target, checkpoint_id=str(path))
+    try:
+        dcp.load(target, checkpoint_id=str(path))
+    except CheckpointException as err:
+        raise _dcp_error(err, f"{path}: the shards do not load") from None
+    except Exception as err:
+        raise CheckpointError(f"{path}: the shards do not load ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0] if str(err) else ''})") from None
     if actor.zero == 1:
         set_state_dict(actor.module, [], model_state_dict=target["model"], optim_state_dict={})
     else:
         set_state_dict(actor.module, actor.optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
-    mine = torch.load(path / f"rank-{dist.get_rank()}.pt", weights_only=False)
+    own = path / f"rank-{dist.get_rank()}.pt"
+    try:
+        mine = torch.load(own, weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{own} does not load ({type(err).__name__}: {err})") from None
     if actor.zero == 1:
         actor.optimizer.optim.load_state_dict(mine["zero1_optimizer"])
     torch.set_rng_state(mine["torch_rng"])
@@ -124,7 +239,8 @@ def load_sharded(path, state) -> None:
     state.sampling_generator.set_state(mine["sampling_generator"])
     state.generator.set_state(training["generator"])
     state.step, state.roles.version, state.metrics = training["step"], training["version"], training["metrics"]
-    state.sync.push(actor.named_weights(), state.engine, state.roles.version)
+    if push:
+        state.sync.push(actor.named_weights(), state.engine, state.roles.version)
 
 
 class ShardedCheckpointer(Callback):
@@ -154,7 +270,9 @@ class ShardedCheckpoints:
     """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
 
     `callback()` is a ShardedCheckpointer under `out_dir/checkpoints`; `restore(state)` loads
-    the newest intact one on every rank (RunDirError, on every rank alike, if there is none).
+    the newest intact one on every rank: a checkpoint whose files are broken, or that fails to
+    load on any rank, is named on rank 0's stderr and the one before it is tried (RunDirError,
+    on every rank alike, when none is left).
     """
 
     def __init__(self, out_dir, config):
@@ -164,8 +282,28 @@ class ShardedCheckpoints:
         return ShardedCheckpointer(self.root, self.config.run.checkpoint_every, self.config.run.keep_checkpoints)
 
     def restore(self, state) -> None:
-        found = latest_sharded(self.root, dist.get_world_size())
-        if found is None:
-            raise RunDirError(f"--resume: {self.root.parent} holds no intact checkpoint (the run stopped before its "
-                              "first one); start it again with --overwrite")
-        load_sharded(found, state)
+        main, problems = dist.get_rank() == 0, []
+        for path in map(Path, _broadcast([str(p) for p in checkpoints_in(self.root)] if main else None)):
+            problem = _broadcast(sharded_problem(path) if main else None)
+            if problem is None:
+                try:
+                    agree(f"restoring {path}", lambda: load_sharded(path, state, push=False))
+                except ConfigError:
+                    raise
+                except Exception as err:                  # on every rank alike: this rank's or another's error
+                    problem = str(err)
+                else:
+                    state.sync.push(state.roles.actor.named_weights(), state.engine, state.roles.version)
+                    return
+            if main:
+                print(f"warning: checkpoint {path} is broken: {problem}; falling back to the one before it",
+                      file=sys.stderr, flush=True)
+            problems.append(problem)
+        if problems:
+            error = RunDirError(f"--resume: no checkpoint in {self.root} is intact (each is named above); put the "
+                                "files back from a copy, or start the run again with --overwrite")
+        else:
+            error = RunDirError(f"--resume: {self.root.parent} holds no checkpoint yet (the run stopped before its "
+                                "first one); start it again with --overwrite")
+        error.agreed = True                               # every rank raises it (see `agree`)
+        raise error

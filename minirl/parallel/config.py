@@ -5,20 +5,21 @@ The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 0
 stage-4 run adds these. Every value is checked when the dataclass is built, and
 `check_parallel` adds the checks that need the world size or the RLConfig, so that every
 rank of a job refuses a bad one before it loads anything.
+
+Importing it is light (no torch): a chapter builds its flags from these fields and refuses a
+bad command line before the heavy imports.
 """
 
-__all__ = ["ZERO_LEVELS", "ROLLOUTS", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS", "ParallelConfig",
-           "check_parallel"]
+__all__ = ["SYNC_MODES", "ZERO_LEVELS", "ROLLOUTS", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS",
+           "ParallelConfig", "check_parallel"]
 
 import importlib.util
 from dataclasses import dataclass
 
-import torch
-
 from minirl.config import RLConfig, RolloutConfig
-from minirl.sync.sharded import SYNC_MODES
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int, device_problem
 
+SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
 ZERO_LEVELS = (0, 1, 2, 3)
 ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
@@ -117,7 +118,7 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
                                                  "pip install -r requirements-gpu.txt, or use --rollout minirl")
-        if not (cuda and torch.cuda.is_available()):
+        if not cuda or device_problem(config.run.device) is not None:
             raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
                                                  "machine, or use --rollout minirl")
         if pconfig.verify_sync:

@@ -18,6 +18,7 @@ __all__ = ["BACKENDS", "DistContext", "world_from_env", "pick_backend", "init_di
            "shutdown", "ProcessGroup", "rank_slice", "RankFailed", "agree", "torchrun",
            "output_ends", "stop_job"]
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -164,32 +165,42 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed; the message names the rank and its error."""
+    """Another rank failed; the message names the rank and its error. rank: that rank; cause: its error
+    when it is an OSError (a disk that filled names its file on every rank), else None."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: OSError | None = None):
+        super().__init__(message)
+        self.rank, self.cause = rank, cause
 
 
 def agree(what: str, fn):
     """fn() on every rank; if it raised anywhere, raise on every rank (none is left waiting).
 
-    The rank that failed re-raises its own error; the others raise RankFailed naming the
-    rank and the error. Use it around work whose collectives every rank either reaches or
-    skips alike (setup, checks): a rank stuck inside a collective cannot report.
+    The rank that failed re-raises its own error, marked `agreed = True` (every rank knows:
+    one of them reports it); the others raise RankFailed naming the rank and the error. Use it
+    around work whose collectives every rank either reaches or skips alike (setup, checks,
+    writing a checkpoint): a rank stuck inside a collective cannot report.
     """
     error, result = None, None
     try:
         result = fn()
     except Exception as err:                 # reported to the other ranks, then re-raised
         error = err
+    report = None if error is None else (f"{type(error).__name__}: {error}",
+                                         error if isinstance(error, OSError) else None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+        dist.all_gather_object(reports, report)
     else:
-        reports = [None if error is None else str(error)]
+        reports = [report]
     if error is not None:
+        with contextlib.suppress(AttributeError):
+            error.agreed = True
         raise error
-    failed = [(r, msg) for r, msg in enumerate(reports) if msg]
+    failed = [(r, got) for r, got in enumerate(reports) if got]
     if failed:
-        rank, msg = failed[0]
-        raise RankFailed(f"{what}: rank {rank} failed with {msg}")
+        rank, (msg, cause) = failed[0]
+        raise RankFailed(f"{what}: rank {rank} failed with {msg}", rank, cause)
     return result
 
 

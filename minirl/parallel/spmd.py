@@ -9,7 +9,7 @@ rank shares, keeps this rank's share and calls `rl_step` with the process group;
 `sync_every` K > 1 only every K-th step pushes its update (`sync_due`; the other steps hand
 `rl_step` a `KeepWeights`, and the engine generates with weights up to K-1 updates old,
 recorded per step as `staleness`). `run` and the callbacks of notebook 01 drive it
-unchanged. `evaluate_engine` measures held-out accuracy on the engine's copy (the
+unchanged. `evaluate_engine` scores a task's held-out rows on the engine's copy (the
 trainer's latest weights, whole), and `export_policy` gathers the (LoRA-merged) policy
 into a Hugging Face directory.
 
@@ -20,7 +20,9 @@ rollout), GRPO only, one model family's decoder layers per FSDP unit.
 __all__ = ["SPMDState", "build_rank_engine", "setup_spmd", "KeepWeights", "sync_due", "spmd_step",
            "sync_table", "innermost", "evaluate_engine", "export_policy"]
 
+import errno
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -28,20 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
-from minirl.models.policy import greedy_accuracy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
+from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
+from minirl.parallel.stops import deferred_signals
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
 from minirl.rollout.vllm import VLLMEngine
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
-from minirl.tasks.arithmetic import format_prompt
+from minirl.tasks.task import Task
 from minirl.train.run import RunState, engine_class
 from minirl.train.step import Roles, rl_step, sample_prompts
 
@@ -70,8 +73,11 @@ def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenize
 
 
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
-               ctx: DistContext) -> SPMDState:
-    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
+               ctx: DistContext, reward_weights: list[float] | None = None) -> SPMDState:
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here).
+
+    rows: the task's training rows; reward_funcs, reward_weights: its rewards (TRL's signature and
+    weights; None: 1 each)."""
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
@@ -91,7 +97,7 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
     seed = config.run.seed
     return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
-                     reward_funcs, pconfig=pconfig, ctx=ctx, group=group,
+                     reward_funcs, reward_weights, pconfig=pconfig, ctx=ctx, group=group,
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
@@ -131,7 +137,8 @@ def spmd_step(state: SPMDState) -> dict:
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
-    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group)
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group,
+                     reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
     record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
@@ -189,14 +196,27 @@ def innermost(engine):
     return engine
 
 
-def evaluate_engine(engine, tokenizer, task) -> float:
-    """Held-out greedy accuracy (0..1) of the policy the engine holds: the trainer's latest weights, whole."""
+def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float:
+    """The task's evaluation of the policy the engine holds (the trainer's latest weights, whole): its held-out
+    rows decoded greedily and scored by its rewards; the accuracy (0..1) when the task has a correctness
+    reward, else the mean weighted reward (`Task.eval_fn`'s number)."""
     inner = innermost(engine)
-    if hasattr(inner, "greedy_completions"):              # vLLM
-        problems = task.test
-        texts = inner.greedy_completions([format_prompt(p) for p in problems], task.config.max_answer_length + 1)
-        return sum(task.reward(None, texts, answer=[p.value for p in problems])) / len(problems)
-    return greedy_accuracy(inner.model, tokenizer, task)
+    if not hasattr(inner, "greedy_completions"):          # minirl's engines hold a transformers model
+        return task.eval_fn(tokenizer, max_new_tokens)(inner.model)
+    completions = inner.greedy_completions([r["prompt"] for r in task.test], max_new_tokens)     # vLLM
+    total, metrics = task.score(task.test, completions)
+    return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
+
+
+def _save_pretrained(model, tokenizer, path: Path) -> None:
+    """save_pretrained, with safetensors' errors (which name no file) as the OSError they are, naming `path`."""
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    except SafetensorError as err:
+        code = re.search(r"(?:os error|code:) (\d+)", str(err))      # "No space left on device (os error 28)"
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(path / "model.safetensors")) from err
 
 
 def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer, path,
@@ -204,7 +224,8 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
 
     Every rank must call it (the gathers are collectives); rank 0 writes `path` atomically and
-    returns it, the others return None. `AutoModelForCausalLM.from_pretrained(path)` loads it.
+    returns it, the others return None; a failed write (a full disk) is raised on every rank.
+    `AutoModelForCausalLM.from_pretrained(path)` loads it.
     """
     mode = "merged" if lora_scaling is not None else "full"
     state = {}
@@ -212,16 +233,22 @@ def export_policy(actor: DistributedActor, lora_scaling: float | None, tokenizer
         for name, tensor in engine_tensors(layer, mode, lora_scaling):
             if ctx.is_main:
                 state[name] = tensor.detach().to("cpu", copy=True)
-    if not ctx.is_main:
-        return None
-    base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
-    model = AutoModelForCausalLM.from_config(base.config)
-    model.load_state_dict(state, strict=True)
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+
+    def write() -> Path:                                   # rank 0: a temporary directory, renamed when whole
+        base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
+        model = AutoModelForCausalLM.from_config(base.config)
+        model.load_state_dict(state, strict=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            _save_pretrained(model, tokenizer, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with deferred_signals():
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        return path
+
+    return agree(f"writing {path}", write if ctx.is_main else lambda: None)
