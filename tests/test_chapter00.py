@@ -84,3 +84,20 @@ def test_a_truncated_cached_model_names_the_file_and_the_fix(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: the cached policy is damaged: {weights} cannot be read" in proc.stderr
     assert f"rm -r {copy}" in proc.stderr and "--rebuild" in proc.stderr
+
+
+def test_no_gpu_driver_is_known_without_torch(monkeypatch):
+    """device_problem answers "cuda" at once where no GPU driver shows, and asks torch where one does."""
+    import minirl.utils.validate as validate
+
+    monkeypatch.setattr(validate, "gpu_driver_visible", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("imported torch to answer"))
+    assert validate.device_problem("cuda") == validate.device_problem("cuda:1") == validate.NO_CUDA
+    assert validate.device_problem("cpu") is None
+    monkeypatch.setattr(validate, "gpu_driver_visible", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)     # a driver, and a CPU build of torch
+    assert validate.device_problem("cuda") == validate.NO_CUDA
+    assert validate.device_problem("cuda:x") == "not a device: use cpu, cuda, cuda:1, ..."
+    if not validate.gpu_driver_visible():                              # this machine: the whole refusal without torch
+        proc, imported = run_script(SCRIPT, "--device", "cuda")
+        assert proc.returncode == 2 and "torch" not in imported

@@ -211,3 +211,17 @@ def test_a_mistyped_flag_or_a_missing_gpu_fails_before_torch_loads(tmp_path):
             "argument --device: 'cuda': this machine has no CUDA device (torch.cuda.is_available() is False): "
             "run with --device cpu")
         assert "transformers" not in imported and not (tmp_path / "x").exists()
+
+
+def test_hopper_peaks_are_the_datasheets_dense_figures():
+    """H100/H200 datasheets print bf16 1,979 (SXM) and 1,671 (NVL) TFLOP/s *with sparsity*: MFU uses half,
+    and FP8's dense peak is twice bf16's."""
+    from minirl.profiling.mfu import GPU_PEAK_TFLOPS, gpu_peak_flops
+
+    table = dict(GPU_PEAK_TFLOPS)
+    for name, key, dense in (("NVIDIA H200", "H200", 989e12), ("NVIDIA H100 80GB HBM3", "H100", 989e12),
+                             ("NVIDIA H200 NVL", "H200 NVL", 835e12), ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+                             ("NVIDIA GH200 480GB", "H200", 989e12)):
+        assert gpu_peak_flops(name, "bfloat16") == gpu_peak_flops(name, "float16") == dense, name
+        assert gpu_peak_flops(name, "float32") < dense / 10, "FP32 runs on the CUDA cores, not the tensor cores"
+        assert abs(table[key]["float8_e4m3fn"] * 1e12 - 2 * dense) <= 2e12, name

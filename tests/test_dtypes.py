@@ -1,4 +1,4 @@
-"""The policy's and the rollout's dtypes: "auto" is bfloat16 on CUDA and float32 on a CPU, and a CPU run is unchanged."""
+"""The policy's and the rollout's dtypes: "auto" is bfloat16 on CUDA and float32 on a CPU; a CPU run is as before."""
 
 import json
 
