@@ -13,6 +13,9 @@ minute of one CPU core, and 4 minutes of wall time while the machine was busy wi
 (load 10). The
 policy directory it prints is an ordinary Hugging Face checkpoint: pass it as `--model` to
 the other chapters, or to `vllm serve`.
+
+The flags are parsed before torch is imported: a mistyped flag, or a --device this machine lacks,
+is reported in one line at once.
 """
 
 import argparse
@@ -22,24 +25,10 @@ import time
 from pathlib import Path
 
 from minirl.utils.argtypes import int_in
+from minirl.utils.cli import check_device   # light: torch is imported only to check --device, after parsing
 from minirl.utils.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
-
-
-def check_device(parser: argparse.ArgumentParser, text: str) -> None:
-    """parser.error unless `text` is a torch device this machine has (cpu, cuda, cuda:N, mps)."""
-    import torch  # only now: the other flags are checked without waiting for torch to import
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        parser.error(f"argument --device: {text!r}: not a device; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and (not torch.cuda.is_available()
-                                  or (device.index or 0) >= torch.cuda.device_count()):
-        parser.error(f"argument --device: {text!r}: this machine has {torch.cuda.device_count()} CUDA devices")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        parser.error(f"argument --device: {text!r}: MPS is not available on this machine")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

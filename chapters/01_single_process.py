@@ -22,6 +22,12 @@ a prompt may be a list of chat messages, rendered by the model's chat template),
 --eval-dataset (held-out rows, decoded greedily and scored by the rewards), --reward
 (repeatable: arithmetic, math, format, or module:function) and --reward-weights. Without
 them, the embedded arithmetic task.
+
+Precision: --dtype (the policy's) and --rollout-dtype (the engine's copy's) default to auto,
+bfloat16 with --device cuda and float32 on the CPU.
+
+The flags are parsed before torch and transformers are imported (a few seconds, more on a busy
+machine), so a mistyped flag or a device this machine lacks is reported at once, in one line.
 """
 
 from __future__ import annotations
@@ -30,20 +36,15 @@ import dataclasses
 import sys
 import time
 
-import torch
-
+# Only modules that load neither torch nor transformers: the flags are checked first (the heavy
+# imports are inside the functions that need them).
 from minirl.config import RLConfig
-from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy
-from minirl.train.checkpoint import latest_checkpoint
-from minirl.train.plots import plot_metrics
-from minirl.train.cli import (TASK_FLAGS, add_task_flags, check_run_flags, resolve_task_paths, restore_task_flags,
-                              resumed_config, saved_task, task_from_args)
-from minirl.train.run import RunStopped, train
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, flag, merged_settings
+from minirl.train.cli import (TASK_FLAGS, add_task_flags, resolve_task_paths, restore_task_flags, saved_task,
+                              task_from_args)
+from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError
-from minirl.utils.seeding import seed_everything
 from minirl.utils.validate import ConfigError, check_int
+
 
 def parse_args(argv=None):
     """(args, config, task, settings): flags checked, the config and the task built, before any model loads."""
@@ -67,6 +68,9 @@ def parse_args(argv=None):
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
+    check_device(parser, config.run.device)           # imports torch: after every flag parsed
+    from minirl.train.cli import check_run_flags, resumed_config   # the model's files are checked: after parsing
+
     check_run_flags(parser, args)
     resolve_task_paths(args)               # one spelling of a path: run.json records it, --resume compares it
     if args.resume:                        # the run's own settings (and task), changed only where the user says so
@@ -82,11 +86,21 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args, config, task, settings = parse_args(argv)
+    import torch
+
+    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy
+    from minirl.train.checkpoint import latest_checkpoint
+    from minirl.train.plots import plot_metrics
+    from minirl.train.run import RunStopped, train
+    from minirl.utils.rundir import RunDirError
+    from minirl.utils.seeding import seed_everything
+
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
     try:
-        model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
+        model, tokenizer = load_policy(args.model, config.run.device, dtype=config.policy_dtype,
+                                       progress=not args.no_progress)
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
@@ -133,6 +147,7 @@ def main(argv=None) -> int:
         "stage_seconds": {k: sum(m.get(k, 0.0) for m in steps) for k in steps[-1] if k.startswith("time/")},
         "final_reward": sum(last20) / max(1, len(last20)),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
+        "device": config.run.device, "dtype": config.policy_dtype, "rollout_dtype": config.engine_dtype,
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
         "task": {"name": task.name, **{k: getattr(args, k) for k in TASK_FLAGS}, "rewards": task.reward_names,
                  "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric},

@@ -8,7 +8,11 @@
 The rollout side is minirl.rollout.hf.HFEngine (HF generate with a KV cache in the rollout
 dtype); the trainer side recomputes the same tokens with one full forward in --train-dtype.
 Prints minirl.diagnostics.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
-mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25].
+mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25]. The training
+comparison trains in float32 (--dtype of chapter 01), so the rollout is the only side that changes.
+
+The flags are parsed before torch and transformers are imported: a mistyped flag, or a --device
+this machine lacks, is reported in one line at once.
 """
 
 from __future__ import annotations
@@ -18,16 +22,15 @@ import json
 import sys
 from pathlib import Path
 
-
-from minirl.utils.cli import check_args, common_parser, seed_everything, write_summary
+# Light modules only (no torch, no transformers): the heavy ones are imported after the flags are checked.
 from minirl.config import ROLLOUT_DTYPES
-from minirl.diagnostics.mismatch import diagnose
-from minirl.models.policy import ModelSourceError, check_model_source, check_prompts, load_policy
+from minirl.utils.cli import check_args, check_device, common_parser, seed_everything, write_summary
 from minirl.utils.validate import check_float, check_int
 
 
 def load(args):
     """(model, tokenizer, prompts) from --model / --prompts-file, or the embedded default."""
+    from minirl.models.policy import check_prompts, load_policy
     from minirl.tasks.arithmetic import make_task
 
     model, tokenizer = load_policy(args.model, args.device, dtype="float32", progress=False)
@@ -55,7 +58,7 @@ def training_comparison(args, model, tokenizer) -> dict:
         config = RLConfig.from_flat(steps=args.train_steps, rollout_dtype=args.train_rollout_dtype,
                                     importance_sampling_correction=correction, learning_rate=args.learning_rate,
                                     prompts_per_step=args.prompts_per_step, eval_every=args.eval_every,
-                                    seed=args.seed, device=args.device)
+                                    seed=args.seed, device=args.device, dtype="float32")
         name = "tis" if correction else "no_correction"
         runs[name] = train(config, copy.deepcopy(model), tokenizer, out_dir=args.out / name, overwrite=True,
                            progress=not args.quiet)
@@ -113,11 +116,16 @@ def mismatch(argv=None) -> dict:
             parser.error(f"argument --sweep: {d!r}: use dtypes from {', '.join(ROLLOUT_DTYPES)}")
     if args.prompts_file and not Path(args.prompts_file).is_file():
         parser.error(f"argument --prompts-file: {args.prompts_file!r}: no such file")
+    check_device(parser, args.device)                   # imports torch: after every flag parsed
+    from minirl.models.policy import ModelSourceError, check_model_source
+
     if args.model is not None:
         try:
             check_model_source(args.model)
         except ModelSourceError as err:
             parser.error(f"argument --model: {err}")
+    from minirl.diagnostics.mismatch import diagnose
+
     seed_everything(args.seed)
     model, tokenizer, prompts = load(args)
     report = diagnose(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",

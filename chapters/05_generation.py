@@ -21,27 +21,47 @@ model with the same vocabulary) or, without one, n-gram prompt lookup.
 Writes OUT/summary.json with kv_utilization {paged, contiguous}, effective_batch,
 continuous_vs_static {ratio, ...}, prefix_saved_share, spec_acceptance {k: ...},
 spec_speedup {k: ...}, radix_hit_rate, and the workload.
+
+The flags are parsed before torch and transformers are imported; a mistyped flag, a --device
+this machine lacks, or a workload longer than the model's context is refused in one line
+before any model loads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
-import torch
-
-from minirl.config import SamplingConfig
-from minirl.models.policy import ModelSourceError, check_model_source, load_default_policy, load_policy
-from minirl.rollout.engine.engine import Request
-from minirl.rollout.engine.measure import (continuous_vs_static, effective_batch, kv_utilization, multi_turn,
-                                           prefix_savings, speculative_sweep)
-from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
-from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
-from minirl.tasks.arithmetic import make_task
-from minirl.utils.cli import check_args, common_parser
-from minirl.utils.io import write_summary
-from minirl.utils.seeding import seed_everything
+from minirl.utils.cli import check_args, check_device, common_parser
 from minirl.utils.validate import check_int
+
+LONG_TAIL_CONTEXT = 512   # LongTailConfig().max_length in minirl.rollout.engine.workloads (not imported: torch)
+
+
+def model_context(name: str | None) -> int | None:
+    """Positions of --model read from its config.json (no weights, no transformers); the long-tail policy's
+    without --model; None for a hub id (checked once it has loaded)."""
+    if name is None:
+        return LONG_TAIL_CONTEXT
+    path = Path(name).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None                                    # no config.json, or a bad one: check_model_source says
+    text = config.get("text_config") or config if isinstance(config, dict) else {}
+    return next((text[k] for k in ("max_position_embeddings", "n_positions", "max_seq_len") if k in text), None)
+
+
+def check_context(parser, args, context: int | None, name: str) -> None:
+    """parser.error when a prompt of --prompt-length characters and --max-new-tokens do not fit `context`
+    positions (a character of these ASCII prompts is at most one token)."""
+    if context is not None and args.prompt_length + args.max_new_tokens > context:
+        parser.error(f"argument --prompt-length: {args.prompt_length}: prompts of about {args.prompt_length} "
+                     f"characters plus --max-new-tokens {args.max_new_tokens} need more than the {context} positions "
+                     f"of {name}; use --prompt-length <= {max(1, context - args.max_new_tokens)} (or fewer "
+                     "--max-new-tokens)")
 
 
 def parse_args(argv=None):
@@ -74,15 +94,20 @@ def parse_args(argv=None):
         parser.error(f"argument --ks: {raw!r}: comma-separated integers >= 1, e.g. 1,2,4")
     if args.draft and not args.model:
         parser.error("argument --draft: only with --model (the default target has its own draft)")
+    if args.quick:
+        args.num_prompts, args.num_generations, args.max_new_tokens = 4, 4, 48
+        args.repeats, args.slots, args.cache_tokens, args.ks = 1, 4, 512, args.ks[:2]
+    check_context(parser, args, model_context(args.model), args.model or "the long-tail policy")
+    check_device(parser, args.device)                  # imports torch: after every flag parsed
+    from minirl.models.policy import ModelSourceError, check_model_source
+
     for flag, name in (("--model", args.model), ("--draft", args.draft)):
         try:
             if name:
                 check_model_source(name)          # a missing directory is named before anything loads
         except ModelSourceError as err:
             parser.error(f"argument {flag}: {err}")
-    if args.quick:
-        args.num_prompts, args.num_generations, args.max_new_tokens = 4, 4, 48
-        args.repeats, args.slots, args.cache_tokens, args.ks = 1, 4, 512, args.ks[:2]
+    args.parser = parser                               # main checks a hub model's context once it has loaded
     return args
 
 
@@ -92,12 +117,26 @@ def verdict(ok: bool) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
+
+    from minirl.config import SamplingConfig
+    from minirl.models.policy import load_default_policy, load_policy
+    from minirl.rollout.engine.engine import Request
+    from minirl.rollout.engine.measure import (continuous_vs_static, effective_batch, kv_utilization, multi_turn,
+                                               prefix_savings, speculative_sweep)
+    from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
+    from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
+    from minirl.tasks.arithmetic import make_task
+    from minirl.utils.io import write_summary
+    from minirl.utils.seeding import seed_everything
+
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     if args.model:
         model, tokenizer = load_policy(args.model, args.device, dtype=torch.float32, progress=False)
         spec_model, spec_tok = model, tokenizer
+        check_context(args.parser, args, getattr(model.config, "max_position_embeddings", None), args.model)
         draft = load_policy(args.draft, args.device, dtype=torch.float32, progress=False)[0] if args.draft else None
     else:
         model, tokenizer, _ = load_long_tail_policy(device=args.device)

@@ -14,6 +14,9 @@ simulator's share and bubble-over-compute and the source's formula (P-1)/M or (P
 (before / after balancing, per method), and the details (`moe_parameters`, `gspo`,
 `expert_parallel`, `packing`, `bubble_table`), plus plots (timelines, load, packing).
 The RL runs use the stage-1 run (`minirl.train.run.train` with an `RLConfig`) on the tiny MoE policy.
+
+Every flag is checked before torch and transformers are imported, and --model's config before
+anything runs: a bad value exits with status 2 and one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from minirl.utils.cli import common_parser, seed_everything, write_summary
+from minirl.utils.argtypes import int_in
+from minirl.utils.cli import check_device, common_parser, seed_everything, write_summary
 
 BALANCING = {"none": {}, "aux loss": {"aux_loss_coef": 0.2}, "bias": {"bias_update_rate": 0.002}}
 GSPO_RUNS = {"token": dict(importance_sampling_level="token", epsilon=0.2, importance_sampling_mode="token_truncate"),
@@ -219,21 +223,21 @@ def main(argv=None) -> int:
     """0 when summary.json and the plots are written; 1 with a one-line error when a torchrun job fails."""
     parser = common_parser(__doc__.splitlines()[0])
     parser.set_defaults(out=Path("runs") / "08")
-    parser.add_argument("--rl-steps", type=int, default=60, help="steps of each RL run (0: skip the runs)")
-    parser.add_argument("--warm-start-steps", type=int, default=400, help="supervised warm start of the tiny MoE")
-    parser.add_argument("--gspo-seeds", type=int, default=1, help="seeds of the token vs sequence comparison")
+    parser.add_argument("--rl-steps", type=int_in(0), default=60, help="steps of each RL run (0: skip the runs)")
+    parser.add_argument("--warm-start-steps", type=int_in(0), default=400,
+                        help="supervised warm start of the tiny MoE")
+    parser.add_argument("--gspo-seeds", type=int_in(1), default=1, help="seeds of the token vs sequence comparison")
     parser.add_argument("--microbatches", default="4,8", help="comma-separated micro-batch counts (torchrun job)")
-    parser.add_argument("--hidden", type=int, default=256, help="width of the pipeline job's model")
-    parser.add_argument("--repeats", type=int, default=3, help="measured repeats (pipeline, expert parallel, packing)")
+    parser.add_argument("--hidden", type=int_in(1), default=256, help="width of the pipeline job's model")
+    parser.add_argument("--repeats", type=int_in(1), default=3,
+                        help="measured repeats (pipeline, expert parallel, packing)")
     parser.add_argument("--skip-torchrun", action="store_true", help="simulate the bubbles; no torchrun jobs")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if args.rl_steps < 0 or args.warm_start_steps < 0 or args.gspo_seeds < 1 or args.repeats < 1:
-        parser.error("--rl-steps and --warm-start-steps must be >= 0, --gspo-seeds and --repeats >= 1")
     try:
         args.microbatches = tuple(int(m) for m in args.microbatches.split(","))
     except ValueError:
-        parser.error(f"--microbatches={args.microbatches!r}: use comma-separated integers, e.g. 4,8")
+        parser.error(f"argument --microbatches: {args.microbatches!r}: use comma-separated integers, e.g. 4,8")
     from minirl.parallel.pipeline import PipelineError, check_pipeline, schedule_orders
 
     try:                                                  # fail before any work: the job has 32 samples, 8 layers
@@ -241,9 +245,27 @@ def main(argv=None) -> int:
             check_pipeline(2, m, num_samples=32, num_layers=8)
             schedule_orders("dualpipev", 2, m)
     except PipelineError as err:
-        parser.error(f"--microbatches: {err}")
+        parser.error(f"argument --microbatches: {err}")
+    if args.model and args.model.startswith(("/", "./", "../", "~")) and not Path(args.model).expanduser().exists():
+        parser.error(f"argument --model: {args.model}: no such directory; give a model directory (with its "
+                     "config.json) or a hub id such as deepseek-ai/DeepSeek-V3")
+    check_device(parser, args.device)                     # imports torch: after every flag parsed
     if args.device != "cpu":
-        parser.error("--device: chapter 08 runs on the CPU (gloo jobs, a tiny MoE); the figures do not need a GPU")
+        parser.error(f"argument --device: {args.device!r}: chapter 08 runs on the CPU (gloo jobs, a tiny MoE; the "
+                     "figures do not need a GPU): drop --device")
+    if args.model is not None:                            # counted from its config: a bad name fails now, not later
+        from minirl.models.policy import ModelSourceError, check_model_source
+
+        try:
+            check_model_source(args.model, need_tokenizer=False)
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(args.model)       # a hub id must be cached (or downloadable): its config
+        except ModelSourceError as err:
+            parser.error(f"argument --model: {err}")
+        except (OSError, ValueError) as err:
+            parser.error(f"argument --model: {args.model}: its config does not load ({type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0]})")
     import torch                                          # after the argument checks: they fail fast
 
     seed_everything(args.seed)

@@ -18,20 +18,49 @@ communication, `<stage>/rpc`. Notebook 09, section 6, lists the keys a run must 
 Chrome traces to OUT/run/profile/trace_step-N.json.gz (open them at https://ui.perfetto.dev
 or chrome://tracing); summary.json then also holds `profile`. A CPU's peak is measured on
 this machine at --threads; a GPU's comes from a table of datasheet peaks, or --peak-tflops.
+
+The flags are checked before torch and transformers are imported: a mistyped flag, a --device
+this machine lacks, or a --run directory that holds nothing the analysis reads (the output of
+chapter 00, 03 or 05) is refused in one line, exit status 2.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from minirl.config import RLConfig
-from minirl.utils.cli import add_config_flags, common_parser, config_from_args, explicit_dests, flag
+from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, explicit_dests, flag
 from minirl.utils.io import write_summary
 from minirl.utils.rundir import RunDirError, check_run_dir, holds_run
 from minirl.utils.validate import ConfigError, check_float, check_int
 
 PROFILE_DEFAULTS = RLConfig.from_flat(steps=6, eval_every=0, checkpoint_every=0)   # a short run to profile
+READABLE_SUMMARY_KEYS = ("expert_load_max_over_mean", "error")   # what the rules read from a summary.json alone
+OTHER_CHAPTERS = {"policy_dir": "00 (the warm start)", "per_rollout_dtype": "02 (the mismatch report)",
+                  "zero": "03 (the memory tables)", "comparison": "03 (--measure)",
+                  "kv_utilization": "05 (generation speed)"}   # a key of their summary.json -> the chapter
+
+
+def unreadable_run(path: Path) -> str | None:
+    """Why `path` holds nothing the analysis can read (a reason naming the chapter that wrote it), or None."""
+    if (path / "metrics.jsonl").is_file():
+        return None
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except OSError:
+        return "holds no run (no metrics.jsonl, no summary.json)"
+    except ValueError as err:
+        return f"its summary.json is not JSON ({err})"
+    if not isinstance(summary, dict):
+        return "its summary.json is not a JSON object"
+    if any(key in summary for key in READABLE_SUMMARY_KEYS):
+        return None
+    writer = next((name for key, name in OTHER_CHAPTERS.items() if key in summary), None)
+    what = f"the summary of chapter {writer}" if writer else "a summary.json"
+    return (f"holds {what} and no metrics.jsonl: nothing the analysis reads (step times, or a summary's "
+            f"{' or '.join(READABLE_SUMMARY_KEYS)})")
 
 
 def parse_steps(text: str, last: int) -> list[int]:
@@ -80,11 +109,14 @@ def parse_args(argv=None):
                          "run as it ran")
         if not args.run.is_dir():
             parser.error(f"argument --run: {args.run} is not a directory; pass the --out directory of a run")
-        if not any((args.run / name).is_file() for name in ("metrics.jsonl", "summary.json")):
-            parser.error(f"argument --run: {args.run} holds no run (no metrics.jsonl, no summary.json)")
+        problem = unreadable_run(args.run)
+        if problem:
+            parser.error(f"argument --run: {args.run} {problem}; pass the --out of a training run (chapters 01, "
+                         "04, 06, 07, or 02's --train-steps subdirectories) or of chapter 08")
         if args.out.resolve() == args.run.resolve():
             parser.error("argument --out: must differ from --run (the run's own summary.json lives there)")
     else:
+        check_device(parser, config.run.device)       # imports torch: after every flag parsed
         try:
             args.profile_steps = parse_steps(args.profile_steps, config.run.steps)
         except ValueError as err:
@@ -110,7 +142,8 @@ def profile_run(args, config) -> tuple[Path, str | None]:
 
     torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)
-    model, tokenizer = load_policy(args.model, config.run.device, progress=not args.no_progress)
+    model, tokenizer = load_policy(args.model, config.run.device, dtype=config.policy_dtype,
+                                   progress=not args.no_progress)
     run_dir = args.out / "run"
     try:
         train(config, model, tokenizer, out_dir=run_dir, overwrite=args.overwrite, progress=not args.no_progress,
@@ -133,8 +166,6 @@ def main(argv=None) -> int:
         run_dir, error = profile_run(args, config)
     else:
         run_dir = args.run
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")

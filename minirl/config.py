@@ -10,11 +10,19 @@ before any work is done, with an error naming the field, the value and the fix.
 
 Simplified vs TRL: one optimizer step per generation batch and iteration (no gradient
 accumulation, no micro-batches), no learning-rate schedule, rewards summed without weights.
+
+Precision: `dtype` is the policy's (the trainer's, the reference's and the critic's; TRL's
+`dtype` in `model_init_kwargs`) and `rollout_dtype` the rollout copy's. Both default to
+"auto": bfloat16 on a CUDA device, float32 elsewhere, so a CPU run computes in float32 as it
+always did and a GPU run uses its tensor cores. `policy_dtype` and `engine_dtype` give the
+resolved names. A bfloat16 policy trains in pure bfloat16 (weights, gradients and AdamW's
+state, as TRL does with `dtype=bfloat16`); log-probs and losses are computed in float32.
 """
 
 __all__ = ["ALGOS", "LOSS_TYPES", "SCALE_REWARDS", "IMPORTANCE_SAMPLING_LEVELS", "IS_MODES",
-           "ROLLOUT_DTYPES", "ROLLOUT_ENGINES", "REWARD_ERRORS", "AlgorithmConfig",
-           "SamplingConfig", "RolloutConfig", "OptimizerConfig", "RunConfig", "RLConfig"]
+           "ROLLOUT_DTYPES", "POLICY_DTYPES", "ROLLOUT_ENGINES", "REWARD_ERRORS", "auto_dtype",
+           "AlgorithmConfig", "SamplingConfig", "RolloutConfig", "OptimizerConfig", "RunConfig",
+           "RLConfig"]
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -26,9 +34,17 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")   # what an engine's copy can be
+POLICY_DTYPES = ("float32", "bfloat16")                                # what the policy can train in
 ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
+
+
+def auto_dtype(name: str, device: str) -> str:
+    """A dtype setting with "auto" resolved: bfloat16 on a CUDA device, float32 elsewhere; other names unchanged."""
+    if name != "auto":
+        return name
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 @dataclass
@@ -89,9 +105,9 @@ class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
     rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
-    rollout_dtype: str = "float32"     # the rollout copy's precision (notebook 02's mismatch lab)
+    rollout_dtype: str = "auto"        # the rollout copy's precision (notebook 02); auto: bfloat16 on CUDA, else fp32
 
-    choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ROLLOUT_DTYPES}
+    choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ("auto", *ROLLOUT_DTYPES)}
 
     def __post_init__(self):
         for name, allowed in self.choices.items():
@@ -125,8 +141,12 @@ class RunConfig:
     checkpoint_every: int = 100        # with an output directory: a checkpoint every N steps; 0: only the final model
     keep_checkpoints: int = 2          # the newest N checkpoints are kept
     device: str = "cpu"                # cpu, cuda, cuda:1, ...
+    dtype: str = "auto"                # the policy's precision (trainer, reference, critic); auto: bfloat16 on CUDA
+
+    choices = {"dtype": ("auto", *POLICY_DTYPES)}
 
     def __post_init__(self):
+        check_choice("dtype", self.dtype, self.choices["dtype"])
         check_int("steps", self.steps, low=1)
         check_int("prompts_per_step", self.prompts_per_step, low=1)
         check_int("seed", self.seed, low=0)
@@ -149,6 +169,16 @@ class RLConfig:
         if self.algorithm.algo == "grpo" and self.sampling.num_generations < 2:
             raise ConfigError("num_generations", self.sampling.num_generations,
                               "GRPO compares completions within a group of at least 2; use >= 2 (or algo='ppo')")
+
+    @property
+    def policy_dtype(self) -> str:
+        """The dtype the policy trains in: run.dtype, "auto" resolved for run.device."""
+        return auto_dtype(self.run.dtype, self.run.device)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype of the rollout engine's copy: rollout.rollout_dtype, "auto" resolved for run.device."""
+        return auto_dtype(self.rollout.rollout_dtype, self.run.device)
 
     def groups(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

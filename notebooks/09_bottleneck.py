@@ -1152,7 +1152,13 @@ def flat_config(config: dict) -> dict:
 
 # %%
 # | export minirl/profiling/mfu.py
-GPU_PEAK_TFLOPS = (   # dense peaks from NVIDIA's datasheets, TFLOP/s; the first name contained in the device's wins
+# Dense peaks from NVIDIA's datasheets, TFLOP/s; the first name contained in the device's wins.
+# The datasheets print the tensor-core rates with 2:4 structured sparsity; a dense matmul gets
+# half: the H100 SXM and H200 SXM datasheets give BF16/FP16 1,979 and FP8 3,958 "with
+# sparsity", so 989 and 1,979 dense, and FP32 67 (no sparsity); H100 NVL and H200 NVL give
+# BF16 1,671 (835 dense), H100 PCIe 1,513 (756 dense). GH200 ("NVIDIA GH200 ...") matches
+# "H200" and has the H100 SXM's figures, the same numbers.
+GPU_PEAK_TFLOPS = (
     ("H100 NVL", {"float32": 60.0, "bfloat16": 835.0, "float16": 835.0, "float8_e4m3fn": 1671.0}),
     ("H100 PCIe", {"float32": 51.0, "bfloat16": 756.0, "float16": 756.0, "float8_e4m3fn": 1513.0}),
     ("H100", {"float32": 67.0, "bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0}),       # SXM
@@ -1779,7 +1785,10 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     device = str(config.get("device", "cpu"))
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
-    rollout = peak_flops(device, str(config.get("rollout_dtype", shape.dtype)), threads, peak_tflops)
+    rollout_dtype = str(config.get("rollout_dtype", shape.dtype))
+    if rollout_dtype == "auto":                  # RLConfig's default: bfloat16 on CUDA, float32 elsewhere
+        rollout_dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    rollout = peak_flops(device, rollout_dtype, threads, peak_tflops)
     world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)    # stage 4: every rank trains
     devices = (summary or {}).get("placement")                                   # stage 6: role -> its devices
     pools = {role: len(devices[role]) if isinstance(devices, dict) and isinstance(devices.get(role), list) else None

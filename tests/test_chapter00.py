@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minirl.models.policy import default_policy_dir, load_default_policy
+from refusals import last_line, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "00_warm_start.py"
@@ -39,7 +40,7 @@ def test_summary_of_the_cached_policy(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--threads", "-1"), "argument --threads: -1: must be >= 0"),
     (("--threads", "two"), "argument --threads: invalid int value: 'two'"),
-    (("--device", "gpu:0"), "argument --device: 'gpu:0': not a device; use cpu, cuda or cuda:N"),
+    (("--device", "gpu:0"), "argument --device: 'gpu:0': not a device: use cpu, cuda, cuda:1, ..."),
     (("--model", "Qwen/Qwen2.5-0.5B"), "argument --model: chapter 00 builds the embedded policy"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
@@ -52,7 +53,15 @@ def test_bad_flags_exit_2_with_one_line(args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_a_flag_error():
     proc = run("--device", "cuda", check=False)
-    assert proc.returncode == 2 and "argument --device: 'cuda': this machine has 0 CUDA devices" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "00_warm_start.py: error: argument --device: 'cuda': this machine has no CUDA device "
+        "(torch.cuda.is_available() is False): run with --device cpu")
+
+
+def test_a_mistyped_flag_fails_before_torch_loads():
+    proc, imported = run_script(SCRIPT, "--rebuidl")
+    assert proc.returncode == 2 and last_line(proc).endswith("error: unrecognized arguments: --rebuidl")
+    assert "torch" not in imported and "transformers" not in imported
 
 
 def test_unwritable_cache_is_reported_before_any_training(tmp_path):
@@ -75,3 +84,20 @@ def test_a_truncated_cached_model_names_the_file_and_the_fix(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: the cached policy is damaged: {weights} cannot be read" in proc.stderr
     assert f"rm -r {copy}" in proc.stderr and "--rebuild" in proc.stderr
+
+
+def test_no_gpu_driver_is_known_without_torch(monkeypatch):
+    """device_problem answers "cuda" at once where no GPU driver shows, and asks torch where one does."""
+    import minirl.utils.validate as validate
+
+    monkeypatch.setattr(validate, "gpu_driver_visible", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("imported torch to answer"))
+    assert validate.device_problem("cuda") == validate.device_problem("cuda:1") == validate.NO_CUDA
+    assert validate.device_problem("cpu") is None
+    monkeypatch.setattr(validate, "gpu_driver_visible", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)     # a driver, and a CPU build of torch
+    assert validate.device_problem("cuda") == validate.NO_CUDA
+    assert validate.device_problem("cuda:x") == "not a device: use cpu, cuda, cuda:1, ..."
+    if not validate.gpu_driver_visible():                              # this machine: the whole refusal without torch
+        proc, imported = run_script(SCRIPT, "--device", "cuda")
+        assert proc.returncode == 2 and "torch" not in imported

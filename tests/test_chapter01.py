@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from minirl.utils.rundir import open_run_dir
+from refusals import last_line, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "01_single_process.py"
@@ -43,6 +44,8 @@ def test_default_policy_writes_summary_plot_checkpoint_and_final_model(tmp_path)
     for key in ("accuracy_before", "accuracy_after", "steps", "seconds", "config", "final_model"):
         assert key in summary, key
     assert summary["steps"] == 4 and 0 <= summary["accuracy_after"] <= 1
+    assert (summary["device"], summary["dtype"], summary["rollout_dtype"]) == ("cpu", "float32", "float32"), \
+        "auto is float32 on the CPU"
     assert 0.3 < summary["accuracy_before"] < 0.7, "the warm start is about half right"
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert "held-out greedy accuracy" in proc.stdout and "reward_curve.png" in proc.stdout
@@ -194,10 +197,14 @@ def chapter():
     (["--loss-type", "x"], "argument --loss-type: invalid choice"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--resume", "--overwrite"], "contradict each other"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')"),
+    (["--rollout-dtype", "int8"], "argument --rollout-dtype: invalid choice: 'int8'"),
+    (["--device", "tpu"], "argument --device: 'tpu': not a device: use cpu, cuda, cuda:1, ..."),
 ])
 def test_bad_flags_fail_in_one_line_before_loading(tmp_path, chapter, monkeypatch, capsys, args, message):
     """Items 9-10: one argparse-style line naming the flag, the value and the range; exit 2; nothing loaded."""
-    monkeypatch.setattr(chapter, "load_policy", lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
+    monkeypatch.setattr("minirl.models.policy.load_policy",        # main imports it after the flags are checked
+                        lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
     with pytest.raises(SystemExit) as exit_:
         chapter.main(["--out", str(tmp_path / "x"), *args])
     err = capsys.readouterr().err
@@ -324,10 +331,30 @@ def test_bad_task_inputs_fail_in_one_line_before_the_model_loads(tmp_path, chapt
         "chat_without_template": (["--model", words["plain_model"], "--dataset", chat, "--reward", "math"], chat),
         "no_reward": (["--dataset", plain], plain),
     }[case]
-    monkeypatch.setattr(chapter, "load_policy", lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
+    monkeypatch.setattr("minirl.models.policy.load_policy",        # main imports it after the flags are checked
+                        lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
     with pytest.raises(SystemExit) as exit_:
         chapter.main(["--out", str(tmp_path / "x"), *map(str, args)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message.format(p=path, root=root) in err, err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
     assert not (tmp_path / "x").exists(), "nothing is created for a bad command line"
+
+
+def test_a_mistyped_flag_fails_before_torch_loads(tmp_path):
+    """Issue 22: the flags are parsed before torch and transformers load; a typo is one line, exit 2."""
+    proc, imported = run_script(SCRIPT, "--out", tmp_path / "x", "--stpes", "3")
+    assert proc.returncode == 2 and last_line(proc).endswith("error: unrecognized arguments: --stpes 3")
+    assert not {"torch", "transformers"} & imported, sorted({"torch", "transformers"} & imported)
+    assert not (tmp_path / "x").exists()
+    proc, imported = run_script(SCRIPT, "--help")
+    assert proc.returncode == 0 and "--dtype" in proc.stdout and "torch" not in imported, "--help is fast too"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line_before_anything_loads(tmp_path):
+    proc, imported = run_script(SCRIPT, "--out", tmp_path / "x", "--device", "cuda")
+    assert proc.returncode == 2 and last_line(proc) == (
+        "01_single_process.py: error: argument --device: 'cuda': this machine has no CUDA device "
+        "(torch.cuda.is_available() is False): run with --device cpu")
+    assert "transformers" not in imported, "refused before the models' modules load"

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from refusals import last_line, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "chapters" / "02_mismatch.py"
@@ -44,6 +47,8 @@ def chapter():
     (["--learning-rate", "nan"], "argument --learning-rate: nan: must be finite"),
     (["--train-steps", "-2"], "argument --train-steps: -2: must be >= 0"),
     (["--prompts-file", "/nonexistent.txt"], "argument --prompts-file: '/nonexistent.txt': no such file"),
+    (["--device", "gpu"], "argument --device: 'gpu': not a device: use cpu, cuda, cuda:1, ..."),
+    (["--model", "/nonexistent"], "argument --model: /nonexistent: no such directory"),
 ])
 def test_bad_flags_fail_before_loading(tmp_path, chapter, monkeypatch, capsys, args, message):
     monkeypatch.setattr(chapter, "load", lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
@@ -65,3 +70,20 @@ def test_training_comparison_trains_the_given_model(tmp_path, tiny_model_dir, ch
     for name in ("no_correction", "tis"):
         trained = json.loads((tmp_path / name / "final" / "config.json").read_text())
         assert trained["hidden_size"] == json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
+
+
+def test_a_mistyped_flag_fails_before_torch_loads(tmp_path):
+    proc, imported = run_script(SCRIPT, "--out", tmp_path / "x", "--swep", "float32")
+    assert proc.returncode == 2 and last_line(proc).endswith("error: unrecognized arguments: --swep float32")
+    assert not {"torch", "transformers"} & imported
+    proc, imported = run_script(SCRIPT, "--help")
+    assert proc.returncode == 0 and "torch" not in imported
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line(tmp_path):
+    proc, imported = run_script(SCRIPT, "--out", tmp_path / "x", "--device", "cuda")
+    assert proc.returncode == 2 and last_line(proc).endswith(
+        "argument --device: 'cuda': this machine has no CUDA device (torch.cuda.is_available() is False): "
+        "run with --device cpu")
+    assert "transformers" not in imported and not (tmp_path / "x").exists()

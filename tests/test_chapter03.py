@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import Qwen2Config
 
+from refusals import last_line, run_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "03_memory.py"
 
@@ -133,3 +135,12 @@ def test_main_returns_the_exit_status(monkeypatch, capsys, tmp_path):
     assert chapter.main(["--measure", "--out", str(tmp_path)]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "error: the measurement job failed: measurement job (world_size=2) failed with code -6:", last
+
+
+def test_the_tables_and_a_mistyped_flag_need_no_torch():
+    proc, imported = run_script(SCRIPT, "--gpus", "8", "--gpu-mem-gb", "80", "--jsno")
+    assert proc.returncode == 2 and last_line(proc).endswith("unrecognized arguments: --jsno")
+    assert "torch" not in imported
+    proc, imported = run_script(SCRIPT, "--params", "70e9", "--json")
+    assert proc.returncode == 0 and "torch" not in imported and "transformers" not in imported, \
+        "the calculator reads no model: it loads neither"

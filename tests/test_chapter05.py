@@ -6,8 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from minirl.rollout.engine.workloads import LongTailConfig, build_long_tail_policy
+from refusals import last_line, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "05_generation.py"
@@ -53,6 +55,39 @@ def test_quick_run_on_any_hf_model_writes_the_summary(tiny_model, tmp_path):
 def test_bad_flags_fail_before_loading(flags, message, tmp_path):
     proc = run(*flags, "--out", str(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_workload_longer_than_the_context_is_refused_before_any_model_loads(tiny_model, tmp_path):
+    """Issue 22: --prompt-length 100000 used to fail with a traceback after loading three models."""
+    proc, imported = run_script(SCRIPT, "--prompt-length", "100000", "--out", tmp_path)
+    assert proc.returncode == 2 and last_line(proc) == (
+        "05_generation.py: error: argument --prompt-length: 100000: prompts of about 100000 characters plus "
+        "--max-new-tokens 256 need more than the 512 positions of the long-tail policy; use --prompt-length <= 256 "
+        "(or fewer --max-new-tokens)")
+    assert "torch" not in imported, "the context is known without loading torch"
+    proc, _ = run_script(SCRIPT, "--model", tiny_model, "--quick", "--prompt-length", "500", "--out", tmp_path)
+    assert proc.returncode == 2 and f"need more than the 512 positions of {tiny_model}; use --prompt-length <= 464" \
+        in last_line(proc), "--quick's 48 new tokens, the context read from the model's config.json"
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_long_tail_context_constant_is_the_policy_s():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chapter05", SCRIPT)
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+    assert chapter.LONG_TAIL_CONTEXT == LongTailConfig().max_length
+
+
+def test_a_mistyped_flag_or_a_missing_gpu_fails_in_one_line(tmp_path):
+    proc, imported = run_script(SCRIPT, "--qiuck", "--out", tmp_path)
+    assert proc.returncode == 2 and last_line(proc).endswith("error: unrecognized arguments: --qiuck")
+    assert not {"torch", "transformers"} & imported
+    if not torch.cuda.is_available():
+        proc, imported = run_script(SCRIPT, "--device", "cuda", "--out", tmp_path)
+        assert proc.returncode == 2 and "argument --device: 'cuda': this machine has no CUDA device" in last_line(proc)
+        assert "transformers" not in imported
 
 
 def load_script(name):

@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from refusals import last_line, run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,6 +49,38 @@ def test_chapter_rejects_bad_arguments(tmp_path):
     assert out.returncode != 0 and "--device" in out.stderr
     out = run("--microbatches", "2", tmp_path=tmp_path)
     assert out.returncode != 0 and "DualPipeV needs at least" in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "0"], "argument --hidden: 0: must be >= 1"),
+    (["--repeats", "0"], "argument --repeats: 0: must be >= 1"),
+    (["--gspo-seeds", "0"], "argument --gspo-seeds: 0: must be >= 1"),
+    (["--rl-steps", "-1"], "argument --rl-steps: -1: must be >= 0"),
+    (["--warm-start-steps", "x"], "argument --warm-start-steps: invalid int value: 'x'"),
+    (["--model", "/nonexistent"], "argument --model: /nonexistent: no such directory; give a model directory"),
+    (["--hiden", "8"], "unrecognized arguments: --hiden 8"),
+])
+def test_bad_flags_are_one_line_before_torch_loads(tmp_path, args, message):
+    """Issue 22: --hidden 0 ran 293 s on a width-0 model; --model /nonexistent was an HFValidationError."""
+    proc, imported = run_script(ROOT / "chapters" / "08_moe_pipelines.py", "--out", tmp_path, *args)
+    assert proc.returncode == 2 and last_line(proc).startswith("08_moe_pipelines.py: error: ")
+    assert message in last_line(proc), last_line(proc)
+    assert not {"torch", "transformers"} & imported and not any(tmp_path.iterdir())
+
+
+def test_a_model_that_is_no_model_is_refused_before_the_work(tmp_path):
+    (tmp_path / "nomodel").mkdir()
+    proc, _ = run_script(ROOT / "chapters" / "08_moe_pipelines.py", "--out", tmp_path / "out", "--model",
+                         tmp_path / "nomodel", env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and f"argument --model: no config.json in {tmp_path / 'nomodel'}" in last_line(proc)
+    proc, _ = run_script(ROOT / "chapters" / "08_moe_pipelines.py", "--out", tmp_path / "out", "--model",
+                         "no-such-org/no-such-model", env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "argument --model: no-such-org/no-such-model: its config does not load" \
+        in last_line(proc)
+    if not torch.cuda.is_available():
+        proc, _ = run_script(ROOT / "chapters" / "08_moe_pipelines.py", "--out", tmp_path / "out", "--device", "cuda")
+        assert proc.returncode == 2 and "argument --device: 'cuda': this machine has no CUDA device" in last_line(proc)
+    assert not (tmp_path / "out").exists()
 
 
 

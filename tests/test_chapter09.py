@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from minirl.parallel.launch import torchrun
+from refusals import last_line
+from refusals import run_script as run_with_imports
 from test_profiling import CONFIG, make_run, step_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,3 +179,49 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].endswith("steps from 1 to --steps (6); step 1 is the run's first "
                                                          "(and slowest)")
     assert not (tmp_path / "x").exists(), "nothing was created"
+
+
+@pytest.mark.parametrize("summary, chapter_name", [
+    ({"kv_utilization": {"paged": 0.97}, "spec_speedup": {"1": 1.2}}, "chapter 05 (generation speed)"),
+    ({"policy_dir": "/x", "heldout_accuracy": 0.46}, "chapter 00 (the warm start)"),
+    ({"zero": {}, "activations": {}}, "chapter 03 (the memory tables)"),
+    ({"something": 1}, "a summary.json"),
+])
+def test_a_run_of_another_stage_is_refused_naming_it(tmp_path, capsys, summary, chapter_name):
+    """Issue 22: --run on a directory the analysis cannot read used to exit 0 saying that no rule fires."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as exit_:
+        chapter.parse_args(["--run", str(other), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    what = chapter_name if chapter_name == "a summary.json" else f"the summary of {chapter_name}"
+    assert exit_.value.code == 2, err
+    assert f"argument --run: {other} holds {what} and no metrics.jsonl: nothing the analysis reads" in err, err
+    assert "pass the --out of a training run" in err and not (tmp_path / "out").exists()
+
+
+def test_a_mistyped_flag_or_a_missing_gpu_fails_before_torch_loads(tmp_path):
+    proc, imported = run_with_imports(SCRIPT, "--profile-stesp", "3", "--out", tmp_path / "x")
+    assert proc.returncode == 2 and last_line(proc).endswith("unrecognized arguments: --profile-stesp 3")
+    assert not {"torch", "transformers"} & imported and not (tmp_path / "x").exists()
+    if not torch.cuda.is_available():
+        proc, imported = run_with_imports(SCRIPT, "--profile-steps", "3", "--device", "cuda", "--out", tmp_path / "x")
+        assert proc.returncode == 2 and last_line(proc).endswith(
+            "argument --device: 'cuda': this machine has no CUDA device (torch.cuda.is_available() is False): "
+            "run with --device cpu")
+        assert "transformers" not in imported and not (tmp_path / "x").exists()
+
+
+def test_hopper_peaks_are_the_datasheets_dense_figures():
+    """H100/H200 datasheets print bf16 1,979 (SXM) and 1,671 (NVL) TFLOP/s *with sparsity*: MFU uses half,
+    and FP8's dense peak is twice bf16's."""
+    from minirl.profiling.mfu import GPU_PEAK_TFLOPS, gpu_peak_flops
+
+    table = dict(GPU_PEAK_TFLOPS)
+    for name, key, dense in (("NVIDIA H200", "H200", 989e12), ("NVIDIA H100 80GB HBM3", "H100", 989e12),
+                             ("NVIDIA H200 NVL", "H200 NVL", 835e12), ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+                             ("NVIDIA GH200 480GB", "H200", 989e12)):
+        assert gpu_peak_flops(name, "bfloat16") == gpu_peak_flops(name, "float16") == dense, name
+        assert gpu_peak_flops(name, "float32") < dense / 10, "FP32 runs on the CUDA cores, not the tensor cores"
+        assert abs(table[key]["float8_e4m3fn"] * 1e12 - 2 * dense) <= 2e12, name

@@ -38,7 +38,9 @@ def trainer_bytes(actor) -> dict[str, int]:
 
 
 def engine_bytes(engine) -> int:
-    """Bytes of the engine's weights as it holds them now (0 for engines that cannot say, e.g. vLLM)."""
+    """Bytes of the engine's weights as it holds them now (vLLM: its device memory, from mem_get_info)."""
+    if hasattr(engine, "memory_bytes"):
+        return engine.memory_bytes()
     try:
         return storage_bytes(t for _, t in engine.named_weights())
     except NotImplementedError:

@@ -46,6 +46,8 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
+    vllm_gpu_memory_utilization: float = 0.3  # --rollout vllm: the share of the GPU vLLM may take (the trainer's rest)
+    vllm_max_num_batched_tokens: int = 4096   # --rollout vllm: tokens per scheduler step (TRL's colocate value)
 
     choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
                "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
@@ -56,6 +58,9 @@ class ParallelConfig:
         check_int("lora_rank", self.lora_rank, low=0, why="0 is full fine-tuning")
         check_float("lora_alpha", self.lora_alpha, low=0.0, why="0: twice the rank")
         check_float("sync_bucket_mb", self.sync_bucket_mb, low=0.0, why="0: one decoder layer per all-gather")
+        check_float("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, low=0.0, high=1.0,
+                    low_open=True)
+        check_int("vllm_max_num_batched_tokens", self.vllm_max_num_batched_tokens, low=1)
         check_int("sync_every", self.sync_every, low=1, why="1: push after every update; K: after every K-th, "
                                                           "the rollout up to K-1 updates behind")
         if self.sync_every > 1 and self.colocate:
@@ -128,7 +133,7 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
             raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
                                                       "serves adapters through LoRA requests, not wired here: "
                                                       "use --sync-mode merged with --rollout vllm")
-        if config.rollout.rollout_dtype not in ("bfloat16", "float16", "float32"):
+        if config.engine_dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
                               "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
                               "pick one of those with --rollout vllm")

@@ -41,7 +41,7 @@ from minirl.parallel.stops import deferred_signals
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
-from minirl.rollout.vllm import VLLMEngine
+from minirl.rollout.vllm import VLLMEngine, task_model_len
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.task import Task
@@ -60,13 +60,18 @@ class SPMDState(RunState):
     lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
-def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device):
-    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated."""
+def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
+    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
+    prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
     adapter = pconfig.resolved_sync_mode == "adapter"
     if pconfig.rollout == "vllm":
-        return VLLMEngine(model, tokenizer, dtype=config.rollout.rollout_dtype, device=device,
-                          colocate=pconfig.colocate, seed=config.run.seed)
-    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.rollout.rollout_dtype, device=device)
+        context = getattr(model.config, "max_position_embeddings", None)
+        length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts \
+            else None
+        return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=pconfig.colocate,
+                          seed=config.run.seed, gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
+                          max_model_len=length, max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
+    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.engine_dtype, device=device)
     if pconfig.seed_per_prompt:
         inner = SeedPerPrompt(inner)
     return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
@@ -81,7 +86,8 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
-    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
+    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device,
+                                                              [r["prompt"] for r in rows])
     if pconfig.lora_rank:
         model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
     if engine is None:                                    # adapter-only: the engine holds base + adapter

@@ -262,7 +262,10 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     device = str(config.get("device", "cpu"))
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
-    rollout = peak_flops(device, str(config.get("rollout_dtype", shape.dtype)), threads, peak_tflops)
+    rollout_dtype = str(config.get("rollout_dtype", shape.dtype))
+    if rollout_dtype == "auto":                  # RLConfig's default: bfloat16 on CUDA, float32 elsewhere
+        rollout_dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    rollout = peak_flops(device, rollout_dtype, threads, peak_tflops)
     world = int(run_info.get("world_size", config.get("world_size", 1)) or 1)    # stage 4: every rank trains
     devices = (summary or {}).get("placement")                                   # stage 6: role -> its devices
     pools = {role: len(devices[role]) if isinstance(devices, dict) and isinstance(devices.get(role), list) else None

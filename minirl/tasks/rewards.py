@@ -26,13 +26,14 @@ import math
 import os
 import sys
 from pathlib import Path
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from minirl.tasks.arithmetic import arithmetic_reward
 from minirl.tasks.math_answer import math_format_reward, math_reward
 from minirl.utils.validate import ConfigError
+
+if TYPE_CHECKING:      # torch is imported where a tensor is made: chapter 01 names SPEC_HELP in --reward's help,
+    from torch import Tensor   # and its --help and a mistyped flag must not wait for torch to load
 
 REWARDS = {"arithmetic": arithmetic_reward, "math": math_reward, "format": math_format_reward}
 CORRECTNESS = (arithmetic_reward, math_reward)   # 0/1 correctness rewards: their mean is an accuracy
@@ -172,6 +173,8 @@ def combine_rewards(rewards_per_func: Tensor, weights, names: list[str]) -> tupl
     same under rewards/<name>/mean). TRL's sum skips NaN (a function that does not apply to a
     sample); here every reward must be a number, so the step has already refused NaN.
     """
+    import torch
+
     weights = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
     if rewards_per_func.dim() != 2 or rewards_per_func.shape[1] != len(weights) or len(names) != len(weights):
         raise ValueError(f"combine_rewards: rewards_per_func {tuple(rewards_per_func.shape)} must be [N, F] with "
@@ -187,6 +190,8 @@ def frac_reward_zero_std(rewards: Tensor, num_generations: int) -> float:
     under GRPO, so it teaches nothing; a share near 1 means the task is too easy or too hard
     for the policy. One completion per group (G = 1) always has zero std, as in TRL.
     """
+    import torch
+
     if num_generations < 1 or rewards.numel() % num_generations:
         raise ValueError(f"frac_reward_zero_std: {rewards.numel()} rewards do not split into groups of "
                          f"num_generations={num_generations}")

@@ -45,12 +45,14 @@ SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
 
 
 def build_roles(config: RLConfig, model) -> Roles:
-    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device."""
-    model.to(config.run.device).eval()
+    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device in
+    config.policy_dtype (a no-op for the float32 policy on a CPU)."""
+    dtype = getattr(torch, config.policy_dtype)
+    model.to(device=config.run.device, dtype=dtype).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     critic = None
     if config.algorithm.algo == "ppo":
-        critic = Critic(ValueModel.from_policy(model), config.algorithm, config.optimizer)
+        critic = Critic(ValueModel.from_policy(model).to(dtype), config.algorithm, config.optimizer)
     return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
 
 
@@ -70,9 +72,10 @@ def engine_class(rollout_engine: str) -> type:
 
 
 def build_engine(config: RLConfig, model, tokenizer):
-    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0)."""
+    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0) in
+    config.engine_dtype."""
     engine = engine_class(config.rollout.rollout_engine)
-    return engine(model, tokenizer, config.rollout.rollout_dtype, device=config.run.device)
+    return engine(model, tokenizer, config.engine_dtype, device=config.run.device)
 
 
 @dataclass

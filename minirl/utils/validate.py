@@ -8,6 +8,9 @@ parameter's name, so a command-line script can report it against the flag the us
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 
 
 class ConfigError(ValueError):
@@ -48,12 +51,26 @@ def check_float(name: str, value, low: float | None = None, high: float | None =
                           + (f" ({why})" if why else ""))
 
 
+NO_CUDA = "this machine has no CUDA device (torch.cuda.is_available() is False): run with --device cpu"
+# What a GPU driver puts on a Linux machine: NVIDIA's module and device nodes, ROCm's, WSL2's.
+GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_visible() -> bool:
+    """Whether a GPU driver shows on this Linux machine (NVIDIA's, ROCm's, WSL's); True elsewhere (unknown)."""
+    return not sys.platform.startswith("linux") or any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+
+
 def device_problem(device: str) -> str | None:
     """Why `device` cannot run here ("cuda" on a machine without CUDA, "cuda:3" with 2 GPUs, a typo), or None.
 
-    Imports torch (a second or two): call it after parsing the arguments, before any model loads.
-    Every chapter script reports the answer as one line against its --device flag.
+    Imports torch (a few seconds, more on a busy machine) unless the answer is known without it:
+    "cuda..." on a Linux machine where no GPU driver shows (torch could not see a GPU either).
+    Call it after parsing the arguments, before any model loads. Every chapter script reports
+    the answer as one line against its --device flag.
     """
+    if re.fullmatch(r"cuda(:\d+)?", str(device)) and not gpu_driver_visible():
+        return NO_CUDA
     import torch
 
     try:
@@ -64,7 +81,7 @@ def device_problem(device: str) -> str | None:
         return None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            return "this machine has no CUDA device (torch.cuda.is_available() is False): run with --device cpu"
+            return NO_CUDA
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
             return (f"this machine has {torch.cuda.device_count()} CUDA device(s): use cuda:0 .. "
                     f"cuda:{torch.cuda.device_count() - 1}")

@@ -1,0 +1,61 @@
+"""The policy's and the rollout's dtypes: "auto" is bfloat16 on CUDA and float32 on a CPU; a CPU run is as before."""
+
+import json
+
+import pytest
+import torch
+
+from minirl.config import RLConfig, auto_dtype
+from minirl.utils.validate import ConfigError
+
+
+def test_auto_resolves_by_device_and_names_pass_through():
+    assert auto_dtype("auto", "cpu") == "float32" and auto_dtype("auto", "cuda:1") == "bfloat16"
+    assert auto_dtype("float16", "cuda") == "float16" and auto_dtype("bfloat16", "cpu") == "bfloat16"
+    cpu, gpu = RLConfig(), RLConfig.from_flat(device="cuda")
+    assert (cpu.run.dtype, cpu.rollout.rollout_dtype) == ("auto", "auto"), "the setting stays auto (run.json says so)"
+    assert (cpu.policy_dtype, cpu.engine_dtype) == ("float32", "float32")
+    assert (gpu.policy_dtype, gpu.engine_dtype) == ("bfloat16", "bfloat16")
+    assert RLConfig.from_flat(device="cuda", dtype="float32", rollout_dtype="float8_e4m3fn").engine_dtype == \
+        "float8_e4m3fn"
+    with pytest.raises(ConfigError, match="dtype='float16'"):
+        RLConfig.from_flat(dtype="float16")                     # no loss scaling: a float16 policy would diverge
+
+
+def test_the_cpu_default_is_bit_for_bit_the_explicit_float32_run():
+    from minirl.train.run import train
+
+    def metrics(**dtypes):
+        config = RLConfig.from_flat(steps=2, prompts_per_step=4, eval_every=0, seed=3, **dtypes)
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in train(config, progress=False)]
+    assert metrics() == metrics(dtype="float32", rollout_dtype="float32")
+
+
+def test_build_roles_and_engine_use_the_resolved_dtypes(tiny):
+    import copy
+
+    from minirl.train.run import build_engine, build_roles
+
+    model, tokenizer = tiny
+    config = RLConfig.from_flat(dtype="bfloat16", rollout_dtype="float16", algo="ppo", beta=0.1)
+    roles = build_roles(config, copy.deepcopy(model))
+    assert {p.dtype for p in roles.actor.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in roles.critic.model.parameters()} == {torch.bfloat16}, "the value head too: one dtype"
+    assert {p.dtype for p in roles.reference.model.parameters()} == {torch.bfloat16}
+    assert build_engine(config, model, tokenizer).dtype == "float16"
+    assert build_engine(RLConfig(), model, tokenizer).dtype == "float32", "auto on a CPU"
+
+
+def test_the_mfu_rules_read_an_auto_rollout_dtype(tmp_path):
+    from minirl.profiling.mfu import ModelShape
+    from minirl.profiling.rules import run_dir_mfu
+    from test_profiling import CONFIG, make_run, step_record
+
+    run = make_run(tmp_path / "run", [step_record(1)], config=CONFIG)
+    info = json.loads((run / "run.json").read_text())
+    assert info["config"]["rollout"]["rollout_dtype"] == "auto"
+    shape = ModelShape(params=1e6, layers=2, attn_dim=64, total_params=1.1e6)
+    from minirl.profiling.decompose import decompose
+
+    report = run_dir_mfu(run, info, decompose(run), shape=shape)     # a CPU run: the peak measured at float32
+    assert report.rollout is not None and "best float32 matmul" in report.peak["rollout"][1]
