@@ -161,8 +161,8 @@ def roofline(args) -> dict:
     limits = machine_limits(repeats=2 if args.quick else 5, copy_mib=64 if args.quick else 256)
     r = decode_roofline(model, rows=32, context=160, limits=limits, repeats=3 if args.quick else 15)
     print(f"\nroofline, one decode step of the long-tail policy (32 rows x 160 cached tokens), {r['threads']} threads:")
-    print(f"  machine: float32 matrix products {r['matmul_flops'] / 1e9:.1f} GFLOP/s, copies {r['copy_bytes'] / 1e9:.1f}"
-          f" GB/s (best of repeats)")
+    print(f"  machine: float32 matrix products {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+          f"copies {r['copy_bytes'] / 1e9:.1f} GB/s (best of repeats)")
     print(f"  step: {r['flops'] / 1e6:.0f} MFLOP -> {1e3 * r['compute_s']:.2f} ms; {r['weight_bytes'] / 1e6:.1f} MB of "
           f"weights + {r['kv_bytes'] / 1e6:.1f} MB of keys/values -> {1e3 * r['memory_s']:.2f} ms")
     print(f"  ideal {1e3 * r['ideal_s']:.2f} ms ({r['bound']}-bound), measured {1e3 * r['measured_s']:.2f} ms (median)")

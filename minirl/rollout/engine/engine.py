@@ -82,8 +82,9 @@ class PagedEngine:
     block_size: token slots per KV block. num_blocks: blocks in the cache, or kv_cache_bytes: a
     byte budget for it (keys and values of every layer); with neither, the cache is sized to
     the work: each `run` grows it to hold its running requests (at most max_num_seqs) at their
-    longest (prompt + max_tokens), up to AUTO_CACHE_TOKENS tokens. max_num_seqs: batch slots. max_num_batched_tokens: tokens per step (prefills
-    beyond it wait for the next step). max_model_len: longest prompt + completion (default:
+    longest (prompt + max_tokens), up to AUTO_CACHE_TOKENS tokens; on a CPU the OS commits a
+    block's memory only when it is first used. max_num_seqs: batch slots. max_num_batched_tokens:
+    tokens per step (prefills beyond it wait for the next step). max_model_len: longest prompt + completion (default:
     the model's max_position_embeddings). cache: "prefix" (hash chain), "radix" (tree with
     LRU eviction) or "none". policy: "continuous" or "static" (see Scheduler). reserve:
     "on_demand" (paged) or "max_length" (contiguous preallocation, for comparison).
