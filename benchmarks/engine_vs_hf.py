@@ -94,12 +94,16 @@ def parse_args(argv=None):
                              "uniform), a short roofline; a smoke test, not a measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-mb", type=float, default=None,
+                        help="the paged engine's KV cache budget in MiB (default: sized to the work, rows x longest)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--out", type=Path, default=Path("runs") / "engine_vs_hf")
     parser.add_argument("--rss-of", choices=("paged", "hf"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: must be >= 1")
+    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
+        parser.error(f"--kv-cache-mb={args.kv_cache_mb}: must be > 0 (leave it out to size the cache to the work)")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads}: must be >= 1 (leave it out for torch's default)")
     return args
@@ -169,11 +173,17 @@ def roofline(args) -> dict:
     return r
 
 
+def kv_bytes(args) -> int | None:
+    return None if args.kv_cache_mb is None else int(args.kv_cache_mb * 2**20)
+
+
 def rss_child(args) -> int:
     """The --rss-of process: one call of one engine on the long-tail workload; prints its peak RSS."""
     model, tokenizer, prompts, sampling, block_size, _ = workloads(args)["long"]
-    engine = (PagedEngine(model, tokenizer, block_size=block_size) if args.rss_of == "paged"
-              else HFEngine(model, tokenizer))
+    if args.rss_of == "paged":
+        engine = PagedEngine(model, tokenizer, block_size=block_size, kv_cache_bytes=kv_bytes(args))
+    else:
+        engine = HFEngine(model, tokenizer)
     engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(args.seed))
     print(f"rss_mb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
     return 0
@@ -185,6 +195,7 @@ def peak_rss(args) -> dict:
     for kind in ("paged", "hf"):
         cmd = [sys.executable, __file__, "--rss-of", kind, "--seed", str(args.seed)]
         cmd += (["--threads", str(args.threads)] if args.threads else []) + (["--quick"] if args.quick else [])
+        cmd += ["--kv-cache-mb", str(args.kv_cache_mb)] if args.kv_cache_mb else []
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         lines = [line for line in done.stdout.splitlines() if line.startswith("rss_mb ")]
         if done.returncode != 0 or not lines:
@@ -207,7 +218,8 @@ def main(argv=None) -> int:
                "torch_threads": torch.get_num_threads(), "load_average_before": load_before}
     for name, (model, tokenizer, prompts, sampling, bs, repeats) in workloads(args).items():
         summary[name] = versus_hf(model, tokenizer, prompts, sampling, bs, repeats, args.seed,
-                                  log=lambda line, name=name: print(f"  [{name}] {line}", flush=True))
+                                  log=lambda line, name=name: print(f"  [{name}] {line}", flush=True),
+                                  kv_cache_bytes=kv_bytes(args))
         report(name, summary[name])
     summary["roofline"] = roofline(args)
     summary["decode_roofline_share"] = summary["roofline"]["share"]

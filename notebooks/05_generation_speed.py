@@ -18,7 +18,7 @@
 # go, and build, in plain PyTorch, the five ideas that production engines use to spend less
 # of both: a **paged KV cache** (vLLM's PagedAttention), **continuous batching**, **prefix
 # caching**, a **radix-tree cache** (SGLang's RadixAttention) and **speculative decoding**.
-# Together they make `PagedEngine`, a rollout engine of about 1,300 lines behind the same
+# Together they make `PagedEngine`, a rollout engine of about 1,500 lines behind the same
 # protocol as notebook 01's engines: the training loop can use it with one flag.
 #
 # Generation is most of an RL step: every step samples B × G completions token by token,
@@ -2491,7 +2491,7 @@ show([("speculation, model draft", "2-3x", f"{model_best:.2f}x", "agree" if 2 <=
 # %%
 # | export minirl/rollout/engine/measure.py
 def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16, repeats: int = 3,
-              seed: int = 0, log=None) -> dict:
+              seed: int = 0, log=None, kv_cache_bytes: int | None = None) -> dict:
     """The paged engine against HF generate (`HFEngine`) on the same model, prompts, G and length limit.
 
     One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
@@ -2501,8 +2501,10 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
     to finish the batch, `finish_speedup` likewise. The completions differ (other random
     streams), so token counts differ a little. Also returns the engine's median seconds per
     phase and token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
+    kv_cache_bytes: the paged engine's cache budget (default: sized to the work).
     """
-    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
+    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+               "hf": HFEngine(model, tokenizer)}
     for engine in engines.values():
         engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
     seconds, tokens = {k: [] for k in engines}, {k: [] for k in engines}

@@ -231,7 +231,7 @@ def speculative_speedup(tokens_per_round: float, k: int, draft_cost: float, veri
 
 
 def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16, repeats: int = 3,
-              seed: int = 0, log=None) -> dict:
+              seed: int = 0, log=None, kv_cache_bytes: int | None = None) -> dict:
     """The paged engine against HF generate (`HFEngine`) on the same model, prompts, G and length limit.
 
     One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
@@ -241,8 +241,10 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
     to finish the batch, `finish_speedup` likewise. The completions differ (other random
     streams), so token counts differ a little. Also returns the engine's median seconds per
     phase and token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
+    kv_cache_bytes: the paged engine's cache budget (default: sized to the work).
     """
-    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
+    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+               "hf": HFEngine(model, tokenizer)}
     for engine in engines.values():
         engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
     seconds, tokens = {k: [] for k in engines}, {k: [] for k in engines}
