@@ -45,7 +45,7 @@ every cached key and value read once; 2 FLOPs per weight per row plus attention)
 beside the measured step (median of 15); decode_roofline_share = ideal / measured.
 
 Peak memory: each engine runs the long-tail workload once in a fresh process of its own
-(this script with `--rss-of`), and reports its peak resident set size (ru_maxrss): the same
+(this script with `--rss-of`), and reports its peak resident set size (VmHWM on Linux): the same
 model load and imports on both sides, plus the engine's copy of the model and its KV cache.
 
 Where the engine's advantage comes from (printed per workload): HF computes every one of the
@@ -185,8 +185,20 @@ def rss_child(args) -> int:
     else:
         engine = HFEngine(model, tokenizer)
     engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(args.seed))
-    print(f"rss_mb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
+    print(f"rss_mb {peak_rss_mb():.1f}")
     return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size. Linux: VmHWM, which starts afresh at exec (ru_maxrss would
+    also count the memory of the parent this process was forked from); elsewhere ru_maxrss."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    scale = 2**20 if sys.platform == "darwin" else 2**10           # bytes on macOS, kB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def peak_rss(args) -> dict:

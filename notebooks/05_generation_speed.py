@@ -563,10 +563,13 @@ class Linear:
         self.weight, self.bias, self.onednn = weight, bias, False
         if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and \
                 torch.backends.mkldnn.is_available():
-            try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)   # 64: a typical batch size
-                self.onednn = True
-            except (RuntimeError, AttributeError):                                # no x86 oneDNN: plain products
+            try:                                                  # kept only if it computes what F.linear does
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
+                probe = torch.linspace(-1, 1, weight.shape[1], dtype=weight.dtype)[None]
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
+                    self.weight, self.onednn = packed, True
+            except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
                 pass
 
     def __call__(self, x: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """The paged engine (notebook 05, minirl/rollout/engine): correct first, then leak-free, then bad input."""
 
 import os
+import platform
 import random
 from pathlib import Path
 
@@ -198,6 +199,8 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
 
 def test_prepacked_products_equal_plain_ones():
     weight, bias = torch.randn(48, 32), torch.randn(48)
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
+        assert Linear(weight, bias).onednn, "on an x86 CPU the weights are prepacked for oneDNN"
     for rows in (1, 5, 64):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(Linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
