@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.sampling import sample_tokens
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -93,6 +94,13 @@ class BlockPool:
         self.ref[block] -= 1
         if self.ref[block] == 0:
             self.free[block] = None
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks up to `num_blocks` in all; the new ones are handed out before any freed one."""
+        new = range(self.num_blocks, num_blocks)
+        self.ref += [0] * len(new)
+        self.free = OrderedDict.fromkeys([*new, *self.free])   # freed blocks keep their content longer
+        self.num_blocks = max(self.num_blocks, num_blocks)
 
     def check(self) -> None:
         """Raise AssertionError unless the free list is exactly the blocks with reference count 0."""

@@ -100,15 +100,31 @@ def load_script(name):
 
 
 def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
-    """benchmarks/engine_vs_hf.py --quick on the long-tail workload: a summary and the last line (no timing claim)."""
+    """benchmarks/engine_vs_hf.py --quick on the long-tail workload: a summary and the last lines (no timing claim)."""
     assert load_script("engine_vs_hf").main(["--quick", "--workload", "long", "--threads", "1",
                                              "--out", str(tmp_path)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert last == f"speedup_vs_hf: {summary['speedup_vs_hf']:.2f}"
+    assert lines[-1] == f"speedup_vs_hf: {summary['speedup_vs_hf']:.2f}"
+    rss = summary["peak_rss_mb"]
+    assert lines[-2] == f"peak_rss_mb paged={rss['paged']:.0f} hf={rss['hf']:.0f}" and min(rss.values()) > 100
+    roof = summary["roofline"]
+    assert lines[-3] == f"decode_roofline_share: {roof['share']:.2f}"
+    assert roof["ideal_s"] == max(roof["flops"] / roof["matmul_flops"], roof["bytes"] / roof["copy_bytes"])
+    assert roof["kv_bytes"] == 32 * 161 * 2 * 8 * 1 * 64 * 4, "32 rows x 161 positions x K and V x 8 layers x 64 x fp32"
     work = summary["long"]
     assert work["paged_counts"]["cached_tokens"] > 0, "the G completions of a prompt share its full blocks"
     assert work["hf_rows_x_steps"] >= work["paged_counts"]["decode_tokens"], "HF decodes padding rows, the engine not"
+    assert work["finish_speedup"] > 0 and len(work["finish_speedups"]) == 1
+
+
+def test_engine_vs_hf_uniform_workload_runs_every_completion_to_the_cap(tmp_path, capsys):
+    assert load_script("engine_vs_hf").main(["--quick", "--workload", "uniform", "--threads", "1", "--no-memory",
+                                             "--out", str(tmp_path)]) == 0
+    work = json.loads((tmp_path / "summary.json").read_text())["uniform"]
+    cap = work["prompts"] * work["num_generations"] * work["max_completion_length"]
+    assert work["tokens"] == {"paged": [cap], "hf": [cap]}, "no completion ends early on either engine"
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("decode_roofline_share: ")
 
 
 def test_grpo_vs_trl_long_workload_runs_the_paged_engine(tiny_model, tmp_path, capsys):

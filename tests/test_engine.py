@@ -1,6 +1,9 @@
 """The paged engine (notebook 05, minirl/rollout/engine): correct first, then leak-free, then bad input."""
 
+import os
+import platform
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,12 +13,14 @@ from minirl.algo.logprobs import completion_logprobs
 from minirl.config import SamplingConfig
 from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer, load_default_policy
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.engine.attention import (Chunk, Linear, PagedModel, decode_attention, decode_rows,
+                                             gather_attention, make_step, zeros_on_demand)
 from minirl.rollout.engine.blocks import BlockPool, block_hash, grow_table
-from minirl.rollout.engine.engine import PagedEngine, Request
+from minirl.rollout.engine.engine import AUTO_CACHE_TOKENS, PagedEngine, Request
 from minirl.rollout.engine.prefix import PrefixCache, match_prefix
 from minirl.rollout.engine.radix import RadixCache
-from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
+from minirl.rollout.engine.speculative import ModelDraft, NgramDraft, probabilities
+from minirl.rollout.sampling import sample_tokens
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.tasks.arithmetic import format_prompt, make_task
 
@@ -82,6 +87,19 @@ def test_pool_reference_counts_and_lru_free_order():
     with pytest.raises(RuntimeError, match="double free"):
         pool.release(a)
     pool.check()
+
+
+def test_a_grown_pool_hands_out_its_new_blocks_before_freed_ones():
+    pool = BlockPool(3, 4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.release(a)                                   # a: freed, its content still findable
+    pool.grow(5)
+    assert pool.num_blocks == 5 and pool.num_free == 4
+    assert [pool.allocate() for _ in range(4)] == [3, 4, 2, a], "new blocks first, the freed one last"
+    pool.release(b)
+    pool.check()
+    pool.grow(4)                                      # never shrinks
+    assert pool.num_blocks == 5
 
 
 def test_grow_table_takes_blocks_only_when_needed():
@@ -155,6 +173,50 @@ def test_paged_forward_matches_hf_logits(long_tail):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_kv_heads,block_size", [(1, 16), (2, 4), (4, 1)])
+def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
+    """Decode attention through embedding bags (no copy) = gather + SDPA, over distinct key heads, ragged contexts
+    and padded tables; a wrong key-head mapping, block order or mask makes them differ."""
+    torch.manual_seed(0)
+    H, D, NB = 4, 8, 40
+    contexts = [1, 7, 19, 33]
+    tables = [torch.randperm(NB)[:-(-(n + 1) // block_size)].tolist() for n in contexts]
+    step = make_step([Chunk([3], n, t) for n, t in zip(contexts, tables)], block_size, H // num_kv_heads, "cpu")
+    cache = torch.randn(2, num_kv_heads, NB, block_size * D)
+    keys, values = cache[0].view(num_kv_heads, NB, D, block_size), cache[1].view(num_kv_heads, NB, block_size, D)
+    (g,) = step.groups                                                                # one bucket: all contexts < 64
+    q = torch.randn(len(contexts), H, D)
+    bias = torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
+    got = decode_attention(q, keys, values, decode_rows(g, H, H // num_kv_heads, NB, D, block_size), D ** -0.5)
+    torch.testing.assert_close(got, gather_attention(q, keys, values, g, bias, D ** -0.5), atol=1e-5, rtol=1e-5)
+    for j, (n, t) in enumerate(zip(contexts, tables)):                               # by hand, in token order
+        k = keys[:, t].transpose(2, 3).reshape(num_kv_heads, -1, D)[:, :n + 1]        # [Hkv, n+1, D]
+        v = values[:, t].reshape(num_kv_heads, -1, D)[:, :n + 1]
+        k, v = k.repeat_interleave(H // num_kv_heads, 0), v.repeat_interleave(H // num_kv_heads, 0)
+        p = torch.softmax((q[j][:, None] * k).sum(-1) * D ** -0.5, -1)                # [H, n+1]
+        torch.testing.assert_close(got[j], (p[..., None] * v).sum(1).flatten(), atol=1e-5, rtol=1e-5)
+
+
+def test_prepacked_products_equal_plain_ones():
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
+        assert Linear(weight, bias).onednn, "on an x86 CPU the weights are prepacked for oneDNN"
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(Linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc (Linux)")
+def test_an_untouched_cache_costs_no_memory():
+    def resident_mb():
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    before = resident_mb()
+    cache = zeros_on_demand((64, 2**20), torch.float32, "cpu")                        # 256 MiB of zeros
+    assert resident_mb() - before < 32, "pages are committed only when touched"
+    cache[3, :10] = 1.0
+    assert cache[3, :20].sum() == 10 and cache.shape == (64, 2**20)
+
+
 def test_greedy_equals_hf_generate_on_the_embedded_policy(policy, prompts):
     model, tokenizer = policy
     engine = PagedEngine(model, tokenizer, block_size=4)
@@ -214,6 +276,31 @@ def test_versions_and_weight_loading_empty_the_cache(policy, prompts):
     got = [s.completion for s in engine.run([Request(x, 4, 0.0) for x in encode(tokenizer, prompts)])]
     want, gaps = hf_greedy(other, tokenizer, prompts, 4)
     assert_greedy_equal(got, want, gaps)
+
+
+def test_the_cache_is_sized_to_the_work_and_keeps_its_prefixes_when_it_grows(long_tail):
+    model, tokenizer = long_tail
+    engine = PagedEngine(model, tokenizer, block_size=16)
+    assert engine.num_blocks == 512 // 16, "one sequence of max_model_len until there is work"
+    ids = encode(tokenizer, few_shot_prompts(2))
+    per_row = -(-(max(len(x) for x in ids) + 20) // 16)                     # blocks of the longest request
+    want = [s.completion for s in engine.run([Request(x, 20, 0.0) for x in ids])]
+    assert engine.num_blocks == max(32, 2 * per_row)
+    seqs = engine.run([Request(x, 20, 0.0) for x in ids for _ in range(4)])  # 8 rows x their longest
+    assert engine.num_blocks == 8 * per_row > 32
+    assert engine.stats.cached_tokens > 0, "the first run's prompt blocks are found after the cache grew"
+    assert [s.completion for s in seqs] == [w for w in want for _ in range(4)]
+    engine.pool.check()
+    engine.run([Request(ids[0], 20, 0.0)])
+    assert engine.num_blocks == 8 * per_row, "it never shrinks"
+    capped = PagedEngine(model, tokenizer, block_size=16, max_num_seqs=2)
+    capped.run([Request(x, 20, 0.0) for x in ids for _ in range(4)])
+    assert capped.num_blocks == max(32, 2 * per_row), "only max_num_seqs sequences hold blocks at once"
+    assert AUTO_CACHE_TOKENS // 16 >= capped.num_blocks
+    budget = PagedEngine(model, tokenizer, block_size=16, kv_cache_bytes=100 * 2**20)
+    assert budget.num_blocks == 100 * 2**20 // budget.model.cache_bytes_per_block(16)
+    budget.run([Request(x, 20, 0.0) for x in ids for _ in range(4)])
+    assert budget.num_blocks == 100 * 2**20 // budget.model.cache_bytes_per_block(16), "a budget is fixed"
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -277,6 +364,18 @@ def test_greedy_speculation_changes_nothing(policy, prompts, small_draft, draft)
         engine.pool.check()
 
 
+def test_the_model_draft_draws_from_the_distribution_it_reports():
+    """q (what accept_draft divides by) is sample_tokens' distribution: exact speculation needs the very one."""
+    logits = torch.randn(6, 1, 30)
+    temperatures = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.0, 2.0])
+    tokens, logprobs = sample_tokens(logits[:, 0], temperatures, torch.Generator().manual_seed(0))
+    q = probabilities(logits, temperatures)[:, 0]                                   # [6, 30]
+    sampled = temperatures > 0
+    torch.testing.assert_close(q.gather(1, tokens[:, None])[sampled, 0], logprobs.exp()[sampled])
+    torch.testing.assert_close(q.sum(1), torch.ones(6))
+    assert (q[~sampled].gather(1, tokens[~sampled, None]) == 1).all(), "greedy rows: a point mass on the argmax"
+
+
 def test_speculative_sampling_keeps_the_targets_distribution(policy, small_draft):
     """Chi-square test of the first two tokens of 3000 speculative samples against the target's exact joint.
 
@@ -334,6 +433,11 @@ def test_bad_engine_settings_name_the_value_and_the_limit(policy, small_draft):
     with pytest.raises(ValueError, match=r"num_blocks \* block_size = 2 \* 4 = 8 tokens, fewer than one sequence of "
                                          r"max_model_len=32; raise num_blocks to >= 8"):
         PagedEngine(model, tokenizer, block_size=4, num_blocks=2)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=1000 holds 0 blocks of 8192 B, fewer than one sequence of "
+                                         r"max_model_len=32; raise it to >= 65536"):
+        PagedEngine(model, tokenizer, block_size=4, kv_cache_bytes=1000)
+    with pytest.raises(ValueError, match="num_blocks=20 and kv_cache_bytes=8192: pass one"):
+        PagedEngine(model, tokenizer, block_size=4, num_blocks=20, kv_cache_bytes=8192)
     with pytest.raises(ValueError, match="cache='lru'"):
         PagedEngine(model, tokenizer, cache="lru")
     with pytest.raises(ValueError, match="num_speculative_tokens=2 with draft=None"):

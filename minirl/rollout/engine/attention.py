@@ -3,23 +3,31 @@
 
 `PagedModel` runs one engine step: a flat list of new tokens from many sequences at once
 (whole prompts, prompt tails after a prefix-cache hit, single decode tokens, k+1 tokens to
-verify), each with its position and the block table of its sequence. It reuses the HF
-model's own modules for everything but attention: the embeddings, the RMSNorms, the rotary
-frequencies, the q/k/v/o projections and the MLP. Attention is ours: each layer writes the
-new keys and values into their slots of the paged cache, then every query reads its
-sequence's keys and values back through the block table.
+verify), each with its position and the block table of its sequence. It takes the HF
+model's weights (and keeps its parameter names, so `load_weights` takes the trainer's
+names), its embeddings, RMSNorms, rotary frequencies and activation, and runs its own
+forward pass: q/k/v as one product and gate/up as another (prepacked for oneDNN on x86 CPUs),
+each layer writing the new keys and values into their slots of the paged cache, then every
+query reading its sequence's keys and values through the block table.
 
-Simplified vs vLLM: the gather through the block table is a torch indexing copy
-(`index_select` of the sequence's blocks) followed by `scaled_dot_product_attention`, where
-vLLM's paged-attention kernel reads the blocks in place; sequences are padded to the longest
-in their group (decode rows apart from longer chunks, and by context length), with a
-boolean mask. Supports Llama-style
-models with full attention (Llama, Qwen2, Qwen3, Mistral without a sliding window).
+Two ways to read: one query per sequence (decoding) reads the cache in place with
+`F.embedding_bag` (keys stored transposed within each block, `[head_dim, block_size]`);
+chunks of several queries (prefills, verification of drafts) gather their sequences' blocks
+into a padded tensor (`index_select`) for `scaled_dot_product_attention`.
+
+Simplified vs vLLM: no fused paged-attention kernel (embedding_bag reads every key once per
+query head sharing it, where a kernel reads it once per key head); sequences are padded to
+the longest in their group (decode rows apart from longer chunks, and by context length),
+with a mask. Supports Llama-style models with full attention (Llama, Qwen2, Qwen3, Mistral
+without a sliding window).
 """
 
 __all__ = ["SUPPORTED", "Chunk", "Group", "Step", "BUCKET_TOKENS", "make_step", "make_group",
-           "paged_attention", "rotate", "check_architecture", "PagedModel"]
+           "gather_attention", "Rows", "decode_rows", "decode_attention", "rotate",
+           "check_architecture", "Linear", "fused", "rms_norm", "zeros_on_demand", "PagedModel"]
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -121,41 +129,76 @@ def make_group(chunks: list[Chunk], offsets: list[int], block_size: int, n_rep: 
     return Group(start, stop, q_index, valid, tables, mask)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[Group]) -> Tensor:
-    """Causal attention of every query over its own sequence's cached keys and values.
+def gather_attention(q: Tensor, keys: Tensor, values: Tensor, g: Group, bias: Tensor, scale: float) -> Tensor:
+    """Attention of group g's queries over their sequences' cached keys and values, gathered into a copy.
 
-    q: [T, H, D] (rotary applied); k_cache, v_cache: [Hkv, num_blocks, block_size, D], already
-    holding this step's keys and values. Returns [T, H * D]. Grouped-query attention without
-    copying keys per query head: the n_rep = H / Hkv query heads that share a key head are
-    stacked along the query axis ([S, Hkv, n_rep * Q, D]), as HF does for decoding.
+    q: [n, H, D] the group's flat queries (rotary applied); keys: [Hkv, NB, D, bs], values:
+    [Hkv, NB, bs, D], already holding this step's keys and values; bias: [S, 1, n_rep*Q, L],
+    0 where visible and -inf elsewhere. Returns [n, H * D].
     """
-    T, H, D = q.shape
-    Hkv, _, bs, _ = k_cache.shape
-    outs = []
-    for g in groups:
-        S, L = g.tables.shape[0], g.tables.shape[1] * bs
-        mine = q[g.start:g.stop]                                                            # [n, H, D]
-        if g.q_index is None:                                                               # one query per sequence
-            Q, queries = 1, mine.view(S, Hkv, H // Hkv, D)                                  # [S, Hkv, n_rep, D]
-        else:
-            Q = g.q_index.shape[1]
-            queries = mine[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)  # [S, Hkv, n_rep*Q, D]
-        blocks = g.tables.flatten()                                                         # [S * B]
-        keys = k_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)          # [S, Hkv, L, D]
-        values = v_cache.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)        # [S, Hkv, L, D]
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)         # [S, Hkv, n_rep*Q, D]
-        if g.q_index is None:
-            outs.append(o.reshape(S, H * D))
-        else:
-            outs.append(o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)                                  # [T, H * D]
+    n, H, D = q.shape
+    Hkv, _, _, bs = keys.shape
+    S, L = g.tables.shape[0], g.tables.shape[1] * bs
+    if g.q_index is None:                                                                # one query per sequence
+        Q, queries = 1, q.view(S, Hkv, H // Hkv, D)                                      # [S, Hkv, n_rep, D]
+    else:
+        Q = g.q_index.shape[1]
+        queries = q[g.q_index].permute(0, 2, 1, 3).reshape(S, Hkv, H // Hkv * Q, D)      # [S, Hkv, n_rep*Q, D]
+    blocks = g.tables.flatten()                                                          # [S * B]
+    k = keys.index_select(1, blocks).transpose(2, 3).reshape(Hkv, S, L, D).transpose(0, 1)  # [S, Hkv, L, D]
+    v = values.index_select(1, blocks).view(Hkv, S, L, D).transpose(0, 1)                # [S, Hkv, L, D]
+    o = F.scaled_dot_product_attention(queries, k, v, attn_mask=bias, scale=scale)       # [S, Hkv, n_rep*Q, D]
+    if g.q_index is None:
+        return o.reshape(S, H * D)
+    return o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, sin: [T, 1, D]."""
+@dataclass
+class Rows:
+    """A decode group's block tables as row indices of the caches, built once per step for every layer."""
+
+    keys: Tensor     # [S*H*B, D] long: rows of keys.view(-1, bs), (key head, block, d) for (sequence, head, block)
+    values: Tensor   # [S*H, L] long: rows of values.view(-1, D), (key head, block, offset) for (sequence, head)
+    bias: Tensor     # [S, 1, L] float32: 0 where the key position is visible, -inf elsewhere
+
+
+def decode_rows(g: Group, num_heads: int, n_rep: int, num_blocks: int, head_dim: int, block_size: int) -> Rows:
+    """The Rows of a group of one-token chunks: query head h reads key head h // n_rep."""
+    S, B = g.tables.shape
+    device = g.tables.device
+    kv_head = torch.arange(num_heads, device=device) // n_rep                                   # [H]
+    block = kv_head[None, :, None] * num_blocks + g.tables[:, None, :]                          # [S, H, B]
+    keys = (block[..., None] * head_dim + torch.arange(head_dim, device=device)).view(-1, head_dim)
+    values = (block[..., None] * block_size + torch.arange(block_size, device=device)).view(S * num_heads, -1)
+    bias = torch.zeros(S, 1, B * block_size, device=device).masked_fill_(~g.mask[:, :, 0], float("-inf"))
+    return Rows(keys, values, bias)
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale: float) -> Tensor:
+    """One query per sequence over its cached keys and values, read in place. q: [S, H, D] -> [S, H * D].
+
+    scores[s, h, block b] = sum_d q[s, h, d] * keys[block, d, :], one embedding bag per
+    (s, h, b); out[s, h] = sum_t p[s, h, t] * values[slot t], one bag per (s, h). The softmax
+    runs in float32.
+    """
+    S, H, D = q.shape
+    bs = keys.shape[-1]
+    B = rows.keys.shape[0] // (S * H)
+    weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                          # [S*H*B, D]
+    scores = F.embedding_bag(rows.keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
+    p = torch.softmax(scores.view(S, H, B * bs).float() + rows.bias, -1).to(values.dtype)      # [S, H, L]
+    out = F.embedding_bag(rows.values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
+    return out.view(S, H * D)
+
+
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, signed_sin: [T, 1, D].
+
+    HF computes x * cos + cat(-x2, x1) * sin; signed_sin = cat(-sin1, sin2) (built once per
+    step) turns that into x * cos + cat(x2, x1) * signed_sin, one fused multiply-add.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin)
 
 
 def check_architecture(model) -> None:
@@ -172,13 +215,64 @@ def check_architecture(model) -> None:
                          "is not supported; the paged cache keeps every position")
 
 
+class Linear:
+    """x @ weight.T + bias, the weight prepacked once for oneDNN on x86 CPUs (vLLM's CPU backend does the same).
+
+    Prepacking saves repacking the weight at every call, which is a large share of a small-batch
+    product. Elsewhere (CUDA, other CPUs) it is F.linear. Both agree to float rounding.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight, self.bias, self.onednn = weight, bias, False
+        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and \
+                torch.backends.mkldnn.is_available():
+            try:                                                  # kept only if it computes what F.linear does
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
+                probe = torch.linspace(-1, 1, weight.shape[1], dtype=weight.dtype)[None]
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
+                    self.weight, self.onednn = packed, True
+            except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
+                pass
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def fused(*modules) -> Linear:
+    """One Linear computing several nn.Linear modules on the same input, outputs side by side."""
+    weight = torch.cat([m.weight for m in modules])
+    biases = [m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules]
+    return Linear(weight, None if all(m.bias is None for m in modules) else torch.cat(biases))
+
+
+def rms_norm(x: Tensor, norm) -> Tensor:
+    """An HF RMSNorm module applied to x: torch's fused kernel in float32 (the same math), the module otherwise."""
+    if x.dtype != torch.float32:
+        return norm(x)                                   # HF rounds to the low precision before the weight
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def zeros_on_demand(shape: tuple, dtype: torch.dtype, device) -> Tensor:
+    """torch.zeros(shape), but on a CPU its memory is an anonymous mmap: the OS commits a page (zeroed)
+    only when it is first touched, so blocks never handed out cost no RAM. The operating system's own
+    paging, under the engine's; a GPU has none, so there it is plain torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)     # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 class PagedModel(torch.nn.Module):
     """An HF Llama/Qwen2 causal LM whose attention reads and writes a paged KV cache.
 
     The wrapped `model` keeps its weights and its parameter names (so `load_weights` takes
-    the trainer's names); the cache is [layers, 2, num_blocks, block_size, Hkv, D] in the
-    model's dtype, allocated by `allocate_cache`, laid out [layers, 2, Hkv, num_blocks,
-    block_size, D] so that gathering a sequence's blocks copies whole contiguous blocks.
+    the trainer's names); `refresh()` rebuilds the fused projections from them and must follow
+    any change of the weights. The cache, allocated by `allocate_cache` in the model's dtype,
+    is [layers, 2, Hkv, num_blocks, block_size * head_dim]: per layer, keys viewed as [Hkv, NB,
+    D, bs] (transposed within a block) and values as [Hkv, NB, bs, D] (see `cache_views`).
     """
 
     def __init__(self, model):
@@ -193,6 +287,15 @@ class PagedModel(torch.nn.Module):
         self.n_rep = self.num_heads // self.num_kv_heads
         self.vocab_size = config.vocab_size
         self.cache: Tensor | None = None
+        self.block_size = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)build each layer's fused q/k/v, o, gate/up and down products from the HF modules' weights."""
+        self.products = [dict(qkv=fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                              o=fused(layer.self_attn.o_proj),
+                              gate_up=fused(layer.mlp.gate_proj, layer.mlp.up_proj), down=fused(layer.mlp.down_proj))
+                         for layer in self.model.model.layers]
 
     def cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of `block_size` tokens holds: keys and values of every layer."""
@@ -201,31 +304,54 @@ class PagedModel(torch.nn.Module):
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         p = next(self.model.parameters())
-        self.cache = torch.zeros(self.num_layers, 2, self.num_kv_heads, num_blocks, block_size, self.head_dim,
-                                 dtype=p.dtype, device=p.device)
+        self.cache = zeros_on_demand((self.num_layers, 2, self.num_kv_heads, num_blocks, block_size * self.head_dim),
+                                     p.dtype, p.device)
+        self.block_size = block_size
+
+    def grow_cache(self, num_blocks: int) -> None:
+        """A larger cache holding the old one's blocks under the same ids."""
+        old = self.cache
+        self.allocate_cache(num_blocks, self.block_size)
+        self.cache[:, :, :, :old.shape[3]] = old
+
+    def cache_views(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(keys [Hkv, NB, D, bs], values [Hkv, NB, bs, D]) of one layer: views of the cache."""
+        Hkv, NB = self.cache.shape[2], self.cache.shape[3]
+        return (self.cache[layer, 0].view(Hkv, NB, self.head_dim, self.block_size),
+                self.cache[layer, 1].view(Hkv, NB, self.block_size, self.head_dim))
 
     @torch.no_grad()
     def forward(self, step: Step) -> Tensor:
         """Run `step`; returns logits [R, V] in float32 for the tokens in step.logits_index."""
         inner = self.model.model
-        T = step.input_ids.shape[0]
+        T, H, Hkv, D = step.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = inner.embed_tokens(step.input_ids)                                           # [T, hidden]
         cos, sin = inner.rotary_emb(x, step.positions[None])                             # [1, T, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]                                      # [T, 1, D]: all heads
-        for i, layer in enumerate(inner.layers):
+        sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)                     # signed, see rotate
+        # once per step, for every layer: decode groups' row indices, other groups' additive masks
+        plans = [decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size) if g.q_index is None else
+                 torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, float("-inf"))
+                 for g in step.groups]
+        blocks, offsets = step.slots // self.block_size, step.slots % self.block_size     # [T] each
+        for i, (layer, products) in enumerate(zip(inner.layers, self.products)):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+            qkv = products["qkv"](rms_norm(x, layer.input_layernorm))                   # [T, (H + 2 Hkv) D]
+            qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                              # q and k, rotated together
+            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             if hasattr(attn, "q_norm"):                                                  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            qk = rotate(torch.cat([q, k], 1), cos, sin)                                  # both in one pass
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]                        # [Hkv, NB, bs, D]
-            k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, k.transpose(0, 1))
-            v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, step.slots, v.transpose(0, 1))
-            x = x + attn.o_proj(paged_attention(q, k_cache, v_cache, step.groups))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                qk = torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1)
+            qk = rotate(qk, cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            keys, values = self.cache_views(i)
+            keys[:, blocks, :, offsets] = k                                              # [T, Hkv, D] into their slots
+            values.view(Hkv, -1, D).index_copy_(1, step.slots, v.transpose(0, 1))
+            scale = getattr(attn, "scaling", D ** -0.5)
+            outs = [decode_attention(q[g.start:g.stop], keys, values, plan, scale) if g.q_index is None else
+                    gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
+                    for g, plan in zip(step.groups, plans)]
+            x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))        # [T, hidden]
+            gate, up = products["gate_up"](rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
+            x = x + products["down"](layer.mlp.act_fn(gate) * up)
         h = inner.norm(x[step.logits_index])                                             # [R, hidden]
         return self.model.lm_head(h).float()                                             # [R, V]

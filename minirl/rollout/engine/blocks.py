@@ -100,6 +100,13 @@ class BlockPool:
         if self.ref[block] == 0:
             self.free[block] = None
 
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks up to `num_blocks` in all; the new ones are handed out before any freed one."""
+        new = range(self.num_blocks, num_blocks)
+        self.ref += [0] * len(new)
+        self.free = OrderedDict.fromkeys([*new, *self.free])   # freed blocks keep their content longer
+        self.num_blocks = max(self.num_blocks, num_blocks)
+
     def check(self) -> None:
         """Raise AssertionError unless the free list is exactly the blocks with reference count 0."""
         zero = {b for b, r in enumerate(self.ref) if r == 0}

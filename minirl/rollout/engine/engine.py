@@ -21,7 +21,7 @@ Simplified vs vLLM: one process, one device, no CUDA graphs, no detokenization s
 plain temperature sampling (no top-k/top-p), weights updated in place between batches.
 """
 
-__all__ = ["DTYPES", "CACHES", "Request", "Stats", "PagedEngine"]
+__all__ = ["DTYPES", "CACHES", "AUTO_CACHE_TOKENS", "Request", "Stats", "PagedEngine"]
 
 import copy
 import time
@@ -44,6 +44,7 @@ from minirl.rollout.engine.speculative import speculative_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHES = ("prefix", "radix", "none")
+AUTO_CACHE_TOKENS = 65536   # the most a cache sized to the work grows to (pass num_blocks or kv_cache_bytes for more)
 
 
 @dataclass
@@ -78,10 +79,12 @@ class PagedEngine:
     """A paged, continuously batched, prefix-caching (optionally speculative) engine on an HF causal LM.
 
     model: a Llama/Qwen2-style HF causal LM (copied; the engine keeps its own weights).
-    block_size: token slots per KV block. num_blocks: blocks in the cache (default: room for
-    max_num_seqs sequences of max_model_len tokens, at most 64 Ki tokens, at least one
-    sequence). max_num_seqs: batch slots. max_num_batched_tokens: tokens per step (prefills
-    beyond it wait for the next step). max_model_len: longest prompt + completion (default:
+    block_size: token slots per KV block. num_blocks: blocks in the cache, or kv_cache_bytes: a
+    byte budget for it (keys and values of every layer); with neither, the cache is sized to
+    the work: each `run` grows it to hold its running requests (at most max_num_seqs) at their
+    longest (prompt + max_tokens), up to AUTO_CACHE_TOKENS tokens; on a CPU the OS commits a
+    block's memory only when it is first used. max_num_seqs: batch slots. max_num_batched_tokens:
+    tokens per step (prefills beyond it wait for the next step). max_model_len: longest prompt + completion (default:
     the model's max_position_embeddings). cache: "prefix" (hash chain), "radix" (tree with
     LRU eviction) or "none". policy: "continuous" or "static" (see Scheduler). reserve:
     "on_demand" (paged) or "max_length" (contiguous preallocation, for comparison).
@@ -91,7 +94,8 @@ class PagedEngine:
     def __init__(self, model, tokenizer, dtype: str = "float32", device=None, block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, cache: str = "prefix", policy: str = "continuous",
-                 reserve: str = "on_demand", draft=None, num_speculative_tokens: int = 0):
+                 reserve: str = "on_demand", draft=None, num_speculative_tokens: int = 0,
+                 kv_cache_bytes: int | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"PagedEngine: dtype={dtype!r}; use one of {', '.join(DTYPES)}")
         if cache not in CACHES:
@@ -111,9 +115,18 @@ class PagedEngine:
         if self.max_model_len is None or self.max_model_len < 2:
             raise ValueError(f"PagedEngine: max_model_len={self.max_model_len!r}; pass the longest prompt + "
                              "completion (>= 2 tokens) the engine must hold")
-        if num_blocks is None:
-            num_blocks = blocks_needed(max(min(max_num_seqs * self.max_model_len, 65536), self.max_model_len),
-                                       block_size)
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError(f"PagedEngine: num_blocks={num_blocks} and kv_cache_bytes={kv_cache_bytes}: pass one")
+        self.sized_to_work = num_blocks is None and kv_cache_bytes is None
+        if kv_cache_bytes is not None:
+            per_block = self.model.cache_bytes_per_block(block_size)
+            num_blocks = kv_cache_bytes // per_block
+            if num_blocks * block_size < self.max_model_len:
+                raise ValueError(f"PagedEngine: kv_cache_bytes={kv_cache_bytes} holds {num_blocks} blocks of "
+                                 f"{per_block} B, fewer than one sequence of max_model_len={self.max_model_len}; "
+                                 f"raise it to >= {blocks_needed(self.max_model_len, block_size) * per_block}")
+        if num_blocks is None:                                   # one sequence now; `run` grows it to the work
+            num_blocks = blocks_needed(self.max_model_len, block_size)
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(f"PagedEngine: the cache holds num_blocks * block_size = {num_blocks} * {block_size} = "
                              f"{num_blocks * block_size} tokens, fewer than one sequence of max_model_len="
@@ -166,11 +179,22 @@ class PagedEngine:
                              "the policy's tensors, by the names of the engine's model (same architecture and size)")
         with torch.no_grad():
             self.model.model.load_state_dict(state, strict=True)
+        self.model.refresh()                                     # the fused products follow the new weights
         self.version = version
         self.reset()
 
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         return self.model.model.named_parameters()
+
+    def grow(self, num_blocks: int) -> None:
+        """Enlarge the cache to `num_blocks` blocks (never shrinks); blocks in use and cached prefixes stay."""
+        if num_blocks <= self.num_blocks:
+            return
+        self.model.grow_cache(num_blocks)
+        self.pool.grow(num_blocks)
+        if self.draft is not None:
+            self.draft.grow(num_blocks)
+        self.num_blocks = num_blocks
 
     # ------------------------------------------------------------------ requests
 
@@ -183,8 +207,7 @@ class PagedEngine:
             return f"max_tokens={M!r} must be an int >= 1"
         if P + M > self.max_model_len:
             return (f"prompt of {P} tokens + max_tokens={M} = {P + M} tokens exceeds max_model_len="
-                    f"{self.max_model_len} (the model's context, all of which fits the cache of "
-                    f"{self.num_blocks * self.block_size} tokens); shorten the prompt or lower max_tokens")
+                    f"{self.max_model_len} (the model's context); shorten the prompt or lower max_tokens")
         if request.temperature < 0:
             return f"temperature={request.temperature} must be >= 0 (0: greedy)"
         return None
@@ -208,6 +231,12 @@ class PagedEngine:
         """
         self.stats = Stats()
         self.scheduler.timeline = []
+        if self.sized_to_work:
+            served = [r for r in requests if self.check(r) is None]
+            if served:
+                longest = max(len(r.prompt_ids) + r.max_tokens for r in served) + self.k
+                wanted = min(len(served), self.max_num_seqs) * blocks_needed(longest, self.block_size)
+                self.grow(min(wanted, AUTO_CACHE_TOKENS // self.block_size))
         seqs = [self.add(r) for r in requests]
         while self.scheduler.has_work():
             self.step(generator)

@@ -9,7 +9,8 @@ second) whose alternatives run interleaved, `repeats` times each, compared by th
 
 __all__ = ["interleaved", "kv_utilization", "effective_batch", "continuous_vs_static",
            "step_costs", "predicted_seconds", "step_seconds", "closed_form_saved",
-           "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf"]
+           "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf",
+           "machine_limits", "decode_step_work", "decode_roofline"]
 
 import statistics
 import time
@@ -230,18 +231,20 @@ def speculative_speedup(tokens_per_round: float, k: int, draft_cost: float, veri
 
 
 def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16, repeats: int = 3,
-              seed: int = 0, log=None) -> dict:
+              seed: int = 0, log=None, kv_cache_bytes: int | None = None) -> dict:
     """The paged engine against HF generate (`HFEngine`) on the same model, prompts, G and length limit.
 
     One unmeasured call each first, then paged, HF, paged, ... `repeats` times. The paged
     engine's cache is emptied before every call (as a weight update would). Compared: generated
-    tokens (up to and including EOS) per second; `speedup` is the median over repeats of the
-    ratio within a repeat (the two calls of a repeat see about the same machine load). The
-    completions differ (other random streams), so token counts differ a little. Also returns the
-    engine's median seconds per phase and token counts, and HF's work: prompt tokens prefilled and
-    rows x steps decoded.
+    tokens (up to and including EOS) per second, `speedup` the median over repeats of the ratio
+    within a repeat (the two calls of a repeat see about the same machine load); and the time
+    to finish the batch, `finish_speedup` likewise. The completions differ (other random
+    streams), so token counts differ a little. Also returns the engine's median seconds per
+    phase and token counts, and HF's work: prompt tokens prefilled and rows x steps decoded.
+    kv_cache_bytes: the paged engine's cache budget (default: sized to the work).
     """
-    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size), "hf": HFEngine(model, tokenizer)}
+    engines = {"paged": PagedEngine(model, tokenizer, block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+               "hf": HFEngine(model, tokenizer)}
     for engine in engines.values():
         engine.generate(prompts[:1], sampling, generator=torch.Generator().manual_seed(seed))
     seconds, tokens = {k: [] for k in engines}, {k: [] for k in engines}
@@ -264,14 +267,65 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
             log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
                 f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
     rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
-    rate = {k: statistics.median(v) for k, v in rates.items()}
     ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
+    finish = [h / p for p, h in zip(seconds["paged"], seconds["hf"])]
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     return {"prompts": len(prompts), "num_generations": sampling.num_generations,
             "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": rate, "speedup": statistics.median(ratios), "speedups": ratios,
+            "tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "speedup": statistics.median(ratios), "speedups": ratios,
+            "finish_speedup": statistics.median(finish), "finish_speedups": finish,
             "paged_phase_seconds": {p: statistics.median(x[p] for x in phases) for p in phases[0]},
             "paged_counts": {c: statistics.median(x[c] for x in counts) for c in counts[0]},
             "hf_prefill_tokens": prompt_tokens * sampling.num_generations,
             "hf_rows_x_steps": statistics.median(hf_rows)}
+
+
+def machine_limits(repeats: int = 5, size: int = 2048, copy_mib: int = 256) -> dict:
+    """This machine's float32 matrix-product peak and copy bandwidth, at the current torch threads.
+
+    matmul_flops: FLOP/s of a size x size float32 product (2 size^3 FLOPs); copy_bytes: bytes/s
+    of copying a `copy_mib` MiB tensor (read + written, 2 x its size; larger than a CPU's
+    last-level cache). The best of `repeats`: a limit is what the machine can do.
+    """
+    a = torch.randn(size, size)
+    src = torch.empty(copy_mib * 2**20 // 4).normal_()
+    dst = torch.empty_like(src)
+    seconds = interleaved({"matmul": lambda: a @ a, "copy": lambda: dst.copy_(src)}, repeats)
+    return {"matmul_flops": 2 * size ** 3 / min(seconds["matmul"]),
+            "copy_bytes": 2 * src.numel() * 4 / min(seconds["copy"]), "threads": torch.get_num_threads()}
+
+
+def decode_step_work(model, rows: int, context: int) -> dict:
+    """FLOPs and bytes of one decode step (`rows` sequences, one token each after `context`), from the shape.
+
+    FLOPs: 2 per weight of every matrix product per row (q/k/v/o, the MLP, the LM head; the
+    embedding is a lookup), plus attention's 4 x heads x head_dim per visible position (q.k and
+    p.v). Bytes: every parameter read once, plus the keys and values of rows x (context + 1)
+    positions. Activations are left out (a few kB per row, cache-resident).
+    """
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    itemsize = next(model.parameters()).dtype.itemsize
+    products = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(m.weight.numel() for m in products)
+    params = {p.data_ptr(): p.numel() for p in model.parameters()}                   # tied weights once
+    positions = rows * (context + 1)
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * itemsize * positions
+    return {"flops": 2 * weights * rows + 4 * positions * c.num_attention_heads * head_dim * c.num_hidden_layers,
+            "weight_bytes": sum(params.values()) * itemsize, "kv_bytes": kv_bytes,
+            "bytes": sum(params.values()) * itemsize + kv_bytes}
+
+
+def decode_roofline(model, rows: int = 32, context: int = 160, limits: dict | None = None, repeats: int = 15,
+                    block_size: int = 16) -> dict:
+    """One decode step's measured seconds (median) beside its roofline: max(bytes / bandwidth, FLOPs / peak)."""
+    limits = limits or machine_limits()
+    work = decode_step_work(model, rows, context)
+    memory, compute = work["bytes"] / limits["copy_bytes"], work["flops"] / limits["matmul_flops"]
+    measured = step_seconds(model, rows, 1, context, repeats, block_size)
+    ideal = max(memory, compute)
+    return work | limits | {"rows": rows, "context": context, "memory_s": memory, "compute_s": compute,
+                            "ideal_s": ideal, "measured_s": measured, "share": ideal / measured,
+                            "bound": "compute" if compute >= memory else "memory"}

@@ -17,7 +17,8 @@ Simplified vs vLLM: a fixed k for all sequences, no tree of drafts; a step that 
 sequences runs as a plain step (prefill + one decode token), only pure decode steps speculate.
 """
 
-__all__ = ["accept_draft", "probabilities", "NgramDraft", "ModelDraft", "speculative_step"]
+__all__ = ["accept_draft", "sampling_logprobs", "probabilities", "NgramDraft", "ModelDraft",
+           "speculative_step"]
 
 import copy
 import time
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
 from minirl.rollout.engine.blocks import BlockPool, blocks_needed
+from minirl.rollout.sampling import sample_tokens
 
 
 def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
@@ -53,15 +55,22 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
     return accepted, next_token
 
 
-def probabilities(logits: Tensor, temperatures: Tensor) -> Tensor:
-    """softmax(logits / temperature) over the last axis; a one-hot argmax where the temperature is 0.
+def sampling_logprobs(logits: Tensor, temperatures: Tensor) -> Tensor:
+    """log_softmax(logits / temperature), at temperature 1 where it is 0: what `sample_tokens` records.
 
-    logits: [S, n, V] float32; temperatures: [S].
+    logits: [S, n, V] float32; temperatures: [S]. The verifier's behaviour log-probs.
     """
     t = temperatures[:, None, None]
-    soft = torch.softmax(logits / torch.where(t == 0, 1.0, t), -1)
+    return torch.log_softmax(logits / torch.where(t == 0, 1.0, t), -1)
+
+
+def probabilities(logits: Tensor, temperatures: Tensor) -> Tensor:
+    """The distribution `sample_tokens` draws from: exp(sampling_logprobs), a one-hot argmax at temperature 0.
+
+    logits: [S, n, V] float32; temperatures: [S]. The target's p and the model draft's q.
+    """
     hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    return torch.where(t == 0, hard, soft)
+    return torch.where(temperatures[:, None, None] == 0, hard, sampling_logprobs(logits, temperatures).exp())
 
 
 class NgramDraft:
@@ -86,6 +95,9 @@ class NgramDraft:
         pass
 
     def rollback(self, seq, valid: int) -> None:
+        pass
+
+    def grow(self, num_blocks: int) -> None:
         pass
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
@@ -130,6 +142,12 @@ class ModelDraft:
         self.pool = BlockPool(self.num_blocks, self.block_size)
         self.state: dict[int, tuple[list[int], int]] = {}     # seq id -> (block table, tokens computed)
 
+    def grow(self, num_blocks: int) -> None:
+        """The target's cache grew: so does the draft's (one block per target block)."""
+        self.model.grow_cache(num_blocks)
+        self.pool.grow(num_blocks)
+        self.num_blocks = num_blocks
+
     def release(self, seq) -> None:
         table, _ = self.state.pop(seq.id, ([], 0))
         for b in table:
@@ -148,8 +166,8 @@ class ModelDraft:
         position = [len(s.tokens) for s in seqs]
         for i in range(k):
             logits = self.model(make_step(chunks, self.block_size, self.model.n_rep, self.device))   # [S, V]
-            q = probabilities(logits[:, None], temperatures)[:, 0]                                  # [S, V]
-            token = torch.multinomial(q, 1, generator=generator).squeeze(1)                         # [S]
+            token, _ = sample_tokens(logits, temperatures, generator)      # [S]: notebook 01's sampling step
+            q = probabilities(logits[:, None], temperatures)[:, 0]         # [S, V]: what it drew from
             drafts.append(token)
             qs.append(q)
             tokens = token.tolist()
@@ -178,8 +196,7 @@ def speculative_step(engine, seqs, generator=None) -> None:
     temperatures = torch.tensor([s.temperature for s in seqs], device=logits.device)
     accepted, next_token = accept_draft(probabilities(logits, temperatures), q.to(logits.device),
                                         draft.to(logits.device), generator)
-    t = temperatures[:, None, None]
-    logp = torch.log_softmax(logits / torch.where(t == 0, 1.0, t), -1)                 # [S, k+1, V]
+    logp = sampling_logprobs(logits, temperatures)                                      # [S, k+1, V]
     clock = engine.tick("sample", clock)
     engine.stats.decode_tokens += len(seqs) * (k + 1)
     engine.stats.draft_tokens += len(seqs) * k
