@@ -5,9 +5,12 @@
     python benchmarks/grpo_vs_trl.py --threads 1          # steadier on a shared machine
     python benchmarks/grpo_vs_trl.py --out runs/bench     # summary.json there (default runs/latest)
     python benchmarks/grpo_vs_trl.py --workload long      # long completions: the paged engine (notebook 05)
+    python benchmarks/grpo_vs_trl.py --workload long --max-tokens-per-microbatch 0   # the update padded, as before
 
 The last line printed is `speedup_vs_trl: X`, TRL's median seconds per step over minirl's
-(X > 1: minirl is faster).
+(X > 1: minirl is faster). Before it: minirl's generate and update seconds per step (medians, by
+the loop's own clocks), and the completion tokens its update computed per step, padded to the
+longest completion against in its micro-batches (notebook 01, section 11.4), beside the real ones.
 
 What is compared. Both trainers start from the same warm-started policy (two fresh copies
 loaded from the same checkpoint, or `--model`) and run the same GRPO step:
@@ -17,8 +20,11 @@ loaded from the same checkpoint, or `--model`) and run the same GRPO step:
     new tokens, multinomial sampling at `--temperature` (top-k 0, top-p 1) with a KV cache, in
     float32;
   - the task's reward function (`task.reward`), group-normalized advantages (scale "group");
-  - one forward + backward pass scoring the B * G completions, loss_type `--loss-type`, beta = 0
-    (no reference model), epsilon 0.2, num_iterations 1 (so neither computes old log-probs);
+  - forward + backward passes scoring the B * G completions, loss_type `--loss-type`, beta = 0
+    (no reference model), epsilon 0.2, num_iterations 1 (so neither computes old log-probs); TRL in
+    one pass over the batch padded to its longest completion, minirl in micro-batches of similar
+    length (`--max-tokens-per-microbatch`, its default unless given; 0: one padded pass, like TRL),
+    with the same loss and gradient;
   - one AdamW step (learning rate `--learning-rate`, constant, no weight decay, gradient-norm
     clip 1.0).
 TRL's defaults for large models are switched off so that both compute the same thing at the same
@@ -49,6 +55,10 @@ Where the difference comes from (notebook 01, section 11, measures each part):
       * the update (`completion_logprobs(..., num_generations=G)`): one forward pass over the
         B prompts with a KV cache, repeated G times, then the completions; TRL runs forward and
         backward over all B * G full sequences.
+  - With long-tailed completion lengths (the long workload) minirl's update computes about the
+    real tokens: its micro-batches are padded to their own longest completion, not the batch's,
+    and share one prompt pass (`PromptCache`); TRL's forward and backward cover B * G rows times
+    the longest completion.
     Log-probs and gradients agree with the one-pass computation to float32 rounding
     (tests/test_logprobs.py, tests/test_trl_parity.py); the sampled distribution is the same.
   - TRL wraps everything in `accelerate` (device placement, gather calls on one process),
@@ -80,6 +90,7 @@ and stored; on a shared machine other processes' load still moves both sides' ti
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -89,6 +100,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from minirl.algo.logprobs import MicroBatchedLogprobs
 from minirl.models import policy as models
 from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
@@ -114,6 +126,8 @@ def parse_args(argv=None):
     parser.add_argument("--loss-type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                        help="minirl's update micro-batches (default: the config's; 0: one pass padded to the longest)")
     parser.add_argument("--only", choices=("minirl", "trl"), default=None, help="run one side only (profiling)")
     args = parser.parse_args(argv)
     defaults = LONG if args.workload == "long" else {"steps": 20, "warmup": 3, "prompts_per_step": 16}
@@ -127,6 +141,8 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup}: must be >= 0")
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 0:
+        parser.error(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch}: must be >= 0 (0: one padded pass)")
     if args.num_generations < 2:
         parser.error(f"--num-generations={args.num_generations}: GRPO needs >= 2 completions per prompt")
     return args
@@ -150,6 +166,25 @@ def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict
 
 
 MINIRL_RECORDS: list[dict] = []    # each minirl step's record (time/generate, time/update, ...), warm-up included
+UPDATE_TOKENS: list[dict] = []     # each minirl update's completion tokens: real, padded to the longest, computed
+
+
+def count_update_tokens(actor):
+    """Wrap `actor.update` so that each call appends the completion tokens its batch has and costs to UPDATE_TOKENS.
+
+    real: the mask's sum; padded: rows x the longest completion (one pass over the padded batch, as
+    TRL computes it); computed: what minirl's micro-batches compute (rows x each one's own width).
+    """
+    update = actor.update
+
+    def counted(exp):
+        ro = exp.rollout
+        scorer = MicroBatchedLogprobs(actor.model, ro, actor.micro_batches(ro))
+        UPDATE_TOKENS.append({"real": int(ro.completion_mask.sum()), "padded": ro.completion_mask.numel(),
+                              "computed": scorer.tokens(), "micro_batches": len(scorer)})
+        return update(exp)
+
+    actor.update = counted
 
 
 def minirl_stepper(args, task, rows, max_completion_length: int):
@@ -167,7 +202,10 @@ def minirl_stepper(args, task, rows, max_completion_length: int):
                                 loss_type=args.loss_type, num_iterations=1, eval_every=0, seed=args.seed,
                                 device=args.device,
                                 rollout_engine="paged" if args.workload == "long" else "shared_prefix")
+    if args.max_tokens_per_microbatch is not None:
+        config = config.replace(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     state = setup(config, model, tokenizer, rows, [task.reward])
+    count_update_tokens(state.roles.actor)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -239,6 +277,14 @@ def run_interleaved(args, task, rows, max_len) -> tuple[list[float], list[float]
     return minirl_seconds, timer.seconds()
 
 
+def state_budget(args) -> int:
+    """The micro-batch budget minirl ran with: --max-tokens-per-microbatch, or the config's default."""
+    from minirl.config import OptimizerConfig
+
+    given = args.max_tokens_per_microbatch
+    return OptimizerConfig().max_tokens_per_microbatch if given is None else given
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -281,6 +327,13 @@ def main(argv=None) -> int:
         summary["minirl_stage_median_seconds"] = stages
         print("minirl stages (median s/step): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items()
                                                            if v >= 0.0005), flush=True)
+        tokens = {k: statistics.median(t[k] for t in UPDATE_TOKENS[args.warmup:]) for k in UPDATE_TOKENS[0]}
+        summary["minirl_update_tokens_median"] = tokens
+        print(f"minirl generate {stages.get('time/generate', math.nan):.3f} s/step, update "
+              f"{stages.get('time/update', math.nan):.3f} s/step; update's completion tokens per step (median): "
+              f"{tokens['real']:.0f} real, {tokens['padded']:.0f} padded to the longest (TRL's), "
+              f"{tokens['computed']:.0f} computed in {tokens['micro_batches']:.0f} micro-batch(es) "
+              f"(max_tokens_per_microbatch={state_budget(args)})", flush=True)
     summary["load_average_after"] = os.getloadavg()[0]
     if args.only is None:
         summary["speedup_vs_trl"] = summary["trl_median_seconds"] / summary["minirl_median_seconds"]

@@ -8,8 +8,10 @@ script can turn each one into a flag (`--learning-rate`) and `RLConfig.replace(b
 knows where it goes. Every group checks its values when it is built: a bad setting fails
 before any work is done, with an error naming the field, the value and the fix.
 
-Simplified vs TRL: one optimizer step per generation batch and iteration (no gradient
-accumulation, no micro-batches), no learning-rate schedule, rewards summed without weights.
+Simplified vs TRL: one optimizer step per generation batch and iteration (its micro-batches
+accumulate gradients, as TRL's `gradient_accumulation_steps` do, but are sized by tokens,
+`max_tokens_per_microbatch`, rather than by rows), no learning-rate schedule; rewards are
+weighted as TRL's `reward_weights`.
 
 Precision: `dtype` is the policy's (the trainer's, the reference's and the critic's; TRL's
 `dtype` in `model_init_kwargs`) and `rollout_dtype` the rollout copy's. Both default to
@@ -122,12 +124,15 @@ class OptimizerConfig:
     weight_decay: float = 0.0          # AdamW weight decay (actor and critic)
     max_grad_norm: float = 1.0         # gradients are clipped to this global norm
     value_learning_rate: float = 1e-3  # PPO: the critic's learning rate
+    max_tokens_per_microbatch: int = 512  # update in micro-batches of similar length, <= N completion tokens each
 
     def __post_init__(self):
         check_float("learning_rate", self.learning_rate, low=0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0.0)
         check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         check_float("value_learning_rate", self.value_learning_rate, low=0.0, low_open=True)
+        check_int("max_tokens_per_microbatch", self.max_tokens_per_microbatch, low=0,
+                  why="0 turns micro-batching off (one micro-batch padded to the longest completion)")
 
 
 @dataclass

@@ -88,10 +88,15 @@ at the sampling temperature, in float32. With `num_generations=G` it computes th
 shared by each group of G consecutive rows once (`shared_prefix_logits`): same values up to
 float rounding, same gradients, less work. TRL runs every row's prompt.
 
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: no micro-batching of the forward
-pass and no vision inputs; logits are cast to float32 before the temperature is applied
-(TRL divides first, in the model's dtype), which only matters for bf16 models and is the
-more accurate order.
+For a long-tailed batch `MicroBatchedLogprobs` scores the rows in micro-batches of similar
+completion length (`micro_batches`), each padded only to its own longest completion, with
+every group's prompt still computed once (`PromptCache`): the update then costs about the
+real tokens, not rows x the longest completion.
+
+Simplified vs TRL's `_get_per_token_logps_and_entropies`: micro-batches are sized by tokens
+and grouped by length rather than fixed row counts; no vision inputs; logits are cast to
+float32 before the temperature is applied (TRL divides first, in the model's dtype), which
+only matters for bf16 models and is the more accurate order.
 """
 import torch
 from torch import Tensor
@@ -266,8 +271,10 @@ script can turn each one into a flag (`--learning-rate`) and `RLConfig.replace(b
 knows where it goes. Every group checks its values when it is built: a bad setting fails
 before any work is done, with an error naming the field, the value and the fix.
 
-Simplified vs TRL: one optimizer step per generation batch and iteration (no gradient
-accumulation, no micro-batches), no learning-rate schedule, rewards summed without weights.
+Simplified vs TRL: one optimizer step per generation batch and iteration (its micro-batches
+accumulate gradients, as TRL's `gradient_accumulation_steps` do, but are sized by tokens,
+`max_tokens_per_microbatch`, rather than by rows), no learning-rate schedule; rewards are
+weighted as TRL's `reward_weights`.
 
 Precision: `dtype` is the policy's (the trainer's, the reference's and the critic's; TRL's
 `dtype` in `model_init_kwargs`) and `rollout_dtype` the rollout copy's. Both default to
@@ -375,12 +382,15 @@ class OptimizerConfig:
     weight_decay: float = 0.0          # AdamW weight decay (actor and critic)
     max_grad_norm: float = 1.0         # gradients are clipped to this global norm
     value_learning_rate: float = 1e-3  # PPO: the critic's learning rate
+    max_tokens_per_microbatch: int = 512  # update in micro-batches of similar length, <= N completion tokens each
 
     def __post_init__(self):
         check_float("learning_rate", self.learning_rate, low=0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0.0)
         check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         check_float("value_learning_rate", self.value_learning_rate, low=0.0, low_open=True)
+        check_int("max_tokens_per_microbatch", self.max_tokens_per_microbatch, low=0,
+                  why="0 turns micro-batching off (one micro-batch padded to the longest completion)")
 
 
 @dataclass
@@ -1093,7 +1103,9 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 {"grpo", "bnpo", "dr_grpo", "dapo"} and importance_sampling_level in {"token", "sequence"}
 on one process without gradient accumulation. There, "dapo" (normalize by the tokens of the
 whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
-differ only when a batch is split across accumulation steps or processes.
+differ only when a batch is split across accumulation steps or processes. minirl's own
+micro-batches (section 11.4) are weighted by `micro_batch_weight`, so that splitting the update
+never changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
 Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy masking.
 """
 import torch
@@ -1335,7 +1347,10 @@ class ValueModel(nn.Module):
 
 # %% [markdown]
 # The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
-# objective of section 4. A step whose loss or gradient norm is not finite is skipped
+# objective of section 4. `backward` computes each step's gradient in micro-batches of rows
+# of similar completion length, at most `max_tokens_per_microbatch` completion tokens each,
+# weighted so that their gradients add up to the whole batch's (section 11.4 says why and
+# how; this task's batches fit in one). A step whose loss or gradient norm is not finite is skipped
 # (`skipped` in the metrics), leaving the weights and Adam's moments untouched: one bad batch
 # must not poison hours of training. Its metrics also say how far the engine's behaviour
 # log-probs are from the trainer's (`logprob_diff_abs`, the `ratio/...` statistics), the
@@ -1351,8 +1366,11 @@ class ValueModel(nn.Module):
 (notebook 04) or inside a Ray actor (notebook 06) an actor keeps these methods, so the step
 that calls them never changes.
 
-Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (no gradient
-accumulation or micro-batches), no learning-rate schedule.
+Both run the batch in micro-batches of similar completion length (`micro_batches`, at most
+`max_tokens_per_microbatch` completion tokens each, section 11.4), accumulating gradients
+before one optimizer step; the loss, its normalization and its gradient are the whole
+batch's. Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (TRL
+can split a generation batch into several steps), no learning-rate schedule.
 """
 
 import math
@@ -1360,10 +1378,20 @@ import math
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import completion_logprobs, masked_mean
-from minirl.algo.losses import policy_loss
+from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
+from minirl.algo.losses import micro_batch_weight, policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
+
+
+def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
+    """Clip the gradients in .grad and step, unless their norm is not finite. Returns (stepped, grad_norm)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return False, grad_norm
+    optimizer.step()
+    return True, grad_norm
 
 
 def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
@@ -1375,12 +1403,7 @@ def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tup
     if not torch.isfinite(loss):
         return False, math.nan
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
+    return clipped_step(params, optimizer, max_grad_norm)
 
 
 def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
@@ -1406,18 +1429,72 @@ class Actor:
         self.model = model.eval()
         self.algorithm, self.sampling = algorithm, sampling
         self.max_grad_norm = optimizer.max_grad_norm
+        self.max_tokens_per_microbatch = optimizer.max_tokens_per_microbatch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optimizer.learning_rate,
                                            weight_decay=optimizer.weight_decay)
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        return completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                   rollout.num_completion_tokens, self.sampling.temperature,
-                                   with_entropy=with_entropy, num_generations=rollout.num_generations)
+    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
+        """The rows of each micro-batch of this rollout (section 11.4)."""
+        return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
+
+    def _shares_prompt(self) -> bool:
+        return True                          # each group's prompt computed once (section 11.1)
+
+    def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
+        return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,
+                                    self._shares_prompt(), requires_grad)
+
+    def _micro_logprobs(self, scorer: MicroBatchedLogprobs, k: int, with_entropy: bool = False):
+        return scorer(k, with_entropy)       # micro-batch k's (logps, entropy); notebook 04 weights its gradient here
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> Tensor:
-        """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32."""
-        return self._logprobs(rollout)[0]
+        """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32, 0 where masked."""
+        scorer = self._scorer(rollout, requires_grad=False)
+        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+            out[rows, :width] = self._micro_logprobs(scorer, k)[0]
+        return out * rollout.completion_mask
+
+    def backward(self, exp: Experience) -> dict:
+        """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+
+        Each micro-batch's loss is weighted by its share of the batch's normalization
+        (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+        loss is not finite ends the backward passes (the rest only run forward, for the metrics)
+        and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+        """
+        ro, algo = exp.rollout, self.algorithm
+        mask = ro.completion_mask                                                  # [N, C]
+        logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
+        total_rows, total_tokens = len(ro), float(mask.sum())
+        scorer, finite = self._scorer(ro, requires_grad=True), True
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+            part = lambda t: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]   # noqa: E731
+            lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
+            loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
+                                 part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
+            weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                (loss * weight).backward()
+            logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+        if finite:
+            scorer.backward()                                                      # the shared prompts' share
+        old = logps if exp.old_logps is None else exp.old_logps
+        with torch.no_grad():                                                      # the batch's loss, as one pass
+            loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
+        return metrics | {"loss": loss.item() if finite else math.nan,
+                          "entropy": masked_mean(entropy, mask).item(),
+                          **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
+
+    def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
+        algo = self.algorithm
+        return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
+                           loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+                           beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
+                           max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
+                           use_bias_correction_kl=algo.use_bias_correction_kl)
 
     def update(self, exp: Experience) -> dict:
         """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
@@ -1425,23 +1502,17 @@ class Actor:
         The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
         per batch: the ratio is 1 and only its gradient matters).
         """
-        ro, algo = exp.rollout, self.algorithm
-        mask = ro.completion_mask
         self.model.train()
         metrics = {}
-        for _ in range(algo.num_iterations):
-            logps, entropy = self._logprobs(ro, with_entropy=True)                 # [N, C] each
-            old = logps.detach() if exp.old_logps is None else exp.old_logps
-            loss, metrics = policy_loss(
-                logps, old, exp.advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
-                loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-                beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                max_completion_length=self.sampling.max_completion_length, is_weights=exp.is_weights,
-                use_bias_correction_kl=algo.use_bias_correction_kl)
-            stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
-            metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
-                           entropy=masked_mean(entropy.detach(), mask).item(),
-                           **ratio_statistics(old, ro.logprobs, mask))   # rollout vs trainer (notebook 02)
+        for _ in range(self.algorithm.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = self.backward(exp)
+            if math.isfinite(metrics["loss"]):
+                stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                stepped, grad_norm = False, math.nan
+            metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
         self.model.eval()
         return metrics
 
@@ -1958,8 +2029,9 @@ record to the callbacks, which do everything else a run needs (evaluate, log JSO
 checkpoint, show progress, stop early). `train()` assembles the stage-1 run from a config
 and a policy; later stages reuse `run` and the callbacks with their own step functions.
 
-Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule, no
-distributed launcher (notebook 04 adds torchrun).
+Simplified vs TRL's Trainer: gradients accumulate only over the update's micro-batches
+(within one optimizer step), no learning-rate schedule, no distributed launcher (notebook 04
+adds torchrun).
 """
 
 import dataclasses
@@ -2744,6 +2816,25 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def group_prompts(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int) -> tuple[Tensor, Tensor]:
+    """Each group's prompt once: rows 0, G, 2G, ... of prompt_ids, prompt_mask [N, P] -> [B, P] each.
+
+    Raises ValueError if N is not a multiple of G or if the rows of a group have different
+    prompts (ids or mask): a Rollout's layout, G consecutive completions per prompt, is required.
+    """
+    (N, P), G = prompt_ids.shape, num_generations
+    if N % G:
+        raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
+                         "B * num_generations rows, or num_generations=1 (no sharing)")
+    firsts = prompt_ids[::G], prompt_mask[::G]                                            # [B, P] each
+    for name, full, first in zip(("input_ids", "attention_mask"), (prompt_ids, prompt_mask), firsts):
+        if not torch.equal(full.view(-1, G, P), first[:, None].expand(-1, G, P)):
+            raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
+                             f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
+                             "per prompt (a Rollout's order), or num_generations=1")
+    return firsts
+
+
 def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int,
                          num_generations: int) -> Tensor:
     """The logits that predict the last C tokens, computing each group's shared prompt once.
@@ -2758,21 +2849,12 @@ def shared_prefix_logits(model, input_ids: Tensor, attention_mask: Tensor, num_c
     Raises ValueError if N is not a multiple of G, if there is no prompt column, or if the rows
     of a group have different prompts.
     """
-    N, T = input_ids.shape
-    G, C = num_generations, num_completion_tokens
+    T, G, C = input_ids.shape[1], num_generations, num_completion_tokens
     P = T - C
-    if N % G:
-        raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
-                         "B * num_generations rows, or num_generations=1 (no sharing)")
     if P < 1 or C < 1:
         raise ValueError(f"shared_prefix_logits: num_completion_tokens={C} leaves no prompt/completion in "
                          f"{T} columns; need 1 <= num_completion_tokens < {T}")
-    prompt_ids, prompt_mask = input_ids[::G, :P], attention_mask[::G, :P]                 # [B, P]
-    for name, full, first in (("input_ids", input_ids, prompt_ids), ("attention_mask", attention_mask, prompt_mask)):
-        if not torch.equal(full[:, :P].view(-1, G, P), first[:, None].expand(-1, G, P)):
-            raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
-                             f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
-                             "per prompt (a Rollout's order), or num_generations=1")
+    prompt_ids, prompt_mask = group_prompts(input_ids[:, :P], attention_mask[:, :P], G)   # [B, P]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
                 use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1:].repeat_interleave(G, 0)                                    # [N, 1, V]
@@ -3113,6 +3195,295 @@ else:
     print(f"{'  saved by sharing the prefill in generation':44} | {saved_generate:8.1f}  (section 11.2)")
     print(f"{'  rest (TRL overhead, noise)':44} | {trl_ms - minirl_ms - saved_update - saved_generate:8.1f}")
     print(f"speedup_vs_trl: {result['speedup_vs_trl']:.2f}")
+
+# %% [markdown]
+# ### 11.4 Long completions: the update at the cost of real tokens
+#
+# A batch is a rectangle: N rows by C completion columns, C the longest completion. With the
+# 4-token answers of this task every completion is about as long as the longest, and padding
+# costs nothing. Reasoning rollouts are not like that. Their lengths have a long tail: most
+# completions stop early, a few run to `max_completion_length`. Notebook 05's long-tail
+# policy reproduces it (random weights emit EOS about once in 70 tokens): of 64 completions
+# capped at 256 tokens the mean is ~50 and the longest ~250, so a forward and backward over the
+# rectangle computes about five times the tokens there are, most of it padding. TRL pads the
+# same way. `benchmarks/grpo_vs_trl.py --workload long` measured minirl's update at 10.9 of a
+# 13.8-second step for that reason.
+#
+# There are two standard cures. **Packing** (notebook 08, section 5) concatenates sequences
+# into rows of a token budget, with attention kept inside each sequence. **Length
+# bucketing** sorts rows by length and cuts them into micro-batches, each padded only to its
+# own longest row; gradients accumulate over the micro-batches, as they do over TRL's
+# `gradient_accumulation_steps`. We bucket, for two reasons. Packing a group would
+# mean either running its prompt once per completion (throwing away section 11.1's saving)
+# or a tree-shaped mask (the prompt, then G branches). Also, without a variable-length
+# attention kernel (flash attention's, a GPU's) the attention of a packed row is computed
+# densely over the whole row, masked entries included, and on a CPU that costs more than
+# the padding it saves. Rows sorted by length keep the plain causal mask, and the prompt's
+# KV cache still serves them.
+#
+# `micro_batches` is the plan: take the rows longest first, give each micro-batch the width
+# of its first row and as many rows as fit under `max_tokens_per_microbatch` (rows × width,
+# padding included).
+
+# %%
+# | export minirl/algo/logprobs.py
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows grouped by completion length into micro-batches of at most `max_tokens` padded completion tokens.
+
+    lengths[i]: row i's completion tokens (the sum of its mask). Rows are taken longest first;
+    a micro-batch is as wide as its first row and takes the next rows while rows x width stays
+    within max_tokens, so each is padded only to its own longest completion. A row longer than
+    max_tokens gets a micro-batch of its own. max_tokens=0: one micro-batch of every row (the
+    padded path). Returns each micro-batch's row indices in ascending order; ties are broken by
+    index, so the plan is deterministic.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"micro_batches: max_tokens={max_tokens} must be >= 0 (0: one micro-batch)")
+    if max_tokens == 0:
+        return [list(range(len(lengths)))]
+    batches, width = [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if batches and (len(batches[-1]) + 1) * width <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+            width = max(lengths[i], 1)
+    return [sorted(rows) for rows in batches]
+
+
+# %% [markdown]
+# A micro-batch holds rows of many prompts, so section 11.1's trick needs a change. Running
+# each micro-batch's prompts in its own pass would compute a prompt once per micro-batch that
+# holds one of its completions. Keeping the prompt pass's graph alive while micro-batch after
+# micro-batch runs its backward breaks the rule DDP and FSDP live by: one backward per forward.
+# Instead, `PromptCache` runs the B prompts once without gradient and keeps their KV cache (and
+# the logits at each prompt's last position, which predict every completion's first token) as
+# leaf tensors. Each micro-batch gathers its rows' prompts from those leaves, so its backward
+# leaves ∂loss/∂cache in the leaves' `.grad`, summed over the micro-batches. At the end,
+# `backward` runs the prompt pass again, this time with gradient, and sends those sums back
+# through it. By the chain rule the parameters then get the gradient one pass over the whole
+# batch gives them. The price is a second forward over the B prompts (B × P tokens), and
+# every forward is followed by its own backward.
+
+# %%
+# | export minirl/algo/logprobs.py
+from transformers import DynamicCache
+
+from minirl.data import Rollout
+
+
+class PromptCache:
+    """Each group's prompt run once for a batch scored in micro-batches; its outputs are leaves that collect gradient.
+
+    prompt_ids, prompt_mask: [B, P], each group's prompt once (a Rollout's rows 0, G, 2G, ...).
+    The prompt pass runs without gradient. Every layer's keys and values ([B, kv_heads, P, d])
+    and the logits at the last position ([B, 1, V]) are kept as leaves (requires_grad when
+    `requires_grad`). `logits` scores rows against them; `backward` runs the pass again with
+    gradient and backpropagates what the micro-batches' backward passes left in the leaves'
+    .grad. Assumes a deterministic forward (no dropout, as in Qwen2 and Llama) and an HF
+    DynamicCache (`.layers[i].keys / .values`).
+    """
+
+    def __init__(self, model, prompt_ids: Tensor, prompt_mask: Tensor, requires_grad: bool = True):
+        self.model, self.prompt_ids, self.prompt_mask = model, prompt_ids, prompt_mask
+        with torch.no_grad():
+            last, kv = self._run()
+        self.last = last.requires_grad_(requires_grad)                                    # [B, 1, V]
+        self.kv = [(k.requires_grad_(requires_grad), v.requires_grad_(requires_grad)) for k, v in kv]
+
+    def _run(self):
+        out = self.model(input_ids=self.prompt_ids, attention_mask=self.prompt_mask, use_cache=True,
+                         position_ids=position_ids_from_mask(self.prompt_mask), logits_to_keep=1)
+        return out.logits[:, -1:], [(layer.keys, layer.values) for layer in getattr(out, CACHE_ARG).layers]
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor, prompt_of: Tensor,
+               num_completion_tokens: int) -> Tensor:
+        """The logits predicting the last C tokens of n rows, row i continuing prompt `prompt_of[i]`.
+
+        input_ids, attention_mask: [n, P+C] (the rows' prompt columns, then C completion columns);
+        prompt_of: [n] long in [0, B). Returns [n, C, V] in the model's dtype, as shared_prefix_logits.
+        """
+        P, C = self.prompt_ids.shape[1], num_completion_tokens
+        first = self.last[prompt_of]                                                      # [n, 1, V]
+        if C == 1:
+            return first
+        cache = DynamicCache(ddp_cache_data=[(k[prompt_of], v[prompt_of]) for k, v in self.kv])   # [n, ...]
+        rest = self.model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], use_cache=False,
+                          position_ids=position_ids_from_mask(attention_mask)[:, P:-1],
+                          **{CACHE_ARG: cache}).logits                                    # [n, C-1, V]
+        return torch.cat([first, rest], 1)                                                # [n, C, V]
+
+    def backward(self) -> None:
+        """The prompt pass again, with gradient, backpropagating the gradient the micro-batches left on its outputs."""
+        leaves = [self.last] + [t for pair in self.kv for t in pair]
+        if all(t.grad is None for t in leaves):
+            return                                                                        # no backward ran
+        last, kv = self._run()
+        outputs = [last] + [t for pair in kv for t in pair]
+        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None]
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+# %% [markdown]
+# `MicroBatchedLogprobs` puts the pieces together for a Rollout. Each micro-batch is cut to
+# its own width: the columns past its longest completion are padding for all of its rows and
+# are never computed. A plan of one micro-batch (a batch within the budget, such as this
+# task's 128 × 4 tokens) is section 11.1's single graph, with no second prompt pass. The
+# actor's `update` and `logprobs` both go through it.
+
+# %%
+# | export minirl/algo/logprobs.py
+class MicroBatchedLogprobs:
+    """The log-probs of a Rollout's completions, one micro-batch (a list of rows, from `micro_batches`) at a time.
+
+    `self(k)` returns micro-batch k's (logps [n_k, w_k] float32, entropy or None), w_k its width:
+    its longest completion, at least 2 columns when the prompt is shared (so that every
+    micro-batch makes one completion pass, whatever its rows), at most the rollout's C.
+    Its prompts are computed:
+      - without sharing (share_prompt False or num_generations 1): with each row, one pass;
+      - sharing, one micro-batch of every row: `shared_prefix_logits` over the whole batch;
+      - sharing, several micro-batches: once for all of them (`PromptCache`, made at the first
+        call); then call `backward()` after the micro-batches' backward passes.
+    Values equal one pass over the padded batch up to float rounding; so do the gradients.
+    """
+
+    def __init__(self, model, rollout: Rollout, plan: list[list[int]], temperature: float = 1.0,
+                 share_prompt: bool = True, requires_grad: bool = True):
+        if temperature <= 0:
+            raise ValueError(f"MicroBatchedLogprobs: temperature={temperature} must be > 0")
+        self.model, self.rollout, self.temperature, self.requires_grad = model, rollout, temperature, requires_grad
+        self.share = share_prompt and rollout.num_generations > 1
+        self.ids, self.mask = rollout.input_ids, rollout.attention_mask                          # [N, P+C]
+        lengths, C = rollout.completion_mask.sum(1), rollout.num_completion_tokens                 # [N]
+        device = rollout.completion_ids.device
+        self.rows = [torch.as_tensor(rows, dtype=torch.long, device=device) for rows in plan]
+        self.widths = [min(C, max(int(lengths[rows].max()), 2 if self.share else 1)) for rows in self.rows]
+        self.prompts = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tokens(self) -> int:
+        """Completion tokens the micro-batches compute, padding included: sum of rows x width."""
+        return sum(len(rows) * width for rows, width in zip(self.rows, self.widths))
+
+    def __call__(self, k: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        ro, rows, w = self.rollout, self.rows[k], self.widths[k]
+        P, G = ro.prompt_ids.shape[1], ro.num_generations
+        ids, mask = self.ids[rows, :P + w], self.mask[rows, :P + w]                             # [n, P+w]
+        if self.share and len(self.rows) > 1:
+            if self.prompts is None:
+                self.prompts = PromptCache(self.model, *group_prompts(ro.prompt_ids, ro.prompt_mask, G),
+                                           self.requires_grad)
+            logits = self.prompts.logits(ids, mask, rows // G, w).float() / self.temperature   # [n, w, V]
+        else:
+            logits = completion_logits(self.model, ids, mask, w, self.temperature, G if self.share else 1)
+        logps = selective_log_softmax(logits, ids[:, -w:])                                      # [n, w]
+        return logps, (entropy_from_logits(logits) if with_entropy else None)
+
+    def backward(self) -> None:
+        """With a PromptCache: backpropagate through the prompts what the micro-batches' backward passes left."""
+        if self.prompts is not None:
+            self.prompts.backward()
+
+
+# %% [markdown]
+# Each micro-batch's loss must be weighted so that the weighted losses add up to the batch's.
+# Every aggregation of section 4 is a sum of per-row terms over one normalizer, so the weight
+# is the micro-batch's share of that normalizer: of the rows for `grpo` (a mean of per-row
+# means) and `dr_grpo` (B × max_completion_length), of the tokens for `bnpo` and `dapo`. The
+# loss of the update is then the same, and so is its gradient: micro-batching changes how the
+# work is cut, never what is computed. (TRL's `bnpo` normalizes by each micro-batch's own
+# tokens, so there it changes with `gradient_accumulation_steps`; ours does not.)
+
+# %%
+# | export minirl/algo/losses.py
+def micro_batch_weight(loss_type: str, rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
+    """w such that the sum over micro-batches of w * (micro-batch's loss) is the whole batch's loss.
+
+    rows, tokens: the micro-batch's completions and completion tokens (mask sum); total_*: the
+    batch's. "grpo", "dr_grpo": w = rows / total_rows; "bnpo", "dapo": w = max(tokens, 1) /
+    max(total_tokens, 1) (the clamps of masked_mean). "dr_grpo" needs an explicit
+    max_completion_length in the loss: micro-batches have different widths.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / total_rows
+    return max(tokens, 1) / max(total_tokens, 1)
+
+
+# %% [markdown]
+# Check it, and measure it, on the long-tail workload: notebook 05's policy (7.6 M parameters,
+# random weights), few-shot prompts of ~70 tokens, G = 8 completions each, at most 256 new
+# tokens (smoke mode: 2 prompts, at most 64). The same `Actor.backward` runs twice on the same
+# batch, with `max_tokens_per_microbatch=0` (one pass, padded to the longest completion, as
+# TRL computes it) and with the default budget. The cell compares the gradients and counts
+# the completion tokens each computes.
+
+# %%
+from minirl.algo.logprobs import MicroBatchedLogprobs  # noqa: E402
+from minirl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
+from minirl.data import Experience  # noqa: E402
+from minirl.roles.actor import Actor  # noqa: E402
+from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy  # noqa: E402
+
+long_model, long_tok, _ = load_long_tail_policy()
+LONG = SamplingConfig(num_generations=8, max_completion_length=64 if SMOKE else 256)
+long_batch = SharedPrefixEngine(long_model, long_tok).generate(few_shot_prompts(2 if SMOKE else 8, length=64), LONG,
+                                                               generator=torch.Generator().manual_seed(0))
+long_exp = Experience(long_batch, torch.zeros(len(long_batch)),
+                      advantages=torch.randn(len(long_batch), generator=torch.Generator().manual_seed(1)))
+lengths = long_batch.completion_mask.sum(1)
+BUDGET = OptimizerConfig().max_tokens_per_microbatch
+long_actors = {"padded (one pass)": Actor(long_model, AlgorithmConfig(), OptimizerConfig(max_tokens_per_microbatch=0),
+                                          LONG),
+               f"micro-batches (<= {BUDGET})": Actor(long_model, AlgorithmConfig(), OptimizerConfig(), LONG)}
+
+
+def long_backward(actor):
+    """Forward and backward of the actor's loss over the long batch; returns the gradients (no optimizer step)."""
+    long_model.train()
+    long_model.zero_grad(set_to_none=True)
+    actor.backward(long_exp)
+    long_model.eval()
+    return [p.grad.clone() for p in long_model.parameters()]
+
+
+long_grads = [long_backward(a) for a in long_actors.values()]
+long_err = max((a - b).abs().max().item() for a, b in zip(*long_grads)) / max(g.abs().max().item()
+                                                                             for g in long_grads[0])
+long_ms = median_ms({name: (lambda a=a: long_backward(a)) for name, a in long_actors.items()}, 1 if SMOKE else 3)
+B, P = len(long_batch) // LONG.num_generations, long_batch.prompt_ids.shape[1]
+print(f"{len(long_batch)} completions of {B} prompts ({P} prompt columns): mean {lengths.float().mean():.0f} tokens, "
+      f"longest {lengths.max()}; {int(lengths.sum())} real completion tokens")
+print(f"max |gradient difference| / max |gradient| = {long_err:.1e}")
+print(f"{'update (forward + backward)':28} | micro-batches | completion tokens computed | prompt forwards | seconds")
+long_rows = {}
+for name, actor in long_actors.items():
+    scorer = MicroBatchedLogprobs(long_model, long_batch, actor.micro_batches(long_batch))
+    long_rows[name] = (len(scorer), scorer.tokens())
+    prompt_forwards = 1 if len(scorer) == 1 else 2                 # PromptCache: without, then with gradient
+    print(f"{name:28} | {len(scorer):13} | {scorer.tokens():26} | {prompt_forwards:15} | {long_ms[name] / 1000:7.2f}")
+(_, padded_tokens), (_, packed_tokens) = long_rows.values()
+padded_s, packed_s = (long_ms[name] / 1000 for name in long_actors)
+print(f"saving: {padded_tokens / packed_tokens:.1f}x fewer completion tokens, the update {padded_s / packed_s:.1f}x "
+      f"faster ({padded_s:.2f} s -> {packed_s:.2f} s)")
+
+# %% [markdown]
+# The gradients agree to float32 rounding, so nothing is approximated. Most of the padding is
+# gone: what remains is each micro-batch's padding to its own longest row, plus the second
+# prompt pass. The time falls about as the tokens do, because on a CPU a forward pass costs
+# about its number of tokens. Memory falls too. The largest forward pass holds at most
+# `max_tokens_per_microbatch` completion tokens instead of N × C, and activations are what
+# a training step's peak is made of (notebook 03).
+#
+# On a GPU the default budget is small: each micro-batch should still fill the device, so
+# set it to thousands of tokens (veRL's `ppo_max_token_len_per_gpu` is typically 16 384).
+# With `max_tokens_per_microbatch=0` the update is one pass, the padded reference. The
+# benchmark's `--workload long` runs the whole GRPO step this way against TRL, and
+# `benchmarks/README.md` gives its figures, generate and update seconds separately.
+
 
 # %% [markdown]
 # ## Exercises

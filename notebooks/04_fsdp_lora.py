@@ -794,7 +794,8 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base"))
 # parameters only through the log-probs. So scaling the gradient that flows back through
 # the log-probs by w_r scales the gradient of the whole loss by w_r, while every value
 # (ratios, clip fractions, the loss printed) stays the rank's own. `DistributedActor`
-# overrides only `_logprobs` to do that, and `update` to compute w_r first and to reduce the
+# overrides only `_micro_logprobs` (the log-probs of one micro-batch of notebook 01's update)
+# to do that, and `update` to compute w_r first and to reduce the
 # metrics afterwards into one record, the same on every rank: token-weighted means of the
 # ranks' values, global minima and maxima, and the batch's loss (1/W) Σ_r w_r loss_r. The
 # critic's value loss depends on its parameters only through the values, so
@@ -803,9 +804,12 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base"))
 #
 # Two more rules. Every rank must make the same forward passes, because under FSDP each
 # pass all-gathers weights with the other ranks (and DDP broadcasts its buffers in every
-# forward). Notebook 01's forward makes one pass when the completions are one token long
-# and two otherwise, and the longest completion differs from rank to rank; so the role
-# first pads its batch, with masked columns, to the longest completion of *any* rank. And a
+# forward). Notebook 01's update runs in micro-batches of similar length (its section 11.4),
+# and a rank with longer completions makes more of them; so every rank splits its largest
+# micro-batches in two until it has as many as the rank with the most (`split_micro_batches`:
+# real work, never an empty pass). Its forward also makes one pass when the completions are
+# one token long and two otherwise, and the longest completion differs from rank to rank; so
+# the role first pads its batch, with masked columns, to the longest completion of *any* rank. And a
 # rank whose loss is not finite skips its optimizer step (notebook 01), but under DDP or
 # FSDP a rank that skips its backward leaves the others waiting in the gradient all-reduce
 # until the job's timeout. So the ranks agree first: whether any of them holds a non-finite
@@ -890,7 +894,6 @@ def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, loca
 import dataclasses
 import math
 
-from minirl.algo.logprobs import completion_logprobs
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
@@ -956,6 +959,24 @@ def pad_completions(batch: Batch, width: int) -> Batch:
     return dataclasses.replace(batch, **values)
 
 
+def split_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
+    """`plan` (lists of rows) with its largest micro-batches halved until it holds `count` of them.
+
+    Every rank then makes as many forward and backward passes as the rank with the most,
+    all of them on real rows. Raises ValueError when there are fewer rows than `count` (ranks
+    with very different numbers of rows).
+    """
+    plan = [list(rows) for rows in plan]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda i: len(plan[i]))
+        if len(plan[k]) < 2:
+            raise ValueError(f"split_micro_batches: {sum(map(len, plan))} rows cannot make {count} micro-batches; "
+                             "give every rank as many rows (Batch.split)")
+        rows = plan.pop(k)
+        plan[k:k] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return plan
+
+
 def finite_batch(exp: Experience) -> bool:
     """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
     is finite."""
@@ -1000,7 +1021,8 @@ class DataParallelRole:
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
-        broadcasts buffers in every forward) all ranks must make the same passes.
+        broadcasts buffers in every forward) all ranks must make the same passes (the actor
+        also agrees on its number of micro-batches: `DistributedActor.micro_batches`).
         """
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
@@ -1034,6 +1056,7 @@ class DistributedActor(DataParallelRole, Actor):
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
     transformers then turns the KV cache off in training, so the log-probs take one pass over
     every row instead of sharing each group's prompt (same values, more compute).
+    Every rank makes as many micro-batches as the rank with the most (`micro_batches`).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
@@ -1044,13 +1067,16 @@ class DistributedActor(DataParallelRole, Actor):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
-            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                                 rollout.num_completion_tokens, self.sampling.temperature,
-                                                 with_entropy=with_entropy)
-        else:
-            logps, entropy = super()._logprobs(rollout, with_entropy)
+    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
+        """This rank's micro-batches, split until there are as many as on the rank with the most."""
+        plan = super().micro_batches(rollout)
+        return split_micro_batches(plan, self.group.all_max(len(plan)))
+
+    def _shares_prompt(self) -> bool:
+        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
+
+    def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
+        logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
         return self._weighted(logps), entropy
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ from minirl.memory.measure import storage_bytes
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
 from minirl.parallel.roles import (DistributedActor, DistributedCritic, pad_completions, rank_loss_weight,
-                                   reduce_metrics, scale_gradient)
+                                   reduce_metrics, scale_gradient, split_micro_batches)
 from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
@@ -378,6 +378,39 @@ def test_distributed_actor_matches_the_plain_actor_in_one_process(group, make_ti
     sharded = sharded_actor(model, group).update(exp)
     assert sharded["loss"] == pytest.approx(plain["loss"], abs=1e-6) and not math.isnan(sharded["grad_norm"])
     assert sharded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def test_split_micro_batches_gives_every_rank_as_many_passes():
+    plan = [[0, 3, 5, 6], [1, 2], [4]]
+    for count in (3, 4, 5, 7):
+        out = split_micro_batches(plan, count)
+        assert len(out) == count and sorted(i for rows in out for i in rows) == list(range(7)), out
+        assert all(rows for rows in out), "no empty pass"
+    assert split_micro_batches(plan, 2) == plan, "never merges: the rank with the most keeps its plan"
+    with pytest.raises(ValueError, match="7 rows cannot make 8 micro-batches"):
+        split_micro_batches(plan, 8)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_distributed_actor_in_micro_batches_matches_the_plain_actor(group, make_tiny_policy, zero):
+    """DDP and FSDP2 with several micro-batches (the prompt cache's extra backward): notebook 01's update."""
+    from minirl.roles.actor import Actor
+
+    model, tok = make_tiny_policy(seed=8, num_layers=2)
+    plain_model, _ = make_tiny_policy(seed=8, num_layers=2)
+    sampling = SamplingConfig(num_generations=2, max_completion_length=6)
+    ro = SharedPrefixEngine(model, tok).generate(PROMPTS * 2, sampling, generator=torch.Generator().manual_seed(4))
+    advantages = torch.linspace(-1, 1, len(ro))
+    config = RLConfig.from_flat(num_generations=2, max_completion_length=6, max_tokens_per_microbatch=4)
+    plain = Actor(plain_model, config.algorithm, config.optimizer, config.sampling)
+    sharded = DistributedActor(wrap_model(model, zero, "cpu"), config.algorithm, config.optimizer, config.sampling,
+                               group)
+    assert len(sharded.micro_batches(ro)) > 2, "test setup: several micro-batches"
+    exp = Experience(ro, torch.zeros(len(ro)), advantages=advantages)
+    torch.testing.assert_close(sharded.logprobs(ro), plain.logprobs(ro), atol=1e-5, rtol=0)
+    want, got = plain.update(exp), sharded.update(exp)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6) and got["skipped"] == 0
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and want["grad_norm"] > 0
 
 
 def test_reduce_metrics_makes_one_record_of_the_ranks():

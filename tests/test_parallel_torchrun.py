@@ -34,13 +34,18 @@ def _worker():
 
 build_tiny_policy, low_digits = _worker().build_tiny_policy, _worker().low_digits
 SMALL = {"steps": 3, "prompts_per_step": 4, "num_generations": 4, "eval_every": 0, "learning_rate": 0.01}
-TRAIN = {   # loss_type dapo and grpo, with and without LoRA; every wrapper once; batch std and a KL term
+TRAIN = {   # loss_type dapo and grpo, with and without LoRA; every wrapper once; batch std and a KL term;
     "dapo_full_zero3": {"rl": {"loss_type": "dapo"}, "parallel": {"zero": 3}},
     "grpo_full_ddp_batchstd_kl": {"rl": {"loss_type": "grpo", "scale_rewards": "batch", "beta": 0.04},
                                   "parallel": {"zero": 0}},
     "dapo_lora_zero2_merged": {"rl": {"loss_type": "dapo"}, "parallel": {"zero": 2, "lora_rank": 4}},
     "grpo_lora_zero1_adapter": {"rl": {"loss_type": "grpo"},
                                 "parallel": {"zero": 1, "lora_rank": 4, "sync_mode": "adapter"}},
+    # the update in micro-batches (notebook 01, 11.4): the prompt cache's extra backward under DDP and FSDP2,
+    # ranks whose plans may hold different numbers of micro-batches (split_micro_batches evens them)
+    "dapo_micro_batches_ddp": {"rl": {"loss_type": "dapo", "max_tokens_per_microbatch": 6}, "parallel": {"zero": 0}},
+    "grpo_micro_batches_zero3": {"rl": {"loss_type": "grpo", "max_tokens_per_microbatch": 6},
+                                 "parallel": {"zero": 3}},
 }
 ERRORS = {
     "lora_targets": {"kind": "setup_error", "parallel": {"lora_rank": 4, "lora_target_modules": "q_proj,wq"}},

@@ -219,6 +219,7 @@ def test_rl_step_reads_as_the_source_order(one_rollout):
                                                    "use_bias_correction_kl": True}),
                                          ("grpo", {"importance_sampling_correction": True}),
                                          ("grpo", {"rollout_engine": "paged"}),      # notebook 05's engine
+                                         ("grpo", {"max_tokens_per_microbatch": 6, "num_iterations": 2}),  # 11.4
                                          ("ppo", {}), ("ppo", {"beta": 0.05})])
 def test_train_runs_and_repeats_bit_for_bit(algo, extra, tmp_path, make_tiny_policy):
     runs = []

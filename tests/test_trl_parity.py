@@ -8,7 +8,8 @@ Both sides get the same weights, prompts, completions and rewards:
   `_compute_loss(model, inputs)` runs TRL's loss, and `backward()` gives its gradients.
 - minirl: a fresh copy of the same weights, `completion_logprobs` + `group_advantages` +
   `policy_loss` on the very same tensors (and once with `num_generations=G`, the shared-prefix
-  forward pass the loop uses).
+  forward pass the loop uses); and the loop's own `Actor.backward` on a Rollout of those tensors,
+  in micro-batches of similar length (notebook 01, section 11.4), for every loss_type.
 
 Cases: every `loss_type` in {grpo, bnpo, dr_grpo, dapo}; on-policy (`old_logps` = `logps`, what
 TRL does when num_iterations = 1), off-policy (`old_logps` perturbed so that ratios leave
@@ -37,7 +38,10 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from minirl.algo.advantages import group_advantages  # noqa: E402
 from minirl.algo.logprobs import completion_logprobs  # noqa: E402
 from minirl.algo.losses import policy_loss  # noqa: E402
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig  # noqa: E402
+from minirl.data import Experience, Rollout  # noqa: E402
 from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer  # noqa: E402
+from minirl.roles.actor import Actor  # noqa: E402
 from minirl.tasks.arithmetic import format_answer, make_task  # noqa: E402
 
 NUM_PROMPTS = 4
@@ -227,19 +231,49 @@ def minirl_loss_and_grads(policy_dir, inputs, rewards, loss_type, settings, max_
     return loss.detach(), grads, metrics, logps.detach(), advantages
 
 
+def minirl_micro_batched(policy_dir, inputs, rewards, loss_type, settings, max_completion_length, max_tokens):
+    """The loop's own update: `Actor.backward` in micro-batches of at most `max_tokens` completion tokens."""
+    model = load_model(policy_dir)
+    mask = inputs["completion_mask"]
+    N = mask.shape[0]
+    ro = Rollout(prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
+                 completion_ids=inputs["completion_ids"], completion_mask=mask, logprobs=torch.zeros(mask.shape),
+                 completions=[""] * N, prompts=[""] * N, version=0, num_generations=G,
+                 pad_token_id=build_tokenizer().pad_token_id)
+    advantages = group_advantages(rewards, G, "group")
+    exp = Experience(ro, rewards, advantages=advantages, old_logps=inputs.get("old_per_token_logps"),
+                     ref_logps=inputs.get("ref_per_token_logps"))
+    algorithm = AlgorithmConfig(loss_type=loss_type, beta=settings["beta"], epsilon=settings["epsilon"],
+                                epsilon_high=settings["epsilon_high"], importance_sampling_level=settings["level"],
+                                use_bias_correction_kl=settings["kl_bias_correction"])
+    sampling = SamplingConfig(num_generations=G, max_completion_length=max_completion_length,
+                              temperature=settings["temperature"])
+    actor = Actor(model, algorithm, OptimizerConfig(max_tokens_per_microbatch=max_tokens), sampling)
+    assert len(actor.micro_batches(ro)) > 2, "test setup: several micro-batches"
+    model.train()
+    model.zero_grad(set_to_none=True)
+    metrics = actor.backward(exp)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return torch.tensor(metrics["loss"]), grads, metrics, actor.logprobs(ro), advantages
+
+
 def max_grad_error(grads_a, grads_b):
     """Largest |a - b| over all parameters, relative to the largest |a| (so 0 means equal)."""
     scale = max(g.abs().max().item() for g in grads_a.values())
     return max((grads_a[n] - grads_b[n]).abs().max().item() for n in grads_a) / scale
 
 
-def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1):
+def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1, max_tokens=None):
     trainer, inputs, rewards = build_batch(task, rows, policy_dir, loss_type, settings)
-    case = f"loss_type={loss_type!r}, num_generations={num_generations}, {settings}"
+    case = f"loss_type={loss_type!r}, num_generations={num_generations}, max_tokens={max_tokens}, {settings}"
     trl_loss, trl_grads, trl_metrics = trl_loss_and_grads(trainer, inputs)
-    loss, grads, metrics, logps, advantages = minirl_loss_and_grads(
-        policy_dir, inputs, rewards, loss_type, settings, trainer.max_completion_length,
-        num_generations=num_generations)
+    if max_tokens is None:
+        loss, grads, metrics, logps, advantages = minirl_loss_and_grads(
+            policy_dir, inputs, rewards, loss_type, settings, trainer.max_completion_length,
+            num_generations=num_generations)
+    else:
+        loss, grads, metrics, logps, advantages = minirl_micro_batched(
+            policy_dir, inputs, rewards, loss_type, settings, trainer.max_completion_length, max_tokens)
     mask = inputs["completion_mask"].bool()
 
     assert rewards.view(-1, G).std(1).gt(0).any(), "test setup: some group must have mixed rewards"
@@ -255,7 +289,7 @@ def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1)
         f"{case}: minirl loss {loss.item():.8f} != TRL loss {trl_loss.item():.8f}")
     err = max_grad_error(trl_grads, grads)
     assert err < 1e-4, f"{case}: gradients differ from TRL's (max relative error {err:.2e})"
-    atol = 1e-6 if num_generations == 1 else 1e-5   # shared prefix: G copies' gradients summed in another order
+    atol = 1e-6 if num_generations == 1 else 1e-5   # a shared prompt: G copies' gradients summed in another order
     for name, (a, b) in {n: (grads[n], trl_grads[n]) for n in grads}.items():
         torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"gradient of {name}:\n{m}")
     for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
@@ -293,6 +327,17 @@ def test_bias_corrected_kl_matches_trl(task, rows, policy_dir, case):
 def test_shared_prefix_forward_matches_trl(task, rows, policy_dir, loss_type, scenario):
     """The loop's path: each group's prompt runs once (num_generations=G); TRL runs every row's prompt."""
     check_parity(task, rows, policy_dir, loss_type, SCENARIOS[scenario], num_generations=G)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batched_update_matches_trl(task, rows, policy_dir, loss_type):
+    """The loop's update in micro-batches of similar length, each prompt once (PromptCache): TRL's loss and
+    gradients for every normalization, with clipping and a KL term."""
+    check_parity(task, rows, policy_dir, loss_type, SCENARIOS["clipped_kl"], num_generations=G, max_tokens=4)
+
+
+def test_micro_batched_sequence_ratios_match_trl(task, rows, policy_dir):
+    check_parity(task, rows, policy_dir, *GSPO["gspo_clipped_kl"], num_generations=G, max_tokens=4)
 
 
 def test_parity_check_catches_a_wrong_loss(task, rows, policy_dir):

@@ -5,11 +5,14 @@
 {"grpo", "bnpo", "dr_grpo", "dapo"} and importance_sampling_level in {"token", "sequence"}
 on one process without gradient accumulation. There, "dapo" (normalize by the tokens of the
 whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
-differ only when a batch is split across accumulation steps or processes.
+differ only when a batch is split across accumulation steps or processes. minirl's own
+micro-batches (section 11.4) are weighted by `micro_batch_weight`, so that splitting the update
+never changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
 Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy masking.
 """
 
-__all__ = ["clipped_surrogate", "aggregate_loss", "kl_k3", "policy_loss", "value_loss"]
+__all__ = ["clipped_surrogate", "aggregate_loss", "kl_k3", "policy_loss", "value_loss",
+           "micro_batch_weight"]
 
 import torch
 from torch import Tensor
@@ -127,3 +130,18 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     per_token = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
     return aggregate_loss(per_token, mask, loss_type)
+
+
+def micro_batch_weight(loss_type: str, rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
+    """w such that the sum over micro-batches of w * (micro-batch's loss) is the whole batch's loss.
+
+    rows, tokens: the micro-batch's completions and completion tokens (mask sum); total_*: the
+    batch's. "grpo", "dr_grpo": w = rows / total_rows; "bnpo", "dapo": w = max(tokens, 1) /
+    max(total_tokens, 1) (the clamps of masked_mean). "dr_grpo" needs an explicit
+    max_completion_length in the loss: micro-batches have different widths.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / total_rows
+    return max(tokens, 1) / max(total_tokens, 1)

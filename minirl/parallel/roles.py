@@ -19,7 +19,8 @@ the loss) is not caught before the backward, and leaves the others waiting until
 """
 
 __all__ = ["scale_gradient", "rank_loss_weight", "LOSSES", "reduce_metrics", "pad_completions",
-           "finite_batch", "DataParallelRole", "DistributedActor", "DistributedCritic"]
+           "split_micro_batches", "finite_batch", "DataParallelRole", "DistributedActor",
+           "DistributedCritic"]
 
 import dataclasses
 import math
@@ -28,7 +29,6 @@ import torch
 from torch import Tensor
 
 from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.algo.logprobs import completion_logprobs
 from minirl.data import Batch, Experience, Rollout
 from minirl.parallel.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
@@ -134,6 +134,24 @@ def pad_completions(batch: Batch, width: int) -> Batch:
     return dataclasses.replace(batch, **values)
 
 
+def split_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
+    """`plan` (lists of rows) with its largest micro-batches halved until it holds `count` of them.
+
+    Every rank then makes as many forward and backward passes as the rank with the most,
+    all of them on real rows. Raises ValueError when there are fewer rows than `count` (ranks
+    with very different numbers of rows).
+    """
+    plan = [list(rows) for rows in plan]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda i: len(plan[i]))
+        if len(plan[k]) < 2:
+            raise ValueError(f"split_micro_batches: {sum(map(len, plan))} rows cannot make {count} micro-batches; "
+                             "give every rank as many rows (Batch.split)")
+        rows = plan.pop(k)
+        plan[k:k] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return plan
+
+
 def finite_batch(exp: Experience) -> bool:
     """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
     is finite."""
@@ -178,7 +196,8 @@ class DataParallelRole:
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
-        broadcasts buffers in every forward) all ranks must make the same passes.
+        broadcasts buffers in every forward) all ranks must make the same passes (the actor
+        also agrees on its number of micro-batches: `DistributedActor.micro_batches`).
         """
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
@@ -212,6 +231,7 @@ class DistributedActor(DataParallelRole, Actor):
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
     transformers then turns the KV cache off in training, so the log-probs take one pass over
     every row instead of sharing each group's prompt (same values, more compute).
+    Every rank makes as many micro-batches as the rank with the most (`micro_batches`).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
@@ -222,13 +242,16 @@ class DistributedActor(DataParallelRole, Actor):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        if self.checkpointing and self.model.training:       # no KV cache: no shared prompt pass
-            logps, entropy = completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                                 rollout.num_completion_tokens, self.sampling.temperature,
-                                                 with_entropy=with_entropy)
-        else:
-            logps, entropy = super()._logprobs(rollout, with_entropy)
+    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
+        """This rank's micro-batches, split until there are as many as on the rank with the most."""
+        plan = super().micro_batches(rollout)
+        return split_micro_batches(plan, self.group.all_max(len(plan)))
+
+    def _shares_prompt(self) -> bool:
+        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
+
+    def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
+        logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
         return self._weighted(logps), entropy
 
     @torch.no_grad()

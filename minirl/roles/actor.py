@@ -7,21 +7,34 @@
 (notebook 04) or inside a Ray actor (notebook 06) an actor keeps these methods, so the step
 that calls them never changes.
 
-Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (no gradient
-accumulation or micro-batches), no learning-rate schedule.
+Both run the batch in micro-batches of similar completion length (`micro_batches`, at most
+`max_tokens_per_microbatch` completion tokens each, section 11.4), accumulating gradients
+before one optimizer step; the loss, its normalization and its gradient are the whole
+batch's. Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (TRL
+can split a generation batch into several steps), no learning-rate schedule.
 """
 
-__all__ = ["optimizer_step", "ratio_statistics", "Actor"]
+__all__ = ["clipped_step", "optimizer_step", "ratio_statistics", "Actor"]
 
 import math
 
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import completion_logprobs, masked_mean
-from minirl.algo.losses import policy_loss
+from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
+from minirl.algo.losses import micro_batch_weight, policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
+
+
+def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
+    """Clip the gradients in .grad and step, unless their norm is not finite. Returns (stepped, grad_norm)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return False, grad_norm
+    optimizer.step()
+    return True, grad_norm
 
 
 def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
@@ -33,12 +46,7 @@ def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tup
     if not torch.isfinite(loss):
         return False, math.nan
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
+    return clipped_step(params, optimizer, max_grad_norm)
 
 
 def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
@@ -64,18 +72,72 @@ class Actor:
         self.model = model.eval()
         self.algorithm, self.sampling = algorithm, sampling
         self.max_grad_norm = optimizer.max_grad_norm
+        self.max_tokens_per_microbatch = optimizer.max_tokens_per_microbatch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optimizer.learning_rate,
                                            weight_decay=optimizer.weight_decay)
 
-    def _logprobs(self, rollout: Rollout, with_entropy: bool = False):
-        return completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                   rollout.num_completion_tokens, self.sampling.temperature,
-                                   with_entropy=with_entropy, num_generations=rollout.num_generations)
+    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
+        """The rows of each micro-batch of this rollout (section 11.4)."""
+        return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
+
+    def _shares_prompt(self) -> bool:
+        return True                          # each group's prompt computed once (section 11.1)
+
+    def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
+        return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,
+                                    self._shares_prompt(), requires_grad)
+
+    def _micro_logprobs(self, scorer: MicroBatchedLogprobs, k: int, with_entropy: bool = False):
+        return scorer(k, with_entropy)       # micro-batch k's (logps, entropy); notebook 04 weights its gradient here
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> Tensor:
-        """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32."""
-        return self._logprobs(rollout)[0]
+        """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32, 0 where masked."""
+        scorer = self._scorer(rollout, requires_grad=False)
+        out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+            out[rows, :width] = self._micro_logprobs(scorer, k)[0]
+        return out * rollout.completion_mask
+
+    def backward(self, exp: Experience) -> dict:
+        """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+
+        Each micro-batch's loss is weighted by its share of the batch's normalization
+        (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+        loss is not finite ends the backward passes (the rest only run forward, for the metrics)
+        and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+        """
+        ro, algo = exp.rollout, self.algorithm
+        mask = ro.completion_mask                                                  # [N, C]
+        logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
+        total_rows, total_tokens = len(ro), float(mask.sum())
+        scorer, finite = self._scorer(ro, requires_grad=True), True
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+            part = lambda t: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]   # noqa: E731
+            lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
+            loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
+                                 part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
+            weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                (loss * weight).backward()
+            logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+        if finite:
+            scorer.backward()                                                      # the shared prompts' share
+        old = logps if exp.old_logps is None else exp.old_logps
+        with torch.no_grad():                                                      # the batch's loss, as one pass
+            loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
+        return metrics | {"loss": loss.item() if finite else math.nan,
+                          "entropy": masked_mean(entropy, mask).item(),
+                          **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
+
+    def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
+        algo = self.algorithm
+        return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
+                           loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+                           beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
+                           max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
+                           use_bias_correction_kl=algo.use_bias_correction_kl)
 
     def update(self, exp: Experience) -> dict:
         """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
@@ -83,23 +145,17 @@ class Actor:
         The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
         per batch: the ratio is 1 and only its gradient matters).
         """
-        ro, algo = exp.rollout, self.algorithm
-        mask = ro.completion_mask
         self.model.train()
         metrics = {}
-        for _ in range(algo.num_iterations):
-            logps, entropy = self._logprobs(ro, with_entropy=True)                 # [N, C] each
-            old = logps.detach() if exp.old_logps is None else exp.old_logps
-            loss, metrics = policy_loss(
-                logps, old, exp.advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
-                loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-                beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=exp.ref_logps,
-                max_completion_length=self.sampling.max_completion_length, is_weights=exp.is_weights,
-                use_bias_correction_kl=algo.use_bias_correction_kl)
-            stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
-            metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=int(not stepped),
-                           entropy=masked_mean(entropy.detach(), mask).item(),
-                           **ratio_statistics(old, ro.logprobs, mask))   # rollout vs trainer (notebook 02)
+        for _ in range(self.algorithm.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = self.backward(exp)
+            if math.isfinite(metrics["loss"]):
+                stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                stepped, grad_norm = False, math.nan
+            metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
         self.model.eval()
         return metrics
 

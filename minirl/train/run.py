@@ -6,8 +6,9 @@ record to the callbacks, which do everything else a run needs (evaluate, log JSO
 checkpoint, show progress, stop early). `train()` assembles the stage-1 run from a config
 and a policy; later stages reuse `run` and the callbacks with their own step functions.
 
-Simplified vs TRL's Trainer: no gradient accumulation, no learning-rate schedule, no
-distributed launcher (notebook 04 adds torchrun).
+Simplified vs TRL's Trainer: gradients accumulate only over the update's micro-batches
+(within one optimizer step), no learning-rate schedule, no distributed launcher (notebook 04
+adds torchrun).
 """
 
 __all__ = ["SAFE_ON_RESUME", "build_roles", "engine_class", "build_engine", "RunState", "Callback",
