@@ -63,6 +63,7 @@ import torch
 
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.tasks.task import arithmetic_task
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -71,6 +72,7 @@ torch.manual_seed(0)
 torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; the workers get one each
 model, tokenizer, policy_path = load_default_policy()
 task = make_task()
+rewards = arithmetic_task().reward_funcs   # the reward stage 1's train() uses, under the same name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # Ray's workers inherit this environment
 
@@ -1861,7 +1863,7 @@ plans = [("colocated", ppo, make_placement("colocated")),
 sync_times = {}
 for name, config, placement in plans:
     started = time.perf_counter()
-    with Driver(config, placement, fresh_policy(), tokenizer, [task.reward]) as driver:
+    with Driver(config, placement, fresh_policy(), tokenizer, rewards) as driver:
         up = time.perf_counter() - started
         records = driver.train(rows, progress=False)
         runs[name] = {"records": records, "timeline": driver.timeline(), "where": driver.where(), "config": config,
@@ -2130,7 +2132,7 @@ except WorkerDiedError as err:
     print(f"WorkerDiedError after {noticed:.2f} s: {err}")
 print("steps logged before the crash:", [r["step"] for r in read_jsonl(out / "metrics.jsonl")])
 print("workers still alive:", ray.util.list_named_actors())
-with Driver(crash, make_placement("colocated"), fresh_policy(), tokenizer, [task.reward]) as driver:
+with Driver(crash, make_placement("colocated"), fresh_policy(), tokenizer, rewards) as driver:
     driver.train(rows, out_dir=out, resume=True, progress=False)
 resumed = read_jsonl(out / "metrics.jsonl")
 uninterrupted = reference["grpo"]                     # section 8's single-process run: the same config, no crash
@@ -2164,16 +2166,16 @@ def attempt(label, fn):
 model_small = fresh_policy()
 attempt("a pool larger than the cluster", lambda: Driver(
     grpo.replace(prompts_per_step=9), make_placement("per-role", {"actor": [1, 1, 1]}), model_small, tokenizer,
-    [task.reward]))
+    rewards))
 attempt("a placement that overcommits", lambda: Driver(
     grpo, make_placement("per-role", {"actor": [2], "rollout": [2]}, cpus_per_device=1.0), model_small,
-    tokenizer, [task.reward]))
+    tokenizer, rewards))
 no_critic = make_placement("per-role")
 del no_critic.roles["critic"]
-attempt("a role with no pool", lambda: Driver(ppo, no_critic, model_small, tokenizer, [task.reward]))
+attempt("a role with no pool", lambda: Driver(ppo, no_critic, model_small, tokenizer, rewards))
 attempt("a batch that does not split", lambda: Driver(
     grpo.replace(prompts_per_step=6), make_placement("per-role", {"actor": [2, 2]}), model_small, tokenizer,
-    [task.reward]))
+    rewards))
 attempt("an address where no cluster listens", lambda: probe("127.0.0.1:9", timeout=2.0))   # what connect() does first
 print("workers alive after all that:", ray.util.list_named_actors())
 

@@ -551,7 +551,7 @@ for name, settings in BALANCING.items():
     install_balancing(model, **settings)
     t0 = time.time()
     metrics = train(RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=RL_STEPS), model, tokenizer,
-                    task, progress=False)
+                    progress=False)   # the default task: the embedded arithmetic one
     history = load_history(model)                                              # [steps, L, E]
     per_step = torch.tensor([load_imbalance(h)["max_over_mean"] for h in history])   # mean over layers
     load_runs[name] = {"history": history, "per_step": per_step, "seconds": time.time() - t0,
