@@ -43,6 +43,9 @@
 # | 4. synchronize | `sync.push` | the engine holds version v + 1 |
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import codecs
 import os
 import subprocess

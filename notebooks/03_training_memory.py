@@ -27,6 +27,9 @@
 # the assumption that produces the source's number or show the right one.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
 import math
 import os

@@ -33,6 +33,9 @@
 # step or every K-th.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
 import os
 import sys

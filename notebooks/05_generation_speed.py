@@ -38,6 +38,9 @@
 # Anchor for size and readability: nano-vllm (about 1,200 lines), which we read but do not copy.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
 import statistics
 import time

@@ -50,6 +50,9 @@
 # cluster the same code reserves GPUs (section 12 and the README show how).
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
 import os
 import subprocess

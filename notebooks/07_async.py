@@ -48,6 +48,9 @@
 # changes.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
 import time
 from pathlib import Path

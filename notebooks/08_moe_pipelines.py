@@ -39,6 +39,9 @@
 # config classes without weights.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import copy
 import json
 import os

@@ -36,6 +36,9 @@
 # the model's `config.json`) or watch a run through a callback.
 
 # %%
+# %load_ext minirl.utils.notebook
+# (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
+#  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
 import os
 import statistics
