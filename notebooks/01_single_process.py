@@ -349,6 +349,11 @@ class AlgorithmConfig:
         check_float("lam", self.lam, low=0.0, high=1.0)
 
 
+# %% [markdown]
+# What one rollout samples, and how: the group size, the length cap, the temperature, the engine.
+
+# %%
+# | export minirl/config.py
 @dataclass
 class SamplingConfig:
     """How completions are drawn: what every rollout engine is asked for."""
@@ -396,6 +401,11 @@ class OptimizerConfig:
                   why="0 turns micro-batching off (one micro-batch padded to the longest completion)")
 
 
+# %% [markdown]
+# Where and how long a run goes: device, seed, steps, evaluation and checkpoints; `RLConfig` then holds one of each group.
+
+# %%
+# | export minirl/config.py
 @dataclass
 class RunConfig:
     """How long, on what, how often to evaluate and checkpoint."""
@@ -615,6 +625,11 @@ class Batch:
         return 0
 
 
+# %% [markdown]
+# A rollout is a batch that also knows its prompts and completions apart; concatenating two pads each side to the longer one.
+
+# %%
+# | export minirl/data.py
 def _cat_padded(tensors: list[Tensor], left: bool, value) -> Tensor:
     """Concatenate along rows, padding dimension 1 of 2-D (or more) tensors to the widest."""
     if tensors[0].dim() < 2:
@@ -1425,6 +1440,11 @@ def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor
             "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
 
 
+# %% [markdown]
+# The actor itself: the policy, its optimizer, and the two things the loop asks of it (log-probs of a rollout, an update on a batch).
+
+# %%
+# | export minirl/roles/actor.py
 class Actor:
     """The policy being trained and its AdamW optimizer."""
 
@@ -2100,6 +2120,11 @@ def build_engine(config: RLConfig, model, tokenizer):
     return engine(model, tokenizer, config.engine_dtype, device=config.run.device)
 
 
+# %% [markdown]
+# What a run holds between steps (`RunState`), the callbacks that watch it, and the loop that drives the step function.
+
+# %%
+# | export minirl/train/run.py
 @dataclass
 class RunState:
     """Everything a run changes, and what a checkpoint restores."""
@@ -2226,6 +2251,11 @@ class Checkpointer(Callback):
         self.tokenizer.save_pretrained(self.final)
 
 
+# %% [markdown]
+# Two callbacks for the person watching: a progress bar, and a warning when the rewards give nothing to learn from.
+
+# %%
+# | export minirl/train/run.py
 class ProgressBar(Callback):
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.bar = total, desc, None
@@ -2362,6 +2392,11 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
                       stop_after=stop_after, run_info=run_info)
 
 
+# %% [markdown]
+# Checkpoints on one process, and `run_in_dir`: the loop in a run directory that resumes exactly (stages 4, 6 and 7 use it too).
+
+# %%
+# | export minirl/train/run.py
 class LocalCheckpoints:
     """One process's checkpoints, as `run_in_dir` uses them: saved by a callback, restored on resume.
 
@@ -2526,6 +2561,11 @@ def load_checkpoint(path) -> tuple[dict, dict]:
     return training, weights
 
 
+# %% [markdown]
+# Finding the newest intact checkpoint (a broken one is named and skipped), and restoring it into the run.
+
+# %%
+# | export minirl/train/checkpoint.py
 def latest_checkpoint(root) -> tuple[Path, dict, dict] | None:
     """The newest intact checkpoint under `root` as (path, training state, weights), or None.
 

@@ -728,37 +728,30 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 
 # %%
 # | export minirl/memory/measure.py
-"""Training memory, measured: saved activations, and per-rank state under DDP, ZeRO-1 and FSDP2.
+"""Training memory, measured on one process: saved activations, recomputation, LoRA.
 
 `SavedActivationMeter` counts the unique storages autograd saves for backward (works on CPU
-and GPU). `worker_main` is the body of a `torchrun` job that trains a small Qwen2 one step
-at a time under four strategies and reports, per rank, the bytes of parameters, gradients and
-optimizer state each rank actually holds (DTensor shards counted by their local storage);
-`launch_measurement` starts that job and returns its table. On CUDA it adds the caching
-allocator's own peak, `torch.cuda.max_memory_allocated`. The models are wrapped (DDP, ZeRO-1,
-FSDP2, checkpointing, LoRA) by `minirl.parallel.wrap`, the code notebook 04 trains with, so
-what is measured here is what trains there.
+and GPU); `measure_single` sets them beside the calculator's activation formula, with and
+without gradient checkpointing, and `measure_lora` does the same for LoRA's state. The small
+Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
+storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
+DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
+`minirl.parallel.wrap`, the code notebook 04 trains with, so what is measured here is what
+trains there.
 
-Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model, three
-steps. Counting storages shows *what* is held; the allocator's peak (CUDA only) adds what a
-count of named tensors cannot see: communication buffers, temporaries, fragmentation.
+Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
+*what* is held; the allocator's peak (CUDA only) adds what a count of named tensors cannot
+see: communication buffers, temporaries, fragmentation.
 """
-import gc
-import json
-import os
 import statistics
-import tempfile
 import time
-import warnings
 import weakref
-from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params, zero_per_gpu
+from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
 from minirl.parallel import wrap
-from minirl.parallel.launch import output_ends, torchrun
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -1018,7 +1011,35 @@ show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
 # by default it keeps its communication buckets *and* `.grad`, two copies of the gradients.
 
 # %%
-# | export minirl/memory/measure.py
+# | export minirl/memory/distributed.py
+"""Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
+
+`worker_main` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
+strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
+rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
+allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
+and returns its table; `compare_measured` sets it beside the calculator's prediction. The
+models are wrapped by `minirl.parallel.wrap`, the code notebook 04 trains with.
+
+Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
+"""
+
+import gc
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from minirl.memory.calculator import zero_per_gpu
+from minirl.memory.measure import MEASURE_SIZES, STRATEGIES, build_measure_model, random_batch, storage_bytes
+from minirl.parallel import wrap
+from minirl.parallel.launch import output_ends, torchrun
+
+
 def _wrap(model, strategy: str, device: torch.device):
     """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
     wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
@@ -1143,7 +1164,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
         out = Path(tmp) / "rows.json"
         flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
         for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.measure:worker_main", world_size, flags, timeout=timeout, threads=threads)
+            job = torchrun("minirl.memory.distributed:worker_main", world_size, flags, timeout=timeout, threads=threads)
             if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
@@ -1160,7 +1181,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
 # agreement, and every known reason for a larger gap is written beside it.
 
 # %%
-# | export minirl/memory/measure.py
+# | export minirl/memory/distributed.py
 NOTES = {
     ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
     ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
@@ -1223,7 +1244,7 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
 chapter = None
 if SMOKE:
-    from minirl.memory.measure import launch_measurement
+    from minirl.memory.distributed import launch_measurement
 
     measured_rows = launch_measurement(2, size="tiny", batch=2, seq=32)
 else:
@@ -1238,7 +1259,7 @@ else:
     measured_rows = chapter["rows"]
     print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(ROOT)}")
 
-from minirl.memory.measure import compare_measured  # noqa: E402
+from minirl.memory.distributed import compare_measured  # noqa: E402
 
 comparison = compare_measured(measured_rows)
 COMPONENTS_MEASURED = ("weights_step", "weights_rest", "grads", "adam_m", "adam_v", "state")

@@ -2122,7 +2122,8 @@ def reward_that_kills(kill_at: int):
         if len(calls) == kill_at:
             (out / "killed_at").write_text(str(time.time()))
             ray.kill(ray.get_runtime_context().current_actor)
-        return task.reward(prompts, completions, answer)
+        return rewards[0](prompts, completions, answer=answer)
+    reward.__name__ = rewards[0].__name__       # the same metric name, rewards/<name>, as the runs it is compared with
     return reward
 
 

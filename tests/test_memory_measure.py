@@ -1,11 +1,11 @@
-"""Measured memory (minirl.memory.measure) against the calculator: activations, LoRA, and ZeRO under torchrun."""
+"""Measured memory against the calculator: activations and LoRA (memory.measure), ZeRO under torchrun (.distributed)."""
 
 import pytest
 import torch
 
-from minirl.memory.measure import (SavedActivationMeter, build_measure_model, compare_measured, launch_measurement,
-                                   measure_activations, measure_lora, padded_mask, random_batch, storage_bytes,
-                                   time_recomputation)
+from minirl.memory.distributed import compare_measured, launch_measurement
+from minirl.memory.measure import (SavedActivationMeter, build_measure_model, measure_activations, measure_lora,
+                                   padded_mask, random_batch, storage_bytes, time_recomputation)
 from minirl.memory.calculator import ModelShape, activation_memory
 
 
@@ -132,7 +132,7 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
     import subprocess
     import warnings
 
-    import minirl.memory.measure as measure
+    import minirl.memory.distributed as distributed
 
     calls = []
 
@@ -140,10 +140,10 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
         calls.append((target, nproc, list(args), kwargs))
         return subprocess.CompletedProcess(target, -6, stdout="rank 0: terminate called\n" + "x" * 9000, stderr="")
 
-    monkeypatch.setattr(measure, "torchrun", aborting)
+    monkeypatch.setattr(distributed, "torchrun", aborting)
     with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as err:
         warnings.simplefilter("always")
         launch_measurement(2, size="tiny")
     assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
-    assert calls[0][:2] == ("minirl.memory.measure:worker_main", 2) and calls[0][3]["timeout"] == 600
+    assert calls[0][:2] == ("minirl.memory.distributed:worker_main", 2) and calls[0][3]["timeout"] == 600
     assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)
