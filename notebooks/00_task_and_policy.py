@@ -727,6 +727,11 @@ def build_default_policy(path: Path, task_config: TaskConfig, policy_config: Pol
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# %% [markdown]
+# Loading it back: a damaged cache names the file and the fix, and the tokenizer is read as the one we built (transformers would rebuild it as a generic BPE).
+
+# %%
+# | export minirl/models/policy.py
 def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return PolicyCacheError(f"the cached policy is damaged: {Path(path) / filename} cannot be read "

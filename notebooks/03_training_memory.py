@@ -799,6 +799,11 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+# %% [markdown]
+# Counting what autograd saves: a saved-tensor hook records each unique storage once, so a view or a tensor saved twice is not counted twice.
+
+# %%
+# | export minirl/memory/measure.py
 class _Saved:
     __slots__ = ("tensor", "__weakref__")
 
@@ -876,6 +881,11 @@ def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = Fa
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
+# %% [markdown]
+# Recomputation's price: the same steps timed with and without gradient checkpointing, interleaved so the machine's load hits both alike.
+
+# %%
+# | export minirl/memory/measure.py
 def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict:
     """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
 
@@ -1140,6 +1150,11 @@ def worker_main(argv=None) -> None:
         dist.destroy_process_group()
 
 
+# %% [markdown]
+# The launcher: one torchrun job measures every strategy, retried once on an overloaded machine, and returns one row per strategy and rank.
+
+# %%
+# | export minirl/memory/distributed.py
 def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
                        seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
     """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
