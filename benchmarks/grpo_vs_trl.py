@@ -106,7 +106,6 @@ from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.utils.cli import common_parser, seed_everything, write_summary
 
-
 LONG = {"steps": 3, "warmup": 1, "prompts_per_step": 8, "max_completion_length": 256}   # --workload long's defaults
 
 
@@ -255,7 +254,7 @@ class TRLSteps(TrainerCallback):
         self.end.append(time.perf_counter())
 
     def seconds(self) -> list[float]:
-        return [e - b for b, e in zip(self.begin, self.end)]
+        return [e - b for b, e in zip(self.begin, self.end, strict=True)]
 
 
 def run_interleaved(args, task, rows, max_len) -> tuple[list[float], list[float]]:

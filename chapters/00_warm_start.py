@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from minirl.utils.argtypes import int_in
-from minirl.utils.cli import check_device   # light: torch is imported only to check --device, after parsing
+from minirl.utils.cli import check_device  # light: torch is imported only to check --device, after parsing
 from minirl.utils.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
@@ -54,8 +54,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch  # after the flags: a wrong flag is reported at once, not after seconds of imports
 
-    from minirl.models.policy import (PolicyCacheError, default_policy_dir, greedy_accuracy, load_default_policy,
-                                      warm_start_report)
+    from minirl.models.policy import (
+        PolicyCacheError,
+        default_policy_dir,
+        greedy_accuracy,
+        load_default_policy,
+        warm_start_report,
+    )
     from minirl.tasks.arithmetic import make_task
 
     if args.threads:
@@ -84,9 +89,9 @@ def main(argv=None) -> int:
     handles, labels = ax.get_legend_handles_labels()
     if report["validation"]:
         acc = ax.twinx()
-        acc.plot(*zip(*report["validation"]), "C1.-", ms=3, label="validation accuracy")
+        acc.plot(*zip(*report["validation"], strict=True), "C1.-", ms=3, label="validation accuracy")
         acc.set(ylabel="greedy accuracy (validation)", ylim=(0, 1))
-        handles, labels = [a + b for a, b in zip((handles, labels), acc.get_legend_handles_labels())]
+        handles, labels = [a + b for a, b in zip((handles, labels), acc.get_legend_handles_labels(), strict=True)]
     ax.legend(handles, labels, loc="center left", fontsize=8)
     fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,14 @@ import time
 # Only modules that load neither torch nor transformers: the flags are checked first (the heavy
 # imports are inside the functions that need them).
 from minirl.config import RLConfig
-from minirl.train.cli import (TASK_FLAGS, add_task_flags, resolve_task_paths, restore_task_flags, saved_task,
-                              task_from_args)
+from minirl.train.cli import (
+    TASK_FLAGS,
+    add_task_flags,
+    resolve_task_paths,
+    restore_task_flags,
+    saved_task,
+    task_from_args,
+)
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
 from minirl.utils.validate import ConfigError, check_int
@@ -69,7 +75,7 @@ def parse_args(argv=None):
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
     check_device(parser, config.run.device)           # imports torch: after every flag parsed
-    from minirl.train.cli import check_run_flags, resumed_config   # the model's files are checked: after parsing
+    from minirl.train.cli import check_run_flags, resumed_config  # the model's files are checked: after parsing
 
     check_run_flags(parser, args)
     resolve_task_paths(args)               # one spelling of a path: run.json records it, --resume compares it

@@ -29,9 +29,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from minirl.memory.calculator import (GB, LLAMA2_70B, PRECISIONS, RECOMPUTE, STAGES, ModelShape,
-                                      activation_memory, bytes_per_param, lora_memory, lora_params, min_gpus,
-                                      zero_communication, zero_per_gpu)
+from minirl.memory.calculator import (
+    GB,
+    LLAMA2_70B,
+    PRECISIONS,
+    RECOMPUTE,
+    STAGES,
+    ModelShape,
+    activation_memory,
+    bytes_per_param,
+    lora_memory,
+    lora_params,
+    min_gpus,
+    zero_communication,
+    zero_per_gpu,
+)
 from minirl.utils.argtypes import float_in, int_in, int_list
 from minirl.utils.io import write_summary
 

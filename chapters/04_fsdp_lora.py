@@ -50,8 +50,19 @@ import time
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.train.cli import (TASK_FLAGS, add_task_flags, check_run_flags, out_problem, resolve_task_paths,
-                              restore_task_flags, resumed_config, saved_task, stop_line, task_from_args, task_summary)
+from minirl.train.cli import (
+    TASK_FLAGS,
+    add_task_flags,
+    check_run_flags,
+    out_problem,
+    resolve_task_paths,
+    restore_task_flags,
+    resumed_config,
+    saved_task,
+    stop_line,
+    task_from_args,
+    task_summary,
+)
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.utils.validate import ConfigError, check_int
@@ -93,7 +104,7 @@ def check_world_size(parser, args, world: int) -> None:
 def check_resumable(parser, args) -> None:
     """--resume: a checkpoint whose files are intact, before any model loads (a broken newer one is named and
     skipped when the run restores, as stage 1 does)."""
-    from minirl.parallel.checkpoint import newest_intact   # noqa: PLC0415 (torch: after parsing)
+    from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415 (torch: after parsing)
 
     found, problems = newest_intact(args.out / "checkpoints")
     if found is None and problems:
@@ -249,7 +260,7 @@ def print_report(summary: dict) -> None:
     MiB = 2**20
     print(f"\nper-rank memory (storage counting, notebook 03): calculator {summary['state_bytes_calculator'] / MiB:.2f}"
           " MiB of trainer state per rank")
-    for r, (peak, state) in enumerate(zip(summary["peak_bytes"], summary["state_bytes"])):
+    for r, (peak, state) in enumerate(zip(summary["peak_bytes"], summary["state_bytes"], strict=True)):
         awake = summary["colocation"]["engine_awake_bytes"][r]
         asleep = summary["colocation"]["engine_asleep_bytes"][r]
         update = summary["update_bytes"][r]

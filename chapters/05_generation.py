@@ -122,8 +122,14 @@ def main(argv=None) -> int:
     from minirl.config import SamplingConfig
     from minirl.models.policy import load_default_policy, load_policy
     from minirl.rollout.engine.engine import Request
-    from minirl.rollout.engine.measure import (continuous_vs_static, effective_batch, kv_utilization, multi_turn,
-                                               prefix_savings, speculative_sweep)
+    from minirl.rollout.engine.measure import (
+        continuous_vs_static,
+        effective_batch,
+        kv_utilization,
+        multi_turn,
+        prefix_savings,
+        speculative_sweep,
+    )
     from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
     from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
     from minirl.tasks.arithmetic import make_task
@@ -196,9 +202,10 @@ def main(argv=None) -> int:
          f"(from turn 2: {100 * radix['hit_rate_after_first']:.1f} %)", "-"),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print("\n" + " | ".join(h.ljust(w) for h, w in zip(("quantity", "source", "minirl", "agree?"), widths)))
+    headers = ("quantity", "source", "minirl", "agree?")
+    print("\n" + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     print(f"\nspeculation by k ({draft_name}): " + ", ".join(
         f"k={k}: acceptance {100 * spec['acceptance'][k]:.0f} %, speedup {spec['speedup'][k]:.2f}x" for k in args.ks))
     print("notebook 05 explains each difference in numbers (what dominates the time on this device)")
@@ -215,7 +222,7 @@ def main(argv=None) -> int:
         "spec_tokens_per_round": spec["tokens_per_round"], "spec_draft": draft_name,
         "spec_ngram": {k: v for k, v in ngram.items() if k != "seconds"},
         "radix_hit_rate": radix["hit_rate"], "radix": radix,
-        "table": [dict(zip(("quantity", "source", "minirl", "agree"), r)) for r in rows],
+        "table": [dict(zip(("quantity", "source", "minirl", "agree"), r, strict=True)) for r in rows],
     }
     path = write_summary(args.out, summary)
     print(f"summary: {path}")

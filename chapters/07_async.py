@@ -54,9 +54,21 @@ from pathlib import Path
 from minirl.asyncrl.config import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
 from minirl.asyncrl.config import AsyncConfig
 from minirl.config import RLConfig
-from minirl.train.cli import (add_task_flags, check_run_flags, interrupted_line, last_checkpoint, resolve_task_paths,
-                              restore_task_flags, resume_command, resumed_config, saved_task, stop_line, task_from_args,
-                              task_summary, write_failure)
+from minirl.train.cli import (
+    add_task_flags,
+    check_run_flags,
+    interrupted_line,
+    last_checkpoint,
+    resolve_task_paths,
+    restore_task_flags,
+    resume_command,
+    resumed_config,
+    saved_task,
+    stop_line,
+    task_from_args,
+    task_summary,
+    write_failure,
+)
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int

@@ -133,7 +133,7 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
                           **{f"{s}_ratio": sim[s].bubble_ratio for s in SCHEDULES},
                           **{f"{s}_share": sim[s].bubble_share for s in SCHEDULES}, **bubble_formulas(P, M, costs)})
     fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
-    for ax, schedule in zip(axes, SCHEDULES):
+    for ax, schedule in zip(axes, SCHEDULES, strict=True):
         plot_pipeline(simulate_schedule(schedule, 4, 8, Costs(1.0, 2.0)), ax=ax, title=f"{schedule}, P = 4, M = 8")
     fig.tight_layout()
     fig.savefig(out / "pipeline_timelines.png", dpi=120)
@@ -176,11 +176,16 @@ def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
     """Section 6: utilization per method on two length distributions, and the packed step-time gain."""
     import torch
 
+    from minirl.config import SamplingConfig
     from minirl.memory.measure import build_measure_model
     from minirl.models.policy import load_default_policy
-    from minirl.config import SamplingConfig
-    from minirl.parallel.packing import (PACKERS, long_tail_lengths, padded_utilization, time_packed_vs_padded,
-                                         utilization)
+    from minirl.parallel.packing import (
+        PACKERS,
+        long_tail_lengths,
+        padded_utilization,
+        time_packed_vs_padded,
+        utilization,
+    )
     from minirl.rollout.hf import HFEngine
 
     policy, _, _ = load_default_policy(progress=False)
@@ -266,7 +271,7 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as err:
             parser.error(f"argument --model: {args.model}: its config does not load ({type(err).__name__}: "
                          f"{(str(err).splitlines() or [''])[0]})")
-    import torch                                          # after the argument checks: they fail fast
+    import torch  # after the argument checks: they fail fast
 
     seed_everything(args.seed)
     torch.set_num_threads(1)

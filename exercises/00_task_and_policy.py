@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from minirl.tasks.arithmetic import ArithmeticTask, MAX_DIGITS, Problem
 from minirl.models.policy import greedy_accuracy
+from minirl.tasks.arithmetic import MAX_DIGITS, ArithmeticTask, Problem
 
 
 def format_prompt(problem: Problem) -> str:

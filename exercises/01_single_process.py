@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean, position_ids_from_mask, shared_prefix_logits
-from minirl.config import SCALE_REWARDS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from minirl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:

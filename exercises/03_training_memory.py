@@ -10,8 +10,7 @@ imported below where these cells use it.
 import math
 from dataclasses import dataclass, replace
 
-from minirl.memory.calculator import (ATTENTION, DTYPE_BYTES, LLAMA2_70B, ModelShape, RECOMPUTE,
-                                      lora_memory, lora_params)
+from minirl.memory.calculator import ATTENTION, DTYPE_BYTES, LLAMA2_70B, RECOMPUTE, ModelShape, lora_memory, lora_params
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")

@@ -7,11 +7,11 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-from collections import OrderedDict, deque
-from typing import Callable
-from dataclasses import dataclass, field
 import copy
 import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor

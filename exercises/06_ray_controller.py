@@ -7,9 +7,9 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-from minirl.data import Batch
-from minirl.controller.resource_pool import PlacementError, ResourcePool, _fmt
 from minirl.controller.driver import SOURCE_ORDER
+from minirl.controller.resource_pool import PlacementError, ResourcePool, _fmt
+from minirl.data import Batch
 
 
 def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[str, list[int]]:

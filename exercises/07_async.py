@@ -7,19 +7,19 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+import dataclasses
 import threading
 import time
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
-from minirl.data import Rollout
-from minirl.utils.validate import ConfigError, check_int
 from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
+from minirl.data import Rollout
+from minirl.utils.validate import ConfigError, check_int
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:

@@ -10,10 +10,10 @@ imported below where these cells use it.
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-import torch
 
 # Expert load and its balancing (notebook 08): routing statistics per layer and expert, the
 # Switch/GShard auxiliary loss, and DeepSeek-V3's auxiliary-loss-free bias, on a router that

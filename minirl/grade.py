@@ -167,7 +167,7 @@ class GlobalState:
         self.settings = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads())
 
     def restore(self) -> None:
-        for space, saved in zip(self.spaces, self.saved):
+        for space, saved in zip(self.spaces, self.saved, strict=True):
             now = vars(space)
             for name in [n for n in now if n not in saved and not isinstance(now[n], types.ModuleType)]:
                 delattr(space, name)

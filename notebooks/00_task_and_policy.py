@@ -232,7 +232,7 @@ def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, *
     if len(completions) != len(answer):
         raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer):
+    for completion, target in zip(completions, answer, strict=True):
         stated = parse_answer(completion_text(completion), reverse=reverse_answer)
         rewards.append(1.0 if stated is not None and stated == target else 0.0)
     return rewards
@@ -397,9 +397,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
@@ -459,7 +459,7 @@ def check_prompts(tokenizer, prompts: list[str], context: int | None = None, max
         enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids = enc["input_ids"]
         if unk is not None and unk in ids:
-            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"]) if t == unk})
+            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"], strict=True) if t == unk})
             raise PromptError(f"prompt {i} ({prompt[:40]!r}) has characters the tokenizer does not know: {chars} "
                               f"(they would become {tokenizer.unk_token})")
         if context is not None and len(ids) + max_new_tokens > context:
@@ -807,10 +807,10 @@ fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(range(1, len(report["losses"]) + 1), report["losses"], lw=0.8, label="training loss")
 ax.set(xlabel="step", ylabel="cross-entropy on answer tokens", title="warm start", yscale="log")
 acc = ax.twinx()
-acc.plot(*zip(*report["validation"]), "C1.-", ms=3, label="validation accuracy")
+acc.plot(*zip(*report["validation"], strict=True), "C1.-", ms=3, label="validation accuracy")
 acc.axhline(WarmStartConfig().target_accuracy, c="C1", ls=":", lw=0.8, label="target_accuracy")
 acc.set(ylabel="greedy accuracy (validation)", ylim=(0, 1))
-handles, labels = [a + b for a, b in zip(ax.get_legend_handles_labels(), acc.get_legend_handles_labels())]
+handles, labels = [a + b for a, b in zip(ax.get_legend_handles_labels(), acc.get_legend_handles_labels(), strict=True)]
 ax.legend(handles, labels, loc="center left", fontsize=8)
 plt.show()
 
@@ -1010,7 +1010,7 @@ with torch.no_grad():                                                          #
 completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 answers = [r["answer"] for r in rows for _ in range(G)]
 rewards = torch.tensor(task.reward(None, completions, answer=answers)).view(-1, G)  # 2. reward
-for r, group in zip(rows, rewards):
+for r, group in zip(rows, rewards, strict=True):
     print(f"{r['prompt']:>7}  rewards {group.tolist()}  group mean {group.mean():.2f}")
 # 3. update and 4. synchronize: notebook 01.
 
@@ -1167,7 +1167,7 @@ def math_reward(prompts, completions, answer, **columns) -> list[float]:
     if len(completions) != len(answer):
         raise ValueError(f"math_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer):
+    for completion, target in zip(completions, answer, strict=True):
         expected = reference_answer(target)
         if expected is None:
             raise ValueError(f"math_reward: answer {str(target)[:60]!r} states no number; give a number (62), "

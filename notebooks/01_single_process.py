@@ -1475,7 +1475,7 @@ class Actor:
         """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32, 0 where masked."""
         scorer = self._scorer(rollout, requires_grad=False)
         out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
             out[rows, :width] = self._micro_logprobs(scorer, k)[0]
         return out * rollout.completion_mask
 
@@ -1492,8 +1492,8 @@ class Actor:
         logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
         total_rows, total_tokens = len(ro), float(mask.sum())
         scorer, finite = self._scorer(ro, requires_grad=True), True
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
-            part = lambda t: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]   # noqa: E731
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
+            part = lambda t, rows=rows, width=width: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]  # noqa: E731
             lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
             loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
                                  part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
@@ -2067,8 +2067,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import ROLLOUT_ENGINES, RLConfig
-from minirl.models.policy import check_prompts, load_default_policy
 from minirl.models.critic import ValueModel
+from minirl.models.policy import check_prompts, load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
@@ -2076,8 +2076,8 @@ from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
-from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.tasks.task import Task, arithmetic_task
+from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.train.step import Roles, rl_step, sample_prompts
 from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
@@ -2640,7 +2640,7 @@ def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
     ax.plot(steps, smooth, lw=1.5, label=f"reward, mean of {k}")
     evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out greedy accuracy")
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
     ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -2744,7 +2744,7 @@ else:
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4))
 for name, metrics in (("GRPO", grpo_metrics), ("PPO", ppo_metrics)):
     points = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
-    left.plot(*zip(*points), "o-", label=name)
+    left.plot(*zip(*points, strict=True), "o-", label=name)
 left.set(xlabel="step", ylabel="held-out greedy accuracy", title="same seed, same steps")
 left.legend()
 steps_ppo = [m["step"] for m in ppo_metrics if "value_loss" in m]
@@ -2870,7 +2870,7 @@ def group_prompts(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int)
         raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
                          "B * num_generations rows, or num_generations=1 (no sharing)")
     firsts = prompt_ids[::G], prompt_mask[::G]                                            # [B, P] each
-    for name, full, first in zip(("input_ids", "attention_mask"), (prompt_ids, prompt_mask), firsts):
+    for name, full, first in zip(("input_ids", "attention_mask"), (prompt_ids, prompt_mask), firsts, strict=True):
         if not torch.equal(full.view(-1, G, P), first[:, None].expand(-1, G, P)):
             raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
                              f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
@@ -2941,7 +2941,7 @@ def update_pass(num_generations):
 one_pass, one_grads = update_pass(1)
 shared, shared_grads = update_pass(G)
 m = batch.completion_mask.bool()
-grad_err = max((a - b).abs().max().item() for a, b in zip(one_grads, shared_grads))
+grad_err = max((a - b).abs().max().item() for a, b in zip(one_grads, shared_grads, strict=True))
 grad_scale = max(a.abs().max().item() for a in one_grads)
 print(f"rows {ids.shape[0]} = {len(prompts10)} prompts x G={G}, prompt columns P={batch.prompt_ids.shape[1]}, C={C}")
 print(f"max |log p(one pass) - log p(shared prefix)| = {(one_pass - shared)[m].abs().max().item():.1e}")
@@ -2973,7 +2973,7 @@ update_ms = median_ms({"one pass over N rows": lambda: update_pass(1), "shared p
 model.eval()
 P = batch.prompt_ids.shape[1]
 print(f"{'update (forward + backward)':30} | prompt tokens computed | ms (median of {REPS})")
-for (name, ms), tokens in zip(update_ms.items(), (ids.shape[0] * P, len(prompts10) * P)):
+for (name, ms), tokens in zip(update_ms.items(), (ids.shape[0] * P, len(prompts10) * P), strict=True):
     print(f"{name:30} | {tokens:>22} | {ms:8.1f}")
 print(f"speedup of the update: {update_ms['one pass over N rows'] / update_ms['shared prefix']:.2f}x")
 
@@ -3170,13 +3170,12 @@ def sample_shared_prefix(model, prompt_ids: Tensor, prompt_mask: Tensor, num_gen
 
 # %%
 from minirl.algo.logprobs import masked_mean  # noqa: E402
-
 from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
 
 engines = {"hf": HFEngine(model, tokenizer), "shared_prefix": SharedPrefixEngine(model, tokenizer)}
 same_seed = {name: e.generate(prompts10, SAMPLING, generator=torch.Generator().manual_seed(0))
              for name, e in engines.items()}
-identical = sum(a == b for a, b in zip(same_seed["hf"].completions, same_seed["shared_prefix"].completions))
+identical = sum(a == b for a, b in zip(same_seed["hf"].completions, same_seed["shared_prefix"].completions, strict=True))
 print(f"same seed: {identical} of {len(same_seed['hf'].completions)} completions identical")
 for name, ro in same_seed.items():
     with torch.no_grad():
@@ -3363,7 +3362,7 @@ class PromptCache:
             return                                                                        # no backward ran
         last, kv = self._run()
         outputs = [last] + [t for pair in kv for t in pair]
-        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None]
+        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves, strict=True) if leaf.grad is not None]
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
 
@@ -3408,7 +3407,7 @@ class MicroBatchedLogprobs:
 
     def tokens(self) -> int:
         """Completion tokens the micro-batches compute, padding included: sum of rows x width."""
-        return sum(len(rows) * width for rows, width in zip(self.rows, self.widths))
+        return sum(len(rows) * width for rows, width in zip(self.rows, self.widths, strict=True))
 
     def __call__(self, k: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         ro, rows, w = self.rollout, self.rows[k], self.widths[k]
@@ -3494,7 +3493,7 @@ def long_backward(actor):
 
 
 long_grads = [long_backward(a) for a in long_actors.values()]
-long_err = max((a - b).abs().max().item() for a, b in zip(*long_grads)) / max(g.abs().max().item()
+long_err = max((a - b).abs().max().item() for a, b in zip(*long_grads, strict=True)) / max(g.abs().max().item()
                                                                              for g in long_grads[0])
 long_ms = median_ms({name: (lambda a=a: long_backward(a)) for name, a in long_actors.items()}, 1 if SMOKE else 3)
 B, P = len(long_batch) // LONG.num_generations, long_batch.prompt_ids.shape[1]

@@ -142,7 +142,7 @@ print(f"{'objective at 0.20 -> 0.26, A = +1':<38} | {'(1.2)':>7} | {beyond.item(
 # %%
 ratios = torch.linspace(0.4, 1.8, 281)
 fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharex=True)
-for ax, adv in zip(axes, (+1.0, -1.0)):
+for ax, adv in zip(axes, (+1.0, -1.0), strict=True):
     ax.plot(ratios, ratios * adv, ls="--", color="gray", label="unclipped r·A")
     ax.plot(ratios, objective(ratios, torch.tensor(adv)), lw=2, label="clipped (ε = 0.2)")
     for b in (0.8, 1.2):
@@ -295,7 +295,7 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
     delta = (trainer_logps.double() - behavior_logps.double())[valid]
     ratio = delta.exp()
     rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         last = i == len(edges) - 2
         inside = (p >= lo) & ((p <= hi) if last else (p < hi))
         d, r = delta[inside].abs(), ratio[inside]
@@ -995,7 +995,7 @@ class RouteRecorder:
         return self
 
     def __exit__(self, *exc):
-        for router, saved in zip(self.routers, self._saved):
+        for router, saved in zip(self.routers, self._saved, strict=True):
             _restore_forward(router, saved)
 
     def routes(self, batch_size: int) -> Tensor:
@@ -1036,7 +1036,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
     try:
         yield model
     finally:
-        for router, previous in zip(found, saved):
+        for router, previous in zip(found, saved, strict=True):
             _restore_forward(router, previous)
 
 

@@ -52,7 +52,7 @@ def show(rows, header):
     rows = [tuple(str(c) for c in r) for r in [header, *rows]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
 
@@ -126,7 +126,7 @@ def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
     check_precision(precision)
     # BEGIN SOLUTION
     table = {"mixed": (2, 2, 4, 4, 4), "fp32": (4, 4, 0, 4, 4), "bf16": (2, 2, 0, 2, 2)}[precision]
-    per = dict(zip(COMPONENTS, table))
+    per = dict(zip(COMPONENTS, table, strict=True))
     per["total"] = sum(table)
     return per
     # END SOLUTION
@@ -283,13 +283,13 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
     colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
     x = range(len(ns))
-    for stage, ax in zip(STAGES, axes):
+    for stage, ax in zip(STAGES, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp in COMPONENTS:
             vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
             if any(vals):
                 ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp, width=0.7)
-                bottom = [b + v for b, v in zip(bottom, vals)]
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         if gpu_gb:
             ax.axhline(gpu_gb, ls="--", c="k", lw=0.8, label=f"one {gpu_gb} GB GPU")
         for (s, n), val in (measured or {}).items():
@@ -911,7 +911,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     finally:
         torch.set_num_threads(threads)
         set_checkpointing(model, False)
-    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
+    ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
             "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
@@ -1185,7 +1185,8 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
                        f"{output_ends(job.stdout)}")
             if attempt < attempts:
-                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
+                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
+                              stacklevel=2)
         raise RuntimeError(failure)
 
 
@@ -1325,12 +1326,12 @@ def plot_measured(psi, ns, points):
     """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
     colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(STAGES, axes):
+    for stage, ax in zip(STAGES, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp, color in colors.items():
             vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
             ax.bar(range(len(ns)), vals, bottom=bottom, color=color, width=0.7, label=comp)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         for (s, n), val in points.items():
             if s == stage:
                 ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)

@@ -127,7 +127,7 @@ def main(cases_path: str, out_dir: str) -> None:
             result = {}
             if kind == "setup_error":
                 result["errors"] = errors_on_every_rank(
-                    ctx, lambda: setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx))
+                    ctx, lambda: setup_spmd(config, pconfig, model, tokenizer, rows, [low_digits], ctx))  # noqa: B023 (called at once)
             elif kind == "sync_peak":
                 streaming = ColocatedEngine(HFEngine(model, tokenizer), colocate=False)
                 plain = HFEngine(model, tokenizer)
@@ -159,8 +159,8 @@ def main(cases_path: str, out_dir: str) -> None:
                     version = 0 if case["sabotage"] == "older" else 1
                     if version == 0:
                         state.sync.push(state.roles.actor.named_weights(), state.engine, 3)
-                    result["errors"] = errors_on_every_rank(ctx, lambda: state.sync.push(
-                        sabotaged(state.roles.actor.named_weights(), case["sabotage"]), state.engine, version))
+                    result["errors"] = errors_on_every_rank(ctx, lambda: state.sync.push(  # noqa: B023 (called at once)
+                        sabotaged(state.roles.actor.named_weights(), case["sabotage"]), state.engine, version))  # noqa: B023 (called at once)
                 else:
                     result["records"] = run(state, spmd_step, [], case["steps"])
                     result["weights"] = {n: full_tensor(t).clone() for n, t in state.roles.actor.named_weights()}

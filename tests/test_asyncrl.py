@@ -260,8 +260,8 @@ def test_in_flight_update_mixes_versions_without_dropping_the_sequence(make_tiny
 
 
 def test_in_flight_sampling_is_the_shared_prefix_loop_and_matches_the_trainers_logprobs(make_tiny_policy):
-    from minirl.roles.actor import Actor
     from minirl.config import OptimizerConfig
+    from minirl.roles.actor import Actor
     model, tok = make_tiny_policy(seed=5)
     sampling = SamplingConfig(num_generations=4, max_completion_length=4)
     store = WeightStore()
@@ -485,7 +485,8 @@ def test_resume_at_eta_zero_repeats_the_uninterrupted_run_exactly(make_tiny_poli
     resumed = resumable(crashed, tok, tmp_path / "b", 5, eta=0, resume=True)
     assert [[r[k] for k in ALGORITHM_KEYS] for r in resumed.records] == \
            [[r[k] for k in ALGORITHM_KEYS] for r in straight.records]
-    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), crashed.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(whole.state_dict().values(), crashed.state_dict().values(), strict=True))
     assert [s.step for s in resumed.snapshots] == [0, 2, 4, 5] and resumed.summary()["steps"] == 5
 
 
@@ -524,7 +525,7 @@ def test_reward_env_scores_one_completion_with_the_columns_and_the_weights():
 
     def exact(prompts, completions, answer, **columns):
         seen.append((prompts, completions, answer, sorted(columns)))
-        return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+        return [float(c.strip() == str(a)) for c, a in zip(completions, answer, strict=True)]
 
     def length(prompts, completions, **columns):
         return [len(c) for c in completions]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import last_line, run_script
 
 from minirl.models.policy import default_policy_dir, load_default_policy
-from refusals import last_line, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "00_warm_start.py"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import last_line, run_script
 from safetensors.torch import load_file
 
 from minirl.utils.rundir import open_run_dir
-from refusals import last_line, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "01_single_process.py"
@@ -230,6 +230,7 @@ def spy(prompts, completions, answer, **columns):
 def words(tmp_path_factory):
     """Word problems (text and chat); tiny Qwen2s with a byte-level BPE tokenizer, with and without a chat template."""
     from tiny_bpe import save_tiny_bpe_model
+
     from minirl.tasks.word_problems import write
 
     root = tmp_path_factory.mktemp("words")
@@ -262,7 +263,8 @@ steps: 9
         names = ("math_reward", "math_format_reward", "spy")
         assert all(f"rewards/{n}" in m for n in names), sorted(m)
         assert m["rewards/spy"] == 1.0, "rewards/<name> is the function's unweighted mean, as TRL logs it"
-        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"]
+                                               for k, n in zip([1, 0.5, 0.25], names, strict=True)),
                                             abs=1e-6), "the reward trained on is the weighted sum"
         assert 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from refusals import last_line, run_script
 
 ROOT = Path(__file__).resolve().parents[1]

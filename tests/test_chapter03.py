@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import Qwen2Config
-
 from refusals import last_line, run_script
+from transformers import Qwen2Config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "03_memory.py"

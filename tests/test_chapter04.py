@@ -441,7 +441,8 @@ steps: 9
     for m in steps:
         assert all(f"rewards/{n}" in m for n in names), sorted(m)
         assert m["rewards/spy"] == 1.0, "rewards/<name> is the function's unweighted mean, as TRL logs it"
-        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"]
+                                               for k, n in zip([1, 0.5, 0.25], names, strict=True)),
                                             abs=1e-6), "the reward trained on is the weighted sum"
         assert 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (tmp_path / "spy.jsonl").read_text().splitlines()]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import last_line, run_script
 
 from minirl.rollout.engine.workloads import LongTailConfig, build_long_tail_policy
-from refusals import last_line, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "05_generation.py"

@@ -176,6 +176,7 @@ def kill(prompts, completions, **columns):
 def words(tmp_path_factory):
     """Word problems (text and chat); tiny Qwen2s with a byte-level BPE tokenizer, with and without a chat template."""
     from tiny_bpe import save_tiny_bpe_model
+
     from minirl.tasks.word_problems import write
 
     root = tmp_path_factory.mktemp("words")
@@ -217,7 +218,8 @@ steps: 9
     for m in recs:
         assert all(f"rewards/{n}" in m for n in names), sorted(m)
         assert m["rewards/spy"] == 1.0 and m["env/failures"] == 0, "rewards/<name>: the unweighted mean, as TRL's"
-        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"]
+                                               for k, n in zip([1, 0.5, 0.25], names, strict=True)),
                                             abs=1e-6), "the reward trained on is the weighted sum"
         assert 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from refusals import last_line, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +25,7 @@ def test_chapter_writes_the_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["bubble"]) == {"gpipe", "1f1b", "dualpipev"}
-    for schedule, b in summary["bubble"].items():
+    for b in summary["bubble"].values():
         assert b["P"] == 2 and b["M"] == 4 and 0 < b["ratio"] < 1 and b["kind"].startswith("simulated")
     assert abs(summary["bubble"]["gpipe"]["ratio"] - 1 / 5) < 1e-9, "(P-1)/(M+P-1) at P = 2, M = 4"
     assert summary["bubble"]["dualpipev"]["ratio"] < summary["bubble"]["1f1b"]["ratio"]

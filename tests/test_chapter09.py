@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
-
-from minirl.parallel.launch import torchrun
 from refusals import last_line
 from refusals import run_script as run_with_imports
 from test_profiling import CONFIG, make_run, step_record
+
+from minirl.parallel.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "chapters" / "09_profile.py"

@@ -6,8 +6,14 @@ import pytest
 import yaml
 
 from minirl.config import RLConfig
-from minirl.utils.cli import ConfigFileParser, add_config_flags, common_parser, config_from_args, explicit_dests, \
-    merged_settings
+from minirl.utils.cli import (
+    ConfigFileParser,
+    add_config_flags,
+    common_parser,
+    config_from_args,
+    explicit_dests,
+    merged_settings,
+)
 
 
 def make_parser() -> ConfigFileParser:

@@ -128,10 +128,10 @@ def test_two_data_parallel_ranks_across_two_nodes_update_as_one(cluster, make_ti
         where = driver.where()
     assert [d.split("/")[0] for d in where["actor"]] == ["node0", "node1"]
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     keys = ("loss", "grad_norm", "entropy", "clip_ratio/region_mean") + (("value_loss", "value_grad_norm")
                                                                          if algo == "ppo" else ())
-    for got, want in zip(records, expected):
+    for got, want in zip(records, expected, strict=True):
         assert got["reward"] == want["reward"], "one rollout worker: the same samples"
         assert got["skipped"] == 0 and "loss_weight" in got, "the data-parallel actor's record"
         for key in keys:
@@ -153,7 +153,8 @@ def test_a_nan_on_one_actor_rank_makes_both_skip_at_once(cluster, make_tiny_poli
 
         def update(per_rank, what="a finite batch"):
             """Both ranks' records; fails (instead of hanging) if a rank still waits after 60 s."""
-            calls = [worker.call.remote("actor", "update", part) for worker, part in zip(actor.workers, per_rank)]
+            calls = [worker.call.remote("actor", "update", part)
+                     for worker, part in zip(actor.workers, per_rank, strict=True)]
             done, _ = ray.wait(calls, num_returns=len(calls), timeout=60 * load_factor())
             assert len(done) == len(calls), f"{what}: a rank still waits in a collective after 60 s"
             return ray.get(calls)
@@ -297,6 +298,7 @@ def kill_once(prompts, completions, **columns):
 def words(tmp_path_factory):
     """Word problems as text, a tiny Qwen2 with a byte-level BPE tokenizer, a spying and a killing reward."""
     from tiny_bpe import save_tiny_bpe_model
+
     from minirl.tasks.word_problems import write
 
     root = tmp_path_factory.mktemp("words")
@@ -347,7 +349,8 @@ steps: 9
     names = ("math_reward", "math_format_reward", "spy")
     for m in (r for r in got if "reward" in r):
         assert all(f"rewards/{n}" in m for n in names) and m["rewards/spy"] == 1.0, sorted(m)
-        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"] for k, n in zip([1, 0.5, 0.25], names)),
+        assert m["reward"] == pytest.approx(sum(k * m[f"rewards/{n}"]
+                                               for k, n in zip([1, 0.5, 0.25], names, strict=True)),
                                             abs=1e-6) and 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]
     worker_calls = [c for c in calls if c["n"] == 8 and c["pid"] != os.getpid()]   # 4 prompts x 2, both chapters

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from minirl.algo.corrections import (IS_MODES, importance_sampling_weights, pruned_log_softmax,
-                                vocabulary_keep_mask)
+from minirl.algo.corrections import IS_MODES, importance_sampling_weights, pruned_log_softmax, vocabulary_keep_mask
 
 
 def trl_reference(old, behavior, mask, mode, cap):

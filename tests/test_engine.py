@@ -13,15 +13,23 @@ from minirl.algo.logprobs import completion_logprobs
 from minirl.config import SamplingConfig
 from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer, load_default_policy
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.rollout.engine.attention import (Chunk, Linear, PagedModel, decode_attention, decode_rows,
-                                             gather_attention, make_step, zeros_on_demand)
+from minirl.rollout.engine.attention import (
+    Chunk,
+    Linear,
+    PagedModel,
+    decode_attention,
+    decode_rows,
+    gather_attention,
+    make_step,
+    zeros_on_demand,
+)
 from minirl.rollout.engine.blocks import BlockPool, block_hash, grow_table
 from minirl.rollout.engine.engine import AUTO_CACHE_TOKENS, PagedEngine, Request
 from minirl.rollout.engine.prefix import PrefixCache, match_prefix
 from minirl.rollout.engine.radix import RadixCache
 from minirl.rollout.engine.speculative import ModelDraft, NgramDraft, probabilities
-from minirl.rollout.sampling import sample_tokens
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
+from minirl.rollout.sampling import sample_tokens
 from minirl.tasks.arithmetic import format_prompt, make_task
 
 torch.set_num_threads(1)
@@ -62,7 +70,7 @@ def hf_greedy(model, tokenizer, texts, max_new_tokens):
 
 def assert_greedy_equal(got, want, gaps, tie=1e-4):
     """Token for token; where they part, HF's top two logits must tie within float rounding (tie)."""
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
             j = next((j for j in range(min(len(g), len(w))) if g[j] != w[j]), min(len(g), len(w)))
             assert gaps[i, j] < tie, f"row {i} differs from HF generate at token {j} ({g[j:j + 3]} vs {w[j:j + 3]}) " \
@@ -164,9 +172,9 @@ def test_paged_forward_matches_hf_logits(long_tail):
     paged = PagedModel(model)
     paged.allocate_cache(30, 8)
     tables = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
-    prefill = make_step([Chunk(x[:-1], 0, t) for x, t in zip(ids, tables)], 8, paged.n_rep, "cpu")
+    prefill = make_step([Chunk(x[:-1], 0, t) for x, t in zip(ids, tables, strict=True)], 8, paged.n_rep, "cpu")
     paged(prefill)
-    decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tables)], 8, paged.n_rep, "cpu")
+    decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tables, strict=True)], 8, paged.n_rep, "cpu")
     got = paged(decode)                                              # [3, V]: the next-token logits
     with torch.no_grad():
         want = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids])
@@ -181,7 +189,8 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
     H, D, NB = 4, 8, 40
     contexts = [1, 7, 19, 33]
     tables = [torch.randperm(NB)[:-(-(n + 1) // block_size)].tolist() for n in contexts]
-    step = make_step([Chunk([3], n, t) for n, t in zip(contexts, tables)], block_size, H // num_kv_heads, "cpu")
+    chunks = [Chunk([3], n, t) for n, t in zip(contexts, tables, strict=True)]
+    step = make_step(chunks, block_size, H // num_kv_heads, "cpu")
     cache = torch.randn(2, num_kv_heads, NB, block_size * D)
     keys, values = cache[0].view(num_kv_heads, NB, D, block_size), cache[1].view(num_kv_heads, NB, block_size, D)
     (g,) = step.groups                                                                # one bucket: all contexts < 64
@@ -189,7 +198,7 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
     bias = torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
     got = decode_attention(q, keys, values, decode_rows(g, H, H // num_kv_heads, NB, D, block_size), D ** -0.5)
     torch.testing.assert_close(got, gather_attention(q, keys, values, g, bias, D ** -0.5), atol=1e-5, rtol=1e-5)
-    for j, (n, t) in enumerate(zip(contexts, tables)):                               # by hand, in token order
+    for j, (n, t) in enumerate(zip(contexts, tables, strict=True)):                # by hand, in token order
         k = keys[:, t].transpose(2, 3).reshape(num_kv_heads, -1, D)[:, :n + 1]        # [Hkv, n+1, D]
         v = values[:, t].reshape(num_kv_heads, -1, D)[:, :n + 1]
         k, v = k.repeat_interleave(H // num_kv_heads, 0), v.repeat_interleave(H // num_kv_heads, 0)

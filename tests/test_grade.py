@@ -42,7 +42,8 @@ def plant(directory: Path, name: str, bodies: dict[str, str], tail: str = "") ->
     """A copy of exercises/<name> in `directory` with the stub of each exercise in `bodies` replaced."""
     text = (ROOT / "exercises" / name).read_text()
     for exercise, code in bodies.items():
-        text, n = re.subn(rf'raise NotImplementedError\("exercise {re.escape(exercise)}:[^\n]*', lambda _: code, text)
+        text, n = re.subn(rf'raise NotImplementedError\("exercise {re.escape(exercise)}:[^\n]*',
+                          lambda _, code=code: code, text)
         assert n == 1, f"no stub of exercise {exercise} in exercises/{name}"
     (directory / name).write_text(text + tail)
     return directory

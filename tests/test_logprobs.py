@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from minirl.algo.logprobs import (completion_logprobs, entropy_from_logits, masked_mean, masked_sum,
-                             position_ids_from_mask, selective_log_softmax)
+from minirl.algo.logprobs import (
+    completion_logprobs,
+    entropy_from_logits,
+    masked_mean,
+    masked_sum,
+    position_ids_from_mask,
+    selective_log_softmax,
+)
 
 
 def test_masked_mean_ignores_masked_and_empty_rows_are_zero():
@@ -126,7 +132,7 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny, temperature):
     torch.testing.assert_close(ent_s[m], ent1[m], atol=1e-5, rtol=0)
     scale = max(g.abs().max().item() for g in grads1)
     assert scale > 1e-4, "test setup: gradients must not vanish"
-    err = max((a - b).abs().max().item() for a, b in zip(grads1, grads_s)) / scale
+    err = max((a - b).abs().max().item() for a, b in zip(grads1, grads_s, strict=True)) / scale
     assert err < 1e-4, f"shared-prefix gradients differ from one pass's (max relative error {err:.1e})"
     model.zero_grad(set_to_none=True)
 

@@ -6,9 +6,23 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from minirl.memory.calculator import (GB, LLAMA2_70B, STAGES, ModelShape, activation_memory, bytes_per_param,
-                           checkpointed_activation_bytes, lora_memory, lora_params, min_gpus, state_bytes,
-                           training_memory, zero_communication, zero_per_gpu, zero_saving)
+from minirl.memory.calculator import (
+    GB,
+    LLAMA2_70B,
+    STAGES,
+    ModelShape,
+    activation_memory,
+    bytes_per_param,
+    checkpointed_activation_bytes,
+    lora_memory,
+    lora_params,
+    min_gpus,
+    state_bytes,
+    training_memory,
+    zero_communication,
+    zero_per_gpu,
+    zero_saving,
+)
 
 P70 = 70e9
 

@@ -3,10 +3,18 @@
 import pytest
 import torch
 
-from minirl.memory.distributed import compare_measured, launch_measurement
-from minirl.memory.measure import (SavedActivationMeter, build_measure_model, measure_activations, measure_lora,
-                                   padded_mask, random_batch, storage_bytes, time_recomputation)
 from minirl.memory.calculator import ModelShape, activation_memory
+from minirl.memory.distributed import compare_measured, launch_measurement
+from minirl.memory.measure import (
+    SavedActivationMeter,
+    build_measure_model,
+    measure_activations,
+    measure_lora,
+    padded_mask,
+    random_batch,
+    storage_bytes,
+    time_recomputation,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from minirl.algo.logprobs import check_logprob_pair
-from minirl.diagnostics.mismatch import (clip_bounds, diagnose, measure_logprobs, mismatch_stats, ppo_ratio,
-                                         probability_buckets)
+from minirl.diagnostics.mismatch import (
+    clip_bounds,
+    diagnose,
+    measure_logprobs,
+    mismatch_stats,
+    ppo_ratio,
+    probability_buckets,
+)
 from minirl.rollout.hf import HFEngine, fp8_round_trip
 from minirl.sync.checks import check_synchronization, rounding_tolerance, stale_parameters
 

@@ -8,10 +8,23 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import minirl.models.policy as policy_module
-from minirl.models.policy import (ModelSourceError, PolicyCacheError, PolicyConfig, PromptError, WarmStartConfig,
-                                  build_default_policy, build_policy, build_tokenizer, check_prompts,
-                                  default_policy_dir, greedy_accuracy, load_default_policy, load_policy, warm_start,
-                                  warm_start_report)
+from minirl.models.policy import (
+    ModelSourceError,
+    PolicyCacheError,
+    PolicyConfig,
+    PromptError,
+    WarmStartConfig,
+    build_default_policy,
+    build_policy,
+    build_tokenizer,
+    check_prompts,
+    default_policy_dir,
+    greedy_accuracy,
+    load_default_policy,
+    load_policy,
+    warm_start,
+    warm_start_report,
+)
 from minirl.tasks.arithmetic import TaskConfig, make_task
 
 SMALL_TASK = TaskConfig(max_operand=19, num_test=40, num_validation=40)
@@ -74,7 +87,7 @@ def test_saved_policy_loads_offline_with_auto_classes(tmp_path, monkeypatch):
     again = AutoModelForCausalLM.from_pretrained(path)
     tok2 = AutoTokenizer.from_pretrained(path)
     assert tok2("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
-    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert not list(tmp_path.glob("*.tmp-*")), "no temporary directory is left behind"
@@ -206,7 +219,7 @@ def test_load_policy_from_a_directory(small_dir):
     model, tok = load_policy(str(small_dir))
     assert tok.padding_side == "left" and not model.training
     reference = AutoModelForCausalLM.from_pretrained(small_dir)
-    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     half, _ = load_policy(small_dir, dtype="bfloat16")
     assert next(half.parameters()).dtype == torch.bfloat16
@@ -258,7 +271,8 @@ def test_load_policy_offline_hub_id_not_in_the_cache(monkeypatch, tmp_path):
 def test_load_policy_default_is_the_embedded_policy():
     model, tok = load_policy()
     embedded, _, _ = load_default_policy(progress=False)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), embedded.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.state_dict().values(), embedded.state_dict().values(), strict=True))
     assert tok.padding_side == "left" and tok.pad_token == "<pad>"
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from minirl.diagnostics.mismatch import compare_routes
-from minirl.models.policy import build_tokenizer
 from minirl.models.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
+from minirl.models.policy import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -90,12 +90,12 @@ def test_micro_batches_cover_every_row_within_the_budget(budget):
     plan = micro_batches(LENGTHS, budget)
     assert sorted(i for rows in plan for i in rows) == list(range(len(LENGTHS))), "every row exactly once"
     widths = [max(LENGTHS[i] for i in rows) for rows in plan]
-    for rows, width in zip(plan, widths):
+    for rows, width in zip(plan, widths, strict=True):
         assert len(rows) * width <= budget or len(rows) == 1, (rows, width, budget)
         assert rows == sorted(rows)
     assert widths == sorted(widths, reverse=True), "longest first: each micro-batch padded to its own longest"
     assert plan == micro_batches(LENGTHS, budget), "deterministic"
-    assert sum(len(r) * w for r, w in zip(plan, widths)) <= len(LENGTHS) * max(LENGTHS)
+    assert sum(len(r) * w for r, w in zip(plan, widths, strict=True)) <= len(LENGTHS) * max(LENGTHS)
 
 
 def test_micro_batches_zero_is_the_padded_path_and_negative_is_refused():
@@ -129,7 +129,7 @@ def test_packed_logprobs_equal_the_padded_ones(tiny, share):
                                       requires_grad=False)
         logps = torch.zeros(mask.shape)
         with torch.no_grad():
-            for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+            for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
                 logps[rows, :width] = scorer(k)[0]
         out[budget] = (logps, scorer.tokens(), len(scorer))
     (padded, padded_tokens, one), (packed, packed_tokens, several) = out[0], out[8]
@@ -236,7 +236,7 @@ def test_each_pass_computes_at_most_the_budget(make_tiny_policy, tiny):
     assert sizes[0] == sizes[-1] == (B, P), sizes
     completion_passes = sizes[1:-1]
     assert len(completion_passes) == len(plan) > 2
-    for (n, width), rows in zip(completion_passes, plan):
+    for (n, width), rows in zip(completion_passes, plan, strict=True):
         longest = max(LENGTHS[i] for i in rows)
         assert n == len(rows) and width == max(longest, 2) - 1      # the last token predicts nothing
         assert n * longest <= budget or n == 1

@@ -7,10 +7,23 @@ import pytest
 import torch
 
 from minirl.memory.measure import build_measure_model
-from minirl.parallel.packing import (PACKERS, PackingError, best_fit_decreasing, block_diagonal_mask,
-                                     first_fit_decreasing, long_tail_lengths, micro_batch_spread, next_fit,
-                                     pack_sequences, packed_loss, pad_sequences, padded_loss, padded_utilization,
-                                     time_packed_vs_padded, utilization)
+from minirl.parallel.packing import (
+    PACKERS,
+    PackingError,
+    best_fit_decreasing,
+    block_diagonal_mask,
+    first_fit_decreasing,
+    long_tail_lengths,
+    micro_batch_spread,
+    next_fit,
+    pack_sequences,
+    packed_loss,
+    pad_sequences,
+    padded_loss,
+    padded_utilization,
+    time_packed_vs_padded,
+    utilization,
+)
 
 
 def test_every_plan_is_valid_on_random_lengths():
@@ -91,7 +104,7 @@ def test_packed_training_equals_padded(batch, attn):
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
     ref_loss, ref_grad = loss_and_grad(lambda: padded_loss(model, padded))
     for how in ("mask", "position_ids"):
-        loss, grad = loss_and_grad(lambda: packed_loss(model, pack, how))
+        loss, grad = loss_and_grad(lambda how=how: packed_loss(model, pack, how))
         assert loss == pytest.approx(ref_loss, abs=1e-5), how
         assert torch.allclose(grad, ref_grad, atol=1e-6), how
     leaky, _ = loss_and_grad(lambda: model(input_ids=pack["input_ids"], labels=pack["labels"]).loss)

@@ -17,15 +17,32 @@ from minirl.data import Experience
 from minirl.memory.measure import storage_bytes
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
-from minirl.parallel.roles import (DistributedActor, DistributedCritic, pad_completions, rank_loss_weight,
-                                   reduce_metrics, scale_gradient, split_micro_batches)
+from minirl.parallel.roles import (
+    DistributedActor,
+    DistributedCritic,
+    pad_completions,
+    rank_loss_weight,
+    reduce_metrics,
+    scale_gradient,
+    split_micro_batches,
+)
 from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
-from minirl.sync.sharded import (LiveBytes, ShardedSync, engine_name, gather_buckets, gather_by_layer, gather_packed,
-                                  layer_buckets, merge_lora, shard_numels, split_by_layer)
+from minirl.sync.sharded import (
+    LiveBytes,
+    ShardedSync,
+    engine_name,
+    gather_buckets,
+    gather_by_layer,
+    gather_packed,
+    layer_buckets,
+    merge_lora,
+    shard_numels,
+    split_by_layer,
+)
 from minirl.utils.validate import ConfigError
 
 SAMPLING = SamplingConfig(num_generations=2, max_completion_length=3)
@@ -347,7 +364,8 @@ def test_sleep_releases_the_weights_and_a_push_restores_them(tiny):
         engine.generate(PROMPTS, SAMPLING)
     engine.load_weights(model.state_dict().items(), 1)
     assert storage_bytes(t for _, t in engine.named_weights()) == awake
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_weights(), model.state_dict().items()))
+    pairs = zip(engine.named_weights(), model.state_dict().items(), strict=True)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in pairs)
 
 
 def test_seed_per_prompt_does_not_depend_on_the_split(tiny):

@@ -100,9 +100,9 @@ def test_one_launcher_in_the_package():
 # --- a job that stops early (issue 22): who died, which signal, one line from one rank ---------------------------
 
 def test_dead_ranks_sees_a_process_of_this_host_that_ended():
-    from minirl.parallel.stops import dead_ranks
-
     import socket
+
+    from minirl.parallel.stops import dead_ranks
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         processes = [(socket.gethostname(), os.getpid()), (socket.gethostname(), child.pid),

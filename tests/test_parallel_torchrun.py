@@ -99,7 +99,7 @@ def test_two_ranks_follow_the_one_process_loop(results, name):
     records, weights, initial = one_process(case)
     got = results[name]
     assert len(got["records"]) == len(records) == case["steps"]
-    for step, (one, two) in enumerate(zip(records, got["records"]), 1):
+    for step, (one, two) in enumerate(zip(records, got["records"], strict=True), 1):
         assert two["completion_length"] == one["completion_length"], f"step {step}: another batch was sampled"
         assert two["reward"] == pytest.approx(one["reward"], abs=1e-6), f"step {step}: reward"
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6), f"step {step}: loss"

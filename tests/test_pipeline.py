@@ -3,10 +3,23 @@ two-process pipeline under torchrun (minirl.parallel.pipeline, minirl.parallel.p
 
 import pytest
 
-from minirl.parallel.pipeline import (SCHEDULES, Costs, Op, PipelineError, bubble_formulas, bubble_share,
-                                      check_pipeline, dualpipev_order, gpipe_order, one_f_one_b_order,
-                                      one_f_one_b_schedule, schedule_orders, simulate, simulate_schedule,
-                                      split_layers)
+from minirl.parallel.pipeline import (
+    SCHEDULES,
+    Costs,
+    Op,
+    PipelineError,
+    bubble_formulas,
+    bubble_share,
+    check_pipeline,
+    dualpipev_order,
+    gpipe_order,
+    one_f_one_b_order,
+    one_f_one_b_schedule,
+    schedule_orders,
+    simulate,
+    simulate_schedule,
+    split_layers,
+)
 from minirl.parallel.pipeline_run import compare_with_simulator, launch_pipeline, measured_timelines
 
 
@@ -113,7 +126,7 @@ def test_real_pipeline_under_torchrun():
     result = launch_pipeline(2, microbatches=(4,), layers=4, hidden=32, batch=8, seq=8, repeats=1, timeout=300)
     rows = compare_with_simulator(result)
     assert [r["schedule"] for r in rows] == list(SCHEDULES)
-    for r, run in zip(rows, result["runs"]):
+    for r, run in zip(rows, result["runs"], strict=True):
         assert r["loss"] == pytest.approx(r["reference_loss"], abs=1e-5), "a pipeline only reorders the work"
         assert 0.0 < r["measured"] < 1.0 and 0.0 < r["simulated"] < 1.0
         timeline = measured_timelines(run)[0]

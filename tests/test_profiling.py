@@ -15,11 +15,31 @@ import torch
 from transformers import Qwen2Config
 
 from minirl.config import RLConfig
-from minirl.profiling.decompose import (CATEGORIES, MetricsFileError, MixedRunsError, NoMetricsError, decompose,
-                                        rank_imbalance, stage_shares)
-from minirl.profiling.mfu import (GPU_PEAK_TFLOPS, ModelShape, ModelShapeError, UnknownPeakError, flat_config,
-                                  forward_flops, generation_flops, gpu_peak_flops, group_forward_flops,
-                                  measure_cpu_peak, peak_flops, run_mfu, step_flops, training_flops)
+from minirl.profiling.decompose import (
+    CATEGORIES,
+    MetricsFileError,
+    MixedRunsError,
+    NoMetricsError,
+    decompose,
+    rank_imbalance,
+    stage_shares,
+)
+from minirl.profiling.mfu import (
+    GPU_PEAK_TFLOPS,
+    ModelShape,
+    ModelShapeError,
+    UnknownPeakError,
+    flat_config,
+    forward_flops,
+    generation_flops,
+    gpu_peak_flops,
+    group_forward_flops,
+    measure_cpu_peak,
+    peak_flops,
+    run_mfu,
+    step_flops,
+    training_flops,
+)
 
 CONFIG = RLConfig.from_flat(steps=10, prompts_per_step=4, num_generations=2, eval_every=0)
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

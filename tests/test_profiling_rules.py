@@ -5,11 +5,11 @@ import dataclasses
 import json
 
 import pytest
+from test_profiling import CONFIG, make_run, step_record
 
 from minirl.profiling.decompose import MixedRunsError, NoMetricsError, decompose
 from minirl.profiling.mfu import ModelShape, flat_config, run_mfu
 from minirl.profiling.rules import RULES, diagnose, rules_that_fire
-from test_profiling import CONFIG, make_run, step_record
 
 HEALTHY_MFU = 0.5
 

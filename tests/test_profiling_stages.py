@@ -6,12 +6,12 @@ import dataclasses
 import json
 
 import pytest
+from test_profiling import CONFIG, TINY, make_run, step_record
 from transformers import Qwen2Config
 
 from minirl.profiling.decompose import TIMELINE_FILE, decompose, split_calls
 from minirl.profiling.mfu import ModelShape, flat_config, run_mfu, step_flops
 from minirl.profiling.rules import diagnose, run_dir_mfu
-from test_profiling import CONFIG, TINY, make_run, step_record
 
 PCONFIG = {"zero": 3, "lora_rank": 0, "gradient_checkpointing": False, "colocate": True}   # stage 4's run.json
 

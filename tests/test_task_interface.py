@@ -11,8 +11,14 @@ import torch
 from minirl.tasks.arithmetic import accuracy_reward, arithmetic_reward, format_reward, make_task
 from minirl.tasks.data_files import load_rows, render_prompts
 from minirl.tasks.math_answer import final_answer, math_format_reward, math_reward, parse_number, reference_answer
-from minirl.tasks.rewards import (REWARDS, as_conversational, check_reward_columns, combine_rewards,
-                                  frac_reward_zero_std, resolve_rewards)
+from minirl.tasks.rewards import (
+    REWARDS,
+    as_conversational,
+    check_reward_columns,
+    combine_rewards,
+    frac_reward_zero_std,
+    resolve_rewards,
+)
 from minirl.tasks.task import Task, arithmetic_task, load_task
 from minirl.tasks.word_problems import generate
 from minirl.utils.validate import ConfigError
@@ -361,7 +367,7 @@ def test_conversational_task_rewards_receive_messages_and_columns(tmp_path):
 
     rows = generate(n_train=4, n_test=2, chat=True)
     task = load_task(rows["train"], rows["test"], ["math"], tokenizer=build_bpe_tokenizer())
-    lookup = {r["prompt"]: m["prompt"] for r, m in zip(task.train, rows["train"])}
+    lookup = {r["prompt"]: m["prompt"] for r, m in zip(task.train, rows["train"], strict=True)}
     task.reward_funcs.append(as_conversational(spy, lookup))
     task.reward_weights.append(2.0)
     total, metrics = task.score(task.train[:2], ["#### 1", "x"])

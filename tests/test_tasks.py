@@ -5,8 +5,17 @@ import string
 
 import pytest
 
-from minirl.tasks.arithmetic import (MAX_DIGITS, Problem, TaskConfig, accuracy_reward, format_answer, format_prompt,
-                                     format_reward, make_task, parse_answer)
+from minirl.tasks.arithmetic import (
+    MAX_DIGITS,
+    Problem,
+    TaskConfig,
+    accuracy_reward,
+    format_answer,
+    format_prompt,
+    format_reward,
+    make_task,
+    parse_answer,
+)
 
 
 def test_split_is_disjoint_deterministic_and_complete():

@@ -291,7 +291,7 @@ def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1,
     assert err < 1e-4, f"{case}: gradients differ from TRL's (max relative error {err:.2e})"
     atol = 1e-6 if num_generations == 1 else 1e-5   # a shared prompt: G copies' gradients summed in another order
     for name, (a, b) in {n: (grads[n], trl_grads[n]) for n in grads}.items():
-        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"gradient of {name}:\n{m}")
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}:\n{m}")
     for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
             "kl",) * bool(settings["beta"]):
         assert key in metrics, f"policy_loss metrics lack {key!r} (TRL logs it)"

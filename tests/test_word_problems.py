@@ -60,7 +60,7 @@ def test_no_held_out_problem_is_in_training(monkeypatch):
 
 def test_chat_rows_are_a_system_and_a_user_turn():
     plain, chat = generate(5, 2, seed=0), generate(5, 2, seed=0, chat=True)
-    for p, c in zip(plain["train"], chat["train"]):
+    for p, c in zip(plain["train"], chat["train"], strict=True):
         assert [m["role"] for m in c["prompt"]] == ["system", "user"] and "#### <number>" in c["prompt"][0]["content"]
         assert p["prompt"] == f"Question: {c['prompt'][1]['content']}\n{word_problems.INSTRUCTION}\nAnswer:"
         assert p["answer"] == c["answer"]

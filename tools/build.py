@@ -36,8 +36,11 @@ import ast
 import builtins
 import io
 import re
+import shutil
+import subprocess
 import symtable
 import sys
+import tempfile
 import textwrap
 import tokenize
 import warnings
@@ -627,7 +630,28 @@ def generate(root: Path) -> dict[str, str]:
         files[target] = render_module(target, cells)
     files.update(exercise_files(project))
     files.update(package_markers(root, project.modules))
-    return files
+    return sort_imports(root, files)
+
+
+def sort_imports(root: Path, files: dict[str, str]) -> dict[str, str]:
+    """`files` with the imports of every .py in the order the project's lint wants (ruff's isort rule, `I`).
+
+    The cells' imports are merged above (`import_groups`); ruff then orders them as it orders a
+    hand-written module, with the settings of `root`'s pyproject.toml, so a generated module
+    passes the same lint. Runs ruff once, on copies in a temporary directory.
+    """
+    sources = {rel: text for rel, text in files.items() if rel.endswith(".py")}
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(root / "pyproject.toml", Path(tmp) / "pyproject.toml")
+        for rel, text in sources.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_text(text, encoding="utf-8")
+        command = [sys.executable, "-m", "ruff", "check", "--select", "I", "--fix", "--exit-zero", "--quiet",
+                   "--no-cache", "."]
+        done = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
+        if done.returncode:
+            raise BuildError(f"ruff could not sort the generated imports: {done.stderr.strip() or done.stdout.strip()}")
+        return {**files, **{rel: (Path(tmp) / rel).read_text(encoding="utf-8") for rel in sources}}
 
 
 def leftovers(root: Path, files: dict[str, str]) -> list[tuple[str, str]]:

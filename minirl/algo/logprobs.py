@@ -26,8 +26,8 @@ __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log
 
 import torch
 from torch import Tensor
-from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from minirl.data import Rollout
 
@@ -135,7 +135,7 @@ def group_prompts(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int)
         raise ValueError(f"shared_prefix_logits: {N} rows are not groups of num_generations={G}; pass "
                          "B * num_generations rows, or num_generations=1 (no sharing)")
     firsts = prompt_ids[::G], prompt_mask[::G]                                            # [B, P] each
-    for name, full, first in zip(("input_ids", "attention_mask"), (prompt_ids, prompt_mask), firsts):
+    for name, full, first in zip(("input_ids", "attention_mask"), (prompt_ids, prompt_mask), firsts, strict=True):
         if not torch.equal(full.view(-1, G, P), first[:, None].expand(-1, G, P)):
             raise ValueError(f"completion_logprobs: num_generations={G} but the rows of a group have different "
                              f"prompts ({name} differs in the first {P} columns): pass G consecutive completions "
@@ -248,7 +248,7 @@ class PromptCache:
             return                                                                        # no backward ran
         last, kv = self._run()
         outputs = [last] + [t for pair in kv for t in pair]
-        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None]
+        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves, strict=True) if leaf.grad is not None]
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
 
@@ -284,7 +284,7 @@ class MicroBatchedLogprobs:
 
     def tokens(self) -> int:
         """Completion tokens the micro-batches compute, padding included: sum of rows x width."""
-        return sum(len(rows) * width for rows, width in zip(self.rows, self.widths))
+        return sum(len(rows) * width for rows, width in zip(self.rows, self.widths, strict=True))
 
     def __call__(self, k: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         ro, rows, w = self.rollout, self.rows[k], self.widths[k]

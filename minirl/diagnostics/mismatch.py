@@ -18,17 +18,17 @@ __all__ = ["ppo_ratio", "clip_bounds", "mismatch_stats", "PROBABILITY_EDGES",
            "probability_buckets", "format_buckets", "DTYPES", "LogprobPair", "trainer_logprobs",
            "measure_logprobs", "MismatchReport", "worst_tokens", "diagnose", "compare_routes"]
 
+import copy
 import math
 from dataclasses import dataclass, field
-import copy
 
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair, completion_logprobs
 from minirl.config import SamplingConfig
+from minirl.models.moe import RouteRecorder, replay_routes, route_agreement, routers
 from minirl.rollout.hf import HFEngine
-from minirl.models.moe import routers, RouteRecorder, replay_routes, route_agreement
 from minirl.sync.checks import check_synchronization, dtype_name
 
 
@@ -102,7 +102,7 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
     delta = (trainer_logps.double() - behavior_logps.double())[valid]
     ratio = delta.exp()
     rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         last = i == len(edges) - 2
         inside = (p >= lo) & ((p <= hi) if last else (p < hi))
         d, r = delta[inside].abs(), ratio[inside]

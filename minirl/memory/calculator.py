@@ -57,7 +57,7 @@ def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
     """
     check_precision(precision)
     table = {"mixed": (2, 2, 4, 4, 4), "fp32": (4, 4, 0, 4, 4), "bf16": (2, 2, 0, 2, 2)}[precision]
-    per = dict(zip(COMPONENTS, table))
+    per = dict(zip(COMPONENTS, table, strict=True))
     per["total"] = sum(table)
     return per
 

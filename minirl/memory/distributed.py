@@ -159,7 +159,8 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
                        f"{output_ends(job.stdout)}")
             if attempt < attempts:
-                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again")
+                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
+                              stacklevel=2)
         raise RuntimeError(failure)
 
 

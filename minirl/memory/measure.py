@@ -178,7 +178,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     finally:
         torch.set_num_threads(threads)
         set_checkpointing(model, False)
-    ratios = sorted(c / p for p, c in zip(times[False], times[True]))
+    ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
             "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,

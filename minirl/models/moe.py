@@ -20,13 +20,13 @@ __all__ = ["build_moe_policy", "routers", "RouteRecorder", "replay_routes", "rou
            "expert_counts", "load_imbalance", "BalancedTopKRouter", "install_balancing",
            "load_history", "load_moe_policy"]
 
-from contextlib import contextmanager
-import weakref
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import weakref
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -83,7 +83,7 @@ class RouteRecorder:
         return self
 
     def __exit__(self, *exc):
-        for router, saved in zip(self.routers, self._saved):
+        for router, saved in zip(self.routers, self._saved, strict=True):
             _restore_forward(router, saved)
 
     def routes(self, batch_size: int) -> Tensor:
@@ -124,7 +124,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
     try:
         yield model
     finally:
-        for router, previous in zip(found, saved):
+        for router, previous in zip(found, saved, strict=True):
             _restore_forward(router, previous)
 
 

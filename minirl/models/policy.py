@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
@@ -77,7 +77,7 @@ def check_prompts(tokenizer, prompts: list[str], context: int | None = None, max
         enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids = enc["input_ids"]
         if unk is not None and unk in ids:
-            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"]) if t == unk})
+            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"], strict=True) if t == unk})
             raise PromptError(f"prompt {i} ({prompt[:40]!r}) has characters the tokenizer does not know: {chars} "
                               f"(they would become {tokenizer.unk_token})")
         if context is not None and len(ids) + max_new_tokens > context:

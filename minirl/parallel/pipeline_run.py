@@ -32,9 +32,23 @@ import torch
 from torch import nn
 
 from minirl.parallel.launch import output_ends, torchrun
-from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
-                                      Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
-                                      schedule_orders, simulate, split_layers)
+from minirl.parallel.pipeline import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    SCHEDULES,
+    Costs,
+    Event,
+    Op,
+    PipelineError,
+    PipelineTimeline,
+    check_pipeline,
+    dualpipev_stages,
+    schedule_orders,
+    simulate,
+    split_layers,
+)
 
 
 class Block(nn.Module):

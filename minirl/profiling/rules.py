@@ -25,8 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl.profiling.decompose import Decomposition, NoMetricsError, category_of, decompose, rank_imbalance
-from minirl.profiling.mfu import (MFUReport, ModelShape, ModelShapeError, UnknownPeakError, flat_config, peak_flops,
-                                  run_mfu)
+from minirl.profiling.mfu import (
+    MFUReport,
+    ModelShape,
+    ModelShapeError,
+    UnknownPeakError,
+    flat_config,
+    peak_flops,
+    run_mfu,
+)
 from minirl.utils.rundir import RUN_FILE
 
 

@@ -95,7 +95,7 @@ class Actor:
         """log pi(y_t | ...) of every completion token under the current weights: [N, C] float32, 0 where masked."""
         scorer = self._scorer(rollout, requires_grad=False)
         out = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
             out[rows, :width] = self._micro_logprobs(scorer, k)[0]
         return out * rollout.completion_mask
 
@@ -112,8 +112,8 @@ class Actor:
         logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
         total_rows, total_tokens = len(ro), float(mask.sum())
         scorer, finite = self._scorer(ro, requires_grad=True), True
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths)):
-            part = lambda t: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]   # noqa: E731
+        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
+            part = lambda t, rows=rows, width=width: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]  # noqa: E731
             lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
             loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
                                  part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))

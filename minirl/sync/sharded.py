@@ -25,18 +25,18 @@ __all__ = ["SYNC_MODES", "PEFT_PREFIX", "LAYER", "LORA", "engine_name", "layer_k
            "gather_packed", "split_by_layer", "layer_buckets", "gather_buckets", "LiveBytes",
            "ShardedSyncReport", "ShardedSync", "SinkEngine", "full_tensor_storage"]
 
-import re
-from typing import Iterable, Iterator
 import functools
 import math
+import re
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
-from torch import Tensor
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from minirl.sync.base import SyncReport, check_pushed
 from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters

@@ -148,7 +148,7 @@ def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, *
     if len(completions) != len(answer):
         raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer):
+    for completion, target in zip(completions, answer, strict=True):
         stated = parse_answer(completion_text(completion), reverse=reverse_answer)
         rewards.append(1.0 if stated is not None and stated == target else 0.0)
     return rewards

@@ -36,7 +36,7 @@ def _first_line(err: BaseException) -> str:
 
 def _read(path: Path, param: str):
     """A datasets.Dataset from a file or save_to_disk directory (progress bars off)."""
-    import datasets   # imported here: the embedded task never needs it, and it takes seconds to import
+    import datasets  # imported here: the embedded task never needs it, and it takes seconds to import
 
     bars_were_on, verbosity = not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()

@@ -109,7 +109,7 @@ def math_reward(prompts, completions, answer, **columns) -> list[float]:
     if len(completions) != len(answer):
         raise ValueError(f"math_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer):
+    for completion, target in zip(completions, answer, strict=True):
         expected = reference_answer(target)
         if expected is None:
             raise ValueError(f"math_reward: answer {str(target)[:60]!r} states no number; give a number (62), "

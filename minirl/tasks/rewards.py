@@ -33,7 +33,7 @@ from minirl.tasks.math_answer import math_format_reward, math_reward
 from minirl.utils.validate import ConfigError
 
 if TYPE_CHECKING:      # torch is imported where a tensor is made: chapter 01 names SPEC_HELP in --reward's help,
-    from torch import Tensor   # and its --help and a mistyped flag must not wait for torch to load
+    from torch import Tensor  # and its --help and a mistyped flag must not wait for torch to load
 
 REWARDS = {"arithmetic": arithmetic_reward, "math": math_reward, "format": math_format_reward}
 CORRECTNESS = (arithmetic_reward, math_reward)   # 0/1 correctness rewards: their mean is an accuracy
@@ -107,7 +107,7 @@ def resolve_rewards(specs: list[str], weights: list[float] | None = None,
     names = [reward_name(f) for f in funcs]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
-        same = [s for s, n in zip(specs, names) if n == twice]
+        same = [s for s, n in zip(specs, names, strict=True) if n == twice]
         raise ConfigError(params[0], same, f"two reward functions named {twice!r}: their rewards/{twice} metrics "
                                            "would collide; give each reward once (rename one of them)")
     if weights is None:

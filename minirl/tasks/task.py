@@ -17,11 +17,17 @@ from pathlib import Path
 
 import torch
 
-from minirl.tasks.rewards import (combine_rewards, reward_name, CORRECTNESS, as_conversational,
-                                  check_reward_columns, resolve_rewards)
 from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
 from minirl.tasks.data_files import check_rows, load_rows, render_prompts
 from minirl.tasks.math_answer import math_reward, reference_answer
+from minirl.tasks.rewards import (
+    CORRECTNESS,
+    as_conversational,
+    check_reward_columns,
+    combine_rewards,
+    resolve_rewards,
+    reward_name,
+)
 from minirl.utils.validate import ConfigError
 
 

@@ -17,7 +17,7 @@ def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
     ax.plot(steps, smooth, lw=1.5, label=f"reward, mean of {k}")
     evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out greedy accuracy")
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
     ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
     ax.legend(loc="lower right")
     fig.tight_layout()

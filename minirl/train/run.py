@@ -26,8 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import ROLLOUT_ENGINES, RLConfig
-from minirl.models.policy import check_prompts, load_default_policy
 from minirl.models.critic import ValueModel
+from minirl.models.policy import check_prompts, load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
@@ -35,8 +35,8 @@ from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
-from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.tasks.task import Task, arithmetic_task
+from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.train.step import Roles, rl_step, sample_prompts
 from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir

@@ -101,7 +101,7 @@ class ConfigFileParser(argparse.ArgumentParser):
 
     def _config_tokens(self, path: Path) -> dict[str, list[str]]:
         """{setting: its command-line tokens} from the YAML file at `path`; parser errors naming the file."""
-        import yaml   # imported here: only a script given --config needs it
+        import yaml  # imported here: only a script given --config needs it
 
         where = f"argument --config: {path}"
         try:

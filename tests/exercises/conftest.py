@@ -35,7 +35,7 @@ def exercise_modules(nn: str) -> list[str]:
     """The modules notebook NN's solution cells export to, in notebook order: ["algo.losses", ...]."""
     modules = []
     parts = CELL.split(notebook_source(nn).read_text())  # [preamble, marker, cell, marker, cell, ...]
-    for marker, cell in zip(parts[1::2], parts[2::2]):
+    for marker, cell in zip(parts[1::2], parts[2::2], strict=True):
         lines = [line for line in cell.splitlines() if line.strip()]
         if re.search(r"\[(markdown|md|raw)\]", marker) or not lines:
             continue

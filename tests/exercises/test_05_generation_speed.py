@@ -10,14 +10,13 @@ import torch
 
 from minirl.rollout.engine.blocks import BlockPool, block_hash
 
-
 # ---------------------------------------------------------------- 5.1 grow_table
 
 
 def check_grow_table_counts(grow_table):
     for tokens, blocks in ((0, 0), (1, 1), (4, 1), (5, 2), (16, 4), (17, 5)):
         table, taken = [], iter(range(100, 200))
-        added = grow_table(table, tokens, 4, lambda: next(taken))
+        added = grow_table(table, tokens, 4, lambda taken=taken: next(taken))
         assert table == list(range(100, 100 + blocks)), \
             f"{tokens} tokens in blocks of 4 need ceil({tokens}/4) = {blocks} blocks, taken in order; got {table}"
         assert added == blocks, "return the number of blocks appended"
@@ -34,7 +33,7 @@ def check_grow_table_keeps_what_is_there(grow_table):
 def check_grow_table_for_a_set_of_sequences(grow_table):
     pool = BlockPool(12, 4)
     tables = [[] for _ in range(4)]
-    for table, length in zip(tables, (5, 9, 3, 16)):
+    for table, length in zip(tables, (5, 9, 3, 16), strict=True):
         grow_table(table, length, 4, pool.allocate)
     assert [len(t) for t in tables] == [2, 3, 1, 4], "sequences of 5, 9, 3, 16 tokens hold 2, 3, 1, 4 blocks of 4"
     assert pool.num_free == 2 and len({b for t in tables for b in t}) == 10, "10 distinct blocks taken from the pool"

@@ -115,7 +115,7 @@ def engine(args) -> dict:
         got = [s.completion for s in paged.run([Request(x, args.new_tokens, 0.0) for x in ids])]
         want, gaps = hf_greedy(reference, tokenizer, prompts, args.new_tokens)
         equal, ties, wrong = 0, [], []
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             if list(g) == list(w):
                 equal += 1
                 continue

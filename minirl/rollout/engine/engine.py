@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
-from minirl.rollout.sampling import sample_tokens
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
@@ -41,6 +40,7 @@ from minirl.rollout.engine.prefix import PrefixCache
 from minirl.rollout.engine.radix import RadixCache
 from minirl.rollout.engine.scheduler import FINISHED, RUNNING, Scheduler, Sequence
 from minirl.rollout.engine.speculative import speculative_step
+from minirl.rollout.sampling import sample_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHES = ("prefix", "radix", "none")

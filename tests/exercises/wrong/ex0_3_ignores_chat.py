@@ -6,4 +6,4 @@ EXERCISE = "0.3"
 
 
 def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns):
-    return [1.0 if parse_answer(c, reverse_answer) == a else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if parse_answer(c, reverse_answer) == a else 0.0 for c, a in zip(completions, answer, strict=True)]

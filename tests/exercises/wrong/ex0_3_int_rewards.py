@@ -6,4 +6,5 @@ EXERCISE = "0.3"
 
 
 def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns):
-    return [int(parse_answer(completion_text(c), reverse_answer) == a) for c, a in zip(completions, answer)]
+    return [int(parse_answer(completion_text(c), reverse_answer) == a)
+            for c, a in zip(completions, answer, strict=True)]

@@ -10,7 +10,7 @@ def probability_buckets(trainer_logps, behavior_logps, mask, edges=(0.0, 1e-3, 1
     delta = (trainer_logps.double() - behavior_logps.double())[valid]
     ratio = delta.exp()
     rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         last = i == len(edges) - 2
         inside = (p >= lo) & ((p <= hi) if last else (p < hi))
         d, r = delta[inside].abs(), ratio[inside]

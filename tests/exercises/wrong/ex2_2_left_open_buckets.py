@@ -10,7 +10,7 @@ def probability_buckets(trainer_logps, behavior_logps, mask, edges=(0.0, 1e-3, 1
     delta = (trainer_logps.double() - behavior_logps.double())[valid]
     ratio = delta.exp()
     rows = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         inside = ((p > lo) | (p == 0)) & (p <= hi)
         d, r = delta[inside].abs(), ratio[inside]
         n = int(inside.sum())

@@ -9,6 +9,6 @@ def bytes_per_param(precision="mixed"):
     check_precision(precision)
     table = {"mixed": (2.0, 2.0, 4.0, 4.0, 4.0), "fp32": (4.0, 4.0, 0.0, 4.0, 4.0),
              "bf16": (2.0, 2.0, 0.0, 2.0, 2.0)}[precision]
-    per = dict(zip(("weights", "grads", "master", "adam_m", "adam_v"), table))
+    per = dict(zip(("weights", "grads", "master", "adam_m", "adam_v"), table, strict=True))
     per["total"] = sum(table)
     return per
