@@ -137,13 +137,13 @@ def test_module_layout_order_and_hoisting(two_notebooks):
 
         __all__ = ["Task", "sample", "load"]
 
+        import json
         import os
+        import random
         from dataclasses import (
             dataclass,
             field,
         )
-        import random
-        import json
 
         from minirl.util import seeded
 
@@ -206,7 +206,7 @@ def test_future_import_from_a_later_cell_goes_first(tmp_path):
     build(root, check=False)
     assert read(root, "minirl/x.py").split("\n", 1)[1] == (
         '"""X."""\n\nfrom __future__ import annotations\n\n__all__ = ["A", "B"]\n\nimport os\nimport sys\n\n'
-        "from minirl import tasks\nimport minirl.util as util\n\nA = os.sep\n\n\nB = sys.path\n"
+        "import minirl.util as util\nfrom minirl import tasks\n\nA = os.sep\n\n\nB = sys.path\n"
     )
 
 
@@ -657,7 +657,7 @@ def test_exercise_file_holds_only_the_exercise_cells(tmp_path):
                          "minirl,\nimported below where these cells use it.\n"), "the title is the notebook's heading"
     assert code.startswith(
         "import collections\nimport math\n\n"
-        "from minirl.stats import clipped, spread\nfrom minirl.losses import helper\n\n\n"
+        "from minirl.losses import helper\nfrom minirl.stats import clipped, spread\n\n\n"
         "def loss(xs):\n"), code
     assert "def report" not in code and "SCALE = 2.0" not in code, "cells without solution spans stay in minirl"
     assert "mean" not in code.split("def loss")[0], "mean is exercise 1.1's answer: the stub never imports it"

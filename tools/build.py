@@ -9,7 +9,8 @@ The jupytext "percent" files notebooks/NN_slug.py are the single source of truth
 
 An export cell is a code cell whose first non-blank line is `# | export minirl/tasks.py`.
 Notebooks are read in filename order and cells in notebook order, so a module may gather
-cells from several notebooks. In a module the cells' top-level imports are hoisted, the
+cells from several notebooks. In a module the cells' top-level imports are hoisted (and
+sorted as ruff's isort rule sorts them), the
 first cell's docstring becomes the module docstring, `__all__` lists the public names
 (top-level defs, classes and UPPER_CASE constants, in order of definition), runs of blank
 lines are collapsed (two at most between top-level blocks, one inside), and the
@@ -637,12 +638,14 @@ def sort_imports(root: Path, files: dict[str, str]) -> dict[str, str]:
     """`files` with the imports of every .py in the order the project's lint wants (ruff's isort rule, `I`).
 
     The cells' imports are merged above (`import_groups`); ruff then orders them as it orders a
-    hand-written module, with the settings of `root`'s pyproject.toml, so a generated module
-    passes the same lint. Runs ruff once, on copies in a temporary directory.
+    hand-written module, with the settings of `root`'s pyproject.toml (this project's if it has
+    none), so a generated module passes the same lint. Runs ruff once, on temporary copies.
     """
     sources = {rel: text for rel, text in files.items() if rel.endswith(".py")}
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(root / "pyproject.toml", Path(tmp) / "pyproject.toml")
+        own = root / "pyproject.toml"
+        settings = own if own.exists() else ROOT / "pyproject.toml"
+        shutil.copy(settings, Path(tmp) / "pyproject.toml")
         for rel, text in sources.items():
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / rel).write_text(text, encoding="utf-8")
