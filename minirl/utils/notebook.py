@@ -47,18 +47,23 @@ def patch_function(old: types.FunctionType, new: types.FunctionType) -> bool:
         old.__code__ = new.__code__                 # refused when the number of free variables differs
     except ValueError:
         return False
-    for old_cell, new_cell in zip(old.__closure__ or (), new.__closure__ or (), strict=True):
-        old_cell.cell_contents = new_cell.cell_contents           # a decorator's wrapped function, say
+    for name, old_cell, new_cell in zip(new.__code__.co_freevars, old.__closure__ or (), new.__closure__ or (),
+                                        strict=True):
+        if name != "__class__":          # a method's own class (for super()) stays the class it is patched into
+            old_cell.cell_contents = new_cell.cell_contents       # a decorator's wrapped function, say
     old.__defaults__, old.__kwdefaults__, old.__doc__ = new.__defaults__, new.__kwdefaults__, new.__doc__
     old.__dict__.update(new.__dict__)
     return True
 
 
+SLOT_TYPES = (types.MemberDescriptorType, types.GetSetDescriptorType)
+
+
 def patch_class(old: type, new: type) -> None:
     """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow."""
     for name, value in vars(new).items():
-        if name in ("__dict__", "__weakref__"):
-            continue
+        if name in ("__dict__", "__weakref__", "__slots__") or isinstance(value, SLOT_TYPES):
+            continue                         # a slot's descriptor only reads the instances of its own class
         current = vars(old).get(name)
         if isinstance(current, types.FunctionType) and isinstance(value, types.FunctionType):
             if patch_function(current, value):
@@ -84,7 +89,7 @@ def apply_cell(source: str, module_name: str) -> list[str]:
     module = importlib.import_module(module_name)
     namespace = vars(module)
     before = dict(namespace)
-    exec(compile(source, getattr(module, "__file__", None) or module_name, "exec"), namespace)  # noqa: S102
+    exec(compile(source, f"<exported cell: {module_name}>", "exec"), namespace)  # noqa: S102 (not the file's lines)
     changed = []
     for name, new in list(namespace.items()):
         old = before.get(name)
@@ -104,6 +109,10 @@ def _post_run_cell(result) -> None:
         return
     try:
         names = apply_cell(source, target)
+        module = vars(importlib.import_module(target))
+        for name in names:                   # the notebook's names are the package's objects: one class, not two
+            if name in _shell.user_ns and name in module:
+                _shell.user_ns[name] = module[name]
     except Exception as err:  # the notebook's own run succeeded; say why the package could not take it
         print(f"[minirl] this cell ran, but {target} could not take it: {type(err).__name__}: {err}")
         return
