@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     args, config, task, settings = parse_args(argv)
     import torch
 
-    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy
+    from minirl.models.loading import ModelSourceError, load_policy
+    from minirl.models.policy import PromptError, check_prompts
     from minirl.train.checkpoint import latest_checkpoint
     from minirl.train.plots import plot_metrics
     from minirl.train.run import RunStopped, train

@@ -99,7 +99,7 @@ def parse_args(argv=None):
         args.repeats, args.slots, args.cache_tokens, args.ks = 1, 4, 512, args.ks[:2]
     check_context(parser, args, model_context(args.model), args.model or "the long-tail policy")
     check_device(parser, args.device)                  # imports torch: after every flag parsed
-    from minirl.models.policy import ModelSourceError, check_model_source
+    from minirl.models.loading import ModelSourceError, check_model_source
 
     for flag, name in (("--model", args.model), ("--draft", args.draft)):
         try:
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     import torch
 
     from minirl.config import SamplingConfig
-    from minirl.models.policy import load_default_policy, load_policy
+    from minirl.models.loading import load_policy
+    from minirl.models.policy import load_default_policy
     from minirl.rollout.engine.engine import Request
     from minirl.rollout.engine.measure import (
         continuous_vs_static,

@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     from minirl.controller.plots import plot_placement, plot_worker_timeline  # noqa: PLC0415
     from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
     from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
-    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy  # noqa: PLC0415
+    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
+    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415
     from minirl.train.run import Callback, RunStopped  # noqa: PLC0415
     from minirl.utils.io import atomic_write_json, write_summary  # noqa: PLC0415
     from minirl.utils.rundir import RunDirError  # noqa: PLC0415

@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     from minirl.asyncrl.plots import plot_learning_curves, plot_timelines  # noqa: PLC0415
     from minirl.asyncrl.runner import train_async  # noqa: PLC0415
     from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
-    from minirl.models.policy import ModelSourceError, PromptError, check_prompts, load_policy  # noqa: PLC0415
+    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
+    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
     from minirl.utils.io import write_summary  # noqa: PLC0415
     from minirl.utils.rundir import RunDirError  # noqa: PLC0415

@@ -135,7 +135,7 @@ def profile_run(args, config) -> tuple[Path, str | None]:
     """Run stage 1 into OUT/run with TorchProfiler on the chosen steps; (run directory, error or None)."""
     import torch
 
-    from minirl.models.policy import load_policy
+    from minirl.models.loading import load_policy
     from minirl.profiling.profiler import TorchProfiler
     from minirl.train.run import train
     from minirl.utils.seeding import seed_everything

@@ -397,7 +397,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -871,7 +870,24 @@ print(sorted(f.name for f in path.iterdir()))
 # works only if the model is already in the local Hugging Face cache.
 
 # %%
-# | export minirl/models/policy.py
+# | export minirl/models/loading.py
+"""One loader for every policy: the embedded one, or any Hugging Face causal LM by hub id or directory.
+
+`load_policy` prepares the tokenizer as TRL's trainers do (padding on the left, EOS as the pad
+token where there is none) and checks the name before any weight loads (`check_model_source`):
+a path that does not exist, a malformed hub id, or a directory without tokenizer files is
+named with its fix. Offline, a hub id loads only from the local Hugging Face cache.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from minirl.models.policy import load_default_policy, load_tokenizer
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
 

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import minirl.models.policy as policy_module
+from minirl.models.loading import ModelSourceError, load_policy
 from minirl.models.policy import (
-    ModelSourceError,
     PolicyCacheError,
     PolicyConfig,
     PromptError,
@@ -21,7 +21,6 @@ from minirl.models.policy import (
     default_policy_dir,
     greedy_accuracy,
     load_default_policy,
-    load_policy,
     warm_start,
     warm_start_report,
 )

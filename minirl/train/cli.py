@@ -56,7 +56,7 @@ def write_failure(err: OSError, out) -> str | None:
 def check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--out` (free, or ours with --resume / --overwrite; writable) and `--model` (a directory or a hub id),
     before loading."""
-    from minirl.models.policy import ModelSourceError, check_model_source  # noqa: PLC0415 (torch: after parsing)
+    from minirl.models.loading import ModelSourceError, check_model_source  # noqa: PLC0415 (torch: after parsing)
 
     try:
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
