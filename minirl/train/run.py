@@ -332,12 +332,8 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
 
 
 class LocalCheckpoints:
-    """One process's checkpoints, as `run_in_dir` uses them: saved by a callback, restored on resume.
-
-    The protocol is two methods, `callback()` (the Callback that saves them during the run)
-    and `restore(state)` (the newest intact one into a fresh state; RunDirError if there is
-    none); stage 4 passes sharded checkpoints with the same two methods.
-    """
+    """One process's checkpoints for `run_in_dir`: `callback()` saves them during the run, `restore(state)`
+    loads the newest intact one (RunDirError if none). Stage 4's sharded checkpoints have the same two methods."""
 
     def __init__(self, out_dir, config: RLConfig, tokenizer):
         self.out_dir, self.config, self.tokenizer = Path(out_dir), config, tokenizer
@@ -362,14 +358,13 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
                agree=None, first_callbacks: tuple = ()) -> list[dict]:
     """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
 
-    One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`,
-    stage 6's Driver, every rank of stage 4): where the step runs changes, what a run
-    directory holds does not. checkpoints: `LocalCheckpoints` by default (anything with its
-    `callback()` and `restore(state)`). In a job of several processes each calls run_in_dir:
-    main=False on all but one, which alone writes run.json and metrics.jsonl and shows the
-    bar (all take part in checkpoints), and agree(what, fn) runs the opening and the restore
-    so that a failure on one process stops every one (stage 4: `minirl.parallel.launch.agree`).
-    first_callbacks run before the built-in ones (to add to a record before it is logged).
+    One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`, stage 6's
+    Driver, every rank of stage 4 and 7's trainer): where the step runs changes, what a run directory
+    holds does not. checkpoints: `LocalCheckpoints` by default. In a job of several processes each
+    calls it, main=False on all but the one that writes run.json and metrics.jsonl and shows the bar
+    (all take part in checkpoints); agree(what, fn) runs the opening and the restore so that a
+    failure on one process stops every one (`minirl.parallel.launch.agree`). first_callbacks run
+    before the built-in ones (to add to a record before it is logged).
     """
     config = state.config
     together = agree or (lambda what, fn: fn())
