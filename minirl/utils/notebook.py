@@ -47,8 +47,10 @@ def patch_function(old: types.FunctionType, new: types.FunctionType) -> bool:
         old.__code__ = new.__code__                 # refused when the number of free variables differs
     except ValueError:
         return False
-    for old_cell, new_cell in zip(old.__closure__ or (), new.__closure__ or (), strict=True):
-        old_cell.cell_contents = new_cell.cell_contents           # a decorator's wrapped function, say
+    for name, old_cell, new_cell in zip(new.__code__.co_freevars, old.__closure__ or (), new.__closure__ or (),
+                                        strict=True):
+        if name != "__class__":          # a method's zero-argument super(): keep the class patched in place
+            old_cell.cell_contents = new_cell.cell_contents       # a decorator's wrapped function, say
     old.__defaults__, old.__kwdefaults__, old.__doc__ = new.__defaults__, new.__kwdefaults__, new.__doc__
     old.__dict__.update(new.__dict__)
     return True
@@ -57,8 +59,8 @@ def patch_function(old: types.FunctionType, new: types.FunctionType) -> bool:
 def patch_class(old: type, new: type) -> None:
     """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow."""
     for name, value in vars(new).items():
-        if name in ("__dict__", "__weakref__"):
-            continue
+        if name in ("__dict__", "__weakref__", "__slots__") or isinstance(value, types.MemberDescriptorType):
+            continue                                 # a slot's descriptor only serves its own class's instances
         current = vars(old).get(name)
         if isinstance(current, types.FunctionType) and isinstance(value, types.FunctionType):
             if patch_function(current, value):
