@@ -18,8 +18,9 @@
 # go, and build, in plain PyTorch, the five ideas that production engines use to spend less
 # of both: a **paged KV cache** (vLLM's PagedAttention), **continuous batching**, **prefix
 # caching**, a **radix-tree cache** (SGLang's RadixAttention) and **speculative decoding**.
-# Together they make `PagedEngine`, a rollout engine of about 1,500 lines behind the same
-# protocol as notebook 01's engines: the training loop can use it with one flag.
+# Together they make `PagedEngine`, a rollout engine of about 2,000 lines (1,250 without
+# docstrings and comments) behind the same protocol as notebook 01's engines: the training
+# loop can use it with one flag.
 #
 # Generation is most of an RL step: every step samples B × G completions token by token,
 # and each token is a forward pass. The source summarizes the answers in one table:
