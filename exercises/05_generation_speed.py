@@ -9,14 +9,14 @@ imported below where these cells use it.
 
 import copy
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.engine.scheduler import FINISHED, RUNNING, WAITING, SchedulerState, Sequence
 from minirl.rollout.sampling import sample_tokens
 
 
@@ -109,47 +109,6 @@ class BlockPool:
         assert all(r >= 0 for r in self.ref), "a negative reference count"
 
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One completion being generated: the prompt, the tokens so far, and where its KV lives.
-
-    Compared by identity (eq=False): the scheduler looks sequences up in its lists every step,
-    and a field-by-field comparison of token lists would cost more than the lookup.
-    """
-
-    id: int
-    tokens: list[int]              # prompt + generated tokens
-    prompt_len: int
-    max_tokens: int                # generated tokens at most
-    temperature: float = 1.0       # 0: greedy
-    eos_token_id: int | None = None
-    logprobs: list[float] = field(default_factory=list)   # behaviour log-prob of each generated token
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0          # tokens whose keys/values are in the cache
-    num_cached: int = 0            # of the prompt, tokens found in the prefix cache (last admission)
-    num_preempted: int = 0
-    status: str = WAITING
-    spans: list[list[int]] = field(default_factory=list)   # [first step, last step] of each stay in the batch
-    finish_reason: str | None = None   # "eos", "length" or "error"
-    error: str | None = None
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def completion(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
-    def num_new(self) -> int:
-        """Tokens to compute in the next step: all not yet cached; a padding row of a static batch: 1."""
-        return 1 if self.status == FINISHED else len(self.tokens) - self.num_computed
-
-
 def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_free: int,
               new_tokens: int, token_budget: int, step_is_empty: bool) -> bool:
     """The admission rule: may the first waiting sequence join the next step?
@@ -166,48 +125,9 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     raise NotImplementedError("exercise 5.2: can_admit -- see its docstring and notebook 05")
 
 
-class Scheduler:
-    """Waiting queue, running batch, blocks: decides each step's work (see the module docstring).
-
-    cache: a prefix cache (`PrefixCache` or `RadixCache`) or None. `timeline` records, per
-    step, how many sequences ran, were admitted and were preempted, and the blocks in use.
-    """
-
-    def __init__(self, pool: BlockPool, cache=None, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 policy: str = "continuous", reserve: str = "on_demand", lookahead: int = 0):
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"Scheduler: policy={policy!r}; use 'continuous' or 'static'")
-        if reserve not in ("on_demand", "max_length"):
-            raise ValueError(f"Scheduler: reserve={reserve!r}; use 'on_demand' (paged) or 'max_length' (contiguous)")
-        self.pool, self.cache = pool, cache
-        self.block_size = pool.block_size
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.policy, self.reserve, self.lookahead = policy, reserve, lookahead
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.timeline: list[dict] = []
-        self.on_release: list = []                   # callbacks(seq): a draft model frees its own blocks
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def free_blocks(self) -> int:
-        """Blocks the scheduler may take: free ones, plus those a cache would give back on request."""
-        return self.pool.num_free + (self.cache.evictable() if self.cache is not None else 0)
-
-    def take_block(self) -> int:
-        if self.pool.num_free == 0 and self.cache is not None:
-            self.cache.evict(1)
-        return self.pool.allocate()
-
-    def tokens_to_hold(self, seq: Sequence) -> int:
-        """Token slots the sequence needs in the next step: what it will have computed (+ lookahead)."""
-        if self.reserve == "max_length":
-            return max(seq.prompt_len + seq.max_tokens, seq.num_computed + seq.num_new) + self.lookahead
-        return seq.num_computed + seq.num_new + self.lookahead
+class Scheduler(SchedulerState):
+    """Decides each step's work (see the module docstring): decodes first, preempting the most
+    recently admitted sequence when blocks run out, then admissions while `can_admit` allows."""
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's work: (sequence, number of new tokens to compute) pairs, decodes first."""
@@ -284,32 +204,6 @@ class Scheduler:
         seq.status = WAITING
         seq.num_preempted += 1
         self.waiting.appendleft(seq)
-
-    def release(self, seq: Sequence) -> None:
-        for b in reversed(seq.block_table):          # last blocks first: they are evicted first
-            self.pool.release(b)
-        seq.block_table = []
-        seq.num_computed = 0
-        for callback in self.on_release:
-            callback(seq)
-
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """`seq` is done; continuous: its slot and blocks are free now; static: when its batch is done."""
-        seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
-        if seq.spans:
-            seq.spans[-1][1] = len(self.timeline) - 1
-        if self.policy == "static" and seq in self.running and any(s.status == RUNNING for s in self.running):
-            return                                   # it stays as a padding row of its batch
-        if self.policy == "static":
-            for s in [s for s in self.running if s.status == FINISHED]:
-                self.running.remove(s)
-                self.release(s)
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.release(seq)
 
 
 def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int, tuple]]) -> list[int]:

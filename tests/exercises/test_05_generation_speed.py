@@ -2,7 +2,7 @@
 
 Each check is a plain function of the implementation (`check_*`); the wrong versions in
 tests/exercises/wrong/ex5_*.py must each fail one (tests/exercises/test_wrong_versions.py), and
-tests/test_exercise_checks_05.py runs 5.4's statistical check on a correct rule over other seeds.
+tests/test_exercise_checks_05.py runs 5.4's statistical checks on a correct rule over other seeds.
 """
 
 import pytest
@@ -187,9 +187,35 @@ def bigram_pvalue(accept, n=8000, V=4, k=3, seed=0) -> float:
     return float(torch.special.gammaincc(torch.tensor((V ** 3 - 1) / 2, dtype=torch.double), chi2 / 2))
 
 
+def bonus_pvalue(accept, n=8000, V=5, k=3, seed=0) -> float:
+    """p-value of a chi-square test: the token after k accepted drafts against the target's p_{k+1}.
+
+    bigram_pvalue's first 3 tokens never reach the bonus position (with k = 3 it is the 4th
+    token of a round at the earliest), so this test reaches it directly: the draft's
+    probabilities equal the target's at the k draft positions (every draft is kept), the
+    target's k + 1 distributions differ from each other (fixed random), and the n rounds'
+    next tokens must follow p_{k+1}, not p_k nor max(0, p_{k+1} - q_k). Uniform p-value for a
+    correct rule, as above.
+    """
+    p = torch.softmax(torch.randn(k + 1, V, generator=torch.Generator().manual_seed(4321)) * 1.5, -1)
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.multinomial(p[:k], n, replacement=True, generator=g).T                # [n, k] drawn from q = p
+    accepted, nxt = accept(p.expand(n, k + 1, V), p[:k].expand(n, k, V), draft, g)
+    assert (accepted == k).all(), "when the draft's probabilities equal the target's, every draft token is kept"
+    counts, expected = torch.bincount(nxt, minlength=V).double(), p[k].double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.double), chi2 / 2))
+
+
 def check_accept_draft_distribution(accept_draft):
     pvalue = bigram_pvalue(accept_draft)
     assert pvalue > 1e-3, f"the emitted tokens do not follow the target's distribution (chi-square p = {pvalue:.1e})"
+
+
+def check_accept_draft_bonus_token(accept_draft):
+    pvalue = bonus_pvalue(accept_draft)
+    assert pvalue > 1e-3, ("after k accepted drafts the next token must be drawn from the target's p_{k+1} "
+                           f"(p[:, k]), nothing subtracted (chi-square p = {pvalue:.1e})")
 
 
 def check_accept_draft_edge_cases(accept_draft):
@@ -219,6 +245,11 @@ def check_accept_draft_edge_cases(accept_draft):
 @pytest.mark.exercise("5.4")
 def test_accept_draft_distribution(ex):
     check_accept_draft_distribution(ex.accept_draft)
+
+
+@pytest.mark.exercise("5.4")
+def test_accept_draft_bonus_token(ex):
+    check_accept_draft_bonus_token(ex.accept_draft)
 
 
 @pytest.mark.exercise("5.4")

@@ -21,7 +21,8 @@ Simplified vs vLLM: one process, one device, no CUDA graphs, no detokenization s
 plain temperature sampling (no top-k/top-p), weights updated in place between batches.
 """
 
-__all__ = ["DTYPES", "CACHES", "AUTO_CACHE_TOKENS", "Request", "Stats", "PagedEngine"]
+__all__ = ["DTYPES", "CACHES", "AUTO_CACHE_TOKENS", "Request", "Stats", "request_error",
+           "cache_blocks", "check_weights", "forward_step", "EngineCore", "PagedEngine"]
 
 import copy
 import time
@@ -75,8 +76,96 @@ class Stats:
         ("schedule", "prepare", "forward", "sample", "draft", "postprocess"), 0.0))
 
 
-class PagedEngine:
-    """A paged, continuously batched, prefix-caching (optionally speculative) engine on an HF causal LM.
+def request_error(request: Request, max_model_len: int) -> str | None:
+    """Why `request` cannot be served (an error message naming the value and the limit), or None."""
+    P, M = len(request.prompt_ids), request.max_tokens
+    if P == 0:
+        return "the prompt is empty (0 tokens); pass at least one token"
+    if not isinstance(M, int) or M <= 0:
+        return f"max_tokens={M!r} must be an int >= 1"
+    if P + M > max_model_len:
+        return (f"prompt of {P} tokens + max_tokens={M} = {P + M} tokens exceeds max_model_len="
+                f"{max_model_len} (the model's context); shorten the prompt or lower max_tokens")
+    if request.temperature < 0:
+        return f"temperature={request.temperature} must be >= 0 (0: greedy)"
+    return None
+
+
+def cache_blocks(model: PagedModel, block_size: int, num_blocks: int | None, kv_cache_bytes: int | None,
+                 max_model_len: int) -> int:
+    """Blocks in the cache: `num_blocks`, or as many as `kv_cache_bytes` holds, or (neither) one sequence's worth.
+
+    Raises if both are given, or if the cache cannot hold one sequence of max_model_len tokens.
+    """
+    if num_blocks is not None and kv_cache_bytes is not None:
+        raise ValueError(f"PagedEngine: num_blocks={num_blocks} and kv_cache_bytes={kv_cache_bytes}: pass one")
+    if kv_cache_bytes is not None:
+        per_block = model.cache_bytes_per_block(block_size)
+        num_blocks = kv_cache_bytes // per_block
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(f"PagedEngine: kv_cache_bytes={kv_cache_bytes} holds {num_blocks} blocks of "
+                             f"{per_block} B, fewer than one sequence of max_model_len={max_model_len}; "
+                             f"raise it to >= {blocks_needed(max_model_len, block_size) * per_block}")
+    if num_blocks is None:                                   # one sequence now; `run` grows it to the work
+        num_blocks = blocks_needed(max_model_len, block_size)
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(f"PagedEngine: the cache holds num_blocks * block_size = {num_blocks} * {block_size} = "
+                         f"{num_blocks * block_size} tokens, fewer than one sequence of max_model_len="
+                         f"{max_model_len}; raise num_blocks to >= "
+                         f"{blocks_needed(max_model_len, block_size)} or lower max_model_len")
+    return num_blocks
+
+
+def check_weights(state: dict, own: dict, version: int) -> None:
+    """Raise, naming what differs, unless `state` has exactly the names and shapes of `own` (the engine's)."""
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    reshaped = sorted(f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in set(own) & set(state)
+                      if own[k].shape != state[k].shape)
+    if missing or unexpected or reshaped:
+        raise ValueError(f"PagedEngine.load_weights(version={version}): missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}, wrong shape {reshaped[:3]} (of {len(own)} tensors); push all of "
+                         "the policy's tensors, by the names of the engine's model (same architecture and size)")
+
+
+def forward_step(engine: "EngineCore", work: list[tuple[Sequence, int]], clock: float,
+                 generator: torch.Generator | None = None) -> None:
+    """One plain step: the scheduled chunks (prefills and decode tokens) in one forward pass, one token sampled
+    for every sequence whose pending tokens are now all computed (the speculative round is `speculative_step`).
+
+    clock: perf_counter() when the step's scheduling ended (the phases' seconds go to `engine.stats`).
+    """
+    chunks = []
+    for seq, n in work:
+        if seq.status != RUNNING:                                    # a padding row of a static batch
+            chunks.append(Chunk([engine.tokenizer.pad_token_id], seq.num_computed, seq.block_table, 0))
+            engine.stats.padding_tokens += 1
+            continue
+        chunks.append(Chunk(seq.tokens[seq.num_computed:], seq.num_computed, seq.block_table, 1))
+        if seq.num_computed == seq.num_cached:                       # admitted in this step: a prefill
+            engine.stats.prompt_tokens += len(seq.tokens)
+            engine.stats.cached_tokens += seq.num_cached
+            engine.stats.prefill_tokens += n
+        else:
+            engine.stats.decode_tokens += n
+    step = make_step(chunks, engine.block_size, engine.model.n_rep, engine.device)
+    clock = engine.tick("prepare", clock)
+    logits = engine.model(step)                                                     # [R, V]
+    clock = engine.tick("forward", clock)
+    live = [seq for seq, _ in work if seq.status == RUNNING]
+    temperatures = torch.tensor([s.temperature for s in live], device=logits.device)
+    tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling step
+    clock = engine.tick("sample", clock)
+    for seq, n in work:
+        seq.num_computed += n
+    for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist()):
+        engine.append(seq, [token], [logprob])
+    engine.tick("postprocess", clock)
+
+
+class EngineCore:
+    """The engine's state and its step: a paged, continuously batched, prefix-caching (optionally
+    speculative) engine on an HF causal LM; `PagedEngine` adds the entry points.
 
     model: a Llama/Qwen2-style HF causal LM (copied; the engine keeps its own weights).
     block_size: token slots per KV block. num_blocks: blocks in the cache, or kv_cache_bytes: a
@@ -115,26 +204,11 @@ class PagedEngine:
         if self.max_model_len is None or self.max_model_len < 2:
             raise ValueError(f"PagedEngine: max_model_len={self.max_model_len!r}; pass the longest prompt + "
                              "completion (>= 2 tokens) the engine must hold")
-        if num_blocks is not None and kv_cache_bytes is not None:
-            raise ValueError(f"PagedEngine: num_blocks={num_blocks} and kv_cache_bytes={kv_cache_bytes}: pass one")
-        self.sized_to_work = num_blocks is None and kv_cache_bytes is None
-        if kv_cache_bytes is not None:
-            per_block = self.model.cache_bytes_per_block(block_size)
-            num_blocks = kv_cache_bytes // per_block
-            if num_blocks * block_size < self.max_model_len:
-                raise ValueError(f"PagedEngine: kv_cache_bytes={kv_cache_bytes} holds {num_blocks} blocks of "
-                                 f"{per_block} B, fewer than one sequence of max_model_len={self.max_model_len}; "
-                                 f"raise it to >= {blocks_needed(self.max_model_len, block_size) * per_block}")
-        if num_blocks is None:                                   # one sequence now; `run` grows it to the work
-            num_blocks = blocks_needed(self.max_model_len, block_size)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(f"PagedEngine: the cache holds num_blocks * block_size = {num_blocks} * {block_size} = "
-                             f"{num_blocks * block_size} tokens, fewer than one sequence of max_model_len="
-                             f"{self.max_model_len}; raise num_blocks to >= "
-                             f"{blocks_needed(self.max_model_len, block_size)} or lower max_model_len")
         if num_speculative_tokens < 0 or (num_speculative_tokens > 0) != (draft is not None):
             raise ValueError(f"PagedEngine: num_speculative_tokens={num_speculative_tokens} with draft={draft!r}: "
                              "pass both a draft and num_speculative_tokens >= 1 to speculate, or neither")
+        self.sized_to_work = num_blocks is None and kv_cache_bytes is None
+        num_blocks = cache_blocks(self.model, block_size, num_blocks, kv_cache_bytes, self.max_model_len)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.cache_kind, self.policy, self.reserve = cache, policy, reserve
@@ -160,32 +234,6 @@ class PagedEngine:
             self.draft.reset()
             self.scheduler.on_release.append(self.draft.release)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy the trainer's weights (HF parameter names) into the engine's copy; it now holds `version`.
-
-        Checks every name and shape before copying anything (a model of another architecture
-        or size fails with the names that differ), then empties the cache: keys and values
-        computed by the old weights must not be reused by a prefix hit.
-        """
-        state = dict(named_tensors)
-        own = self.model.model.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        reshaped = sorted(f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in set(own) & set(state)
-                          if own[k].shape != state[k].shape)
-        if missing or unexpected or reshaped:
-            raise ValueError(f"PagedEngine.load_weights(version={version}): missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}, wrong shape {reshaped[:3]} (of {len(own)} tensors); push all of "
-                             "the policy's tensors, by the names of the engine's model (same architecture and size)")
-        with torch.no_grad():
-            self.model.model.load_state_dict(state, strict=True)
-        self.model.refresh()                                     # the fused products follow the new weights
-        self.version = version
-        self.reset()
-
-    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        return self.model.model.named_parameters()
-
     def grow(self, num_blocks: int) -> None:
         """Enlarge the cache to `num_blocks` blocks (never shrinks); blocks in use and cached prefixes stay."""
         if num_blocks <= self.num_blocks:
@@ -196,21 +244,49 @@ class PagedEngine:
             self.draft.grow(num_blocks)
         self.num_blocks = num_blocks
 
-    # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ one step
+
+    def step(self, generator: torch.Generator | None = None) -> None:
+        """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
+        clock = time.perf_counter()
+        work = self.scheduler.schedule()
+        self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
+        clock = self.tick("schedule", clock)
+        self.stats.steps += 1
+        if not work:
+            return
+        decoding = [seq for seq, n in work if seq.status == RUNNING and seq.num_computed > seq.num_cached and n == 1]
+        if self.draft is not None and len(decoding) == len(work):
+            speculative_step(self, decoding, generator)
+            return
+        forward_step(self, work, clock, generator)
+
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
+        """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
+        for token, logprob in zip(tokens, logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            if token == seq.eos_token_id or seq.num_generated >= seq.max_tokens:
+                self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
+                return
+
+    def tick(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stats.seconds[phase] += now - since
+        return now
+
+
+class PagedEngine(EngineCore):
+    """`EngineCore` with its entry points: `run` (serving: requests in, sequences out; `add` queues
+    one, `check` says why one cannot be served) and the rollout-engine protocol (`generate`,
+    `load_weights`, `named_weights`); the constructor's arguments are EngineCore's."""
+
+    # ------------------------------------------------------------------ serving
 
     def check(self, request: Request) -> str | None:
         """Why `request` cannot be served (an error message naming the value and the limit), or None."""
-        P, M = len(request.prompt_ids), request.max_tokens
-        if P == 0:
-            return "the prompt is empty (0 tokens); pass at least one token"
-        if not isinstance(M, int) or M <= 0:
-            return f"max_tokens={M!r} must be an int >= 1"
-        if P + M > self.max_model_len:
-            return (f"prompt of {P} tokens + max_tokens={M} = {P + M} tokens exceeds max_model_len="
-                    f"{self.max_model_len} (the model's context); shorten the prompt or lower max_tokens")
-        if request.temperature < 0:
-            return f"temperature={request.temperature} must be >= 0 (0: greedy)"
-        return None
+        return request_error(request, self.max_model_len)
 
     def add(self, request: Request) -> Sequence:
         """Queue one request; a request that cannot be served comes back finished, with its error."""
@@ -242,64 +318,25 @@ class PagedEngine:
             self.step(generator)
         return seqs
 
-    # ------------------------------------------------------------------ one step
-
-    def step(self, generator: torch.Generator | None = None) -> None:
-        """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
-        clock = time.perf_counter()
-        work = self.scheduler.schedule()
-        self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
-        clock = self.tick("schedule", clock)
-        self.stats.steps += 1
-        if not work:
-            return
-        decoding = [seq for seq, n in work if seq.status == RUNNING and seq.num_computed > seq.num_cached and n == 1]
-        if self.draft is not None and len(decoding) == len(work):
-            speculative_step(self, decoding, generator)
-            return
-        chunks = []
-        for seq, n in work:
-            if seq.status != RUNNING:                                    # a padding row of a static batch
-                chunks.append(Chunk([self.tokenizer.pad_token_id], seq.num_computed, seq.block_table, 0))
-                self.stats.padding_tokens += 1
-                continue
-            chunks.append(Chunk(seq.tokens[seq.num_computed:], seq.num_computed, seq.block_table, 1))
-            if seq.num_computed == seq.num_cached:                       # admitted in this step: a prefill
-                self.stats.prompt_tokens += len(seq.tokens)
-                self.stats.cached_tokens += seq.num_cached
-                self.stats.prefill_tokens += n
-            else:
-                self.stats.decode_tokens += n
-        step = make_step(chunks, self.block_size, self.model.n_rep, self.device)
-        clock = self.tick("prepare", clock)
-        logits = self.model(step)                                                     # [R, V]
-        clock = self.tick("forward", clock)
-        live = [seq for seq, _ in work if seq.status == RUNNING]
-        temperatures = torch.tensor([s.temperature for s in live], device=logits.device)
-        tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling step
-        clock = self.tick("sample", clock)
-        for seq, n in work:
-            seq.num_computed += n
-        for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist()):
-            self.append(seq, [token], [logprob])
-        self.tick("postprocess", clock)
-
-    def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
-        for token, logprob in zip(tokens, logprobs):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            self.stats.generated_tokens += 1
-            if token == seq.eos_token_id or seq.num_generated >= seq.max_tokens:
-                self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
-                return
-
-    def tick(self, phase: str, since: float) -> float:
-        now = time.perf_counter()
-        self.stats.seconds[phase] += now - since
-        return now
-
     # ------------------------------------------------------------------ the protocol
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy the trainer's weights (HF parameter names) into the engine's copy; it now holds `version`.
+
+        Checks every name and shape before copying anything (a model of another architecture
+        or size fails with the names that differ), then empties the cache: keys and values
+        computed by the old weights must not be reused by a prefix hit.
+        """
+        state = dict(named_tensors)
+        check_weights(state, self.model.model.state_dict(), version)
+        with torch.no_grad():
+            self.model.model.load_state_dict(state, strict=True)
+        self.model.refresh()                                     # the fused products follow the new weights
+        self.version = version
+        self.reset()
+
+    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+        return self.model.model.named_parameters()
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,

@@ -20,7 +20,7 @@ Simplified vs vLLM: no chunked prefill (a prompt longer than the token budget ru
 its step), no priorities, no swapping preempted blocks to CPU memory (recompute only).
 """
 
-__all__ = ["WAITING", "RUNNING", "FINISHED", "Sequence", "can_admit", "Scheduler"]
+__all__ = ["WAITING", "RUNNING", "FINISHED", "Sequence", "SchedulerState", "can_admit", "Scheduler"]
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,26 +68,9 @@ class Sequence:
         return 1 if self.status == FINISHED else len(self.tokens) - self.num_computed
 
 
-def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_free: int,
-              new_tokens: int, token_budget: int, step_is_empty: bool) -> bool:
-    """The admission rule: may the first waiting sequence join the next step?
-
-    num_running: sequences already running (batch slots in use); max_num_seqs: slots in all.
-    blocks_wanted: free blocks its admission takes (all the blocks its tokens need, minus
-    those a prefix-cache hit lets it share with running sequences); blocks_free: free blocks
-    now. new_tokens: tokens it must compute (those not found in the cache); token_budget:
-    tokens the step may still take. step_is_empty: nothing is scheduled in this step yet.
-    Admit iff a slot is free, the blocks it wants are free, and its new tokens fit the
-    budget; a sequence larger than the whole budget may still run alone in an empty step
-    (otherwise it would wait for ever).
-    """
-    if num_running >= max_num_seqs or blocks_wanted > blocks_free:
-        return False
-    return new_tokens <= token_budget or step_is_empty
-
-
-class Scheduler:
-    """Waiting queue, running batch, blocks: decides each step's work (see the module docstring).
+class SchedulerState:
+    """Waiting queue, running batch, blocks: what the scheduler moves from step to step, and the moves
+    that need no decision (queue, take a block, release, finish); `Scheduler` decides each step's work.
 
     cache: a prefix cache (`PrefixCache` or `RadixCache`) or None. `timeline` records, per
     step, how many sequences ran, were admitted and were preempted, and the blocks in use.
@@ -128,6 +111,55 @@ class Scheduler:
         if self.reserve == "max_length":
             return max(seq.prompt_len + seq.max_tokens, seq.num_computed + seq.num_new) + self.lookahead
         return seq.num_computed + seq.num_new + self.lookahead
+
+    def release(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):          # last blocks first: they are evicted first
+            self.pool.release(b)
+        seq.block_table = []
+        seq.num_computed = 0
+        for callback in self.on_release:
+            callback(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """`seq` is done; continuous: its slot and blocks are free now; static: when its batch is done."""
+        seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
+        if seq.spans:
+            seq.spans[-1][1] = len(self.timeline) - 1
+        if self.policy == "static" and seq in self.running and any(s.status == RUNNING for s in self.running):
+            return                                   # it stays as a padding row of its batch
+        if self.policy == "static":
+            for s in [s for s in self.running if s.status == FINISHED]:
+                self.running.remove(s)
+                self.release(s)
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+
+
+def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_free: int,
+              new_tokens: int, token_budget: int, step_is_empty: bool) -> bool:
+    """The admission rule: may the first waiting sequence join the next step?
+
+    num_running: sequences already running (batch slots in use); max_num_seqs: slots in all.
+    blocks_wanted: free blocks its admission takes (all the blocks its tokens need, minus
+    those a prefix-cache hit lets it share with running sequences); blocks_free: free blocks
+    now. new_tokens: tokens it must compute (those not found in the cache); token_budget:
+    tokens the step may still take. step_is_empty: nothing is scheduled in this step yet.
+    Admit iff a slot is free, the blocks it wants are free, and its new tokens fit the
+    budget; a sequence larger than the whole budget may still run alone in an empty step
+    (otherwise it would wait for ever).
+    """
+    if num_running >= max_num_seqs or blocks_wanted > blocks_free:
+        return False
+    return new_tokens <= token_budget or step_is_empty
+
+
+class Scheduler(SchedulerState):
+    """Decides each step's work (see the module docstring): decodes first, preempting the most
+    recently admitted sequence when blocks run out, then admissions while `can_admit` allows."""
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's work: (sequence, number of new tokens to compute) pairs, decodes first."""
@@ -204,29 +236,3 @@ class Scheduler:
         seq.status = WAITING
         seq.num_preempted += 1
         self.waiting.appendleft(seq)
-
-    def release(self, seq: Sequence) -> None:
-        for b in reversed(seq.block_table):          # last blocks first: they are evicted first
-            self.pool.release(b)
-        seq.block_table = []
-        seq.num_computed = 0
-        for callback in self.on_release:
-            callback(seq)
-
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """`seq` is done; continuous: its slot and blocks are free now; static: when its batch is done."""
-        seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
-        if seq.spans:
-            seq.spans[-1][1] = len(self.timeline) - 1
-        if self.policy == "static" and seq in self.running and any(s.status == RUNNING for s in self.running):
-            return                                   # it stays as a padding row of its batch
-        if self.policy == "static":
-            for s in [s for s in self.running if s.status == FINISHED]:
-                self.running.remove(s)
-                self.release(s)
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.release(seq)

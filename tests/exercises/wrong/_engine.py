@@ -22,8 +22,9 @@ def match(tokens, block_size, table, chained=True, last_rule=True, compare=True,
     return blocks
 
 
-def accept(p, q, draft, generator=None, rule="right", run="leading", residual="p - q"):
-    """accept_draft; rule "p >= q" or "q / p", run "any" (not the leading run), residual "p" are the flaws."""
+def accept(p, q, draft, generator=None, rule="right", run="leading", residual="p - q", bonus="p_{k+1}"):
+    """accept_draft; rule "p >= q" or "q / p", run "any" (not the leading run), residual "p", bonus "p_k"
+    (the index clamped into q's k positions) or "p_{k+1} - q_k" (q clamped, not padded with zeros) are the flaws."""
     S, k = draft.shape
     p_d = p[:, :k].gather(2, draft[..., None]).squeeze(2)
     q_d = q.gather(2, draft[..., None]).squeeze(2)
@@ -33,4 +34,9 @@ def accept(p, q, draft, generator=None, rule="right", run="leading", residual="p
     rows = torch.arange(S)
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
     dist = p[rows, accepted] if residual == "p" else (p[rows, accepted] - q_pad[rows, accepted]).clamp(min=0)
+    last = accepted.clamp(max=k - 1)                                       # a position q has
+    if bonus == "p_k":                            # rejected: max(0, p_a - q_a); all kept: p_k instead of p_{k+1}
+        dist = torch.where((accepted == k)[:, None], p[rows, last], dist)
+    elif bonus == "p_{k+1} - q_k":
+        dist = (p[rows, accepted] - q[rows, last]).clamp(min=0)
     return accepted, torch.multinomial(dist / dist.sum(1, keepdim=True), 1, generator=generator).squeeze(1)
