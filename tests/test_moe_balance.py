@@ -1,4 +1,4 @@
-"""Expert load and balancing on the tiny MoE (minirl.models.moe, notebook 08), parameter counting, and the
+"""Expert load and balancing on the tiny MoE (minirl.models.moe_balance, notebook 08), parameter counting, and the
 GSPO ratio statistics (minirl.diagnostics.routing)."""
 
 import copy
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from minirl.diagnostics.routing import ratio_spread, routing_ratio_spread
-from minirl.models.moe import (BalancedTopKRouter, RouteRecorder, RouterError, build_moe_policy, count_moe_parameters,
-                               expert_counts, install_balancing, load_balancing_loss, load_history, load_imbalance,
-                               load_moe_policy, routers)
+from minirl.models.moe import RouteRecorder, build_moe_policy, count_moe_parameters, load_moe_policy, routers
+from minirl.models.moe_balance import (BalancedTopKRouter, RouterError, expert_counts, install_balancing,
+                                       load_balancing_loss, load_history, load_imbalance)
 from minirl.models.policy import build_tokenizer
 
 
