@@ -595,6 +595,8 @@ for name, run in load_runs.items():
     print(f"{name:>9} | {after[name]['max_over_mean']:>22.2f} | {' '.join(f'{x:.2f}' for x in layers):>12} | "
           f"{after[name]['hottest_over_coldest']:>8.1f} | {acc[0]:.3f} -> {acc[-1]:.3f} | {run['reward']:>11.3f} | "
           f"{run['seconds']:>7.1f}")
+moves = {name: run["accuracy"][-1] - run["accuracy"][0] for name, run in load_runs.items()}
+print("held-out accuracy change over the run: " + ", ".join(f"{n} {100 * v:+.1f} points" for n, v in moves.items()))
 if not SMOKE:
     assert after["aux loss"]["max_over_mean"] < after["none"]["max_over_mean"]
     assert after["bias"]["max_over_mean"] < after["none"]["max_over_mean"]
@@ -634,9 +636,9 @@ plt.show()
 # gradient, the bias by changing the choice directly while the router's own probabilities,
 # and so the mixing weights, stay as they were. Neither is free in principle: the experts
 # were trained on the tokens the unbalanced router sent them, and balancing sends some
-# tokens elsewhere. At this scale the accuracy after 60 steps moves by a few points in every
-# run, the unbalanced one included, so this run cannot separate that cost from RL's own
-# noise. Production models avoid the question by balancing from the first step of
+# tokens elsewhere. The last line prints each run's accuracy change; the unbalanced run's
+# change is RL's own noise at this scale, and a balanced run's change no larger than that
+# cannot be read as balancing's cost (or gain) from one run each. Production models avoid the question by balancing from the first step of
 # pre-training, and DeepSeek-V3 chose a bias that never touches the language-model
 # gradient, with a small γ, so that the router moves slowly while the experts adapt.
 
@@ -1962,11 +1964,13 @@ least = min(SCHEDULES, key=lambda s: measured[(s, 4)]["measured"])
 print(f"least measured idle time at M = 4: {least}; every measured share is at or above the simulator's without "
       f"latency: {all(r['measured'] >= r['simulated'] - 0.02 for r in pipe_rows)}")
 row = next(r for r in bubble_table if (r["P"], r["M"], r["B/F"]) == (8, 32, 2.0))
+source_holds = {ratio: all(abs(r["dualpipev"] - r["dualpipe_source"]) < 1e-9 for r in bubble_table if r["B/F"] == ratio)
+                for ratio in (1.0, 2.0)}                        # DualPipeV's simulated bubble is (P-1)/2M exactly
 REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
                     f"simulated P=8, M=32, B=2F: 1F1B {row['1f1b']:.3f}, DualPipeV "
                     f"{row['dualpipev']:.3f}; measured P=2, M=4 idle share: "
                     + ", ".join(f"{s} {measured[(s, 4)]['measured']:.2f}" for s in SCHEDULES),
-                    "agree (B = F); differ (B = 2F)",
+                    f"{verdict(source_holds[1.0])} (B = F); {verdict(source_holds[2.0])} (B = 2F)",
                     "(P-1)/2M holds at B = F; at B = 2F DualPipeV idles (P-1)/3M (DeepSeek-V3's table)")
 
 # %%
@@ -2342,14 +2346,18 @@ print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} r
       f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
       f"speedup {speed['speedup']:.2f}x (the utilization ratio is "
       f"{speed['packed_utilization'] / speed['padded_utilization']:.2f}x)")
+in_proportion = speed["speedup"] >= 0.9 * speed["packed_utilization"] / speed["padded_utilization"]
+print(f"packed faster: {speed['speedup'] > 1}; time falls in proportion to the padding removed (within 10 %): "
+      f"{in_proportion}")
 try:
     best_fit_decreasing([100, 700, 30], budget=512)            # bad input: a sequence longer than the budget
 except PackingError as err:
     print("PackingError:", err)
 
 # %% [markdown]
-# The packed step is faster because it computes fewer padding tokens. Compare the speedup
-# with the utilization ratio: the time does not fall in proportion, because a packed row of
+# Where the packed step is faster (the line under the numbers says), it is because it
+# computes fewer padding tokens. Compare the speedup with the utilization ratio: where the
+# time does not fall in proportion, the reason is that a packed row of
 # 512 tokens pays attention over all 512 positions (the block-diagonal mask removes the
 # cross-sequence terms from the result, not from the dense computation on a CPU;
 # variable-length attention kernels such as FlashAttention's varlen path skip them on a GPU)
@@ -2365,7 +2373,8 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
 
 # %% [markdown]
 # `python chapters/08_moe_pipelines.py --out runs/08` runs all of this as a script and writes
-# `runs/08/summary.json` (`bubble`, `packing_utilization`, `expert_load_max_over_mean`, ...)
+# `runs/08/summary.json` (`bubble`, `packing_utilization`, `expert_load_max_over_mean`,
+# `expert_load_hottest_over_coldest`, which chapter 09's expert rule reads, ...)
 # and the plots.
 #
 # ## Exercises

@@ -149,3 +149,14 @@ def test_diagnose_prints_its_report(tmp_path, capsys):
     diagnose(run, peak_tflops=healthy_peak_tflops(run))
     out = capsys.readouterr().out
     assert "slow_rollout" in out and "FINDING slow_rollout" in out and "prefix caching" in out
+
+
+def test_an_old_stage8_summary_says_what_is_missing(tmp_path):
+    """A summary.json from before the hottest/coldest key: not measured (never fires), and the detail says why."""
+    run = tmp_path / "08-old"
+    run.mkdir()
+    old = {"expert_load_max_over_mean": {"before": 2.4, "after": {"none": 2.1}}}
+    (run / "summary.json").write_text(json.dumps(old))
+    d = diagnose(run, quiet=True)
+    finding = next(f for f in d.findings if f.rule.name == "expert_imbalance")
+    assert finding.value is None and not finding.fired and "hottest / coldest" in finding.detail
