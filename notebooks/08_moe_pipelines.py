@@ -704,7 +704,12 @@ def exchange(x: torch.Tensor, receive_counts: list[int], send_counts: list[int],
         return out
     return all_to_all_single(out, x.contiguous(), receive_counts, send_counts, group=group)
 
+# %% [markdown]
+# The layer itself: route on every rank, send each (token, expert) row to the rank that
+# holds its expert, run the local experts, send the outputs back and mix them.
 
+# %%
+# | export minirl/parallel/expert.py
 class ExpertParallelMoE(nn.Module):
     """One rank's share of a Qwen2-MoE sparse block (`Qwen2MoeSparseMoeBlock`): all of its router and
     shared expert, its slice of the routed experts. `last` holds the latest forward's measurements."""
@@ -805,7 +810,12 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
     median = {key: statistics.median(t[key] for t in timings) for key in timings[0]}
     return {"rank": rank, "tokens": mine.shape[0], **check, **median}
 
+# %% [markdown]
+# What `torchrun` starts on every rank, and the driver's call that starts it and reads the
+# ranks' results.
 
+# %%
+# | export minirl/parallel/expert.py
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
     import argparse
@@ -1794,7 +1804,12 @@ def run_steps(schedule: str, model: PipelineModel, ids, targets, num_microbatche
         steps.append({"events": list(events), "losses": [loss.item() for loss in losses]})
     return steps[1:]
 
+# %% [markdown]
+# `worker_main` is the body of the `torchrun` job: every rank runs each schedule and writes
+# its timed calls for the driver.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
     import argparse
@@ -1902,7 +1917,11 @@ def measured_costs(timelines: list[PipelineTimeline]) -> dict[int, Costs]:
         costs[stage] = Costs(f, b, weight=w if w is not None else b / 2, comm=latency)
     return costs
 
+# %% [markdown]
+# The measured message latency, and the comparison with the simulator fed the measured costs.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def message_waits(timeline: PipelineTimeline) -> list[float]:
     """Gaps between an op's input being computed on one rank and the op starting on another, counted
     only where the receiving rank sat idle in between: the cost of one send, as the job saw it."""

@@ -508,7 +508,12 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
             end = stop
     return total
 
+# %% [markdown]
+# `split_calls` cuts the timeline into steps and takes, per step and stage, the driver's time
+# outside the workers' calls out as `<stage>/rpc`.
 
+# %%
+# | export minirl/profiling/timeline.py
 def split_calls(records: list[dict], timeline: dict[str, list], partial: list[str],
                 steps: list[int] | None = None) -> tuple[list[dict], dict]:
     """(records with `time/<stage>/rpc` added, worker -> busy share): a Ray run's driver time outside the workers.
