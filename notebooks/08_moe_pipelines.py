@@ -559,7 +559,8 @@ except RouterError as err:
 # 16 prompts × 8 completions per step) from the same warm-started MoE, without balancing, with the
 # auxiliary loss (α = 0.2) and with the bias update (γ = 0.002 per step). The coefficients
 # are larger than pre-training's (DeepSeek-V3 uses γ = 0.001 over hundreds of thousands of
-# steps; auxiliary coefficients of 0.001–0.01 are common) because these runs have only
+# steps; auxiliary coefficients of 0.001–0.01 are common, in transformers' convention, where
+# our α = 0.2 is 0.2 / top_k = 0.1, as the check above printed) because these runs have only
 # 60 steps to show an effect. The loop does not know about balancing: the routers do it.
 
 # %%
