@@ -32,9 +32,10 @@ from minirl.utils.argtypes import int_in
 from minirl.utils.cli import check_device, common_parser, seed_everything, write_summary
 
 BALANCING = {"none": {}, "aux loss": {"aux_loss_coef": 0.2}, "bias": {"bias_update_rate": 0.002}}
-GSPO_RUNS = {"token": dict(importance_sampling_level="token", epsilon=0.2, importance_sampling_mode="token_truncate"),
-             "sequence": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
-                              importance_sampling_mode="sequence_truncate")}
+GSPO_RUNS = {"token": dict(importance_sampling_level="token", epsilon=0.2, loss_type="grpo",
+                           importance_sampling_mode="token_truncate"),
+             "sequence": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, loss_type="grpo",
+                              importance_sampling_mode="sequence_truncate")}   # GSPO: grpo's sequence mean
 
 
 def moe_parameters(args) -> dict:
@@ -56,10 +57,10 @@ def moe_parameters(args) -> dict:
     return {"illustration": {"total": total, "active": active}, "configs": counts}
 
 
-def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
+def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict, dict]:
     """Section 2: three RL runs (no balancing, auxiliary loss, bias); load per step and layer."""
     from minirl.config import RLConfig
-    from minirl.models.moe import install_balancing, load_history, load_imbalance
+    from minirl.models.moe_balance import install_balancing, load_history, load_imbalance
     from minirl.train.run import train
 
     runs = {}
@@ -74,6 +75,9 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
     tail = max(1, args.rl_steps // 6)
     before = load_imbalance(runs["none"]["history"][0])["max_over_mean"]
     after = {name: load_imbalance(run["history"][-tail:].sum(0))["max_over_mean"] for name, run in runs.items()}
+    hot_cold = {"before": load_imbalance(runs["none"]["history"][0])["hottest_over_coldest"],
+                "after": {name: load_imbalance(run["history"][-tail:].sum(0))["hottest_over_coldest"]
+                          for name, run in runs.items()}}                   # what chapter 09's expert rule reads
     print(f"expert load, hottest / mean: step 1 {before:.2f}; last {tail} steps: "
           + ", ".join(f"{n} {v:.2f}" for n, v in after.items()))
     for name, run in runs.items():
@@ -82,7 +86,7 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict]:
                      "last_steps_per_layer": [load_imbalance(layer)["max_over_mean"]
                                               for layer in run["history"][-tail:].sum(0)]}
               for name, run in runs.items()}
-    return {"before": before, "after": after, "settings": BALANCING}, detail
+    return {"before": before, "after": after, "settings": BALANCING}, hot_cold, detail
 
 
 def gspo(args, moe, tokenizer, task) -> dict:
@@ -287,11 +291,13 @@ def main(argv=None) -> int:
     moe = load_moe_policy(tokenizer, task, warm_start_steps=args.warm_start_steps, seed=args.seed,
                           progress=not args.quiet)
     if args.rl_steps:
-        summary["expert_load_max_over_mean"], detail = expert_load(args, moe, tokenizer, task)
+        summary["expert_load_max_over_mean"], summary["expert_load_hottest_over_coldest"], detail = expert_load(
+            args, moe, tokenizer, task)
         summary["expert_load"] = detail
         plot_load(detail, args.out)
     else:
         summary["expert_load_max_over_mean"] = {"before": None, "after": {}, "skipped": "--rl-steps 0"}
+        summary["expert_load_hottest_over_coldest"] = {"before": None, "after": {}, "skipped": "--rl-steps 0"}
     summary["gspo"] = gspo(args, moe, tokenizer, task)
     try:
         summary["bubble"], summary["bubble_table"], measured = bubbles(args, args.out)

@@ -37,7 +37,8 @@ from minirl.utils.rundir import RunDirError, check_run_dir, holds_run
 from minirl.utils.validate import ConfigError, check_float, check_int
 
 PROFILE_DEFAULTS = RLConfig.from_flat(steps=6, eval_every=0, checkpoint_every=0)   # a short run to profile
-READABLE_SUMMARY_KEYS = ("expert_load_max_over_mean", "error")   # what the rules read from a summary.json alone
+# what the rules read from a summary.json alone (max_over_mean only to say the hottest/coldest ratio is missing)
+READABLE_SUMMARY_KEYS = ("expert_load_hottest_over_coldest", "expert_load_max_over_mean", "error")
 OTHER_CHAPTERS = {"policy_dir": "00 (the warm start)", "per_rollout_dtype": "02 (the mismatch report)",
                   "zero": "03 (the memory tables)", "comparison": "03 (--measure)",
                   "kv_utilization": "05 (generation speed)"}   # a key of their summary.json -> the chapter

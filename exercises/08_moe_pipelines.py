@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# Expert load and its balancing (notebook 08): routing statistics per layer and expert, the
-# Switch/GShard auxiliary loss, and DeepSeek-V3's auxiliary-loss-free bias, on a router that
-# replaces transformers' top-k router in place (same parameter, same name in the state dict).
+from minirl.models.moe import routers
 
 
 class RouterError(FloatingPointError):
@@ -218,71 +216,6 @@ def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> lis
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
     """1F1B on every rank (rank s holds stage s)."""
     return {s: one_f_one_b_order(s, num_stages, num_microbatches) for s in range(num_stages)}
-
-
-def dualpipev_stages(num_ranks: int, rank: int) -> tuple[int, int]:
-    """DualPipeV's V: rank r holds stage r (going down) and stage 2P-1-r (coming back up)."""
-    return rank, 2 * num_ranks - 1 - rank
-
-
-def dualpipev_order(num_ranks: int, num_microbatches: int) -> dict[int, list]:
-    """DualPipeV (DualPipe folded into a V on P ranks and 2P stages), rank by rank.
-
-    The eight phases of DeepSeek's open-source DualPipeV, as `torch.distributed.pipelining.
-    ScheduleDualPipeV` lays them out: forwards fill the V from both ends, the steady phase
-    pairs a forward of one chunk with a backward of the other (an overlapped pair), and the
-    tail splits backwards into I and W so that weight gradients fill the last bubbles.
-    """
-    P, M = num_ranks, num_microbatches
-    check_pipeline(P, M)
-    if M < 2 * P:
-        raise PipelineError(f"num_microbatches={M}: DualPipeV needs at least 2 x num_ranks = {2 * P} "
-                            "micro-batches (one per stage)")
-    return {rank: _dualpipev_rank(P, M, rank) for rank in range(P)}
-
-
-def _dualpipev_rank(P: int, M: int, rank: int) -> list:
-    s0, s1 = dualpipev_stages(P, rank)
-    count = {}                                            # (stage, kind) -> next micro-batch
-    pending_w: list[Op] = []
-
-    def op(stage, kind):
-        key = (stage, BACKWARD_INPUT if kind == BACKWARD else kind)
-        m = count.get(key, 0)
-        count[key] = m + 1
-        if kind == BACKWARD_INPUT:
-            pending_w.append(Op(BACKWARD_WEIGHT, m, stage))
-        return Op(kind, m, stage)
-
-    def weight():
-        return [pending_w.pop(0)] if pending_w else []
-
-    order = [op(s0, FORWARD) for _ in range((P - rank - 1) * 2)]              # 1: F0
-    for _ in range(rank + 1):                                                 # 2: F0 F1
-        order += [op(s0, FORWARD), op(s1, FORWARD)]
-    for _ in range(P - rank - 1):                                             # 3: I1 W F1
-        order += [op(s1, BACKWARD_INPUT), *weight(), op(s1, FORWARD)]
-    for i in range(M - 2 * P + rank + 1):                                     # 4: (F0 B1) (F1 B0)
-        if i == 0 and rank == P - 1:
-            order += [op(s0, FORWARD), op(s1, BACKWARD)]
-        else:
-            order.append((op(s0, FORWARD), op(s1, BACKWARD)))
-        order.append((op(s1, FORWARD), op(s0, BACKWARD)))
-    for _ in range(P - rank - 1):                                             # 5: B1 (F1 B0)
-        order += [op(s1, BACKWARD), (op(s1, FORWARD), op(s0, BACKWARD))]
-    split = False                                                             # 6: B1 B0, then zero bubble
-    for i in range(rank + 1):
-        if i == (rank + 1) // 2 and rank % 2 == 1:
-            split = True
-        order.append(op(s1, BACKWARD_INPUT if split else BACKWARD))
-        if i == (rank + 1) // 2 and rank % 2 == 0:
-            split = True
-        order.append(op(s0, BACKWARD_INPUT if split else BACKWARD))
-    for _ in range(P - rank - 1):                                             # 7: W B0
-        order += [*weight(), op(s0, BACKWARD_INPUT if split else BACKWARD)]
-    for _ in range(rank + 1):                                                 # 8: W
-        order += weight()
-    return order
 
 
 class PackingError(ValueError):

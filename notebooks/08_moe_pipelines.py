@@ -221,16 +221,24 @@ print(f"tiny MoE policy: {tiny['total']:,.0f} parameters, {tiny['active']:,.0f} 
 # and hottest over coldest), and `load_balancing_loss`, exercise 8.1.
 
 # %%
-# | export minirl/models/moe.py
+# | export minirl/models/moe_balance.py
+"""Expert load and its balancing: routing statistics per layer and expert, the Switch/GShard auxiliary
+loss, and DeepSeek-V3's auxiliary-loss-free bias, on a router that replaces transformers' top-k router
+in place (same parameter, same name in the state dict).
+
+`load_balancing_loss` is minirl's convention, E * sum_e f_e * P_e with f_e the share of the
+(token, slot) assignments: 1 when routing is even. transformers' `load_balancing_loss_func`
+counts f_e per token (top_k times ours for one layer) and sums over layers, so one
+coefficient pushes top_k times harder there (notebook 08 computes both on one router output).
+"""
 import weakref
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# Expert load and its balancing (notebook 08): routing statistics per layer and expert, the
-# Switch/GShard auxiliary loss, and DeepSeek-V3's auxiliary-loss-free bias, on a router that
-# replaces transformers' top-k router in place (same parameter, same name in the state dict).
+from minirl.models.moe import routers
 
 
 class RouterError(FloatingPointError):
@@ -309,8 +317,10 @@ class _AttachAuxLoss(torch.autograd.Function):
 # %% [markdown]
 # `transformers` ships the same loss for its Qwen2-MoE models (`load_balancing_loss_func`),
 # summed over layers and with fₑ counted per token rather than per (token, slot), so its
-# value is top_k times ours for one layer. Check that relation, and the two ends of the
-# scale (perfectly even routing: 1; every token to the same experts: E / top_k):
+# value is top_k times ours for one layer, and one coefficient means top_k times less
+# push in minirl than in transformers. The cell computes both on one router output, and
+# the two ends of our scale (perfectly even routing: 1; every token to the same experts:
+# E / top_k):
 
 # %%
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
@@ -320,8 +330,12 @@ logits = torch.randn(2 * 16, 8, generator=g) * 2                       # [B*T, E
 mask = (torch.arange(16) < torch.tensor([[16], [9]])).long()           # [B, T]: the second row is padded
 ours = load_balancing_loss(logits, top_k=2, token_mask=mask.reshape(-1))
 theirs = load_balancing_loss_func((logits,), num_experts=8, top_k=2, attention_mask=mask)
-print(f"ours x top_k = {2 * ours.item():.6f}   transformers = {theirs.item():.6f}")
+print(f"one router output: minirl {ours.item():.6f}, transformers {theirs.item():.6f}; "
+      f"transformers / minirl = {theirs.item() / ours.item():.3f} (top_k = 2)")
 assert torch.allclose(2 * ours, theirs, atol=1e-6)
+coef = 0.2                                                             # section 2's aux_loss_coef
+print(f"so minirl's aux_loss_coef={coef} pushes as hard as transformers' router_aux_loss_coef="
+      f"{coef * ours.item() / theirs.item():.2f} on this layer (transformers also sums its loss over the layers)")
 uniform = load_balancing_loss(torch.zeros(64, 8), top_k=2)              # ties: every expert equally likely
 collapsed = load_balancing_loss(torch.tensor([[20.0, 20.0] + [0.0] * 6]).repeat(64, 1), top_k=2)
 print(f"even router: {uniform.item():.3f} (1 = perfectly even)   "
@@ -340,7 +354,7 @@ print(f"even router: {uniform.item():.3f} (1 = perfectly even)   "
 # the layer instead of silently routing garbage.
 
 # %%
-# | export minirl/models/moe.py
+# | export minirl/models/moe_balance.py
 class BalancedTopKRouter(nn.Module):
     """A top-k router (transformers' Qwen2-MoE router, same forward contract) that keeps load statistics
     and can balance its experts in two ways.
@@ -403,7 +417,13 @@ class BalancedTopKRouter(nn.Module):
             with torch.no_grad():
                 self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
 
+# %% [markdown]
+# Installing it: `install_balancing` swaps every router of a model for a `BalancedTopKRouter`
+# and adds the two hooks (the attention mask in, the optimizer step out); `load_history`
+# reads back one load vector per step and layer.
 
+# %%
+# | export minirl/models/moe_balance.py
 def _capture_token_mask(model: nn.Module, args, kwargs) -> None:
     """Forward pre-hook: hand each balanced router the real-token mask of this call's new tokens."""
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -539,7 +559,8 @@ except RouterError as err:
 # 16 prompts × 8 completions per step) from the same warm-started MoE, without balancing, with the
 # auxiliary loss (α = 0.2) and with the bias update (γ = 0.002 per step). The coefficients
 # are larger than pre-training's (DeepSeek-V3 uses γ = 0.001 over hundreds of thousands of
-# steps; auxiliary coefficients of 0.001–0.01 are common) because these runs have only
+# steps; auxiliary coefficients of 0.001–0.01 are common, in transformers' convention, where
+# our α = 0.2 is 0.2 / top_k = 0.1, as the check above printed) because these runs have only
 # 60 steps to show an effect. The loop does not know about balancing: the routers do it.
 
 # %%
@@ -575,6 +596,8 @@ for name, run in load_runs.items():
     print(f"{name:>9} | {after[name]['max_over_mean']:>22.2f} | {' '.join(f'{x:.2f}' for x in layers):>12} | "
           f"{after[name]['hottest_over_coldest']:>8.1f} | {acc[0]:.3f} -> {acc[-1]:.3f} | {run['reward']:>11.3f} | "
           f"{run['seconds']:>7.1f}")
+moves = {name: run["accuracy"][-1] - run["accuracy"][0] for name, run in load_runs.items()}
+print("held-out accuracy change over the run: " + ", ".join(f"{n} {100 * v:+.1f} points" for n, v in moves.items()))
 if not SMOKE:
     assert after["aux loss"]["max_over_mean"] < after["none"]["max_over_mean"]
     assert after["bias"]["max_over_mean"] < after["none"]["max_over_mean"]
@@ -614,9 +637,9 @@ plt.show()
 # gradient, the bias by changing the choice directly while the router's own probabilities,
 # and so the mixing weights, stay as they were. Neither is free in principle: the experts
 # were trained on the tokens the unbalanced router sent them, and balancing sends some
-# tokens elsewhere. At this scale the accuracy after 60 steps moves by a few points in every
-# run, the unbalanced one included, so this run cannot separate that cost from RL's own
-# noise. Production models avoid the question by balancing from the first step of
+# tokens elsewhere. The last line prints each run's accuracy change; the unbalanced run's
+# change is RL's own noise at this scale, and a balanced run's change no larger than that
+# cannot be read as balancing's cost (or gain) from one run each. Production models avoid the question by balancing from the first step of
 # pre-training, and DeepSeek-V3 chose a bias that never touches the language-model
 # gradient, with a small γ, so that the router moves slowly while the experts adapt.
 
@@ -682,7 +705,12 @@ def exchange(x: torch.Tensor, receive_counts: list[int], send_counts: list[int],
         return out
     return all_to_all_single(out, x.contiguous(), receive_counts, send_counts, group=group)
 
+# %% [markdown]
+# The layer itself: route on every rank, send each (token, expert) row to the rank that
+# holds its expert, run the local experts, send the outputs back and mix them.
 
+# %%
+# | export minirl/parallel/expert.py
 class ExpertParallelMoE(nn.Module):
     """One rank's share of a Qwen2-MoE sparse block (`Qwen2MoeSparseMoeBlock`): all of its router and
     shared expert, its slice of the routed experts. `last` holds the latest forward's measurements."""
@@ -783,7 +811,12 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
     median = {key: statistics.median(t[key] for t in timings) for key in timings[0]}
     return {"rank": rank, "tokens": mine.shape[0], **check, **median}
 
+# %% [markdown]
+# What `torchrun` starts on every rank, and the driver's call that starts it and reads the
+# ranks' results.
 
+# %%
+# | export minirl/parallel/expert.py
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
     import argparse
@@ -936,7 +969,8 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
                          seed: int = 0) -> dict:
     """Sample with a `rollout_dtype` copy of the MoE `model` (recording its routes), recompute in fp32
     with the trainer's own routes and with the rollout's (R3); returns `ratio_spread` for each, the
-    share of completion tokens whose route flipped, and the token-ratio variance split by flip."""
+    share of completion tokens whose route flipped, the token-ratio variance split by flip, and the flipped
+    tokens' share of the token variance (their squared deviations from the mean of all tokens' ratios)."""
     rollout = HFEngine(model, tokenizer, dtype=rollout_dtype)          # HF generate: every call covers all rows
     with RouteRecorder(rollout.model) as recorder:
         batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
@@ -957,7 +991,9 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
     ratios = torch.exp(plain - batch.logprobs)
     split = {name: (ratios[m].var().item() if m.sum() > 1 else float("nan"), int(m.sum()))
              for name, m in (("flipped", flipped), ("kept", mask.bool() & ~flipped))}
+    squared = (ratios - ratios[mask.bool()].mean()) ** 2                      # [B, C] about the mean of all tokens
     return {"rollout_dtype": rollout_dtype, "flipped_share": flipped.sum().item() / max(mask.sum().item(), 1),
+            "flipped_variance_share": squared[flipped].sum().item() / max(squared[mask.bool()].sum().item(), 1e-30),
             "token_var_flipped": split["flipped"][0], "tokens_flipped": split["flipped"][1],
             "token_var_kept": split["kept"][0], "tokens_kept": split["kept"][1],
             "plain": ratio_spread(plain, batch.logprobs, mask), "r3": ratio_spread(replayed, batch.logprobs, mask)}
@@ -965,14 +1001,19 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
 # %%
 prompts = [row["prompt"] for row in task.rows("train")[: 16 if SMOKE else 64]]
 spread = {}
-print(f"{'rollout':>13} | {'routes flipped':>14} | {'var token: flipped / kept':>25} | {'var token':>9} | "
-      f"{'var seq':>8} | {'token/seq':>9} | {'with R3: token, seq':>19}")
+print(f"{'rollout':>13} | {'routes flipped':>14} | {'var token: flipped / kept':>25} | {'flipped: share of var':>21} | "
+      f"{'var token':>9} | {'var seq':>8} | {'token/seq':>9} | {'with R3: token, seq':>19}")
 for dtype in ("bfloat16", "float8_e4m3fn"):
     r = spread[dtype] = routing_ratio_spread(moe, tokenizer, prompts, rollout_dtype=dtype)
     p, r3 = r["plain"], r["r3"]
     print(f"{dtype:>13} | {r['flipped_share']:>14.1%} | {r['token_var_flipped']:>11.2e} / {r['token_var_kept']:.2e} | "
-          f"{p['token_var']:>9.2e} | {p['sequence_var']:>8.2e} | {p['variance_ratio']:>9.1f} | "
-          f"{r3['token_var']:.2e}, {r3['sequence_var']:.2e}")
+          f"{r['flipped_variance_share']:>21.1%} | {p['token_var']:>9.2e} | {p['sequence_var']:>8.2e} | "
+          f"{p['variance_ratio']:>9.1f} | {r3['token_var']:.2e}, {r3['sequence_var']:.2e}")
+fp8 = spread["float8_e4m3fn"]
+flip_weight = fp8["token_var_flipped"] / fp8["token_var_kept"] if fp8["tokens_flipped"] > 1 else float("nan")
+flip_role = ("most of" if fp8["flipped_variance_share"] > 0.5 else "a minority of")
+print(f"fp8: {fp8['flipped_share']:.1%} of the tokens flipped; their ratios vary {flip_weight:.0f}x as much as the "
+      f"others' and carry {fp8['flipped_variance_share']:.0%} of the token variance: {flip_role} it")
 length = spread["float8_e4m3fn"]["plain"]["tokens"] / spread["float8_e4m3fn"]["plain"]["sequences"]
 print(f"mean completion length: {length:.1f} tokens: averaging that many independent deviations would divide the "
       f"variance by about {length:.1f}")
@@ -984,12 +1025,15 @@ gspo = spread["float8_e4m3fn"]["plain"]
 REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO uses one ratio per sequence",
                     f"fp8 rollout: var token {gspo['token_var']:.1e} vs sequence {gspo['sequence_var']:.1e} "
                     f"({gspo['variance_ratio']:.1f}x)", verdict(gspo["variance_ratio"] > 1),
-                    "averaging over a completion's tokens; flipped tokens dominate the token variance")
+                    f"averaging over a completion's tokens; {fp8['flipped_share']:.1%} of tokens flipped carry "
+                    f"{fp8['flipped_variance_share']:.0%} of the token variance")
 
 # %% [markdown]
 # The tokens whose route flipped carry ratios far more spread out than the rest (compare
-# the two variances in the third column), so a few flips dominate the token-level variance,
-# more so in fp8 where more routes flip. The sequence ratio averages each completion's
+# the two variances in the third column), but they are few: the fourth column says how much
+# of the token-level variance they carry, and the line under the table says whether that
+# is most of it or a minority (a minority when the many unflipped tokens' rounding noise
+# adds up to more than the few flips). The sequence ratio averages each completion's
 # tokens and its variance is smaller (the token/seq column), by at most about the
 # completion length: one completion's deviations are correlated (a flipped route changes
 # the hidden states that later tokens see), so the reduction falls short of the independent
@@ -1004,26 +1048,54 @@ REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO uses one r
 # away from 1 on the second update), and truncated importance sampling against the rollout,
 # once at the token level (`importance_sampling_level="token"`, ε = 0.2, per-token TIS) and
 # once at the sequence level (GSPO, with the clip range the GSPO paper and TRL recommend for
-# it, ε = 3e-4 / 4e-4, and per-sequence TIS).
+# it, ε = 3e-4 / 4e-4, and per-sequence TIS). Both runs average the loss with
+# `loss_type="grpo"` (each completion's token mean, then the mean over completions), the
+# sequence mean GSPO is defined with; minirl's default, `"dapo"` (one mean over all the
+# batch's tokens), would weight each sequence's ratio by its length, which is why TRL warns
+# when `importance_sampling_level="sequence"` meets `dapo`. The table prints the `loss_type`
+# each run used.
+#
+# minirl's TIS defaults are not TRL's: the next cell prints both (TRL 1.16's
+# `vllm_importance_sampling_mode` and its cap beside minirl's `importance_sampling_mode` and
+# `importance_sampling_cap`). Both runs here name their mode, so neither default decides them.
 
 # %%
-GSPO_RUNS = {"token (GRPO)": dict(importance_sampling_level="token", epsilon=0.2,
+from dataclasses import fields  # noqa: E402
+
+from trl import GRPOConfig  # noqa: E402
+
+from minirl.config import AlgorithmConfig  # noqa: E402
+
+trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+ours_defaults = {f.name: f.default for f in fields(AlgorithmConfig)}
+is_defaults = {"TRL GRPOConfig": (trl_defaults["vllm_importance_sampling_mode"],
+                                  trl_defaults["vllm_importance_sampling_clip_max"]),
+               "minirl AlgorithmConfig": (ours_defaults["importance_sampling_mode"],
+                                          ours_defaults["importance_sampling_cap"])}
+for who, (mode, cap) in is_defaults.items():
+    print(f"{who:>22}: default IS mode {mode!r}, cap {cap}")
+print("same default IS mode:", is_defaults["TRL GRPOConfig"][0] == is_defaults["minirl AlgorithmConfig"][0])
+
+# %%
+GSPO_RUNS = {"token (GRPO)": dict(importance_sampling_level="token", epsilon=0.2, loss_type="grpo",
                                   importance_sampling_mode="token_truncate"),
              "sequence (GSPO)": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
-                                     importance_sampling_mode="sequence_truncate")}
-gspo_runs = {}
+                                     loss_type="grpo", importance_sampling_mode="sequence_truncate")}
+gspo_runs, gspo_loss_types = {}, {}
 for name, settings in GSPO_RUNS.items():
     model = copy.deepcopy(moe)
     config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2),
                                 num_iterations=2, rollout_dtype="float8_e4m3fn", importance_sampling_correction=True,
                                 **settings)
     gspo_runs[name] = train(config, model, tokenizer, progress=False)
-print(f"{'ratio level':>16} | {'accuracy (start, middle, end)':>29} | {'mean reward':>11} | {'clip fraction':>13} | "
-      f"{'grad norm':>9}")
+    gspo_loss_types[name] = config.algorithm.loss_type                      # what the run used, printed below
+print(f"{'ratio level':>16} | {'loss_type':>9} | {'accuracy (start, middle, end)':>29} | {'mean reward':>11} | "
+      f"{'clip fraction':>13} | {'grad norm':>9}")
 for name, metrics in gspo_runs.items():
     steps = [m for m in metrics if "reward" in m]
     acc = " ".join(f"{m['accuracy']:.3f}" for m in metrics if "accuracy" in m)
-    print(f"{name:>16} | {acc:>29} | {statistics.mean(m['reward'] for m in steps):>11.3f} | "
+    print(f"{name:>16} | {gspo_loss_types[name]:>9} | {acc:>29} | "
+          f"{statistics.mean(m['reward'] for m in steps):>11.3f} | "
           f"{statistics.mean(m['clip_ratio/region_mean'] for m in steps):>13.3f} | "
           f"{statistics.mean(m['grad_norm'] for m in steps):>9.2f}")
 
@@ -1244,7 +1316,12 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> dict[int, li
     """1F1B on every rank (rank s holds stage s)."""
     return {s: one_f_one_b_order(s, num_stages, num_microbatches) for s in range(num_stages)}
 
+# %% [markdown]
+# DualPipeV's order: rank r holds stages r and 2P − 1 − r of the V, and `dualpipev_order`
+# lays out each rank's actions in DeepSeek's eight phases.
 
+# %%
+# | export minirl/parallel/pipeline.py
 def dualpipev_stages(num_ranks: int, rank: int) -> tuple[int, int]:
     """DualPipeV's V: rank r holds stage r (going down) and stage 2P-1-r (coming back up)."""
     return rank, 2 * num_ranks - 1 - rank
@@ -1406,7 +1483,11 @@ def _check_complete(orders: dict[int, list], num_stages: int) -> None:
                 raise PipelineError(f"micro-batch {m} at stage {s} needs one forward and either one B or one "
                                     "I plus one W")
 
+# %% [markdown]
+# The closed forms the simulator is checked against, and one entry point per schedule name.
 
+# %%
+# | export minirl/parallel/pipeline.py
 def bubble_formulas(num_ranks: int, num_microbatches: int, costs: Costs = Costs()) -> dict[str, float]:
     """The closed forms, as bubble time over compute time, and GPipe/1F1B's exact share of the total.
 
@@ -1661,7 +1742,12 @@ class PipelineModel(nn.Module):
 def token_loss(logits, targets):                           # [b, T, V], [b, T] -> scalar
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+# %% [markdown]
+# Each rank's job: time every compute call of its stage(s), build the schedule torch ships
+# under that name, and run a few steps of it (`worker_main` is what `torchrun` starts).
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def record_compute(stage, events: list) -> None:
     """Time the stage's compute calls, appending (kind, micro-batch, stage, start, end) to `events`."""
     full_at = list(inspect.signature(stage.backward_one_chunk).parameters).index("full_backward")
@@ -1719,7 +1805,12 @@ def run_steps(schedule: str, model: PipelineModel, ids, targets, num_microbatche
         steps.append({"events": list(events), "losses": [loss.item() for loss in losses]})
     return steps[1:]
 
+# %% [markdown]
+# `worker_main` is the body of the `torchrun` job: every rank runs each schedule and writes
+# its timed calls for the driver.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
     import argparse
@@ -1764,7 +1855,12 @@ def worker_main(argv=None) -> None:
     finally:
         dist.destroy_process_group()
 
+# %% [markdown]
+# From the driver: start the job, turn each rank's timed calls into a timeline, and set the
+# measured idle share beside the simulator's for the measured costs.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
                     hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
                     timeout: float = 600) -> dict:
@@ -1822,7 +1918,11 @@ def measured_costs(timelines: list[PipelineTimeline]) -> dict[int, Costs]:
         costs[stage] = Costs(f, b, weight=w if w is not None else b / 2, comm=latency)
     return costs
 
+# %% [markdown]
+# The measured message latency, and the comparison with the simulator fed the measured costs.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 def message_waits(timeline: PipelineTimeline) -> list[float]:
     """Gaps between an op's input being computed on one rank and the op starting on another, counted
     only where the receiving rank sat idle in between: the cost of one send, as the job saw it."""
@@ -1884,11 +1984,13 @@ least = min(SCHEDULES, key=lambda s: measured[(s, 4)]["measured"])
 print(f"least measured idle time at M = 4: {least}; every measured share is at or above the simulator's without "
       f"latency: {all(r['measured'] >= r['simulated'] - 0.02 for r in pipe_rows)}")
 row = next(r for r in bubble_table if (r["P"], r["M"], r["B/F"]) == (8, 32, 2.0))
+source_holds = {ratio: all(abs(r["dualpipev"] - r["dualpipe_source"]) < 1e-9 for r in bubble_table if r["B/F"] == ratio)
+                for ratio in (1.0, 2.0)}                        # DualPipeV's simulated bubble is (P-1)/2M exactly
 REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
                     f"simulated P=8, M=32, B=2F: 1F1B {row['1f1b']:.3f}, DualPipeV "
                     f"{row['dualpipev']:.3f}; measured P=2, M=4 idle share: "
                     + ", ".join(f"{s} {measured[(s, 4)]['measured']:.2f}" for s in SCHEDULES),
-                    "agree (B = F); differ (B = 2F)",
+                    f"{verdict(source_holds[1.0])} (B = F); {verdict(source_holds[2.0])} (B = 2F)",
                     "(P-1)/2M holds at B = F; at B = 2F DualPipeV idles (P-1)/3M (DeepSeek-V3's table)")
 
 # %%
@@ -2264,14 +2366,18 @@ print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} r
       f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
       f"speedup {speed['speedup']:.2f}x (the utilization ratio is "
       f"{speed['packed_utilization'] / speed['padded_utilization']:.2f}x)")
+in_proportion = speed["speedup"] >= 0.9 * speed["packed_utilization"] / speed["padded_utilization"]
+print(f"packed faster: {speed['speedup'] > 1}; time falls in proportion to the padding removed (within 10 %): "
+      f"{in_proportion}")
 try:
     best_fit_decreasing([100, 700, 30], budget=512)            # bad input: a sequence longer than the budget
 except PackingError as err:
     print("PackingError:", err)
 
 # %% [markdown]
-# The packed step is faster because it computes fewer padding tokens. Compare the speedup
-# with the utilization ratio: the time does not fall in proportion, because a packed row of
+# Where the packed step is faster (the line under the numbers says), it is because it
+# computes fewer padding tokens. Compare the speedup with the utilization ratio: where the
+# time does not fall in proportion, the reason is that a packed row of
 # 512 tokens pays attention over all 512 positions (the block-diagonal mask removes the
 # cross-sequence terms from the result, not from the dense computation on a CPU;
 # variable-length attention kernels such as FlashAttention's varlen path skip them on a GPU)
@@ -2287,7 +2393,8 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
 
 # %% [markdown]
 # `python chapters/08_moe_pipelines.py --out runs/08` runs all of this as a script and writes
-# `runs/08/summary.json` (`bubble`, `packing_utilization`, `expert_load_max_over_mean`, ...)
+# `runs/08/summary.json` (`bubble`, `packing_utilization`, `expert_load_max_over_mean`,
+# `expert_load_hottest_over_coldest`, which chapter 09's expert rule reads, ...)
 # and the plots.
 #
 # ## Exercises

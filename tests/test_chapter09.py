@@ -117,7 +117,7 @@ def test_analyse_a_real_stage6_run(tmp_path):
 def test_analyse_a_stage8_directory_and_an_unknown_gpu(tmp_path):
     moe = tmp_path / "08"
     moe.mkdir()
-    load = {"expert_load_max_over_mean": {"before": 2.5, "after": {"none": 2.0}}}
+    load = {"expert_load_hottest_over_coldest": {"before": 4.0, "after": {"none": 3.0}}}
     (moe / "summary.json").write_text(json.dumps(load))
     assert chapter.main(["--run", str(moe), "--out", str(tmp_path / "a")]) == 0
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())

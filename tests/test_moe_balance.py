@@ -1,4 +1,4 @@
-"""Expert load and balancing on the tiny MoE (minirl.models.moe, notebook 08), parameter counting, and the
+"""Expert load and balancing on the tiny MoE (minirl.models.moe_balance, notebook 08), parameter counting, and the
 GSPO ratio statistics (minirl.diagnostics.routing)."""
 
 import copy
@@ -9,19 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from minirl.diagnostics.routing import ratio_spread, routing_ratio_spread
-from minirl.models.moe import (
+from minirl.models.moe import RouteRecorder, build_moe_policy, count_moe_parameters, load_moe_policy, routers
+from minirl.models.moe_balance import (
     BalancedTopKRouter,
-    RouteRecorder,
     RouterError,
-    build_moe_policy,
-    count_moe_parameters,
     expert_counts,
     install_balancing,
     load_balancing_loss,
     load_history,
     load_imbalance,
-    load_moe_policy,
-    routers,
 )
 from minirl.models.policy import build_tokenizer
 
@@ -117,7 +113,7 @@ def test_history_per_optimizer_step_and_bias_update(tiny):
     assert history.shape == (1, 2, 4)
     assert history[0].sum(-1).tolist() == [2 * 2 * batch["attention_mask"].sum().item()] * 2, \
         "two forwards x top-2 x real tokens (padding excluded)"
-    for router, counts in zip(routers(m), history[0], strict=True):
+    for router, counts in zip(routers(m), history[0]):
         assert torch.allclose(router.expert_bias, rate * torch.sign(counts.mean() - counts))
     with torch.no_grad():
         m.eval()
@@ -206,5 +202,4 @@ def test_load_moe_policy_is_cached(monkeypatch, tmp_path):
     first = load_moe_policy(tokenizer, make_task(), warm_start_steps=1)
     assert len(list(tmp_path.glob("moe-*"))) == 1
     second = load_moe_policy(tokenizer, make_task(), warm_start_steps=1)
-    assert all(torch.equal(a, b)
-               for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from test_profiling import CONFIG, make_run, step_record
 
 from minirl.profiling.decompose import MixedRunsError, NoMetricsError, decompose
@@ -48,9 +49,9 @@ def test_a_healthy_run_fires_no_rule(tmp_path):
     ("activation_oom", healthy_records()[:2] + [step_record(3, error="torch.OutOfMemoryError: CUDA out of memory. "
                                                                      "Tried to allocate 2.00 GiB")], {}),
     ("activation_oom", healthy_records(), {"summary": {"error": "out of memory during the run"}}),
-    ("expert_imbalance", healthy_records(**{"moe/load_max_over_mean": 1.9}), {}),
-    ("expert_imbalance", healthy_records(), {"summary": {"expert_load_max_over_mean":
-                                                         {"before": 2.6, "after": {"none": 2.2, "bias": 1.1}}}}),
+    ("expert_imbalance", healthy_records(**{"moe/load_hottest_over_coldest": 3.0}), {}),
+    ("expert_imbalance", healthy_records(), {"summary": {"expert_load_hottest_over_coldest":
+                                                         {"before": 4.0, "after": {"none": 2.6, "bias": 1.3}}}}),
     ("stragglers", healthy_records(longest=8.0, completion_tokens=16), {}),
     ("low_mfu", healthy_records(), {"peak_scale": 2.0}),
 ])
@@ -77,14 +78,30 @@ def test_rules_are_the_source_table():
     thresholds = {r.name: (r.threshold, r.above) for r in RULES}
     assert thresholds["slow_rollout"] == (0.80, True) and thresholds["slow_sync"] == (0.05, True)
     assert thresholds["heavy_communication"] == (0.10, True) and thresholds["low_mfu"] == (0.30, False)
-    assert thresholds["expert_imbalance"] == (1.5, True), "90 % vs 30 %, half at each: the hottest at 1.5 x the mean"
+    assert thresholds["expert_imbalance"] == (2.0, True), "hottest / coldest: 90 % vs 30 % is 3"
+
+
+@pytest.mark.parametrize("loads", [[0.9, 0.3], [0.9, 0.9, 0.3, 0.3], [0.9, 0.6, 0.6, 0.3]])
+def test_the_sources_expert_example_fires(tmp_path, loads):
+    """"Some GPUs at 90 % while others are near 30 %": the rule fires, from a bare value and from a run's records."""
+    from minirl.models.moe_balance import load_imbalance
+
+    stats = load_imbalance(torch.tensor(loads))
+    assert stats["hottest_over_coldest"] == pytest.approx(3.0)
+    assert rules_that_fire({"expert_imbalance": stats["hottest_over_coldest"]}) == ["expert_imbalance"]
+    if len(loads) == 4 and loads[1] == 0.9:                 # half at each level: hottest / mean is exactly 1.5
+        assert stats["max_over_mean"] == pytest.approx(1.5)
+    records = healthy_records(**{"moe/load_hottest_over_coldest": stats["hottest_over_coldest"]})
+    check(tmp_path, records, ["expert_imbalance"])
+    even = load_imbalance(torch.tensor([0.6, 0.6, 0.6, 0.6]))["hottest_over_coldest"]
+    assert rules_that_fire({"expert_imbalance": even}) == []
 
 
 def test_stage8_directory_without_metrics_is_a_partial_report(tmp_path):
     run = tmp_path / "08"
     run.mkdir()
-    (run / "summary.json").write_text(json.dumps({"expert_load_max_over_mean":
-                                                  {"before": 2.4, "after": {"none": 2.1, "aux loss": 1.2}}}))
+    (run / "summary.json").write_text(json.dumps({"expert_load_hottest_over_coldest":
+                                                  {"before": 4.0, "after": {"none": 2.5, "aux loss": 1.2}}}))
     d = diagnose(run, quiet=True)
     assert d.fired == ["expert_imbalance"] and d.decomposition is None and d.mfu is None
     assert any("no time decomposition" in note for note in d.partial)
@@ -132,3 +149,14 @@ def test_diagnose_prints_its_report(tmp_path, capsys):
     diagnose(run, peak_tflops=healthy_peak_tflops(run))
     out = capsys.readouterr().out
     assert "slow_rollout" in out and "FINDING slow_rollout" in out and "prefix caching" in out
+
+
+def test_an_old_stage8_summary_says_what_is_missing(tmp_path):
+    """A summary.json from before the hottest/coldest key: not measured (never fires), and the detail says why."""
+    run = tmp_path / "08-old"
+    run.mkdir()
+    old = {"expert_load_max_over_mean": {"before": 2.4, "after": {"none": 2.1}}}
+    (run / "summary.json").write_text(json.dumps(old))
+    d = diagnose(run, quiet=True)
+    finding = next(f for f in d.findings if f.rule.name == "expert_imbalance")
+    assert finding.value is None and not finding.fired and "hottest / coldest" in finding.detail

@@ -9,7 +9,8 @@ import pytest
 from test_profiling import CONFIG, TINY, make_run, step_record
 from transformers import Qwen2Config
 
-from minirl.profiling.decompose import TIMELINE_FILE, decompose, split_calls
+from minirl.profiling.decompose import decompose
+from minirl.profiling.timeline import TIMELINE_FILE, split_calls
 from minirl.profiling.mfu import ModelShape, flat_config, run_mfu, step_flops
 from minirl.profiling.rules import diagnose, run_dir_mfu
 

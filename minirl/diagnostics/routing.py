@@ -43,7 +43,8 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
                          seed: int = 0) -> dict:
     """Sample with a `rollout_dtype` copy of the MoE `model` (recording its routes), recompute in fp32
     with the trainer's own routes and with the rollout's (R3); returns `ratio_spread` for each, the
-    share of completion tokens whose route flipped, and the token-ratio variance split by flip."""
+    share of completion tokens whose route flipped, the token-ratio variance split by flip, and the flipped
+    tokens' share of the token variance (their squared deviations from the mean of all tokens' ratios)."""
     rollout = HFEngine(model, tokenizer, dtype=rollout_dtype)          # HF generate: every call covers all rows
     with RouteRecorder(rollout.model) as recorder:
         batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
@@ -64,7 +65,9 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
     ratios = torch.exp(plain - batch.logprobs)
     split = {name: (ratios[m].var().item() if m.sum() > 1 else float("nan"), int(m.sum()))
              for name, m in (("flipped", flipped), ("kept", mask.bool() & ~flipped))}
+    squared = (ratios - ratios[mask.bool()].mean()) ** 2                      # [B, C] about the mean of all tokens
     return {"rollout_dtype": rollout_dtype, "flipped_share": flipped.sum().item() / max(mask.sum().item(), 1),
+            "flipped_variance_share": squared[flipped].sum().item() / max(squared[mask.bool()].sum().item(), 1e-30),
             "token_var_flipped": split["flipped"][0], "tokens_flipped": split["flipped"][1],
             "token_var_kept": split["kept"][0], "tokens_kept": split["kept"][1],
             "plain": ratio_spread(plain, batch.logprobs, mask), "r3": ratio_spread(replayed, batch.logprobs, mask)}

@@ -19,10 +19,13 @@ Peak FLOP/s: for a CPU, measured (the best rate of a square matmul at the run's 
 thread count, `measure_cpu_peak`); for NVIDIA GPUs, the datasheets' dense peaks
 (`GPU_PEAK_TFLOPS`); otherwise `UnknownPeakError` asks for the peak (--peak-tflops).
 
-Simplified vs PaLM's and veRL's counters: attention is counted causally (PaLM counts the
-whole T x T square, twice ours; it matters only when T approaches the model width); the
-lengths are the step's means (records hold totals), which undercounts the attention of
-uneven rows slightly; the critic is counted with the policy's shape (its head is one
+Simplified vs PaLM's and veRL's counters: attention is counted causally (PaLM and veRL count
+the whole T x T square, twice ours; it matters only when T approaches the model width); the
+input embedding is a lookup and is not counted (veRL counts 2 V H per token for the
+embedding and the head even when they share a matrix: on Qwen2.5-0.5B's shape its weight
+term is 1.28x ours, notebook 09 computes both); the lengths are the step's means
+(records hold totals), which undercounts the attention of uneven rows slightly; the
+critic is counted with the policy's shape (its head is one
 column, not a vocabulary).
 """
 

@@ -10,8 +10,9 @@ settings), the model's config.json (for MFU), and summary.json (what a chapter s
 concluded: stage 8's expert load, an error).
 
 Translations of the source's thresholds: expert imbalance "some devices at 90 %, others
-near 30 %" is read as the hottest expert's (or rank's) load over the mean above 1.5 (half
-the devices at each level; notebook 08 records max_over_mean); stragglers, for which the
+near 30 %" is read as the hottest expert's (or rank's) load over the coldest's above 2
+(the example's ratio is 3; notebook 08's load_imbalance records hottest_over_coldest, inf
+when an expert gets nothing); stragglers, for which the
 source gives no number, fire when the longest completion of a step is on average more
 than twice the mean (half of the batch's decode slots idle behind it).
 """
@@ -64,7 +65,8 @@ RULES = (
     Rule("activation_oom", "activation out of memory", "out-of-memory errors the run recorded", 0.0, True,
          "CUDA out of memory during training",
          "enable gradient checkpointing, shorten the maximum sequence length, or shrink the batch", "count"),
-    Rule("expert_imbalance", "expert load imbalance", "the hottest expert's (or rank's) load over the mean", 1.5, True,
+    Rule("expert_imbalance", "expert load imbalance", "the hottest expert's (or rank's) load over the coldest's", 2.0,
+         True,
          "some GPUs at 90 % while others are near 30 %",
          "add an expert-balancing loss and adjust the routing or the expert-parallel placement", "ratio"),
     Rule("stragglers", "stragglers", "the longest completion over the mean, per step, averaged", 2.0, True,
@@ -101,16 +103,20 @@ def _oom_errors(records: list[dict], summary: dict) -> int:
 
 
 def _expert_load(records: list[dict], summary: dict) -> tuple[float | None, str]:
-    """(hottest / mean load, where it came from): the records' last sixth, or stage 8's summary (worst run)."""
-    values = [r["moe/load_max_over_mean"] for r in records if "moe/load_max_over_mean" in r]
+    """(hottest / coldest load, where it came from): the records' last sixth, or stage 8's summary (worst run)."""
+    key = "moe/load_hottest_over_coldest"
+    values = [r[key] for r in records if key in r]
     if values:
         tail = values[-max(1, len(values) // 6):]
-        return sum(tail) / len(tail), f"moe/load_max_over_mean, mean of the last {len(tail)} steps"
-    load = summary.get("expert_load_max_over_mean")
+        return sum(tail) / len(tail), f"{key}, mean of the last {len(tail)} steps"
+    load = summary.get("expert_load_hottest_over_coldest")
     if isinstance(load, dict) and isinstance(load.get("after"), dict) and load["after"]:
         name, value = max(load["after"].items(), key=lambda kv: kv[1])
         runs = sorted(load["after"])
-        return float(value), f"summary.json expert_load_max_over_mean, run {name!r} (the worst of {runs})"
+        return float(value), f"summary.json expert_load_hottest_over_coldest, run {name!r} (the worst of {runs})"
+    if "expert_load_max_over_mean" in summary:
+        return None, ("summary.json holds only expert_load_max_over_mean (hottest / mean), not the hottest / "
+                      "coldest ratio the rule reads: rerun chapters/08_moe_pipelines.py")
     return None, "no expert loads recorded (a dense model, or not logged)"
 
 

