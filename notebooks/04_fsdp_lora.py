@@ -742,7 +742,9 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # %% [markdown]
 # What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
 # tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
-# what LoRA leaves trainable:
+# what LoRA leaves trainable, here and on the source's 70 B model: r (d_in + d_out) per
+# adapted d_in × d_out matrix is a large share of a 128-wide layer and a small one of an
+# 8192-wide layer, and it is also what an adapter-only sync ships (section 4):
 
 # %%
 import copy  # noqa: E402
@@ -756,14 +758,17 @@ weight = sharded.module.get_parameter("model.layers.0.mlp.up_proj.weight")
 print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
 print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
       f"this rank's shard {tuple(weight.to_local().shape)}")
+from minirl.memory.calculator import LLAMA2_70B, lora_params  # noqa: E402
+
 total = sum(p.numel() for p in model.parameters())
 rows = []
 for rank in (4, 8, 16):
     adapted = apply_lora(copy.deepcopy(model), rank)
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}"))
+    big = lora_params(LLAMA2_70B, rank) / LLAMA2_70B.param_count()     # the same 7 targets, notebook 03's count
+    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}", f"{big:.2%}"))
 print(f"the policy: {total:,} parameters")
-show(rows, ("LoRA rank", "trainable parameters", "of the base"))
+show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base (Llama-2-70B)"))
 
 # %% [markdown]
 # ## 3. The actor on every rank: a rank's share of the loss
@@ -1182,7 +1187,7 @@ assert all(float(r[4]) < 1e-5 for r in rows)
 # |---|---|---|---|
 # | `full` | every tensor (full fine-tuning) | the policy | the model's bytes |
 # | `merged` | W + (α/r) B A for each adapted layer, under the base names | the merged policy | the model's bytes, plus a matmul per layer |
-# | `adapter` | only A and B | the frozen base + the adapter, applied at generation | ~1 % of the bytes; the engine computes B A x at every token |
+# | `adapter` | only A and B | the frozen base + the adapter, applied at generation | A and B's bytes: r (d_in + d_out) per d_in × d_out matrix, section 2's share (large on this 128-wide policy, a fraction of a percent on a 70 B one); the engine computes B A x at every token |
 #
 # `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
 # (vLLM serves LoRA adapters natively; veRL can ship adapters only). Exercise 4.2 is
@@ -2805,7 +2810,8 @@ for what, (err, processes) in stops.items():
 # 0 after every rank has finished, so a crash mid-write (say, rank 1 killed) leaves the
 # previous checkpoint as the newest intact one. Resuming loads the shards, the optimizer
 # and the generators and pushes the restored weights into the engines at the restored
-# version; on one CPU the resumed run ends with exactly the weights of an uninterrupted one.
+# version; on one CPU the resumed run ends with exactly the weights of an uninterrupted one
+# (section 7 kills a rank, resumes and compares).
 
 # %%
 # | export minirl/parallel/checkpoint.py
@@ -3269,9 +3275,10 @@ def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
 
 runs = {}
 started = time.perf_counter()
+QUICK = ("--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR, "--steps", "4", "--eval-every", "2",
+         "--checkpoint-every", "2", "--prompts-per-step", "4", "--num-generations", "4")   # also the resume below
 if SMOKE:
-    runs["lora"] = run_chapter("04_smoke", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
-                               "--steps", "4", "--eval-every", "2", "--prompts-per-step", "4", "--num-generations", "4")
+    runs["lora"] = run_chapter("04_smoke", *QUICK)
 else:
     for zero in (0, 1, 2):
         runs[f"zero{zero}"] = run_chapter(f"04_zero{zero}", "--zero", str(zero), "--steps", "10", "--eval-every", "0")
@@ -3387,6 +3394,39 @@ if not SMOKE:
     assert update["zero2"] > update["zero3"], "ZeRO-2 keeps the gathered layers through the update"
 
 # %% [markdown]
+# The source's ZeRO table gives each level's per-GPU saving: ~4×, ~8× and N×. Those follow
+# from its own 16 bytes per parameter in mixed precision (2 + 2 + 12): ZeRO-1 keeps
+# 4 + 12/N and ZeRO-2 2 + 14/N bytes, so ~4× and ~8× are the limits for many GPUs, and
+# ZeRO-3's 16/N is exactly N×. Our runs are FP32 on two ranks (4 + 4 + 8 bytes), where the
+# same formula gives much less. The table sets the source's figure beside its formula's
+# limit, the formula at our setting (notebook 03's `zero_saving`), and what the runs held
+# (DDP's state over each level's, rank mean); the rule of each verdict is in the cell.
+
+# %%
+from minirl.memory.calculator import zero_saving  # noqa: E402
+
+SOURCE_SAVING = {1: ("~4x", 4.0), 2: ("~8x", 8.0), 3: ("Nx", None)}   # None: N itself
+MANY = 10**6                                                          # "many GPUs", for the limits
+state = {zero: sum(runs[f"zero{zero}"][0]["state_bytes"]) / 2 for zero in range(4) if f"zero{zero}" in runs}
+rows = []
+for zero, (said, value) in SOURCE_SAVING.items():
+    limit = zero_saving(MANY, zero, "mixed") if value else None
+    source_ok = (abs(limit - value) / value < 0.1) if value else zero_saving(2, 3, "mixed") == 2
+    ours = zero_saving(2, zero, "fp32")
+    measured = state[0] / state[zero] if 0 in state and zero in state else None
+    rows.append((f"ZeRO-{zero}", said, f"{limit:.2f}x" if value else "N x (2.00x at N=2)",
+                 "agree" if source_ok else "differs", f"{ours:.2f}x",
+                 "not run (smoke mode)" if measured is None else f"{measured:.2f}x",
+                 "-" if measured is None else "agree" if abs(measured / ours - 1) < 0.05 else "differs"))
+show(rows, ("stage", "source", "its formula, mixed, N -> inf", "source vs formula (10 %)", "formula, FP32, N=2",
+            "measured (DDP / this)", "measured vs formula (5 %)"))
+if 2 in state and 3 in state:
+    at_rest = state[0] / state[2]
+    print(f"FSDP2's ZeRO-2 at rest saves {at_rest:.2f}x: " + (
+        "ZeRO-3's figure (it reshards after backward; its whole weights live only from forward to backward)"
+        if abs(at_rest / zero_saving(2, 3, "fp32") - 1) < 0.05 else "not ZeRO-3's figure either"))
+
+# %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
 # The source's symptom table flags weight synchronization above 5 % of the step and names
@@ -3406,32 +3446,35 @@ summary = runs["lora"][0]
 rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}",
          f"{100 * r['share']:.1f} %", "above: slow sync" if r["share"] > 0.05 else "below")
         for r in summary["sync_table"]]
-show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "push / median step", "source: 5 %"))
 table = {(r["mode"], r["transfer"]): r for r in summary["sync_table"]}
 bucketed = next(t for _, t in table if t.endswith("buckets"))
 for mode in ("full", "merged", "adapter"):
     per_tensor, packed = table[(mode, "per tensor")]["seconds"], table[(mode, bucketed)]["seconds"]
     print(f"{mode}: packed into {bucketed} it takes {packed / per_tensor:.0%} of the per-tensor time "
           f"({per_tensor / packed:.1f}x faster)")
-adapter, merged = table[("adapter", bucketed)], table[("merged", bucketed)]
-print(f"adapter-only against merged, both packed: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
-      f"{adapter['seconds'] / merged['seconds']:.0%} of the time"
-      + (" (faster in time, not only in bytes)" if adapter["seconds"] < merged["seconds"] else
-         " (NOT faster in time on this run: see the load above)"))
-assert adapter["bytes"] < 0.1 * merged["bytes"]
+for transfer in ("per tensor", bucketed):
+    adapter, merged = table[("adapter", transfer)], table[("merged", transfer)]
+    time_ratio = adapter["seconds"] / merged["seconds"]
+    print(f"adapter-only against merged, {transfer}: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
+          f"{time_ratio:.0%} of the time, {adapter['tensors']} tensors against {merged['tensors']}: "
+          + ("faster in time too" if time_ratio < 1 else "NOT faster in time"))
+    assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# Packing saves round trips, and that is what lets the adapter win in time as well as in
-# bytes: it gathers only A and B (the frozen base never moves and nothing is merged), the
-# engine copies only those into place, and in one bucket the whole adapter is one small
-# collective, where a merged sync gathers every base weight with its adapter, multiplies
-# B A for every adapted layer and copies whole matrices. One tensor per collective, the
-# adapter's 56 small tensors cost 56 round trips, more than the 51 of a full sync: fewer
-# bytes, about as many waits.
+# The bytes are fixed by the shapes; the time is this machine's, and the last two lines say,
+# per transfer, whether the adapter's fewer bytes also made it faster. Packed, the whole
+# adapter is one small collective and the engine copies only A and B into place, where a
+# merged sync gathers every base weight with its adapter, multiplies B A for every adapted
+# layer and copies whole matrices. One tensor per collective, the adapter needs more round
+# trips than merged (its tensors column), and on CPUs with gloo a round trip's fixed cost,
+# not its bytes, is what a small collective pays.
 #
-# The table times pushes into a buffer; each run's own share also pays the real engine
+# The table times pushes into a buffer; each run's own share (one per run: the run's sync
+# seconds over its step seconds, the figure set beside the 5 %) also pays the real engine
 # (waking it up, copying into place) and the wait for the slower rank at the first
-# collective after its update. The runs, side by side (full mode: one run per remedy;
+# collective after its update (the line under the run table sets the LoRA run's share
+# beside its buffer row, and says how far apart they are). The runs, side by side (full mode: one run per remedy;
 # smoke mode: the one LoRA job). The defaults of `chapters/04_fsdp_lora.py` are the `full`
 # run's settings: ZeRO-3, full fine-tuning, packed in 256 MiB buckets, a sync every step.
 
@@ -3443,18 +3486,28 @@ def sync_row(name: str) -> tuple:
     median_ms = 1e3 * statistics.median(m["time/sync"] for m in steps if m.get("sync/pushed", 1))
     transfer = f"{s['parallel']['sync_bucket_mb']:g} MiB buckets" if s["packed_sync"] else "per tensor"
     return (name, s["sync_mode"], transfer, s["sync_every"], f"{s['sync_bytes'] / MiB:.3f}", f"{median_ms:.1f}",
-            f"{100 * s['sync_share']:.1f} %", f"{100 * s['sync_share_median']:.1f} %", s["staleness_max"],
+            f"{100 * s['sync_share']:.1f} %", s["staleness_max"],
             "above: slow sync" if s["sync_share"] > 0.05 else "below")
 
 
 names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis") if n in runs]
 show([sync_row(n) for n in names], ("run", "mode", "transfer", "sync every", "MiB per push", "ms per push (median)",
-                                    "share of steps", "median share", "max staleness", "source: 5 %"))
+                                    "sync share of the run", "max staleness", "source: 5 %"))
+own, timed = runs["lora"][0], table[("merged", bucketed)]
+ratio = own["sync_share"] / timed["share"]
+print(f"\nthe LoRA run's one sync share: {100 * own['sync_share']:.1f} % (all its sync seconds over all its step "
+      f"seconds); the buffer table's push alone (merged, {bucketed}): {100 * timed['share']:.1f} % of a median step; "
+      + (f"the run's is {ratio:.1f}x that: it also pays the engine's copy and the wait for the slower rank"
+         if ratio > 1.1 else f"the run's is {ratio:.2f}x that: within 10 %, the push is nearly all of the run's sync"
+         if ratio >= 0.9 else f"the run's is {ratio:.2f}x that: a noisy machine (the two were timed at different "
+         "moments)"))
 if "sync_every" in runs:
     before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
     print(f"\nfull fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
           f"{100 * after:.1f} % packed: " + ("under" if after < 0.05 else "NOT under") + " the source's 5 %")
     s = runs["sync_every"][0]
+    print(f"sync every {s['sync_every']} steps: share {100 * s['sync_share']:.1f} % against {100 * after:.1f} % every "
+          f"step, {after / s['sync_share']:.1f}x less for K = {s['sync_every']}")
     print(f"sync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
           f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
           f"(mean {s['staleness_mean']:.2f}). What that costs the learning, over the same first {STALE_STEPS} steps:")
@@ -3476,7 +3529,8 @@ if "sync_every" in runs:
                            "recovers all of it" if corrected >= fresh else "does not help on this run"))
 
 # %% [markdown]
-# Synchronizing every K-th step divides the sync's share by about K and costs freshness:
+# Synchronizing every K-th step divides the sync's share by about K (the first "sync every"
+# line under the run table prints the factor this run got) and costs freshness:
 # between two pushes the engine keeps generating with the weights it holds, so a batch can
 # be up to K-1 updates old, and a policy gradient taken on another policy's samples is a
 # biased one: the table above puts a number on what that did to the learning here (the
@@ -3514,18 +3568,31 @@ if not SMOKE:
 # %% [markdown]
 # Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
 # memory. Under FSDP2 the weights are first all-gathered, and on CPUs with gloo that time
-# is mostly latency, which is why one collective per tensor put a 1 M-parameter model's sync
-# far above the source's 5 %. On GPUs with NCCL and a real model the bandwidth term grows
+# is mostly latency: that is what the per-tensor rows of the tables above pay, for a
+# 1 M-parameter model (their verdict column sets each beside the source's 5 %). On GPUs with NCCL and a real model the bandwidth term grows
 # and the bytes column becomes the one to read: that is where adapter-only sync pays most,
 # and where the bucket size (memory against round trips) is a real decision.
 
 # %% [markdown]
 # ### Full fine-tuning against LoRA
 #
-# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, and how
-# each learns (the curves above).
+# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, how
+# fast each steps, and how each learns (the curves above). The source's memory table puts
+# "~40 % slower per step" on ZeRO-3 + gradient checkpointing + LoRA, against unsharded full
+# fine-tuning; notebook 03 showed that checkpointing alone costs up to a third more compute,
+# and these runs use none. So the line under the table sets LoRA's own change in step time
+# (against full fine-tuning, both ZeRO-3) beside the source's 40 %, with the rule it uses.
 
 # %%
+SOURCE_LORA_SLOWDOWN = 0.40        # the source: "~40 % slower per step" (ZeRO-3 + checkpointing + LoRA)
+
+
+def step_seconds(name: str, stage: str | None = None) -> float:
+    """Median seconds of a step of run `name` (or of one of its stages: "update"), rank 0's records."""
+    steps = [m for m in runs[name][1] if "reward" in m]
+    return statistics.median(m[f"time/{stage or 'step'}"] for m in steps)
+
+
 if SMOKE:
     print("smoke mode: one LoRA job only; full mode runs full fine-tuning beside it")
 else:
@@ -3534,10 +3601,16 @@ else:
         s = runs[name][0]
         rows.append((name, f"{s['trainable_params']:,}", f"{s['state_bytes'][0] / MiB:.2f}",
                      f"{s['peak_bytes'][0] / MiB:.2f}", s["sync_mode"], f"{s['sync_bytes'] / MiB:.3f}",
-                     f"{100 * s['sync_share']:.1f} %",
+                     f"{100 * s['sync_share']:.1f} %", f"{1e3 * step_seconds(name):.0f}",
+                     f"{1e3 * step_seconds(name, 'update'):.0f}",
                      "not evaluated" if s["accuracy_after"] is None else f"{s['accuracy_after']:.3f}"))
     show(rows, ("run", "trainable", "state MiB (rank 0)", "peak MiB", "sync", "MiB per sync", "sync share",
-                "accuracy after"))
+                "ms per step", "ms per update", "accuracy after"))
+    slower = step_seconds("lora") / step_seconds("full") - 1
+    update = step_seconds("lora", "update") / step_seconds("full", "update") - 1
+    print(f"\nLoRA against full fine-tuning (both ZeRO-3, no checkpointing): {slower:+.0%} per step, {update:+.0%} per "
+          f"update; the source: {SOURCE_LORA_SLOWDOWN:+.0%} per step with checkpointing. Within 15 points: "
+          + ("agree" if abs(slower - SOURCE_LORA_SLOWDOWN) <= 0.15 else "differs"))
 
 # %% [markdown]
 # ### Colocation in the run
@@ -3582,6 +3655,39 @@ else:
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     print(f"largest weight difference after 5 steps: {worst:.2e} (learning rate {RLConfig().optimizer.learning_rate})")
     assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1])) and worst < 5 * 3e-4
+
+# %% [markdown]
+# ### A killed rank, resumed exactly
+#
+# Section 6 promised that a sharded run resumes to exactly the weights of an uninterrupted
+# one. Here it is, small (in both modes): the 4-step LoRA job of smoke mode with a
+# checkpoint every 2 steps, once whole and once with rank 1 killed after step 3
+# (`--kill-rank 1:3`, a test flag that ends that process as a crash would); then
+# `--resume` on the broken run, which loads step 2's shards, replays step 3 and finishes.
+# The cell compares the two final models tensor by tensor.
+
+# %%
+from safetensors.torch import load_file  # noqa: E402
+
+whole_dir = RUNS / ("04_smoke" if SMOKE else "04_resume_whole")
+if not SMOKE:
+    run_chapter("04_resume_whole", *QUICK)
+broken_dir = RUNS / "04_resume_broken"
+killed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--overwrite", "--no-progress", *QUICK, "--kill-rank", "1:3"],
+                  timeout=900)
+said = [line for line in killed.stdout.splitlines() if line.startswith("rank 1")]
+print(f"killed job: exit {killed.returncode}; " + "; ".join(said))
+print("checkpoints left:", sorted(p.name for p in (broken_dir / "checkpoints").iterdir()))
+resumed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--resume", "--no-progress"], timeout=900)
+if resumed.returncode:
+    raise RuntimeError(f"resume failed (exit {resumed.returncode}):\n{resumed.stdout[-3000:]}")
+a, b = (load_file(d / "final" / "model.safetensors") for d in (whole_dir, broken_dir))
+identical = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+logged = [json.loads(line)["step"] for line in (broken_dir / "metrics.jsonl").read_text().splitlines()]
+print(f"steps logged by the resumed run: {logged}")
+print(f"final weights, resumed against uninterrupted ({len(a)} tensors): "
+      + ("identical, bit for bit" if identical else "DIFFERENT"))
+assert killed.returncode != 0 and identical
 
 # %% [markdown]
 # ## 8. Bad input stops every rank, with its cause
@@ -3638,7 +3744,7 @@ if not SMOKE:
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
 # | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); adapter-only moves only A and B (section 7 prints whether that was also faster than merged here); `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
 # | a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
@@ -3662,7 +3768,7 @@ if not SMOKE:
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 4.1 | `rank_loss_weight` | each loss type's weight; the ranks' weighted gradients average to the whole batch's |
+# | 4.1 | `rank_loss_weight` | each loss type's weight (a rank with no rows weighs 0); the ranks' weighted gradients average to the whole batch's |
 # | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
 # | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
 #
