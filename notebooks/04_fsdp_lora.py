@@ -212,6 +212,12 @@ def shutdown(together: bool = True) -> None:
             dist.destroy_process_group()
 
 
+# %% [markdown]
+# Next, what the step and the roles use for the few global numbers, a rank's slice of the
+# batch, and `agree`, which turns one rank's failure into an error on every rank:
+
+# %%
+# | export minirl/parallel/launch.py
 class ProcessGroup:
     """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
 
@@ -305,6 +311,12 @@ def agree(what: str, fn):
     return result
 
 
+# %% [markdown]
+# And the launcher: `torchrun` runs a script or a function on N processes, and `stop_job`
+# ends every one of them on a timeout or Ctrl-C:
+
+# %%
+# | export minirl/parallel/launch.py
 def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
              env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
     """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
@@ -496,6 +508,11 @@ class ParallelConfig:
         return "merged" if self.lora_rank else "full"
 
 
+# %% [markdown]
+# The checks that need the world size, or the two configs together:
+
+# %%
+# | export minirl/parallel/config.py
 def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -> None:
     """The checks that need the world size or both configs; ConfigError naming the flag and the fix.
 
@@ -684,6 +701,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
         return get_peft_model(model, config)
 
 
+# %% [markdown]
+# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
+# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
+
+# %%
+# | export minirl/parallel/wrap.py
 @dataclass
 class Wrapped:
     """A model wrapped for data-parallel training."""
@@ -992,6 +1015,12 @@ def finite_batch(exp: Experience) -> bool:
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
+# %% [markdown]
+# What both trained roles share (`DataParallelRole`): joining the group, padding to the
+# widest completion, agreeing on a skip, the rank's weight and the reduced record:
+
+# %%
+# | export minirl/parallel/roles.py
 class DataParallelRole:
     """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
@@ -1055,6 +1084,12 @@ class DataParallelRole:
                                       "minirl.parallel.checkpoint (DCP)")
 
 
+# %% [markdown]
+# And the two roles: the actor scales the gradient through its log-probs, the critic
+# through its values:
+
+# %%
+# | export minirl/parallel/roles.py
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
@@ -1501,6 +1536,12 @@ class ShardedSyncReport(SyncReport):
     mode: str = "full"
 
 
+# %% [markdown]
+# The sync itself: a push walks the layers (or buckets of layers), turns each into what the
+# engine loads, streams it in, and checks the version (and, on request, every tensor):
+
+# %%
+# | export minirl/sync/sharded.py
 class ShardedSync:
     """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
 
@@ -1583,6 +1624,12 @@ class ShardedSync:
         return stale
 
 
+# %% [markdown]
+# Two helpers: an engine that only copies into buffers, to time a sync alone (section 7's
+# table), and the storage a rank holds for a tensor:
+
+# %%
+# | export minirl/sync/sharded.py
 class SinkEngine:
     """A stand-in engine for timing a sync: copies each tensor it is handed into a buffer of its own.
 
@@ -2395,6 +2442,12 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
+# %% [markdown]
+# One step on a rank, and when it pushes: `KeepWeights` stands in for the sync on the steps
+# that skip it, `spmd_step` is the step, `sync_table` times a push in every mode:
+
+# %%
+# | export minirl/parallel/spmd.py
 class KeepWeights:
     """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
 
@@ -2483,6 +2536,12 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
     return rows
 
 
+# %% [markdown]
+# What rank 0 does at evaluations and at the end: score the engine's policy on held-out
+# prompts and export the trained policy as a Hugging Face model:
+
+# %%
+# | export minirl/parallel/spmd.py
 def innermost(engine):
     """The engine under any wrappers (SeedPerPrompt, ColocatedEngine)."""
     while hasattr(engine, "engine"):
@@ -2666,6 +2725,12 @@ class StopSignals:
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(f"signal {signum}")
 
 
+# %% [markdown]
+# Then how a rank decides what happened: signals held back during a checkpoint, one rank
+# chosen to report, the resume command, and `why_stopped`, which names the cause:
+
+# %%
+# | export minirl/parallel/stops.py
 @contextlib.contextmanager
 def deferred_signals():
     """SIGINT and SIGTERM wait until the block is done (then reach their handlers): for a file's promotion."""
@@ -2907,6 +2972,11 @@ def _disk_error(err: Exception, where: Path) -> Exception:
     return error
 
 
+# %% [markdown]
+# Writing a checkpoint, and finding the newest intact one:
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def save_sharded(root, state, keep: int = 2) -> Path:
     """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path.
 
@@ -3010,6 +3080,12 @@ def latest_sharded(root, world_size: int | None = None) -> Path | None:
     return Path(found) if found else None
 
 
+# %% [markdown]
+# Reading one back, and the two objects the run uses (a callback that saves, and stage 1's
+# `LocalCheckpoints` interface for a sharded run):
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def load_sharded(path, state, push: bool = True) -> None:
     """Restore checkpoint `path` into a freshly built state (every rank), then (push=True) push the weights
     to the engine.
@@ -3525,8 +3601,9 @@ if "sync_every" in runs:
           "vs every step"))
     stale, corrected = mean_reward("sync_every"), mean_reward("sync_every_tis")
     print("stale batches learn " + ("less" if stale < fresh else "NOT less") + " than fresh ones here, and the "
-          "correction " + ("recovers part of it" if stale < corrected < fresh else
-                           "recovers all of it" if corrected >= fresh else "does not help on this run"))
+          "correction " + ("has nothing to recover" if stale >= fresh else "recovers part of it"
+                           if stale < corrected < fresh else "recovers all of it" if corrected >= fresh
+                           else "does not help on this run"))
 
 # %% [markdown]
 # Synchronizing every K-th step divides the sync's share by about K (the first "sync every"
