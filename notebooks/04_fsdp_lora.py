@@ -1351,9 +1351,8 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 # 51 of them for the embedded policy (a decoder layer has 12 tensors, biases and norms
 # included), each paying the collective's fixed cost (a round trip between the ranks, and
 # DTensor's bookkeeping around it) however few bytes it carries. On CPUs with gloo, for a
-# model of a few MiB, that fixed cost *is* the sync; profiled on two ranks, the gather is
-# nearly all of a push (the engine's copy of 3.8 MiB takes under a millisecond, the version
-# check and the names nothing). The remedy the source names, packing, is what FSDP2 itself
+# model of a few MiB, that fixed cost can be most of the sync (section 7 times a push per
+# tensor, per layer and in buckets on two ranks, and prints how much packing saved). The remedy the source names, packing, is what FSDP2 itself
 # does for its forward pass (`unshard()`: one all-gather per unit): each rank copies its
 # shards of a layer, flat, into one buffer, the buffers are all-gathered in a single
 # collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0 as
@@ -1537,8 +1536,9 @@ class ShardedSyncReport(SyncReport):
 
 
 # %% [markdown]
-# The sync itself: a push walks the layers (or buckets of layers), turns each into what the
-# engine loads, streams it in, and checks the version (and, on request, every tensor):
+# Above, the byte counter and the report; now `ShardedSync`, which uses them: a push walks
+# the layers (or buckets of layers), turns each into what the engine loads, streams it in,
+# and checks the version (and, on request, every tensor):
 
 # %%
 # | export minirl/sync/sharded.py
@@ -1747,6 +1747,59 @@ class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
 
 
+def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
+                fp8: bool = False) -> None:
+    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
+    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
+                                 "names (the policy's state_dict names)")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+            if fp8 and tensor.dim() >= 2:
+                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+            own[name].copy_(tensor)
+            seen.add(name)
+    missing = [n for n in own if n not in seen]
+    if missing:
+        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
+                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                         "the last version")
+
+
+def release_storage(tensors: Iterable[Tensor]) -> int:
+    """Resize the storage behind each tensor to 0 (shared storages once), keeping the shapes; returns the bytes."""
+    released, seen = 0, set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        released += storage.nbytes()
+        storage.resize_(0)
+    return released
+
+
+def restore_storage(tensors: Iterable[Tensor]) -> None:
+    """Allocate each released storage again, as large as its tensor needs (contents undefined until refilled)."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
+
+# %% [markdown]
+# The engine itself: it refuses to generate while asleep or half-loaded, wakes at the start
+# of a push, streams the push in (or hands it to the inner engine), and sleeps after
+# generating when colocated:
+
+# %%
+# | export minirl/rollout/colocated.py
 class ColocatedEngine:
     """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
@@ -1824,25 +1877,7 @@ class ColocatedEngine:
 
     def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        own, seen = self._tensors(), set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
-                                     f"{len(own)} tensors named like {self.names[0]!r}: push them under the engine's "
-                                     "names (the policy's state_dict names)")
-                if own[name].shape != tensor.shape:
-                    raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
-                                     f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
-                if self.engine.dtype == "float8_e4m3fn" and tensor.dim() >= 2:
-                    tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
-                own[name].copy_(tensor)
-                seen.add(name)
-        missing = [n for n in self.names if n not in seen]
-        if missing:
-            raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
-                             f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
-                             "the last version")
+        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
 
     def named_weights(self):
         """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
@@ -1853,15 +1888,8 @@ class ColocatedEngine:
         if self.asleep:
             return
         with self.record("sleep"):
-            start, released = time.perf_counter(), 0
-            seen = set()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                released += storage.nbytes()
-                storage.resize_(0)
+            start = time.perf_counter()
+            released = release_storage(self._tensors().values())
             self.asleep = True
             self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
@@ -1871,15 +1899,17 @@ class ColocatedEngine:
             return
         with self.record("wake_up"):
             start = time.perf_counter()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-                if storage.nbytes() < needed:
-                    storage.resize_(needed)
+            restore_storage(self._tensors().values())
             self.asleep, self.ready = False, False              # awake, but stale until the push completes
             self.stats["wake_seconds"] = time.perf_counter() - start
 
 
+# %% [markdown]
+# And the seed per prompt that makes a batch's samples independent of how it is split over
+# the ranks (`--seed-per-prompt`, section 7's one-rank-or-two check):
+
+# %%
+# | export minirl/rollout/colocated.py
 def prompt_seed(seed: int, prompt: str) -> int:
     """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
     digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
@@ -2120,7 +2150,47 @@ def task_model_len(tokenizer, prompts: list[str], max_completion_length: int, co
     rounded = -(-need // 64) * 64
     return rounded if context is None else min(rounded, context)
 
+# %% [markdown]
+# The engine's settings, checked before vLLM is imported, and the `LLM` built from the policy
+# (written to a temporary directory that vLLM reads, removed as soon as it has):
 
+# %%
+# | export minirl/rollout/vllm.py
+def vllm_settings(model, dtype: str, gpu_memory_utilization: float, max_model_len: int | None,
+                  max_num_batched_tokens: int) -> tuple[str, int | None]:
+    """(vLLM's compute dtype, max_model_len: the given one or the model's context), or ConfigError naming the
+    setting."""
+    dtype = auto_dtype(dtype, "cuda")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
+                                                  "quantization mode); pick one of those")
+    check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
+    check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
+    context = getattr(model.config, "max_position_embeddings", None)
+    max_model_len = max_model_len or context
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
+    return dtype, max_model_len
+
+
+def start_llm(vllm, model, tokenizer, **options):
+    """`vllm.LLM` on a temporary copy of the policy (removed once read, also when building fails), with the
+    options every minirl engine uses (prefix caching, processed log-probs, the external launcher) and `options`."""
+    path = tempfile.mkdtemp(prefix="minirl-vllm-")
+    try:                                                 # the copy lives only while vLLM reads it
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return vllm.LLM(model=path, tokenizer=path, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                        distributed_executor_backend="external_launcher", **options)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+# %% [markdown]
+# Two pieces the engine uses: the tensors of a push, checked by name as vLLM takes them, and
+# the rows vLLM returns, padded into notebook 01's `Rollout`:
+
+# %%
+# | export minirl/rollout/vllm.py
 class _Stream:
     """The tensors of a push, checked by name as vLLM takes them; counts what it took."""
 
@@ -2139,54 +2209,28 @@ class _Stream:
             yield name, tensor
 
 
-class VLLMEngine:
-    """A vLLM `LLM` in this process, holding version `version` of the policy.
+def padded_rollout(tokenizer, prompts: list[str], G: int, rows: list[tuple], version: int) -> Rollout:
+    """The rollout of vLLM's (prompt ids, completion ids, log-probs) rows: prompts left-padded, completions
+    right-padded (log-probs with 0.0), rows i*G .. i*G+G-1 continuing prompts[i]."""
+    P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
+    completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
+    logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
+    return make_rollout(tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, version)
 
-    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
-    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
-    after generating, wake before loading weights and before generating;
-    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
-    prompt plus completion (None: the model's context; see `task_model_len`);
-    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
-    """
+# %% [markdown]
+# vLLM's sleep mode, as the engine uses it: device memory read from the free memory around
+# each transition (vLLM allocates outside PyTorch), level 2 after generating (weights and
+# KV cache discarded), and a wake-up by tags (the weights before a push, the KV cache before
+# generating):
 
-    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
-                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 4096):
-        dtype = auto_dtype(dtype, "cuda")
-        if dtype not in VLLM_DTYPES:
-            raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
-                                                      "quantization mode); pick one of those")
-        check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
-        check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
-        context = getattr(model.config, "max_position_embeddings", None)
-        max_model_len = max_model_len or context
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
-        vllm = import_vllm()
-        check_tokenizer(tokenizer)
-        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
-        self.device = torch.device(device if device is not None else "cuda")
-        self.names = list(model.state_dict())
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        free_before = self._free_bytes()
-        path = tempfile.mkdtemp(prefix="minirl-vllm-")
-        try:                                                 # the copy lives only while vLLM reads it
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-            self.llm = vllm.LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                                enable_sleep_mode=colocate, logprobs_mode="processed_logprobs",
-                                distributed_executor_backend="external_launcher", max_model_len=max_model_len,
-                                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
-        self.SamplingParams = vllm.SamplingParams
-        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
-        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
+# %%
+# | export minirl/rollout/vllm.py
+class VLLMSleepMode:
+    """The sleep and memory side of `VLLMEngine` (a mixin: it uses the engine's llm, device, held, sleeping
+    and ready)."""
 
     def _free_bytes(self) -> int:
         """Free device memory now: vLLM's own allocator is invisible to torch.cuda.memory_allocated."""
@@ -2205,6 +2249,57 @@ class VLLMEngine:
             self.llm.wake_up(tags=tags)
             self.sleeping -= set(tags)
             self.held += max(0, free - self._free_bytes())
+
+    def sleep(self) -> None:
+        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
+        if not self.sleeping:
+            free = self._free_bytes()
+            self.llm.sleep(level=2)
+            self.sleeping = {"weights", "kv_cache"}
+            self.ready = False                                # level 2 discarded the weights
+            self.held = max(0, self.held - max(0, self._free_bytes() - free))
+
+    def wake_up(self) -> None:
+        self._wake(("weights", "kv_cache"))
+
+# %% [markdown]
+# And the engine: built from the policy (written to a temporary directory that vLLM reads),
+# generating G samples per prompt with their log-probs, and taking pushes in place:
+
+# %%
+# | export minirl/rollout/vllm.py
+class VLLMEngine(VLLMSleepMode):
+    """A vLLM `LLM` in this process, holding version `version` of the policy.
+
+    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
+    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
+    after generating, wake before loading weights and before generating;
+    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
+    prompt plus completion (None: the model's context; see `task_model_len`);
+    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 4096):
+        dtype, max_model_len = vllm_settings(model, dtype, gpu_memory_utilization, max_model_len,
+                                             max_num_batched_tokens)
+        vllm = import_vllm()
+        check_tokenizer(tokenizer)
+        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
+        self.device = torch.device(device if device is not None else "cuda")
+        self.names = list(model.state_dict())
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        free_before = self._free_bytes()
+        self.llm = start_llm(vllm, model, tokenizer, dtype=dtype, seed=seed, enable_sleep_mode=colocate,
+                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
+        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
+        self.SamplingParams = vllm.SamplingParams
+        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
+        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
@@ -2226,13 +2321,7 @@ class VLLMEngine:
                 for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
         if self.colocate:
             self.sleep()
-        P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
-        pad = tok.pad_token_id
-        prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
-        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
-        completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
-        logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
-        return make_rollout(tok, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, self.version)
+        return padded_rollout(tok, prompts, G, rows, self.version)
 
     def _prompt_ids(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         """Token ids of `prompts`; ValueError when one and its completion would not fit max_model_len."""
@@ -2281,18 +2370,6 @@ class VLLMEngine:
     def named_weights(self):
         raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
                                   "log-probs instead (notebook 02) to check a vLLM sync")
-
-    def sleep(self) -> None:
-        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
-        if not self.sleeping:
-            free = self._free_bytes()
-            self.llm.sleep(level=2)
-            self.sleeping = {"weights", "kv_cache"}
-            self.ready = False                                # level 2 discarded the weights
-            self.held = max(0, self.held - max(0, self._free_bytes() - free))
-
-    def wake_up(self) -> None:
-        self._wake(("weights", "kv_cache"))
 
     def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
         """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
