@@ -95,8 +95,8 @@ def show(rows, header):
 # divides by, and the batch statistics in the record (mean reward, its std, completion
 # length). So `rl_step` gained one optional argument, `group`, the process group: with it,
 # those numbers are gathered over the ranks; without it (stage 1, every earlier notebook)
-# the step is exactly what it was, and a 30-step GRPO run gives bit-for-bit the same records
-# as before the change. The dapo token count is the actor's business (section 3).
+# the step is exactly what it was (no collective, nothing gathered: the `group=None` branch
+# is the old code). The dapo token count is the actor's business (section 3).
 #
 # First, the plumbing: a process group. Under `torchrun` each process finds its rank and the
 # world size in its environment. On CPUs the backend is gloo, on GPUs NCCL; asking for NCCL
@@ -2263,8 +2263,8 @@ class VLLMSleepMode:
         self._wake(("weights", "kv_cache"))
 
 # %% [markdown]
-# And the engine: built from the policy (written to a temporary directory that vLLM reads),
-# generating G samples per prompt with their log-probs, and taking pushes in place:
+# And the engine: its settings checked and its `LLM` started when it is built, G samples
+# per prompt with their log-probs, and pushes taken in place:
 
 # %%
 # | export minirl/rollout/vllm.py
@@ -2952,8 +2952,8 @@ for what, (err, processes) in stops.items():
 # 0 after every rank has finished, so a crash mid-write (say, rank 1 killed) leaves the
 # previous checkpoint as the newest intact one. Resuming loads the shards, the optimizer
 # and the generators and pushes the restored weights into the engines at the restored
-# version; on one CPU the resumed run ends with exactly the weights of an uninterrupted one
-# (section 7 kills a rank, resumes and compares).
+# version, so on one CPU the resumed run should end with exactly the weights of an
+# uninterrupted one: section 7 kills a rank, resumes, and prints whether they are identical.
 
 # %%
 # | export minirl/parallel/checkpoint.py
@@ -3896,7 +3896,7 @@ if not SMOKE:
 # |---|---|
 # | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
-# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
+# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward; the source's ~4× and ~8× are its own formula's limits for many GPUs in mixed precision, far from two FP32 ranks (section 7's table) |
 # | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
 # | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); adapter-only moves only A and B (section 7 prints whether that was also faster than merged here); `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
