@@ -65,6 +65,39 @@ def show(rows, header):
 
 
 # %% [markdown]
+# ## 0. The whole stage, first
+#
+# Before opening the pieces, the stage-4 job running on the package: the chapter script
+# under `torchrun` on two CPU processes, each rank holding half of a ZeRO-3-sharded trainer
+# with LoRA adapters and an engine of its own, 4 GRPO steps on 4 prompts. It prints what each
+# rank held, where a step's time went, what one sync costs in each mode against the
+# source's 5 %, and held-out accuracy (4 steps are far too few to learn: section 7 runs the
+# long jobs in full mode). The rest of the notebook builds each piece this job ran.
+
+# %%
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
+LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
+
+
+def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
+    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
+    out = RUNS / name
+    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
+    if job.returncode:
+        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
+    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
+    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), metrics
+
+
+QUICK = ("--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR, "--steps", "4", "--eval-every", "2",
+         "--checkpoint-every", "2", "--prompts-per-step", "4", "--num-generations", "4")   # section 7 resumes it
+first = run_chapter("04_first", *QUICK)
+
+# %% [markdown]
 # ## 1. Many controllers: every rank runs the loop
 #
 # Stage 1 was one process: it generated, scored, updated and synchronized, in that order.
@@ -3399,39 +3432,23 @@ class MemoryTracker(Callback):
 # rank 0 opens the directory, evaluates held-out accuracy on its engine, logs, and writes
 # the summary (`main=False` on the others); every rank takes part in the sharded
 # checkpoints (`ShardedCheckpoints`, with the two methods of stage 1's `LocalCheckpoints`),
-# and `agree` makes a failure while opening or restoring stop every rank. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
-# In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
+# and `agree` makes a failure while opening or restoring stop every rank. This cell launches
+# it on two CPU processes (`torchrun --nproc_per_node 2`). In smoke mode it reads section 0's
+# short LoRA job again (no new job); in full mode it runs a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
 # sync, the sync before packing (one all-gather per tensor), syncing every 4th step (without
 # and with an importance-sampling correction), and one and two ranks on the same batch.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.parallel.launch import torchrun  # noqa: E402  (the package's: section 1's cell defined one here too)
 
-CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
-LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
 SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
 STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)
 
-
-def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
-    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
-    out = RUNS / name
-    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
-    if job.returncode:
-        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
-    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
-    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), metrics
-
-
 runs = {}
 started = time.perf_counter()
-QUICK = ("--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR, "--steps", "4", "--eval-every", "2",
-         "--checkpoint-every", "2", "--prompts-per-step", "4", "--num-generations", "4")   # also the resume below
 if SMOKE:
-    runs["lora"] = run_chapter("04_smoke", *QUICK)
+    runs["lora"] = first                       # section 0's job
 else:
     for zero in (0, 1, 2):
         runs[f"zero{zero}"] = run_chapter(f"04_zero{zero}", "--zero", str(zero), "--steps", "10", "--eval-every", "0")
@@ -3446,7 +3463,8 @@ else:
     for name, extra in (("sync_every", ()), ("sync_every_tis", ("--importance-sampling-correction",))):
         runs[name] = run_chapter(f"04_{name}", "--zero", "3", "--sync-every", str(SYNC_EVERY), "--no-colocate",
                                  "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
-print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
+print("smoke mode: section 0's job, read again" if SMOKE else
+      f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
 
 # %% [markdown]
 # ### Does it learn?
@@ -3814,8 +3832,8 @@ else:
 # ### A killed rank, resumed exactly
 #
 # Section 6 promised that a sharded run resumes to exactly the weights of an uninterrupted
-# one. Here it is, small (in both modes): the 4-step LoRA job of smoke mode with a
-# checkpoint every 2 steps, once whole and once with rank 1 killed after step 3
+# one. Here it is, small (in both modes): section 0's 4-step LoRA job, with its checkpoint
+# every 2 steps, against the same job with rank 1 killed after step 3
 # (`--kill-rank 1:3`, a test flag that ends that process as a crash would); then
 # `--resume` on the broken run, which loads step 2's shards, replays step 3 and finishes.
 # The cell compares the two final models tensor by tensor.
@@ -3823,9 +3841,7 @@ else:
 # %%
 from safetensors.torch import load_file  # noqa: E402
 
-whole_dir = RUNS / ("04_smoke" if SMOKE else "04_resume_whole")
-if not SMOKE:
-    run_chapter("04_resume_whole", *QUICK)
+whole_dir = RUNS / "04_first"                   # section 0's job, uninterrupted
 broken_dir = RUNS / "04_resume_broken"
 killed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--overwrite", "--no-progress", *QUICK, "--kill-rank", "1:3"],
                   timeout=900)
