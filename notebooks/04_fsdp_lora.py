@@ -65,6 +65,39 @@ def show(rows, header):
 
 
 # %% [markdown]
+# ## 0. The whole stage, first
+#
+# Before opening the pieces, the stage-4 job running on the package: the chapter script
+# under `torchrun` on two CPU processes, each rank holding half of a ZeRO-3-sharded trainer
+# with LoRA adapters and an engine of its own, 4 GRPO steps on 4 prompts. It prints what each
+# rank held, where a step's time went, what one sync costs in each mode against the
+# source's 5 %, and held-out accuracy (4 steps are far too few to learn: section 7 runs the
+# long jobs in full mode). The rest of the notebook builds each piece this job ran.
+
+# %%
+from minirl.parallel.launch import torchrun  # noqa: E402
+
+CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
+LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
+
+
+def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
+    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
+    out = RUNS / name
+    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
+    if job.returncode:
+        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
+    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
+    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), metrics
+
+
+QUICK = ("--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR, "--steps", "4", "--eval-every", "2",
+         "--checkpoint-every", "2", "--prompts-per-step", "4", "--num-generations", "4")   # section 7 resumes it
+first = run_chapter("04_first", *QUICK)
+
+# %% [markdown]
 # ## 1. Many controllers: every rank runs the loop
 #
 # Stage 1 was one process: it generated, scored, updated and synchronized, in that order.
@@ -95,8 +128,8 @@ def show(rows, header):
 # divides by, and the batch statistics in the record (mean reward, its std, completion
 # length). So `rl_step` gained one optional argument, `group`, the process group: with it,
 # those numbers are gathered over the ranks; without it (stage 1, every earlier notebook)
-# the step is exactly what it was, and a 30-step GRPO run gives bit-for-bit the same records
-# as before the change. The dapo token count is the actor's business (section 3).
+# the step is exactly what it was (no collective, nothing gathered: the `group=None` branch
+# is the old code). The dapo token count is the actor's business (section 3).
 #
 # First, the plumbing: a process group. Under `torchrun` each process finds its rank and the
 # world size in its environment. On CPUs the backend is gloo, on GPUs NCCL; asking for NCCL
@@ -212,6 +245,12 @@ def shutdown(together: bool = True) -> None:
             dist.destroy_process_group()
 
 
+# %% [markdown]
+# Next, what the step and the roles use for the few global numbers, a rank's slice of the
+# batch, and `agree`, which turns one rank's failure into an error on every rank:
+
+# %%
+# | export minirl/parallel/launch.py
 class ProcessGroup:
     """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
 
@@ -305,6 +344,12 @@ def agree(what: str, fn):
     return result
 
 
+# %% [markdown]
+# And the launcher: `torchrun` runs a script or a function on N processes, and `stop_job`
+# ends every one of them on a timeout or Ctrl-C:
+
+# %%
+# | export minirl/parallel/launch.py
 def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
              env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
     """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
@@ -496,6 +541,11 @@ class ParallelConfig:
         return "merged" if self.lora_rank else "full"
 
 
+# %% [markdown]
+# The checks that need the world size, or the two configs together:
+
+# %%
+# | export minirl/parallel/config.py
 def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -> None:
     """The checks that need the world size or both configs; ConfigError naming the flag and the fix.
 
@@ -684,6 +734,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
         return get_peft_model(model, config)
 
 
+# %% [markdown]
+# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
+# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
+
+# %%
+# | export minirl/parallel/wrap.py
 @dataclass
 class Wrapped:
     """A model wrapped for data-parallel training."""
@@ -742,7 +798,9 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # %% [markdown]
 # What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
 # tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
-# what LoRA leaves trainable:
+# what LoRA leaves trainable, here and on the source's 70 B model: r (d_in + d_out) per
+# adapted d_in × d_out matrix is a large share of a 128-wide layer and a small one of an
+# 8192-wide layer, and it is also what an adapter-only sync ships (section 4):
 
 # %%
 import copy  # noqa: E402
@@ -756,14 +814,17 @@ weight = sharded.module.get_parameter("model.layers.0.mlp.up_proj.weight")
 print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
 print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
       f"this rank's shard {tuple(weight.to_local().shape)}")
+from minirl.memory.calculator import LLAMA2_70B, lora_params  # noqa: E402
+
 total = sum(p.numel() for p in model.parameters())
 rows = []
 for rank in (4, 8, 16):
     adapted = apply_lora(copy.deepcopy(model), rank)
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}"))
+    big = lora_params(LLAMA2_70B, rank) / LLAMA2_70B.param_count()     # the same 7 targets, notebook 03's count
+    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}", f"{big:.2%}"))
 print(f"the policy: {total:,} parameters")
-show(rows, ("LoRA rank", "trainable parameters", "of the base"))
+show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base (Llama-2-70B)"))
 
 # %% [markdown]
 # ## 3. The actor on every rank: a rank's share of the loss
@@ -987,6 +1048,12 @@ def finite_batch(exp: Experience) -> bool:
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
+# %% [markdown]
+# What both trained roles share (`DataParallelRole`): joining the group, padding to the
+# widest completion, agreeing on a skip, the rank's weight and the reduced record:
+
+# %%
+# | export minirl/parallel/roles.py
 class DataParallelRole:
     """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
@@ -1050,6 +1117,12 @@ class DataParallelRole:
                                       "minirl.parallel.checkpoint (DCP)")
 
 
+# %% [markdown]
+# And the two roles: the actor scales the gradient through its log-probs, the critic
+# through its values:
+
+# %%
+# | export minirl/parallel/roles.py
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
@@ -1182,7 +1255,7 @@ assert all(float(r[4]) < 1e-5 for r in rows)
 # |---|---|---|---|
 # | `full` | every tensor (full fine-tuning) | the policy | the model's bytes |
 # | `merged` | W + (α/r) B A for each adapted layer, under the base names | the merged policy | the model's bytes, plus a matmul per layer |
-# | `adapter` | only A and B | the frozen base + the adapter, applied at generation | ~1 % of the bytes; the engine computes B A x at every token |
+# | `adapter` | only A and B | the frozen base + the adapter, applied at generation | A and B's bytes: r (d_in + d_out) per d_in × d_out matrix, section 2's share (large on this 128-wide policy, a fraction of a percent on a 70 B one); the engine computes B A x at every token |
 #
 # `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
 # (vLLM serves LoRA adapters natively; veRL can ship adapters only). Exercise 4.2 is
@@ -1311,9 +1384,8 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 # 51 of them for the embedded policy (a decoder layer has 12 tensors, biases and norms
 # included), each paying the collective's fixed cost (a round trip between the ranks, and
 # DTensor's bookkeeping around it) however few bytes it carries. On CPUs with gloo, for a
-# model of a few MiB, that fixed cost *is* the sync; profiled on two ranks, the gather is
-# nearly all of a push (the engine's copy of 3.8 MiB takes under a millisecond, the version
-# check and the names nothing). The remedy the source names, packing, is what FSDP2 itself
+# model of a few MiB, that fixed cost can be most of the sync (section 7 times a push per
+# tensor, per layer and in buckets on two ranks, and prints how much packing saved). The remedy the source names, packing, is what FSDP2 itself
 # does for its forward pass (`unshard()`: one all-gather per unit): each rank copies its
 # shards of a layer, flat, into one buffer, the buffers are all-gathered in a single
 # collective, and every whole tensor is cut out of the result. FSDP2 splits dim 0 as
@@ -1496,6 +1568,13 @@ class ShardedSyncReport(SyncReport):
     mode: str = "full"
 
 
+# %% [markdown]
+# Above, the byte counter and the report; now `ShardedSync`, which uses them: a push walks
+# the layers (or buckets of layers), turns each into what the engine loads, streams it in,
+# and checks the version (and, on request, every tensor):
+
+# %%
+# | export minirl/sync/sharded.py
 class ShardedSync:
     """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
 
@@ -1578,6 +1657,12 @@ class ShardedSync:
         return stale
 
 
+# %% [markdown]
+# Two helpers: an engine that only copies into buffers, to time a sync alone (section 7's
+# table), and the storage a rank holds for a tensor:
+
+# %%
+# | export minirl/sync/sharded.py
 class SinkEngine:
     """A stand-in engine for timing a sync: copies each tensor it is handed into a buffer of its own.
 
@@ -1695,6 +1780,59 @@ class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
 
 
+def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
+                fp8: bool = False) -> None:
+    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
+    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
+                                 "names (the policy's state_dict names)")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+            if fp8 and tensor.dim() >= 2:
+                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+            own[name].copy_(tensor)
+            seen.add(name)
+    missing = [n for n in own if n not in seen]
+    if missing:
+        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
+                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                         "the last version")
+
+
+def release_storage(tensors: Iterable[Tensor]) -> int:
+    """Resize the storage behind each tensor to 0 (shared storages once), keeping the shapes; returns the bytes."""
+    released, seen = 0, set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        released += storage.nbytes()
+        storage.resize_(0)
+    return released
+
+
+def restore_storage(tensors: Iterable[Tensor]) -> None:
+    """Allocate each released storage again, as large as its tensor needs (contents undefined until refilled)."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
+
+# %% [markdown]
+# The engine itself: it refuses to generate while asleep or half-loaded, wakes at the start
+# of a push, streams the push in (or hands it to the inner engine), and sleeps after
+# generating when colocated:
+
+# %%
+# | export minirl/rollout/colocated.py
 class ColocatedEngine:
     """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
@@ -1772,25 +1910,7 @@ class ColocatedEngine:
 
     def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        own, seen = self._tensors(), set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
-                                     f"{len(own)} tensors named like {self.names[0]!r}: push them under the engine's "
-                                     "names (the policy's state_dict names)")
-                if own[name].shape != tensor.shape:
-                    raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
-                                     f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
-                if self.engine.dtype == "float8_e4m3fn" and tensor.dim() >= 2:
-                    tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
-                own[name].copy_(tensor)
-                seen.add(name)
-        missing = [n for n in self.names if n not in seen]
-        if missing:
-            raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
-                             f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
-                             "the last version")
+        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
 
     def named_weights(self):
         """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
@@ -1801,15 +1921,8 @@ class ColocatedEngine:
         if self.asleep:
             return
         with self.record("sleep"):
-            start, released = time.perf_counter(), 0
-            seen = set()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                released += storage.nbytes()
-                storage.resize_(0)
+            start = time.perf_counter()
+            released = release_storage(self._tensors().values())
             self.asleep = True
             self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
@@ -1819,15 +1932,17 @@ class ColocatedEngine:
             return
         with self.record("wake_up"):
             start = time.perf_counter()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-                if storage.nbytes() < needed:
-                    storage.resize_(needed)
+            restore_storage(self._tensors().values())
             self.asleep, self.ready = False, False              # awake, but stale until the push completes
             self.stats["wake_seconds"] = time.perf_counter() - start
 
 
+# %% [markdown]
+# And the seed per prompt that makes a batch's samples independent of how it is split over
+# the ranks (`--seed-per-prompt`, section 7's one-rank-or-two check):
+
+# %%
+# | export minirl/rollout/colocated.py
 def prompt_seed(seed: int, prompt: str) -> int:
     """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
     digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
@@ -2068,7 +2183,47 @@ def task_model_len(tokenizer, prompts: list[str], max_completion_length: int, co
     rounded = -(-need // 64) * 64
     return rounded if context is None else min(rounded, context)
 
+# %% [markdown]
+# The engine's settings, checked before vLLM is imported, and the `LLM` built from the policy
+# (written to a temporary directory that vLLM reads, removed as soon as it has):
 
+# %%
+# | export minirl/rollout/vllm.py
+def vllm_settings(model, dtype: str, gpu_memory_utilization: float, max_model_len: int | None,
+                  max_num_batched_tokens: int) -> tuple[str, int | None]:
+    """(vLLM's compute dtype, max_model_len: the given one or the model's context), or ConfigError naming the
+    setting."""
+    dtype = auto_dtype(dtype, "cuda")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
+                                                  "quantization mode); pick one of those")
+    check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
+    check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
+    context = getattr(model.config, "max_position_embeddings", None)
+    max_model_len = max_model_len or context
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
+    return dtype, max_model_len
+
+
+def start_llm(vllm, model, tokenizer, **options):
+    """`vllm.LLM` on a temporary copy of the policy (removed once read, also when building fails), with the
+    options every minirl engine uses (prefix caching, processed log-probs, the external launcher) and `options`."""
+    path = tempfile.mkdtemp(prefix="minirl-vllm-")
+    try:                                                 # the copy lives only while vLLM reads it
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return vllm.LLM(model=path, tokenizer=path, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                        distributed_executor_backend="external_launcher", **options)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+# %% [markdown]
+# Two pieces the engine uses: the tensors of a push, checked by name as vLLM takes them, and
+# the rows vLLM returns, padded into notebook 01's `Rollout`:
+
+# %%
+# | export minirl/rollout/vllm.py
 class _Stream:
     """The tensors of a push, checked by name as vLLM takes them; counts what it took."""
 
@@ -2087,54 +2242,28 @@ class _Stream:
             yield name, tensor
 
 
-class VLLMEngine:
-    """A vLLM `LLM` in this process, holding version `version` of the policy.
+def padded_rollout(tokenizer, prompts: list[str], G: int, rows: list[tuple], version: int) -> Rollout:
+    """The rollout of vLLM's (prompt ids, completion ids, log-probs) rows: prompts left-padded, completions
+    right-padded (log-probs with 0.0), rows i*G .. i*G+G-1 continuing prompts[i]."""
+    P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
+    completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
+    logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
+    return make_rollout(tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, version)
 
-    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
-    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
-    after generating, wake before loading weights and before generating;
-    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
-    prompt plus completion (None: the model's context; see `task_model_len`);
-    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
-    """
+# %% [markdown]
+# vLLM's sleep mode, as the engine uses it: device memory read from the free memory around
+# each transition (vLLM allocates outside PyTorch), level 2 after generating (weights and
+# KV cache discarded), and a wake-up by tags (the weights before a push, the KV cache before
+# generating):
 
-    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
-                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 4096):
-        dtype = auto_dtype(dtype, "cuda")
-        if dtype not in VLLM_DTYPES:
-            raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
-                                                      "quantization mode); pick one of those")
-        check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
-        check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
-        context = getattr(model.config, "max_position_embeddings", None)
-        max_model_len = max_model_len or context
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
-        vllm = import_vllm()
-        check_tokenizer(tokenizer)
-        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
-        self.device = torch.device(device if device is not None else "cuda")
-        self.names = list(model.state_dict())
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        free_before = self._free_bytes()
-        path = tempfile.mkdtemp(prefix="minirl-vllm-")
-        try:                                                 # the copy lives only while vLLM reads it
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-            self.llm = vllm.LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                                enable_sleep_mode=colocate, logprobs_mode="processed_logprobs",
-                                distributed_executor_backend="external_launcher", max_model_len=max_model_len,
-                                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
-        self.SamplingParams = vllm.SamplingParams
-        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
-        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
+# %%
+# | export minirl/rollout/vllm.py
+class VLLMSleepMode:
+    """The sleep and memory side of `VLLMEngine` (a mixin: it uses the engine's llm, device, held, sleeping
+    and ready)."""
 
     def _free_bytes(self) -> int:
         """Free device memory now: vLLM's own allocator is invisible to torch.cuda.memory_allocated."""
@@ -2153,6 +2282,57 @@ class VLLMEngine:
             self.llm.wake_up(tags=tags)
             self.sleeping -= set(tags)
             self.held += max(0, free - self._free_bytes())
+
+    def sleep(self) -> None:
+        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
+        if not self.sleeping:
+            free = self._free_bytes()
+            self.llm.sleep(level=2)
+            self.sleeping = {"weights", "kv_cache"}
+            self.ready = False                                # level 2 discarded the weights
+            self.held = max(0, self.held - max(0, self._free_bytes() - free))
+
+    def wake_up(self) -> None:
+        self._wake(("weights", "kv_cache"))
+
+# %% [markdown]
+# And the engine: its settings checked and its `LLM` started when it is built, G samples
+# per prompt with their log-probs, and pushes taken in place:
+
+# %%
+# | export minirl/rollout/vllm.py
+class VLLMEngine(VLLMSleepMode):
+    """A vLLM `LLM` in this process, holding version `version` of the policy.
+
+    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
+    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
+    after generating, wake before loading weights and before generating;
+    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
+    prompt plus completion (None: the model's context; see `task_model_len`);
+    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 4096):
+        dtype, max_model_len = vllm_settings(model, dtype, gpu_memory_utilization, max_model_len,
+                                             max_num_batched_tokens)
+        vllm = import_vllm()
+        check_tokenizer(tokenizer)
+        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
+        self.device = torch.device(device if device is not None else "cuda")
+        self.names = list(model.state_dict())
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        free_before = self._free_bytes()
+        self.llm = start_llm(vllm, model, tokenizer, dtype=dtype, seed=seed, enable_sleep_mode=colocate,
+                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
+        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
+        self.SamplingParams = vllm.SamplingParams
+        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
+        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
@@ -2174,13 +2354,7 @@ class VLLMEngine:
                 for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
         if self.colocate:
             self.sleep()
-        P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
-        pad = tok.pad_token_id
-        prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
-        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
-        completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
-        logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
-        return make_rollout(tok, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, self.version)
+        return padded_rollout(tok, prompts, G, rows, self.version)
 
     def _prompt_ids(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         """Token ids of `prompts`; ValueError when one and its completion would not fit max_model_len."""
@@ -2229,18 +2403,6 @@ class VLLMEngine:
     def named_weights(self):
         raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
                                   "log-probs instead (notebook 02) to check a vLLM sync")
-
-    def sleep(self) -> None:
-        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
-        if not self.sleeping:
-            free = self._free_bytes()
-            self.llm.sleep(level=2)
-            self.sleeping = {"weights", "kv_cache"}
-            self.ready = False                                # level 2 discarded the weights
-            self.held = max(0, self.held - max(0, self._free_bytes() - free))
-
-    def wake_up(self) -> None:
-        self._wake(("weights", "kv_cache"))
 
     def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
         """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
@@ -2390,6 +2552,12 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
                      sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
 
 
+# %% [markdown]
+# One step on a rank, and when it pushes: `KeepWeights` stands in for the sync on the steps
+# that skip it, `spmd_step` is the step, `sync_table` times a push in every mode:
+
+# %%
+# | export minirl/parallel/spmd.py
 class KeepWeights:
     """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
 
@@ -2478,6 +2646,12 @@ def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[
     return rows
 
 
+# %% [markdown]
+# What rank 0 does at evaluations and at the end: score the engine's policy on held-out
+# prompts and export the trained policy as a Hugging Face model:
+
+# %%
+# | export minirl/parallel/spmd.py
 def innermost(engine):
     """The engine under any wrappers (SeedPerPrompt, ColocatedEngine)."""
     while hasattr(engine, "engine"):
@@ -2661,6 +2835,12 @@ class StopSignals:
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(f"signal {signum}")
 
 
+# %% [markdown]
+# Then how a rank decides what happened: signals held back during a checkpoint, one rank
+# chosen to report, the resume command, and `why_stopped`, which names the cause:
+
+# %%
+# | export minirl/parallel/stops.py
 @contextlib.contextmanager
 def deferred_signals():
     """SIGINT and SIGTERM wait until the block is done (then reach their handlers): for a file's promotion."""
@@ -2805,7 +2985,8 @@ for what, (err, processes) in stops.items():
 # 0 after every rank has finished, so a crash mid-write (say, rank 1 killed) leaves the
 # previous checkpoint as the newest intact one. Resuming loads the shards, the optimizer
 # and the generators and pushes the restored weights into the engines at the restored
-# version; on one CPU the resumed run ends with exactly the weights of an uninterrupted one.
+# version, so on one CPU the resumed run should end with exactly the weights of an
+# uninterrupted one: section 7 kills a rank, resumes, and prints whether they are identical.
 
 # %%
 # | export minirl/parallel/checkpoint.py
@@ -2901,6 +3082,11 @@ def _disk_error(err: Exception, where: Path) -> Exception:
     return error
 
 
+# %% [markdown]
+# Writing a checkpoint, and finding the newest intact one:
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def save_sharded(root, state, keep: int = 2) -> Path:
     """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path.
 
@@ -3004,6 +3190,12 @@ def latest_sharded(root, world_size: int | None = None) -> Path | None:
     return Path(found) if found else None
 
 
+# %% [markdown]
+# Reading one back, and the two objects the run uses (a callback that saves, and stage 1's
+# `LocalCheckpoints` interface for a sharded run):
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def load_sharded(path, state, push: bool = True) -> None:
     """Restore checkpoint `path` into a freshly built state (every rank), then (push=True) push the weights
     to the engine.
@@ -3240,38 +3432,23 @@ class MemoryTracker(Callback):
 # rank 0 opens the directory, evaluates held-out accuracy on its engine, logs, and writes
 # the summary (`main=False` on the others); every rank takes part in the sharded
 # checkpoints (`ShardedCheckpoints`, with the two methods of stage 1's `LocalCheckpoints`),
-# and `agree` makes a failure while opening or restoring stop every rank. This cell launches it on two CPU processes (`torchrun --nproc_per_node 2`).
-# In smoke mode it is one short job with LoRA; in full mode a set of jobs: each ZeRO level
+# and `agree` makes a failure while opening or restoring stop every rank. This cell launches
+# it on two CPU processes (`torchrun --nproc_per_node 2`). In smoke mode it reads section 0's
+# short LoRA job again (no new job); in full mode it runs a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
 # sync, the sync before packing (one all-gather per tensor), syncing every 4th step (without
 # and with an importance-sampling correction), and one and two ranks on the same batch.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.parallel.launch import torchrun  # noqa: E402  (the package's: section 1's cell defined one here too)
 
-CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
-LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
 SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
 STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)
-
-
-def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
-    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
-    out = RUNS / name
-    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
-    if job.returncode:
-        raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
-    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
-    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), metrics
-
 
 runs = {}
 started = time.perf_counter()
 if SMOKE:
-    runs["lora"] = run_chapter("04_smoke", "--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR,
-                               "--steps", "4", "--eval-every", "2", "--prompts-per-step", "4", "--num-generations", "4")
+    runs["lora"] = first                       # section 0's job
 else:
     for zero in (0, 1, 2):
         runs[f"zero{zero}"] = run_chapter(f"04_zero{zero}", "--zero", str(zero), "--steps", "10", "--eval-every", "0")
@@ -3286,7 +3463,8 @@ else:
     for name, extra in (("sync_every", ()), ("sync_every_tis", ("--importance-sampling-correction",))):
         runs[name] = run_chapter(f"04_{name}", "--zero", "3", "--sync-every", str(SYNC_EVERY), "--no-colocate",
                                  "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
-print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
+print("smoke mode: section 0's job, read again" if SMOKE else
+      f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s")
 
 # %% [markdown]
 # ### Does it learn?
@@ -3387,6 +3565,39 @@ if not SMOKE:
     assert update["zero2"] > update["zero3"], "ZeRO-2 keeps the gathered layers through the update"
 
 # %% [markdown]
+# The source's ZeRO table gives each level's per-GPU saving: ~4×, ~8× and N×. Those follow
+# from its own 16 bytes per parameter in mixed precision (2 + 2 + 12): ZeRO-1 keeps
+# 4 + 12/N and ZeRO-2 2 + 14/N bytes, so ~4× and ~8× are the limits for many GPUs, and
+# ZeRO-3's 16/N is exactly N×. Our runs are FP32 on two ranks (4 + 4 + 8 bytes), where the
+# same formula gives much less. The table sets the source's figure beside its formula's
+# limit, the formula at our setting (notebook 03's `zero_saving`), and what the runs held
+# (DDP's state over each level's, rank mean); the rule of each verdict is in the cell.
+
+# %%
+from minirl.memory.calculator import zero_saving  # noqa: E402
+
+SOURCE_SAVING = {1: ("~4x", 4.0), 2: ("~8x", 8.0), 3: ("Nx", None)}   # None: N itself
+MANY = 10**6                                                          # "many GPUs", for the limits
+state = {zero: sum(runs[f"zero{zero}"][0]["state_bytes"]) / 2 for zero in range(4) if f"zero{zero}" in runs}
+rows = []
+for zero, (said, value) in SOURCE_SAVING.items():
+    limit = zero_saving(MANY, zero, "mixed") if value else None
+    source_ok = (abs(limit - value) / value < 0.1) if value else zero_saving(2, 3, "mixed") == 2
+    ours = zero_saving(2, zero, "fp32")
+    measured = state[0] / state[zero] if 0 in state and zero in state else None
+    rows.append((f"ZeRO-{zero}", said, f"{limit:.2f}x" if value else "N x (2.00x at N=2)",
+                 "agree" if source_ok else "differs", f"{ours:.2f}x",
+                 "not run (smoke mode)" if measured is None else f"{measured:.2f}x",
+                 "-" if measured is None else "agree" if abs(measured / ours - 1) < 0.05 else "differs"))
+show(rows, ("stage", "source", "its formula, mixed, N -> inf", "source vs formula (10 %)", "formula, FP32, N=2",
+            "measured (DDP / this)", "measured vs formula (5 %)"))
+if 2 in state and 3 in state:
+    at_rest = state[0] / state[2]
+    print(f"FSDP2's ZeRO-2 at rest saves {at_rest:.2f}x: " + (
+        "ZeRO-3's figure (it reshards after backward; its whole weights live only from forward to backward)"
+        if abs(at_rest / zero_saving(2, 3, "fp32") - 1) < 0.05 else "not ZeRO-3's figure either"))
+
+# %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
 # The source's symptom table flags weight synchronization above 5 % of the step and names
@@ -3406,32 +3617,35 @@ summary = runs["lora"][0]
 rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}",
          f"{100 * r['share']:.1f} %", "above: slow sync" if r["share"] > 0.05 else "below")
         for r in summary["sync_table"]]
-show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "share of step", "source: 5 %"))
+show(rows, ("sync mode", "transfer", "tensors", "MiB per sync", "ms per sync", "push / median step", "source: 5 %"))
 table = {(r["mode"], r["transfer"]): r for r in summary["sync_table"]}
 bucketed = next(t for _, t in table if t.endswith("buckets"))
 for mode in ("full", "merged", "adapter"):
     per_tensor, packed = table[(mode, "per tensor")]["seconds"], table[(mode, bucketed)]["seconds"]
     print(f"{mode}: packed into {bucketed} it takes {packed / per_tensor:.0%} of the per-tensor time "
           f"({per_tensor / packed:.1f}x faster)")
-adapter, merged = table[("adapter", bucketed)], table[("merged", bucketed)]
-print(f"adapter-only against merged, both packed: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
-      f"{adapter['seconds'] / merged['seconds']:.0%} of the time"
-      + (" (faster in time, not only in bytes)" if adapter["seconds"] < merged["seconds"] else
-         " (NOT faster in time on this run: see the load above)"))
-assert adapter["bytes"] < 0.1 * merged["bytes"]
+for transfer in ("per tensor", bucketed):
+    adapter, merged = table[("adapter", transfer)], table[("merged", transfer)]
+    time_ratio = adapter["seconds"] / merged["seconds"]
+    print(f"adapter-only against merged, {transfer}: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
+          f"{time_ratio:.0%} of the time, {adapter['tensors']} tensors against {merged['tensors']}: "
+          + ("faster in time too" if time_ratio < 1 else "NOT faster in time"))
+    assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# Packing saves round trips, and that is what lets the adapter win in time as well as in
-# bytes: it gathers only A and B (the frozen base never moves and nothing is merged), the
-# engine copies only those into place, and in one bucket the whole adapter is one small
-# collective, where a merged sync gathers every base weight with its adapter, multiplies
-# B A for every adapted layer and copies whole matrices. One tensor per collective, the
-# adapter's 56 small tensors cost 56 round trips, more than the 51 of a full sync: fewer
-# bytes, about as many waits.
+# The bytes are fixed by the shapes; the time is this machine's, and the last two lines say,
+# per transfer, whether the adapter's fewer bytes also made it faster. Packed, the whole
+# adapter is one small collective and the engine copies only A and B into place, where a
+# merged sync gathers every base weight with its adapter, multiplies B A for every adapted
+# layer and copies whole matrices. One tensor per collective, the adapter needs more round
+# trips than merged (its tensors column), and on CPUs with gloo a round trip's fixed cost,
+# not its bytes, is what a small collective pays.
 #
-# The table times pushes into a buffer; each run's own share also pays the real engine
+# The table times pushes into a buffer; each run's own share (one per run: the run's sync
+# seconds over its step seconds, the figure set beside the 5 %) also pays the real engine
 # (waking it up, copying into place) and the wait for the slower rank at the first
-# collective after its update. The runs, side by side (full mode: one run per remedy;
+# collective after its update (the line under the run table sets the LoRA run's share
+# beside its buffer row, and says how far apart they are). The runs, side by side (full mode: one run per remedy;
 # smoke mode: the one LoRA job). The defaults of `chapters/04_fsdp_lora.py` are the `full`
 # run's settings: ZeRO-3, full fine-tuning, packed in 256 MiB buckets, a sync every step.
 
@@ -3443,18 +3657,28 @@ def sync_row(name: str) -> tuple:
     median_ms = 1e3 * statistics.median(m["time/sync"] for m in steps if m.get("sync/pushed", 1))
     transfer = f"{s['parallel']['sync_bucket_mb']:g} MiB buckets" if s["packed_sync"] else "per tensor"
     return (name, s["sync_mode"], transfer, s["sync_every"], f"{s['sync_bytes'] / MiB:.3f}", f"{median_ms:.1f}",
-            f"{100 * s['sync_share']:.1f} %", f"{100 * s['sync_share_median']:.1f} %", s["staleness_max"],
+            f"{100 * s['sync_share']:.1f} %", s["staleness_max"],
             "above: slow sync" if s["sync_share"] > 0.05 else "below")
 
 
 names = [n for n in ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis") if n in runs]
 show([sync_row(n) for n in names], ("run", "mode", "transfer", "sync every", "MiB per push", "ms per push (median)",
-                                    "share of steps", "median share", "max staleness", "source: 5 %"))
+                                    "sync share of the run", "max staleness", "source: 5 %"))
+own, timed = runs["lora"][0], table[("merged", bucketed)]
+ratio = own["sync_share"] / timed["share"]
+print(f"\nthe LoRA run's one sync share: {100 * own['sync_share']:.1f} % (all its sync seconds over all its step "
+      f"seconds); the buffer table's push alone (merged, {bucketed}): {100 * timed['share']:.1f} % of a median step; "
+      + (f"the run's is {ratio:.1f}x that: it also pays the engine's copy and the wait for the slower rank"
+         if ratio > 1.1 else f"the run's is {ratio:.2f}x that: within 10 %, the push is nearly all of the run's sync"
+         if ratio >= 0.9 else f"the run's is {ratio:.2f}x that: a noisy machine (the two were timed at different "
+         "moments)"))
 if "sync_every" in runs:
     before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
     print(f"\nfull fine-tuning at the chapter's defaults: {100 * before:.1f} % of the step per tensor, "
           f"{100 * after:.1f} % packed: " + ("under" if after < 0.05 else "NOT under") + " the source's 5 %")
     s = runs["sync_every"][0]
+    print(f"sync every {s['sync_every']} steps: share {100 * s['sync_share']:.1f} % against {100 * after:.1f} % every "
+          f"step, {after / s['sync_share']:.1f}x less for K = {s['sync_every']}")
     print(f"sync every {s['sync_every']} steps: {s['pushes']} pushes in {s['steps']} steps (every {s['sync_every']}th,"
           f" and the last); each batch generated up to {s['staleness_max']} updates behind the trainer "
           f"(mean {s['staleness_mean']:.2f}). What that costs the learning, over the same first {STALE_STEPS} steps:")
@@ -3472,11 +3696,13 @@ if "sync_every" in runs:
           "vs every step"))
     stale, corrected = mean_reward("sync_every"), mean_reward("sync_every_tis")
     print("stale batches learn " + ("less" if stale < fresh else "NOT less") + " than fresh ones here, and the "
-          "correction " + ("recovers part of it" if stale < corrected < fresh else
-                           "recovers all of it" if corrected >= fresh else "does not help on this run"))
+          "correction " + ("has nothing to recover" if stale >= fresh else "recovers part of it"
+                           if stale < corrected < fresh else "recovers all of it" if corrected >= fresh
+                           else "does not help on this run"))
 
 # %% [markdown]
-# Synchronizing every K-th step divides the sync's share by about K and costs freshness:
+# Synchronizing every K-th step divides the sync's share by about K (the first "sync every"
+# line under the run table prints the factor this run got) and costs freshness:
 # between two pushes the engine keeps generating with the weights it holds, so a batch can
 # be up to K-1 updates old, and a policy gradient taken on another policy's samples is a
 # biased one: the table above puts a number on what that did to the learning here (the
@@ -3514,18 +3740,31 @@ if not SMOKE:
 # %% [markdown]
 # Under DDP and ZeRO-1 every rank already holds whole weights, so the sync is a copy in
 # memory. Under FSDP2 the weights are first all-gathered, and on CPUs with gloo that time
-# is mostly latency, which is why one collective per tensor put a 1 M-parameter model's sync
-# far above the source's 5 %. On GPUs with NCCL and a real model the bandwidth term grows
+# is mostly latency: that is what the per-tensor rows of the tables above pay, for a
+# 1 M-parameter model (their verdict column sets each beside the source's 5 %). On GPUs with NCCL and a real model the bandwidth term grows
 # and the bytes column becomes the one to read: that is where adapter-only sync pays most,
 # and where the bucket size (memory against round trips) is a real decision.
 
 # %% [markdown]
 # ### Full fine-tuning against LoRA
 #
-# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, and how
-# each learns (the curves above).
+# Same policy, same steps, two ranks, ZeRO-3: what each holds, what each sync moves, how
+# fast each steps, and how each learns (the curves above). The source's memory table puts
+# "~40 % slower per step" on ZeRO-3 + gradient checkpointing + LoRA, against unsharded full
+# fine-tuning; notebook 03 showed that checkpointing alone costs up to a third more compute,
+# and these runs use none. So the line under the table sets LoRA's own change in step time
+# (against full fine-tuning, both ZeRO-3) beside the source's 40 %, with the rule it uses.
 
 # %%
+SOURCE_LORA_SLOWDOWN = 0.40        # the source: "~40 % slower per step" (ZeRO-3 + checkpointing + LoRA)
+
+
+def step_seconds(name: str, stage: str | None = None) -> float:
+    """Median seconds of a step of run `name` (or of one of its stages: "update"), rank 0's records."""
+    steps = [m for m in runs[name][1] if "reward" in m]
+    return statistics.median(m[f"time/{stage or 'step'}"] for m in steps)
+
+
 if SMOKE:
     print("smoke mode: one LoRA job only; full mode runs full fine-tuning beside it")
 else:
@@ -3534,10 +3773,16 @@ else:
         s = runs[name][0]
         rows.append((name, f"{s['trainable_params']:,}", f"{s['state_bytes'][0] / MiB:.2f}",
                      f"{s['peak_bytes'][0] / MiB:.2f}", s["sync_mode"], f"{s['sync_bytes'] / MiB:.3f}",
-                     f"{100 * s['sync_share']:.1f} %",
+                     f"{100 * s['sync_share']:.1f} %", f"{1e3 * step_seconds(name):.0f}",
+                     f"{1e3 * step_seconds(name, 'update'):.0f}",
                      "not evaluated" if s["accuracy_after"] is None else f"{s['accuracy_after']:.3f}"))
     show(rows, ("run", "trainable", "state MiB (rank 0)", "peak MiB", "sync", "MiB per sync", "sync share",
-                "accuracy after"))
+                "ms per step", "ms per update", "accuracy after"))
+    slower = step_seconds("lora") / step_seconds("full") - 1
+    update = step_seconds("lora", "update") / step_seconds("full", "update") - 1
+    print(f"\nLoRA against full fine-tuning (both ZeRO-3, no checkpointing): {slower:+.0%} per step, {update:+.0%} per "
+          f"update; the source: {SOURCE_LORA_SLOWDOWN:+.0%} per step with checkpointing. Within 15 points: "
+          + ("agree" if abs(slower - SOURCE_LORA_SLOWDOWN) <= 0.15 else "differs"))
 
 # %% [markdown]
 # ### Colocation in the run
@@ -3582,6 +3827,37 @@ else:
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     print(f"largest weight difference after 5 steps: {worst:.2e} (learning rate {RLConfig().optimizer.learning_rate})")
     assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1])) and worst < 5 * 3e-4
+
+# %% [markdown]
+# ### A killed rank, resumed exactly
+#
+# Section 6 promised that a sharded run resumes to exactly the weights of an uninterrupted
+# one. Here it is, small (in both modes): section 0's 4-step LoRA job, with its checkpoint
+# every 2 steps, against the same job with rank 1 killed after step 3
+# (`--kill-rank 1:3`, a test flag that ends that process as a crash would); then
+# `--resume` on the broken run, which loads step 2's shards, replays step 3 and finishes.
+# The cell compares the two final models tensor by tensor.
+
+# %%
+from safetensors.torch import load_file  # noqa: E402
+
+whole_dir = RUNS / "04_first"                   # section 0's job, uninterrupted
+broken_dir = RUNS / "04_resume_broken"
+killed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--overwrite", "--no-progress", *QUICK, "--kill-rank", "1:3"],
+                  timeout=900)
+said = [line for line in killed.stdout.splitlines() if line.startswith("rank 1")]
+print(f"killed job: exit {killed.returncode}; " + "; ".join(said))
+print("checkpoints left:", sorted(p.name for p in (broken_dir / "checkpoints").iterdir()))
+resumed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--resume", "--no-progress"], timeout=900)
+if resumed.returncode:
+    raise RuntimeError(f"resume failed (exit {resumed.returncode}):\n{resumed.stdout[-3000:]}")
+a, b = (load_file(d / "final" / "model.safetensors") for d in (whole_dir, broken_dir))
+identical = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+logged = [json.loads(line)["step"] for line in (broken_dir / "metrics.jsonl").read_text().splitlines()]
+print(f"steps logged by the resumed run: {logged}")
+print(f"final weights, resumed against uninterrupted ({len(a)} tensors): "
+      + ("identical, bit for bit" if identical else "DIFFERENT"))
+assert killed.returncode != 0 and identical
 
 # %% [markdown]
 # ## 8. Bad input stops every rank, with its cause
@@ -3636,9 +3912,9 @@ if not SMOKE:
 # |---|---|
 # | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
-# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward |
+# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward; the source's ~4× and ~8× are its own formula's limits for many GPUs in mixed precision, far from two FP32 ranks (section 7's table) |
 # | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); packed, adapter-only moves only A and B, fewer bytes and fewer round trips than merged; `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); adapter-only moves only A and B (section 7 prints whether that was also faster than merged here); `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
 # | a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
@@ -3662,7 +3938,7 @@ if not SMOKE:
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 4.1 | `rank_loss_weight` | each loss type's weight; the ranks' weighted gradients average to the whole batch's |
+# | 4.1 | `rank_loss_weight` | each loss type's weight (a rank with no rows weighs 0); the ranks' weighted gradients average to the whole batch's |
 # | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
 # | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
 #

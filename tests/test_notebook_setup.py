@@ -101,6 +101,27 @@ class Box:
         assert Box().size == k and scratch.Box is Box, "one class object per name, edit after edit"
 
 
+def test_zero_argument_super_still_works_after_an_edit(monkeypatch):
+    """A class whose methods call super() (notebook 04's RankFailed, its roles): instances made after an edit,
+    through a reference taken before it, still initialise (super(new_class, old_instance) would fail)."""
+    import sys
+    import types
+
+    scratch = types.ModuleType("minirl_live_super")
+    monkeypatch.setitem(sys.modules, "minirl_live_super", scratch)
+    source = (
+        "class Failed(RuntimeError):\n"
+        "    def __init__(self, message, rank={k}):\n"
+        "        super().__init__(message)\n"
+        "        self.rank = rank\n")
+    apply_cell(source.format(k=1), "minirl_live_super")
+    Failed = scratch.Failed
+    for k in (2, 3):
+        apply_cell(source.format(k=k), "minirl_live_super")
+        err = Failed("boom")
+        assert (str(err), err.rank) == ("boom", k) and scratch.Failed is Failed
+
+
 @pytest.mark.notebook
 def test_figures_show_inline_even_with_mplbackend_agg(monkeypatch):
     nb = nbformat.v4.new_notebook()

@@ -23,7 +23,8 @@ the paged engine keeps its pool allocated), and level 2 only (released, then ref
 next push); level 1 (offload to host memory) has nowhere to go on a CPU.
 """
 
-__all__ = ["EngineNotReady", "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
+__all__ = ["EngineNotReady", "copy_pushed", "release_storage", "restore_storage",
+           "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
 
 import contextlib
 import hashlib
@@ -41,6 +42,53 @@ from minirl.rollout.hf import fp8_round_trip
 
 class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
+
+
+def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
+                fp8: bool = False) -> None:
+    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
+    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
+                                 "names (the policy's state_dict names)")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+            if fp8 and tensor.dim() >= 2:
+                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+            own[name].copy_(tensor)
+            seen.add(name)
+    missing = [n for n in own if n not in seen]
+    if missing:
+        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
+                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                         "the last version")
+
+
+def release_storage(tensors: Iterable[Tensor]) -> int:
+    """Resize the storage behind each tensor to 0 (shared storages once), keeping the shapes; returns the bytes."""
+    released, seen = 0, set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        released += storage.nbytes()
+        storage.resize_(0)
+    return released
+
+
+def restore_storage(tensors: Iterable[Tensor]) -> None:
+    """Allocate each released storage again, as large as its tensor needs (contents undefined until refilled)."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
 
 
 class ColocatedEngine:
@@ -120,25 +168,7 @@ class ColocatedEngine:
 
     def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        own, seen = self._tensors(), set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
-                                     f"{len(own)} tensors named like {self.names[0]!r}: push them under the engine's "
-                                     "names (the policy's state_dict names)")
-                if own[name].shape != tensor.shape:
-                    raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
-                                     f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
-                if self.engine.dtype == "float8_e4m3fn" and tensor.dim() >= 2:
-                    tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
-                own[name].copy_(tensor)
-                seen.add(name)
-        missing = [n for n in self.names if n not in seen]
-        if missing:
-            raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(self.names)} tensors were "
-                             f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
-                             "the last version")
+        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
 
     def named_weights(self):
         """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
@@ -149,15 +179,8 @@ class ColocatedEngine:
         if self.asleep:
             return
         with self.record("sleep"):
-            start, released = time.perf_counter(), 0
-            seen = set()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                released += storage.nbytes()
-                storage.resize_(0)
+            start = time.perf_counter()
+            released = release_storage(self._tensors().values())
             self.asleep = True
             self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
@@ -167,11 +190,7 @@ class ColocatedEngine:
             return
         with self.record("wake_up"):
             start = time.perf_counter()
-            for tensor in self._tensors().values():
-                storage = tensor.untyped_storage()
-                needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-                if storage.nbytes() < needed:
-                    storage.resize_(needed)
+            restore_storage(self._tensors().values())
             self.asleep, self.ready = False, False              # awake, but stale until the push completes
             self.stats["wake_seconds"] = time.perf_counter() - start
 

@@ -43,7 +43,7 @@ LoRA adapters inside vLLM (push merged weights).
 """
 
 __all__ = ["VLLM_DTYPES", "PUBLIC_API", "INTERNAL_API", "import_vllm", "task_model_len",
-           "VLLMEngine"]
+           "vllm_settings", "start_llm", "padded_rollout", "VLLMSleepMode", "VLLMEngine"]
 
 import os
 import shutil
@@ -101,6 +101,36 @@ def task_model_len(tokenizer, prompts: list[str], max_completion_length: int, co
     return rounded if context is None else min(rounded, context)
 
 
+def vllm_settings(model, dtype: str, gpu_memory_utilization: float, max_model_len: int | None,
+                  max_num_batched_tokens: int) -> tuple[str, int | None]:
+    """(vLLM's compute dtype, max_model_len: the given one or the model's context), or ConfigError naming the
+    setting."""
+    dtype = auto_dtype(dtype, "cuda")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
+                                                  "quantization mode); pick one of those")
+    check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
+    check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
+    context = getattr(model.config, "max_position_embeddings", None)
+    max_model_len = max_model_len or context
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
+    return dtype, max_model_len
+
+
+def start_llm(vllm, model, tokenizer, **options):
+    """`vllm.LLM` on a temporary copy of the policy (removed once read, also when building fails), with the
+    options every minirl engine uses (prefix caching, processed log-probs, the external launcher) and `options`."""
+    path = tempfile.mkdtemp(prefix="minirl-vllm-")
+    try:                                                 # the copy lives only while vLLM reads it
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return vllm.LLM(model=path, tokenizer=path, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                        distributed_executor_backend="external_launcher", **options)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class _Stream:
     """The tensors of a push, checked by name as vLLM takes them; counts what it took."""
 
@@ -119,54 +149,21 @@ class _Stream:
             yield name, tensor
 
 
-class VLLMEngine:
-    """A vLLM `LLM` in this process, holding version `version` of the policy.
+def padded_rollout(tokenizer, prompts: list[str], G: int, rows: list[tuple], version: int) -> Rollout:
+    """The rollout of vLLM's (prompt ids, completion ids, log-probs) rows: prompts left-padded, completions
+    right-padded (log-probs with 0.0), rows i*G .. i*G+G-1 continuing prompts[i]."""
+    P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
+    completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
+    logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
+    return make_rollout(tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, version)
 
-    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
-    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
-    after generating, wake before loading weights and before generating;
-    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
-    prompt plus completion (None: the model's context; see `task_model_len`);
-    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
-    """
 
-    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
-                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 4096):
-        dtype = auto_dtype(dtype, "cuda")
-        if dtype not in VLLM_DTYPES:
-            raise ConfigError("rollout_dtype", dtype, f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a "
-                                                      "quantization mode); pick one of those")
-        check_float("vllm_gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
-        check_int("vllm_max_num_batched_tokens", max_num_batched_tokens, low=1)
-        context = getattr(model.config, "max_position_embeddings", None)
-        max_model_len = max_model_len or context
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, low=1, high=context, why="the model's positions")
-        vllm = import_vllm()
-        check_tokenizer(tokenizer)
-        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
-        self.device = torch.device(device if device is not None else "cuda")
-        self.names = list(model.state_dict())
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        free_before = self._free_bytes()
-        path = tempfile.mkdtemp(prefix="minirl-vllm-")
-        try:                                                 # the copy lives only while vLLM reads it
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-            self.llm = vllm.LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                                enable_sleep_mode=colocate, logprobs_mode="processed_logprobs",
-                                distributed_executor_backend="external_launcher", max_model_len=max_model_len,
-                                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
-        self.SamplingParams = vllm.SamplingParams
-        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
-        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
+class VLLMSleepMode:
+    """The sleep and memory side of `VLLMEngine` (a mixin: it uses the engine's llm, device, held, sleeping
+    and ready)."""
 
     def _free_bytes(self) -> int:
         """Free device memory now: vLLM's own allocator is invisible to torch.cuda.memory_allocated."""
@@ -185,6 +182,52 @@ class VLLMEngine:
             self.llm.wake_up(tags=tags)
             self.sleeping -= set(tags)
             self.held += max(0, free - self._free_bytes())
+
+    def sleep(self) -> None:
+        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
+        if not self.sleeping:
+            free = self._free_bytes()
+            self.llm.sleep(level=2)
+            self.sleeping = {"weights", "kv_cache"}
+            self.ready = False                                # level 2 discarded the weights
+            self.held = max(0, self.held - max(0, self._free_bytes() - free))
+
+    def wake_up(self) -> None:
+        self._wake(("weights", "kv_cache"))
+
+
+class VLLMEngine(VLLMSleepMode):
+    """A vLLM `LLM` in this process, holding version `version` of the policy.
+
+    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
+    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
+    after generating, wake before loading weights and before generating;
+    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
+    prompt plus completion (None: the model's context; see `task_model_len`);
+    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 4096):
+        dtype, max_model_len = vllm_settings(model, dtype, gpu_memory_utilization, max_model_len,
+                                             max_num_batched_tokens)
+        vllm = import_vllm()
+        check_tokenizer(tokenizer)
+        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
+        self.device = torch.device(device if device is not None else "cuda")
+        self.names = list(model.state_dict())
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        free_before = self._free_bytes()
+        self.llm = start_llm(vllm, model, tokenizer, dtype=dtype, seed=seed, enable_sleep_mode=colocate,
+                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
+        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
+        self.SamplingParams = vllm.SamplingParams
+        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
+        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
@@ -206,13 +249,7 @@ class VLLMEngine:
                 for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
         if self.colocate:
             self.sleep()
-        P, width = max(len(p) for p, _, _ in rows), max(1, max(len(t) for _, t, _ in rows))
-        pad = tok.pad_token_id
-        prompt_ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p, _, _ in rows])               # [N, P]
-        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p, _, _ in rows])
-        completion_ids = torch.tensor([list(t) + [pad] * (width - len(t)) for _, t, _ in rows])       # [N, C]
-        logprobs = torch.tensor([list(lp) + [0.0] * (width - len(lp)) for _, _, lp in rows])
-        return make_rollout(tok, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs, self.version)
+        return padded_rollout(tok, prompts, G, rows, self.version)
 
     def _prompt_ids(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
         """Token ids of `prompts`; ValueError when one and its completion would not fit max_model_len."""
@@ -261,18 +298,6 @@ class VLLMEngine:
     def named_weights(self):
         raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
                                   "log-probs instead (notebook 02) to check a vLLM sync")
-
-    def sleep(self) -> None:
-        """Discard weights and KV cache (vLLM sleep level 2); the next push refills the weights."""
-        if not self.sleeping:
-            free = self._free_bytes()
-            self.llm.sleep(level=2)
-            self.sleeping = {"weights", "kv_cache"}
-            self.ready = False                                # level 2 discarded the weights
-            self.held = max(0, self.held - max(0, self._free_bytes() - free))
-
-    def wake_up(self) -> None:
-        self._wake(("weights", "kv_cache"))
 
     def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
         """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""

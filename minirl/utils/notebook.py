@@ -61,6 +61,12 @@ SLOT_TYPES = (types.MemberDescriptorType, types.GetSetDescriptorType)
 
 def patch_class(old: type, new: type) -> None:
     """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow."""
+    for value in vars(new).values():                 # zero-argument super() reads the `__class__` cell:
+        code = getattr(value, "__code__", None)      # make it the class the instances belong to
+        if code is not None and "__class__" in code.co_freevars and value.__closure__:
+            cell = value.__closure__[code.co_freevars.index("__class__")]
+            if cell.cell_contents is new:
+                cell.cell_contents = old
     for name, value in vars(new).items():
         if name in ("__dict__", "__weakref__", "__slots__") or isinstance(value, SLOT_TYPES):
             continue                         # a slot's descriptor only reads the instances of its own class

@@ -35,6 +35,12 @@ def test_rank_loss_weight_values(ex):
         "bnpo: TRL divides by each process's own tokens, so no weight"
     assert ex.rank_loss_weight("dapo", 0, 0, 2, 4, 2) == pytest.approx(2.0), \
         "token counts of 0 count as 1 (the loss clamps them): no division by zero"
+    for loss_type in ("grpo", "dr_grpo"):
+        assert ex.rank_loss_weight(loss_type, 0, 8, 0, 4, 2) == pytest.approx(0.0), \
+            f"{loss_type}: a rank with no rows counts for nothing (w = 0), not 1"
+        weights = [ex.rank_loss_weight(loss_type, t, 8, r, 4, 3) for t, r in ((5, 3), (0, 0), (3, 1))]
+        assert sum(weights) == pytest.approx(3.0), \
+            f"{loss_type}: the ranks' weights sum to world_size, a rank with no rows included ({weights})"
     with pytest.raises(ValueError, match="loss_type"):
         ex.rank_loss_weight("ppo", 1, 2, 1, 2, 2)
 
