@@ -41,7 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "exercises"
 STUB = re.compile(r'NotImplementedError\("exercise (\d+\.\d+): (\w[\w ]*?) --')

@@ -59,7 +59,7 @@ def show(rows, header):
     rows = [tuple(str(c) for c in r) for r in [header, *rows]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
 
@@ -998,9 +998,9 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
         elif key.endswith("grad_norm"):
             out[key] = value
         elif key in LOSSES and loss_weights is not None:
-            out[key] = sum(w * v for w, v in zip(loss_weights, values)) / len(records)
+            out[key] = sum(w * v for w, v in zip(loss_weights, values, strict=True)) / len(records)
         else:
-            out[key] = sum(v * t for v, t in zip(values, tokens)) / total
+            out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
     return out
 
 
@@ -1108,7 +1108,7 @@ class DataParallelRole:
         finally:
             self.grad_scale, self.skipping = 1.0, False
         records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
-            (metrics, tokens, weight))))
+            (metrics, tokens, weight)), strict=True))
         return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
 
     def _replicated(self, what: str) -> None:
@@ -1445,7 +1445,7 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
     """
     out = [(name, full_tensor(t)) if not packable(t) else None for name, t in layer]
     by_dtype = {}
-    for i, (name, t) in enumerate(layer):
+    for i, (_, t) in enumerate(layer):
         if packable(t):
             by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, items in by_dtype.items():
@@ -1462,10 +1462,10 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
         if meter is not None:
             meter.track(rows)
         offsets = [0] * world
-        for i, n in zip(items, numels):
+        for i, n in zip(items, numels, strict=True):
             parts = [rows[r, offsets[r]:offsets[r] + n[r]] for r in range(world)]
             out[i] = (layer[i][0], torch.cat(parts).view(layer[i][1].shape))
-            offsets = [o + k for o, k in zip(offsets, n)]
+            offsets = [o + k for o, k in zip(offsets, n, strict=True)]
             if meter is not None:
                 meter.track(out[i][1])                                           # alive beside the buffer
         del rows, mine
@@ -1992,10 +1992,10 @@ class SeedPerPrompt:
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
+from minirl.memory.measure import storage_bytes  # noqa: E402
 from minirl.parallel.roles import DistributedActor  # noqa: E402
 from minirl.rollout.colocated import ColocatedEngine  # noqa: E402
 from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
-from minirl.memory.measure import storage_bytes  # noqa: E402
 from minirl.sync.sharded import ShardedSync  # noqa: E402
 
 config = RLConfig.from_flat(num_generations=4)
@@ -2350,8 +2350,8 @@ class VLLMEngine(VLLMSleepMode):
         params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
                                       seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
+        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+                for p, out in zip(ids, outputs, strict=True) for c in out.outputs]                   # N = B * G rows
         if self.colocate:
             self.sleep()
         return padded_rollout(tok, prompts, G, rows, self.version)
@@ -2768,6 +2768,7 @@ from minirl.rollout.base import VersionMismatchError
 from minirl.train.cli import write_failure
 from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
+
 
 def rank_processes() -> list[tuple[str, int]]:
     """(host, pid) of every rank, in rank order, on every rank (a collective): who to name when one dies."""
@@ -3286,7 +3287,7 @@ class ShardedCheckpoints:
             problem = _broadcast(sharded_problem(path) if main else None)
             if problem is None:
                 try:
-                    agree(f"restoring {path}", lambda: load_sharded(path, state, push=False))
+                    agree(f"restoring {path}", lambda path=path: load_sharded(path, state, push=False))
                 except ConfigError:
                     raise
                 except Exception as err:                  # on every rank alike: this rank's or another's error
@@ -3487,7 +3488,7 @@ else:
     gain = runs["full"][0]["accuracy_after"] - runs["full"][0]["accuracy_before"]
     print("held-out accuracy rises as in stage 1:", "yes" if gain > 0.05 else "NO (look at the reward curve)")
 fig, ax = plt.subplots(figsize=(8, 3.4))
-for name, (summary, metrics) in runs.items():
+for name, (_, metrics) in runs.items():
     if name in ("full", "lora"):
         steps = [m for m in metrics if "reward" in m]
         k = max(1, len(steps) // 15)
@@ -3495,7 +3496,7 @@ for name, (summary, metrics) in runs.items():
                   for i in range(len(steps))]
         ax.plot([m["step"] for m in steps], reward, label=f"{name}: batch reward (mean of {k})")
         evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
-        ax.plot(*zip(*evals), "o--", label=f"{name}: held-out accuracy")
+        ax.plot(*zip(*evals, strict=True), "o--", label=f"{name}: held-out accuracy")
 ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1), title="GRPO on 2 ranks: full fine-tuning vs LoRA")
 ax.legend(fontsize=8)
 plt.tight_layout()
@@ -3821,12 +3822,12 @@ else:
     from safetensors.torch import load_file
 
     rows = [(m1["step"], f"{m1['loss']:+.6f}", f"{m2['loss']:+.6f}", f"{m1['reward']:.4f}", f"{m2['reward']:.4f}")
-            for m1, m2 in zip(one[1], two[1])]
+            for m1, m2 in zip(one[1], two[1], strict=True)]
     show(rows, ("step", "loss, 1 rank", "loss, 2 ranks", "reward, 1 rank", "reward, 2 ranks"))
     w1, w2 = (load_file(RUNS / n / "final" / "model.safetensors") for n in ("04_one_rank", "04_two_ranks"))
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     print(f"largest weight difference after 5 steps: {worst:.2e} (learning rate {RLConfig().optimizer.learning_rate})")
-    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1])) and worst < 5 * 3e-4
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1], strict=True)) and worst < 5 * 3e-4
 
 # %% [markdown]
 # ### A killed rank, resumed exactly

@@ -59,7 +59,7 @@ def show(rows, header):
     rows = [tuple(str(c) for c in r) for r in [header, *rows]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
 
@@ -82,8 +82,12 @@ def pct(x):
 
 # %%
 from minirl.models.policy import load_default_policy
-from minirl.rollout.engine.workloads import (LongTailConfig, build_long_tail_policy, few_shot_prompts,  # code: appendix
-                                             load_long_tail_policy)
+from minirl.rollout.engine.workloads import (  # code: appendix
+    LongTailConfig,
+    build_long_tail_policy,
+    few_shot_prompts,
+    load_long_tail_policy,
+)
 
 policy, policy_tok, _ = load_default_policy(progress=False)
 big, big_tok, big_path = load_long_tail_policy()
@@ -280,7 +284,7 @@ def draw_blocks(ax, pool, tables, title, per_row=12):
     for name, table in tables.items():
         for b in table:
             owner.setdefault(b, []).append(name)
-    colours = dict(zip(tables, plt.cm.tab10.colors))
+    colours = dict(zip(tables, plt.cm.tab10.colors, strict=True))
     for b in range(pool.num_blocks):
         r, c = divmod(b, per_row)
         names = owner.get(b, [])
@@ -692,7 +696,7 @@ class PagedModel(torch.nn.Module):
                  torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, float("-inf"))
                  for g in step.groups]
         blocks, offsets = step.slots // self.block_size, step.slots % self.block_size     # [T] each
-        for i, (layer, products) in enumerate(zip(inner.layers, self.products)):
+        for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
             attn = layer.self_attn
             qkv = products["qkv"](rms_norm(x, layer.input_layernorm))                   # [T, (H + 2 Hkv) D]
             qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                              # q and k, rotated together
@@ -707,7 +711,7 @@ class PagedModel(torch.nn.Module):
             scale = getattr(attn, "scaling", D ** -0.5)
             outs = [decode_attention(q[g.start:g.stop], keys, values, plan, scale) if g.q_index is None else
                     gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
-                    for g, plan in zip(step.groups, plans)]
+                    for g, plan in zip(step.groups, plans, strict=True)]
             x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))        # [T, hidden]
             gate, up = products["gate_up"](rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
             x = x + products["down"](layer.mlp.act_fn(gate) * up)
@@ -729,8 +733,8 @@ with torch.no_grad():
         paged = PagedModel(model)
         paged.allocate_cache(30, 8)
         tables_ = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
-        paged(make_step([Chunk(x[:-1], 0, t) for x, t in zip(ids, tables_)], 8, paged.n_rep, "cpu"))
-        decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tables_)], 8, paged.n_rep, "cpu")
+        paged(make_step([Chunk(x[:-1], 0, t) for x, t in zip(ids, tables_, strict=True)], 8, paged.n_rep, "cpu"))
+        decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tables_, strict=True)], 8, paged.n_rep, "cpu")
         got = paged(decode)
         want = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids])
         diff = (got - want).abs().max().item()
@@ -972,7 +976,7 @@ class Scheduler(SchedulerState):
             budget -= seq.num_new
             admitted += 1
             self.register(seq)                        # its siblings, admitted next, can share its blocks now
-        for seq, n in work[:len(work) - admitted]:
+        for seq, _ in work[:len(work) - admitted]:
             self.register(seq)
         self.timeline.append({"running": len(work), "admitted": admitted, "preempted": preempted,
                               "waiting": len(self.waiting), "blocks_used": self.pool.num_used,
@@ -1062,7 +1066,6 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
-from minirl.rollout.sampling import sample_tokens
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
@@ -1071,6 +1074,7 @@ from minirl.rollout.engine.prefix import PrefixCache
 from minirl.rollout.engine.radix import RadixCache
 from minirl.rollout.engine.scheduler import FINISHED, RUNNING, Scheduler, Sequence
 from minirl.rollout.engine.speculative import speculative_step
+from minirl.rollout.sampling import sample_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHES = ("prefix", "radix", "none")
@@ -1199,7 +1203,7 @@ def forward_step(engine: "EngineCore", work: list[tuple[Sequence, int]], clock: 
     clock = engine.tick("sample", clock)
     for seq, n in work:
         seq.num_computed += n
-    for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist()):
+    for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist(), strict=True):
         engine.append(seq, [token], [logprob])
     engine.tick("postprocess", clock)
 
@@ -1310,7 +1314,7 @@ class EngineCore:
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
-        for token, logprob in zip(tokens, logprobs):
+        for token, logprob in zip(tokens, logprobs, strict=True):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             self.stats.generated_tokens += 1
@@ -1453,7 +1457,7 @@ for name, model, tok, texts, n_new, bs in checks:
     engine = PagedEngine(model, tok, block_size=bs)
     got = [s.completion for s in engine.run([Request(tok(t, add_special_tokens=False)["input_ids"], n_new, 0.0)
                                              for t in texts])]
-    same = sum(g == w for g, w in zip(got, hf_greedy(model, tok, texts, n_new)))
+    same = sum(g == w for g, w in zip(got, hf_greedy(model, tok, texts, n_new), strict=True))
     ro = engine.generate(texts[:4], SamplingConfig(num_generations=4, max_completion_length=n_new),
                          generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -1493,10 +1497,10 @@ def draw_timeline(engine, seqs, title):
 demo = PagedEngine(big, big_tok, block_size=4, num_blocks=24, max_num_seqs=4, cache="none", max_model_len=96)
 lengths = [10, 40, 6, 25, 14, 30, 8, 18, 12, 22, 5, 16]
 ids = big_tok(few_shot_prompts(12, length=12), add_special_tokens=False)["input_ids"]
-demo_seqs = demo.run([Request(x, n, 0.0) for x, n in zip(ids, lengths)])
+demo_seqs = demo.run([Request(x, n, 0.0) for x, n in zip(ids, lengths, strict=True)])
 draw_timeline(demo, demo_seqs, f"continuous batching, 4 slots, 24 blocks of 4: {demo.stats.steps} steps, "
               f"{demo.stats.preemptions} preemptions")
-assert demo.pool.num_free == demo.num_blocks and all(len(s.completion) <= n for s, n in zip(demo_seqs, lengths))
+assert demo.pool.num_free == demo.num_blocks and all(len(s.completion) <= n for s, n in zip(demo_seqs, lengths, strict=True))
 
 # %% [markdown]
 # ## 5. Measured: KV memory utilization (the PagedAttention row)
@@ -2143,9 +2147,9 @@ def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], 
         totals.append(engine.stats.prompt_tokens)
         if turn < len(follow_ups):
             answers = [[t for t in s.completion if t != tokenizer.eos_token_id] for s in seqs]
-            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn])]
+            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn], strict=True)]
     return {"hit_rate": sum(hits) / sum(totals), "hit_rate_after_first": sum(hits[1:]) / max(1, sum(totals[1:])),
-            "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
+            "per_turn": [h / t for h, t in zip(hits, totals, strict=True)], "prompt_tokens": totals}
 
 # %%
 C, TURNS, ANSWER = (3, 3, 12) if SMOKE else (8, 4, 24)
@@ -2376,7 +2380,8 @@ class ModelDraft:
             drafts.append(token)
             qs.append(q)
             tokens = token.tolist()
-            chunks = [Chunk([t], position[j] + i, self.state[s.id][0]) for j, (s, t) in enumerate(zip(seqs, tokens))]
+            chunks = [Chunk([t], position[j] + i, self.state[s.id][0])
+                      for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))]
         return torch.stack(drafts, 1), torch.stack(qs, 1)                                           # [S, k], [S, k, V]
 
     def rollback(self, seq, valid: int) -> None:
@@ -2398,7 +2403,8 @@ def speculative_step(engine, seqs, generator=None) -> None:
     draft, q = engine.draft.propose(seqs, k, generator)                                # [S, k], [S, k, V]
     clock = engine.tick("draft", clock)
     drafts = draft.tolist()
-    chunks = [Chunk([s.tokens[-1]] + d, s.num_computed, s.block_table, k + 1) for s, d in zip(seqs, drafts)]
+    chunks = [Chunk([s.tokens[-1]] + d, s.num_computed, s.block_table, k + 1)
+              for s, d in zip(seqs, drafts, strict=True)]
     step = make_step(chunks, engine.block_size, engine.model.n_rep, engine.device)
     clock = engine.tick("prepare", clock)
     logits = engine.model(step).view(len(seqs), k + 1, -1)                             # [S, k+1, V]
@@ -2412,7 +2418,7 @@ def speculative_step(engine, seqs, generator=None) -> None:
     engine.stats.draft_tokens += len(seqs) * k
     engine.stats.accepted_tokens += int(accepted.sum())
     engine.stats.verified_rows += len(seqs)
-    for i, (s, a, nxt) in enumerate(zip(seqs, accepted.tolist(), next_token.tolist())):
+    for i, (s, a, nxt) in enumerate(zip(seqs, accepted.tolist(), next_token.tolist(), strict=True)):
         tokens = drafts[i][:a] + [nxt]
         logprobs = logp[i, torch.arange(a + 1), torch.tensor(tokens)].tolist()
         s.num_computed += 1 + a
@@ -2681,9 +2687,9 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
         if log is not None:
             log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
                 f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
-    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
-    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
-    finish = [h / p for p, h in zip(seconds["paged"], seconds["hf"])]
+    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k], strict=True)] for k in engines}     # per repeat
+    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"], strict=True)]                   # within a repeat
+    finish = [h / p for p, h in zip(seconds["paged"], seconds["hf"], strict=True)]
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     return {"prompts": len(prompts), "num_generations": sampling.num_generations,
             "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,

@@ -104,6 +104,7 @@ REPRODUCED["21"] = ("20 B + 256 x 5 B, 8 active: ~60 B active of ~1.3 T",
 # %%
 from minirl.models.moe import RouteRecorder, build_moe_policy, replay_routes, routers  # noqa: F401  (notebook 02)
 
+
 # %%
 # | export minirl/models/moe.py
 def count_moe_parameters(config) -> dict[str, float]:
@@ -166,7 +167,7 @@ per_layer_expert = 3 * ds.hidden_size * ds.moe_intermediate_size
 print(f"DeepSeek-V3: one expert of one layer = 3 x {ds.hidden_size} x {ds.moe_intermediate_size} = "
       f"{per_layer_expert / 1e6:.0f} M; over its {ds.num_hidden_layers - ds.first_k_dense_replace} MoE layers "
       f"{per_layer_expert * (ds.num_hidden_layers - ds.first_k_dense_replace) / 1e9:.2f} B")
-for name, (config, published) in configs.items():
+for name, (_, published) in configs.items():
     if published:
         c = counts[name]
         assert abs(c["total"] - published[0]) / published[0] < 0.02, (name, c["total"])
@@ -1582,7 +1583,7 @@ assert same
 # %%
 P, M = 4, 8
 fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
-for ax, schedule in zip(axes, SCHEDULES):
+for ax, schedule in zip(axes, SCHEDULES, strict=True):
     plot_pipeline(simulate_schedule(schedule, P, M, Costs(forward=1.0, backward=2.0)), ax=ax,
                   title=f"{schedule}, P = {P}, M = {M}, B = 2F")
 plt.tight_layout()
@@ -1687,9 +1688,23 @@ import torch
 from torch import nn
 
 from minirl.parallel.launch import output_ends, torchrun
-from minirl.parallel.pipeline import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULES, Costs, Event,
-                                      Op, PipelineError, PipelineTimeline, check_pipeline, dualpipev_stages,
-                                      schedule_orders, simulate, split_layers)
+from minirl.parallel.pipeline import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    SCHEDULES,
+    Costs,
+    Event,
+    Op,
+    PipelineError,
+    PipelineTimeline,
+    check_pipeline,
+    dualpipev_stages,
+    schedule_orders,
+    simulate,
+    split_layers,
+)
 
 
 class Block(nn.Module):
@@ -2249,7 +2264,7 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
     model.zero_grad(set_to_none=True)
-    ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
     median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
     return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
             "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
@@ -2302,7 +2317,7 @@ lengths, _ = distributions["long tail"]
 fig, axes = plt.subplots(1, 3, figsize=(12, 3))
 axes[0].hist(lengths, bins=50, color="gray")
 axes[0].set(title="long-tailed lengths (tokens)", xlabel="prompt + completion", ylabel="sequences")
-for ax, method in zip(axes[1:], ("next_fit", "best_fit_decreasing")):
+for ax, method in zip(axes[1:], ("next_fit", "best_fit_decreasing"), strict=True):
     plan = PACKERS[method](lengths, 4608)
     fill = sorted((sum(lengths[i] for i in b) / 4608 for b in plan), reverse=True)
     ax.bar(range(len(fill)), fill, width=1.0, color="#4C72B0")

@@ -113,7 +113,7 @@ def test_history_per_optimizer_step_and_bias_update(tiny):
     assert history.shape == (1, 2, 4)
     assert history[0].sum(-1).tolist() == [2 * 2 * batch["attention_mask"].sum().item()] * 2, \
         "two forwards x top-2 x real tokens (padding excluded)"
-    for router, counts in zip(routers(m), history[0]):
+    for router, counts in zip(routers(m), history[0], strict=True):
         assert torch.allclose(router.expert_bias, rate * torch.sign(counts.mean() - counts))
     with torch.no_grad():
         m.eval()
@@ -202,4 +202,5 @@ def test_load_moe_policy_is_cached(monkeypatch, tmp_path):
     first = load_moe_policy(tokenizer, make_task(), warm_start_steps=1)
     assert len(list(tmp_path.glob("moe-*"))) == 1
     second = load_moe_policy(tokenizer, make_task(), warm_start_steps=1)
-    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True))

@@ -10,9 +10,9 @@ from test_profiling import CONFIG, TINY, make_run, step_record
 from transformers import Qwen2Config
 
 from minirl.profiling.decompose import decompose
-from minirl.profiling.timeline import TIMELINE_FILE, split_calls
 from minirl.profiling.mfu import ModelShape, flat_config, run_mfu, step_flops
 from minirl.profiling.rules import diagnose, run_dir_mfu
+from minirl.profiling.timeline import TIMELINE_FILE, split_calls
 
 PCONFIG = {"zero": 3, "lora_rank": 0, "gradient_checkpointing": False, "colocate": True}   # stage 4's run.json
 

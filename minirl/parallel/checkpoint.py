@@ -287,7 +287,7 @@ class ShardedCheckpoints:
             problem = _broadcast(sharded_problem(path) if main else None)
             if problem is None:
                 try:
-                    agree(f"restoring {path}", lambda: load_sharded(path, state, push=False))
+                    agree(f"restoring {path}", lambda path=path: load_sharded(path, state, push=False))
                 except ConfigError:
                     raise
                 except Exception as err:                  # on every rank alike: this rank's or another's error

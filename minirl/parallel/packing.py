@@ -224,7 +224,7 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
     model.zero_grad(set_to_none=True)
-    ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
     median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
     return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
             "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),

@@ -109,9 +109,9 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
         elif key.endswith("grad_norm"):
             out[key] = value
         elif key in LOSSES and loss_weights is not None:
-            out[key] = sum(w * v for w, v in zip(loss_weights, values)) / len(records)
+            out[key] = sum(w * v for w, v in zip(loss_weights, values, strict=True)) / len(records)
         else:
-            out[key] = sum(v * t for v, t in zip(values, tokens)) / total
+            out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
     return out
 
 
@@ -213,7 +213,7 @@ class DataParallelRole:
         finally:
             self.grad_scale, self.skipping = 1.0, False
         records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
-            (metrics, tokens, weight))))
+            (metrics, tokens, weight)), strict=True))
         return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
 
     def _replicated(self, what: str) -> None:

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of
 
 COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
-                               "tab:pink", "tab:gray")))
+                               "tab:pink", "tab:gray"), strict=True))
 
 
 def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title: str | None = None):
@@ -24,7 +24,7 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
         if any(heights):
             ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=COLORS[category], label=category,
                    align="edge")
-            bottom = [b + h for b, h in zip(bottom, heights)]
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set(xlabel="step", ylabel="share of the step", ylim=(0, 1), title=title or "where each step's time goes")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return ax
@@ -38,7 +38,9 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
     ax = ax or plt.subplots(figsize=(9, 2.8))[1]
     lanes = [c for c in CATEGORIES if any(s.get(c) for s in decomposition.step_shares[:steps])]
     start = 0.0
-    for own, seconds, step in zip(decomposition.per_step[:steps], decomposition.step_seconds, decomposition.steps):
+    d = decomposition                                                         # the first `steps` steps:
+    shown = zip(d.per_step[:steps], d.step_seconds, d.steps, strict=False)
+    for own, seconds, step in shown:
         top = sorted((s for s in own if s != "other" and parent_of(s) not in own),
                      key=lambda s: STEP_ORDER.index(s) if s in STEP_ORDER else len(STEP_ORDER))
         t = start
@@ -67,7 +69,7 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
 def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str | None = None):
     """One horizontal stacked bar of category shares per run, labelled."""
     ax = ax or plt.subplots(figsize=(8, 0.7 + 0.6 * len(decompositions)))[1]
-    for row, (label, d) in enumerate(decompositions.items()):
+    for row, d in enumerate(decompositions.values()):
         left = 0.0
         for category in CATEGORIES:
             share = d.shares[category]

@@ -245,8 +245,8 @@ class VLLMEngine(VLLMSleepMode):
         params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
                                       seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                for p, out in zip(ids, outputs) for c in out.outputs]                   # N = B * G rows
+        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+                for p, out in zip(ids, outputs, strict=True) for c in out.outputs]                   # N = B * G rows
         if self.colocate:
             self.sleep()
         return padded_rollout(tok, prompts, G, rows, self.version)

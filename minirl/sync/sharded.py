@@ -161,7 +161,7 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
     """
     out = [(name, full_tensor(t)) if not packable(t) else None for name, t in layer]
     by_dtype = {}
-    for i, (name, t) in enumerate(layer):
+    for i, (_, t) in enumerate(layer):
         if packable(t):
             by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, items in by_dtype.items():
@@ -178,10 +178,10 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
         if meter is not None:
             meter.track(rows)
         offsets = [0] * world
-        for i, n in zip(items, numels):
+        for i, n in zip(items, numels, strict=True):
             parts = [rows[r, offsets[r]:offsets[r] + n[r]] for r in range(world)]
             out[i] = (layer[i][0], torch.cat(parts).view(layer[i][1].shape))
-            offsets = [o + k for o, k in zip(offsets, n)]
+            offsets = [o + k for o, k in zip(offsets, n, strict=True)]
             if meter is not None:
                 meter.track(out[i][1])                                           # alive beside the buffer
         del rows, mine

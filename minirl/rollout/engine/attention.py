@@ -334,7 +334,7 @@ class PagedModel(torch.nn.Module):
                  torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, float("-inf"))
                  for g in step.groups]
         blocks, offsets = step.slots // self.block_size, step.slots % self.block_size     # [T] each
-        for i, (layer, products) in enumerate(zip(inner.layers, self.products)):
+        for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
             attn = layer.self_attn
             qkv = products["qkv"](rms_norm(x, layer.input_layernorm))                   # [T, (H + 2 Hkv) D]
             qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                              # q and k, rotated together
@@ -349,7 +349,7 @@ class PagedModel(torch.nn.Module):
             scale = getattr(attn, "scaling", D ** -0.5)
             outs = [decode_attention(q[g.start:g.stop], keys, values, plan, scale) if g.q_index is None else
                     gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
-                    for g, plan in zip(step.groups, plans)]
+                    for g, plan in zip(step.groups, plans, strict=True)]
             x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))        # [T, hidden]
             gate, up = products["gate_up"](rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
             x = x + products["down"](layer.mlp.act_fn(gate) * up)

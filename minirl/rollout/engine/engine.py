@@ -158,7 +158,7 @@ def forward_step(engine: "EngineCore", work: list[tuple[Sequence, int]], clock: 
     clock = engine.tick("sample", clock)
     for seq, n in work:
         seq.num_computed += n
-    for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist()):
+    for seq, token, logprob in zip(live, tokens.tolist(), logprobs.tolist(), strict=True):
         engine.append(seq, [token], [logprob])
     engine.tick("postprocess", clock)
 
@@ -263,7 +263,7 @@ class EngineCore:
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
-        for token, logprob in zip(tokens, logprobs):
+        for token, logprob in zip(tokens, logprobs, strict=True):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             self.stats.generated_tokens += 1

@@ -187,9 +187,9 @@ def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], 
         totals.append(engine.stats.prompt_tokens)
         if turn < len(follow_ups):
             answers = [[t for t in s.completion if t != tokenizer.eos_token_id] for s in seqs]
-            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn])]
+            prompts = [p + a + encode(m) for p, a, m in zip(prompts, answers, follow_ups[turn], strict=True)]
     return {"hit_rate": sum(hits) / sum(totals), "hit_rate_after_first": sum(hits[1:]) / max(1, sum(totals[1:])),
-            "per_turn": [h / t for h, t in zip(hits, totals)], "prompt_tokens": totals}
+            "per_turn": [h / t for h, t in zip(hits, totals, strict=True)], "prompt_tokens": totals}
 
 
 def speculative_sweep(model, tokenizer, make_draft, requests: list[Request], ks: list[int], repeats: int = 3,
@@ -266,9 +266,9 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
         if log is not None:
             log(f"repeat {r + 1}/{repeats}: paged {seconds['paged'][-1]:.2f} s ({tokens['paged'][-1]} tokens), "
                 f"hf {seconds['hf'][-1]:.2f} s ({tokens['hf'][-1]} tokens)")
-    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k])] for k in engines}                # per repeat
-    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"])]                              # within a repeat
-    finish = [h / p for p, h in zip(seconds["paged"], seconds["hf"])]
+    rates = {k: [t / s for t, s in zip(tokens[k], seconds[k], strict=True)] for k in engines}     # per repeat
+    ratios = [p / h for p, h in zip(rates["paged"], rates["hf"], strict=True)]                   # within a repeat
+    finish = [h / p for p, h in zip(seconds["paged"], seconds["hf"], strict=True)]
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     return {"prompts": len(prompts), "num_generations": sampling.num_generations,
             "max_completion_length": sampling.max_completion_length, "block_size": block_size, "repeats": repeats,

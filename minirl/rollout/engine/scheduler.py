@@ -190,7 +190,7 @@ class Scheduler(SchedulerState):
             budget -= seq.num_new
             admitted += 1
             self.register(seq)                        # its siblings, admitted next, can share its blocks now
-        for seq, n in work[:len(work) - admitted]:
+        for seq, _ in work[:len(work) - admitted]:
             self.register(seq)
         self.timeline.append({"running": len(work), "admitted": admitted, "preempted": preempted,
                               "waiting": len(self.waiting), "blocks_used": self.pool.num_used,

@@ -171,7 +171,8 @@ class ModelDraft:
             drafts.append(token)
             qs.append(q)
             tokens = token.tolist()
-            chunks = [Chunk([t], position[j] + i, self.state[s.id][0]) for j, (s, t) in enumerate(zip(seqs, tokens))]
+            chunks = [Chunk([t], position[j] + i, self.state[s.id][0])
+                      for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))]
         return torch.stack(drafts, 1), torch.stack(qs, 1)                                           # [S, k], [S, k, V]
 
     def rollback(self, seq, valid: int) -> None:
@@ -188,7 +189,8 @@ def speculative_step(engine, seqs, generator=None) -> None:
     draft, q = engine.draft.propose(seqs, k, generator)                                # [S, k], [S, k, V]
     clock = engine.tick("draft", clock)
     drafts = draft.tolist()
-    chunks = [Chunk([s.tokens[-1]] + d, s.num_computed, s.block_table, k + 1) for s, d in zip(seqs, drafts)]
+    chunks = [Chunk([s.tokens[-1]] + d, s.num_computed, s.block_table, k + 1)
+              for s, d in zip(seqs, drafts, strict=True)]
     step = make_step(chunks, engine.block_size, engine.model.n_rep, engine.device)
     clock = engine.tick("prepare", clock)
     logits = engine.model(step).view(len(seqs), k + 1, -1)                             # [S, k+1, V]
@@ -202,7 +204,7 @@ def speculative_step(engine, seqs, generator=None) -> None:
     engine.stats.draft_tokens += len(seqs) * k
     engine.stats.accepted_tokens += int(accepted.sum())
     engine.stats.verified_rows += len(seqs)
-    for i, (s, a, nxt) in enumerate(zip(seqs, accepted.tolist(), next_token.tolist())):
+    for i, (s, a, nxt) in enumerate(zip(seqs, accepted.tolist(), next_token.tolist(), strict=True)):
         tokens = drafts[i][:a] + [nxt]
         logprobs = logp[i, torch.arange(a + 1), torch.tensor(tokens)].tolist()
         s.num_computed += 1 + a
