@@ -80,6 +80,34 @@ rewards = arithmetic_task().reward_funcs   # the reward stage 1's train() uses, 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # Ray's workers inherit this environment
 
 # %% [markdown]
+# ## The whole loop first
+#
+# Stage 1's GRPO loop, run by the single controller: a two-node Ray cluster of our own on
+# this machine (`local_cluster`: never a cluster someone else runs here), a `Driver` that
+# starts one worker holding every role (the colocated placement), and two steps; beside
+# them, the same two steps in one process (stage 1's `train`). The rest of the notebook
+# builds each piece the Driver used; section 8 runs every placement and compares every metric.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.controller.driver import Driver  # noqa: E402
+from minirl.controller.placement import make_placement  # noqa: E402
+from minirl.controller.resource_pool import local_cluster  # noqa: E402
+from minirl.train.run import train  # noqa: E402
+
+cluster = local_cluster(num_nodes=2, cpus_per_node=2)        # two Ray nodes on this machine, two CPUs each
+ray.init(address=cluster.address, log_to_driver=False)
+first_look = RLConfig.from_flat(steps=2, prompts_per_step=8, num_generations=8, eval_every=0)
+alone = train(first_look, load_default_policy(progress=False)[0], tokenizer, progress=False)
+with Driver(first_look, make_placement("colocated"), load_default_policy(progress=False)[0], tokenizer,
+            rewards) as driver:
+    on_ray = driver.train(task.rows("train"), progress=False)
+    print("roles -> devices:", driver.where())
+for a, b in zip(alone, on_ray, strict=True):
+    print(f"step {a['step']}: reward {a['reward']:.4f} in one process, {b['reward']:.4f} from the Driver; "
+          f"loss {a['loss']:+.5f} / {b['loss']:+.5f}")
+
+# %% [markdown]
 # ## 1. Resource pools: which devices, on which nodes
 #
 # A pool says how many devices its roles need on each node it spans: `ResourcePool([2])` is
@@ -273,7 +301,13 @@ def probe(address: str, timeout: float = 5.0) -> None:
             "`ray start --head` and pass the address it prints (host:6379), or 'auto' on one of its nodes"
         ) from None
 
+# %% [markdown]
+# Starting Ray on a busy machine: the waits that are settings raised, Ray's workers at their
+# fair share of the CPU, and a failed start tried again after a backoff, with what it left
+# running cleaned up.
 
+# %%
+# | export minirl/controller/resource_pool.py
 # Ray's start-up settings, applied where the user set none. A raylet gives its dashboard agent 15 s to
 # write each of its port files (fixed in Ray 2.60) and its Python start takes longer than that on a
 # machine at load 15-20, so the start itself runs at a raised CPU priority where allowed (`started`).
@@ -338,7 +372,12 @@ def started(start, stop, what: str, attempts: int = 4, backoff: float = 2.0, boo
                         with contextlib.suppress(psutil.Error):
                             child.nice(old)
 
+# %% [markdown]
+# Joining: a local cluster of our own (address="local"), or the cluster at an address, probed
+# first; and Ray's multi-node test cluster on this machine.
 
+# %%
+# | export minirl/controller/resource_pool.py
 def connect(address: str | None = None, num_cpus: float = 2, timeout: float = 5.0, attempts: int = 4) -> str:
     """Join the Ray cluster at `address` ("auto", or "host:port"), or start a local one (num_cpus CPUs).
 
@@ -407,8 +446,7 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 
 from minirl.controller.resource_pool import (PlacementError, ResourcePool, cluster_nodes, local_cluster,  # noqa: E402
                                              plan_placement)
 
-cluster = local_cluster(num_nodes=2, cpus_per_node=2)        # two Ray nodes on this machine, two CPUs each
-ray.init(address=cluster.address, log_to_driver=False)
+# the cluster: the two-node one the first cell started (`local_cluster`, the next cells show how)
 paper = [{"CPU": 64, "GPU": 8}, {"CPU": 64, "GPU": 8}]
 pools = {"train": ResourcePool([4, 4], "gpu", 8), "rollout": ResourcePool([4], "gpu", 8),
          "reward": ResourcePool([1], "cpu", 4)}
@@ -1244,7 +1282,12 @@ class Placement:
                                             f"({', '.join(self.roles_on(pool, needed))})"
                                             for pool in pools if pool in self.pools)
 
+# %% [markdown]
+# Which roles a configuration needs, the --pools flag parsed, the three placements built, and a
+# placement checked against the configuration before anything starts.
 
+# %%
+# | export minirl/controller/placement.py
 def needed_roles(config) -> list[str]:
     """The roles a run of `config` uses: actor, rollout, reward; a reference with beta > 0; a critic for PPO."""
     roles = ["actor", "rollout", "reward"]
@@ -1430,7 +1473,12 @@ class ActorGroup:
         weights = ray.put(self.model.state_dict())
         self.group.run("restore", [("actor", weights, state)] * len(self.group))
 
+# %% [markdown]
+# The other roles' proxies: the reference and the critic (data-parallel like the actor), the
+# engines, and each reward function on its worker.
 
+# %%
+# | export minirl/controller/proxies.py
 class ReferenceGroup:
     def __init__(self, group):
         self.group = group
@@ -1557,9 +1605,15 @@ SYNCS = ("collective", "object_store")
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
+# %% [markdown]
+# Building a run's workers, in the order just described (check, plan, reserve, start, join the
+# world, set up the roles, build the proxies), and tearing them down.
 
-class Driver:
-    """The single controller: pools, workers, role proxies and a weight sync for one run."""
+# %%
+# | export minirl/controller/driver.py
+class DriverSetup:
+    """Pools, workers, the torch.distributed world, role proxies and a weight sync for one run (Driver's half
+    that builds and tears down; `Driver` adds the loop)."""
 
     def __init__(self, config, placement: Placement, model, tokenizer, reward_funcs, *, sync: str = "collective",
                  bucket_bytes: int = 32 << 20, threads: int = 1, name: str | None = None,
@@ -1633,6 +1687,48 @@ class Driver:
                           "object_store": ObjectStoreSync(actor, rollout)}
         self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
+    def where(self) -> dict[str, list[str]]:
+        """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
+        slots, devices = {}, {}
+        for group in self.groups.values():
+            for rank, info in enumerate(group.run("where", [()] * len(group))):
+                node = group.node_of[rank]
+                if info["device"] == "cpu":
+                    slots[node] = slots.get(node, -1) + 1
+                    devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
+                else:
+                    devices[group.name, rank] = f"node{node}/{info['device']}"
+        return {role: [devices[group.name, rank] for rank in range(len(group))]
+                for group in self.groups.values() for role in group.roles}
+
+    def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
+        """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
+        return {f"{group.name}[{rank}]": events for group in self.groups.values()
+                for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
+
+    def shutdown(self) -> None:
+        """Stop every worker and release every reservation (safe to call twice)."""
+        for group in getattr(self, "groups", {}).values():
+            group.shutdown()
+        release(getattr(self, "_reserved", []))
+        self.groups, self._reserved = {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+# %% [markdown]
+# The Driver's loop, on what `DriverSetup` built: stage 1's step, with the check for a dead
+# worker after it, and stage 1's run (`run_in_dir`) with that step.
+
+# %%
+# | export minirl/controller/driver.py
+class Driver(DriverSetup):
+    """The single controller: stage 1's step and run on the workers, proxies and sync that DriverSetup built."""
+
     def step(self, state: RunState) -> dict:
         """Stage 1's step (prompts, then rl_step). A worker that died during it stops the run with a
         WorkerDiedError, also when the step wrapped the failure (a reward function's error) or absorbed
@@ -1673,38 +1769,6 @@ class Driver:
                              extra_callbacks=extra_callbacks, stop_after=stop_after, run_info=info)
         self.roles.actor.model                                           # noqa: B018 -- refresh the driver's copy
         return records
-
-    def where(self) -> dict[str, list[str]]:
-        """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
-        slots, devices = {}, {}
-        for group in self.groups.values():
-            for rank, info in enumerate(group.run("where", [()] * len(group))):
-                node = group.node_of[rank]
-                if info["device"] == "cpu":
-                    slots[node] = slots.get(node, -1) + 1
-                    devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
-                else:
-                    devices[group.name, rank] = f"node{node}/{info['device']}"
-        return {role: [devices[group.name, rank] for rank in range(len(group))]
-                for group in self.groups.values() for role in group.roles}
-
-    def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
-        """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
-        return {f"{group.name}[{rank}]": events for group in self.groups.values()
-                for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
-
-    def shutdown(self) -> None:
-        """Stop every worker and release every reservation (safe to call twice)."""
-        for group in getattr(self, "groups", {}).values():
-            group.shutdown()
-        release(getattr(self, "_reserved", []))
-        self.groups, self._reserved = {}, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
 
 # %% [markdown]
 # The source's order and `rl_step`'s are the same cycle, cut at different places: the
@@ -1923,7 +1987,8 @@ print(f"object store / broadcast: {slow / fast:.1f}x the time; small buckets / l
 for name, result in runs.items():
     steps = [r for r in result["records"] if "time/sync" in r]
     share = sum(r["time/sync"] for r in steps) / sum(r["time/step"] for r in steps)
-    print(f"sync share of the step, {name}: {100 * share:.1f} %  (the source flags a sync above 5 % as slow)")
+    print(f"sync share of the step, {name}: {100 * share:.1f} %: {'above' if share > 0.05 else 'at or below'} the "
+          "source's 5 % threshold for a slow sync")
 
 # %% [markdown]
 # Both ways move the same bytes (the policy's float32 tensors); the table says which is
@@ -2062,30 +2127,41 @@ spmd_path = RUNS / "06_spmd.py"
 spmd_path.parent.mkdir(parents=True, exist_ok=True)
 spmd_path.write_text(SPMD)
 started = time.perf_counter()
-proc = torchrun(spmd_path, 2, [STEPS], timeout=600)
+RANKS = 2
+proc = torchrun(spmd_path, RANKS, [STEPS], timeout=600)
 assert proc.returncode == 0, proc.stdout[-3000:]
 spmd = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 spmd_seconds = time.perf_counter() - started
-styles = [
-    ("TRL", "single process", "train(config, model, tokenizer, task)", 1, reference["grpo"]),
-    ("NeMo-Aligner", "multiple controllers", "torchrun -> every rank: rl_step on its shard", 2, spmd),
-    ("veRL (HybridFlow)", "single controller", "Driver(config, disaggregated, ...).train(rows)",
-     1 + runs["disaggregated"]["workers"], runs["disaggregated"]["records"]),
-    ("OpenRLHF", "single controller, Ray actor per role", "Driver(config, per-role, ...).train(rows)",
-     1 + runs["per-role"]["workers"], runs["per-role"]["records"]),
-]
-print(f"{'framework':>17} | {'orchestration':>37} | {'minirl':>46} | processes | mean reward | s / step")
-for framework, style, code, processes, records in styles:
-    mean = sum(r["reward"] for r in records) / len(records)
+# the source's framework table (facts about other systems), beside the minirl run of each style
+SOURCE_STYLES = {"TRL": "single process", "NeMo-Aligner": "multiple controllers",
+                 "veRL (HybridFlow)": "single controller", "OpenRLHF": "single controller, Ray actor per role"}
+styles = [("TRL", "train(config, model, tokenizer)", 1, reference["grpo"])]
+styles.append(("NeMo-Aligner", f"torchrun x{RANKS} -> every rank: rl_step on its shard", RANKS, spmd))
+for framework, placement in (("veRL (HybridFlow)", "disaggregated"), ("OpenRLHF", "per-role")):
+    run_ = runs[placement]                 # the section-8 run of that placement, and its measured figures
+    styles.append((framework, f"Driver({run_['config'].algorithm.algo}, {placement!r}).train(rows)",
+                   1 + run_["workers"], run_["records"]))
+print(f"{'framework':>17} | {'orchestration':>37} | {'minirl run':>46} | processes | steps | mean reward | s / step")
+mean_reward = {}
+for framework, code, processes, records in styles:
+    mean_reward[framework] = sum(r["reward"] for r in records) / len(records)
     per_step = sum(r["time/step"] for r in records) / len(records)
-    print(f"{framework:>17} | {style:>37} | {code:>46} | {processes:9d} | {mean:11.3f} | {per_step:8.3f}")
+    print(f"{framework:>17} | {SOURCE_STYLES[framework]:>37} | {code:>46} | {processes:9d} | {len(records):5d} | "
+          f"{mean_reward[framework]:11.3f} | {per_step:8.3f}")
+all_ran = all(len(records) == STEPS for *_, records in styles)
+same_draws = ("TRL", "veRL (HybridFlow)", "OpenRLHF")          # one sampler, the same seeds: the same rewards
+spread = max(mean_reward[f] for f in same_draws) - min(mean_reward[f] for f in same_draws)
+print(f"row 8, the four orchestration styles: {'agree' if all_ran and spread < 1e-6 else 'DIFFER'} (all four ran "
+      f"{STEPS} steps: {all_ran}; mean reward of the single-process and single-controller runs spread by "
+      f"{spread:.1e}, rule: < 1e-6; the multiple-controller run samples other draws)")
 
 # %% [markdown]
-# Row 8 of the source, the four orchestration styles: **agree**, all four run, on one
-# algorithm. The mean rewards of the single-process run and of both single-controller runs
-# are the same numbers (section 8); the multiple-controller run differs, and should: its two
-# ranks each sample their half of the prompts from seeds of their own (notebook 04), so its
-# completions are other draws. Processes count the driver. The seconds per step
+# The last line is row 8's verdict, computed: all four styles run the one algorithm, and the
+# single-process run and both single-controller runs, which draw the same samples (section
+# 8), must end with the same mean reward. The multiple-controller run is left out of that
+# rule, and should be: its two ranks each sample their half of the prompts from seeds of
+# their own (notebook 04), so its completions are other draws. Processes count the driver
+# (the torchrun run has none: its ranks). The seconds per step
 # say little about the styles themselves at this size: the tiny policy makes every transfer
 # between processes a visible share of a step that takes a fraction of a second in one
 # process. What the styles change is who holds the loop (one process, every rank, or a driver)
@@ -2106,6 +2182,7 @@ for framework, style, code, processes, records in styles:
 import shutil  # noqa: E402
 
 from minirl.controller.worker_group import WorkerDiedError  # noqa: E402
+from minirl.tasks.rewards import reward_name  # noqa: E402
 from minirl.utils.io import read_jsonl  # noqa: E402
 
 crash = grpo.replace(checkpoint_every=2)                # section 8's GRPO run, with checkpoints
@@ -2122,8 +2199,8 @@ def reward_that_kills(kill_at: int):
         if len(calls) == kill_at:
             (out / "killed_at").write_text(str(time.time()))
             ray.kill(ray.get_runtime_context().current_actor)
-        return rewards[0](prompts, completions, answer=answer)
-    reward.__name__ = rewards[0].__name__       # the same metric name, rewards/<name>, as the runs it is compared with
+        return task.reward(prompts, completions, answer)
+    reward.__name__ = reward_name(rewards[0])          # the records' `rewards/<name>` as the other runs'
     return reward
 
 
@@ -2143,13 +2220,17 @@ uninterrupted = reference["grpo"]                     # section 8's single-proce
 print("step | reward, resumed run | reward, one uninterrupted process")
 for r, u in zip(resumed, uninterrupted, strict=True):
     print(f"{r['step']:4d} | {r['reward']:19.4f} | {u['reward']:.4f}")
-print("max |metric difference|:", max_difference(resumed, uninterrupted))
+gap = max_difference(resumed, uninterrupted)
+print(f"max |metric difference|: {gap:.2e}: {'the same records' if gap < 1e-4 else 'DIFFERENT records'} "
+      "(section 8's rule: < 1e-4)")
+assert gap < 1e-4, "a resumed run must repeat the uninterrupted one"
 
 # %% [markdown]
 # The death was reported within the time printed above, naming the worker; the two steps
 # before it were kept (their checkpoint), step 3 was neither logged nor saved, and the
-# resumed run continued from step 2 to the same records as an uninterrupted process:
-# nothing lost, nothing done twice.
+# resumed run continued from step 2; the last line compares its records with those of an
+# uninterrupted process (the assert holds it to the same records: nothing lost, nothing done
+# twice).
 #
 # Bad input fails before any worker starts (none is left behind either), naming the role, the
 # pool and the numbers:

@@ -71,6 +71,27 @@ task = make_task()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # %% [markdown]
+# ## The whole loop first
+#
+# The package's asynchronous runner, on the default long-tail workload (a calculator tool
+# whose latency has a long tail), twice: synchronously ($\eta = 0$: the producers make one
+# batch per version and the trainer waits for its slowest trajectory) and with the producers
+# allowed two versions ahead ($\eta = 2$). A few steps each, so the figures are a first look
+# (sections 7 to 9 measure properly); the rest of the notebook builds each piece it runs.
+
+# %%
+from minirl.asyncrl.runner import AsyncConfig, train_async
+
+first_look = RLConfig().replace(steps=2 if SMOKE else 8, prompts_per_step=4, num_generations=4, eval_every=0)
+for eta in (0, 2):
+    fresh, tok, _ = load_default_policy(progress=False)
+    result = train_async(first_look, AsyncConfig(max_staleness=eta), fresh, tok, task.rows("train"))
+    s = result.summary()
+    print(f"eta = {eta}: {s['steps']} steps in {s['seconds']:.1f} s, {s['trajectories_per_second']:.0f} "
+          f"trajectories/s, trainer idle {100 * s['trainer_idle_share']:.0f} % of the time, staleness at most "
+          f"{s['max_staleness_seen']}, reward per step {[round(r['reward'], 3) for r in result.records]}")
+
+# %% [markdown]
 # ## 1. Why a synchronous step waits
 #
 # In a synchronous step every rollout worker generates its share of the batch, then the
@@ -78,7 +99,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # starts. Whoever finishes early waits: the trainer waits for the slowest trajectory, and
 # each rollout worker waits for the slowest one and for the update. Given the trajectories'
 # durations and the update's time, the shares of that waiting follow by arithmetic (and they
-# are the third exercise).
+# are exercise 7.1).
 
 # %%
 # | export minirl/asyncrl/timeline.py
@@ -165,8 +186,7 @@ assert abs(example["trainer"] - 2.0 / 2.5) < 1e-9
 # counts as its oldest token's). The trainer at version $V$ may learn from a trajectory of
 # version $v$ only when $V - v \le \eta$, the **staleness bound**. A version newer than the
 # trainer's cannot happen in a correct system: it means the weight bookkeeping is broken, so
-# it is an error with a name, never a silently accepted batch. That rule is the first
-# exercise.
+# it is an error with a name, never a silently accepted batch. That rule is exercise 7.2.
 
 # %%
 # | export minirl/asyncrl/queue.py
@@ -263,7 +283,12 @@ class Trajectory:
         return dataclasses.replace(self, started=self.started + seconds, generated=self.generated + seconds,
                                    finished=self.finished + seconds)
 
+# %% [markdown]
+# The start gate: numbered tickets, at most (V + eta + 1) * B started for trainer version V, so
+# the producers can run at most eta versions ahead.
 
+# %%
+# | export minirl/asyncrl/queue.py
 class StartGate:
     """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V.
 
@@ -351,8 +376,47 @@ class StartGate:
             self.closed = True
             self._cond.notify_all()
 
+# %% [markdown]
+# What a checkpoint keeps of the queue (the module docstring says what and why), as a mixin the
+# queue in the next cell inherits: it is taken under the queue's lock, so each trajectory is
+# either saved or sampled again.
 
-class ExperienceQueue:
+# %%
+# | export minirl/asyncrl/queue.py
+class QueueCheckpoint:
+    """The checkpoint half of ExperienceQueue (a mixin: it reads the queue's lock, items, gate and counters)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
+        times relative to now), the gate's calls to sample again and its next ticket, the counters.
+
+        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
+        saved or sampled again, never both, never neither.
+        """
+        with self._cond:
+            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
+            again = {t for call in gate["again"] for t in call}
+            now = time.perf_counter()
+            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
+            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
+        now = time.perf_counter()
+        with self._cond:
+            self._items = deque(t.shifted(now) for t in state["queued"])
+            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
+            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
+                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
+            self._cond.notify_all()
+
+# %% [markdown]
+# The queue itself: put blocks while it is full and drops what is already too stale; get_batch
+# checks every trajectory again when the trainer takes it.
+
+# %%
+# | export minirl/asyncrl/queue.py
+class ExperienceQueue(QueueCheckpoint):
     """A bounded, thread-safe FIFO of Trajectory objects with staleness admission.
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
@@ -454,30 +518,6 @@ class ExperienceQueue:
                     "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
                     "queue/dropped": self.dropped, "queue/admitted": self.admitted}
 
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
-        times relative to now), the gate's calls to sample again and its next ticket, the counters.
-
-        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
-        saved or sampled again, never both, never neither.
-        """
-        with self._cond:
-            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
-            again = {t for call in gate["again"] for t in call}
-            now = time.perf_counter()
-            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
-            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
-        now = time.perf_counter()
-        with self._cond:
-            self._items = deque(t.shifted(now) for t in state["queued"])
-            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
-            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
-                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
-            self._cond.notify_all()
-
     def close(self) -> None:
         with self._cond:
             self.closed = True
@@ -522,7 +562,7 @@ except FutureVersionError as err:
 # interval $[0.8, 1.2]$ is PPO's clip of $u_t$ at $\epsilon = 0.2$, around the proximal
 # policy, and the behaviour weight is not clipped; AReaL's code optionally *drops* tokens whose
 # behaviour weight exceeds a cap (`behav_imp_weight_cap`) instead. Both are here: the
-# source's clipped weight (`clipped_token_weight`, the second exercise, and the default of
+# source's clipped weight (`clipped_token_weight`, exercise 7.3, and the default of
 # the `areal` correction), and AReaL's capped one (`capped_token_weight`, with
 # `areal_weight="cap"`). The trust region is the loss's own clip, `epsilon` = 0.2, in both.
 # Every correction reuses notebook 01's `policy_loss`: the proximal log-probs go in as
@@ -791,7 +831,12 @@ def calculator(expression: str, latency: Latency, rng: random.Random) -> int:
         raise ValueError(f"calculator: cannot evaluate {expression!r}; it takes 'a+b', 'a-b' or 'a*b'")
     return OPERATORS[match[2]](int(match[1]), int(match[3]))
 
+# %% [markdown]
+# The environments: the calculator tool as a multi-turn session, and any reward function
+# wrapped as a one-step environment.
 
+# %%
+# | export minirl/asyncrl/env.py
 class ArithmeticToolEnv:
     """The arithmetic task as an environment: the policy answers, the calculator tool checks.
 
@@ -853,7 +898,13 @@ class RewardEnv:
         self.scores = dict(zip(self.names, values))
         return None, total.item(), True
 
+# %% [markdown]
+# Running sessions: one session's loop with its checks (what the environment returns is
+# validated, a failure is scored 0 and named), and a batch of sessions on threads, each cut at
+# the timeout.
 
+# %%
+# | export minirl/asyncrl/env.py
 @dataclass
 class SessionResult:
     """What one session gave: its reward (0 on failure), turns, seconds, and the error's text if it failed."""
@@ -1060,7 +1111,13 @@ def trajectory_seed(seed: int, ticket: int) -> int:
 def pick_row(rows: list[dict], seed: int, ticket: int) -> dict:
     return rows[random.Random(trajectory_seed(seed, ticket)).randrange(len(rows))]
 
+# %% [markdown]
+# The producer: it samples a call's prompts with the latest published weights (between decoding
+# steps with in-flight updates), runs each completion's environment session and returns
+# versioned trajectories.
 
+# %%
+# | export minirl/asyncrl/producer.py
 class Producer:
     """One rollout worker: an engine, its environment, and the store it pulls weights from.
 
@@ -1156,7 +1213,12 @@ class Producer:
             t.join()
         return out
 
+# %% [markdown]
+# The producer's loop: take tickets at the gate, produce, queue the trajectories; a failure
+# closes the queue and goes to the trainer, which raises it.
 
+# %%
+# | export minirl/asyncrl/producer.py
 def _record(timeline, traj: Trajectory) -> None:
     if timeline is not None:
         timeline.add(traj.producer, "generate", traj.started, traj.generated)
@@ -1291,7 +1353,8 @@ and completions trained on at that moment. Without a directory the copies stay i
 with one (a run directory's `snapshots/`) each is written there atomically, so a resumed run
 keeps the earlier ones (those after the checkpoint it resumes from are deleted: the resumed
 run makes its own). `evaluate_snapshots` measures each afterwards; `time_to_accuracy` reads
-the wall time at which a target was reached.
+the wall time at which a target was reached, and `speedup_to_target` turns those times into
+one speedup (the rule of the benchmark and of notebook 07).
 
 Why after the run: evaluating in the trainer's thread would pause the trainer while the
 producers go on, and put the evaluation's seconds into the wall time that asynchrony is
@@ -1301,6 +1364,7 @@ meant to shorten.
 import copy
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1391,6 +1455,41 @@ def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> fl
             return trained[i]["wall"]
     return math.inf
 
+# %% [markdown]
+# One speedup from several runs: the benchmark (`benchmarks/async_vs_sync.py`) and section 9
+# below both read it with this function, so they apply the same rule: sync's time to the
+# target over a setting's (median over repeats), and the headline is the best setting among
+# those that reached the target in every repeat. A setting that missed the target even once is
+# not eligible; when none is eligible there is no headline speedup, and the function says so
+# (`None`) rather than printing a ratio with an infinite denominator.
+
+# %%
+# | export minirl/asyncrl/snapshots.py
+
+
+def speedup_to_target(sync_times: list[float], times: dict[str, list[float]],
+                      eligible=None) -> tuple[str | None, float, dict[str, float]]:
+    """The headline speedup of asynchronous RL: (best setting or None, its speedup or 0.0, every setting's).
+
+    sync_times[r]: the synchronous run's wall seconds to the target in repeat r (inf: it missed
+    its own target); times[name][r]: setting `name`'s in the same repeat (inf: missed). A
+    setting's speedup is the median, over the repeats in which sync reached the target, of
+    sync_times[r] / times[name][r] (0 in a repeat it missed). The headline is the highest
+    speedup among the settings in `eligible` (default: all) that reached the target in every
+    repeat; (None, 0.0, ...) when there is none, or when sync never reached its target.
+    """
+    reached = [r for r, t in enumerate(sync_times) if math.isfinite(t)]
+    for name, ts in times.items():
+        if len(ts) != len(sync_times):
+            raise ValueError(f"times[{name!r}] has {len(ts)} repeats, sync_times {len(sync_times)}: pass one time "
+                             "per repeat for every setting")
+    speedups = {name: statistics.median(sync_times[r] / ts[r] for r in reached) if reached else math.nan
+                for name, ts in times.items()}
+    ok = [name for name, ts in times.items() if reached and all(math.isfinite(t) for t in ts)
+          and (eligible is None or name in eligible)]
+    best = max(ok, key=speedups.__getitem__) if ok else None
+    return best, (speedups[best] if best else 0.0), speedups
+
 # %%
 # | export minirl/asyncrl/config.py
 SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
@@ -1413,7 +1512,7 @@ class AsyncConfig:
     env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
     max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
     in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
-    ray: bool = False                  # producers are Ray actors (needs a running Ray cluster: ray.init)
+    ray: bool = False                  # producers are Ray actors (needs a Ray cluster: resource_pool.connect)
     ray_actors: int = 2                # Ray actors sharing the producer slots
     snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
 
@@ -1528,7 +1627,12 @@ def check_resume_async(saved: dict | None, acfg: AsyncConfig) -> None:
                           f"with the run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a "
                           "new run")
 
+# %% [markdown]
+# The trainer's state: notebook 01's RunState plus the queue, the gate and the producers, with
+# what a checkpoint adds (the queue's state).
 
+# %%
+# | export minirl/asyncrl/runner.py
 @dataclass
 class AsyncState(RunState):
     """Stage 1's RunState with what stage 7 adds. engine: the WeightStore (what the trainer's sync pushes
@@ -1602,7 +1706,12 @@ def batch_health(trajectories: list[Trajectory], rollout, trainer_version: int) 
             "env/timeouts": sum(t.env_timeouts for t in trajectories),
             "env/errors": [e for t in trajectories for e in t.env_errors][:2]} | means
 
+# %% [markdown]
+# One trainer step: take a batch from the queue, run notebook 01's learn on it, publish the new
+# version.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def trainer_step(state: AsyncState) -> dict:
     """One trainer step: the next admissible batch from the queue, notebook 01's `learn` on it, the weights
     published as the next version."""
@@ -1633,7 +1742,12 @@ def trainer_step(state: AsyncState) -> dict:
             | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
             | state.queue.stats(end) | timer.times)
 
+# %% [markdown]
+# The producers as a run callback: their threads start with the run (after a resume has
+# restored the queue) and stop at its end.
 
+# %%
+# | export minirl/asyncrl/runner.py
 class Producers(Callback):
     """Starts the producers when the run starts (a resume has restored the queue by then), stops them at its end."""
 
@@ -1684,7 +1798,11 @@ class OnStep(Callback):
     def on_step(self, state, record):
         self.fn(record)
 
+# %% [markdown]
+# The result of a run, and train_async, which puts the pieces under notebook 01's run loop.
 
+# %%
+# | export minirl/asyncrl/runner.py
 @dataclass
 class AsyncResult:
     """A run's trainer records (one per step, a resumed run's earlier ones included), weight snapshots,
@@ -1739,8 +1857,8 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if acfg.ray:
         import ray  # noqa: PLC0415 (Ray only when asked)
         if not ray.is_initialized():
-            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call ray.init(num_cpus=2) (or "
-                               "minirl.controller.resource_pool.connect) first")
+            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.controller.resource_pool."
+                               "connect() first (a local cluster of its own: ray.init(address='local'))")
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
     state = setup_async(config, acfg, model, rows, batch_timeout)
@@ -1853,8 +1971,10 @@ assert same_records and same_weights
 #
 # The workload: the single-turn task, each completion checked by the calculator tool, whose
 # latency is lognormal with a median of 10 ms and $\sigma = 1.5$ (the default `AsyncConfig`):
-# the typical call is quick, one in a hundred takes about a third of a second, and a batch of
-# 128 completions nearly always holds one of those. Four producer threads sample four prompts
+# the typical call is quick, one in a hundred takes longer than about a third of a second
+# ($10\,\text{ms} \cdot e^{1.5 \cdot 2.33}$), and about three batches of 128 completions in
+# four hold such a call ($1 - 0.99^{128} \approx 0.72$; section 4 printed the slowest of 128's
+# median). Four producer threads sample four prompts
 # per engine call, so 16 groups are in flight at the start of a step. Everything else is the
 # chapter's defaults: 16 prompts × 8 completions per step, GRPO, learning rate $10^{-4}$.
 #
@@ -1907,9 +2027,10 @@ run_async("eta=2 in-flight", ASYNC_STEPS, max_staleness=2, in_flight=True)
 
 # %% [markdown]
 # The table: throughput, the trainer's idle share, how stale the batches were, and the wall
-# time each run took to reach the synchronous run's final held-out accuracy minus 3 points
-# (the issue's target; reached when two consecutive evaluations average that much), with that
-# time as a share of the synchronous run's. One run each, so
+# time each run took to reach the target, the synchronous run's final held-out accuracy minus
+# 3 points (reached when two consecutive evaluations average that much; `inf` when a run never
+# did), with that time as a share of the synchronous run's own time to the target, and the
+# speedup, its inverse. One run each, so
 # the accuracy columns are noisy (a 500-problem evaluation moves by a few points between
 # snapshots); `benchmarks/async_vs_sync.py` repeats sync and async interleaved and reports
 # medians.
@@ -1921,13 +2042,15 @@ sync_time = time_to_accuracy(sync.accuracy, target, window=2)
 print(f"target: sync's final accuracy {sync.accuracy[-1]['accuracy']:.3f} - 0.03 = {target:.3f}; sync's wall time "
       f"{sync.wall:.1f} s (it reached the target at {sync_time:.1f} s)\n")
 print(f"{'run':16s} {'traj/s':>7s} {'idle':>6s} {'stale':>6s} {'drop':>5s} {'final':>6s} {'to target':>10s} "
-      f"{'share of sync':>13s}")
+      f"{'share of sync':>13s} {'speedup':>8s}")
+REACH = {name: time_to_accuracy(result.accuracy, target, window=2) for name, result in RESULTS.items()}
 for name, result in RESULTS.items():
     s = result.summary()
-    reach = time_to_accuracy(result.accuracy, target, window=2)
     print(f"{name:16s} {s['trajectories_per_second']:7.0f} {100 * s['trainer_idle_share']:5.0f}% "
-          f"{s['mean_staleness']:6.2f} {s['dropped']:5d} {s['accuracy_after']:6.3f} {reach:9.1f}s "
-          f"{reach / sync.wall:13.2f}")
+          f"{s['mean_staleness']:6.2f} {s['dropped']:5d} {s['accuracy_after']:6.3f} {REACH[name]:9.1f}s "
+          f"{REACH[name] / sync_time:13.2f} {sync_time / REACH[name]:7.2f}x")
+print("share of sync: the run's time to target / sync's time to target; speedup: sync's / the run's (0 when the run "
+      "never reached the target)")
 for name, result in RESULTS.items():
     assert result.summary()["max_staleness_seen"] <= (0 if name.startswith("sync") else int(name[4])), name
 fastest = max(RESULTS[n].summary()["trajectories_per_second"] for n in RESULTS if not n.startswith("sync"))
@@ -1936,14 +2059,15 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 
 # %% [markdown]
 # What the table says: the synchronous trainer idles while it waits for each batch's slowest
-# tool call, and asynchrony turns that wait into throughput: more trajectories per second and
-# a lower idle share (the asserts above check both). The maximum staleness seen never exceeds
-# the bound. The `drop` column counts trajectories refused at admission: the slowest ones,
+# tool call, and asynchrony turns that wait into throughput: the fastest asynchronous run
+# produces more trajectories per second than the synchronous one, and the $\eta = 2$ run's
+# trainer idles less (the asserts above check both; the other rows vary from run to run). The
+# maximum staleness seen never exceeds the bound (asserted too). The `drop` column counts trajectories refused at admission: the slowest ones,
 # overtaken by more than $\eta$ updates while their tool call sat in the tail (in smoke mode,
 # with its short latencies, there may be none). The price is the accuracy a step buys.
 # How large that price is, and whether a correction pays it back, is what the learning curves
-# below show; on this tiny policy a single update moves the greedy answers a lot (its
-# held-out accuracy first dips in every run), so even one version of staleness is felt.
+# below show; on this tiny policy a single update moves the greedy answers a lot (compare
+# each run's first snapshots in the curves), so even one version of staleness can be felt.
 
 # %% [markdown]
 # ## 8. Who waits when, and learning curves
@@ -1972,29 +2096,44 @@ plot_learning_curves({name: RESULTS[name].accuracy for name in RESULTS}, target=
 plt.show()
 
 # %% [markdown]
-# Left, accuracy against wall time: the asynchronous runs cover more steps in the same time.
-# Right, against completions trained on: per sample, staleness can only cost, so this is where
-# its price shows (compare each curve with the synchronous one at the same number of samples). The corrections (areal, tis) reweight
+# Left, accuracy against wall time (the asynchronous runs were given more steps than the
+# synchronous one). Right, against completions trained on: per sample, staleness can only
+# cost, so this is where its price shows (compare each curve with the synchronous one at the
+# same number of samples). The corrections (areal, tis) reweight
 # tokens whose trainer probability moved away from the behaviour policy; with one update per
-# batch the PPO ratio is 1, so their effect is only through those weights, which stay near 1
-# at small $\eta$ (see `correction/weight_mean` in the records).
+# batch the PPO ratio is 1, so their effect is only through those weights
+# (`correction/weight_mean` in the records). Whether a correction changed the outcome is a
+# comparison with the uncorrected run at the same $\eta$, and the cell below makes it with a
+# stated rule: a difference in final held-out accuracy counts only beyond two standard errors
+# of the difference of two accuracies, each measured on the held-out problems (binomial
+# noise); one run each, so even a difference beyond that is one draw of the training noise
+# (`benchmarks/async_vs_sync.py --corrections none,areal,tis` repeats them).
 
 # %%
+import math
+
+held_out = len(task.test)
 for name in ("eta=2 areal", "eta=2 tis", "eta=4 areal", "eta=4 tis"):
     recs = RESULTS[name].records
     weights = [r["correction/weight_mean"] for r in recs]
+    acc = RESULTS[name].summary()["accuracy_after"]
+    plain = RESULTS[name.split()[0] + " none"].summary()["accuracy_after"]
+    noise = 2 * math.sqrt((acc * (1 - acc) + plain * (1 - plain)) / held_out)
+    verdict = ("within evaluation noise" if abs(acc - plain) <= noise else
+               f"{'higher' if acc > plain else 'lower'}, beyond evaluation noise (one run)")
     print(f"{name:12s} mean token weight {sum(weights) / len(weights):.4f} (min over steps {min(weights):.4f}, "
-          f"max {max(weights):.4f})")
+          f"max {max(weights):.4f}); final accuracy {acc:.3f} vs {plain:.3f} uncorrected: {acc - plain:+.3f} "
+          f"(noise +-{noise:.3f}): {verdict}")
 in_flight = RESULTS["eta=2 in-flight"].summary()
 print(f"in-flight run: {RESULTS['eta=2 in-flight'].switches} weight loads in the middle of a sequence, "
-      f"{in_flight['mixed_version_sequences']} trained sequences with mixed versions of {in_flight['trajectories']}; "
-      f"throughput {in_flight['trajectories_per_second'] / RESULTS['eta=2 none'].summary()['trajectories_per_second']:.2f}"
+      f"{in_flight['mixed_version_sequences']} trained sequences with mixed versions of {in_flight['trajectories']} "
+      f"({100 * in_flight['mixed_version_sequences'] / in_flight['trajectories']:.1f} %); throughput {in_flight['trajectories_per_second'] / RESULTS['eta=2 none'].summary()['trajectories_per_second']:.2f}"
       "x the eta=2 run's without in-flight updates")
 
 # %% [markdown]
-# The in-flight run switches weights in the middle of a sequence only for a small share of
-# its sequences (compare the count with the completions it trained on): ours are at most four
-# tokens, sampled in milliseconds, so a publish rarely lands inside one. What it costs is a
+# How many of its sequences the in-flight run switched weights in the middle of is the share
+# printed above; few can be: ours are at most four tokens, sampled in milliseconds, so a
+# publish has little time to land inside one. What it costs is a
 # look at the store before every forward pass: it runs the same shared-prefix loop as the
 # other runs, batching the prompts of a call, so its throughput differs from the run at the
 # same $\eta$ without it by that look and by run-to-run noise (the ratio printed above; one
@@ -2029,15 +2168,23 @@ print(f"synchronous trainer idle share: predicted from durations {sum(predicted)
 #
 # The source quotes AReaL's 2.77× (GRPO on a 671B MoE model, 1024 GPUs) and LlamaRL's 10.4×
 # (GRPO on Llama-3 70B, 4096+ GPUs) over their synchronous baselines. Ours is
-# measured the same way, as wall time to a target accuracy, on 2 CPU cores. The throughput
+# measured the same way, as wall time to a target accuracy, on 2 CPU cores, with the
+# benchmark's rule (`speedup_to_target`, above): sync's time to the target over the best
+# setting's, among the settings with $\eta \le 2$ that reached the target (here one repeat
+# each; the benchmark repeats). When none reached it there is no speedup to set beside the
+# published ones, and the cell says so. The throughput
 # ratio is the ceiling of the speedup (it would be the speedup if a stale sample were worth a
 # fresh one), and the ideal ratio is the ceiling of the throughput: a synchronous step's time
 # over the trainer's own busy time per step, what an asynchronous trainer that never waits
 # could reach.
 
 # %%
-eta2 = RESULTS["eta=2 none"]
-speedup = sync_time / time_to_accuracy(eta2.accuracy, target, window=2)
+from minirl.asyncrl.snapshots import speedup_to_target
+
+settings = [name for name in RESULTS if not name.startswith("sync")]
+best, speedup, _ = speedup_to_target([sync_time], {name: [REACH[name]] for name in settings},
+                                     eligible=[name for name in settings if int(name[4]) <= 2])
+eta2 = RESULTS[best or "eta=2 none"]         # the throughput figures: the headline setting's (eta=2 if none)
 throughput = eta2.summary()["trajectories_per_second"] / sync.summary()["trajectories_per_second"]
 sync_step = sum(r["time/step"] for r in sync.records) / len(sync.records)
 busy = sum(r["time/step"] - r["time/wait"] for r in eta2.records) / len(eta2.records)
@@ -2045,12 +2192,16 @@ ideal = sync_step / busy
 update_sync = sum(r["time/update"] for r in sync.records) / len(sync.records)
 update_async = sum(r["time/update"] for r in eta2.records) / len(eta2.records)
 why = "another regime: 2 shared CPU cores and a tool-latency tail here, GPU pools and long generations there"
-print(f"{'quantity':44s} {'source':>9s} {'minirl':>8s}  verdict")
+if best:
+    print(f"headline setting: {best} (the fastest to the target among the settings with eta <= 2 that reached it)")
+else:
+    print("no setting with eta <= 2 reached the target: no speedup to set beside the published ones (0.00x below)")
+print(f"{'quantity':44s} {'source':>9s} {'minirl':>8s}  verdict (close: within 25 % of the published figure)")
 for paper, published in (("AReaL", 2.77), ("LlamaRL", 10.4)):
     close = abs(speedup - published) < 0.25 * published
-    print(f"{'speedup to target, ' + paper:44s} {published:8.2f}x {speedup:7.2f}x  "
-          f"{'close, by coincidence' if close else 'differ'} ({why})")
-print(f"{'throughput ratio (trajectories/s)':44s} {'-':>9s} {throughput:7.2f}x")
+    verdict = "not measured" if best is None else f"{'close, by coincidence' if close else 'differ'} ({why})"
+    print(f"{'speedup to target, ' + paper:44s} {published:8.2f}x {speedup:7.2f}x  {verdict}")
+print(f"{'throughput ratio (trajectories/s), ' + (best or 'eta=2 none'):44s} {'-':>9s} {throughput:7.2f}x")
 print(f"{'ideal: sync step / async trainer busy time':44s} {'-':>9s} {ideal:7.2f}x")
 print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (sync), {update_async:.3f} beside "
       f"the producers (async)")
@@ -2073,8 +2224,8 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 # - **The staleness bound.** A larger $\eta$ removes more waiting but makes each sample less
 #   useful; on this policy, whose greedy answers move a lot with one update, stale samples can
 #   cost visibly, and then the wall-time speedup falls below the throughput ratio. AReaL's corrected
-#   objective is meant to let $\eta$ grow without that cost; at one update per batch its effect
-#   here is small.
+#   objective is meant to let $\eta$ grow without that cost; whether it did here, at one update
+#   per batch, is the verdict printed beside each correction in section 8 (one run each).
 
 # %% [markdown]
 # ## 10. The producers as Ray actors
@@ -2084,8 +2235,9 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 # the queue, the gate and the trainer, ships each new version to the object store once, and
 # each actor pulls it before its next trajectory. This is the one module of stage 7 that
 # imports Ray, and only a run that asks for it imports the module. The notebook runs this in
-# full mode only (a Ray cluster takes a while to start); `tests/test_asyncrl_ray.py` runs it in
-# CI.
+# full mode only (a Ray cluster takes a while to start), on a new local cluster of its own
+# (stage 6's `connect`, which starts Ray with `address="local"`: never a cluster someone else
+# runs on this machine); `tests/test_asyncrl_ray.py` runs it in CI.
 
 # %%
 # | export minirl/asyncrl/ray_producer.py
@@ -2187,7 +2339,9 @@ def stop_ray_producers(actors) -> None:
 if not SMOKE:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from minirl.controller.resource_pool import connect
+
+    print(connect(num_cpus=2))       # a new local cluster of our own (address="local"), never someone else's
     try:
         run_async("ray eta=2", 20, max_staleness=2, ray=True)
     finally:

@@ -15,7 +15,7 @@ from minirl.asyncrl.env import ArithmeticToolEnv, EnvError, Latency, calculator,
 from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import ExperienceQueue, FutureVersionError, StartGate, Trajectory, admit
 from minirl.asyncrl.runner import AsyncConfig, batch_of, train_async
-from minirl.asyncrl.snapshots import evaluate_snapshots, time_to_accuracy
+from minirl.asyncrl.snapshots import evaluate_snapshots, speedup_to_target, time_to_accuracy
 from minirl.asyncrl.timeline import sync_step_idle
 from minirl.config import AlgorithmConfig, RLConfig, SamplingConfig
 from minirl.data import Experience, Rollout
@@ -308,6 +308,23 @@ def test_runner_short_run_records_versions_queue_and_staleness(make_tiny_policy,
     points = ((0, 0.9), (1, 0.7), (2, 0.4), (3, 0.6), (4, 0.6))
     curve = [{"step": s, "wall": float(s), "accuracy": a} for s, a in points]
     assert time_to_accuracy(curve, 0.6) == 1.0 and time_to_accuracy(curve, 0.6, window=2) == 4.0
+
+
+def test_speedup_to_target_only_counts_settings_that_always_reached_the_target():
+    inf = math.inf
+    sync = [10.0, 12.0, 8.0]
+    times = {"fast but missed once": [2.0, inf, 2.0], "steady": [4.0, 4.0, 4.0], "slow": [20.0, 24.0, 16.0],
+             "eta=4": [1.0, 1.0, 1.0]}
+    best, speedup, every = speedup_to_target(sync, times, eligible=["fast but missed once", "steady", "slow"])
+    assert best == "steady" and speedup == 2.5 == every["steady"]          # median of 2.5, 3, 2
+    assert every["fast but missed once"] == 4.0 and every["slow"] == 0.5  # a missed repeat counts 0
+    assert speedup_to_target(sync, times)[0] == "eta=4"                    # eligible: every setting by default
+    # a repeat in which sync missed its own target is left out; no eligible setting: no headline, never 0/inf
+    assert speedup_to_target([inf, 12.0, 8.0], times)[2]["steady"] == 2.5
+    assert speedup_to_target([10.0], {"missed": [inf]})[:2] == (None, 0.0)
+    assert speedup_to_target([inf], {"steady": [5.0]})[:2] == (None, 0.0)
+    with pytest.raises(ValueError, match="repeats"):
+        speedup_to_target(sync, {"short": [1.0]})
 
 
 def test_runner_survives_a_broken_environment(make_tiny_policy):

@@ -132,3 +132,52 @@ def test_figures_show_inline_even_with_mplbackend_agg(monkeypatch):
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
     images = [o for o in nb.cells[1].get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"no figure in the cell's outputs: {nb.cells[1].get('outputs')}"
+
+
+def test_zero_argument_super_still_works_on_instances_made_before_an_edit(monkeypatch):
+    """An exception class whose __init__ calls super() (stage 6's WorkerDiedError): the class a module imported
+    before the edit still builds, and instances made before it still call their methods."""
+    import sys
+    import types
+
+    scratch = types.ModuleType("minirl_super_scratch")
+    monkeypatch.setitem(sys.modules, "minirl_super_scratch", scratch)
+    source = '''
+class Died(RuntimeError):
+    def __init__(self, what):
+        super().__init__(f"{what} {k}")
+
+    @property
+    def label(self):
+        return super().__str__() + " {k}"
+'''
+    apply_cell(source.replace("{k}", "1"), "minirl_super_scratch")
+    Early = scratch.Died                                    # `from module import Died` before the edit
+    before = Early("worker")
+    apply_cell(source.replace("{k}", "2"), "minirl_super_scratch")
+    assert str(Early("worker")) == "worker 2" and str(scratch.Died("rank")) == "rank 2"
+    assert before.label == "worker 1 2"
+
+
+def test_a_class_with_slots_keeps_working_after_an_edit(monkeypatch):
+    """A class with __slots__ (notebook 05's radix Node): instances made before an edit still read their slots,
+    and new instances get the edited methods (moving the new class's slot descriptors across would break both)."""
+    import sys
+    import types
+
+    scratch = types.ModuleType("minirl_live_slots")
+    monkeypatch.setitem(sys.modules, "minirl_live_slots", scratch)
+    source = (
+        "class Node:\n"
+        "    __slots__ = ('parent', 'size')\n"
+        "    def __init__(self, parent=None):\n"
+        "        self.parent, self.size = parent, 0\n"
+        "    def depth(self):\n"
+        "        return {k} + (0 if self.parent is None else self.parent.depth())\n")
+    apply_cell(source.format(k=1), "minirl_live_slots")
+    Node = scratch.Node
+    root = Node()
+    apply_cell(source.format(k=10), "minirl_live_slots")
+    child = Node(root)
+    assert scratch.Node is Node and root.parent is None and child.parent is root
+    assert child.depth() == 20, "both the old and the new instance run the edited method"

@@ -26,7 +26,8 @@ Simplified vs AReaL and LlamaRL: one process holds the queue (Ray producers ship
 trajectories to it); no priority by age, no training on partial batches.
 """
 
-__all__ = ["FutureVersionError", "admit", "Trajectory", "StartGate", "ExperienceQueue"]
+__all__ = ["FutureVersionError", "admit", "Trajectory", "StartGate", "QueueCheckpoint",
+           "ExperienceQueue"]
 
 import dataclasses
 import threading
@@ -181,7 +182,35 @@ class StartGate:
             self._cond.notify_all()
 
 
-class ExperienceQueue:
+class QueueCheckpoint:
+    """The checkpoint half of ExperienceQueue (a mixin: it reads the queue's lock, items, gate and counters)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
+        times relative to now), the gate's calls to sample again and its next ticket, the counters.
+
+        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
+        saved or sampled again, never both, never neither.
+        """
+        with self._cond:
+            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
+            again = {t for call in gate["again"] for t in call}
+            now = time.perf_counter()
+            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
+            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
+        now = time.perf_counter()
+        with self._cond:
+            self._items = deque(t.shifted(now) for t in state["queued"])
+            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
+            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
+                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
+            self._cond.notify_all()
+
+
+class ExperienceQueue(QueueCheckpoint):
     """A bounded, thread-safe FIFO of Trajectory objects with staleness admission.
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
@@ -282,30 +311,6 @@ class ExperienceQueue:
             return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
                     "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
                     "queue/dropped": self.dropped, "queue/admitted": self.admitted}
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their
-        times relative to now), the gate's calls to sample again and its next ticket, the counters.
-
-        Taken while the queue is locked, so no producer queues meanwhile: each trajectory is either
-        saved or sampled again, never both, never neither.
-        """
-        with self._cond:
-            gate = self.gate.checkpoint() if self.gate is not None else {"again": [], "next_ticket": 0}
-            again = {t for call in gate["again"] for t in call}
-            now = time.perf_counter()
-            queued = [t.shifted(-now) for t in self._items if t.ticket not in again]
-            return {"queued": queued, "gate": gate, "admitted": self.admitted, "dropped": self.dropped}
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        """Continue from a checkpoint's `state_dict` with the trainer at `version`, before any producer starts."""
-        now = time.perf_counter()
-        with self._cond:
-            self._items = deque(t.shifted(now) for t in state["queued"])
-            self.admitted, self.dropped, self.trainer_version = state["admitted"], state["dropped"], version
-            if self.gate is not None:                 # started: trained + queued (what is in flight starts again)
-                self.gate.restore(state["gate"], self.admitted + len(self._items), version)
-            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

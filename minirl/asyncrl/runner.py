@@ -299,8 +299,8 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if acfg.ray:
         import ray  # noqa: PLC0415 (Ray only when asked)
         if not ray.is_initialized():
-            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call ray.init(num_cpus=2) (or "
-                               "minirl.controller.resource_pool.connect) first")
+            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.controller.resource_pool."
+                               "connect() first (a local cluster of its own: ray.init(address='local'))")
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
     state = setup_async(config, acfg, model, rows, batch_timeout)

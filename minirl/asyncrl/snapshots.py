@@ -7,18 +7,20 @@ and completions trained on at that moment. Without a directory the copies stay i
 with one (a run directory's `snapshots/`) each is written there atomically, so a resumed run
 keeps the earlier ones (those after the checkpoint it resumes from are deleted: the resumed
 run makes its own). `evaluate_snapshots` measures each afterwards; `time_to_accuracy` reads
-the wall time at which a target was reached.
+the wall time at which a target was reached, and `speedup_to_target` turns those times into
+one speedup (the rule of the benchmark and of notebook 07).
 
 Why after the run: evaluating in the trainer's thread would pause the trainer while the
 producers go on, and put the evaluation's seconds into the wall time that asynchrony is
 meant to shorten.
 """
 
-__all__ = ["Snapshot", "Snapshots", "evaluate_snapshots", "time_to_accuracy"]
+__all__ = ["Snapshot", "Snapshots", "evaluate_snapshots", "time_to_accuracy", "speedup_to_target"]
 
 import copy
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,3 +110,27 @@ def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> fl
         if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
             return trained[i]["wall"]
     return math.inf
+
+
+def speedup_to_target(sync_times: list[float], times: dict[str, list[float]],
+                      eligible=None) -> tuple[str | None, float, dict[str, float]]:
+    """The headline speedup of asynchronous RL: (best setting or None, its speedup or 0.0, every setting's).
+
+    sync_times[r]: the synchronous run's wall seconds to the target in repeat r (inf: it missed
+    its own target); times[name][r]: setting `name`'s in the same repeat (inf: missed). A
+    setting's speedup is the median, over the repeats in which sync reached the target, of
+    sync_times[r] / times[name][r] (0 in a repeat it missed). The headline is the highest
+    speedup among the settings in `eligible` (default: all) that reached the target in every
+    repeat; (None, 0.0, ...) when there is none, or when sync never reached its target.
+    """
+    reached = [r for r, t in enumerate(sync_times) if math.isfinite(t)]
+    for name, ts in times.items():
+        if len(ts) != len(sync_times):
+            raise ValueError(f"times[{name!r}] has {len(ts)} repeats, sync_times {len(sync_times)}: pass one time "
+                             "per repeat for every setting")
+    speedups = {name: statistics.median(sync_times[r] / ts[r] for r in reached) if reached else math.nan
+                for name, ts in times.items()}
+    ok = [name for name, ts in times.items() if reached and all(math.isfinite(t) for t in ts)
+          and (eligible is None or name in eligible)]
+    best = max(ok, key=speedups.__getitem__) if ok else None
+    return best, (speedups[best] if best else 0.0), speedups

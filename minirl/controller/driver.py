@@ -22,7 +22,8 @@ Simplified vs veRL's RayPPOTrainer: batches pass through the driver (veRL too, a
 `DataProto`); no tensor or pipeline parallelism inside a role; one world for all workers.
 """
 
-__all__ = ["SYNCS", "MODEL_ROLES", "SOURCE_ORDER", "Driver", "driver_cycles", "stage_shares"]
+__all__ = ["SYNCS", "MODEL_ROLES", "SOURCE_ORDER", "DriverSetup", "Driver", "driver_cycles",
+           "stage_shares"]
 
 import uuid
 
@@ -46,8 +47,9 @@ MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose wor
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
 
-class Driver:
-    """The single controller: pools, workers, role proxies and a weight sync for one run."""
+class DriverSetup:
+    """Pools, workers, the torch.distributed world, role proxies and a weight sync for one run (Driver's half
+    that builds and tears down; `Driver` adds the loop)."""
 
     def __init__(self, config, placement: Placement, model, tokenizer, reward_funcs, *, sync: str = "collective",
                  bucket_bytes: int = 32 << 20, threads: int = 1, name: str | None = None,
@@ -121,6 +123,42 @@ class Driver:
                           "object_store": ObjectStoreSync(actor, rollout)}
         self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
+    def where(self) -> dict[str, list[str]]:
+        """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
+        slots, devices = {}, {}
+        for group in self.groups.values():
+            for rank, info in enumerate(group.run("where", [()] * len(group))):
+                node = group.node_of[rank]
+                if info["device"] == "cpu":
+                    slots[node] = slots.get(node, -1) + 1
+                    devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
+                else:
+                    devices[group.name, rank] = f"node{node}/{info['device']}"
+        return {role: [devices[group.name, rank] for rank in range(len(group))]
+                for group in self.groups.values() for role in group.roles}
+
+    def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
+        """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
+        return {f"{group.name}[{rank}]": events for group in self.groups.values()
+                for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
+
+    def shutdown(self) -> None:
+        """Stop every worker and release every reservation (safe to call twice)."""
+        for group in getattr(self, "groups", {}).values():
+            group.shutdown()
+        release(getattr(self, "_reserved", []))
+        self.groups, self._reserved = {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+class Driver(DriverSetup):
+    """The single controller: stage 1's step and run on the workers, proxies and sync that DriverSetup built."""
+
     def step(self, state: RunState) -> dict:
         """Stage 1's step (prompts, then rl_step). A worker that died during it stops the run with a
         WorkerDiedError, also when the step wrapped the failure (a reward function's error) or absorbed
@@ -161,38 +199,6 @@ class Driver:
                              extra_callbacks=extra_callbacks, stop_after=stop_after, run_info=info)
         self.roles.actor.model                                           # noqa: B018 -- refresh the driver's copy
         return records
-
-    def where(self) -> dict[str, list[str]]:
-        """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
-        slots, devices = {}, {}
-        for group in self.groups.values():
-            for rank, info in enumerate(group.run("where", [()] * len(group))):
-                node = group.node_of[rank]
-                if info["device"] == "cpu":
-                    slots[node] = slots.get(node, -1) + 1
-                    devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
-                else:
-                    devices[group.name, rank] = f"node{node}/{info['device']}"
-        return {role: [devices[group.name, rank] for rank in range(len(group))]
-                for group in self.groups.values() for role in group.roles}
-
-    def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
-        """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
-        return {f"{group.name}[{rank}]": events for group in self.groups.values()
-                for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
-
-    def shutdown(self) -> None:
-        """Stop every worker and release every reservation (safe to call twice)."""
-        for group in getattr(self, "groups", {}).values():
-            group.shutdown()
-        release(getattr(self, "_reserved", []))
-        self.groups, self._reserved = {}, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
 
 
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:

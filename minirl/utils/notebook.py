@@ -59,14 +59,27 @@ def patch_function(old: types.FunctionType, new: types.FunctionType) -> bool:
 SLOT_TYPES = (types.MemberDescriptorType, types.GetSetDescriptorType)
 
 
+def _functions_of(value) -> list:
+    """The plain functions inside a class attribute: itself, a classmethod's or staticmethod's, a property's."""
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+    value = getattr(value, "__func__", value)
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
 def patch_class(old: type, new: type) -> None:
-    """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow."""
-    for value in vars(new).values():                 # zero-argument super() reads the `__class__` cell:
-        code = getattr(value, "__code__", None)      # make it the class the instances belong to
-        if code is not None and "__class__" in code.co_freevars and value.__closure__:
-            cell = value.__closure__[code.co_freevars.index("__class__")]
-            if cell.cell_contents is new:
-                cell.cell_contents = old
+    """Give the class `old` the attributes of `new` in place, its methods patched so bound copies follow.
+
+    A method's `__class__` cell (what zero-argument `super()` reads) is pointed at `old` first: the
+    instances that exist are `old`'s, and `super(new, instance)` would raise TypeError for them."""
+    for value in vars(new).values():
+        for func in _functions_of(value):
+            for cell in func.__closure__ or ():
+                try:
+                    if cell.cell_contents is new:
+                        cell.cell_contents = old
+                except ValueError:                   # an empty cell
+                    pass
     for name, value in vars(new).items():
         if name in ("__dict__", "__weakref__", "__slots__") or isinstance(value, SLOT_TYPES):
             continue                         # a slot's descriptor only reads the instances of its own class
