@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     names = [f"eta={e} {c}" for e, c in settings]
     key, speedup, _ = speedup_to_target([r["to_target"] for r in rows if r["setting"] == "sync"],
                                         {n: [r["to_target"] for r in rows if r["setting"] == n] for n in names},
-                                        eligible=[n for n, (e, _) in zip(names, settings) if e <= 2])
-    eligible = [n for n, (e, _) in zip(names, settings) if e <= 2 and table[n]["reached"] == args.repeats
+                                        eligible=[n for n, (e, _) in zip(names, settings, strict=True) if e <= 2])
+    eligible = [n for n, (e, _) in zip(names, settings, strict=True) if e <= 2 and table[n]["reached"] == args.repeats
                 and sync_reached]                              # the settings speedup_to_target chose among
     best = table[key]["share_of_sync"] if key else math.inf
     held = best <= 2 / 3

@@ -443,8 +443,7 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 
 # cluster fails before anything starts, with the numbers.
 
 # %%
-from minirl.controller.resource_pool import (PlacementError, ResourcePool, cluster_nodes, local_cluster,  # noqa: E402
-                                             plan_placement)
+from minirl.controller.resource_pool import PlacementError, ResourcePool, cluster_nodes, local_cluster, plan_placement  # noqa: E402
 
 # the cluster: the two-node one the first cell started (`local_cluster`, the next cells show how)
 paper = [{"CPU": 64, "GPU": 8}, {"CPU": 64, "GPU": 8}]
@@ -716,7 +715,8 @@ class WorkerGroup:
         self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
-        slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
+        slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes, strict=True)
+                 for i in range(pg.bundle_count)]
         self.node_of = [node for _, _, node in slots]
         self.workers = [
             remote.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
@@ -785,8 +785,7 @@ def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> 
 # %%
 from minirl.controller.resource_pool import release, reserve  # noqa: E402
 from minirl.controller.worker import Worker  # noqa: E402
-from minirl.controller.worker_group import (DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, WorkerGroup,  # noqa: E402
-                                            split_by_rank)
+from minirl.controller.worker_group import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, WorkerGroup, split_by_rank  # noqa: E402
 
 
 class SumWorker(Worker):
@@ -1127,7 +1126,7 @@ def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None, device="
     for bucket in buckets:
         flat = torch.empty(sum(meta.numel for meta in bucket), dtype=bucket[0].dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
-        for meta, piece in zip(bucket, flat.split([meta.numel for meta in bucket])):
+        for meta, piece in zip(bucket, flat.split([meta.numel for meta in bucket]), strict=True):
             named.append((meta.name, piece.view(meta.shape)))
     return named
 
@@ -1847,7 +1846,7 @@ def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], p
     t0 = min(starts) if starts else 0.0
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.45 * len(timelines)))
     seen = set()
-    for row, (worker, events) in enumerate(timelines.items()):
+    for row, events in enumerate(timelines.values()):
         for what, start, end in events:
             role = what.split(".")[0]
             ax.barh(row, max(end - start, 1e-4), left=start - t0, height=0.6, color=ROLE_COLORS.get(role, "black"),

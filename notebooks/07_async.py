@@ -728,8 +728,8 @@ class Correction:
 # keeps 0.368 as it is; truncated IS at its cap of 2 keeps both as they are.
 
 # %%
-from minirl.asyncrl.corrections import capped_token_weight, clipped_token_weight
 from minirl.algo.corrections import importance_sampling_weights
+from minirl.asyncrl.corrections import capped_token_weight, clipped_token_weight
 
 current = torch.tensor([[-1.0, -2.0, -0.3]])
 behaviour = torch.tensor([[-1.5, -1.0, -0.4]])
@@ -740,6 +740,7 @@ rows = {"source: clip to [0.8, 1.2]": clipped_token_weight(current, behaviour, m
 for name, w in rows.items():
     print(f"{name:30s}", [round(x, 4) for x in w[0].tolist()])
 import math
+
 assert torch.allclose(rows["source: clip to [0.8, 1.2]"], torch.tensor([[1.2, 0.8, 0.0]]))
 assert torch.allclose(rows["AReaL code: cap 1.2 (drop)"], torch.tensor([[0.0, math.exp(-1.0), 0.0]]))
 
@@ -889,13 +890,13 @@ class RewardEnv:
     def step(self, action: str) -> tuple[None, float, bool]:
         columns = {k: [v] for k, v in self.row.items() if k != "prompt"}
         values = []
-        for func, name in zip(self.funcs, self.names):
+        for func, name in zip(self.funcs, self.names, strict=True):
             out = list(func(prompts=[self.row["prompt"]], completions=[action], **columns))
             if len(out) != 1 or isinstance(out[0], (str, bytes)):
                 raise EnvError(f"reward function {name} returned {out!r} for one completion; return one float")
             values.append(float(out[0]))
         total, _ = combine_rewards(torch.tensor([values], dtype=torch.float64), self.weights, self.names)
-        self.scores = dict(zip(self.names, values))
+        self.scores = dict(zip(self.names, values, strict=True))
         return None, total.item(), True
 
 # %% [markdown]
@@ -939,7 +940,7 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
     if not isinstance(observation, str):
         raise EnvError(f"reset returned {observation!r}; the first observation must be a string (the prompt)")
     reward, turn = 0.0, 0
-    for turn in range(1, max_turns + 1):
+    for turn in range(1, max_turns + 1):  # noqa: B007 (the turn it stopped at is read after the loop)
         observation, reward, done = check_step(env.step(action))
         if done:
             break
@@ -1183,7 +1184,7 @@ class Producer:
         with self.lock:
             parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
         generated = time.perf_counter()
-        return [(row, part, started, generated) for row, part in zip(rows, parts)]
+        return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
 
     def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
               ticket: int = -1) -> Trajectory:
@@ -1256,7 +1257,7 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
             picked = [pick_row(rows, seed, t) for t in tickets]
             seeds = [trajectory_seed(seed, t) for t in tickets]
             if isinstance(producer, Producer):
-                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets):
+                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets, strict=True):
                     threading.Thread(target=finish, args=(item, seed_, ticket), daemon=True).start()
             else:
                 for traj in producer.produce(picked, seeds, tickets):
@@ -1599,6 +1600,7 @@ from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError
 
+
 def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
     """The checks across the two configs, before anything is built: ConfigError naming the setting."""
     check_correction(acfg.correction, config.algorithm)
@@ -1887,7 +1889,7 @@ COLORS = {"generate": "tab:orange", "environment": "tab:gray", "train": "tab:blu
 def plot_timelines(panels: dict[str, dict[str, list[tuple[str, float, float]]]], path=None, max_rows: int = 6):
     """One panel per run ({title: Timeline.window(...)}), a row per worker, bars colored by activity."""
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.6 * len(panels)), squeeze=False)
-    for ax, (title, rows) in zip(axes[:, 0], panels.items()):
+    for ax, (title, rows) in zip(axes[:, 0], panels.items(), strict=True):
         names = ["trainer"] + [w for w in rows if w != "trainer"][:max_rows - 1]
         t0 = min((s for w in names for _, s, _ in rows.get(w, [])), default=0.0)
         seen = set()
@@ -1961,7 +1963,7 @@ print(f"checkpoint at step 2: queued tickets {[t.ticket for t in queue_state['qu
 resumed, resumed_model = resume_run("crashed", resume=True)
 same_records = [(r["reward"], r["loss"]) for r in resumed.records] == [(r["reward"], r["loss"]) for r in straight.records]
 same_weights = all(torch.equal(a, b) for a, b in zip(straight_model.state_dict().values(),
-                                                       resumed_model.state_dict().values()))
+                                                       resumed_model.state_dict().values(), strict=True))
 print(f"resumed run: steps {[r['step'] for r in resumed.records]}; rewards and losses equal to the uninterrupted "
       f"run's: {same_records}; final weights equal: {same_weights}")
 assert same_records and same_weights
@@ -2356,9 +2358,8 @@ if not SMOKE:
 import dataclasses
 
 from minirl.asyncrl.queue import ExperienceQueue
-from minirl.utils.validate import ConfigError
-
 from minirl.asyncrl.runner import check_async
+from minirl.utils.validate import ConfigError
 
 for attempt in (lambda: AsyncConfig(max_staleness=-1), lambda: AsyncConfig(correction="vtrace"),
                 lambda: ExperienceQueue(capacity=8, batch_size=16, max_staleness=1),

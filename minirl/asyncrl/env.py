@@ -116,13 +116,13 @@ class RewardEnv:
     def step(self, action: str) -> tuple[None, float, bool]:
         columns = {k: [v] for k, v in self.row.items() if k != "prompt"}
         values = []
-        for func, name in zip(self.funcs, self.names):
+        for func, name in zip(self.funcs, self.names, strict=True):
             out = list(func(prompts=[self.row["prompt"]], completions=[action], **columns))
             if len(out) != 1 or isinstance(out[0], (str, bytes)):
                 raise EnvError(f"reward function {name} returned {out!r} for one completion; return one float")
             values.append(float(out[0]))
         total, _ = combine_rewards(torch.tensor([values], dtype=torch.float64), self.weights, self.names)
-        self.scores = dict(zip(self.names, values))
+        self.scores = dict(zip(self.names, values, strict=True))
         return None, total.item(), True
 
 
@@ -160,7 +160,7 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
     if not isinstance(observation, str):
         raise EnvError(f"reset returned {observation!r}; the first observation must be a string (the prompt)")
     reward, turn = 0.0, 0
-    for turn in range(1, max_turns + 1):
+    for turn in range(1, max_turns + 1):  # noqa: B007 (the turn it stopped at is read after the loop)
         observation, reward, done = check_step(env.step(action))
         if done:
             break

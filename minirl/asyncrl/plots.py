@@ -11,7 +11,7 @@ COLORS = {"generate": "tab:orange", "environment": "tab:gray", "train": "tab:blu
 def plot_timelines(panels: dict[str, dict[str, list[tuple[str, float, float]]]], path=None, max_rows: int = 6):
     """One panel per run ({title: Timeline.window(...)}), a row per worker, bars colored by activity."""
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.6 * len(panels)), squeeze=False)
-    for ax, (title, rows) in zip(axes[:, 0], panels.items()):
+    for ax, (title, rows) in zip(axes[:, 0], panels.items(), strict=True):
         names = ["trainer"] + [w for w in rows if w != "trainer"][:max_rows - 1]
         t0 = min((s for w in names for _, s, _ in rows.get(w, [])), default=0.0)
         seen = set()

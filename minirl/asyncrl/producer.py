@@ -134,7 +134,7 @@ class Producer:
         with self.lock:
             parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
         generated = time.perf_counter()
-        return [(row, part, started, generated) for row, part in zip(rows, parts)]
+        return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
 
     def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
               ticket: int = -1) -> Trajectory:
@@ -202,7 +202,7 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
             picked = [pick_row(rows, seed, t) for t in tickets]
             seeds = [trajectory_seed(seed, t) for t in tickets]
             if isinstance(producer, Producer):
-                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets):
+                for item, seed_, ticket in zip(producer.generate(picked, seeds[0]), seeds, tickets, strict=True):
                     threading.Thread(target=finish, args=(item, seed_, ticket), daemon=True).start()
             else:
                 for traj in producer.produce(picked, seeds, tickets):

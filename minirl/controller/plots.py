@@ -24,7 +24,7 @@ def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], p
     t0 = min(starts) if starts else 0.0
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.45 * len(timelines)))
     seen = set()
-    for row, (worker, events) in enumerate(timelines.items()):
+    for row, events in enumerate(timelines.values()):
         for what, start, end in events:
             role = what.split(".")[0]
             ax.barh(row, max(end - start, 1e-4), left=start - t0, height=0.6, color=ROLE_COLORS.get(role, "black"),

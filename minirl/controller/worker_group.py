@@ -125,7 +125,8 @@ class WorkerGroup:
         self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its WorkerDiedError
         remote = ray.remote(worker_cls)
         bundle = pool.bundle()
-        slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes) for i in range(pg.bundle_count)]
+        slots = [(pg, i, node) for pg, node in zip(placement_groups, self.nodes, strict=True)
+                 for i in range(pg.bundle_count)]
         self.node_of = [node for _, _, node in slots]
         self.workers = [
             remote.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,

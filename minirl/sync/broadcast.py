@@ -85,6 +85,6 @@ def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None, device="
     for bucket in buckets:
         flat = torch.empty(sum(meta.numel for meta in bucket), dtype=bucket[0].dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
-        for meta, piece in zip(bucket, flat.split([meta.numel for meta in bucket])):
+        for meta, piece in zip(bucket, flat.split([meta.numel for meta in bucket]), strict=True):
             named.append((meta.name, piece.view(meta.shape)))
     return named
