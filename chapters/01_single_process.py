@@ -42,6 +42,7 @@ from minirl.config import RLConfig
 from minirl.train.cli import (
     TASK_FLAGS,
     add_task_flags,
+    check_task_prompts,
     resolve_task_paths,
     restore_task_flags,
     saved_task,
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     import torch
 
     from minirl.models.loading import ModelSourceError, load_policy
-    from minirl.models.policy import PromptError, check_prompts
+    from minirl.models.policy import PromptError
     from minirl.train.checkpoint import latest_checkpoint
     from minirl.train.plots import plot_metrics
     from minirl.train.run import RunStopped, train
@@ -112,15 +113,11 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
-    context = getattr(model.config, "max_position_embeddings", None)
-    for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
-                            ("eval_dataset", task.test, max_new_tokens)):
-        try:
-            if rows:
-                check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
-        except PromptError as err:
-            print(f"error: {flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}", file=sys.stderr)
-            return 2
+    try:
+        check_task_prompts(task, tokenizer, model, config, args)
+    except PromptError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out = args.out
     started = time.perf_counter()
     run_info = {"model": args.model, "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings}

@@ -54,6 +54,7 @@ from minirl.train.cli import (
     TASK_FLAGS,
     add_task_flags,
     check_run_flags,
+    check_task_prompts,
     out_problem,
     resolve_task_paths,
     restore_task_flags,
@@ -381,7 +382,6 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
     from minirl.memory.tracking import MemoryTracker  # noqa: PLC0415
     from minirl.models.loading import load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415
     from minirl.parallel.checkpoint import ShardedCheckpoints  # noqa: PLC0415
     from minirl.parallel.launch import agree  # noqa: PLC0415
     from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table  # noqa: PLC0415
@@ -398,17 +398,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     model, tokenizer = loaded
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
 
-    def check_task_prompts():                  # unknown characters, too long for the model: named, on every rank
-        context = getattr(model.config, "max_position_embeddings", None)
-        for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
-                                ("eval_dataset", task.test, max_new_tokens)):
-            try:
-                if rows:
-                    check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
-            except PromptError as err:
-                raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
-
-    agree("checking the prompts", check_task_prompts)
+    # unknown characters, too long for the model: named, on every rank
+    agree("checking the prompts", lambda: check_task_prompts(task, tokenizer, model, config, args))
     state = agree("setting up the roles, the engine and the sync",
                   lambda: setup_spmd(config, pconfig, model, tokenizer, task.train, task.reward_funcs, ctx,
                                      task.reward_weights))

@@ -42,6 +42,7 @@ from minirl.config import RLConfig
 from minirl.train.cli import (
     add_task_flags,
     check_run_flags,
+    check_task_prompts,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
     from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415
+    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.train.run import Callback, RunStopped  # noqa: PLC0415
     from minirl.utils.io import atomic_write_json, write_summary  # noqa: PLC0415
     from minirl.utils.rundir import RunDirError  # noqa: PLC0415
@@ -172,14 +173,7 @@ def main(argv=None) -> int:
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
     try:
         model, tokenizer = load_policy(args.model, "cpu", progress=False)     # the driver's copy stays on the CPU
-        context = getattr(model.config, "max_position_embeddings", None)
-        for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
-                                ("eval_dataset", task.test, max_new_tokens)):
-            try:
-                if rows:
-                    check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
-            except PromptError as err:
-                raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
+        check_task_prompts(task, tokenizer, model, config, args)
         with Driver(config, placement, model, tokenizer, task.reward_funcs, reward_weights=task.reward_weights,
                     sync=args.sync, threads=args.threads, bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
             where = driver.where()

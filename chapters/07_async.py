@@ -57,6 +57,7 @@ from minirl.config import RLConfig
 from minirl.train.cli import (
     add_task_flags,
     check_run_flags,
+    check_task_prompts,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     from minirl.asyncrl.runner import train_async  # noqa: PLC0415
     from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415
+    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
     from minirl.utils.io import write_summary  # noqa: PLC0415
     from minirl.utils.rundir import RunDirError  # noqa: PLC0415
@@ -172,15 +173,11 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
-    context = getattr(model.config, "max_position_embeddings", None)
-    for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
-                            ("eval_dataset", task.test, max_new_tokens)):
-        try:
-            if rows:
-                check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
-        except PromptError as err:
-            print(f"error: {flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}", file=sys.stderr)
-            return 2
+    try:
+        check_task_prompts(task, tokenizer, model, config, args)
+    except PromptError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     embedded = args.dataset is None          # the calculator tool; a data set: its rewards, one turn
     make_env = None if embedded else partial(RewardEnv, task.reward_funcs, task.reward_weights)
     ray = None

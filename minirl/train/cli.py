@@ -172,6 +172,22 @@ def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")
 
 
+def check_task_prompts(task, tokenizer, model, config: RLConfig, args: argparse.Namespace) -> None:
+    """Every prompt of the task's two splits fits `model` (known characters, room to generate); PromptError naming
+    the flag (--dataset, --eval-dataset) and the file otherwise. Call it once the model is loaded, before training."""
+    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415 (torch: after parsing)
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
+    for dest, rows, new in (("dataset", task.train, config.sampling.max_completion_length),
+                            ("eval_dataset", task.test, max_new_tokens)):
+        try:
+            if rows:
+                check_prompts(tokenizer, [r["prompt"] for r in rows], context, new)
+        except PromptError as err:
+            raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
+
+
 def task_summary(task, args: argparse.Namespace) -> dict:
     """summary.json's "task": its name, flags, reward names and weights, held-out rows and metric."""
     metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
