@@ -43,10 +43,12 @@ from minirl.train.cli import (
     TASK_FLAGS,
     add_task_flags,
     check_task_prompts,
+    held_out_line,
     resolve_task_paths,
     restore_task_flags,
     saved_task,
     task_from_args,
+    task_summary,
 )
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
@@ -138,7 +140,6 @@ def main(argv=None) -> int:
         return 2
     seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
-    metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
     plot_path = out / "reward_curve.png"
     plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}")
     steps = [m for m in metrics if "reward" in m]
@@ -153,17 +154,13 @@ def main(argv=None) -> int:
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
         "device": config.run.device, "dtype": config.policy_dtype, "rollout_dtype": config.engine_dtype,
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
-        "task": {"name": task.name, **{k: getattr(args, k) for k in TASK_FLAGS}, "rewards": task.reward_names,
-                 "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric},
+        "task": task_summary(task, args),
         "config": dataclasses.asdict(config), "settings": settings,
         "config_file": None if args.config is None else str(args.config),
     }
     write_summary(out, summary)
     if evals:
-        before, after = summary["accuracy_before"], summary["accuracy_after"]
-        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
-        print(f"{config.algorithm.algo}: held-out {what} {before:.3f} -> {after:.3f} "
-              f"({100 * (after - before):+.1f} points) in {summary['steps']} steps, {seconds:.0f} s")
+        print(f"{config.algorithm.algo}: {held_out_line(task, summary, seconds)}")
     else:
         print(f"{config.algorithm.algo}: {summary['steps']} steps in {seconds:.0f} s (--eval-every 0: no evaluation)")
     print(f"plot: {plot_path}   metrics: {out / 'metrics.jsonl'}   summary: {out / 'summary.json'}")

@@ -55,6 +55,7 @@ from minirl.train.cli import (
     add_task_flags,
     check_run_flags,
     check_task_prompts,
+    held_out_line,
     out_problem,
     resolve_task_paths,
     restore_task_flags,
@@ -434,10 +435,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         return 0
     print_report(summary)
     if summary["accuracy_before"] is not None:
-        before, after = summary["accuracy_before"], summary["accuracy_after"]
-        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
-        print(f"held-out {what} {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
-              f"{summary['steps']} steps, {seconds:.0f} s")
+        print(held_out_line(task, summary, seconds))
     print(f"summary: {out / 'summary.json'}")
     return 0
 

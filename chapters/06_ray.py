@@ -43,6 +43,7 @@ from minirl.train.cli import (
     add_task_flags,
     check_run_flags,
     check_task_prompts,
+    held_out_line,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
@@ -243,10 +244,7 @@ def main(argv=None) -> int:
     }
     write_summary(out, summary)
     if evals:
-        before, after = summary["accuracy_before"], summary["accuracy_after"]
-        what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
-        print(f"{args.placement}: held-out {what} {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
-              f"points) in {summary['steps']} steps, {seconds:.0f} s")
+        print(f"{args.placement}: {held_out_line(task, summary, seconds)}")
     shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())
     print(f"stage shares: {shares}; sync {summary['sync_seconds'] * 1e3:.1f} ms and "
           f"{summary['sync_bytes'] / 2**20:.1f} MiB per step")

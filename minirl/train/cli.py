@@ -195,6 +195,14 @@ def task_summary(task, args: argparse.Namespace) -> dict:
             "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric}
 
 
+def held_out_line(task, summary: dict, seconds: float) -> str:
+    """The line a training chapter ends with: held-out metric before -> after, in points, steps and seconds."""
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    what = "greedy accuracy" if task.accuracy_reward else "greedy mean weighted reward"
+    return (f"held-out {what} {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points) in "
+            f"{summary['steps']} steps, {seconds:.0f} s")
+
+
 def interrupted_line(out, resume_command: str) -> str:
     """stop_line for Ctrl-C: the newest intact checkpoint under out/checkpoints (verified as a resume would)."""
     return stop_line("interrupted", last_checkpoint(out), resume_command)
