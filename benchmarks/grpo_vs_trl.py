@@ -101,7 +101,7 @@ import torch
 from transformers import TrainerCallback
 
 from minirl.algo.logprobs import MicroBatchedLogprobs
-from minirl.models import policy as models
+from minirl.models import loading
 from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.utils.cli import common_parser, seed_everything, write_summary
@@ -152,7 +152,7 @@ def load_policy(args):
     if args.model is None and args.workload == "long":
         model, tokenizer, _ = load_long_tail_policy(device=args.device)
         return model, tokenizer
-    return models.load_policy(args.model, args.device, progress=False)
+    return loading.load_policy(args.model, args.device, progress=False)
 
 
 def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict]:
