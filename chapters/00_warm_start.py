@@ -25,7 +25,11 @@ import time
 from pathlib import Path
 
 from minirl.utils.argtypes import int_in
-from minirl.utils.cli import check_device  # light: torch is imported only to check --device, after parsing
+from minirl.utils.cli import (  # light: torch is imported only to check --device, after parsing
+    ConfigFileParser,
+    check_device,
+    merged_settings,
+)
 from minirl.utils.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
@@ -33,8 +37,8 @@ RUNS = Path(__file__).resolve().parent.parent / "runs"
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags, each checked before anything is loaded: a bad one exits 2 with one line naming it."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ConfigFileParser(description=__doc__.split("\n\n")[0],   # --config FILE.yaml, as every chapter
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=RUNS / "00", help="directory for summary.json and the plot")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=int_in(0), default=1,
@@ -46,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model is not None:
         parser.error("argument --model: chapter 00 builds the embedded policy; the other chapters take --model")
     check_device(parser, args.device)
+    args.settings = merged_settings(parser, args)   # after the config file and the flags: summary.json's
     return args
 
 
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
                "train_accuracy": report["train_accuracy"], "train_sample": report["train_sample"],
                "warm_start_steps": report["steps"], "final_loss": report["losses"][-1], "built": built,
                "threads": torch.get_num_threads(), "build_seconds": build_seconds if built else None,
-               "seconds": time.perf_counter() - started}
+               "seconds": time.perf_counter() - started, "settings": args.settings,
+               "config_file": None if args.config is None else str(args.config)}
     write_summary(args.out, summary)
     print(f"policy: {path}" + (f"  (built in {build_seconds:.0f} s on {torch.get_num_threads()} thread(s))"
                                if built else "  (cached)"))

@@ -45,6 +45,7 @@ from minirl.memory.calculator import (
     zero_per_gpu,
 )
 from minirl.utils.argtypes import float_in, int_in, int_list
+from minirl.utils.cli import ConfigFileParser, merged_settings
 from minirl.utils.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
@@ -55,8 +56,8 @@ MAX_MEASURE_SEQ = 1024              # the measurement model's max_position_embed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ConfigFileParser(description=__doc__.split("\n\n")[0],   # --config FILE.yaml, as every chapter
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=RUNS / "03_measure", help="directory for --measure's summary.json")
     parser.add_argument("--model", default=None, help="HF model id or local directory: its config gives the shape")
     parser.add_argument("--params", type=float_in(0, low_open=True), default=None,
@@ -86,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.global_batch % args.gpus:
         parser.error(f"argument --global-batch: {args.global_batch}: not divisible by --gpus {args.gpus} "
                      "(every GPU gets the same number of sequences)")
+    args.settings = merged_settings(parser, args)   # after the config file and the flags: summary.json's
     if args.measure:
         import torch  # only for --measure: the calculator's flags are checked without it
 
@@ -193,7 +195,8 @@ def measure(args) -> dict:
         rows.extend(launch_measurement(ws, size=args.size, batch=args.batch, seq=args.seq_measure))
     table = compare_measured(rows)
     summary = {"size": args.size, "world_sizes": args.world_sizes, "dtype": "fp32", "rows": rows,
-               "comparison": table, "activations": single, "lora": lora, "seconds": time.perf_counter() - started}
+               "comparison": table, "activations": single, "lora": lora, "seconds": time.perf_counter() - started,
+               "settings": args.settings, "config_file": None if args.config is None else str(args.config)}
     write_summary(args.out, summary)
     components = ("weights_step", "weights_rest", "grads", "adam_m", "adam_v", "state")
     cells = {(r["strategy"], r["world_size"], r["component"]): r for r in table}

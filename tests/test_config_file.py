@@ -1,6 +1,9 @@
 """--config FILE.yaml (TRL's convention): typed and checked as flags are, overridden by them, errors name the file."""
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -136,3 +139,29 @@ def test_a_plain_argparse_parser_gets_merged_settings_too():
     parser = argparse.ArgumentParser()
     parser.add_argument("--x", type=int, default=3)
     assert merged_settings(parser, parser.parse_args([])) == {"x": 3}
+
+
+CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
+
+
+@pytest.mark.parametrize("chapter", sorted(p.name for p in CHAPTERS.glob("[0-9][0-9]_*.py")))
+def test_every_chapter_takes_a_config_file(chapter, tmp_path):
+    """--config on every chapter script: a key that is no setting is refused in one line naming the file."""
+    script = CHAPTERS / chapter
+    path = tmp_path / "run.yaml"
+    path.write_text("no_such_setting: 1\n")
+    proc = subprocess.run([sys.executable, str(script), "--config", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"argument --config: {path}: 'no_such_setting' is no setting" in proc.stderr
+
+
+def test_chapter_03_reads_its_settings_from_the_file(tmp_path):
+    """The calculator's flags from a YAML file; a typed flag still wins."""
+    script = CHAPTERS / "03_memory.py"
+    path = tmp_path / "mem.yaml"
+    path.write_text("gpus: 4\nparams: 7.0e9\ngpu_mem_gb: 40\n")
+    proc = subprocess.run([sys.executable, str(script), "--config", str(path), "--gpus", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "7.00 B parameters" in proc.stdout and "2 GPUs of 40.0 GB" in proc.stdout
