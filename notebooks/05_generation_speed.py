@@ -284,7 +284,7 @@ def draw_blocks(ax, pool, tables, title, per_row=12):
     for name, table in tables.items():
         for b in table:
             owner.setdefault(b, []).append(name)
-    colours = dict(zip(tables, plt.cm.tab10.colors, strict=True))
+    colours = dict(zip(tables, plt.cm.tab10.colors, strict=False))   # the first len(tables) of 10
     for b in range(pool.num_blocks):
         r, c = divmod(b, per_row)
         names = owner.get(b, [])
