@@ -1,4 +1,5 @@
-"""Helpers for the chapter tests: run a script as a user would, and see which modules it imported before it stopped.
+"""Helpers for the chapter tests: run a script as a user would, and see which modules it imported before it stopped;
+waits that scale with the machine's load.
 
 `python -X importtime` writes one stderr line per imported module; a refusal that comes before
 torch is imported (a mistyped flag, a bad value argparse checks) shows no `torch` line.
@@ -7,6 +8,7 @@ torch is imported (a mistyped flag, a bad value argparse checks) shows no `torch
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,24 @@ def run_script(script, *args, env=None, timeout=300):
                 if line.startswith("import time:") and "|" in line}
     proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
     return proc, imported
+
+
+def load_factor() -> float:
+    """How much slower than idle this machine runs now (1 on an idle one): a test's waits scale with it."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def wait_for(ready, proc, seconds: float, what: str) -> None:
+    """Poll `ready()` until it holds; fail naming `what` if `proc` ends first or `seconds` x load pass."""
+    deadline = time.time() + seconds * load_factor()
+    while not ready():
+        if proc.poll() is not None:
+            tail = proc.stderr.read()[-2000:] if proc.stderr else ""
+            raise AssertionError(f"the process ended (rc {proc.returncode}) before {what}: {tail}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {what} within {seconds:.0f} s x load factor {load_factor():.1f}")
+        time.sleep(0.2)
 
 
 def last_line(proc) -> str:

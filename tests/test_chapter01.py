@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from refusals import last_line, run_script
+from refusals import last_line, load_factor, run_script, wait_for
 from safetensors.torch import load_file
 
 from minirl.utils.rundir import open_run_dir
@@ -166,11 +165,9 @@ def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
                              str(tiny_model_dir), "--out", str(out), *map(str, QUICK), "--steps", "100000",
                              "--checkpoint-every", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    deadline = time.time() + 120
-    while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: list((out / "checkpoints").glob("step-*")), proc, 120, "a first checkpoint")
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=60 * load_factor())
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     assert "the last checkpoint is" in stderr and "--resume" in stderr
