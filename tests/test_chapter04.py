@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import load_factor
 from safetensors.torch import load_file
 
 from minirl.config import RLConfig
@@ -55,10 +56,6 @@ def ranks_lines(output: str) -> list[str]:
             lines.append(line)
     return lines
 
-
-def load_factor() -> float:
-    """How much slower than idle this machine runs now (1 on an idle one): waits scale with it."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 @pytest.mark.distributed

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import load_factor
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("chapter06", REPO / "chapters" / "06_ray.py")
@@ -105,7 +106,3 @@ def test_unreachable_address_fails_within_seconds(tmp_path, capsys):
     assert time.perf_counter() - start < 10 * load_factor() and not ray.is_initialized()
     assert not (tmp_path / "run").exists()
 
-
-def load_factor() -> float:
-    """How much slower than idle this machine runs now (1 on an idle one): waits scale with it."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))

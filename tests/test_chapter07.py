@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import load_factor
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("chapter07", REPO / "chapters" / "07_async.py")
@@ -104,10 +105,6 @@ def test_stop_after_then_resume(tmp_path, capsys, tiny_model_dir):
     assert main("--steps", 4, "--resume", "--out", out) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
-
-def load_factor() -> float:
-    """How much slower than idle this machine runs now (1 on an idle one): waits scale with it."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import load_factor
 
 ray = pytest.importorskip("ray")
 
@@ -64,10 +65,6 @@ def stage1(config, make_tiny_policy, **kw):
     records = train(config, model, tok, progress=False, reward_funcs=[TASK.reward], **kw)
     return records, {k: v.clone() for k, v in model.state_dict().items()}
 
-
-def load_factor() -> float:
-    """How much slower than idle this machine runs now (1 on an idle one): waits scale with it."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 def nothing_left(timeout=15.0):

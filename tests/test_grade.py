@@ -14,6 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
+from refusals import load_factor
+
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = "03_training_memory.py"
 REFERENCE = "\nfrom minirl.memory.calculator import {}  # noqa: E402  planted: the reference answer\n"
@@ -138,7 +140,7 @@ def test_ctrl_c_prints_the_table_so_far(tmp_path):
             time.sleep(0.1)
         assert marker.exists(), "the planted hang never started"
         grader.send_signal(signal.SIGINT)
-        out, err = grader.communicate(timeout=30)
+        out, err = grader.communicate(timeout=30 * load_factor())
     finally:
         grader.kill()
     lines = out.strip().splitlines()

@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+from refusals import load_factor
 
 from minirl.parallel.launch import stop_job, torchrun
 
@@ -44,13 +45,15 @@ def wait_for_pids(folder, n: int, seconds: float = 60.0) -> list[int]:
 def test_a_timed_out_launch_leaves_no_rank_alive(tmp_path, sigterm):
     script = tmp_path / "hang.py"
     script.write_text(HANG)
+    timeout = 25 * load_factor()                          # long enough for two ranks to start on a busy machine
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as expired:
-        torchrun(script, 2, [tmp_path, sigterm], timeout=25, grace=2.0)
+        torchrun(script, 2, [tmp_path, sigterm], timeout=timeout, grace=2.0)
     pids = wait_for_pids(tmp_path, 2, seconds=1.0)        # they ran: the timeout is what ended them
     assert "waiting" in expired.value.output
     assert len(set(pids)) == 2 and not any(alive(p) for p in pids), f"ranks {pids} still running"
-    assert time.monotonic() - started < 25 + 3 * 2.0 + 10, "SIGKILL follows SIGTERM after the grace period"
+    assert time.monotonic() - started < timeout + 3 * 2.0 + 10 * load_factor(), \
+        "SIGKILL follows SIGTERM after the grace period"
 
 
 def test_stop_job_ends_a_process_tree_in_sessions_of_its_own(tmp_path):
@@ -66,7 +69,7 @@ def test_stop_job_ends_a_process_tree_in_sessions_of_its_own(tmp_path):
     grandchild = int((tmp_path / "child.pid").read_text())
     assert alive(grandchild)
     stop_job(parent.pid, grace=2.0)
-    parent.wait(timeout=10)
+    parent.wait(timeout=10 * load_factor())
     assert not alive(parent.pid) and not alive(grandchild)
 
 
