@@ -36,15 +36,18 @@
 # %load_ext minirl.utils.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from tqdm.auto import tqdm
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -62,6 +65,42 @@ def show(rows, header):
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
+
+
+@contextlib.contextmanager
+def step_bar(metrics: Path, total: int | None, desc: str):
+    """A tqdm bar over the steps that a job in other processes appends to `metrics` (its metrics.jsonl).
+
+    The job's own bar is off (a pipe is not a terminal), so this one reads the file every second.
+    A file older than the bar is the previous run's, not yet replaced: it counts as no steps.
+    """
+    since, done = time.time(), threading.Event()
+    bar = tqdm(total=total, desc=desc)
+
+    def look():
+        try:
+            lines = metrics.read_text().splitlines() if metrics.stat().st_mtime >= since else []
+            last = json.loads(lines[-1]) if lines else None
+        except (OSError, ValueError):                  # not written yet, or a line half written
+            return
+        if last is not None:
+            bar.n = last["step"]
+            bar.set_postfix_str(f"reward {last['reward']:.2f}" if "reward" in last else "", refresh=False)
+        bar.refresh()
+
+    def follow():
+        while not done.is_set():
+            done.wait(1.0)
+            look()
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
 
 
 # %% [markdown]
@@ -82,9 +121,11 @@ LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tu
 
 
 def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
-    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there)."""
+    """Run chapters/04_fsdp_lora.py under torchrun into RUNS/name (replacing an earlier run there), with a bar."""
     out = RUNS / name
-    job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
+    steps = int(flags[flags.index("--steps") + 1]) if "--steps" in flags else None
+    with step_bar(out / "metrics.jsonl", steps, f"{name} ({nproc} ranks)"):
+        job = torchrun(CHAPTER, nproc, ["--out", out, "--overwrite", "--no-progress", *flags], timeout=3600)
     if job.returncode:
         raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
     report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
@@ -3438,7 +3479,9 @@ class MemoryTracker(Callback):
 # short LoRA job again (no new job); in full mode it runs a set of jobs: each ZeRO level
 # briefly (memory), full fine-tuning and LoRA long enough to learn, LoRA with adapter-only
 # sync, the sync before packing (one all-gather per tensor), syncing every 4th step (without
-# and with an importance-sampling correction), and one and two ranks on the same batch.
+# and with an importance-sampling correction), and one and two ranks on the same batch. Each
+# job shows a bar that follows the steps rank 0 logs to its `metrics.jsonl` (`step_bar`,
+# in the first cell: the chapter's own bar is only drawn on a terminal).
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402  (the package's: section 1's cell defined one here too)
@@ -3844,12 +3887,15 @@ from safetensors.torch import load_file  # noqa: E402
 
 whole_dir = RUNS / "04_first"                   # section 0's job, uninterrupted
 broken_dir = RUNS / "04_resume_broken"
-killed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--overwrite", "--no-progress", *QUICK, "--kill-rank", "1:3"],
-                  timeout=900)
+QUICK_STEPS = int(QUICK[QUICK.index("--steps") + 1])
+with step_bar(broken_dir / "metrics.jsonl", QUICK_STEPS, "killed job"):
+    killed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--overwrite", "--no-progress", *QUICK,
+                                   "--kill-rank", "1:3"], timeout=900)
 said = [line for line in killed.stdout.splitlines() if line.startswith("rank 1")]
 print(f"killed job: exit {killed.returncode}; " + "; ".join(said))
 print("checkpoints left:", sorted(p.name for p in (broken_dir / "checkpoints").iterdir()))
-resumed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--resume", "--no-progress"], timeout=900)
+with step_bar(broken_dir / "metrics.jsonl", QUICK_STEPS, "resumed job"):
+    resumed = torchrun(CHAPTER, 2, ["--out", broken_dir, "--resume", "--no-progress"], timeout=900)
 if resumed.returncode:
     raise RuntimeError(f"resume failed (exit {resumed.returncode}):\n{resumed.stdout[-3000:]}")
 a, b = (load_file(d / "final" / "model.safetensors") for d in (whole_dir, broken_dir))

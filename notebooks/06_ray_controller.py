@@ -63,6 +63,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import ray
 import torch
+from tqdm.auto import tqdm
 
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
@@ -95,13 +96,17 @@ from minirl.controller.placement import make_placement  # noqa: E402
 from minirl.controller.resource_pool import local_cluster  # noqa: E402
 from minirl.train.run import train  # noqa: E402
 
+started = time.perf_counter()
+print("starting a two-node Ray cluster on this machine ...", flush=True)
 cluster = local_cluster(num_nodes=2, cpus_per_node=2)        # two Ray nodes on this machine, two CPUs each
 ray.init(address=cluster.address, log_to_driver=False)
+print(f"cluster up after {time.perf_counter() - started:.0f} s", flush=True)
 first_look = RLConfig.from_flat(steps=2, prompts_per_step=8, num_generations=8, eval_every=0)
-alone = train(first_look, load_default_policy(progress=False)[0], tokenizer, progress=False)
+alone = train(first_look, load_default_policy(progress=False)[0], tokenizer)
 with Driver(first_look, make_placement("colocated"), load_default_policy(progress=False)[0], tokenizer,
             rewards) as driver:
-    on_ray = driver.train(task.rows("train"), progress=False)
+    print(f"the Driver's worker is up after {time.perf_counter() - started:.0f} s", flush=True)
+    on_ray = driver.train(task.rows("train"))
     print("roles -> devices:", driver.where())
 for a, b in zip(alone, on_ray, strict=True):
     print(f"step {a['step']}: reward {a['reward']:.4f} in one process, {b['reward']:.4f} from the Driver; "
@@ -1920,8 +1925,7 @@ def fresh_policy():
     return load_default_policy(progress=False)[0]
 
 
-reference = {"grpo": train(grpo, fresh_policy(), tokenizer, progress=False),
-             "ppo": train(ppo, fresh_policy(), tokenizer, progress=False)}
+reference = {"grpo": train(grpo, fresh_policy(), tokenizer), "ppo": train(ppo, fresh_policy(), tokenizer)}
 runs = {}
 plans = [("colocated", ppo, make_placement("colocated")),
          ("disaggregated", grpo, make_placement("disaggregated")),
@@ -1929,9 +1933,10 @@ plans = [("colocated", ppo, make_placement("colocated")),
 sync_times = {}
 for name, config, placement in plans:
     started = time.perf_counter()
+    print(f"{name}: starting its workers ...", flush=True)
     with Driver(config, placement, fresh_policy(), tokenizer, rewards) as driver:
         up = time.perf_counter() - started
-        records = driver.train(rows, progress=False)
+        records = driver.train(rows)
         runs[name] = {"records": records, "timeline": driver.timeline(), "where": driver.where(), "config": config,
                       "workers": sum(len(g) for g in driver.groups.values()), "startup": up}
         if name == "disaggregated":      # section 5's comparison, on these workers: interleaved pushes
@@ -1939,7 +1944,7 @@ for name, config, placement in plans:
             syncs = {"broadcast, 32 MiB buckets": driver.syncs["collective"],
                      "broadcast, 64 KiB buckets": CollectiveSync(actor_group, rollout_group, 64 << 10),
                      "object store": driver.syncs["object_store"]}
-            for _ in range(5 if SMOKE else 30):
+            for _ in tqdm(range(5 if SMOKE else 30), desc="the three syncs, in turn"):
                 for label, sync in syncs.items():
                     report = sync.push(driver.roles.actor.named_weights(), driver.engine, driver.roles.version)
                     sync_times.setdefault(label, []).append((report.seconds, report.bytes))
@@ -2286,9 +2291,35 @@ print("workers alive after all that:", ray.util.list_named_actors())
 # storage). `--address` also accepts the `host:port` that `ray start --head` printed. In full
 # mode the cell below runs the chapter script against this notebook's two-node cluster, once
 # per placement, for 300 steps (the chapter's default is stage 1's 1000): long enough for
-# the held-out accuracy to rise.
+# the held-out accuracy to rise. A bar follows each run's step lines as the script prints them.
 
 # %%
+import threading  # noqa: E402
+
+
+def follow_chapter(cmd: list[str], total: int, desc: str, timeout: float) -> str:
+    """Run a chapter script (stdout and stderr together), a tqdm bar following its lines "step N ...";
+    returns its whole output. Fails with the output's end if the script failed or ran past `timeout` s."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        with tqdm(total=total, desc=desc) as bar:
+            for line in proc.stdout:
+                lines.append(line)
+                words = line.split()
+                if len(words) > 5 and words[0] == "step" and words[1].isdigit():   # step N  T s  reward R ...
+                    bar.n = int(words[1])
+                    bar.set_postfix_str(" ".join(words[4:6]))
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    why = f"exit {proc.wait()}" + (f", killed after {timeout:.0f} s" if proc.returncode == -9 else "")
+    assert proc.returncode == 0, f"{cmd[1]} failed ({why}):\n{output[-3000:]}"
+    return output
+
+
 if SMOKE:
     print("smoke mode: the chapter runs (300 steps per placement) are skipped; the runs of section 8 stand in")
     chapter = {}
@@ -2296,12 +2327,11 @@ else:
     chapter = {}
     for name in ("colocated", "disaggregated", "per-role"):
         target = RUNS / f"06_{name}"
-        proc = subprocess.run([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--address", cluster.address,
-                               "--placement", name, "--out", str(target), "--overwrite", "--compare-syncs", "10",
-                               "--steps", "300"],            # of the default 1000: enough to see it learn
-                              capture_output=True, text=True, timeout=1800)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        print(next(line for line in proc.stdout.splitlines() if "held-out greedy accuracy" in line))
+        output = follow_chapter([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--address", cluster.address,
+                                 "--placement", name, "--out", str(target), "--overwrite", "--compare-syncs", "10",
+                                 "--steps", "300"],            # of the default 1000: enough to see it learn
+                                total=300, desc=name, timeout=1800)
+        print(next(line for line in output.splitlines() if "held-out greedy accuracy" in line))
         chapter[name] = json.loads((target / "summary.json").read_text())
     print(f"{'placement':>14} | accuracy before | after | steps | seconds | sync ms | " +
           " | ".join(f"{s:>10}" for s in (*SOURCE_ORDER, "other")))

@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from minirl.config import SamplingConfig
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
@@ -23,20 +24,27 @@ from minirl.rollout.engine.engine import PagedEngine, Request
 from minirl.rollout.hf import HFEngine
 
 
-def interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
+def interleaved(runs: dict, repeats: int, progress: str | None = None) -> dict[str, list[float]]:
     """Seconds of each run (a no-argument function), in turn, `repeats` times: A, B, A, B, ...
 
     Each run is called once before, unmeasured: first calls pay one-time costs (allocation,
-    kernel selection) that would otherwise land on whichever runs first.
+    kernel selection) that would otherwise land on whichever runs first. progress: the label
+    of a tqdm bar over the calls (none without one).
     """
-    for run in runs.values():
+    bar = tqdm(total=len(runs) * (repeats + 1), desc=progress, disable=progress is None)
+    for name, run in runs.items():
         run()
+        bar.set_postfix_str(f"{name}: warm-up call", refresh=False)
+        bar.update(1)
     seconds = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)
+            bar.set_postfix_str(f"{name}: {seconds[name][-1]:.2f} s", refresh=False)
+            bar.update(1)
+    bar.close()
     return seconds
 
 
@@ -80,11 +88,11 @@ def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConf
 
 
 def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: SamplingConfig, max_num_seqs: int,
-                         repeats: int = 3, block_size: int = 16, seed: int = 0) -> dict:
+                         repeats: int = 3, block_size: int = 16, seed: int = 0, progress: str | None = None) -> dict:
     """Tokens/s of continuous and static batching on the same requests, with `max_num_seqs` batch slots.
 
     Also counts, per policy, the work of one run: steps, decode rows (a static batch's padding
-    rows included) and prefill tokens.
+    rows included) and prefill tokens. progress: the label of a bar over the runs (`interleaved`).
     """
     engines = {policy: PagedEngine(model, tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
                                    cache="none", policy=policy) for policy in ("continuous", "static")}
@@ -98,7 +106,7 @@ def continuous_vs_static(model, tokenizer, prompts: list[str], sampling: Samplin
         work[policy] = {"steps": stats.steps, "decode_rows": stats.decode_tokens + stats.padding_tokens,
                         "prefill_tokens": stats.prefill_tokens}
 
-    seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats)
+    seconds = interleaved({p: (lambda p=p: run(p)) for p in engines}, repeats, progress)
     rate = {p: tokens[p] / statistics.median(seconds[p]) for p in engines}
     return {"continuous_tokens_per_s": rate["continuous"], "static_tokens_per_s": rate["static"],
             "ratio": rate["continuous"] / rate["static"], "work": work,
@@ -193,11 +201,12 @@ def multi_turn(model, tokenizer, first: list[str], follow_ups: list[list[str]], 
 
 
 def speculative_sweep(model, tokenizer, make_draft, requests: list[Request], ks: list[int], repeats: int = 3,
-                      block_size: int = 16, seed: int = 0) -> dict:
+                      block_size: int = 16, seed: int = 0, progress: str | None = None) -> dict:
     """Acceptance rate, tokens per verification and speedup (tokens/s over plain decoding) for each k.
 
     make_draft() -> a fresh draft (ModelDraft or NgramDraft). acceptance: accepted / proposed
     drafts; tokens_per_round: tokens a sequence gains per verification pass (accepted + 1).
+    progress: the label of a bar over the runs (`interleaved`, which names them by k; 0 is plain decoding).
     """
     engines = {0: PagedEngine(model, tokenizer, block_size=block_size)}
     engines |= {k: PagedEngine(model, tokenizer, block_size=block_size, draft=make_draft(),
@@ -213,7 +222,7 @@ def speculative_sweep(model, tokenizer, make_draft, requests: list[Request], ks:
         accepted[k] = stats.accepted_tokens / max(1, stats.draft_tokens)
         per_round[k] = (stats.accepted_tokens + stats.verified_rows) / max(1, stats.verified_rows)
 
-    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats)
+    seconds = interleaved({k: (lambda k=k: run(k)) for k in engines}, repeats, progress)
     rate = {k: tokens[k] / statistics.median(seconds[k]) for k in engines}
     return {"acceptance": {k: accepted[k] for k in ks}, "tokens_per_round": {k: per_round[k] for k in ks},
             "speedup": {k: rate[k] / rate[0] for k in ks}, "tokens_per_s": rate, "seconds": seconds}
