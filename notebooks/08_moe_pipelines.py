@@ -633,8 +633,9 @@ plt.show()
 # %% [markdown]
 # What to read off the table and plots. The warm-started router is lopsided: a few experts
 # take a multiple of their 1/E share (the grey bars) and some get almost nothing, which is
-# why hottest/coldest can be huge or infinite. Without balancing, RL leaves it that way. Both
-# remedies flatten the load within these 60 steps: the auxiliary loss through the router's
+# why hottest/coldest can be huge or infinite. Without balancing, RL leaves it lopsided (the
+# `none` row). Both remedies flatten the load more within these 60 steps (the table's first
+# column; the cell checks that both end below `none`): the auxiliary loss through the router's
 # gradient, the bias by changing the choice directly while the router's own probabilities,
 # and so the mixing weights, stay as they were. Neither is free in principle: the experts
 # were trained on the tokens the unbalanced router sent them, and balancing sends some
