@@ -1987,8 +1987,10 @@ REPRODUCED[26] = ("symptom table: rollout > 80 %, sync > 5 %, comm > 10 %, OOM, 
 in_source_range = 0.35 <= base_mfu.trainer <= 0.60      # the trainer's ranges of the source's rows: 35-60 %
 REPRODUCED[27] = ("MFU 35-45 %, 50-60 %, trainer 40-50 % / rollout 70-80 %; < 30 % inspect",
                   f"stage 1 on a CPU: trainer {100 * base_mfu.trainer:.0f} %, rollout {100 * base_mfu.rollout:.0f} %",
-                  "agree" if in_source_range else "differ", f"1 M params: matmuls are {100 * mm_share:.0f} % of a step, the rest is small operators; "
-                            "decode at 70-80 % needs short contexts and huge batches (roofline)")
+                  "agree" if in_source_range else "differ",
+                  f"1 M params: matmuls are {100 * mm_share:.0f} % of a step, the rest is small operators; this process "
+                  f"had the CPU {100 * profiled['cpu_share']:.0f} % of the profiled step's time (a shared machine "
+                  "lowers MFU); decode at 70-80 % needs short contexts and huge batches (roofline)")
 print(f"{'#':>2} | {'the source says':<78} | {'minirl':<62} | {'verdict':<7} | why")
 for row, (source, ours, agree, why) in REPRODUCED.items():
     print(f"{row:>2} | {source:<78} | {ours:<62} | {agree:<7} | {why}")
