@@ -71,12 +71,12 @@ def stage1_run(name: str, **settings) -> Path:
     return out
 
 # %% [markdown]
-# The result first, from the package as it ships: a 60-step stage-1 run (8 steps in smoke mode;
-# the `hf` engine, which generates as TRL does), its time decomposed by stage (`decompose`), and the source's symptom
-# table applied to it as rules (`diagnose`), which name what to inspect. The sections below
-# open each piece: the decomposition (section 1), the profiler (2), MFU (3) and the rules (4);
-# then one change moves the bottleneck (5), and the same reader takes the runs of stages 4, 6
-# and 7 (6).
+# The result first, from the package as it ships: a 60-step stage-1 run (8 steps in smoke
+# mode; the `hf` engine, which generates as TRL does), its time decomposed by stage
+# (`decompose`), and the source's symptom table applied to it as rules (`diagnose`), which
+# name what to inspect. The sections below open each piece: the decomposition (section 1),
+# the profiler (2), MFU (3) and the rules (4); then one change moves the bottleneck (5), and
+# the same reader takes the runs of stages 4, 6 and 7 (6).
 
 # %%
 from minirl.profiling.decompose import decompose
@@ -1383,7 +1383,12 @@ class Rule:
     direction: str               # what the source says to try, in our words
     unit: str = "share"          # how values print: "share" (0-1, as %), "ratio" (x.xx) or "count"
 
+# %% [markdown]
+# The source's table, one `Rule` per row: what is measured, the threshold, and the source's
+# direction when it fires.
 
+# %%
+# | export minirl/profiling/rules.py
 RULES = (
     Rule("slow_rollout", "slow rollout", "generation's share of the run's time", 0.80, True,
          "more than 80 % of total time",
@@ -1474,7 +1479,12 @@ def _stragglers(records: list[dict]) -> tuple[float | None, str]:
     detail = f"longest / mean completion, mean over {len(ratios)} steps (max {max(ratios):.2f})"
     return sum(ratios) / len(ratios), detail
 
+# %% [markdown]
+# `measurements` reads every symptom off one run: the decomposition's shares, the MFU, and the
+# three helpers above.
 
+# %%
+# | export minirl/profiling/rules.py
 def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, records: list[dict],
                  summary: dict) -> dict[str, tuple[float | None, str]]:
     """rule name -> (measured value or None, how it was measured) for every rule of RULES."""
