@@ -62,6 +62,33 @@ def verdict(ok: bool) -> str:
     return "agree" if ok else "differ"
 
 # %% [markdown]
+# The result first, from the package as it ships: the parameters a DeepSeek-V3 token
+# activates (counted from its `transformers` config, without weights) beside the source's
+# illustration, and the idle time of the three pipeline schedules, simulated, beside the
+# source's formulas. The sections below open each piece: the counter (section 1), expert
+# load and its balancing (2), expert parallelism (3), GSPO (4), the schedules and their
+# simulator (5), and packing (6).
+
+# %%
+from transformers import DeepseekV3Config
+
+from minirl.models.moe import count_moe_parameters
+from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, simulate_schedule
+
+ds3 = count_moe_parameters(DeepseekV3Config())
+print(f"DeepSeek-V3: {ds3['active'] / 1e9:.1f} B of {ds3['total'] / 1e9:.0f} B parameters active per token "
+      f"({ds3['active'] / ds3['total']:.1%}); the source's illustration: 60 B of 1.3 T (4.6 %)")
+first_costs = Costs(forward=1.0, backward=2.0)                     # a backward costs two forwards
+first_formulas = bubble_formulas(4, 8, first_costs)
+print("pipeline bubble over compute time, P = 4 ranks, M = 8 micro-batches, backward = 2 x forward:")
+for schedule in SCHEDULES:
+    simulated = simulate_schedule(schedule, 4, 8, first_costs).bubble_ratio
+    formula = first_formulas["dualpipe_source" if schedule == "dualpipev" else "gpipe_1f1b_source"]
+    relation = "equal" if abs(simulated - formula) < 1e-9 else "smaller" if simulated < formula else "larger"
+    print(f"  {schedule:>9}: simulated {simulated:.3f}, the source's "
+          f"{'(P-1)/2M' if schedule == 'dualpipev' else '(P-1)/M'} = {formula:.3f}: {relation}")
+
+# %% [markdown]
 # ## 1. How many parameters does a token touch?
 #
 # A MoE layer replaces one feed-forward network by E of them (the experts) and a router
@@ -419,9 +446,9 @@ class BalancedTopKRouter(nn.Module):
                 self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
 
 # %% [markdown]
-# Installing it: `install_balancing` swaps every router of a model for a `BalancedTopKRouter`
-# and adds the two hooks (the attention mask in, the optimizer step out); `load_history`
-# reads back one load vector per step and layer.
+# Installing it takes two hooks first: a forward pre-hook that hands the routers the
+# attention mask (padding never counts as load), and a global optimizer-step hook that
+# closes each router's step.
 
 # %%
 # | export minirl/models/moe_balance.py
@@ -460,7 +487,12 @@ def _end_steps_after(routers_: list[BalancedTopKRouter]) -> None:
                 router.end_step()
     _STEP_HOOKS.append((refs, register_optimizer_step_post_hook(hook)))
 
+# %% [markdown]
+# With the two hooks in hand, installing is a swap: every router becomes a `BalancedTopKRouter`
+# sharing its weight, and `load_history` reads back one load vector per step and layer.
 
+# %%
+# | export minirl/models/moe_balance.py
 def install_balancing(model: nn.Module, aux_loss_coef: float = 0.0,
                       bias_update_rate: float = 0.0) -> list[BalancedTopKRouter]:
     """Replace every top-k router of `model` by a BalancedTopKRouter sharing its weight; returns them.
@@ -503,42 +535,10 @@ def load_history(model: nn.Module) -> Tensor:
 # The policy to balance is the tiny MoE of notebook 02 after a supervised warm start
 # (notebook 00's recipe, 400 steps, cached under `$MINIRL_CACHE` like the default policy).
 # The warm start has no balancing loss, so whatever imbalance its router developed is there
-# when RL begins.
+# when RL begins. (`load_moe_policy`, which builds and caches it, is plumbing: it is in the appendix.)
 
 # %%
-# | export minirl/models/moe.py
-import hashlib
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import asdict
-from pathlib import Path
-
-from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
-
-
-def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):
-    """The tiny MoE policy after a supervised warm start of `warm_start_steps` steps (no balancing),
-    cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
-    from transformers import Qwen2MoeForCausalLM
-
-    key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
-    path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if not (path / "config.json").exists():
-        model = build_moe_policy(tokenizer, seed=seed)
-        warm_start(model, tokenizer, task, WarmStartConfig(steps=warm_start_steps, target_accuracy=None, seed=seed),
-                   progress=progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-        model.save_pretrained(tmp)
-        try:
-            os.replace(tmp, path)               # atomic: readers see all of it or none of it
-        except OSError:                         # another process finished first; keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    return Qwen2MoeForCausalLM.from_pretrained(path).eval()
-
-# %%
+from minirl.models.moe import load_moe_policy  # code: appendix
 from minirl.models.policy import greedy_accuracy
 
 t0 = time.time()
@@ -576,7 +576,7 @@ for name, settings in BALANCING.items():
     install_balancing(model, **settings)
     t0 = time.time()
     metrics = train(RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=RL_STEPS), model, tokenizer,
-                    progress=False)   # the default task: the embedded arithmetic one
+                    progress=not SMOKE)   # the default task: the embedded arithmetic one
     history = load_history(model)                                              # [steps, L, E]
     per_step = torch.tensor([load_imbalance(h)["max_over_mean"] for h in history])   # mean over layers
     load_runs[name] = {"history": history, "per_step": per_step, "seconds": time.time() - t0,
@@ -633,8 +633,9 @@ plt.show()
 # %% [markdown]
 # What to read off the table and plots. The warm-started router is lopsided: a few experts
 # take a multiple of their 1/E share (the grey bars) and some get almost nothing, which is
-# why hottest/coldest can be huge or infinite. Without balancing, RL leaves it that way. Both
-# remedies flatten the load within these 60 steps: the auxiliary loss through the router's
+# why hottest/coldest can be huge or infinite. Without balancing, RL leaves it lopsided (the
+# `none` row). Both remedies flatten the load more within these 60 steps (the table's first
+# column; the cell checks that both end below `none`): the auxiliary loss through the router's
 # gradient, the bias by changing the choice directly while the router's own probabilities,
 # and so the mixing weights, stay as they were. Neither is free in principle: the experts
 # were trained on the tokens the unbalanced router sent them, and balancing sends some
@@ -813,65 +814,8 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
     return {"rank": rank, "tokens": mine.shape[0], **check, **median}
 
 # %% [markdown]
-# What `torchrun` starts on every rank, and the driver's call that starts it and reads the
-# ranks' results.
-
-# %%
-# | export minirl/parallel/expert.py
-def worker_main(argv=None) -> None:
-    """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="minirl expert-parallel worker (run under torchrun)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--skew", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rows = []
-        for scenario, strength in (("router as built", 0.0), ("skewed router", args.skew)):
-            block = moe_block(args.hidden, args.experts, args.top_k)
-            g = torch.Generator().manual_seed(1)
-            direction = nn.functional.normalize(torch.randn(args.hidden, generator=g), dim=0)    # [H]
-            tokens = torch.randn(args.tokens, args.hidden, generator=g) + direction               # [N, H]
-            skew_router(block, local_experts(args.experts, dist.get_world_size(), 0), direction, strength)
-            mine = measure_rank(block, tokens, args.repeats)
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine | {"scenario": scenario})
-            rows.extend(everyone)
-        if dist.get_rank() == 0:
-            args.out.write_text(json.dumps({"rows": rows, "config": vars(args) | {"out": str(args.out)}}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
-                           tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300) -> dict:
-    """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
-    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
-    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`)."""
-    local_experts(experts, world_size, 0)
-    if tokens < world_size or tokens % world_size:
-        raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "expert.json"
-        flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
-                 "--repeats", repeats, "--out", out]
-        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
-        if job.returncode != 0 or not out.exists():
-            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{output_ends(job.stdout)}")
-        return json.loads(out.read_text())
-
-# %% [markdown]
-# The job runs on 2 ranks (gloo). Each rank routes its half of the tokens, and both the
+# The job runs on 2 ranks (gloo); `worker_main` (what `torchrun` starts on every rank) and
+# `launch_expert_parallel` (the driver's call) are in the appendix. Each rank routes its half of the tokens, and both the
 # output and the gradients (of the input and of the local experts' weights) are compared
 # with the single-process block on all tokens. Then the exchange is timed, with the router
 # as built and with a hot spot: the router rows of rank 0's experts are tilted toward a
@@ -882,8 +826,11 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
 from minirl.parallel.expert import launch_expert_parallel
 
 t0 = time.time()
-ep = launch_expert_parallel(world_size=2, tokens=1024 if SMOKE else 4096, repeats=3 if SMOKE else 7, skew=0.5)
-print(f"torchrun job: {time.time() - t0:.0f} s (most of it starting two Python processes)")
+ep = launch_expert_parallel(world_size=2, tokens=1024 if SMOKE else 4096, repeats=3 if SMOKE else 7, skew=0.5,
+                            progress=True)   # a line per scenario as the job goes
+timed = sum(r["seconds"] for r in ep["rows"]) * (3 if SMOKE else 7) / 2     # the ranks' timed calls, per rank
+print(f"torchrun job: {time.time() - t0:.0f} s, of which the timed layer calls took {timed:.2f} s per rank "
+      "(the rest: starting two Python processes, building the blocks, the checks)")
 print(f"{'scenario':>15} | rank | {'max |diff|: out, d_in, d_expert':>31} | {'rows in':>7} | {'sent away':>9} | "
       f"{'KiB sent':>8} | {'dispatch ms':>11} | {'experts ms':>10} | {'combine ms':>10}")
 for r in ep["rows"]:
@@ -964,7 +911,13 @@ def ratio_spread(trainer_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> 
             "sequence_var": sequence_var, "variance_ratio": token_var / max(sequence_var, 1e-30),
             "token_max_dev": (token - 1).abs().max().item(), "sequence_max_dev": (sequence - 1).abs().max().item()}
 
+# %% [markdown]
+# The measurement on a MoE policy: sample with a low-precision copy while recording its routes,
+# recompute in fp32 with the trainer's own routes and with the rollout's replayed, and split
+# the tokens by whether a route flipped.
 
+# %%
+# | export minirl/diagnostics/routing.py
 def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
                          num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
                          seed: int = 0) -> dict:
@@ -1016,8 +969,10 @@ flip_role = ("most of" if fp8["flipped_variance_share"] > 0.5 else "a minority o
 print(f"fp8: {fp8['flipped_share']:.1%} of the tokens flipped; their ratios vary {flip_weight:.0f}x as much as the "
       f"others' and carry {fp8['flipped_variance_share']:.0%} of the token variance: {flip_role} it")
 length = spread["float8_e4m3fn"]["plain"]["tokens"] / spread["float8_e4m3fn"]["plain"]["sequences"]
+reduction = spread["float8_e4m3fn"]["plain"]["variance_ratio"]
 print(f"mean completion length: {length:.1f} tokens: averaging that many independent deviations would divide the "
-      f"variance by about {length:.1f}")
+      f"variance by about {length:.1f}; the sequence ratio divides it by {reduction:.1f}, "
+      f"{'short of' if reduction < length else 'at or beyond'} the independent case")
 if not SMOKE:
     for r in spread.values():
         assert r["plain"]["variance_ratio"] > 1 and r["r3"]["token_var"] <= r["plain"]["token_var"]
@@ -1037,8 +992,8 @@ REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO uses one r
 # adds up to more than the few flips). The sequence ratio averages each completion's
 # tokens and its variance is smaller (the token/seq column), by at most about the
 # completion length: one completion's deviations are correlated (a flipped route changes
-# the hidden states that later tokens see), so the reduction falls short of the independent
-# case. On completions of thousands of tokens the factor is correspondingly larger. R3
+# the hidden states that later tokens see), so the reduction can fall short of the
+# independent case (the last line compares the two). On completions of thousands of tokens the factor is correspondingly larger. R3
 # attacks the cause instead: with the rollout's routes replayed, flips disappear and the
 # token variance drops toward that of the unflipped tokens. The two combine: GSPO's ratio
 # also copes with what R3 cannot replay, such as routes that change because the weights
@@ -1088,7 +1043,7 @@ for name, settings in GSPO_RUNS.items():
     config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2),
                                 num_iterations=2, rollout_dtype="float8_e4m3fn", importance_sampling_correction=True,
                                 **settings)
-    gspo_runs[name] = train(config, model, tokenizer, progress=False)
+    gspo_runs[name] = train(config, model, tokenizer, progress=not SMOKE)
     gspo_loss_types[name] = config.algorithm.loss_type                      # what the run used, printed below
 print(f"{'ratio level':>16} | {'loss_type':>9} | {'accuracy (start, middle, end)':>29} | {'mean reward':>11} | "
       f"{'clip fraction':>13} | {'grad norm':>9}")
@@ -1458,7 +1413,12 @@ def simulate(orders: dict[int, list], costs: Costs | dict[int, Costs] = Costs())
                                 "a backward must come after its forward, stage s after stage s-1")
     return PipelineTimeline(events, num_ranks=len(orders))
 
+# %% [markdown]
+# Before it starts, `simulate` checks its input: every op is of a known kind and appears once,
+# and every micro-batch has one forward and one backward (or I plus W) at every stage.
 
+# %%
+# | export minirl/parallel/pipeline.py
 def _ops(actions):
     for action in actions:
         yield from (action if isinstance(action, tuple) else (action,))
@@ -1526,31 +1486,6 @@ def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
     orders = schedule_orders(schedule, num_ranks, num_microbatches)
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)
 
-# %%
-# | export minirl/parallel/pipeline.py
-COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
-
-
-def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
-    """Draw one row per rank, one box per op (labelled with its micro-batch); returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * timeline.num_ranks))
-    t0 = min(e.start for e in timeline.events)
-    for e in timeline.events:
-        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=COLORS[e.op.kind], edgecolor="white", height=0.8)
-        if e.end - e.start > 0.02 * timeline.makespan:
-            ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.op.microbatch), ha="center", va="center",
-                    fontsize=7, color="white")
-    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
-    ax.invert_yaxis()
-    ax.set(xlabel="time", title=f"{title}  idle share {timeline.bubble_share:.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "backward (inputs)", "backward (weights)"], fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return ax
-
 # %% [markdown]
 # First, does our DualPipeV layout equal torch's? torch computes its action lists when a
 # schedule is built; its method for one rank needs only the rank count and micro-batch
@@ -1581,6 +1516,8 @@ print("dualpipev_order equals torch's ScheduleDualPipeV layout:", same)
 assert same
 
 # %%
+from minirl.parallel.pipeline import plot_pipeline  # code: appendix (drawing helper)
+
 P, M = 4, 8
 fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)
 for ax, schedule in zip(axes, SCHEDULES, strict=True):
@@ -1733,7 +1670,12 @@ class StageModule(nn.Module):
             x = block(x)
         return self.head(x) if self.head is not None else x   # [b, T, V] on the last stage
 
+# %% [markdown]
+# The model every rank builds identically (same seed, same weights), cut into stages by
+# `split_layers`, and the loss of its last stage.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 class PipelineModel(nn.Module):
     """Embedding, `num_layers` blocks, final norm and head: the model every rank builds identically."""
 
@@ -1759,7 +1701,8 @@ def token_loss(logits, targets):                           # [b, T, V], [b, T] -
 
 # %% [markdown]
 # Each rank's job: time every compute call of its stage(s), build the schedule torch ships
-# under that name, and run a few steps of it (`worker_main` is what `torchrun` starts).
+# under that name, and run a few steps of it (`worker_main`, what `torchrun` starts on every
+# rank, and `launch_pipeline`, which starts the job, are in the appendix).
 
 # %%
 # | export minirl/parallel/pipeline_run.py
@@ -1821,91 +1764,11 @@ def run_steps(schedule: str, model: PipelineModel, ids, targets, num_microbatche
     return steps[1:]
 
 # %% [markdown]
-# `worker_main` is the body of the `torchrun` job: every rank runs each schedule and writes
-# its timed calls for the driver.
+# On the driver: turn each rank's timed calls into a timeline, and set the measured idle
+# share beside the simulator's for the measured costs.
 
 # %%
 # | export minirl/parallel/pipeline_run.py
-def worker_main(argv=None) -> None:
-    """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
-    import argparse
-
-    import torch.distributed as dist
-
-    parser = argparse.ArgumentParser(description="minirl pipeline measurement worker (run under torchrun)")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--microbatches", default="4,8")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        model = PipelineModel(args.layers, args.hidden).to(device)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
-        targets = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
-        with torch.no_grad():
-            reference = token_loss(model(ids), targets).item()          # the same loss without a pipeline
-        runs = []
-        for schedule in args.schedules.split(","):
-            for m in map(int, args.microbatches.split(",")):
-                steps = run_steps(schedule, model, ids, targets, m, args.repeats, device)
-                everyone = [None] * world
-                dist.all_gather_object(everyone, {"rank": rank, "steps": steps})
-                runs.append({"schedule": schedule, "ranks": world, "microbatches": m, "per_rank": everyone})
-        if rank == 0:
-            args.out.write_text(json.dumps({"reference_loss": reference, "runs": runs,
-                                            "config": vars(args) | {"out": str(args.out)}}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-# %% [markdown]
-# From the driver: start the job, turn each rank's timed calls into a timeline, and set the
-# measured idle share beside the simulator's for the measured costs.
-
-# %%
-# | export minirl/parallel/pipeline_run.py
-def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
-                    hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
-                    timeout: float = 600) -> dict:
-    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
-
-    Checks the settings first: every micro-batch count must fit the batch and the layers must
-    split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
-    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
-    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
-    """
-    for schedule in schedules:
-        num_stages = 2 * world_size if schedule == "dualpipev" else world_size
-        if schedule not in SCHEDULES:
-            raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
-        for m in microbatches:
-            check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
-            if schedule == "dualpipev" and m < num_stages:
-                raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "pipeline.json"
-        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
-                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
-                 "--out", out]
-        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
-        if job.returncode != 0 or not out.exists():
-            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{output_ends(job.stdout)}")
-        return json.loads(out.read_text())
-
-
 def measured_timelines(run: dict) -> list[PipelineTimeline]:
     """One PipelineTimeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
     steps = len(run["per_rank"][0]["steps"])
@@ -1980,9 +1843,11 @@ def compare_with_simulator(result: dict) -> list[dict]:
     return rows
 
 # %%
+from minirl.parallel.pipeline_run import launch_pipeline  # code: appendix
+
 t0 = time.time()
 pipe = launch_pipeline(world_size=2, microbatches=(4,) if SMOKE else (4, 8), layers=8, hidden=128 if SMOKE else 256,
-                       batch=16 if SMOKE else 32, seq=32 if SMOKE else 64, repeats=1 if SMOKE else 2)
+                       batch=16 if SMOKE else 32, seq=32 if SMOKE else 64, repeats=1 if SMOKE else 2, progress=True)
 pipe_rows = compare_with_simulator(pipe)
 print(f"torchrun job: {time.time() - t0:.0f} s")
 print(f"{'schedule':>9} {'P':>2} {'M':>2} | {'measured idle':>13} | {'per rank':>11} | {'simulated':>9} | "
@@ -1996,8 +1861,9 @@ for r in pipe_rows:
     assert 0 < r["measured"] < 1
 measured = {(r["schedule"], r["M"]): r for r in pipe_rows}
 least = min(SCHEDULES, key=lambda s: measured[(s, 4)]["measured"])
-print(f"least measured idle time at M = 4: {least}; every measured share is at or above the simulator's without "
-      f"latency: {all(r['measured'] >= r['simulated'] - 0.02 for r in pipe_rows)}")
+below = [f"{r['schedule']} M={r['M']}" for r in pipe_rows if r["measured"] < r["simulated"] - 0.02]
+print(f"least measured idle time at M = 4: {least}; measured more than 0.02 below the simulator's (no latency): "
+      f"{', '.join(below) if below else 'none'}")
 row = next(r for r in bubble_table if (r["P"], r["M"], r["B/F"]) == (8, 32, 2.0))
 source_holds = {ratio: all(abs(r["dualpipev"] - r["dualpipe_source"]) < 1e-9 for r in bubble_table if r["B/F"] == ratio)
                 for ratio in (1.0, 2.0)}                        # DualPipeV's simulated bubble is (P-1)/2M exactly
@@ -2022,11 +1888,15 @@ plt.show()
 # The pipeline computes the plain model's loss (the schedules only reorder work). The
 # simulator leaves out what a real job adds: the latency of every send (the "+ latency"
 # column puts the measured one back), the Python bookkeeping of the schedule between compute
-# calls, and on a shared machine, time when the operating system runs something else; so
-# the measured idle share is expected at or above the simulated one (the line above checks
-# it). How close the two come depends on how large a stage's compute is next to those
-# overheads (the full run's stages are several times larger than the smoke run's), and
-# DualPipeV, with twice the stage boundaries and more, smaller actions, pays them more often.
+# calls, and on a shared machine, time when the operating system runs something else. All
+# of these add idle time. The simulator, though, is fed the *median* cost of each kind of
+# call, and where calls of one kind vary a lot between micro-batches (the B/F column moves
+# from row to row on a shared machine), the simulated share can land on either side of the
+# measured one: the line under the table names the rows where the measurement came out
+# below the simulator. How close the two come depends on how large a stage's compute is
+# next to those overheads (the full run's stages are several times larger than the smoke
+# run's), and DualPipeV, with twice the stage boundaries and more, smaller actions, pays
+# them more often.
 
 # %% [markdown]
 # ## 6. Best-fit packing: fill the token budget
@@ -2221,65 +2091,17 @@ def padded_loss(model, batch: dict[str, Tensor]) -> Tensor:
     """The causal-LM loss of a right-padded batch (the reference packing must match)."""
     return model(**batch).loss
 
-# %%
-# | export minirl/parallel/packing.py
-def long_tail_lengths(n: int, median: int = 600, sigma: float = 1.0, cap: int = 4096,
-                      prompt: tuple[int, int] = (100, 400), seed: int = 0) -> list[int]:
-    """Prompt + completion lengths of `n` RL samples: prompts uniform in `prompt`, completions log-normal
-    (median `median`, log-std `sigma`: most are short, a few run to the cap) truncated at `cap` tokens
-    (max_completion_length), as reasoning rollouts look."""
-    g = torch.Generator().manual_seed(seed)
-    completion = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(float(median))))
-    prompts = torch.randint(prompt[0], prompt[1], (n,), generator=g)
-    return (completion.clamp(1, cap).long() + prompts).tolist()
-
-
-def micro_batch_spread(lengths: list[int], groups: list[list[int]]) -> float:
-    """Largest over mean real tokens per micro-batch: how unevenly the work is split (1.0 = even)."""
-    tokens = [sum(lengths[i] for i in g) for g in groups]
-    return max(tokens) / (sum(tokens) / len(tokens))
-
-
-def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_size: int, pad_token_id: int,
-                          repeats: int = 5) -> dict[str, float]:
-    """One forward + backward over all `sequences`, padded in micro-batches of `batch_size` (arrival
-    order) or packed best-fit into rows of `budget` tokens, interleaved `repeats` times in this process.
-    Returns the median seconds of each and the median of the per-repeat ratios padded / packed."""
-    import time
-
-    lengths = [len(s) for s in sequences]
-    bins = best_fit_decreasing(lengths, budget)
-    packs = [pack_sequences(sequences, [b], budget, pad_token_id) for b in bins]
-    padded = [pad_sequences(sequences[i:i + batch_size], pad_token_id) for i in range(0, len(sequences), batch_size)]
-
-    def epoch(run, batches):
-        start = time.perf_counter()
-        for batch in batches:
-            model.zero_grad(set_to_none=True)
-            run(batch).backward()
-        return time.perf_counter() - start
-
-    times = {"padded": [], "packed": []}
-    for _ in range(repeats):
-        times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
-        times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
-    model.zero_grad(set_to_none=True)
-    ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
-    median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
-    return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
-            "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
-            "packed_utilization": utilization(lengths, bins, budget),
-            "rows_padded": sum(len(b["input_ids"]) for b in padded), "rows_packed": len(bins)}
-
 # %% [markdown]
 # Two length distributions: the embedded policy's own rollouts (prompt + completion, a few
 # tokens each: the arithmetic task's answers are short), and a long-tailed one shaped like
 # reasoning rollouts (prompts of 100–400 tokens, completions log-normal around 600 tokens
 # and truncated at 4096). Each is packed into budgets of a few sizes and compared with
-# padding micro-batches of 8 sequences (one GRPO group) in arrival order.
+# padding micro-batches of 8 sequences (one GRPO group) in arrival order. (`long_tail_lengths`,
+# `micro_batch_spread` and the timing of packed against padded steps are in the appendix.)
 
 # %%
 from minirl.config import SamplingConfig
+from minirl.parallel.packing import long_tail_lengths, micro_batch_spread  # code: appendix
 from minirl.rollout.hf import HFEngine
 
 policy, _, _ = load_default_policy(progress=False)   # the dense embedded policy of notebook 00
@@ -2375,7 +2197,10 @@ print(f"{'packed, no resets':>22}: loss {leaky:.6f}   (sequences attend to their
 # median of the per-round ratios is reported, so a busy machine slows both sides alike).
 
 # %%
-speed = time_packed_vs_padded(lm, sequences, budget=512, batch_size=8, pad_token_id=0, repeats=3 if SMOKE else 5)
+from minirl.parallel.packing import time_packed_vs_padded  # code: appendix
+
+speed = time_packed_vs_padded(lm, sequences, budget=512, batch_size=8, pad_token_id=0, repeats=3 if SMOKE else 5,
+                              progress=True)
 print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, "
       f"{speed['padded_seconds']:.2f} s | packed: {speed['rows_packed']} rows, "
       f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s | "
@@ -2431,3 +2256,283 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
 # away from the experts the router prefers. Which would you rather have in an RL run that
 # starts from a pre-trained MoE, and why? Why does 1F1B not shrink the bubble, and what
 # does it buy instead?
+
+# %% [markdown]
+# ## Appendix: the plumbing of this notebook
+#
+# Code the package needs but the lessons above do not teach: a cache, the two `torchrun`
+# jobs, a drawing helper, and the packing workloads and timing. Each piece is exported into
+# its module like the cells above.
+#
+# ### The warm-started MoE policy, built once and cached (section 2)
+
+# %%
+# | export minirl/models/moe.py
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
+
+
+def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):
+    """The tiny MoE policy after a supervised warm start of `warm_start_steps` steps (no balancing),
+    cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
+    from transformers import Qwen2MoeForCausalLM
+
+    key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
+    path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not (path / "config.json").exists():
+        model = build_moe_policy(tokenizer, seed=seed)
+        warm_start(model, tokenizer, task, WarmStartConfig(steps=warm_start_steps, target_accuracy=None, seed=seed),
+                   progress=progress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+        model.save_pretrained(tmp)
+        try:
+            os.replace(tmp, path)               # atomic: readers see all of it or none of it
+        except OSError:                         # another process finished first; keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Qwen2MoeForCausalLM.from_pretrained(path).eval()
+
+# %% [markdown]
+# ### The expert-parallel job (section 3)
+#
+# What `torchrun` starts on every rank, and the driver's call that starts it and reads the
+# ranks' results.
+
+# %%
+# | export minirl/parallel/expert.py
+def worker_main(argv=None) -> None:
+    """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
+    import argparse
+    import warnings
+
+    parser = argparse.ArgumentParser(description="minirl expert-parallel worker (run under torchrun)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--skew", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+    dist.init_process_group("gloo")
+    try:
+        rows = []
+        for scenario, strength in (("router as built", 0.0), ("skewed router", args.skew)):
+            block = moe_block(args.hidden, args.experts, args.top_k)
+            g = torch.Generator().manual_seed(1)
+            direction = nn.functional.normalize(torch.randn(args.hidden, generator=g), dim=0)    # [H]
+            tokens = torch.randn(args.tokens, args.hidden, generator=g) + direction               # [N, H]
+            skew_router(block, local_experts(args.experts, dist.get_world_size(), 0), direction, strength)
+            mine = measure_rank(block, tokens, args.repeats)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine | {"scenario": scenario})
+            rows.extend(everyone)
+            if dist.get_rank() == 0:
+                print(f"[expert parallel] {scenario}: checked and timed ({args.repeats} repeats)", flush=True)
+        if dist.get_rank() == 0:
+            args.out.write_text(json.dumps({"rows": rows, "config": vars(args) | {"out": str(args.out)}}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
+                           tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300,
+                           progress: bool = False) -> dict:
+    """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
+    and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
+    progress=True prints the job's output as it comes (a line per scenario)."""
+    local_experts(experts, world_size, 0)
+    if tokens < world_size or tokens % world_size:
+        raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "expert.json"
+        flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
+                 "--repeats", repeats, "--out", out]
+        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
+        return json.loads(out.read_text())
+
+# %% [markdown]
+# ### The pipeline job (section 5)
+#
+# `worker_main` is the body of the `torchrun` job: every rank runs each schedule and writes
+# its timed calls for the driver; `launch_pipeline` checks the settings, starts the job and
+# reads them back.
+
+# %%
+# | export minirl/parallel/pipeline_run.py
+def worker_main(argv=None) -> None:
+    """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description="minirl pipeline measurement worker (run under torchrun)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--microbatches", default="4,8")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = PipelineModel(args.layers, args.hidden).to(device)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
+        targets = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
+        with torch.no_grad():
+            reference = token_loss(model(ids), targets).item()          # the same loss without a pipeline
+        runs = []
+        for schedule in args.schedules.split(","):
+            for m in map(int, args.microbatches.split(",")):
+                steps = run_steps(schedule, model, ids, targets, m, args.repeats, device)
+                everyone = [None] * world
+                dist.all_gather_object(everyone, {"rank": rank, "steps": steps})
+                runs.append({"schedule": schedule, "ranks": world, "microbatches": m, "per_rank": everyone})
+                if rank == 0:
+                    print(f"[pipeline] {schedule}, M = {m}: {args.repeats} steps measured", flush=True)
+        if rank == 0:
+            args.out.write_text(json.dumps({"reference_loss": reference, "runs": runs,
+                                            "config": vars(args) | {"out": str(args.out)}}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+# %%
+# | export minirl/parallel/pipeline_run.py
+def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
+                    hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
+                    timeout: float = 600, progress: bool = False) -> dict:
+    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
+
+    Checks the settings first: every micro-batch count must fit the batch and the layers must
+    split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
+    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
+    progress=True prints the job's output as it comes (a line per schedule and micro-batch count).
+    """
+    for schedule in schedules:
+        num_stages = 2 * world_size if schedule == "dualpipev" else world_size
+        if schedule not in SCHEDULES:
+            raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+        for m in microbatches:
+            check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
+            if schedule == "dualpipev" and m < num_stages:
+                raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pipeline.json"
+        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
+                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
+                 "--out", out]
+        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
+        return json.loads(out.read_text())
+
+# %% [markdown]
+# ### Drawing a pipeline timeline (section 5)
+
+# %%
+# | export minirl/parallel/pipeline.py
+COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
+
+
+def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
+    """Draw one row per rank, one box per op (labelled with its micro-batch); returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * timeline.num_ranks))
+    t0 = min(e.start for e in timeline.events)
+    for e in timeline.events:
+        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=COLORS[e.op.kind], edgecolor="white", height=0.8)
+        if e.end - e.start > 0.02 * timeline.makespan:
+            ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.op.microbatch), ha="center", va="center",
+                    fontsize=7, color="white")
+    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
+    ax.invert_yaxis()
+    ax.set(xlabel="time", title=f"{title}  idle share {timeline.bubble_share:.1%}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, ["forward", "backward", "backward (inputs)", "backward (weights)"], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+# %% [markdown]
+# ### Packing workloads and the timing of packed against padded steps (section 6)
+
+# %%
+# | export minirl/parallel/packing.py
+def long_tail_lengths(n: int, median: int = 600, sigma: float = 1.0, cap: int = 4096,
+                      prompt: tuple[int, int] = (100, 400), seed: int = 0) -> list[int]:
+    """Prompt + completion lengths of `n` RL samples: prompts uniform in `prompt`, completions log-normal
+    (median `median`, log-std `sigma`: most are short, a few run to the cap) truncated at `cap` tokens
+    (max_completion_length), as reasoning rollouts look."""
+    g = torch.Generator().manual_seed(seed)
+    completion = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(float(median))))
+    prompts = torch.randint(prompt[0], prompt[1], (n,), generator=g)
+    return (completion.clamp(1, cap).long() + prompts).tolist()
+
+
+def micro_batch_spread(lengths: list[int], groups: list[list[int]]) -> float:
+    """Largest over mean real tokens per micro-batch: how unevenly the work is split (1.0 = even)."""
+    tokens = [sum(lengths[i] for i in g) for g in groups]
+    return max(tokens) / (sum(tokens) / len(tokens))
+
+
+def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_size: int, pad_token_id: int,
+                          repeats: int = 5, progress: bool = False) -> dict[str, float]:
+    """One forward + backward over all `sequences`, padded in micro-batches of `batch_size` (arrival
+    order) or packed best-fit into rows of `budget` tokens, interleaved `repeats` times in this process.
+    Returns the median seconds of each and the median of the per-repeat ratios padded / packed
+    (progress=True prints a line per repeat)."""
+    import time
+
+    lengths = [len(s) for s in sequences]
+    bins = best_fit_decreasing(lengths, budget)
+    packs = [pack_sequences(sequences, [b], budget, pad_token_id) for b in bins]
+    padded = [pad_sequences(sequences[i:i + batch_size], pad_token_id) for i in range(0, len(sequences), batch_size)]
+
+    def epoch(run, batches):
+        start = time.perf_counter()
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            run(batch).backward()
+        return time.perf_counter() - start
+
+    times = {"padded": [], "packed": []}
+    for _ in range(repeats):
+        times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
+        times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
+        if progress:
+            print(f"repeat {len(times['packed'])}/{repeats}: padded {times['padded'][-1]:.2f} s, "
+                  f"packed {times['packed'][-1]:.2f} s", flush=True)
+    model.zero_grad(set_to_none=True)
+    ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
+    median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731
+    return {"padded_seconds": median(times["padded"]), "packed_seconds": median(times["packed"]),
+            "speedup": median(ratios), "padded_utilization": padded_utilization(lengths, batch_size),
+            "packed_utilization": utilization(lengths, bins, budget),
+            "rows_padded": sum(len(b["input_ids"]) for b in padded), "rows_packed": len(bins)}

@@ -71,6 +71,28 @@ def stage1_run(name: str, **settings) -> Path:
     return out
 
 # %% [markdown]
+# The result first, from the package as it ships: a 60-step stage-1 run (8 steps in smoke
+# mode; the `hf` engine, which generates as TRL does), its time decomposed by stage
+# (`decompose`), and the source's symptom table applied to it as rules (`diagnose`), which
+# name what to inspect. The sections below open each piece: the decomposition (section 1),
+# the profiler (2), MFU (3) and the rules (4); then one change moves the bottleneck (5), and
+# the same reader takes the runs of stages 4, 6 and 7 (6).
+
+# %%
+from minirl.profiling.decompose import decompose
+from minirl.profiling.rules import diagnose
+
+base_dir = stage1_run("hf", rollout_engine="hf")
+first = decompose(base_dir)
+print(first.table())
+first_diagnosis = diagnose(base_dir, threads=1, quiet=True)
+print(f"largest category: {first.bottleneck} ({100 * first.shares[first.bottleneck]:.1f} % of the run's time); "
+      f"rules that fire: {', '.join(first_diagnosis.fired) or 'none'}")
+for line in first_diagnosis.report().splitlines():
+    if line.startswith("FINDING"):
+        print(line)
+
+# %% [markdown]
 # ## 1. Every stage times itself: the decomposition
 #
 # Notebook 01's `rl_step` wraps each stage in a timer and writes the seconds into the
@@ -152,7 +174,13 @@ NESTED = {"sleep": "generate", "wake": "sync"}  # stage 4 (rollout/colocated.py)
 NOT_STAGES = ("step", "eval")                   # time/step is the wall clock; time/eval runs between steps
 OVERLAP = 1.02                                  # stages summing to more than 2 % over the wall clock overlap
 
+# %% [markdown]
+# What can go wrong in a run directory gets a named error, and every stage name finds its
+# category: a sub-timer belongs to its parent, a collective's or a wait's name to
+# communication or waiting.
 
+# %%
+# | export minirl/profiling/decompose.py
 class RunDataError(ValueError):
     """A run directory whose records cannot be decomposed; the message names the file and what to do."""
 
@@ -189,81 +217,9 @@ def category_of(stage: str) -> str:
     return category_of(parent) if parent is not None else "other"
 
 # %% [markdown]
-# Reading a run directory is where real files go wrong. A crash mid-append cuts the last
-# line short (left out, and said); a damaged line in the middle, or steps that stop
-# increasing (two runs writing into one file), are errors that name the line, because no
-# honest decomposition can be made of them.
-
-# %%
-# | export minirl/profiling/decompose.py
-def read_records(run_dir) -> tuple[list[dict], list[str]]:
-    """The step records of run_dir/metrics.jsonl in file order, and notes on what was left out.
-
-    Step records are those with "time/step" (the step-0 evaluation record has none).
-    Raises NoMetricsError (no file, or no step record), MetricsFileError (a damaged line
-    before the last, a non-numeric or negative time), MixedRunsError (steps not increasing).
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise NoMetricsError(f"run directory {run_dir}: not a directory; pass the --out directory of a finished run")
-    path = run_dir / METRICS_FILE
-    if not path.is_file() or path.stat().st_size == 0:
-        raise NoMetricsError(f"run directory {run_dir} holds no {METRICS_FILE} (or an empty one): a run writes it "
-                             "when it is given an out_dir (--out), one line per step")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    partial, found = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                partial.append(f"{METRICS_FILE} line {number} is cut short (the run stopped while writing it): "
-                               "left out")
-                break
-            raise MetricsFileError(f"{path}:{number}: not a JSON record ({line[:60]!r}): the file is damaged; "
-                                   f"keep lines 1-{number - 1} only, or analyse another run") from None
-        if not isinstance(record, dict):
-            raise MetricsFileError(f"{path}:{number}: a {type(record).__name__}, not a record (a JSON object)")
-        found.append((number, record))
-    steps, untimed, last = [], [], None
-    for number, record in found:
-        if "time/step" not in record:
-            if "reward" in record or "loss" in record:
-                untimed.append(number)
-            continue
-        step = record.get("step")
-        if not isinstance(step, int):
-            raise MetricsFileError(f"{path}:{number}: a step record without an integer 'step' ({step!r})")
-        if last is not None and step <= last[1]:
-            raise MixedRunsError(f"{path}: line {number} holds step {step} after step {last[1]} (line {last[0]}): "
-                                 "the records of more than one run are mixed in this file (two runs writing into one "
-                                 "directory, or files joined); analyse one run per directory")
-        for key, value in record.items():
-            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-            if key.startswith("time/") and not seconds_ok:
-                raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
-        last = (number, step)
-        steps.append(record)
-    if untimed:
-        partial.append(f"{len(untimed)} step record(s) carry no time/step (lines {untimed[0]}-{untimed[-1]}; written "
-                       "by an older minirl?): left out")
-    if not steps:
-        raise NoMetricsError(f"{path} holds no step records with time/step ({len(found)} other record(s)): nothing "
-                             "to decompose")
-    return steps, partial
-
-
-def profiled_steps(run_dir) -> list[int]:
-    """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
-    path = Path(run_dir) / PROFILE_SUMMARY
-    try:
-        return sorted(int(s) for s in json.loads(path.read_text()).get("steps", []))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return []
-
-# %% [markdown]
+# The records come from `read_records`, which reads `metrics.jsonl` and refuses damaged or
+# mixed files with a named error (it is in the appendix).
+#
 # A stage's share of a run is its seconds summed over the steps divided by the steps'
 # total wall-clock time; what no stage timed is "other". This is exercise 9.1; the
 # decomposition below calls it on records whose stages no longer overlap.
@@ -562,133 +518,15 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     return out, {w: b / wall for w, b in busy.items()} if wall > 0 else {}
 
 # %% [markdown]
-# A stage-4 run hides its collectives inside the update and the sync; `rank_notes` says so
-# whenever a run had several data-parallel ranks and timed no collective apart.
-
-# %%
-# | export minirl/profiling/decompose.py
-def rank_notes(run_dir, records: list[dict]) -> list[str]:
-    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
-    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
-    ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
-    try:
-        ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    try:
-        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
-        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
-                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
-    if ranks < 2 or timed:
-        return []
-    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
-        else ""
-    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
-            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
-            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]
-
-# %% [markdown]
-# Plots: stacked bars of the category shares per step, the first steps as a timeline (the
-# stages in the order `rl_step` runs them), and several runs side by side.
-
-# %%
-# | export minirl/profiling/plots.py
-"""Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
-
-import matplotlib.pyplot as plt
-
-from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of
-
-COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
-                               "tab:pink", "tab:gray"), strict=True))
-
-
-def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title: str | None = None):
-    """Category shares per step as stacked bars (consecutive steps averaged when there are more than max_bars)."""
-    ax = ax or plt.subplots(figsize=(8, 3.2))[1]
-    shares = decomposition.step_shares
-    width = max(1, -(-len(shares) // max_bars))
-    groups = [shares[i:i + width] for i in range(0, len(shares), width)]
-    x = [decomposition.steps[i] for i in range(0, len(shares), width)]
-    bottom = [0.0] * len(groups)
-    for category in CATEGORIES:
-        heights = [sum(s[category] for s in g) / len(g) for g in groups]
-        if any(heights):
-            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=COLORS[category], label=category,
-                   align="edge")
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    ax.set(xlabel="step", ylabel="share of the step", ylim=(0, 1), title=title or "where each step's time goes")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    return ax
-
-
-def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
-    """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
-
-    Sub-timers are drawn at the end of their parent's span; untimed time ("other") at the end of each step.
-    """
-    ax = ax or plt.subplots(figsize=(9, 2.8))[1]
-    lanes = [c for c in CATEGORIES if any(s.get(c) for s in decomposition.step_shares[:steps])]
-    start = 0.0
-    d = decomposition                                                         # the first `steps` steps:
-    shown = zip(d.per_step[:steps], d.step_seconds, d.steps, strict=False)
-    for own, seconds, step in shown:
-        top = sorted((s for s in own if s != "other" and parent_of(s) not in own),
-                     key=lambda s: STEP_ORDER.index(s) if s in STEP_ORDER else len(STEP_ORDER))
-        t = start
-        for stage in top + ["other"]:
-            parts = [p for p in own if p != stage and parent_of(p) == stage]
-            span = own[stage] + sum(own[p] for p in parts)
-            pieces = [(stage, t, own[stage])]
-            offset = t + own[stage]
-            for p in parts:
-                pieces.append((p, offset, own[p]))
-                offset += own[p]
-            for name, left, width in pieces:
-                category = "other" if name == "other" else category_of(name)
-                if width > 0 and category in lanes:
-                    ax.barh(lanes.index(category), width, left=left, color=COLORS[category], edgecolor="white")
-            t += span
-        ax.axvline(start, color="black", lw=0.5)
-        ax.text(start, len(lanes) - 0.4, f" step {step}", fontsize=8, va="bottom")
-        start += seconds
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set(xlabel="seconds", title=title or f"the first {steps} steps, stage by stage")
-    ax.invert_yaxis()
-    return ax
-
-
-def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str | None = None):
-    """One horizontal stacked bar of category shares per run, labelled."""
-    ax = ax or plt.subplots(figsize=(8, 0.7 + 0.6 * len(decompositions)))[1]
-    for row, d in enumerate(decompositions.values()):
-        left = 0.0
-        for category in CATEGORIES:
-            share = d.shares[category]
-            if share > 0:
-                ax.barh(row, share, left=left, color=COLORS[category], label=category if row == 0 else None)
-                if share > 0.06:
-                    ax.text(left + share / 2, row, f"{100 * share:.0f}%", ha="center", va="center", fontsize=8)
-                left += share
-    ax.set_yticks(range(len(decompositions)), list(decompositions))
-    ax.set(xlim=(0, 1), xlabel="share of the run's time", title=title or "where the time goes")
-    ax.invert_yaxis()
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    return ax
-
-# %% [markdown]
-# The first run: stage 1 as TRL runs it, the `hf` engine, which calls `generate` on all
+# The opening cell's run, read again with the reader just built, and drawn (the plots are in
+# the appendix): stage 1 as TRL runs it, the `hf` engine, which calls `generate` on all
 # B × G rows and so computes each prompt G times. (Section 5 changes exactly one thing.)
 
 # %%
 from minirl.profiling.decompose import decompose  # noqa: E402
-from minirl.profiling.plots import plot_compare, plot_shares, plot_stage_timeline  # noqa: E402
+from minirl.profiling.plots import plot_compare, plot_shares, plot_stage_timeline  # noqa: E402  code: appendix
 
-base_dir = stage1_run("hf", rollout_engine="hf")
-base = decompose(base_dir)
+base = decompose(base_dir)                      # the opening cell's run, read again
 print(base.table())
 fig, axes = plt.subplots(2, 1, figsize=(9, 5.5))
 plot_shares(base, ax=axes[0], title="stage 1, hf engine: each step's time by category")
@@ -762,7 +600,12 @@ STAGE_CALLS = {"generate": "generate", "score": "score", "make_experience": "ref
                "importance_weights": "advantages", "compute_advantages": "advantages", "update": "update",
                "push": "sync"}
 
+# %% [markdown]
+# The profiler's events, summed: self time and calls per operator, the top of that table, and
+# the matrix products' share of the step.
 
+# %%
+# | export minirl/profiling/profiler.py
 def operator_totals(events) -> dict[str, dict]:
     """torch operators (aten::...) summed by name over a profile's events: calls, self seconds on the CPU and on
     the device, FLOPs counted, self bytes allocated. (torch's key_averages does this too, for every event, and
@@ -943,7 +786,7 @@ PROFILED = 2 if SMOKE else 3
 prof_dir = RUNS / f"{TAG}_profiled"
 model, tokenizer, _ = load_default_policy(progress=False)
 train(RLConfig.from_flat(steps=PROFILED + 1, eval_every=0, checkpoint_every=0, rollout_engine="hf"), model, tokenizer,
-      out_dir=prof_dir, overwrite=True, progress=False, extra_callbacks=[TorchProfiler(prof_dir, steps=[PROFILED])])
+      out_dir=prof_dir, overwrite=True, progress=not SMOKE, extra_callbacks=[TorchProfiler(prof_dir, steps=[PROFILED])])
 profile_summary = json.loads((prof_dir / "profile" / "summary.json").read_text())
 profiled = profile_summary["per_step"][str(PROFILED)]
 print(f"trace: {profiled['trace']} ({Path(profiled['trace']).stat().st_size / 1e6:.1f} MB, gzip)")
@@ -1045,7 +888,12 @@ COMPUTE_DTYPE = {"float8_e4m3fn": "bfloat16"}   # minirl's simulated FP8 rollout
 TRAINER_STAGES = ("reference", "advantages", "update", "update_critic")
 ROLLOUT_STAGES = ("generate",)
 
+# %% [markdown]
+# A model's shape, as the FLOP count needs it: the parameters that multiply each token, the
+# layers and the attention width, read from a `transformers` config or a run directory.
 
+# %%
+# | export minirl/profiling/mfu.py
 class ModelShapeError(ValueError):
     """No model configuration to count FLOPs from."""
 
@@ -1192,105 +1040,8 @@ def flat_config(config: dict) -> dict:
 # marketing figures often include). For a CPU there is no honest datasheet number that
 # matches what PyTorch can reach, so it is measured: the best rate of a square matrix
 # product at the run's dtype on the run's thread count. The best, not the average: another
-# process on a shared machine can only ever slow a matmul down.
-
-# %%
-# | export minirl/profiling/mfu.py
-# Dense peaks from NVIDIA's datasheets, TFLOP/s; the first name contained in the device's wins.
-# The datasheets print the tensor-core rates with 2:4 structured sparsity; a dense matmul gets
-# half: the H100 SXM and H200 SXM datasheets give BF16/FP16 1,979 and FP8 3,958 "with
-# sparsity", so 989 and 1,979 dense, and FP32 67 (no sparsity); H100 NVL and H200 NVL give
-# BF16 1,671 (835 dense), H100 PCIe 1,513 (756 dense). GH200 ("NVIDIA GH200 ...") matches
-# "H200" and has the H100 SXM's figures, the same numbers.
-GPU_PEAK_TFLOPS = (
-    ("H100 NVL", {"float32": 60.0, "bfloat16": 835.0, "float16": 835.0, "float8_e4m3fn": 1671.0}),
-    ("H100 PCIe", {"float32": 51.0, "bfloat16": 756.0, "float16": 756.0, "float8_e4m3fn": 1513.0}),
-    ("H100", {"float32": 67.0, "bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0}),       # SXM
-    ("H200 NVL", {"float32": 60.0, "bfloat16": 835.0, "float16": 835.0, "float8_e4m3fn": 1671.0}),
-    ("H200", {"float32": 67.0, "bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0}),       # SXM
-    ("A100", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0}),
-    ("A10G", None),                        # AWS's variant of the A10: no datasheet figures of its own
-    ("A10", {"float32": 31.2, "bfloat16": 125.0, "float16": 125.0}),
-    ("L40S", {"float32": 91.6, "bfloat16": 362.0, "float16": 362.0, "float8_e4m3fn": 733.0}),
-    ("L40", None),
-    ("L4", {"float32": 30.3, "bfloat16": 121.0, "float16": 121.0, "float8_e4m3fn": 242.0}),
-    ("V100-PCIE", {"float32": 14.0, "float16": 112.0}),
-    ("V100", {"float32": 15.7, "float16": 125.0}),                                                   # SXM2
-    ("T4", {"float32": 8.1, "float16": 65.0}),
-)
-
-
-class UnknownPeakError(LookupError):
-    """No known peak FLOP/s for a device and dtype: pass the peak (peak_tflops / --peak-tflops)."""
-
-
-def gpu_peak_flops(device_name: str, dtype: str) -> float:
-    """The datasheet's dense peak FLOP/s of an NVIDIA GPU (by name) at `dtype`; UnknownPeakError otherwise.
-
-    float32 is plain FP32: PyTorch runs float32 matmuls without TF32 unless told to.
-    """
-    dtype = COMPUTE_DTYPE.get(dtype, dtype)
-    for key, peaks in GPU_PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            if peaks is None or dtype not in peaks:
-                break
-            return peaks[dtype] * 1e12
-    raise UnknownPeakError(f"no published {dtype} peak for {device_name!r} in minirl's table: pass the device's dense "
-                           f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
-
-
-@functools.cache
-def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
-                     sizes: tuple[int, ...] = (256, 512)) -> float:
-    """The best FLOP/s of a square matmul (torch's CPU GEMM) at `dtype` on `threads` threads, over about `seconds`.
-
-    Each size gets an equal share of the time; the best single product over all sizes is the
-    peak (2 n^3 FLOPs each). Cached per arguments: measured once per process.
-    """
-    dtype = COMPUTE_DTYPE.get(dtype, dtype)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    best = 0.0
-    try:
-        generator = torch.Generator().manual_seed(0)
-        for n in sizes:
-            a = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
-            b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
-            a @ b                                                        # warm-up: allocation, kernel choice
-            deadline = time.perf_counter() + seconds / len(sizes)
-            while True:
-                start = time.perf_counter()
-                a @ b
-                elapsed = time.perf_counter() - start
-                best = max(best, 2 * n ** 3 / elapsed)
-                if start + elapsed > deadline:
-                    break
-    finally:
-        torch.set_num_threads(previous)
-    return best
-
-
-def peak_flops(device: str, dtype: str, threads: int = 1, peak_tflops: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s, how it was found) for a run's device ("cpu", "cuda", "cuda:1") and compute dtype.
-
-    peak_tflops: given by the user (wins). A CPU is measured on this machine (analyse a CPU
-    run on the machine it ran on, or pass the peak); a CUDA device is looked up by the name
-    of this machine's GPU. UnknownPeakError when neither works.
-    """
-    if peak_tflops is not None:
-        if not peak_tflops > 0:
-            raise ValueError(f"peak_tflops={peak_tflops}: must be > 0 (the device's dense peak in TFLOP/s)")
-        return peak_tflops * 1e12, f"given: {peak_tflops:g} TFLOP/s"
-    compute = COMPUTE_DTYPE.get(dtype, dtype)
-    if device.startswith("cpu"):
-        return measure_cpu_peak(compute, threads), f"measured: best {compute} matmul, {threads} thread(s), this CPU"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UnknownPeakError(f"the run used {device}, and this machine has no CUDA device to look up: pass the "
-                                   f"GPU's dense {compute} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
-        name = torch.cuda.get_device_name(torch.device(device))
-        return gpu_peak_flops(name, compute), f"datasheet: {name}, dense {compute}"
-    raise UnknownPeakError(f"device {device!r}: no way to know its peak; pass it in TFLOP/s (--peak-tflops)")
+# process on a shared machine can only ever slow a matmul down. (`peak_flops`, with its table of
+# datasheet peaks and the CPU measurement, is bookkeeping: it is in the appendix.)
 
 # %% [markdown]
 # MFU of a run: the FLOPs of every step's rollout over the seconds of `generate`, and the
@@ -1632,7 +1383,12 @@ class Rule:
     direction: str               # what the source says to try, in our words
     unit: str = "share"          # how values print: "share" (0-1, as %), "ratio" (x.xx) or "count"
 
+# %% [markdown]
+# The source's table, one `Rule` per row: what is measured, the threshold, and the source's
+# direction when it fires.
 
+# %%
+# | export minirl/profiling/rules.py
 RULES = (
     Rule("slow_rollout", "slow rollout", "generation's share of the run's time", 0.80, True,
          "more than 80 % of total time",
@@ -1723,7 +1479,12 @@ def _stragglers(records: list[dict]) -> tuple[float | None, str]:
     detail = f"longest / mean completion, mean over {len(ratios)} steps (max {max(ratios):.2f})"
     return sum(ratios) / len(ratios), detail
 
+# %% [markdown]
+# `measurements` reads every symptom off one run: the decomposition's shares, the MFU, and the
+# three helpers above.
 
+# %%
+# | export minirl/profiling/rules.py
 def measurements(decomposition: Decomposition | None, mfu: MFUReport | None, records: list[dict],
                  summary: dict) -> dict[str, tuple[float | None, str]]:
     """rule name -> (measured value or None, how it was measured) for every rule of RULES."""
@@ -1788,7 +1549,11 @@ class Finding:
         return (f"{self.rule.name:>19} | {self.format(self.value):>12} | {threshold} | "
                 f"{'FIRES' if self.fired else 'no':>5} | {self.detail}")
 
+# %% [markdown]
+# A `Diagnosis` collects a run's findings and writes them as the report and as JSON.
 
+# %%
+# | export minirl/profiling/rules.py
 @dataclass
 class Diagnosis:
     """What `diagnose` found in one run directory."""
@@ -1894,7 +1659,12 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     report.peak = {"trainer": trainer, "rollout": rollout}
     return report
 
+# %% [markdown]
+# `diagnose` puts the pieces together: decompose the run, compute its MFU when the run
+# directory allows it, measure every symptom and apply every rule.
 
+# %%
+# | export minirl/profiling/rules.py
 def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, shape: ModelShape | None = None,
              quiet: bool = False) -> Diagnosis:
     """Apply every rule of RULES to the run in `run_dir` (any stage's); print the report unless quiet.
@@ -2064,26 +1834,66 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 # | timeline.json | `workers`: each worker's `[what, start, end]` calls (stage 6) | Ray calls split out, workers' busy time | Ray calls stay inside their stages (said) |
 #
 # Smoke mode skips the two runs (tests/test_chapter09.py runs both, smaller); full mode
-# runs them here, about a minute each on two cores.
+# runs them here, about a minute each on two cores. `watch` shows a run's progress while it
+# goes: a bar of the step records its `metrics.jsonl` holds so far.
 
 # %%
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+from tqdm.auto import tqdm  # noqa: E402
 
 from minirl.parallel.launch import torchrun  # noqa: E402
 
+
+def watch(run_dir: Path, steps: int, label: str, job):
+    """Run `job()` (a blocking launch of a chapter script that writes into `run_dir`) in a thread, with a
+    bar of the step records in its metrics.jsonl so far; returns what job() returns."""
+    metrics, started = Path(run_dir) / "metrics.jsonl", time.time()
+
+    def recorded(last: int) -> int:
+        try:
+            if metrics.stat().st_mtime < started:                                  # an earlier run's file
+                return 0
+            return min(steps, metrics.read_text().count('"step"'))
+        except OSError:                                                            # not written yet, or replaced
+            return last
+
+    with ThreadPoolExecutor(1) as pool, tqdm(total=steps, desc=label) as bar:
+        future = pool.submit(job)
+        while not future.done():
+            time.sleep(2)
+            bar.n = recorded(bar.n)
+            bar.refresh()
+        bar.n = recorded(bar.n)
+        bar.refresh()
+        return future.result()
+
+# %% [markdown]
+# The two runs, each read by `diagnose`: its reports, their shares as bars, and the checks
+# behind the paragraph that follows.
+
+# %%
 STAGE_RUN = ["--steps", "8", "--prompts-per-step", "8", "--eval-every", "0", "--checkpoint-every", "0", "--overwrite"]
 stage4_dir, stage6_dir = RUNS / f"{TAG}_stage4", RUNS / f"{TAG}_stage6"
 if SMOKE:
     print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs both); "
           "run this notebook without MINIRL_SMOKE to see them decomposed")
 else:
-    job = torchrun(ROOT / "chapters" / "04_fsdp_lora.py", 2, ["--out", stage4_dir, "--zero", "3", "--no-progress",
-                                                              "--gradient-checkpointing", *STAGE_RUN], timeout=1200)
+    job = watch(stage4_dir, int(STAGE_RUN[1]), "stage 4 (torchrun, 2 ranks)", lambda: torchrun(
+        ROOT / "chapters" / "04_fsdp_lora.py", 2,
+        ["--out", stage4_dir, "--zero", "3", "--no-progress", "--gradient-checkpointing", *STAGE_RUN], timeout=1200))
     assert job.returncode == 0, job.stdout[-3000:]
-    job = subprocess.run([sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir),
-                          "--placement", "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT)
+    for attempt in range(1, 4):          # on a very busy machine Ray's own start-up can time out: try again
+        job = watch(stage6_dir, int(STAGE_RUN[1]), "stage 6 (Ray, disaggregated)", lambda: subprocess.run(
+            [sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir), "--placement",
+             "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT))
+        if job.returncode == 0 or "starting a local Ray cluster" not in job.stderr + job.stdout or attempt == 3:
+            break
+        print(f"stage 6: Ray did not start on this busy machine (try {attempt} of 3); trying again in 30 s")
+        time.sleep(30)
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     stage4, stage6 = diagnose(stage4_dir, quiet=True), diagnose(stage6_dir, quiet=True)
     for name, d in (("stage 4 (torchrun, 2 ranks, ZeRO-3)", stage4), ("stage 6 (Ray, disaggregated)", stage6)):
@@ -2135,9 +1945,9 @@ STAGE7_RUN = ["--steps", "8", "--prompts-per-step", "8", "--checkpoint-every", "
 stage7_dir = RUNS / f"{TAG}_stage7"
 matching_runs = {}                                   # source's row -> (which run, its MFUReport)
 if not SMOKE:
-    job = subprocess.run([sys.executable, str(ROOT / "chapters" / "07_async.py"), "--out", str(stage7_dir),
-                          *STAGE7_RUN], capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    job = watch(stage7_dir, int(STAGE7_RUN[1]), "stage 7 (asynchronous)", lambda: subprocess.run(
+        [sys.executable, str(ROOT / "chapters" / "07_async.py"), "--out", str(stage7_dir), *STAGE7_RUN],
+        capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT))
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     stage7 = diagnose(stage7_dir, quiet=True)
     matching_runs = {"dense": ("stage 4, 2 ranks", stage4.mfu), "async": ("stage 7", stage7.mfu)}
@@ -2187,8 +1997,10 @@ REPRODUCED[26] = ("symptom table: rollout > 80 %, sync > 5 %, comm > 10 %, OOM, 
 in_source_range = 0.35 <= base_mfu.trainer <= 0.60      # the trainer's ranges of the source's rows: 35-60 %
 REPRODUCED[27] = ("MFU 35-45 %, 50-60 %, trainer 40-50 % / rollout 70-80 %; < 30 % inspect",
                   f"stage 1 on a CPU: trainer {100 * base_mfu.trainer:.0f} %, rollout {100 * base_mfu.rollout:.0f} %",
-                  "agree" if in_source_range else "differ", f"1 M params: matmuls are {100 * mm_share:.0f} % of a step, the rest is small operators; "
-                            "decode at 70-80 % needs short contexts and huge batches (roofline)")
+                  "agree" if in_source_range else "differ",
+                  f"1 M params: matmuls are {100 * mm_share:.0f} % of a step, the rest is small operators; this process "
+                  f"had the CPU {100 * profiled['cpu_share']:.0f} % of the profiled step's time (a shared machine "
+                  "lowers MFU); decode at 70-80 % needs short contexts and huge batches (roofline)")
 print(f"{'#':>2} | {'the source says':<78} | {'minirl':<62} | {'verdict':<7} | why")
 for row, (source, ours, agree, why) in REPRODUCED.items():
     print(f"{row:>2} | {source:<78} | {ours:<62} | {agree:<7} | {why}")
@@ -2222,3 +2034,312 @@ for row, (source, ours, agree, why) in REPRODUCED.items():
 # the source's directions would shrink it here, and which would only move time elsewhere?
 # If a run's rollout and trainer ran on separate devices, what would the decomposition's
 # "waiting" show, and which MFU would it lower?
+
+# %% [markdown]
+# ## Appendix: the plumbing of this notebook
+#
+# Code the package needs but the lessons above do not teach: reading a run directory
+# safely, the note on data-parallel runs, the device peaks, and the plots. Each piece is
+# exported into its module like the cells above.
+#
+# ### Reading a run directory (section 1)
+#
+# Reading a run directory is where real files go wrong. A crash mid-append cuts the last
+# line short (left out, and said); a damaged line in the middle, or steps that stop
+# increasing (two runs writing into one file), are errors that name the line, because no
+# honest decomposition can be made of them.
+
+# %%
+# | export minirl/profiling/decompose.py
+def read_records(run_dir) -> tuple[list[dict], list[str]]:
+    """The step records of run_dir/metrics.jsonl in file order, and notes on what was left out.
+
+    Step records are those with "time/step" (the step-0 evaluation record has none).
+    Raises NoMetricsError (no file, or no step record), MetricsFileError (a damaged line
+    before the last, a non-numeric or negative time), MixedRunsError (steps not increasing).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NoMetricsError(f"run directory {run_dir}: not a directory; pass the --out directory of a finished run")
+    path = run_dir / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        raise NoMetricsError(f"run directory {run_dir} holds no {METRICS_FILE} (or an empty one): a run writes it "
+                             "when it is given an out_dir (--out), one line per step")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    partial, found = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                partial.append(f"{METRICS_FILE} line {number} is cut short (the run stopped while writing it): "
+                               "left out")
+                break
+            raise MetricsFileError(f"{path}:{number}: not a JSON record ({line[:60]!r}): the file is damaged; "
+                                   f"keep lines 1-{number - 1} only, or analyse another run") from None
+        if not isinstance(record, dict):
+            raise MetricsFileError(f"{path}:{number}: a {type(record).__name__}, not a record (a JSON object)")
+        found.append((number, record))
+    steps, untimed, last = [], [], None
+    for number, record in found:
+        if "time/step" not in record:
+            if "reward" in record or "loss" in record:
+                untimed.append(number)
+            continue
+        step = record.get("step")
+        if not isinstance(step, int):
+            raise MetricsFileError(f"{path}:{number}: a step record without an integer 'step' ({step!r})")
+        if last is not None and step <= last[1]:
+            raise MixedRunsError(f"{path}: line {number} holds step {step} after step {last[1]} (line {last[0]}): "
+                                 "the records of more than one run are mixed in this file (two runs writing into one "
+                                 "directory, or files joined); analyse one run per directory")
+        for key, value in record.items():
+            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            if key.startswith("time/") and not seconds_ok:
+                raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
+        last = (number, step)
+        steps.append(record)
+    if untimed:
+        partial.append(f"{len(untimed)} step record(s) carry no time/step (lines {untimed[0]}-{untimed[-1]}; written "
+                       "by an older minirl?): left out")
+    if not steps:
+        raise NoMetricsError(f"{path} holds no step records with time/step ({len(found)} other record(s)): nothing "
+                             "to decompose")
+    return steps, partial
+
+
+def profiled_steps(run_dir) -> list[int]:
+    """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
+    path = Path(run_dir) / PROFILE_SUMMARY
+    try:
+        return sorted(int(s) for s in json.loads(path.read_text()).get("steps", []))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+
+# %% [markdown]
+# ### What a data-parallel run does not let the reader split (sections 1 and 6)
+#
+# A stage-4 run hides its collectives inside the update and the sync; `rank_notes` says so
+# whenever a run had several data-parallel ranks and timed no collective apart.
+
+# %%
+# | export minirl/profiling/decompose.py
+def rank_notes(run_dir, records: list[dict]) -> list[str]:
+    """What a data-parallel run does not let the reader split: stage 4's ranks (`time_by_rank`, run.json's
+    world_size) or stage 6's trainer pool of several workers (summary.json's placement)."""
+    ranks = max((len(r.get("time_by_rank") or ()) for r in records), default=0)
+    try:
+        ranks = max(ranks, int(json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1) or 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    try:
+        placement = json.loads((Path(run_dir) / "summary.json").read_text()).get("placement") or {}
+        ranks = max(ranks, *(len(placement.get(role) or ()) for role in ("actor", "critic")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    timed = any(category_of(k[5:]) == "communication" and not k.endswith("/rpc") for r in records for k in r
+                if k.startswith("time/"))                                  # collectives timed apart: nothing hidden
+    if ranks < 2 or timed:
+        return []
+    whose = "; the times are rank 0's (time_by_rank holds every rank's)" if any("time_by_rank" in r for r in records) \
+        else ""
+    return [f"{ranks} data-parallel ranks: their collectives (gradient all-reduce, FSDP's all-gather/reduce-scatter, "
+            "a sharded sync's gathers) and the waits for the slowest rank run inside update and sync, not timed "
+            f"apart: communication and waiting are in those shares, not measured on their own{whose}"]
+
+# %% [markdown]
+# ### Device peaks (section 3)
+#
+# Datasheet peaks for NVIDIA GPUs, a measured peak for a CPU, and `peak_flops`, which picks
+# between them.
+
+# %%
+# | export minirl/profiling/mfu.py
+# Dense peaks from NVIDIA's datasheets, TFLOP/s; the first name contained in the device's wins.
+# The datasheets print the tensor-core rates with 2:4 structured sparsity; a dense matmul gets
+# half: the H100 SXM and H200 SXM datasheets give BF16/FP16 1,979 and FP8 3,958 "with
+# sparsity", so 989 and 1,979 dense, and FP32 67 (no sparsity); H100 NVL and H200 NVL give
+# BF16 1,671 (835 dense), H100 PCIe 1,513 (756 dense). GH200 ("NVIDIA GH200 ...") matches
+# "H200" and has the H100 SXM's figures, the same numbers.
+GPU_PEAK_TFLOPS = (
+    ("H100 NVL", {"float32": 60.0, "bfloat16": 835.0, "float16": 835.0, "float8_e4m3fn": 1671.0}),
+    ("H100 PCIe", {"float32": 51.0, "bfloat16": 756.0, "float16": 756.0, "float8_e4m3fn": 1513.0}),
+    ("H100", {"float32": 67.0, "bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0}),       # SXM
+    ("H200 NVL", {"float32": 60.0, "bfloat16": 835.0, "float16": 835.0, "float8_e4m3fn": 1671.0}),
+    ("H200", {"float32": 67.0, "bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0}),       # SXM
+    ("A100", {"float32": 19.5, "bfloat16": 312.0, "float16": 312.0}),
+    ("A10G", None),                        # AWS's variant of the A10: no datasheet figures of its own
+    ("A10", {"float32": 31.2, "bfloat16": 125.0, "float16": 125.0}),
+    ("L40S", {"float32": 91.6, "bfloat16": 362.0, "float16": 362.0, "float8_e4m3fn": 733.0}),
+    ("L40", None),
+    ("L4", {"float32": 30.3, "bfloat16": 121.0, "float16": 121.0, "float8_e4m3fn": 242.0}),
+    ("V100-PCIE", {"float32": 14.0, "float16": 112.0}),
+    ("V100", {"float32": 15.7, "float16": 125.0}),                                                   # SXM2
+    ("T4", {"float32": 8.1, "float16": 65.0}),
+)
+
+
+class UnknownPeakError(LookupError):
+    """No known peak FLOP/s for a device and dtype: pass the peak (peak_tflops / --peak-tflops)."""
+
+
+def gpu_peak_flops(device_name: str, dtype: str) -> float:
+    """The datasheet's dense peak FLOP/s of an NVIDIA GPU (by name) at `dtype`; UnknownPeakError otherwise.
+
+    float32 is plain FP32: PyTorch runs float32 matmuls without TF32 unless told to.
+    """
+    dtype = COMPUTE_DTYPE.get(dtype, dtype)
+    for key, peaks in GPU_PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            if peaks is None or dtype not in peaks:
+                break
+            return peaks[dtype] * 1e12
+    raise UnknownPeakError(f"no published {dtype} peak for {device_name!r} in minirl's table: pass the device's dense "
+                           f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
+
+
+@functools.cache
+def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
+                     sizes: tuple[int, ...] = (256, 512)) -> float:
+    """The best FLOP/s of a square matmul (torch's CPU GEMM) at `dtype` on `threads` threads, over about `seconds`.
+
+    Each size gets an equal share of the time; the best single product over all sizes is the
+    peak (2 n^3 FLOPs each). Cached per arguments: measured once per process.
+    """
+    dtype = COMPUTE_DTYPE.get(dtype, dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = 0.0
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for n in sizes:
+            a = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
+            b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
+            a @ b                                                        # warm-up: allocation, kernel choice
+            deadline = time.perf_counter() + seconds / len(sizes)
+            while True:
+                start = time.perf_counter()
+                a @ b
+                elapsed = time.perf_counter() - start
+                best = max(best, 2 * n ** 3 / elapsed)
+                if start + elapsed > deadline:
+                    break
+    finally:
+        torch.set_num_threads(previous)
+    return best
+
+
+def peak_flops(device: str, dtype: str, threads: int = 1, peak_tflops: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, how it was found) for a run's device ("cpu", "cuda", "cuda:1") and compute dtype.
+
+    peak_tflops: given by the user (wins). A CPU is measured on this machine (analyse a CPU
+    run on the machine it ran on, or pass the peak); a CUDA device is looked up by the name
+    of this machine's GPU. UnknownPeakError when neither works.
+    """
+    if peak_tflops is not None:
+        if not peak_tflops > 0:
+            raise ValueError(f"peak_tflops={peak_tflops}: must be > 0 (the device's dense peak in TFLOP/s)")
+        return peak_tflops * 1e12, f"given: {peak_tflops:g} TFLOP/s"
+    compute = COMPUTE_DTYPE.get(dtype, dtype)
+    if device.startswith("cpu"):
+        return measure_cpu_peak(compute, threads), f"measured: best {compute} matmul, {threads} thread(s), this CPU"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UnknownPeakError(f"the run used {device}, and this machine has no CUDA device to look up: pass the "
+                                   f"GPU's dense {compute} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
+        name = torch.cuda.get_device_name(torch.device(device))
+        return gpu_peak_flops(name, compute), f"datasheet: {name}, dense {compute}"
+    raise UnknownPeakError(f"device {device!r}: no way to know its peak; pass it in TFLOP/s (--peak-tflops)")
+
+# %% [markdown]
+# ### Plots of a decomposition (sections 1, 5 and 6)
+#
+# Plots: stacked bars of the category shares per step, the first steps as a timeline (the
+# stages in the order `rl_step` runs them), and several runs side by side.
+
+# %%
+# | export minirl/profiling/plots.py
+"""Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
+
+import matplotlib.pyplot as plt
+
+from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of
+
+COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
+                               "tab:pink", "tab:gray"), strict=True))
+
+
+def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title: str | None = None):
+    """Category shares per step as stacked bars (consecutive steps averaged when there are more than max_bars)."""
+    ax = ax or plt.subplots(figsize=(8, 3.2))[1]
+    shares = decomposition.step_shares
+    width = max(1, -(-len(shares) // max_bars))
+    groups = [shares[i:i + width] for i in range(0, len(shares), width)]
+    x = [decomposition.steps[i] for i in range(0, len(shares), width)]
+    bottom = [0.0] * len(groups)
+    for category in CATEGORIES:
+        heights = [sum(s[category] for s in g) / len(g) for g in groups]
+        if any(heights):
+            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=COLORS[category], label=category,
+                   align="edge")
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set(xlabel="step", ylabel="share of the step", ylim=(0, 1), title=title or "where each step's time goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return ax
+
+
+def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
+    """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
+
+    Sub-timers are drawn at the end of their parent's span; untimed time ("other") at the end of each step.
+    """
+    ax = ax or plt.subplots(figsize=(9, 2.8))[1]
+    lanes = [c for c in CATEGORIES if any(s.get(c) for s in decomposition.step_shares[:steps])]
+    start = 0.0
+    d = decomposition                                                         # the first `steps` steps:
+    shown = zip(d.per_step[:steps], d.step_seconds, d.steps, strict=False)
+    for own, seconds, step in shown:
+        top = sorted((s for s in own if s != "other" and parent_of(s) not in own),
+                     key=lambda s: STEP_ORDER.index(s) if s in STEP_ORDER else len(STEP_ORDER))
+        t = start
+        for stage in top + ["other"]:
+            parts = [p for p in own if p != stage and parent_of(p) == stage]
+            span = own[stage] + sum(own[p] for p in parts)
+            pieces = [(stage, t, own[stage])]
+            offset = t + own[stage]
+            for p in parts:
+                pieces.append((p, offset, own[p]))
+                offset += own[p]
+            for name, left, width in pieces:
+                category = "other" if name == "other" else category_of(name)
+                if width > 0 and category in lanes:
+                    ax.barh(lanes.index(category), width, left=left, color=COLORS[category], edgecolor="white")
+            t += span
+        ax.axvline(start, color="black", lw=0.5)
+        ax.text(start, len(lanes) - 0.4, f" step {step}", fontsize=8, va="bottom")
+        start += seconds
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set(xlabel="seconds", title=title or f"the first {steps} steps, stage by stage")
+    ax.invert_yaxis()
+    return ax
+
+
+def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str | None = None):
+    """One horizontal stacked bar of category shares per run, labelled."""
+    ax = ax or plt.subplots(figsize=(8, 0.7 + 0.6 * len(decompositions)))[1]
+    for row, d in enumerate(decompositions.values()):
+        left = 0.0
+        for category in CATEGORIES:
+            share = d.shares[category]
+            if share > 0:
+                ax.barh(row, share, left=left, color=COLORS[category], label=category if row == 0 else None)
+                if share > 0.06:
+                    ax.text(left + share / 2, row, f"{100 * share:.0f}%", ha="center", va="center", fontsize=8)
+                left += share
+    ax.set_yticks(range(len(decompositions)), list(decompositions))
+    ax.set(xlim=(0, 1), xlabel="share of the run's time", title=title or "where the time goes")
+    ax.invert_yaxis()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return ax

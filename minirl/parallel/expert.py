@@ -154,6 +154,7 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
     import argparse
+    import warnings
 
     parser = argparse.ArgumentParser(description="minirl expert-parallel worker (run under torchrun)")
     parser.add_argument("--hidden", type=int, default=64)
@@ -165,6 +166,7 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
     dist.init_process_group("gloo")
     try:
         rows = []
@@ -178,6 +180,8 @@ def worker_main(argv=None) -> None:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine | {"scenario": scenario})
             rows.extend(everyone)
+            if dist.get_rank() == 0:
+                print(f"[expert parallel] {scenario}: checked and timed ({args.repeats} repeats)", flush=True)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps({"rows": rows, "config": vars(args) | {"out": str(args.out)}}))
         dist.barrier()
@@ -186,10 +190,12 @@ def worker_main(argv=None) -> None:
 
 
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
-                           tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300) -> dict:
+                           tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300,
+                           progress: bool = False) -> dict:
     """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
     and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
-    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`)."""
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
+    progress=True prints the job's output as it comes (a line per scenario)."""
     local_experts(experts, world_size, 0)
     if tokens < world_size or tokens % world_size:
         raise ValueError(f"tokens={tokens}: use a multiple of world_size={world_size} (every rank gets an equal share)")
@@ -197,7 +203,7 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
         out = Path(tmp) / "expert.json"
         flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
                  "--repeats", repeats, "--out", out]
-        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout)
+        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout, stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")

@@ -201,10 +201,11 @@ def micro_batch_spread(lengths: list[int], groups: list[list[int]]) -> float:
 
 
 def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_size: int, pad_token_id: int,
-                          repeats: int = 5) -> dict[str, float]:
+                          repeats: int = 5, progress: bool = False) -> dict[str, float]:
     """One forward + backward over all `sequences`, padded in micro-batches of `batch_size` (arrival
     order) or packed best-fit into rows of `budget` tokens, interleaved `repeats` times in this process.
-    Returns the median seconds of each and the median of the per-repeat ratios padded / packed."""
+    Returns the median seconds of each and the median of the per-repeat ratios padded / packed
+    (progress=True prints a line per repeat)."""
     import time
 
     lengths = [len(s) for s in sequences]
@@ -223,6 +224,9 @@ def time_packed_vs_padded(model, sequences: list[list[int]], budget: int, batch_
     for _ in range(repeats):
         times["padded"].append(epoch(lambda b: padded_loss(model, b), padded))
         times["packed"].append(epoch(lambda b: packed_loss(model, b), packs))
+        if progress:
+            print(f"repeat {len(times['packed'])}/{repeats}: padded {times['padded'][-1]:.2f} s, "
+                  f"packed {times['packed'][-1]:.2f} s", flush=True)
     model.zero_grad(set_to_none=True)
     ratios = [a / b for a, b in zip(times["padded"], times["packed"], strict=True)]
     median = lambda values: sorted(values)[len(values) // 2]                    # noqa: E731

@@ -16,8 +16,8 @@ no optimizer step (the bubble is in forward and backward).
 """
 
 __all__ = ["Block", "StageModule", "PipelineModel", "token_loss", "record_compute",
-           "build_schedule", "run_steps", "worker_main", "launch_pipeline", "measured_timelines",
-           "measured_costs", "message_waits", "compare_with_simulator"]
+           "build_schedule", "run_steps", "measured_timelines", "measured_costs", "message_waits",
+           "compare_with_simulator", "worker_main", "launch_pipeline"]
 
 import inspect
 import json
@@ -160,81 +160,6 @@ def run_steps(schedule: str, model: PipelineModel, ids, targets, num_microbatche
     return steps[1:]
 
 
-def worker_main(argv=None) -> None:
-    """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
-    import argparse
-
-    import torch.distributed as dist
-
-    parser = argparse.ArgumentParser(description="minirl pipeline measurement worker (run under torchrun)")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--microbatches", default="4,8")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        model = PipelineModel(args.layers, args.hidden).to(device)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
-        targets = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
-        with torch.no_grad():
-            reference = token_loss(model(ids), targets).item()          # the same loss without a pipeline
-        runs = []
-        for schedule in args.schedules.split(","):
-            for m in map(int, args.microbatches.split(",")):
-                steps = run_steps(schedule, model, ids, targets, m, args.repeats, device)
-                everyone = [None] * world
-                dist.all_gather_object(everyone, {"rank": rank, "steps": steps})
-                runs.append({"schedule": schedule, "ranks": world, "microbatches": m, "per_rank": everyone})
-        if rank == 0:
-            args.out.write_text(json.dumps({"reference_loss": reference, "runs": runs,
-                                            "config": vars(args) | {"out": str(args.out)}}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
-                    hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
-                    timeout: float = 600) -> dict:
-    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
-
-    Checks the settings first: every micro-batch count must fit the batch and the layers must
-    split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
-    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
-    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
-    """
-    for schedule in schedules:
-        num_stages = 2 * world_size if schedule == "dualpipev" else world_size
-        if schedule not in SCHEDULES:
-            raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
-        for m in microbatches:
-            check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
-            if schedule == "dualpipev" and m < num_stages:
-                raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "pipeline.json"
-        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
-                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
-                 "--out", out]
-        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout)
-        if job.returncode != 0 or not out.exists():
-            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
-                               f"{output_ends(job.stdout)}")
-        return json.loads(out.read_text())
-
-
 def measured_timelines(run: dict) -> list[PipelineTimeline]:
     """One PipelineTimeline per measured step of a run (events of all ranks, on the shared monotonic clock)."""
     steps = len(run["per_rank"][0]["steps"])
@@ -303,3 +228,81 @@ def compare_with_simulator(result: dict) -> list[dict]:
                      "step_seconds": statistics.median(t.makespan for t in timelines),
                      "loss": sum(losses) / len(losses), "reference_loss": result["reference_loss"]})
     return rows
+
+
+def worker_main(argv=None) -> None:
+    """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description="minirl pipeline measurement worker (run under torchrun)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--microbatches", default="4,8")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))   # one GPU per rank, else gloo on CPU
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = PipelineModel(args.layers, args.hidden).to(device)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
+        targets = torch.randint(0, 64, (args.batch, args.seq), generator=g).to(device)
+        with torch.no_grad():
+            reference = token_loss(model(ids), targets).item()          # the same loss without a pipeline
+        runs = []
+        for schedule in args.schedules.split(","):
+            for m in map(int, args.microbatches.split(",")):
+                steps = run_steps(schedule, model, ids, targets, m, args.repeats, device)
+                everyone = [None] * world
+                dist.all_gather_object(everyone, {"rank": rank, "steps": steps})
+                runs.append({"schedule": schedule, "ranks": world, "microbatches": m, "per_rank": everyone})
+                if rank == 0:
+                    print(f"[pipeline] {schedule}, M = {m}: {args.repeats} steps measured", flush=True)
+        if rank == 0:
+            args.out.write_text(json.dumps({"reference_loss": reference, "runs": runs,
+                                            "config": vars(args) | {"out": str(args.out)}}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
+                    hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
+                    timeout: float = 600, progress: bool = False) -> dict:
+    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
+
+    Checks the settings first: every micro-batch count must fit the batch and the layers must
+    split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
+    micro-batches). Raises PipelineError for those, RuntimeError with the job's output if it fails,
+    subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
+    progress=True prints the job's output as it comes (a line per schedule and micro-batch count).
+    """
+    for schedule in schedules:
+        num_stages = 2 * world_size if schedule == "dualpipev" else world_size
+        if schedule not in SCHEDULES:
+            raise PipelineError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+        for m in microbatches:
+            check_pipeline(num_stages, m, num_samples=batch, num_layers=layers)
+            if schedule == "dualpipev" and m < num_stages:
+                raise PipelineError(f"num_microbatches={m}: DualPipeV on {world_size} ranks needs >= {num_stages}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pipeline.json"
+        flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
+                 "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
+                 "--out", out]
+        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        if job.returncode != 0 or not out.exists():
+            raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
+                               f"{output_ends(job.stdout)}")
+        return json.loads(out.read_text())

@@ -37,8 +37,8 @@ times it.
 __all__ = ["METRICS_FILE", "PROFILE_SUMMARY", "STEP_ORDER", "CATEGORIES", "CATEGORY_OF",
            "COMMUNICATION", "WAITING", "NESTED", "NOT_STAGES", "OVERLAP", "RunDataError",
            "NoMetricsError", "MetricsFileError", "MixedRunsError", "parent_of", "category_of",
-           "read_records", "profiled_steps", "stage_shares", "own_times", "categorize",
-           "Decomposition", "decompose", "rank_imbalance", "rank_notes"]
+           "stage_shares", "own_times", "categorize", "Decomposition", "decompose",
+           "rank_imbalance", "read_records", "profiled_steps", "rank_notes"]
 
 import json
 import math
@@ -95,74 +95,6 @@ def category_of(stage: str) -> str:
         return CATEGORY_OF[stage]
     parent = parent_of(stage)
     return category_of(parent) if parent is not None else "other"
-
-
-def read_records(run_dir) -> tuple[list[dict], list[str]]:
-    """The step records of run_dir/metrics.jsonl in file order, and notes on what was left out.
-
-    Step records are those with "time/step" (the step-0 evaluation record has none).
-    Raises NoMetricsError (no file, or no step record), MetricsFileError (a damaged line
-    before the last, a non-numeric or negative time), MixedRunsError (steps not increasing).
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise NoMetricsError(f"run directory {run_dir}: not a directory; pass the --out directory of a finished run")
-    path = run_dir / METRICS_FILE
-    if not path.is_file() or path.stat().st_size == 0:
-        raise NoMetricsError(f"run directory {run_dir} holds no {METRICS_FILE} (or an empty one): a run writes it "
-                             "when it is given an out_dir (--out), one line per step")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    partial, found = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                partial.append(f"{METRICS_FILE} line {number} is cut short (the run stopped while writing it): "
-                               "left out")
-                break
-            raise MetricsFileError(f"{path}:{number}: not a JSON record ({line[:60]!r}): the file is damaged; "
-                                   f"keep lines 1-{number - 1} only, or analyse another run") from None
-        if not isinstance(record, dict):
-            raise MetricsFileError(f"{path}:{number}: a {type(record).__name__}, not a record (a JSON object)")
-        found.append((number, record))
-    steps, untimed, last = [], [], None
-    for number, record in found:
-        if "time/step" not in record:
-            if "reward" in record or "loss" in record:
-                untimed.append(number)
-            continue
-        step = record.get("step")
-        if not isinstance(step, int):
-            raise MetricsFileError(f"{path}:{number}: a step record without an integer 'step' ({step!r})")
-        if last is not None and step <= last[1]:
-            raise MixedRunsError(f"{path}: line {number} holds step {step} after step {last[1]} (line {last[0]}): "
-                                 "the records of more than one run are mixed in this file (two runs writing into one "
-                                 "directory, or files joined); analyse one run per directory")
-        for key, value in record.items():
-            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-            if key.startswith("time/") and not seconds_ok:
-                raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
-        last = (number, step)
-        steps.append(record)
-    if untimed:
-        partial.append(f"{len(untimed)} step record(s) carry no time/step (lines {untimed[0]}-{untimed[-1]}; written "
-                       "by an older minirl?): left out")
-    if not steps:
-        raise NoMetricsError(f"{path} holds no step records with time/step ({len(found)} other record(s)): nothing "
-                             "to decompose")
-    return steps, partial
-
-
-def profiled_steps(run_dir) -> list[int]:
-    """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
-    path = Path(run_dir) / PROFILE_SUMMARY
-    try:
-        return sorted(int(s) for s in json.loads(path.read_text()).get("steps", []))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return []
 
 
 def stage_shares(records: list[dict]) -> dict[str, float]:
@@ -316,6 +248,74 @@ def rank_imbalance(records: list[dict]) -> float | None:
         if sum(busy) > 0:
             ratios.append(max(busy) / (sum(busy) / len(busy)))
     return sum(ratios) / len(ratios) if ratios else None
+
+
+def read_records(run_dir) -> tuple[list[dict], list[str]]:
+    """The step records of run_dir/metrics.jsonl in file order, and notes on what was left out.
+
+    Step records are those with "time/step" (the step-0 evaluation record has none).
+    Raises NoMetricsError (no file, or no step record), MetricsFileError (a damaged line
+    before the last, a non-numeric or negative time), MixedRunsError (steps not increasing).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NoMetricsError(f"run directory {run_dir}: not a directory; pass the --out directory of a finished run")
+    path = run_dir / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        raise NoMetricsError(f"run directory {run_dir} holds no {METRICS_FILE} (or an empty one): a run writes it "
+                             "when it is given an out_dir (--out), one line per step")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    partial, found = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                partial.append(f"{METRICS_FILE} line {number} is cut short (the run stopped while writing it): "
+                               "left out")
+                break
+            raise MetricsFileError(f"{path}:{number}: not a JSON record ({line[:60]!r}): the file is damaged; "
+                                   f"keep lines 1-{number - 1} only, or analyse another run") from None
+        if not isinstance(record, dict):
+            raise MetricsFileError(f"{path}:{number}: a {type(record).__name__}, not a record (a JSON object)")
+        found.append((number, record))
+    steps, untimed, last = [], [], None
+    for number, record in found:
+        if "time/step" not in record:
+            if "reward" in record or "loss" in record:
+                untimed.append(number)
+            continue
+        step = record.get("step")
+        if not isinstance(step, int):
+            raise MetricsFileError(f"{path}:{number}: a step record without an integer 'step' ({step!r})")
+        if last is not None and step <= last[1]:
+            raise MixedRunsError(f"{path}: line {number} holds step {step} after step {last[1]} (line {last[0]}): "
+                                 "the records of more than one run are mixed in this file (two runs writing into one "
+                                 "directory, or files joined); analyse one run per directory")
+        for key, value in record.items():
+            seconds_ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            if key.startswith("time/") and not seconds_ok:
+                raise MetricsFileError(f"{path}:{number}: {key} = {value!r}; stage times are seconds >= 0")
+        last = (number, step)
+        steps.append(record)
+    if untimed:
+        partial.append(f"{len(untimed)} step record(s) carry no time/step (lines {untimed[0]}-{untimed[-1]}; written "
+                       "by an older minirl?): left out")
+    if not steps:
+        raise NoMetricsError(f"{path} holds no step records with time/step ({len(found)} other record(s)): nothing "
+                             "to decompose")
+    return steps, partial
+
+
+def profiled_steps(run_dir) -> list[int]:
+    """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
+    path = Path(run_dir) / PROFILE_SUMMARY
+    try:
+        return sorted(int(s) for s in json.loads(path.read_text()).get("steps", []))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def rank_notes(run_dir, records: list[dict]) -> list[str]:

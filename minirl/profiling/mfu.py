@@ -31,8 +31,8 @@ column, not a vocabulary).
 
 __all__ = ["COMPUTE_DTYPE", "TRAINER_STAGES", "ROLLOUT_STAGES", "ModelShapeError", "ModelShape",
            "forward_flops", "group_forward_flops", "training_flops", "generation_flops", "mfu",
-           "step_flops", "flat_config", "GPU_PEAK_TFLOPS", "UnknownPeakError", "gpu_peak_flops",
-           "measure_cpu_peak", "peak_flops", "MFUReport", "run_mfu"]
+           "step_flops", "flat_config", "MFUReport", "run_mfu", "GPU_PEAK_TFLOPS",
+           "UnknownPeakError", "gpu_peak_flops", "measure_cpu_peak", "peak_flops"]
 
 import functools
 import time
@@ -178,6 +178,55 @@ def flat_config(config: dict) -> dict:
     return flat
 
 
+@dataclass
+class MFUReport:
+    """Trainer and rollout MFU of a run (None where it cannot be computed; `partial` says why)."""
+
+    trainer: float | None
+    rollout: float | None
+    trainer_hardware: float | None = None      # HFU: with gradient checkpointing's recomputation
+    flops_per_step: dict = field(default_factory=dict)     # {"trainer", "rollout", "trainer_hardware"}: means
+    seconds: dict = field(default_factory=dict)            # {"trainer", "rollout"}: totals over the run
+    peak: dict = field(default_factory=dict)               # {"trainer", "rollout"}: (FLOP/s, how found)
+    partial: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"trainer": self.trainer, "rollout": self.rollout, "trainer_hardware": self.trainer_hardware,
+                "flops_per_step": self.flops_per_step, "seconds": self.seconds,
+                "peak_flops": {k: v[0] for k, v in self.peak.items()},
+                "peak_source": {k: v[1] for k, v in self.peak.items()}, "partial": self.partial}
+
+
+def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
+            world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
+    """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
+
+    world_size: devices the times were measured across (their FLOPs are the whole batch's);
+    rollout_world_size: the rollout's, where it differs (stage 6's pools; default world_size).
+    Records without `tokens/prompt` (written before notebook 09 added it) count the
+    completions from `completion_length` and the prompts as 0 tokens: a lower bound, said in `partial`.
+    """
+    partial, totals = [], {"rollout": 0.0, "trainer": 0.0, "trainer_hardware": 0.0}
+    rows = config["prompts_per_step"] * config["num_generations"]
+    old = [r for r in records if "tokens/prompt" not in r]
+    if old:
+        partial.append(f"{len(old)} record(s) carry no tokens/prompt (written before notebook 09): their prompts "
+                       "count as 0 tokens, so MFU is a lower bound")
+    for record in records:
+        if "tokens/prompt" not in record:
+            record = {"tokens/prompt": 0, "tokens/completion": record.get("completion_length", 0.0) * rows}
+        for key, value in step_flops(record, config, shape).items():
+            totals[key] += value
+    seconds = {"trainer": sum(r.get(f"time/{s}", 0.0) for r in records for s in TRAINER_STAGES),
+               "rollout": sum(r.get(f"time/{s}", 0.0) for r in records for s in ROLLOUT_STAGES)}
+    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * (rollout_world_size or world_size)}
+    result = {k: mfu(totals[k], seconds[k], peaks[k]) if seconds[k] > 0 else None for k in ("trainer", "rollout")}
+    hardware = mfu(totals["trainer_hardware"], seconds["trainer"], peaks["trainer"]) if seconds["trainer"] else None
+    n = max(1, len(records))
+    return MFUReport(result["trainer"], result["rollout"], hardware, {k: v / n for k, v in totals.items()}, seconds,
+                     partial=partial)
+
+
 # Dense peaks from NVIDIA's datasheets, TFLOP/s; the first name contained in the device's wins.
 # The datasheets print the tensor-core rates with 2:4 structured sparsity; a dense matmul gets
 # half: the H100 SXM and H200 SXM datasheets give BF16/FP16 1,979 and FP8 3,958 "with
@@ -273,52 +322,3 @@ def peak_flops(device: str, dtype: str, threads: int = 1, peak_tflops: float | N
         name = torch.cuda.get_device_name(torch.device(device))
         return gpu_peak_flops(name, compute), f"datasheet: {name}, dense {compute}"
     raise UnknownPeakError(f"device {device!r}: no way to know its peak; pass it in TFLOP/s (--peak-tflops)")
-
-
-@dataclass
-class MFUReport:
-    """Trainer and rollout MFU of a run (None where it cannot be computed; `partial` says why)."""
-
-    trainer: float | None
-    rollout: float | None
-    trainer_hardware: float | None = None      # HFU: with gradient checkpointing's recomputation
-    flops_per_step: dict = field(default_factory=dict)     # {"trainer", "rollout", "trainer_hardware"}: means
-    seconds: dict = field(default_factory=dict)            # {"trainer", "rollout"}: totals over the run
-    peak: dict = field(default_factory=dict)               # {"trainer", "rollout"}: (FLOP/s, how found)
-    partial: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return {"trainer": self.trainer, "rollout": self.rollout, "trainer_hardware": self.trainer_hardware,
-                "flops_per_step": self.flops_per_step, "seconds": self.seconds,
-                "peak_flops": {k: v[0] for k, v in self.peak.items()},
-                "peak_source": {k: v[1] for k, v in self.peak.items()}, "partial": self.partial}
-
-
-def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
-            world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
-    """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
-
-    world_size: devices the times were measured across (their FLOPs are the whole batch's);
-    rollout_world_size: the rollout's, where it differs (stage 6's pools; default world_size).
-    Records without `tokens/prompt` (written before notebook 09 added it) count the
-    completions from `completion_length` and the prompts as 0 tokens: a lower bound, said in `partial`.
-    """
-    partial, totals = [], {"rollout": 0.0, "trainer": 0.0, "trainer_hardware": 0.0}
-    rows = config["prompts_per_step"] * config["num_generations"]
-    old = [r for r in records if "tokens/prompt" not in r]
-    if old:
-        partial.append(f"{len(old)} record(s) carry no tokens/prompt (written before notebook 09): their prompts "
-                       "count as 0 tokens, so MFU is a lower bound")
-    for record in records:
-        if "tokens/prompt" not in record:
-            record = {"tokens/prompt": 0, "tokens/completion": record.get("completion_length", 0.0) * rows}
-        for key, value in step_flops(record, config, shape).items():
-            totals[key] += value
-    seconds = {"trainer": sum(r.get(f"time/{s}", 0.0) for r in records for s in TRAINER_STAGES),
-               "rollout": sum(r.get(f"time/{s}", 0.0) for r in records for s in ROLLOUT_STAGES)}
-    peaks = {"trainer": peak_trainer * world_size, "rollout": peak_rollout * (rollout_world_size or world_size)}
-    result = {k: mfu(totals[k], seconds[k], peaks[k]) if seconds[k] > 0 else None for k in ("trainer", "rollout")}
-    hardware = mfu(totals["trainer_hardware"], seconds["trainer"], peaks["trainer"]) if seconds["trainer"] else None
-    n = max(1, len(records))
-    return MFUReport(result["trainer"], result["rollout"], hardware, {k: v / n for k, v in totals.items()}, seconds,
-                     partial=partial)
