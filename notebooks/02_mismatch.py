@@ -66,12 +66,14 @@ NUM_PROMPTS = 8 if SMOKE else 64
 prompts = [row["prompt"] for row in task.rows("train")[:NUM_PROMPTS]]
 print(f"{'rollout copy':>14} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | "
       "ratio pi_old/pi_rollout | outside [0.8, 1.25]")
+first = {}
 for dtype in ("bfloat16", "float8_e4m3fn"):
-    s = measure_logprobs(model, tokenizer, prompts, rollout_dtype=dtype).stats()
+    s = first[dtype] = measure_logprobs(model, tokenizer, prompts, rollout_dtype=dtype).stats()
     print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | {s['max_abs_delta']:>11.2e} | "
           f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | {s['share_outside']:.2%}")
-    print(f"{'':>14}   same weights, same tokens: identical probabilities? "
-          f"{'yes' if s['max_abs_delta'] == 0 else 'no'} (rule: max |dlogp| == 0)")
+same = [d for d, s in first.items() if s["max_abs_delta"] == 0]
+print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 'in neither copy'} "
+      "(rule: every |dlogp| is 0)")
 
 # %% [markdown]
 # Same weights, same tokens, different probabilities. The sections below open this piece by
@@ -1150,7 +1152,7 @@ from minirl.models.policy import WarmStartConfig, warm_start
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
-warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=False)
+warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=True)
 print(f"MoE policy: {sum(p.numel() for p in moe_model.parameters()):,} parameters, "
       f"{len(routers(moe_model))} MoE layers, warm start {time.time() - t0:.0f} s")
 print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | {'with R3':>9} | "
@@ -1160,7 +1162,7 @@ for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16",
     r = route_rows[dtype] = compare_routes(moe_model, tokenizer, prompts, rollout_dtype=dtype, temperature=1.0)
     print(f"{dtype:>14} | {r['route_agreement']:>15.2%} | {r['route_agreement_r3']:>7.2%} | "
           f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | {r['max_abs_delta']:>11.2e} | "
-          f"{r['max_abs_delta_r3']:>9.2e}")
+          f"{r['max_abs_delta_r3']:>9.2e}", flush=True)
 shrinks = [d for d, r in route_rows.items() if r["max_abs_delta_r3"] < r["max_abs_delta"]]
 print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} rollout precisions "
       f"({', '.join(shrinks) or 'none'}); route agreement with R3 is 100 %: "
@@ -1251,11 +1253,10 @@ plt.show()
 # Two numbers describe them, and the plots show both: the typical token's ratio is within a
 # few percent of 1 (the per-step std, printed above), but the *largest* ratio of a batch can
 # pass the cap of 2 (`ratio_max` in the table) when an uncertain tail token is sampled;
-# those steps are the spikes in the std and max panels. TIS truncates exactly those tokens (the steps above the dashed cap
-# line are counted in the line printed above), and leaves the rest of the batch untouched,
-# so the two runs see nearly the same gradients and their reward curves track each other
-# (the last printed line applies the rule).
-# The final accuracies in the table come from one seed and 60 steps, and a single run's
+# those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
+# (the steps above the dashed cap line are counted in the lines printed above), and leaves
+# the rest of the batch untouched, so the two runs see nearly the same gradients and their
+# reward curves track each other (the last printed line applies the rule). The final accuracies in the table come from one seed and 60 steps, and a single run's
 # held-out accuracy can move by several points from one evaluation to the next (notebook
 # 01's learning curve is not monotone): read a gap between the two columns as noise until
 # several seeds agree. The effect grows with what this scale lacks: long completions (the gap

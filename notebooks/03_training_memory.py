@@ -1070,6 +1070,12 @@ def _wrap(model, strategy: str, device: torch.device):
     return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
+# %% [markdown]
+# One strategy on one rank: build the model, wrap it, take two steps, and count what the rank
+# holds at each moment that matters.
+
+# %%
+# | export minirl/memory/distributed.py
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
                      device: torch.device = torch.device("cpu")) -> dict:
     """Train `size` two steps under `strategy` in the current process group; this rank's bytes.
