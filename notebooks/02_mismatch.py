@@ -382,10 +382,11 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
 
 # %% [markdown]
 # Measure the warm-started policy again, now with the code above (the opening's bf16 row).
-# The rollout copy runs in bf16 with a KV cache; the trainer recomputes in fp32. The tiny policy is very confident (most answer digits get p > 0.9),
-# so at temperature 1 few sampled tokens come from the tail; we also sample at temperature 2
-# to put enough low-probability tokens in the buckets. (Both sides use the same temperature:
-# the log-probs are those of the distribution actually sampled from.)
+# The rollout copy runs in bf16 with a KV cache; the trainer recomputes in fp32. The tiny
+# policy is confident (at temperature 1 a large share of the sampled tokens get p >= 0.9 and
+# only a few come from the tail below 0.01; the last line counts both), so we also sample at
+# temperature 2 to put more low-probability tokens in the buckets. (Both sides use the same
+# temperature: the log-probs are those of the distribution actually sampled from.)
 
 # %%
 pair = measure_logprobs(model, tokenizer, prompts, rollout_dtype="bfloat16", temperature=1.0)
@@ -394,6 +395,9 @@ print(f"bf16 rollout vs fp32 trainer, {s['tokens']} sampled tokens:")
 print(f"  mean |dlogp| {s['mean_abs_delta']:.2e}   max |dlogp| {s['max_abs_delta']:.2e}   KL(k3) {s['kl_k3']:.2e}")
 print(f"  ratio pi_old/pi_rollout in [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], "
       f"outside [0.8, 1.25]: {s['share_outside']:.2%}")
+p_sampled = pair.behavior_logps.exp()[pair.mask.bool()]
+print(f"  sampled tokens with rollout p >= 0.9: {(p_sampled >= 0.9).double().mean():.0%}; "
+      f"with p < 0.01 (the tail): {(p_sampled < 0.01).double().mean():.1%}")
 
 # %% [markdown]
 # Where does the error concentrate? The bucketed table for an FP8 rollout (the largest gap)
@@ -447,8 +451,8 @@ plt.show()
 
 # %% [markdown]
 # Read the plot from the right: tokens the policy is sure of (p > 0.9) carry almost no
-# log-prob error, because log-softmax is flat near p = 1. Below that the error is several
-# times to two orders of magnitude larger (the last line prints the factors); within the tail
+# log-prob error, because log-softmax is flat near p = 1. Below that the error is from a few
+# times to a few hundred times larger (the last line prints the factors); within the tail
 # (p < 0.5) it is of similar size on this policy rather than growing steadily. The source's
 # claim ("small errors on high-probability tokens are harmless, errors on many
 # low-probability tokens accumulate") holds in the form we can measure: the risky tokens are
@@ -700,8 +704,9 @@ print(f"\nthe KV-cache path alone (float32 row): mean |dlogp| {cache_only:.1e}, 
 # %% [markdown]
 # The float32 row is the KV-cache path alone (same precision, incremental decoding instead of
 # one full forward): on this CPU its gap is at rounding level (the last line applies the
-# rule), so precision, not the cache, is what separates the engines here. On a GPU, different attention kernels and batch
-# shapes add their own share; run `chapters/02_mismatch.py --device cuda` to see it.
+# rule), so precision, not the cache, is what separates the engines here. On a GPU,
+# different attention kernels and batch shapes add their own share; run
+# `chapters/02_mismatch.py --device cuda` to see it.
 #
 # Now plant the most common real bug: the trainer takes a step, the version counter is
 # bumped, but the weight transfer never happened. The label says "version 1"; the weights
@@ -925,8 +930,8 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 # Measured honestly, this tiny policy does not show the pattern pruning is built for: per
 # vocabulary entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3 (only p > 0.5 is
 # much better), so pruning removes mass (the "mass pruned" column) without shrinking the
-# gap on what is kept, and the KL barely moves (both columns are printed). Pruning pays off where the far tail is
-# both huge and badly computed: a 150 k-entry vocabulary in FP8, where the tail holds
+# gap on what is kept, and the KL barely moves (both columns are printed). Pruning pays off
+# where the far tail is both huge and badly computed: a 150 k-entry vocabulary in FP8, where the tail holds
 # thousands of entries per position and sampling at temperature 1 regularly lands in it. The
 # mechanism is what matters here: one keep set, from one side, applied to both; the
 # rollout samples from the pruned distribution, so a pruned token never enters the data.
@@ -1173,8 +1178,8 @@ print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} r
 # for a share of (layer, token) pairs: near-tied router scores flip under rounding. With R3
 # the trainer uses the rollout's experts, agreement is 100 % by construction, and the
 # largest log-prob gaps (the tokens that went through a different expert) shrink (the last
-# line counts the precisions where they do); what is
-# left is ordinary precision error, which the earlier corrections handle.
+# line counts the precisions where they do); what is left is ordinary precision error, which
+# the earlier corrections handle.
 
 # %% [markdown]
 # ## 5. Does it matter for training?
@@ -1256,8 +1261,8 @@ plt.show()
 # those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
 # (the steps above the dashed cap line are counted in the lines printed above), and leaves
 # the rest of the batch untouched, so the two runs see nearly the same gradients and their
-# reward curves track each other (the last printed line applies the rule). The final accuracies in the table come from one seed and 60 steps, and a single run's
-# held-out accuracy can move by several points from one evaluation to the next (notebook
+# reward curves track each other (the last printed line applies the rule). The final
+# accuracies in the table come from one seed and 60 steps, and a single run's held-out accuracy can move by several points from one evaluation to the next (notebook
 # 01's learning curve is not monotone): read a gap between the two columns as noise until
 # several seeds agree. The effect grows with what this scale lacks: long completions (the gap
 # compounds over thousands of tokens), a flatter policy (more tail tokens), MoE routing
