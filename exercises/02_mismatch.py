@@ -60,15 +60,6 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
     raise NotImplementedError("exercise 2.2: probability_buckets -- see its docstring and notebook 02")
 
 
-def format_buckets(rows: list[dict]) -> str:
-    """The rows of `probability_buckets` as a fixed-width table."""
-    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
-    for r in rows:
-        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
-                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
-    return "\n".join(lines)
-
-
 def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, Tensor],
                      rel_tol: float = 0.0, abs_tol: float = 0.0) -> list[str]:
     """Names of the parameters whose rollout copy is not the trainer's, up to rounding.
@@ -80,57 +71,6 @@ def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, 
     Returns the names sorted alphabetically (an empty list: synchronized).
     """
     raise NotImplementedError("exercise 2.3: stale_parameters -- see its docstring and notebook 02")
-
-
-def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
-    """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
-
-    Half a unit in the last place: 2^-(mantissa bits + 1) relative, plus an absolute term for
-    subnormals (float8_e4m3fn here is scaled per tensor so that amax maps to 448).
-    """
-    mantissa = {"float32": 23, "bfloat16": 7, "float16": 10, "float8_e4m3fn": 3}
-    if dtype not in mantissa:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(mantissa)}")
-    rel = 2.0 ** -(mantissa[dtype] + 1) * 1.01
-    smallest = {"float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24,
-                "float8_e4m3fn": amax / 448 * 2.0 ** -9}[dtype]
-    return rel, smallest
-
-
-def dtype_name(engine) -> str:
-    """The engine's weight precision as a name ("float32", "bfloat16", ...)."""
-    dtype = getattr(engine, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-
-
-@torch.no_grad()
-def check_synchronization(trainer_weights, engine, trainer_version: int | None = None) -> list[str]:
-    """The problems found with an engine's version and weights ([] if none).
-
-    trainer_weights: the trainer's tensors by name (a dict, or a model: its state_dict);
-    engine: has `version`, `named_weights()` and `dtype`. Compares the versions (when
-    trainer_version is given), then every tensor within the engine dtype's rounding.
-    """
-    if isinstance(trainer_weights, torch.nn.Module):
-        trainer_weights = trainer_weights.state_dict()
-    problems = []
-    if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
-                        "push the trainer's weights (load_weights) before generating")
-    engine_weights = dict(engine.named_weights())
-    dtype = dtype_name(engine)
-    stale = []
-    for name in sorted(set(trainer_weights) | set(engine_weights)):
-        t = trainer_weights.get(name)
-        amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
-        rel, abs_ = rounding_tolerance(dtype, amax)
-        stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
-                                  rel, abs_)
-    if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
-                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
-    return problems
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,

@@ -10,7 +10,7 @@ imported below where these cells use it.
 import math
 from dataclasses import dataclass, replace
 
-from minirl.memory.calculator import ATTENTION, DTYPE_BYTES, LLAMA2_70B, RECOMPUTE, ModelShape, lora_memory, lora_params
+from minirl.memory.calculator import LLAMA2_70B, RECOMPUTE, ModelShape, activation_memory, lora_memory, lora_params
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
@@ -124,41 +124,6 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r}: must be an int >= 1")
     raise NotImplementedError("exercise 3.3: checkpointed_activation_bytes -- see its docstring and notebook 03")
-
-
-def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
-    """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
-
-    Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
-    micro-batch. Returns {"layer", "boundary", "head", "total"}: one layer's saved bytes, one
-    layer input, the head's, and the peak under `recompute`. `padding_mask=True` is a batch
-    with padding (an attention mask with zeros): HF's SDPA path then repeats K and V to every
-    query head (the grouped-query kernel takes no mask) and each layer saves the mask in the
-    compute dtype. Leaves out: the embedding's index tensor, RoPE tables, gradients of
-    activations in flight (about one layer's worth), and framework buffers. Dropout is off
-    (as in RL fine-tuning); dropout would add its masks.
-    """
-    check_positive("batch", batch)
-    check_positive("seq", seq)
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: use one of {', '.join(map(repr, DTYPE_BYTES))}")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(map(repr, ATTENTION))}")
-    p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
-    norm = 4 * h + 2 * p * h + 4
-    if attention == "sdpa" and padding_mask:
-        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
-    elif attention == "sdpa":
-        attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
-    else:
-        attn = 4 * p * h + a * seq * (4 + (p if p < 4 else 0))
-    tokens = batch * seq
-    layer = tokens * (2 * norm + attn + 4 * p * i)
-    boundary = tokens * p * h
-    head = tokens * (norm + 4 * shape.vocab_size)
-    total = checkpointed_activation_bytes(layer, boundary, head, shape.num_layers, recompute)
-    return {"layer": float(layer), "boundary": float(boundary), "head": float(head), "total": float(total)}
 
 
 def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precision: str = "mixed",

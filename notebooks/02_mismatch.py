@@ -50,6 +50,39 @@ SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this 
 torch.manual_seed(0)
 
 # %% [markdown]
+# The result first. The package's finished `measure_logprobs` samples completions with a
+# rollout copy of the embedded policy (notebook 00) that holds exactly the trainer's weights,
+# then lets the trainer (fp32, one full forward) score the same tokens. If the two computed
+# the same probabilities, every ratio π_old / π_rollout would be 1.000:
+
+# %%
+from minirl.diagnostics.mismatch import measure_logprobs  # the finished function, as the package ships it
+from minirl.models.policy import load_default_policy
+from minirl.tasks.arithmetic import make_task
+
+model, tokenizer, _ = load_default_policy(progress=False)
+task = make_task()
+NUM_PROMPTS = 8 if SMOKE else 64
+prompts = [row["prompt"] for row in task.rows("train")[:NUM_PROMPTS]]
+print(f"{'rollout copy':>14} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | "
+      "ratio pi_old/pi_rollout | outside [0.8, 1.25]")
+first = {}
+for dtype in ("bfloat16", "float8_e4m3fn"):
+    s = first[dtype] = measure_logprobs(model, tokenizer, prompts, rollout_dtype=dtype).stats()
+    print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | {s['max_abs_delta']:>11.2e} | "
+          f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | {s['share_outside']:.2%}")
+same = [d for d, s in first.items() if s["max_abs_delta"] == 0]
+print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 'in neither copy'} "
+      "(rule: every |dlogp| is 0)")
+
+# %% [markdown]
+# Same weights, same tokens, different probabilities. The sections below open this piece by
+# piece: what PPO's clipping does and does not see (§1), the measurement itself and where
+# the error concentrates (§2), the source's four-step diagnosis as one call (§3), the
+# corrections (§4), and two training runs with and without one (§5). Input checks and the
+# table formatting live in the appendix at the end.
+
+# %% [markdown]
 # ## 1. PPO clipping, by the numbers
 #
 # PPO limits how far one update moves the policy with the ratio
@@ -192,48 +225,9 @@ for n in (10, 100, 1000):
 # `minirl.algo.logprobs.completion_logprobs`: one full forward in fp32 over prompt + completion,
 # the recomputation every PPO/GRPO trainer does.
 #
-# First, the bookkeeping. Both tensors are `[B, C]`; the completion mask is 1 up to and
-# including the first EOS. Bad input fails loudly, naming the tensor and the shape it wants:
-# a missing behaviour log-prob (None or NaN), mismatched shapes, or "log-probs" above 0
-# (probabilities or logits passed by mistake).
-
-# %%
-# | export minirl/algo/logprobs.py
-LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
-
-
-def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
-    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
-
-    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
-    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
-    LOGP_TOLERANCE absorbs rounding in low precision).
-    """
-    if behavior_logps is None:
-        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
-                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
-                         "recomputation is not a substitute for the behaviour policy")
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
-    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
-        if t.shape != trainer_logps.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
-                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
-    valid = mask.bool()
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
-        missing = valid & ~torch.isfinite(t)
-        if missing.any():
-            b, c = missing.nonzero()[0].tolist()
-            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
-                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
-                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
-        above = valid & (t > LOGP_TOLERANCE)
-        if above.any():
-            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
-                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
-
+# Both tensors are `[B, C]`; the completion mask is 1 up to and including the first EOS.
+# `mismatch_stats` summarizes the gap. It first checks its input with `check_logprob_pair`
+# (in the appendix): bad input fails loudly, naming the tensor and the shape it wants.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
@@ -308,14 +302,6 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
     # END SOLUTION
 
 
-def format_buckets(rows: list[dict]) -> str:
-    """The rows of `probability_buckets` as a fixed-width table."""
-    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
-    for r in rows:
-        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
-                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
-    return "\n".join(lines)
-
 
 # %% [markdown]
 # Now the measurement itself. `measure_logprobs` samples with a rollout engine and recomputes
@@ -369,6 +355,12 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     return logps.float()
 
 
+# %% [markdown]
+# `measure_logprobs` puts the two sides together: sample with the rollout engine, recompute
+# with the trainer, return both, aligned. It is the function the notebook opened with.
+
+# %%
+# | export minirl/diagnostics/mismatch.py
 def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
                      train_dtype: str = "float32", num_generations: int = 8, max_new_tokens: int = 4,
                      temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
@@ -389,53 +381,39 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
                        getattr(rollout, "dtype", rollout_dtype), train_dtype)
 
 # %% [markdown]
-# Measure the warm-started policy. The rollout copy runs in bf16 with a KV cache; the trainer
-# recomputes in fp32. The tiny policy is very confident (most answer digits get p > 0.9),
-# so at temperature 1 few sampled tokens come from the tail; we also sample at temperature 2
-# to put enough low-probability tokens in the buckets. (Both sides use the same temperature:
-# the log-probs are those of the distribution actually sampled from.)
+# Measure the warm-started policy again, now with the code above (the opening's bf16 row).
+# The rollout copy runs in bf16 with a KV cache; the trainer recomputes in fp32. The tiny
+# policy is confident (at temperature 1 a large share of the sampled tokens get p >= 0.9 and
+# only a few come from the tail below 0.01; the last line counts both), so we also sample at
+# temperature 2 to put more low-probability tokens in the buckets. (Both sides use the same
+# temperature: the log-probs are those of the distribution actually sampled from.)
 
 # %%
-from minirl.models.policy import load_default_policy
-from minirl.rollout.hf import HFEngine
-from minirl.tasks.arithmetic import make_task
-
-model, tokenizer, _ = load_default_policy(progress=False)
-task = make_task()
-NUM_PROMPTS = 8 if SMOKE else 64
-prompts = [row["prompt"] for row in task.rows("train")[:NUM_PROMPTS]]
-
 pair = measure_logprobs(model, tokenizer, prompts, rollout_dtype="bfloat16", temperature=1.0)
 s = pair.stats()
 print(f"bf16 rollout vs fp32 trainer, {s['tokens']} sampled tokens:")
 print(f"  mean |dlogp| {s['mean_abs_delta']:.2e}   max |dlogp| {s['max_abs_delta']:.2e}   KL(k3) {s['kl_k3']:.2e}")
 print(f"  ratio pi_old/pi_rollout in [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], "
       f"outside [0.8, 1.25]: {s['share_outside']:.2%}")
-
-# %% [markdown]
-# Bad input is refused with a message that names the tensor and the shape it expects:
-
-# %%
-C = pair.mask.shape[1]
-for label, args in [("missing behaviour log-probs", (pair.trainer_logps, None, pair.mask)),
-                    ("shapes differ", (pair.trainer_logps, pair.behavior_logps[:, :-1], pair.mask)),
-                    ("probabilities passed as log-probs", (pair.trainer_logps, pair.behavior_logps.exp(), pair.mask)),
-                    ("a NaN behaviour log-prob", (pair.trainer_logps, pair.behavior_logps.masked_fill(
-                        torch.ones_like(pair.mask, dtype=torch.bool).tril(), float("nan")), pair.mask))]:
-    try:
-        mismatch_stats(*args)
-    except ValueError as err:
-        print(f"{label:<36} -> ValueError: {err}")
+p_sampled = pair.behavior_logps.exp()[pair.mask.bool()]
+print(f"  sampled tokens with rollout p >= 0.9: {(p_sampled >= 0.9).double().mean():.0%}; "
+      f"with p < 0.01 (the tail): {(p_sampled < 0.01).double().mean():.1%}")
 
 # %% [markdown]
 # Where does the error concentrate? The bucketed table for an FP8 rollout (the largest gap)
 # and the mean |Δ log p| per bucket for each precision, at temperature 1 and 2:
 
 # %%
+from minirl.diagnostics.mismatch import format_buckets  # code: appendix
+
 PAIR_DTYPES = ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16", "float8_e4m3fn")
-pairs = {(d, T): measure_logprobs(model, tokenizer, prompts, d, temperature=T)
-         for d in PAIR_DTYPES for T in (1.0, 2.0)}
-print("FP8 rollout, temperature 2:")
+pairs = {}
+for d in PAIR_DTYPES:
+    for T in (1.0, 2.0):
+        t0 = time.time()
+        pairs[d, T] = measure_logprobs(model, tokenizer, prompts, d, temperature=T)
+        print(f"measured {d} at T = {T:g} ({len(pairs)} of {2 * len(PAIR_DTYPES)}, {time.time() - t0:.1f} s)")
+print("\nFP8 rollout, temperature 2:")
 print(format_buckets(pairs["float8_e4m3fn", 2.0].buckets()))
 print(f"\n{'rollout':>14} | {'T':>3} | {'tokens':>6} | ratio range       | outside [0.8, 1.25]")
 for (d, T), pr in pairs.items():
@@ -444,6 +422,18 @@ for (d, T), pr in pairs.items():
           f"{st['share_outside']:.2%}")
 worst = max(pairs, key=lambda k: pairs[k].stats()["share_outside"])
 print(f"most tokens outside the band: {worst[0]} at T = {worst[1]:g}")
+for d in PAIR_DTYPES:   # rule: no token of either temperature has its ratio outside [0.8, 1.25]
+    inside = all(pairs[d, T].stats()["share_outside"] == 0 for T in (1.0, 2.0))
+    print(f"  {d:>14}: every ratio inside [0.8, 1.25] at both temperatures: {'yes' if inside else 'no'}")
+sure_smallest, factors = True, []   # the p >= 0.9 bucket against every other non-empty bucket
+for pr in pairs.values():
+    rows = [r for r in pr.buckets() if r["tokens"]]
+    top = rows[-1]["mean_abs_delta"] if rows[-1]["lo"] == 0.9 else float("nan")
+    others = [r["mean_abs_delta"] for r in rows if r["lo"] < 0.9]
+    sure_smallest &= all(o > top for o in others)
+    factors += [o / top for o in others]
+print(f"p >= 0.9 bucket has the smallest mean |dlogp| in every measurement: {'yes' if sure_smallest else 'no'}; "
+      f"the other buckets' mean is {min(factors):.0f}x to {max(factors):.0f}x larger")
 
 fig, ax = plt.subplots(figsize=(8, 3.2))
 width = 0.13
@@ -461,16 +451,15 @@ plt.show()
 
 # %% [markdown]
 # Read the plot from the right: tokens the policy is sure of (p > 0.9) carry almost no
-# log-prob error, because log-softmax is flat near p = 1. Below that the error is one to two
-# orders of magnitude larger; within the tail (p < 0.5) it is of similar size on this policy
-# rather than growing steadily. The source's claim ("small errors on high-probability tokens
-# are harmless, errors on many low-probability tokens accumulate") holds in the form we can
-# measure: the risky tokens are the uncertain ones. The small table under the buckets says
-# how far the ratio π_old / π_rollout strays in each precision: for bf16 and fp16 the bulk
-# stays close to 1, though a few uncertain tokens can reach the edge of [0.8, 1.25] or
-# cross it (its range and share outside are printed); the FP8 weight round-trip moves the
-# ratios furthest, as the line naming the precision with the most tokens outside the band
-# shows.
+# log-prob error, because log-softmax is flat near p = 1. Below that the error is from a few
+# times to a few hundred times larger (the last line prints the factors); within the tail
+# (p < 0.5) it is of similar size on this policy rather than growing steadily. The source's
+# claim ("small errors on high-probability tokens are harmless, errors on many
+# low-probability tokens accumulate") holds in the form we can measure: the risky tokens are
+# the uncertain ones. The small table under the buckets says how far the ratio
+# π_old / π_rollout strays in each precision, and the lines under it say, per precision,
+# whether every ratio stayed inside [0.8, 1.25]; the FP8 weight round-trip moves the ratios
+# furthest, as the line naming the precision with the most tokens outside the band shows.
 #
 # | quantity | source | minirl | agree? | why |
 # |---|---|---|---|---|
@@ -531,6 +520,13 @@ def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, 
     # END SOLUTION
 
 
+# %% [markdown]
+# How much difference is rounding? Exactly what a round-to-nearest cast to the rollout's
+# dtype can cause. `check_synchronization` runs the whole of step 1 with that tolerance:
+# the version label first, then every tensor.
+
+# %%
+# | export minirl/sync/checks.py
 def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
     """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
 
@@ -633,6 +629,13 @@ class MismatchReport:
                     worst_tokens=self.worst_tokens, sweep=self.sweep, routes=self.routes)
 
 
+# %% [markdown]
+# `diagnose` fills the report: the synchronization check, the token-by-token measurement (with
+# the worst tokens named), the precision sweep on fresh synchronized copies, and the MoE
+# routes when the policy has routers.
+
+# %%
+# | export minirl/diagnostics/mismatch.py
 def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
     """The k sampled tokens with the largest |delta log p|: position [b, c], token, both probabilities."""
     delta = (pair.trainer_logps - pair.behavior_logps).abs().masked_fill(~pair.mask.bool(), -1.0)
@@ -651,26 +654,37 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
              rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
-             seed: int = 0) -> MismatchReport:
+             seed: int = 0, progress: bool = False) -> MismatchReport:
     """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
 
     rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
+    progress=True prints a line as each step (and each dtype of the sweep) is done.
     """
     device = next(model.parameters()).device
     if rollout is None:
         rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
         if trainer_version is not None:
             rollout.version = trainer_version
+    def done(step: str) -> None:
+        if progress:
+            print(f"  diagnose: {step} done", flush=True)
+
     problems = check_synchronization(model, rollout, trainer_version)
+    done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
     pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
-    table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
+    done("2. token by token")
+    table = {}
+    for d in sweep:
+        table[d] = measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats()
+        done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
         routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
 
@@ -679,14 +693,20 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
 
 # %%
 SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16", "float8_e4m3fn")
-report = diagnose(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP)
+t0 = time.time()
+report = diagnose(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP, progress=True)
+print(f"done in {time.time() - t0:.0f} s\n")
 print(report)
+cache_only = report.sweep["float32"]["mean_abs_delta"]
+print(f"\nthe KV-cache path alone (float32 row): mean |dlogp| {cache_only:.1e}, "
+      f"{'at rounding level' if cache_only < 1e-5 else 'above rounding'} (rule: below 1e-5)")
 
 # %% [markdown]
 # The float32 row is the KV-cache path alone (same precision, incremental decoding instead of
-# one full forward): on this CPU its gap is at rounding level (1e-7), so precision, not the
-# cache, is what separates the engines here. On a GPU, different attention kernels and batch
-# shapes add their own share; run `chapters/02_mismatch.py --device cuda` to see it.
+# one full forward): on this CPU its gap is at rounding level (the last line applies the
+# rule), so precision, not the cache, is what separates the engines here. On a GPU,
+# different attention kernels and batch shapes add their own share; run
+# `chapters/02_mismatch.py --device cuda` to see it.
 #
 # Now plant the most common real bug: the trainer takes a step, the version counter is
 # bumped, but the weight transfer never happened. The label says "version 1"; the weights
@@ -808,6 +828,9 @@ above, below = (ratio > 1).double().mean().item(), (ratio < 1).double().mean().i
 print(f"token ratios: {above:.1%} above 1, {below:.1%} below 1, median {ratio.median():.4f}, "
       f"mean {ratio.mean():.4f}, max {ratio.max():.3f}; above the cap 2: {(ratio > 2).double().mean():.2%}, "
       f"above 1.05: {(ratio > 1.05).double().mean():.2%}")
+bias = max(abs(ratio.median().item() - 1), abs(ratio.mean().item() - 1))
+print(f"a systematic direction to correct: {'no' if bias < 0.01 else 'yes'} "
+      f"(rule: median and mean within 1 % of 1; the larger deviation is {bias:.2%})")
 
 fig, ax = plt.subplots(figsize=(6.5, 2.8))
 ax.hist(ratio.log().numpy(), bins=60, color="C0")
@@ -821,9 +844,10 @@ plt.show()
 
 # %% [markdown]
 # Read the "tokens changed" column and the histogram together. The FP8 gap moves most
-# token ratios by a few percent around 1 (the line above gives the shares on each side and
-# the median; the split between above and below 1 is close to even, so there is no
-# systematic direction to correct), which is far below a cap of 2: at cap 2 only the
+# token ratios by a few percent around 1 (the lines above give the shares on each side, the
+# median and the mean; more tokens may sit on one side, but the median and the mean stay
+# within a fraction of a percent of 1, so there is no systematic direction to correct,
+# as the last line's rule says), which is far below a cap of 2: at cap 2 only the
 # tokens right of the dashed line are touched, usually none or a handful per batch; at a
 # tight cap of 1.05 every token right of the dotted line is. TIS only caps from above; the
 # mask modes drop those tokens instead. The sequence modes multiply all of a completion's
@@ -905,9 +929,9 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 # %% [markdown]
 # Measured honestly, this tiny policy does not show the pattern pruning is built for: per
 # vocabulary entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3 (only p > 0.5 is
-# much better), so pruning removes mass (about 1 % at min_p = 0.01) without shrinking the
-# gap on what is kept, and the KL barely moves. Pruning pays off where the far tail is
-# both huge and badly computed: a 150 k-entry vocabulary in FP8, where the tail holds
+# much better), so pruning removes mass (the "mass pruned" column) without shrinking the
+# gap on what is kept, and the KL barely moves (both columns are printed). Pruning pays off
+# where the far tail is both huge and badly computed: a 150 k-entry vocabulary in FP8, where the tail holds
 # thousands of entries per position and sampling at temperature 1 regularly lands in it. The
 # mechanism is what matters here: one keep set, from one side, applied to both; the
 # rollout samples from the pruned distribution, so a pruned token never enters the data.
@@ -967,6 +991,13 @@ def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
     return Qwen2MoeForCausalLM(config)
 
 
+# %% [markdown]
+# The routers are found by what they hold (top-k, number of experts, a weight), one per MoE
+# layer. `RouteRecorder` wraps each router's forward and keeps the experts it picked, call by
+# call (generation calls the model once per new token).
+
+# %%
+# | export minirl/models/moe.py
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
     return [m for m in model.modules()
@@ -1007,6 +1038,12 @@ class RouteRecorder:
         return torch.stack(layers)
 
 
+# %% [markdown]
+# `replay_routes` is R3 itself: inside the block each router returns the recorded experts,
+# with weights from its own softmax at those experts, so the router still learns.
+
+# %%
+# | export minirl/models/moe.py
 @contextmanager
 def replay_routes(model: nn.Module, routes: Tensor):
     """Inside the block, every forward of `model` uses `routes` ([L, B, T, k]) as its experts.
@@ -1048,6 +1085,12 @@ def _restore_forward(module: nn.Module, saved) -> None:
         module.forward = saved
 
 
+# %% [markdown]
+# And the measure of how often the two sides agree: the share of (layer, token) pairs with
+# the same top-k expert set.
+
+# %%
+# | export minirl/models/moe.py
 def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
     """Share of (layer, token) pairs whose top-k expert *sets* agree. routes: [L, B, T, k]; mask [B, T]."""
     if routes_a.shape != routes_b.shape:
@@ -1114,7 +1157,7 @@ from minirl.models.policy import WarmStartConfig, warm_start
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
-warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=False)
+warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=True)
 print(f"MoE policy: {sum(p.numel() for p in moe_model.parameters()):,} parameters, "
       f"{len(routers(moe_model))} MoE layers, warm start {time.time() - t0:.0f} s")
 print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | {'with R3':>9} | "
@@ -1124,14 +1167,19 @@ for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16",
     r = route_rows[dtype] = compare_routes(moe_model, tokenizer, prompts, rollout_dtype=dtype, temperature=1.0)
     print(f"{dtype:>14} | {r['route_agreement']:>15.2%} | {r['route_agreement_r3']:>7.2%} | "
           f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | {r['max_abs_delta']:>11.2e} | "
-          f"{r['max_abs_delta_r3']:>9.2e}")
+          f"{r['max_abs_delta_r3']:>9.2e}", flush=True)
+shrinks = [d for d, r in route_rows.items() if r["max_abs_delta_r3"] < r["max_abs_delta"]]
+print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} rollout precisions "
+      f"({', '.join(shrinks) or 'none'}); route agreement with R3 is 100 %: "
+      f"{'yes' if all(r['route_agreement_r3'] == 1.0 for r in route_rows.values()) else 'no'}")
 
 # %% [markdown]
 # Without replay, the low-precision rollout and the fp32 trainer disagree on the expert set
 # for a share of (layer, token) pairs: near-tied router scores flip under rounding. With R3
 # the trainer uses the rollout's experts, agreement is 100 % by construction, and the
-# largest log-prob gaps (the tokens that went through a different expert) shrink; what is
-# left is ordinary precision error, which the earlier corrections handle.
+# largest log-prob gaps (the tokens that went through a different expert) shrink (the last
+# line counts the precisions where they do); what is left is ordinary precision error, which
+# the earlier corrections handle.
 
 # %% [markdown]
 # ## 5. Does it matter for training?
@@ -1143,6 +1191,7 @@ for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16",
 # batch, the spread of the ratio π_old / π_rollout among its metrics (`ratio/std`, ...).
 
 # %%
+import codecs
 import json
 import subprocess
 import sys
@@ -1154,9 +1203,13 @@ train_args = (["--train-steps", "1", "--num-prompts", "2", "--num-generations", 
                "--eval-every", "0"]
               if SMOKE else ["--train-steps", "60", "--eval-every", "20", "--num-prompts", "16"])
 # never reuse an earlier run's summary: it may come from another policy or another version of the code
-subprocess.run([sys.executable, str(ROOT / "chapters" / "02_mismatch.py"), "--out", str(TRAIN_OUT),
-                "--sweep", "float32", "--quiet", *train_args], check=True, cwd=ROOT,
-               stdout=subprocess.DEVNULL)
+script = ROOT / "chapters" / "02_mismatch.py"
+proc = subprocess.Popen([sys.executable, str(script), "--out", str(TRAIN_OUT), "--sweep", "float32", *train_args],
+                        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+for chunk in iter(lambda: proc.stderr.read1(256), b""):   # the two runs' progress bars, live
+    sys.stdout.write(decode(chunk))
+assert proc.wait() == 0, f"{script} failed"
 training = json.loads((TRAIN_OUT / "summary.json").read_text())["training"]
 print(f"{'':>22} | {'no correction':>13} | {'TIS (cap 2)':>11}")
 for key in training["no_correction"]:
@@ -1185,6 +1238,9 @@ for name, metrics in runs.items():
     over = sum(m["ratio/max"] > 2.0 for m in steps)
     print(f"{name:>13}: steps whose largest token ratio exceeds the cap 2: {over} of {len(steps)}; "
           f"median per-step std {sorted(m['ratio/std'] for m in steps)[len(steps) // 2]:.3f}")
+gap = abs(training["no_correction"]["reward_second_half"] - training["tis"]["reward_second_half"])
+print(f"reward curves track each other: {'yes' if gap < 0.05 else 'no'} "
+      f"(rule: second-half mean rewards within 0.05; they differ by {gap:.3f})")
 axes[0].set(title="reward (5-step mean)", xlabel="step")
 axes[1].set(title="std of π_old / π_rollout", xlabel="step")
 axes[2].set(title="largest π_old / π_rollout", xlabel="step")
@@ -1201,12 +1257,12 @@ plt.show()
 # never sees the mismatch, as section 1 said. The mismatch enters only through TIS's weights.
 # Two numbers describe them, and the plots show both: the typical token's ratio is within a
 # few percent of 1 (the per-step std, printed above), but the *largest* ratio of a batch can
-# be several times 1 when an uncertain tail token is sampled; those steps are the spikes in
-# the std and max panels. TIS truncates exactly those tokens (the steps above the dashed cap
-# line are counted in the line printed above), and leaves the rest of the batch untouched,
-# so the two runs see nearly the same gradients and their reward curves track each other.
-# The final accuracies in the table come from one seed and 60 steps, and a single run's
-# held-out accuracy can move by several points from one evaluation to the next (notebook
+# pass the cap of 2 (`ratio_max` in the table) when an uncertain tail token is sampled;
+# those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
+# (the steps above the dashed cap line are counted in the lines printed above), and leaves
+# the rest of the batch untouched, so the two runs see nearly the same gradients and their
+# reward curves track each other (the last printed line applies the rule). The final
+# accuracies in the table come from one seed and 60 steps, and a single run's held-out accuracy can move by several points from one evaluation to the next (notebook
 # 01's learning curve is not monotone): read a gap between the two columns as noise until
 # several seeds agree. The effect grows with what this scale lacks: long completions (the gap
 # compounds over thousands of tokens), a flatter policy (more tail tokens), MoE routing
@@ -1214,6 +1270,77 @@ plt.show()
 # what a practitioner should monitor: `logprob_diff_abs` and the ratio spread in the loop's
 # metrics are TRL's `sampling/sampling_logp_difference` and
 # `sampling/importance_sampling_ratio`.
+
+# %% [markdown]
+# ## Appendix: input checks and the bucket table
+#
+# The bookkeeping the sections above call. `check_logprob_pair` is the guard every function
+# of §2 and §4 runs first (`minirl.algo.logprobs`); `format_buckets` prints the rows of
+# `probability_buckets` (`minirl.diagnostics.mismatch`).
+
+# %%
+# | export minirl/algo/logprobs.py
+LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
+
+
+def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
+    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
+
+    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
+    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
+    LOGP_TOLERANCE absorbs rounding in low precision).
+    """
+    if behavior_logps is None:
+        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
+                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
+                         "recomputation is not a substitute for the behaviour policy")
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
+    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
+        if t.shape != trainer_logps.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
+                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
+    valid = mask.bool()
+    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
+        missing = valid & ~torch.isfinite(t)
+        if missing.any():
+            b, c = missing.nonzero()[0].tolist()
+            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
+                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
+                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
+        above = valid & (t > LOGP_TOLERANCE)
+        if above.any():
+            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
+                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
+
+
+# %% [markdown]
+# Bad input is refused with a message that names the tensor and the shape it expects:
+
+# %%
+C = pair.mask.shape[1]
+for label, args in [("missing behaviour log-probs", (pair.trainer_logps, None, pair.mask)),
+                    ("shapes differ", (pair.trainer_logps, pair.behavior_logps[:, :-1], pair.mask)),
+                    ("probabilities passed as log-probs", (pair.trainer_logps, pair.behavior_logps.exp(), pair.mask)),
+                    ("a NaN behaviour log-prob", (pair.trainer_logps, pair.behavior_logps.masked_fill(
+                        torch.ones_like(pair.mask, dtype=torch.bool).tril(), float("nan")), pair.mask))]:
+    try:
+        mismatch_stats(*args)
+    except ValueError as err:
+        print(f"{label:<36} -> ValueError: {err}")
+
+# %%
+# | export minirl/diagnostics/mismatch.py
+def format_buckets(rows: list[dict]) -> str:
+    """The rows of `probability_buckets` as a fixed-width table."""
+    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
+    for r in rows:
+        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
+                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
+    return "\n".join(lines)
+
 
 # %% [markdown]
 # ## Exercises

@@ -30,6 +30,7 @@
 # %load_ext minirl.utils.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
+import codecs
 import json
 import math
 import os
@@ -56,6 +57,33 @@ def show(rows, header):
         if j == 0:
             print("-+-".join("-" * w for w in widths))
 
+
+# %% [markdown]
+# The result first. The package's finished calculator, `training_memory`, sizes one
+# configuration of the source's table: full fine-tuning of a 70 B model with ZeRO-3 and
+# gradient checkpointing on eight 80 GB GPUs, with the source's ~100 GB of activations
+# (3,128 tokens of Llama-2-70B, §3) split over the eight:
+
+# %%
+from minirl.memory.calculator import min_gpus, training_memory
+
+first = training_memory(70e9, num_gpus=8, stage=3, global_batch=8, seq=391, recompute="full")
+fits = first["total"] <= 80 * GB
+print(f"{'per GPU':<28} | {'source':>12} | {'minirl':>10}")
+print(f"{'training state (ZeRO-3, N=8)':<28} | {'':>12} | {first['state'] / GB:>7.1f} GB")
+print(f"{'activations (checkpointed)':<28} | {'':>12} | {first['activations'] / GB:>7.1f} GB")
+print(f"{'total':<28} | {'~30 GB':>12} | {first['total'] / GB:>7.1f} GB")
+print(f"{'fits one 80 GB GPU?':<28} | {'yes':>12} | {'yes' if fits else 'no':>10}   (rule: total <= 80 GB)")
+n = min_gpus(70e9, 80 * GB, 3, activation_bytes=first["activations"])
+print(f"the fewest GPUs on which it fits: {n}")
+
+# %% [markdown]
+# The source's figure does not follow from its own 16 bytes per parameter: the sharded state
+# alone is 1120 GB / 8 = 140 GB per GPU. The sections below open the calculator piece by
+# piece: the 16 bytes (§1), ZeRO's sharding (§2), activations and recomputation (§3), the
+# whole 70 B table (§4); then they measure it on a real model: activations (§5), ZeRO under
+# `torchrun` (§6) and LoRA (§7). The plotting helpers and the torchrun job's plumbing are in
+# the appendix at the end.
 
 # %% [markdown]
 # ## 1. Sixteen bytes per parameter
@@ -154,11 +182,14 @@ rows.append(("activations", "dynamic", "~100", "(see §3)", "-", "we size it in 
 rows.append(("total", "16 B", "~1220", f"{total:.0f}", "agree" if abs(total - 1220) < 10 else "DIFFER",
              "1120 GB of state + 100 GB"))
 show(rows, ("component", "B/param", "source GB", "minirl GB", "agree?", "why"))
+print(f"\nin 80 GB GPUs' worth: the state alone {ours['total'] / (80 * GB):.2f}, with the activations "
+      f"{total / 80:.2f}")
 
 # %% [markdown]
 # The table adds up: 16 B × 70 × 10^9 = 1.12 TB of training state, plus the ~100 GB of
-# activations the source assumes, is 1.22 TB. Fourteen H100s' worth, before a single
-# temporary buffer. The precision variants:
+# activations the source assumes, is 1.22 TB: the state alone fills fourteen 80 GB H100s,
+# and with the activations more than fifteen (the last line), before a single temporary
+# buffer. The precision variants:
 
 # %%
 show([(p, *bytes_per_param(p).values()) for p in PRECISIONS], ("precision", *COMPONENTS, "total"))
@@ -278,32 +309,7 @@ print(f"\n70B, N=8, BF16 gradients: DDP sends {comm[0]['bytes'] / GB:.0f} GB per
 # 140 GB here: above the line at *any* N. Only ZeRO-3 ever crosses it.
 
 # %%
-def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
-    """Stacked per-component bars per stage against N; optional measured totals on top."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    x = range(len(ns))
-    for stage, ax in zip(STAGES, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp in COMPONENTS:
-            vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
-            if any(vals):
-                ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp, width=0.7)
-                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        if gpu_gb:
-            ax.axhline(gpu_gb, ls="--", c="k", lw=0.8, label=f"one {gpu_gb} GB GPU")
-        for (s, n), val in (measured or {}).items():
-            if s == stage and n in ns:
-                ax.plot(ns.index(n), val / GB, "k*", ms=12, label="measured" if n == ns[0] else None)
-        ax.set(xticks=list(x), xticklabels=ns, xlabel="GPUs N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("GB per GPU")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    plt.show()
-
-
-from minirl.memory.calculator import COMPONENTS, STAGES, zero_per_gpu  # noqa: E402  (the exported versions)
+from minirl.memory.plots import plot_zero  # noqa: E402  (code: appendix)
 
 plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU training state")
 
@@ -481,6 +487,12 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
     # END SOLUTION
 
 
+# %% [markdown]
+# `activation_memory` fills in the three sizes from the table of saved tensors above, per
+# token, and hands them to the recomputation rule.
+
+# %%
+# | export minirl/memory/calculator.py
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
                       attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
@@ -534,17 +546,20 @@ for seq in (1024, 4096, 16384):
     r = [activation_memory(LLAMA2_70B, 1, seq, recompute=rc)["total"] / GB for rc in RECOMPUTE]
     rows.append((seq, *(f"{v:.1f}" for v in r)))
 show(rows, ("tokens (batch 1)", "none GB", "full (per layer) GB", "sqrt(L) segments GB"))
+at4k = {rc: activation_memory(LLAMA2_70B, 1, 4096, recompute=rc)["total"] for rc in RECOMPUTE}
+print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none']:.1%} of the activations; "
+      f"per-layer below sqrt(L) segments: {'yes' if at4k['full'] < at4k['sqrt'] else 'no'}; "
+      f"layer input {per_token['boundary'] / 1024:.0f} KiB per token")
 
 # %% [markdown]
-# Per-layer checkpointing cuts ~100 GB to about 6 GB at 4 k tokens: the layer input is 16 KiB
-# per token, a whole layer ~390 KiB. The √L scheme keeps 9 inputs but recomputes 9 layers at
-# once, so it holds more. O(√L) beats O(L) only when a layer's interior is no larger than its
-# input, which is not the case for transformers.
+# Per-layer checkpointing cuts 131 GB to 7 GB at 4 k tokens (about 5 %, the last line): the
+# layer input is 16 KiB per token, a whole layer ~390 KiB. The √L scheme keeps 9 inputs but
+# recomputes 9 layers at once, so it holds more. O(√L) beats O(L) only when a layer's
+# interior is no larger than its input, which is not the case for transformers. (§5 checks
+# these formulas against autograd on a real model.)
 #
-# Now let us check the formula against autograd on a real model. `measure_saved_activations`
-# runs one forward and backward under a `saved_tensors_hooks` context and tracks the unique
-# storages alive (a tensor saved by two operations counts once; parameters are excluded).
-# Their peak is the activation memory. It works the same on CPU and GPU.
+# The last piece the table of §4 needs is LoRA's: only the adapters train, so the frozen
+# base costs its weights alone (§7 measures it).
 
 # %%
 # | export minirl/memory/calculator.py
@@ -701,7 +716,7 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 # verdict as well: on 8 GPUs ZeRO-3 leaves 140 GB of sharded state per GPU before a single
 # activation, and checkpointing only shrinks activations. Full fine-tuning of a 70 B model on
 # 80 GB GPUs needs at least ~15 of them with ZeRO-3, or CPU offload of the optimizer state;
-# "~30 GB" is what about 40 GPUs give. The fourth row's "yes" holds on 8 GPUs even with a BF16
+# "~30 GB" is what about 38 GPUs give (the table's N). The fourth row's "yes" holds on 8 GPUs even with a BF16
 # base (~19 GB); its "~8 GB" needs a 4-bit base.
 #
 # And the speed column? The source's "10–15 %", "30–40 %" and "~40 %" are not derived from
@@ -779,28 +794,11 @@ def random_batch(batch: int, seq: int, seed: int = 0, device="cpu") -> torch.Ten
     return torch.randint(3, VOCAB_SIZE, (batch, seq), generator=g).to(device)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def storage_key(t: torch.Tensor) -> tuple:
-    s = local(t).untyped_storage()
-    return (str(t.device), s.data_ptr())
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = local(t).untyped_storage()
-            seen[(str(t.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
-
 
 # %% [markdown]
-# Counting what autograd saves: a saved-tensor hook records each unique storage once, so a view or a tensor saved twice is not counted twice.
+# Counting what autograd saves: a saved-tensor hook records each unique storage once, so a
+# view or a tensor saved twice is not counted twice (`storage_key` and `storage_bytes`, in the
+# appendix, name a storage by its device and address).
 
 # %%
 # | export minirl/memory/measure.py
@@ -858,6 +856,11 @@ class SavedActivationMeter:
         return self._ctx.__exit__(*exc)
 
 
+# %% [markdown]
+# One metered forward and backward: the peak of the meter is the activation memory.
+
+# %%
+# | export minirl/memory/measure.py
 def set_checkpointing(model, on: bool) -> None:
     """Per-layer gradient checkpointing on a transformers model (reentrant, so it can be metered)."""
     wrap.set_checkpointing(model, on, reentrant=True)
@@ -886,7 +889,10 @@ def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = Fa
 
 # %%
 # | export minirl/memory/measure.py
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict:
+from tqdm.auto import tqdm
+
+
+def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progress: bool = False) -> dict:
     """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
 
     Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
@@ -898,7 +904,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     after one untimed warm-up round, times both modes back to back in alternating order and
     takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
     (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
-    "repeats", "clock"}.
+    "repeats", "clock"}. progress=True shows a bar over the rounds.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
@@ -907,7 +913,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _timed_rounds(model, input_ids, repeats, times)
+        _timed_rounds(model, input_ids, repeats, times, progress)
     finally:
         torch.set_num_threads(threads)
         set_checkpointing(model, False)
@@ -918,9 +924,9 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
             "repeats": repeats, "clock": "process_time, 1 thread"}
 
 
-def _timed_rounds(model, input_ids, repeats: int, times: dict) -> None:
+def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = False) -> None:
     """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
-    for i in range(repeats + 1):                                    # the first round warms up, untimed
+    for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
         for on in ((False, True) if i % 2 else (True, False)):
             set_checkpointing(model, on)
             start = time.process_time()
@@ -930,7 +936,12 @@ def _timed_rounds(model, input_ids, repeats: int, times: dict) -> None:
             model.zero_grad(set_to_none=True)
 
 
+# %% [markdown]
+# `measure_single` runs the three metered passes (unpadded, checkpointed, padded) beside the
+# calculator's formula, then the timing above, on one model and batch.
 
+# %%
+# | export minirl/memory/measure.py
 def padded_mask(batch: int, seq: int) -> torch.Tensor:
     """[batch, seq] attention mask whose first row is left-padded by a quarter (the rest unpadded)."""
     mask = torch.ones(batch, seq, dtype=torch.long)
@@ -938,13 +949,14 @@ def padded_mask(batch: int, seq: int) -> torch.Tensor:
     return mask
 
 
-def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0) -> dict:
+def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0,
+                   progress: bool = False) -> dict:
     """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
 
     One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
     "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
     "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
-    `time_recomputation`'s.
+    `time_recomputation`'s. progress=True prints a line per metered pass and a bar over the timed rounds.
     """
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
@@ -956,7 +968,9 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
         calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
                                  padding_mask=mask is not None)["total"]
         out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
-    out["timing"] = time_recomputation(model, x, repeats)
+        if progress:
+            print(f"metered pass '{mode}': {measured / 2**20:.2f} MiB saved", flush=True)
+    out["timing"] = time_recomputation(model, x, repeats, progress)
     return out
 
 
@@ -968,7 +982,7 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
 from minirl.memory.measure import measure_single  # noqa: E402
 
 REPEATS = 3 if SMOKE else 9
-single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS)
+single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS, progress=True)
 why = {"none": "", "full": "the recomputed layer's input is also a checkpoint: counted once, not twice",
        "padded": "K/V repeated to all heads + the mask, as the padded formula counts"}
 rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}", f"{single[mode]['measured'] / 2**20:.2f}",
@@ -1056,6 +1070,12 @@ def _wrap(model, strategy: str, device: torch.device):
     return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
+# %% [markdown]
+# One strategy on one rank: build the model, wrap it, take two steps, and count what the rank
+# holds at each moment that matters.
+
+# %%
+# | export minirl/memory/distributed.py
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
                      device: torch.device = torch.device("cpu")) -> dict:
     """Train `size` two steps under `strategy` in the current process group; this rank's bytes.
@@ -1112,82 +1132,6 @@ def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: in
         result["cuda_at_rest"] = torch.cuda.memory_allocated(device)
     return result
 
-
-def worker_main(argv=None) -> None:
-    """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
-    import argparse
-
-    import torch.distributed as dist
-
-    parser = argparse.ArgumentParser(description="minirl memory measurement worker (run under torchrun)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--size", default="small", choices=list(MEASURE_SIZES))
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rows = []
-    try:
-        for strategy in args.strategies.split(","):
-            mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
-            gc.collect()                                           # the strategy's model and optimizer are gone
-            if cuda:
-                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            rows.extend(everyone)
-        if dist.get_rank() == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(rows, indent=1))
-        dist.barrier()   # leave together: a rank whose peer already closed its gloo pairs can abort at exit
-    finally:
-        dist.destroy_process_group()
-
-
-# %% [markdown]
-# The launcher: one torchrun job measures every strategy, retried once on an overloaded machine, and returns one row per strategy and rank.
-
-# %%
-# | export minirl/memory/distributed.py
-def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
-                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
-    """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
-
-    Launched with notebook 04's `torchrun` (a timeout ends every rank, then raises
-    subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
-    (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
-    On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
-    (with a warning that says why) up to `attempts` times in all; the last failure raises
-    RuntimeError with the start and the end of the job's output (a rank's own error comes
-    before torchrun's long summary).
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if torch.cuda.is_available() and world_size > torch.cuda.device_count():
-        raise ValueError(f"world_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"strategies={unknown!r}: use names from {', '.join(STRATEGIES)}")
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
-        for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:worker_main", world_size, flags, timeout=timeout, threads=threads)
-            if job.returncode == 0 and out.exists():
-                return json.loads(out.read_text())
-            failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
-                       f"{output_ends(job.stdout)}")
-            if attempt < attempts:
-                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
-                              stacklevel=2)
-        raise RuntimeError(failure)
 
 
 # %% [markdown]
@@ -1267,10 +1211,15 @@ else:
     cached = ROOT / "runs" / "03_measure" / "summary.json"
     timing = json.loads(cached.read_text()).get("activations", {}).get("timing", {}) if cached.exists() else {}
     if timing.get("clock") != "process_time, 1 thread":       # no measurement yet, or one by an older version
-        job = subprocess.run([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
-                              "--out", str(cached.parent)], cwd=ROOT, capture_output=True, text=True)
-        if job.returncode:
-            raise RuntimeError(f"chapters/03_memory.py --measure failed:\n{job.stdout[-2000:]}\n{job.stderr[-8000:]}")
+        print("measuring with chapters/03_memory.py --measure: activations, LoRA, then torchrun at 1, 2 and 4 ranks")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
+                                 "--out", str(cached.parent)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        for chunk in iter(lambda: proc.stdout.read1(256), b""):   # its progress bar and tables, live
+            sys.stdout.write(decode(chunk))
+        if proc.wait():
+            raise RuntimeError(f"chapters/03_memory.py --measure failed with code {proc.returncode} (output above)")
     chapter = json.loads(cached.read_text())
     measured_rows = chapter["rows"]
     print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(ROOT)}")
@@ -1321,27 +1270,7 @@ for r in comparison:
         points[(r["stage"], r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
 ns = sorted({r["world_size"] for r in comparison} | {1, 2, 4})
 
-
-def plot_measured(psi, ns, points):
-    """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(STAGES, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp, color in colors.items():
-            vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
-            ax.bar(range(len(ns)), vals, bottom=bottom, color=color, width=0.7, label=comp)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        for (s, n), val in points.items():
-            if s == stage:
-                ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)
-        ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="ranks N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("MiB per rank")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars) and measured (stars)")
-    fig.tight_layout()
-    plt.show()
-
+from minirl.memory.plots import plot_measured  # noqa: E402  (code: appendix)
 
 plot_measured(psi_measured, ns, points)
 
@@ -1354,8 +1283,8 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
      ("strategy", "N", "step s"))
 
 # %% [markdown]
-# The ZeRO-2 stars sit above their bars by 1/N: that is FSDP2's shard kept beside the gathered
-# weights, as the table says. On CPU the timings of these runs say nothing about ZeRO-3's
+# The ZeRO-2 stars sit above their bars by 1/N of the weights: that is FSDP2's shard kept
+# beside the gathered weights, as the table says (weights_step 1 + 1/N). On CPU the timings of these runs say nothing about ZeRO-3's
 # "10–15 %" (gloo over shared memory is not NVLink), so we do not print them as if they did.
 
 # %% [markdown]
@@ -1405,7 +1334,9 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
 # %%
 from minirl.memory.measure import measure_lora  # noqa: E402
 
+t0 = time.time()
 lo = measure_lora("tiny" if SMOKE else "small", rank=8, batch=2, seq=64)
+print(f"one LoRA step metered in {time.time() - t0:.1f} s")
 rows = [
     ("trainable parameters", f"{lo['trainable_calculator']:,}", f"{lo['trainable_params']:,}",
      f"{lo['trainable_params'] / lo['base_params']:.2%} of the base"),
@@ -1413,16 +1344,17 @@ rows = [
      f"{lo['frozen_with_grad']} frozen tensors got a gradient"),
     ("Adam m + v bytes", f"{lo['adam_calculator']:,.0f}", f"{lo['adam']:,}", "8 B per trainable parameter (FP32)"),
     ("saved activations", f"{lo['activations_full_model']:,.0f} (full FT)", f"{lo['activations']:,}",
-     "about the same: backward still flows through every layer (frozen linears skip saving their "
-     "inputs, the adapters' A matrices save them instead)"),
+     f"{lo['activations'] / lo['activations_full_model']:.0%} of full FT's: backward still flows through every "
+     "layer (frozen linears skip saving their inputs, the adapters' A matrices save them instead)"),
 ]
 show(rows, ("quantity", "calculator", "measured", "note"))
 
 # %% [markdown]
 # LoRA removes the gradients and optimizer state of the base, which is 14 of the 16 bytes per
-# parameter in mixed precision, but it does not remove activations: the gradient still has to
-# flow back through every frozen layer to reach the adapters below. That is why the source
-# pairs LoRA with checkpointing, and why its ~40 % slowdown is mostly checkpointing's.
+# parameter in mixed precision, but it removes only a small share of the activations (the
+# last row): the gradient still has to flow back through every frozen layer to reach the
+# adapters below. That is why the source pairs LoRA with checkpointing, and why its ~40 %
+# slowdown is mostly checkpointing's.
 
 # %% [markdown]
 # ## 8. What to remember
@@ -1445,6 +1377,177 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # ```
 
 # %% [markdown]
+# ## Appendix: plotting helpers and the torchrun job
+#
+# The plumbing the sections above call: the two ZeRO plots of §2 and §6
+# (`minirl.memory.plots`), the storage counting every measurement uses
+# (`minirl.memory.measure`), and the body and launcher of §6's `torchrun` job
+# (`minirl.memory.distributed`).
+
+# %%
+# | export minirl/memory/plots.py
+"""Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured."""
+import matplotlib.pyplot as plt
+
+from minirl.memory.calculator import COMPONENTS, GB, STAGES, zero_per_gpu
+
+
+def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
+    """Stacked per-component bars per stage against N; optional measured totals on top."""
+    colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
+    x = range(len(ns))
+    for stage, ax in zip(STAGES, axes, strict=True):
+        bottom = [0.0] * len(ns)
+        for comp in COMPONENTS:
+            vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
+            if any(vals):
+                ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp, width=0.7)
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        if gpu_gb:
+            ax.axhline(gpu_gb, ls="--", c="k", lw=0.8, label=f"one {gpu_gb} GB GPU")
+        for (s, n), val in (measured or {}).items():
+            if s == stage and n in ns:
+                ax.plot(ns.index(n), val / GB, "k*", ms=12, label="measured" if n == ns[0] else None)
+        ax.set(xticks=list(x), xticklabels=ns, xlabel="GPUs N", title=f"ZeRO-{stage}")
+    axes[0].set_ylabel("GB per GPU")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    plt.show()
+
+
+def plot_measured(psi, ns, points):
+    """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
+    colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
+    for stage, ax in zip(STAGES, axes, strict=True):
+        bottom = [0.0] * len(ns)
+        for comp, color in colors.items():
+            vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
+            ax.bar(range(len(ns)), vals, bottom=bottom, color=color, width=0.7, label=comp)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        for (s, n), val in points.items():
+            if s == stage:
+                ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)
+        ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="ranks N", title=f"ZeRO-{stage}")
+    axes[0].set_ylabel("MiB per rank")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars) and measured (stars)")
+    fig.tight_layout()
+    plt.show()
+
+
+# %% [markdown]
+# Storage counting: a DTensor (FSDP2's shard) counts by its local storage, and views of one
+# storage count once.
+
+# %%
+# | export minirl/memory/measure.py
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    s = local(t).untyped_storage()
+    return (str(t.device), s.data_ptr())
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = local(t).untyped_storage()
+            seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+# %% [markdown]
+# `worker_main` is the body of the `torchrun` job: every strategy in turn, all ranks'
+# results gathered to rank 0, written as JSON.
+
+# %%
+# | export minirl/memory/distributed.py
+def worker_main(argv=None) -> None:
+    """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description="minirl memory measurement worker (run under torchrun)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--size", default="small", choices=list(MEASURE_SIZES))
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rows = []
+    try:
+        for strategy in args.strategies.split(","):
+            mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
+            gc.collect()                                           # the strategy's model and optimizer are gone
+            if cuda:
+                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            rows.extend(everyone)
+        if dist.get_rank() == 0:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(rows, indent=1))
+        dist.barrier()   # leave together: a rank whose peer already closed its gloo pairs can abort at exit
+    finally:
+        dist.destroy_process_group()
+
+
+# %% [markdown]
+# `launch_measurement`: one torchrun job measures every strategy, retried once on an overloaded machine, and returns one row per strategy and rank.
+
+# %%
+# | export minirl/memory/distributed.py
+def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
+                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
+    """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
+
+    Launched with notebook 04's `torchrun` (a timeout ends every rank, then raises
+    subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
+    (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
+    On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
+    (with a warning that says why) up to `attempts` times in all; the last failure raises
+    RuntimeError with the start and the end of the job's output (a rank's own error comes
+    before torchrun's long summary).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    if torch.cuda.is_available() and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"strategies={unknown!r}: use names from {', '.join(STRATEGIES)}")
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
+        for attempt in range(1, attempts + 1):
+            job = torchrun("minirl.memory.distributed:worker_main", world_size, flags, timeout=timeout, threads=threads)
+            if job.returncode == 0 and out.exists():
+                return json.loads(out.read_text())
+            failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
+                       f"{output_ends(job.stdout)}")
+            if attempt < attempts:
+                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
+                              stacklevel=2)
+        raise RuntimeError(failure)
+
+
+# %% [markdown]
 # ## Exercises
 #
 # Your stubs are in `exercises/03_training_memory.py`. Fill them in, then grade:
@@ -1461,5 +1564,5 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # | 3.4 | `min_gpus` | the fewest GPUs on which a stage fits, or None when no count does |
 #
 # A question to think about (not graded): the source's "~30 GB" for 70 B with ZeRO-3 and
-# checkpointing is what about 40 GPUs give. Which would you rather buy: 40 GPUs, or CPU
+# checkpointing is what about 38 GPUs give. Which would you rather buy: 38 GPUs, or CPU
 # offload of the optimizer state on 8? What does offload cost per step (PCIe carries ~50 GB/s)?

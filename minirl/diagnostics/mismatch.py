@@ -15,8 +15,8 @@ difference you measure comes from precision and computation path alone, which is
 """
 
 __all__ = ["ppo_ratio", "clip_bounds", "mismatch_stats", "PROBABILITY_EDGES",
-           "probability_buckets", "format_buckets", "DTYPES", "LogprobPair", "trainer_logprobs",
-           "measure_logprobs", "MismatchReport", "worst_tokens", "diagnose", "compare_routes"]
+           "probability_buckets", "DTYPES", "LogprobPair", "trainer_logprobs", "measure_logprobs",
+           "MismatchReport", "worst_tokens", "diagnose", "compare_routes", "format_buckets"]
 
 import copy
 import math
@@ -112,15 +112,6 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
                          max_abs_delta=d.max().item() if n else 0.0,
                          share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
     return rows
-
-
-def format_buckets(rows: list[dict]) -> str:
-    """The rows of `probability_buckets` as a fixed-width table."""
-    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
-    for r in rows:
-        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
-                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
-    return "\n".join(lines)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -242,26 +233,37 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
              rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
-             seed: int = 0) -> MismatchReport:
+             seed: int = 0, progress: bool = False) -> MismatchReport:
     """Run the four diagnosis steps on `model` (the trainer's policy) and its rollout engine.
 
     rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
     Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
+    progress=True prints a line as each step (and each dtype of the sweep) is done.
     """
     device = next(model.parameters()).device
     if rollout is None:
         rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
         if trainer_version is not None:
             rollout.version = trainer_version
+    def done(step: str) -> None:
+        if progress:
+            print(f"  diagnose: {step} done", flush=True)
+
     problems = check_synchronization(model, rollout, trainer_version)
+    done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
     pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
-    table = {d: measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats() for d in sweep}
+    done("2. token by token")
+    table = {}
+    for d in sweep:
+        table[d] = measure_logprobs(model, tokenizer, prompts, d, train_dtype, **kwargs).stats()
+        done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
         routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
 
@@ -301,3 +303,12 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
                 mean_abs_delta=before["mean_abs_delta"], mean_abs_delta_r3=after["mean_abs_delta"],
                 max_abs_delta=before["max_abs_delta"], max_abs_delta_r3=after["max_abs_delta"],
                 share_outside=before["share_outside"], share_outside_r3=after["share_outside"])
+
+
+def format_buckets(rows: list[dict]) -> str:
+    """The rows of `probability_buckets` as a fixed-width table."""
+    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
+    for r in rows:
+        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
+                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
+    return "\n".join(lines)

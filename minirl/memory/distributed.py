@@ -11,7 +11,7 @@ models are wrapped by `minirl.parallel.wrap`, the code notebook 04 trains with.
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
 """
 
-__all__ = ["measure_strategy", "worker_main", "launch_measurement", "NOTES", "compare_measured"]
+__all__ = ["measure_strategy", "NOTES", "compare_measured", "worker_main", "launch_measurement"]
 
 import gc
 import json
@@ -92,6 +92,56 @@ def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: in
     return result
 
 
+NOTES = {
+    ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
+    ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
+                                        "(with mixed precision that shard is the FP32 master)",
+    ("fsdp_noreshard", "weights_rest"): "FSDP2 reshards after backward, so between steps it holds ZeRO-3's 1/N; "
+                                        "DeepSpeed's ZeRO-2 keeps the full copy",
+    ("fsdp", "weights_step"): "seen after the forward; the one layer gathered at a time (a transient) is "
+                              "already freed (torch.cuda.max_memory_allocated sees it)",
+}
+
+
+def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
+    """Measured bytes (mean and max over ranks) against the calculator's FP32 figures.
+
+    rows: the per-rank dicts of `launch_measurement`. Returns one dict per (strategy, world
+    size, component) with "calculator", "measured_mean", "measured_max", "ratio" (mean /
+    calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
+    else "DIFFER") and "note".
+    """
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
+    table = []
+    for (strategy, n), ranks in sorted(groups.items(), key=lambda kv: (STRATEGIES[kv[0][0]], kv[0][1])):
+        stage, psi = STRATEGIES[strategy], ranks[0]["num_params"]
+        calc = zero_per_gpu(psi, n, stage, "fp32")
+        expected = {"weights_step": calc["weights"], "weights_rest": calc["weights"], "grads": calc["grads"],
+                    "adam_m": calc["adam_m"], "adam_v": calc["adam_v"],
+                    "state": calc["weights"] + calc["grads"] + calc["adam_m"] + calc["adam_v"]}
+        measured = {"weights_step": [r["weights_step"] for r in ranks], "weights_rest": [r["weights"] for r in ranks],
+                    "grads": [r["grads"] for r in ranks], "adam_m": [r["adam_m"] for r in ranks],
+                    "adam_v": [r["adam_v"] for r in ranks],
+                    "state": [r["weights_step"] + r["grads"] + r["adam_m"] + r["adam_v"] for r in ranks]}
+        for comp, values in measured.items():
+            mean = sum(values) / len(values)
+            ratio = mean / expected[comp]
+            note = NOTES.get((strategy, "adam" if comp.startswith("adam") else comp), "")
+            if comp == "state" and strategy == "fsdp_noreshard" and n > 0:
+                note = NOTES[(strategy, "weights_step")]
+            spread = max(values) / mean - 1
+            if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
+                note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
+            verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
+            shown = note if verdict != "agree" or spread > tolerance else ""
+            table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
+                              calculator=expected[comp], measured_mean=mean, measured_max=max(values),
+                              ratio=ratio, verdict=verdict, note=shown))
+    return table
+
+
 def worker_main(argv=None) -> None:
     """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
     import argparse
@@ -162,53 +212,3 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
                 warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
                               stacklevel=2)
         raise RuntimeError(failure)
-
-
-NOTES = {
-    ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
-    ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
-                                        "(with mixed precision that shard is the FP32 master)",
-    ("fsdp_noreshard", "weights_rest"): "FSDP2 reshards after backward, so between steps it holds ZeRO-3's 1/N; "
-                                        "DeepSpeed's ZeRO-2 keeps the full copy",
-    ("fsdp", "weights_step"): "seen after the forward; the one layer gathered at a time (a transient) is "
-                              "already freed (torch.cuda.max_memory_allocated sees it)",
-}
-
-
-def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
-    """Measured bytes (mean and max over ranks) against the calculator's FP32 figures.
-
-    rows: the per-rank dicts of `launch_measurement`. Returns one dict per (strategy, world
-    size, component) with "calculator", "measured_mean", "measured_max", "ratio" (mean /
-    calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
-    else "DIFFER") and "note".
-    """
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
-    table = []
-    for (strategy, n), ranks in sorted(groups.items(), key=lambda kv: (STRATEGIES[kv[0][0]], kv[0][1])):
-        stage, psi = STRATEGIES[strategy], ranks[0]["num_params"]
-        calc = zero_per_gpu(psi, n, stage, "fp32")
-        expected = {"weights_step": calc["weights"], "weights_rest": calc["weights"], "grads": calc["grads"],
-                    "adam_m": calc["adam_m"], "adam_v": calc["adam_v"],
-                    "state": calc["weights"] + calc["grads"] + calc["adam_m"] + calc["adam_v"]}
-        measured = {"weights_step": [r["weights_step"] for r in ranks], "weights_rest": [r["weights"] for r in ranks],
-                    "grads": [r["grads"] for r in ranks], "adam_m": [r["adam_m"] for r in ranks],
-                    "adam_v": [r["adam_v"] for r in ranks],
-                    "state": [r["weights_step"] + r["grads"] + r["adam_m"] + r["adam_v"] for r in ranks]}
-        for comp, values in measured.items():
-            mean = sum(values) / len(values)
-            ratio = mean / expected[comp]
-            note = NOTES.get((strategy, "adam" if comp.startswith("adam") else comp), "")
-            if comp == "state" and strategy == "fsdp_noreshard" and n > 0:
-                note = NOTES[(strategy, "weights_step")]
-            spread = max(values) / mean - 1
-            if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
-                note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
-            verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
-            shown = note if verdict != "agree" or spread > tolerance else ""
-            table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
-                              calculator=expected[comp], measured_mean=mean, measured_max=max(values),
-                              ratio=ratio, verdict=verdict, note=shown))
-    return table

@@ -16,15 +16,16 @@ see: communication buffers, temporaries, fragmentation.
 """
 
 __all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
-           "local", "storage_key", "storage_bytes", "SavedActivationMeter", "set_checkpointing",
-           "measure_activations", "time_recomputation", "padded_mask", "measure_single",
-           "LORA_TARGETS", "measure_lora"]
+           "SavedActivationMeter", "set_checkpointing", "measure_activations",
+           "time_recomputation", "padded_mask", "measure_single", "LORA_TARGETS", "measure_lora",
+           "local", "storage_key", "storage_bytes"]
 
 import statistics
 import time
 import weakref
 
 import torch
+from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
@@ -54,26 +55,6 @@ def random_batch(batch: int, seq: int, seed: int = 0, device="cpu") -> torch.Ten
     """input_ids [batch, seq] of ordinary (non-special) tokens; used as their own labels."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB_SIZE, (batch, seq), generator=g).to(device)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def storage_key(t: torch.Tensor) -> tuple:
-    s = local(t).untyped_storage()
-    return (str(t.device), s.data_ptr())
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = local(t).untyped_storage()
-            seen[(str(t.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
 
 
 class _Saved:
@@ -153,7 +134,7 @@ def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = Fa
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict:
+def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progress: bool = False) -> dict:
     """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
 
     Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
@@ -165,7 +146,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     after one untimed warm-up round, times both modes back to back in alternating order and
     takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
     (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
-    "repeats", "clock"}.
+    "repeats", "clock"}. progress=True shows a bar over the rounds.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
@@ -174,7 +155,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _timed_rounds(model, input_ids, repeats, times)
+        _timed_rounds(model, input_ids, repeats, times, progress)
     finally:
         torch.set_num_threads(threads)
         set_checkpointing(model, False)
@@ -185,9 +166,9 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9) -> dict
             "repeats": repeats, "clock": "process_time, 1 thread"}
 
 
-def _timed_rounds(model, input_ids, repeats: int, times: dict) -> None:
+def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = False) -> None:
     """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
-    for i in range(repeats + 1):                                    # the first round warms up, untimed
+    for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
         for on in ((False, True) if i % 2 else (True, False)):
             set_checkpointing(model, on)
             start = time.process_time()
@@ -204,13 +185,14 @@ def padded_mask(batch: int, seq: int) -> torch.Tensor:
     return mask
 
 
-def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0) -> dict:
+def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0,
+                   progress: bool = False) -> dict:
     """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
 
     One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
     "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
     "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
-    `time_recomputation`'s.
+    `time_recomputation`'s. progress=True prints a line per metered pass and a bar over the timed rounds.
     """
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
@@ -222,7 +204,9 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
         calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
                                  padding_mask=mask is not None)["total"]
         out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
-    out["timing"] = time_recomputation(model, x, repeats)
+        if progress:
+            print(f"metered pass '{mode}': {measured / 2**20:.2f} MiB saved", flush=True)
+    out["timing"] = time_recomputation(model, x, repeats, progress)
     return out
 
 
@@ -256,3 +240,23 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
             "adam": storage_bytes(m) + storage_bytes(v), "adam_calculator": calc["adam_m"] + calc["adam_v"],
             "activations": meter.peak,
             "activations_full_model": activation_memory(shape, batch, seq, "fp32")["total"]}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    s = local(t).untyped_storage()
+    return (str(t.device), s.data_ptr())
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = local(t).untyped_storage()
+            seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
