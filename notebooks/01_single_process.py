@@ -575,7 +575,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
 # %% [markdown]
 # One base class gives every batch its row operations by looking at its fields: `to`, `rows`,
 # `split` into whole groups, `concat` with padding, `select`.
