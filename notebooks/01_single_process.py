@@ -68,6 +68,29 @@ model, tokenizer, policy_path = load_default_policy()
 task = make_task()
 
 # %% [markdown]
+# ## 0. The whole loop first
+#
+# Before opening any piece, the finished stage running on the package: `train` from
+# `minirl.train.run` with the default GRPO configuration on the embedded task, from the warm
+# start of notebook 00 (a fresh copy: the `model` above stays as it is), for 300 steps (smoke
+# mode: 20), with held-out greedy accuracy measured before, during and after. Section 8 runs
+# the full 1000 steps; sections 1 to 7 build every piece this one call runs, from the log-probs
+# up to the loop.
+
+# %%
+from minirl.config import RLConfig  # noqa: E402
+from minirl.train.run import train  # noqa: E402
+
+FIRST_STEPS = 20 if SMOKE else 300
+first = train(RLConfig.from_flat(steps=FIRST_STEPS, eval_every=FIRST_STEPS // 3))   # a progress bar per step
+first_evals = [(m["step"], m["accuracy"]) for m in first if "accuracy" in m]
+print("held-out greedy accuracy by step:", ", ".join(f"{s}: {a:.3f}" for s, a in first_evals))
+first_gain = first_evals[-1][1] - first_evals[0][1]
+print(f"{first_evals[0][1]:.3f} -> {first_evals[-1][1]:.3f} ({100 * first_gain:+.1f} points) in {FIRST_STEPS} steps, "
+      f"{sum(m.get('time/step', 0) for m in first):.0f} s of training: "
+      + ("smoke mode, too short to judge" if SMOKE else "learned" if first_gain > 0 else "did NOT learn"))
+
+# %% [markdown]
 # ## 1. Per-token log-probabilities
 #
 # Every policy-gradient loss for language models is built from one quantity: the
@@ -310,6 +333,12 @@ def auto_dtype(name: str, device: str) -> str:
     return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
+# %% [markdown]
+# The first group says what the update computes: the algorithm, the clip range, how per-token
+# losses and rewards are averaged, the KL coefficient, and PPO's critic settings.
+
+# %%
+# | export minirl/config.py
 @dataclass
 class AlgorithmConfig:
     """What the update computes from a batch (TRL's GRPOConfig names)."""
@@ -402,7 +431,7 @@ class OptimizerConfig:
 
 
 # %% [markdown]
-# Where and how long a run goes: device, seed, steps, evaluation and checkpoints; `RLConfig` then holds one of each group.
+# Where and how long a run goes: device, seed, steps, evaluation and checkpoints.
 
 # %%
 # | export minirl/config.py
@@ -431,6 +460,12 @@ class RunConfig:
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
 
 
+# %% [markdown]
+# `RLConfig` holds one of each group, checks what spans groups (GRPO needs a group of at least
+# 2), and addresses every setting by its own name: `flat`, `replace`, `from_flat`.
+
+# %%
+# | export minirl/config.py
 @dataclass
 class RLConfig:
     """One RL run: five groups of settings, each checked when built, plus the checks that span groups."""
@@ -485,12 +520,16 @@ class RLConfig:
         return cls(**{name: types[name](**values) for name, values in groups.items()})
 
 # %%
+import dataclasses  # noqa: E402
+
 from minirl.config import RLConfig, SamplingConfig  # noqa: E402  (the exported versions)
 
 config = RLConfig()
 print("defaults:", {k: v for k, v in config.flat().items() if k in ("algo", "num_generations", "learning_rate",
                                                                      "steps", "prompts_per_step")})
 print("changed: ", config.replace(beta=0.04, steps=50).flat()["beta"])
+print(f"{len(config.flat())} settings in {len(config.groups())} groups:",
+      ", ".join(f"{name} {len(dataclasses.asdict(group))}" for name, group in config.groups().items()))
 for bad in (dict(num_generations=1), dict(learning_rate=float("inf")), dict(loss_type="ppo")):
     try:
         RLConfig.from_flat(**bad)
@@ -536,7 +575,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# %% [markdown]
+# One base class gives every batch its row operations by looking at its fields: `to`, `rows`,
+# `split` into whole groups, `concat` with padding, `select`.
 
+# %%
+# | export minirl/data.py
 class Batch:
     """Row-wise operations shared by Rollout and Experience.
 
@@ -757,6 +801,13 @@ class Colocated(Protocol):
     def wake_up(self) -> None: ...
 
 
+# %% [markdown]
+# What every engine shares, written once: a request is checked the same way (the version
+# first), a seed is drawn from the loop's generator, and the sampled ids become a `Rollout`,
+# its completion mask cut after EOS.
+
+# %%
+# | export minirl/rollout/base.py
 def check_request(engine, prompts: list[str], sampling: SamplingConfig, expected_version: int | None) -> None:
     """The checks every engine makes before sampling: the version, and a non-empty request."""
     if expected_version is not None and expected_version != engine.version:
@@ -855,6 +906,13 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
     return ((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
 
 
+# %% [markdown]
+# The engine itself: its own copy of the policy, `load_weights` that refuses a partial or
+# misnamed set of weights, and `generate` that checks the request and samples with HF
+# `generate`.
+
+# %%
+# | export minirl/rollout/hf.py
 class HFEngine:
     """HF `generate` over B * G rows, on the engine's own copy of the policy.
 
@@ -1265,6 +1323,12 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     return loss, metrics
 
 
+# %% [markdown]
+# PPO's critic has a clipped loss of its own: a value may move at most `cliprange_value` away
+# from the old one per update.
+
+# %%
+# | export minirl/algo/losses.py
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float = 0.2,
                loss_type: str = "dapo") -> Tensor:
     """PPO's clipped value loss: 0.5 * max((V - R)^2, (V_clipped - R)^2), aggregated like the policy loss.
@@ -1708,6 +1772,12 @@ def check_pushed(engine: RolloutEngine, version: int) -> None:
                                    f"{engine.version}: its load_weights did not take the new weights")
 
 
+# %% [markdown]
+# Stage 1's sync: the engine lives in this process, so a push copies the tensors, then checks
+# the version the engine reports.
+
+# %%
+# | export minirl/sync/base.py
 class InProcessSync:
     """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
 
@@ -1843,6 +1913,12 @@ def _call_reward(func, prompts, completions, columns, reward_errors, errors: lis
     return values
 
 
+# %% [markdown]
+# `score` calls each reward function through it and checks what came back: one finite float
+# per completion, weighted as TRL's `reward_weights`.
+
+# %%
+# | export minirl/train/step.py
 def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise",
           reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
@@ -2005,6 +2081,12 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
+# %% [markdown]
+# `rl_step` puts `learn` between the engine's `generate` and the sync's `push`: the four steps
+# of the loop, in the source's order.
+
+# %%
+# | export minirl/train/step.py
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
@@ -2041,7 +2123,9 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
 # every record; the loop itself stays a few lines long (minGPT keeps its trainer short the
 # same way). `train` checks its inputs, builds the state and hands it to `run_in_dir`, which
 # opens the run directory, resumes, sets up the callbacks and calls `run`; later stages
-# (the Ray driver of notebook 06) call `run_in_dir` with their own step functions.
+# (the Ray driver of notebook 06) call `run_in_dir` with their own step functions. The loop,
+# the callbacks that measure and watch, and `train` are here; the run directory, checkpoints
+# and `run_in_dir` are bookkeeping (code: appendix).
 
 # %%
 # | export minirl/train/run.py
@@ -2086,6 +2170,12 @@ from minirl.utils.validate import ConfigError
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
 
+# %% [markdown]
+# The parts of a run, built from its config: the roles for a model, and the engine that
+# `rollout_engine` names.
+
+# %%
+# | export minirl/train/run.py
 def build_roles(config: RLConfig, model) -> Roles:
     """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device in
     config.policy_dtype (a no-op for the float32 policy on a CPU)."""
@@ -2185,6 +2275,11 @@ def run(state: RunState, step_fn, callbacks: list[Callback], steps: int) -> list
             cb.on_end(state)
     return state.metrics
 
+# %% [markdown]
+# The first callback measures: held-out accuracy at step 0 and every `eval_every` steps. The two
+# that write a run directory, `JSONLLogger` (metrics.jsonl) and `Checkpointer`, are bookkeeping
+# (code: appendix).
+
 # %%
 # | export minirl/train/run.py
 class Evaluator(Callback):
@@ -2206,50 +2301,6 @@ class Evaluator(Callback):
     def on_step(self, state, record):
         if self.every and (state.step % self.every == 0 or state.step == self.last_step):
             self.evaluate(state, record)
-
-
-class JSONLLogger(Callback):
-    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
-    its checkpoint), then one line appended per step."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-
-    def on_start(self, state):
-        write_jsonl(self.path, state.metrics)
-
-    def on_step(self, state, record):
-        append_jsonl(self.path, record)
-
-
-class Checkpointer(Callback):
-    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
-    if the final step has none, and the final policy in Hugging Face format under `final/`."""
-
-    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
-        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
-        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
-        self.saved_step = None
-
-    def save(self, state):
-        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
-        self.saved_step = state.step
-
-    def on_start(self, state):
-        remove_stale_temporaries(self.root)
-
-    def on_step(self, state, record):
-        if self.every and state.step % self.every == 0:
-            self.save(state)
-
-    def on_end(self, state):
-        if state.interrupted:
-            return
-        if self.saved_step != state.step:
-            self.save(state)
-        state.roles.actor.model.save_pretrained(self.final)
-        self.tokenizer.save_pretrained(self.final)
-
 
 # %% [markdown]
 # Two callbacks for the person watching: a progress bar, and a warning when the rewards give nothing to learn from.
@@ -2320,24 +2371,11 @@ class StopAfter(Callback):
 
 # %% [markdown]
 # Assembling a stage-1 run: the roles for the model, an engine holding version 0, an
-# in-process sync, a generator for prompts and sampling seeds. `train` wires it to a task
-# and a run directory. A run directory belongs to one run: starting a new run in a directory
-# that holds another is refused (resume it, or overwrite it), a lock keeps two processes
-# from writing into it at once, and resuming with settings that change what the run
-# computes (a learning rate, a seed, G) is refused, naming each changed setting.
+# in-process sync, a generator for prompts and sampling seeds. `train` checks its inputs, wires
+# them to a task and hands the state to `run_in_dir`, which adds the run directory (code: appendix).
 
 # %%
 # | export minirl/train/run.py
-def check_resume_config(saved: dict, config: RLConfig) -> None:
-    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
-    old, new = RLConfig.from_dict(saved).flat(), config.flat()
-    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
-    if changed:
-        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
-                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
-                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
-
-
 def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
           reward_weights: list[float] | None = None) -> RunState:
     """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
@@ -2393,255 +2431,8 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
 
 
 # %% [markdown]
-# Checkpoints on one process, and `run_in_dir`: the loop in a run directory that resumes exactly (stages 4, 6 and 7 use it too).
-
-# %%
-# | export minirl/train/run.py
-class LocalCheckpoints:
-    """One process's checkpoints for `run_in_dir`: `callback()` saves them during the run, `restore(state)`
-    loads the newest intact one (RunDirError if none). Stage 4's sharded checkpoints have the same two methods."""
-
-    def __init__(self, out_dir, config: RLConfig, tokenizer):
-        self.out_dir, self.config, self.tokenizer = Path(out_dir), config, tokenizer
-
-    def callback(self) -> Callback:
-        run = self.config.run
-        return Checkpointer(self.out_dir, run.checkpoint_every, run.keep_checkpoints, self.config, self.tokenizer)
-
-    def restore(self, state: RunState) -> None:
-        found = latest_checkpoint(self.out_dir / "checkpoints")
-        if found is None:
-            raise RunDirError(f"resume: {self.out_dir} holds no intact checkpoint (the run stopped before its "
-                              "first one); start it again with overwrite=True (--overwrite)")
-        _, training, weights = found
-        check_resume_config(training["config"], state.config)
-        restore_checkpoint(training, weights, state)
-
-
-def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
-               eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
-               stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
-               agree=None, first_callbacks: tuple = ()) -> list[dict]:
-    """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
-
-    One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`, stage 6's
-    Driver, every rank of stage 4 and 7's trainer): where the step runs changes, what a run directory
-    holds does not. checkpoints: `LocalCheckpoints` by default. In a job of several processes each
-    calls it, main=False on all but the one that writes run.json and metrics.jsonl and shows the bar
-    (all take part in checkpoints); agree(what, fn) runs the opening and the restore so that a
-    failure on one process stops every one (`minirl.parallel.launch.agree`). first_callbacks run
-    before the built-in ones (to add to a record before it is logged).
-    """
-    config = state.config
-    together = agree or (lambda what, fn: fn())
-    if resume and out_dir is None:
-        raise ValueError("resume=True needs the out_dir of the run to continue")
-    record = {"config": dataclasses.asdict(config), **(run_info or {})}
-    run_dir = together("opening the run directory", lambda: None if out_dir is None or not main else
-                       open_run_dir(out_dir, record, resume=resume, overwrite=overwrite))
-    if out_dir is not None and checkpoints is None:
-        checkpoints = LocalCheckpoints(out_dir, config, tokenizer)
-    try:
-        if resume:
-            together("restoring the checkpoint", lambda: checkpoints.restore(state))
-            if main:
-                atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
-        callbacks = list(first_callbacks)
-        if eval_fn:
-            callbacks.append(Evaluator(eval_fn, config.run.eval_every, config.run.steps))
-        if out_dir is not None:
-            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl")] if main else []
-            callbacks.append(checkpoints.callback())
-        if progress and main:
-            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
-        callbacks.append(NoSignalWarning())
-        callbacks += list(extra_callbacks)
-        if stop_after is not None:
-            callbacks.append(StopAfter(stop_after))
-        return run(state, step_fn, callbacks, config.run.steps)
-    finally:
-        if run_dir is not None:
-            run_dir.close()
-
-# %% [markdown]
-# Checkpoints are ordinary Hugging Face directories (`save_pretrained`, so any tool can load
-# them) plus a `training_state.pt` with what the weights do not say: the run's settings, the
-# optimizers, the critic, the RNG states, the prompt/sampling generator, the step, the policy
-# version and the records so far. Each is written to a temporary directory and renamed into
-# place, so a crash mid-write never leaves a half checkpoint. A resume verifies each
-# candidate, newest first, and falls back past a damaged one with a warning that names it.
-# On a CPU the resumed run is bit-identical to one that was never interrupted
-# (`tests/test_loop.py` kills a run and checks).
-
-# %%
-# | export minirl/train/checkpoint.py
-"""Atomic, verified, exactly resumable checkpoints of a run.
-
-A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
-(`save_pretrained`, tokenizer included, so any tool can load it) and `training_state.pt`
-with what the weights do not say: the run's config, the optimizers, the critic, the
-prompt/sampling generator, torch's and Python's RNG states, the step, the policy version,
-the metrics so far, and what a later stage's state adds (`RunState.extra_state`: notebook
-07's queued trajectories and tickets). It is written to a temporary directory and renamed into place, so a
-crash mid-write never leaves a half checkpoint. Before a resume each candidate is verified
-(both files load); a broken one is reported by name and the previous intact one is used.
-
-Simplified vs TRL/Accelerate: one process writes one file of state (notebook 04 writes
-sharded checkpoints with torch.distributed.checkpoint); the frozen reference is not saved
-(it is the initial policy, rebuilt from the model the run starts from).
-"""
-
-import dataclasses
-import os
-import random
-import shutil
-import tempfile
-import warnings
-from pathlib import Path
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
-PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names its directory and the broken file."""
-
-
-def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
-    """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints of this run."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
-    roles = state.roles
-    roles.actor.model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    training = {
-        "step": state.step, "version": roles.version, "config": dataclasses.asdict(config),
-        "metrics": state.metrics, "actor": roles.actor.state_dict(),
-        "critic": roles.critic.state_dict() if roles.critic is not None else None,
-        "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "extra": state.extra_state(),        # what a later stage adds (notebook 07: its queue); {} here
-    }
-    torch.save(training, tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)                                   # atomic: all of it or none of it
-    for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(path) -> tuple[dict, dict]:
-    """(training state, model weights) of one checkpoint; CheckpointError names what is broken."""
-    path = Path(path)
-    for name in ("training_state.pt", "model.safetensors"):
-        if not (path / name).is_file() or (path / name).stat().st_size == 0:
-            raise CheckpointError(f"checkpoint {path}: {name} is missing or empty")
-    try:
-        training = torch.load(path / "training_state.pt", weights_only=False, map_location="cpu")
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {path}: training_state.pt does not load "
-                              f"({type(err).__name__}: {err})") from err
-    try:
-        weights = load_file(path / "model.safetensors")
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path}: model.safetensors does not load ({err})") from err
-    return training, weights
-
-
-# %% [markdown]
-# Finding the newest intact checkpoint (a broken one is named and skipped), and restoring it into the run.
-
-# %%
-# | export minirl/train/checkpoint.py
-def latest_checkpoint(root) -> tuple[Path, dict, dict] | None:
-    """The newest intact checkpoint under `root` as (path, training state, weights), or None.
-
-    A newer checkpoint that does not load is skipped with a warning naming it, so a crash
-    that damaged the last one costs the steps since the one before, never the run.
-    """
-    root = Path(root)
-    candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
-    for path in candidates:
-        try:
-            return (path, *load_checkpoint(path))
-        except CheckpointError as err:
-            warnings.warn(f"{err}; falling back to the previous checkpoint", stacklevel=2)
-    return None
-
-
-def remove_stale_temporaries(root) -> list[Path]:
-    """Delete half-written `.tmp-step-*` directories left by a crash during a save; returns them."""
-    root = Path(root)
-    stale = sorted(root.glob(f"{TMP_PREFIX}{PREFIX}*")) if root.is_dir() else []
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return stale
-
-
-def restore_checkpoint(training: dict, weights: dict, state) -> None:
-    """Load a checkpoint (from `load_checkpoint`) into a freshly built run state, in place.
-
-    The engine is then handed the restored weights at the restored version.
-    """
-    roles = state.roles
-    model = roles.actor.model
-    device = next(model.parameters()).device
-    try:
-        result = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
-    except RuntimeError as err:                  # shapes differ: another model than the run's
-        raise CheckpointError(f"the checkpoint's weights do not fit the model ({str(err).splitlines()[1].strip()}"
-                              "...); resume with the model the run started from") from None
-    own = model.state_dict()
-    loaded = {own[k].data_ptr() for k in weights if k in own}
-    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]   # tied weights are saved once
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"checkpoint weights do not fit the model: missing {missing[:3]}, unexpected "
-                              f"{result.unexpected_keys[:3]}; resume with the model the run started from")
-    roles.actor.load_state_dict(training["actor"])
-    if roles.critic is not None:
-        roles.critic.load_state_dict(training["critic"])
-    state.generator.set_state(training["generator"])
-    torch.set_rng_state(training["torch_rng"])
-    random.setstate(training["python_rng"])
-    if training["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(training["cuda_rng"])
-    state.step, roles.version, state.metrics = training["step"], training["version"], training["metrics"]
-    state.load_extra_state(training.get("extra", {}))
-    state.sync.push(roles.actor.named_weights(), state.engine, roles.version)
-
-# %%
-# | export minirl/train/plots.py
-"""Plots of a run's records: the reward per step and the held-out accuracy."""
-
-import matplotlib.pyplot as plt
-
-
-def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
-    """Reward per step and held-out accuracy; saved to `path` if given. Returns the figure."""
-    steps = [m["step"] for m in metrics if "reward" in m]
-    reward = [m["reward"] for m in metrics if "reward" in m]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(steps, reward, lw=0.6, alpha=0.5, label="batch reward (temperature 1)")
-    k = max(1, len(reward) // 20)
-    smooth = [sum(reward[max(0, i - k + 1):i + 1]) / len(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
-    ax.plot(steps, smooth, lw=1.5, label=f"reward, mean of {k}")
-    evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
-    ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
+# Checkpoints (atomic, verified, exactly resumable), the run directory and the plot of a run's
+# records are bookkeeping, not RL: code: appendix.
 
 # %% [markdown]
 # ## 8. Run it: does the policy learn?
@@ -2684,7 +2475,8 @@ plot_metrics(grpo_metrics, title="GRPO, embedded policy, one process")
 plt.show()
 
 # %% [markdown]
-# Before and after, on the held-out problems the policy never trained on:
+# Before and after, on the held-out problems the policy never trained on; and the run of section 0,
+# which used the same seed for fewer steps, beside this one at the steps both evaluated:
 
 # %%
 gain = grpo_summary["accuracy_after"] - grpo_summary["accuracy_before"]
@@ -2701,6 +2493,11 @@ print("first evaluation at +25 points:", "none" if reached is None else f"step {
 print("claim: >= +25 points within 300 s on 2 CPU cores ->",
       "smoke mode, too short to judge" if SMOKE else ("met" if reached is not None and reached[1] <= 300
                                                       else "NOT met on this machine"))
+again = {m["step"]: m["accuracy"] for m in grpo_metrics if "accuracy" in m}
+common = [(s, a, again[s]) for s, a in first_evals if s in again]   # section 0's run: same seed, fewer steps
+print("repeatable for a fixed seed: the evaluations both runs made,", ", ".join(f"step {s}: {a:.3f} / {b:.3f}"
+                                                                              for s, a, b in common), "->",
+      "identical" if all(a == b for _, a, b in common) else "NOT identical")
 
 # %% [markdown]
 # Where does the time go? Every record carries the seconds of each stage. The source says
@@ -2717,6 +2514,9 @@ print(f"{'stage':>10} | seconds | share")
 for s in stages:
     print(f"{s:>10} | {totals[s]:7.2f} | {100 * totals[s] / whole:5.1f} %")
 print("largest:", max(totals, key=totals.get))
+share = totals["generate"] / whole
+print(f"generation {100 * share:.1f} % of the step: {'above' if share > 0.8 else 'below'} the source's 80 % "
+      f"rollout flag, so generation {'dominates' if share > 0.8 else 'does not dominate'} here")
 
 # %% [markdown]
 # ## 9. PPO beside GRPO
@@ -2765,6 +2565,15 @@ for w in windows:
     below += critic < 0.5 * p * (1 - p)
     print(f"{w[0]['step']:>4}-{w[-1]['step']:<4} | {p:14.3f} | {0.5 * p * (1 - p):8.4f} | {critic:11.4f}")
 print(f"critic loss below ½·p(1-p) in {below} of {len(windows)} windows")
+critics = [sum(m["value_loss"] for m in w) / len(w) for w in windows]
+peak = critics.index(max(critics))
+print("critic loss by window: highest in window", peak + 1, "of", len(critics), "->",
+      "smoke mode, too short to judge" if SMOKE else "rises, then falls" if 0 < peak < len(critics) - 1
+      else "does not rise then fall")
+per_step = {name: sum(m.get("time/step", 0) for m in ms) / ms[-1]["step"] for name, ms in (("GRPO", grpo_metrics),
+                                                                                           ("PPO", ppo_metrics))}
+print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f} -> PPO costs "
+      f"{per_step['PPO'] / per_step['GRPO']:.1f}x " + ("more" if per_step["PPO"] > per_step["GRPO"] else "NOT more"))
 
 # %% [markdown]
 # Read the critic's curve with care: its loss is not a score that should fall steadily. Its
@@ -2821,11 +2630,11 @@ print("skipped:", out["skipped"], "| weights unchanged:",
 # The source's framework table puts TRL at "single process, HF generate, learners and
 # prototypes". minirl's stage 1 is the same design, and `tests/test_trl_parity.py` checks
 # that the two compute the same loss and gradients on the same batch. Doing the same
-# arithmetic, they also take about the same time: TRL's extra layers (Accelerate, the
+# arithmetic, they should also take about the same time: TRL's extra layers (Accelerate, the
 # `Trainer`'s callbacks and logging, re-tokenizing the prompts, a sampler that repeats each
-# prompt G times) add less than a tenth to a step that is spent in the model's forward and
-# backward passes. A faster loop must therefore do less arithmetic, without changing what it
-# computes.
+# prompt G times) should add little to a step that is spent in the model's forward and
+# backward passes (section 11.3 measures how little, against a tenth of TRL's step). A faster
+# loop must therefore do less arithmetic, without changing what it computes.
 #
 # There is such arithmetic. The G = 8 completions of a prompt all begin with that prompt, and
 # the simple path computes it 8 times, twice over: `generate` prefills B × G rows, and the
@@ -2951,11 +2760,13 @@ show(lambda: completion_logprobs(model, ids, mask, C, num_generations=2 * G))   
 # %%
 import statistics  # noqa: E402
 
+from tqdm.auto import tqdm  # noqa: E402
 
-def median_ms(fns: dict, reps: int) -> dict:
-    """Run each function `reps` times, interleaved; median milliseconds per function."""
+
+def median_ms(fns: dict, reps: int, desc: str | None = None) -> dict:
+    """Run each function `reps` times, interleaved; median milliseconds per function (with `desc`: a progress bar)."""
     times = {name: [] for name in fns}
-    for _ in range(reps):
+    for _ in tqdm(range(reps), desc=desc, disable=desc is None):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
@@ -2970,16 +2781,19 @@ P = batch.prompt_ids.shape[1]
 print(f"{'update (forward + backward)':30} | prompt tokens computed | ms (median of {REPS})")
 for (name, ms), tokens in zip(update_ms.items(), (ids.shape[0] * P, len(prompts10) * P), strict=True):
     print(f"{name:30} | {tokens:>22} | {ms:8.1f}")
-print(f"speedup of the update: {update_ms['one pass over N rows'] / update_ms['shared prefix']:.2f}x")
+speedup = update_ms["one pass over N rows"] / update_ms["shared prefix"]
+print(f"speedup of the update: {speedup:.2f}x, {'less' if speedup < G else 'NOT less'} than G = {G}-fold "
+      f"(the prompt tokens alone shrink {ids.shape[0] * P / (len(prompts10) * P):.0f}-fold)")
 
 # %% [markdown]
 # The source's figure for prefix caching, against the count:
 
 # %%
 saved = 1 - 1 / G
+agree = 0.70 <= saved <= 0.80      # the rule: inside the source's range
 print("quantity | source | minirl | agree? | why")
 print(f"prefix compute saved, G = {G} | 70-80 % | {100 * saved:.1f} % (prompt tokens {ids.shape[0] * P} -> "
-      f"{len(prompts10) * P}) | no | computing a prompt once instead of G times saves 1 - 1/G = {100 * saved:.1f} %; "
+      f"{len(prompts10) * P}) | {'yes' if agree else 'no'} | computing a prompt once instead of G times saves 1 - 1/G = {100 * saved:.1f} %; "
       "the source's range does not follow from G = 8 alone (a cache of whole blocks, as vLLM's, recomputes a "
       "prompt's partial last block, which lowers the saving for short prompts)")
 
@@ -3181,6 +2995,7 @@ for name, ro in same_seed.items():
 answers = [r["answer"] for r in task.rows("train")[:16] for _ in range(G)]
 print(f"{'engine':>13} | mean reward   | mean log p per token | batches of 128")
 n_batches = 4 if SMOKE else 20
+dist = {}
 for k, (name, e) in enumerate(engines.items()):
     rewards, logps = [], []
     for seed in range(n_batches):
@@ -3190,6 +3005,11 @@ for k, (name, e) in enumerate(engines.items()):
     se = lambda xs: statistics.stdev(xs) / len(xs) ** 0.5  # noqa: E731
     print(f"{name:>13} | {statistics.mean(rewards):.3f} ± {se(rewards):.3f} | {statistics.mean(logps):+.3f} ± "
           f"{se(logps):.3f}       | {n_batches}")
+    dist[name] = [(statistics.mean(xs), se(xs)) for xs in (rewards, logps)]
+within = [abs(a - b) <= 3 * (sa ** 2 + sb ** 2) ** 0.5 for (a, sa), (b, sb) in zip(*dist.values(), strict=True)]
+print("same distribution (each mean within 3 combined standard errors of the other's):",
+      "smoke mode, too few batches to judge" if SMOKE else "yes" if all(within) else "NO",
+      f"(reward {within[0]}, log p {within[1]})")
 
 generate_ms = median_ms({name: (lambda e=e: e.generate(prompts10, SAMPLING)) for name, e in engines.items()}, REPS)
 print(f"generate 128 completions: HF generate {generate_ms['hf']:.1f} ms, shared prefix "
@@ -3217,9 +3037,12 @@ if SMOKE:
 elif not bench.exists():
     print(f"{bench} not found: the benchmark is not part of this checkout")
 else:
-    proc = subprocess.run([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
-                          stdout=subprocess.PIPE, text=True, check=True)
-    print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))   # not TRL's log dict
+    proc = subprocess.Popen([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
+                            stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:                       # its lines as they come (it takes a while): the progress
+        if not line.startswith("{"):               # not TRL's log dict
+            print(line, end="", flush=True)
+    assert proc.wait() == 0, f"{bench} failed"
     result = json.loads((bench_out / "summary.json").read_text())
     trl_ms, minirl_ms = 1000 * result["trl_median_seconds"], 1000 * result["minirl_median_seconds"]
     saved_update = update_ms["one pass over N rows"] - update_ms["shared prefix"]
@@ -3231,6 +3054,10 @@ else:
     print(f"{'  saved by sharing the prompt in the update':44} | {saved_update:8.1f}  (section 11.1)")
     print(f"{'  saved by sharing the prefill in generation':44} | {saved_generate:8.1f}  (section 11.2)")
     print(f"{'  rest (TRL overhead, noise)':44} | {trl_ms - minirl_ms - saved_update - saved_generate:8.1f}")
+    rest = (trl_ms - minirl_ms - saved_update - saved_generate) / trl_ms
+    print(f"TRL's extra layers (the rest): {100 * rest:+.1f} % of TRL's step -> "
+          + ("less than a tenth" if rest < 0.1 else "NOT less than a tenth")
+          + " (the rest also holds the timing noise: see the load average above)")
     print(f"speedup_vs_trl: {result['speedup_vs_trl']:.2f}")
 
 # %% [markdown]
@@ -3240,11 +3067,12 @@ else:
 # 4-token answers of this task every completion is about as long as the longest, and padding
 # costs nothing. Reasoning rollouts are not like that. Their lengths have a long tail: most
 # completions stop early, a few run to `max_completion_length`. Notebook 05's long-tail
-# policy reproduces it (random weights emit EOS about once in 70 tokens): of 64 completions
-# capped at 256 tokens the mean is ~50 and the longest ~250, so a forward and backward over the
-# rectangle computes about five times the tokens there are, most of it padding. TRL pads the
-# same way. `benchmarks/grpo_vs_trl.py --workload long` measured minirl's update at 10.9 of a
-# 13.8-second step for that reason.
+# policy reproduces it (random weights emit EOS about once in 70 tokens): of the 64 completions
+# below, capped at 256 tokens, the mean is a few dozen tokens and the longest near the cap, so a
+# forward and backward over the rectangle computes several times the tokens there are (the cell
+# counts them), most of it padding. TRL pads the same way. Before the update ran in micro-batches,
+# `benchmarks/grpo_vs_trl.py --workload long` measured it at about 20 s of minirl's 25-28 s step
+# for that reason (`benchmarks/README.md`).
 #
 # There are two standard cures. **Packing** (notebook 08, section 5) concatenates sequences
 # into rows of a token budget, with attention kept inside each sequence. **Length
@@ -3465,10 +3293,13 @@ from minirl.data import Experience  # noqa: E402
 from minirl.roles.actor import Actor  # noqa: E402
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy  # noqa: E402
 
+t0 = time.perf_counter()
 long_model, long_tok, _ = load_long_tail_policy()
 LONG = SamplingConfig(num_generations=8, max_completion_length=64 if SMOKE else 256)
 long_batch = SharedPrefixEngine(long_model, long_tok).generate(few_shot_prompts(2 if SMOKE else 8, length=64), LONG,
                                                                generator=torch.Generator().manual_seed(0))
+print(f"generated {len(long_batch)} completions, {time.perf_counter() - t0:.0f} s; now the gradients, both ways",
+      flush=True)
 long_exp = Experience(long_batch, torch.zeros(len(long_batch)),
                       advantages=torch.randn(len(long_batch), generator=torch.Generator().manual_seed(1)))
 lengths = long_batch.completion_mask.sum(1)
@@ -3487,11 +3318,13 @@ def long_backward(actor):
     return [p.grad.clone() for p in long_model.parameters()]
 
 
-long_grads = [long_backward(a) for a in long_actors.values()]
+long_grads = [long_backward(a) for a in tqdm(long_actors.values(), desc="gradients")]
 long_err = max((a - b).abs().max().item() for a, b in zip(*long_grads, strict=True)) / max(g.abs().max().item()
                                                                              for g in long_grads[0])
-long_ms = median_ms({name: (lambda a=a: long_backward(a)) for name, a in long_actors.items()}, 1 if SMOKE else 3)
+long_ms = median_ms({name: (lambda a=a: long_backward(a)) for name, a in long_actors.items()}, 1 if SMOKE else 3,
+                    desc="timing both updates")
 B, P = len(long_batch) // LONG.num_generations, long_batch.prompt_ids.shape[1]
+print(f"policy: {sum(p.numel() for p in long_model.parameters()) / 1e6:.1f} M parameters")
 print(f"{len(long_batch)} completions of {B} prompts ({P} prompt columns): mean {lengths.float().mean():.0f} tokens, "
       f"longest {lengths.max()}; {int(lengths.sum())} real completion tokens")
 print(f"max |gradient difference| / max |gradient| = {long_err:.1e}")
@@ -3504,6 +3337,11 @@ for name, actor in long_actors.items():
     print(f"{name:28} | {len(scorer):13} | {scorer.tokens():26} | {prompt_forwards:15} | {long_ms[name] / 1000:7.2f}")
 (_, padded_tokens), (_, packed_tokens) = long_rows.values()
 padded_s, packed_s = (long_ms[name] / 1000 for name in long_actors)
+print(f"the padded rectangle: {padded_tokens / int(lengths.sum()):.1f}x the real completion tokens; micro-batches "
+      f"remove {100 * (padded_tokens - packed_tokens) / (padded_tokens - int(lengths.sum())):.0f} % of its padding")
+follows = 2 / 3 <= (padded_s / packed_s) / (padded_tokens / packed_tokens) <= 3 / 2
+print("the time falls", "about as the tokens do" if follows else "NOT as the tokens do",
+      "(time saving within a factor 1.5 of the token saving)")
 print(f"saving: {padded_tokens / packed_tokens:.1f}x fewer completion tokens, the update {padded_s / packed_s:.1f}x "
       f"faster ({padded_s:.2f} s -> {packed_s:.2f} s)")
 
@@ -3544,3 +3382,334 @@ print(f"saving: {padded_tokens / packed_tokens:.1f}x fewer completion tokens, th
 # and rerun section 8: does the curve change, and why so little on this task (hint: how
 # long are the completions)? Set `rollout_dtype="bfloat16"` and watch the metric
 # `logprob_diff_abs`: notebook 02 starts there.
+
+# %% [markdown]
+# ## Appendix: run directories, checkpoints, plots
+#
+# The bookkeeping around the loop of section 7, which `train` and `run_in_dir` use: the callbacks that
+# write a run directory, the resume checks, `run_in_dir`, the checkpoints of `minirl/train/checkpoint.py`
+# and the plot of `minirl/train/plots.py`.
+
+# %% [markdown]
+# The two callbacks that write into a run directory: the metrics log, and the checkpoints
+# (saved by `minirl/train/checkpoint.py`, below).
+
+# %%
+# | export minirl/train/run.py
+class JSONLLogger(Callback):
+    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
+    its checkpoint), then one line appended per step."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_start(self, state):
+        write_jsonl(self.path, state.metrics)
+
+    def on_step(self, state, record):
+        append_jsonl(self.path, record)
+
+
+class Checkpointer(Callback):
+    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
+    if the final step has none, and the final policy in Hugging Face format under `final/`."""
+
+    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
+        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
+        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
+        self.saved_step = None
+
+    def save(self, state):
+        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
+        self.saved_step = state.step
+
+    def on_start(self, state):
+        remove_stale_temporaries(self.root)
+
+    def on_step(self, state, record):
+        if self.every and state.step % self.every == 0:
+            self.save(state)
+
+    def on_end(self, state):
+        if state.interrupted:
+            return
+        if self.saved_step != state.step:
+            self.save(state)
+        state.roles.actor.model.save_pretrained(self.final)
+        self.tokenizer.save_pretrained(self.final)
+
+# %% [markdown]
+# A run directory belongs to one run: starting a new run in a directory that holds another
+# is refused (resume it, or overwrite it), a lock keeps two processes from writing into it at
+# once, and resuming with settings that change what the run computes (a learning rate, a seed,
+# G) is refused, naming each changed setting.
+
+# %%
+# | export minirl/train/run.py
+def check_resume_config(saved: dict, config: RLConfig) -> None:
+    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
+    old, new = RLConfig.from_dict(saved).flat(), config.flat()
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
+    if changed:
+        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
+                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
+                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
+
+# %% [markdown]
+# Checkpoints on one process, and `run_in_dir`: the loop in a run directory that resumes exactly (stages 4, 6 and 7 use it too).
+
+# %%
+# | export minirl/train/run.py
+class LocalCheckpoints:
+    """One process's checkpoints for `run_in_dir`: `callback()` saves them during the run, `restore(state)`
+    loads the newest intact one (RunDirError if none). Stage 4's sharded checkpoints have the same two methods."""
+
+    def __init__(self, out_dir, config: RLConfig, tokenizer):
+        self.out_dir, self.config, self.tokenizer = Path(out_dir), config, tokenizer
+
+    def callback(self) -> Callback:
+        run = self.config.run
+        return Checkpointer(self.out_dir, run.checkpoint_every, run.keep_checkpoints, self.config, self.tokenizer)
+
+    def restore(self, state: RunState) -> None:
+        found = latest_checkpoint(self.out_dir / "checkpoints")
+        if found is None:
+            raise RunDirError(f"resume: {self.out_dir} holds no intact checkpoint (the run stopped before its "
+                              "first one); start it again with overwrite=True (--overwrite)")
+        _, training, weights = found
+        check_resume_config(training["config"], state.config)
+        restore_checkpoint(training, weights, state)
+
+
+def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
+               eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
+               stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
+               agree=None, first_callbacks: tuple = ()) -> list[dict]:
+    """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
+
+    One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`, stage 6's
+    Driver, every rank of stage 4 and 7's trainer): where the step runs changes, what a run directory
+    holds does not. checkpoints: `LocalCheckpoints` by default. In a job of several processes each
+    calls it, main=False on all but the one that writes run.json and metrics.jsonl and shows the bar
+    (all take part in checkpoints); agree(what, fn) runs the opening and the restore so that a
+    failure on one process stops every one (`minirl.parallel.launch.agree`). first_callbacks run
+    before the built-in ones (to add to a record before it is logged).
+    """
+    config = state.config
+    together = agree or (lambda what, fn: fn())
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs the out_dir of the run to continue")
+    record = {"config": dataclasses.asdict(config), **(run_info or {})}
+    run_dir = together("opening the run directory", lambda: None if out_dir is None or not main else
+                       open_run_dir(out_dir, record, resume=resume, overwrite=overwrite))
+    if out_dir is not None and checkpoints is None:
+        checkpoints = LocalCheckpoints(out_dir, config, tokenizer)
+    try:
+        if resume:
+            together("restoring the checkpoint", lambda: checkpoints.restore(state))
+            if main:
+                atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
+        callbacks = list(first_callbacks)
+        if eval_fn:
+            callbacks.append(Evaluator(eval_fn, config.run.eval_every, config.run.steps))
+        if out_dir is not None:
+            callbacks += [JSONLLogger(Path(out_dir) / "metrics.jsonl")] if main else []
+            callbacks.append(checkpoints.callback())
+        if progress and main:
+            callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
+        callbacks.append(NoSignalWarning())
+        callbacks += list(extra_callbacks)
+        if stop_after is not None:
+            callbacks.append(StopAfter(stop_after))
+        return run(state, step_fn, callbacks, config.run.steps)
+    finally:
+        if run_dir is not None:
+            run_dir.close()
+
+# %% [markdown]
+# Checkpoints are ordinary Hugging Face directories (`save_pretrained`, so any tool can load
+# them) plus a `training_state.pt` with what the weights do not say: the run's settings, the
+# optimizers, the critic, the RNG states, the prompt/sampling generator, the step, the policy
+# version and the records so far. Each is written to a temporary directory and renamed into
+# place, so a crash mid-write never leaves a half checkpoint. A resume verifies each
+# candidate, newest first, and falls back past a damaged one with a warning that names it.
+# On a CPU the resumed run is bit-identical to one that was never interrupted
+# (`tests/test_chapter01.py` crashes a run on purpose, resumes it and checks).
+
+# %%
+# | export minirl/train/checkpoint.py
+"""Atomic, verified, exactly resumable checkpoints of a run.
+
+A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
+(`save_pretrained`, tokenizer included, so any tool can load it) and `training_state.pt`
+with what the weights do not say: the run's config, the optimizers, the critic, the
+prompt/sampling generator, torch's and Python's RNG states, the step, the policy version,
+the metrics so far, and what a later stage's state adds (`RunState.extra_state`: notebook
+07's queued trajectories and tickets). It is written to a temporary directory and renamed into place, so a
+crash mid-write never leaves a half checkpoint. Before a resume each candidate is verified
+(both files load); a broken one is reported by name and the previous intact one is used.
+
+Simplified vs TRL/Accelerate: one process writes one file of state (notebook 04 writes
+sharded checkpoints with torch.distributed.checkpoint); the frozen reference is not saved
+(it is the initial policy, rebuilt from the model the run starts from).
+"""
+
+import dataclasses
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names its directory and the broken file."""
+
+
+# %% [markdown]
+# Saving writes a temporary directory and renames it into place; loading checks both files and
+# names what is broken.
+
+# %%
+# | export minirl/train/checkpoint.py
+def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
+    """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints of this run."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{state.step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+    roles = state.roles
+    roles.actor.model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    training = {
+        "step": state.step, "version": roles.version, "config": dataclasses.asdict(config),
+        "metrics": state.metrics, "actor": roles.actor.state_dict(),
+        "critic": roles.critic.state_dict() if roles.critic is not None else None,
+        "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "extra": state.extra_state(),        # what a later stage adds (notebook 07: its queue); {} here
+    }
+    torch.save(training, tmp / "training_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)                                   # atomic: all of it or none of it
+    for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path) -> tuple[dict, dict]:
+    """(training state, model weights) of one checkpoint; CheckpointError names what is broken."""
+    path = Path(path)
+    for name in ("training_state.pt", "model.safetensors"):
+        if not (path / name).is_file() or (path / name).stat().st_size == 0:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing or empty")
+    try:
+        training = torch.load(path / "training_state.pt", weights_only=False, map_location="cpu")
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path}: training_state.pt does not load "
+                              f"({type(err).__name__}: {err})") from err
+    try:
+        weights = load_file(path / "model.safetensors")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: model.safetensors does not load ({err})") from err
+    return training, weights
+
+# %% [markdown]
+# Finding the newest intact checkpoint (a broken one is named and skipped), and restoring it into the run.
+
+# %%
+# | export minirl/train/checkpoint.py
+def latest_checkpoint(root) -> tuple[Path, dict, dict] | None:
+    """The newest intact checkpoint under `root` as (path, training state, weights), or None.
+
+    A newer checkpoint that does not load is skipped with a warning naming it, so a crash
+    that damaged the last one costs the steps since the one before, never the run.
+    """
+    root = Path(root)
+    candidates = sorted(root.glob(f"{PREFIX}*"), reverse=True) if root.is_dir() else []
+    for path in candidates:
+        try:
+            return (path, *load_checkpoint(path))
+        except CheckpointError as err:
+            warnings.warn(f"{err}; falling back to the previous checkpoint", stacklevel=2)
+    return None
+
+
+def remove_stale_temporaries(root) -> list[Path]:
+    """Delete half-written `.tmp-step-*` directories left by a crash during a save; returns them."""
+    root = Path(root)
+    stale = sorted(root.glob(f"{TMP_PREFIX}{PREFIX}*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def restore_checkpoint(training: dict, weights: dict, state) -> None:
+    """Load a checkpoint (from `load_checkpoint`) into a freshly built run state, in place.
+
+    The engine is then handed the restored weights at the restored version.
+    """
+    roles = state.roles
+    model = roles.actor.model
+    device = next(model.parameters()).device
+    try:
+        result = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+    except RuntimeError as err:                  # shapes differ: another model than the run's
+        raise CheckpointError(f"the checkpoint's weights do not fit the model ({str(err).splitlines()[1].strip()}"
+                              "...); resume with the model the run started from") from None
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in weights if k in own}
+    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]   # tied weights are saved once
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint weights do not fit the model: missing {missing[:3]}, unexpected "
+                              f"{result.unexpected_keys[:3]}; resume with the model the run started from")
+    roles.actor.load_state_dict(training["actor"])
+    if roles.critic is not None:
+        roles.critic.load_state_dict(training["critic"])
+    state.generator.set_state(training["generator"])
+    torch.set_rng_state(training["torch_rng"])
+    random.setstate(training["python_rng"])
+    if training["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(training["cuda_rng"])
+    state.step, roles.version, state.metrics = training["step"], training["version"], training["metrics"]
+    state.load_extra_state(training.get("extra", {}))
+    state.sync.push(roles.actor.named_weights(), state.engine, roles.version)
+
+# %% [markdown]
+# The plot of section 8: reward per step and held-out accuracy.
+
+# %%
+# | export minirl/train/plots.py
+"""Plots of a run's records: the reward per step and the held-out accuracy."""
+
+import matplotlib.pyplot as plt
+
+
+def plot_metrics(metrics: list[dict], path=None, title: str = "stage 1"):
+    """Reward per step and held-out accuracy; saved to `path` if given. Returns the figure."""
+    steps = [m["step"] for m in metrics if "reward" in m]
+    reward = [m["reward"] for m in metrics if "reward" in m]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, reward, lw=0.6, alpha=0.5, label="batch reward (temperature 1)")
+    k = max(1, len(reward) // 20)
+    smooth = [sum(reward[max(0, i - k + 1):i + 1]) / len(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
+    ax.plot(steps, smooth, lw=1.5, label=f"reward, mean of {k}")
+    evals = [(m["step"], m["accuracy"]) for m in metrics if "accuracy" in m]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
+    ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

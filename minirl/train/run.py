@@ -12,9 +12,9 @@ adds torchrun).
 """
 
 __all__ = ["SAFE_ON_RESUME", "build_roles", "engine_class", "build_engine", "RunState", "Callback",
-           "RunStopped", "run", "Evaluator", "JSONLLogger", "Checkpointer", "ProgressBar",
-           "NoSignalWarning", "no_signal_message", "StopAfter", "check_resume_config", "setup",
-           "stage1_step", "train", "LocalCheckpoints", "run_in_dir"]
+           "RunStopped", "run", "Evaluator", "ProgressBar", "NoSignalWarning", "no_signal_message",
+           "StopAfter", "setup", "stage1_step", "train", "JSONLLogger", "Checkpointer",
+           "check_resume_config", "LocalCheckpoints", "run_in_dir"]
 
 import dataclasses
 import sys
@@ -161,49 +161,6 @@ class Evaluator(Callback):
             self.evaluate(state, record)
 
 
-class JSONLLogger(Callback):
-    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
-    its checkpoint), then one line appended per step."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-
-    def on_start(self, state):
-        write_jsonl(self.path, state.metrics)
-
-    def on_step(self, state, record):
-        append_jsonl(self.path, record)
-
-
-class Checkpointer(Callback):
-    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
-    if the final step has none, and the final policy in Hugging Face format under `final/`."""
-
-    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
-        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
-        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
-        self.saved_step = None
-
-    def save(self, state):
-        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
-        self.saved_step = state.step
-
-    def on_start(self, state):
-        remove_stale_temporaries(self.root)
-
-    def on_step(self, state, record):
-        if self.every and state.step % self.every == 0:
-            self.save(state)
-
-    def on_end(self, state):
-        if state.interrupted:
-            return
-        if self.saved_step != state.step:
-            self.save(state)
-        state.roles.actor.model.save_pretrained(self.final)
-        self.tokenizer.save_pretrained(self.final)
-
-
 class ProgressBar(Callback):
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.bar = total, desc, None
@@ -267,16 +224,6 @@ class StopAfter(Callback):
             raise RunStopped(f"stopped after step {state.step} (stop_after={self.step})")
 
 
-def check_resume_config(saved: dict, config: RLConfig) -> None:
-    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
-    old, new = RLConfig.from_dict(saved).flat(), config.flat()
-    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
-    if changed:
-        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
-                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
-                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
-
-
 def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
           reward_weights: list[float] | None = None) -> RunState:
     """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
@@ -329,6 +276,59 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
     return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
                       stop_after=stop_after, run_info=run_info)
+
+
+class JSONLLogger(Callback):
+    """metrics.jsonl: rewritten from the run's records at the start (a resume drops what came after
+    its checkpoint), then one line appended per step."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_start(self, state):
+        write_jsonl(self.path, state.metrics)
+
+    def on_step(self, state, record):
+        append_jsonl(self.path, record)
+
+
+class Checkpointer(Callback):
+    """A checkpoint every `every` steps (0: none during the run); at a normal end, a last checkpoint
+    if the final step has none, and the final policy in Hugging Face format under `final/`."""
+
+    def __init__(self, out_dir, every: int, keep: int, config: RLConfig, tokenizer):
+        self.root, self.final = Path(out_dir) / "checkpoints", Path(out_dir) / "final"
+        self.every, self.keep, self.config, self.tokenizer = every, keep, config, tokenizer
+        self.saved_step = None
+
+    def save(self, state):
+        save_checkpoint(self.root, state, self.config, self.tokenizer, keep=self.keep)
+        self.saved_step = state.step
+
+    def on_start(self, state):
+        remove_stale_temporaries(self.root)
+
+    def on_step(self, state, record):
+        if self.every and state.step % self.every == 0:
+            self.save(state)
+
+    def on_end(self, state):
+        if state.interrupted:
+            return
+        if self.saved_step != state.step:
+            self.save(state)
+        state.roles.actor.model.save_pretrained(self.final)
+        self.tokenizer.save_pretrained(self.final)
+
+
+def check_resume_config(saved: dict, config: RLConfig) -> None:
+    """Refuse to resume a run with settings that change what it computes (steps and bookkeeping may change)."""
+    old, new = RLConfig.from_dict(saved).flat(), config.flat()
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in SAFE_ON_RESUME and old[k] != new[k]]
+    if changed:
+        raise ConfigError(changed[0].split(":")[0], new[changed[0].split(":")[0]],
+                          f"the checkpoint was made with other settings ({'; '.join(changed)}); resume with the "
+                          f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
 
 
 class LocalCheckpoints:
