@@ -6,6 +6,7 @@ torch is imported (a mistyped flag, a bad value argparse checks) shows no `torch
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,13 @@ def run_script(script, *args, env=None, timeout=300):
                 if line.startswith("import time:") and "|" in line}
     proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
     return proc, imported
+
+
+def default_sigint() -> None:
+    """A child's SIGINT as a terminal gives it (a Popen preexec_fn): a suite started in the background
+    (`cmd &` in a script) inherits SIGINT ignored, and so would every chapter it starts, which would then
+    never see the Ctrl-C a test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def load_factor() -> float:

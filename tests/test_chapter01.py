@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from refusals import last_line, load_factor, run_script, wait_for
+from refusals import default_sigint, last_line, load_factor, run_script, wait_for
 from safetensors.torch import load_file
 
 from minirl.utils.rundir import open_run_dir
@@ -164,7 +164,7 @@ def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--no-progress", "--threads", "1", "--model",
                              str(tiny_model_dir), "--out", str(out), *map(str, QUICK), "--steps", "100000",
                              "--checkpoint-every", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, preexec_fn=default_sigint, env=env)
     wait_for(lambda: list((out / "checkpoints").glob("step-*")), proc, 120, "a first checkpoint")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60 * load_factor())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from refusals import load_factor
+from refusals import default_sigint, load_factor
 from safetensors.torch import load_file
 
 from minirl.config import RLConfig
@@ -151,7 +151,8 @@ def interrupt(command: list[str], out: Path) -> tuple[int, str]:
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*command, "--out", str(out), "--checkpoint-every", "2", "--steps", "100000",
                              "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 300 * load_factor()
     while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from refusals import load_factor
+from refusals import default_sigint, load_factor
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("chapter07", REPO / "chapters" / "07_async.py")
@@ -261,7 +261,7 @@ def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
                              "--out", str(out), "--steps", "100000", "--checkpoint-every", "2",
                              *map(str, ASYNC), "--num-generations", "2", "--env-latency", "0.001"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            preexec_fn=default_sigint, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.time() + 300 * load_factor()
     while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)

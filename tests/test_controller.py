@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from refusals import load_factor
+from refusals import default_sigint, load_factor
 
 ray = pytest.importorskip("ray")
 
@@ -376,7 +376,7 @@ def test_chapter_ctrl_c_and_a_dead_worker_each_stop_in_one_line(cluster, tmp_pat
                              "--model", str(tiny_model_dir), "--out", str(out), "--steps", "100000", "--eval-every",
                              "0", "--checkpoint-every", "1", "--prompts-per-step", "4", "--num-generations", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            preexec_fn=default_sigint, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.time() + 300 * load_factor()
     while not list((out / "checkpoints").glob("step-*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
