@@ -256,7 +256,9 @@ return {
   status: nav ? nav.responseStatus : null,
   cells: document.querySelectorAll('.jp-Cell').length,
   failed: performance.getEntriesByType('resource')
-    .filter(e => e.name.startsWith(location.origin) && e.responseStatus >= 400).map(e => e.name),
+    .filter(e => e.name.startsWith(location.origin) && e.responseStatus >= 400)
+    .filter(e => !e.name.endsWith('/favicon.ico'))  // the browser's own request where a page names no icon
+    .map(e => e.name),
   images: Array.from(document.images).map(i => ({src: i.currentSrc.slice(0, 60), complete: i.complete,
                                                  width: i.naturalWidth})),
 };
