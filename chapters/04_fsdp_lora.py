@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
     from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415
-    from minirl.parallel.launch import init_distributed, shutdown  # noqa: PLC0415
+    from minirl.parallel.launch import init_distributed, leave, shutdown  # noqa: PLC0415
     from minirl.parallel.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
 
@@ -376,6 +376,8 @@ def main(argv=None) -> int:
             shutdown(together=False)
             return stop.code
     shutdown()
+    if under_torchrun:                                      # a finished rank must not abort in gloo's teardown
+        leave(code)
     return code
 
 

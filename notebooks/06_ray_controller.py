@@ -2111,7 +2111,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import init_distributed, shutdown
+from minirl.parallel.launch import init_distributed, leave, shutdown
 from minirl.parallel.spmd import setup_spmd, spmd_step
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run
@@ -2126,6 +2126,7 @@ for record in run(state, spmd_step, [], config.run.steps):   # DistributedActor 
     if ctx.is_main:
         print(json.dumps({"step": record["step"], "reward": record["reward"], "time/step": record["time/step"]}))
 shutdown()
+leave(0)                                                     # exit without the teardown where gloo can abort a rank
 '''
 spmd_path = RUNS / "06_spmd.py"
 spmd_path.parent.mkdir(parents=True, exist_ok=True)
