@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
-from minirl.rollout.engine.scheduler import FINISHED, RUNNING, WAITING, SchedulerState, Sequence
+from minirl.rollout.engine.blocks import BlockPool, block_hash
 from minirl.rollout.sampling import sample_tokens
 
 
@@ -36,79 +36,6 @@ def grow_table(table: list[int], num_tokens: int, block_size: int, take: Callabl
     raise NotImplementedError("exercise 5.1: grow_table -- see its docstring and notebook 05")
 
 
-def block_hash(parent: int | None, tokens) -> int:
-    """The hash of one full block: its tokens, chained with the hash of the block before it.
-
-    Chaining makes a block's hash stand for the whole prefix up to its end, so two sequences
-    share block i only if they agree on every token up to the end of block i. Python's hash
-    of a tuple of ints is deterministic across runs (only str/bytes hashes are salted).
-    """
-    return hash((parent, *tokens))
-
-
-class BlockPool:
-    """num_blocks blocks, each with a reference count; the free ones in least-recently-freed order.
-
-    allocate() hands out the free block freed longest ago (ref count 1); retain(b) adds a
-    holder (taking b off the free list if it was free: a cache hit on a freed block);
-    release(b) drops one and frees b at 0. Callbacks in `on_reuse` hear about a free block
-    being handed out again, so that a cache forgets the content it is about to lose.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockPool: num_blocks={num_blocks} and block_size={block_size} must both be >= 1")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.ref = [0] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.on_reuse: list[Callable[[int], None]] = []
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
-
-    def allocate(self) -> int:
-        """A free block with reference count 1; RuntimeError if none is free (the scheduler checks first)."""
-        if not self.free:
-            raise RuntimeError(f"BlockPool: all {self.num_blocks} blocks are in use")
-        block, _ = self.free.popitem(last=False)        # the one freed longest ago
-        for forget in self.on_reuse:
-            forget(block)
-        self.ref[block] = 1
-        return block
-
-    def retain(self, block: int) -> None:
-        """One more holder of `block` (a sequence sharing it, or a cache keeping it)."""
-        if self.ref[block] == 0:
-            del self.free[block]                         # a freed block brought back: its content is intact
-        self.ref[block] += 1
-
-    def release(self, block: int) -> None:
-        """One holder fewer; at 0 the block joins the free list (content kept until reused)."""
-        if self.ref[block] <= 0:
-            raise RuntimeError(f"BlockPool.release({block}): the block is already free (double free)")
-        self.ref[block] -= 1
-        if self.ref[block] == 0:
-            self.free[block] = None
-
-    def grow(self, num_blocks: int) -> None:
-        """Add blocks up to `num_blocks` in all; the new ones are handed out before any freed one."""
-        new = range(self.num_blocks, num_blocks)
-        self.ref += [0] * len(new)
-        self.free = OrderedDict.fromkeys([*new, *self.free])   # freed blocks keep their content longer
-        self.num_blocks = max(self.num_blocks, num_blocks)
-
-    def check(self) -> None:
-        """Raise AssertionError unless the free list is exactly the blocks with reference count 0."""
-        zero = {b for b, r in enumerate(self.ref) if r == 0}
-        assert zero == set(self.free), f"free list {sorted(self.free)[:8]} != blocks with ref 0 {sorted(zero)[:8]}"
-        assert all(r >= 0 for r in self.ref), "a negative reference count"
-
-
 def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_free: int,
               new_tokens: int, token_budget: int, step_is_empty: bool) -> bool:
     """The admission rule: may the first waiting sequence join the next step?
@@ -125,87 +52,6 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     raise NotImplementedError("exercise 5.2: can_admit -- see its docstring and notebook 05")
 
 
-class Scheduler(SchedulerState):
-    """Decides each step's work (see the module docstring): decodes first, preempting the most
-    recently admitted sequence when blocks run out, then admissions while `can_admit` allows."""
-
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step's work: (sequence, number of new tokens to compute) pairs, decodes first."""
-        work, preempted = [], 0
-        budget = self.max_num_batched_tokens
-        for seq in list(self.running):                                    # 1. one decode token each
-            if seq not in self.running:                                   # preempted for an earlier one
-                continue
-            wanted = blocks_needed(self.tokens_to_hold(seq), self.block_size) - len(seq.block_table)
-            while wanted > self.free_blocks() and seq in self.running:
-                self.preempt(self.running[-1])                            # the most recently admitted
-                preempted += 1
-            if seq in self.running:
-                grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
-                work.append((seq, seq.num_new))
-                budget -= seq.num_new
-        admitted = 0
-        static = self.policy == "static"
-        batch_running = static and len(self.running) > 0          # static: the next batch waits for this one
-        while self.waiting and not preempted and not batch_running:       # 2. admissions, in order
-            seq = self.waiting[0]
-            # a static batch is prefilled whole in one step, as HF generate does
-            if not self.admit(seq, float("inf") if static else budget, step_is_empty=not work):
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            work.append((seq, seq.num_new))
-            budget -= seq.num_new
-            admitted += 1
-            self.register(seq)                        # its siblings, admitted next, can share its blocks now
-        for seq, _ in work[:len(work) - admitted]:
-            self.register(seq)
-        self.timeline.append({"running": len(work), "admitted": admitted, "preempted": preempted,
-                              "waiting": len(self.waiting), "blocks_used": self.pool.num_used,
-                              "tokens": sum(n for _, n in work),
-                              "held": sum(s.num_computed + n for s, n in work),          # KV slots filled after it
-                              "reserved_max": sum(s.prompt_len + s.max_tokens for s, _ in work)})
-        return work
-
-    def register(self, seq: Sequence) -> None:
-        """Tell the cache about the blocks `seq` fills in this step (only when a block becomes full)."""
-        done = seq.num_computed + seq.num_new
-        if self.cache is not None and seq.status == RUNNING and done // self.block_size > seq.num_computed // \
-                self.block_size:
-            self.cache.insert(seq.tokens[:done], seq.block_table)
-
-    def admit(self, seq: Sequence, budget: int, step_is_empty: bool) -> bool:
-        """Give `seq` its blocks (cached ones shared, the rest new) if `can_admit` says it fits."""
-        cached = self.cache.match(seq.tokens) if self.cache is not None else []
-        # a cached block still in use by another sequence costs nothing; a free (or evictable) one is taken
-        evictable = self.cache.evictable_blocks() if cached else set()
-        taken = sum(1 for b in cached if self.pool.ref[b] == 0 or b in evictable)
-        wanted = blocks_needed(self.tokens_to_hold(seq), self.block_size) - len(cached) + taken
-        new_tokens = len(seq.tokens) - len(cached) * self.block_size
-        if not can_admit(len(self.running), self.max_num_seqs, wanted, self.free_blocks(), new_tokens, budget,
-                         step_is_empty):
-            return False
-        for b in cached:
-            self.pool.retain(b)
-        seq.block_table = list(cached)
-        grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
-        seq.num_computed = seq.num_cached = len(cached) * self.block_size
-        seq.status = RUNNING
-        seq.spans.append([len(self.timeline), len(self.timeline)])
-        return True
-
-    def preempt(self, seq: Sequence) -> None:
-        """Free the blocks of `seq` and requeue it at the front; it recomputes its tokens when readmitted."""
-        self.running.remove(seq)
-        self.release(seq)
-        seq.spans[-1][1] = len(self.timeline) - 1      # it last ran in the previous step
-        if seq.status == FINISHED:                   # a padding row of a static batch: nothing to resume
-            return
-        seq.status = WAITING
-        seq.num_preempted += 1
-        self.waiting.appendleft(seq)
-
-
 def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int, tuple]]) -> list[int]:
     """The blocks holding the longest cached prefix of `tokens`, whole blocks only.
 
@@ -216,60 +62,6 @@ def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int,
     (len(tokens) - 1) // block_size blocks are candidates: the last token is always computed.
     """
     raise NotImplementedError("exercise 5.3: match_prefix -- see its docstring and notebook 05")
-
-
-class PrefixCache:
-    """Hash-chained full-block prefix cache over a BlockPool (vLLM's automatic prefix caching).
-
-    match(tokens) -> block ids to share; insert(tokens, block_table) registers the full
-    blocks of a sequence whose keys/values are (or are being) computed. `hits`/`lookups`
-    count tokens found / tokens asked for at admission.
-    """
-
-    def __init__(self, pool: BlockPool):
-        self.pool, self.block_size = pool, pool.block_size
-        self.table: dict[int, tuple[int, tuple]] = {}      # hash -> (block, tokens)
-        self.hash_of: dict[int, int] = {}                  # block -> hash
-        self.hit_tokens = self.lookup_tokens = 0
-        pool.on_reuse.append(self.forget)
-
-    def match(self, tokens: list[int]) -> list[int]:
-        blocks = match_prefix(tokens, self.block_size, self.table)
-        self.lookup_tokens += len(tokens)
-        self.hit_tokens += len(blocks) * self.block_size
-        return blocks
-
-    def insert(self, tokens: list[int], block_table: list[int]) -> None:
-        """Register every full block of `tokens` (held in `block_table`) not registered yet.
-
-        A registered block of the table stands for its whole prefix (its hash is chained), so
-        hashing resumes after the last registered block instead of from the first.
-        """
-        full = len(tokens) // self.block_size
-        start = full
-        while start > 0 and block_table[start - 1] not in self.hash_of:
-            start -= 1
-        parent = self.hash_of[block_table[start - 1]] if start > 0 else None
-        for i in range(start, full):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            parent = block_hash(parent, chunk)
-            if parent not in self.table:                   # first copy wins; a duplicate stays private
-                self.table[parent] = (block_table[i], chunk)
-                self.hash_of[block_table[i]] = parent
-
-    def forget(self, block: int) -> None:
-        h = self.hash_of.pop(block, None)
-        if h is not None and self.table.get(h, (None,))[0] == block:
-            del self.table[h]
-
-    def evictable(self) -> int:
-        return 0                                           # cached blocks sit in the free list already
-
-    def evictable_blocks(self) -> set[int]:
-        return set()
-
-    def evict(self, n: int) -> None:
-        pass
 
 
 def accept_draft(p: Tensor, q: Tensor, draft: Tensor,

@@ -198,7 +198,13 @@ def grow_table(table: list[int], num_tokens: int, block_size: int, take: Callabl
     return added
     # END SOLUTION
 
+# %% [markdown]
+# A full block can be found again by its content: its hash chains its tokens with the hash of
+# the block before it, so two equal hashes stand for two equal prefixes (section 7 shares blocks
+# this way). Then the pool: a reference count per block and a free list, least recently freed first.
 
+# %%
+# | export minirl/rollout/engine/blocks.py
 def block_hash(parent: int | None, tokens) -> int:
     """The hash of one full block: its tokens, chained with the hash of the block before it.
 
@@ -400,7 +406,12 @@ class Chunk:
     block_table: list[int]
     num_logits: int = 1
 
+# %% [markdown]
+# A step groups its chunks for attention (`Group`: sequences padded to one query width) and
+# flattens all of them into one `Step`, the tensors every layer of the forward pass reads.
 
+# %%
+# | export minirl/rollout/engine/attention.py
 @dataclass
 class Group:
     """Sequences attended together, padded to one query width Q; their tokens are the flat range start:stop."""
@@ -512,7 +523,13 @@ def gather_attention(q: Tensor, keys: Tensor, values: Tensor, g: Group, bias: Te
         return o.reshape(S, H * D)
     return o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D)
 
+# %% [markdown]
+# The in-place read. `decode_rows` turns a decode group's block tables into the row indices of
+# both caches once per step, for every layer; `decode_attention` is then two embedding bags
+# around a softmax. `rotate`, the rotary embedding applied to queries and keys, comes last.
 
+# %%
+# | export minirl/rollout/engine/attention.py
 @dataclass
 class Rows:
     """A decode group's block tables as row indices of the caches, built once per step for every layer."""
@@ -626,7 +643,12 @@ def zeros_on_demand(shape: tuple, dtype: torch.dtype, device) -> Tensor:
     pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)     # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=dtype).view(shape)
 
+# %% [markdown]
+# The model itself: `PagedModel` keeps the HF module's weights and parameter names, builds the
+# fused products from them, owns the cache tensor, and runs a `Step` through every layer.
 
+# %%
+# | export minirl/rollout/engine/attention.py
 class PagedModel(torch.nn.Module):
     """An HF Llama/Qwen2 causal LM whose attention reads and writes a paged KV cache.
 
@@ -796,6 +818,12 @@ from dataclasses import dataclass, field
 
 from minirl.rollout.engine.blocks import BlockPool, blocks_needed, grow_table
 
+# %% [markdown]
+# A `Sequence` is one completion as the scheduler sees it: its tokens, its block table, how
+# many of its tokens are already in the cache, and its status (waiting, running, finished).
+
+# %%
+# | export minirl/rollout/engine/scheduler.py
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
@@ -917,9 +945,8 @@ class SchedulerState:
         self.release(seq)
 
 # %% [markdown]
-# Then the decisions. `schedule` builds the next step's work; `admit` gives a waiting
-# sequence its blocks (those a prefix-cache hit shares, and new ones) when the admission rule,
-# exercise 5.2's `can_admit`, says it fits.
+# Then the decisions, starting with the admission rule (exercise 5.2): may a waiting sequence
+# join the next step, given the free slots, the free blocks and the step's token budget?
 
 # %%
 # | export minirl/rollout/engine/scheduler.py
@@ -942,7 +969,13 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     return new_tokens <= token_budget or step_is_empty
     # END SOLUTION
 
+# %% [markdown]
+# `Scheduler` adds the decisions to that state. `schedule` builds one step's work, decodes
+# first (preempting when blocks run out) and then admissions in order; `admit` counts the blocks
+# a cache hit lets a sequence share and asks `can_admit`; `preempt` sends a sequence back to the queue.
 
+# %%
+# | export minirl/rollout/engine/scheduler.py
 class Scheduler(SchedulerState):
     """Decides each step's work (see the module docstring): decodes first, preempting the most
     recently admitted sequence when blocks run out, then admissions while `can_admit` allows."""
@@ -1089,7 +1122,12 @@ class Request:
     max_tokens: int
     temperature: float = 1.0
 
+# %% [markdown]
+# `Stats` is the engine's bookkeeping: the tokens it computed, by kind, and the seconds each
+# phase took. The measurements of the later sections read their counted figures from it.
 
+# %%
+# | export minirl/rollout/engine/engine.py
 @dataclass
 class Stats:
     """What the engine computed, by kind, and where the time went (seconds per phase)."""
@@ -1557,7 +1595,12 @@ def interleaved(runs: dict, repeats: int, progress: str | None = None) -> dict[s
     bar.close()
     return seconds
 
+# %% [markdown]
+# The first row's figure: the share of held KV slots that hold a token, counted at every step
+# of one run, for the paged engine's blocks and for contiguous preallocation of the same sequences.
 
+# %%
+# | export minirl/rollout/engine/measure.py
 def kv_utilization(model, tokenizer, prompts: list[str], sampling: SamplingConfig, block_size: int = 16,
                    seed: int = 0) -> dict:
     """KV slots filled / slots held, summed over the steps of one generate call, paged vs contiguous.
@@ -1799,7 +1842,12 @@ def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int,
     return blocks
     # END SOLUTION
 
+# %% [markdown]
+# `PrefixCache` keeps the table `match_prefix` reads: it registers each block of a sequence as
+# the block fills, and forgets a block when the pool hands it out again.
 
+# %%
+# | export minirl/rollout/engine/prefix.py
 class PrefixCache:
     """Hash-chained full-block prefix cache over a BlockPool (vLLM's automatic prefix caching).
 
@@ -2947,7 +2995,12 @@ class LongTailConfig:
     max_length: int = 512
     seed: int = 0
 
+# %% [markdown]
+# Its tokenizer: one token per character, after the three special tokens the embedded policy
+# also uses, padding on the left as generation needs.
 
+# %%
+# | export minirl/rollout/engine/workloads.py
 def long_tail_tokenizer(max_length: int = 512) -> PreTrainedTokenizerFast:
     """One token per character of LONG_TAIL_CHARACTERS, after <pad>, <bos>, <eos> (ids 0, 1, 2)."""
     vocab = {PAD: 0, BOS: 1, EOS: 2} | {c: 3 + i for i, c in enumerate(LONG_TAIL_CHARACTERS)}
@@ -2961,7 +3014,12 @@ def long_tail_tokenizer(max_length: int = 512) -> PreTrainedTokenizerFast:
     tokenizer.padding_side = "left"
     return tokenizer
 
+# %% [markdown]
+# The model: a seeded random Qwen2 of that size, saved once as an ordinary HF checkpoint under
+# $MINIRL_CACHE and loaded from there.
 
+# %%
+# | export minirl/rollout/engine/workloads.py
 def build_long_tail_policy(config: LongTailConfig = LongTailConfig()):
     """(model, tokenizer): a randomly initialized Qwen2 sized by `config` (seeded), in eval mode."""
     tokenizer = long_tail_tokenizer(config.max_length)
