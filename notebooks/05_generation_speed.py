@@ -49,6 +49,8 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a method added to a class defined in an earlier cell
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.set_num_threads(1)                       # small matrices: one thread is steadier on a shared machine
 torch.manual_seed(0)
@@ -264,18 +266,28 @@ class BlockPool:
         if self.ref[block] == 0:
             self.free[block] = None
 
-    def grow(self, num_blocks: int) -> None:
-        """Add blocks up to `num_blocks` in all; the new ones are handed out before any freed one."""
-        new = range(self.num_blocks, num_blocks)
-        self.ref += [0] * len(new)
-        self.free = OrderedDict.fromkeys([*new, *self.free])   # freed blocks keep their content longer
-        self.num_blocks = max(self.num_blocks, num_blocks)
+# %% [markdown]
+# Two more methods: `grow` enlarges the pool when the engine's cache grows (the new blocks are
+# handed out first, so freed ones keep their content longer), and `check` asserts the invariant
+# everything else relies on: the free list is exactly the blocks nobody holds.
 
-    def check(self) -> None:
-        """Raise AssertionError unless the free list is exactly the blocks with reference count 0."""
-        zero = {b for b, r in enumerate(self.ref) if r == 0}
-        assert zero == set(self.free), f"free list {sorted(self.free)[:8]} != blocks with ref 0 {sorted(zero)[:8]}"
-        assert all(r >= 0 for r in self.ref), "a negative reference count"
+# %%
+# | export minirl/rollout/engine/blocks.py
+@add_to_class(BlockPool)
+def grow(self, num_blocks: int) -> None:
+    """Add blocks up to `num_blocks` in all; the new ones are handed out before any freed one."""
+    new = range(self.num_blocks, num_blocks)
+    self.ref += [0] * len(new)
+    self.free = OrderedDict.fromkeys([*new, *self.free])   # freed blocks keep their content longer
+    self.num_blocks = max(self.num_blocks, num_blocks)
+
+
+@add_to_class(BlockPool)
+def check(self) -> None:
+    """Raise AssertionError unless the free list is exactly the blocks with reference count 0."""
+    zero = {b for b, r in enumerate(self.ref) if r == 0}
+    assert zero == set(self.free), f"free list {sorted(self.free)[:8]} != blocks with ref 0 {sorted(zero)[:8]}"
+    assert all(r >= 0 for r in self.ref), "a negative reference count"
 
 # %% [markdown]
 # Three sequences of 5, 9 and 3 tokens in a pool of 12 blocks of 4 slots, then the first
@@ -704,41 +716,49 @@ class PagedModel(torch.nn.Module):
         return (self.cache[layer, 0].view(Hkv, NB, self.head_dim, self.block_size),
                 self.cache[layer, 1].view(Hkv, NB, self.block_size, self.head_dim))
 
-    @torch.no_grad()
-    def forward(self, step: Step) -> Tensor:
-        """Run `step`; returns logits [R, V] in float32 for the tokens in step.logits_index."""
-        inner = self.model.model
-        T, H, Hkv, D = step.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        x = inner.embed_tokens(step.input_ids)                                           # [T, hidden]
-        cos, sin = inner.rotary_emb(x, step.positions[None])                             # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]                                      # [T, 1, D]: all heads
-        sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)                     # signed, see rotate
-        # once per step, for every layer: decode groups' row indices, other groups' additive masks
-        plans = [decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size) if g.q_index is None else
-                 torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, float("-inf"))
-                 for g in step.groups]
-        blocks, offsets = step.slots // self.block_size, step.slots % self.block_size     # [T] each
-        for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
-            attn = layer.self_attn
-            qkv = products["qkv"](rms_norm(x, layer.input_layernorm))                   # [T, (H + 2 Hkv) D]
-            qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                              # q and k, rotated together
-            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-            if hasattr(attn, "q_norm"):                                                  # Qwen3
-                qk = torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1)
-            qk = rotate(qk, cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-            keys, values = self.cache_views(i)
-            keys[:, blocks, :, offsets] = k                                              # [T, Hkv, D] into their slots
-            values.view(Hkv, -1, D).index_copy_(1, step.slots, v.transpose(0, 1))
-            scale = getattr(attn, "scaling", D ** -0.5)
-            outs = [decode_attention(q[g.start:g.stop], keys, values, plan, scale) if g.q_index is None else
-                    gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
-                    for g, plan in zip(step.groups, plans, strict=True)]
-            x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))        # [T, hidden]
-            gate, up = products["gate_up"](rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
-            x = x + products["down"](layer.mlp.act_fn(gate) * up)
-        h = inner.norm(x[step.logits_index])                                             # [R, hidden]
-        return self.model.lm_head(h).float()                                             # [R, V]
+# %% [markdown]
+# The forward pass of one `Step`: embeddings and rotary angles once, the decode groups' rows and
+# the other groups' masks once for every layer; then, per layer, the fused q/k/v product, the new
+# keys and values written into their slots, the two reads, and the MLP.
+
+# %%
+# | export minirl/rollout/engine/attention.py
+@add_to_class(PagedModel)
+@torch.no_grad()
+def forward(self, step: Step) -> Tensor:
+    """Run `step`; returns logits [R, V] in float32 for the tokens in step.logits_index."""
+    inner = self.model.model
+    T, H, Hkv, D = step.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+    x = inner.embed_tokens(step.input_ids)                                           # [T, hidden]
+    cos, sin = inner.rotary_emb(x, step.positions[None])                             # [1, T, D] each
+    cos, sin = cos[0, :, None], sin[0, :, None]                                      # [T, 1, D]: all heads
+    sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)                     # signed, see rotate
+    # once per step, for every layer: decode groups' row indices, other groups' additive masks
+    plans = [decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size) if g.q_index is None else
+             torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, float("-inf"))
+             for g in step.groups]
+    blocks, offsets = step.slots // self.block_size, step.slots % self.block_size     # [T] each
+    for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
+        attn = layer.self_attn
+        qkv = products["qkv"](rms_norm(x, layer.input_layernorm))                   # [T, (H + 2 Hkv) D]
+        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                              # q and k, rotated together
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        if hasattr(attn, "q_norm"):                                                  # Qwen3
+            qk = torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1)
+        qk = rotate(qk, cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
+        keys, values = self.cache_views(i)
+        keys[:, blocks, :, offsets] = k                                              # [T, Hkv, D] into their slots
+        values.view(Hkv, -1, D).index_copy_(1, step.slots, v.transpose(0, 1))
+        scale = getattr(attn, "scaling", D ** -0.5)
+        outs = [decode_attention(q[g.start:g.stop], keys, values, plan, scale) if g.q_index is None else
+                gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
+                for g, plan in zip(step.groups, plans, strict=True)]
+        x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))        # [T, hidden]
+        gate, up = products["gate_up"](rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
+        x = x + products["down"](layer.mlp.act_fn(gate) * up)
+    h = inner.norm(x[step.logits_index])                                             # [R, hidden]
+    return self.model.lm_head(h).float()                                             # [R, V]
 
 # %% [markdown]
 # The test that matters: the logits a paged forward pass computes equal HF's. Three
@@ -918,31 +938,41 @@ class SchedulerState:
             return max(seq.prompt_len + seq.max_tokens, seq.num_computed + seq.num_new) + self.lookahead
         return seq.num_computed + seq.num_new + self.lookahead
 
-    def release(self, seq: Sequence) -> None:
-        for b in reversed(seq.block_table):          # last blocks first: they are evicted first
-            self.pool.release(b)
-        seq.block_table = []
-        seq.num_computed = 0
-        for callback in self.on_release:
-            callback(seq)
+# %% [markdown]
+# Releasing and finishing. A sequence's blocks go back to the pool last block first, so the pool
+# reuses them before the prompt blocks a prefix cache may still find; under the static policy a
+# finished sequence keeps its row (and its blocks) until its whole batch is done.
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """`seq` is done; continuous: its slot and blocks are free now; static: when its batch is done."""
-        seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
-        if seq.spans:
-            seq.spans[-1][1] = len(self.timeline) - 1
-        if self.policy == "static" and seq in self.running and any(s.status == RUNNING for s in self.running):
-            return                                   # it stays as a padding row of its batch
-        if self.policy == "static":
-            for s in [s for s in self.running if s.status == FINISHED]:
-                self.running.remove(s)
-                self.release(s)
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.release(seq)
+# %%
+# | export minirl/rollout/engine/scheduler.py
+@add_to_class(SchedulerState)
+def release(self, seq: Sequence) -> None:
+    for b in reversed(seq.block_table):          # last blocks first: they are evicted first
+        self.pool.release(b)
+    seq.block_table = []
+    seq.num_computed = 0
+    for callback in self.on_release:
+        callback(seq)
+
+
+@add_to_class(SchedulerState)
+def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    """`seq` is done; continuous: its slot and blocks are free now; static: when its batch is done."""
+    seq.status, seq.finish_reason, seq.error = FINISHED, reason, error
+    if seq.spans:
+        seq.spans[-1][1] = len(self.timeline) - 1
+    if self.policy == "static" and seq in self.running and any(s.status == RUNNING for s in self.running):
+        return                                   # it stays as a padding row of its batch
+    if self.policy == "static":
+        for s in [s for s in self.running if s.status == FINISHED]:
+            self.running.remove(s)
+            self.release(s)
+        return
+    if seq in self.running:
+        self.running.remove(seq)
+    elif seq in self.waiting:
+        self.waiting.remove(seq)
+    self.release(seq)
 
 # %% [markdown]
 # Then the decisions, starting with the admission rule (exercise 5.2): may a waiting sequence
@@ -970,9 +1000,8 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     # END SOLUTION
 
 # %% [markdown]
-# `Scheduler` adds the decisions to that state. `schedule` builds one step's work, decodes
-# first (preempting when blocks run out) and then admissions in order; `admit` counts the blocks
-# a cache hit lets a sequence share and asks `can_admit`; `preempt` sends a sequence back to the queue.
+# `Scheduler` adds the decisions to that state. `schedule` builds one step's work: decodes
+# first, preempting when blocks run out, then admissions in order while `can_admit` allows.
 
 # %%
 # | export minirl/rollout/engine/scheduler.py
@@ -1018,43 +1047,55 @@ class Scheduler(SchedulerState):
                               "reserved_max": sum(s.prompt_len + s.max_tokens for s, _ in work)})
         return work
 
-    def register(self, seq: Sequence) -> None:
-        """Tell the cache about the blocks `seq` fills in this step (only when a block becomes full)."""
-        done = seq.num_computed + seq.num_new
-        if self.cache is not None and seq.status == RUNNING and done // self.block_size > seq.num_computed // \
-                self.block_size:
-            self.cache.insert(seq.tokens[:done], seq.block_table)
+# %% [markdown]
+# The moves `schedule` makes: `register` tells the cache about blocks as they fill, `admit`
+# counts the blocks a prefix hit lets a sequence share before it asks `can_admit`, and `preempt`
+# frees a running sequence's blocks and puts it back at the front of the queue.
 
-    def admit(self, seq: Sequence, budget: int, step_is_empty: bool) -> bool:
-        """Give `seq` its blocks (cached ones shared, the rest new) if `can_admit` says it fits."""
-        cached = self.cache.match(seq.tokens) if self.cache is not None else []
-        # a cached block still in use by another sequence costs nothing; a free (or evictable) one is taken
-        evictable = self.cache.evictable_blocks() if cached else set()
-        taken = sum(1 for b in cached if self.pool.ref[b] == 0 or b in evictable)
-        wanted = blocks_needed(self.tokens_to_hold(seq), self.block_size) - len(cached) + taken
-        new_tokens = len(seq.tokens) - len(cached) * self.block_size
-        if not can_admit(len(self.running), self.max_num_seqs, wanted, self.free_blocks(), new_tokens, budget,
-                         step_is_empty):
-            return False
-        for b in cached:
-            self.pool.retain(b)
-        seq.block_table = list(cached)
-        grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
-        seq.num_computed = seq.num_cached = len(cached) * self.block_size
-        seq.status = RUNNING
-        seq.spans.append([len(self.timeline), len(self.timeline)])
-        return True
+# %%
+# | export minirl/rollout/engine/scheduler.py
+@add_to_class(Scheduler)
+def register(self, seq: Sequence) -> None:
+    """Tell the cache about the blocks `seq` fills in this step (only when a block becomes full)."""
+    done = seq.num_computed + seq.num_new
+    if self.cache is not None and seq.status == RUNNING and done // self.block_size > seq.num_computed // \
+            self.block_size:
+        self.cache.insert(seq.tokens[:done], seq.block_table)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the blocks of `seq` and requeue it at the front; it recomputes its tokens when readmitted."""
-        self.running.remove(seq)
-        self.release(seq)
-        seq.spans[-1][1] = len(self.timeline) - 1      # it last ran in the previous step
-        if seq.status == FINISHED:                   # a padding row of a static batch: nothing to resume
-            return
-        seq.status = WAITING
-        seq.num_preempted += 1
-        self.waiting.appendleft(seq)
+
+@add_to_class(Scheduler)
+def admit(self, seq: Sequence, budget: int, step_is_empty: bool) -> bool:
+    """Give `seq` its blocks (cached ones shared, the rest new) if `can_admit` says it fits."""
+    cached = self.cache.match(seq.tokens) if self.cache is not None else []
+    # a cached block still in use by another sequence costs nothing; a free (or evictable) one is taken
+    evictable = self.cache.evictable_blocks() if cached else set()
+    taken = sum(1 for b in cached if self.pool.ref[b] == 0 or b in evictable)
+    wanted = blocks_needed(self.tokens_to_hold(seq), self.block_size) - len(cached) + taken
+    new_tokens = len(seq.tokens) - len(cached) * self.block_size
+    if not can_admit(len(self.running), self.max_num_seqs, wanted, self.free_blocks(), new_tokens, budget,
+                     step_is_empty):
+        return False
+    for b in cached:
+        self.pool.retain(b)
+    seq.block_table = list(cached)
+    grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
+    seq.num_computed = seq.num_cached = len(cached) * self.block_size
+    seq.status = RUNNING
+    seq.spans.append([len(self.timeline), len(self.timeline)])
+    return True
+
+
+@add_to_class(Scheduler)
+def preempt(self, seq: Sequence) -> None:
+    """Free the blocks of `seq` and requeue it at the front; it recomputes its tokens when readmitted."""
+    self.running.remove(seq)
+    self.release(seq)
+    seq.spans[-1][1] = len(self.timeline) - 1      # it last ran in the previous step
+    if seq.status == FINISHED:                   # a padding row of a static batch: nothing to resume
+        return
+    seq.status = WAITING
+    seq.num_preempted += 1
+    self.waiting.appendleft(seq)
 
 # %% [markdown]
 # ## 4. The engine
@@ -1246,9 +1287,9 @@ def forward_step(engine: "EngineCore", work: list[tuple[Sequence, int]], clock: 
     engine.tick("postprocess", clock)
 
 # %% [markdown]
-# The engine's core: its own copy of the policy, the pool, the scheduler and a cache, and
-# `step()`, which schedules and then runs a plain step or, when every scheduled sequence is
-# decoding and a draft is attached, a speculative round (section 9).
+# The engine's core: its constructor checks its arguments and sets up its own copy of the
+# policy, the cache tensor sized in blocks, and (through `reset`) the pool, the scheduler and a
+# prefix cache.
 
 # %%
 # | export minirl/rollout/engine/engine.py
@@ -1308,67 +1349,86 @@ class EngineCore:
         self.version = 0
         self.reset()
 
-    # ------------------------------------------------------------------ state
+# %% [markdown]
+# The engine's state can be emptied (`reset`, after new weights: keys and values of the old ones
+# must never be found again) and the cache enlarged in place (`grow`, when the cache is sized to
+# the work), keeping the blocks in use and the cached prefixes.
 
-    def reset(self) -> None:
-        """Empty the cache and the queues (keys/values of other weights must never be reused)."""
-        self.pool = BlockPool(self.num_blocks, self.block_size)
-        caches = {"prefix": PrefixCache, "radix": RadixCache, "none": lambda pool: None}
-        self.cache = caches[self.cache_kind](self.pool)
-        self.scheduler = Scheduler(self.pool, self.cache, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.policy, self.reserve, lookahead=self.k)
-        self.stats = Stats()
-        self.next_id = 0
-        if self.draft is not None:
-            self.draft.reset()
-            self.scheduler.on_release.append(self.draft.release)
+# %%
+# | export minirl/rollout/engine/engine.py
+# ------------------------------------------------------------------ state
+@add_to_class(EngineCore)
+def reset(self) -> None:
+    """Empty the cache and the queues (keys/values of other weights must never be reused)."""
+    self.pool = BlockPool(self.num_blocks, self.block_size)
+    caches = {"prefix": PrefixCache, "radix": RadixCache, "none": lambda pool: None}
+    self.cache = caches[self.cache_kind](self.pool)
+    self.scheduler = Scheduler(self.pool, self.cache, self.max_num_seqs, self.max_num_batched_tokens,
+                               self.policy, self.reserve, lookahead=self.k)
+    self.stats = Stats()
+    self.next_id = 0
+    if self.draft is not None:
+        self.draft.reset()
+        self.scheduler.on_release.append(self.draft.release)
 
-    def grow(self, num_blocks: int) -> None:
-        """Enlarge the cache to `num_blocks` blocks (never shrinks); blocks in use and cached prefixes stay."""
-        if num_blocks <= self.num_blocks:
-            return
-        self.model.grow_cache(num_blocks)
-        self.pool.grow(num_blocks)
-        if self.draft is not None:
-            self.draft.grow(num_blocks)
-        self.num_blocks = num_blocks
 
-    # ------------------------------------------------------------------ one step
-
-    def step(self, generator: torch.Generator | None = None) -> None:
-        """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
-        clock = time.perf_counter()
-        work = self.scheduler.schedule()
-        self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
-        clock = self.tick("schedule", clock)
-        self.stats.steps += 1
-        if not work:
-            return
-        decoding = [seq for seq, n in work if seq.status == RUNNING and seq.num_computed > seq.num_cached and n == 1]
-        if self.draft is not None and len(decoding) == len(work):
-            speculative_step(self, decoding, generator)
-            return
-        forward_step(self, work, clock, generator)
-
-    def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
-        for token, logprob in zip(tokens, logprobs, strict=True):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            self.stats.generated_tokens += 1
-            if token == seq.eos_token_id or seq.num_generated >= seq.max_tokens:
-                self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
-                return
-
-    def tick(self, phase: str, since: float) -> float:
-        now = time.perf_counter()
-        self.stats.seconds[phase] += now - since
-        return now
+@add_to_class(EngineCore)
+def grow(self, num_blocks: int) -> None:
+    """Enlarge the cache to `num_blocks` blocks (never shrinks); blocks in use and cached prefixes stay."""
+    if num_blocks <= self.num_blocks:
+        return
+    self.model.grow_cache(num_blocks)
+    self.pool.grow(num_blocks)
+    if self.draft is not None:
+        self.draft.grow(num_blocks)
+    self.num_blocks = num_blocks
 
 # %% [markdown]
-# The entry points on top of the core: `run` checks and queues requests and steps until all
-# have finished; `generate`, `load_weights` and `named_weights` are the rollout-engine protocol
-# of notebook 01.
+# One step: schedule, then a plain forward step or, when every scheduled sequence is decoding and a
+# draft is attached, a speculative round (section 9); `append` adds sampled tokens and finishes a
+# sequence at EOS or its limit, and `tick` adds a phase's seconds to `stats`.
+
+# %%
+# | export minirl/rollout/engine/engine.py
+# ------------------------------------------------------------------ one step
+@add_to_class(EngineCore)
+def step(self, generator: torch.Generator | None = None) -> None:
+    """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
+    clock = time.perf_counter()
+    work = self.scheduler.schedule()
+    self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
+    clock = self.tick("schedule", clock)
+    self.stats.steps += 1
+    if not work:
+        return
+    decoding = [seq for seq, n in work if seq.status == RUNNING and seq.num_computed > seq.num_cached and n == 1]
+    if self.draft is not None and len(decoding) == len(work):
+        speculative_step(self, decoding, generator)
+        return
+    forward_step(self, work, clock, generator)
+
+
+@add_to_class(EngineCore)
+def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
+    """Add sampled tokens to `seq`, stopping at EOS or max_tokens; finish it if it stopped."""
+    for token, logprob in zip(tokens, logprobs, strict=True):
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        if token == seq.eos_token_id or seq.num_generated >= seq.max_tokens:
+            self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
+            return
+
+
+@add_to_class(EngineCore)
+def tick(self, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    self.stats.seconds[phase] += now - since
+    return now
+
+# %% [markdown]
+# The entry points on top of the core, first the serving one: `run` checks and queues requests
+# and steps until all have finished.
 
 # %%
 # | export minirl/rollout/engine/engine.py
@@ -1413,59 +1473,70 @@ class PagedEngine(EngineCore):
             self.step(generator)
         return seqs
 
-    # ------------------------------------------------------------------ the protocol
+# %% [markdown]
+# The rollout-engine protocol of notebook 01: `load_weights` checks and copies the trainer's
+# weights (then empties the cache), and `generate` turns prompts into G requests each, runs them,
+# and pads the sequences into a `Rollout`.
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy the trainer's weights (HF parameter names) into the engine's copy; it now holds `version`.
+# %%
+# | export minirl/rollout/engine/engine.py
+# ------------------------------------------------------------------ the protocol
+@add_to_class(PagedEngine)
+def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    """Copy the trainer's weights (HF parameter names) into the engine's copy; it now holds `version`.
 
-        Checks every name and shape before copying anything (a model of another architecture
-        or size fails with the names that differ), then empties the cache: keys and values
-        computed by the old weights must not be reused by a prefix hit.
-        """
-        state = dict(named_tensors)
-        check_weights(state, self.model.model.state_dict(), version)
-        with torch.no_grad():
-            self.model.model.load_state_dict(state, strict=True)
-        self.model.refresh()                                     # the fused products follow the new weights
-        self.version = version
-        self.reset()
+    Checks every name and shape before copying anything (a model of another architecture
+    or size fails with the names that differ), then empties the cache: keys and values
+    computed by the old weights must not be reused by a prefix hit.
+    """
+    state = dict(named_tensors)
+    check_weights(state, self.model.model.state_dict(), version)
+    with torch.no_grad():
+        self.model.model.load_state_dict(state, strict=True)
+    self.model.refresh()                                     # the fused products follow the new weights
+    self.version = version
+    self.reset()
 
-    def named_weights(self) -> Iterable[tuple[str, Tensor]]:
-        return self.model.model.named_parameters()
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
+@add_to_class(PagedEngine)
+def named_weights(self) -> Iterable[tuple[str, Tensor]]:
+    return self.model.model.named_parameters()
 
-        Raises ValueError before any work if a prompt cannot be served (too long for
-        max_model_len), naming the prompt, its length and the limit. See `RolloutEngine.generate`.
-        """
-        check_request(self, prompts, sampling, expected_version)
-        G, C = sampling.num_generations, sampling.max_completion_length
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        requests = [Request(x, C, sampling.temperature) for x in ids for _ in range(G)]
-        for i, x in enumerate(ids):
-            if (error := self.check(Request(x, C, sampling.temperature))) is not None:
-                raise ValueError(f"PagedEngine.generate: prompts[{i}]: {error}")
-        seed = draw_seed(generator)
-        sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        seqs = self.run(requests, sampler)
-        pad = self.tokenizer.pad_token_id
-        P = max(len(x) for x in ids)
-        width = max(len(s.completion) for s in seqs)
-        prompt_ids = torch.full((len(seqs), P), pad, dtype=torch.long)
-        prompt_mask = torch.zeros(len(seqs), P, dtype=torch.long)
-        completion_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        logprobs = torch.zeros(len(seqs), width)
-        for row, seq in enumerate(seqs):
-            n, m = seq.prompt_len, len(seq.completion)
-            prompt_ids[row, P - n:] = torch.tensor(seq.tokens[:n])
-            prompt_mask[row, P - n:] = 1
-            completion_ids[row, :m] = torch.tensor(seq.completion, dtype=torch.long)
-            logprobs[row, :m] = torch.tensor(seq.logprobs)
-        return make_rollout(self.tokenizer, prompts, G, prompt_ids.to(self.device), prompt_mask.to(self.device),
-                            completion_ids.to(self.device), logprobs.to(self.device), self.version)
+
+@add_to_class(PagedEngine)
+@torch.no_grad()
+def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+             generator: torch.Generator | None = None) -> Rollout:
+    """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
+
+    Raises ValueError before any work if a prompt cannot be served (too long for
+    max_model_len), naming the prompt, its length and the limit. See `RolloutEngine.generate`.
+    """
+    check_request(self, prompts, sampling, expected_version)
+    G, C = sampling.num_generations, sampling.max_completion_length
+    ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    requests = [Request(x, C, sampling.temperature) for x in ids for _ in range(G)]
+    for i, x in enumerate(ids):
+        if (error := self.check(Request(x, C, sampling.temperature))) is not None:
+            raise ValueError(f"PagedEngine.generate: prompts[{i}]: {error}")
+    seed = draw_seed(generator)
+    sampler = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+    seqs = self.run(requests, sampler)
+    pad = self.tokenizer.pad_token_id
+    P = max(len(x) for x in ids)
+    width = max(len(s.completion) for s in seqs)
+    prompt_ids = torch.full((len(seqs), P), pad, dtype=torch.long)
+    prompt_mask = torch.zeros(len(seqs), P, dtype=torch.long)
+    completion_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    logprobs = torch.zeros(len(seqs), width)
+    for row, seq in enumerate(seqs):
+        n, m = seq.prompt_len, len(seq.completion)
+        prompt_ids[row, P - n:] = torch.tensor(seq.tokens[:n])
+        prompt_mask[row, P - n:] = 1
+        completion_ids[row, :m] = torch.tensor(seq.completion, dtype=torch.long)
+        logprobs[row, :m] = torch.tensor(seq.logprobs)
+    return make_rollout(self.tokenizer, prompts, G, prompt_ids.to(self.device), prompt_mask.to(self.device),
+                        completion_ids.to(self.device), logprobs.to(self.device), self.version)
 
 # %% [markdown]
 # Correct first. Greedy decoding must give exactly HF `generate`'s tokens, on both
@@ -2054,9 +2125,9 @@ class Node:
         self.last_access = clock
 
 # %% [markdown]
-# The tree itself: `match` walks down from the root as far as whole blocks agree, `insert` adds
-# what is new (splitting an edge where a new sequence leaves it), and `evict` frees
-# least-recently-used leaves, never a block a running sequence still holds.
+# The tree itself, and how it is read: `match` walks down from the root as far as whole blocks
+# agree. The next two cells add to it (`insert`) and take from it (`evict`, least-recently-used
+# leaves first, never a block a running sequence still holds).
 
 # %%
 # | export minirl/rollout/engine/radix.py
@@ -2101,82 +2172,105 @@ class RadixCache:
         self.hit_tokens += len(blocks) * self.block_size
         return blocks
 
-    def insert(self, tokens: list[int], block_table: list[int]) -> None:
-        """Add the full blocks of `tokens` (held in `block_table`) to the tree, sharing what is there."""
-        full = len(tokens) // self.block_size
-        found, node, n = self.walk(tokens, full)
-        if n < len(node.blocks):                     # the sequence leaves this edge midway: split it
-            node = self.split(node, n)
-        if len(found) < full:
-            bs = self.block_size
-            leaf = Node(node, tuple(tokens[len(found) * bs:full * bs]), list(block_table[len(found):full]),
-                        next(self.clock), bs)
-            node.children[leaf.first] = leaf
-            for b in leaf.blocks:
-                self.pool.retain(b)
-                self.held.add(b)
+# %% [markdown]
+# Inserting a sequence's full blocks: walk down as far as the tree agrees, split the edge where the
+# sequence leaves it midway, and hang the rest below as a new leaf that holds a reference to each
+# of its blocks.
 
-    def split(self, node: Node, n: int) -> Node:
-        """Cut `node`'s edge after n blocks; returns the new upper node (the old one hangs below it)."""
+# %%
+# | export minirl/rollout/engine/radix.py
+@add_to_class(RadixCache)
+def insert(self, tokens: list[int], block_table: list[int]) -> None:
+    """Add the full blocks of `tokens` (held in `block_table`) to the tree, sharing what is there."""
+    full = len(tokens) // self.block_size
+    found, node, n = self.walk(tokens, full)
+    if n < len(node.blocks):                     # the sequence leaves this edge midway: split it
+        node = self.split(node, n)
+    if len(found) < full:
         bs = self.block_size
-        upper = Node(node.parent, node.tokens[:n * bs], node.blocks[:n], node.last_access, bs)
-        node.parent.children[upper.first] = upper
-        node.tokens, node.blocks, node.parent = node.tokens[n * bs:], node.blocks[n:], upper
-        node.first = node.tokens[:bs]
-        upper.children[node.first] = node
-        return upper
+        leaf = Node(node, tuple(tokens[len(found) * bs:full * bs]), list(block_table[len(found):full]),
+                    next(self.clock), bs)
+        node.children[leaf.first] = leaf
+        for b in leaf.blocks:
+            self.pool.retain(b)
+            self.held.add(b)
 
-    def evictable_blocks(self) -> set[int]:
-        """Blocks `evict` can free: held by the tree alone, with nothing below them in use.
 
-        A block is in use when its reference count exceeds the tree's own 1. Usually a block in
-        use keeps its whole path in use, but a sequence that computed a duplicate of a tree block
-        (the last prompt block is always computed) can hold a deeper block and not the tree's copy
-        of an earlier one: that earlier block must wait for the deeper one (evicting it would
-        orphan the subtree).
-        """
-        free: set[int] = set()
+@add_to_class(RadixCache)
+def split(self, node: Node, n: int) -> Node:
+    """Cut `node`'s edge after n blocks; returns the new upper node (the old one hangs below it)."""
+    bs = self.block_size
+    upper = Node(node.parent, node.tokens[:n * bs], node.blocks[:n], node.last_access, bs)
+    node.parent.children[upper.first] = upper
+    node.tokens, node.blocks, node.parent = node.tokens[n * bs:], node.blocks[n:], upper
+    node.first = node.tokens[:bs]
+    upper.children[node.first] = node
+    return upper
 
-        def visit(node) -> bool:                     # True: the whole subtree is evictable
-            below = all([visit(child) for child in node.children.values()])
-            for b in reversed(node.blocks):
-                if not below or self.pool.ref[b] != 1:
-                    return False
-                free.add(b)
-            return below
+# %% [markdown]
+# Eviction: only blocks the tree alone holds, with nothing in use below them, can be freed; `evict`
+# takes least-recently-used leaves first, each from its last block back, so a shared prefix goes last.
 
-        visit(self.root)
-        return free
+# %%
+# | export minirl/rollout/engine/radix.py
+@add_to_class(RadixCache)
+def evictable_blocks(self) -> set[int]:
+    """Blocks `evict` can free: held by the tree alone, with nothing below them in use.
 
-    def evictable(self) -> int:
-        return len(self.evictable_blocks())
+    A block is in use when its reference count exceeds the tree's own 1. Usually a block in
+    use keeps its whole path in use, but a sequence that computed a duplicate of a tree block
+    (the last prompt block is always computed) can hold a deeper block and not the tree's copy
+    of an earlier one: that earlier block must wait for the deeper one (evicting it would
+    orphan the subtree).
+    """
+    free: set[int] = set()
 
-    def evict(self, n: int) -> int:
-        """Free up to n blocks, least recently used leaves first, each leaf from its last block back."""
-        heap = [(node.last_access, id(node), node) for node in self.nodes() if not node.children]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
-            _, _, node = heapq.heappop(heap)
-            while node.blocks and freed < n and self.pool.ref[node.blocks[-1]] == 1:
-                block = node.blocks.pop()
-                node.tokens = node.tokens[:-self.block_size]
-                self.held.discard(block)
-                self.pool.release(block)
-                freed += 1
-            if not node.blocks:
-                parent = node.parent
-                del parent.children[node.first]
-                if parent is not self.root and not parent.children:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
+    def visit(node) -> bool:                     # True: the whole subtree is evictable
+        below = all([visit(child) for child in node.children.values()])
+        for b in reversed(node.blocks):
+            if not below or self.pool.ref[b] != 1:
+                return False
+            free.add(b)
+        return below
 
-    def nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+    visit(self.root)
+    return free
+
+
+@add_to_class(RadixCache)
+def evictable(self) -> int:
+    return len(self.evictable_blocks())
+
+
+@add_to_class(RadixCache)
+def evict(self, n: int) -> int:
+    """Free up to n blocks, least recently used leaves first, each leaf from its last block back."""
+    heap = [(node.last_access, id(node), node) for node in self.nodes() if not node.children]
+    heapq.heapify(heap)
+    freed = 0
+    while freed < n and heap:
+        _, _, node = heapq.heappop(heap)
+        while node.blocks and freed < n and self.pool.ref[node.blocks[-1]] == 1:
+            block = node.blocks.pop()
+            node.tokens = node.tokens[:-self.block_size]
+            self.held.discard(block)
+            self.pool.release(block)
+            freed += 1
+        if not node.blocks:
+            parent = node.parent
+            del parent.children[node.first]
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+    return freed
+
+
+@add_to_class(RadixCache)
+def nodes(self):
+    stack = list(self.root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 # %% [markdown]
 # A multi-turn workload: 8 conversations of 4 turns (3 of 3 in smoke mode); each turn's
@@ -2419,33 +2513,43 @@ class ModelDraft:
         for b in table:
             self.pool.release(b)
 
-    def propose(self, seqs, k: int, generator=None) -> tuple[Tensor, Tensor]:
-        temperatures = torch.tensor([s.temperature for s in seqs], device=self.device)
-        drafts, qs = [], []
-        chunks = []
-        for s in seqs:
-            table, done = self.state.get(s.id, ([], 0))
-            while len(table) < blocks_needed(len(s.tokens) + k - 1, self.block_size):
-                table.append(self.pool.allocate())
-            self.state[s.id] = (table, len(s.tokens) + k - 1)
-            chunks.append(Chunk(s.tokens[done:], done, table))
-        position = [len(s.tokens) for s in seqs]
-        for i in range(k):
-            logits = self.model(make_step(chunks, self.block_size, self.model.n_rep, self.device))   # [S, V]
-            token, _ = sample_tokens(logits, temperatures, generator)      # [S]: notebook 01's sampling step
-            q = probabilities(logits[:, None], temperatures)[:, 0]         # [S, V]: what it drew from
-            drafts.append(token)
-            qs.append(q)
-            tokens = token.tolist()
-            chunks = [Chunk([t], position[j] + i, self.state[s.id][0])
-                      for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))]
-        return torch.stack(drafts, 1), torch.stack(qs, 1)                                           # [S, k], [S, k, V]
+# %% [markdown]
+# Proposing: each sequence catches up on the tokens the draft has not computed, then the draft
+# samples k tokens one step at a time, keeping the probabilities it drew from; `rollback` forgets
+# the keys and values of rejected drafts.
 
-    def rollback(self, seq, valid: int) -> None:
-        """Only the first `valid` tokens of `seq` have keys/values the draft computed from accepted tokens."""
-        if seq.id in self.state:
-            table, done = self.state[seq.id]
-            self.state[seq.id] = (table, min(done, valid))
+# %%
+# | export minirl/rollout/engine/speculative.py
+@add_to_class(ModelDraft)
+def propose(self, seqs, k: int, generator=None) -> tuple[Tensor, Tensor]:
+    temperatures = torch.tensor([s.temperature for s in seqs], device=self.device)
+    drafts, qs = [], []
+    chunks = []
+    for s in seqs:
+        table, done = self.state.get(s.id, ([], 0))
+        while len(table) < blocks_needed(len(s.tokens) + k - 1, self.block_size):
+            table.append(self.pool.allocate())
+        self.state[s.id] = (table, len(s.tokens) + k - 1)
+        chunks.append(Chunk(s.tokens[done:], done, table))
+    position = [len(s.tokens) for s in seqs]
+    for i in range(k):
+        logits = self.model(make_step(chunks, self.block_size, self.model.n_rep, self.device))   # [S, V]
+        token, _ = sample_tokens(logits, temperatures, generator)      # [S]: notebook 01's sampling step
+        q = probabilities(logits[:, None], temperatures)[:, 0]         # [S, V]: what it drew from
+        drafts.append(token)
+        qs.append(q)
+        tokens = token.tolist()
+        chunks = [Chunk([t], position[j] + i, self.state[s.id][0])
+                  for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))]
+    return torch.stack(drafts, 1), torch.stack(qs, 1)                                           # [S, k], [S, k, V]
+
+
+@add_to_class(ModelDraft)
+def rollback(self, seq, valid: int) -> None:
+    """Only the first `valid` tokens of `seq` have keys/values the draft computed from accepted tokens."""
+    if seq.id in self.state:
+        table, done = self.state[seq.id]
+        self.state[seq.id] = (table, min(done, valid))
 
 # %% [markdown]
 # One round for every decoding sequence: propose k tokens, verify the k + 1 positions in one

@@ -220,7 +220,6 @@ class EngineCore:
         self.reset()
 
     # ------------------------------------------------------------------ state
-
     def reset(self) -> None:
         """Empty the cache and the queues (keys/values of other weights must never be reused)."""
         self.pool = BlockPool(self.num_blocks, self.block_size)
@@ -245,7 +244,6 @@ class EngineCore:
         self.num_blocks = num_blocks
 
     # ------------------------------------------------------------------ one step
-
     def step(self, generator: torch.Generator | None = None) -> None:
         """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
         clock = time.perf_counter()
@@ -319,7 +317,6 @@ class PagedEngine(EngineCore):
         return seqs
 
     # ------------------------------------------------------------------ the protocol
-
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy the trainer's weights (HF parameter names) into the engine's copy; it now holds `version`.
 
