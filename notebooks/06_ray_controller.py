@@ -168,7 +168,13 @@ DEVICES = ("cpu", "gpu")
 class PlacementError(ValueError):
     """A placement the cluster cannot hold; the message names the pool and the numbers."""
 
+# %% [markdown]
+# The pool: its device count on each node, checked when it is made, and the bundle that one
+# device reserves. `cluster_nodes` reads what a plan places pools on: the total CPUs and GPUs
+# of every alive node, head first.
 
+# %%
+# | export minirl/controller/resource_pool.py
 class ResourcePool:
     """Devices on one or more nodes, for the roles placed on this pool."""
 
@@ -337,7 +343,12 @@ def token_available() -> bool:
     path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
 
+# %% [markdown]
+# `started` is the retry: every try at a raised CPU priority, a failed one undone (what it
+# left running killed) before the next, after a wait that doubles.
 
+# %%
+# | export minirl/controller/resource_pool.py
 def started(start, stop, what: str, attempts: int = 4, backoff: float = 2.0, boost: int = 10):
     """start() until it succeeds, at most `attempts` times, waiting backoff * 2**k s after the k-th failure.
 
@@ -679,11 +690,10 @@ DP_UPDATE = Mode(split_by_rank, first)       # every rank returns the same recor
 RANK_ZERO = Mode(rank_zero, first)
 
 # %% [markdown]
-# The group itself starts one Ray actor per device of its pool, each in its bundle of the
-# pool's placement groups, and names it after its group and rank. Waiting for results is
-# where failures surface: `gather` waits for whichever call finishes first, so a worker that
-# dies is reported at once, even while its peers are still blocked in a collective waiting
-# for it (they are killed when the driver shuts the groups down).
+# Waiting for results is where failures surface. First what a dead worker becomes: Ray
+# raises one of several errors when the process behind a call is gone (`DEATHS`), and
+# `died` turns each into a `WorkerDiedError` that names the worker's roles, group, rank and
+# node, and says so when Ray's memory monitor killed it.
 
 # %%
 # | export minirl/controller/worker_group.py
@@ -710,6 +720,14 @@ def died(who: str, what: str, err: BaseException) -> WorkerDiedError:
               "workers, or more memory" if oom else lines[0][:200])
     return WorkerDiedError(f"{who} died during {what} ({reason})")
 
+# %% [markdown]
+# The group itself starts one Ray actor per device of its pool, each in its bundle of the
+# pool's placement groups, and names it after its group and rank. `run` calls one worker
+# method on the ranks it gives arguments; `execute` calls a role's method through a dispatch
+# mode.
+
+# %%
+# | export minirl/controller/worker_group.py
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
 
@@ -755,7 +773,13 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 
+# %% [markdown]
+# Every wait on a worker goes through `gather`. It takes the calls as they finish, so a worker
+# that dies is reported at once, even while its peers are still blocked in a collective
+# waiting for it (they are killed when the driver shuts the groups down).
 
+# %%
+# | export minirl/controller/worker_group.py
 def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> list:
     """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens.
 
@@ -905,9 +929,9 @@ class RewardRole:
         return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
 
 # %% [markdown]
-# The worker. `setup` builds the roles (the reference first: it copies the policy before the
-# actor ever trains, as stage 1's `build_roles` does); `call` runs one method of one role
-# and records it; the four sync methods are the worker's side of section 5.
+# Two helpers of the worker first: `moved` puts every tensor of a call's arguments on the
+# worker's device (and its results back on the CPU), and `build_role` builds one role as
+# stage 1 does, or as stage 4's data-parallel role when its pool has more than one rank.
 
 # %%
 # | export minirl/controller/roles.py
@@ -950,7 +974,13 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group: Process
         return RewardRole(reward_funcs)
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
+# %% [markdown]
+# The worker. `setup` builds the roles (the reference first: it copies the policy before the
+# actor ever trains, as stage 1's `build_roles` does); `call` runs one method of one role
+# and records it; the four sync methods are the worker's side of section 5.
 
+# %%
+# | export minirl/controller/roles.py
 class RoleWorker(Worker):
     """A worker that hosts roles of the RL loop; roles on one worker share its process and device."""
 
@@ -1090,7 +1120,14 @@ class TensorMeta:
 def tensor_metadata(named_tensors) -> list[TensorMeta]:
     return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
 
+# %% [markdown]
+# The buckets, and the two ends of the broadcast. Both ends call `plan_buckets` on the same
+# metadata and so agree on the buckets without sending them; the sender checks every tensor
+# against the plan and broadcasts one flat buffer per bucket, the receivers rebuild the
+# tensors as views of theirs.
 
+# %%
+# | export minirl/sync/broadcast.py
 def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
     """Consecutive tensors in buckets of one dtype and at most `bucket_bytes` bytes (a larger tensor goes alone).
 
@@ -1185,7 +1222,13 @@ class CollectiveSync:
         check_pushed(engine, version)
         return SyncReport(version, self.tensors, self.bytes, time.perf_counter() - start)
 
+# %% [markdown]
+# The other two: through Ray's object store (for comparison: no process group, but the
+# weights are serialized and copied), and in-process on every worker when the actor and the
+# rollout share it (colocated).
 
+# %%
+# | export minirl/controller/weight_sync.py
 class ObjectStoreSync:
     """Trainer rank 0 puts its weights in Ray's object store; every rollout worker gets them from there."""
 
@@ -1287,8 +1330,8 @@ class Placement:
                                             for pool in pools if pool in self.pools)
 
 # %% [markdown]
-# Which roles a configuration needs, the --pools flag parsed, the three placements built, and a
-# placement checked against the configuration before anything starts.
+# Which roles a configuration needs, and the --pools flag parsed into each role's devices per
+# node.
 
 # %%
 # | export minirl/controller/placement.py
@@ -1317,7 +1360,13 @@ def parse_pools(text: str | None) -> dict[str, list[int]]:
                                              "on each node it spans: use N >= 1, or leave the role out (1 device)")
     return sizes
 
+# %% [markdown]
+# One of the three placements built from the --pools sizes, and a placement checked against
+# a configuration before anything starts: every role it needs has a pool, and the batch
+# splits into whole groups across each pool's ranks.
 
+# %%
+# | export minirl/controller/placement.py
 def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device: str = "cpu",
                    cpus_per_device: float = 0.25) -> Placement:
     """The `kind` layout with one device per pool unless `sizes` ({role: devices per node}) says otherwise.
@@ -1444,7 +1493,12 @@ class RemoteWeights:
     def __iter__(self):
         return iter(self.group.run("named_weights", [("actor",)] + [None] * (len(self.group) - 1))[0])
 
+# %% [markdown]
+# The actor's proxy: data-parallel logprobs and updates, a handle for its weights, and the
+# driver's copy of the policy, fetched from rank 0 only when it is read after an update.
 
+# %%
+# | export minirl/controller/proxies.py
 class ActorGroup:
     """The actor role on a WorkerGroup, with stage 1's Actor methods."""
 
@@ -1478,8 +1532,7 @@ class ActorGroup:
         self.group.run("restore", [("actor", weights, state)] * len(self.group))
 
 # %% [markdown]
-# The other roles' proxies: the reference and the critic (data-parallel like the actor), the
-# engines, and each reward function on its worker.
+# The other roles' proxies, first the reference and the critic: data-parallel like the actor.
 
 # %%
 # | export minirl/controller/proxies.py
@@ -1507,7 +1560,13 @@ class CriticGroup:
     def load_state_dict(self, state: dict) -> None:
         self.group.run("restore", [("critic", {}, state)] * len(self.group))
 
+# %% [markdown]
+# The rollout workers as one engine (prompts split by rank, each worker its own copy of the
+# generator, as 7.1 says), and each reward function as a callable that splits the completions
+# across the reward workers.
 
+# %%
+# | export minirl/controller/proxies.py
 class EngineGroup:
     """The rollout workers as one RolloutEngine: prompts split by rank, Rollouts concatenated."""
 
@@ -1867,7 +1926,12 @@ def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], p
         fig.savefig(path, dpi=120)
     return fig
 
+# %% [markdown]
+# The placement picture: nodes side by side, a column per device, the roles it hosts stacked
+# in it.
 
+# %%
+# | export minirl/controller/plots.py
 def plot_placement(where: dict[str, list[str]], path=None, title: str = "placement"):
     """Nodes side by side, their devices as columns, each device listing the roles it hosts."""
     devices = sorted({d for ds in where.values() for d in ds}, key=lambda d: (d.split("/")[0], d))
