@@ -253,6 +253,11 @@ def stage_shares(records: list[dict]) -> dict[str, float]:
     return shares
     # END SOLUTION
 
+# %% [markdown]
+# A sub-timer runs inside its parent (`update/all_reduce` inside `update`), so before any
+# share is taken `own_times` subtracts each from its parent; `categorize` sums stage shares
+# into the categories.
+
 # %%
 # | export minirl/profiling/decompose.py
 from minirl.profiling.timeline import read_timeline, split_calls
@@ -286,7 +291,13 @@ def categorize(shares: dict[str, float]) -> dict[str, float]:
         out["other" if stage == "other" else category_of(stage)] += share
     return out
 
+# %% [markdown]
+# A decomposition, as one object: the steps and their seconds, each step's own stage times,
+# the shares by stage and by category, and a table of them; `bottleneck` is the category with
+# the largest share of the run.
 
+# %%
+# | export minirl/profiling/decompose.py
 @dataclass
 class Decomposition:
     """A run's time by stage and by category, over the run and per step (shares are 0-1)."""
@@ -2109,7 +2120,12 @@ def read_records(run_dir) -> tuple[list[dict], list[str]]:
                              "to decompose")
     return steps, partial
 
+# %% [markdown]
+# Which steps ran under the profiler, from TorchProfiler's summary: `decompose` leaves them
+# out by default, since the profiler's overhead is in their times.
 
+# %%
+# | export minirl/profiling/decompose.py
 def profiled_steps(run_dir) -> list[int]:
     """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
     path = Path(run_dir) / PROFILE_SUMMARY
@@ -2199,7 +2215,13 @@ def gpu_peak_flops(device_name: str, dtype: str) -> float:
     raise UnknownPeakError(f"no published {dtype} peak for {device_name!r} in minirl's table: pass the device's dense "
                            f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
 
+# %% [markdown]
+# A CPU has no datasheet figure here, so its peak is measured: the best square matmul that
+# torch's CPU GEMM runs on the run's threads. `peak_flops` picks the peak for a run: the
+# user's figure first, then a measured CPU or a GPU looked up by name.
 
+# %%
+# | export minirl/profiling/mfu.py
 @functools.cache
 def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
                      sizes: tuple[int, ...] = (256, 512)) -> float:
@@ -2289,7 +2311,13 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return ax
 
+# %% [markdown]
+# The first steps as a timeline, one lane per category: each step's stages end to end in
+# the order `rl_step` runs them, a stage's sub-timers at the end of its span; then several
+# runs side by side, one bar of shares each.
 
+# %%
+# | export minirl/profiling/plots.py
 def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
     """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
 
