@@ -51,6 +51,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.train.run import train
+from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -765,25 +766,33 @@ class TorchProfiler(Callback):
             self.profiler.stop()
             self.profiler = None
 
-    def _finish(self, step: int, record: dict) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.profiler.stop()
-        wall, cpu = time.perf_counter() - self.clocks[0], time.process_time() - self.clocks[1]
-        prof, self.profiler = self.profiler, None
-        name = f"step-{step:06d}"
-        trace = self.dir / f"trace_{name}.json.gz"
-        prof.export_chrome_trace(str(trace))
-        events = prof.events()
-        totals = operator_totals(events)
-        atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
-        seconds = record.get("time/step", 0.0)
-        self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
-                                   "top_operators": operator_table(totals, self.top),
-                                   "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
-                                   "memory": memory_summary(totals)}
-        atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
-                                                       "per_step": self.results})
+# %% [markdown]
+# What a profiled step leaves in run_dir/profile/: its trace (for Perfetto or
+# chrome://tracing), its operator table as text, and its entry in summary.json (top
+# operators, the matmul summary, the time by stage, memory, the CPU share of the wall time).
+
+# %%
+# | export minirl/profiling/profiler.py
+@add_to_class(TorchProfiler)
+def _finish(self, step: int, record: dict) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    self.profiler.stop()
+    wall, cpu = time.perf_counter() - self.clocks[0], time.process_time() - self.clocks[1]
+    prof, self.profiler = self.profiler, None
+    name = f"step-{step:06d}"
+    trace = self.dir / f"trace_{name}.json.gz"
+    prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    totals = operator_totals(events)
+    atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
+    seconds = record.get("time/step", 0.0)
+    self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
+                               "top_operators": operator_table(totals, self.top),
+                               "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
+                               "memory": memory_summary(totals)}
+    atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
+                                                   "per_step": self.results})
 
 # %% [markdown]
 # A short run set up like the first (the `hf` engine), with its third step profiled (in
