@@ -68,6 +68,7 @@ from tqdm.auto import tqdm
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.tasks.task import arithmetic_task
+from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -168,7 +169,13 @@ DEVICES = ("cpu", "gpu")
 class PlacementError(ValueError):
     """A placement the cluster cannot hold; the message names the pool and the numbers."""
 
+# %% [markdown]
+# The pool: its device count on each node, checked when it is made, and the bundle that one
+# device reserves. `cluster_nodes` reads what a plan places pools on: the total CPUs and GPUs
+# of every alive node, head first.
 
+# %%
+# | export minirl/controller/resource_pool.py
 class ResourcePool:
     """Devices on one or more nodes, for the roles placed on this pool."""
 
@@ -337,7 +344,12 @@ def token_available() -> bool:
     path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
 
+# %% [markdown]
+# `started` is the retry: every try at a raised CPU priority, a failed one undone (what it
+# left running killed) before the next, after a wait that doubles.
 
+# %%
+# | export minirl/controller/resource_pool.py
 def started(start, stop, what: str, attempts: int = 4, backoff: float = 2.0, boost: int = 10):
     """start() until it succeeds, at most `attempts` times, waiting backoff * 2**k s after the k-th failure.
 
@@ -524,44 +536,65 @@ class Worker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def init_world(self, init_method: str, world_rank: int, world_size: int, backend: str,
-                   timeout_s: float = 120.0) -> int:
-        """Join the world of all workers (every member calls this at the same time)."""
-        dist.init_process_group(backend, init_method=init_method, rank=world_rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
-        self.world_rank = world_rank
-        return world_rank
+# %% [markdown]
+# A worker joins the one torch.distributed world of all workers at the address that world
+# rank 0 offered (`free_address`); then all of them create the named subgroups together, since
+# torch.distributed makes a group collectively, even in the processes outside it.
 
-    def new_groups(self, groups: dict[str, list[int]]) -> list[str]:
-        """Create every named subgroup (world ranks), in order; keep those this worker belongs to.
+# %%
+# | export minirl/controller/worker.py
+@add_to_class(Worker)
+def init_world(self, init_method: str, world_rank: int, world_size: int, backend: str,
+               timeout_s: float = 120.0) -> int:
+    """Join the world of all workers (every member calls this at the same time)."""
+    dist.init_process_group(backend, init_method=init_method, rank=world_rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    self.world_rank = world_rank
+    return world_rank
 
-        Every member of the world must call this with the same `groups`: torch.distributed
-        creates a group collectively, even for the processes outside it.
-        """
-        for name, ranks in groups.items():
-            group = dist.new_group(ranks)
-            if self.world_rank in ranks:
-                self.groups[name] = group
-        return sorted(self.groups)
 
-    @contextmanager
-    def record(self, what: str):
-        """Add (what, start, end) to the timeline, wall clock."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.events.append((what, start, time.time()))
+@add_to_class(Worker)
+def new_groups(self, groups: dict[str, list[int]]) -> list[str]:
+    """Create every named subgroup (world ranks), in order; keep those this worker belongs to.
 
-    def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
-        """The recorded calls by start time (a call inside another, a sleep inside generate, comes after it)."""
-        events = sorted(self.events, key=lambda event: event[1])
-        if clear:
-            self.events.clear()
-        return events
+    Every member of the world must call this with the same `groups`: torch.distributed
+    creates a group collectively, even for the processes outside it.
+    """
+    for name, ranks in groups.items():
+        group = dist.new_group(ranks)
+        if self.world_rank in ranks:
+            self.groups[name] = group
+    return sorted(self.groups)
 
-    def ping(self) -> bool:
-        return True
+# %% [markdown]
+# The timeline: `record` wraps every call the worker runs and notes what ran from when to
+# when; `timeline` hands the calls back by start time. `ping` answers once the process is up.
+
+# %%
+# | export minirl/controller/worker.py
+@add_to_class(Worker)
+@contextmanager
+def record(self, what: str):
+    """Add (what, start, end) to the timeline, wall clock."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        self.events.append((what, start, time.time()))
+
+
+@add_to_class(Worker)
+def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
+    """The recorded calls by start time (a call inside another, a sleep inside generate, comes after it)."""
+    events = sorted(self.events, key=lambda event: event[1])
+    if clear:
+        self.events.clear()
+    return events
+
+
+@add_to_class(Worker)
+def ping(self) -> bool:
+    return True
 
 # %% [markdown]
 # ## 3. A WorkerGroup and its dispatch modes
@@ -679,11 +712,10 @@ DP_UPDATE = Mode(split_by_rank, first)       # every rank returns the same recor
 RANK_ZERO = Mode(rank_zero, first)
 
 # %% [markdown]
-# The group itself starts one Ray actor per device of its pool, each in its bundle of the
-# pool's placement groups, and names it after its group and rank. Waiting for results is
-# where failures surface: `gather` waits for whichever call finishes first, so a worker that
-# dies is reported at once, even while its peers are still blocked in a collective waiting
-# for it (they are killed when the driver shuts the groups down).
+# Waiting for results is where failures surface. First what a dead worker becomes: Ray
+# raises one of several errors when the process behind a call is gone (`DEATHS`), and
+# `died` turns each into a `WorkerDiedError` that names the worker's roles, group, rank and
+# node, and says so when Ray's memory monitor killed it.
 
 # %%
 # | export minirl/controller/worker_group.py
@@ -710,6 +742,14 @@ def died(who: str, what: str, err: BaseException) -> WorkerDiedError:
               "workers, or more memory" if oom else lines[0][:200])
     return WorkerDiedError(f"{who} died during {what} ({reason})")
 
+# %% [markdown]
+# The group itself starts one Ray actor per device of its pool, each in its bundle of the
+# pool's placement groups, and names it after its group and rank. `run` calls one worker
+# method on the ranks it gives arguments; `execute` calls a role's method through a dispatch
+# mode.
+
+# %%
+# | export minirl/controller/worker_group.py
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
 
@@ -755,7 +795,13 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 
+# %% [markdown]
+# Every wait on a worker goes through `gather`. It takes the calls as they finish, so a worker
+# that dies is reported at once, even while its peers are still blocked in a collective
+# waiting for it (they are killed when the driver shuts the groups down).
 
+# %%
+# | export minirl/controller/worker_group.py
 def gather(calls: list[tuple["WorkerGroup", int, ray.ObjectRef]], what: str) -> list:
     """The results of (group, rank, ref) calls in the order given; the first failure raises when it happens.
 
@@ -905,9 +951,9 @@ class RewardRole:
         return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
 
 # %% [markdown]
-# The worker. `setup` builds the roles (the reference first: it copies the policy before the
-# actor ever trains, as stage 1's `build_roles` does); `call` runs one method of one role
-# and records it; the four sync methods are the worker's side of section 5.
+# Two helpers of the worker first: `moved` puts every tensor of a call's arguments on the
+# worker's device (and its results back on the CPU), and `build_role` builds one role as
+# stage 1 does, or as stage 4's data-parallel role when its pool has more than one rank.
 
 # %%
 # | export minirl/controller/roles.py
@@ -950,7 +996,13 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group: Process
         return RewardRole(reward_funcs)
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
+# %% [markdown]
+# The worker. `setup` builds the roles (the reference first: it copies the policy before the
+# actor ever trains, as stage 1's `build_roles` does); `call` runs one method of one role
+# and records it; the four sync methods are the worker's side of section 5.
 
+# %%
+# | export minirl/controller/roles.py
 class RoleWorker(Worker):
     """A worker that hosts roles of the RL loop; roles on one worker share its process and device."""
 
@@ -989,42 +1041,60 @@ class RoleWorker(Worker):
             getattr(target, "module", target.model).load_state_dict(weights)
         target.load_state_dict(state)
 
-    def weight_metadata(self) -> list:
-        return tensor_metadata(self.roles["actor"].named_weights())
+# %% [markdown]
+# The worker's side of the weight syncs of section 5: the metadata both ends plan the buckets
+# from, the two ends of the broadcast, the put into Ray's object store and the receive from
+# it, and the in-process copy of a colocated worker.
 
-    def send_weights(self, buckets, src: int) -> int:
-        """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
-        with self.record("sync.send"):
-            return send_buckets(dict(self.roles["actor"].named_weights()), buckets, src, self.groups["sync"])
+# %%
+# | export minirl/controller/roles.py
+@add_to_class(RoleWorker)
+def weight_metadata(self) -> list:
+    return tensor_metadata(self.roles["actor"].named_weights())
 
-    def recv_weights(self, buckets, src: int, version: int) -> int:
-        """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
-        with self.record("sync.recv"):
-            device = "cuda" if self.device == "gpu" else "cpu"
-            self.roles["rollout"].load_weights(recv_buckets(buckets, src, self.groups["sync"], device), version)
-            return self.roles["rollout"].version
 
-    def put_weights(self) -> dict:
-        """Trainer rank 0: the actor's weights into Ray's object store; {"ref", "tensors", "bytes"}.
+@add_to_class(RoleWorker)
+def send_weights(self, buckets, src: int) -> int:
+    """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
+    with self.record("sync.send"):
+        return send_buckets(dict(self.roles["actor"].named_weights()), buckets, src, self.groups["sync"])
 
-        The ref travels inside a dict, so Ray hands it over as a ref; passed on as a top-level
-        argument, it is resolved to the weights in the receiving worker.
-        """
-        with self.record("sync.put"):
-            named = [(name, t.detach().cpu()) for name, t in self.roles["actor"].named_weights()]
-            return {"ref": ray.put(named), "tensors": len(named),
-                    "bytes": sum(t.numel() * t.element_size() for _, t in named)}
 
-    def receive(self, named_tensors, version: int) -> int:
-        """A rollout worker: load these weights (resolved from the object store by Ray); the engine's version."""
-        with self.record("sync.receive"):
-            self.roles["rollout"].load_weights(named_tensors, version)
-            return self.roles["rollout"].version
+@add_to_class(RoleWorker)
+def recv_weights(self, buckets, src: int, version: int) -> int:
+    """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
+    with self.record("sync.recv"):
+        device = "cuda" if self.device == "gpu" else "cpu"
+        self.roles["rollout"].load_weights(recv_buckets(buckets, src, self.groups["sync"], device), version)
+        return self.roles["rollout"].version
 
-    def local_sync(self, version: int):
-        """Colocated: copy this worker's actor weights into this worker's engine (stage 1's InProcessSync)."""
-        with self.record("sync.local"):
-            return InProcessSync().push(self.roles["actor"].named_weights(), self.roles["rollout"], version)
+
+@add_to_class(RoleWorker)
+def put_weights(self) -> dict:
+    """Trainer rank 0: the actor's weights into Ray's object store; {"ref", "tensors", "bytes"}.
+
+    The ref travels inside a dict, so Ray hands it over as a ref; passed on as a top-level
+    argument, it is resolved to the weights in the receiving worker.
+    """
+    with self.record("sync.put"):
+        named = [(name, t.detach().cpu()) for name, t in self.roles["actor"].named_weights()]
+        return {"ref": ray.put(named), "tensors": len(named),
+                "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+
+@add_to_class(RoleWorker)
+def receive(self, named_tensors, version: int) -> int:
+    """A rollout worker: load these weights (resolved from the object store by Ray); the engine's version."""
+    with self.record("sync.receive"):
+        self.roles["rollout"].load_weights(named_tensors, version)
+        return self.roles["rollout"].version
+
+
+@add_to_class(RoleWorker)
+def local_sync(self, version: int):
+    """Colocated: copy this worker's actor weights into this worker's engine (stage 1's InProcessSync)."""
+    with self.record("sync.local"):
+        return InProcessSync().push(self.roles["actor"].named_weights(), self.roles["rollout"], version)
 
 # %% [markdown]
 # ## 5. Weight sync between actors
@@ -1090,7 +1160,14 @@ class TensorMeta:
 def tensor_metadata(named_tensors) -> list[TensorMeta]:
     return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
 
+# %% [markdown]
+# The buckets, and the two ends of the broadcast. Both ends call `plan_buckets` on the same
+# metadata and so agree on the buckets without sending them; the sender checks every tensor
+# against the plan and broadcasts one flat buffer per bucket, the receivers rebuild the
+# tensors as views of theirs.
 
+# %%
+# | export minirl/sync/broadcast.py
 def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
     """Consecutive tensors in buckets of one dtype and at most `bucket_bytes` bytes (a larger tensor goes alone).
 
@@ -1185,7 +1262,13 @@ class CollectiveSync:
         check_pushed(engine, version)
         return SyncReport(version, self.tensors, self.bytes, time.perf_counter() - start)
 
+# %% [markdown]
+# The other two: through Ray's object store (for comparison: no process group, but the
+# weights are serialized and copied), and in-process on every worker when the actor and the
+# rollout share it (colocated).
 
+# %%
+# | export minirl/controller/weight_sync.py
 class ObjectStoreSync:
     """Trainer rank 0 puts its weights in Ray's object store; every rollout worker gets them from there."""
 
@@ -1287,8 +1370,8 @@ class Placement:
                                             for pool in pools if pool in self.pools)
 
 # %% [markdown]
-# Which roles a configuration needs, the --pools flag parsed, the three placements built, and a
-# placement checked against the configuration before anything starts.
+# Which roles a configuration needs, and the --pools flag parsed into each role's devices per
+# node.
 
 # %%
 # | export minirl/controller/placement.py
@@ -1317,7 +1400,13 @@ def parse_pools(text: str | None) -> dict[str, list[int]]:
                                              "on each node it spans: use N >= 1, or leave the role out (1 device)")
     return sizes
 
+# %% [markdown]
+# One of the three placements built from the --pools sizes, and a placement checked against
+# a configuration before anything starts: every role it needs has a pool, and the batch
+# splits into whole groups across each pool's ranks.
 
+# %%
+# | export minirl/controller/placement.py
 def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device: str = "cpu",
                    cpus_per_device: float = 0.25) -> Placement:
     """The `kind` layout with one device per pool unless `sizes` ({role: devices per node}) says otherwise.
@@ -1444,7 +1533,12 @@ class RemoteWeights:
     def __iter__(self):
         return iter(self.group.run("named_weights", [("actor",)] + [None] * (len(self.group) - 1))[0])
 
+# %% [markdown]
+# The actor's proxy: data-parallel logprobs and updates, a handle for its weights, and the
+# driver's copy of the policy, fetched from rank 0 only when it is read after an update.
 
+# %%
+# | export minirl/controller/proxies.py
 class ActorGroup:
     """The actor role on a WorkerGroup, with stage 1's Actor methods."""
 
@@ -1478,8 +1572,7 @@ class ActorGroup:
         self.group.run("restore", [("actor", weights, state)] * len(self.group))
 
 # %% [markdown]
-# The other roles' proxies: the reference and the critic (data-parallel like the actor), the
-# engines, and each reward function on its worker.
+# The other roles' proxies, first the reference and the critic: data-parallel like the actor.
 
 # %%
 # | export minirl/controller/proxies.py
@@ -1507,7 +1600,13 @@ class CriticGroup:
     def load_state_dict(self, state: dict) -> None:
         self.group.run("restore", [("critic", {}, state)] * len(self.group))
 
+# %% [markdown]
+# The rollout workers as one engine (prompts split by rank, each worker its own copy of the
+# generator, as 7.1 says), and each reward function as a callable that splits the completions
+# across the reward workers.
 
+# %%
+# | export minirl/controller/proxies.py
 class EngineGroup:
     """The rollout workers as one RolloutEngine: prompts split by rank, Rollouts concatenated."""
 
@@ -1660,69 +1759,99 @@ class DriverSetup:
     def group_of(self, role: str) -> WorkerGroup:
         return self.groups[self.placement.roles[role]]
 
-    def _join_world(self) -> None:
-        members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
-        world = [(group, rank) for group in members for rank in range(len(group))]
-        backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
-        address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
-        gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
-                for i, (g, r) in enumerate(world)], "init_world")
-        for group in members:
-            group.world_ranks = [i for i, (g, _) in enumerate(world) if g is group]
-        subgroups = {f"dp:{group.name}": group.world_ranks for group in members}
-        actor, rollout = self.group_of("actor"), self.group_of("rollout")
-        if actor is not rollout:
-            subgroups["sync"] = [actor.world_ranks[0], *rollout.world_ranks]
-        gather([(g, r, g.workers[r].new_groups.remote(subgroups)) for g, r in world], "new_groups")
+# %% [markdown]
+# The world and the proxies. The workers whose roles hold a model join one torch.distributed
+# world (NCCL only when all of them are on GPUs), with a data-parallel group per pool and, when
+# the actor and the rollout live apart, a sync group of trainer rank 0 and the rollout
+# workers; then come the role proxies and the weight syncs the placement allows.
 
-    def _build_proxies(self, reward_funcs, sync: str, bucket_bytes: int) -> None:
-        needed = self.roles_needed()
-        actor, rollout = self.group_of("actor"), self.group_of("rollout")
-        self.roles = Roles(ActorGroup(actor, self.model),
-                           ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
-                           CriticGroup(self.group_of("critic")) if "critic" in needed else None)
-        self.engine = EngineGroup(rollout)
-        self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
-                             for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
-        if actor is rollout:
-            self.syncs = {"local": LocalSync(actor)}
-        else:
-            self.syncs = {"collective": CollectiveSync(actor, rollout, bucket_bytes),
-                          "object_store": ObjectStoreSync(actor, rollout)}
-        self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
+# %%
+# | export minirl/controller/driver.py
+@add_to_class(DriverSetup)
+def _join_world(self) -> None:
+    members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
+    world = [(group, rank) for group in members for rank in range(len(group))]
+    backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
+    address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
+    gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
+            for i, (g, r) in enumerate(world)], "init_world")
+    for group in members:
+        group.world_ranks = [i for i, (g, _) in enumerate(world) if g is group]
+    subgroups = {f"dp:{group.name}": group.world_ranks for group in members}
+    actor, rollout = self.group_of("actor"), self.group_of("rollout")
+    if actor is not rollout:
+        subgroups["sync"] = [actor.world_ranks[0], *rollout.world_ranks]
+    gather([(g, r, g.workers[r].new_groups.remote(subgroups)) for g, r in world], "new_groups")
 
-    def where(self) -> dict[str, list[str]]:
-        """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
-        slots, devices = {}, {}
-        for group in self.groups.values():
-            for rank, info in enumerate(group.run("where", [()] * len(group))):
-                node = group.node_of[rank]
-                if info["device"] == "cpu":
-                    slots[node] = slots.get(node, -1) + 1
-                    devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
-                else:
-                    devices[group.name, rank] = f"node{node}/{info['device']}"
-        return {role: [devices[group.name, rank] for rank in range(len(group))]
-                for group in self.groups.values() for role in group.roles}
 
-    def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
-        """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
-        return {f"{group.name}[{rank}]": events for group in self.groups.values()
-                for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
+@add_to_class(DriverSetup)
+def _build_proxies(self, reward_funcs, sync: str, bucket_bytes: int) -> None:
+    needed = self.roles_needed()
+    actor, rollout = self.group_of("actor"), self.group_of("rollout")
+    self.roles = Roles(ActorGroup(actor, self.model),
+                       ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
+                       CriticGroup(self.group_of("critic")) if "critic" in needed else None)
+    self.engine = EngineGroup(rollout)
+    self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
+                         for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
+    if actor is rollout:
+        self.syncs = {"local": LocalSync(actor)}
+    else:
+        self.syncs = {"collective": CollectiveSync(actor, rollout, bucket_bytes),
+                      "object_store": ObjectStoreSync(actor, rollout)}
+    self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
-    def shutdown(self) -> None:
-        """Stop every worker and release every reservation (safe to call twice)."""
-        for group in getattr(self, "groups", {}).values():
-            group.shutdown()
-        release(getattr(self, "_reserved", []))
-        self.groups, self._reserved = {}, []
+# %% [markdown]
+# What the pictures of 7.3 draw, read from the workers: the node and device of every rank of
+# every role, and the calls each worker ran.
 
-    def __enter__(self):
-        return self
+# %%
+# | export minirl/controller/driver.py
+@add_to_class(DriverSetup)
+def where(self) -> dict[str, list[str]]:
+    """role -> "node<i>/<device><j>" for each of its ranks (roles on one worker share a device)."""
+    slots, devices = {}, {}
+    for group in self.groups.values():
+        for rank, info in enumerate(group.run("where", [()] * len(group))):
+            node = group.node_of[rank]
+            if info["device"] == "cpu":
+                slots[node] = slots.get(node, -1) + 1
+                devices[group.name, rank] = f"node{node}/cpu{slots[node]}"
+            else:
+                devices[group.name, rank] = f"node{node}/{info['device']}"
+    return {role: [devices[group.name, rank] for rank in range(len(group))]
+            for group in self.groups.values() for role in group.roles}
 
-    def __exit__(self, *exc):
-        self.shutdown()
 
+@add_to_class(DriverSetup)
+def timeline(self) -> dict[str, list[tuple[str, float, float]]]:
+    """"<pool>[rank]" -> the (what, start, end) calls that worker ran, wall-clock seconds."""
+    return {f"{group.name}[{rank}]": events for group in self.groups.values()
+            for rank, events in enumerate(group.run("timeline", [()] * len(group)))}
+
+# %% [markdown]
+# Teardown: every worker stopped and every reservation released, safe to call twice (the
+# constructor calls it when the setup fails halfway); in a `with` block, at its end.
+
+# %%
+# | export minirl/controller/driver.py
+@add_to_class(DriverSetup)
+def shutdown(self) -> None:
+    """Stop every worker and release every reservation (safe to call twice)."""
+    for group in getattr(self, "groups", {}).values():
+        group.shutdown()
+    release(getattr(self, "_reserved", []))
+    self.groups, self._reserved = {}, []
+
+
+@add_to_class(DriverSetup)
+def __enter__(self):
+    return self
+
+
+@add_to_class(DriverSetup)
+def __exit__(self, *exc):
+    self.shutdown()
 
 # %% [markdown]
 # The Driver's loop, on what `DriverSetup` built: stage 1's step, with the check for a dead
@@ -1867,7 +1996,12 @@ def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], p
         fig.savefig(path, dpi=120)
     return fig
 
+# %% [markdown]
+# The placement picture: nodes side by side, a column per device, the roles it hosts stacked
+# in it.
 
+# %%
+# | export minirl/controller/plots.py
 def plot_placement(where: dict[str, list[str]], path=None, title: str = "placement"):
     """Nodes side by side, their devices as columns, each device listing the roles it hosts."""
     devices = sorted({d for ds in where.values() for d in ds}, key=lambda d: (d.split("/")[0], d))

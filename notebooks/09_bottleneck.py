@@ -51,6 +51,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.train.run import train
+from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -253,6 +254,11 @@ def stage_shares(records: list[dict]) -> dict[str, float]:
     return shares
     # END SOLUTION
 
+# %% [markdown]
+# A sub-timer runs inside its parent (`update/all_reduce` inside `update`), so before any
+# share is taken `own_times` subtracts each from its parent; `categorize` sums stage shares
+# into the categories.
+
 # %%
 # | export minirl/profiling/decompose.py
 from minirl.profiling.timeline import read_timeline, split_calls
@@ -286,7 +292,13 @@ def categorize(shares: dict[str, float]) -> dict[str, float]:
         out["other" if stage == "other" else category_of(stage)] += share
     return out
 
+# %% [markdown]
+# A decomposition, as one object: the steps and their seconds, each step's own stage times,
+# the shares by stage and by category, and a table of them; `bottleneck` is the category with
+# the largest share of the run.
 
+# %%
+# | export minirl/profiling/decompose.py
 @dataclass
 class Decomposition:
     """A run's time by stage and by category, over the run and per step (shares are 0-1)."""
@@ -754,25 +766,33 @@ class TorchProfiler(Callback):
             self.profiler.stop()
             self.profiler = None
 
-    def _finish(self, step: int, record: dict) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.profiler.stop()
-        wall, cpu = time.perf_counter() - self.clocks[0], time.process_time() - self.clocks[1]
-        prof, self.profiler = self.profiler, None
-        name = f"step-{step:06d}"
-        trace = self.dir / f"trace_{name}.json.gz"
-        prof.export_chrome_trace(str(trace))
-        events = prof.events()
-        totals = operator_totals(events)
-        atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
-        seconds = record.get("time/step", 0.0)
-        self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
-                                   "top_operators": operator_table(totals, self.top),
-                                   "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
-                                   "memory": memory_summary(totals)}
-        atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
-                                                       "per_step": self.results})
+# %% [markdown]
+# What a profiled step leaves in run_dir/profile/: its trace (for Perfetto or
+# chrome://tracing), its operator table as text, and its entry in summary.json (top
+# operators, the matmul summary, the time by stage, memory, the CPU share of the wall time).
+
+# %%
+# | export minirl/profiling/profiler.py
+@add_to_class(TorchProfiler)
+def _finish(self, step: int, record: dict) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    self.profiler.stop()
+    wall, cpu = time.perf_counter() - self.clocks[0], time.process_time() - self.clocks[1]
+    prof, self.profiler = self.profiler, None
+    name = f"step-{step:06d}"
+    trace = self.dir / f"trace_{name}.json.gz"
+    prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    totals = operator_totals(events)
+    atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
+    seconds = record.get("time/step", 0.0)
+    self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
+                               "top_operators": operator_table(totals, self.top),
+                               "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
+                               "memory": memory_summary(totals)}
+    atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
+                                                   "per_step": self.results})
 
 # %% [markdown]
 # A short run set up like the first (the `hf` engine), with its third step profiled (in
@@ -2109,7 +2129,12 @@ def read_records(run_dir) -> tuple[list[dict], list[str]]:
                              "to decompose")
     return steps, partial
 
+# %% [markdown]
+# Which steps ran under the profiler, from TorchProfiler's summary: `decompose` leaves them
+# out by default, since the profiler's overhead is in their times.
 
+# %%
+# | export minirl/profiling/decompose.py
 def profiled_steps(run_dir) -> list[int]:
     """The steps of this run that ran under torch.profiler (TorchProfiler's summary), [] if none."""
     path = Path(run_dir) / PROFILE_SUMMARY
@@ -2199,7 +2224,13 @@ def gpu_peak_flops(device_name: str, dtype: str) -> float:
     raise UnknownPeakError(f"no published {dtype} peak for {device_name!r} in minirl's table: pass the device's dense "
                            f"{dtype} peak in TFLOP/s (peak_tflops=..., --peak-tflops)")
 
+# %% [markdown]
+# A CPU has no datasheet figure here, so its peak is measured: the best square matmul that
+# torch's CPU GEMM runs on the run's threads. `peak_flops` picks the peak for a run: the
+# user's figure first, then a measured CPU or a GPU looked up by name.
 
+# %%
+# | export minirl/profiling/mfu.py
 @functools.cache
 def measure_cpu_peak(dtype: str = "float32", threads: int = 1, seconds: float = 0.6,
                      sizes: tuple[int, ...] = (256, 512)) -> float:
@@ -2289,7 +2320,13 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return ax
 
+# %% [markdown]
+# The first steps as a timeline, one lane per category: each step's stages end to end in
+# the order `rl_step` runs them, a stage's sub-timers at the end of its span; then several
+# runs side by side, one bar of shares each.
 
+# %%
+# | export minirl/profiling/plots.py
 def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, title: str | None = None):
     """The first `steps` decomposed steps as a timeline: one lane per category, stages in rl_step's order.
 

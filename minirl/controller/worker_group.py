@@ -115,6 +115,7 @@ def died(who: str, what: str, err: BaseException) -> WorkerDiedError:
               "workers, or more memory" if oom else lines[0][:200])
     return WorkerDiedError(f"{who} died during {what} ({reason})")
 
+
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
 
