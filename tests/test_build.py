@@ -892,7 +892,10 @@ METHODS = '''
     @add_to_class(Square)
     @property
     def diagonal(self):
-        return self.side * math.sqrt(2)
+        """The diagonal,
+        a docstring over two lines (moved as it is)."""
+        return (f"{self.side}" f"{math.sqrt(2)}"
+                f"{self.side * math.sqrt(2)}") and self.side * math.sqrt(2)   # an f-string over two lines moves
 
 
     def unit():
@@ -924,6 +927,7 @@ def test_add_to_class_moves_methods_into_the_class(tmp_path):
     ("@add_to_class(Square)\ndef area(self):\n    return super().area()\n", "super()"),
     ("@add_to_class(Square)\ndef area(self):\n    return self.__side\n", "__side"),
     ("@add_to_class(Square)\ndef area(self):\n    return '''a\nb'''\n", "multi-line string"),
+    ("@add_to_class(Square)\ndef area(self):\n    return (f'''{self}\nb''')\n", "multi-line string"),
     ("@add_to_class(Square)\ndef area(self):\n    return " + "1 + " * 27 + "1\n", "once indented"),
     ("from minirl.utils.notebook import add_to_class\n", "without the export marker"),
     ("@add_to_class(Square)\ndef area(self):\n    # BEGIN SOLUTION\n    return 0\n    # END SOLUTION\n",

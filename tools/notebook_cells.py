@@ -410,12 +410,25 @@ def check_method(cell: Cell, node: ast.FunctionDef, classes: dict) -> str:
         if isinstance(inner, ast.Attribute) and inner.attr.startswith("__") and not inner.attr.endswith("__"):
             raise BuildError(f"{cell.where(inner.lineno - 1)}: {node.name}() uses `{inner.attr}`, which Python "
                              "renames only inside a class body; keep the method inside the class cell")
-    strings = [n for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-               and n.end_lineno > n.lineno and n is not docstring_node(node)]
-    if strings:
-        raise BuildError(f"{cell.where(strings[0].lineno - 1)}: {node.name}() holds a multi-line string, which "
-                         "would change when the build indents the method into the class; keep it in the class cell")
+    if (line := multiline_string(cell, node)) is not None:
+        raise BuildError(f"{cell.where(line)}: {node.name}() holds a multi-line string, which would change when "
+                         "the build indents the method into the class; keep it in the class cell")
     return name
+
+
+def multiline_string(cell: Cell, node: ast.FunctionDef) -> int | None:
+    """The line index of the first string token inside `node` that spans lines, its docstring aside; else None.
+
+    Tokens, not the tree: the pieces of an f-string written over two lines are one node, but
+    indenting the lines only adds spaces between them, never inside a string."""
+    doc = docstring_node(node)
+    source = "\n".join(cell.lines[node.lineno - 1:node.end_lineno]) + "\n"
+    kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        line = node.lineno - 1 + token.start[0] - 1
+        if token.type in kinds and token.end[0] > token.start[0] and not (doc and line == doc.lineno - 1):
+            return line
+    return None
 
 
 def docstring_node(node: ast.FunctionDef) -> ast.Constant | None:
