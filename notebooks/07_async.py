@@ -110,9 +110,6 @@ for eta in (0, 2):
 appended from any thread), for the plots of notebook 07 and for the trainer's idle share.
 """
 
-import threading
-import time
-
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
     """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
@@ -139,6 +136,15 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
     return {"trainer": slowest / total,
             "rollout": sum(total - d for d in durations) / (len(durations) * total)}
     # END SOLUTION
+
+# %% [markdown]
+# `Timeline` records who did what, and when, during a run: the trainer's idle share and the
+# plots of sections 7 and 8 are read from it.
+
+# %%
+# | export minirl/asyncrl/timeline.py
+import threading
+import time
 
 
 class Timeline:
@@ -232,7 +238,12 @@ from minirl.utils.validate import ConfigError, check_int
 class FutureVersionError(RuntimeError):
     """A trajectory claims a policy version the trainer has not published yet."""
 
+# %% [markdown]
+# The staleness rule itself, exercise 7.2: admitted when the trajectory is at most eta versions
+# behind, dropped when staler, an error when it is ahead of the trainer.
 
+# %%
+# | export minirl/asyncrl/queue.py
 def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     """May the trainer at `trainer_version` learn from a trajectory generated at `version`?
 
@@ -250,7 +261,12 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     return trainer_version - version <= max_staleness
     # END SOLUTION
 
+# %% [markdown]
+# What a producer queues: one prompt's G completions with their rewards, versions and times,
+# and the ticket that fixes its prompt and seed.
 
+# %%
+# | export minirl/asyncrl/queue.py
 @dataclass
 class Trajectory:
     """One prompt's G completions, scored by their environment sessions: what a producer queues.
@@ -667,7 +683,13 @@ def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Te
     weight = torch.exp(diff)
     return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid          # [B, C]
 
+# %% [markdown]
+# Which correction a run applies (truncated IS switched on in the algorithm config turns "none"
+# into "tis"), and `apply_correction`, which fills the Experience's old log-probs and weights;
+# `Correction` wraps it as the `correct` step of notebook 01's `learn`.
 
+# %%
+# | export minirl/asyncrl/corrections.py
 def check_correction(correction: str, algorithm: AlgorithmConfig) -> str:
     """The correction a run applies: `correction`, or "tis" when it is "none" and the algorithm turns
     truncated IS on. Raises ConfigError naming importance_sampling_correction for "areal" with it on."""
@@ -801,7 +823,12 @@ from minirl.utils.validate import check_float, check_int
 class EnvError(RuntimeError):
     """An environment returned something malformed, or timed out."""
 
+# %% [markdown]
+# The tool: a seeded lognormal latency (its long tail is what this notebook is about) and a
+# calculator that sleeps that long before it answers.
 
+# %%
+# | export minirl/asyncrl/env.py
 @dataclass(frozen=True)
 class Latency:
     """A tool call's latency: lognormal, median * exp(sigma * N(0, 1)) seconds, at most max_seconds."""
@@ -864,7 +891,12 @@ class ArithmeticToolEnv:
             return None, 0.0, True
         return self.prompt, 0.0, False                                    # try again
 
+# %% [markdown]
+# Any task's reward functions as a one-step environment, so that every stage-1 task runs under
+# the asynchronous runner too.
 
+# %%
+# | export minirl/asyncrl/env.py
 class RewardEnv:
     """Any task as a single-turn environment: its reward functions score the completion.
 
@@ -947,7 +979,12 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
         action = policy(observation)                       # a later turn: the policy answers again
     return SessionResult(reward, turn, time.perf_counter() - start, scores=getattr(env, "scores", None) or None)
 
+# %% [markdown]
+# `run_sessions` runs one session per completion at once, each on its own daemon thread, and
+# turns a session still running at its deadline into a counted timeout.
 
+# %%
+# | export minirl/asyncrl/env.py
 def run_sessions(make_env, row: dict, actions: list[str], policy, seeds: list[int], timeout: float,
                  max_turns: int = 1) -> list[SessionResult]:
     """One isolated session per action, all at once, each in its own daemon thread, each given `timeout` s.
@@ -1077,7 +1114,12 @@ from minirl.data import Rollout
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
 
+# %% [markdown]
+# The weight store the trainer publishes into and producers pull from, and the ticket's seed:
+# the same ticket always samples the same prompt the same way.
 
+# %%
+# | export minirl/asyncrl/producer.py
 class WeightStore:
     """The trainer's latest weights and version: `load_weights` from the trainer's sync, `latest` from a producer."""
 
@@ -1388,7 +1430,12 @@ class Snapshot:
     def load(self) -> dict:
         return self.weights if self.weights is not None else load_file(self.path)
 
+# %% [markdown]
+# The callback that takes the snapshots: at step 0, every `every` steps and at the last step; on
+# a resume it keeps the ones up to the checkpoint and deletes those after it.
 
+# %%
+# | export minirl/asyncrl/snapshots.py
 class Snapshots(Callback):
     """Snapshots at step 0, every `every` steps and at `last_step`, in memory or under `directory`."""
 
@@ -1430,7 +1477,12 @@ class Snapshots(Callback):
         if state.step % self.every == 0 or state.step == self.last_step:
             self.take(state, record["wall"], record["samples"])
 
+# %% [markdown]
+# After the run: the accuracy of each snapshot, and the wall time at which a target accuracy
+# was first reached.
 
+# %%
+# | export minirl/asyncrl/snapshots.py
 def evaluate_snapshots(result, model, eval_fn) -> list[dict]:
     """Held-out accuracy of every snapshot of `result` (an AsyncResult): [{"step", "wall", "samples",
     "accuracy"}], also kept in result.accuracy. model: one of the run's architecture (copied, not changed)."""
@@ -1600,7 +1652,12 @@ from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError
 
+# %% [markdown]
+# The checks across the two configs, before anything is built, and the refusal to resume with
+# settings that change what the run computes.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
     """The checks across the two configs, before anything is built: ConfigError naming the setting."""
     check_correction(acfg.correction, config.algorithm)
@@ -1667,7 +1724,12 @@ class AsyncState(RunState):
         self.queue.load_state_dict(extra["queue"], self.roles.version)
         self.samples, self.wall_offset = extra["samples"], extra["wall"]
 
+# %% [markdown]
+# A fresh run's state (the store holds version 0), and what the trainer step makes of a batch of
+# trajectories: one rollout in ticket order, and the record's health numbers.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def setup_async(config: RLConfig, acfg: AsyncConfig, model, rows: list[dict],
                 batch_timeout: float = 300.0) -> AsyncState:
     """The state of a fresh asynchronous run: roles, a store holding version 0, the gate and the queue."""
@@ -1837,7 +1899,12 @@ class AsyncResult:
             out |= {"accuracy_before": self.accuracy[0]["accuracy"], "accuracy_after": self.accuracy[-1]["accuracy"]}
         return out
 
+# %% [markdown]
+# `train_async`: builds the state, starts the producers through a callback, and runs
+# `trainer_step` under notebook 01's `run_in_dir`.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], *, out_dir=None,
                 resume: bool = False, overwrite: bool = False, eval_fn=None, progress: bool = False, on_step=None,
                 stop_after: int | None = None, run_info: dict | None = None, extra_callbacks: tuple = (),
@@ -2287,7 +2354,12 @@ class RayProducer(Worker):
                     self.store.publish(ray.get(weights_ref[0]).items(), version)
         return self.producer.produce(rows, seeds, tickets)
 
+# %% [markdown]
+# The driver's side: a client with a local producer's `produce`, shipping each version to the
+# object store once; then starting and stopping the actors.
 
+# %%
+# | export minirl/asyncrl/ray_producer.py
 class RayProducerClient:
     """The driver's handle on a RayProducer: `produce(rows, seeds, tickets)` as a local Producer's; weights from
     `store`."""
