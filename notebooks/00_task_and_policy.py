@@ -45,6 +45,8 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a long class is built up across cells (the Task interface)
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
 torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; on a busy machine they spin
@@ -1392,13 +1394,21 @@ class Task:
             result["accuracy"] = metrics[f"rewards/{self.accuracy_reward}"]
         return result
 
-    def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
-        """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
-        (None when the task has no test rows)."""
-        if not self.test:
-            return None
-        key = "accuracy" if self.accuracy_reward is not None else "reward"
-        return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
+
+# %% [markdown]
+# What a run's evaluator needs from a task: one number per evaluation, the accuracy when the
+# task has an accuracy reward, else the mean weighted reward.
+
+# %%
+# | export minirl/tasks/task.py
+@add_to_class(Task)
+def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
+    """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
+    (None when the task has no test rows)."""
+    if not self.test:
+        return None
+    key = "accuracy" if self.accuracy_reward is not None else "reward"
+    return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
 
 # %% [markdown]
 # The embedded task is one `Task`, and a data set with named rewards is another.

@@ -61,6 +61,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.notebook import add_to_class  # a long class is built up across cells (section 2 on)
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -360,37 +361,52 @@ class StartGate:
                         del self.calls[first]
                     return
 
-    def checkpoint(self) -> dict:
-        """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
-        ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
-        with self._cond:
-            open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
-                          if "out" in call.values()]
-            return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
+# %% [markdown]
+# What a checkpoint needs from the gate (the calls to sample again), taking it back on resume,
+# and the trainer's three signals: a new version, a refund for a dropped trajectory, the end.
 
-    def restore(self, checkpoint: dict, started: int, version: int) -> None:
-        """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
-        with self._cond:
-            self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
-            self.started, self.version, self.calls = started, version, {}
-            self._cond.notify_all()
+# %%
+# | export minirl/asyncrl/queue.py
+@add_to_class(StartGate)
+def checkpoint(self) -> dict:
+    """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
+    ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
+    with self._cond:
+        open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
+                      if "out" in call.values()]
+        return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
 
-    def advance(self, version: int) -> None:
-        """The trainer published `version`: more trajectories may start."""
-        with self._cond:
-            self.version = version
-            self._cond.notify_all()
 
-    def refund(self, n: int = 1) -> None:
-        """n started trajectories were dropped: others may start in their place."""
-        with self._cond:
-            self.started -= n
-            self._cond.notify_all()
+@add_to_class(StartGate)
+def restore(self, checkpoint: dict, started: int, version: int) -> None:
+    """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
+    with self._cond:
+        self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
+        self.started, self.version, self.calls = started, version, {}
+        self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
+
+@add_to_class(StartGate)
+def advance(self, version: int) -> None:
+    """The trainer published `version`: more trajectories may start."""
+    with self._cond:
+        self.version = version
+        self._cond.notify_all()
+
+
+@add_to_class(StartGate)
+def refund(self, n: int = 1) -> None:
+    """n started trajectories were dropped: others may start in their place."""
+    with self._cond:
+        self.started -= n
+        self._cond.notify_all()
+
+
+@add_to_class(StartGate)
+def close(self) -> None:
+    with self._cond:
+        self.closed = True
+        self._cond.notify_all()
 
 # %% [markdown]
 # What a checkpoint keeps of the queue (the module docstring says what and why), as a mixin the
@@ -517,27 +533,38 @@ class ExperienceQueue(QueueCheckpoint):
                 self._resolve(traj, "trained")
         return batch
 
-    def advance(self, version: int) -> None:
-        """The trainer published `version`: admission is judged against it from now on."""
-        with self._cond:
-            self.trainer_version = version
-            self._cond.notify_all()
+# %% [markdown]
+# The trainer moves the version that admission is judged against; `stats` are the queue's
+# numbers in every step's record.
 
-    def stats(self, now: float | None = None) -> dict[str, float]:
-        """queue/depth, queue/age_mean and queue/age_max (seconds since finished), queue/versions_behind_max,
-        queue/dropped and queue/admitted (totals so far)."""
-        now = time.perf_counter() if now is None else now
-        with self._cond:
-            ages = [now - t.finished for t in self._items]
-            behind = [self.trainer_version - t.version for t in self._items]
-            return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
-                    "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
-                    "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+# %%
+# | export minirl/asyncrl/queue.py
+@add_to_class(ExperienceQueue)
+def advance(self, version: int) -> None:
+    """The trainer published `version`: admission is judged against it from now on."""
+    with self._cond:
+        self.trainer_version = version
+        self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
+
+@add_to_class(ExperienceQueue)
+def stats(self, now: float | None = None) -> dict[str, float]:
+    """queue/depth, queue/age_mean and queue/age_max (seconds since finished), queue/versions_behind_max,
+    queue/dropped and queue/admitted (totals so far)."""
+    now = time.perf_counter() if now is None else now
+    with self._cond:
+        ages = [now - t.finished for t in self._items]
+        behind = [self.trainer_version - t.version for t in self._items]
+        return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
+                "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
+                "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+
+
+@add_to_class(ExperienceQueue)
+def close(self) -> None:
+    with self._cond:
+        self.closed = True
+        self._cond.notify_all()
 
 # %%
 from minirl.asyncrl.queue import FutureVersionError, admit
@@ -1194,67 +1221,85 @@ class Producer:
         with self.lock:
             return self.engine.generate([prompt], one).completions[0]
 
-    def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
-        """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
+# %% [markdown]
+# Sampling with in-flight updates: the engine's own decoding loop calls a hook before every
+# forward pass, which loads newer weights and records the version of each decoding step.
 
-        With in_flight the engine's loop calls `refresh` before every forward pass but the first,
-        so each token records the version that sampled it (one per decoding step, shared by
-        the rows) and its behaviour log-prob is the one it was sampled with.
-        """
-        self.refresh()
-        if not self.in_flight:
-            rollout = self.engine.generate(prompts, self.sampling, generator=generator)
-            rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
-            return rollout
-        versions = []                                                # the version of each decoding step
+# %%
+# | export minirl/asyncrl/producer.py
+@add_to_class(Producer)
+def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
+    """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
 
-        def before_forward():
-            if versions:
-                self.refresh(mid_sequence=True)                      # new weights between decoding steps
-            versions.append(self.engine.version)
-        rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
-        steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
-        rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
-        rollout.version = versions[0]                                # every row's first token is the oldest
+    With in_flight the engine's loop calls `refresh` before every forward pass but the first,
+    so each token records the version that sampled it (one per decoding step, shared by
+    the rows) and its behaviour log-prob is the one it was sampled with.
+    """
+    self.refresh()
+    if not self.in_flight:
+        rollout = self.engine.generate(prompts, self.sampling, generator=generator)
+        rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
         return rollout
+    versions = []                                                # the version of each decoding step
 
-    def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
-        """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
-        started, generated) per row."""
-        started = time.perf_counter()
-        generator = torch.Generator(device=self.engine.device).manual_seed(seed)
-        with self.lock:
-            parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
-        generated = time.perf_counter()
-        return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
+    def before_forward():
+        if versions:
+            self.refresh(mid_sequence=True)                      # new weights between decoding steps
+        versions.append(self.engine.version)
+    rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
+    steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
+    rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
+    rollout.version = versions[0]                                # every row's first token is the oldest
+    return rollout
 
-    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
-              ticket: int = -1) -> Trajectory:
-        """Run one isolated environment session per completion; the scored Trajectory."""
-        G = len(rollout.completions)
-        results = run_sessions(self.make_env, row, rollout.completions, self.policy,
-                               [seed + i for i in range(G)], self.env_timeout, self.max_turns)
-        failed = [r for r in results if r.error is not None]
-        names = dict.fromkeys(name for r in results for name in (r.scores or {}))
-        scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
-        return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
-                          started, generated, time.perf_counter(), env_failures=len(failed),
-                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
-                          ticket=ticket, scores=scores)
+# %% [markdown]
+# One call of a producer: generate the G completions of each prompt together, then run their
+# environment sessions, all at once on threads, and return one scored Trajectory per prompt.
 
-    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
-        """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
-        generated = self.generate(rows, seeds[0])
-        out: list[Trajectory | None] = [None] * len(rows)
+# %%
+# | export minirl/asyncrl/producer.py
+@add_to_class(Producer)
+def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
+    """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
+    started, generated) per row."""
+    started = time.perf_counter()
+    generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+    with self.lock:
+        parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
+    generated = time.perf_counter()
+    return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
 
-        def finish(i, item):
-            out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
-        threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+
+@add_to_class(Producer)
+def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
+          ticket: int = -1) -> Trajectory:
+    """Run one isolated environment session per completion; the scored Trajectory."""
+    G = len(rollout.completions)
+    results = run_sessions(self.make_env, row, rollout.completions, self.policy,
+                           [seed + i for i in range(G)], self.env_timeout, self.max_turns)
+    failed = [r for r in results if r.error is not None]
+    names = dict.fromkeys(name for r in results for name in (r.scores or {}))
+    scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
+    return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
+                      started, generated, time.perf_counter(), env_failures=len(failed),
+                      env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
+                      ticket=ticket, scores=scores)
+
+
+@add_to_class(Producer)
+def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+    """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
+    generated = self.generate(rows, seeds[0])
+    out: list[Trajectory | None] = [None] * len(rows)
+
+    def finish(i, item):
+        out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
+    threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 # %% [markdown]
 # The producer's loop: take tickets at the gate, produce, queue the trajectories; a failure
