@@ -7,12 +7,8 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-from dataclasses import dataclass
-
 import torch
-from tqdm.auto import tqdm
 
-from minirl.models.policy import greedy_accuracy
 from minirl.tasks.arithmetic import MAX_DIGITS, ArithmeticTask, Problem
 
 
@@ -93,57 +89,3 @@ def sft_batch(task, problems, tokenizer) -> dict[str, torch.Tensor]:
         labels[i, :len(lab)] = torch.tensor(lab)
         attention_mask[i, :len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    """The supervised warm start: it stops once greedy accuracy on the validation split reaches
-    `target_accuracy`, so the policy is half-skilled whatever the machine or seed."""
-
-    steps: int = 1500                     # at most this many optimizer steps
-    target_accuracy: float | None = 0.45  # stop at the first check reaching it; None: train all `steps`
-    eval_every: int = 10                  # steps between validation checks
-    batch_size: int = 128
-    lr: float = 2e-3
-    max_grad_norm: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.steps < 0 or self.eval_every < 1 or self.batch_size < 1:
-            raise ValueError(f"WarmStartConfig: steps={self.steps} must be >= 0, eval_every={self.eval_every} "
-                             f"and batch_size={self.batch_size} >= 1")
-        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"WarmStartConfig.target_accuracy={self.target_accuracy}: must be in (0, 1], or None")
-
-
-def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
-               progress: bool = True) -> dict:
-    """Train `model` in place on correct answers until validation accuracy reaches the target.
-
-    Returns {"losses": the loss of every step, "validation": [[step, accuracy], ...] of every
-    check}. Deterministic on CPU: batches come from a seeded generator, AdamW has no randomness,
-    greedy decoding none. Without a validation split (or target None) it trains all `steps`.
-    """
-    generator = torch.Generator().manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    model.train()
-    losses, checks = [], []
-    bar = tqdm(range(1, config.steps + 1), desc="warm start", disable=not progress)
-    for step in bar:
-        picks = torch.randint(len(task.train), (config.batch_size,), generator=generator)
-        batch = sft_batch(task, [task.train[i] for i in picks.tolist()], tokenizer)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
-        if config.target_accuracy is not None and task.validation and step % config.eval_every == 0:
-            checks.append([step, greedy_accuracy(model, tokenizer, task, task.validation)])   # back in eval mode
-            model.train()
-            bar.set_postfix(validation=f"{checks[-1][1]:.2f}")
-            if checks[-1][1] >= config.target_accuracy:
-                break
-    bar.close()
-    model.eval()
-    return {"losses": losses, "validation": checks}

@@ -7,19 +7,13 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import dataclasses
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
-from minirl.data import Rollout
-from minirl.utils.validate import ConfigError, check_int
+from minirl.asyncrl.queue import FutureVersionError
+from minirl.utils.validate import check_int
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
@@ -37,37 +31,6 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
     raise NotImplementedError("exercise 7.1: sync_step_idle -- see its docstring and notebook 07")
 
 
-class Timeline:
-    """Events (who, what, start, end) in perf_counter seconds, appended from any thread."""
-
-    def __init__(self):
-        self.events: list[tuple[str, str, float, float]] = []
-        self._lock = threading.Lock()
-        self.t0 = time.perf_counter()
-
-    def add(self, who: str, what: str, start: float, end: float) -> None:
-        with self._lock:
-            self.events.append((who, what, start, end))
-
-    def busy(self, who: str, what: str) -> float:
-        """Total seconds of `who` doing `what`."""
-        with self._lock:
-            return sum(end - start for w, x, start, end in self.events if w == who and x == what)
-
-    def window(self, start: float, end: float) -> dict[str, list[tuple[str, float, float]]]:
-        """{who: [(what, start, end), ...]} of the events that overlap [start, end], times from t0."""
-        rows: dict[str, list] = {}
-        with self._lock:
-            for who, what, s, e in sorted(self.events, key=lambda ev: (ev[0], ev[2])):
-                if e >= start and s <= end:
-                    rows.setdefault(who, []).append((what, s - self.t0, e - self.t0))
-        return rows
-
-
-class FutureVersionError(RuntimeError):
-    """A trajectory claims a policy version the trainer has not published yet."""
-
-
 def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     """May the trainer at `trainer_version` learn from a trajectory generated at `version`?
 
@@ -78,39 +41,6 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     from weights the trainer never published is a bookkeeping bug, not data).
     """
     raise NotImplementedError("exercise 7.2: admit -- see its docstring and notebook 07")
-
-
-@dataclass
-class Trajectory:
-    """One prompt's G completions, scored by their environment sessions: what a producer queues.
-
-    rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
-    its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
-    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
-    """
-
-    rollout: Rollout
-    rewards: Tensor               # [G]
-    row: dict                     # the dataset row ({"prompt", "answer", ...})
-    producer: str                 # who made it ("producer 3", "ray 1/2", ...)
-    started: float                # the producer took it
-    generated: float              # its generation ended (the environment sessions start)
-    finished: float               # its last environment session ended
-    env_failures: int = 0         # sessions that raised, hung past their timeout or returned junk
-    env_timeouts: int = 0         # of those, the ones that hung
-    env_errors: tuple = ()        # a few of the failures, as text
-    ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
-    scores: dict = field(default_factory=dict)   # {reward function: [G] values} (a failed session: 0)
-
-    @property
-    def version(self) -> int:
-        return self.rollout.version
-
-    def shifted(self, seconds: float) -> "Trajectory":
-        """The same trajectory with its times moved by `seconds` (to carry them across processes)."""
-        return dataclasses.replace(self, started=self.started + seconds, generated=self.generated + seconds,
-                                   finished=self.finished + seconds)
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,

@@ -45,6 +45,8 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a long class is built up across cells (the Task interface)
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
 torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; on a busy machine they spin
@@ -87,6 +89,13 @@ MAX_DIGITS = 1000  # longer digit strings are malformed: no task answer is that 
                    # refuses strings of more than 4,300 digits (a verifier must not raise on them)
 
 
+# %% [markdown]
+# `TaskConfig` says which problems exist and how they are split; a setting that cannot work (an
+# empty operand range, answers too long for the tokenizer's context, a split with nothing left
+# to train on) is refused here, naming the setting.
+
+# %%
+# | export minirl/tasks/arithmetic.py
 @dataclass(frozen=True)
 class TaskConfig:
     """Which problems exist and how they are split. Defaults: a+b with a, b in 0..99."""
@@ -142,6 +151,12 @@ class TaskConfig:
         return 2 * len(str(self.max_operand)) + 2 + self.max_answer_length + 1
 
 
+# %% [markdown]
+# A problem is two operands and an operator. Its `pair` ignores the order of the operands, so
+# that the split can keep a+b and b+a on the same side.
+
+# %%
+# | export minirl/tasks/arithmetic.py
 @dataclass(frozen=True)
 class Problem:
     a: int
@@ -285,6 +300,12 @@ class ArithmeticTask:
         return Dataset.from_list(self.rows(split))
 
 
+# %% [markdown]
+# `make_task` builds every problem of a config and splits them by unordered operand pair, so
+# no held-out problem has its commuted twin in training.
+
+# %%
+# | export minirl/tasks/arithmetic.py
 def make_task(config: TaskConfig | None = None) -> ArithmeticTask:
     """Every problem of the config, split by unordered operand pair into test, validation and train.
 
@@ -566,6 +587,12 @@ def sft_batch(task, problems, tokenizer) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+# %% [markdown]
+# The warm start itself: a config whose defaults stop it half-skilled, and a plain training
+# loop that checks validation accuracy every `eval_every` steps and stops at the target.
+
+# %%
+# | export minirl/models/policy.py
 @dataclass(frozen=True)
 class WarmStartConfig:
     """The supervised warm start: it stops once greedy accuracy on the validation split reaches
@@ -696,6 +723,12 @@ def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: Po
     return cache_dir() / f"policy-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+# %% [markdown]
+# Building a policy into the cache: the temporary directory first, then the training and the
+# report, then one rename into place.
+
+# %%
+# | export minirl/models/policy.py
 def build_default_policy(path: Path, task_config: TaskConfig, policy_config: PolicyConfig,
                          warm_config: WarmStartConfig, progress: bool = True) -> None:
     """Build, warm-start, evaluate and save the policy at `path`, atomically.
@@ -931,6 +964,13 @@ def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
     return "hub"
 
 
+# %% [markdown]
+# `load_policy` itself: the name is checked before anything loads, the tokenizer is prepared as
+# TRL's trainers prepare it (padding on the left, EOS as the pad token), and a tokenizer with
+# more ids than the model embeds is refused.
+
+# %%
+# | export minirl/models/loading.py
 def resolve_dtype(dtype):
     """None, a torch.dtype, or its name ("bfloat16") -> None or a torch.dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -1354,13 +1394,21 @@ class Task:
             result["accuracy"] = metrics[f"rewards/{self.accuracy_reward}"]
         return result
 
-    def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
-        """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
-        (None when the task has no test rows)."""
-        if not self.test:
-            return None
-        key = "accuracy" if self.accuracy_reward is not None else "reward"
-        return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
+
+# %% [markdown]
+# What a run's evaluator needs from a task: one number per evaluation, the accuracy when the
+# task has an accuracy reward, else the mean weighted reward.
+
+# %%
+# | export minirl/tasks/task.py
+@add_to_class(Task)
+def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
+    """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
+    (None when the task has no test rows)."""
+    if not self.test:
+        return None
+    key = "accuracy" if self.accuracy_reward is not None else "reward"
+    return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
 
 # %% [markdown]
 # The embedded task is one `Task`, and a data set with named rewards is another.
@@ -1408,6 +1456,12 @@ def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
                                             "'... #### 62' or '\\boxed{62}'")
 
 
+# %% [markdown]
+# `load_task` puts the pieces together: the rows of the data sets, the rewards resolved from
+# their specs, and every prompt and reward column checked before any model loads.
+
+# %%
+# | export minirl/tasks/task.py
 def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
               reward_weights: list[float] | None = None, tokenizer=None) -> Task:
     """The task that a run's data set and reward settings name; a ConfigError naming the setting otherwise.

@@ -61,6 +61,7 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.notebook import add_to_class  # a long class is built up across cells (section 2 on)
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -110,9 +111,6 @@ for eta in (0, 2):
 appended from any thread), for the plots of notebook 07 and for the trainer's idle share.
 """
 
-import threading
-import time
-
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
     """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
@@ -139,6 +137,15 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
     return {"trainer": slowest / total,
             "rollout": sum(total - d for d in durations) / (len(durations) * total)}
     # END SOLUTION
+
+# %% [markdown]
+# `Timeline` records who did what, and when, during a run: the trainer's idle share and the
+# plots of sections 7 and 8 are read from it.
+
+# %%
+# | export minirl/asyncrl/timeline.py
+import threading
+import time
 
 
 class Timeline:
@@ -232,7 +239,12 @@ from minirl.utils.validate import ConfigError, check_int
 class FutureVersionError(RuntimeError):
     """A trajectory claims a policy version the trainer has not published yet."""
 
+# %% [markdown]
+# The staleness rule itself, exercise 7.2: admitted when the trajectory is at most eta versions
+# behind, dropped when staler, an error when it is ahead of the trainer.
 
+# %%
+# | export minirl/asyncrl/queue.py
 def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     """May the trainer at `trainer_version` learn from a trajectory generated at `version`?
 
@@ -250,7 +262,12 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     return trainer_version - version <= max_staleness
     # END SOLUTION
 
+# %% [markdown]
+# What a producer queues: one prompt's G completions with their rewards, versions and times,
+# and the ticket that fixes its prompt and seed.
 
+# %%
+# | export minirl/asyncrl/queue.py
 @dataclass
 class Trajectory:
     """One prompt's G completions, scored by their environment sessions: what a producer queues.
@@ -344,37 +361,52 @@ class StartGate:
                         del self.calls[first]
                     return
 
-    def checkpoint(self) -> dict:
-        """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
-        ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
-        with self._cond:
-            open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
-                          if "out" in call.values()]
-            return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
+# %% [markdown]
+# What a checkpoint needs from the gate (the calls to sample again), taking it back on resume,
+# and the trainer's three signals: a new version, a refund for a dropped trajectory, the end.
 
-    def restore(self, checkpoint: dict, started: int, version: int) -> None:
-        """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
-        with self._cond:
-            self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
-            self.started, self.version, self.calls = started, version, {}
-            self._cond.notify_all()
+# %%
+# | export minirl/asyncrl/queue.py
+@add_to_class(StartGate)
+def checkpoint(self) -> dict:
+    """{"again": the calls to sample again if the run stopped now, "next_ticket"}: every call with a
+    ticket still out (without its trained or dropped tickets), and those not yet handed out again."""
+    with self._cond:
+        open_calls = [[t for t, s in call.items() if s in ("out", "queued")] for call in self.calls.values()
+                      if "out" in call.values()]
+        return {"again": [list(c) for c in self.again] + open_calls, "next_ticket": self.next_ticket}
 
-    def advance(self, version: int) -> None:
-        """The trainer published `version`: more trajectories may start."""
-        with self._cond:
-            self.version = version
-            self._cond.notify_all()
 
-    def refund(self, n: int = 1) -> None:
-        """n started trajectories were dropped: others may start in their place."""
-        with self._cond:
-            self.started -= n
-            self._cond.notify_all()
+@add_to_class(StartGate)
+def restore(self, checkpoint: dict, started: int, version: int) -> None:
+    """Take a checkpoint's tickets back (before any producer starts): `started` trajectories counted."""
+    with self._cond:
+        self.again, self.next_ticket = deque(checkpoint["again"]), checkpoint["next_ticket"]
+        self.started, self.version, self.calls = started, version, {}
+        self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
+
+@add_to_class(StartGate)
+def advance(self, version: int) -> None:
+    """The trainer published `version`: more trajectories may start."""
+    with self._cond:
+        self.version = version
+        self._cond.notify_all()
+
+
+@add_to_class(StartGate)
+def refund(self, n: int = 1) -> None:
+    """n started trajectories were dropped: others may start in their place."""
+    with self._cond:
+        self.started -= n
+        self._cond.notify_all()
+
+
+@add_to_class(StartGate)
+def close(self) -> None:
+    with self._cond:
+        self.closed = True
+        self._cond.notify_all()
 
 # %% [markdown]
 # What a checkpoint keeps of the queue (the module docstring says what and why), as a mixin the
@@ -501,27 +533,38 @@ class ExperienceQueue(QueueCheckpoint):
                 self._resolve(traj, "trained")
         return batch
 
-    def advance(self, version: int) -> None:
-        """The trainer published `version`: admission is judged against it from now on."""
-        with self._cond:
-            self.trainer_version = version
-            self._cond.notify_all()
+# %% [markdown]
+# The trainer moves the version that admission is judged against; `stats` are the queue's
+# numbers in every step's record.
 
-    def stats(self, now: float | None = None) -> dict[str, float]:
-        """queue/depth, queue/age_mean and queue/age_max (seconds since finished), queue/versions_behind_max,
-        queue/dropped and queue/admitted (totals so far)."""
-        now = time.perf_counter() if now is None else now
-        with self._cond:
-            ages = [now - t.finished for t in self._items]
-            behind = [self.trainer_version - t.version for t in self._items]
-            return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
-                    "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
-                    "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+# %%
+# | export minirl/asyncrl/queue.py
+@add_to_class(ExperienceQueue)
+def advance(self, version: int) -> None:
+    """The trainer published `version`: admission is judged against it from now on."""
+    with self._cond:
+        self.trainer_version = version
+        self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
+
+@add_to_class(ExperienceQueue)
+def stats(self, now: float | None = None) -> dict[str, float]:
+    """queue/depth, queue/age_mean and queue/age_max (seconds since finished), queue/versions_behind_max,
+    queue/dropped and queue/admitted (totals so far)."""
+    now = time.perf_counter() if now is None else now
+    with self._cond:
+        ages = [now - t.finished for t in self._items]
+        behind = [self.trainer_version - t.version for t in self._items]
+        return {"queue/depth": len(self._items), "queue/age_mean": sum(ages) / len(ages) if ages else 0.0,
+                "queue/age_max": max(ages, default=0.0), "queue/versions_behind_max": max(behind, default=0),
+                "queue/dropped": self.dropped, "queue/admitted": self.admitted}
+
+
+@add_to_class(ExperienceQueue)
+def close(self) -> None:
+    with self._cond:
+        self.closed = True
+        self._cond.notify_all()
 
 # %%
 from minirl.asyncrl.queue import FutureVersionError, admit
@@ -667,7 +710,13 @@ def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Te
     weight = torch.exp(diff)
     return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid          # [B, C]
 
+# %% [markdown]
+# Which correction a run applies (truncated IS switched on in the algorithm config turns "none"
+# into "tis"), and `apply_correction`, which fills the Experience's old log-probs and weights;
+# `Correction` wraps it as the `correct` step of notebook 01's `learn`.
 
+# %%
+# | export minirl/asyncrl/corrections.py
 def check_correction(correction: str, algorithm: AlgorithmConfig) -> str:
     """The correction a run applies: `correction`, or "tis" when it is "none" and the algorithm turns
     truncated IS on. Raises ConfigError naming importance_sampling_correction for "areal" with it on."""
@@ -801,7 +850,12 @@ from minirl.utils.validate import check_float, check_int
 class EnvError(RuntimeError):
     """An environment returned something malformed, or timed out."""
 
+# %% [markdown]
+# The tool: a seeded lognormal latency (its long tail is what this notebook is about) and a
+# calculator that sleeps that long before it answers.
 
+# %%
+# | export minirl/asyncrl/env.py
 @dataclass(frozen=True)
 class Latency:
     """A tool call's latency: lognormal, median * exp(sigma * N(0, 1)) seconds, at most max_seconds."""
@@ -864,7 +918,12 @@ class ArithmeticToolEnv:
             return None, 0.0, True
         return self.prompt, 0.0, False                                    # try again
 
+# %% [markdown]
+# Any task's reward functions as a one-step environment, so that every stage-1 task runs under
+# the asynchronous runner too.
 
+# %%
+# | export minirl/asyncrl/env.py
 class RewardEnv:
     """Any task as a single-turn environment: its reward functions score the completion.
 
@@ -947,7 +1006,12 @@ def run_session(make_env, row: dict, action: str, policy, seed: int, max_turns: 
         action = policy(observation)                       # a later turn: the policy answers again
     return SessionResult(reward, turn, time.perf_counter() - start, scores=getattr(env, "scores", None) or None)
 
+# %% [markdown]
+# `run_sessions` runs one session per completion at once, each on its own daemon thread, and
+# turns a session still running at its deadline into a counted timeout.
 
+# %%
+# | export minirl/asyncrl/env.py
 def run_sessions(make_env, row: dict, actions: list[str], policy, seeds: list[int], timeout: float,
                  max_turns: int = 1) -> list[SessionResult]:
     """One isolated session per action, all at once, each in its own daemon thread, each given `timeout` s.
@@ -1077,7 +1141,12 @@ from minirl.data import Rollout
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
 
+# %% [markdown]
+# The weight store the trainer publishes into and producers pull from, and the ticket's seed:
+# the same ticket always samples the same prompt the same way.
 
+# %%
+# | export minirl/asyncrl/producer.py
 class WeightStore:
     """The trainer's latest weights and version: `load_weights` from the trainer's sync, `latest` from a producer."""
 
@@ -1152,67 +1221,85 @@ class Producer:
         with self.lock:
             return self.engine.generate([prompt], one).completions[0]
 
-    def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
-        """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
+# %% [markdown]
+# Sampling with in-flight updates: the engine's own decoding loop calls a hook before every
+# forward pass, which loads newer weights and records the version of each decoding step.
 
-        With in_flight the engine's loop calls `refresh` before every forward pass but the first,
-        so each token records the version that sampled it (one per decoding step, shared by
-        the rows) and its behaviour log-prob is the one it was sampled with.
-        """
-        self.refresh()
-        if not self.in_flight:
-            rollout = self.engine.generate(prompts, self.sampling, generator=generator)
-            rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
-            return rollout
-        versions = []                                                # the version of each decoding step
+# %%
+# | export minirl/asyncrl/producer.py
+@add_to_class(Producer)
+def sample(self, prompts: list[str], generator: torch.Generator) -> Rollout:
+    """G completions per prompt in one engine call, with `token_versions` [N, C] and the oldest token's version.
 
-        def before_forward():
-            if versions:
-                self.refresh(mid_sequence=True)                      # new weights between decoding steps
-            versions.append(self.engine.version)
-        rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
-        steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
-        rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
-        rollout.version = versions[0]                                # every row's first token is the oldest
+    With in_flight the engine's loop calls `refresh` before every forward pass but the first,
+    so each token records the version that sampled it (one per decoding step, shared by
+    the rows) and its behaviour log-prob is the one it was sampled with.
+    """
+    self.refresh()
+    if not self.in_flight:
+        rollout = self.engine.generate(prompts, self.sampling, generator=generator)
+        rollout.token_versions = torch.full_like(rollout.completion_ids, rollout.version)    # [N, C]
         return rollout
+    versions = []                                                # the version of each decoding step
 
-    def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
-        """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
-        started, generated) per row."""
-        started = time.perf_counter()
-        generator = torch.Generator(device=self.engine.device).manual_seed(seed)
-        with self.lock:
-            parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
-        generated = time.perf_counter()
-        return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
+    def before_forward():
+        if versions:
+            self.refresh(mid_sequence=True)                      # new weights between decoding steps
+        versions.append(self.engine.version)
+    rollout = self.engine.generate(prompts, self.sampling, generator=generator, before_forward=before_forward)
+    steps = torch.tensor(versions, device=rollout.completion_ids.device)                   # [C]
+    rollout.token_versions = steps.expand_as(rollout.completion_ids).clone()               # [N, C]
+    rollout.version = versions[0]                                # every row's first token is the oldest
+    return rollout
 
-    def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
-              ticket: int = -1) -> Trajectory:
-        """Run one isolated environment session per completion; the scored Trajectory."""
-        G = len(rollout.completions)
-        results = run_sessions(self.make_env, row, rollout.completions, self.policy,
-                               [seed + i for i in range(G)], self.env_timeout, self.max_turns)
-        failed = [r for r in results if r.error is not None]
-        names = dict.fromkeys(name for r in results for name in (r.scores or {}))
-        scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
-        return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
-                          started, generated, time.perf_counter(), env_failures=len(failed),
-                          env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
-                          ticket=ticket, scores=scores)
+# %% [markdown]
+# One call of a producer: generate the G completions of each prompt together, then run their
+# environment sessions, all at once on threads, and return one scored Trajectory per prompt.
 
-    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
-        """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
-        generated = self.generate(rows, seeds[0])
-        out: list[Trajectory | None] = [None] * len(rows)
+# %%
+# | export minirl/asyncrl/producer.py
+@add_to_class(Producer)
+def generate(self, rows: list[dict], seed: int) -> list[tuple[dict, Rollout, float, float]]:
+    """Sample G completions of each row's prompt in one engine call; returns (row, its G-row Rollout,
+    started, generated) per row."""
+    started = time.perf_counter()
+    generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+    with self.lock:
+        parts = self.sample([r["prompt"] for r in rows], generator).split(len(rows))   # one part per prompt
+    generated = time.perf_counter()
+    return [(row, part, started, generated) for row, part in zip(rows, parts, strict=True)]
 
-        def finish(i, item):
-            out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
-        threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+
+@add_to_class(Producer)
+def score(self, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
+          ticket: int = -1) -> Trajectory:
+    """Run one isolated environment session per completion; the scored Trajectory."""
+    G = len(rollout.completions)
+    results = run_sessions(self.make_env, row, rollout.completions, self.policy,
+                           [seed + i for i in range(G)], self.env_timeout, self.max_turns)
+    failed = [r for r in results if r.error is not None]
+    names = dict.fromkeys(name for r in results for name in (r.scores or {}))
+    scores = {name: torch.tensor([(r.scores or {}).get(name, 0.0) for r in results]) for name in names}   # [G]
+    return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, self.name,
+                      started, generated, time.perf_counter(), env_failures=len(failed),
+                      env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
+                      ticket=ticket, scores=scores)
+
+
+@add_to_class(Producer)
+def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+    """generate, then score every row's group (their sessions all at once); one Trajectory per row."""
+    generated = self.generate(rows, seeds[0])
+    out: list[Trajectory | None] = [None] * len(rows)
+
+    def finish(i, item):
+        out[i] = self.score(*item[:2], seeds[i], *item[2:], ticket=tickets[i])
+    threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 # %% [markdown]
 # The producer's loop: take tickets at the gate, produce, queue the trajectories; a failure
@@ -1388,7 +1475,12 @@ class Snapshot:
     def load(self) -> dict:
         return self.weights if self.weights is not None else load_file(self.path)
 
+# %% [markdown]
+# The callback that takes the snapshots: at step 0, every `every` steps and at the last step; on
+# a resume it keeps the ones up to the checkpoint and deletes those after it.
 
+# %%
+# | export minirl/asyncrl/snapshots.py
 class Snapshots(Callback):
     """Snapshots at step 0, every `every` steps and at `last_step`, in memory or under `directory`."""
 
@@ -1430,7 +1522,12 @@ class Snapshots(Callback):
         if state.step % self.every == 0 or state.step == self.last_step:
             self.take(state, record["wall"], record["samples"])
 
+# %% [markdown]
+# After the run: the accuracy of each snapshot, and the wall time at which a target accuracy
+# was first reached.
 
+# %%
+# | export minirl/asyncrl/snapshots.py
 def evaluate_snapshots(result, model, eval_fn) -> list[dict]:
     """Held-out accuracy of every snapshot of `result` (an AsyncResult): [{"step", "wall", "samples",
     "accuracy"}], also kept in result.accuracy. model: one of the run's architecture (copied, not changed)."""
@@ -1600,7 +1697,12 @@ from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError
 
+# %% [markdown]
+# The checks across the two configs, before anything is built, and the refusal to resume with
+# settings that change what the run computes.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def check_async(config: RLConfig, acfg: AsyncConfig) -> None:
     """The checks across the two configs, before anything is built: ConfigError naming the setting."""
     check_correction(acfg.correction, config.algorithm)
@@ -1667,7 +1769,12 @@ class AsyncState(RunState):
         self.queue.load_state_dict(extra["queue"], self.roles.version)
         self.samples, self.wall_offset = extra["samples"], extra["wall"]
 
+# %% [markdown]
+# A fresh run's state (the store holds version 0), and what the trainer step makes of a batch of
+# trajectories: one rollout in ticket order, and the record's health numbers.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def setup_async(config: RLConfig, acfg: AsyncConfig, model, rows: list[dict],
                 batch_timeout: float = 300.0) -> AsyncState:
     """The state of a fresh asynchronous run: roles, a store holding version 0, the gate and the queue."""
@@ -1837,7 +1944,12 @@ class AsyncResult:
             out |= {"accuracy_before": self.accuracy[0]["accuracy"], "accuracy_after": self.accuracy[-1]["accuracy"]}
         return out
 
+# %% [markdown]
+# `train_async`: builds the state, starts the producers through a callback, and runs
+# `trainer_step` under notebook 01's `run_in_dir`.
 
+# %%
+# | export minirl/asyncrl/runner.py
 def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: list[dict], *, out_dir=None,
                 resume: bool = False, overwrite: bool = False, eval_fn=None, progress: bool = False, on_step=None,
                 stop_after: int | None = None, run_info: dict | None = None, extra_callbacks: tuple = (),
@@ -2287,7 +2399,12 @@ class RayProducer(Worker):
                     self.store.publish(ray.get(weights_ref[0]).items(), version)
         return self.producer.produce(rows, seeds, tickets)
 
+# %% [markdown]
+# The driver's side: a client with a local producer's `produce`, shipping each version to the
+# object store once; then starting and stopping the actors.
 
+# %%
+# | export minirl/asyncrl/ray_producer.py
 class RayProducerClient:
     """The driver's handle on a RayProducer: `produce(rows, seeds, tickets)` as a local Producer's; weights from
     `store`."""
