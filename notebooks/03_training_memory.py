@@ -140,7 +140,12 @@ def check_stage(stage) -> None:
         raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, STAGES))} "
                          "(0 = plain data parallel, 3 = everything sharded)")
 
+# %% [markdown]
+# Exercise 3.1 turns the paragraph above into a table: bytes per parameter, by component,
+# for each precision. `state_bytes` multiplies it by a parameter count.
 
+# %%
+# | export minirl/memory/calculator.py
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
     """Bytes each parameter costs in training state, by component, under `precision`.
 
