@@ -1487,7 +1487,13 @@ def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tup
     loss.backward()
     return clipped_step(params, optimizer, max_grad_norm)
 
+# %% [markdown]
+# The gauge notebook 02 is built around, computed on every update: how far the rollout's
+# behaviour log-probs are from the trainer's, as a ratio per token and as a mean log-prob
+# gap.
 
+# %%
+# | export minirl/roles/actor.py
 def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the rollout's behaviour log-probs are from the trainer's, per token (notebook 02's lens).
 
@@ -2303,7 +2309,8 @@ class Evaluator(Callback):
             self.evaluate(state, record)
 
 # %% [markdown]
-# Two callbacks for the person watching: a progress bar, and a warning when the rewards give nothing to learn from.
+# Two callbacks for the person watching: a progress bar, and (next cell) a warning when the rewards give
+# nothing to learn from. The bar first.
 
 # %%
 # | export minirl/train/run.py
@@ -2323,7 +2330,14 @@ class ProgressBar(Callback):
     def on_end(self, state):
         self.bar.close()
 
+# %% [markdown]
+# The warning: when in the first few steps every group's completions scored alike, every
+# advantage is 0 and nothing is learned; it says so once and names the likely cause.
+# `StopAfter` stops a run right after step k, as a crash would, so that resuming can be
+# tried.
 
+# %%
+# | export minirl/train/run.py
 class NoSignalWarning(Callback):
     """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
     GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
@@ -3456,7 +3470,8 @@ def check_resume_config(saved: dict, config: RLConfig) -> None:
                           f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
 
 # %% [markdown]
-# Checkpoints on one process, and `run_in_dir`: the loop in a run directory that resumes exactly (stages 4, 6 and 7 use it too).
+# Checkpoints on one process: `LocalCheckpoints` saves them during a run and restores the newest intact one
+# (stage 4's sharded checkpoints have the same two methods).
 
 # %%
 # | export minirl/train/run.py
@@ -3480,7 +3495,13 @@ class LocalCheckpoints:
         check_resume_config(training["config"], state.config)
         restore_checkpoint(training, weights, state)
 
+# %% [markdown]
+# `run_in_dir` is the loop in a run directory: it opens the directory, restores the newest
+# checkpoint when resuming, and puts the callbacks (evaluation, log, checkpoints, progress)
+# around `run`. Stages 4, 6 and 7 call it too.
 
+# %%
+# | export minirl/train/run.py
 def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
                eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
                stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
