@@ -58,6 +58,7 @@ import torch
 
 from minirl.models.policy import check_prompts, load_default_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -657,16 +658,25 @@ class Batch:
                 values[f.name] = column[0]
         return dataclasses.replace(first, **values)
 
-    def select(self, keys) -> "Batch":
-        """A copy whose optional tensors not named in `keys` are dropped (None): less to ship."""
-        keys = set(keys)
-        unknown = keys - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"{type(self).__name__}.select: no field(s) {sorted(unknown)}")
-        return dataclasses.replace(self, **{name: None for name in self.OPTIONAL if name not in keys})
+# %% [markdown]
+# `select` drops the optional tensors a receiver does not need, so less crosses a process
+# boundary; `pad_value` is what padding fills in (0 unless a subclass says otherwise).
 
-    def pad_value(self, name: str) -> int:
-        return 0
+# %%
+# | export minirl/data.py
+@add_to_class(Batch)
+def select(self, keys) -> "Batch":
+    """A copy whose optional tensors not named in `keys` are dropped (None): less to ship."""
+    keys = set(keys)
+    unknown = keys - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+        raise ValueError(f"{type(self).__name__}.select: no field(s) {sorted(unknown)}")
+    return dataclasses.replace(self, **{name: None for name in self.OPTIONAL if name not in keys})
+
+
+@add_to_class(Batch)
+def pad_value(self, name: str) -> int:
+    return 0
 
 
 # %% [markdown]
@@ -907,9 +917,8 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# The engine itself: its own copy of the policy, `load_weights` that refuses a partial or
-# misnamed set of weights, and `generate` that checks the request and samples with HF
-# `generate`.
+# The engine itself: its own copy of the policy, and `load_weights` that refuses a partial
+# or misnamed set of weights.
 
 # %%
 # | export minirl/rollout/hf.py
@@ -958,36 +967,45 @@ class HFEngine:
         """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
         return self.model.state_dict().items()
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
+# %% [markdown]
+# `generate` checks the request (the version first) and leaves the sampling to `sample`,
+# which runs HF `generate` and keeps the log-probs of the very logits it sampled from.
 
-        A row stops at its EOS (then pad tokens, masked out); generation stops when every row
-        has stopped or after max_completion_length tokens. See `RolloutEngine.generate`.
-        """
-        check_request(self, prompts, sampling, expected_version)
-        G = sampling.num_generations
-        prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator))
-        return make_rollout(self.tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs,
-                            self.version)
+# %%
+# | export minirl/rollout/hf.py
+@add_to_class(HFEngine)
+@torch.no_grad()
+def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+             generator: torch.Generator | None = None) -> Rollout:
+    """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
 
-    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
-        """(prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, C], logprobs [N, C]) from HF generate."""
-        tok, G = self.tokenizer, sampling.num_generations
-        repeated = [p for p in prompts for _ in range(G)]
-        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(**enc, do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
-                                      max_new_tokens=sampling.max_completion_length, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, output_logits=True,
-                                      return_dict_in_generate=True)
-        completion_ids = out.sequences[:, enc.input_ids.shape[1]:]                       # [N, C]
-        logits = torch.stack(out.logits, 1).float() / sampling.temperature               # [N, C, V]
-        return enc.input_ids, enc.attention_mask, completion_ids, selective_log_softmax(logits, completion_ids)
+    A row stops at its EOS (then pad tokens, masked out); generation stops when every row
+    has stopped or after max_completion_length tokens. See `RolloutEngine.generate`.
+    """
+    check_request(self, prompts, sampling, expected_version)
+    G = sampling.num_generations
+    prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator))
+    return make_rollout(self.tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs,
+                        self.version)
+
+
+@add_to_class(HFEngine)
+def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
+    """(prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, C], logprobs [N, C]) from HF generate."""
+    tok, G = self.tokenizer, sampling.num_generations
+    repeated = [p for p in prompts for _ in range(G)]
+    enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+    devices = [self.device] if self.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = self.model.generate(**enc, do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=sampling.max_completion_length, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+    completion_ids = out.sequences[:, enc.input_ids.shape[1]:]                       # [N, C]
+    logits = torch.stack(out.logits, 1).float() / sampling.temperature               # [N, C, V]
+    return enc.input_ids, enc.attention_mask, completion_ids, selective_log_softmax(logits, completion_ids)
 
 # %% [markdown]
 # One call: two prompts, four samples each. Then the check that protects the loop: asking
@@ -1511,7 +1529,8 @@ def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor
 
 
 # %% [markdown]
-# The actor itself: the policy, its optimizer, and the two things the loop asks of it (log-probs of a rollout, an update on a batch).
+# The actor itself: the policy and its optimizer, and the first thing the loop asks of it, the log-probs of a
+# rollout, computed in micro-batches.
 
 # %%
 # | export minirl/roles/actor.py
@@ -1549,76 +1568,101 @@ class Actor:
             out[rows, :width] = self._micro_logprobs(scorer, k)[0]
         return out * rollout.completion_mask
 
-    def backward(self, exp: Experience) -> dict:
-        """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+# %% [markdown]
+# The gradient of one batch: `backward` runs the micro-batches, weighting each so that their
+# gradients add up to the whole batch's, and stops backpropagating at the first non-finite
+# loss; `_loss` is the policy loss with this run's settings.
 
-        Each micro-batch's loss is weighted by its share of the batch's normalization
-        (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
-        loss is not finite ends the backward passes (the rest only run forward, for the metrics)
-        and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
-        """
-        ro, algo = exp.rollout, self.algorithm
-        mask = ro.completion_mask                                                  # [N, C]
-        logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
-        total_rows, total_tokens = len(ro), float(mask.sum())
-        scorer, finite = self._scorer(ro, requires_grad=True), True
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
-            part = lambda t, rows=rows, width=width: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]  # noqa: E731
-            lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
-            loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
-                                 part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
-            weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
-            finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                (loss * weight).backward()
-            logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+# %%
+# | export minirl/roles/actor.py
+@add_to_class(Actor)
+def backward(self, exp: Experience) -> dict:
+    """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+
+    Each micro-batch's loss is weighted by its share of the batch's normalization
+    (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+    loss is not finite ends the backward passes (the rest only run forward, for the metrics)
+    and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+    """
+    ro, algo = exp.rollout, self.algorithm
+    mask = ro.completion_mask                                                  # [N, C]
+    logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
+    total_rows, total_tokens = len(ro), float(mask.sum())
+    scorer, finite = self._scorer(ro, requires_grad=True), True
+    for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
+        part = lambda t, rows=rows, width=width: (  # noqa: E731
+            t if t is None else t[rows] if t.dim() == 1 else t[rows, :width])
+        lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
+        loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
+                             part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
+        weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+        finite = finite and bool(torch.isfinite(loss))
         if finite:
-            scorer.backward()                                                      # the shared prompts' share
-        old = logps if exp.old_logps is None else exp.old_logps
-        with torch.no_grad():                                                      # the batch's loss, as one pass
-            loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
-        return metrics | {"loss": loss.item() if finite else math.nan,
-                          "entropy": masked_mean(entropy, mask).item(),
-                          **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
+            (loss * weight).backward()
+        logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+    if finite:
+        scorer.backward()                                                      # the shared prompts' share
+    old = logps if exp.old_logps is None else exp.old_logps
+    with torch.no_grad():                                                      # the batch's loss, as one pass
+        loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
+    return metrics | {"loss": loss.item() if finite else math.nan,
+                      "entropy": masked_mean(entropy, mask).item(),
+                      **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
 
-    def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
-        algo = self.algorithm
-        return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
-                           loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-                           beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
-                           max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
-                           use_bias_correction_kl=algo.use_bias_correction_kl)
 
-    def update(self, exp: Experience) -> dict:
-        """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
+@add_to_class(Actor)
+def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
+    algo = self.algorithm
+    return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
+                       loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+                       beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
+                       max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
+                       use_bias_correction_kl=algo.use_bias_correction_kl)
 
-        The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
-        per batch: the ratio is 1 and only its gradient matters).
-        """
-        self.model.train()
-        metrics = {}
-        for _ in range(self.algorithm.num_iterations):
+# %% [markdown]
+# The second question, `update`: the optimizer steps on one batch, each skipped when its
+# loss or gradient norm is not finite. Then what the weight sync pushes (`named_weights`)
+# and what a checkpoint saves beside the weights (`state_dict`).
+
+# %%
+# | export minirl/roles/actor.py
+@add_to_class(Actor)
+def update(self, exp: Experience) -> dict:
+    """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
+
+    The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
+    per batch: the ratio is 1 and only its gradient matters).
+    """
+    self.model.train()
+    metrics = {}
+    for _ in range(self.algorithm.num_iterations):
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.backward(exp)
+        if math.isfinite(metrics["loss"]):
+            stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-            metrics = self.backward(exp)
-            if math.isfinite(metrics["loss"]):
-                stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                stepped, grad_norm = False, math.nan
-            metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
-        self.model.eval()
-        return metrics
+            stepped, grad_norm = False, math.nan
+        metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
+    self.model.eval()
+    return metrics
 
-    def named_weights(self):
-        """(name, tensor) for every entry of the policy's state_dict: what the engine must load."""
-        return self.model.state_dict().items()
 
-    def state_dict(self) -> dict:
-        """The optimizer's state (the weights are saved in Hugging Face format, beside it)."""
-        return {"optimizer": self.optimizer.state_dict()}
+@add_to_class(Actor)
+def named_weights(self):
+    """(name, tensor) for every entry of the policy's state_dict: what the engine must load."""
+    return self.model.state_dict().items()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+
+@add_to_class(Actor)
+def state_dict(self) -> dict:
+    """The optimizer's state (the weights are saved in Hugging Face format, beside it)."""
+    return {"optimizer": self.optimizer.state_dict()}
+
+
+@add_to_class(Actor)
+def load_state_dict(self, state: dict) -> None:
+    self.optimizer.load_state_dict(state["optimizer"])
 
 # %%
 # | export minirl/roles/reference.py

@@ -43,6 +43,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
 GB = 1e9
@@ -405,12 +407,19 @@ class ModelShape:
                 f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
                 f"{self.param_count() / 1e9:.3g} B parameters")
 
-    @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "ModelShape":
-        """From a model id or local directory: reads config.json only, never the weights."""
-        from transformers import AutoConfig
+# %% [markdown]
+# `from_pretrained` reads a model's config.json from the Hub or a directory, never its
+# weights; the shape of Llama-2-70B, the source's model, is written out by hand.
 
-        return cls.from_config(AutoConfig.from_pretrained(name_or_path))
+# %%
+# | export minirl/memory/calculator.py
+@add_to_class(ModelShape)
+@classmethod
+def from_pretrained(cls, name_or_path: str) -> "ModelShape":
+    """From a model id or local directory: reads config.json only, never the weights."""
+    from transformers import AutoConfig
+
+    return cls.from_config(AutoConfig.from_pretrained(name_or_path))
 
 
 # Llama-2-70B: the usual "70 B" (68.98 B parameters; 8 KV heads; 32 k vocabulary).

@@ -52,6 +52,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
 torch.set_num_threads(1)   # the tiny models gain nothing from more threads on a shared machine
@@ -446,16 +448,23 @@ class BalancedTopKRouter(nn.Module):
                 weights = _AttachAuxLoss.apply(weights, aux)
         return logits, weights.to(logits.dtype), chosen
 
-    def end_step(self) -> None:
-        """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
-        if not self.pending:
-            return
-        counts = torch.stack(self.pending).sum(0)                               # [E]
-        self.pending.clear()
-        self.history.append(counts)
-        if self.bias_update_rate:
-            with torch.no_grad():
-                self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
+# %% [markdown]
+# `end_step` closes one optimizer step: it records the step's load and, with a bias update
+# rate, moves each expert's bias by a fixed amount towards the mean load.
+
+# %%
+# | export minirl/models/moe_balance.py
+@add_to_class(BalancedTopKRouter)
+def end_step(self) -> None:
+    """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
+    if not self.pending:
+        return
+    counts = torch.stack(self.pending).sum(0)                               # [E]
+    self.pending.clear()
+    self.history.append(counts)
+    if self.bias_update_rate:
+        with torch.no_grad():
+            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
 
 # %% [markdown]
 # Installing it takes two hooks first: a forward pre-hook that hands the routers the
