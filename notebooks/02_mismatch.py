@@ -211,7 +211,7 @@ TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 r
 wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # off 1, by 0.29 / 0.30
 blind = abs(ppo_sees.item() - 1) < TOL                                          # PPO's ratio is 1: nothing to clip
 rows = [("ratio error from 0.30 vs 0.29", "the ratio is wrong before any update",
-         f"{truth.item():.3f} (or {1 / truth.item():.3f}), {abs(1 - truth.item()):.1%} off", wrong,
+         f"{truth.item():.3f} (or {1 / truth.item():.3f}, {1 / truth.item() - 1:.1%} off)", wrong,
          f"0.29/0.30; |dlogp| = {dlogp.item():.3f}"),
         ("what clipping does about it", "nothing", f"PPO's ratio is {ppo_sees.item():.3f}", blind,
          "the denominator is the recomputation, not the sampler")]
@@ -485,9 +485,9 @@ rows = [("errors concentrate on low-p tokens", "yes", f"p >= 0.9 bucket smallest
          f"{'yes' if sure_smallest else 'no'}", "yes" if sure_smallest else "no", "log-softmax saturates near p = 1"),
         ("FP8 0.30 vs BF16 0.29", f"one token, {source_gap:.3f}", f"FP8 mean |dlogp| {fp8_gap:.3f}",
          "same order of magnitude" if same_order else "no", "our FP8 is a weight round-trip on a 1 M-parameter model")]
-print(f"{'quantity':<34} | {'source':<17} | {'minirl':<28} | {'agree?':<23} | why")
+print(f"{'quantity':<34} | {'source':<17} | {'minirl':<38} | {'agree?':<23} | why")
 for quantity, source, ours, agree, why in rows:
-    print(f"{quantity:<34} | {source:<17} | {ours:<28} | {agree:<23} | {why}")
+    print(f"{quantity:<34} | {source:<17} | {ours:<38} | {agree:<23} | {why}")
 print(f"rules: row 1 agrees when the p >= 0.9 bucket is the smallest in every measurement above; row 2 is of the "
       f"same order when ours / the source's |dlogp| lies in [0.1, 10] (here {fp8_gap / source_gap:.2f})")
 
