@@ -410,12 +410,33 @@ def check_method(cell: Cell, node: ast.FunctionDef, classes: dict) -> str:
         if isinstance(inner, ast.Attribute) and inner.attr.startswith("__") and not inner.attr.endswith("__"):
             raise BuildError(f"{cell.where(inner.lineno - 1)}: {node.name}() uses `{inner.attr}`, which Python "
                              "renames only inside a class body; keep the method inside the class cell")
-    strings = [n for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-               and n.end_lineno > n.lineno and n is not docstring_node(node)]
-    if strings:
-        raise BuildError(f"{cell.where(strings[0].lineno - 1)}: {node.name}() holds a multi-line string, which "
+    if (line := multiline_string(cell, node)) is not None:
+        raise BuildError(f"{cell.where(line)}: {node.name}() holds a multi-line string, which "
                          "would change when the build indents the method into the class; keep it in the class cell")
     return name
+
+
+def multiline_string(cell: Cell, node: ast.FunctionDef) -> int | None:
+    """Index in cell.lines of the first string literal of `node` that spans lines (its docstring excepted).
+
+    Read from the tokens, not the ast: pieces implicitly concatenated over several lines
+    (`f"..."` newline `"..."`, how long messages are wrapped) are one ast constant but each a
+    one-line token, and indenting moves the lines without changing the text inside any quotes.
+    """
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    doc = docstring_node(node)
+    doc_row = doc.lineno - first + 1 if doc is not None else None
+    source = "\n".join(cell.lines[first - 1:node.end_lineno]) + "\n"
+    opened = []                                           # start rows of the f-strings open (Python 3.12+)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        kind = tokenize.tok_name[tok.type]
+        if kind == "STRING" and tok.start[0] != tok.end[0] and tok.start[0] != doc_row:
+            return first - 2 + tok.start[0]
+        if kind == "FSTRING_START":
+            opened.append(tok.start[0])
+        elif kind == "FSTRING_END" and (start := opened.pop()) != tok.end[0]:
+            return first - 2 + start
+    return None
 
 
 def docstring_node(node: ast.FunctionDef) -> ast.Constant | None:
