@@ -618,45 +618,55 @@ class Batch:
         """Rows start..stop-1 (a view for tensors)."""
         return self._map(lambda name, v: v.rows(start, stop) if isinstance(v, Batch) else v[start:stop])
 
-    def split(self, n: int) -> list["Batch"]:
-        """n contiguous parts of equal size, each made of whole groups of `group_size` rows.
+# %% [markdown]
+# Splitting and joining: `split` cuts a batch into equal parts of whole groups (one per
+# data-parallel rank, later), and `concat` joins parts back, padding 2-D tensors to the
+# widest part.
 
-        Raises ValueError when the N rows do not divide into n parts of whole groups: a
-        prompt's G completions must stay together (GRPO normalizes within the group).
-        """
-        N, G = len(self), self.group_size
-        if n < 1 or N % (n * G):
-            raise ValueError(f"{type(self).__name__}.split({n}): {N} rows in groups of {G} do not split into "
-                             f"{n} equal parts of whole groups; use a number of parts that divides {N // G} "
-                             "prompts")
-        size = N // n
-        return [self.rows(i * size, (i + 1) * size) for i in range(n)]
+# %%
+# | export minirl/data.py
+@add_to_class(Batch)
+def split(self, n: int) -> list["Batch"]:
+    """n contiguous parts of equal size, each made of whole groups of `group_size` rows.
 
-    @staticmethod
-    def concat(parts: list["Batch"]) -> "Batch":
-        """The parts' rows one after another; 2-D tensors padded to the widest part."""
-        if not parts:
-            raise ValueError("Batch.concat: no parts to concatenate")
-        first = parts[0]
-        values = {}
-        for f in dataclasses.fields(first):
-            column = [getattr(p, f.name) for p in parts]
-            if isinstance(column[0], Batch):
-                values[f.name] = Batch.concat(column)
-            elif isinstance(column[0], list):
-                values[f.name] = [x for part in column for x in part]
-            elif isinstance(column[0], Tensor):
-                if any(c is None for c in column):
-                    raise ValueError(f"{type(first).__name__}.concat: {f.name} is missing in some parts")
-                values[f.name] = _cat_padded(column, left=f.name in first.LEFT_PADDED,
-                                             value=first.pad_value(f.name))
-            else:
-                if any(c != column[0] for c in column):
-                    raise ValueError(f"{type(first).__name__}.concat: parts disagree on {f.name} "
-                                     f"({sorted(set(map(str, column)))}); only batches of one "
-                                     f"{f.name} can be concatenated")
-                values[f.name] = column[0]
-        return dataclasses.replace(first, **values)
+    Raises ValueError when the N rows do not divide into n parts of whole groups: a
+    prompt's G completions must stay together (GRPO normalizes within the group).
+    """
+    N, G = len(self), self.group_size
+    if n < 1 or N % (n * G):
+        raise ValueError(f"{type(self).__name__}.split({n}): {N} rows in groups of {G} do not split into "
+                         f"{n} equal parts of whole groups; use a number of parts that divides {N // G} "
+                         "prompts")
+    size = N // n
+    return [self.rows(i * size, (i + 1) * size) for i in range(n)]
+
+
+@add_to_class(Batch)
+@staticmethod
+def concat(parts: list["Batch"]) -> "Batch":
+    """The parts' rows one after another; 2-D tensors padded to the widest part."""
+    if not parts:
+        raise ValueError("Batch.concat: no parts to concatenate")
+    first = parts[0]
+    values = {}
+    for f in dataclasses.fields(first):
+        column = [getattr(p, f.name) for p in parts]
+        if isinstance(column[0], Batch):
+            values[f.name] = Batch.concat(column)
+        elif isinstance(column[0], list):
+            values[f.name] = [x for part in column for x in part]
+        elif isinstance(column[0], Tensor):
+            if any(c is None for c in column):
+                raise ValueError(f"{type(first).__name__}.concat: {f.name} is missing in some parts")
+            values[f.name] = _cat_padded(column, left=f.name in first.LEFT_PADDED,
+                                         value=first.pad_value(f.name))
+        else:
+            if any(c != column[0] for c in column):
+                raise ValueError(f"{type(first).__name__}.concat: parts disagree on {f.name} "
+                                 f"({sorted(set(map(str, column)))}); only batches of one "
+                                 f"{f.name} can be concatenated")
+            values[f.name] = column[0]
+    return dataclasses.replace(first, **values)
 
 # %% [markdown]
 # `select` drops the optional tensors a receiver does not need, so less crosses a process

@@ -389,41 +389,51 @@ class ModelShape:
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return embed + self.num_layers * layer + h
 
-    @classmethod
-    def from_config(cls, config) -> "ModelShape":
-        """From a transformers config (Llama, Qwen2, Mistral, ...).
+# %% [markdown]
+# Reading a shape from a transformers config: the sizes are checked before anything is
+# built, and the parameters are counted on the meta device, so a 70 B config costs no
+# memory. `describe` returns the sizes as one line of text.
 
-        The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
-        naming the field, not a "negative dimension" from deep inside torch). Parameters are
-        counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
-        context applies `tie_word_embeddings` as a real build does, where accelerate's
-        `init_empty_weights` leaves the tie out and counts the embedding twice.
-        """
-        import torch
-        from transformers import AutoModelForCausalLM
+# %%
+# | export minirl/memory/calculator.py
+@add_to_class(ModelShape)
+@classmethod
+def from_config(cls, config) -> "ModelShape":
+    """From a transformers config (Llama, Qwen2, Mistral, ...).
 
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        sizes = {name: getattr(text, name, None) for name in
-                 ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
-        sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
-                                 f"(is this a decoder-only causal LM config?)")
-        shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
-                    intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
-                    num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
-                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                    qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
+    The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
+    naming the field, not a "negative dimension" from deep inside torch). Parameters are
+    counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
+    context applies `tie_word_embeddings` as a real build does, where accelerate's
+    `init_empty_weights` leaves the tie out and counts the embedding twice.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def describe(self) -> str:
-        """One line: the sizes the activation and LoRA figures use."""
-        return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
-                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
-                f"{self.param_count() / 1e9:.3g} B parameters")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = {name: getattr(text, name, None) for name in
+             ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
+    sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
+                             f"(is this a decoder-only causal LM config?)")
+    shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
+                intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
+                num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
+                tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
+
+
+@add_to_class(ModelShape)
+def describe(self) -> str:
+    """One line: the sizes the activation and LoRA figures use."""
+    return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
+            f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+            f"{self.param_count() / 1e9:.3g} B parameters")
 
 # %% [markdown]
 # `from_pretrained` reads a model's config.json from the Hub or a directory, never its
