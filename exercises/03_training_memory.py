@@ -8,32 +8,19 @@ imported below where these cells use it.
 """
 
 import math
-from dataclasses import dataclass, replace
 
-from minirl.memory.calculator import LLAMA2_70B, RECOMPUTE, ModelShape, activation_memory, lora_memory, lora_params
-
-COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
-PRECISIONS = ("mixed", "fp32", "bf16")
-STAGES = (0, 1, 2, 3)
-GB = 1e9  # decimal gigabytes, as the source counts
-
-
-def check_positive(name: str, value) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive number")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
-                         "('mixed' = BF16 weights/grads + FP32 master and Adam, the source's 16 B)")
-
-
-def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, STAGES))} "
-                         "(0 = plain data parallel, 3 = everything sharded)")
+from minirl.memory.calculator import (
+    COMPONENTS,
+    LLAMA2_70B,
+    RECOMPUTE,
+    ModelShape,
+    activation_memory,
+    check_positive,
+    check_precision,
+    check_stage,
+    lora_memory,
+    lora_params,
+)
 
 
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:

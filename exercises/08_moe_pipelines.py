@@ -7,28 +7,10 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import weakref
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch import Tensor
 
-from minirl.models.moe import routers
-
-
-class RouterError(FloatingPointError):
-    """A router produced non-finite scores: the layer cannot choose experts."""
-
-
-def check_router_logits(logits: Tensor, layer: str = "router") -> None:
-    """Raise RouterError when router logits hold NaN or inf (usually an overflow upstream)."""
-    if not torch.isfinite(logits).all():
-        bad = (~torch.isfinite(logits)).any(-1).sum().item()
-        raise RouterError(f"{layer}: router logits are not finite for {bad} of {logits.shape[0]} tokens; "
-                          "look for an overflow before this layer (lower the learning rate, clip gradients, or "
-                          "compute the router in float32)")
+from minirl.parallel.pipeline import BACKWARD, FORWARD, Op, PipelineError
 
 
 def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
@@ -44,116 +26,6 @@ def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | 
     lowers the probability of the experts that receive the most tokens.
     """
     raise NotImplementedError("exercise 8.1: load_balancing_loss -- see its docstring and notebook 08")
-
-
-def expert_counts(indices: Tensor, num_experts: int, token_mask: Tensor | None = None) -> Tensor:
-    """Tokens per expert: indices [N, k] long, token_mask [N] -> [E] float counts (one per slot)."""
-    weights = None if token_mask is None else token_mask.float().repeat_interleave(indices.shape[-1])
-    return torch.bincount(indices.reshape(-1), weights=weights, minlength=num_experts).float()
-
-
-def load_imbalance(counts: Tensor) -> dict[str, float]:
-    """Summary of one load vector [E] (or a stack [..., E], averaged over the leading dims).
-
-    max_over_mean: hottest expert's load over the mean load (1 = even; at most E / top_k).
-    hottest_over_coldest: hottest over coldest (inf when an expert gets nothing).
-    """
-    counts = counts.reshape(-1, counts.shape[-1]).float()
-    mean = counts.mean(-1).clamp(min=1e-12)
-    hot, cold = counts.max(-1).values, counts.min(-1).values
-    ratio = torch.where(cold > 0, hot / cold.clamp(min=1e-12), torch.full_like(hot, float("inf")))
-    return {"max_over_mean": (hot / mean).mean().item(), "hottest_over_coldest": ratio.mean().item()}
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Return `x` unchanged; on backward, also send gradient 1 into `aux` (Megatron's MoEAuxLossAutoScaler).
-
-    This adds a layer's balancing loss to whatever loss the training loop backpropagates,
-    without the loop knowing about it.
-    """
-
-    @staticmethod
-    def forward(ctx, x, aux):
-        ctx.aux_shape = aux.shape
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
-
-
-FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
-KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-
-
-class PipelineError(ValueError):
-    """A pipeline that cannot be built or scheduled; the message names the setting and the fix."""
-
-
-@dataclass(frozen=True)
-class Op:
-    """One unit of pipeline work: `kind` of micro-batch `microbatch` through stage `stage`."""
-
-    kind: str
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Time of one stage's work on one micro-batch, by kind; `weight` is W's part of B (default B/2)."""
-
-    forward: float = 1.0
-    backward: float = 2.0
-    weight: float | None = None
-    comm: float = 0.0
-
-    def of(self, kind: str) -> float:
-        weight = self.backward / 2 if self.weight is None else self.weight
-        return {FORWARD: self.forward, BACKWARD: self.backward, BACKWARD_INPUT: self.backward - weight,
-                BACKWARD_WEIGHT: weight}[kind]
-
-    def scaled(self, factor: float) -> "Costs":
-        """The same costs for a stage `factor` times as large (DualPipeV's half-size chunks: 0.5)."""
-        weight = None if self.weight is None else self.weight * factor
-        return Costs(self.forward * factor, self.backward * factor, weight, self.comm)
-
-
-@dataclass(frozen=True)
-class Event:
-    rank: int
-    op: Op
-    start: float
-    end: float
-
-
-@dataclass
-class PipelineTimeline:
-    """What `simulate` returns: every op's start and end, per rank."""
-
-    events: list[Event]
-    num_ranks: int
-
-    @property
-    def makespan(self) -> float:
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
-
-    def busy(self, rank: int) -> float:
-        return sum(e.end - e.start for e in self.events if e.rank == rank)
-
-    @property
-    def bubble_share(self) -> float:
-        """Idle share of all ranks' time, 0-1: idle / (ranks x makespan)."""
-        return bubble_share([(e.rank, e.start, e.end) for e in self.events], self.num_ranks)
-
-    @property
-    def bubble_ratio(self) -> float:
-        """Idle time over compute time (the source's form, (P-1)/M for GPipe and 1F1B)."""
-        busy = sum(self.busy(r) for r in range(self.num_ranks))
-        return (self.num_ranks * self.makespan - busy) / busy
 
 
 def bubble_share(events: list[tuple[int, float, float]], num_ranks: int) -> float:
@@ -275,20 +147,3 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """
     check_lengths(lengths, budget)
     raise NotImplementedError("exercise 8.4: best_fit_decreasing -- see its docstring and notebook 08")
-
-
-PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
-           "best_fit_decreasing": best_fit_decreasing}
-
-
-def utilization(lengths: list[int], bins: list[list[int]], budget: int) -> float:
-    """Real tokens over bin capacity: sum(lengths) / (len(bins) x budget)."""
-    return sum(lengths[i] for b in bins for i in b) / (len(bins) * budget)
-
-
-def padded_utilization(lengths: list[int], batch_size: int) -> float:
-    """No packing: micro-batches of `batch_size` sequences in arrival order, each padded to its longest."""
-    if batch_size < 1:
-        raise PackingError(f"batch_size={batch_size}: must be >= 1")
-    batches = [lengths[i:i + batch_size] for i in range(0, len(lengths), batch_size)]
-    return sum(lengths) / sum(len(b) * max(b) for b in batches)

@@ -58,6 +58,7 @@ import torch
 
 from minirl.models.policy import check_prompts, load_default_policy
 from minirl.tasks.arithmetic import make_task
+from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -617,56 +618,75 @@ class Batch:
         """Rows start..stop-1 (a view for tensors)."""
         return self._map(lambda name, v: v.rows(start, stop) if isinstance(v, Batch) else v[start:stop])
 
-    def split(self, n: int) -> list["Batch"]:
-        """n contiguous parts of equal size, each made of whole groups of `group_size` rows.
+# %% [markdown]
+# Splitting and joining: `split` cuts a batch into equal parts of whole groups (one per
+# data-parallel rank, later), and `concat` joins parts back, padding 2-D tensors to the
+# widest part.
 
-        Raises ValueError when the N rows do not divide into n parts of whole groups: a
-        prompt's G completions must stay together (GRPO normalizes within the group).
-        """
-        N, G = len(self), self.group_size
-        if n < 1 or N % (n * G):
-            raise ValueError(f"{type(self).__name__}.split({n}): {N} rows in groups of {G} do not split into "
-                             f"{n} equal parts of whole groups; use a number of parts that divides {N // G} "
-                             "prompts")
-        size = N // n
-        return [self.rows(i * size, (i + 1) * size) for i in range(n)]
+# %%
+# | export minirl/data.py
+@add_to_class(Batch)
+def split(self, n: int) -> list["Batch"]:
+    """n contiguous parts of equal size, each made of whole groups of `group_size` rows.
 
-    @staticmethod
-    def concat(parts: list["Batch"]) -> "Batch":
-        """The parts' rows one after another; 2-D tensors padded to the widest part."""
-        if not parts:
-            raise ValueError("Batch.concat: no parts to concatenate")
-        first = parts[0]
-        values = {}
-        for f in dataclasses.fields(first):
-            column = [getattr(p, f.name) for p in parts]
-            if isinstance(column[0], Batch):
-                values[f.name] = Batch.concat(column)
-            elif isinstance(column[0], list):
-                values[f.name] = [x for part in column for x in part]
-            elif isinstance(column[0], Tensor):
-                if any(c is None for c in column):
-                    raise ValueError(f"{type(first).__name__}.concat: {f.name} is missing in some parts")
-                values[f.name] = _cat_padded(column, left=f.name in first.LEFT_PADDED,
-                                             value=first.pad_value(f.name))
-            else:
-                if any(c != column[0] for c in column):
-                    raise ValueError(f"{type(first).__name__}.concat: parts disagree on {f.name} "
-                                     f"({sorted(set(map(str, column)))}); only batches of one "
-                                     f"{f.name} can be concatenated")
-                values[f.name] = column[0]
-        return dataclasses.replace(first, **values)
+    Raises ValueError when the N rows do not divide into n parts of whole groups: a
+    prompt's G completions must stay together (GRPO normalizes within the group).
+    """
+    N, G = len(self), self.group_size
+    if n < 1 or N % (n * G):
+        raise ValueError(f"{type(self).__name__}.split({n}): {N} rows in groups of {G} do not split into "
+                         f"{n} equal parts of whole groups; use a number of parts that divides {N // G} "
+                         "prompts")
+    size = N // n
+    return [self.rows(i * size, (i + 1) * size) for i in range(n)]
 
-    def select(self, keys) -> "Batch":
-        """A copy whose optional tensors not named in `keys` are dropped (None): less to ship."""
-        keys = set(keys)
-        unknown = keys - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ValueError(f"{type(self).__name__}.select: no field(s) {sorted(unknown)}")
-        return dataclasses.replace(self, **{name: None for name in self.OPTIONAL if name not in keys})
 
-    def pad_value(self, name: str) -> int:
-        return 0
+@add_to_class(Batch)
+@staticmethod
+def concat(parts: list["Batch"]) -> "Batch":
+    """The parts' rows one after another; 2-D tensors padded to the widest part."""
+    if not parts:
+        raise ValueError("Batch.concat: no parts to concatenate")
+    first = parts[0]
+    values = {}
+    for f in dataclasses.fields(first):
+        column = [getattr(p, f.name) for p in parts]
+        if isinstance(column[0], Batch):
+            values[f.name] = Batch.concat(column)
+        elif isinstance(column[0], list):
+            values[f.name] = [x for part in column for x in part]
+        elif isinstance(column[0], Tensor):
+            if any(c is None for c in column):
+                raise ValueError(f"{type(first).__name__}.concat: {f.name} is missing in some parts")
+            values[f.name] = _cat_padded(column, left=f.name in first.LEFT_PADDED,
+                                         value=first.pad_value(f.name))
+        else:
+            if any(c != column[0] for c in column):
+                raise ValueError(f"{type(first).__name__}.concat: parts disagree on {f.name} "
+                                 f"({sorted(set(map(str, column)))}); only batches of one "
+                                 f"{f.name} can be concatenated")
+            values[f.name] = column[0]
+    return dataclasses.replace(first, **values)
+
+# %% [markdown]
+# `select` drops the optional tensors a receiver does not need, so less crosses a process
+# boundary; `pad_value` is what padding fills in (0 unless a subclass says otherwise).
+
+# %%
+# | export minirl/data.py
+@add_to_class(Batch)
+def select(self, keys) -> "Batch":
+    """A copy whose optional tensors not named in `keys` are dropped (None): less to ship."""
+    keys = set(keys)
+    unknown = keys - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+        raise ValueError(f"{type(self).__name__}.select: no field(s) {sorted(unknown)}")
+    return dataclasses.replace(self, **{name: None for name in self.OPTIONAL if name not in keys})
+
+
+@add_to_class(Batch)
+def pad_value(self, name: str) -> int:
+    return 0
 
 
 # %% [markdown]
@@ -907,9 +927,8 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# The engine itself: its own copy of the policy, `load_weights` that refuses a partial or
-# misnamed set of weights, and `generate` that checks the request and samples with HF
-# `generate`.
+# The engine itself: its own copy of the policy, and `load_weights` that refuses a partial
+# or misnamed set of weights.
 
 # %%
 # | export minirl/rollout/hf.py
@@ -958,36 +977,45 @@ class HFEngine:
         """The engine's copy of the weights by state_dict name (what the stale-parameter check compares)."""
         return self.model.state_dict().items()
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
+# %% [markdown]
+# `generate` checks the request (the version first) and leaves the sampling to `sample`,
+# which runs HF `generate` and keeps the log-probs of the very logits it sampled from.
 
-        A row stops at its EOS (then pad tokens, masked out); generation stops when every row
-        has stopped or after max_completion_length tokens. See `RolloutEngine.generate`.
-        """
-        check_request(self, prompts, sampling, expected_version)
-        G = sampling.num_generations
-        prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator))
-        return make_rollout(self.tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs,
-                            self.version)
+# %%
+# | export minirl/rollout/hf.py
+@add_to_class(HFEngine)
+@torch.no_grad()
+def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+             generator: torch.Generator | None = None) -> Rollout:
+    """sampling.num_generations completions per prompt; rows i*G .. i*G+G-1 belong to prompts[i].
 
-    def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
-        """(prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, C], logprobs [N, C]) from HF generate."""
-        tok, G = self.tokenizer, sampling.num_generations
-        repeated = [p for p in prompts for _ in range(G)]
-        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(**enc, do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
-                                      max_new_tokens=sampling.max_completion_length, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id, output_logits=True,
-                                      return_dict_in_generate=True)
-        completion_ids = out.sequences[:, enc.input_ids.shape[1]:]                       # [N, C]
-        logits = torch.stack(out.logits, 1).float() / sampling.temperature               # [N, C, V]
-        return enc.input_ids, enc.attention_mask, completion_ids, selective_log_softmax(logits, completion_ids)
+    A row stops at its EOS (then pad tokens, masked out); generation stops when every row
+    has stopped or after max_completion_length tokens. See `RolloutEngine.generate`.
+    """
+    check_request(self, prompts, sampling, expected_version)
+    G = sampling.num_generations
+    prompt_ids, prompt_mask, completion_ids, logprobs = self.sample(prompts, sampling, draw_seed(generator))
+    return make_rollout(self.tokenizer, prompts, G, prompt_ids, prompt_mask, completion_ids, logprobs,
+                        self.version)
+
+
+@add_to_class(HFEngine)
+def sample(self, prompts: list[str], sampling: SamplingConfig, seed: int | None):
+    """(prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, C], logprobs [N, C]) from HF generate."""
+    tok, G = self.tokenizer, sampling.num_generations
+    repeated = [p for p in prompts for _ in range(G)]
+    enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+    devices = [self.device] if self.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = self.model.generate(**enc, do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=sampling.max_completion_length, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+    completion_ids = out.sequences[:, enc.input_ids.shape[1]:]                       # [N, C]
+    logits = torch.stack(out.logits, 1).float() / sampling.temperature               # [N, C, V]
+    return enc.input_ids, enc.attention_mask, completion_ids, selective_log_softmax(logits, completion_ids)
 
 # %% [markdown]
 # One call: two prompts, four samples each. Then the check that protects the loop: asking
@@ -1487,7 +1515,13 @@ def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tup
     loss.backward()
     return clipped_step(params, optimizer, max_grad_norm)
 
+# %% [markdown]
+# The gauge notebook 02 is built around, computed on every update: how far the rollout's
+# behaviour log-probs are from the trainer's, as a ratio per token and as a mean log-prob
+# gap.
 
+# %%
+# | export minirl/roles/actor.py
 def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the rollout's behaviour log-probs are from the trainer's, per token (notebook 02's lens).
 
@@ -1505,7 +1539,8 @@ def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor
 
 
 # %% [markdown]
-# The actor itself: the policy, its optimizer, and the two things the loop asks of it (log-probs of a rollout, an update on a batch).
+# The actor itself: the policy and its optimizer, and the first thing the loop asks of it, the log-probs of a
+# rollout, computed in micro-batches.
 
 # %%
 # | export minirl/roles/actor.py
@@ -1543,76 +1578,101 @@ class Actor:
             out[rows, :width] = self._micro_logprobs(scorer, k)[0]
         return out * rollout.completion_mask
 
-    def backward(self, exp: Experience) -> dict:
-        """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+# %% [markdown]
+# The gradient of one batch: `backward` runs the micro-batches, weighting each so that their
+# gradients add up to the whole batch's, and stops backpropagating at the first non-finite
+# loss; `_loss` is the policy loss with this run's settings.
 
-        Each micro-batch's loss is weighted by its share of the batch's normalization
-        (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
-        loss is not finite ends the backward passes (the rest only run forward, for the metrics)
-        and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
-        """
-        ro, algo = exp.rollout, self.algorithm
-        mask = ro.completion_mask                                                  # [N, C]
-        logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
-        total_rows, total_tokens = len(ro), float(mask.sum())
-        scorer, finite = self._scorer(ro, requires_grad=True), True
-        for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
-            part = lambda t, rows=rows, width=width: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]  # noqa: E731
-            lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
-            loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
-                                 part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
-            weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
-            finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                (loss * weight).backward()
-            logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+# %%
+# | export minirl/roles/actor.py
+@add_to_class(Actor)
+def backward(self, exp: Experience) -> dict:
+    """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
+
+    Each micro-batch's loss is weighted by its share of the batch's normalization
+    (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+    loss is not finite ends the backward passes (the rest only run forward, for the metrics)
+    and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+    """
+    ro, algo = exp.rollout, self.algorithm
+    mask = ro.completion_mask                                                  # [N, C]
+    logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
+    total_rows, total_tokens = len(ro), float(mask.sum())
+    scorer, finite = self._scorer(ro, requires_grad=True), True
+    for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
+        part = lambda t, rows=rows, width=width: (  # noqa: E731
+            t if t is None else t[rows] if t.dim() == 1 else t[rows, :width])
+        lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
+        loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
+                             part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
+        weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+        finite = finite and bool(torch.isfinite(loss))
         if finite:
-            scorer.backward()                                                      # the shared prompts' share
-        old = logps if exp.old_logps is None else exp.old_logps
-        with torch.no_grad():                                                      # the batch's loss, as one pass
-            loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
-        return metrics | {"loss": loss.item() if finite else math.nan,
-                          "entropy": masked_mean(entropy, mask).item(),
-                          **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
+            (loss * weight).backward()
+        logps[rows, :width], entropy[rows, :width] = lp.detach(), ent.detach()
+    if finite:
+        scorer.backward()                                                      # the shared prompts' share
+    old = logps if exp.old_logps is None else exp.old_logps
+    with torch.no_grad():                                                      # the batch's loss, as one pass
+        loss, metrics = self._loss(logps, old, exp.advantages, mask, exp.ref_logps, exp.is_weights)
+    return metrics | {"loss": loss.item() if finite else math.nan,
+                      "entropy": masked_mean(entropy, mask).item(),
+                      **ratio_statistics(old, ro.logprobs, mask)}              # rollout vs trainer (notebook 02)
 
-    def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
-        algo = self.algorithm
-        return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
-                           loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-                           beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
-                           max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
-                           use_bias_correction_kl=algo.use_bias_correction_kl)
 
-    def update(self, exp: Experience) -> dict:
-        """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
+@add_to_class(Actor)
+def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
+    algo = self.algorithm
+    return policy_loss(logps, old_logps, advantages, mask, epsilon=algo.epsilon, epsilon_high=algo.epsilon_high,
+                       loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+                       beta=algo.beta if algo.algo == "grpo" else 0.0, ref_logps=ref_logps,
+                       max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
+                       use_bias_correction_kl=algo.use_bias_correction_kl)
 
-        The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
-        per batch: the ratio is 1 and only its gradient matters).
-        """
-        self.model.train()
-        metrics = {}
-        for _ in range(self.algorithm.num_iterations):
+# %% [markdown]
+# The second question, `update`: the optimizer steps on one batch, each skipped when its
+# loss or gradient norm is not finite. Then what the weight sync pushes (`named_weights`)
+# and what a checkpoint saves beside the weights (`state_dict`).
+
+# %%
+# | export minirl/roles/actor.py
+@add_to_class(Actor)
+def update(self, exp: Experience) -> dict:
+    """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
+
+    The first iteration's log-probs are pi_old when `exp.old_logps` is None (one update
+    per batch: the ratio is 1 and only its gradient matters).
+    """
+    self.model.train()
+    metrics = {}
+    for _ in range(self.algorithm.num_iterations):
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.backward(exp)
+        if math.isfinite(metrics["loss"]):
+            stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-            metrics = self.backward(exp)
-            if math.isfinite(metrics["loss"]):
-                stepped, grad_norm = clipped_step(self.model.parameters(), self.optimizer, self.max_grad_norm)
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                stepped, grad_norm = False, math.nan
-            metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
-        self.model.eval()
-        return metrics
+            stepped, grad_norm = False, math.nan
+        metrics.update(grad_norm=grad_norm, skipped=int(not stepped))
+    self.model.eval()
+    return metrics
 
-    def named_weights(self):
-        """(name, tensor) for every entry of the policy's state_dict: what the engine must load."""
-        return self.model.state_dict().items()
 
-    def state_dict(self) -> dict:
-        """The optimizer's state (the weights are saved in Hugging Face format, beside it)."""
-        return {"optimizer": self.optimizer.state_dict()}
+@add_to_class(Actor)
+def named_weights(self):
+    """(name, tensor) for every entry of the policy's state_dict: what the engine must load."""
+    return self.model.state_dict().items()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+
+@add_to_class(Actor)
+def state_dict(self) -> dict:
+    """The optimizer's state (the weights are saved in Hugging Face format, beside it)."""
+    return {"optimizer": self.optimizer.state_dict()}
+
+
+@add_to_class(Actor)
+def load_state_dict(self, state: dict) -> None:
+    self.optimizer.load_state_dict(state["optimizer"])
 
 # %%
 # | export minirl/roles/reference.py
@@ -2303,7 +2363,8 @@ class Evaluator(Callback):
             self.evaluate(state, record)
 
 # %% [markdown]
-# Two callbacks for the person watching: a progress bar, and a warning when the rewards give nothing to learn from.
+# Two callbacks for the person watching: a progress bar, and (next cell) a warning when the rewards give
+# nothing to learn from. The bar first.
 
 # %%
 # | export minirl/train/run.py
@@ -2323,7 +2384,14 @@ class ProgressBar(Callback):
     def on_end(self, state):
         self.bar.close()
 
+# %% [markdown]
+# The warning: when in the first few steps every group's completions scored alike, every
+# advantage is 0 and nothing is learned; it says so once and names the likely cause.
+# `StopAfter` stops a run right after step k, as a crash would, so that resuming can be
+# tried.
 
+# %%
+# | export minirl/train/run.py
 class NoSignalWarning(Callback):
     """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
     GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
@@ -3456,7 +3524,8 @@ def check_resume_config(saved: dict, config: RLConfig) -> None:
                           f"run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a new run")
 
 # %% [markdown]
-# Checkpoints on one process, and `run_in_dir`: the loop in a run directory that resumes exactly (stages 4, 6 and 7 use it too).
+# Checkpoints on one process: `LocalCheckpoints` saves them during a run and restores the newest intact one
+# (stage 4's sharded checkpoints have the same two methods).
 
 # %%
 # | export minirl/train/run.py
@@ -3480,7 +3549,13 @@ class LocalCheckpoints:
         check_resume_config(training["config"], state.config)
         restore_checkpoint(training, weights, state)
 
+# %% [markdown]
+# `run_in_dir` is the loop in a run directory: it opens the directory, restores the newest
+# checkpoint when resuming, and puts the callbacks (evaluation, log, checkpoints, progress)
+# around `run`. Stages 4, 6 and 7 call it too.
 
+# %%
+# | export minirl/train/run.py
 def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
                eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
                stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,

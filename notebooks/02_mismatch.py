@@ -165,7 +165,8 @@ print(f"{'upper clip bound for p_old = 0.20':<38} | {0.24:>7} | {high.item():>8.
 print(f"{'objective at r = 1.2, A = +1':<38} | {'1.2':>7} | {at_boundary.item():>8.4f} | "
       f"{abs(at_boundary.item() - 1.2) < 1e-6}")
 print(f"{'objective at 0.20 -> 0.26, A = +1':<38} | {'(1.2)':>7} | {beyond.item():>8.4f} | "
-      "clipped: no gain past 1 + eps")
+      f"{abs(beyond.item() - 1.2) < 1e-6} (clipped: no gain past 1 + eps)")
+print("rule: agree? is True when minirl's value is within 1e-6 of the source's")
 
 # %% [markdown]
 # Sweep the ratio for a positive and a negative advantage. The flat parts are where the
@@ -206,15 +207,23 @@ for n in (10, 100, 1000):
     print(f"  a sequence of {n:>4} tokens each off by the same factor: sequence ratio "
           f"{truth.item() ** n:.3g}")
 
+TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 rounding of these numbers)
+wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # off 1, by 0.29 / 0.30
+blind = abs(ppo_sees.item() - 1) < TOL                                          # PPO's ratio is 1: nothing to clip
+rows = [("ratio error from 0.30 vs 0.29", "the ratio is wrong before any update",
+         f"{truth.item():.3f} (or {1 / truth.item():.3f}, {1 / truth.item() - 1:.1%} off)", wrong,
+         f"0.29/0.30; |dlogp| = {dlogp.item():.3f}"),
+        ("what clipping does about it", "nothing", f"PPO's ratio is {ppo_sees.item():.3f}", blind,
+         "the denominator is the recomputation, not the sampler")]
+print(f"\n{'quantity':<30} | {'source':<36} | {'minirl':<28} | agree? | why")
+for quantity, source, ours, agree, why in rows:
+    print(f"{quantity:<30} | {source:<36} | {ours:<28} | {'yes' if agree else 'no':<6} | {why}")
+print(f"rule: row 1 agrees when the true ratio is 0.29/0.30 and not 1, row 2 when PPO's ratio is 1 (within {TOL:g})")
+
 # %% [markdown]
-# | quantity | source | minirl | agree? | why |
-# |---|---|---|---|---|
-# | ratio error from 0.30 vs 0.29 | "the ratio is wrong before any update" | 0.967 (or 1.034 the other way), 3.4 % | yes | $0.29/0.30$; $\lvert\Delta\log p\rvert = 0.034$ |
-# | what clipping does about it | nothing | PPO's ratio is exactly 1.000 | yes | the denominator is the recomputation, not the sampler |
-#
-# A consistent 3.4 % per-token bias compounds over a sequence (0.967^100 = 0.035); random
-# per-token errors partly cancel instead. Which one happens on a real rollout is a question
-# for measurement, next.
+# A consistent 3.4 % per-token bias compounds over a sequence (over 100 tokens the ratio falls
+# to 0.034, the second of the sequence lines above); random per-token errors partly cancel
+# instead. Which one happens on a real rollout is a question for measurement, next.
 
 # %% [markdown]
 # ## 2. Measure it: the rollout's log-probs against the trainer's, token by token
@@ -434,6 +443,12 @@ for pr in pairs.values():
     factors += [o / top for o in others]
 print(f"p >= 0.9 bucket has the smallest mean |dlogp| in every measurement: {'yes' if sure_smallest else 'no'}; "
       f"the other buckets' mean is {min(factors):.0f}x to {max(factors):.0f}x larger")
+tails = [[r["mean_abs_delta"] for r in pr.buckets() if r["tokens"] and r["hi"] <= 0.5] for pr in pairs.values()]
+tails = [t for t in tails if len(t) > 1 and min(t) > 0]                 # buckets ordered from p = 0 upwards
+steady = bool(tails) and all(t[i] > t[i + 1] for t in tails for i in range(len(t) - 1))  # rule: each lower-p bucket larger
+spreads = [max(t) / min(t) for t in tails] or [float("nan")]
+print(f"tail (p < 0.5): mean |dlogp| grows at every step towards p = 0 in every measurement: "
+      f"{'yes' if steady else 'no'}; largest over smallest tail bucket: {min(spreads):.1f}x to {max(spreads):.1f}x")
 
 fig, ax = plt.subplots(figsize=(8, 3.2))
 width = 0.13
@@ -451,20 +466,30 @@ plt.show()
 
 # %% [markdown]
 # Read the plot from the right: tokens the policy is sure of (p > 0.9) carry almost no
-# log-prob error, because log-softmax is flat near p = 1. Below that the error is from a few
-# times to a few hundred times larger (the last line prints the factors); within the tail
-# (p < 0.5) it is of similar size on this policy rather than growing steadily. The source's
-# claim ("small errors on high-probability tokens are harmless, errors on many
-# low-probability tokens accumulate") holds in the form we can measure: the risky tokens are
-# the uncertain ones. The small table under the buckets says how far the ratio
-# π_old / π_rollout strays in each precision, and the lines under it say, per precision,
-# whether every ratio stayed inside [0.8, 1.25]; the FP8 weight round-trip moves the ratios
-# furthest, as the line naming the precision with the most tokens outside the band shows.
-#
-# | quantity | source | minirl | agree? | why |
-# |---|---|---|---|---|
-# | errors concentrate on low-probability tokens | yes | mean \|Δ log p\| per bucket above, > 0.9 bucket smallest | yes | log-softmax saturates near p = 1 |
-# | FP8 0.30 vs BF16 0.29 | one token, 3.4 % | see the FP8 row of the sweep below | order of magnitude | our FP8 is a weight round-trip on a 1 M-parameter model |
+# log-prob error, because log-softmax is flat near p = 1 (the line under the small table
+# checks that this bucket is the smallest in every measurement, and prints how many times
+# larger the others are). Within the tail (p < 0.5) the error need not keep growing as p
+# falls: the next line says whether it does here, and how far apart the tail buckets are.
+# The source's claim ("small errors on high-probability tokens are harmless, errors on many
+# low-probability tokens accumulate") is tested in the form we can measure: are the risky
+# tokens the uncertain ones? The small table under the buckets says how far the ratio
+# π_old / π_rollout strays in each precision, the lines under it say, per precision, whether
+# every ratio stayed inside [0.8, 1.25], and one line names the precision with the most
+# tokens outside the band. The source's two claims, beside ours:
+
+# %%
+source_gap = math.log(0.30 / 0.29)                               # the source's one token, |delta log p|
+fp8_gap = pairs["float8_e4m3fn", 1.0].stats()["mean_abs_delta"]  # our FP8 rollout, every token, T = 1
+same_order = 0.1 <= fp8_gap / source_gap <= 10                   # rule: within a factor of 10 either way
+rows = [("errors concentrate on low-p tokens", "yes", f"p >= 0.9 bucket smallest in all {len(pairs)}: "
+         f"{'yes' if sure_smallest else 'no'}", "yes" if sure_smallest else "no", "log-softmax saturates near p = 1"),
+        ("FP8 0.30 vs BF16 0.29", f"one token, {source_gap:.3f}", f"FP8 mean |dlogp| {fp8_gap:.3f}",
+         "same order of magnitude" if same_order else "no", "our FP8 is a weight round-trip on a 1 M-parameter model")]
+print(f"{'quantity':<34} | {'source':<17} | {'minirl':<38} | {'agree?':<23} | why")
+for quantity, source, ours, agree, why in rows:
+    print(f"{quantity:<34} | {source:<17} | {ours:<38} | {agree:<23} | {why}")
+print(f"rules: row 1 agrees when the p >= 0.9 bucket is the smallest in every measurement above; row 2 is of the "
+      f"same order when ours / the source's |dlogp| lies in [0.1, 10] (here {fp8_gap / source_gap:.2f})")
 
 # %% [markdown]
 # ## 3. The diagnosis, in the source's order

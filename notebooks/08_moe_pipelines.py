@@ -52,6 +52,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
 torch.set_num_threads(1)   # the tiny models gain nothing from more threads on a shared machine
@@ -245,8 +247,8 @@ print(f"tiny MoE policy: {tiny['total']:,.0f} parameters, {tiny['active']:,.0f} 
 #   No gradient interferes with the language-model loss; the price is that tokens are
 #   sometimes sent to an expert the router itself ranks lower.
 #
-# Statistics first: `expert_counts` and `load_imbalance` (the hottest expert over the mean,
-# and hottest over coldest), and `load_balancing_loss`, exercise 8.1.
+# The module opens with a guard: `check_router_logits` raises `RouterError`, naming the
+# layer, when a router's scores hold NaN or inf.
 
 # %%
 # | export minirl/models/moe_balance.py
@@ -281,7 +283,13 @@ def check_router_logits(logits: Tensor, layer: str = "router") -> None:
                           "look for an overflow before this layer (lower the learning rate, clip gradients, or "
                           "compute the router in float32)")
 
+# %% [markdown]
+# The auxiliary loss of one layer, exercise 8.1: fₑ counts where the (token, slot)
+# assignments went and carries no gradient, Pₑ is the probability the router gave each
+# expert on average and carries all of it.
 
+# %%
+# | export minirl/models/moe_balance.py
 def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
     """The Switch Transformer / GShard auxiliary loss of one MoE layer: E * sum_e f_e * P_e.
 
@@ -306,7 +314,13 @@ def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | 
     return num_experts * (f * P).sum()
     # END SOLUTION
 
+# %% [markdown]
+# The statistics that say how uneven a layer's load is (tokens per expert; the hottest
+# expert over the mean and over the coldest), and the small autograd function that lets a
+# layer's auxiliary loss join the backward pass.
 
+# %%
+# | export minirl/models/moe_balance.py
 def expert_counts(indices: Tensor, num_experts: int, token_mask: Tensor | None = None) -> Tensor:
     """Tokens per expert: indices [N, k] long, token_mask [N] -> [E] float counts (one per slot)."""
     weights = None if token_mask is None else token_mask.float().repeat_interleave(indices.shape[-1])
@@ -434,16 +448,23 @@ class BalancedTopKRouter(nn.Module):
                 weights = _AttachAuxLoss.apply(weights, aux)
         return logits, weights.to(logits.dtype), chosen
 
-    def end_step(self) -> None:
-        """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
-        if not self.pending:
-            return
-        counts = torch.stack(self.pending).sum(0)                               # [E]
-        self.pending.clear()
-        self.history.append(counts)
-        if self.bias_update_rate:
-            with torch.no_grad():
-                self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
+# %% [markdown]
+# `end_step` closes one optimizer step: it records the step's load and, with a bias update
+# rate, moves each expert's bias by a fixed amount towards the mean load.
+
+# %%
+# | export minirl/models/moe_balance.py
+@add_to_class(BalancedTopKRouter)
+def end_step(self) -> None:
+    """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
+    if not self.pending:
+        return
+    counts = torch.stack(self.pending).sum(0)                               # [E]
+    self.pending.clear()
+    self.history.append(counts)
+    if self.bias_update_rate:
+        with torch.no_grad():
+            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts).to(self.expert_bias)
 
 # %% [markdown]
 # Installing it takes two hooks first: a forward pre-hook that hands the routers the
@@ -1142,7 +1163,13 @@ class Op:
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
 
+# %% [markdown]
+# What an action costs, and what the simulator returns: `Costs` per kind of action (a stage
+# twice as large costs twice as much), `Event` one timed action, and `PipelineTimeline` the
+# whole run, with its makespan and idle share.
 
+# %%
+# | export minirl/parallel/pipeline.py
 @dataclass(frozen=True)
 class Costs:
     """Time of one stage's work on one micro-batch, by kind; `weight` is W's part of B (default B/2)."""
@@ -1196,7 +1223,12 @@ class PipelineTimeline:
         busy = sum(self.busy(r) for r in range(self.num_ranks))
         return (self.num_ranks * self.makespan - busy) / busy
 
+# %% [markdown]
+# The idle share of a timeline, exercise 8.2. It takes plain (rank, start, end) intervals,
+# so the same function measures the simulator's timelines and, in section 5, real ones.
 
+# %%
+# | export minirl/parallel/pipeline.py
 def bubble_share(events: list[tuple[int, float, float]], num_ranks: int) -> float:
     """Share of the ranks' time spent idle, from a timeline of (rank, start, end) intervals.
 
@@ -1298,7 +1330,12 @@ def dualpipev_order(num_ranks: int, num_microbatches: int) -> dict[int, list]:
                             "micro-batches (one per stage)")
     return {rank: _dualpipev_rank(P, M, rank) for rank in range(P)}
 
+# %% [markdown]
+# One rank's list, phase by phase. `op` hands out the next micro-batch of a stage and kind,
+# and remembers each I so that its W can fill a later hole.
 
+# %%
+# | export minirl/parallel/pipeline.py
 def _dualpipev_rank(P: int, M: int, rank: int) -> list:
     s0, s1 = dualpipev_stages(P, rank)
     count = {}                                            # (stage, kind) -> next micro-batch
@@ -1643,7 +1680,13 @@ from minirl.parallel.pipeline import (
     split_layers,
 )
 
+# %% [markdown]
+# The model's pieces: a block is a transformer block without attention (the schedule does
+# not care what a stage computes), and a stage holds the embedding if it is first, a slice
+# of the blocks, and the head if it is last.
 
+# %%
+# | export minirl/parallel/pipeline_run.py
 class Block(nn.Module):
     """x + MLP(LayerNorm(x)): a transformer block without attention."""
 
@@ -1933,7 +1976,12 @@ so a sequence longer than the budget is an error here).
 import torch
 from torch import Tensor
 
+# %% [markdown]
+# The packers: the error type and the length check every packer calls, the two baselines
+# `next_fit` and `first_fit_decreasing`, and `best_fit_decreasing`, exercise 8.4.
 
+# %%
+# | export minirl/parallel/packing.py
 class PackingError(ValueError):
     """A sequence that cannot be packed as asked; the message names it and the fix."""
 
@@ -2005,7 +2053,13 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
     # END SOLUTION
 
+# %% [markdown]
+# The three packers by name, and the two numbers the tables below report: how full the packs
+# are (`utilization`), and how full padded micro-batches are without packing
+# (`padded_utilization`).
 
+# %%
+# | export minirl/parallel/packing.py
 PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
            "best_fit_decreasing": best_fit_decreasing}
 
@@ -2063,7 +2117,13 @@ def block_diagonal_mask(seq_ids: Tensor, dtype: torch.dtype = torch.float32) -> 
     allowed = (same & causal)[:, None]                                          # [R, 1, T, T]
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
+# %% [markdown]
+# The padded reference a pack must match, and the two losses compared in this section:
+# packed rows (packing found from position ids, or our explicit mask) against the padded
+# batch.
 
+# %%
+# | export minirl/parallel/packing.py
 def pad_sequences(sequences: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
     """The unpacked reference: right-padded input_ids, attention_mask, labels (-100 on padding), [B, T]."""
     T = max(len(s) for s in sequences)

@@ -922,12 +922,27 @@ def test_add_to_class_moves_methods_into_the_class(tmp_path):
         assert (Square(3).area(), round(unit().diagonal, 6)) == (9, round(2 ** 0.5, 6))
 
 
+def test_add_to_class_moves_a_message_wrapped_over_lines(tmp_path):
+    """Pieces of a string implicitly joined over several lines are each on one line: indenting them changes
+    no text, so such a method moves (a multi-line string literal does not, in the test below)."""
+    source = ('# %%\n# | export minirl/shapes.py\n"""Shapes."""\n\n\nclass Square:\n    side = 1\n\n'
+              '# %%\n# | export minirl/shapes.py\n@add_to_class(Square)\ndef check(self):\n'
+              '    """Multi-line docstrings\n    move too."""\n'
+              '    raise ValueError(f"side={self.side}: "\n                     "must be positive")\n')
+    root = make_tree(tmp_path, {"00_shapes.py": source})
+    build(root, check=False)
+    assert ('    def check(self):\n        """Multi-line docstrings\n        move too."""\n'
+            '        raise ValueError(f"side={self.side}: "\n                         "must be positive")\n'
+            ) in read(root, "minirl/shapes.py")
+
+
 @pytest.mark.parametrize(("method", "message"), [
     ("@add_to_class(Circle)\ndef area(self):\n    return 0\n", "defines class Circle"),
     ("@add_to_class(Square)\ndef area(self):\n    return super().area()\n", "super()"),
     ("@add_to_class(Square)\ndef area(self):\n    return self.__side\n", "__side"),
     ("@add_to_class(Square)\ndef area(self):\n    return '''a\nb'''\n", "multi-line string"),
     ("@add_to_class(Square)\ndef area(self):\n    return (f'''{self}\nb''')\n", "multi-line string"),
+    ("@add_to_class(Square)\ndef area(self):\n    return f'a{1}\\\nb'\n", "multi-line string"),
     ("@add_to_class(Square)\ndef area(self):\n    return " + "1 + " * 27 + "1\n", "once indented"),
     ("from minirl.utils.notebook import add_to_class\n", "without the export marker"),
     ("@add_to_class(Square)\ndef area(self):\n    # BEGIN SOLUTION\n    return 0\n    # END SOLUTION\n",

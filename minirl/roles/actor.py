@@ -113,7 +113,8 @@ class Actor:
         total_rows, total_tokens = len(ro), float(mask.sum())
         scorer, finite = self._scorer(ro, requires_grad=True), True
         for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
-            part = lambda t, rows=rows, width=width: t if t is None else t[rows] if t.dim() == 1 else t[rows, :width]  # noqa: E731
+            part = lambda t, rows=rows, width=width: (  # noqa: E731
+                t if t is None else t[rows] if t.dim() == 1 else t[rows, :width])
             lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
             loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
                                  part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
