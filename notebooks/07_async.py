@@ -501,37 +501,44 @@ class ExperienceQueue(QueueCheckpoint):
             self._cond.notify_all()
             return True
 
-    def get_batch(self, timeout: float | None = None) -> list[Trajectory]:
-        """The next batch_size admissible trajectories, oldest first (blocking); stale ones are dropped.
+# %% [markdown]
+# The trainer's side: `get_batch` takes the oldest trajectories that admission still allows,
+# drops the stale ones on the way, and waits (up to `timeout`) until a whole batch is there.
 
-        Raises TimeoutError when no batch is complete after `timeout` seconds, and RuntimeError
-        when the queue closes before one is.
-        """
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        batch: list[Trajectory] = []
-        with self._cond:
-            while len(batch) < self.batch_size:
-                while self._items and len(batch) < self.batch_size:
-                    traj = self._items.popleft()
-                    if admit(self.trainer_version, traj.version, self.max_staleness):
-                        batch.append(traj)
-                    else:
-                        self._drop(traj)
-                self._cond.notify_all()                           # room for the producers
-                if len(batch) == self.batch_size:
-                    break
-                if self.closed:
-                    raise RuntimeError("ExperienceQueue closed before a batch was complete")
-                left = None if deadline is None else deadline - time.perf_counter()
-                if left is not None and left <= 0:
-                    self._items.extendleft(reversed(batch))        # put them back, in order
-                    raise TimeoutError(f"ExperienceQueue: {len(batch)} of {self.batch_size} trajectories after "
-                                       f"{timeout} s; are the producers running?")
-                self._cond.wait(left)
-            self.admitted += len(batch)
-            for traj in batch:
-                self._resolve(traj, "trained")
-        return batch
+# %%
+# | export minirl/asyncrl/queue.py
+@add_to_class(ExperienceQueue)
+def get_batch(self, timeout: float | None = None) -> list[Trajectory]:
+    """The next batch_size admissible trajectories, oldest first (blocking); stale ones are dropped.
+
+    Raises TimeoutError when no batch is complete after `timeout` seconds, and RuntimeError
+    when the queue closes before one is.
+    """
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    batch: list[Trajectory] = []
+    with self._cond:
+        while len(batch) < self.batch_size:
+            while self._items and len(batch) < self.batch_size:
+                traj = self._items.popleft()
+                if admit(self.trainer_version, traj.version, self.max_staleness):
+                    batch.append(traj)
+                else:
+                    self._drop(traj)
+            self._cond.notify_all()                           # room for the producers
+            if len(batch) == self.batch_size:
+                break
+            if self.closed:
+                raise RuntimeError("ExperienceQueue closed before a batch was complete")
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                self._items.extendleft(reversed(batch))        # put them back, in order
+                raise TimeoutError(f"ExperienceQueue: {len(batch)} of {self.batch_size} trajectories after "
+                                   f"{timeout} s; are the producers running?")
+            self._cond.wait(left)
+        self.admitted += len(batch)
+        for traj in batch:
+            self._resolve(traj, "trained")
+    return batch
 
 # %% [markdown]
 # The trainer moves the version that admission is judged against; `stats` are the queue's
