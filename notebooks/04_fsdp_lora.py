@@ -36,18 +36,15 @@
 # %load_ext minirl.utils.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
-import contextlib
 import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-from tqdm.auto import tqdm
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -67,42 +64,6 @@ def show(rows, header):
             print("-+-".join("-" * w for w in widths))
 
 
-@contextlib.contextmanager
-def step_bar(metrics: Path, total: int | None, desc: str):
-    """A tqdm bar over the steps that a job in other processes appends to `metrics` (its metrics.jsonl).
-
-    The job's own bar is off (a pipe is not a terminal), so this one reads the file every second.
-    A file older than the bar is the previous run's, not yet replaced: it counts as no steps.
-    """
-    since, done = time.time(), threading.Event()
-    bar = tqdm(total=total, desc=desc)
-
-    def look():
-        try:
-            lines = metrics.read_text().splitlines() if metrics.stat().st_mtime >= since else []
-            last = json.loads(lines[-1]) if lines else None
-        except (OSError, ValueError):                  # not written yet, or a line half written
-            return
-        if last is not None:
-            bar.n = last["step"]
-            bar.set_postfix_str(f"reward {last['reward']:.2f}" if "reward" in last else "", refresh=False)
-        bar.refresh()
-
-    def follow():
-        while not done.is_set():
-            done.wait(1.0)
-            look()
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
-    try:
-        yield bar
-    finally:
-        done.set()
-        thread.join()
-        bar.close()
-
-
 # %% [markdown]
 # ## 0. The whole stage, first
 #
@@ -115,6 +76,7 @@ def step_bar(metrics: Path, total: int | None, desc: str):
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.utils.progress import step_bar  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
