@@ -190,6 +190,13 @@ class DistContext:
         return self.rank == 0
 
 
+# %% [markdown]
+# Joining the job: each process reads its rank from the environment torchrun set, picks gloo
+# or NCCL for its device, and joins the default process group. Outside torchrun the same call
+# makes a group of one, so the sharded code also runs in this kernel.
+
+# %%
+# | export minirl/parallel/launch.py
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) as torchrun sets them; (0, 1, 0) in a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -327,6 +334,13 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
     return items[rank * k:(rank + 1) * k]
 
 
+# %% [markdown]
+# A bad input on one rank must not leave the others blocked in a collective. `agree` runs a
+# piece of work on every rank and, when it raised anywhere, raises on every rank, naming the
+# rank that failed and its error.
+
+# %%
+# | export minirl/parallel/launch.py
 class RankFailed(RuntimeError):
     """Another rank failed; the message names the rank and its error. rank: that rank; cause: its error
     when it is an OSError (a disk that filled names its file on every rank), else None."""
@@ -428,6 +442,13 @@ def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool 
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
 
 
+# %% [markdown]
+# Two pieces of plumbing for `torchrun`: the ends of a long job output (a rank's own error
+# comes first, torchrun's summary last), and ending a job together with every rank it
+# started.
+
+# %%
+# | export minirl/parallel/launch.py
 def output_ends(text: str, n: int = 2500) -> str:
     """The first and last `n` characters of a job's output, or all of a short one (a rank's own
     error comes before torchrun's long summary of the failure, which ends the output)."""
@@ -717,6 +738,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# %% [markdown]
+# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
+# layers, the base weights frozen. An adapted model starts out equal to its base model,
+# because B starts at zero.
+
+# %%
+# | export minirl/parallel/wrap.py
 def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
     """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
 
@@ -947,6 +975,13 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 
+# %% [markdown]
+# Each rank's loss covers only its rows, while DDP and FSDP average the gradients over the
+# ranks. `rank_loss_weight` gives the factor per rank that makes that average equal to the
+# whole batch's gradient, for each of notebook 01's loss aggregations.
+
+# %%
+# | export minirl/parallel/roles.py
 def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
                      world_size: int) -> float:
     """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
@@ -1028,6 +1063,13 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     return out
 
 
+# %% [markdown]
+# Ranks must run the same number of forward and backward passes (FSDP gathers weights inside
+# each one). These helpers pad completions to a common width, split micro-batches until every
+# rank has as many, and check that an update's inputs are finite.
+
+# %%
+# | export minirl/parallel/roles.py
 def pad_completions(batch: Batch, width: int) -> Batch:
     """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
 
@@ -1199,6 +1241,12 @@ class DistributedActor(DataParallelRole, Actor):
         super().load_state_dict(state)
 
 
+# %% [markdown]
+# The critic gets the same treatment for PPO (notebook 06 runs it on a pool of ranks): the
+# wrapped value model, with its training forward weighted through `_weighted`.
+
+# %%
+# | export minirl/parallel/roles.py
 class DistributedCritic(DataParallelRole, Critic):
     """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
 
@@ -1336,6 +1384,12 @@ def full_tensor(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+# %% [markdown]
+# Gathering layer by layer: the consumer asks for one layer, every rank gathers that layer's
+# shards, and the memory of whole tensors never exceeds about one layer.
+
+# %%
+# | export minirl/sync/sharded.py
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
@@ -1361,6 +1415,12 @@ def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[lis
     # END SOLUTION
 
 
+# %% [markdown]
+# What the engine is sent from a gathered layer: the tensors as they are, or a LoRA layer's W
+# + scaling B A merged into one weight, or the adapters alone.
+
+# %%
+# | export minirl/sync/sharded.py
 def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
     """The weight an adapted linear layer computes with: W + scaling * B @ A.
 
@@ -1453,6 +1513,13 @@ def packable(tensor: Tensor) -> bool:
             and tuple(tensor.placements) == (Shard(0),))
 
 
+# %% [markdown]
+# Packing: one all-gather per dtype for a whole layer, instead of one per tensor. Each rank
+# copies its flat shards into one padded buffer, the buffers are gathered once, and the whole
+# tensors are cut out of the result, bit for bit what `full_tensor` gives.
+
+# %%
+# | export minirl/sync/sharded.py
 def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str, Tensor]]:
     """One layer's tensors, whole, with one all-gather per dtype instead of one per tensor.
 
@@ -1496,6 +1563,12 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
     return out
 
 
+# %% [markdown]
+# Buckets: several consecutive layers in one collective (fewer round trips, more memory),
+# never splitting a layer, so that a LoRA layer's W, A and B arrive together.
+
+# %%
+# | export minirl/sync/sharded.py
 def split_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """`gather_by_layer`'s lists, ungathered: consecutive names with the same `layer_key` form one list."""
     layer, key = [], None
@@ -1804,6 +1877,13 @@ class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
 
 
+# %% [markdown]
+# Three operations on the engine's own tensors: copy a push into them (checking every name
+# and shape), give their storage back while the trainer updates, and allocate it again before
+# the next push.
+
+# %%
+# | export minirl/rollout/colocated.py
 def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
                 fp8: bool = False) -> None:
     """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
@@ -2529,6 +2609,13 @@ class SPMDState(RunState):
     lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
+# %% [markdown]
+# Setting up a rank: its engine (vLLM on a GPU, or the in-process engine, colocated or not),
+# then everything `setup_spmd` builds before the first step, with version 0 pushed so that a
+# bad engine fails before any training.
+
+# %%
+# | export minirl/parallel/spmd.py
 def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
     """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
     prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
@@ -2635,6 +2722,13 @@ def spmd_step(state: SPMDState) -> dict:
     return record
 
 
+# %% [markdown]
+# The sync's cost, measured: every mode and transfer this run can ship is pushed into an
+# engine that only receives, and its seconds, bytes and share of the step are compared with
+# the source's 5 %.
+
+# %%
+# | export minirl/parallel/spmd.py
 def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[dict]:
     """Seconds, bytes and share of the step of one sync in each mode and transfer this run can ship.
 
@@ -2695,6 +2789,12 @@ def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float
     return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
 
 
+# %% [markdown]
+# The trained policy leaves the job whole: gathered layer by layer, LoRA merged, and saved by
+# rank 0 in Hugging Face format, a failed write raised on every rank.
+
+# %%
+# | export minirl/parallel/spmd.py
 def _save_pretrained(model, tokenizer, path: Path) -> None:
     """save_pretrained, with safetensors' errors (which name no file) as the OSError they are, naming `path`."""
     try:
@@ -2793,7 +2893,12 @@ from minirl.train.cli import write_failure
 from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
+# %% [markdown]
+# Who died: every rank learns every rank's host and process id at the start, so that a
+# survivor can tell which process of its own host has ended.
 
+# %%
+# | export minirl/parallel/stops.py
 def rank_processes() -> list[tuple[str, int]]:
     """(host, pid) of every rank, in rank order, on every rank (a collective): who to name when one dies."""
     mine = (socket.gethostname(), os.getpid())
@@ -2823,6 +2928,12 @@ def dead_ranks(processes: list[tuple[str, int]]) -> list[int]:
     return dead
 
 
+# %% [markdown]
+# Signals: the first Ctrl-C or SIGTERM interrupts a rank's work as an exception, later ones
+# are only recorded, so a rank explaining why it stops is not interrupted again.
+
+# %%
+# | export minirl/parallel/stops.py
 class Terminated(BaseException):
     """SIGTERM, as an exception (BaseException, like KeyboardInterrupt: `agree` does not catch it)."""
 
@@ -2913,6 +3024,12 @@ def relaunch_command(script, args: list[str]) -> str:
 BAD_INPUT = (ConfigError, RunDirError, ValueError, VersionMismatchError)   # found alike on every rank: exit 2
 
 
+# %% [markdown]
+# What a stopping rank says, and which rank says it: `why_stopped` maps the exception that
+# ended the run to one line, an exit status, and whether to print the resume command.
+
+# %%
+# | export minirl/parallel/stops.py
 @dataclass
 class Stop:
     """What a stopping rank says: `what` happened (None: this rank stays quiet), its exit status, and
@@ -3065,6 +3182,13 @@ def _broadcast(obj):
     return box[0]
 
 
+# %% [markdown]
+# The pieces of a sharded checkpoint: what DCP saves for the model and optimizer, the small
+# state each rank keeps itself, and DCP's and torch.save's failures turned into the errors
+# they are (a full disk names its file).
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def _model_and_optimizer(state):
     """What DCP saves: the model's state, and the optimizer's unless it is ZeRO-1's (saved per rank)."""
     actor = state.roles.actor
@@ -3154,6 +3278,12 @@ def save_sharded(root, state, keep: int = 2) -> Path:
     return final
 
 
+# %% [markdown]
+# Checking a checkpoint without loading it: every file it needs is there, none is empty, and
+# every shard holds at least the bytes DCP's metadata records for it.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def sharded_problem(path) -> str | None:
     """What is wrong with checkpoint `path`, naming the file, or None when it is intact (one process, no collectives).
 
@@ -3191,6 +3321,12 @@ def sharded_problem(path) -> str | None:
     return None
 
 
+# %% [markdown]
+# Finding where to resume: the newest checkpoint whose files are intact, decided on rank 0
+# and the same on every rank.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def checkpoints_in(root) -> list[Path]:
     """The checkpoint directories under `root`, newest first (half-written `.tmp-step-*` ones excluded)."""
     root = Path(root)
@@ -3267,6 +3403,12 @@ def load_sharded(path, state, push: bool = True) -> None:
         state.sync.push(actor.named_weights(), state.engine, state.roles.version)
 
 
+# %% [markdown]
+# The callback that saves a sharded checkpoint every `every` steps and at the end of a run,
+# with every rank taking part.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 class ShardedCheckpointer(Callback):
     """A sharded checkpoint every `every` steps and at a normal end (every rank takes part)."""
 
@@ -3290,6 +3432,13 @@ class ShardedCheckpointer(Callback):
             save_sharded(self.root, state, self.keep)
 
 
+# %% [markdown]
+# The checkpoints as notebook 01's `run_in_dir` wants them: a callback to save, and a
+# `restore` that loads the newest intact checkpoint and falls back to the one before it when
+# a rank fails to load it.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 class ShardedCheckpoints:
     """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
 
@@ -3394,6 +3543,12 @@ def engine_bytes(engine) -> int:
         return 0
 
 
+# %% [markdown]
+# The callback that records each rank's memory on every step, so that the run's records can
+# be set beside notebook 03's calculator.
+
+# %%
+# | export minirl/memory/tracking.py
 class MemoryTracker(Callback):
     """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
 
