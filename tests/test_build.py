@@ -1,7 +1,9 @@
 """Tests of tools/build.py on small notebook trees built in tmp_path."""
 
+import ast
 import contextlib
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -855,3 +857,81 @@ def test_repo_notebooks_paired():
     assert f'formats = "{PAIRED}"' in config
     for ipynb in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         assert nbformat.read(ipynb, as_version=4).metadata.get("jupytext") == {"formats": PAIRED}, ipynb.name
+
+
+METHODS = '''
+    # %%
+    from minirl.utils.notebook import add_to_class
+
+    # %%
+    # | export minirl/shapes.py
+    """Shapes, built up across cells."""
+
+
+    class Square:
+        """A square of side `side`."""
+
+        def __init__(self, side):
+            self.side = side
+
+    # %% [markdown]
+    # Its area, in a cell of its own:
+
+    # %%
+    # | export minirl/shapes.py
+    import math
+
+
+    # the area, a plain method
+    @add_to_class(Square)
+    def area(self):
+        """side squared."""
+        return self.side ** 2
+
+
+    @add_to_class(Square)
+    @property
+    def diagonal(self):
+        return self.side * math.sqrt(2)
+
+
+    def unit():
+        return Square(1)
+'''
+
+
+def test_add_to_class_moves_methods_into_the_class(tmp_path):
+    """The generated module reads as if written in one piece: the methods inside the class, no decorator,
+    the comment above a method kept with it, the other code of the cell where it was."""
+    root = make_tree(tmp_path, {"00_shapes.py": METHODS})
+    build(root, check=False)
+    text = read(root, "minirl/shapes.py")
+    assert "add_to_class" not in text
+    tree = ast.parse(text)
+    square = next(n for n in tree.body if getattr(n, "name", None) == "Square")
+    assert [n.name for n in square.body if hasattr(n, "name")] == ["__init__", "area", "diagonal"]
+    assert [n.name for n in tree.body if hasattr(n, "name")] == ["Square", "unit"], "no method at module level"
+    assert '__all__ = ["Square", "unit"]' in text
+    assert "        self.side = side\n\n    # the area, a plain method\n    def area(self):" in text
+    assert "        return self.side ** 2\n\n    @property\n    def diagonal(self):" in text
+    with another_minirl(root):
+        from minirl.shapes import Square, unit
+        assert (Square(3).area(), round(unit().diagonal, 6)) == (9, round(2 ** 0.5, 6))
+
+
+@pytest.mark.parametrize(("method", "message"), [
+    ("@add_to_class(Circle)\ndef area(self):\n    return 0\n", "defines class Circle"),
+    ("@add_to_class(Square)\ndef area(self):\n    return super().area()\n", "super()"),
+    ("@add_to_class(Square)\ndef area(self):\n    return self.__side\n", "__side"),
+    ("@add_to_class(Square)\ndef area(self):\n    return '''a\nb'''\n", "multi-line string"),
+    ("@add_to_class(Square)\ndef area(self):\n    return " + "1 + " * 27 + "1\n", "once indented"),
+    ("from minirl.utils.notebook import add_to_class\n", "without the export marker"),
+    ("@add_to_class(Square)\ndef area(self):\n    # BEGIN SOLUTION\n    return 0\n    # END SOLUTION\n",
+     "exercise"),
+])
+def test_add_to_class_refuses_a_move_that_would_change_the_code(tmp_path, method, message):
+    source = ('# %%\n# | export minirl/shapes.py\n"""Shapes."""\n\n\nclass Square:\n    side = 1\n\n'
+              f"# %%\n# | export minirl/shapes.py\n{method}")
+    root = make_tree(tmp_path, {"00_shapes.py": source})
+    with pytest.raises(BuildError, match=re.escape(message)):
+        build(root, check=False)

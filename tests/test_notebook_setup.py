@@ -181,3 +181,30 @@ def test_a_class_with_slots_keeps_working_after_an_edit(monkeypatch):
     child = Node(root)
     assert scratch.Node is Node and root.parent is None and child.parent is root
     assert child.depth() == 20, "both the old and the new instance run the edited method"
+
+
+def test_a_method_added_in_a_later_cell_goes_into_the_package_class(monkeypatch):
+    """d2l's style: `@add_to_class(Square)` in a later cell. Run as the notebook runs it (the cell, then the
+    extension's apply_cell), the package's class has the method, old instances and bound copies follow a
+    second edit, and the module gains no stray name (neither the method's nor `add_to_class`)."""
+    import sys
+    import types
+
+    from minirl.utils.notebook import MethodAdded, add_to_class
+
+    scratch = types.ModuleType("minirl_live_methods")
+    monkeypatch.setitem(sys.modules, "minirl_live_methods", scratch)
+    apply_cell("class Square:\n    def __init__(self, side):\n        self.side = side\n", "minirl_live_methods")
+    method = "@add_to_class(Square)\ndef area(self):\n    return self.side ** {k}\n"
+    user = {"add_to_class": add_to_class, "Square": scratch.Square}      # the notebook's namespace
+    exec(method.format(k=2), user)                                       # the cell itself
+    apply_cell(method.format(k=2), "minirl_live_methods")                # then the extension
+    square = scratch.Square(3)
+    bound = square.area
+    assert (square.area(), bound()) == (9, 9)
+    assert isinstance(user["area"], MethodAdded) and "Square.area" in repr(user["area"])
+    assert not hasattr(scratch, "area") and not hasattr(scratch, "add_to_class"), "no stray module names"
+    apply_cell(method.format(k=3), "minirl_live_methods")                # a learner edits the method
+    assert (square.area(), bound(), scratch.Square(2).area()) == (27, 27, 8), "old instances, bound copies follow"
+    apply_cell("class Square:\n    def __init__(self, side):\n        self.side = side + 1\n", "minirl_live_methods")
+    assert scratch.Square(2).area() == 27, "re-running the class cell keeps the methods added to it"

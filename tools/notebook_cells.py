@@ -4,7 +4,10 @@
 (`Cell`: its lines, tree, imports, definitions, solution spans); `render_module` turns the
 cells of one module into its text: the first cell's docstring, the hoisted imports (grouped
 here, ordered by ruff afterwards), `__all__`, and the bodies with runs of blank lines
-collapsed. Hand-written: what the build does is described in tools/build.py.
+collapsed. A def under `@add_to_class(C)` (d2l's style, minirl/utils/notebook.py) is moved
+into the body of class C, defined in an earlier cell of the module (`with_methods`), so a
+long class can be built up across cells and still read as one piece in the package.
+Hand-written: what the build does is described in tools/build.py.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import textwrap
 import tokenize
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"   # a solution span's marker lines
@@ -62,6 +65,8 @@ class Cell:
         """Names bound at top level other than by imports (defs, classes, assignments), in order."""
         names = []
         for node in self.tree.body:
+            if method_target(node) is not None:         # a method of an earlier class, not a module name
+                continue
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.append(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -87,6 +92,20 @@ class Cell:
                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                       and node.lineno <= begin + 1 <= node.end_lineno), None)
                 for begin, _ in self.spans]
+
+
+ADD_TO_CLASS = "add_to_class"
+
+
+def method_target(node: ast.stmt) -> str | None:
+    """C for a top-level def whose outermost decorator is `@add_to_class(C)`; None for any other statement."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.decorator_list:
+        return None
+    first = node.decorator_list[0]
+    is_it = (isinstance(first, ast.Call) and isinstance(first.func, ast.Name) and first.func.id == ADD_TO_CLASS)
+    if is_it and len(first.args) == 1 and not first.keywords and isinstance(first.args[0], ast.Name):
+        return first.args[0].id
+    return None
 
 
 def bound_name(alias: ast.alias, node: ast.Import | ast.ImportFrom) -> str:
@@ -369,7 +388,102 @@ def header(notebooks: list[str], width: int = 120) -> str:
     return "\n".join(f"# {line}" for line in [*lines, tail])
 
 
+# ---------------------------------------------------------------- methods added to a class
+
+
+def check_method(cell: Cell, node: ast.FunctionDef, classes: dict) -> str:
+    """The class `node` goes into; BuildError for a move that would change what the code does."""
+    name = method_target(node)
+    where = cell.where(node.lineno - 1)
+    if name not in classes:
+        raise BuildError(f"{where}: @add_to_class({name}) over {node.name}(): no earlier export cell of "
+                         f"{cell.target} defines class {name}; define the class first, in this module")
+    home, _ = classes[name]
+    if home.spans or cell.spans:
+        raise BuildError(f"{where}: @add_to_class({name}) over {node.name}(): a class or method that holds an "
+                         "exercise (BEGIN SOLUTION) stays in one cell; keep the method inside the class")
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and inner.func.id == "super" \
+                and not inner.args:
+            raise BuildError(f"{cell.where(inner.lineno - 1)}: {node.name}() calls super() without arguments, "
+                             "which works only inside a class body; keep the method inside the class cell")
+        if isinstance(inner, ast.Attribute) and inner.attr.startswith("__") and not inner.attr.endswith("__"):
+            raise BuildError(f"{cell.where(inner.lineno - 1)}: {node.name}() uses `{inner.attr}`, which Python "
+                             "renames only inside a class body; keep the method inside the class cell")
+    strings = [n for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and n.end_lineno > n.lineno and n is not docstring_node(node)]
+    if strings:
+        raise BuildError(f"{cell.where(strings[0].lineno - 1)}: {node.name}() holds a multi-line string, which "
+                         "would change when the build indents the method into the class; keep it in the class cell")
+    return name
+
+
+def docstring_node(node: ast.FunctionDef) -> ast.Constant | None:
+    first = node.body[0] if node.body else None
+    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    return first.value if is_doc and isinstance(first.value.value, str) else None
+
+
+def method_lines(cell: Cell, node: ast.FunctionDef) -> range:
+    """The def's lines with its decorators and the comment lines right above them (0-based indices)."""
+    start = node.decorator_list[0].lineno - 1
+    while start > 0 and cell.lines[start - 1].lstrip().startswith("#"):
+        start -= 1
+    return range(start, node.end_lineno)
+
+
+def with_methods(cells: list[Cell], width: int = 120) -> list[Cell]:
+    """`cells` with every `@add_to_class(C)` def moved to the end of class C's body, decorator line dropped.
+
+    C must be defined at top level earlier in the module (an earlier cell, or earlier in the same
+    cell); methods go in cell order, each indented as the class's body is. Refused (BuildError):
+    a method using zero-argument super() or a `__private` name (both need a class body), one
+    holding a multi-line string (indenting would change it), a line that would pass `width`.
+    """
+    classes: dict[str, tuple[Cell, ast.ClassDef]] = {}
+    inserts: dict[tuple[int, int], list[str]] = {}      # (id(cell), index of a class's last line) -> lines
+    dropped: dict[int, set[int]] = {}                   # id(cell) -> indices moved away
+    for cell in cells:
+        for node in cell.imports():
+            if any(bound_name(alias, node) == ADD_TO_CLASS for alias in node.names):
+                raise BuildError(f"{cell.where(node.lineno - 1)}: import {ADD_TO_CLASS} in a cell without the "
+                                 "export marker (it is notebook plumbing, not part of the module)")
+        for node in cell.tree.body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (cell, node)
+            elif method_target(node) is not None:
+                home, cls = classes[check_method(cell, node, classes)]
+                indent = " " * cls.body[0].col_offset
+                span = method_lines(cell, node)
+                decorator = node.decorator_list[0]
+                skip = set(range(decorator.lineno - 1, decorator.end_lineno))
+                moved = []
+                for i in (i for i in span if i not in skip):
+                    line = indent + cell.lines[i] if cell.lines[i].strip() else ""
+                    if len(line) > width:
+                        raise BuildError(f"{cell.where(i)}: this line of {node.name}() is {len(line)} characters "
+                                         f"once indented into class {cls.name}; wrap it to {width}")
+                    moved.append(line)
+                inserts.setdefault((id(home), cls.end_lineno - 1), []).extend(["", *moved])
+                dropped.setdefault(id(cell), set()).update(span)
+    if not inserts:
+        return cells
+    merged = []
+    for cell in cells:
+        lines = []
+        for i, line in enumerate(cell.lines):
+            if i not in dropped.get(id(cell), ()):
+                lines.append(line)
+            lines += inserts.get((id(cell), i), [])
+        if lines != cell.lines:
+            cell = replace(cell, lines=lines, tree=ast.parse("\n".join(lines)))
+            cell.spans = solution_spans(cell)
+        merged.append(cell)
+    return merged
+
+
 def render_module(target: str, cells: list[Cell]) -> str:
+    cells = with_methods(cells)
     first = cells[0]
     if first.docstring() is None:
         raise BuildError(f"{first.where(0)}: {target}: the first exported cell must start with a module docstring")

@@ -15,6 +15,10 @@ methods). References other modules took earlier (`from minirl.algo.advantages im
 group_advantages` in `minirl.train.step`) therefore run the edited code too, for the rest of
 the kernel's life.
 
+A long class is built up across cells in d2l's style: `@add_to_class(Actor)` over a def in a
+later export cell makes it a method of `Actor` here, and the build moves it into the class's
+body in the generated module (tools/notebook_cells.py), so the package reads as one piece.
+
 Simplified: the files on disk do not change (save the notebook and run `python tools/build.py`
 to regenerate them); a cell that fails is not applied; an object the edit deletes stays in
 the module until the kernel restarts; instances created before the edit keep their data.
@@ -103,15 +107,57 @@ def patch(old, new) -> bool:
     return False
 
 
+class MethodAdded:
+    """What `@add_to_class(cls)` leaves under the function's name: a note that it went into the class."""
+
+    def __init__(self, cls: type, name: str):
+        self.cls, self.name = cls, name
+
+    def __repr__(self) -> str:
+        return f"<{self.cls.__name__}.{self.name}: a method, added by add_to_class>"
+
+
+def add_to_class(cls: type):
+    """Decorator: the function below becomes the method of `cls` of the same name (d2l's `add_to_class`).
+
+    Put it outermost, above `@property`, `@staticmethod` or any other decorator. A method of that
+    name already on `cls` is patched in place (bound copies and other modules' references
+    follow the edit); otherwise the attribute is set. The name itself is left bound to a
+    `MethodAdded` note, not to the function: the method lives on the class.
+    """
+    def attach(function):
+        inner = function.fget if isinstance(function, property) else getattr(function, "__func__", function)
+        name = inner.__name__
+        current = vars(cls).get(name)
+        if not (isinstance(current, types.FunctionType) and isinstance(function, types.FunctionType)
+                and patch_function(current, function)):
+            setattr(cls, name, function)
+        return MethodAdded(cls, name)
+    return attach
+
+
 def apply_cell(source: str, module_name: str) -> list[str]:
-    """Run `source` inside `module_name` and patch the objects it replaces in place; returns the names it set."""
+    """Run `source` inside `module_name` and patch the objects it replaces in place; returns the names it set.
+
+    A method added with `@add_to_class` goes into its class; the module's own name for it (if any) is kept."""
     module = importlib.import_module(module_name)
     namespace = vars(module)
     before = dict(namespace)
-    exec(compile(source, f"<exported cell: {module_name}>", "exec"), namespace)  # noqa: S102 (not the file's lines)
+    namespace.setdefault("add_to_class", add_to_class)      # the notebook's import, for this run only
+    try:
+        exec(compile(source, f"<exported cell: {module_name}>", "exec"), namespace)  # noqa: S102 (not the file's lines)
+    finally:
+        if "add_to_class" not in before:
+            namespace.pop("add_to_class", None)
     changed = []
     for name, new in list(namespace.items()):
         old = before.get(name)
+        if isinstance(new, MethodAdded):                       # a method, not a module-level name
+            if name in before:
+                namespace[name] = old
+            else:
+                del namespace[name]
+            continue
         if name.startswith("__") or new is old:
             continue
         changed.append(name)
