@@ -46,6 +46,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from minirl.utils.notebook import add_to_class
+
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
 RUNS = ROOT / "runs"                                                          # every run lands here
@@ -515,6 +517,12 @@ MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
+# %% [markdown]
+# The dataclass: one field per flag of the chapter, each value checked in `__post_init__`
+# when the config is built, so that a bad flag fails before anything heavy is imported.
+
+# %%
+# | export minirl/parallel/config.py
 @dataclass
 class ParallelConfig:
     """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
@@ -571,19 +579,31 @@ class ParallelConfig:
             raise ConfigError(flag, getattr(self, flag), f"is FSDP2's (MixedPrecisionPolicy / CPUOffloadPolicy) and "
                                                          f"--zero {self.zero} is DDP; use --zero 2 or 3")
 
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
 
-    @property
-    def alpha(self) -> float:
-        return self.lora_alpha or 2.0 * self.lora_rank
+# %% [markdown]
+# Three values derived from the fields: the LoRA target modules as a tuple, alpha (twice the
+# rank unless set), and the sync mode "auto" resolves to (merged with LoRA, full without).
 
-    @property
-    def resolved_sync_mode(self) -> str:
-        if self.sync_mode != "auto":
-            return self.sync_mode
-        return "merged" if self.lora_rank else "full"
+# %%
+# | export minirl/parallel/config.py
+@add_to_class(ParallelConfig)
+@property
+def targets(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
+
+
+@add_to_class(ParallelConfig)
+@property
+def alpha(self) -> float:
+    return self.lora_alpha or 2.0 * self.lora_rank
+
+
+@add_to_class(ParallelConfig)
+@property
+def resolved_sync_mode(self) -> str:
+    if self.sync_mode != "auto":
+        return self.sync_mode
+    return "merged" if self.lora_rank else "full"
 
 
 # %% [markdown]
@@ -1704,17 +1724,6 @@ class ShardedSync:
             named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
-    def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
-        own = {full_tensor_storage(t) for _, t in named}
-        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
-        for layer in layers:
-            for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
-                if meter is not None and tensor.untyped_storage().data_ptr() not in own:
-                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
-                yield name, tensor
-            del layer
-
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
         """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
         start = time.perf_counter()
@@ -1743,15 +1752,38 @@ class ShardedSync:
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
-    def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
-        """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
-        held = dict(engine.named_weights())
-        dtype, stale = dtype_name(engine), []
-        for name, tensor in self.stream(named):
-            amax = tensor.abs().max().item() if tensor.numel() else 1.0
-            stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
-                                      *rounding_tolerance(dtype, amax))
-        return stale
+
+# %% [markdown]
+# The stream `push` hands to the engine: one layer (or bucket) gathered at a time and turned
+# into the engine's tensors, the bytes gathered here tracked by the meter. `stale_tensors` is
+# `verify=True`'s check: it gathers everything a second time and compares it with the
+# engine's copy.
+
+# %%
+# | export minirl/sync/sharded.py
+@add_to_class(ShardedSync)
+def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
+    own = {full_tensor_storage(t) for _, t in named}
+    layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+    for layer in layers:
+        for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
+            if meter is not None and tensor.untyped_storage().data_ptr() not in own:
+                meter.track(tensor)                    # gathered or merged here, not the trainer's own
+            yield name, tensor
+        del layer
+
+
+@add_to_class(ShardedSync)
+def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
+    """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
+    held = dict(engine.named_weights())
+    dtype, stale = dtype_name(engine), []
+    for name, tensor in self.stream(named):
+        amax = tensor.abs().max().item() if tensor.numel() else 1.0
+        stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
+                                  *rounding_tolerance(dtype, amax))
+    return stale
 
 
 # %% [markdown]
@@ -1964,22 +1996,6 @@ class ColocatedEngine:
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    @property
-    def model(self):
-        return self.engine.model
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
-
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
@@ -2012,33 +2028,79 @@ class ColocatedEngine:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
 
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
 
-    def named_weights(self):
-        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
-        return self.engine.named_weights()
+# %% [markdown]
+# What the wrapper passes through from the inner engine (its version, dtype, model and
+# weights), and the streamed load: each pushed tensor copied into the engine's own as it
+# arrives.
 
-    def sleep(self) -> None:
-        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
-        if self.asleep:
-            return
-        with self.record("sleep"):
-            start = time.perf_counter()
-            released = release_storage(self._tensors().values())
-            self.asleep = True
-            self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+# %%
+# | export minirl/rollout/colocated.py
+@add_to_class(ColocatedEngine)
+@property
+def version(self) -> int:
+    return self.engine.version
 
-    def wake_up(self) -> None:
-        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
-        if not self.asleep:
-            return
-        with self.record("wake_up"):
-            start = time.perf_counter()
-            restore_storage(self._tensors().values())
-            self.asleep, self.ready = False, False              # awake, but stale until the push completes
-            self.stats["wake_seconds"] = time.perf_counter() - start
+
+@add_to_class(ColocatedEngine)
+@property
+def dtype(self):
+    return self.engine.dtype
+
+
+@add_to_class(ColocatedEngine)
+@property
+def model(self):
+    return self.engine.model
+
+
+@add_to_class(ColocatedEngine)
+def _tensors(self) -> dict[str, Tensor]:
+    state = self.engine.model.state_dict(keep_vars=True)
+    return {n: state[n].data for n in self.names}
+
+
+@add_to_class(ColocatedEngine)
+def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
+    copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
+
+
+@add_to_class(ColocatedEngine)
+def named_weights(self):
+    """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
+    return self.engine.named_weights()
+
+
+# %% [markdown]
+# Colocation itself: `sleep` resizes the storage of every tensor a push refills to zero
+# bytes, keeping the shapes, and `wake_up` allocates it again just before the next push fills
+# it.
+
+# %%
+# | export minirl/rollout/colocated.py
+@add_to_class(ColocatedEngine)
+def sleep(self) -> None:
+    """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+    if self.asleep:
+        return
+    with self.record("sleep"):
+        start = time.perf_counter()
+        released = release_storage(self._tensors().values())
+        self.asleep = True
+        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+
+
+@add_to_class(ColocatedEngine)
+def wake_up(self) -> None:
+    """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+    if not self.asleep:
+        return
+    with self.record("wake_up"):
+        start = time.perf_counter()
+        restore_storage(self._tensors().values())
+        self.asleep, self.ready = False, False              # awake, but stale until the push completes
+        self.stats["wake_seconds"] = time.perf_counter() - start
 
 
 # %% [markdown]
@@ -2232,6 +2294,14 @@ vLLM (tests/test_vllm.py). Simplified vs TRL: tensor parallel size 1, no server 
 LoRA adapters inside vLLM (push merged weights).
 """
 
+# %% [markdown]
+# The module's imports and constants: vLLM's compute dtypes, and the two ways into vLLM's
+# model that `load_weights` knows (the public reload, and the internal chain it falls back
+# to). Then three helpers: a free port, importing vLLM with a message that says how to get
+# it, and the model length a task needs.
+
+# %%
+# | export minirl/rollout/vllm.py
 import os
 import shutil
 import socket
@@ -2490,33 +2560,43 @@ class VLLMEngine(VLLMSleepMode):
         self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
         self.version, self.ready = version, True
 
-    def _push(self, stream: _Stream) -> None:
-        """Into vLLM's worker: the public reload, or (refused before it took a tensor) the internal chain."""
-        if self.weight_api == PUBLIC_API:
-            try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
-                return
-            except (AttributeError, NotImplementedError, TypeError) as err:
-                if stream.taken:
-                    raise
-                self.weight_api = f"{INTERNAL_API} ({PUBLIC_API} refused: {type(err).__name__}: {err})"
-        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, tensor in stream:
-            model.load_weights([(name, tensor)])
-
     def named_weights(self):
         raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
                                   "log-probs instead (notebook 02) to check a vLLM sync")
 
-    def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
-        if not self.ready:
-            raise RuntimeError("VLLMEngine: no complete weights (asleep or half-loaded); push the weights first")
-        ids = self._prompt_ids(prompts, max_new_tokens)
-        self._wake(("kv_cache",))
-        params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
+
+# %% [markdown]
+# How a push reaches vLLM's model inside its worker (the public reload, else the internal
+# chain), and the greedy completions behind held-out accuracy.
+
+# %%
+# | export minirl/rollout/vllm.py
+@add_to_class(VLLMEngine)
+def _push(self, stream: _Stream) -> None:
+    """Into vLLM's worker: the public reload, or (refused before it took a tensor) the internal chain."""
+    if self.weight_api == PUBLIC_API:
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
+            return
+        except (AttributeError, NotImplementedError, TypeError) as err:
+            if stream.taken:
+                raise
+            self.weight_api = f"{INTERNAL_API} ({PUBLIC_API} refused: {type(err).__name__}: {err})"
+    model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for name, tensor in stream:
+        model.load_weights([(name, tensor)])
+
+
+@add_to_class(VLLMEngine)
+def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
+    if not self.ready:
+        raise RuntimeError("VLLMEngine: no complete weights (asleep or half-loaded); push the weights first")
+    ids = self._prompt_ids(prompts, max_new_tokens)
+    self._wake(("kv_cache",))
+    params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
 
 # %%
 import importlib.util  # noqa: E402
