@@ -1262,8 +1262,8 @@ class DistributedActor(DataParallelRole, Actor):
 
 
 # %% [markdown]
-# The critic gets the same treatment for PPO (notebook 06 runs it on a pool of ranks): the
-# wrapped value model, with its training forward weighted through `_weighted`.
+# The critic gets the same treatment for PPO (notebook 06 runs it on a pool of ranks): a
+# forward hook passes the values of its training forward through `_weighted`.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -1436,8 +1436,8 @@ def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[lis
 
 
 # %% [markdown]
-# What the engine is sent from a gathered layer: the tensors as they are, or a LoRA layer's W
-# + scaling B A merged into one weight, or the adapters alone.
+# What the engine is sent from a gathered layer: the tensors as they are, a LoRA layer's
+# `W + scaling * B @ A` merged into one weight, or the adapters alone.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -2804,8 +2804,8 @@ def spmd_step(state: SPMDState) -> dict:
 
 # %% [markdown]
 # The sync's cost, measured: every mode and transfer this run can ship is pushed into an
-# engine that only receives, and its seconds, bytes and share of the step are compared with
-# the source's 5 %.
+# engine that only receives, and timed; its share of the run's median step is the number the
+# source's 5 % threshold applies to.
 
 # %%
 # | export minirl/parallel/spmd.py
@@ -3263,9 +3263,9 @@ def _broadcast(obj):
 
 
 # %% [markdown]
-# The pieces of a sharded checkpoint: what DCP saves for the model and optimizer, the small
-# state each rank keeps itself, and DCP's and torch.save's failures turned into the errors
-# they are (a full disk names its file).
+# The pieces of a sharded checkpoint: what DCP saves for the model and optimizer, what each
+# rank saves itself (its random generators' states, ZeRO-1's optimizer), and DCP's and
+# torch.save's failures turned into the errors they are (a full disk names its file).
 
 # %%
 # | export minirl/parallel/checkpoint.py
