@@ -1996,6 +1996,10 @@ class ColocatedEngine:
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
+    @property
+    def model(self):
+        return self.engine.model
+
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
@@ -2030,9 +2034,9 @@ class ColocatedEngine:
 
 
 # %% [markdown]
-# What the wrapper passes through from the inner engine (its version, dtype, model and
-# weights), and the streamed load: each pushed tensor copied into the engine's own as it
-# arrives.
+# The inner engine's version and dtype, passed through, and the engine's own tensors by the
+# trainer's names: the streamed load copies each pushed tensor into them as it arrives, and
+# `named_weights` is the copy the stale-parameter check compares.
 
 # %%
 # | export minirl/rollout/colocated.py
@@ -2046,12 +2050,6 @@ def version(self) -> int:
 @property
 def dtype(self):
     return self.engine.dtype
-
-
-@add_to_class(ColocatedEngine)
-@property
-def model(self):
-    return self.engine.model
 
 
 @add_to_class(ColocatedEngine)

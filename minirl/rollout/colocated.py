@@ -118,6 +118,10 @@ class ColocatedEngine:
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
+    @property
+    def model(self):
+        return self.engine.model
+
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
@@ -157,10 +161,6 @@ class ColocatedEngine:
     @property
     def dtype(self):
         return self.engine.dtype
-
-    @property
-    def model(self):
-        return self.engine.model
 
     def _tensors(self) -> dict[str, Tensor]:
         state = self.engine.model.state_dict(keep_vars=True)
