@@ -7,29 +7,13 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import re
 from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from minirl.config import LOSS_TYPES
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def scale_gradient(x: Tensor, scale: float) -> Tensor:
-    """`x` unchanged in value; the gradient flowing back through it is multiplied by `scale`."""
-    return _ScaleGradient.apply(x, scale)
+from minirl.sync.sharded import LORA, engine_name, full_tensor, layer_key
 
 
 def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
@@ -50,29 +34,6 @@ def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, loca
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
     raise NotImplementedError("exercise 4.1: rank_loss_weight -- see its docstring and notebook 04")
-
-
-SYNC_MODES = ("full", "merged", "adapter")
-PEFT_PREFIX = "base_model.model."
-LAYER = re.compile(r"\.layers\.\d+\.")
-LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
-
-
-def engine_name(name: str) -> str:
-    """A trainer tensor's Hugging Face name: peft's "base_model.model." prefix and ".base_layer" removed."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-def layer_key(name: str) -> str:
-    """The decoder layer a tensor belongs to ("...layers.3."), or the name itself outside the layers."""
-    match = LAYER.search(name)
-    return name[:match.end()] if match else name
-
-
-def full_tensor(tensor: Tensor) -> Tensor:
-    """The whole tensor behind a DTensor shard (an all-gather: every rank must call it), else the tensor."""
-    tensor = tensor.detach()
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:

@@ -36,18 +36,17 @@
 # %load_ext minirl.utils.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
-import contextlib
 import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-from tqdm.auto import tqdm
+
+from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -67,42 +66,6 @@ def show(rows, header):
             print("-+-".join("-" * w for w in widths))
 
 
-@contextlib.contextmanager
-def step_bar(metrics: Path, total: int | None, desc: str):
-    """A tqdm bar over the steps that a job in other processes appends to `metrics` (its metrics.jsonl).
-
-    The job's own bar is off (a pipe is not a terminal), so this one reads the file every second.
-    A file older than the bar is the previous run's, not yet replaced: it counts as no steps.
-    """
-    since, done = time.time(), threading.Event()
-    bar = tqdm(total=total, desc=desc)
-
-    def look():
-        try:
-            lines = metrics.read_text().splitlines() if metrics.stat().st_mtime >= since else []
-            last = json.loads(lines[-1]) if lines else None
-        except (OSError, ValueError):                  # not written yet, or a line half written
-            return
-        if last is not None:
-            bar.n = last["step"]
-            bar.set_postfix_str(f"reward {last['reward']:.2f}" if "reward" in last else "", refresh=False)
-        bar.refresh()
-
-    def follow():
-        while not done.is_set():
-            done.wait(1.0)
-            look()
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
-    try:
-        yield bar
-    finally:
-        done.set()
-        thread.join()
-        bar.close()
-
-
 # %% [markdown]
 # ## 0. The whole stage, first
 #
@@ -115,6 +78,7 @@ def step_bar(metrics: Path, total: int | None, desc: str):
 
 # %%
 from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.utils.progress import step_bar  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
@@ -228,6 +192,13 @@ class DistContext:
         return self.rank == 0
 
 
+# %% [markdown]
+# Joining the job: each process reads its rank from the environment torchrun set, picks gloo
+# or NCCL for its device, and joins the default process group. Outside torchrun the same call
+# makes a group of one, so the sharded code also runs in this kernel.
+
+# %%
+# | export minirl/parallel/launch.py
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) as torchrun sets them; (0, 1, 0) in a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -365,6 +336,13 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
     return items[rank * k:(rank + 1) * k]
 
 
+# %% [markdown]
+# A bad input on one rank must not leave the others blocked in a collective. `agree` runs a
+# piece of work on every rank and, when it raised anywhere, raises on every rank, naming the
+# rank that failed and its error.
+
+# %%
+# | export minirl/parallel/launch.py
 class RankFailed(RuntimeError):
     """Another rank failed; the message names the rank and its error. rank: that rank; cause: its error
     when it is an OSError (a disk that filled names its file on every rank), else None."""
@@ -466,6 +444,13 @@ def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool 
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
 
 
+# %% [markdown]
+# Two pieces of plumbing for `torchrun`: the ends of a long job output (a rank's own error
+# comes first, torchrun's summary last), and ending a job together with every rank it
+# started.
+
+# %%
+# | export minirl/parallel/launch.py
 def output_ends(text: str, n: int = 2500) -> str:
     """The first and last `n` characters of a job's output, or all of a short one (a rank's own
     error comes before torchrun's long summary of the failure, which ends the output)."""
@@ -532,6 +517,12 @@ MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
+# %% [markdown]
+# The dataclass: one field per flag of the chapter, each value checked in `__post_init__`
+# when the config is built, so that a bad flag fails before anything heavy is imported.
+
+# %%
+# | export minirl/parallel/config.py
 @dataclass
 class ParallelConfig:
     """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
@@ -588,19 +579,31 @@ class ParallelConfig:
             raise ConfigError(flag, getattr(self, flag), f"is FSDP2's (MixedPrecisionPolicy / CPUOffloadPolicy) and "
                                                          f"--zero {self.zero} is DDP; use --zero 2 or 3")
 
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
 
-    @property
-    def alpha(self) -> float:
-        return self.lora_alpha or 2.0 * self.lora_rank
+# %% [markdown]
+# Three values derived from the fields: the LoRA target modules as a tuple, alpha (twice the
+# rank unless set), and the sync mode "auto" resolves to (merged with LoRA, full without).
 
-    @property
-    def resolved_sync_mode(self) -> str:
-        if self.sync_mode != "auto":
-            return self.sync_mode
-        return "merged" if self.lora_rank else "full"
+# %%
+# | export minirl/parallel/config.py
+@add_to_class(ParallelConfig)
+@property
+def targets(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.lora_target_modules.split(",") if t.strip())
+
+
+@add_to_class(ParallelConfig)
+@property
+def alpha(self) -> float:
+    return self.lora_alpha or 2.0 * self.lora_rank
+
+
+@add_to_class(ParallelConfig)
+@property
+def resolved_sync_mode(self) -> str:
+    if self.sync_mode != "auto":
+        return self.sync_mode
+    return "merged" if self.lora_rank else "full"
 
 
 # %% [markdown]
@@ -755,6 +758,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# %% [markdown]
+# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
+# layers, the base weights frozen. An adapted model starts out equal to its base model,
+# because B starts at zero.
+
+# %%
+# | export minirl/parallel/wrap.py
 def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
     """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
 
@@ -985,6 +995,13 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 
+# %% [markdown]
+# Each rank's loss covers only its rows, while DDP and FSDP average the gradients over the
+# ranks. `rank_loss_weight` gives the factor per rank that makes that average equal to the
+# whole batch's gradient, for each of notebook 01's loss aggregations.
+
+# %%
+# | export minirl/parallel/roles.py
 def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
                      world_size: int) -> float:
     """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
@@ -1066,6 +1083,13 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     return out
 
 
+# %% [markdown]
+# Ranks must run the same number of forward and backward passes (FSDP gathers weights inside
+# each one). These helpers pad completions to a common width, split micro-batches until every
+# rank has as many, and check that an update's inputs are finite.
+
+# %%
+# | export minirl/parallel/roles.py
 def pad_completions(batch: Batch, width: int) -> Batch:
     """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
 
@@ -1237,6 +1261,12 @@ class DistributedActor(DataParallelRole, Actor):
         super().load_state_dict(state)
 
 
+# %% [markdown]
+# The critic gets the same treatment for PPO (notebook 06 runs it on a pool of ranks): a
+# forward hook passes the values of its training forward through `_weighted`.
+
+# %%
+# | export minirl/parallel/roles.py
 class DistributedCritic(DataParallelRole, Critic):
     """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
 
@@ -1374,6 +1404,12 @@ def full_tensor(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+# %% [markdown]
+# Gathering layer by layer: the consumer asks for one layer, every rank gathers that layer's
+# shards, and the memory of whole tensors never exceeds about one layer.
+
+# %%
+# | export minirl/sync/sharded.py
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
@@ -1399,6 +1435,12 @@ def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[lis
     # END SOLUTION
 
 
+# %% [markdown]
+# What the engine is sent from a gathered layer: the tensors as they are, a LoRA layer's
+# `W + scaling * B @ A` merged into one weight, or the adapters alone.
+
+# %%
+# | export minirl/sync/sharded.py
 def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
     """The weight an adapted linear layer computes with: W + scaling * B @ A.
 
@@ -1491,6 +1533,13 @@ def packable(tensor: Tensor) -> bool:
             and tuple(tensor.placements) == (Shard(0),))
 
 
+# %% [markdown]
+# Packing: one all-gather per dtype for a whole layer, instead of one per tensor. Each rank
+# copies its flat shards into one padded buffer, the buffers are gathered once, and the whole
+# tensors are cut out of the result, bit for bit what `full_tensor` gives.
+
+# %%
+# | export minirl/sync/sharded.py
 def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str, Tensor]]:
     """One layer's tensors, whole, with one all-gather per dtype instead of one per tensor.
 
@@ -1534,6 +1583,12 @@ def gather_packed(layer: list[tuple[str, Tensor]], meter=None) -> list[tuple[str
     return out
 
 
+# %% [markdown]
+# Buckets: several consecutive layers in one collective (fewer round trips, more memory),
+# never splitting a layer, so that a LoRA layer's W, A and B arrive together.
+
+# %%
+# | export minirl/sync/sharded.py
 def split_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """`gather_by_layer`'s lists, ungathered: consecutive names with the same `layer_key` form one list."""
     layer, key = [], None
@@ -1669,17 +1724,6 @@ class ShardedSync:
             named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
-    def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
-        own = {full_tensor_storage(t) for _, t in named}
-        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
-        for layer in layers:
-            for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
-                if meter is not None and tensor.untyped_storage().data_ptr() not in own:
-                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
-                yield name, tensor
-            del layer
-
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
         """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
         start = time.perf_counter()
@@ -1708,15 +1752,38 @@ class ShardedSync:
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
-    def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
-        """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
-        held = dict(engine.named_weights())
-        dtype, stale = dtype_name(engine), []
-        for name, tensor in self.stream(named):
-            amax = tensor.abs().max().item() if tensor.numel() else 1.0
-            stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
-                                      *rounding_tolerance(dtype, amax))
-        return stale
+
+# %% [markdown]
+# The stream `push` hands to the engine: one layer (or bucket) gathered at a time and turned
+# into the engine's tensors, the bytes gathered here tracked by the meter. `stale_tensors` is
+# `verify=True`'s check: it gathers everything a second time and compares it with the
+# engine's copy.
+
+# %%
+# | export minirl/sync/sharded.py
+@add_to_class(ShardedSync)
+def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
+    own = {full_tensor_storage(t) for _, t in named}
+    layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+    for layer in layers:
+        for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
+            if meter is not None and tensor.untyped_storage().data_ptr() not in own:
+                meter.track(tensor)                    # gathered or merged here, not the trainer's own
+            yield name, tensor
+        del layer
+
+
+@add_to_class(ShardedSync)
+def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
+    """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
+    held = dict(engine.named_weights())
+    dtype, stale = dtype_name(engine), []
+    for name, tensor in self.stream(named):
+        amax = tensor.abs().max().item() if tensor.numel() else 1.0
+        stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
+                                  *rounding_tolerance(dtype, amax))
+    return stale
 
 
 # %% [markdown]
@@ -1842,6 +1909,13 @@ class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
 
 
+# %% [markdown]
+# Three operations on the engine's own tensors: copy a push into them (checking every name
+# and shape), give their storage back while the trainer updates, and allocate it again before
+# the next push.
+
+# %%
+# | export minirl/rollout/colocated.py
 def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
                 fp8: bool = False) -> None:
     """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
@@ -1923,20 +1997,8 @@ class ColocatedEngine:
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
     @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    @property
     def model(self):
         return self.engine.model
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
@@ -1970,33 +2032,73 @@ class ColocatedEngine:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
 
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
 
-    def named_weights(self):
-        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
-        return self.engine.named_weights()
+# %% [markdown]
+# The inner engine's version and dtype, passed through, and the engine's own tensors by the
+# trainer's names: the streamed load copies each pushed tensor into them as it arrives, and
+# `named_weights` is the copy the stale-parameter check compares.
 
-    def sleep(self) -> None:
-        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
-        if self.asleep:
-            return
-        with self.record("sleep"):
-            start = time.perf_counter()
-            released = release_storage(self._tensors().values())
-            self.asleep = True
-            self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+# %%
+# | export minirl/rollout/colocated.py
+@add_to_class(ColocatedEngine)
+@property
+def version(self) -> int:
+    return self.engine.version
 
-    def wake_up(self) -> None:
-        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
-        if not self.asleep:
-            return
-        with self.record("wake_up"):
-            start = time.perf_counter()
-            restore_storage(self._tensors().values())
-            self.asleep, self.ready = False, False              # awake, but stale until the push completes
-            self.stats["wake_seconds"] = time.perf_counter() - start
+
+@add_to_class(ColocatedEngine)
+@property
+def dtype(self):
+    return self.engine.dtype
+
+
+@add_to_class(ColocatedEngine)
+def _tensors(self) -> dict[str, Tensor]:
+    state = self.engine.model.state_dict(keep_vars=True)
+    return {n: state[n].data for n in self.names}
+
+
+@add_to_class(ColocatedEngine)
+def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
+    copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
+
+
+@add_to_class(ColocatedEngine)
+def named_weights(self):
+    """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
+    return self.engine.named_weights()
+
+
+# %% [markdown]
+# Colocation itself: `sleep` resizes the storage of every tensor a push refills to zero
+# bytes, keeping the shapes, and `wake_up` allocates it again just before the next push fills
+# it.
+
+# %%
+# | export minirl/rollout/colocated.py
+@add_to_class(ColocatedEngine)
+def sleep(self) -> None:
+    """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+    if self.asleep:
+        return
+    with self.record("sleep"):
+        start = time.perf_counter()
+        released = release_storage(self._tensors().values())
+        self.asleep = True
+        self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
+
+
+@add_to_class(ColocatedEngine)
+def wake_up(self) -> None:
+    """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+    if not self.asleep:
+        return
+    with self.record("wake_up"):
+        start = time.perf_counter()
+        restore_storage(self._tensors().values())
+        self.asleep, self.ready = False, False              # awake, but stale until the push completes
+        self.stats["wake_seconds"] = time.perf_counter() - start
 
 
 # %% [markdown]
@@ -2190,6 +2292,14 @@ vLLM (tests/test_vllm.py). Simplified vs TRL: tensor parallel size 1, no server 
 LoRA adapters inside vLLM (push merged weights).
 """
 
+# %% [markdown]
+# The module's imports and constants: vLLM's compute dtypes, and the two ways into vLLM's
+# model that `load_weights` knows (the public reload, and the internal chain it falls back
+# to). Then three helpers: a free port, importing vLLM with a message that says how to get
+# it, and the model length a task needs.
+
+# %%
+# | export minirl/rollout/vllm.py
 import os
 import shutil
 import socket
@@ -2448,33 +2558,43 @@ class VLLMEngine(VLLMSleepMode):
         self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
         self.version, self.ready = version, True
 
-    def _push(self, stream: _Stream) -> None:
-        """Into vLLM's worker: the public reload, or (refused before it took a tensor) the internal chain."""
-        if self.weight_api == PUBLIC_API:
-            try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
-                return
-            except (AttributeError, NotImplementedError, TypeError) as err:
-                if stream.taken:
-                    raise
-                self.weight_api = f"{INTERNAL_API} ({PUBLIC_API} refused: {type(err).__name__}: {err})"
-        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        for name, tensor in stream:
-            model.load_weights([(name, tensor)])
-
     def named_weights(self):
         raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
                                   "log-probs instead (notebook 02) to check a vLLM sync")
 
-    def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
-        if not self.ready:
-            raise RuntimeError("VLLMEngine: no complete weights (asleep or half-loaded); push the weights first")
-        ids = self._prompt_ids(prompts, max_new_tokens)
-        self._wake(("kv_cache",))
-        params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
+
+# %% [markdown]
+# How a push reaches vLLM's model inside its worker (the public reload, else the internal
+# chain), and the greedy completions behind held-out accuracy.
+
+# %%
+# | export minirl/rollout/vllm.py
+@add_to_class(VLLMEngine)
+def _push(self, stream: _Stream) -> None:
+    """Into vLLM's worker: the public reload, or (refused before it took a tensor) the internal chain."""
+    if self.weight_api == PUBLIC_API:
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
+            return
+        except (AttributeError, NotImplementedError, TypeError) as err:
+            if stream.taken:
+                raise
+            self.weight_api = f"{INTERNAL_API} ({PUBLIC_API} refused: {type(err).__name__}: {err})"
+    model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for name, tensor in stream:
+        model.load_weights([(name, tensor)])
+
+
+@add_to_class(VLLMEngine)
+def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""
+    if not self.ready:
+        raise RuntimeError("VLLMEngine: no complete weights (asleep or half-loaded); push the weights first")
+    ids = self._prompt_ids(prompts, max_new_tokens)
+    self._wake(("kv_cache",))
+    params = self.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
 
 # %%
 import importlib.util  # noqa: E402
@@ -2567,6 +2687,13 @@ class SPMDState(RunState):
     lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
+# %% [markdown]
+# Setting up a rank: its engine (vLLM on a GPU, or the in-process engine, colocated or not),
+# then everything `setup_spmd` builds before the first step, with version 0 pushed so that a
+# bad engine fails before any training.
+
+# %%
+# | export minirl/parallel/spmd.py
 def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
     """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
     prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
@@ -2673,6 +2800,13 @@ def spmd_step(state: SPMDState) -> dict:
     return record
 
 
+# %% [markdown]
+# The sync's cost, measured: every mode and transfer this run can ship is pushed into an
+# engine that only receives, and timed; its share of the run's median step is the number the
+# source's 5 % threshold applies to.
+
+# %%
+# | export minirl/parallel/spmd.py
 def sync_table(state: SPMDState, metrics: list[dict], repeats: int = 5) -> list[dict]:
     """Seconds, bytes and share of the step of one sync in each mode and transfer this run can ship.
 
@@ -2733,6 +2867,12 @@ def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float
     return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
 
 
+# %% [markdown]
+# The trained policy leaves the job whole: gathered layer by layer, LoRA merged, and saved by
+# rank 0 in Hugging Face format, a failed write raised on every rank.
+
+# %%
+# | export minirl/parallel/spmd.py
 def _save_pretrained(model, tokenizer, path: Path) -> None:
     """save_pretrained, with safetensors' errors (which name no file) as the OSError they are, naming `path`."""
     try:
@@ -2831,7 +2971,12 @@ from minirl.train.cli import write_failure
 from minirl.utils.rundir import RunDirError
 from minirl.utils.validate import ConfigError
 
+# %% [markdown]
+# Who died: every rank learns every rank's host and process id at the start, so that a
+# survivor can tell which process of its own host has ended.
 
+# %%
+# | export minirl/parallel/stops.py
 def rank_processes() -> list[tuple[str, int]]:
     """(host, pid) of every rank, in rank order, on every rank (a collective): who to name when one dies."""
     mine = (socket.gethostname(), os.getpid())
@@ -2861,6 +3006,12 @@ def dead_ranks(processes: list[tuple[str, int]]) -> list[int]:
     return dead
 
 
+# %% [markdown]
+# Signals: the first Ctrl-C or SIGTERM interrupts a rank's work as an exception, later ones
+# are only recorded, so a rank explaining why it stops is not interrupted again.
+
+# %%
+# | export minirl/parallel/stops.py
 class Terminated(BaseException):
     """SIGTERM, as an exception (BaseException, like KeyboardInterrupt: `agree` does not catch it)."""
 
@@ -2951,6 +3102,12 @@ def relaunch_command(script, args: list[str]) -> str:
 BAD_INPUT = (ConfigError, RunDirError, ValueError, VersionMismatchError)   # found alike on every rank: exit 2
 
 
+# %% [markdown]
+# What a stopping rank says, and which rank says it: `why_stopped` maps the exception that
+# ended the run to one line, an exit status, and whether to print the resume command.
+
+# %%
+# | export minirl/parallel/stops.py
 @dataclass
 class Stop:
     """What a stopping rank says: `what` happened (None: this rank stays quiet), its exit status, and
@@ -3103,6 +3260,13 @@ def _broadcast(obj):
     return box[0]
 
 
+# %% [markdown]
+# The pieces of a sharded checkpoint: what DCP saves for the model and optimizer, what each
+# rank saves itself (its random generators' states, ZeRO-1's optimizer), and DCP's and
+# torch.save's failures turned into the errors they are (a full disk names its file).
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def _model_and_optimizer(state):
     """What DCP saves: the model's state, and the optimizer's unless it is ZeRO-1's (saved per rank)."""
     actor = state.roles.actor
@@ -3192,6 +3356,12 @@ def save_sharded(root, state, keep: int = 2) -> Path:
     return final
 
 
+# %% [markdown]
+# Checking a checkpoint without loading it: every file it needs is there, none is empty, and
+# every shard holds at least the bytes DCP's metadata records for it.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def sharded_problem(path) -> str | None:
     """What is wrong with checkpoint `path`, naming the file, or None when it is intact (one process, no collectives).
 
@@ -3229,6 +3399,12 @@ def sharded_problem(path) -> str | None:
     return None
 
 
+# %% [markdown]
+# Finding where to resume: the newest checkpoint whose files are intact, decided on rank 0
+# and the same on every rank.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 def checkpoints_in(root) -> list[Path]:
     """The checkpoint directories under `root`, newest first (half-written `.tmp-step-*` ones excluded)."""
     root = Path(root)
@@ -3305,6 +3481,12 @@ def load_sharded(path, state, push: bool = True) -> None:
         state.sync.push(actor.named_weights(), state.engine, state.roles.version)
 
 
+# %% [markdown]
+# The callback that saves a sharded checkpoint every `every` steps and at the end of a run,
+# with every rank taking part.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 class ShardedCheckpointer(Callback):
     """A sharded checkpoint every `every` steps and at a normal end (every rank takes part)."""
 
@@ -3328,6 +3510,13 @@ class ShardedCheckpointer(Callback):
             save_sharded(self.root, state, self.keep)
 
 
+# %% [markdown]
+# The checkpoints as notebook 01's `run_in_dir` wants them: a callback to save, and a
+# `restore` that loads the newest intact checkpoint and falls back to the one before it when
+# a rank fails to load it.
+
+# %%
+# | export minirl/parallel/checkpoint.py
 class ShardedCheckpoints:
     """Sharded checkpoints as notebook 01's `run_in_dir` takes them (the protocol of its `LocalCheckpoints`).
 
@@ -3432,6 +3621,12 @@ def engine_bytes(engine) -> int:
         return 0
 
 
+# %% [markdown]
+# The callback that records each rank's memory on every step, so that the run's records can
+# be set beside notebook 03's calculator.
+
+# %%
+# | export minirl/memory/tracking.py
 class MemoryTracker(Callback):
     """Per-rank memory of every step, in the record (lists indexed by rank). Every rank must run it."""
 

@@ -1854,41 +1854,15 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 # | timeline.json | `workers`: each worker's `[what, start, end]` calls (stage 6) | Ray calls split out, workers' busy time | Ray calls stay inside their stages (said) |
 #
 # Smoke mode skips the two runs (tests/test_chapter09.py runs both, smaller); full mode
-# runs them here, about a minute each on two cores. `watch` shows a run's progress while it
-# goes: a bar of the step records its `metrics.jsonl` holds so far.
+# runs them here, about a minute each on two cores. `step_bar` shows a run's progress while it
+# goes: a bar of the steps its `metrics.jsonl` holds so far.
 
 # %%
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-
-from tqdm.auto import tqdm  # noqa: E402
 
 from minirl.parallel.launch import torchrun  # noqa: E402
-
-
-def watch(run_dir: Path, steps: int, label: str, job):
-    """Run `job()` (a blocking launch of a chapter script that writes into `run_dir`) in a thread, with a
-    bar of the step records in its metrics.jsonl so far; returns what job() returns."""
-    metrics, started = Path(run_dir) / "metrics.jsonl", time.time()
-
-    def recorded(last: int) -> int:
-        try:
-            if metrics.stat().st_mtime < started:                                  # an earlier run's file
-                return 0
-            return min(steps, metrics.read_text().count('"step"'))
-        except OSError:                                                            # not written yet, or replaced
-            return last
-
-    with ThreadPoolExecutor(1) as pool, tqdm(total=steps, desc=label) as bar:
-        future = pool.submit(job)
-        while not future.done():
-            time.sleep(2)
-            bar.n = recorded(bar.n)
-            bar.refresh()
-        bar.n = recorded(bar.n)
-        bar.refresh()
-        return future.result()
+from minirl.utils.progress import step_bar  # noqa: E402
 
 # %% [markdown]
 # The two runs, each read by `diagnose`: its reports, their shares as bars, and the checks
@@ -1901,15 +1875,17 @@ if SMOKE:
     print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs both); "
           "run this notebook without MINIRL_SMOKE to see them decomposed")
 else:
-    job = watch(stage4_dir, int(STAGE_RUN[1]), "stage 4 (torchrun, 2 ranks)", lambda: torchrun(
-        ROOT / "chapters" / "04_fsdp_lora.py", 2,
-        ["--out", stage4_dir, "--zero", "3", "--no-progress", "--gradient-checkpointing", *STAGE_RUN], timeout=1200))
+    with step_bar(stage4_dir / "metrics.jsonl", int(STAGE_RUN[1]), "stage 4 (torchrun, 2 ranks)"):
+        job = torchrun(ROOT / "chapters" / "04_fsdp_lora.py", 2,
+                       ["--out", stage4_dir, "--zero", "3", "--no-progress", "--gradient-checkpointing", *STAGE_RUN],
+                       timeout=1200)
     assert job.returncode == 0, job.stdout[-3000:]
     for attempt in range(1, 4):          # on a very busy machine Ray's own start-up can time out: try again
-        job = watch(stage6_dir, int(STAGE_RUN[1]), "stage 6 (Ray, disaggregated)", lambda: subprocess.run(
-            [sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir), "--placement",
-             "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT))
+        with step_bar(stage6_dir / "metrics.jsonl", int(STAGE_RUN[1]), "stage 6 (Ray, disaggregated)"):
+            job = subprocess.run(
+                [sys.executable, str(ROOT / "chapters" / "06_ray.py"), "--out", str(stage6_dir), "--placement",
+                 "disaggregated", *STAGE_RUN], capture_output=True, text=True, timeout=1200,
+                env=dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="local"), cwd=ROOT)
         if job.returncode == 0 or "starting a local Ray cluster" not in job.stderr + job.stdout or attempt == 3:
             break
         print(f"stage 6: Ray did not start on this busy machine (try {attempt} of 3); trying again in 30 s")
@@ -1965,9 +1941,10 @@ STAGE7_RUN = ["--steps", "8", "--prompts-per-step", "8", "--checkpoint-every", "
 stage7_dir = RUNS / f"{TAG}_stage7"
 matching_runs = {}                                   # source's row -> (which run, its MFUReport)
 if not SMOKE:
-    job = watch(stage7_dir, int(STAGE7_RUN[1]), "stage 7 (asynchronous)", lambda: subprocess.run(
-        [sys.executable, str(ROOT / "chapters" / "07_async.py"), "--out", str(stage7_dir), *STAGE7_RUN],
-        capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT))
+    with step_bar(stage7_dir / "metrics.jsonl", int(STAGE7_RUN[1]), "stage 7 (asynchronous)"):
+        job = subprocess.run(
+            [sys.executable, str(ROOT / "chapters" / "07_async.py"), "--out", str(stage7_dir), *STAGE7_RUN],
+            capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     stage7 = diagnose(stage7_dir, quiet=True)
     matching_runs = {"dense": ("stage 4, 2 ranks", stage4.mfu), "async": ("stage 7", stage7.mfu)}

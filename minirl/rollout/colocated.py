@@ -119,20 +119,8 @@ class ColocatedEngine:
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
     @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    @property
     def model(self):
         return self.engine.model
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
@@ -165,6 +153,18 @@ class ColocatedEngine:
         else:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    def _tensors(self) -> dict[str, Tensor]:
+        state = self.engine.model.state_dict(keep_vars=True)
+        return {n: state[n].data for n in self.names}
 
     def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""

@@ -281,6 +281,10 @@ class VLLMEngine(VLLMSleepMode):
         self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
         self.version, self.ready = version, True
 
+    def named_weights(self):
+        raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
+                                  "log-probs instead (notebook 02) to check a vLLM sync")
+
     def _push(self, stream: _Stream) -> None:
         """Into vLLM's worker: the public reload, or (refused before it took a tensor) the internal chain."""
         if self.weight_api == PUBLIC_API:
@@ -294,10 +298,6 @@ class VLLMEngine(VLLMSleepMode):
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
         for name, tensor in stream:
             model.load_weights([(name, tensor)])
-
-    def named_weights(self):
-        raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
-                                  "log-probs instead (notebook 02) to check a vLLM sync")
 
     def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[str]:
         """Greedy completions as text (for held-out accuracy), from the weights the engine holds."""

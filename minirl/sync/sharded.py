@@ -298,17 +298,6 @@ class ShardedSync:
             named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
-    def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
-        own = {full_tensor_storage(t) for _, t in named}
-        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
-        for layer in layers:
-            for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
-                if meter is not None and tensor.untyped_storage().data_ptr() not in own:
-                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
-                yield name, tensor
-            del layer
-
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
         """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
         start = time.perf_counter()
@@ -336,6 +325,17 @@ class ShardedSync:
         self.last_report = ShardedSyncReport(version, counts[0], counts[1], time.perf_counter() - start,
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
+
+    def stream(self, named: list[tuple[str, Tensor]], meter: LiveBytes | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones tracked by `meter`."""
+        own = {full_tensor_storage(t) for _, t in named}
+        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+        for layer in layers:
+            for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
+                if meter is not None and tensor.untyped_storage().data_ptr() not in own:
+                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
+                yield name, tensor
+            del layer
 
     def stale_tensors(self, named: list[tuple[str, Tensor]], engine) -> list[str]:
         """Names whose engine copy differs from the trainer's beyond the engine dtype's rounding (gathers again)."""
