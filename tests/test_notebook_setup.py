@@ -204,6 +204,10 @@ def test_a_method_added_in_a_later_cell_goes_into_the_package_class(monkeypatch)
     assert (square.area(), bound()) == (9, 9)
     assert isinstance(user["area"], MethodAdded) and "Square.area" in repr(user["area"])
     assert not hasattr(scratch, "area") and not hasattr(scratch, "add_to_class"), "no stray module names"
+    user["side"] = "the notebook's own variable"
+    exec("@add_to_class(Square)\n@property\ndef side(self):\n    return 1\n", user)
+    assert user["side"] == "the notebook's own variable", "a name the notebook already uses keeps its value"
+    del scratch.Square.side
     apply_cell(method.format(k=3), "minirl_live_methods")                # a learner edits the method
     assert (square.area(), bound(), scratch.Square(2).area()) == (27, 27, 8), "old instances, bound copies follow"
     apply_cell("class Square:\n    def __init__(self, side):\n        self.side = side + 1\n", "minirl_live_methods")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 import types
 
 EXPORT = re.compile(r"^#\s*\|\s*export\s+(minirl/\S+)\.py\s*$")
@@ -122,8 +123,9 @@ def add_to_class(cls: type):
 
     Put it outermost, above `@property`, `@staticmethod` or any other decorator. A method of that
     name already on `cls` is patched in place (bound copies and other modules' references
-    follow the edit); otherwise the attribute is set. The name itself is left bound to a
-    `MethodAdded` note, not to the function: the method lives on the class.
+    follow the edit); otherwise the attribute is set. The cell's own name for it keeps what it
+    held before (a notebook's `model` stays the model when `ColocatedEngine.model` is added),
+    or, where it held nothing, a `MethodAdded` note: the method lives on the class.
     """
     def attach(function):
         inner = function.fget if isinstance(function, property) else getattr(function, "__func__", function)
@@ -132,7 +134,8 @@ def add_to_class(cls: type):
         if not (isinstance(current, types.FunctionType) and isinstance(function, types.FunctionType)
                 and patch_function(current, function)):
             setattr(cls, name, function)
-        return MethodAdded(cls, name)
+        caller = sys._getframe(1).f_globals           # the namespace the decorated def is binding a name in
+        return caller[name] if name in caller else MethodAdded(cls, name)
     return attach
 
 
