@@ -2506,61 +2506,77 @@ class VLLMEngine(VLLMSleepMode):
         self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
         self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """G samples per prompt with the sampled tokens' log-probs (after temperature); rows i*G .. i*G+G-1
-        continue prompts[i]. With a generator, each prompt samples from `prompt_seed(s, prompt)`, s drawn
-        from it, so a batch's samples do not depend on how it is split over ranks."""
-        check_request(self, prompts, sampling, expected_version)
-        if not self.ready:
-            raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights did not "
-                               "complete); push the trainer's weights before generating")
-        G, C, tok = sampling.num_generations, sampling.max_completion_length, self.tokenizer
-        ids = self._prompt_ids(prompts, C)
-        self._wake(("weights", "kv_cache"))
-        seed = draw_seed(generator)
-        params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
-                                      seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-                for p, out in zip(ids, outputs, strict=True) for c in out.outputs]                   # N = B * G rows
-        if self.colocate:
-            self.sleep()
-        return padded_rollout(tok, prompts, G, rows, self.version)
+# %% [markdown]
+# Generating: G samples per prompt, each with the log-prob of every sampled token, the engine
+# woken first and put back to sleep after, when it shares the GPU with the trainer.
 
-    def _prompt_ids(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
-        """Token ids of `prompts`; ValueError when one and its completion would not fit max_model_len."""
-        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        longest = max(len(p) for p in ids)
-        if self.max_model_len is not None and longest + max_tokens > self.max_model_len:
-            raise ValueError(f"VLLMEngine: a prompt of {longest} tokens and {max_tokens} new ones exceed "
-                             f"max_model_len={self.max_model_len}; build the engine with a larger max_model_len "
-                             "(task_model_len over every prompt it will see)")
-        return ids
+# %%
+# | export minirl/rollout/vllm.py
+@add_to_class(VLLMEngine)
+def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
+             generator: torch.Generator | None = None) -> Rollout:
+    """G samples per prompt with the sampled tokens' log-probs (after temperature); rows i*G .. i*G+G-1
+    continue prompts[i]. With a generator, each prompt samples from `prompt_seed(s, prompt)`, s drawn
+    from it, so a batch's samples do not depend on how it is split over ranks."""
+    check_request(self, prompts, sampling, expected_version)
+    if not self.ready:
+        raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights did not "
+                           "complete); push the trainer's weights before generating")
+    G, C, tok = sampling.num_generations, sampling.max_completion_length, self.tokenizer
+    ids = self._prompt_ids(prompts, C)
+    self._wake(("weights", "kv_cache"))
+    seed = draw_seed(generator)
+    params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
+                                  seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
+    outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+            for p, out in zip(ids, outputs, strict=True) for c in out.outputs]                   # N = B * G rows
+    if self.colocate:
+        self.sleep()
+    return padded_rollout(tok, prompts, G, rows, self.version)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; then reset the prefix cache.
+@add_to_class(VLLMEngine)
+def _prompt_ids(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of `prompts`; ValueError when one and its completion would not fit max_model_len."""
+    ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    longest = max(len(p) for p in ids)
+    if self.max_model_len is not None and longest + max_tokens > self.max_model_len:
+        raise ValueError(f"VLLMEngine: a prompt of {longest} tokens and {max_tokens} new ones exceed "
+                         f"max_model_len={self.max_model_len}; build the engine with a larger max_model_len "
+                         "(task_model_len over every prompt it will see)")
+    return ids
 
-        Raises VersionMismatchError for an older version, ValueError for an unknown name or
-        names missing at the end (after which the engine refuses to generate until a full push).
-        """
-        if version < self.version:
-            raise VersionMismatchError(f"load_weights(version={version}) but the vLLM engine holds version "
-                                       f"{self.version}: refusing to go back to older weights")
-        self._wake(("weights",))                              # the KV cache stays released until generate
-        self.ready = False
-        stream = _Stream(named_tensors, set(self.names), version)
-        self._push(stream)
-        missing = [n for n in self.names if n not in stream.seen]
-        if missing:
-            raise ValueError(f"VLLMEngine.load_weights(version={version}): {len(missing)} tensors never pushed "
-                             f"(first: {missing[0]}); push all of them")
-        self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
-        self.version, self.ready = version, True
+# %% [markdown]
+# Pushes taken in place: every tensor streamed into vLLM's model, a refusal of older weights
+# or of a push that leaves names out, and the prefix cache emptied after.
 
-    def named_weights(self):
-        raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
-                                  "log-probs instead (notebook 02) to check a vLLM sync")
+# %%
+# | export minirl/rollout/vllm.py
+@add_to_class(VLLMEngine)
+def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+    """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; then reset the prefix cache.
+
+    Raises VersionMismatchError for an older version, ValueError for an unknown name or
+    names missing at the end (after which the engine refuses to generate until a full push).
+    """
+    if version < self.version:
+        raise VersionMismatchError(f"load_weights(version={version}) but the vLLM engine holds version "
+                                   f"{self.version}: refusing to go back to older weights")
+    self._wake(("weights",))                              # the KV cache stays released until generate
+    self.ready = False
+    stream = _Stream(named_tensors, set(self.names), version)
+    self._push(stream)
+    missing = [n for n in self.names if n not in stream.seen]
+    if missing:
+        raise ValueError(f"VLLMEngine.load_weights(version={version}): {len(missing)} tensors never pushed "
+                         f"(first: {missing[0]}); push all of them")
+    self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
+    self.version, self.ready = version, True
+
+@add_to_class(VLLMEngine)
+def named_weights(self):
+    raise NotImplementedError("vLLM keeps its weights fused inside its worker (qkv_proj, gate_up_proj); compare "
+                              "log-probs instead (notebook 02) to check a vLLM sync")
 
 
 # %% [markdown]
