@@ -541,8 +541,8 @@ print(f"{sum(p.numel() for p in policy.parameters()):,} parameters")
 # every advantage is 0 and nothing is learned. So we first train on correct answers for a
 # few hundred steps, on purpose not to convergence.
 #
-# Small transformers learn addition abruptly: the loss sits on a plateau for a few hundred
-# steps (the model has learned the answer's length and digit frequencies, not the sum), then
+# Small transformers learn addition abruptly: the loss sits on a plateau for a while (the
+# plot shows this run's; the model has learned the answer's length and digit frequencies, not the sum), then
 # drifts down, and finally falls within a few dozen steps as the carry rule clicks into
 # place; accuracy follows, slowly and then steeply. *When* it falls depends
 # on the seed, and through the last bits of floating point on the machine, so the warm start

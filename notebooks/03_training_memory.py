@@ -64,7 +64,7 @@ def show(rows, header):
 # The result first. The package's finished calculator, `training_memory`, sizes one
 # configuration of the source's table: full fine-tuning of a 70 B model with ZeRO-3 and
 # gradient checkpointing on eight 80 GB GPUs, with the source's ~100 GB of activations
-# (3,128 tokens of Llama-2-70B, §3) split over the eight:
+# (about 3.1 k tokens of Llama-2-70B, the count §3 prints) split over the eight:
 
 # %%
 from minirl.memory.calculator import min_gpus, training_memory
@@ -772,8 +772,8 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 #
 # And the speed column? The source's "10–15 %", "30–40 %" and "~40 %" are not derived from
 # anything in it. Checkpointing costs one extra forward pass of the layers, so at most
-# (1 + 2 + 1) / (1 + 2) - 1 = 33 % more compute (a forward is ~1/3 of forward + backward).
-# We measure that in §5 below; ZeRO-3's cost depends on the interconnect and is measured at
+# (1 + 2 + 1) / (1 + 2) - 1 = 33 % more arithmetic (a forward is ~1/3 of forward + backward).
+# We time it in §5 below (measured CPU time lands a few points either side of that); ZeRO-3's cost depends on the interconnect and is measured at
 # small scale in §6, on CPUs, where it does not transfer to NVLink.
 
 
@@ -1065,7 +1065,9 @@ print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 
 # ratios and print their spread; a spread wider than 30 points is called noise rather than
 # a verdict. Per-layer recomputation replays each layer's forward once more, and a forward
 # is about a third of forward + backward, so expect about +33 %: just above the source's
-# 20-30 %, inside the 15-35 % the verdict's rule accepts. The chapter script (§6) repeats the same measurement, and its figure is printed
+# 20-30 % and near the top of the 15-35 % band the verdict's rule accepts, so the median can
+# land on either side of 35 % and the verdict read agree or differ (the row prints this
+# run's median and spread). The chapter script (§6) repeats the same measurement, and its figure is printed
 # beside this one there.
 
 # %% [markdown]

@@ -22,7 +22,7 @@
 # docstrings and comments) behind the same protocol as notebook 01's engines: the training
 # loop can use it with one flag.
 #
-# Generation is most of an RL step: every step samples B × G completions token by token,
+# Generation is a large share of an RL step (most of it when completions are long): every step samples B × G completions token by token,
 # and each token is a forward pass. The source summarizes the answers in one table:
 #
 # | technique | problem | principle | typical benefit |
@@ -1581,7 +1581,8 @@ for name, model, tok, texts, n_new, bs in checks:
 # of 24 blocks of 4 tokens, too small for 4 long sequences at once. Each bar is one
 # sequence's stay in the batch; a bar that ends in a cross was preempted and comes back
 # later to recompute; the lower panel shows the sequences running and the blocks in use,
-# step by step. Note how a finished sequence's slot is taken in the next step.
+# step by step. A finished sequence's slot is taken in the next step when blocks allow; while
+# the pool is full (lower panel), a slot stays empty and requests wait.
 
 # %%
 def draw_timeline(engine, seqs, title):
@@ -2071,7 +2072,8 @@ print(f"70-80 % saved at G = 8 <=> each later completion recomputes {pct(recompu
 # The saving climbs towards 1 − 1/G with the prompt length and saw-tooths with the
 # remainder of P − 1 modulo the block size: a prompt that ends just after a block boundary
 # recomputes almost nothing, one that ends just before recomputes almost a block. Smaller
-# blocks save more of the prompt but mean longer block tables and more, smaller copies.
+# blocks never save less of the prompt (more only where the tail after the last full block
+# shrinks) but mean longer block tables and more, smaller copies.
 # The source's 70–80 % fits prompts whose recomputed tail (the part after the last full
 # block) is the share printed above, short prompts for 16-token blocks; it is not a property
 # of G = 8 alone.
@@ -2787,7 +2789,8 @@ show([("speculation, model draft", "2-3x", f"{model_best:.2f}x", "agree" if 2 <=
 # Read the two regimes together. With the model draft the answers are at most 4 tokens,
 # so a verification can gain little, and the cost model leaves out what a round costs besides
 # the steps: the draft's own prefill of every prompt and the Python of the round, a large share
-# of the work for answers this short (compare the model's speedup with the measured one). In a
+# of the work for answers this short (compare the model's speedup with the measured one; on a
+# shared machine the two can differ either way). In a
 # batch, verifying k + 1 tokens per row costs v decode steps (printed above, against one),
 # because a CPU's step grows with the work in it; where v is above one and few drafts are
 # kept, speculation adds work instead of saving it. When the draft is free and right (n-gram

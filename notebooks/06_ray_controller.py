@@ -455,9 +455,9 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 
                    f"starting a local Ray cluster of {num_nodes} nodes", attempts)
 
 # %% [markdown]
-# Start two Ray nodes here, then plan three pools on a cluster that exists only on paper (two
-# nodes of 8 GPUs) and on the two nodes Ray reports here. A request too large for the
-# cluster fails before anything starts, with the numbers.
+# Plan three pools on a cluster that exists only on paper (two nodes of 8 GPUs), then on the
+# two Ray nodes the first cell started. A request too large for the cluster (16 GPUs of
+# training and one more for rollout) fails before anything starts, with the numbers.
 
 # %%
 from minirl.controller.resource_pool import PlacementError, ResourcePool, cluster_nodes, local_cluster, plan_placement  # noqa: E402
@@ -471,7 +471,8 @@ here = cluster_nodes()
 print("here:", [{k: v for k, v in n.items() if k != "node_id"} for n in here])
 print("here:", plan_placement({"train": ResourcePool([1, 1]), "rollout": ResourcePool([2])}, here))
 try:
-    plan_placement({"train": ResourcePool([4, 4], "gpu"), "rollout": ResourcePool([1], "gpu")}, paper)
+    plan_placement({"train": ResourcePool([8, 8], "gpu"), "rollout": ResourcePool([1], "gpu")}, paper)
+    raise AssertionError("17 GPUs on a 16-GPU cluster should not fit")
 except PlacementError as err:
     print("PlacementError:", err)
 

@@ -1938,8 +1938,9 @@ plt.show()
 # measured one: the line under the table names the rows where the measurement came out
 # below the simulator. How close the two come depends on how large a stage's compute is
 # next to those overheads (the full run's stages are several times larger than the smoke
-# run's), and DualPipeV, with twice the stage boundaries and more, smaller actions, pays
-# them more often.
+# run's). DualPipeV, with twice the stage boundaries and more, smaller actions, pays those
+# overheads more often, though whether that shows as a larger gap depends on the run
+# (compare the measured and "+ latency" columns).
 
 # %% [markdown]
 # ## 6. Best-fit packing: fill the token budget
