@@ -812,7 +812,7 @@ assert torch.allclose(rows["AReaL code: cap 1.2 (drop)"], torch.tensor([[0.0, ma
 #   reward, done)`;
 # - a **calculator tool** that evaluates `a+b` after a latency drawn, seeded, from a
 #   lognormal distribution (by default a median of 10 ms, and one call in a hundred slower
-#   than a quarter of a second);
+#   than about a third of a second: section 4 prints the p99);
 # - the multi-turn variant of the task: the environment checks the policy's answer with the
 #   tool and, when it is wrong, asks again (up to `max_turns`); the reward is 1 / turn of
 #   the first correct answer. The policy trains on the first turn's tokens (the group GRPO
@@ -2183,9 +2183,10 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 # tool call, and asynchrony turns that wait into throughput: the fastest asynchronous run
 # produces more trajectories per second than the synchronous one, and the $\eta = 2$ run's
 # trainer idles less (the asserts above check both; the other rows vary from run to run). The
-# maximum staleness seen never exceeds the bound (asserted too). The `drop` column counts trajectories refused at admission: the slowest ones,
-# overtaken by more than $\eta$ updates while their tool call sat in the tail (in smoke mode,
-# with its short latencies, there may be none). The price is the accuracy a step buys.
+# maximum staleness seen never exceeds the bound (asserted too). The `drop` column counts
+# trajectories (prompt groups) refused at admission, more than $\eta$ versions behind when
+# taken: when the queue runs full, they arrive close to the bound and one batch more pushes
+# them past it (compare the drop count with the mean staleness; in smoke mode there may be none). The price is the accuracy a step buys.
 # How large that price is, and whether a correction pays it back, is what the learning curves
 # below show; on this tiny policy a single update moves the greedy answers a lot (compare
 # each run's first snapshots in the curves), so even one version of staleness can be felt.
@@ -2193,7 +2194,8 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 # %% [markdown]
 # ## 8. Who waits when, and learning curves
 #
-# Two seconds of the synchronous run and of the asynchronous run at $\eta = 2$: the trainer's
+# The events that overlap the last two seconds of the synchronous run and of the asynchronous
+# run at $\eta = 2$ (a bar is drawn whole, so a panel can reach further back): the trainer's
 # row (blue: training, red: waiting for a batch) and the first producers' (orange: sampling,
 # gray: environment sessions). Synchronously, the producers sample a batch, wait in the
 # environment for its tail, and idle while the trainer trains, and the trainer waits (red)
@@ -2208,8 +2210,8 @@ def last_seconds(result, seconds=2.0):
     return result.timeline.window(result.ended - seconds, result.ended)
 
 
-plot_timelines({"synchronous (eta = 0): the last 2 s": last_seconds(RESULTS["sync (eta=0)"]),
-                "asynchronous (eta = 2): the last 2 s": last_seconds(RESULTS["eta=2 none"])})
+plot_timelines({"synchronous (eta = 0): what overlaps the last 2 s": last_seconds(RESULTS["sync (eta=0)"]),
+                "asynchronous (eta = 2): what overlaps the last 2 s": last_seconds(RESULTS["eta=2 none"])})
 plt.show()
 
 # %%
@@ -2218,9 +2220,10 @@ plt.show()
 
 # %% [markdown]
 # Left, accuracy against wall time (the asynchronous runs were given more steps than the
-# synchronous one). Right, against completions trained on: per sample, staleness can only
-# cost, so this is where its price shows (compare each curve with the synchronous one at the
-# same number of samples). The corrections (areal, tis) reweight
+# synchronous one). Right, against completions trained on: per sample, staleness is expected
+# to cost, not help, so this is where its price would show (compare each curve with the
+# synchronous one at the same number of samples; with one run each, single points can fall on
+# either side of it). The corrections (areal, tis) reweight
 # tokens whose trainer probability moved away from the behaviour policy; with one update per
 # batch the PPO ratio is 1, so their effect is only through those weights
 # (`correction/weight_mean` in the records). Whether a correction changed the outcome is a
@@ -2228,7 +2231,10 @@ plt.show()
 # stated rule: a difference in final held-out accuracy counts only beyond two standard errors
 # of the difference of two accuracies, each measured on the held-out problems (binomial
 # noise); one run each, so even a difference beyond that is one draw of the training noise
-# (`benchmarks/async_vs_sync.py --corrections none,areal,tis` repeats them).
+# (`benchmarks/async_vs_sync.py --corrections none,areal,tis` repeats them). The in-flight
+# run shows how large that noise is: where it switched weights mid-sequence 0 times (the cell
+# below prints the count), it trained as `eta=2 none` did, and any gap between their final
+# accuracies is training noise alone.
 
 # %%
 import math
@@ -2293,9 +2299,10 @@ print(f"synchronous trainer idle share: predicted from durations {sum(predicted)
 # benchmark's rule (`speedup_to_target`, above): sync's time to the target over the best
 # setting's, among the settings with $\eta \le 2$ that reached the target (here one repeat
 # each; the benchmark repeats). When none reached it there is no speedup to set beside the
-# published ones, and the cell says so. The throughput
-# ratio is the ceiling of the speedup (it would be the speedup if a stale sample were worth a
-# fresh one), and the ideal ratio is the ceiling of the throughput: a synchronous step's time
+# published ones, and the cell says so. The throughput ratio is what the speedup would be,
+# in expectation, if a stale sample were worth a fresh one; with one run each and a noisy
+# target, the measured speedup can land on either side of it (compare the two printed
+# lines). The ideal ratio bounds the throughput: a synchronous step's time
 # over the trainer's own busy time per step, what an asynchronous trainer that never waits
 # could reach.
 
@@ -2333,8 +2340,8 @@ print(f"update seconds per step: {update_sync:.3f} when the trainer runs alone (
 # - **Two cores, one interpreter.** Producers and trainer share two CPU cores, and the tiny
 #   model's forward pass is mostly Python overhead, held under the GIL. Asynchrony overlaps
 #   *waiting* (the tool's latency) with work, but it can hardly overlap work with work here:
-#   compare the update's seconds alone and beside the producers (the last line above; on a
-#   loaded machine the difference is large). On a cluster the trainer and the rollout engines
+#   compare the update's seconds alone and beside the producers (the last line above); how
+#   far apart they are depends on how loaded the cores are. On a cluster the trainer and the rollout engines
 #   sit on different GPUs, so both kinds of overlap count.
 # - **The length distribution.** Our tail is in the environment (a lognormal tool latency,
 #   median 10 ms) over completions of at most four tokens. The ideal ratio is a synchronous
