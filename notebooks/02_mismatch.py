@@ -465,7 +465,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the plot from the right: tokens the policy is sure of (p > 0.9) carry almost no
+# Read the plot from the right: tokens the policy is sure of (p >= 0.9) carry the least
 # log-prob error, because log-softmax is flat near p = 1 (the line under the small table
 # checks that this bucket is the smallest in every measurement, and prints how many times
 # larger the others are). Within the tail (p < 0.5) the error need not keep growing as p
@@ -876,14 +876,17 @@ plt.show()
 # tokens right of the dashed line are touched, usually none or a handful per batch; at a
 # tight cap of 1.05 every token right of the dotted line is. TIS only caps from above; the
 # mask modes drop those tokens instead. The sequence modes multiply all of a completion's
-# token ratios, so one bad token moves the whole sequence's weight: that is why
-# sequence-level weights are masked or truncated more often at the same cap.
+# token ratios, so one bad token moves the whole sequence's weight: at the same cap,
+# sequence-level weights are masked or truncated at least as often as token-level ones, and
+# more often wherever the cap binds at all (compare the two modes' "tokens changed" at 1.05).
 
 # %% [markdown]
 # ### 4.2 Prune the tail, identically on both sides
 #
-# Section 2 showed where the error lives: in the low-probability tail. Dynamic vocabulary
-# pruning removes that region from *both* distributions before anything is sampled or
+# Section 2 showed that the tokens the rollout was sure of (p >= 0.9) carry the smallest
+# error and every less likely bucket a larger one (its "tail" line says whether the error
+# keeps growing into the far tail). Dynamic vocabulary pruning removes the far tail from
+# *both* distributions before anything is sampled or
 # scored. The keep set is computed once, from one side (here the rollout's, with a min-p
 # rule: keep every token whose probability is at least `min_p` times the top token's), and
 # applied to both; each side then renormalizes over the same kept tokens. A token outside
