@@ -1453,9 +1453,6 @@ class ValueModel(nn.Module):
 
 
 # %% [markdown]
-
-
-# %% [markdown]
 # The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
 # objective of section 4. `backward` computes each step's gradient in micro-batches of rows
 # of similar completion length, at most `max_tokens_per_microbatch` completion tokens each,
@@ -2701,8 +2698,10 @@ print("skipped:", out["skipped"], "| weights unchanged:",
 # arithmetic, they should also take about the same time: TRL's extra layers (Accelerate, the
 # `Trainer`'s callbacks and logging, re-tokenizing the prompts, a sampler that repeats each
 # prompt G times) should add little to a step that is spent in the model's forward and
-# backward passes (section 11.3 measures how little, against a tenth of TRL's step). A faster
-# loop must therefore do less arithmetic, without changing what it computes.
+# backward passes. Section 11.3 prints what is left of the gap after minirl's two savings, as
+# a share of TRL's step; that remainder also holds the timing noise, so on a loaded machine
+# it can come out above a tenth. A faster loop must therefore do less arithmetic, without
+# changing what it computes.
 #
 # There is such arithmetic. The G = 8 completions of a prompt all begin with that prompt, and
 # the simple path computes it 8 times, twice over: `generate` prefills B × G rows, and the
@@ -2846,7 +2845,7 @@ REPS = 3 if SMOKE else 15
 update_ms = median_ms({"one pass over N rows": lambda: update_pass(1), "shared prefix": lambda: update_pass(G)}, REPS)
 model.eval()
 P = batch.prompt_ids.shape[1]
-print(f"{'update (forward + backward)':30} | prompt tokens computed | ms (median of {REPS})")
+print(f"{'update (forward + backward)':30} | prompt tokens computed | ms (median; of {REPS} repeats, the first dropped)")
 for (name, ms), tokens in zip(update_ms.items(), (ids.shape[0] * P, len(prompts10) * P), strict=True):
     print(f"{name:30} | {tokens:>22} | {ms:8.1f}")
 speedup = update_ms["one pass over N rows"] / update_ms["shared prefix"]
@@ -2878,10 +2877,11 @@ print(f"prefix compute saved, G = {G} | 70-80 % | {100 * saved:.1f} % (prompt to
 #
 # What differs from `HFEngine`, precisely:
 #
-# - **The samples, a little.** With one seed both engines draw the same random numbers in the
+# - **The samples, possibly.** With one seed both engines draw the same random numbers in the
 #   same order (one multinomial over the N rows per token), but the prefill of B rows instead
 #   of B × G rounds differently, and a draw that falls on the boundary between two tokens can
-#   flip; from there that row continues differently. The distribution is the same: softmax of
+#   flip; from there that row continues differently (the cell below prints how many came out
+#   identical). The distribution is the same: softmax of
 #   the same logits / τ.
 # - **Only plain sampling.** `generate` would also apply the model's `generation_config`
 #   (repetition penalty, min-p, ...) and other stopping rules; the loop samples exactly
@@ -3126,7 +3126,6 @@ else:
     print(f"TRL's extra layers (the rest): {100 * rest:+.1f} % of TRL's step -> "
           + ("less than a tenth" if rest < 0.1 else "NOT less than a tenth")
           + " (the rest also holds the timing noise: see the load average above)")
-    print(f"speedup_vs_trl: {result['speedup_vs_trl']:.2f}")
 
 # %% [markdown]
 # ### 11.4 Long completions: the update at the cost of real tokens
@@ -3135,8 +3134,8 @@ else:
 # 4-token answers of this task every completion is about as long as the longest, and padding
 # costs nothing. Reasoning rollouts are not like that. Their lengths have a long tail: most
 # completions stop early, a few run to `max_completion_length`. Notebook 05's long-tail
-# policy reproduces it (random weights emit EOS about once in 70 tokens): of the 64 completions
-# below, capped at 256 tokens, the mean is a few dozen tokens and the longest near the cap, so a
+# policy reproduces it (its random weights emit EOS early on most rows and late on a few): of
+# the 64 completions below, capped at 256 tokens, the mean is a few dozen tokens and the longest near the cap, so a
 # forward and backward over the rectangle computes several times the tokens there are (the cell
 # counts them), most of it padding. TRL pads the same way. Before the update ran in micro-batches,
 # `benchmarks/grpo_vs_trl.py --workload long` measured it at about 20 s of minirl's 25-28 s step
