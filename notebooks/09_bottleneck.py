@@ -1808,9 +1808,12 @@ print(f"end to end: median step {step_before:.3f} s -> {step_after:.3f} s ({end_
 if SMOKE:        # a few smoke-mode steps are too noisy to hold to the text below
     print("smoke mode: too few steps to judge; the text below describes a full run")
 else:
-    assert speedup > 1.2 and fast.shares["generation"] < base.shares["generation"]
-    assert fast.shares["update"] > base.shares["update"]
-    assert fast_mfu.rollout > base_mfu.rollout and fast.bottleneck == "update"
+    checks = {"generation 1.2x faster": speedup > 1.2,      # what the text below says, checked by name
+              "generation's share fell": fast.shares["generation"] < base.shares["generation"],
+              "the update's share grew": fast.shares["update"] > base.shares["update"],
+              "rollout MFU rose": fast_mfu.rollout > base_mfu.rollout,
+              "the update is the bottleneck": fast.bottleneck == "update"}
+    assert all(checks.values()), f"not so in this run: {[name for name, ok in checks.items() if not ok]}"
 
 # %% [markdown]
 # Generation's share fell and the update's grew: speeding up one stage hands the step to
