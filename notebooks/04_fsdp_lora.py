@@ -3581,9 +3581,10 @@ class ShardedCheckpoints:
 # Notebook 03 counted what a rank holds by the storages behind its tensors (DTensor shards
 # by their local storage, shared storages once). `MemoryTracker` applies the same count to a
 # live RL run: the trainer's parameters, gradients and Adam state at rest, the engine's
-# weights, and a peak taken right after the actor's forward pass in the update, when FSDP2
+# weights, and a sample taken right after the actor's forward pass in the update, when FSDP2
 # has a layer's full weights gathered (ZeRO-2 keeps them all until backward) and the
-# previous step's gradients still exist. The engine's bytes are taken twice: during the
+# previous step's gradients are already freed (`zero_grad(set_to_none=True)` runs first);
+# the peak column is the largest of the samples, printed per run. The engine's bytes are taken twice: during the
 # update (asleep, when colocated) and after the sync (awake). Their difference is what
 # colocation gives back to the trainer. On CUDA it also reads the allocator's own peak,
 # which sees what counting named tensors cannot: activations, communication buffers, KV
@@ -3783,7 +3784,7 @@ plt.show()
 # Every step logs each rank's bytes, counted as notebook 03 counts them. The bars are the
 # trainer's state at rest (weights, gradients, Adam) with the engine's copy (awake) stacked
 # on top; the triangle is what the rank held right after the update's forward pass (the
-# engine asleep, FSDP2's gathered layers still there, the previous step's gradients not yet
+# engine asleep, FSDP2's gathered layers still there, the previous step's gradients already
 # freed); the star is the calculator's FP32 state per rank (`zero_per_gpu`, or `lora_memory`
 # for LoRA) for the same parameter count and two ranks.
 
@@ -3914,8 +3915,9 @@ for transfer in ("per tensor", bucketed):
 # adapter is one small collective and the engine copies only A and B into place, where a
 # merged sync gathers every base weight with its adapter, multiplies B A for every adapted
 # layer and copies whole matrices. One tensor per collective, the adapter needs more round
-# trips than merged (its tensors column), and on CPUs with gloo a round trip's fixed cost,
-# not its bytes, is what a small collective pays.
+# trips than merged (its tensors column) but skips the merge; on CPUs with gloo a round
+# trip's fixed cost, not its bytes, is what a small collective pays, and the per-tensor line
+# says which of the two won here.
 #
 # The table times pushes into a buffer; each run's own share (one per run: the run's sync
 # seconds over its step seconds, the figure set beside the 5 %) also pays the real engine
@@ -3977,8 +3979,9 @@ if "sync_every" in runs:
                            else "does not help on this run"))
 
 # %% [markdown]
-# Synchronizing every K-th step divides the sync's share by about K (the first "sync every"
-# line under the run table prints the factor this run got) and costs freshness:
+# Synchronizing every K-th step divides the sync's share by up to about K (a run also pushes
+# at evaluations, checkpoints and its last step; the first "sync every" line under the run
+# table prints the factor this run got) and costs freshness:
 # between two pushes the engine keeps generating with the weights it holds, so a batch can
 # be up to K-1 updates old, and a policy gradient taken on another policy's samples is a
 # biased one: the table above puts a number on what that did to the learning here (the
@@ -4173,8 +4176,9 @@ except VersionMismatchError as err:
     print(f"an older version:\n    {type(err).__name__}: {err}")
 
 # %% [markdown]
-# And on two ranks: a batch of 3 prompts does not divide over 2 ranks, and both ranks say so
-# and exit before loading anything (full mode; `tests/test_chapter04.py` runs it in CI, with
+# And on two ranks: a batch of 3 prompts does not divide over 2 ranks, and every rank refuses
+# it and exits before loading anything (rank 0's message is the one printed: the others'
+# standard error goes to /dev/null) (full mode; `tests/test_chapter04.py` runs it in CI, with
 # a LoRA target that matches nothing, a misnamed or missing tensor and an older version on
 # every rank in `tests/test_parallel_torchrun.py`).
 
@@ -4192,8 +4196,8 @@ if not SMOKE:
 # | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
 # | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged batch statistics; and every rank must make the same forward passes (pad to the widest completion) |
 # | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward; the source's ~4× and ~8× are its own formula's limits for many GPUs in mixed precision, far from two FP32 ranks (section 7's table) |
-# | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer, two packed), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
-# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); adapter-only moves only A and B (section 7 prints whether that was also faster than merged here); `--sync-every K` divides the share by about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
+# | weight sync from shards | gather one layer (or one bucket of layers, packed) at a time (peak ≈ one layer unpacked, about twice the bucket packed; section 7 prints the run's), merge LoRA or ship the adapter, stream into the engine, check the version and (optionally) every tensor |
+# | the 5 % rule | on CPUs and gloo a collective's fixed cost dominates: pack whole layers into one all-gather per bucket (the chapter's defaults before and after: section 7's table); adapter-only moves only A and B (section 7 prints whether that was also faster than merged here); `--sync-every K` divides the share by up to about K, for batches up to K-1 updates stale (what that cost the learning: section 7) |
 # | colocation | the engine releases its weights during the update (vLLM sleep level 2 here) and takes them back at the sync; with adapter-only sync the base must stay |
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
 # | a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
