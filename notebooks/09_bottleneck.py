@@ -1216,7 +1216,8 @@ assert min(rates.values()) > 0.2 * peak
 
 # %% [markdown]
 # In isolation, the policy's products are not the problem: the table shows each running at
-# a sizeable fraction of the peak. The MFU of the run:
+# or near the measured peak (above 100 % where other work slowed the peak's own short
+# measurement, which makes the MFU figures below a few percent high). The MFU of the run:
 
 # %%
 record = json.loads((base_dir / "run.json").read_text())
@@ -1737,7 +1738,7 @@ assert base_diagnosis.fired == ["low_mfu"], base_diagnosis.fired
 # Only the MFU rule fires, and its direction (inspect communication, data loading and
 # rollout waiting) finds nothing to fix here: one process has no communication, no data
 # loading and no waiting. The time goes to the update and to generation, each spread over
-# hundreds of small operators (section 3). A rule is a pointer to where to look, not a
+# thousands of small operator calls (section 3). A rule is a pointer to where to look, not a
 # verdict.
 #
 # Each rule on a made-up decomposition, to see the thresholds at work (the test suite
@@ -1808,7 +1809,7 @@ print(f"end to end: median step {step_before:.3f} s -> {step_after:.3f} s ({end_
 if SMOKE:        # a few smoke-mode steps are too noisy to hold to the text below
     print("smoke mode: too few steps to judge; the text below describes a full run")
 else:
-    checks = {"generation 1.2x faster": speedup > 1.2,      # what the text below says, checked by name
+    checks = {"generation faster": speedup > 1.0,          # what the text below says, checked by name
               "generation's share fell": fast.shares["generation"] < base.shares["generation"],
               "the update's share grew": fast.shares["update"] > base.shares["update"],
               "rollout MFU rose": fast_mfu.rollout > base_mfu.rollout,
@@ -1816,13 +1817,14 @@ else:
     assert all(checks.values()), f"not so in this run: {[name for name, ok in checks.items() if not ok]}"
 
 # %% [markdown]
-# Generation's share fell and the update's grew: speeding up one stage hands the step to
-# the others, the source's warning in numbers, so after every change the decomposition
-# must be read again. A bottleneck that moved is not yet a gain, though: the gain is the
+# Generation's share fell and the update's grew: the step's time moved to the other stages,
+# the source's warning in numbers, so after every change the decomposition must be read
+# again. A bottleneck that moved is not yet a gain, though: the gain is the
 # step's time, and the "end to end" line sets it beside what generation saved.
-# `shared_prefix` also changes the update (each group's prompt once, notebook 01), so the
-# step can shrink by more than generation's saving; where the update's or the sync's median
-# grew in the same runs (the rows above), by less. On a shared two-core machine a few
+# `shared_prefix` also changes the update (each group's prompt once, notebook 01); with this
+# task's 4-token answers that update can come out slower than the `hf` one here (compare the
+# median update rows), so the step may shrink by less than generation saved, or even grow:
+# the "end to end" line says which happened. On a shared two-core machine a few
 # hundredths of a second per step are within the noise of other people's work, which is
 # why the line calls a gain only above 5 %. Whatever it says, the next target is the
 # update, which now holds the largest share, and after it the small fixed costs (the sync,
@@ -1857,7 +1859,8 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 # | timeline.json | `workers`: each worker's `[what, start, end]` calls (stage 6) | Ray calls split out, workers' busy time | Ray calls stay inside their stages (said) |
 #
 # Smoke mode skips the two runs (tests/test_chapter09.py runs both, smaller); full mode
-# runs them here, about a minute each on two cores. `step_bar` shows a run's progress while it
+# runs them here: about a minute each on an idle two-core machine, and longer on a busy one,
+# where Ray's start-up alone can take minutes (the cell retries it up to three times). `step_bar` shows a run's progress while it
 # goes: a bar of the steps its `metrics.jsonl` holds so far.
 
 # %%
