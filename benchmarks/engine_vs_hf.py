@@ -42,7 +42,9 @@ machine's float32 matrix-product peak (FLOP/s of a 2048 x 2048 product) and copy
 (bytes/s of a 256 MiB copy) are measured at the run's threads (best of 5); the step's ideal
 time is max(bytes / bandwidth, FLOPs / peak), counted from the model's shape (every weight and
 every cached key and value read once; 2 FLOPs per weight per row plus attention), printed
-beside the measured step (median of 15); decode_roofline_share = ideal / measured.
+beside the measured step (median of 15); decode_roofline_share = ideal / measured. Then the
+step is profiled and its time split into matrix products, attention, cache writes and everything
+else, each beside its own ideal, with the share the step would reach were everything else free.
 
 Peak memory: each engine runs the long-tail workload once in a fresh process of its own
 (this script with `--rss-of`), and reports its peak resident set size (VmHWM on Linux): the same
@@ -73,7 +75,7 @@ import torch
 from minirl.config import SamplingConfig
 from minirl.models.policy import load_default_policy
 from minirl.rollout.engine.engine import PagedEngine
-from minirl.rollout.engine.measure import decode_roofline, machine_limits, versus_hf
+from minirl.rollout.engine.measure import decode_roofline, decode_step_breakdown, machine_limits, versus_hf
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.rollout.hf import HFEngine
 from minirl.tasks.arithmetic import make_task
@@ -170,7 +172,12 @@ def roofline(args) -> dict:
     print(f"  step: {r['flops'] / 1e6:.0f} MFLOP -> {1e3 * r['compute_s']:.2f} ms; {r['weight_bytes'] / 1e6:.1f} MB of "
           f"weights + {r['kv_bytes'] / 1e6:.1f} MB of keys/values -> {1e3 * r['memory_s']:.2f} ms")
     print(f"  ideal {1e3 * r['ideal_s']:.2f} ms ({r['bound']}-bound), measured {1e3 * r['measured_s']:.2f} ms (median)")
-    return r
+    parts = decode_step_breakdown(model, r, repeats=1 if args.quick else 3)
+    print("  where the measured step goes (profiler): " + "; ".join(
+        f"{kind} {1e3 * k['seconds']:.2f} ms" + ("" if k["ideal_s"] is None else f" (ideal {1e3 * k['ideal_s']:.2f})")
+        for kind, k in parts["kinds"].items()))
+    print(f"  with nothing but the products and attention as they run here, the share would be {parts['bound']:.2f}")
+    return r | {"breakdown": parts}
 
 
 def kv_bytes(args) -> int | None:

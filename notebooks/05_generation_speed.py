@@ -1810,6 +1810,13 @@ def predicted_seconds(costs: dict, work: dict) -> float:
 def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
     """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
     after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
+    paged, step = probe_step(model, rows, tokens_per_row, context, block_size)
+    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+
+
+def probe_step(model, rows: int, tokens_per_row: int, context: int, block_size: int = 16):
+    """(PagedModel, Step) of a synthetic engine step: `rows` sequences of `tokens_per_row` new tokens after
+    `context` cached ones, each in blocks of its own; run once, so that the first call's costs are paid."""
     paged = PagedModel(model)
     per_row = -(-(context + tokens_per_row) // block_size)
     paged.allocate_cache(rows * per_row, block_size)
@@ -1817,7 +1824,7 @@ def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: i
               for r in range(rows)]
     step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
     paged(step)
-    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+    return paged, step
 
 # %%
 slots = 4 if SMOKE else 16
@@ -2905,6 +2912,9 @@ print(f"\nthe forward pass: {pct(phases['forward'] / total)} of the engine's tim
 
 # %%
 # | export minirl/rollout/engine/measure.py
+from torch.profiler import ProfilerActivity, profile
+
+
 def machine_limits(repeats: int = 5, size: int = 2048, copy_mib: int = 256) -> dict:
     """This machine's float32 matrix-product peak and copy bandwidth, at the current torch threads.
 
@@ -2936,7 +2946,8 @@ def decode_step_work(model, rows: int, context: int) -> dict:
     params = {p.data_ptr(): p.numel() for p in model.parameters()}                   # tied weights once
     positions = rows * (context + 1)
     kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * itemsize * positions
-    return {"flops": 2 * weights * rows + 4 * positions * c.num_attention_heads * head_dim * c.num_hidden_layers,
+    attention_flops = 4 * positions * c.num_attention_heads * head_dim * c.num_hidden_layers
+    return {"flops": 2 * weights * rows + attention_flops, "attention_flops": attention_flops,
             "weight_bytes": sum(params.values()) * itemsize, "kv_bytes": kv_bytes,
             "bytes": sum(params.values()) * itemsize + kv_bytes}
 
@@ -2953,9 +2964,41 @@ def decode_roofline(model, rows: int = 32, context: int = 160, limits: dict | No
                             "ideal_s": ideal, "measured_s": measured, "share": ideal / measured,
                             "bound": "compute" if compute >= memory else "memory"}
 
-# %%
-from torch.profiler import ProfilerActivity, profile
 
+STEP_KINDS = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
+              "attention, read in place": ("aten::_embedding_bag_forward_only", "aten::_embedding_bag",
+                                           "aten::_softmax"),
+              "cache writes": ("aten::_index_put_impl_", "aten::index_copy_")}
+OTHER_KIND = "everything else (norms, rotary, residuals, indexing, Python)"
+
+
+def decode_step_breakdown(model, roof: dict, repeats: int = 3, block_size: int = 16) -> dict:
+    """Where the measured decode step of `roof` (decode_roofline's result) goes, each kind beside its own ideal.
+
+    The step is profiled (torch.profiler, self CPU time of each operator, `repeats` calls) and its
+    operators sorted into STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
+    time times the measured step. Ideals: the products' FLOPs at the matmul peak or their weights at
+    the copy bandwidth, attention's FLOPs or the cached keys and values likewise; the rest has none.
+    "bound" is the share of the machine the step would reach if everything but the products and
+    attention took no time at all: how far removing overhead alone could take it.
+    """
+    paged, step = probe_step(model, roof["rows"], 1, roof["context"], block_size)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            paged(step)
+    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(own.values())
+    shares = {kind: sum(own.get(op, 0) for op in ops) / total for kind, ops in STEP_KINDS.items()}
+    shares[OTHER_KIND] = 1 - sum(shares.values())
+    peak, bandwidth = roof["matmul_flops"], roof["copy_bytes"]
+    products_flops = roof["flops"] - roof["attention_flops"]
+    ideals = {"matrix products": max(products_flops / peak, roof["weight_bytes"] / bandwidth),
+              "attention, read in place": max(roof["attention_flops"] / peak, roof["kv_bytes"] / bandwidth)}
+    kinds = {kind: {"share": share, "seconds": share * roof["measured_s"], "ideal_s": ideals.get(kind)}
+             for kind, share in shares.items()}
+    return {"kinds": kinds, "bound": roof["ideal_s"] / sum(kinds[k]["seconds"] for k in ideals)}
+
+# %%
 limits = machine_limits(repeats=2 if SMOKE else 5)
 roof = decode_roofline(big, rows=32, context=160, limits=limits, repeats=5 if SMOKE else 15)
 show([("FLOPs", f"{roof['flops'] / 1e6:.0f} M", f"{limits['matmul_flops'] / 1e9:.0f} GFLOP/s",
@@ -2967,33 +3010,14 @@ print(f"\nmeasured {1e3 * roof['measured_s']:.2f} ms against the ideal {1e3 * ro
       f"({roof['bound']}-bound): the step uses {pct(roof['share'])} of the machine\n")
 
 # where the measured time goes, by operator, each kind beside its own ideal
-paged = PagedModel(big)
-paged.allocate_cache(32 * 11, 16)
-decode = make_step([Chunk([3], 160, list(range(11 * i, 11 * i + 11))) for i in range(32)], 16, paged.n_rep, "cpu")
-paged(decode)
-with profile(activities=[ProfilerActivity.CPU]) as prof:
-    for _ in range(3):
-        paged(decode)
-own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-kinds = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
-         "attention, read in place (embedding_bag, softmax)": ("aten::_embedding_bag_forward_only",
-                                                                "aten::_embedding_bag", "aten::_softmax"),
-         "cache writes (index_put_, index_copy_)": ("aten::_index_put_impl_", "aten::index_copy_")}
-attention_flops = 4 * 32 * 161 * paged.num_heads * paged.head_dim * paged.num_layers
-ideals = {"matrix products": max((roof["flops"] - attention_flops) / limits["matmul_flops"],
-                                roof["weight_bytes"] / limits["copy_bytes"]),
-          "attention, read in place (embedding_bag, softmax)": max(roof["kv_bytes"] / limits["copy_bytes"],
-                                                                   attention_flops / limits["matmul_flops"])}
-total = sum(own.values())
-shares = {kind: sum(own.get(op, 0) for op in ops) / total for kind, ops in kinds.items()}
-shares["everything else (norms, rotary, residuals, indexing, Python)"] = 1 - sum(shares.values())
-show([(k, pct(v), f"{1e3 * v * roof['measured_s']:.2f}",
-       f"{1e3 * ideals[k]:.2f}" if k in ideals else "0",
-       f"{v * roof['measured_s'] / ideals[k]:.1f}x" if k in ideals else "-") for k, v in shares.items()],
+parts = decode_step_breakdown(big, roof)
+show([(kind, pct(k["share"]), f"{1e3 * k['seconds']:.2f}",
+       "0" if k["ideal_s"] is None else f"{1e3 * k['ideal_s']:.2f}",
+       "-" if k["ideal_s"] is None else f"{k['seconds'] / k['ideal_s']:.1f}x") for kind, k in parts["kinds"].items()],
      ("inside the decode step", "share of CPU time", "ms", "its own ideal ms", "over its ideal"))
-worst = max(ideals, key=lambda k: shares[k] * roof["measured_s"] - ideals[k])
-print(f"\nthe most time over its ideal: {worst}; with no time at all outside the matrix products and attention, "
-      f"the step would use {pct(roof['ideal_s'] / sum(shares[k] * roof['measured_s'] for k in ideals))} of the machine")
+over = {kind: k["seconds"] - k["ideal_s"] for kind, k in parts["kinds"].items() if k["ideal_s"] is not None}
+print(f"\nthe most time over its ideal: {max(over, key=over.get)}; with no time at all outside the matrix products "
+      f"and attention, the step would use {pct(parts['bound'])} of the machine")
 assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["compute_s"])
 
 # %% [markdown]
@@ -3003,8 +3027,11 @@ assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["comp
 # once per query head that shares it (4 query heads per key head here) where a fused kernel
 # would read it once; and "everything else" is pure overhead, a few dozen small operators
 # per layer launched from Python, each costing microseconds whatever its size (what CUDA
-# graphs remove on a GPU). The benchmark prints the same comparison as
-# `decode_roofline_share: X`.
+# graphs remove on a GPU). The last line is the ceiling of removing that overhead alone:
+# with "everything else" gone, the products and the attention as they run here would still
+# hold the step to that share; beyond it they need kernels of their own (a fused paged-attention
+# kernel reads each key once for all the query heads sharing it). The benchmark prints the
+# same comparison and the share as `decode_roofline_share: X`.
 
 # %% [markdown]
 # ## 11. In the loop

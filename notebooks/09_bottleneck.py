@@ -1766,7 +1766,7 @@ assert rules_that_fire({"expert_imbalance": hot_cold}) == ["expert_imbalance"]
 #
 # The source's first direction for a slow rollout is prefix caching: the G completions of a
 # prompt share it, so compute its keys and values once. minirl's `shared_prefix` engine
-# does that (notebook 01, section 11), and so does its update. One setting changes,
+# does that (notebook 01, section 11; the update already does it in every run). One setting changes,
 # `rollout_engine="shared_prefix"`; everything else, the seed included, stays.
 
 # %%
@@ -1806,6 +1806,12 @@ gain = ("a faster step" if end_to_end > 1.05 else "no end-to-end gain beyond 5 %
 print(f"end to end: median step {step_before:.3f} s -> {step_after:.3f} s ({end_to_end:.2f}x; the whole run "
       f"{base.total_seconds / fast.total_seconds:.2f}x); generation saved {saved:.3f} s a step, the step "
       f"{step_before - step_after:.3f} s: {gain}")
+# the update's work: every stage-1 update runs each group's prompt once, whichever engine sampled,
+# so it differs between the runs only if the two engines sampled different completions
+same_work = [r["completion_length"] for r in base.records] == [r["completion_length"] for r in fast.records]
+print(f"the two runs' completions had the same mean length at every step: {same_work}"
+      + ("; so the updates did the same work, and the gap between the median update rows is the machine's "
+         "noise, not the change" if same_work else "; so the updates did different work"))
 if SMOKE:        # a few smoke-mode steps are too noisy to hold to the text below
     print("smoke mode: too few steps to judge; the text below describes a full run")
 else:
@@ -1821,12 +1827,13 @@ else:
 # the source's warning in numbers, so after every change the decomposition must be read
 # again. A bottleneck that moved is not yet a gain, though: the gain is the
 # step's time, and the "end to end" line sets it beside what generation saved.
-# `shared_prefix` also changes the update (each group's prompt once, notebook 01); with this
-# task's 4-token answers that update can come out slower than the `hf` one here (compare the
-# median update rows), so the step may shrink by less than generation saved, or even grow:
-# the "end to end" line says which happened. On a shared two-core machine a few
-# hundredths of a second per step are within the noise of other people's work, which is
-# why the line calls a gain only above 5 %. Whatever it says, the next target is the
+# The update does not change: every stage-1 update runs each group's prompt once (notebook
+# 01, section 11.1), whichever engine sampled, and here both engines drew completions of the
+# same lengths from the same seed (the "same mean length" line checks it). So the median
+# update rows should agree, and where they do not, the gap is the machine's noise: on a shared
+# two-core machine a few hundredths of a second per step are within the noise of other
+# people's work, which is why the "end to end" line calls a gain only above 5 %, and why
+# the step may shrink by less than generation saved. Whatever it says, the next target is the
 # update, which now holds the largest share, and after it the small fixed costs (the sync,
 # "other") that nothing hides any more. Rollout MFU moves with generation's time, because
 # the work the batch needs is the same in both runs: the prompts the `hf` engine

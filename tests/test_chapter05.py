@@ -112,6 +112,10 @@ def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
     assert lines[-3] == f"decode_roofline_share: {roof['share']:.2f}"
     assert roof["ideal_s"] == max(roof["flops"] / roof["matmul_flops"], roof["bytes"] / roof["copy_bytes"])
     assert roof["kv_bytes"] == 32 * 161 * 2 * 8 * 1 * 64 * 4, "32 rows x 161 positions x K and V x 8 layers x 64 x fp32"
+    kinds = roof["breakdown"]["kinds"]
+    assert abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-9 and kinds["matrix products"]["share"] > 0.05
+    inside = kinds["matrix products"]["seconds"] + kinds["attention, read in place"]["seconds"]
+    assert roof["breakdown"]["bound"] == roof["ideal_s"] / inside >= roof["share"], "overhead removed only helps"
     work = summary["long"]
     assert work["paged_counts"]["cached_tokens"] > 0, "the G completions of a prompt share its full blocks"
     assert work["hf_rows_x_steps"] >= work["paged_counts"]["decode_tokens"], "HF decodes padding rows, the engine not"

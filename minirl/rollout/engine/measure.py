@@ -8,14 +8,16 @@ second) whose alternatives run interleaved, `repeats` times each, compared by th
 """
 
 __all__ = ["interleaved", "kv_utilization", "effective_batch", "continuous_vs_static",
-           "step_costs", "predicted_seconds", "step_seconds", "closed_form_saved",
+           "step_costs", "predicted_seconds", "step_seconds", "probe_step", "closed_form_saved",
            "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf",
-           "machine_limits", "decode_step_work", "decode_roofline"]
+           "machine_limits", "decode_step_work", "decode_roofline", "STEP_KINDS", "OTHER_KIND",
+           "decode_step_breakdown"]
 
 import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from minirl.config import SamplingConfig
@@ -138,6 +140,13 @@ def predicted_seconds(costs: dict, work: dict) -> float:
 def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: int = 15, block_size: int = 16) -> float:
     """Median seconds of one PagedModel forward pass: `rows` sequences, each `tokens_per_row` new tokens
     after `context` cached ones (what a decode step, or a verification of k drafts, costs)."""
+    paged, step = probe_step(model, rows, tokens_per_row, context, block_size)
+    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+
+
+def probe_step(model, rows: int, tokens_per_row: int, context: int, block_size: int = 16):
+    """(PagedModel, Step) of a synthetic engine step: `rows` sequences of `tokens_per_row` new tokens after
+    `context` cached ones, each in blocks of its own; run once, so that the first call's costs are paid."""
     paged = PagedModel(model)
     per_row = -(-(context + tokens_per_row) // block_size)
     paged.allocate_cache(rows * per_row, block_size)
@@ -145,7 +154,7 @@ def step_seconds(model, rows: int, tokens_per_row: int, context: int, repeats: i
               for r in range(rows)]
     step = make_step(chunks, block_size, paged.n_rep, next(model.parameters()).device)
     paged(step)
-    return statistics.median(interleaved({"step": lambda: paged(step)}, repeats)["step"])
+    return paged, step
 
 
 def closed_form_saved(prompt_len: int, num_generations: int, block_size: int) -> float:
@@ -322,7 +331,8 @@ def decode_step_work(model, rows: int, context: int) -> dict:
     params = {p.data_ptr(): p.numel() for p in model.parameters()}                   # tied weights once
     positions = rows * (context + 1)
     kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * itemsize * positions
-    return {"flops": 2 * weights * rows + 4 * positions * c.num_attention_heads * head_dim * c.num_hidden_layers,
+    attention_flops = 4 * positions * c.num_attention_heads * head_dim * c.num_hidden_layers
+    return {"flops": 2 * weights * rows + attention_flops, "attention_flops": attention_flops,
             "weight_bytes": sum(params.values()) * itemsize, "kv_bytes": kv_bytes,
             "bytes": sum(params.values()) * itemsize + kv_bytes}
 
@@ -338,3 +348,37 @@ def decode_roofline(model, rows: int = 32, context: int = 160, limits: dict | No
     return work | limits | {"rows": rows, "context": context, "memory_s": memory, "compute_s": compute,
                             "ideal_s": ideal, "measured_s": measured, "share": ideal / measured,
                             "bound": "compute" if compute >= memory else "memory"}
+
+
+STEP_KINDS = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
+              "attention, read in place": ("aten::_embedding_bag_forward_only", "aten::_embedding_bag",
+                                           "aten::_softmax"),
+              "cache writes": ("aten::_index_put_impl_", "aten::index_copy_")}
+OTHER_KIND = "everything else (norms, rotary, residuals, indexing, Python)"
+
+
+def decode_step_breakdown(model, roof: dict, repeats: int = 3, block_size: int = 16) -> dict:
+    """Where the measured decode step of `roof` (decode_roofline's result) goes, each kind beside its own ideal.
+
+    The step is profiled (torch.profiler, self CPU time of each operator, `repeats` calls) and its
+    operators sorted into STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
+    time times the measured step. Ideals: the products' FLOPs at the matmul peak or their weights at
+    the copy bandwidth, attention's FLOPs or the cached keys and values likewise; the rest has none.
+    "bound" is the share of the machine the step would reach if everything but the products and
+    attention took no time at all: how far removing overhead alone could take it.
+    """
+    paged, step = probe_step(model, roof["rows"], 1, roof["context"], block_size)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            paged(step)
+    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(own.values())
+    shares = {kind: sum(own.get(op, 0) for op in ops) / total for kind, ops in STEP_KINDS.items()}
+    shares[OTHER_KIND] = 1 - sum(shares.values())
+    peak, bandwidth = roof["matmul_flops"], roof["copy_bytes"]
+    products_flops = roof["flops"] - roof["attention_flops"]
+    ideals = {"matrix products": max(products_flops / peak, roof["weight_bytes"] / bandwidth),
+              "attention, read in place": max(roof["attention_flops"] / peak, roof["kv_bytes"] / bandwidth)}
+    kinds = {kind: {"share": share, "seconds": share * roof["measured_s"], "ideal_s": ideals.get(kind)}
+             for kind, share in shares.items()}
+    return {"kinds": kinds, "bound": roof["ideal_s"] / sum(kinds[k]["seconds"] for k in ideals)}
