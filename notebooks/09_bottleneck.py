@@ -1328,6 +1328,45 @@ assert ceiling[1024] > 0.7 > max(ceiling[4096], ceiling[16384]) and decode_mfu_b
 # trainer at 40–50 % is within reach: its products are large and compute-bound.
 
 # %% [markdown]
+# The same bound, measured instead of assumed, on this CPU: one decode step of notebook 05's
+# long-tail policy (7.6 M parameters, 32 sequences after 160 cached tokens each) against the
+# machine's measured float32 matrix-product peak and copy bandwidth (`decode_roofline`), and
+# where the measured step's time goes, operator by operator (`decode_step_breakdown`, the
+# profiler). The benchmark `engine_vs_hf.py` prints the same lines.
+
+# %%
+from minirl.rollout.engine.measure import decode_roofline, decode_step_breakdown, machine_limits  # noqa: E402
+from minirl.rollout.engine.workloads import load_long_tail_policy  # noqa: E402
+
+long_tail, _, _ = load_long_tail_policy()
+cpu_roof = decode_roofline(long_tail, rows=32, context=160, limits=machine_limits(repeats=2 if SMOKE else 5),
+                           repeats=5 if SMOKE else 15)
+cpu_parts = decode_step_breakdown(long_tail, cpu_roof)
+print(f"one decode step: {cpu_roof['flops'] / 1e6:.0f} MFLOP, {cpu_roof['bytes'] / 1e6:.1f} MB read; ideal "
+      f"{1e3 * cpu_roof['ideal_s']:.2f} ms ({cpu_roof['bound']}-bound), measured {1e3 * cpu_roof['measured_s']:.2f} ms:"
+      f" the step uses {100 * cpu_roof['share']:.0f} % of this CPU")
+for kind, k in cpu_parts["kinds"].items():
+    ideal = "no ideal: none of it is needed" if k["ideal_s"] is None else f"its ideal {1e3 * k['ideal_s']:.2f} ms"
+    print(f"  {kind:>60}: {1e3 * k['seconds']:5.2f} ms ({ideal})")
+excess = {kind: k["seconds"] - (k["ideal_s"] or 0.0) for kind, k in cpu_parts["kinds"].items()}
+print(f"the most time beyond its ideal: {max(excess, key=excess.get)}; with nothing but the products and attention "
+      f"as they run here, the step would use {100 * cpu_parts['bound']:.0f} %")
+over_ideal = {kind: k["seconds"] / k["ideal_s"] for kind, k in cpu_parts["kinds"].items() if k["ideal_s"]}
+print("; ".join(f"{kind}: {x:.1f}x its ideal" for kind, x in over_ideal.items()))
+assert 0 < cpu_roof["share"] <= cpu_parts["bound"]
+
+# %% [markdown]
+# The CPU's decode step misses its roofline for a reason the source's GPU bound leaves out:
+# the lines above set each part beside its own ideal, and the printed "most time beyond its
+# ideal" names the largest loss. With a model this small, each operator is tiny, so the
+# fixed cost of launching it from Python (the "everything else" row, set it beside the
+# products' row) is of the same order as the arithmetic; the line after it says how far
+# removing that overhead alone could take the step, and what is left then is the products
+# of 32 rows and the attention reading the paged cache, at the multiples of their own ideals
+# printed last. On a GPU, CUDA graphs and fused kernels remove the overhead, which is why
+# the source's bound speaks of bandwidth and batch size only.
+
+# %% [markdown]
 # ## 4. The symptom table as rules
 #
 # The source's table lists symptoms, a threshold for each and a direction. As rules, each
