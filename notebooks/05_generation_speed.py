@@ -3015,7 +3015,7 @@ show([(kind, pct(k["share"]), f"{1e3 * k['seconds']:.2f}",
        "0" if k["ideal_s"] is None else f"{1e3 * k['ideal_s']:.2f}",
        "-" if k["ideal_s"] is None else f"{k['seconds'] / k['ideal_s']:.1f}x") for kind, k in parts["kinds"].items()],
      ("inside the decode step", "share of CPU time", "ms", "its own ideal ms", "over its ideal"))
-over = {kind: k["seconds"] - k["ideal_s"] for kind, k in parts["kinds"].items() if k["ideal_s"] is not None}
+over = {kind: k["seconds"] - (k["ideal_s"] or 0.0) for kind, k in parts["kinds"].items()}     # no ideal: all over
 print(f"\nthe most time over its ideal: {max(over, key=over.get)}; with no time at all outside the matrix products "
       f"and attention, the step would use {pct(parts['bound'])} of the machine")
 assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["compute_s"])
