@@ -2110,14 +2110,14 @@ from minirl.models.policy import greedy_accuracy
 
 SYNC_STEPS, ASYNC_STEPS, EVERY = (4, 6, 2) if SMOKE else (60, 90, 5)
 BASE = RLConfig().replace(learning_rate=1e-4, **({"prompts_per_step": 4, "num_generations": 4} if SMOKE else {}))
-LATENCY = {"env_latency": 0.002, "env_latency_sigma": 1.0} if SMOKE else {}
-RESULTS = {}
+RESULTS = {}   # smoke mode keeps the default latency: at a 2 ms median the synchronous wait was too short
+               # for asynchrony to win reliably on a busy 2-core machine (a CI run saw 233 against 217 traj/s)
 
 
 def run_async(name: str, steps: int, **settings):
     """Train a fresh copy of the warm start with these AsyncConfig settings; evaluate its snapshots."""
     fresh, tok, _ = load_default_policy(progress=False)
-    acfg = AsyncConfig(snapshot_every=EVERY, **(LATENCY | settings))
+    acfg = AsyncConfig(snapshot_every=EVERY, **settings)   # the default long-tail latency, in smoke mode too
     result = train_async(BASE.replace(steps=steps), acfg, fresh, tok, task.rows("train"))
     evaluate_snapshots(result, fresh, lambda m: greedy_accuracy(m, tok, task))
     RESULTS[name] = result
