@@ -41,7 +41,9 @@ import time
 from minirl.config import RLConfig
 from minirl.train.cli import (
     TASK_FLAGS,
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_task_prompts,
     held_out_line,
     resolve_task_paths,
@@ -50,7 +52,7 @@ from minirl.train.cli import (
     task_from_args,
     task_summary,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
 from minirl.utils.validate import ConfigError, check_int
 
@@ -68,7 +70,7 @@ def parse_args(argv=None):
                             "more, and threads on a busy machine spin); 0: torch's default (default: 1)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_task_flags(parser)
-    add_config_flags(parser, RLConfig())
+    add_rl_flags(parser, RLConfig())
     args = parser.parse_args(argv)
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
@@ -77,6 +79,7 @@ def parse_args(argv=None):
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
+    check_engine_flag(parser, config)                 # vLLM without vLLM or CUDA: refused before torch loads
     check_device(parser, config.run.device)           # imports torch: after every flag parsed
     from minirl.train.cli import check_run_flags, resumed_config  # the model's files are checked: after parsing
 

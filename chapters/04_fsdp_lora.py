@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04-lora --lora-rank 8 --learning-rate 2e-3
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume     # continue a stopped run exactly
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
-        --zero 3 --lora-rank 16 --rollout vllm --out runs/04-qwen
+        --zero 3 --lora-rank 16 --rollout-engine vllm --out runs/04-qwen
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda \
         --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
         --reward math --lora-rank 16 --max-completion-length 256 --out runs/04-words
@@ -13,7 +13,7 @@
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
-(--rollout minirl: the in-process engine --rollout-engine names, or vllm; --colocate lets the
+(--rollout-engine: hf, shared_prefix, paged in process, or vllm on GPUs; --colocate lets the
 engine release its weights during the update). After each update the weights are gathered layer
 by layer, one all-gather per layer (--no-packed-sync: one per tensor), into every engine
 (--sync-mode full, merged or adapter); --sync-every K pushes only every K-th update (and at
@@ -52,7 +52,9 @@ from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.train.cli import (
     TASK_FLAGS,
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     held_out_line,
@@ -135,7 +137,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS)
+    add_rl_flags(parser, DEFAULTS)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
     if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -152,6 +154,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     world = args.nproc_per_node or job_rank()[1]
     problem = out_problem(args.out)        # the quick refusals first: --out, the world size, --device
     if problem is not None:

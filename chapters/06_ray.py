@@ -40,7 +40,9 @@ import time
 
 from minirl.config import RLConfig
 from minirl.train.cli import (
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     held_out_line,
@@ -56,7 +58,7 @@ from minirl.train.cli import (
     task_summary,
     write_failure,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.validate import ConfigError, check_float, check_int
 
 # minirl.controller's names, here so that the parser is built (and a bad command line refused) before torch and
@@ -98,7 +100,7 @@ def parse_args(argv=None):
                        help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: 1)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS)
+    add_rl_flags(parser, DEFAULTS)
     args = parser.parse_args(argv)
     try:
         for dest, low in (("stop_after", 1), ("threads", 0), ("compare_syncs", 0)):
@@ -109,6 +111,7 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch or Ray loads
     check_run_flags(parser, args)
     resolve_task_paths(args)
     if args.resume:                        # the run's own settings (and task), changed only where the user says so

@@ -55,7 +55,9 @@ from minirl.asyncrl.config import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
 from minirl.asyncrl.config import AsyncConfig
 from minirl.config import RLConfig
 from minirl.train.cli import (
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     interrupted_line,
@@ -96,7 +98,7 @@ def parse_args(argv=None):
     group.add_argument("--num-cpus", type=float, default=2, help="CPUs of the local Ray cluster (--ray) (default: 2)")
     group.add_argument("--print-every", type=int, default=10, help="a progress line every N steps (default: 10)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS, skip=SKIPPED)
+    add_rl_flags(parser, DEFAULTS, skip=SKIPPED)
     add_config_flags(parser, AsyncConfig())
     args = parser.parse_args(argv)
     try:
@@ -109,6 +111,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     acfg = config_from_args(parser, args, AsyncConfig())
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     check_run_flags(parser, args)           # --out free (or --resume / --overwrite) and writable, --model exists
     resolve_task_paths(args)
     if args.resume:                         # the run's own settings, changed only where it cannot matter

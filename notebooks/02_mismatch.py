@@ -88,7 +88,7 @@ print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 
 # PPO limits how far one update moves the policy with the ratio
 # $r_t = \pi_\theta(a_t\mid s_t) / \pi_\text{old}(a_t\mid s_t)$ and the clipped objective
 # $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$.
-# Notebook 01 wrote it once, as a loss to minimize: `minirl.algo.losses.clipped_surrogate` returns
+# Notebook 01 wrote it once, as a loss to minimize: `minirl.loss_types.clipped_surrogate` returns
 # minus this objective, and everything below reuses it. What this notebook adds is the ratio
 # and the arithmetic of the clip seen from one token's probability: with $\pi_\text{old} = p$,
 # an update still moves the objective only while the new probability stays inside
@@ -146,7 +146,7 @@ def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
 # 0.24, so $r = 1.2$, exactly the upper boundary at $\epsilon = 0.2$.
 
 # %%
-from minirl.algo.losses import clipped_surrogate  # notebook 01's loss: minus the objective
+from minirl.loss_types import clipped_surrogate  # notebook 01's loss: minus the objective
 
 
 def objective(ratio, advantages):

@@ -487,15 +487,16 @@ def stop_job(pid: int, grace: float = 5.0) -> None:
 # A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
 # sharded, LoRA, how the weights travel to the engine, which engine. They live in their own
 # dataclass, checked when built like every config here; the chapter script turns each field
-# into a flag (`--zero`, `--lora-rank`, `--rollout`, ...). `check_parallel` adds the checks
+# into a flag (`--zero`, `--lora-rank`, `--sync-mode`, ...). `check_parallel` adds the checks
 # that need the world size or span both configs, so that every rank refuses a bad job in its
 # first second, before it loads a model.
 
 # %%
 # | export minirl/parallel/config.py
-"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, which engine.
+"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, how vLLM is sized.
 
-The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01); a
+The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01), the
+engine too (`rollout_engine`, a name of notebook 01's engine registry, vLLM included); a
 stage-4 run adds these. Every value is checked when the dataclass is built, and
 `check_parallel` adds the checks that need the world size or the RLConfig, so that every
 rank of a job refuses a bad one before it loads anything.
@@ -504,15 +505,14 @@ Importing it is light (no torch): a chapter builds its flags from these fields a
 bad command line before the heavy imports.
 """
 
-import importlib.util
 from dataclasses import dataclass
 
-from minirl.config import RLConfig, RolloutConfig
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int, device_problem
+from minirl.config import RLConfig
+from minirl.rollout.registry import check_engine
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
 ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -534,7 +534,6 @@ class ParallelConfig:
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
     packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
     sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
@@ -543,10 +542,10 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
-    vllm_gpu_memory_utilization: float = 0.3  # --rollout vllm: the share of the GPU vLLM may take (the trainer's rest)
-    vllm_max_num_batched_tokens: int = 4096   # --rollout vllm: tokens per scheduler step (TRL's colocate value)
+    vllm_gpu_memory_utilization: float = 0.3  # vllm engine: the share of the GPU it may take (the trainer's: the rest)
+    vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's colocate value)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+    choices = {"zero": ZERO_LEVELS, "sync_mode": ("auto", *SYNC_MODES),
                "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
@@ -629,28 +628,16 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
     if pconfig.cpu_offload and not cuda:
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
-    if pconfig.rollout == "vllm":
-        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
-            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
-                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
-                              "drop --rollout-engine, or use --rollout minirl")
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
-        if not cuda or device_problem(config.run.device) is not None:
-            raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout minirl")
+    check_engine(config)                     # a name of the registry, and one this machine can run (vLLM: CUDA)
+    if config.rollout.rollout_engine == "vllm":
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
-                                                   "hand them back by name; drop --verify-sync with --rollout vllm")
+                                                   "hand them back by name; drop --verify-sync with "
+                                                   "--rollout-engine vllm")
         if pconfig.resolved_sync_mode == "adapter":
             raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
                                                       "serves adapters through LoRA requests, not wired here: "
-                                                      "use --sync-mode merged with --rollout vllm")
-        if config.engine_dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
-                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
-                              "pick one of those with --rollout vllm")
+                                                      "use --sync-mode merged with --rollout-engine vllm")
 
 # %% [markdown]
 # The notebook itself joins a process group of one (through a file store, no `torchrun`), so
@@ -666,8 +653,8 @@ ctx = init_distributed()
 group = ProcessGroup(ctx.device)
 print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
 for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
-            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
-            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2),
+            lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="vllm"), 2),
+            lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="tgi"), 2),
             lambda: pick_backend("nccl", "cpu"),
             lambda: ParallelConfig(zero=1, mixed_precision="bf16"),
             lambda: ParallelConfig(sync_every=0),
@@ -923,7 +910,10 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base 
 # | `bnpo` | Σ tokens / T_r *per process* | 1 | TRL normalizes by each process's own tokens: the batch's loss is the mean of the ranks' |
 #
 # So `bnpo` and `dapo`, equal in one process (notebook 01 said so), part ways here: that is
-# the difference between them. Exercise 4.1 is `rank_loss_weight`.
+# the difference between them. `cispo` normalizes as `dapo` does, and weighs as it does. Each
+# loss type's entry in notebook 01's registry holds its w_r (`rank_weight`, section 4.1 there),
+# beside its normalization and its micro-batch weight: a loss type added there is complete
+# here too, and nothing below names one.
 #
 # How does the weight get into the loss without rewriting `Actor.update`? Every term of the
 # GRPO loss (the clipped surrogate, the KL, the bias-corrected KL) depends on the
@@ -961,7 +951,7 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base 
 4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
 the global batch and the wrapper averages the gradients; for that average to be the
 gradient of the whole batch, each rank's loss is weighted by its share of the global
-normalization (`rank_loss_weight`), applied as a gradient scale on the output of the
+normalization (its loss type's `rank_weight`), applied as a gradient scale on the output of the
 training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
 runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
 record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
@@ -975,8 +965,6 @@ the loss) is not caught before the backward, and leaves the others waiting until
 
 import torch
 from torch import Tensor
-
-from minirl.config import LOSS_TYPES
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -996,41 +984,12 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
 
 
 # %% [markdown]
-# Each rank's loss covers only its rows, while DDP and FSDP average the gradients over the
-# ranks. `rank_loss_weight` gives the factor per rank that makes that average equal to the
-# whole batch's gradient, for each of notebook 01's loss aggregations.
-
-# %%
-# | export minirl/parallel/roles.py
-def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                     world_size: int) -> float:
-    """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
-
-    Each rank computes notebook 01's `aggregate_loss` over its own rows; the batch's loss is
-    (1 / world_size) * sum over ranks of w * (that rank's loss), and DDP / FSDP average the
-    gradients, so scaling each rank's gradient by its w makes the average the batch's gradient.
-      "dapo":              w = world_size * max(local_tokens, 1) / max(global_tokens, 1)
-                           (TRL divides by the global batch's token count)
-      "grpo", "dr_grpo":   w = world_size * local_rows / global_rows
-                           (1 when every rank holds as many rows)
-      "bnpo":              w = 1 (TRL divides by each process's own tokens)
-    local_tokens / global_tokens: completion tokens (mask sum) of this rank / of all ranks;
-    local_rows / global_rows: completions. Raises ValueError for an unknown loss_type.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    # BEGIN SOLUTION
-    if loss_type == "dapo":
-        return world_size * max(local_tokens, 1) / max(global_tokens, 1)
-    if loss_type in ("grpo", "dr_grpo"):
-        return world_size * local_rows / global_rows
-    return 1.0
-    # END SOLUTION
-
-
-# %% [markdown]
 # The rest: the metrics reduced over the ranks, the padding to the widest completion, what
-# both roles share, and the two roles.
+# both roles share, and the two roles. Every rank updates on its own rows, so every rank
+# has its own record of the update (its loss, its clip ratios, its gradient norm), and the
+# run must log one record, the same on every rank. How each number combines depends on what
+# it is: a per-token mean is the token-weighted mean of the ranks', a minimum the smallest,
+# the loss the weighted sum that defines the batch's loss. This is exercise 4.1.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -1039,6 +998,7 @@ import math
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
+from minirl.loss_types import loss_type_entry
 from minirl.parallel.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
@@ -1054,7 +1014,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
 
     records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (`rank_loss_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
     "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
     is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
     the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
@@ -1064,6 +1024,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     """
     if len(records) == 1:
         return dict(records[0])
+    # BEGIN SOLUTION
     total = sum(tokens) or 1.0
     out = {}
     for key, value in records[0].items():
@@ -1081,6 +1042,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
         else:
             out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
     return out
+    # END SOLUTION
 
 
 # %% [markdown]
@@ -1173,7 +1135,7 @@ class DataParallelRole:
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by `rank_loss_weight`; the ranks' one record.
+        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
@@ -1186,8 +1148,8 @@ class DataParallelRole:
         total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
         if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
-                                  self.group.world_size)
+        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
+                                                                       self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -1300,8 +1262,7 @@ class DistributedCritic(DataParallelRole, Critic):
 # average is off; with them, every loss type is exact (`bnpo` is its own, per-rank, loss).
 
 # %%
-from minirl.algo.losses import aggregate_loss  # noqa: E402
-from minirl.parallel.roles import rank_loss_weight  # noqa: E402
+from minirl.loss_types import LOSS_TYPES, aggregate_loss  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 per_token = torch.randn(6, 5, generator=g)
@@ -1309,7 +1270,8 @@ mask = (torch.rand(6, 5, generator=g) < 0.6).long()
 mask[:, 0] = 1
 parts, T, W = [slice(0, 2), slice(2, 4), slice(4, 6)], int(mask.sum()), 3
 rows = []
-for loss_type in ("dapo", "grpo", "dr_grpo"):
+for loss_type in ("dapo", "grpo", "dr_grpo", "cispo"):
+    rank_weight = LOSS_TYPES[loss_type].rank_weight
     x = per_token.clone().requires_grad_(True)
     aggregate_loss(x, mask, loss_type, 5).backward()
     whole = x.grad.clone()
@@ -1317,11 +1279,11 @@ for loss_type in ("dapo", "grpo", "dr_grpo"):
     for weighted in (False, True):
         x.grad = None
         for part in parts:
-            w = rank_loss_weight(loss_type, int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
+            w = rank_weight(int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
             (w / W * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
         errors.append((x.grad - whole).abs().max().item() / whole.abs().max().item())
     rows.append((loss_type, [int(mask[p].sum()) for p in parts],
-                 [round(rank_loss_weight(loss_type, int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
+                 [round(rank_weight(int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
                  f"{errors[0]:.1%}", f"{errors[1]:.1e}"))
 show(rows, ("loss_type", "tokens per rank", "w_r", "error, plain average", "error, weighted"))
 assert all(float(r[4]) < 1e-5 for r in rows)
@@ -2244,8 +2206,9 @@ assert asleep == 0 and awake > 0
 #
 # vLLM is not installed on the machines that run CI and it needs a CUDA GPU, so this engine
 # is exercised only by the tests marked `vllm` (skipped cleanly elsewhere) and by
-# `--rollout vllm` on a GPU machine. Asking for it where it cannot run is an error before
-# anything is loaded (section 8).
+# `--rollout-engine vllm` on a GPU machine. It joins notebook 01's engine registry under the
+# name "vllm" (end of this section), so every stage's `--rollout-engine` takes it, and asking
+# for it where it cannot run is refused in one line before anything is loaded.
 
 # %%
 # | export minirl/rollout/vllm.py
@@ -2313,9 +2276,9 @@ from minirl.config import SamplingConfig, auto_dtype
 from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.colocated import prompt_seed
+from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
 from minirl.utils.validate import ConfigError, check_float, check_int
 
-VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
 
@@ -2331,11 +2294,10 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
+        raise ConfigError("rollout_engine", "vllm", f"vLLM is not installed ({err}); {VLLM_INSTALL}") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout minirl")
+        raise ConfigError("rollout_engine", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                                    "--rollout-engine shared_prefix")
     return vllm
 
 
@@ -2612,13 +2574,61 @@ def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[st
     outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
     return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
 
-# %%
-import importlib.util  # noqa: E402
+# %% [markdown]
+# The engine joins notebook 01's registry under the name "vllm": a factory that imports
+# `minirl.rollout.vllm` (and vLLM) only when it builds one, and a check that needs neither, so
+# that `--rollout-engine vllm` on a machine without vLLM or CUDA is refused with the flags,
+# before torch or a model loads. A stage passes what it knows about sizing (stage 4: the
+# task's prompts, its `--vllm-*` flags, colocation); other stages get vLLM's defaults.
 
-have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
-print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
-      + ("--rollout vllm can run here" if have_vllm and have_cuda else
-         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout minirl"))
+# %%
+from minirl.rollout.registry import ENGINES, register_engine  # noqa: E402  (notebook 01's registry)
+
+print("engines before this one:", ", ".join(ENGINES))
+
+# %%
+# | export minirl/rollout/registry.py
+import importlib.util
+
+VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
+VLLM_INSTALL = "on a CUDA machine run pip install -r requirements-gpu.txt, or use --rollout-engine shared_prefix"
+
+
+def vllm_problem(config: RLConfig) -> str | None:
+    """Why this run cannot roll out with vLLM (not installed, not on CUDA, an FP8 copy), or None; no heavy import."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_INSTALL}"
+    if not config.run.device.startswith("cuda"):
+        return (f"vLLM's engine runs on CUDA GPUs and this run's --device is {config.run.device}; pass --device cuda "
+                "on a GPU machine, or use --rollout-engine shared_prefix")
+    if config.engine_dtype not in VLLM_DTYPES:
+        return (f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a quantization mode) and --rollout-dtype is "
+                f"{config.rollout.rollout_dtype}; pick one of those")
+    return None
+
+
+@register_engine("vllm", problem=vllm_problem)
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
+    max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
+    max_num_batched_tokens (its defaults without them)."""
+    from minirl.rollout.vllm import VLLMEngine, task_model_len  # noqa: PLC0415 (vLLM loads when built)
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
+                      seed=config.run.seed, max_model_len=length, **settings)
+
+
+# %%
+from minirl.rollout.registry import check_engine  # noqa: E402
+
+print("engines:", ", ".join(ENGINES))
+try:
+    check_engine(RLConfig.from_flat(rollout_engine="vllm", device="cuda" if torch.cuda.is_available() else "cpu"))
+    print("--rollout-engine vllm can run here")
+except ValueError as err:
+    print(f"{err} (this notebook uses the in-process engines)")
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
@@ -2683,12 +2693,13 @@ from minirl.parallel.roles import DistributedActor
 from minirl.parallel.stops import deferred_signals
 from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
+from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
-from minirl.rollout.vllm import VLLMEngine, task_model_len
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.task import Task
-from minirl.train.run import RunState, engine_class
+from minirl.train.run import RunState
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -2711,20 +2722,19 @@ class SPMDState(RunState):
 # %%
 # | export minirl/parallel/spmd.py
 def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
-    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
+    """This rank's engine holding a copy of `model` (version 0), built by the engine registry, colocated.
+
+    An engine that colocates itself (vLLM's sleep mode: the `Colocated` protocol) is used as
+    built; an in-process one is wrapped in `ColocatedEngine` (and `SeedPerPrompt`).
     prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
-    adapter = pconfig.resolved_sync_mode == "adapter"
-    if pconfig.rollout == "vllm":
-        context = getattr(model.config, "max_position_embeddings", None)
-        length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts \
-            else None
-        return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=pconfig.colocate,
-                          seed=config.run.seed, gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
-                          max_model_len=length, max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
-    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.engine_dtype, device=device)
+    engine = build_engine(config, model, tokenizer, device, colocate=pconfig.colocate, prompts=tuple(prompts),
+                          gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
+                          max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
+    if isinstance(engine, Colocated):
+        return engine
     if pconfig.seed_per_prompt:
-        inner = SeedPerPrompt(inner)
-    return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
+        engine = SeedPerPrompt(engine)
+    return ColocatedEngine(engine, colocate=pconfig.colocate, adapter_only=pconfig.resolved_sync_mode == "adapter")
 
 
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
@@ -4202,12 +4212,12 @@ if not SMOKE:
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
 # | a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
 #
-# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout vllm`,
+# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout-engine vllm`,
 # `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):
 #
 # ```
 # torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
-#     --zero 3 --lora-rank 16 --rollout vllm --mixed-precision bf16 --out runs/04-qwen
+#     --zero 3 --lora-rank 16 --rollout-engine vllm --mixed-precision bf16 --out runs/04-qwen
 # ```
 
 # %% [markdown]
@@ -4221,7 +4231,7 @@ if not SMOKE:
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 4.1 | `rank_loss_weight` | each loss type's weight (a rank with no rows weighs 0); the ranks' weighted gradients average to the whole batch's |
+# | 4.1 | `reduce_metrics` | the ranks' records as one: token-weighted means, global min and max, rank 0's gradient norm, the weighted loss |
 # | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
 # | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
 #

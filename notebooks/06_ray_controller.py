@@ -885,7 +885,7 @@ release(pgs)
 #   when every rank's loss has the same normalizer. The default loss (`loss_type="dapo"`)
 #   divides by the number of completion tokens *in the whole batch*, and two halves of a
 #   batch rarely hold the same number of tokens; so each rank weights its loss by
-#   `rank_loss_weight` (W · T_r / T for dapo, TRL's `num_items_in_batch` across processes),
+#   its loss type's `rank_weight` (W · T_r / T for dapo, TRL's `num_items_in_batch` across processes),
 #   and W ranks make the update one process makes. The rest comes with it: one metric
 #   record, the same on every rank (so the driver takes rank 0's), and the NaN rule: a
 #   non-finite batch on any rank makes every rank skip the step together, where a rank
@@ -934,9 +934,9 @@ from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.train.run import build_engine
 from minirl.utils.seeding import seed_everything
 
 ROLES = ("actor", "rollout", "reward", "reference", "critic")

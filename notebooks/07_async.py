@@ -1697,8 +1697,9 @@ from minirl.asyncrl.snapshots import Snapshot, Snapshots
 from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_engine, build_roles, run_in_dir
+from minirl.train.run import Callback, RunState, build_roles, run_in_dir
 from minirl.train.step import batch_statistics, learn
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
@@ -2390,7 +2391,7 @@ from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
 from minirl.controller.worker_group import DEATHS, died
-from minirl.train.run import build_engine
+from minirl.rollout.registry import build_engine
 
 
 class RayProducer(Worker):

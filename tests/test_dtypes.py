@@ -34,7 +34,8 @@ def test_the_cpu_default_is_bit_for_bit_the_explicit_float32_run():
 def test_build_roles_and_engine_use_the_resolved_dtypes(tiny):
     import copy
 
-    from minirl.train.run import build_engine, build_roles
+    from minirl.rollout.registry import build_engine
+    from minirl.train.run import build_roles
 
     model, tokenizer = tiny
     config = RLConfig.from_flat(dtype="bfloat16", rollout_dtype="float16", algo="ppo", beta=0.1)

@@ -52,8 +52,9 @@ from minirl.asyncrl.snapshots import Snapshot, Snapshots
 from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_engine, build_roles, run_in_dir
+from minirl.train.run import Callback, RunState, build_roles, run_in_dir
 from minirl.train.step import batch_statistics, learn
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer

@@ -34,9 +34,9 @@ from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.train.run import build_engine
 from minirl.utils.seeding import seed_everything
 
 ROLES = ("actor", "rollout", "reward", "reference", "critic")
