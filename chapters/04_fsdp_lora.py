@@ -291,28 +291,13 @@ def print_report(summary: dict) -> None:
 
 
 def launch_job(nproc: int, argv: list[str]) -> int:
-    """`--nproc-per-node N`: run torchrun's launcher (`torch.distributed.run --standalone`) in this process on this
-    script, without its own report of a failure (the ranks say what happened, in one line); returns the ranks'
-    exit status (130 when Ctrl-C stopped them)."""
-    import logging  # noqa: PLC0415
+    """`--nproc-per-node N`: minirl's one torchrun launcher (`minirl.runtime.launch.torchrun`) in this process on
+    this script, quiet: without torchrun's own report of a failure (the ranks say what happened, in one line);
+    returns the ranks' exit status (130 when Ctrl-C stopped them)."""
+    from minirl.runtime.launch import torchrun  # noqa: PLC0415 (torch: after the arguments)
 
-    os.environ["LOGLEVEL"] = "CRITICAL"             # torchrun's agent logs each signal it forwards and each exit
-    os.environ["MINIRL_LAUNCHED"] = f"python {sys.argv[0]} --nproc-per-node {nproc}"
-    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.run import parse_args as torchrun_args  # noqa: PLC0415
-    from torch.distributed.run import run as torchrun  # noqa: PLC0415
-
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        torchrun(torchrun_args(["--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *argv]))
-    except SignalException as stop:                   # Ctrl-C: the ranks have said where the run stopped
-        return 128 + int(stop.sigval)
-    except ChildFailedError as failed:
-        return max(1, failed.get_first_failure()[1].exitcode)
-    return 0
+    launched = {"MINIRL_LAUNCHED": f"python {sys.argv[0]} --nproc-per-node {nproc}"}   # how the ranks say to resume
+    return torchrun(sys.argv[0], nproc, argv, capture=False, env=launched).returncode
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -343,8 +328,9 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
     from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415
-    from minirl.parallel.launch import init_distributed, leave, shutdown  # noqa: PLC0415
+    from minirl.parallel.launch import init_distributed, shutdown  # noqa: PLC0415
     from minirl.parallel.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
+    from minirl.runtime.launch import leave  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
 
     if args.threads:

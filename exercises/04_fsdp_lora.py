@@ -17,7 +17,7 @@ from torch import Tensor
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.loss_types import loss_type_entry
-from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.sync.sharded import LORA, engine_name, full_tensor, layer_key

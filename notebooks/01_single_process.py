@@ -2009,18 +2009,18 @@ rollout engine however the placement requires, and returns a `SyncReport` (the v
 engine now holds, how many tensors and bytes moved, how long it took). Stage 1 copies
 in-process (`InProcessSync`); notebook 04 gathers FSDP-sharded tensors or merges LoRA
 first; notebook 06 broadcasts across Ray actors. All of them end with the same check: the
-engine reports the version that was pushed (`check_pushed`), and on request the weights it
-holds are compared with the trainer's (`minirl.sync.checks`, notebook 02).
+engine reports the version that was pushed (`check_pushed`), and on request a check of the
+weights it holds against the trainer's (`InProcessSync(verify=...)`: notebook 02 writes one,
+`minirl.sync.checks.check_synchronization`).
 """
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from torch import Tensor
 
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.sync.checks import check_synchronization
 
 
 @dataclass
@@ -2055,12 +2055,13 @@ def check_pushed(engine: RolloutEngine, version: int) -> None:
 class InProcessSync:
     """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
 
-    verify=True also compares every weight the engine holds with the trainer's, within the
-    rounding of the engine's dtype (`minirl.sync.checks.check_synchronization`; slower: it
-    reads every tensor twice). Raises RuntimeError naming the stale tensors.
+    verify: a check run after every push, verify(trainer_weights: {name: tensor}, engine) ->
+    a list of problems, e.g. notebook 02's `check_synchronization`, which compares every weight
+    the engine holds with the trainer's within the rounding of the engine's dtype (slower: it
+    reads every tensor twice). Raises RuntimeError naming the problems.
     """
 
-    def __init__(self, verify: bool = False):
+    def __init__(self, verify: Callable[[dict, RolloutEngine], list[str]] | None = None):
         self.verify = verify
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
@@ -2068,8 +2069,8 @@ class InProcessSync:
         named = [(name, tensor.detach()) for name, tensor in named_weights]
         engine.load_weights(named, version)
         check_pushed(engine, version)
-        if self.verify:
-            problems = check_synchronization(dict(named), engine)
+        if self.verify is not None:
+            problems = self.verify(dict(named), engine)
             if problems:
                 raise RuntimeError("weight sync left the engine stale: " + "; ".join(problems))
         return SyncReport(version, len(named), sum(t.numel() * t.element_size() for _, t in named),
@@ -2135,12 +2136,12 @@ reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrai
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from minirl.algo.advantages import gae, group_advantages, terminal_rewards, whiten
-from minirl.algo.corrections import importance_sampling_weights
 from minirl.config import AlgorithmConfig, RLConfig
 from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
@@ -2246,10 +2247,12 @@ def _as_float(value) -> float:
 
 # %% [markdown]
 # Between scoring and the update come the quantities the update needs, each in its own
-# stage: `make_experience` asks the roles (no gradients), `importance_weights` computes
-# notebook 02's correction when it is on, and `compute_advantages` turns rewards into
-# advantages, GRPO's group-normalized ones or PPO's GAE over per-token rewards (the KL
-# penalty, for PPO, is part of the reward, as in TRL's PPOTrainer).
+# stage: `make_experience` asks the roles (no gradients), the behaviour corrections run
+# (`correct_behaviour`: none yet; notebook 02 registers its truncated importance sampling
+# in `CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
+# `compute_advantages` turns rewards into advantages, GRPO's group-normalized ones or PPO's
+# GAE over per-token rewards (the KL penalty, for PPO, is part of the reward, as in TRL's
+# PPOTrainer).
 
 # %%
 # | export minirl/train/step.py
@@ -2269,14 +2272,15 @@ def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: 
         values=roles.critic.values(rollout) if roles.critic is not None else None)
 
 
-def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (notebook 02), when the correction is on."""
-    if not algorithm.importance_sampling_correction:
-        return exp
-    ro = exp.rollout
-    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
-                                                 algorithm.importance_sampling_mode,
-                                                 algorithm.importance_sampling_cap)       # [N, C]
+# Behaviour corrections, by name: (exp, algorithm) -> exp, each doing nothing unless the config turns it on.
+# Notebook 02 registers truncated importance sampling; `learn` applies them in order.
+CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
+
+
+def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Every registered behaviour correction, in order (notebook 02's truncated IS, when the config asks)."""
+    for correction in CORRECTIONS.values():
+        exp = correction(exp, algorithm)
     return exp
 
 
@@ -2318,7 +2322,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
 
     rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
     behaviour correction (`is_weights`, and `old_logps` if it needs them); default
-    `importance_weights` (notebook 02's truncated IS, when the config turns it on).
+    `correct_behaviour` (notebook 02's truncated IS, when the config turns it on).
     Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
     gets the "reference", "advantages", "update" (and "update_critic") seconds.
     group: as in `rl_step`.
@@ -2327,7 +2331,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
     with timer("advantages"):
-        exp = importance_weights(exp, config.algorithm) if correct is None else correct(exp)
+        exp = correct_behaviour(exp, config.algorithm) if correct is None else correct(exp)
         exp = compute_advantages(exp, config.algorithm, group)
     with timer("update"):
         metrics = roles.actor.update(exp)

@@ -778,9 +778,9 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `importance_sampling_correction` is on, in a stage of its own
-(`minirl.train.step.importance_weights`). `vocabulary_keep_mask` and `pruned_log_softmax`
+per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
+when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
+notebook 01's behaviour corrections, `minirl.train.step.CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
 prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
@@ -879,6 +879,37 @@ plt.show()
 # token ratios, so one bad token moves the whole sequence's weight: at the same cap,
 # sequence-level weights are masked or truncated at least as often as token-level ones, and
 # more often wherever the cap binds at all (compare the two modes' "tokens changed" at 1.05).
+
+# %% [markdown]
+# Into the loop. Notebook 01's step runs the behaviour corrections registered in
+# `CORRECTIONS` between the experience and the advantages; this one joins them, and weights
+# each token when the config's `importance_sampling_correction` is on (with its
+# `importance_sampling_mode` and `importance_sampling_cap`). The step itself does not change.
+
+# %%
+from minirl.train.step import CORRECTIONS  # noqa: E402  (notebook 01's hook)
+
+print("behaviour corrections before this notebook's:", list(CORRECTIONS) or "none")
+
+# %%
+# | export minirl/train/step.py
+from minirl.algo.corrections import importance_sampling_weights
+from minirl.config import AlgorithmConfig
+from minirl.data import Experience
+
+
+def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config turns the correction on."""
+    if not algorithm.importance_sampling_correction:
+        return exp
+    ro = exp.rollout
+    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
+                                                 algorithm.importance_sampling_mode,
+                                                 algorithm.importance_sampling_cap)       # [N, C]
+    return exp
+
+
+CORRECTIONS["importance_sampling"] = importance_weights
 
 # %% [markdown]
 # ### 4.2 Prune the tail, identically on both sides

@@ -77,7 +77,7 @@ def show(rows, header):
 # long jobs in full mode). The rest of the notebook builds each piece this job ran.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 from minirl.utils.progress import step_bar  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
@@ -149,9 +149,8 @@ LOCAL_RANK, MASTER_ADDR), picks the backend for the device, joins the default pr
 and returns a `DistContext`. `ProcessGroup` is the small object the step and the roles use
 for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
 rank into an error on every rank, so that a bad input stops the whole job with its cause
-instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
-or a function from Python (the notebooks, the tests and the measurement jobs do), and ends
-every process of the job on a timeout or Ctrl-C (`stop_job`).
+instead of leaving the other ranks waiting in a collective. Starting a job from Python and
+ending it (`torchrun`, `stop_job`, `leave`) is plumbing: `minirl/runtime/launch.py`.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
@@ -159,15 +158,11 @@ Simplified vs torchrun + accelerate: one node, one flat process group, no elasti
 
 import contextlib
 import os
-import subprocess
-import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -247,8 +242,9 @@ def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: floa
 
 # %% [markdown]
 # Leaving a job takes two steps. `shutdown` closes the process group (all ranks together,
-# unless one rank alone met an error), and `leave` ends the process without the interpreter's
-# teardown, where a gloo thread can still abort a rank whose work is done:
+# unless one rank alone met an error), and `minirl.runtime.launch.leave` ends the process
+# without the interpreter's teardown, where a gloo thread can still abort a rank whose work is
+# done:
 
 # %%
 # | export minirl/parallel/launch.py
@@ -262,19 +258,6 @@ def shutdown(together: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
-
-
-def leave(code: int = 0) -> None:
-    """End this rank's process now with exit status `code`, after flushing stdout and stderr.
-
-    A rank whose work is done can still die in the interpreter's teardown: a gloo thread that
-    is still joinable gets destroyed, and C++ aborts the process ("terminate called without
-    an active exception", SIGABRT). Measured on a two-rank job: 1 run in 29 aborted at exit;
-    with os._exit, which skips that teardown, 0 in 87. Call it last, after `shutdown`.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # %% [markdown]
@@ -384,104 +367,11 @@ def agree(what: str, fn):
 
 
 # %% [markdown]
-# And the launcher: `torchrun` runs a script or a function on N processes, and `stop_job`
-# ends every one of them on a timeout or Ctrl-C:
-
-# %%
-# | export minirl/parallel/launch.py
-def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
-             env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
-    """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
-
-    target: a script's path, or "package.module:function" (every rank imports the module and
-    calls the function, which reads its flags from sys.argv, then `leave(0)`); args: its command-line words.
-    The job imports this checkout's minirl (PYTHONPATH) with `threads` torch threads per rank;
-    stdout and stderr come back together in `.stdout`. stream=True also prints the output as
-    it comes (a notebook cell shows progress). The launcher runs in a session of its own and
-    torchrun starts each rank in another; after `timeout` seconds, or on Ctrl-C, `stop_job`
-    ends all of them (SIGTERM, then SIGKILL `grace` seconds later), and a timeout raises
-    subprocess.TimeoutExpired with the output so far. The only launcher in minirl: the
-    notebooks, the tests and the measurement jobs of notebooks 03 and 08 all use it.
-    """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
-    repo = str(Path(__file__).resolve().parents[2])
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    module, _, function = str(target).partition(":")
-    if function and not Path(str(target)).exists():       # an entry point, not a file
-        entry = ["--no-python", sys.executable, "-c",     # `leave`: no teardown abort after the work is done
-                 f"from {module} import {function}; from minirl.parallel.launch import leave; {function}(); leave(0)"]
-    else:
-        entry = [str(target)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
-           *map(str, args)]
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    expired = threading.Event()
-
-    def on_timeout():
-        expired.set()
-        stop_job(proc.pid, grace)
-
-    timer = threading.Timer(timeout, on_timeout)
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if stream:
-                sys.stdout.write(line)
-        proc.wait()
-    except BaseException:                                # Ctrl-C in the notebook: stop the job too
-        stop_job(proc.pid, grace)
-        raise
-    finally:
-        timer.cancel()
-        proc.stdout.close()
-    if expired.is_set():
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
-
-
-# %% [markdown]
-# Two pieces of plumbing for `torchrun`: the ends of a long job output (a rank's own error
-# comes first, torchrun's summary last), and ending a job together with every rank it
-# started.
-
-# %%
-# | export minirl/parallel/launch.py
-def output_ends(text: str, n: int = 2500) -> str:
-    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
-    error comes before torchrun's long summary of the failure, which ends the output)."""
-    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
-
-
-def stop_job(pid: int, grace: float = 5.0) -> None:
-    """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
-
-    torchrun starts every rank in a session of its own (so that it can signal each rank's
-    group), so killing the launcher's process group alone would leave the ranks running:
-    the processes are found through their parents (psutil), before any is signalled.
-    """
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-
+# The launcher that starts such a job from Python is plumbing, hand-written in
+# `minirl/runtime/launch.py`: `torchrun(target, nproc, args)` runs a script (or a function)
+# under `torch.distributed.run` on N local processes and returns its output, and on a timeout
+# or Ctrl-C ends every rank it started (`stop_job`). The notebooks, the tests and the
+# measurement jobs of notebooks 03 and 08 use it, and so does the chapter's `--nproc-per-node`.
 
 # %% [markdown]
 # A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
@@ -490,6 +380,17 @@ def stop_job(pid: int, grace: float = 5.0) -> None:
 # into a flag (`--zero`, `--lora-rank`, `--sync-mode`, ...). `check_parallel` adds the checks
 # that need the world size or span both configs, so that every rank refuses a bad job in its
 # first second, before it loads a model.
+
+# %%
+# | export minirl/sync/modes.py
+"""The ways a weight sync can hand a policy to the engine: all of its weights, LoRA merged in, or the adapter alone.
+
+`SYNC_MODES` names them once for `minirl.sync.sharded.ShardedSync`, which implements them
+(section 4), and for stage 4's `--sync-mode` flag, which lists them before torch loads (this
+module imports nothing).
+"""
+SYNC_MODES = ("full", "merged", "adapter")   # every tensor; W + (alpha / r) B A under the base names; A and B only
+
 
 # %%
 # | export minirl/parallel/config.py
@@ -508,13 +409,12 @@ bad command line before the heavy imports.
 from dataclasses import dataclass
 
 from minirl.config import RLConfig
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.rollout.registry import check_engine
+from minirl.sync.modes import SYNC_MODES
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
-SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
-ZERO_LEVELS = (0, 1, 2, 3)
 MIXED_PRECISION = ("none", "bf16")
-DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 # %% [markdown]
@@ -530,7 +430,7 @@ class ParallelConfig:
     zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
+    lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
@@ -668,9 +568,9 @@ for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_
 # %% [markdown]
 # ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
 #
-# Notebook 03 measured what each ZeRO stage keeps per GPU; here the same wrappers train. They
-# live in `minirl/parallel/wrap.py`, and notebook 03's measurement now calls them too, so the
-# bytes measured there are the bytes of the trainer here.
+# Notebook 03 measured what each ZeRO stage keeps per GPU with the wrappers it built,
+# `minirl/memory/wrap.py` (its appendix); here the same wrappers train, so the bytes measured
+# there are the bytes of the trainer here.
 #
 # | `--zero` | wrapper | each rank holds |
 # |---|---|---|
@@ -692,168 +592,6 @@ for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_
 # tensors. A target that matches no layer of the model is an error, naming the layers there
 # are: peft would otherwise adapt the ones that do match and leave you to find out.
 
-# %%
-# | export minirl/parallel/wrap.py
-"""Wrapping a causal LM for data-parallel training: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
-
-One function per concern, all stock PyTorch and peft:
-- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
-- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
-- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
-  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
-  forward; with an optional MixedPrecisionPolicy and CPU offload;
-- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
-  state with ZeroRedundancyOptimizer).
-Notebook 03 measures memory with these wrappers; notebook 04 trains with them.
-
-Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
-FSDP2 without resharding after forward, which still reshards after backward, so between
-steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
-"""
-
-import warnings
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
-
-from minirl.utils.validate import ConfigError, check_choice, check_int
-
-ZERO_LEVELS = (0, 1, 2, 3)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
-
-    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
-    ValueError when the model names none.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
-    if not layers:
-        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
-                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
-    return layers
-
-
-# %% [markdown]
-# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
-# layers, the base weights frozen. An adapted model starts out equal to its base model,
-# because B starts at zero.
-
-# %%
-# | export minirl/parallel/wrap.py
-def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
-    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
-
-    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
-    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
-    """
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
-               dropout: float = 0.0) -> nn.Module:
-    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
-
-    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
-    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
-    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
-    listing the linear layers the model has.
-    """
-    check_int("lora_rank", rank, low=1)
-    targets = tuple(targets)
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    unmatched = [t for t in targets if t not in linear]
-    if not targets or unmatched:
-        raise ConfigError("lora_target_modules", ",".join(targets),
-                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
-                          f"layers are named {', '.join(linear)}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
-    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, config)
-
-
-# %% [markdown]
-# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
-# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
-
-# %%
-# | export minirl/parallel/wrap.py
-@dataclass
-class Wrapped:
-    """A model wrapped for data-parallel training."""
-
-    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
-    zero: int
-
-
-def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False, process_group=None) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
-
-    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
-    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
-    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
-    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
-    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
-    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
-    data-parallel ranks of a Ray pool, notebook 06).
-    """
-    check_choice("zero", zero, ZERO_LEVELS)
-    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
-    if process_group is not None and zero != 0:
-        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
-                                        "use zero 0")
-    device = torch.device(device)
-    model.to(device)
-    if zero <= 1:
-        if mixed_precision != "none" or cpu_offload:
-            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
-        return Wrapped(ddp, model, zero)
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return Wrapped(model, model, zero)
-
-
-def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
-    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
-    params = [p for p in wrapped.module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
-    if wrapped.zero == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-    return optimizer_class(params, **kwargs)
-
 # %% [markdown]
 # What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
 # tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
@@ -864,8 +602,8 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # %%
 import copy  # noqa: E402
 
+from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
 from minirl.models.policy import load_default_policy  # noqa: E402
-from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
 
 model, tokenizer, policy_path = load_default_policy()
 sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
@@ -946,7 +684,7 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base 
 # | export minirl/parallel/roles.py
 """The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
 (DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
 4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
 the global batch and the wrapper averages the gradients; for that average to be the
@@ -999,7 +737,7 @@ import math
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.loss_types import loss_type_entry
-from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 
@@ -1174,7 +912,7 @@ class DataParallelRole:
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
     DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
     group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
@@ -1343,7 +1081,8 @@ from typing import Iterable, Iterator
 
 from torch import Tensor
 
-SYNC_MODES = ("full", "merged", "adapter")
+from minirl.sync.modes import SYNC_MODES
+
 PEFT_PREFIX = "base_model.model."
 LAYER = re.compile(r"\.layers\.\d+\.")
 LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -2687,11 +2426,11 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
+from minirl.memory.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.stops import deferred_signals
-from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
@@ -3727,7 +3466,7 @@ class MemoryTracker(Callback):
 # in the first cell: the chapter's own bar is only drawn on a terminal).
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402  (the package's: section 1's cell defined one here too)
+from minirl.runtime.launch import torchrun  # noqa: E402
 
 SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
 STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)

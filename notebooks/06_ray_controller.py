@@ -926,10 +926,10 @@ import torch
 
 from minirl.controller.worker import Worker
 from minirl.data import Batch
+from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
 from minirl.parallel.roles import DistributedActor, DistributedCritic
-from minirl.parallel.wrap import wrap_model
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
@@ -2227,14 +2227,14 @@ for k, cycle in enumerate(cycles, 1):
 #    collectives (here DDP's all-reduce inside the update of notebook 04's
 #    `DistributedActor`, the very actor of a data-parallel pool in section 4). The script
 #    below is notebook 04's run (`setup_spmd`, `spmd_step`) with DDP (zero 0), launched by
-#    `minirl.parallel.launch.torchrun`.
+#    `minirl.runtime.launch.torchrun`.
 # 3. **Single controller** (veRL / HybridFlow): one Driver, WorkerGroups on ResourcePools:
 #    the disaggregated run of section 8.
 # 4. **Single controller with Ray actor isolation** (OpenRLHF): one Driver, every role its
 #    own group of Ray actors: the per-role run of section 8.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 
 SPMD = '''
 """Multiple controllers: every rank runs the loop on its share of each batch (launched by torchrun)."""
@@ -2246,8 +2246,9 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import init_distributed, leave, shutdown
+from minirl.parallel.launch import init_distributed, shutdown
 from minirl.parallel.spmd import setup_spmd, spmd_step
+from minirl.runtime.launch import leave
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run
 

@@ -1913,7 +1913,7 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 from minirl.utils.progress import step_bar  # noqa: E402
 
 # %% [markdown]

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import torchrun
+from minirl.runtime.launch import torchrun
 from minirl.utils.io import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -383,13 +383,6 @@ def test_a_full_disk_stops_the_save_in_one_line_and_promotes_nothing(one_rank_st
     assert stop.code == 1 and stop.resumable
     assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/.tmp-step-000006/rank-0.pt (No space "
                                 "left on device): free some space, or pass another --out"), stop.what
-
-
-def test_sync_modes_are_the_syncs(group):
-    """parallel/config.py repeats sync/sharded.py's modes so that parsing flags imports no torch."""
-    from minirl.parallel import config
-    from minirl.sync import sharded
-    assert config.SYNC_MODES == sharded.SYNC_MODES
 
 
 # --- your model, your task (issue 19): --dataset, --eval-dataset, --reward, --reward-weights, --config ----------------

@@ -17,6 +17,7 @@ from minirl.config import RLConfig, SamplingConfig
 from minirl.data import Experience
 from minirl.loss_types import aggregate_loss, loss_type_entry
 from minirl.memory.measure import storage_bytes
+from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
 from minirl.parallel.roles import (
@@ -27,7 +28,6 @@ from minirl.parallel.roles import (
     scale_gradient,
     split_micro_batches,
 )
-from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
 from minirl.rollout.hf import HFEngine
@@ -535,7 +535,7 @@ def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
 
 def test_gradient_checkpointing_gives_the_same_update(group, make_tiny_policy):
     """Per-layer recomputation changes memory and time, not the gradient."""
-    from minirl.parallel.wrap import set_checkpointing
+    from minirl.memory.wrap import set_checkpointing
 
     grads = []
     for on in (False, True):

@@ -12,6 +12,7 @@ from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
+from minirl.sync.checks import check_synchronization
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import Callback, setup, stage1_step, train
 from minirl.train.step import rl_step, score
@@ -186,7 +187,7 @@ def test_engine_refuses_unsynced_version(make_tiny_policy):
     state.roles.version = 2                             # the loop thinks it synced, the engine did not
     with pytest.raises(VersionMismatchError, match="expected version 2"):
         stage1_step(state)
-    report = InProcessSync(verify=True).push(state.roles.actor.named_weights(), state.engine, 2)
+    report = InProcessSync(verify=check_synchronization).push(state.roles.actor.named_weights(), state.engine, 2)
     assert state.engine.version == 2 and report.bytes > 0 and report.tensors > 0
 
 

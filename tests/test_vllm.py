@@ -319,7 +319,7 @@ def test_vllm_sleep_releases_gpu_memory(engine_and_policy):
 @pytest.mark.distributed
 @needs_cuda
 def test_chapter_on_one_gpu_with_nccl_bf16_and_offload(tmp_path):
-    from minirl.parallel.launch import torchrun
+    from minirl.runtime.launch import torchrun
 
     out = tmp_path / "gpu"
     job = torchrun(REPO / "chapters" / "04_fsdp_lora.py", 1,
@@ -337,7 +337,7 @@ def test_chapter_on_one_gpu_with_nccl_bf16_and_offload(tmp_path):
 @pytest.mark.distributed
 @needs_vllm
 def test_chapter_with_vllm_rollout(tmp_path):
-    from minirl.parallel.launch import torchrun
+    from minirl.runtime.launch import torchrun
 
     out = tmp_path / "vllm"
     job = torchrun(REPO / "chapters" / "04_fsdp_lora.py", 1,

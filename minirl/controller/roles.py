@@ -26,10 +26,10 @@ import torch
 
 from minirl.controller.worker import Worker
 from minirl.data import Batch
+from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
 from minirl.parallel.roles import DistributedActor, DistributedCritic
-from minirl.parallel.wrap import wrap_model
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference

@@ -11,19 +11,17 @@ Importing it is light (no torch): a chapter builds its flags from these fields a
 bad command line before the heavy imports.
 """
 
-__all__ = ["SYNC_MODES", "ZERO_LEVELS", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS",
-           "ParallelConfig", "check_parallel"]
+__all__ = ["MIXED_PRECISION", "ParallelConfig", "check_parallel"]
 
 from dataclasses import dataclass
 
 from minirl.config import RLConfig
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.rollout.registry import check_engine
+from minirl.sync.modes import SYNC_MODES
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
-SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
-ZERO_LEVELS = (0, 1, 2, 3)
 MIXED_PRECISION = ("none", "bf16")
-DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
@@ -33,7 +31,7 @@ class ParallelConfig:
     zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
+    lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)

@@ -1,7 +1,7 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
 (DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
 4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
 the global batch and the wrapper averages the gradients; for that average to be the
@@ -30,7 +30,7 @@ from torch import Tensor
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
 from minirl.loss_types import loss_type_entry
-from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 
@@ -201,7 +201,7 @@ class DataParallelRole:
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
     DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
     group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);

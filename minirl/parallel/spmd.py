@@ -34,11 +34,11 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
+from minirl.memory.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.stops import deferred_signals
-from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
 from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
