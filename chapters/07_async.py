@@ -51,8 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from minirl.asyncrl.config import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
-from minirl.asyncrl.config import AsyncConfig
+from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.config import RLConfig
 from minirl.train.cli import (
     add_rl_flags,
@@ -156,9 +155,10 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415
 
     from minirl.asyncrl.env import RewardEnv  # noqa: PLC0415
-    from minirl.asyncrl.plots import plot_learning_curves, plot_timelines  # noqa: PLC0415
+    from minirl.asyncrl.plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
     from minirl.asyncrl.runner import train_async  # noqa: PLC0415
     from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
+    from minirl.controller.plots import plot_timelines  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                   "config_file": None if args.config is None else str(args.config)})
     end = result.ended
     plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
-                   out / "timeline.png")
+                   ACTIVITY_COLORS, out / "timeline.png", first="trainer", max_rows=6, panel_height=1.6)
     plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
     write_summary(out, summary)
     held_out = (f"held-out {metric} {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after "

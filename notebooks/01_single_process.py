@@ -931,6 +931,9 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
 
 # %%
 # | export minirl/rollout/hf.py
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # what a copy computes in
+
+
 class HFEngine:
     """HF `generate` over B * G rows, on the engine's own copy of the policy.
 
@@ -946,7 +949,7 @@ class HFEngine:
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
+        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else DTYPES[dtype]
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
         self.version = 0
         self.load_weights(model.state_dict().items(), version=0)
@@ -2249,7 +2252,7 @@ def _as_float(value) -> float:
 # Between scoring and the update come the quantities the update needs, each in its own
 # stage: `make_experience` asks the roles (no gradients), the behaviour corrections run
 # (`correct_behaviour`: none yet; notebook 02 registers its truncated importance sampling
-# in `CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
+# in `BEHAVIOUR_CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
 # `compute_advantages` turns rewards into advantages, GRPO's group-normalized ones or PPO's
 # GAE over per-token rewards (the KL penalty, for PPO, is part of the reward, as in TRL's
 # PPOTrainer).
@@ -2274,12 +2277,12 @@ def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: 
 
 # Behaviour corrections, by name: (exp, algorithm) -> exp, each doing nothing unless the config turns it on.
 # Notebook 02 registers truncated importance sampling; `learn` applies them in order.
-CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
+BEHAVIOUR_CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
 
 
 def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
     """Every registered behaviour correction, in order (notebook 02's truncated IS, when the config asks)."""
-    for correction in CORRECTIONS.values():
+    for correction in BEHAVIOUR_CORRECTIONS.values():
         exp = correction(exp, algorithm)
     return exp
 
@@ -2359,6 +2362,18 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
+def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
+                    timer: StageTimer, group=None) -> dict:
+    """The step's tail: push the actor's weights into `engine` as the next version (timed as "sync"), then the
+    record: the update's `metrics`, the new version, the sync's bytes, the batch's statistics and every stage's
+    seconds. Notebook 07's trainer ends its steps with it too. group: as in `rl_step`."""
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)
+
+
 # %% [markdown]
 # `rl_step` puts `learn` between the engine's `generate` and the sync's `push`: the four steps
 # of the loop, in the source's order.
@@ -2387,11 +2402,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
-    with timer("sync"):
-        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
-    roles.version = report.version
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
-            | timer.times)
+    return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks

@@ -5,7 +5,7 @@
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
 per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
 when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
-notebook 01's behaviour corrections, `minirl.train.step.CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
+notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
 prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,

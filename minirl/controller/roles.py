@@ -17,13 +17,14 @@ worker side of the weight syncs (send, receive, put in the object store, copy in
 Simplified: a data-parallel rank holds a full replica (DDP; no FSDP sharding inside a pool).
 """
 
-__all__ = ["ROLES", "RewardRole", "moved", "build_role", "RoleWorker"]
+__all__ = ["RewardRole", "moved", "build_role", "RoleWorker"]
 
 import copy
 
 import ray
 import torch
 
+from minirl.controller.names import ROLES
 from minirl.controller.worker import Worker
 from minirl.data import Batch
 from minirl.memory.wrap import wrap_model
@@ -38,8 +39,6 @@ from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
 from minirl.utils.seeding import seed_everything
-
-ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 
 class RewardRole:

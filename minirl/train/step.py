@@ -18,9 +18,9 @@ training model itself). PPO puts its KL penalty in the per-token
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
-__all__ = ["Roles", "sample_prompts", "score", "make_experience", "CORRECTIONS",
-           "correct_behaviour", "compute_advantages", "learn", "batch_statistics", "rl_step",
-           "importance_weights"]
+__all__ = ["Roles", "sample_prompts", "score", "make_experience", "BEHAVIOUR_CORRECTIONS",
+           "correct_behaviour", "compute_advantages", "learn", "batch_statistics",
+           "sync_and_record", "rl_step", "importance_weights"]
 
 import math
 from dataclasses import dataclass
@@ -146,12 +146,12 @@ def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: 
 
 # Behaviour corrections, by name: (exp, algorithm) -> exp, each doing nothing unless the config turns it on.
 # Notebook 02 registers truncated importance sampling; `learn` applies them in order.
-CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
+BEHAVIOUR_CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
 
 
 def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
     """Every registered behaviour correction, in order (notebook 02's truncated IS, when the config asks)."""
-    for correction in CORRECTIONS.values():
+    for correction in BEHAVIOUR_CORRECTIONS.values():
         exp = correction(exp, algorithm)
     return exp
 
@@ -223,6 +223,18 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
+def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
+                    timer: StageTimer, group=None) -> dict:
+    """The step's tail: push the actor's weights into `engine` as the next version (timed as "sync"), then the
+    record: the update's `metrics`, the new version, the sync's bytes, the batch's statistics and every stage's
+    seconds. Notebook 07's trainer ends its steps with it too. group: as in `rl_step`."""
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)
+
+
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
@@ -245,11 +257,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
-    with timer("sync"):
-        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
-    roles.version = report.version
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
-            | timer.times)
+    return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 
 
 def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
@@ -263,4 +271,4 @@ def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experienc
     return exp
 
 
-CORRECTIONS["importance_sampling"] = importance_weights
+BEHAVIOUR_CORRECTIONS["importance_sampling"] = importance_weights
