@@ -1377,16 +1377,12 @@ LOSS_TYPES: dict[str, LossType] = {}
 
 
 def check_loss_type(name: str, entry) -> None:
-    """ConfigError naming the loss type and the part unless `entry` is a LossType whose every part is callable."""
-    if not isinstance(entry, LossType):
-        raise ConfigError("loss_type", name, f"its entry is a {type(entry).__name__}, not a LossType; build it "
-                                             "as LossType(objective=..., normalise=..., micro_batch_weight=..., "
-                                             "rank_weight=...)")
+    """ConfigError naming the loss type and the part unless every part of a LossType is a function of `entry`."""
     for part in fields(LossType):
-        if not callable(getattr(entry, part.name)):
-            raise ConfigError("loss_type", name, f"its entry's {part.name} is {getattr(entry, part.name)!r}, "
+        if not callable(getattr(entry, part.name, None)):
+            raise ConfigError("loss_type", name, f"its entry's {part.name} is {getattr(entry, part.name, None)!r}, "
                                                  "not a function: every loss type needs all of "
-                                                 f"{', '.join(f.name for f in fields(LossType))}")
+                                                 f"{', '.join(f.name for f in fields(LossType))} (a LossType)")
 
 
 def register_loss_type(name: str, entry: LossType) -> LossType:
