@@ -8,9 +8,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "minirl"
 # DESIGN.md's layers, top (imported by everything) to bottom (may import anything above it), as one order
+# runtime: hand-written plumbing the lessons call (math-verify for tasks/math_answer)
 # memory comes after parallel: notebook 03 measures the wrappers of minirl.parallel.wrap (notebook 04)
-LAYERS = ["utils", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles", "train", "diagnostics",
-          "parallel", "memory", "controller", "asyncrl", "profiling", "grade"]
+LAYERS = ["utils", "runtime", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles", "train",
+          "diagnostics", "parallel", "memory", "controller", "asyncrl", "profiling", "grade"]
 LEVEL = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -166,7 +166,8 @@ def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
     tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
     try:
-        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer)
+        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer,
+                         reward_errors=getattr(args, "reward_errors", "raise"))
     except ConfigError as err:
         value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))
         parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")
