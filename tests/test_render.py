@@ -248,7 +248,7 @@ def test_failing_notebook_keeps_its_old_copy_and_stamp(rendered, tmp_path):
         f.write("\r\n# %%\r\nraise ValueError(\"boom in 91\")\r\n")
     done = run_render(root, "--only", "91,90", "--no-site")
     assert done.returncode == 1
-    line = "FAILED notebooks/91_text.py cell 2/2 (line 13): ValueError: boom in 91"
+    line = "FAILED notebooks/91_text.py cell 2/2 (line 14): ValueError: boom in 91"
     assert line in done.stdout and done.stdout.rstrip().endswith(line)
     assert "the previous copy and stamp are kept" in done.stdout
     assert copy.read_bytes() == old_copy and json.loads(stamps.read_bytes())["notebooks/91_text.py"] == \
@@ -276,7 +276,7 @@ def test_index_minutes_and_python_version(tmp_path):
     (root / "docs" / "timings.json").write_text(json.dumps({"notebooks/90_plot.py": {"full": 59, "smoke": 600},
                                                           "notebooks/91_text.py": {"full": 151}}))
     index = render_tool.index_page(root, {})
-    assert "**Python >=3.10**" in index
+    assert "**Python 3.10 or newer**" in index
     assert "| 90 plot | a figure | ready | 10 / < 1 |" in index  # not rendered: no link
     assert "| 91 text | an environment variable | ready | ? / 3 |" in index
     assert "90 not rendered yet, 91 not rendered yet." in index
@@ -728,7 +728,8 @@ def test_page_check_measures_sideways_mid_word_paths_and_figures(browser, tmp_pa
     fig.savefig(png, format="png")
     plt.close(fig)
     image = base64.b64encode(png.getvalue()).decode()
-    table = "\n".join([f"{'quantity':<20} | why", f"{'-' * 20}-+{'-' * 200}", f"{'ratio':<20} | " + "a long reason " * 40])
+    table = "\n".join([f"{'quantity':<20} | why", f"{'-' * 20}-+{'-' * 200}",  # a rule wider than the column
+                       f"{'ratio':<20} | " + "a long reason " * 40])
     wide = "\n".join(["x" * 150 + " | y", "z" * 150 + " | w"])  # its first column alone is wider than the column
     outputs = {  # cell id -> an output
         "c002": '<pre style="white-space: pre-wrap; word-break: break-all">' + "agrees" * 50 + "</pre>",  # Jupyter's

@@ -378,10 +378,13 @@ def learning_path(root: Path) -> list[str]:
 
 
 def python_requirement(root: Path) -> str:
-    """pyproject.toml's requires-python (">=3.10"), or "" without one."""
+    """pyproject.toml's requires-python in words (">=3.10": "3.10 or newer"), or "" without one."""
     path = root / "pyproject.toml"
     m = re.search(r'^requires-python\s*=\s*"([^"]+)"', path.read_text(encoding="utf-8") if path.exists() else "", re.M)
-    return m[1] if m else ""
+    if not m:
+        return ""
+    at_least = re.fullmatch(r">=\s*([\d.]+)", m[1].strip())
+    return f"{at_least[1]} or newer" if at_least else m[1]
 
 
 def minutes(seconds: int | None) -> str:
@@ -440,8 +443,10 @@ def index_page(root: Path, stamps: dict[str, str]) -> str:
         "  autograd, an optimizer step), and that a language model gives next-token logits. The RL is built",
         "  up in the notebooks (rewards, advantages, the clipped objective); torchrun and Ray are introduced",
         "  where they are first used.",
-        "- **Time:** minutes per notebook on a 2-core machine shared with other jobs: *smoke* is",
-        "  `MINIRL_SMOKE=1`, the quick mode CI runs (small batches, few steps); *full* is what the pages show.",
+        "- **Time:** the minutes below are what the last renders took on a 2-core machine that other jobs",
+        "  shared: upper bounds, and noisy (a smoke run that met a heavier load can take longer than the full",
+        "  one). *Smoke* is `MINIRL_SMOKE=1`, the quick mode CI runs (small batches, few steps); *full* is what",
+        "  the pages show.",
         "- **Your figures will differ by CPU.** Times, throughputs, speedups and MFU are those of the machine",
         "  that rendered the pages; learning curves and accuracies move by a few points with the CPU's",
         "  arithmetic and the number of threads. Each verdict says what should hold on yours.",
