@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minirl.grade_child import GRADED, Snapshot, remove_copy
+from minirl.grade_child import GRADED, CheckoutSnapshot, remove_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "exercises"
@@ -91,7 +91,7 @@ class Child:
     """The child process running the checks in a copy of the checkout, and where it is: which check,
     importing or not, since when."""
 
-    def __init__(self, files: list[Path], target: str, skip: dict, snapshot: Snapshot):
+    def __init__(self, files: list[Path], target: str, skip: dict, snapshot: CheckoutSnapshot):
         self.files, self.copy = files, snapshot.lay_out()
         read, write = os.pipe()
         self.token = secrets.token_hex(16)  # the child's lines must start with it: student code never sees it
@@ -164,7 +164,8 @@ class Child:
 class Grader:
     """Runs the checks in a child process, keeps each exercise's clock, records every check's outcome."""
 
-    def __init__(self, files: list[Path], target: str, timeout: float, names: dict[str, str], snapshot: Snapshot):
+    def __init__(self, files: list[Path], target: str, timeout: float, names: dict[str, str],
+                 snapshot: CheckoutSnapshot):
         self.files, self.target, self.timeout, self.names, self.snapshot = files, target, timeout, names, snapshot
         self.exercise_of: dict[str, str] = {}  # check node id -> "N.M"
         self.outcome: dict[str, tuple[bool, str]] = {}  # check node id -> (passed, message)
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = None if args.reference else args.dir.resolve() if args.dir else ROOT / "exercises"
     graded = [] if folder is None else [path for f in files for path in sorted(folder.glob(f"{f.name[5:7]}_*.py"))]
     print(f"grading {'reference solutions' if args.reference else target}", flush=True)
-    grader = Grader(files, target, args.timeout, names, Snapshot(ROOT, graded))
+    grader = Grader(files, target, args.timeout, names, CheckoutSnapshot(ROOT, graded))
     interrupted = False
     try:
         if files:

@@ -4,8 +4,8 @@ over a pipe.
 Hand-written (it teaches nothing); `minirl.grade` starts it in a copy of the checkout as
 `python -c "from minirl.grade_child import child_main; child_main([...])"`, hands it the pipe and a
 secret token on its standard input, and reads its events: one line each, `TOKEN {json}`.
-`Snapshot` is that copy's content, read by the parent before any student code runs; `Reporter`
-is the pytest plugin that sends each check's start and outcome; `GlobalState` puts
+`CheckoutSnapshot` is that copy's content, read by the parent before any student code runs;
+`Reporter` is the pytest plugin that sends each check's start and outcome; `GlobalState` puts
 the attributes of torch's public namespaces, `math`, `builtins` and torch's global settings back
 as they were after every check, so that no student function can change a later check's result.
 """
@@ -161,7 +161,7 @@ def first_line(report) -> str:
     return line.removeprefix(f"{__name__}.{StoppedByCode.__name__}: ")[:160]
 
 
-class Snapshot:
+class CheckoutSnapshot:
     """What the checks read of the checkout at `root`, as it was before any student code ran: {path relative to
     the root: bytes}.
 
