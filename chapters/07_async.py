@@ -58,10 +58,12 @@ from minirl.train.cli import (
     add_task_flags,
     check_run_flags,
     check_task_prompts,
+    data_record,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
     restore_task_flags,
+    restore_untyped,
     resume_command,
     resumed_config,
     saved_task,
@@ -71,6 +73,7 @@ from minirl.train.cli import (
     write_failure,
 )
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.progress import bars_wanted
 from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int
 
@@ -121,6 +124,8 @@ def parse_args(argv=None):
                                    safe=STAGE1_SAFE_ON_RESUME + ASYNC_SAFE_ON_RESUME)
         acfg = AsyncConfig(**saved | {k: getattr(args, k) for k in ASYNC_SAFE_ON_RESUME})
         restore_task_flags(args, task_flags)
+        restore_untyped(parser, args, argv, read_run_record(args.out).get("where", {}))   # --ray's --num-cpus
+    args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     check_device(parser, config.run.device)
     from minirl.asyncrl.runner import check_async  # noqa: PLC0415 (torch: after the arguments)
 
@@ -148,6 +153,7 @@ def progress_line(every: int, steps: int):
 
 def main(argv=None) -> int:
     args, config, acfg, task, settings = parse_args(argv)
+    bars_wanted()                           # transformers' bars ("Writing model shards") on a terminal only
     from functools import partial  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
     import torch  # noqa: PLC0415
@@ -194,8 +200,9 @@ def main(argv=None) -> int:
         return 2
     except ImportError:                      # no Ray installed: no Ray producer can die
         WorkerDiedError = type("WorkerDiedError", (RuntimeError,), {})  # noqa: N806
-    run_info = {"model": args.model, "settings": settings,
-                "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")}}
+    run_info = {"model": args.model, "settings": settings, "where": {"num_cpus": args.num_cpus},
+                "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")},
+                **args.run_data}
     try:
         result = train_async(config, acfg, model, tokenizer, task.train, out_dir=out, resume=args.resume,
                              overwrite=args.overwrite, on_step=progress_line(args.print_every, config.run.steps),

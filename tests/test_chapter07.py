@@ -58,8 +58,9 @@ def test_short_run_writes_the_summary_and_refuses_to_overwrite(tmp_path, capsys,
              "--max-staleness", 1, "--correction", "areal", "--producers", 2, "--prompts-per-call", 2,
              "--env-latency", 0.001, "--snapshot-every", 3]
     assert main("--out", out, *flags) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert "trajectories/s" in printed and "trainer idle" in printed and "queue depth" in printed
+    assert "Writing model shards" not in err and "Loading weights" not in err, "no bars where stderr is no terminal"
     summary = json.loads((out / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "trajectories_per_second", "trainer_idle_share",
                 "max_staleness_seen"):
@@ -250,6 +251,23 @@ def test_a_text_dataset_resumes_with_its_task(tmp_path, capsys, words):
     assert resumed["steps"] == 3 and resumed["resumed"] and resumed["task"]["rewards"] == ["math_reward",
                                                                                            "math_format_reward"]
     assert "rewards/math_format_reward" in records(out)[-1] and [r["step"] for r in records(out)] == [1, 2, 3]
+
+
+def test_a_resume_refuses_changed_data_unless_allowed(tmp_path, capsys, words):
+    """An answer edited in the data set after the run started: --resume is refused in one line naming the file;
+    --allow-changed-data goes on, and run.json records the change."""
+    data, out = tmp_path / "train.jsonl", tmp_path / "run"
+    data.write_text((words["root"] / "plain" / "train.jsonl").read_text())
+    assert main("--model", words["plain_model"], "--out", out, "--dataset", data, "--reward", "math", *ASYNC,
+                "--num-generations", 2, "--max-completion-length", 8, "--steps", 2, "--checkpoint-every", 1) == 0
+    data.write_text(data.read_text().replace("#### ", "#### 9", 1))
+    capsys.readouterr()
+    assert main("--out", out, "--resume", "--steps", 3) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: --resume: --dataset {data} changed since the run started" in err, err
+    assert main("--out", out, "--resume", "--steps", 3, "--allow-changed-data") == 0
+    record = json.loads((out / "run.json").read_text())
+    assert [e["path"] for e in record["changed_data"]] == [str(data)] and [r["step"] for r in records(out)] == [1, 2, 3]
 
 
 # --- nothing lost, nothing hangs (issue 22) -------------------------------------------------------------------------
