@@ -152,7 +152,26 @@ def progress_line(every: int, steps: int):
 
 
 def main(argv=None) -> int:
-    args, config, acfg, task, settings = parse_args(argv)
+    """The chapter: flags, training, report. Ctrl-C at any moment ends in one line and exit status 130 (not a
+    traceback): while the flags are checked, while the model loads or Ray starts, and after the run too."""
+    try:
+        args, config, acfg, task, settings = parse_args(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        return 130
+    try:
+        return train_and_report(args, config, acfg, task, settings)
+    except KeyboardInterrupt:                 # outside the run's own handler: loading, Ray's start, the evaluation
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()     # a Ray left connected at exit can abort the process in its teardown
+        if not (Path(args.out) / "run.json").exists():
+            print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        else:
+            print(f"\n{interrupted_line(args.out, resume_command(args.out))}", file=sys.stderr)
+        return 130
+
+
+def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     bars_wanted()                           # transformers' bars ("Writing model shards") on a terminal only
     from functools import partial  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
