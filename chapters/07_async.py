@@ -48,6 +48,7 @@ counts as an environment failure), and every record has `rewards/<name>` and
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -277,5 +278,21 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     return 0
 
 
+def leave_now(code: int) -> None:
+    """Exit with `code`; while a thread is still alive, through os._exit (`minirl.parallel.launch.leave`).
+
+    A producer whose generation outlived the join at the run's end, or a scoring or session thread,
+    is a daemon thread that may be inside a torch op: at the interpreter's teardown it is stopped
+    when it takes the GIL back, that unwinds through torch's C++ frames, and C++ aborts the
+    process ("terminate called without an active exception", exit 134, not 130). Measured: a daemon
+    thread in torch.mm at exit aborts 20 of 20 times with sys.exit, 0 of 20 with os._exit.
+    """
+    if threading.active_count() > 1:
+        from minirl.parallel.launch import leave  # noqa: PLC0415 (torch: loaded already, a thread runs it)
+
+        leave(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_now(main())

@@ -292,6 +292,37 @@ def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
     assert lines[-1].endswith(f"--out {out} --resume")
 
 
+LEAVE_WITH_A_THREAD_IN_TORCH = """
+import importlib.util, sys, threading, time
+import torch
+spec = importlib.util.spec_from_file_location("chapter07", sys.argv[1])
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+def generate():                                   # a producer still generating when the run ends
+    a = torch.randn(300, 300)
+    while True:
+        a = torch.mm(a, a).clamp(-1, 1)
+threading.Thread(target=generate, daemon=True).start()
+time.sleep(0.5)
+chapter.leave_now(130) if sys.argv[2] == "leave_now" else sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["leave_now", "sys.exit"])
+def test_exit_with_a_thread_still_in_torch_never_aborts(how):
+    """Ctrl-C ends the run while a daemon thread (a producer whose generation outlived the join, a scoring
+    session) is inside a torch op: the chapter's exit skips the interpreter's teardown, which would abort
+    ("terminate called without an active exception", exit 134), as sys.exit does here."""
+    procs = [subprocess.run([sys.executable, "-c", LEAVE_WITH_A_THREAD_IN_TORCH, str(REPO / "chapters" / "07_async.py"),
+                             how], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            timeout=120 * load_factor()) for _ in range(3)]
+    aborted = sum(p.returncode == -signal.SIGABRT or "terminate called" in p.stderr for p in procs)
+    if how == "leave_now":
+        assert aborted == 0 and all(p.returncode == 130 for p in procs), [p.stderr[-500:] for p in procs]
+    else:
+        assert aborted == 3, "the control: with sys.exit the teardown aborts (else this test shows nothing)"
+
+
 def test_a_full_disk_is_one_line_and_promotes_nothing(tmp_path, capsys, tiny_model_dir, monkeypatch):
     import errno
 
