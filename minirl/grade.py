@@ -301,6 +301,10 @@ class Grader:
 
     def interrupt(self) -> None:
         if self.child is not None:
+            for event in self.child.events():  # what the child reported before Ctrl-C and we had not read yet
+                if event["event"] == "forged":
+                    break
+                self.handle(self.child, event)
             self.child.stop()
             self.package_changed()
 
