@@ -247,6 +247,9 @@ def test_a_solution_that_writes_into_the_package_changes_no_score_and_not_the_pa
     assert score_of(rows, "1.1") == 1, "\n".join(rows)
     assert all("tampered: the checks' process wrote into the package (minirl/__init__.py" in row(rows, i)
                for i in ("0.1", "0.2", "0.3", "0.4")), "\n".join(rows)
+    kept = Path(re.search(r"what it wrote: (\S+)\)", row(rows, "0.1"))[1])
+    assert "# planted" in (kept / "minirl" / "__init__.py").read_text(), "what it had become is kept, not lost"
+    shutil.rmtree(kept)
 
 
 def test_forged_events_on_the_grader_channel_score_nothing(tmp_path):
