@@ -45,6 +45,7 @@ from minirl.train.cli import (
     add_task_flags,
     check_engine_flag,
     check_task_prompts,
+    data_record,
     held_out_line,
     resolve_task_paths,
     restore_task_flags,
@@ -54,6 +55,7 @@ from minirl.train.cli import (
 )
 from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
+from minirl.utils.progress import bars_wanted
 from minirl.utils.validate import ConfigError, check_int
 
 
@@ -68,7 +70,8 @@ def parse_args(argv=None):
     group.add_argument("--threads", type=int, default=1,
                        help="torch CPU threads; 1 suits the tiny policy (its matrices are too small to gain from "
                             "more, and threads on a busy machine spin); 0: torch's default (default: 1)")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (they are shown only when stderr is a terminal)")
     add_task_flags(parser)
     add_rl_flags(parser, RLConfig())
     args = parser.parse_args(argv)
@@ -80,15 +83,16 @@ def parse_args(argv=None):
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
     check_engine_flag(parser, config)                 # vLLM without vLLM or CUDA: refused before torch loads
-    check_device(parser, config.run.device)           # imports torch: after every flag parsed
     from minirl.train.cli import check_run_flags, resumed_config  # the model's files are checked: after parsing
 
-    check_run_flags(parser, args)
+    check_run_flags(parser, args)          # a missing --model path before torch loads
+    check_device(parser, config.run.device)           # imports torch: after every flag parsed
     resolve_task_paths(args)               # one spelling of a path: run.json records it, --resume compares it
     if args.resume:                        # the run's own settings (and task), changed only where the user says so
         saved = saved_task(args)
         config, _ = resumed_config(parser, args, argv, also=saved)
         restore_task_flags(args, saved)
+    args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     task = task_from_args(parser, args)
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
@@ -98,6 +102,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args, config, task, settings = parse_args(argv)
+    progress = bars_wanted(args.no_progress)         # on a terminal only: a log gets no bars, ours or transformers'
     import torch
 
     from minirl.models.loading import ModelSourceError, load_policy
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     seed_everything(config.run.seed)
     try:
         model, tokenizer = load_policy(args.model, config.run.device, dtype=config.policy_dtype,
-                                       progress=not args.no_progress)
+                                       progress=progress)
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
@@ -125,10 +130,11 @@ def main(argv=None) -> int:
         return 2
     out = args.out
     started = time.perf_counter()
-    run_info = {"model": args.model, "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings}
+    run_info = {"model": args.model, "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings,
+                **args.run_data}
     try:
         metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
-                        progress=not args.no_progress, stop_after=args.stop_after, run_info=run_info,
+                        progress=progress, stop_after=args.stop_after, run_info=run_info,
                         task=task, eval_fn=task.eval_fn(tokenizer, max_new_tokens))
     except RunStopped as stop:
         print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")

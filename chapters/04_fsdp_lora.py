@@ -57,6 +57,7 @@ from minirl.train.cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_record,
     held_out_line,
     out_problem,
     resolve_task_paths,
@@ -179,6 +180,7 @@ def parse_args(argv=None):
             setattr(args, name, value)     # what `settings` records: the run's own
         if config.run.device != "cpu":
             check_device(parser, config.run.device)
+    args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     try:
         check_parallel(pconfig, config, world)
     except ConfigError as err:
@@ -404,7 +406,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         progress=progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
         first_callbacks=(MemoryTracker(),), extra_callbacks=kill, stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
-                  "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings},
+                  "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},
         checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
     seconds = time.perf_counter() - started
     export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)

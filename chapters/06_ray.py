@@ -22,7 +22,8 @@ every step. Without --address a local Ray cluster starts inside the run (tried a
 with Ray's start-up waits raised, on a busy machine) and stops at its end. A cluster started by
 `ray start --head` asks for a token (Ray 2.60): on its nodes RAY_AUTH_MODE=token is set for you
 when ~/.ray/auth_token exists. --resume continues a stopped run (Ctrl-C, a worker that died,
---stop-after) from its newest intact checkpoint; every setting of minirl.config.RLConfig is a
+--stop-after) from its newest intact checkpoint, where it ran (its --placement, --pools, --sync,
+--address, --num-cpus, ... come back from run.json unless typed again); every setting of minirl.config.RLConfig is a
 flag below (with this chapter's defaults). Exit status: 0 done, 1 stopped (a dead worker,
 --stop-after, a disk that filled), 2 bad input, 130 interrupted.
 
@@ -46,11 +47,13 @@ from minirl.train.cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_record,
     held_out_line,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
     restore_task_flags,
+    restore_untyped,
     resume_command,
     resumed_config,
     saved_task,
@@ -60,8 +63,14 @@ from minirl.train.cli import (
     write_failure,
 )
 from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.progress import bars_wanted
+from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int
 
+# where the run runs, run.json's "where": --resume restores each flag not typed again; another --placement, --pools
+# or --sync is refused as a changed setting would be (another --address: a cluster restarted elsewhere, say, is not)
+WHERE = ("placement", "pools", "sync", "address", "num_cpus", "cpus_per_device", "bucket_mb")
+FIXED_WHERE = WHERE[:3]
 DEFAULTS = RLConfig()   # stage 1's run (1000 steps): the same seed learns the same on every placement
 
 
@@ -112,9 +121,11 @@ def parse_args(argv=None):
     check_run_flags(parser, args)
     resolve_task_paths(args)
     if args.resume:                        # the run's own settings (and task), changed only where the user says so
-        saved = saved_task(args)
-        config, _ = resumed_config(parser, args, argv, also=saved)
+        saved, where = saved_task(args), read_run_record(args.out).get("where", {})
+        config, _ = resumed_config(parser, args, argv, also=saved | {k: where[k] for k in FIXED_WHERE if k in where})
         restore_task_flags(args, saved)
+        restore_untyped(parser, args, argv, where)   # and where it ran: `--out OUT --resume` alone continues it
+    args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     if args.address is None:               # on a cluster the workers' nodes have the devices, not necessarily this one
         check_device(parser, config.run.device)
     from minirl.controller.placement import check_placement, make_placement, parse_pools  # noqa: PLC0415 (Ray, torch)
@@ -134,6 +145,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     parser, args, config, placement, task, settings = parse_args(argv)
+    bars_wanted()                          # transformers' bars ("Writing model shards") on a terminal only
     import ray  # noqa: PLC0415 (after the arguments: a usage error never waits for torch and Ray)
     import torch  # noqa: PLC0415
 
@@ -182,7 +194,9 @@ def main(argv=None) -> int:
             for role, devices in where.items():
                 print(f"  {role:>9} -> {', '.join(devices)}")
             run_info = {"model": args.model, "placement": args.placement, "pools": args.pools, "settings": settings,
-                        "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")}}
+                        "where": {k: getattr(args, k) for k in WHERE},
+                        "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")},
+                        **args.run_data}
             metrics = driver.train(task.train, eval_fn=task.eval_fn(tokenizer, max_new_tokens), out_dir=out,
                                    resume=args.resume, overwrite=args.overwrite, progress=False,
                                    stop_after=args.stop_after, extra_callbacks=(StageLine(),), run_info=run_info)

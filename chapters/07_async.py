@@ -48,6 +48,7 @@ counts as an environment failure), and every record has `rewards/<name>` and
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,10 +60,12 @@ from minirl.train.cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_record,
     interrupted_line,
     last_checkpoint,
     resolve_task_paths,
     restore_task_flags,
+    restore_untyped,
     resume_command,
     resumed_config,
     saved_task,
@@ -72,6 +75,7 @@ from minirl.train.cli import (
     write_failure,
 )
 from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.progress import bars_wanted
 from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int
 
@@ -123,6 +127,8 @@ def parse_args(argv=None):
                                    safe=STAGE1_SAFE_ON_RESUME + ASYNC_SAFE_ON_RESUME)
         acfg = AsyncConfig(**saved | {k: getattr(args, k) for k in ASYNC_SAFE_ON_RESUME})
         restore_task_flags(args, task_flags)
+        restore_untyped(parser, args, argv, read_run_record(args.out).get("where", {}))   # --ray's --num-cpus
+    args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     check_device(parser, config.run.device)
     from minirl.asyncrl.runner import check_async  # noqa: PLC0415 (torch: after the arguments)
 
@@ -149,7 +155,27 @@ def progress_line(every: int, steps: int):
 
 
 def main(argv=None) -> int:
-    args, config, acfg, task, settings = parse_args(argv)
+    """The chapter: flags, training, report. Ctrl-C at any moment ends in one line and exit status 130 (not a
+    traceback): while the flags are checked, while the model loads or Ray starts, and after the run too."""
+    try:
+        args, config, acfg, task, settings = parse_args(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        return 130
+    try:
+        return train_and_report(args, config, acfg, task, settings)
+    except KeyboardInterrupt:                 # outside the run's own handler: loading, Ray's start, the evaluation
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()     # a Ray left connected at exit can abort the process in its teardown
+        if not (Path(args.out) / "run.json").exists():
+            print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        else:
+            print(f"\n{interrupted_line(args.out, resume_command(args.out))}", file=sys.stderr)
+        return 130
+
+
+def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
+    bars_wanted()                           # transformers' bars ("Writing model shards") on a terminal only
     from functools import partial  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
     import torch  # noqa: PLC0415
@@ -197,8 +223,9 @@ def main(argv=None) -> int:
         return 2
     except ImportError:                      # no Ray installed: no Ray producer can die
         WorkerDiedError = type("WorkerDiedError", (RuntimeError,), {})  # noqa: N806
-    run_info = {"model": args.model, "settings": settings,
-                "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")}}
+    run_info = {"model": args.model, "settings": settings, "where": {"num_cpus": args.num_cpus},
+                "task": {k: getattr(args, k) for k in ("dataset", "eval_dataset", "reward", "reward_weights")},
+                **args.run_data}
     try:
         result = train_async(config, acfg, model, tokenizer, task.train, out_dir=out, resume=args.resume,
                              overwrite=args.overwrite, on_step=progress_line(args.print_every, config.run.steps),
@@ -254,5 +281,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def leave_now(code: int) -> None:
+    """Exit with `code`; while a thread is still alive, through os._exit (`minirl.runtime.launch.leave`).
+
+    A producer whose generation outlived the join at the run's end, or a scoring or session thread,
+    is a daemon thread that may be inside a torch op: at the interpreter's teardown it is stopped
+    when it takes the GIL back, that unwinds through torch's C++ frames, and C++ aborts the
+    process ("terminate called without an active exception", exit 134, not 130). Measured: a daemon
+    thread in torch.mm at exit aborts 20 of 20 times with sys.exit, 0 of 20 with os._exit.
+    """
+    if threading.active_count() > 1:
+        from minirl.runtime.launch import leave  # noqa: PLC0415
+
+        leave(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_now(main())

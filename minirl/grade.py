@@ -23,6 +23,20 @@ public namespaces (`torch`, `torch.Tensor`, `torch.nn.functional`, `torch.testin
 put back as they were after every check: a student function that patches `torch.allclose`
 or `torch.Tensor.sum` cannot make a later check pass or fail.
 
+Student code cannot change the package or forge its score. Before any student code runs, the
+grader reads what the checks read (the package, the checks, the notebooks' sources, the exercise
+files graded) into memory; each child runs in a fresh temporary copy of it (read-only where the
+file system lets it), so a solution that writes into the package it imports writes into a copy
+that is thrown away. After each child the installed package is compared with what was read: a
+file written by its absolute path is put back (what it had become is kept in a temporary folder
+the row names: an edit of the package made while the grader runs looks the same), and that
+notebook's exercises score 0 ("tampered"). The child reports over a pipe whose every line starts
+with a secret token handed to it on its standard input before any student code runs; a line
+without it ("passed" events written to the pipe by the code under test) stops the child and
+scores 0 what it was running. Simplified: student code shares the interpreter with the checks,
+so code written to dig the token out of the grader's own objects, or to patch pytest, could
+still lie; this grader is for learning, not an exam proctor.
+
 Ctrl-C stops the child and prints the table so far, the exercises not graded marked
 "interrupted", and a last line `score: X/Y (interrupted)`; the exit status is then 130.
 """
@@ -30,9 +44,11 @@ Ctrl-C stops the child and prints the table so far, the exercises not graded mar
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import re
+import secrets
 import selectors
 import signal
 import subprocess
@@ -40,6 +56,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from minirl.grade_child import GRADED, CheckoutSnapshot, remove_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "exercises"
@@ -70,20 +88,25 @@ def exercise_key(exercise: str) -> tuple[int, ...]:
 
 
 class Child:
-    """The child process running the checks, and where it is: which check, importing or not, since when."""
+    """The child process running the checks in a copy of the checkout, and where it is: which check,
+    importing or not, since when."""
 
-    def __init__(self, files: list[Path], target: str, skip: dict):
-        self.files = files
+    def __init__(self, files: list[Path], target: str, skip: dict, snapshot: CheckoutSnapshot):
+        self.files, self.copy = files, snapshot.lay_out()
         read, write = os.pipe()
+        self.token = secrets.token_hex(16)  # the child's lines must start with it: student code never sees it
         self.log = tempfile.TemporaryFile()  # the child's own output: shown only if it dies outside a check
-        env = dict(os.environ, MINIRL_GRADE_TARGET=target, MINIRL_GRADE_FD=str(write),
-                   MINIRL_GRADE_SKIP=json.dumps(skip),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, MINIRL_GRADE_TARGET=target if target == "reference" else str(self.copy / GRADED),
+                   PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(self.copy), os.environ.get("PYTHONPATH")])))
+        env.pop("MINIRL_GRADE_FD", None)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", CHILD.format(list(map(str, files)))],
-                cwd=ROOT, env=env, pass_fds=(write,), stdin=subprocess.DEVNULL, stdout=self.log,
+                [sys.executable, "-c", CHILD.format([str(f.relative_to(ROOT)) for f in files])],
+                cwd=self.copy, env=env, pass_fds=(write,), stdin=subprocess.PIPE, stdout=self.log,
                 stderr=subprocess.STDOUT, start_new_session=True)  # a group of its own: Ctrl-C reaches us only
+            with self.proc.stdin:  # read by the child before it imports any student code
+                self.proc.stdin.write(json.dumps({"fd": write, "token": self.token, "skip": skip}).encode() + b"\n")
         finally:
             os.close(write)
         os.set_blocking(read, False)
@@ -105,7 +128,14 @@ class Child:
                 break
             self.buffer += data
         *lines, self.buffer = self.buffer.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        return [self.parse(line) for line in lines if line.strip()]
+
+    def parse(self, line: bytes) -> dict:
+        """One line `TOKEN {json}` as an event; a line without the token is {"event": "forged"}."""
+        token, _, body = line.partition(b" ")
+        if not hmac.compare_digest(token, self.token.encode()):
+            return {"event": "forged"}
+        return json.loads(body)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -116,6 +146,7 @@ class Child:
         self.proc.wait()
         os.close(self.fd)
         self.log.close()
+        remove_copy(self.copy)
 
     def how_it_ended(self) -> str:
         code = self.proc.wait()
@@ -133,8 +164,9 @@ class Child:
 class Grader:
     """Runs the checks in a child process, keeps each exercise's clock, records every check's outcome."""
 
-    def __init__(self, files: list[Path], target: str, timeout: float, names: dict[str, str]):
-        self.files, self.target, self.timeout, self.names = files, target, timeout, names
+    def __init__(self, files: list[Path], target: str, timeout: float, names: dict[str, str],
+                 snapshot: CheckoutSnapshot):
+        self.files, self.target, self.timeout, self.names, self.snapshot = files, target, timeout, names, snapshot
         self.exercise_of: dict[str, str] = {}  # check node id -> "N.M"
         self.outcome: dict[str, tuple[bool, str]] = {}  # check node id -> (passed, message)
         self.status: dict[str, str] = {}  # "N.M" -> why it scores 0 whatever its checks say (timeout, crash)
@@ -149,9 +181,22 @@ class Grader:
             self.notebook = int(re.match(r"test_(\d\d)_", path.name)[1])
             skip = {"nodes": [], "exercises": []}
             while skip is not None:
-                self.child = Child([path], self.target, skip)
+                self.child = Child([path], self.target, skip, self.snapshot)
                 skip = self.watch(self.child)
                 self.child = None
+                if self.package_changed():
+                    skip = None
+
+    def package_changed(self) -> bool:
+        """After a child: if the installed package differs from the snapshot, put it back, and the notebook's
+        exercises score 0 ("tampered")."""
+        changed = self.snapshot.changed()
+        if changed:
+            kept = self.snapshot.put_back(changed)
+            why = (f"tampered: the checks' process wrote into the package ({', '.join(changed[:3])}"
+                   f"{', ...' if len(changed) > 3 else ''}); put back as it was (what it wrote: {kept})")
+            self.status.update({i: why for i in self.exercises() if notebook_of(i) == self.notebook})
+        return bool(changed)
 
     def watch(self, child: Child) -> dict | None:
         """Follow the child to its end; returns what a fresh child must skip, or None when all is done."""
@@ -160,6 +205,10 @@ class Grader:
             while True:
                 selector.select(timeout=min(max(self.deadline(child) - time.monotonic(), 0.0), 0.5))
                 for event in child.events():
+                    if event["event"] == "forged":
+                        child.stop()
+                        return self.lost(child, "tampered: a line on the grader's pipe without its token "
+                                                "(written by the code under test)")
                     self.handle(child, event)
                 if child.eof:
                     child.stop()
@@ -252,7 +301,12 @@ class Grader:
 
     def interrupt(self) -> None:
         if self.child is not None:
+            for event in self.child.events():  # what the child reported before Ctrl-C and we had not read yet
+                if event["event"] == "forged":
+                    break
+                self.handle(self.child, event)
             self.child.stop()
+            self.package_changed()
 
     def row(self, exercise: str, interrupted: bool) -> tuple[int, int, int, str]:
         """(checks passed, checks, score, why) for one exercise."""
@@ -289,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",") if args.only else None
     names = exercise_names(only)
     files = sorted(f for f in CHECKS.glob("test_[0-9][0-9]_*.py") if only is None or f.name[5:7] in only)
+    folder = None if args.reference else args.dir.resolve() if args.dir else ROOT / "exercises"
+    graded = [] if folder is None else [path for f in files for path in sorted(folder.glob(f"{f.name[5:7]}_*.py"))]
     print(f"grading {'reference solutions' if args.reference else target}", flush=True)
-    grader = Grader(files, target, args.timeout, names)
+    grader = Grader(files, target, args.timeout, names, CheckoutSnapshot(ROOT, graded))
     interrupted = False
     try:
         if files:

@@ -1,7 +1,10 @@
-"""The grader's child process: runs one notebook's checks under pytest and reports each over a pipe.
+"""The grader's child process: runs one notebook's checks under pytest, in a copy of the checkout, and reports each
+over a pipe.
 
-Hand-written (it teaches nothing); `minirl.grade` starts it as
-`python -c "from minirl.grade_child import child_main; child_main([...])"` and reads its events.
+Hand-written (it teaches nothing); `minirl.grade` starts it in a copy of the checkout as
+`python -c "from minirl.grade_child import child_main; child_main([...])"`, hands it the pipe and a
+secret token on its standard input, and reads its events: one line each, `TOKEN {json}`.
+`CheckoutSnapshot` is that copy's content, read by the parent before any student code runs;
 `Reporter` is the pytest plugin that sends each check's start and outcome; `GlobalState` puts
 the attributes of torch's public namespaces, `math`, `builtins` and torch's global settings back
 as they were after every check, so that no student function can change a later check's result.
@@ -12,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
 import threading
 import time
 import types
@@ -19,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+READ_BY_CHECKS = ("minirl/**/*", "tests/conftest.py", "tests/exercises/conftest.py",  # what a child reads
+                  "tests/exercises/test_[0-9][0-9]_*.py", "notebooks/[0-9][0-9]_*.py", "pyproject.toml")
+GRADED = "graded"  # the folder of the exercise files graded, in a child's copy
 
 
 class StoppedByCode(Exception):
@@ -29,12 +37,12 @@ class StoppedByCode(Exception):
 class Reporter:
     """A pytest plugin (in the child) that sends each event to the parent as one JSON line."""
 
-    def __init__(self, out, skip_nodes: set[str], skip_exercises: set[str]):
-        self.out, self.skip_nodes, self.skip_exercises = out, skip_nodes, skip_exercises
+    def __init__(self, out, token: str, skip_nodes: set[str], skip_exercises: set[str]):
+        self.out, self.token, self.skip_nodes, self.skip_exercises = out, token, skip_nodes, skip_exercises
         self.state: GlobalState | None = None
 
     def send(self, **event) -> None:
-        self.out.write(json.dumps(event) + "\n")
+        self.out.write(f"{self.token} {json.dumps(event)}\n")
         self.out.flush()
 
     def pytest_collection_modifyitems(self, config, items):
@@ -153,23 +161,83 @@ def first_line(report) -> str:
     return line.removeprefix(f"{__name__}.{StoppedByCode.__name__}: ")[:160]
 
 
+class CheckoutSnapshot:
+    """What the checks read of the checkout at `root`, as it was before any student code ran: {path relative to
+    the root: bytes}.
+
+    `lay_out` writes a fresh copy for one child; `changed` lists the installed files that differ
+    from it now (changed, removed, or new in the package), and `put_back` restores them.
+    """
+
+    def __init__(self, root: Path, exercise_files: list[Path]):
+        self.root = root
+        self.files = {str(path.relative_to(self.root)): path.read_bytes()
+                      for pattern in READ_BY_CHECKS for path in sorted(self.root.glob(pattern))
+                      if path.is_file() and "__pycache__" not in path.parts}
+        self.installed = set(self.files)  # the exercise files graded are the student's own: not watched
+        self.files.update({f"{GRADED}/{path.name}": path.read_bytes() for path in exercise_files if path.is_file()})
+
+    def lay_out(self) -> Path:
+        """A fresh temporary copy, files and folders read-only (root may still write into it: it is thrown away)."""
+        where = Path(tempfile.mkdtemp(prefix="minirl-grade-"))
+        (where / GRADED).mkdir()
+        for rel, data in self.files.items():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            (where / rel).write_bytes(data)
+        for folder, _, names in os.walk(where, topdown=False):
+            for name in names:
+                os.chmod(os.path.join(folder, name), 0o444)
+            os.chmod(folder, 0o555)
+        return where
+
+    def changed(self) -> list[str]:
+        now = {str(path.relative_to(self.root)) for path in self.root.glob("minirl/**/*")
+               if path.is_file() and "__pycache__" not in path.parts}
+        differ = [rel for rel in sorted(self.installed)
+                  if not (self.root / rel).is_file() or (self.root / rel).read_bytes() != self.files[rel]]
+        return differ + sorted(now - self.installed)
+
+    def put_back(self, paths: list[str]) -> Path:
+        """Put `paths` back as they were (a new one is removed); returns the folder that keeps what they had become
+        (the grader cannot tell a student's write from an edit made meanwhile: nothing is lost)."""
+        kept = Path(tempfile.mkdtemp(prefix="minirl-grade-changed-"))
+        for rel in paths:
+            if (self.root / rel).is_file():
+                (kept / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(self.root / rel, kept / rel)
+            if rel in self.installed:
+                (self.root / rel).write_bytes(self.files[rel])
+            else:
+                (self.root / rel).unlink()
+        return kept
+
+
+def remove_copy(where: Path) -> None:
+    """Remove a child's copy of the checkout (its folders are read-only)."""
+    for folder, _, _ in os.walk(where):
+        os.chmod(folder, 0o755)
+    shutil.rmtree(where, ignore_errors=True)
+
+
 def child_main(files: list[str]) -> None:
-    """Run the checks files; the events go to the pipe whose fd is in MINIRL_GRADE_FD."""
-    out = os.fdopen(int(os.environ["MINIRL_GRADE_FD"]), "w")
-    skip = json.loads(os.environ["MINIRL_GRADE_SKIP"])
+    """Run the checks files (paths relative to the copy of the checkout this module is in); the events go to
+    the pipe whose fd the first line of standard input names, each line led by that line's token."""
+    setup = json.loads(sys.stdin.readline())  # {"fd": ..., "token": ..., "skip": {"nodes": [...], "exercises": [...]}}
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the code under test reads nothing from the grader
+    os.close(null)
+    out, skip, root = os.fdopen(setup["fd"], "w"), setup["skip"], Path(__file__).resolve().parent.parent
     parent = os.getppid()
 
-    def watch_parent():  # a parent killed hard cannot stop us: do not spin on alone
+    def watch_parent():  # a parent killed hard cannot stop us (nor remove our copy): do not spin on alone
         while os.getppid() == parent:
             time.sleep(1)
+        remove_copy(root)
         os._exit(3)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    reporter = Reporter(out, set(skip["nodes"]), set(skip["exercises"]))
-    pytest.main([*files, "-q", "--tb=line", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+    reporter = Reporter(out, setup.pop("token"), set(skip["nodes"]), set(skip["exercises"]))
+    pytest.main([*files, "-q", "--tb=line", "-p", "no:cacheprovider", "--rootdir", str(root),
                  "-o", "addopts="], plugins=[reporter])
     out.flush()
     os._exit(0)  # not sys.exit: a thread the code under test left running must not keep us alive
-
-
-# ---------------------------------------------------------------- in the parent: children, clocks, the table

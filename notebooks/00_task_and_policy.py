@@ -1094,33 +1094,43 @@ natural = ["62", " 62", "The answer is 62.", "... so 31 + 31 = 62.\n#### 62"]
 print(accuracy_reward(None, natural, answer=[62] * len(natural)))
 
 # %% [markdown]
-# GSM8K's solutions end with `#### 62`; models trained on MATH put the answer in `\boxed{62}`.
-# A number must compare as a number: `1,234` is 1234 and `62.0` is 62. The parser below
-# accepts exactly the ways of writing a number that mean one value, and returns a
-# `Fraction`, so decimals compare exactly. Like `parse_answer`, it never raises.
+# GSM8K's solutions end with `#### 62`; models trained on MATH put the answer in `\boxed{}`,
+# often with LaTeX in it: `\boxed{\frac{3}{4}}`, `\boxed{25\%}`, `\boxed{18 \text{ dollars}}`.
+# So an answer has two readers. A plain number, by far the most common, is read here, exactly
+# and fast: `1,234` is 1234, `62.0` is 62, `−5` (a Unicode minus) is -5, and the result is a
+# `Fraction`, so decimals compare exactly. Anything else goes to math-verify, the symbolic
+# checker behind TRL's `accuracy_reward`, which parses LaTeX into sympy: a millisecond or more
+# an answer, too slow to be the first reader (`minirl.runtime.latex_math` calls it so that it
+# also runs outside the main thread, as chapter 07's producers do). Like `parse_answer`,
+# neither reader raises.
 
 # %%
 # | export minirl/tasks/math_answer.py
-"""A math-answer verifier for real models: the final number of a worked solution, in forward digits.
+"""A math-answer verifier for real models: the final answer of a worked solution, compared by value.
 
-GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}`. `final_answer`
-reads that number (after the last `####` or inside the last `\\boxed{}`, whichever comes last;
-else a completion that is a number and nothing else), and `math_reward` compares it with the
-row's `answer` column as a number: "1,234" equals 1234, "62.0" equals 62, "$5." equals 5.
+GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}` or `\\boxed{\\frac{3}{4}}`.
+`final_answer` finds the final answer (after the last `####` that starts a number, or inside the last
+`\\boxed{}`, whichever comes last) and reads it: a plain number exactly, as a `Fraction` ("1,234",
+"−5", "$5."), without sympy; anything else with math-verify (units and text, percent, degrees,
+`x = 62`, fractions). `math_reward` compares it with the row's `answer` column, read the same way:
+two numbers exactly, anything else with math-verify's `verify` (numbers within 6 decimals).
 
-Simplified on purpose: numbers only. No fractions, expressions or units, which a symbolic
-checker such as math-verify (behind TRL's `accuracy_reward`) compares; GSM8K's answers are
-integers, and a number is all a word-problem reward needs.
+Simplified on purpose, and where it differs from math-verify alone: a `####` line is read as GSM8K's
+evaluation reads it (the number that starts it, words after it ignored); the last `\\boxed{}` is the
+final answer (math-verify gathers every box into a set); a completion that is a number and nothing
+else is its answer (math-verify wants it boxed or after "the answer is"). Off the main thread
+math-verify runs without its timeouts (`minirl.runtime.latex_math`).
 """
 
 import re
 from fractions import Fraction
 
+from minirl.runtime.latex_math import parse_math, verify_math
 from minirl.tasks.arithmetic import completion_text
 
 MAX_NUMBER_CHARS = 64  # longer "numbers" are malformed: no answer is that long, and Fraction() refuses
                        # strings of more than 4,300 digits (a verifier must not raise on them)
-NUMBER = re.compile(r"(?P<sign>[+-]?)\s*\$?\s*(?P<sign2>[+-]?)\s*"                 # -$5 and $-5 alike
+NUMBER = re.compile(r"(?P<sign>[+\-−]?)\s*\$?\s*(?P<sign2>[+\-−]?)\s*"            # -$5 and $-5 alike
                     r"(?P<digits>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
                     r"(?![0-9]|[.,][0-9])", re.ASCII)                                # a number ends here
 
@@ -1129,15 +1139,15 @@ def _number(match) -> Fraction | None:
     if match is None or (match["sign"] and match["sign2"]):
         return None
     value = Fraction(match["digits"].replace(",", ""))
-    return -value if "-" in (match["sign"], match["sign2"]) else value
+    return -value if {match["sign"], match["sign2"]} & {"-", "−"} else value
 
 
 def parse_number(text) -> Fraction | None:
     """The number that `text` is, exactly, or None.
 
-    Parses "62", " 62 ", "+62", "-5", "1,234" (commas only between groups of three), "$1,234.50",
-    "62." (a sentence's period) and "62.0" (equal to 62); refuses "", "6 2", "1,23", "62 apples",
-    "٣" (ASCII digits only) and anything over MAX_NUMBER_CHARS characters. Never raises.
+    Parses "62", " 62 ", "+62", "-5", "−5" (a Unicode minus), "1,234" (commas only between groups of
+    three), "$1,234.50", "62." (a sentence's period) and "62.0" (equal to 62); refuses "", "6 2",
+    "1,23", "62 apples", "٣" (ASCII digits only) and anything over MAX_NUMBER_CHARS characters. Never raises.
     """
     if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS:
         return None
@@ -1146,13 +1156,21 @@ def parse_number(text) -> Fraction | None:
 
 
 # %% [markdown]
-# Where is the final answer? After the last `####`, the number that starts the rest (as
-# GSM8K's own evaluation reads it); inside the last `\boxed{}`, the whole content. When a
-# completion has both, the later one is final. A completion with neither counts only if it
-# is a number and nothing else, so `"62"` scores but `"I think 61, no, 62"` does not.
+# Where is the final answer? After the last `####` that starts a number (GSM8K's marker:
+# `#### Verification` is a markdown heading, not an answer) or inside the last `\boxed{}`,
+# whichever comes later. A `####` answer is the number that starts its line, as GSM8K's own
+# evaluation reads it (`#### 62 apples` is 62), unless math follows it (`#### 3/4`); a boxed
+# answer is its whole content. A completion with neither counts only if it is a number and
+# nothing else, or states its answer as math after an anchor ("the final answer is $\frac{1}{2}$"),
+# so `"62"` scores but `"I think 61, no, 62"` does not. Each answer goes to the fast reader
+# first, and to math-verify only when that fails.
 
 # %%
 # | export minirl/tasks/math_answer.py
+MARKER = re.compile(r"####[ \t]*(?=[-+−$.\\0-9])")     # "#### 62" marks an answer; "#### Verification" does not
+MATH_AFTER = re.compile(r"[ \t]*[/^_\\{%°]")          # "#### 3/4", "#### 25%": math, not a number and words
+
+
 def _boxed(text: str) -> tuple[str, int] | None:
     """(content, index after its closing brace) of the last `\\boxed{...}`, braces matched; None if it never closes."""
     start = text.rfind("\\boxed{")
@@ -1173,70 +1191,115 @@ def _latex_number(content: str) -> Fraction | None:
     return parse_number(content)
 
 
-def final_answer(completion) -> Fraction | None:
-    """The final number of a completion (a string or TRL's chat messages), or None.
+def _read(math: str) -> Fraction | tuple | None:
+    """An answer's text as a value: a Fraction if it is a plain number, else math-verify's reading of it boxed."""
+    number = _latex_number(math)
+    return number if number is not None else parse_math(f"\\boxed{{{math}}}") or None
 
-    After the last `####`, the number that starts the rest ("#### 62" and "#### 62 apples"
-    both give 62); inside the last `\\boxed{}`, the whole content must be a number. When both
-    markers occur, the later one is the final answer. Without either, the completion must be
-    a number and nothing else (" 62", "1,234."). Never raises.
+
+def _marked(text: str) -> tuple[Fraction | tuple | None, bool]:
+    """(value, True) of the final marked answer, the last `#### N` or `\\boxed{}`; (None, False) without one."""
+    marks, boxed = [m.end() for m in MARKER.finditer(text)], text.rfind("\\boxed{")
+    if marks and marks[-1] > boxed:
+        line = text[marks[-1]:].split("\n", 1)[0]
+        match = NUMBER.match(line[:MAX_NUMBER_CHARS])
+        if match and match.end() < MAX_NUMBER_CHARS:         # GSM8K: the number that starts the line
+            return (_read(line.strip()) if MATH_AFTER.match(line, match.end()) else _number(match)), True
+        return (_read(line.strip()) if line.startswith(("\\", "$\\")) else None), True
+    if boxed >= 0:
+        found = _boxed(text)
+        return (_read(found[0]) if found else None), True
+    return None, False
+
+
+def final_answer(completion) -> Fraction | tuple | None:
+    """The final answer of a completion (a string or TRL's chat messages), or None. Never raises.
+
+    A Fraction when the answer is a plain number (read without sympy), else math-verify's reading
+    (a tuple: sympy value, matched text). Without a marker, the completion must be a number and
+    nothing else (" 62", "1,234.", "$62$"), or state math after an anchor ("the answer is $62$").
     """
     text = completion_text(completion)
     if not isinstance(text, str):
         return None
-    hashes, boxed = text.rfind("####"), text.rfind("\\boxed{")
-    if hashes >= 0 and hashes > boxed:
-        match = NUMBER.match(text[hashes + 4:].lstrip()[:MAX_NUMBER_CHARS])
-        return _number(match) if match and match.end() < MAX_NUMBER_CHARS else None
-    if boxed >= 0:
-        found = _boxed(text)
-        return _latex_number(found[0]) if found else None
-    return parse_number(text)
+    value, marked = _marked(text)
+    if marked:
+        return value
+    number = _latex_number(text)
+    if number is not None or ("$" not in text and "\\" not in text):
+        return number
+    return parse_math(text) or None
 
 
-def reference_answer(answer) -> Fraction | None:
-    """A row's `answer` as a number: an int or float as it is, a string through `final_answer`
-    (GSM8K's "...#### 62", "62", "\\boxed{62}"). None for anything else (a bool, NaN, "")."""
+PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")      # two words outside LaTeX commands: prose, not math
+LATEX_COMMAND = re.compile(r"\\[A-Za-z]+(?:\{[^{}]*\})?")
+
+
+def reference_answer(answer) -> Fraction | tuple | None:
+    """A row's `answer` as a value: an int or float as it is; a string with a marker as `final_answer`
+    reads it (GSM8K's "...#### 62"); else the whole string as a number or as boxed math ("\\frac{3}{4}",
+    "\\text{(C)}"). None for anything else: a bool, NaN, "", prose ("see solution")."""
     if isinstance(answer, bool):
         return None
     if isinstance(answer, int):
         return Fraction(answer)
     if isinstance(answer, float):
         return Fraction(repr(answer)) if answer == answer and abs(answer) != float("inf") else None
-    return final_answer(answer) if isinstance(answer, str) else None
+    if not isinstance(answer, str):
+        return None
+    value, marked = _marked(answer)
+    if marked or PROSE.search(LATEX_COMMAND.sub("", answer)):
+        return value
+    return _read(answer.strip()) if answer.strip() else None
 
 
 # %%
 examples = natural + ["#### 1,234.", "#### $5 per hour", r"so \boxed{1{,}234}", r"\boxed{5} ... #### 7",
-                      "I think 61, no, 62", "#### ", [{"role": "assistant", "content": "#### 62"}]]
+                      "#### 62\n\n#### Verification: 31 + 31 = 62", r"\boxed{18 \text{ dollars}}",
+                      r"\boxed{\frac{3}{4}}", "I think 61, no, 62", "#### ", [{"role": "assistant", "content": "#### 62"}]]
 for text in examples:
     found = final_answer(text)
-    print(f"{str(text)[:44]!r:50} -> {found if found is None else str(found)}")
+    print(f"{str(text)[:44]!r:50} -> {found if found is None or isinstance(found, Fraction) else found[0]}")
 
 # %% [markdown]
-# The rewards, with TRL's signature. `math_reward` is 1 when the final number equals the
+# The rewards, with TRL's signature. `math_reward` is 1 when the final answer equals the
 # row's `answer` (GSM8K's answer column is itself a worked solution ending in `#### N`, so it
-# goes through the same reader). `math_format_reward` pays for ending with a marked answer,
+# goes through the same reader): two numbers compare exactly, anything else through
+# math-verify's `verify`, which knows that `\frac{1}{2}` is 0.5, `50\%` is 0.5 and `x = 62` is 62
+# (the last completion below states its value in passing, with no marker, and scores 0).
+# An answer that cannot be read is a data set error, named by its row: every completion of it
+# would score 0, silently. `math_format_reward` pays for ending with a marked answer,
 # right or wrong: a shaping signal that teaches the format before the arithmetic.
 
 # %%
 # | export minirl/tasks/math_answer.py
-def math_reward(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 where a completion's final number equals the row's answer, else 0.0 (TRL signature).
+def same_answer(expected, found) -> bool:
+    """Whether a final answer equals the expected one: two Fractions exactly, else math-verify's verify."""
+    if found is None:
+        return False
+    if isinstance(expected, Fraction) and isinstance(found, Fraction):
+        return expected == found
+    return verify_math(expected, found)
 
-    completions: list[str] or chat messages; answer: one per completion, a number or a
-    GSM8K-style solution string. An answer that states no number is a ValueError naming it
-    (a data set error: every completion of that prompt would score 0, silently).
+
+def math_reward(prompts, completions, answer, **columns) -> list[float]:
+    """1.0 where a completion's final answer equals the row's answer, else 0.0 (TRL signature).
+
+    completions: list[str] or chat messages; answer: one per completion, a number, a GSM8K-style
+    solution string or LaTeX. An answer that cannot be read is a ValueError naming the row by its
+    prompt (a data set error: every completion of that prompt would score 0, silently).
     """
     if len(completions) != len(answer):
         raise ValueError(f"math_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer, strict=True):
+    for i, (completion, target) in enumerate(zip(completions, answer, strict=True)):
         expected = reference_answer(target)
         if expected is None:
-            raise ValueError(f"math_reward: answer {str(target)[:60]!r} states no number; give a number (62), "
-                             "GSM8K's '... #### 62' or '\\boxed{62}'")
-        rewards.append(1.0 if final_answer(completion) == expected else 0.0)
+            prompt = completion_text(prompts[i]) if prompts is not None and i < len(prompts) else None
+            row = f"the row with prompt {prompt[:40]!r}" if prompt else f"answer {i}"
+            raise ValueError(f"math_reward: {row} has the answer {str(target)[:40]!r}, which states no number or "
+                             "math (give a number, GSM8K's '... #### 62' or LaTeX such as '\\frac{3}{4}')")
+        rewards.append(1.0 if same_answer(expected, final_answer(completion)) else 0.0)
     return rewards
 
 
@@ -1263,6 +1326,8 @@ def math_format_reward(prompts, completions, **columns) -> list[float]:
 # %%
 gsm8k_answer = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
 print("math:  ", math_reward(None, natural, answer=[gsm8k_answer] * len(natural)))
+latex = [r"\boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{50\%}", r"so $x = \frac{1}{2}$"]
+print("LaTeX: ", math_reward(None, latex, answer=["0.5"] * len(latex)))
 print("format:", math_format_reward(None, natural))
 
 # %% [markdown]
@@ -1418,13 +1483,14 @@ def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
 
 # %%
 # | export minirl/tasks/task.py
+import warnings
 from pathlib import Path
 
 from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
 from minirl.tasks.data_files import check_rows, load_rows, render_prompts
 from minirl.tasks.math_answer import math_reward, reference_answer
 from minirl.tasks.rewards import CORRECTNESS, as_conversational, check_reward_columns, resolve_rewards
-from minirl.utils.validate import ConfigError
+from minirl.utils.validate import ConfigError, check_choice
 
 
 def arithmetic_task(config: TaskConfig | None = None) -> Task:
@@ -1448,12 +1514,20 @@ def _rows(source, param: str) -> tuple[list[dict], str]:
     return rows, "rows"
 
 
-def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
-    for i, row in enumerate(rows):
-        if reference_answer(row.get("answer")) is None:
-            raise ConfigError(param, value, f"row {i}'s answer {str(row.get('answer'))[:40]!r} states no number, "
-                                            "which the math reward compares with: give a number (62), GSM8K's "
-                                            "'... #### 62' or '\\boxed{62}'")
+def _unreadable_answers(rows: list[dict], param: str, value: str, reward_errors: str) -> set[int]:
+    """The rows whose answer the math reward cannot read: a ConfigError naming the first (reward_errors="raise"),
+    or a warning naming it ("zero": training scores their completions 0 and counts them as reward errors)."""
+    bad = {i for i, row in enumerate(rows) if reference_answer(row.get("answer")) is None}
+    if bad:
+        first = min(bad)
+        why = (f"row {first}'s answer {str(rows[first].get('answer'))[:40]!r} states no number or math, which the "
+               "math reward compares with")
+        if reward_errors == "raise":
+            raise ConfigError(param, value, f"{why}: fix it (62, GSM8K's '... #### 62' or LaTeX '\\frac{{3}}{{4}}'), "
+                                            "or pass --reward-errors zero to score its completions 0")
+        warnings.warn(f"{param} {value}: {why} ({len(bad)} such row{'s' * (len(bad) > 1)}): training scores "
+                      "their completions 0, evaluation leaves them out", stacklevel=3)
+    return bad
 
 
 # %% [markdown]
@@ -1463,7 +1537,7 @@ def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
 # %%
 # | export minirl/tasks/task.py
 def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
-              reward_weights: list[float] | None = None, tokenizer=None) -> Task:
+              reward_weights: list[float] | None = None, tokenizer=None, reward_errors: str = "raise") -> Task:
     """The task that a run's data set and reward settings name; a ConfigError naming the setting otherwise.
 
     dataset: a file or directory (see `load_rows`) or rows; None: the embedded task's
@@ -1472,7 +1546,10 @@ def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
     `resolve_rewards`); None: `["arithmetic"]` for the embedded rows, an error for a data set.
     reward_weights: one per reward. tokenizer: renders conversational prompts (needed for those only).
     The accuracy is the first correctness reward's (arithmetic or math), if any is given.
+    reward_errors: the run's; with "raise" an answer the math reward cannot read is a ConfigError, with
+    "zero" a warning, and such a row is left out of evaluation (training scores it 0 as a reward error).
     """
+    check_choice("reward_errors", reward_errors, ("raise", "zero"))
     embedded = arithmetic_task() if dataset is None else None
     train, value = (embedded.train, "embedded") if embedded else _rows(dataset, "dataset")
     if eval_dataset is not None:
@@ -1485,8 +1562,9 @@ def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
     funcs, weights = resolve_rewards(list(rewards or ["arithmetic"]), reward_weights)
     accuracy = next((reward_name(f) for f in funcs if f in CORRECTNESS), None)
     if math_reward in funcs:
-        _check_math_answers(train, "dataset", value)
-        _check_math_answers(test, "eval_dataset", eval_value)
+        _unreadable_answers(train, "dataset", value, reward_errors)
+        unreadable = _unreadable_answers(test, "eval_dataset", eval_value, reward_errors)
+        test = [row for i, row in enumerate(test) if i not in unreadable]
     train, lookup = render_prompts(train, tokenizer, "dataset", value)
     test, eval_lookup = render_prompts(test, tokenizer, "eval_dataset", eval_value)
     check_reward_columns(funcs, train, "dataset", value)

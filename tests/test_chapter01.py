@@ -107,11 +107,21 @@ def test_a_run_directory_belongs_to_one_run(tmp_path, tiny_model_dir):
     assert len(read_metrics(out)) == 4 and json.loads((out / "run.json").read_text())["config"]["run"]["seed"] == 1
 
 
+def test_no_progress_bars_in_a_log(tmp_path):
+    """Output that is no terminal (a pipe here, a log file alike) gets no progress bars: neither the run's nor
+    transformers' "Loading weights" and "Writing model shards"."""
+    proc = run("--out", tmp_path / "run", *QUICK, "--steps", 2, "--checkpoint-every", 1, progress=True)
+    for bar in ("Loading weights", "Writing model shards", "grpo (stage 1)", "it/s"):
+        assert bar not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_locked_directory_is_refused(tmp_path, tiny_model_dir):
     out = tmp_path / "locked"
     with open_run_dir(out, {"config": {}}):
         proc = run("--model", tiny_model_dir, "--out", out, *QUICK, "--steps", 1, "--overwrite", check=False)
     assert proc.returncode == 2 and "another run is writing into this directory" in proc.stderr
+    assert last_line(proc).startswith(f"error: --out {out}: ") and last_line(proc).endswith("choose another --out"), \
+        "the refusal names the flag, not the loop's out_dir"
 
 
 def test_resume_checks_the_settings(tmp_path, tiny_model_dir):
@@ -299,6 +309,40 @@ def test_a_text_dataset_on_a_base_model_resumes_with_its_task(tmp_path, words):
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["steps"] == 3 and resumed["task"] == summary["task"] and resumed["resumed"] is True
     assert "rewards/math_format_reward" in read_metrics(out)[-1]
+
+
+def test_a_resume_refuses_changed_data_unless_allowed(tmp_path, words):
+    """run.json records the content hash of the data set and of a reward file; a resume after either changed is
+    refused in one line naming the flag and the file; --allow-changed-data goes on, and run.json records what."""
+    data, reward, out = tmp_path / "train.jsonl", tmp_path / "my_reward.py", tmp_path / "run"
+    original = (words["root"] / "plain" / "train.jsonl").read_text()
+    data.write_text(original)
+    reward.write_text("def short(prompts, completions, **columns):\n"
+                      "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    run("--model", words["plain_model"], "--out", out, "--dataset", data, "--reward", "math", "--reward",
+        f"{reward}:short", *QUICK, "--max-completion-length", 8, "--steps", 2, "--checkpoint-every", 1)
+    recorded = json.loads((out / "run.json").read_text())["data_files"]
+    assert [(e["flag"], e["path"]) for e in recorded] == [("--dataset", str(data)), ("--reward", str(reward))]
+
+    data.write_text(original.replace("#### ", "#### 1", 1))          # one answer edited in place
+    refused = run("--out", out, "--resume", "--steps", 3, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert last_line(refused).startswith(f"01_single_process.py: error: --resume: --dataset {data} changed since the "
+                                         "run started (run.json has its sha256 "), last_line(refused)
+    assert last_line(refused).endswith("put it back as it was, or pass --allow-changed-data to go on with it as it "
+                                       "is now"), last_line(refused)
+    data.write_text(original)
+    reward.write_text(reward.read_text().replace("1.0 /", "2.0 /"))
+    refused = run("--out", out, "--resume", "--steps", 3, check=False)
+    assert refused.returncode == 2 and f"error: --resume: --reward {reward} changed since" in last_line(refused)
+    assert len(read_metrics(out)) == 2, "nothing trained on the changed reward"
+
+    run("--out", out, "--resume", "--steps", 3, "--allow-changed-data")
+    record = json.loads((out / "run.json").read_text())
+    assert [(e["flag"], e["path"]) for e in record["changed_data"]] == [("--reward", str(reward))]
+    assert record["changed_data"][0]["sha256_now"] == record["data_files"][1]["sha256"] != \
+        record["changed_data"][0]["sha256"], "run.json keeps both hashes, and the new one is the run's now"
+    assert record["settings"]["allow_changed_data"] is True and len(read_metrics(out)) == 3
 
 
 @pytest.mark.parametrize("case, message", [

@@ -312,6 +312,30 @@ def test_resume_refuses_changed_settings(tmp_path, monkeypatch):
     assert settings["steps"] == 9 and settings["learning_rate"] == RLConfig().optimizer.learning_rate
 
 
+def test_resume_refuses_a_changed_data_set_unless_allowed(tmp_path, monkeypatch, capsys):
+    """run.json's content hash of --dataset: an edited file is refused in one line naming it, before any model
+    loads; --allow-changed-data goes on and says what changed (run.json records it once the run resumes)."""
+    from minirl.tasks.word_problems import write
+    from minirl.train.cli import content_hash
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    write(tmp_path / "words", n_train=8, n_test=2)
+    data = tmp_path / "words" / "train.jsonl"
+    out = fake_run(tmp_path / "run")
+    record = json.loads((out / "run.json").read_text())
+    record |= {"task": {"dataset": str(data), "eval_dataset": None, "reward": ["math"], "reward_weights": None},
+               "data_files": [{"flag": "--dataset", "path": str(data), "sha256": content_hash(data)}]}
+    atomic_write_json(out / "run.json", record)
+    data.write_text(data.read_text().replace("#### ", "#### 9", 1))
+    with pytest.raises(SystemExit) as exit_:
+        chapter().parse_args(["--out", str(out), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and f"error: --resume: --dataset {data} changed since the run started" in err, err
+    args, *_ = chapter().parse_args(["--out", str(out), "--resume", "--allow-changed-data"])
+    assert args.run_data["data_files"][0]["sha256"] == content_hash(data)
+    assert args.run_data["changed_data"] == [{**record["data_files"][0], "sha256_now": content_hash(data)}]
+
+
 # --- the files: what a checkpoint check names, and a disk that fills ------------------------------------------
 
 @pytest.fixture(scope="module")

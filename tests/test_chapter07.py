@@ -58,8 +58,9 @@ def test_short_run_writes_the_summary_and_refuses_to_overwrite(tmp_path, capsys,
              "--max-staleness", 1, "--correction", "areal", "--producers", 2, "--prompts-per-call", 2,
              "--env-latency", 0.001, "--snapshot-every", 3]
     assert main("--out", out, *flags) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert "trajectories/s" in printed and "trainer idle" in printed and "queue depth" in printed
+    assert "Writing model shards" not in err and "Loading weights" not in err, "no bars where stderr is no terminal"
     summary = json.loads((out / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "trajectories_per_second", "trainer_idle_share",
                 "max_staleness_seen"):
@@ -252,6 +253,23 @@ def test_a_text_dataset_resumes_with_its_task(tmp_path, capsys, words):
     assert "rewards/math_format_reward" in records(out)[-1] and [r["step"] for r in records(out)] == [1, 2, 3]
 
 
+def test_a_resume_refuses_changed_data_unless_allowed(tmp_path, capsys, words):
+    """An answer edited in the data set after the run started: --resume is refused in one line naming the file;
+    --allow-changed-data goes on, and run.json records the change."""
+    data, out = tmp_path / "train.jsonl", tmp_path / "run"
+    data.write_text((words["root"] / "plain" / "train.jsonl").read_text())
+    assert main("--model", words["plain_model"], "--out", out, "--dataset", data, "--reward", "math", *ASYNC,
+                "--num-generations", 2, "--max-completion-length", 8, "--steps", 2, "--checkpoint-every", 1) == 0
+    data.write_text(data.read_text().replace("#### ", "#### 9", 1))
+    capsys.readouterr()
+    assert main("--out", out, "--resume", "--steps", 3) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: --resume: --dataset {data} changed since the run started" in err, err
+    assert main("--out", out, "--resume", "--steps", 3, "--allow-changed-data") == 0
+    record = json.loads((out / "run.json").read_text())
+    assert [e["path"] for e in record["changed_data"]] == [str(data)] and [r["step"] for r in records(out)] == [1, 2, 3]
+
+
 # --- nothing lost, nothing hangs (issue 22) -------------------------------------------------------------------------
 
 def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
@@ -272,6 +290,37 @@ def test_ctrl_c_stops_with_one_line(tmp_path, tiny_model_dir):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("interrupted: the last intact checkpoint is ") and "step-" in lines[-1], lines
     assert lines[-1].endswith(f"--out {out} --resume")
+
+
+LEAVE_WITH_A_THREAD_IN_TORCH = """
+import importlib.util, sys, threading, time
+import torch
+spec = importlib.util.spec_from_file_location("chapter07", sys.argv[1])
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+def generate():                                   # a producer still generating when the run ends
+    a = torch.randn(300, 300)
+    while True:
+        a = torch.mm(a, a).clamp(-1, 1)
+threading.Thread(target=generate, daemon=True).start()
+time.sleep(0.5)
+chapter.leave_now(130) if sys.argv[2] == "leave_now" else sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["leave_now", "sys.exit"])
+def test_exit_with_a_thread_still_in_torch_never_aborts(how):
+    """Ctrl-C ends the run while a daemon thread (a producer whose generation outlived the join, a scoring
+    session) is inside a torch op: the chapter's exit skips the interpreter's teardown, which would abort
+    ("terminate called without an active exception", exit 134), as sys.exit does here."""
+    procs = [subprocess.run([sys.executable, "-c", LEAVE_WITH_A_THREAD_IN_TORCH, str(REPO / "chapters" / "07_async.py"),
+                             how], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            timeout=120 * load_factor()) for _ in range(3)]
+    aborted = sum(p.returncode == -signal.SIGABRT or "terminate called" in p.stderr for p in procs)
+    if how == "leave_now":
+        assert aborted == 0 and all(p.returncode == 130 for p in procs), [p.stderr[-500:] for p in procs]
+    else:
+        assert aborted == 3, "the control: with sys.exit the teardown aborts (else this test shows nothing)"
 
 
 def test_a_full_disk_is_one_line_and_promotes_nothing(tmp_path, capsys, tiny_model_dir, monkeypatch):

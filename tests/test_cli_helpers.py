@@ -1,9 +1,11 @@
-"""The chapter scripts' shared refusals: a device this machine lacks, and the one line a stopped run prints."""
+"""The chapter scripts' shared refusals: a device this machine lacks, a --model path that does not exist, and the
+one line a stopped run prints."""
 
 import argparse
 
 import pytest
 import torch
+from refusals import ROOT, last_line, run_script
 
 from minirl.train.cli import stop_line
 from minirl.utils.cli import check_device
@@ -35,3 +37,12 @@ def test_stop_line_names_the_checkpoint_and_the_resume_command():
     assert line == ("interrupted: the last intact checkpoint is runs/x/checkpoints/step-000004; continue with: "
                     "python chapters/01_single_process.py --out runs/x --resume")
     assert "no checkpoint was written yet" in stop_line("rank 1 died", None, "...")
+
+
+@pytest.mark.parametrize("script", ["01_single_process.py", "04_fsdp_lora.py", "06_ray.py", "07_async.py"])
+def test_a_missing_model_path_is_named_before_torch_loads(script, tmp_path):
+    proc, imported = run_script(ROOT / "chapters" / script, "--model", "/nonexistent", "--out", tmp_path / "run")
+    assert proc.returncode == 2 and last_line(proc) == (f"{script}: error: argument --model: /nonexistent: no such "
+                                                        "directory, and not a hub id (a hub id looks like "
+                                                        "'Qwen/Qwen2.5-0.5B')"), proc.stderr
+    assert "torch" not in imported and not (tmp_path / "run").exists()

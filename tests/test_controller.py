@@ -402,3 +402,32 @@ def test_chapter_ctrl_c_and_a_dead_worker_each_stop_in_one_line(cluster, tmp_pat
     proc = chapter("06_ray.py", "--address", cluster.address, "--out", out, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in steps_of(out)] == [1, 2, 3]
+
+
+def test_chapter_resumes_a_disaggregated_run_where_it_ran_and_refuses_changed_data(cluster, tmp_path, words):
+    """A disaggregated run (its own pools, the object-store sync, an existing cluster) stopped after step 1 prints
+    `--out OUT --resume` alone; that command continues it as it was (run.json's --placement, --pools, --sync,
+    --address), and is refused first, in one line, while its data set is edited."""
+    data, out = tmp_path / "train.jsonl", tmp_path / "disaggregated"
+    original = (words["root"] / "plain" / "train.jsonl").read_text()
+    data.write_text(original)
+    proc = chapter("06_ray.py", "--address", cluster.address, "--placement", "disaggregated", "--pools",
+                   "actor=1,rollout=1", "--sync", "object_store", "--model", words["model"], "--dataset", data,
+                   "--reward", "math", "--prompts-per-step", 4, "--num-generations", 2, "--max-completion-length", 4,
+                   "--eval-every", 0, "--checkpoint-every", 1, "--steps", 2, "--stop-after", 1, "--out", out)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    command = proc.stdout.strip().splitlines()[-1].partition("; continue with: ")[2]
+    assert command == f"python {REPO / 'chapters' / '06_ray.py'} --out {out} --resume", proc.stdout[-2000:]
+
+    data.write_text(original.replace("#### ", "#### 9", 1))
+    refused = chapter("06_ray.py", *command.split()[2:])
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and f"error: --resume: --dataset {data} changed since the run started" in last, last
+    data.write_text(original)
+    proc = chapter("06_ray.py", *command.split()[2:])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "joined the Ray cluster" in proc.stdout and "placement disaggregated: " in proc.stdout, proc.stdout[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["placement_kind"], summary["pools"], summary["sync"]) == ("disaggregated", "actor=1,rollout=1",
+                                                                             "object_store"), summary
+    assert summary["settings"]["address"] == cluster.address and [r["step"] for r in steps_of(out)] == [1, 2]

@@ -7,6 +7,7 @@ arithmetic, so the child's work is start-up, and a small --timeout is safe on a 
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +22,10 @@ MEMORY = "03_training_memory.py"
 REFERENCE = "\nfrom minirl.memory.calculator import {}  # noqa: E402  planted: the reference answer\n"
 
 
-def grade(*args: str, expect: int = 0, timeout: float = 300) -> tuple[list[str], int, int]:
-    """Run the grader; return its output lines and the X, Y of its last line `score: X/Y`."""
-    out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout)
+def grade(*args: str, expect: int = 0, timeout: float = 300, root: Path = ROOT) -> tuple[list[str], int, int]:
+    """Run the grader of the checkout at `root`; return its output lines and the X, Y of its last line `score: X/Y`."""
+    out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=root, capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == expect, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     x, y = map(int, re.fullmatch(r"score: (\d+)/(\d+)", lines[-1]).groups())
@@ -210,3 +211,64 @@ def test_bad_arguments():
                           (["--timeout", "0"], "--timeout 0"), (["--dir", "/nonexistent"], "--dir '/nonexistent'")):
         out = subprocess.run([sys.executable, "-m", "minirl.grade", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def checkout_copy(directory: Path) -> Path:
+    """What the grader reads of this checkout (the package, the checks, the notebooks, the stubs), copied into
+    `directory`: an attack on the installed package hits this copy, never the checkout the suite runs from."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.ipynb", "wrong")
+    for folder in ("minirl", "tests/exercises", "notebooks", "exercises"):
+        shutil.copytree(ROOT / folder, directory / folder, ignore=ignore)
+    for name in ("tests/conftest.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, directory / name)
+    return directory
+
+
+def test_a_solution_that_writes_into_the_package_changes_no_score_and_not_the_package(tmp_path):
+    """Notebook 00's file appends a torch.allclose patch to minirl/__init__.py, by the path of the package it
+    imports and by the installed package's own path: notebook 01's wrong 1.2 still fails, notebook 00 scores 0
+    for tampering, and the installed package is as it was."""
+    root = checkout_copy(tmp_path / "checkout")
+    init = root / "minirl" / "__init__.py"
+    before = init.read_bytes()
+    patch = "\n__import__('torch').allclose = lambda *args, **kwargs: True  # planted\n"
+    plant(tmp_path, "00_task_and_policy.py", {}, tail=(
+        "\nimport minirl as _minirl  # planted: every later import of minirl patches torch.allclose\n"
+        f"for _path in (_minirl.__file__, {str(init)!r}):\n"
+        "    try:\n"
+        f"        open(_path, 'a').write({patch!r})\n"
+        "    except OSError:\n"
+        "        pass\n"))
+    solved_files(tmp_path, "01_single_process.py")
+    edit_function(tmp_path / "01_single_process.py", "group_advantages", body=POPULATION_STD)
+    rows, x, y = grade("--only", "00,01", "--dir", str(tmp_path), root=root)
+    assert init.read_bytes() == before, "the installed package is as it was before grading\n" + "\n".join(rows)
+    assert score_of(rows, "1.2") == 0, "\n".join(rows)
+    assert score_of(rows, "1.1") == 1, "\n".join(rows)
+    assert all("tampered: the checks' process wrote into the package (minirl/__init__.py" in row(rows, i)
+               for i in ("0.1", "0.2", "0.3", "0.4")), "\n".join(rows)
+    kept = Path(re.search(r"what it wrote: (\S+)\)", row(rows, "0.1"))[1])
+    assert "# planted" in (kept / "minirl" / "__init__.py").read_text(), "what it had become is kept, not lost"
+    shutil.rmtree(kept)
+
+
+def test_forged_events_on_the_grader_channel_score_nothing(tmp_path):
+    """Notebook 03's file, when imported, writes "passed" for every check of the notebook to each pipe it holds
+    open for writing (the grader's channel among them) and leaves: the forgery is seen and scores 0."""
+    checks = re.findall(r"^def (test_\w+)", (ROOT / "tests/exercises/test_03_training_memory.py").read_text(), re.M)
+    nodes = [f"tests/exercises/test_03_training_memory.py::{name}" for name in checks]
+    (tmp_path / MEMORY).write_text((ROOT / "exercises" / MEMORY).read_text() + f"""
+import json as _json, os as _os, stat as _stat  # noqa: E401,E402  planted: forge a full score
+_lines = [_json.dumps({{"event": "report", "node": node, "passed": True, "message": ""}}) for node in {nodes!r}]
+_lines.append(_json.dumps({{"event": "done"}}))
+for _fd in map(int, _os.listdir("/proc/self/fd")):
+    try:
+        if _fd > 2 and _stat.S_ISFIFO(_os.fstat(_fd).st_mode):
+            _os.write(_fd, ("\\n".join(_lines) + "\\n").encode())
+    except OSError:
+        pass
+_os._exit(0)
+""")
+    rows, x, y = grade("--only", "03", "--dir", str(tmp_path), timeout=120)
+    assert (x, y) == (0, 4), "\n".join(rows)
+    assert all("tampered: " in row(rows, i) for i in ("3.1", "3.2", "3.3", "3.4")), "\n".join(rows)

@@ -54,7 +54,7 @@ def test_final_answer(completion, value):
     assert final_answer(completion) == value
 
 
-@pytest.mark.parametrize("completion", ["#### ", "#### x 62", "#### 1,23", "\\boxed{\\frac{1}{2}}", "\\boxed{6",
+@pytest.mark.parametrize("completion", ["#### ", "#### x 62", "#### 1,23", "\\boxed{}", "\\boxed{6",
                                         "I think 61, no, 62", "62 apples", "", None, 7, [{}], "#### " + "9" * 80])
 def test_final_answer_is_none_without_one_final_number(completion):
     assert final_answer(completion) is None

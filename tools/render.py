@@ -2,7 +2,8 @@
 
     notebooks/NN_slug.py --(nbclient, full mode)--> docs/notebooks/NN_slug.ipynb  outputs and figures embedded
                                                     docs/stamps.json             {"notebooks/NN_slug.py": sha256}
-                                                    docs/index.md                the learning path, with stamps
+                                                    docs/timings.json            seconds of its last full and smoke run
+                                                    docs/index.md                the learning path, minutes, stamps
     docs/ --(MkDocs + mkdocs-jupyter, nothing re-executed)--> site/               static HTML (git-ignored)
 
 A copy is stamped with the sha256 of the source bytes it was rendered from (in docs/stamps.json,
@@ -11,11 +12,15 @@ source. A notebook that fails keeps its previous copy and stamp, and is reported
 and error. The kernel runs in notebooks/ with this checkout first on PYTHONPATH, MINIRL_SMOKE
 unset, figures inline, and tqdm's text bars in place of its Jupyter widgets (a widget needs the
 live kernel's JavaScript; GitHub and the static site show the text bar's last state instead).
+The outputs name no directory of the machine that rendered them: the repository becomes a
+relative path, the cache `~/.cache/minirl`, the home `~`, the temporary directory `$TMPDIR`
+(`portable`). On the site, printed prose wraps at spaces and a printed table keeps its columns, the
+last one wrapping under itself (`fit_output`, run by a MkDocs hook that mkdocs.yml names).
 
     python tools/render.py                 render every notebook (minutes each), then build the site
     python tools/render.py --only 00,03    render those notebooks, then build the site
     python tools/render.py --smoke         MINIRL_SMOKE=1, copies to build/render-smoke/ (a quick try:
-                                           never docs/, never stamped)
+                                           never stamped; only its time goes to docs/timings.json)
     python tools/render.py --check         list the copies to refresh; exits 0 (--strict: 1 if any)
     python tools/render.py --site          rebuild docs/index.md and site/ from the committed copies (CI)
 """
@@ -29,7 +34,10 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
+from html import escape, unescape
 from pathlib import Path
 
 import jupytext
@@ -43,6 +51,7 @@ KERNEL = {  # as tools/build.py writes the .ipynb files, so the copies diff clea
     "language_info": {"name": "python"},
 }
 STAMPS = "docs/stamps.json"
+TIMINGS = "docs/timings.json"
 COPIES = "docs/notebooks"
 INDEX = "docs/index.md"
 SMOKE_DIR = "build/render-smoke"
@@ -114,6 +123,90 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def write_stamps(root: Path, stamps: dict[str, str]) -> None:
     write_atomic(root / STAMPS, (json.dumps(dict(sorted(stamps.items())), indent=2) + "\n").encode())
+
+
+def read_timings(root: Path) -> dict[str, dict[str, int]]:
+    """{"notebooks/NN_slug.py": {"full": seconds, "smoke": seconds}}: each mode's last clean run, as rendered."""
+    path = root / TIMINGS
+    try:
+        timings = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise RenderError(f"{TIMINGS}: not JSON ({e}); fix it or delete it (the next renders write it again)") from None
+    if not isinstance(timings, dict) or not all(isinstance(v, dict) for v in timings.values()):
+        raise RenderError(f"{TIMINGS}: expected {{\"notebooks/NN_slug.py\": {{\"full\": s, \"smoke\": s}}}}; "
+                          "fix it or delete it")
+    return timings
+
+
+def write_timing(root: Path, source: str, mode: str, seconds: float) -> None:
+    timings = read_timings(root)
+    timings.setdefault(source, {})[mode] = round(seconds)
+    timings = {k: dict(sorted(v.items())) for k, v in sorted(timings.items())}
+    write_atomic(root / TIMINGS, (json.dumps(timings, indent=2) + "\n").encode())
+
+
+# ---------------------------------------------------------------- no directory of this machine in the outputs
+
+
+def machine_paths(root: Path, env: dict[str, str]) -> list[tuple[str, str]]:
+    """(directory of this machine, what a reader sees instead), the longest first so the most specific wins.
+
+    The repository becomes relative ("." alone), the policy cache `~/.cache/minirl` (where a learner's
+    is by default), the home `~`, the temporary directory `$TMPDIR` and site-packages `site-packages`.
+    Each is taken as written and resolved (a symlinked checkout prints either).
+    """
+    cache = env.get("MINIRL_CACHE") or str(Path.home() / ".cache" / "minirl")
+    named = [(cache, "~/.cache/minirl"), (str(root), "."), (sysconfig.get_paths()["purelib"], "site-packages"),
+             (str(Path.home()), "~"), (tempfile.gettempdir(), "$TMPDIR")]
+    pairs = {}
+    for directory, shown in named:
+        for variant in (directory, os.path.realpath(directory)):
+            variant = variant.rstrip("/\\")
+            if variant and variant not in pairs and os.path.isabs(variant):
+                pairs[variant] = shown
+    return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
+
+
+def portable(text: str, pairs: list[tuple[str, str]]) -> str:
+    """`text` with each directory of `pairs` replaced: /repo/runs/01 -> runs/01, /repo -> .
+
+    A directory matches only whole (/repo does not match /repo2 or /repository); the temporary directory
+    only with a path below it (a bare /tmp in a sentence is no path of this machine).
+    """
+    for directory, shown in pairs:
+        below_only = shown == "$TMPDIR"
+
+        def swap(m: re.Match, shown=shown, below_only=below_only) -> str:
+            if m[1]:
+                return "" if shown == "." else shown + m[1]
+            return m[0] if below_only else shown
+
+        text = re.sub(re.escape(directory) + r"(?![\w-])(?!\.\w)([/\\])?", swap, text)
+    return text
+
+
+TEXT_KEYS = ("text/plain", "text/html", "text/markdown", "text/latex")
+
+
+def portable_outputs(nb: nbformat.NotebookNode, pairs: list[tuple[str, str]]) -> int:
+    """Rewrite every text output of `nb` in place with `portable`; returns how many outputs changed."""
+
+    def fix(value):
+        return portable(value, pairs) if isinstance(value, str) else [portable(v, pairs) for v in value]
+
+    changed = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            before = json.dumps(out, sort_keys=True)
+            if out.get("output_type") == "stream":
+                out["text"] = fix(out["text"])
+            for key in TEXT_KEYS:
+                if key in out.get("data", {}):
+                    out["data"][key] = fix(out["data"][key])
+            if out.get("output_type") == "error":
+                out["evalue"], out["traceback"] = fix(out["evalue"]), fix(out["traceback"])
+            changed += json.dumps(out, sort_keys=True) != before
+    return changed
 
 
 # ---------------------------------------------------------------- executing
@@ -218,12 +311,15 @@ def render(root: Path, paths: list[Path], smoke: bool, timeout: int) -> list[str
             failures.append(message)
             continue
         executed = clean(nb, {"source": source, "sha256": digest, "mode": mode})
+        portable_outputs(executed, machine_paths(root, kernel_env(root, smoke)))
         write_atomic(target, (nbformat.writes(executed, version=4) + "\n").encode())
+        seconds = time.perf_counter() - started
         if not smoke:
             stamps = read_stamps(root)
             stamps[source] = digest
             write_stamps(root, stamps)
-        print(f"{source}: executed in {clock(time.perf_counter() - started)} -> {rel(root, target)}", flush=True)
+        write_timing(root, source, mode, seconds)
+        print(f"{source}: executed in {clock(seconds)} -> {rel(root, target)}", flush=True)
     return failures
 
 
@@ -281,13 +377,34 @@ def learning_path(root: Path) -> list[str]:
     return [line for line in (m[1] if m else "").splitlines() if line.startswith("|")]
 
 
-def index_page(root: Path, stamps: dict[str, str]) -> str:
-    """docs/index.md: the learning path, each notebook linked to its rendered copy, with its stamp."""
-    rendered = {p.stem for p in (root / COPIES).glob("*.ipynb")}
+def python_requirement(root: Path) -> str:
+    """pyproject.toml's requires-python in words (">=3.10": "3.10 or newer"), or "" without one."""
+    path = root / "pyproject.toml"
+    m = re.search(r'^requires-python\s*=\s*"([^"]+)"', path.read_text(encoding="utf-8") if path.exists() else "", re.M)
+    if not m:
+        return ""
+    at_least = re.fullmatch(r">=\s*([\d.]+)", m[1].strip())
+    return f"{at_least[1]} or newer" if at_least else m[1]
 
-    def stamp_of(stem: str) -> str:
-        digest = stamps.get(f"notebooks/{stem}.py")
-        return f"`{digest[:12]}`" if stem in rendered and digest else "not rendered yet"
+
+def minutes(seconds: int | None) -> str:
+    if seconds is None:
+        return "?"
+    return "< 1" if seconds < 60 else f"{round(seconds / 60)}"
+
+
+def index_page(root: Path, stamps: dict[str, str]) -> str:
+    """docs/index.md: what to bring, the learning path with each notebook's minutes (smoke / full), the stamps below.
+
+    The table is the README's learning path (its notebooks linked to their rendered copies), with a
+    column of minutes read from docs/timings.json ("?" for a mode never timed); the stamps are a footnote.
+    """
+    rendered = {p.stem for p in (root / COPIES).glob("*.ipynb")}
+    timings = read_timings(root)
+
+    def time_of(stem: str) -> str:
+        seen = timings.get(f"notebooks/{stem}.py", {})
+        return f"{minutes(seen.get('smoke'))} / {minutes(seen.get('full'))}"
 
     def link(m: re.Match) -> str:  # [00 task](notebooks/00_x.py): to the copy, or plain text
         label, stem = m[1], m[2]
@@ -296,30 +413,124 @@ def index_page(root: Path, stamps: dict[str, str]) -> str:
     rows = learning_path(root)
     table = []
     if len(rows) >= 2:
-        table += [rows[0] + " rendered from (sha256) |", rows[1] + "---|"]
+        table += [rows[0] + " minutes: smoke / full |", rows[1] + "---|"]
         for row in rows[2:]:
             m = re.search(r"\(notebooks/(\d\d_[\w-]+)\.py\)", row)
-            stem = m[1] if m else None
             row = re.sub(r"\[([^\]]+)\]\(notebooks/(\d\d_[\w-]+)\.py\)", link, row)
-            table.append(row + f" {stamp_of(stem) if stem else ''} |")
+            table.append(row + f" {time_of(m[1]) if m else ''} |")
     else:  # no table in the README: list the notebooks
-        table += ["| notebook | rendered from (sha256) |", "|---|---|"]
+        table += ["| notebook | minutes: smoke / full |", "|---|---|"]
         for path in sources(root):
             name = f"[{path.stem}](notebooks/{path.stem}.ipynb)" if path.stem in rendered else path.stem
-            table.append(f"| {name} | {stamp_of(path.stem)} |")
+            table.append(f"| {name} | {time_of(path.stem)} |")
+    stamped = [f"{p.name[:2]} `{stamps[rel(root, p)][:12]}`" if p.stem in rendered and rel(root, p) in stamps
+               else f"{p.name[:2]} not rendered yet" for p in sources(root)]
+    python = python_requirement(root)
     return "\n".join([
-        "# minirl notebooks, rendered",
+        "# minirl notebooks",
         "",
-        "Each notebook below was executed top to bottom in full mode by `python tools/render.py`; its page",
-        "shows the outputs and figures of that run. The stamp is the start of the sha256 of the",
-        "`notebooks/NN_slug.py` it was rendered from (all of them: `docs/stamps.json`);",
-        "`python tools/render.py --check` lists the copies whose source has changed since.",
+        "Distributed RL for language models, rebuilt small enough to run on a laptop's CPU: each notebook",
+        "below builds a piece of the `minirl` package and measures it, and its page shows one run of it,",
+        "executed top to bottom in full mode.[^render] Work through them in order.",
+        "",
+        "## Before you start",
+        "",
+        f"- **Python {python}** in a virtual environment, then `pip install -r requirements.txt` from the"
+        if python else "- **Python** in a virtual environment, then `pip install -r requirements.txt` from the",
+        "  repository's root. No GPU: everything runs on the CPU, offline. The first notebook builds and",
+        "  caches the tiny policy the others use (`~/.cache/minirl`).",
+        "- **What to know:** Python, and PyTorch at the level of a training loop (tensors and their shapes,",
+        "  autograd, an optimizer step), and that a language model gives next-token logits. The RL is built",
+        "  up in the notebooks (rewards, advantages, the clipped objective); torchrun and Ray are introduced",
+        "  where they are first used.",
+        "- **Time:** the minutes below are what the last renders took on a 2-core machine that other jobs",
+        "  shared: upper bounds, and noisy (a smoke run that met a heavier load can take longer than the full",
+        "  one). *Smoke* is `MINIRL_SMOKE=1`, the quick mode CI runs (small batches, few steps); *full* is what",
+        "  the pages show.",
+        "- **Your figures will differ by CPU.** Times, throughputs, speedups and MFU are those of the machine",
+        "  that rendered the pages; learning curves and accuracies move by a few points with the CPU's",
+        "  arithmetic and the number of threads. Each verdict says what should hold on yours.",
         "",
         "## The learning path",
         "",
         *table,
         "",
+        "[^render]: By `python tools/render.py`, from the sources whose sha256 begins: " + ", ".join(stamped) + ".",
+        "    All of them: `docs/stamps.json`; `python tools/render.py --check` lists the pages whose source has",
+        "    changed since. The minutes are in `docs/timings.json`.",
+        "",
     ])
+
+
+OUTPUT_PRE = re.compile(r'(<div class="jp-RenderedText[^"]*"[^>]*>\s*<pre)>(.*?)</pre>', re.S)
+GAP = re.compile(r"\S {2,}(?=\S)")                   # columns two or more spaces apart
+BARS = re.compile(r"\s\|\s|^\s*\||\|\s*$")          # cells between bars
+RULE = re.compile(r"^\s*[-=+|: ]*[-=]{3,}[-=+|: ]*$")  # ----+------ under a header
+TOKEN = re.compile(r"\S*[-/]\S*")                    # a flag, a path, a hyphenated word: never broken
+
+
+def table_lines(lines: list[str]) -> list[bool]:
+    """Which printed lines belong to a table: cells between bars, a rule, two column gaps, or one gap
+    beside a line that has one too (a lone double space in a sentence is no table)."""
+    gaps = [len(GAP.findall(line)) for line in lines]
+    near = [max(gaps[i - 1] if i else 0, gaps[i + 1] if i + 1 < len(gaps) else 0) for i in range(len(gaps))]
+    return [bool(BARS.search(line) or RULE.match(line)) or g >= 2 or (g == 1 and n >= 1)
+            for line, g, n in zip(lines, gaps, near, strict=True)]
+
+
+def last_column(line: str) -> int:
+    """Where a table row's last cell starts: after its last " | " (a rule: its last + or |), else its last gap."""
+    if RULE.match(line):
+        return max(line.rfind("+"), line.rfind("|")) + 1
+    bar = line.rfind(" | ")
+    if bar >= 0:
+        return bar + 3
+    gaps = list(GAP.finditer(line))
+    return gaps[-1].end() if gaps else 0
+
+
+def fit_output(text: str) -> str:
+    """One printed output (its text, not escaped) as HTML that the site's CSS fits to the column.
+
+    A line of prose wraps at its spaces (`minirl-prose`). A table keeps its columns: the last cell
+    of each row wraps under itself (`minirl-cell`, indented by --at columns) and a rule is cut at the
+    column's edge (`minirl-rule`), so a table whose other columns fit needs no sideways scroll.
+    Nothing breaks inside a word: a token with a hyphen or a slash (a flag, a path) stays whole.
+    """
+
+    def words(part: str) -> str:
+        return TOKEN.sub(r'<span class="minirl-token">\g<0></span>', escape(part, quote=False))
+
+    lines = text.split("\n")
+    out = []
+    for line, in_table in zip(lines, table_lines(lines), strict=True):
+        if not line.strip():
+            out.append(line)
+        elif not in_table:
+            out.append(f'<span class="minirl-prose">{words(line)}</span>')
+        else:
+            line = line.rstrip()
+            at = last_column(line)
+            kind = "minirl-rule" if RULE.match(line) else "minirl-cell"
+            out.append(f'{escape(line[:at], quote=False)}<span class="{kind}" style="--at: {at}ch">'
+                       f"{words(line[at:]) if kind == 'minirl-cell' else line[at:]}</span>")
+    return "\n".join(out)
+
+
+def fit_outputs(html: str) -> str:
+    """A page's HTML, each printed output fitted by `fit_output` (one with markup inside, ANSI colours, as it was)."""
+
+    def one(m: re.Match) -> str:
+        if "<" in m[2]:
+            return m[0]
+        return m[1] + ' class="minirl-output">' + fit_output(unescape(m[2])) + "</pre>"
+
+    return OUTPUT_PRE.sub(one, html)
+
+
+def on_page_content(html: str, **_) -> str:
+    """MkDocs hook (mkdocs.yml: hooks): a page's HTML with its printed outputs fitted to the column (`fit_outputs`)."""
+    return fit_outputs(html)
 
 
 def build_site(root: Path, site_dir: Path, write_index: bool = True) -> None:

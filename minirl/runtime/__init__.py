@@ -1,1 +1,1 @@
-"""minirl.runtime: hand-written plumbing that teaches nothing about RL at scale (tools/build.py's HAND_WRITTEN)."""
+"""minirl.runtime: hand-written plumbing the lessons call but do not teach (listed in tools/build.py's HAND_WRITTEN)."""

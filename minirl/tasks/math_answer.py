@@ -1,27 +1,33 @@
 # Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
-"""A math-answer verifier for real models: the final number of a worked solution, in forward digits.
+"""A math-answer verifier for real models: the final answer of a worked solution, compared by value.
 
-GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}`. `final_answer`
-reads that number (after the last `####` or inside the last `\\boxed{}`, whichever comes last;
-else a completion that is a number and nothing else), and `math_reward` compares it with the
-row's `answer` column as a number: "1,234" equals 1234, "62.0" equals 62, "$5." equals 5.
+GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}` or `\\boxed{\\frac{3}{4}}`.
+`final_answer` finds the final answer (after the last `####` that starts a number, or inside the last
+`\\boxed{}`, whichever comes last) and reads it: a plain number exactly, as a `Fraction` ("1,234",
+"−5", "$5."), without sympy; anything else with math-verify (units and text, percent, degrees,
+`x = 62`, fractions). `math_reward` compares it with the row's `answer` column, read the same way:
+two numbers exactly, anything else with math-verify's `verify` (numbers within 6 decimals).
 
-Simplified on purpose: numbers only. No fractions, expressions or units, which a symbolic
-checker such as math-verify (behind TRL's `accuracy_reward`) compares; GSM8K's answers are
-integers, and a number is all a word-problem reward needs.
+Simplified on purpose, and where it differs from math-verify alone: a `####` line is read as GSM8K's
+evaluation reads it (the number that starts it, words after it ignored); the last `\\boxed{}` is the
+final answer (math-verify gathers every box into a set); a completion that is a number and nothing
+else is its answer (math-verify wants it boxed or after "the answer is"). Off the main thread
+math-verify runs without its timeouts (`minirl.runtime.latex_math`).
 """
 
-__all__ = ["MAX_NUMBER_CHARS", "NUMBER", "parse_number", "final_answer", "reference_answer",
-           "math_reward", "math_format_reward"]
+__all__ = ["MAX_NUMBER_CHARS", "NUMBER", "parse_number", "MARKER", "MATH_AFTER", "final_answer",
+           "PROSE", "LATEX_COMMAND", "reference_answer", "same_answer", "math_reward",
+           "math_format_reward"]
 
 import re
 from fractions import Fraction
 
+from minirl.runtime.latex_math import parse_math, verify_math
 from minirl.tasks.arithmetic import completion_text
 
 MAX_NUMBER_CHARS = 64  # longer "numbers" are malformed: no answer is that long, and Fraction() refuses
                        # strings of more than 4,300 digits (a verifier must not raise on them)
-NUMBER = re.compile(r"(?P<sign>[+-]?)\s*\$?\s*(?P<sign2>[+-]?)\s*"                 # -$5 and $-5 alike
+NUMBER = re.compile(r"(?P<sign>[+\-−]?)\s*\$?\s*(?P<sign2>[+\-−]?)\s*"            # -$5 and $-5 alike
                     r"(?P<digits>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
                     r"(?![0-9]|[.,][0-9])", re.ASCII)                                # a number ends here
 
@@ -30,20 +36,24 @@ def _number(match) -> Fraction | None:
     if match is None or (match["sign"] and match["sign2"]):
         return None
     value = Fraction(match["digits"].replace(",", ""))
-    return -value if "-" in (match["sign"], match["sign2"]) else value
+    return -value if {match["sign"], match["sign2"]} & {"-", "−"} else value
 
 
 def parse_number(text) -> Fraction | None:
     """The number that `text` is, exactly, or None.
 
-    Parses "62", " 62 ", "+62", "-5", "1,234" (commas only between groups of three), "$1,234.50",
-    "62." (a sentence's period) and "62.0" (equal to 62); refuses "", "6 2", "1,23", "62 apples",
-    "٣" (ASCII digits only) and anything over MAX_NUMBER_CHARS characters. Never raises.
+    Parses "62", " 62 ", "+62", "-5", "−5" (a Unicode minus), "1,234" (commas only between groups of
+    three), "$1,234.50", "62." (a sentence's period) and "62.0" (equal to 62); refuses "", "6 2",
+    "1,23", "62 apples", "٣" (ASCII digits only) and anything over MAX_NUMBER_CHARS characters. Never raises.
     """
     if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS:
         return None
     text = text.strip().removesuffix(".").replace("\\$", "$").strip()
     return _number(NUMBER.fullmatch(text))
+
+
+MARKER = re.compile(r"####[ \t]*(?=[-+−$.\\0-9])")     # "#### 62" marks an answer; "#### Verification" does not
+MATH_AFTER = re.compile(r"[ \t]*[/^_\\{%°]")          # "#### 3/4", "#### 25%": math, not a number and words
 
 
 def _boxed(text: str) -> tuple[str, int] | None:
@@ -66,55 +76,95 @@ def _latex_number(content: str) -> Fraction | None:
     return parse_number(content)
 
 
-def final_answer(completion) -> Fraction | None:
-    """The final number of a completion (a string or TRL's chat messages), or None.
+def _read(math: str) -> Fraction | tuple | None:
+    """An answer's text as a value: a Fraction if it is a plain number, else math-verify's reading of it boxed."""
+    number = _latex_number(math)
+    return number if number is not None else parse_math(f"\\boxed{{{math}}}") or None
 
-    After the last `####`, the number that starts the rest ("#### 62" and "#### 62 apples"
-    both give 62); inside the last `\\boxed{}`, the whole content must be a number. When both
-    markers occur, the later one is the final answer. Without either, the completion must be
-    a number and nothing else (" 62", "1,234."). Never raises.
+
+def _marked(text: str) -> tuple[Fraction | tuple | None, bool]:
+    """(value, True) of the final marked answer, the last `#### N` or `\\boxed{}`; (None, False) without one."""
+    marks, boxed = [m.end() for m in MARKER.finditer(text)], text.rfind("\\boxed{")
+    if marks and marks[-1] > boxed:
+        line = text[marks[-1]:].split("\n", 1)[0]
+        match = NUMBER.match(line[:MAX_NUMBER_CHARS])
+        if match and match.end() < MAX_NUMBER_CHARS:         # GSM8K: the number that starts the line
+            return (_read(line.strip()) if MATH_AFTER.match(line, match.end()) else _number(match)), True
+        return (_read(line.strip()) if line.startswith(("\\", "$\\")) else None), True
+    if boxed >= 0:
+        found = _boxed(text)
+        return (_read(found[0]) if found else None), True
+    return None, False
+
+
+def final_answer(completion) -> Fraction | tuple | None:
+    """The final answer of a completion (a string or TRL's chat messages), or None. Never raises.
+
+    A Fraction when the answer is a plain number (read without sympy), else math-verify's reading
+    (a tuple: sympy value, matched text). Without a marker, the completion must be a number and
+    nothing else (" 62", "1,234.", "$62$"), or state math after an anchor ("the answer is $62$").
     """
     text = completion_text(completion)
     if not isinstance(text, str):
         return None
-    hashes, boxed = text.rfind("####"), text.rfind("\\boxed{")
-    if hashes >= 0 and hashes > boxed:
-        match = NUMBER.match(text[hashes + 4:].lstrip()[:MAX_NUMBER_CHARS])
-        return _number(match) if match and match.end() < MAX_NUMBER_CHARS else None
-    if boxed >= 0:
-        found = _boxed(text)
-        return _latex_number(found[0]) if found else None
-    return parse_number(text)
+    value, marked = _marked(text)
+    if marked:
+        return value
+    number = _latex_number(text)
+    if number is not None or ("$" not in text and "\\" not in text):
+        return number
+    return parse_math(text) or None
 
 
-def reference_answer(answer) -> Fraction | None:
-    """A row's `answer` as a number: an int or float as it is, a string through `final_answer`
-    (GSM8K's "...#### 62", "62", "\\boxed{62}"). None for anything else (a bool, NaN, "")."""
+PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")      # two words outside LaTeX commands: prose, not math
+LATEX_COMMAND = re.compile(r"\\[A-Za-z]+(?:\{[^{}]*\})?")
+
+
+def reference_answer(answer) -> Fraction | tuple | None:
+    """A row's `answer` as a value: an int or float as it is; a string with a marker as `final_answer`
+    reads it (GSM8K's "...#### 62"); else the whole string as a number or as boxed math ("\\frac{3}{4}",
+    "\\text{(C)}"). None for anything else: a bool, NaN, "", prose ("see solution")."""
     if isinstance(answer, bool):
         return None
     if isinstance(answer, int):
         return Fraction(answer)
     if isinstance(answer, float):
         return Fraction(repr(answer)) if answer == answer and abs(answer) != float("inf") else None
-    return final_answer(answer) if isinstance(answer, str) else None
+    if not isinstance(answer, str):
+        return None
+    value, marked = _marked(answer)
+    if marked or PROSE.search(LATEX_COMMAND.sub("", answer)):
+        return value
+    return _read(answer.strip()) if answer.strip() else None
+
+
+def same_answer(expected, found) -> bool:
+    """Whether a final answer equals the expected one: two Fractions exactly, else math-verify's verify."""
+    if found is None:
+        return False
+    if isinstance(expected, Fraction) and isinstance(found, Fraction):
+        return expected == found
+    return verify_math(expected, found)
 
 
 def math_reward(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 where a completion's final number equals the row's answer, else 0.0 (TRL signature).
+    """1.0 where a completion's final answer equals the row's answer, else 0.0 (TRL signature).
 
-    completions: list[str] or chat messages; answer: one per completion, a number or a
-    GSM8K-style solution string. An answer that states no number is a ValueError naming it
-    (a data set error: every completion of that prompt would score 0, silently).
+    completions: list[str] or chat messages; answer: one per completion, a number, a GSM8K-style
+    solution string or LaTeX. An answer that cannot be read is a ValueError naming the row by its
+    prompt (a data set error: every completion of that prompt would score 0, silently).
     """
     if len(completions) != len(answer):
         raise ValueError(f"math_reward: {len(completions)} completions but {len(answer)} answers")
     rewards = []
-    for completion, target in zip(completions, answer, strict=True):
+    for i, (completion, target) in enumerate(zip(completions, answer, strict=True)):
         expected = reference_answer(target)
         if expected is None:
-            raise ValueError(f"math_reward: answer {str(target)[:60]!r} states no number; give a number (62), "
-                             "GSM8K's '... #### 62' or '\\boxed{62}'")
-        rewards.append(1.0 if final_answer(completion) == expected else 0.0)
+            prompt = completion_text(prompts[i]) if prompts is not None and i < len(prompts) else None
+            row = f"the row with prompt {prompt[:40]!r}" if prompt else f"answer {i}"
+            raise ValueError(f"math_reward: {row} has the answer {str(target)[:40]!r}, which states no number or "
+                             "math (give a number, GSM8K's '... #### 62' or LaTeX such as '\\frac{3}{4}')")
+        rewards.append(1.0 if same_answer(expected, final_answer(completion)) else 0.0)
     return rewards
 
 

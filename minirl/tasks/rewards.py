@@ -8,7 +8,8 @@ TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signatur
 | built-in     | function                         | scores                                                  |
 |--------------|----------------------------------|---------------------------------------------------------|
 | `arithmetic` | `arithmetic.arithmetic_reward`   | the embedded task: exact reversed digits (notebook 00)  |
-| `math`       | `math_answer.math_reward`        | the final number (`#### N`, `\\boxed{N}`) vs `answer`    |
+| `math`       | `math_answer.math_reward`        | the final answer (`#### N`, `\\boxed{}`) vs `answer`,   |
+|              |                                  | numbers exactly, LaTeX with math-verify                 |
 | `format`     | `math_answer.math_format_reward` | ends with `#### N` or `\\boxed{N}`, right or wrong       |
 
 `combine_rewards` and `frac_reward_zero_std` are TRL's weighted sum and its logged share of

@@ -12,6 +12,7 @@ Simplified vs TRL: evaluation decodes each held-out prompt once, greedily (TRL s
 
 __all__ = ["greedy_completions", "Task", "arithmetic_task", "load_task"]
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from minirl.tasks.rewards import (
     resolve_rewards,
     reward_name,
 )
-from minirl.utils.validate import ConfigError
+from minirl.utils.validate import ConfigError, check_choice
 
 
 @torch.no_grad()
@@ -142,16 +143,24 @@ def _rows(source, param: str) -> tuple[list[dict], str]:
     return rows, "rows"
 
 
-def _check_math_answers(rows: list[dict], param: str, value: str) -> None:
-    for i, row in enumerate(rows):
-        if reference_answer(row.get("answer")) is None:
-            raise ConfigError(param, value, f"row {i}'s answer {str(row.get('answer'))[:40]!r} states no number, "
-                                            "which the math reward compares with: give a number (62), GSM8K's "
-                                            "'... #### 62' or '\\boxed{62}'")
+def _unreadable_answers(rows: list[dict], param: str, value: str, reward_errors: str) -> set[int]:
+    """The rows whose answer the math reward cannot read: a ConfigError naming the first (reward_errors="raise"),
+    or a warning naming it ("zero": training scores their completions 0 and counts them as reward errors)."""
+    bad = {i for i, row in enumerate(rows) if reference_answer(row.get("answer")) is None}
+    if bad:
+        first = min(bad)
+        why = (f"row {first}'s answer {str(rows[first].get('answer'))[:40]!r} states no number or math, which the "
+               "math reward compares with")
+        if reward_errors == "raise":
+            raise ConfigError(param, value, f"{why}: fix it (62, GSM8K's '... #### 62' or LaTeX '\\frac{{3}}{{4}}'), "
+                                            "or pass --reward-errors zero to score its completions 0")
+        warnings.warn(f"{param} {value}: {why} ({len(bad)} such row{'s' * (len(bad) > 1)}): training scores "
+                      "their completions 0, evaluation leaves them out", stacklevel=3)
+    return bad
 
 
 def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
-              reward_weights: list[float] | None = None, tokenizer=None) -> Task:
+              reward_weights: list[float] | None = None, tokenizer=None, reward_errors: str = "raise") -> Task:
     """The task that a run's data set and reward settings name; a ConfigError naming the setting otherwise.
 
     dataset: a file or directory (see `load_rows`) or rows; None: the embedded task's
@@ -160,7 +169,10 @@ def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
     `resolve_rewards`); None: `["arithmetic"]` for the embedded rows, an error for a data set.
     reward_weights: one per reward. tokenizer: renders conversational prompts (needed for those only).
     The accuracy is the first correctness reward's (arithmetic or math), if any is given.
+    reward_errors: the run's; with "raise" an answer the math reward cannot read is a ConfigError, with
+    "zero" a warning, and such a row is left out of evaluation (training scores it 0 as a reward error).
     """
+    check_choice("reward_errors", reward_errors, ("raise", "zero"))
     embedded = arithmetic_task() if dataset is None else None
     train, value = (embedded.train, "embedded") if embedded else _rows(dataset, "dataset")
     if eval_dataset is not None:
@@ -173,8 +185,9 @@ def load_task(dataset=None, eval_dataset=None, rewards: list[str] | None = None,
     funcs, weights = resolve_rewards(list(rewards or ["arithmetic"]), reward_weights)
     accuracy = next((reward_name(f) for f in funcs if f in CORRECTNESS), None)
     if math_reward in funcs:
-        _check_math_answers(train, "dataset", value)
-        _check_math_answers(test, "eval_dataset", eval_value)
+        _unreadable_answers(train, "dataset", value, reward_errors)
+        unreadable = _unreadable_answers(test, "eval_dataset", eval_value, reward_errors)
+        test = [row for i, row in enumerate(test) if i not in unreadable]
     train, lookup = render_prompts(train, tokenizer, "dataset", value)
     test, eval_lookup = render_prompts(test, tokenizer, "eval_dataset", eval_value)
     check_reward_columns(funcs, train, "dataset", value)

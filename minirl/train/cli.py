@@ -4,7 +4,9 @@ Hand-written (it teaches nothing): every training chapter checks its run directo
 writable) and `--model` before anything loads, and on `--resume` takes the run's own settings
 back from its `run.json`, letting only the flags that cannot change what was computed differ;
 the task flags (`--dataset`, `--eval-dataset`, `--reward`, `--reward-weights`) and the task they
-build are the same in every chapter. One copy, so that the scripts cannot drift apart.
+build are the same in every chapter. `run.json` also records a content hash of every file the
+task reads (`data_record`): a resume whose data or reward file changed since is refused, naming
+the file, unless `--allow-changed-data`. One copy, so that the scripts cannot drift apart.
 
 Importing this module is light (no torch): a chapter can build its parser from it and refuse a
 bad command line before the heavy imports; the functions import what they need.
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import hashlib
+import importlib.machinery
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -69,20 +74,35 @@ def write_failure(err: OSError, out) -> str | None:
             "half-written is promoted (checkpoints are renamed into place once whole)")
 
 
+def model_path_problem(name: str | None) -> str | None:
+    """Why --model cannot load, known without torch: a path (absolute, ./, ../ or ~/...: never a hub id) that does
+    not exist; else None (the rest, a directory's files and a hub id's form, is `check_model_source`'s)."""
+    if name is None or not (Path(name).is_absolute() or name.startswith((".", "~"))):
+        return None
+    if Path(name).expanduser().exists():
+        return None
+    return "no such directory, and not a hub id (a hub id looks like 'Qwen/Qwen2.5-0.5B')"
+
+
 def check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--out` (free, or ours with --resume / --overwrite; writable) and `--model` (a directory or a hub id),
-    before loading."""
-    from minirl.models.loading import ModelSourceError, check_model_source  # noqa: PLC0415 (torch: after parsing)
-
+    before loading; a missing --out directory or --model path is refused before torch is imported."""
     try:
         check_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
-        if args.model is not None:
-            check_model_source(args.model)          # a missing directory is named before anything loads
-    except (RunDirError, ModelSourceError) as err:
+    except RunDirError as err:
         parser.error(str(err))
     problem = out_problem(args.out)
     if problem is not None:
         parser.error(f"argument --out: {args.out}: {problem}")
+    if (problem := model_path_problem(args.model)) is not None:
+        parser.error(f"argument --model: {args.model}: {problem}")
+    if args.model is not None:
+        from minirl.models.loading import ModelSourceError, check_model_source  # noqa: PLC0415 (torch)
+
+        try:
+            check_model_source(args.model)          # a directory without config.json, a malformed hub id
+        except ModelSourceError as err:
+            parser.error(f"argument --model: {err}")
 
 
 def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None,
@@ -142,6 +162,9 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"a reward function, repeatable: {REWARD_SPEC_HELP} (default: arithmetic)")
     group.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                        help="one weight per --reward, in their order (default: 1 each)")
+    group.add_argument("--allow-changed-data", action="store_true",
+                       help="--resume even though a --dataset, --eval-dataset or --reward file changed since the run "
+                            "started (run.json records their content hashes, and then what changed)")
 
 
 def resolve_task_paths(args: argparse.Namespace) -> None:
@@ -157,10 +180,79 @@ def saved_task(args: argparse.Namespace) -> dict:
     return read_run_record(args.out).get("task") or dict.fromkeys(TASK_FLAGS)
 
 
+def restore_untyped(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None,
+                    saved: dict) -> None:
+    """On --resume: each flag of `saved` ({dest: value}, what run.json recorded) not typed now (nor set by --config)
+    takes the run's value, so that `--out OUT --resume` alone continues the run where it ran (chapter 06's
+    --placement, --pools, --sync, --address)."""
+    typed = explicit_dests(parser, argv)
+    for dest, value in saved.items():
+        if dest not in typed:
+            setattr(args, dest, value)
+
+
 def restore_task_flags(args: argparse.Namespace, saved: dict) -> None:
     """Put the run's own task flags (`saved_task`) into args."""
     for dest in TASK_FLAGS:
         setattr(args, dest, saved.get(dest))
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, or of a directory's files (their paths relative to it, and their bytes)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(f"{file.relative_to(path).as_posix()}\0".encode())
+        with open(file, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def reward_file(spec: str) -> Path | None:
+    """The file a --reward spec's function is loaded from (rewards._import's rule), found without importing it;
+    None for a built-in, or a module not found (loading the task names that)."""
+    module, sep, _ = spec.strip().rpartition(":")
+    if spec.strip() in BUILT_IN_REWARDS or not sep or not module:
+        return None
+    if module.endswith(".py") or os.sep in module or "/" in module:
+        return Path(module).expanduser()
+    found, where = None, [os.getcwd(), *sys.path]              # as rewards._import: beside the working directory
+    for part in module.split("."):
+        found = importlib.machinery.PathFinder.find_spec(part if found is None else f"{found.name}.{part}", where)
+        if found is None:
+            return None
+        where = found.submodule_search_locations or []
+    return Path(found.origin) if found.origin else None
+
+
+def data_record(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """run.json's "data_files", [{"flag", "path", "sha256"}] of each file the task reads (--dataset, --eval-dataset,
+    each --reward loaded from a file), and "changed_data" (the changes --allow-changed-data let resumes go on with).
+
+    Call it once the task flags are final (on --resume, the run's own: after `restore_task_flags`). On --resume a
+    file whose content differs from the hash its run.json recorded is a parser error naming the flag and the file,
+    unless --allow-changed-data. The embedded task and the built-in rewards are the package's: not hashed; a run.json
+    written before hashes were recorded has nothing to compare.
+    """
+    files = [(flag(dest), Path(getattr(args, dest))) for dest in ("dataset", "eval_dataset")
+             if getattr(args, dest) is not None]
+    files += [("--reward", path) for spec in args.reward or [] if (path := reward_file(spec)) is not None]
+    data = [{"flag": name, "path": str(path.resolve()), "sha256": content_hash(path)} for name, path in files
+            if path.exists()]
+    record = read_run_record(args.out) if args.resume else {}
+    changed, now = list(record.get("changed_data", [])), {entry["path"]: entry["sha256"] for entry in data}
+    for entry in record.get("data_files", []):
+        if now.get(entry["path"]) == entry["sha256"]:
+            continue
+        if not args.allow_changed_data:
+            what = "is gone" if entry["path"] not in now else "changed"
+            parser.error(f"--resume: {entry['flag']} {entry['path']} {what} since the run started (run.json has its "
+                         f"sha256 {entry['sha256'][:12]}, now {now.get(entry['path'], 'none')[:12]}); put it back "
+                         "as it was, or pass --allow-changed-data to go on with it as it is now")
+        changed.append({**entry, "sha256_now": now.get(entry["path"])})
+    return {"data_files": data, "changed_data": changed}
 
 
 def tokenizer_only(parser: argparse.ArgumentParser, name: str | None):
@@ -182,7 +274,8 @@ def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
     tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
     try:
-        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer)
+        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer,
+                         reward_errors=getattr(args, "reward_errors", "raise"))
     except ConfigError as err:
         value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))
         parser.error(f"argument {flag(err.name)}: {value + ': ' if value else ''}{err.why}")

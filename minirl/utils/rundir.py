@@ -55,7 +55,7 @@ class RunDir:
 
 
 def open_run_dir(path, run_info: dict, resume: bool = False, overwrite: bool = False,
-                 flag_names: tuple[str, str, str] = ("resume", "overwrite", "out_dir")) -> RunDir:
+                 flag_names: tuple[str, str, str] = ("--resume", "--overwrite", "--out")) -> RunDir:
     """Lock `path` for one run, checking what it already holds.
 
     fresh directory (missing or empty of run files): run.json is written with `run_info`.
@@ -63,6 +63,8 @@ def open_run_dir(path, run_info: dict, resume: bool = False, overwrite: bool = F
     overwrite=True deletes that run's files first, otherwise RunDirError.
     resume=True on a directory without run.json: RunDirError (nothing to resume).
     The checks run under the lock, so another process cannot start a run there meanwhile.
+    flag_names: how the errors name resume, overwrite and path (the chapter scripts' flags by default: the
+    training loop opens the directory for them without knowing it).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
