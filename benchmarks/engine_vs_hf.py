@@ -42,7 +42,8 @@ the ratio within a pair (the two calls of a pair see about the same load from ot
 on the machine), printed with its min and max.
 
 The machine's limits: the float32 matrix-product peak (FLOP/s of 2048 x 2048 products) and the
-copy bandwidth (bytes/s of copying 256 MiB, larger than the CPU's caches; read + written) are
+copy bandwidth (bytes/s of copying 256 MiB with memcpy, larger than the CPU's caches; read +
+written) are
 measured at one thread by the process's CPU time (`time.process_time`: a process that waits
 for a core, or is switched out, does not count that time), over trials of at least a second of
 work each, best of 3; and at the run's threads by the wall clock, best of 3 trials of at least
@@ -88,6 +89,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -244,7 +246,9 @@ def machine_limits(quick: bool = False, size: int = 2048, copy_mib: int = 256) -
     current threads by the wall clock.
 
     matmul: FLOP/s of size x size float32 products (2 size^3 FLOPs each); copy: bytes/s of copying a
-    `copy_mib` MiB tensor (read + written, 2 x its size; larger than a CPU's last-level cache). At one
+    `copy_mib` MiB tensor (read + written, 2 x its size; larger than a CPU's last-level cache) with
+    numpy's copyto, which is libc's memcpy (torch's copy_ reached about half of it at one thread on
+    the 2-core machine of benchmarks/README.md, 14 against 26-29 GB/s). At one
     thread each trial runs for at least a second of the process's CPU time, which a busy machine does
     not inflate: time spent waiting for a core, or switched out, is not the process's. At the current
     threads the wall clock is the only honest clock (CPU time would add the threads up), so the trials
@@ -255,7 +259,7 @@ def machine_limits(quick: bool = False, size: int = 2048, copy_mib: int = 256) -
     src = torch.empty(copy_mib * 2**20 // 4).normal_()
     dst = torch.empty_like(src)
     flops, moved = 2 * size ** 3, 2 * src.numel() * src.element_size()
-    matmul, copy = (lambda: torch.mm(a, a, out=product)), (lambda: dst.copy_(src))
+    matmul, copy = (lambda: torch.mm(a, a, out=product)), (lambda: np.copyto(dst.numpy(), src.numpy()))
     trial = 0.2 if quick else 1.0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
