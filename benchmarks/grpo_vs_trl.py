@@ -1,16 +1,19 @@
 """Seconds per GRPO step: minirl's single-process loop against TRL's GRPOTrainer, in one process.
 
-    python benchmarks/grpo_vs_trl.py                      # 3 warm-up + 20 measured steps each
+    python benchmarks/grpo_vs_trl.py                      # 3 warm-up + 20 measured pairs of steps
     python benchmarks/grpo_vs_trl.py --quick              # a few steps (a notebook cell)
     python benchmarks/grpo_vs_trl.py --threads 1          # steadier on a shared machine
     python benchmarks/grpo_vs_trl.py --out runs/bench     # summary.json there (default runs/latest)
     python benchmarks/grpo_vs_trl.py --workload long      # long completions: the paged engine (notebook 05)
     python benchmarks/grpo_vs_trl.py --workload long --max-tokens-per-microbatch 0   # the update padded, as before
 
-The last line printed is `speedup_vs_trl: X`, TRL's median seconds per step over minirl's
-(X > 1: minirl is faster). Before it: minirl's generate and update seconds per step (medians, by
-the loop's own clocks), and the completion tokens its update computed per step, padded to the
-longest completion against in its micro-batches (notebook 01, section 11.4), beside the real ones.
+The last line printed is `speedup_vs_trl: X (min A, max B, n N)`: the median over N pairs of steps
+of TRL's step seconds over minirl's within the pair, and the smallest and largest of those N
+ratios (X > 1: minirl is faster). A pair is one minirl step and one TRL step run back to back
+on the same prompts; which of the two runs first alternates from pair to pair. Before it:
+minirl's generate and update seconds per step (medians, by the loop's own clocks), and the
+completion tokens its update computed per step, padded to the longest completion against in its
+micro-batches (notebook 01, section 11.4), beside the real ones.
 
 What is compared. Both trainers start from the same warm-started policy (two fresh copies
 loaded from the same checkpoint, or `--model`) and run the same GRPO step:
@@ -34,11 +37,13 @@ bf16=False (TRL autocasts to bf16 by default, even on a CPU), gradient_checkpoin
 stay (logging every 10 steps, no completion logging, its optimizer choice).
 
 How it is timed. The two run interleaved in one process and one thread: TRL's `train()` runs
-in the main thread and a TrainerCallback runs one minirl step at the start of each TRL step
-(on_step_begin), before TRL's clock starts: a minirl step, a TRL step, a minirl step, ..., so
-that a change in the machine's load hits both alike, and one pool of torch intra-op threads
-serves both (an earlier version ran TRL in a second Python thread; each thread then had its own
-pool, and both sides' steps took about a fifth longer with 2 torch threads). TRL's step is the
+in the main thread and a TrainerCallback runs one minirl step beside each TRL step, before TRL's
+clock starts (on_step_begin) in even pairs and after it stops (on_step_end) in odd ones: minirl,
+TRL, TRL, minirl, minirl, TRL, ..., so that a change in the machine's load hits both alike, and
+neither side always runs first (on a warm or cooling machine, or after the other side's memory
+traffic); one pool of torch intra-op threads serves both (an earlier version ran TRL in a
+second Python thread; each thread then had its own pool, and both sides' steps took about a
+fifth longer with 2 torch threads). TRL's step is the
 wall clock from on_step_begin to on_step_end (generation happens inside the step, in
 `_prepare_inputs`; the work between steps, logging and fetching the next prompts, is not
 counted). minirl's step is the wall clock around the loop's own `stage1_step` (prompt sampling,
@@ -74,7 +79,10 @@ The long workload (`--workload long`). Sharing the prompt saves less as completi
 than prompts, so this workload asks what generation itself costs: the long-tail policy of
 notebook 05 (a Qwen2 of 7.6 M parameters with random weights, whose completion lengths have a
 long tail: median ~30 tokens, a few at the cap), 8 few-shot arithmetic prompts of ~70 tokens per
-step (`--prompts-per-step`), G = 8, at most 256 new tokens, 1 warm-up + 3 measured steps. minirl
+step (`--prompts-per-step`), G = 8, at most 256 new tokens, 1 warm-up + 8 measured pairs. One
+step's time follows its longest completion, which is drawn afresh at every step (TRL's whole step
+waits for it), so the per-pair ratio moves by a factor of about 2 between pairs: read the median
+with its min and max, never one pair. minirl
 generates with the paged engine (`rollout_engine="paged"`: continuous batching drops each
 completion at its EOS, the prefix cache prefills each prompt's full blocks once); TRL with HF
 generate over the 64 rows until the longest ends. Everything else is as above (the task's reward
@@ -84,7 +92,7 @@ sides still run the whole forward and backward pass). The default workload is un
 Threads. With torch's default (2 threads on a 2-core machine) TRL's large matrix products gain
 more from the second core than minirl's smaller ones (a prompt pass over B rows, decoding steps
 of one token), so the ratio is lower than with `--threads 1`; compare like with like, and
-compare medians, never single steps. The machine's load average before and after is printed
+compare medians of paired ratios, never single steps. The machine's load average before and after is printed
 and stored; on a shared machine other processes' load still moves both sides' times.
 """
 
@@ -106,7 +114,8 @@ from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 from minirl.utils.cli import common_parser, seed_everything, write_summary
 
-LONG = {"steps": 3, "warmup": 1, "prompts_per_step": 8, "max_completion_length": 256}   # --workload long's defaults
+MIN_PAIRS = 8      # the defaults measure at least this many pairs: a ratio is reported with its spread
+LONG = {"steps": MIN_PAIRS, "warmup": 1, "prompts_per_step": 8, "max_completion_length": 256}   # --workload long
 
 
 def parse_args(argv=None):
@@ -114,7 +123,7 @@ def parse_args(argv=None):
     parser.add_argument("--workload", choices=("default", "long"), default="default",
                         help="default: the embedded policy, <= 4 new tokens; long: the long-tail policy, ~70-token "
                              "prompts, <= 256 new tokens, minirl with the paged engine (see the docstring)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per trainer (default 20; long: 3)")
+    parser.add_argument("--steps", type=int, default=None, help="measured pairs of steps (default 20; long: 8)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps per trainer, before (3; long: 1)")
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 4 measured steps (a notebook cell)")
     parser.add_argument("--prompts-per-step", type=int, default=None, help="default 16; long: 8")
@@ -235,40 +244,43 @@ def trl_trainer(args, task, rows, max_completion_length: int, callback):
 
 
 class TRLSteps(TrainerCallback):
-    """A TrainerCallback that times each TRL step and runs `before_step` (a minirl step) just before it.
+    """A TrainerCallback that times each TRL step and runs `beside` (a minirl step) next to it.
 
-    on_step_begin: run `before_step` if given, then take the clock; on_step_end: take the clock.
-    Both trainers thus run in one thread (TRL's), one after the other, never at the same time.
+    Step i (0-based): for even i, on_step_begin runs `beside` and then takes the clock; for odd i,
+    on_step_end takes the clock and then runs `beside`. So the order alternates (minirl first,
+    then TRL first), and both trainers run in one thread (TRL's), never at the same time.
     """
 
-    def __init__(self, before_step=None):
-        self.before_step = before_step
+    def __init__(self, beside=None):
+        self.beside = beside
         self.begin, self.end = [], []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.before_step is not None:
-            self.before_step()
+        if self.beside is not None and len(self.begin) % 2 == 0:
+            self.beside()
         self.begin.append(time.perf_counter())
 
     def on_step_end(self, args, state, control, **kwargs):
         self.end.append(time.perf_counter())
+        if self.beside is not None and len(self.end) % 2 == 0:           # the step just timed was odd
+            self.beside()
 
     def seconds(self) -> list[float]:
         return [e - b for b, e in zip(self.begin, self.end, strict=True)]
 
 
 def run_interleaved(args, task, rows, max_len) -> tuple[list[float], list[float]]:
-    """minirl step, TRL step, minirl step, ...: a change in the machine's load hits both alike.
+    """Pairs of steps, minirl first then TRL first in turn: a change in the machine's load hits both alike.
 
-    TRL's `train()` runs in this thread; its callback runs one minirl step before each TRL step
+    TRL's `train()` runs in this thread; its callback runs one minirl step beside each TRL step
     (a single thread, so one pool of torch intra-op threads serves both; two Python threads
     would each bring their own and slow each other down). Returns (minirl seconds, TRL seconds)
-    per step, warm-up included.
+    per step, warm-up included: element i of each is pair i.
     """
     total = args.warmup + args.steps
     step_minirl = minirl_stepper(args, task, rows, max_len)
     minirl_seconds = []
-    timer = TRLSteps(before_step=lambda: minirl_seconds.append(step_minirl()))
+    timer = TRLSteps(beside=lambda: minirl_seconds.append(step_minirl()))
     trl_trainer(args, task, rows, max_len, timer).train()
     if len(timer.end) != total or len(minirl_seconds) != total:
         raise RuntimeError(f"expected {total} steps of each trainer, got {len(minirl_seconds)} minirl and "
@@ -282,6 +294,18 @@ def state_budget(args) -> int:
 
     given = args.max_tokens_per_microbatch
     return OptimizerConfig().max_tokens_per_microbatch if given is None else given
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> dict:
+    """The median of the per-pair ratios numerators[i] / denominators[i], with their min, max and count."""
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
+            "ratios": ratios}
+
+
+def spread_line(name: str, r: dict) -> str:
+    """`name: X (min A, max B, n N)`: a paired ratio with its spread (the benchmarks' last-line format)."""
+    return f"{name}: {r['median']:.2f} (min {r['min']:.2f}, max {r['max']:.2f}, n {r['n']})"
 
 
 def main(argv=None) -> int:
@@ -335,11 +359,14 @@ def main(argv=None) -> int:
               f"(max_tokens_per_microbatch={state_budget(args)})", flush=True)
     summary["load_average_after"] = os.getloadavg()[0]
     if args.only is None:
-        summary["speedup_vs_trl"] = summary["trl_median_seconds"] / summary["minirl_median_seconds"]
+        pairs = paired_ratio(summary["trl_seconds"], summary["minirl_seconds"])
+        summary |= {"speedup_vs_trl": pairs["median"], "speedup_vs_trl_pairs": pairs}
+        print(f"TRL / minirl seconds per pair: {', '.join(f'{r:.2f}' for r in pairs['ratios'])}; the ratio of the "
+              f"medians {summary['trl_median_seconds'] / summary['minirl_median_seconds']:.2f}")
     write_summary(args.out, summary)
     print(f"load average after: {summary['load_average_after']:.2f}; summary: {Path(args.out) / 'summary.json'}")
     if args.only is None:
-        print(f"speedup_vs_trl: {summary['speedup_vs_trl']:.2f}")
+        print(spread_line("speedup_vs_trl", summary["speedup_vs_trl_pairs"]))
     return 0
 
 

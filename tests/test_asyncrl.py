@@ -327,6 +327,30 @@ def test_speedup_to_target_only_counts_settings_that_always_reached_the_target()
         speedup_to_target(sync, {"short": [1.0]})
 
 
+def test_async_benchmark_target_is_syncs_plateau_and_a_run_must_stay_above_it():
+    """benchmarks/async_vs_sync.py: the target is the median of sync's last evaluations; a run reaches it at the
+    first evaluation from which it stays at or above it to the end (a touch followed by a fall does not count)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "async_vs_sync", Path(__file__).resolve().parents[1] / "benchmarks" / "async_vs_sync.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    curve = lambda accs: [{"step": 5 * i, "wall": 10.0 * i, "accuracy": a} for i, a in enumerate(accs)]  # noqa: E731
+    sync = curve([0.5, 0.6, 0.69, 0.70, 0.69, 0.73])                      # a lucky last evaluation
+    assert bench.plateau(sync, 3) == 0.70 and bench.plateau(sync, 1) == 0.73
+    target = bench.plateau(sync, 3) - 0.03                                 # 0.67, not 0.70
+    assert bench.time_to_stay(sync, target) == 20.0
+    assert bench.time_to_stay(curve([0.5, 0.75, 0.43, 0.6, 0.53]), target) == math.inf, "touched, fell back"
+    assert bench.time_to_stay(curve([0.5, 0.75, 0.6, 0.68, 0.7]), target) == 30.0, "back for good at 30 s"
+    assert bench.time_to_stay(curve([0.9, 0.7]), target) == 10.0, "step 0 (before training) does not count"
+    args = bench.parse_args([])
+    assert (args.eta, args.correction, args.steps, args.repeats) == (1, "none", 90, 3)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--correction", "best"])
+
+
 def test_runner_survives_a_broken_environment(make_tiny_policy):
     model, tok = make_tiny_policy(seed=2)
     acfg = AsyncConfig(max_staleness=1, producers=2, env_timeout=0.2, **FAST)

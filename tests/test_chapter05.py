@@ -1,6 +1,7 @@
 """chapters/05_generation.py: the measurements on a locally saved HF model, and its bad flags."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -105,11 +106,20 @@ def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
                                              "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert lines[-1] == f"speedup_vs_hf: {summary['speedup_vs_hf']:.2f}"
+    pairs = summary["long"]["speedup_pairs"]
+    assert summary["speedup_vs_hf"] == pairs["median"] == statistics.median(pairs["ratios"])
+    assert lines[-1] == f"speedup_vs_hf: {pairs['median']:.2f} (min {pairs['min']:.2f}, max {pairs['max']:.2f}, n 1)"
     rss = summary["peak_rss_mb"]
     assert lines[-2] == f"peak_rss_mb paged={rss['paged']:.0f} hf={rss['hf']:.0f}" and min(rss.values()) > 100
-    roof = summary["roofline"]
+    roof, limits = summary["roofline"], summary["machine_limits"]
     assert lines[-3] == f"decode_roofline_share: {roof['share']:.2f}"
+    steps = roof["steps"]["seconds"]
+    ratios = [h / p for h, p in zip(steps["hf"], steps["paged"], strict=True)]
+    assert len(ratios) == 4 and lines[-4] == f"step_ratio_equal_rows: {statistics.median(ratios):.2f}"
+    assert lines[-5] == (f"machine_limits: matmul_gflops_1t {limits['matmul_flops_1t'] / 1e9:.1f} "
+                         f"copy_gbps {limits['copy_bytes_1t'] / 1e9:.1f}")
+    assert (roof["matmul_flops"], roof["copy_bytes"]) == (limits["matmul_flops_1t"], limits["copy_bytes_1t"])
+    assert roof["measured_s"] == statistics.median(steps["paged"]), "the share is the engine's step by CPU time"
     assert roof["ideal_s"] == max(roof["flops"] / roof["matmul_flops"], roof["bytes"] / roof["copy_bytes"])
     assert roof["kv_bytes"] == 32 * 161 * 2 * 8 * 1 * 64 * 4, "32 rows x 161 positions x K and V x 8 layers x 64 x fp32"
     kinds = roof["breakdown"]["kinds"]
@@ -120,6 +130,15 @@ def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
     assert work["paged_counts"]["cached_tokens"] > 0, "the G completions of a prompt share its full blocks"
     assert work["hf_rows_x_steps"] >= work["paged_counts"]["decode_tokens"], "HF decodes padding rows, the engine not"
     assert work["finish_speedup"] > 0 and len(work["finish_speedups"]) == 1
+
+
+def test_engine_vs_hf_limits_keep_the_best_trial_of_at_least_min_seconds():
+    """best_rate: each trial calls the work until the clock has advanced min_seconds; the best trial's rate wins."""
+    ticks = iter([0.0, 0.4, 1.0,              # trial 1: two calls in 1.0 s -> 2 x amount / s
+                  5.0, 5.9, 7.0])             # trial 2: two calls in 2.0 s -> 1 x amount / s
+    calls = []
+    rate = load_script("engine_vs_hf").best_rate(lambda: calls.append(1), 3.0, lambda: next(ticks), 1.0, 2)
+    assert rate == 6.0 and len(calls) == 4
 
 
 def test_engine_vs_hf_uniform_workload_runs_every_completion_to_the_cap(tmp_path, capsys):

@@ -96,7 +96,9 @@ def test_low_precision_rollout(tiny, dtype, torch_dtype, engine_name):
         own, _ = completion_logprobs(engine.model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
         fp32, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
     m = ro.completion_mask.bool()
-    own_err, fp32_err = (ro.logprobs[m] - own[m]).abs().max(), (ro.logprobs[m] - fp32[m]).abs().max()
+    # mean, not max: bf16's cached decode and a full forward differ on single tokens by as much as bf16 differs
+    # from fp32 (0.0008 vs 0.0007 at the max on one CPU), while on average the copy's own forward is ~4x closer
+    own_err, fp32_err = (ro.logprobs[m] - own[m]).abs().mean(), (ro.logprobs[m] - fp32[m]).abs().mean()
     assert fp32_err > 1e-4, "test setup: low precision must differ from fp32"
     assert own_err <= 0.5 * fp32_err, "behaviour log-probs must come from the rollout copy, not the fp32 trainer"
 

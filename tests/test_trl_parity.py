@@ -394,22 +394,46 @@ def test_group_advantages_match_trl(task, rows, policy_dir, scale_rewards):
 
 
 def test_benchmark_script_runs(policy_dir, tmp_path, capsys):
-    """benchmarks/grpo_vs_trl.py end to end on the tiny policy: one step each, summary and last line."""
+    """benchmarks/grpo_vs_trl.py end to end on the tiny policy: two pairs of steps, summary and last line."""
     import importlib.util
     import json
+    import re
+    import statistics
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_vs_trl.py"
     spec = importlib.util.spec_from_file_location("grpo_vs_trl", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--model", str(policy_dir), "--steps", "1", "--warmup", "1", "--prompts-per-step", "2",
+    assert bench.main(["--model", str(policy_dir), "--steps", "2", "--warmup", "1", "--prompts-per-step", "2",
                        "--num-generations", "2", "--out", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("speedup_vs_trl: "), f"the last line must be 'speedup_vs_trl: X', got {last!r}"
+    match = re.fullmatch(r"speedup_vs_trl: (\S+) \(min (\S+), max (\S+), n (\d+)\)", last)
+    assert match, f"the last line must be 'speedup_vs_trl: X (min A, max B, n N)', got {last!r}"
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["minirl_seconds"]) == 1 and len(summary["trl_seconds"]) == 1, "one measured step each"
-    assert summary["speedup_vs_trl"] == pytest.approx(summary["trl_median_seconds"] / summary["minirl_median_seconds"])
-    assert float(last.split(": ")[1]) == pytest.approx(summary["speedup_vs_trl"], abs=0.006)
+    assert len(summary["minirl_seconds"]) == 2 and len(summary["trl_seconds"]) == 2, "two measured steps each"
+    ratios = [t / m for t, m in zip(summary["trl_seconds"], summary["minirl_seconds"], strict=True)]
+    assert summary["speedup_vs_trl"] == pytest.approx(statistics.median(ratios)), "the median of per-pair ratios"
+    x, lo, hi, n = (float(g) for g in match.groups())
+    assert (x, lo, hi, n) == pytest.approx((summary["speedup_vs_trl"], min(ratios), max(ratios), 2), abs=0.006)
     with pytest.raises(SystemExit):
         bench.parse_args(["--num-generations", "1"])
+
+
+def test_benchmark_pairs_alternate_which_trainer_runs_first():
+    """grpo_vs_trl's callback runs the minirl step before TRL's step in even pairs and after it in odd ones."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grpo_vs_trl.py"
+    spec = importlib.util.spec_from_file_location("grpo_vs_trl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    order = []
+    timer = bench.TRLSteps(beside=lambda: order.append("minirl"))
+    for _ in range(4):
+        timer.on_step_begin(None, None, None)
+        order.append("trl")
+        timer.on_step_end(None, None, None)
+    assert order == ["minirl", "trl", "trl", "minirl", "minirl", "trl", "trl", "minirl"]
+    assert len(timer.seconds()) == 4
