@@ -41,7 +41,9 @@ import time
 from minirl.config import RLConfig
 from minirl.train.cli import (
     TASK_FLAGS,
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_task_prompts,
     data_record,
     held_out_line,
@@ -51,7 +53,7 @@ from minirl.train.cli import (
     task_from_args,
     task_summary,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.io import write_summary
 from minirl.utils.progress import bars_wanted
 from minirl.utils.validate import ConfigError, check_int
@@ -71,7 +73,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown only when stderr is a terminal)")
     add_task_flags(parser)
-    add_config_flags(parser, RLConfig())
+    add_rl_flags(parser, RLConfig())
     args = parser.parse_args(argv)
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
@@ -80,6 +82,7 @@ def parse_args(argv=None):
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
+    check_engine_flag(parser, config)                 # vLLM without vLLM or CUDA: refused before torch loads
     from minirl.train.cli import check_run_flags, resumed_config  # the model's files are checked: after parsing
 
     check_run_flags(parser, args)          # a missing --model path before torch loads

@@ -7,7 +7,7 @@
 
 The rollout side is minirl.rollout.hf.HFEngine (HF generate with a KV cache in the rollout
 dtype); the trainer side recomputes the same tokens with one full forward in --train-dtype.
-Prints minirl.diagnostics.mismatch.diagnose's report and writes OUT/summary.json with, per rollout dtype,
+Prints minirl.diagnostics.mismatch.diagnose_mismatch's report and writes OUT/summary.json with, per rollout dtype,
 mean and max |delta log p| and the share of tokens whose ratio leaves [0.8, 1.25]. The training
 comparison trains in float32 (--dtype of chapter 01), so the rollout is the only side that changes.
 
@@ -125,11 +125,11 @@ def mismatch(argv=None) -> dict:
             check_model_source(args.model)
         except ModelSourceError as err:
             parser.error(f"argument --model: {err}")
-    from minirl.diagnostics.mismatch import diagnose
+    from minirl.diagnostics.mismatch import diagnose_mismatch
 
     seed_everything(args.seed)
     model, tokenizer, prompts = load(args)
-    report = diagnose(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",
+    report = diagnose_mismatch(model, tokenizer, prompts, rollout_dtype=args.rollout_dtype or "bfloat16",
                       train_dtype=args.train_dtype, sweep=sweep, num_generations=args.num_generations,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     print(report)

@@ -34,7 +34,7 @@ from minirl.memory.calculator import (
     LLAMA2_70B,
     PRECISIONS,
     RECOMPUTE,
-    STAGES,
+    ZERO_LEVELS,
     ModelShape,
     activation_memory,
     bytes_per_param,
@@ -137,7 +137,7 @@ def calculate(args) -> dict:
             for rc in RECOMPUTE}
     gpu_bytes = args.gpu_mem_gb * GB
     zero = {}
-    for stage in STAGES:
+    for stage in ZERO_LEVELS:
         per = zero_per_gpu(num_params, args.gpus, stage, args.precision)
         comm = zero_communication(num_params, args.gpus, stage, args.precision)
         zero[str(stage)] = {**per, "comm_bytes": comm["bytes"],

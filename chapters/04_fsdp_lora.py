@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04-lora --lora-rank 8 --learning-rate 2e-3
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --out runs/04 --resume     # continue a stopped run exactly
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
-        --zero 3 --lora-rank 16 --rollout vllm --out runs/04-qwen
+        --zero 3 --lora-rank 16 --rollout-engine vllm --out runs/04-qwen
     torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda \
         --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
         --reward math --lora-rank 16 --max-completion-length 256 --out runs/04-words
@@ -13,7 +13,7 @@
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
-(--rollout minirl: the in-process engine --rollout-engine names, or vllm; --colocate lets the
+(--rollout-engine: hf, shared_prefix, paged in process, or vllm on GPUs; --colocate lets the
 engine release its weights during the update). After each update the weights are gathered layer
 by layer, one all-gather per layer (--no-packed-sync: one per tensor), into every engine
 (--sync-mode full, merged or adapter); --sync-every K pushes only every K-th update (and at
@@ -52,7 +52,9 @@ from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.train.cli import (
     TASK_FLAGS,
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     data_record,
@@ -136,7 +138,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS)
+    add_rl_flags(parser, DEFAULTS)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
     if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -153,6 +155,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     world = args.nproc_per_node or job_rank()[1]
     problem = out_problem(args.out)        # the quick refusals first: --out, the world size, --device
     if problem is not None:
@@ -290,28 +293,13 @@ def print_report(summary: dict) -> None:
 
 
 def launch_job(nproc: int, argv: list[str]) -> int:
-    """`--nproc-per-node N`: run torchrun's launcher (`torch.distributed.run --standalone`) in this process on this
-    script, without its own report of a failure (the ranks say what happened, in one line); returns the ranks'
-    exit status (130 when Ctrl-C stopped them)."""
-    import logging  # noqa: PLC0415
+    """`--nproc-per-node N`: minirl's one torchrun launcher (`minirl.runtime.launch.torchrun`) in this process on
+    this script, quiet: without torchrun's own report of a failure (the ranks say what happened, in one line);
+    returns the ranks' exit status (130 when Ctrl-C stopped them)."""
+    from minirl.runtime.launch import torchrun  # noqa: PLC0415 (torch: after the arguments)
 
-    os.environ["LOGLEVEL"] = "CRITICAL"             # torchrun's agent logs each signal it forwards and each exit
-    os.environ["MINIRL_LAUNCHED"] = f"python {sys.argv[0]} --nproc-per-node {nproc}"
-    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.run import parse_args as torchrun_args  # noqa: PLC0415
-    from torch.distributed.run import run as torchrun  # noqa: PLC0415
-
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        torchrun(torchrun_args(["--standalone", f"--nproc-per-node={nproc}", sys.argv[0], *argv]))
-    except SignalException as stop:                   # Ctrl-C: the ranks have said where the run stopped
-        return 128 + int(stop.sigval)
-    except ChildFailedError as failed:
-        return max(1, failed.get_first_failure()[1].exitcode)
-    return 0
+    launched = {"MINIRL_LAUNCHED": f"python {sys.argv[0]} --nproc-per-node {nproc}"}   # how the ranks say to resume
+    return torchrun(sys.argv[0], nproc, argv, capture=False, env=launched).returncode
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -342,8 +330,9 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
     from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415
-    from minirl.parallel.launch import init_distributed, leave, shutdown  # noqa: PLC0415
+    from minirl.parallel.launch import init_distributed, shutdown  # noqa: PLC0415
     from minirl.parallel.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
+    from minirl.runtime.launch import leave  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
 
     if args.threads:

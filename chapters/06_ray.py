@@ -40,8 +40,11 @@ import sys
 import time
 
 from minirl.config import RLConfig
+from minirl.controller.names import PLACEMENTS, SYNCS  # no Ray, no torch: the parser is built before either loads
 from minirl.train.cli import (
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     data_record,
@@ -59,15 +62,11 @@ from minirl.train.cli import (
     task_summary,
     write_failure,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.utils.progress import bars_wanted
 from minirl.utils.rundir import read_run_record
 from minirl.utils.validate import ConfigError, check_float, check_int
 
-# minirl.controller's names, here so that the parser is built (and a bad command line refused) before torch and
-# Ray load; tests/test_chapter06.py keeps them equal to placement.PLACEMENTS and driver.SYNCS
-PLACEMENTS = ("colocated", "disaggregated", "per-role")
-SYNCS = ("collective", "object_store")
 # where the run runs, run.json's "where": --resume restores each flag not typed again; another --placement, --pools
 # or --sync is refused as a changed setting would be (another --address: a cluster restarted elsewhere, say, is not)
 WHERE = ("placement", "pools", "sync", "address", "num_cpus", "cpus_per_device", "bucket_mb")
@@ -107,7 +106,7 @@ def parse_args(argv=None):
                        help="simulate a crash: stop right after this step (exit status 1); continue with --resume")
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: 1)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS)
+    add_rl_flags(parser, DEFAULTS)
     args = parser.parse_args(argv)
     try:
         for dest, low in (("stop_after", 1), ("threads", 0), ("compare_syncs", 0)):
@@ -118,6 +117,7 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch or Ray loads
     check_run_flags(parser, args)
     resolve_task_paths(args)
     if args.resume:                        # the run's own settings (and task), changed only where the user says so
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     import ray  # noqa: PLC0415 (after the arguments: a usage error never waits for torch and Ray)
     import torch  # noqa: PLC0415
 
-    from minirl.controller.driver import SOURCE_ORDER, Driver, stage_shares  # noqa: PLC0415
-    from minirl.controller.plots import plot_placement, plot_worker_timeline  # noqa: PLC0415
+    from minirl.controller.driver import SOURCE_ORDER, Driver, source_stage_shares  # noqa: PLC0415
+    from minirl.controller.plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
     from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
     from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         """One line per step: the share of each stage, in the source's Driver order."""
 
         def on_step(self, state, record):
-            shares = stage_shares([record])
+            shares = source_stage_shares([record])
             print(f"step {record['step']:4d}  {record['time/step']:6.2f} s  reward {record['reward']:.2f}  "
                   + "  ".join(f"{s} {100 * shares[s]:4.1f}%" for s in (*SOURCE_ORDER, "other") if s in shares)
                   + (f"  accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""), flush=True)
@@ -235,13 +235,13 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_worker_timeline(timeline, out / "timeline.png", title=f"stage 6, {args.placement}: which role was busy when "
-                         "(last 3 steps)", last_steps=3)
+    plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)": last_steps_of(timeline, 3)},
+                   ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
     plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
-        "stage_shares": stage_shares(steps),
+        "stage_shares": source_stage_shares(steps),
         "sync_seconds": sum(m["time/sync"] for m in steps) / max(1, len(steps)),
         "sync_bytes": steps[-1]["sync/bytes"] if steps else 0,
         "sync": args.sync if args.placement != "colocated" else "local",

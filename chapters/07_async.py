@@ -52,11 +52,12 @@ import threading
 import time
 from pathlib import Path
 
-from minirl.asyncrl.config import SAFE_ON_RESUME as ASYNC_SAFE_ON_RESUME
-from minirl.asyncrl.config import AsyncConfig
+from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.config import RLConfig
 from minirl.train.cli import (
+    add_rl_flags,
     add_task_flags,
+    check_engine_flag,
     check_run_flags,
     check_task_prompts,
     data_record,
@@ -100,7 +101,7 @@ def parse_args(argv=None):
     group.add_argument("--num-cpus", type=float, default=2, help="CPUs of the local Ray cluster (--ray) (default: 2)")
     group.add_argument("--print-every", type=int, default=10, help="a progress line every N steps (default: 10)")
     add_task_flags(parser)
-    add_config_flags(parser, DEFAULTS, skip=SKIPPED)
+    add_rl_flags(parser, DEFAULTS, skip=SKIPPED)
     add_config_flags(parser, AsyncConfig())
     args = parser.parse_args(argv)
     try:
@@ -113,6 +114,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     acfg = config_from_args(parser, args, AsyncConfig())
+    check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     check_run_flags(parser, args)           # --out free (or --resume / --overwrite) and writable, --model exists
     resolve_task_paths(args)
     if args.resume:                         # the run's own settings, changed only where it cannot matter
@@ -179,9 +181,10 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     import torch  # noqa: PLC0415
 
     from minirl.asyncrl.env import RewardEnv  # noqa: PLC0415
-    from minirl.asyncrl.plots import plot_learning_curves, plot_timelines  # noqa: PLC0415
+    from minirl.asyncrl.plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
     from minirl.asyncrl.runner import train_async  # noqa: PLC0415
     from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
+    from minirl.controller.plots import plot_timelines  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
@@ -264,7 +267,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
                   "config_file": None if args.config is None else str(args.config)})
     end = result.ended
     plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
-                   out / "timeline.png")
+                   ACTIVITY_COLORS, out / "timeline.png", first="trainer", max_rows=6, panel_height=1.6)
     plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
     write_summary(out, summary)
     held_out = (f"held-out {metric} {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after "
@@ -279,7 +282,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
 
 
 def leave_now(code: int) -> None:
-    """Exit with `code`; while a thread is still alive, through os._exit (`minirl.parallel.launch.leave`).
+    """Exit with `code`; while a thread is still alive, through os._exit (`minirl.runtime.launch.leave`).
 
     A producer whose generation outlived the join at the run's end, or a scoring or session thread,
     is a daemon thread that may be inside a torch op: at the interpreter's teardown it is stopped
@@ -288,7 +291,7 @@ def leave_now(code: int) -> None:
     thread in torch.mm at exit aborts 20 of 20 times with sys.exit, 0 of 20 with os._exit.
     """
     if threading.active_count() > 1:
-        from minirl.parallel.launch import leave  # noqa: PLC0415 (torch: loaded already, a thread runs it)
+        from minirl.runtime.launch import leave  # noqa: PLC0415
 
         leave(code)
     sys.exit(code)

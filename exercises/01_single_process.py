@@ -7,11 +7,15 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable
+
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean, position_ids_from_mask, shared_prefix_logits
-from minirl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from minirl.config import SCALE_REWARDS
+from minirl.utils.validate import ConfigError
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -129,8 +133,12 @@ def terminal_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return out.scatter(1, last[:, None], rewards[:, None]) * mask
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.2,
-                      epsilon_high: float | None = None) -> Tensor:
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float = 0.2,
+                      epsilon_high: float | None = None) -> "Tensor":
     """PPO's clipped per-token loss (to minimize).
 
     ratio: [B, T] (or [B, 1] for sequence-level ratios), pi/pi_old, > 0;
@@ -143,26 +151,29 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.
     raise NotImplementedError("exercise 1.4: clipped_surrogate -- see its docstring and notebook 01")
 
 
-def aggregate_loss(per_token_loss: Tensor, mask: Tensor, loss_type: str = "dapo",
-                   max_completion_length: int | None = None) -> Tensor:
-    """Reduce a per-token loss to a scalar, as TRL's GRPOTrainer does for `loss_type`.
+def sequence_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"grpo": the mean over rows of each row's mean over its own tokens.
 
-    per_token_loss: [B, C] or [B, 1] (broadcast over C); mask: [B, C] of 0/1.
-      "grpo":    mean over rows of (sum of row's masked loss / max(row's token count, 1))
-      "bnpo":    sum of masked loss / max(total token count, 1)
-      "dapo":    same as "bnpo" in one process without gradient accumulation
-      "dr_grpo": sum of masked loss / (B * max_completion_length); max_completion_length
-                 defaults to C.
-    Returns a 0-dim tensor. Raises ValueError for an unknown loss_type.
+    per_token_loss, mask: [B, C] (mask 0/1, in per_token_loss's dtype). An empty row (no
+    completion token) contributes 0: its token count is clamped to 1. max_completion_length
+    is not used. Returns a 0-dim tensor.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    mask = mask.to(per_token_loss.dtype)
-    per_token_loss = per_token_loss.expand_as(mask)
-    raise NotImplementedError("exercise 1.5: aggregate_loss -- see its docstring and notebook 01")
+    raise NotImplementedError("exercise 1.5: sequence_mean -- see its docstring and notebook 01")
 
 
-def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp. [B, C]."""
-    d = ref_logps - logps
-    return torch.exp(d) - d - 1
+def token_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"bnpo", "dapo", "cispo": the sum of the masked losses over the batch's token count.
+
+    per_token_loss, mask: [B, C]. The count is clamped to 1, so an all-masked batch gives 0,
+    not NaN. max_completion_length is not used. Returns a 0-dim tensor.
+    """
+    raise NotImplementedError("exercise 1.6: token_mean -- see its docstring and notebook 01")
+
+
+def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"dr_grpo": the sum of the masked losses over B * max_completion_length, a constant.
+
+    per_token_loss, mask: [B, C]; max_completion_length defaults to C (pass it when the
+    columns are fewer, as a micro-batch's are). Returns a 0-dim tensor.
+    """
+    raise NotImplementedError("exercise 1.7: max_length_mean -- see its docstring and notebook 01")

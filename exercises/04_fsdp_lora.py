@@ -7,33 +7,43 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+import dataclasses
+import math
 from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from minirl.config import LOSS_TYPES
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.data import Batch, Experience, Rollout
+from minirl.loss_types import loss_type_entry
+from minirl.memory.wrap import Wrapped, make_optimizer
+from minirl.roles.actor import Actor
+from minirl.roles.critic import Critic
 from minirl.sync.sharded import LORA, engine_name, full_tensor, layer_key
 
+LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
-def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                     world_size: int) -> float:
-    """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
 
-    Each rank computes notebook 01's `aggregate_loss` over its own rows; the batch's loss is
-    (1 / world_size) * sum over ranks of w * (that rank's loss), and DDP / FSDP average the
-    gradients, so scaling each rank's gradient by its w makes the average the batch's gradient.
-      "dapo":              w = world_size * max(local_tokens, 1) / max(global_tokens, 1)
-                           (TRL divides by the global batch's token count)
-      "grpo", "dr_grpo":   w = world_size * local_rows / global_rows
-                           (1 when every rank holds as many rows)
-      "bnpo":              w = 1 (TRL divides by each process's own tokens)
-    local_tokens / global_tokens: completion tokens (mask sum) of this rank / of all ranks;
-    local_rows / global_rows: completions. Raises ValueError for an unknown loss_type.
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
+    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+
+    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
+    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
+    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
+    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
+    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
+    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
+    One rank: its record unchanged.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    raise NotImplementedError("exercise 4.1: rank_loss_weight -- see its docstring and notebook 04")
+    if len(records) == 1:
+        return dict(records[0])
+    raise NotImplementedError("exercise 4.1: reduce_metrics -- see its docstring and notebook 04")
 
 
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:

@@ -21,24 +21,21 @@ resolved names. A bfloat16 policy trains in pure bfloat16 (weights, gradients an
 state, as TRL does with `dtype=bfloat16`); log-probs and losses are computed in float32.
 """
 
-__all__ = ["ALGOS", "LOSS_TYPES", "SCALE_REWARDS", "IMPORTANCE_SAMPLING_LEVELS", "IS_MODES",
-           "ROLLOUT_DTYPES", "POLICY_DTYPES", "ROLLOUT_ENGINES", "REWARD_ERRORS", "auto_dtype",
-           "AlgorithmConfig", "SamplingConfig", "RolloutConfig", "OptimizerConfig", "RunConfig",
-           "RLConfig"]
+__all__ = ["ALGOS", "SCALE_REWARDS", "IS_MODES", "ROLLOUT_DTYPES", "POLICY_DTYPES",
+           "REWARD_ERRORS", "auto_dtype", "AlgorithmConfig", "SamplingConfig", "RolloutConfig",
+           "OptimizerConfig", "RunConfig", "RLConfig"]
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_entry
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 ALGOS = ("grpo", "ppo")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")   # what an engine's copy can be
 POLICY_DTYPES = ("float32", "bfloat16")                                # what the policy can train in
-ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -57,7 +54,7 @@ class AlgorithmConfig:
     beta: float = 0.0                  # KL coefficient to the frozen reference (GRPO: in the loss; PPO: in the reward)
     epsilon: float = 0.2               # PPO clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); none: the same as epsilon
-    loss_type: str = "dapo"            # how per-token losses are averaged (notebook 01, section 4)
+    loss_type: str = "dapo"            # the loss's registry entry: how it clips and averages (section 4)
     scale_rewards: str = "group"       # GRPO advantages divided by the group's std, the batch's, or none (Dr. GRPO)
     importance_sampling_level: str = "token"  # token: PPO/GRPO ratios; sequence: one ratio per completion (GSPO)
     num_iterations: int = 1            # optimizer steps on each generation batch (TRL's mu)
@@ -77,6 +74,7 @@ class AlgorithmConfig:
     def __post_init__(self):
         for name, allowed in self.choices.items():
             check_choice(name, getattr(self, name), allowed)
+        loss_type_entry(self.loss_type)                  # an entry that lacks a part is refused here too
         check_float("beta", self.beta, low=0.0, why="a KL penalty; 0 turns it off")
         check_float("epsilon", self.epsilon, low=0.0)
         if self.epsilon_high is not None:
@@ -106,10 +104,10 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
+    rollout_engine: str = "shared_prefix"  # a name of minirl.rollout.registry.ENGINES: hf, shared_prefix, vllm, paged
     rollout_dtype: str = "auto"        # the rollout copy's precision (notebook 02); auto: bfloat16 on CUDA, else fp32
 
-    choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ("auto", *ROLLOUT_DTYPES)}
+    choices = {"rollout_dtype": ("auto", *ROLLOUT_DTYPES)}   # rollout_engine: checked by the engine registry
 
     def __post_init__(self):
         for name, allowed in self.choices.items():

@@ -314,16 +314,14 @@ state, as TRL does with `dtype=bfloat16`); log-probs and losses are computed in 
 import dataclasses
 from dataclasses import dataclass, field
 
+from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_entry
 from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 ALGOS = ("grpo", "ppo")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")   # what an engine's copy can be
 POLICY_DTYPES = ("float32", "bfloat16")                                # what the policy can train in
-ROLLOUT_ENGINES = ("shared_prefix", "hf", "paged")
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -348,7 +346,7 @@ class AlgorithmConfig:
     beta: float = 0.0                  # KL coefficient to the frozen reference (GRPO: in the loss; PPO: in the reward)
     epsilon: float = 0.2               # PPO clip range: ratios are clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # upper clip range (DAPO's clip-higher); none: the same as epsilon
-    loss_type: str = "dapo"            # how per-token losses are averaged (notebook 01, section 4)
+    loss_type: str = "dapo"            # the loss's registry entry: how it clips and averages (section 4)
     scale_rewards: str = "group"       # GRPO advantages divided by the group's std, the batch's, or none (Dr. GRPO)
     importance_sampling_level: str = "token"  # token: PPO/GRPO ratios; sequence: one ratio per completion (GSPO)
     num_iterations: int = 1            # optimizer steps on each generation batch (TRL's mu)
@@ -368,6 +366,7 @@ class AlgorithmConfig:
     def __post_init__(self):
         for name, allowed in self.choices.items():
             check_choice(name, getattr(self, name), allowed)
+        loss_type_entry(self.loss_type)                  # an entry that lacks a part is refused here too
         check_float("beta", self.beta, low=0.0, why="a KL penalty; 0 turns it off")
         check_float("epsilon", self.epsilon, low=0.0)
         if self.epsilon_high is not None:
@@ -402,10 +401,10 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine samples, on its own copy of the policy, in which precision."""
 
-    rollout_engine: str = "shared_prefix"  # hf: generate B*G rows; shared_prefix: prompt prefilled once; paged: nb 05
+    rollout_engine: str = "shared_prefix"  # a name of minirl.rollout.registry.ENGINES: hf, shared_prefix, vllm, paged
     rollout_dtype: str = "auto"        # the rollout copy's precision (notebook 02); auto: bfloat16 on CUDA, else fp32
 
-    choices = {"rollout_engine": ROLLOUT_ENGINES, "rollout_dtype": ("auto", *ROLLOUT_DTYPES)}
+    choices = {"rollout_dtype": ("auto", *ROLLOUT_DTYPES)}   # rollout_engine: checked by the engine registry
 
     def __post_init__(self):
         for name, allowed in self.choices.items():
@@ -932,6 +931,9 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
 
 # %%
 # | export minirl/rollout/hf.py
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # what a copy computes in
+
+
 class HFEngine:
     """HF `generate` over B * G rows, on the engine's own copy of the policy.
 
@@ -947,7 +949,7 @@ class HFEngine:
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
+        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else DTYPES[dtype]
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
         self.version = 0
         self.load_weights(model.state_dict().items(), version=0)
@@ -1198,29 +1200,47 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # probability by more than ε in the direction the advantage wants, the gradient stops. DAPO
 # made the two sides different (ε_high > ε_low, "clip-higher") so that unlikely tokens with
 # positive advantage can grow faster. This is exercise 1.4.
+#
+# Everything that differs between the members of the GRPO family lives in one module,
+# `minirl/loss_types.py`, as one registry entry per `loss_type` (section 4.1). It uses tensor
+# methods only, no `import torch`, so that the config can check a run's `loss_type` against it
+# before torch loads.
 
 # %%
-# | export minirl/algo/losses.py
-"""Losses: the PPO clipped objective, TRL's four loss aggregations, GSPO, k3 KL, value loss.
+# | export minirl/loss_types.py
+"""The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for loss_type in
-{"grpo", "bnpo", "dr_grpo", "dapo"} and importance_sampling_level in {"token", "sequence"}
-on one process without gradient accumulation. There, "dapo" (normalize by the tokens of the
-whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
-differ only when a batch is split across accumulation steps or processes. minirl's own
-micro-batches (section 11.4) are weighted by `micro_batch_weight`, so that splitting the update
-never changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
-Simplified: no CISPO/SAPO/Vespo variants, no entropy masking, no off-policy masking.
+A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all four:
+- `objective(logps, ratio, advantages, epsilon, epsilon_high)` -> (per-token loss to minimize, tokens
+  clipped below, tokens clipped above): PPO's clipped surrogate (`clipped_objective`) or CISPO's clipped,
+  detached weight on the log-prob (`cispo_objective`);
+- `normalise(per_token_loss, mask, max_completion_length)`: the per-token losses as one number;
+- `micro_batch_weight(rows, total_rows, tokens, total_tokens)`: a micro-batch's share of the batch's
+  loss (notebook 01, section 11.4), so that splitting the update never changes it;
+- `rank_weight(local_tokens, global_tokens, local_rows, global_rows, world_size)`: the weight of one
+  process's loss when W processes each compute it over their rows and average their gradients
+  (notebook 04, section 3).
+`LOSS_TYPES` maps a name to its entry; `register_loss_type` adds one and refuses an entry that lacks a
+part; `loss_type_entry` reads one (AlgorithmConfig checks its `loss_type` with it when it is built).
+`IMPORTANCE_SAMPLING_LEVELS` maps `importance_sampling_level` to how the ratio is formed: per token
+(PPO, GRPO) or one per completion (GSPO).
+
+The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
+Written with tensor methods only (torch is not imported: `Tensor` is named for the annotations), so
+the config checks a run's loss type before torch loads. Simplified: no SAPO, LUSPO or VESPO, and no
+`delta` (TRL's two-sided clipping).
 """
-import torch
-from torch import Tensor
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable
 
-from minirl.algo.logprobs import masked_mean
-from minirl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from minirl.utils.validate import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.2,
-                      epsilon_high: float | None = None) -> Tensor:
+def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float = 0.2,
+                      epsilon_high: float | None = None) -> "Tensor":
     """PPO's clipped per-token loss (to minimize).
 
     ratio: [B, T] (or [B, 1] for sequence-level ratios), pi/pi_old, > 0;
@@ -1231,14 +1251,14 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     # BEGIN SOLUTION
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    return -torch.min(ratio * advantages, clipped * advantages)
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    return -(ratio * advantages).minimum(clipped * advantages)
     # END SOLUTION
 
 
 # %% [markdown]
 # Then the per-token losses become one number, and here the GRPO family disagrees. TRL
-# offers four `loss_type`s:
+# offers four `loss_type`s that differ only in this:
 #
 # | `loss_type` | loss = | effect |
 # |---|---|---|
@@ -1247,34 +1267,244 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float = 0.
 # | `"dapo"` | sum over all tokens / tokens of the whole generation batch | as bnpo, but constant across gradient-accumulation slices (DAPO) |
 # | `"dr_grpo"` | sum over all tokens / (B × max_completion_length) | a constant denominator: no length bias at all (Dr. GRPO) |
 #
-# This is exercise 1.5.
+# Three normalizations cover the four (`bnpo` and `dapo` share one: they part ways only when
+# the batch is split over processes, notebook 04). These are exercises 1.5, 1.6 and 1.7.
 
 # %%
-# | export minirl/algo/losses.py
-def aggregate_loss(per_token_loss: Tensor, mask: Tensor, loss_type: str = "dapo",
-                   max_completion_length: int | None = None) -> Tensor:
-    """Reduce a per-token loss to a scalar, as TRL's GRPOTrainer does for `loss_type`.
+# | export minirl/loss_types.py
+def sequence_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"grpo": the mean over rows of each row's mean over its own tokens.
 
-    per_token_loss: [B, C] or [B, 1] (broadcast over C); mask: [B, C] of 0/1.
-      "grpo":    mean over rows of (sum of row's masked loss / max(row's token count, 1))
-      "bnpo":    sum of masked loss / max(total token count, 1)
-      "dapo":    same as "bnpo" in one process without gradient accumulation
-      "dr_grpo": sum of masked loss / (B * max_completion_length); max_completion_length
-                 defaults to C.
-    Returns a 0-dim tensor. Raises ValueError for an unknown loss_type.
+    per_token_loss, mask: [B, C] (mask 0/1, in per_token_loss's dtype). An empty row (no
+    completion token) contributes 0: its token count is clamped to 1. max_completion_length
+    is not used. Returns a 0-dim tensor.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    mask = mask.to(per_token_loss.dtype)
-    per_token_loss = per_token_loss.expand_as(mask)
     # BEGIN SOLUTION
-    if loss_type == "grpo":
-        return masked_mean(per_token_loss, mask, dim=-1).mean()
-    if loss_type in ("bnpo", "dapo"):
-        return masked_mean(per_token_loss, mask)
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    # END SOLUTION
+
+
+def token_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"bnpo", "dapo", "cispo": the sum of the masked losses over the batch's token count.
+
+    per_token_loss, mask: [B, C]. The count is clamped to 1, so an all-masked batch gives 0,
+    not NaN. max_completion_length is not used. Returns a 0-dim tensor.
+    """
+    # BEGIN SOLUTION
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
+    # END SOLUTION
+
+
+def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_length: int | None = None) -> "Tensor":
+    """"dr_grpo": the sum of the masked losses over B * max_completion_length, a constant.
+
+    per_token_loss, mask: [B, C]; max_completion_length defaults to C (pass it when the
+    columns are fewer, as a micro-batch's are). Returns a 0-dim tensor.
+    """
+    # BEGIN SOLUTION
     length = mask.shape[1] if max_completion_length is None else max_completion_length
     return (per_token_loss * mask).sum() / (mask.shape[0] * length)
     # END SOLUTION
+
+
+# %% [markdown]
+# ### 4.1 One entry per loss type
+#
+# A loss type fixes two more numbers, both used later and both following from its
+# normalization: how much a *part* of the batch counts when its loss is computed on its own.
+# The update runs in micro-batches (section 11.4), and each micro-batch's loss is weighted by
+# its share of the normalizer (of the rows for `grpo` and `dr_grpo`, of the tokens for the
+# others), so that splitting the work never changes the loss. A data-parallel job (notebook
+# 04) averages the gradients of W processes, each computing the loss over its rows; process
+# r's loss is weighted by W times its share, except for `bnpo`, which TRL normalizes by each
+# process's own tokens (weight 1: there, and only there, `bnpo` and `dapo` part ways).
+#
+# An entry holds all four parts, and `register_loss_type` refuses one that lacks a part: a
+# new loss type cannot silently borrow another's weights. The importance ratio is chosen the
+# same way, by `importance_sampling_level`: one per token, or one per completion (GSPO, the
+# geometric mean of its token ratios; notebook 08 shows why MoE models need it).
+
+# %%
+# | export minirl/loss_types.py
+def clipped_objective(logps: "Tensor", ratio: "Tensor", advantages: "Tensor", epsilon: float,
+                      epsilon_high: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+    """PPO's clipped surrogate per token, and where it clipped: below 1 - epsilon with A < 0, above
+    1 + epsilon_high with A > 0 (TRL's clip ratios). logps is not used (the ratio carries the gradient)."""
+    low = (ratio < 1 - epsilon) & (advantages < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return clipped_surrogate(ratio, advantages, epsilon, epsilon_high), low, high
+
+
+def by_rows(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
+    """A part's share of a normalizer that counts rows ("grpo", "dr_grpo")."""
+    return rows / total_rows
+
+
+def by_tokens(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
+    """A part's share of a normalizer that counts tokens, both clamped to 1 as the normalization clamps them."""
+    return max(tokens, 1) / max(total_tokens, 1)
+
+
+def ranks_by_rows(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int, world_size: int) -> float:
+    """W * N_r / N: a rank's weight when the batch's loss counts rows (0 for a rank with no rows)."""
+    return world_size * by_rows(local_rows, global_rows, local_tokens, global_tokens)
+
+
+def ranks_by_tokens(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
+                    world_size: int) -> float:
+    """W * T_r / T: a rank's weight when the batch's loss divides by the tokens of all ranks (TRL's
+    `num_items_in_batch`)."""
+    return world_size * by_tokens(local_rows, global_rows, local_tokens, global_tokens)
+
+
+def each_rank_alone(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
+                    world_size: int) -> float:
+    """1: each rank normalizes by its own tokens and the batch's loss is the mean of the ranks' ("bnpo")."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class LossType:
+    """Every part of one loss type (see the module docstring for each part's arguments)."""
+
+    objective: Callable           # (logps, ratio, advantages, epsilon, epsilon_high) -> (loss [B, C], low, high)
+    normalise: Callable           # (per_token_loss [B, C], mask [B, C], max_completion_length) -> 0-dim tensor
+    micro_batch_weight: Callable  # (rows, total_rows, tokens, total_tokens) -> a micro-batch's weight
+    rank_weight: Callable         # (local_tokens, global_tokens, local_rows, global_rows, world_size) -> weight
+
+
+LOSS_TYPES: dict[str, LossType] = {}
+
+
+def check_loss_type(name: str, entry) -> None:
+    """ConfigError naming the loss type and the part unless every part of a LossType is a function of `entry`."""
+    for part in fields(LossType):
+        if not callable(getattr(entry, part.name, None)):
+            raise ConfigError("loss_type", name, f"its entry's {part.name} is {getattr(entry, part.name, None)!r}, "
+                                                 "not a function: every loss type needs all of "
+                                                 f"{', '.join(f.name for f in fields(LossType))} (a LossType)")
+
+
+def register_loss_type(name: str, entry: LossType) -> LossType:
+    """Add (or replace) loss type `name`; ConfigError if the entry lacks a part."""
+    check_loss_type(name, entry)
+    LOSS_TYPES[name] = entry
+    return entry
+
+
+def loss_type_entry(name: str) -> LossType:
+    """The entry of loss type `name`; ConfigError for an unknown name or an entry that lacks a part."""
+    if name not in LOSS_TYPES:
+        raise ConfigError("loss_type", name, f"use one of {', '.join(map(repr, LOSS_TYPES))}, or register yours "
+                                             "(minirl.loss_types.register_loss_type)")
+    check_loss_type(name, LOSS_TYPES[name])
+    return LOSS_TYPES[name]
+
+
+def aggregate_loss(per_token_loss: "Tensor", mask: "Tensor", loss_type: str = "dapo",
+                   max_completion_length: int | None = None) -> "Tensor":
+    """Reduce a per-token loss to a scalar as loss type `loss_type` does (its `normalise`).
+
+    per_token_loss: [B, C] or [B, 1] (broadcast over C); mask: [B, C] of 0/1. Returns a 0-dim
+    tensor. Raises ConfigError (a ValueError) for an unknown loss_type.
+    """
+    entry = loss_type_entry(loss_type)
+    mask = mask.to(per_token_loss.dtype)
+    return entry.normalise(per_token_loss.expand_as(mask), mask, max_completion_length)
+
+
+def token_log_ratio(log_ratio: "Tensor", mask: "Tensor") -> "Tensor":
+    """One log-ratio per token: [B, C] unchanged."""
+    return log_ratio
+
+
+def sequence_log_ratio(log_ratio: "Tensor", mask: "Tensor") -> "Tensor":
+    """GSPO: one log-ratio per completion, the mean of its tokens' (the log of their geometric mean): [B, 1]."""
+    return (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable] = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+register_loss_type("grpo", LossType(objective=clipped_objective, normalise=sequence_mean,
+                                    micro_batch_weight=by_rows, rank_weight=ranks_by_rows))
+register_loss_type("bnpo", LossType(objective=clipped_objective, normalise=token_mean,
+                                    micro_batch_weight=by_tokens, rank_weight=each_rank_alone))
+register_loss_type("dr_grpo", LossType(objective=clipped_objective, normalise=max_length_mean,
+                                       micro_batch_weight=by_rows, rank_weight=ranks_by_rows))
+register_loss_type("dapo", LossType(objective=clipped_objective, normalise=token_mean,
+                                    micro_batch_weight=by_tokens, rank_weight=ranks_by_tokens))
+
+
+# %% [markdown]
+# ### 4.2 Adding a loss type: CISPO
+#
+# The next loss type is one entry, and nothing else changes: not the loss, not the update,
+# not the data-parallel roles of notebook 04. CISPO (MiniMax-M1; TRL 1.16's
+# `loss_type="cispo"`) clips the importance *weight* instead of the objective, and stops its
+# gradient: the per-token loss is −sg(min(r_t, ε_max)) · A_t · log π(y_t), so every token
+# keeps a gradient (PPO drops the clipped ones) and a token whose ratio ran away counts at
+# most ε_max. In TRL the cap is `epsilon_high` itself (ScaleRL recommends 5.0; unset, it
+# falls back to `epsilon`, 0.2), and the losses are normalized as `dapo`'s. Your own loss
+# type goes here the same way: write what differs, reuse the parts that do not, register.
+
+# %%
+# | export minirl/loss_types.py
+def cispo_objective(logps: "Tensor", ratio: "Tensor", advantages: "Tensor", epsilon: float,
+                    epsilon_high: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+    """CISPO's per-token loss, as TRL 1.16 computes it: -sg(min(ratio, epsilon_high)) * A * logps.
+
+    The weight is detached: the gradient flows through logps alone, on every token. Clipped
+    above: ratio > epsilon_high with A > 0 (TRL's `cispo_clip_ratio`); nothing is clipped below.
+    """
+    weight = ratio.clamp(max=epsilon_high).detach()
+    high = (ratio > epsilon_high) & (advantages > 0)
+    nothing = high.new_zeros(high.shape)                                        # CISPO never clips below
+    return -weight * advantages * logps, nothing, high
+
+
+register_loss_type("cispo", LossType(objective=cispo_objective, normalise=token_mean,
+                                     micro_batch_weight=by_tokens, rank_weight=ranks_by_tokens))
+
+# %%
+from minirl.loss_types import LOSS_TYPES, LossType, register_loss_type, token_mean  # noqa: E402
+
+print("loss types:", ", ".join(LOSS_TYPES))
+dapo = LOSS_TYPES["dapo"]
+try:                                       # an entry without its rank weight is refused when it is registered
+    register_loss_type("half_done", LossType(objective=dapo.objective, normalise=token_mean,
+                                             micro_batch_weight=dapo.micro_batch_weight, rank_weight=None))
+except ValueError as err:
+    print(f"{type(err).__name__}: {err}")
+
+# %% [markdown]
+# `policy_loss` puts the parts together, with the options TRL has: the importance ratio per
+# token or per sequence, a k3 KL penalty to a frozen reference with coefficient `beta`, and
+# optional per-token weights `is_weights` for the truncated importance sampling of notebook 02.
+# The KL term is itself an average over tokens sampled from π_old, not from π;
+# `use_bias_correction_kl=True` weights it by the same importance ratio π/π_old
+# (DeepSeek-V3.2's correction, on by default in TRL 1.16, off by default here as in classic
+# GRPO; with one update per batch the ratio is 1, so the KL's value is unchanged but its
+# gradient gains a term KL · ∇log π). It also reports the clip fractions, as TRL logs them.
+
+# %%
+# | export minirl/algo/losses.py
+"""Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
+
+`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
+`minirl.loss_types.LOSS_TYPES` ("grpo", "bnpo", "dr_grpo", "dapo", "cispo") and importance_sampling_level
+in {"token", "sequence"} on one process without gradient accumulation. There, "dapo" (normalize by the
+tokens of the whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
+differ only when a batch is split across accumulation steps or processes. minirl's own micro-batches
+(section 11.4) are weighted by each loss type's `micro_batch_weight`, so that splitting the update never
+changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
+Simplified: no entropy masking, no off-policy masking.
+"""
+import torch
+from torch import Tensor
+
+from minirl.algo.logprobs import masked_mean
+from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
+from minirl.utils.validate import check_choice
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -1283,20 +1513,6 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-# %% [markdown]
-# `policy_loss` puts them together, with the options TRL has: `importance_sampling_level`
-# "sequence" is GSPO (one ratio per sequence, the geometric mean of its token ratios, which
-# MoE models need because routing noise makes single-token ratios jumpy; notebook 08), a k3
-# KL penalty to a frozen reference with coefficient `beta`, and optional per-token weights
-# `is_weights` for the truncated importance sampling of notebook 02. The KL term is itself an
-# average over tokens sampled from π_old, not from π; `use_bias_correction_kl=True` weights
-# it by the same importance ratio π/π_old (DeepSeek-V3.2's correction, on by default in TRL
-# 1.16, off by default here as in classic GRPO; with one update per batch the ratio is 1, so
-# the KL's value is unchanged but its gradient gains a term KL · ∇log π). It also reports the
-# clip fractions, as TRL logs them.
-
-# %%
-# | export minirl/algo/losses.py
 def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, *, epsilon: float = 0.2,
                 epsilon_high: float | None = None, loss_type: str = "dapo",
                 importance_sampling_level: str = "token", beta: float = 0.0, ref_logps: Tensor | None = None,
@@ -1305,7 +1521,9 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
-    (one per sequence, GRPO) or [B, C] (per token, PPO/GAE).
+    (one per sequence, GRPO) or [B, C] (per token, PPO/GAE). The loss type's entry
+    (`minirl.loss_types`) gives the objective and the normalization; importance_sampling_level
+    the ratio (token, or sequence: GSPO).
     use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
     token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
     default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
@@ -1314,20 +1532,17 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
     use_bias_correction_kl) when ref_logps is given.
     """
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: "
-                         f"use one of {IMPORTANCE_SAMPLING_LEVELS}")
+    entry = loss_type_entry(loss_type)
+    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)                                   # [B, 1]
-    log_ratio = logps - old_logps                                              # [B, C]
-    if importance_sampling_level == "sequence":                                # GSPO
-        log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)         # [B, 1]
+    log_ratio = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)  # [B, C] or [B, 1]
     ratio = torch.exp(log_ratio)
-    per_token = clipped_surrogate(ratio, advantages, epsilon, epsilon_high)    # [B, C] or [B, 1]
+    per_token, low, high = entry.objective(logps, ratio, advantages, epsilon, epsilon_high)    # [B, C] or [B, 1]
     if is_weights is not None:
         per_token = per_token * is_weights
     kl = kl_k3(logps, ref_logps) if ref_logps is not None else None
@@ -1335,15 +1550,13 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
         kl = kl * ratio                                                        # [B, C]
     if beta != 0.0:
         per_token = per_token + beta * kl
-    loss = aggregate_loss(per_token, mask, loss_type, max_completion_length)
+    loss = entry.normalise(per_token.expand_as(mask), mask, max_completion_length)
 
     with torch.no_grad():
         def share(flags):                    # TRL's global masked mean; [B, 1] counts per sequence
             flags = flags.to(mask.dtype)
             return (flags.mean() if flags.shape[1] == 1 and mask.shape[1] != 1
                     else masked_mean(flags.expand_as(mask), mask)).item()
-        low = (ratio < 1 - epsilon) & (advantages < 0)
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
         metrics = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
                    "clip_ratio/region_mean": share(low | high), "ratio_mean": share(ratio)}
         if kl is not None:
@@ -1375,7 +1588,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 # gradient is gone (notebook 02 sweeps this).
 
 # %%
-from minirl.algo.losses import clipped_surrogate, policy_loss  # noqa: E402
+from minirl.algo.losses import policy_loss  # noqa: E402
+from minirl.loss_types import clipped_surrogate  # noqa: E402
 
 for new in (0.22, 0.24, 0.26):
     r = torch.tensor([[new / 0.20]], requires_grad=True)
@@ -1384,14 +1598,14 @@ for new in (0.22, 0.24, 0.26):
     print(f"old 0.20 -> new {new:.2f}: ratio {r.item():.2f}, loss {loss.item():+.3f}, d loss/d ratio {r.grad.item():+.1f}")
 
 # %% [markdown]
-# How the four aggregations weigh a short and a long completion with the same per-token loss:
+# How the aggregations weigh a short and a long completion with the same per-token loss:
 
 # %%
-from minirl.algo.losses import aggregate_loss  # noqa: E402
+from minirl.loss_types import aggregate_loss  # noqa: E402
 
 per_tok = torch.ones(2, 4)
 m2 = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
-print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in ("grpo", "bnpo", "dapo", "dr_grpo")))
+print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in LOSS_TYPES))
 
 # %% [markdown]
 # ## 5. The roles: actor, reference, critic
@@ -1486,9 +1700,10 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
-from minirl.algo.losses import micro_batch_weight, policy_loss
+from minirl.algo.losses import policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
+from minirl.loss_types import loss_type_entry
 
 
 def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
@@ -1586,8 +1801,8 @@ class Actor:
 def backward(self, exp: Experience) -> dict:
     """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
 
-    Each micro-batch's loss is weighted by its share of the batch's normalization
-    (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+    Each micro-batch's loss is weighted by its share of the batch's normalization (the loss
+    type's `micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
     loss is not finite ends the backward passes (the rest only run forward, for the metrics)
     and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
     """
@@ -1595,6 +1810,7 @@ def backward(self, exp: Experience) -> dict:
     mask = ro.completion_mask                                                  # [N, C]
     logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
     total_rows, total_tokens = len(ro), float(mask.sum())
+    weigh = loss_type_entry(algo.loss_type).micro_batch_weight
     scorer, finite = self._scorer(ro, requires_grad=True), True
     for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
         part = lambda t, rows=rows, width=width: (  # noqa: E731
@@ -1602,7 +1818,7 @@ def backward(self, exp: Experience) -> dict:
         lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
         loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
                              part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
-        weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+        weight = weigh(len(rows), total_rows, float(mask[rows].sum()), total_tokens)
         finite = finite and bool(torch.isfinite(loss))
         if finite:
             (loss * weight).backward()
@@ -1792,18 +2008,18 @@ rollout engine however the placement requires, and returns a `SyncReport` (the v
 engine now holds, how many tensors and bytes moved, how long it took). Stage 1 copies
 in-process (`InProcessSync`); notebook 04 gathers FSDP-sharded tensors or merges LoRA
 first; notebook 06 broadcasts across Ray actors. All of them end with the same check: the
-engine reports the version that was pushed (`check_pushed`), and on request the weights it
-holds are compared with the trainer's (`minirl.sync.checks`, notebook 02).
+engine reports the version that was pushed (`check_pushed`), and on request a check of the
+weights it holds against the trainer's (`InProcessSync(verify=...)`: notebook 02 writes one,
+`minirl.sync.checks.check_synchronization`).
 """
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from torch import Tensor
 
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.sync.checks import check_synchronization
 
 
 @dataclass
@@ -1838,12 +2054,13 @@ def check_pushed(engine: RolloutEngine, version: int) -> None:
 class InProcessSync:
     """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
 
-    verify=True also compares every weight the engine holds with the trainer's, within the
-    rounding of the engine's dtype (`minirl.sync.checks.check_synchronization`; slower: it
-    reads every tensor twice). Raises RuntimeError naming the stale tensors.
+    verify: a check run after every push, verify(trainer_weights: {name: tensor}, engine) ->
+    a list of problems, e.g. notebook 02's `check_synchronization`, which compares every weight
+    the engine holds with the trainer's within the rounding of the engine's dtype (slower: it
+    reads every tensor twice). Raises RuntimeError naming the problems.
     """
 
-    def __init__(self, verify: bool = False):
+    def __init__(self, verify: Callable[[dict, RolloutEngine], list[str]] | None = None):
         self.verify = verify
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
@@ -1851,8 +2068,8 @@ class InProcessSync:
         named = [(name, tensor.detach()) for name, tensor in named_weights]
         engine.load_weights(named, version)
         check_pushed(engine, version)
-        if self.verify:
-            problems = check_synchronization(dict(named), engine)
+        if self.verify is not None:
+            problems = self.verify(dict(named), engine)
             if problems:
                 raise RuntimeError("weight sync left the engine stale: " + "; ".join(problems))
         return SyncReport(version, len(named), sum(t.numel() * t.element_size() for _, t in named),
@@ -1918,12 +2135,12 @@ reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrai
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from minirl.algo.advantages import gae, group_advantages, terminal_rewards, whiten
-from minirl.algo.corrections import importance_sampling_weights
 from minirl.config import AlgorithmConfig, RLConfig
 from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
@@ -2029,10 +2246,12 @@ def _as_float(value) -> float:
 
 # %% [markdown]
 # Between scoring and the update come the quantities the update needs, each in its own
-# stage: `make_experience` asks the roles (no gradients), `importance_weights` computes
-# notebook 02's correction when it is on, and `compute_advantages` turns rewards into
-# advantages, GRPO's group-normalized ones or PPO's GAE over per-token rewards (the KL
-# penalty, for PPO, is part of the reward, as in TRL's PPOTrainer).
+# stage: `make_experience` asks the roles (no gradients), the behaviour corrections run
+# (`correct_behaviour`: none yet; notebook 02 registers its truncated importance sampling
+# in `BEHAVIOUR_CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
+# `compute_advantages` turns rewards into advantages, GRPO's group-normalized ones or PPO's
+# GAE over per-token rewards (the KL penalty, for PPO, is part of the reward, as in TRL's
+# PPOTrainer).
 
 # %%
 # | export minirl/train/step.py
@@ -2052,14 +2271,15 @@ def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: 
         values=roles.critic.values(rollout) if roles.critic is not None else None)
 
 
-def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (notebook 02), when the correction is on."""
-    if not algorithm.importance_sampling_correction:
-        return exp
-    ro = exp.rollout
-    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
-                                                 algorithm.importance_sampling_mode,
-                                                 algorithm.importance_sampling_cap)       # [N, C]
+# Behaviour corrections, by name: (exp, algorithm) -> exp, each doing nothing unless the config turns it on.
+# Notebook 02 registers truncated importance sampling; `learn` applies them in order.
+BEHAVIOUR_CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
+
+
+def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Every registered behaviour correction, in order (notebook 02's truncated IS, when the config asks)."""
+    for correction in BEHAVIOUR_CORRECTIONS.values():
+        exp = correction(exp, algorithm)
     return exp
 
 
@@ -2101,7 +2321,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
 
     rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
     behaviour correction (`is_weights`, and `old_logps` if it needs them); default
-    `importance_weights` (notebook 02's truncated IS, when the config turns it on).
+    `correct_behaviour` (notebook 02's truncated IS, when the config turns it on).
     Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
     gets the "reference", "advantages", "update" (and "update_critic") seconds.
     group: as in `rl_step`.
@@ -2110,7 +2330,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
     with timer("advantages"):
-        exp = importance_weights(exp, config.algorithm) if correct is None else correct(exp)
+        exp = correct_behaviour(exp, config.algorithm) if correct is None else correct(exp)
         exp = compute_advantages(exp, config.algorithm, group)
     with timer("update"):
         metrics = roles.actor.update(exp)
@@ -2136,6 +2356,18 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length": lengths.mean().item(),
             "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
+
+
+def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
+                    timer: StageTimer, group=None) -> dict:
+    """The step's tail: push the actor's weights into `engine` as the next version (timed as "sync"), then the
+    record: the update's `metrics`, the new version, the sync's bytes, the batch's statistics and every stage's
+    seconds. Notebook 07's trainer ends its steps with it too. group: as in `rl_step`."""
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)
 
 
 # %% [markdown]
@@ -2166,11 +2398,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
-    with timer("sync"):
-        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
-    roles.version = report.version
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
-            | timer.times)
+    return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
@@ -2207,15 +2435,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minirl.config import ROLLOUT_ENGINES, RLConfig
+from minirl.config import RLConfig
 from minirl.models.critic import ValueModel
 from minirl.models.policy import check_prompts, load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
-from minirl.rollout.engine.engine import PagedEngine
-from minirl.rollout.hf import HFEngine
-from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
@@ -2228,8 +2454,91 @@ SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints",
 
 
 # %% [markdown]
-# The parts of a run, built from its config: the roles for a model, and the engine that
-# `rollout_engine` names.
+# The engine that `rollout_engine` names comes from a registry owned by the rollout layer: a
+# name maps to a factory that imports its backend only when it builds it, and every stage
+# builds its engine through `build_engine`. This notebook registers its two engines; notebook
+# 04 registers vLLM and notebook 05 its paged engine, each in the notebook that builds it, so
+# no stage's code names a backend.
+
+# %%
+# | export minirl/rollout/registry.py
+"""The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
+
+`ENGINES` maps an engine's name (config.rollout.rollout_engine, the chapters' --rollout-engine)
+to an `EngineEntry`: `build(config, model, tokenizer, device, **options)` returns that engine
+holding a copy of `model` (version 0) in config.engine_dtype, importing its backend only then;
+`problem(config)` says why this machine or run cannot use it (None: it can), without importing
+anything heavy, so that a chapter refuses the flag before torch or a model loads
+(`check_engine`). Every stage builds its engine with `build_engine`. Notebook 01 registers "hf"
+and "shared_prefix", notebook 04 "vllm", notebook 05 "paged": each engine in the notebook that
+builds it. options: what a stage adds (stage 4's vLLM settings); a factory takes those it uses.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+from minirl.config import RLConfig
+from minirl.utils.validate import ConfigError
+
+
+def runs_anywhere(config: RLConfig) -> str | None:
+    """The `problem` of an in-process engine: none (it runs wherever torch runs)."""
+    return None
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One registered engine."""
+
+    build: Callable     # (config, model, tokenizer, device, **options) -> RolloutEngine; imports its backend
+    problem: Callable   # (config) -> why this run cannot use the engine, or None; imports nothing heavy
+
+
+ENGINES: dict[str, EngineEntry] = {}
+
+
+def register_engine(name: str, problem: Callable = runs_anywhere):
+    """Decorator: register the factory below it as engine `name` (replacing one of that name)."""
+    def add(build: Callable) -> Callable:
+        ENGINES[name] = EngineEntry(build, problem)
+        return build
+    return add
+
+
+def check_engine(config: RLConfig) -> None:
+    """ConfigError naming rollout_engine when no engine has that name, or when this run cannot use it."""
+    name = config.rollout.rollout_engine
+    if name not in ENGINES:
+        raise ConfigError("rollout_engine", name, f"use one of {', '.join(map(repr, ENGINES))}")
+    problem = ENGINES[name].problem(config)
+    if problem is not None:
+        raise ConfigError("rollout_engine", name, problem)
+
+
+def build_engine(config: RLConfig, model, tokenizer, device=None, **options):
+    """The engine config.rollout.rollout_engine names, holding a copy of `model` (version 0), on `device`
+    (default config.run.device); ConfigError for an unknown name. options: passed to its factory."""
+    name = config.rollout.rollout_engine
+    if name not in ENGINES:
+        raise ConfigError("rollout_engine", name, f"use one of {', '.join(map(repr, ENGINES))}")
+    return ENGINES[name].build(config, model, tokenizer, config.run.device if device is None else device, **options)
+
+
+@register_engine("hf")
+def build_hf(config: RLConfig, model, tokenizer, device, **options):
+    """HF `generate` on the B * G rows (section 2); options: none used."""
+    from minirl.rollout.hf import HFEngine  # noqa: PLC0415 (the backend loads when built, not when named)
+    return HFEngine(model, tokenizer, config.engine_dtype, device=device)
+
+
+@register_engine("shared_prefix")
+def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
+    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
+    return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
+
+# %% [markdown]
+# The parts of a run, built from its config: the roles for a model (and the engine, from the
+# registry above).
 
 # %%
 # | export minirl/train/run.py
@@ -2244,27 +2553,6 @@ def build_roles(config: RLConfig, model) -> Roles:
         critic = Critic(ValueModel.from_policy(model).to(dtype), config.algorithm, config.optimizer)
     return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
 
-
-def engine_class(rollout_engine: str) -> type:
-    """The class of the in-process engine `rollout_engine` names (config.rollout.rollout_engine).
-
-    Every one is built alike, `cls(model, tokenizer, dtype, device=...)`, and speaks the
-    RolloutEngine protocol; a name outside ROLLOUT_ENGINES is a ConfigError.
-    """
-    if rollout_engine == "hf":
-        return HFEngine                   # transformers' generate on B*G rows
-    if rollout_engine == "shared_prefix":
-        return SharedPrefixEngine         # each prompt prefilled once for its G samples
-    if rollout_engine == "paged":
-        return PagedEngine                # notebook 05: paged KV cache, continuous batching
-    raise ConfigError("rollout_engine", rollout_engine, f"use one of {', '.join(ROLLOUT_ENGINES)}")
-
-
-def build_engine(config: RLConfig, model, tokenizer):
-    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0) in
-    config.engine_dtype."""
-    engine = engine_class(config.rollout.rollout_engine)
-    return engine(model, tokenizer, config.engine_dtype, device=config.run.device)
 
 
 # %% [markdown]
@@ -3323,27 +3611,12 @@ class MicroBatchedLogprobs:
 # Each micro-batch's loss must be weighted so that the weighted losses add up to the batch's.
 # Every aggregation of section 4 is a sum of per-row terms over one normalizer, so the weight
 # is the micro-batch's share of that normalizer: of the rows for `grpo` (a mean of per-row
-# means) and `dr_grpo` (B × max_completion_length), of the tokens for `bnpo` and `dapo`. The
-# loss of the update is then the same, and so is its gradient: micro-batching changes how the
-# work is cut, never what is computed. (TRL's `bnpo` normalizes by each micro-batch's own
-# tokens, so there it changes with `gradient_accumulation_steps`; ours does not.)
-
-# %%
-# | export minirl/algo/losses.py
-def micro_batch_weight(loss_type: str, rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """w such that the sum over micro-batches of w * (micro-batch's loss) is the whole batch's loss.
-
-    rows, tokens: the micro-batch's completions and completion tokens (mask sum); total_*: the
-    batch's. "grpo", "dr_grpo": w = rows / total_rows; "bnpo", "dapo": w = max(tokens, 1) /
-    max(total_tokens, 1) (the clamps of masked_mean). "dr_grpo" needs an explicit
-    max_completion_length in the loss: micro-batches have different widths.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / total_rows
-    return max(tokens, 1) / max(total_tokens, 1)
-
+# means) and `dr_grpo` (B × max_completion_length), of the tokens for `bnpo`, `dapo` and
+# `cispo`. Each loss type's entry holds its weight (`micro_batch_weight`, section 4.1), and
+# `Actor.backward` multiplies each micro-batch's loss by it. The loss of the update is then
+# the same, and so is its gradient: micro-batching changes how the work is cut, never what is
+# computed. (TRL's `bnpo` normalizes by each micro-batch's own tokens, so there it changes
+# with `gradient_accumulation_steps`; ours does not.)
 
 # %% [markdown]
 # Check it, and measure it, on the long-tail workload: notebook 05's policy (7.6 M parameters,
@@ -3443,7 +3716,9 @@ print(f"saving: {padded_tokens / packed_tokens:.1f}x fewer completion tokens, th
 # | 1.2 | `group_advantages` | group/batch/none scaling as TRL, unbiased std + 1e-4, equal rewards give 0 |
 # | 1.3 | `gae` | the backward recursion with masking; γ = λ = 1 gives the Monte Carlo return |
 # | 1.4 | `clipped_surrogate` | PPO's min/clip for both signs of A, clip-higher, no gradient when clipped |
-# | 1.5 | `aggregate_loss` | grpo / bnpo / dapo / dr_grpo normalizations and their edge cases |
+# | 1.5 | `sequence_mean` | grpo's mean of per-row means; an empty row counts 0 |
+# | 1.6 | `token_mean` | bnpo / dapo / cispo: over the batch's tokens; an all-masked batch gives 0, not NaN |
+# | 1.7 | `max_length_mean` | dr_grpo: over B × max_completion_length, whatever the columns |
 #
 # Questions to think about (not graded): set `scale_rewards="none"` or `loss_type="grpo"`
 # and rerun section 8: does the curve change, and why so little on this task (hint: how

@@ -88,7 +88,7 @@ print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 
 # PPO limits how far one update moves the policy with the ratio
 # $r_t = \pi_\theta(a_t\mid s_t) / \pi_\text{old}(a_t\mid s_t)$ and the clipped objective
 # $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$.
-# Notebook 01 wrote it once, as a loss to minimize: `minirl.algo.losses.clipped_surrogate` returns
+# Notebook 01 wrote it once, as a loss to minimize: `minirl.loss_types.clipped_surrogate` returns
 # minus this objective, and everything below reuses it. What this notebook adds is the ratio
 # and the arithmetic of the clip seen from one token's probability: with $\pi_\text{old} = p$,
 # an update still moves the objective only while the new probability stays inside
@@ -103,7 +103,7 @@ forward in fp32) compute different probabilities for the same tokens from the sa
 This module measures that gap token by token (`measure_logprobs`, `mismatch_stats`,
 `probability_buckets`), checks that a rollout really holds the trainer's weights
 (`stale_parameters`, `check_synchronization`) and runs the source's four diagnosis steps as
-one call (`diagnose` -> `MismatchReport`).
+one call (`diagnose_mismatch` -> `MismatchReport`).
 
 Simplified on purpose: production systems (veRL, TRL with vLLM, slime) log the same
 quantities (`sampling_logp_difference`, importance-ratio min/mean/max) from a separate
@@ -146,7 +146,7 @@ def clip_bounds(old_probs: Tensor, epsilon: float = 0.2,
 # 0.24, so $r = 1.2$, exactly the upper boundary at $\epsilon = 0.2$.
 
 # %%
-from minirl.algo.losses import clipped_surrogate  # notebook 01's loss: minus the objective
+from minirl.loss_types import clipped_surrogate  # notebook 01's loss: minus the objective
 
 
 def objective(ratio, advantages):
@@ -322,9 +322,7 @@ import copy
 
 from minirl.algo.logprobs import completion_logprobs
 from minirl.config import SamplingConfig
-from minirl.rollout.hf import HFEngine
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from minirl.rollout.hf import DTYPES, HFEngine
 
 
 @dataclass
@@ -604,7 +602,7 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
 
 
 # %% [markdown]
-# The report gathers the four steps. `diagnose` runs them and returns a `MismatchReport`
+# The report gathers the four steps. `diagnose_mismatch` runs them and returns a `MismatchReport`
 # whose `str` is a page a learner can read.
 
 # %%
@@ -615,7 +613,7 @@ from minirl.sync.checks import check_synchronization, dtype_name
 
 @dataclass
 class MismatchReport:
-    """What `diagnose` found, step by step; print it."""
+    """What `diagnose_mismatch` found, step by step; print it."""
 
     rollout_dtype: str
     train_dtype: str
@@ -655,7 +653,7 @@ class MismatchReport:
 
 
 # %% [markdown]
-# `diagnose` fills the report: the synchronization check, the token-by-token measurement (with
+# `diagnose_mismatch` fills the report: the synchronization check, the token-by-token measurement (with
 # the worst tokens named), the precision sweep on fresh synchronized copies, and the MoE
 # routes when the policy has routers.
 
@@ -675,7 +673,7 @@ def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
     return rows
 
 
-def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
+def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
              rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
@@ -719,7 +717,7 @@ def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version
 # %%
 SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16", "float8_e4m3fn")
 t0 = time.time()
-report = diagnose(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP, progress=True)
+report = diagnose_mismatch(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP, progress=True)
 print(f"done in {time.time() - t0:.0f} s\n")
 print(report)
 cache_only = report.sweep["float32"]["mean_abs_delta"]
@@ -778,9 +776,9 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `importance_sampling_correction` is on, in a stage of its own
-(`minirl.train.step.importance_weights`). `vocabulary_keep_mask` and `pruned_log_softmax`
+per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
+when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
+notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
 prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
@@ -879,6 +877,37 @@ plt.show()
 # token ratios, so one bad token moves the whole sequence's weight: at the same cap,
 # sequence-level weights are masked or truncated at least as often as token-level ones, and
 # more often wherever the cap binds at all (compare the two modes' "tokens changed" at 1.05).
+
+# %% [markdown]
+# Into the loop. Notebook 01's step runs the behaviour corrections registered in
+# `BEHAVIOUR_CORRECTIONS` between the experience and the advantages; this one joins them, and weights
+# each token when the config's `importance_sampling_correction` is on (with its
+# `importance_sampling_mode` and `importance_sampling_cap`). The step itself does not change.
+
+# %%
+from minirl.train.step import BEHAVIOUR_CORRECTIONS  # noqa: E402  (notebook 01's hook)
+
+print("behaviour corrections before this notebook's:", list(BEHAVIOUR_CORRECTIONS) or "none")
+
+# %%
+# | export minirl/train/step.py
+from minirl.algo.corrections import importance_sampling_weights
+from minirl.config import AlgorithmConfig
+from minirl.data import Experience
+
+
+def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config turns the correction on."""
+    if not algorithm.importance_sampling_correction:
+        return exp
+    ro = exp.rollout
+    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
+                                                 algorithm.importance_sampling_mode,
+                                                 algorithm.importance_sampling_cap)       # [N, C]
+    return exp
+
+
+BEHAVIOUR_CORRECTIONS["importance_sampling"] = importance_weights
 
 # %% [markdown]
 # ### 4.2 Prune the tail, identically on both sides

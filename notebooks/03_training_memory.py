@@ -121,7 +121,8 @@ from dataclasses import dataclass, replace
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-STAGES = (0, 1, 2, 3)
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
 GB = 1e9  # decimal gigabytes, as the source counts
 
 
@@ -138,8 +139,8 @@ def check_precision(precision: str) -> None:
 
 
 def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, STAGES))} "
+    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
+        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
                          "(0 = plain data parallel, 3 = everything sharded)")
 
 # %% [markdown]
@@ -293,7 +294,7 @@ show([(n, *(f"{zero_saving(n, s):.2f}x" for s in (1, 2, 3))) for n in (2, 4, 8, 
      ("N", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
 
 # %%
-comm = {s: zero_communication(P70, 8, s) for s in STAGES}
+comm = {s: zero_communication(P70, 8, s) for s in ZERO_LEVELS}
 vs_ddp = {s: comm[s]["vs_ddp"] for s in (1, 2, 3)}
 
 
@@ -606,7 +607,7 @@ print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none
 # %%
 # | export minirl/memory/calculator.py
 def lora_params(shape: ModelShape, rank: int,
-                target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> int:
+                target_modules=LORA_TARGETS) -> int:
     """Trainable parameters LoRA adds: r x (fan_in + fan_out) per targeted linear, per layer."""
     check_positive("rank", rank)
     h, kv, i = shape.hidden_size, shape.kv_dim, shape.intermediate_size
@@ -802,8 +803,8 @@ without gradient checkpointing, and `measure_lora` does the same for LoRA's stat
 Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
 storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
 DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
-`minirl.parallel.wrap`, the code notebook 04 trains with, so what is measured here is what
-trains there.
+`minirl.memory.wrap` (this notebook's appendix), the code notebook 04 trains with, so what is
+measured here is what trains there.
 
 Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
 *what* is held; the allocator's peak (CUDA only) adds what a count of named tensors cannot
@@ -816,8 +817,8 @@ import weakref
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
-from minirl.parallel import wrap
+from minirl.memory.calculator import LORA_TARGETS, ModelShape, activation_memory, lora_memory, lora_params
+from minirl.memory.wrap import apply_lora, set_checkpointing
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -912,26 +913,22 @@ class SavedActivationMeter:
 
 # %%
 # | export minirl/memory/measure.py
-def set_checkpointing(model, on: bool) -> None:
-    """Per-layer gradient checkpointing on a transformers model (reentrant, so it can be metered)."""
-    wrap.set_checkpointing(model, on, reentrant=True)
-
-
 def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
                         attention_mask: torch.Tensor | None = None) -> dict:
     """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
 
     attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
     the peak of saved activations (parameters excluded) and the wall time of the forward +
-    backward. Gradients are left in place; zero them yourself.
+    backward. Gradients are left in place; zero them yourself. Checkpointing is the reentrant
+    kind, whose recomputation the saved-tensor meter can see.
     """
     model.train()
-    set_checkpointing(model, checkpointing)
+    set_checkpointing(model, checkpointing, reentrant=True)
     start = time.perf_counter()
     with SavedActivationMeter(exclude=list(model.parameters())) as meter:
         model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
     seconds = time.perf_counter() - start
-    set_checkpointing(model, False)
+    set_checkpointing(model, False, reentrant=True)
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
@@ -967,7 +964,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progres
         _timed_rounds(model, input_ids, repeats, times, progress)
     finally:
         torch.set_num_threads(threads)
-        set_checkpointing(model, False)
+        set_checkpointing(model, False, reentrant=True)
     ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
@@ -979,7 +976,7 @@ def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = 
     """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
     for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
         for on in ((False, True) if i % 2 else (True, False)):
-            set_checkpointing(model, on)
+            set_checkpointing(model, on, reentrant=True)
             start = time.process_time()
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             if i:
@@ -1093,12 +1090,13 @@ print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 
 # | export minirl/memory/distributed.py
 """Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
 
-`worker_main` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
+`memory_worker` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
 strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
 rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
 allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
 and returns its table; `compare_measured` sets it beside the calculator's prediction. The
-models are wrapped by `minirl.parallel.wrap`, the code notebook 04 trains with.
+models are wrapped by `minirl.memory.wrap` (this notebook's appendix), the code notebook 04
+trains with; `minirl.runtime.launch.torchrun` starts the job.
 
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
 """
@@ -1115,14 +1113,15 @@ import torch
 
 from minirl.memory.calculator import zero_per_gpu
 from minirl.memory.measure import MEASURE_SIZES, STRATEGIES, build_measure_model, random_batch, storage_bytes
-from minirl.parallel import wrap
-from minirl.parallel.launch import output_ends, torchrun
+from minirl.memory.wrap import make_optimizer, wrap_model
+from minirl.runtime.launch import output_ends, torchrun
 
 
 def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
-    wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
+    """(module to call, optimizer, module whose parameters are counted) for `strategy`: the wrappers notebook 04
+    trains with."""
+    wrapped = wrap_model(model, STRATEGIES[strategy], device)
+    return wrapped.wrapper, make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
 # %% [markdown]
@@ -1354,9 +1353,6 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
 
 # %%
 # | export minirl/memory/measure.py
-LORA_TARGETS = wrap.LORA_TARGETS
-
-
 def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
     """One Adam step of `peft` LoRA (every linear, rank `rank`) on the measurement model, FP32.
 
@@ -1366,7 +1362,7 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     base = shape.param_count()
-    lora = wrap.apply_lora(model, rank, 2 * rank, LORA_TARGETS)
+    lora = apply_lora(model, rank, 2 * rank, LORA_TARGETS)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=1e-4)
     x = random_batch(batch, seq, seed)
@@ -1432,19 +1428,182 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # ```
 
 # %% [markdown]
-# ## Appendix: plotting helpers and the torchrun job
+# ## Appendix: the wrappers, plotting helpers and the torchrun job
 #
-# The plumbing the sections above call: the two ZeRO plots of §2 and §6
-# (`minirl.memory.plots`), the storage counting every measurement uses
-# (`minirl.memory.measure`), and the body and launcher of §6's `torchrun` job
-# (`minirl.memory.distributed`).
+# The code the sections above call: the wrappers §5-§7 measure with, which notebook 04
+# trains with and explains (DDP, ZeRO-1, FSDP2, checkpointing, LoRA: `minirl.memory.wrap`),
+# the two ZeRO plots of §2 and §6 (`minirl.memory.plots`), the storage counting every
+# measurement uses (`minirl.memory.measure`), and the body and launcher of §6's `torchrun`
+# job (`minirl.memory.distributed`).
+
+# %%
+# | export minirl/memory/wrap.py
+"""Wrapping a causal LM to save training memory: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
+
+One function per concern, all stock PyTorch and peft:
+- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
+- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
+- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
+  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
+  forward; with an optional MixedPrecisionPolicy and CPU offload;
+- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
+  state with ZeroRedundancyOptimizer).
+Notebook 03 measures memory with these wrappers; notebook 04 trains with them (and explains them).
+
+Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
+FSDP2 without resharding after forward, which still reshards after backward, so between
+steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
+"""
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
+from minirl.utils.validate import ConfigError, check_choice, check_int
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
+
+    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
+    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
+    ValueError when the model names none.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
+    if not layers:
+        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
+                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
+    return layers
+
+
+# %% [markdown]
+# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
+# layers, the base weights frozen. An adapted model starts out equal to its base model,
+# because B starts at zero.
+
+# %%
+# | export minirl/memory/wrap.py
+def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
+    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
+
+    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
+    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
+    """
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
+               dropout: float = 0.0) -> nn.Module:
+    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
+
+    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
+    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
+    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
+    listing the linear layers the model has.
+    """
+    check_int("lora_rank", rank, low=1)
+    targets = tuple(targets)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    unmatched = [t for t in targets if t not in linear]
+    if not targets or unmatched:
+        raise ConfigError("lora_target_modules", ",".join(targets),
+                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
+                          f"layers are named {', '.join(linear)}")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
+    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, config)
+
+
+# %% [markdown]
+# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
+# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
+
+# %%
+# | export minirl/memory/wrap.py
+@dataclass
+class Wrapped:
+    """A model wrapped for data-parallel training."""
+
+    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
+    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
+    zero: int
+
+
+def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
+               cpu_offload: bool = False, process_group=None) -> Wrapped:
+    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
+
+    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
+    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
+    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
+    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
+    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
+    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
+    data-parallel ranks of a Ray pool, notebook 06).
+    """
+    check_choice("zero", zero, ZERO_LEVELS)
+    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
+    if process_group is not None and zero != 0:
+        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
+                                        "use zero 0")
+    device = torch.device(device)
+    model.to(device)
+    if zero <= 1:
+        if mixed_precision != "none" or cpu_offload:
+            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
+        return Wrapped(ddp, model, zero)
+    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
+    if mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return Wrapped(model, model, zero)
+
+
+def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
+    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
+    params = [p for p in wrapped.module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
+    if wrapped.zero == 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+    return optimizer_class(params, **kwargs)
+
+
 
 # %%
 # | export minirl/memory/plots.py
 """Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured."""
 import matplotlib.pyplot as plt
 
-from minirl.memory.calculator import COMPONENTS, GB, STAGES, zero_per_gpu
+from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
 
 
 def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
@@ -1452,7 +1611,7 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
     colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
     x = range(len(ns))
-    for stage, ax in zip(STAGES, axes, strict=True):
+    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp in COMPONENTS:
             vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
@@ -1476,7 +1635,7 @@ def plot_measured(psi, ns, points):
     """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
     colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(STAGES, axes, strict=True):
+    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp, color in colors.items():
             vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
@@ -1520,12 +1679,12 @@ def storage_bytes(tensors) -> int:
 
 
 # %% [markdown]
-# `worker_main` is the body of the `torchrun` job: every strategy in turn, all ranks'
+# `memory_worker` is the body of the `torchrun` job: every strategy in turn, all ranks'
 # results gathered to rank 0, written as JSON.
 
 # %%
 # | export minirl/memory/distributed.py
-def worker_main(argv=None) -> None:
+def memory_worker(argv=None) -> None:
     """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
     import argparse
 
@@ -1569,9 +1728,9 @@ def worker_main(argv=None) -> None:
 # | export minirl/memory/distributed.py
 def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
                        seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
-    """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
+    """Run `memory_worker` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
 
-    Launched with notebook 04's `torchrun` (a timeout ends every rank, then raises
+    Launched with `minirl.runtime.launch.torchrun` (a timeout ends every rank, then raises
     subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
     (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
     On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
@@ -1591,7 +1750,8 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
         out = Path(tmp) / "rows.json"
         flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
         for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:worker_main", world_size, flags, timeout=timeout, threads=threads)
+            job = torchrun("minirl.memory.distributed:memory_worker", world_size, flags, timeout=timeout,
+                           threads=threads)
             if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"

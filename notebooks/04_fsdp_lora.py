@@ -77,7 +77,7 @@ def show(rows, header):
 # long jobs in full mode). The rest of the notebook builds each piece this job ran.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 from minirl.utils.progress import step_bar  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
@@ -149,9 +149,8 @@ LOCAL_RANK, MASTER_ADDR), picks the backend for the device, joins the default pr
 and returns a `DistContext`. `ProcessGroup` is the small object the step and the roles use
 for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
 rank into an error on every rank, so that a bad input stops the whole job with its cause
-instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
-or a function from Python (the notebooks, the tests and the measurement jobs do), and ends
-every process of the job on a timeout or Ctrl-C (`stop_job`).
+instead of leaving the other ranks waiting in a collective. Starting a job from Python and
+ending it (`torchrun`, `stop_job`, `leave`) is plumbing: `minirl/runtime/launch.py`.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
@@ -159,15 +158,11 @@ Simplified vs torchrun + accelerate: one node, one flat process group, no elasti
 
 import contextlib
 import os
-import subprocess
-import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -247,8 +242,9 @@ def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: floa
 
 # %% [markdown]
 # Leaving a job takes two steps. `shutdown` closes the process group (all ranks together,
-# unless one rank alone met an error), and `leave` ends the process without the interpreter's
-# teardown, where a gloo thread can still abort a rank whose work is done:
+# unless one rank alone met an error), and `minirl.runtime.launch.leave` ends the process
+# without the interpreter's teardown, where a gloo thread can still abort a rank whose work is
+# done:
 
 # %%
 # | export minirl/parallel/launch.py
@@ -262,19 +258,6 @@ def shutdown(together: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
-
-
-def leave(code: int = 0) -> None:
-    """End this rank's process now with exit status `code`, after flushing stdout and stderr.
-
-    A rank whose work is done can still die in the interpreter's teardown: a gloo thread that
-    is still joinable gets destroyed, and C++ aborts the process ("terminate called without
-    an active exception", SIGABRT). Measured on a two-rank job: 1 run in 29 aborted at exit;
-    with os._exit, which skips that teardown, 0 in 87. Call it last, after `shutdown`.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # %% [markdown]
@@ -384,118 +367,37 @@ def agree(what: str, fn):
 
 
 # %% [markdown]
-# And the launcher: `torchrun` runs a script or a function on N processes, and `stop_job`
-# ends every one of them on a timeout or Ctrl-C:
-
-# %%
-# | export minirl/parallel/launch.py
-def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
-             env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
-    """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
-
-    target: a script's path, or "package.module:function" (every rank imports the module and
-    calls the function, which reads its flags from sys.argv, then `leave(0)`); args: its command-line words.
-    The job imports this checkout's minirl (PYTHONPATH) with `threads` torch threads per rank;
-    stdout and stderr come back together in `.stdout`. stream=True also prints the output as
-    it comes (a notebook cell shows progress). The launcher runs in a session of its own and
-    torchrun starts each rank in another; after `timeout` seconds, or on Ctrl-C, `stop_job`
-    ends all of them (SIGTERM, then SIGKILL `grace` seconds later), and a timeout raises
-    subprocess.TimeoutExpired with the output so far. The only launcher in minirl: the
-    notebooks, the tests and the measurement jobs of notebooks 03 and 08 all use it.
-    """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
-    repo = str(Path(__file__).resolve().parents[2])
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    module, _, function = str(target).partition(":")
-    if function and not Path(str(target)).exists():       # an entry point, not a file
-        entry = ["--no-python", sys.executable, "-c",     # `leave`: no teardown abort after the work is done
-                 f"from {module} import {function}; from minirl.parallel.launch import leave; {function}(); leave(0)"]
-    else:
-        entry = [str(target)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
-           *map(str, args)]
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    expired = threading.Event()
-
-    def on_timeout():
-        expired.set()
-        stop_job(proc.pid, grace)
-
-    timer = threading.Timer(timeout, on_timeout)
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if stream:
-                sys.stdout.write(line)
-        proc.wait()
-    except BaseException:                                # Ctrl-C in the notebook: stop the job too
-        stop_job(proc.pid, grace)
-        raise
-    finally:
-        timer.cancel()
-        proc.stdout.close()
-    if expired.is_set():
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
-
-
-# %% [markdown]
-# Two pieces of plumbing for `torchrun`: the ends of a long job output (a rank's own error
-# comes first, torchrun's summary last), and ending a job together with every rank it
-# started.
-
-# %%
-# | export minirl/parallel/launch.py
-def output_ends(text: str, n: int = 2500) -> str:
-    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
-    error comes before torchrun's long summary of the failure, which ends the output)."""
-    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
-
-
-def stop_job(pid: int, grace: float = 5.0) -> None:
-    """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
-
-    torchrun starts every rank in a session of its own (so that it can signal each rank's
-    group), so killing the launcher's process group alone would leave the ranks running:
-    the processes are found through their parents (psutil), before any is signalled.
-    """
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-
+# The launcher that starts such a job from Python is plumbing, hand-written in
+# `minirl/runtime/launch.py`: `torchrun(target, nproc, args)` runs a script (or a function)
+# under `torch.distributed.run` on N local processes and returns its output, and on a timeout
+# or Ctrl-C ends every rank it started (`stop_job`). The notebooks, the tests and the
+# measurement jobs of notebooks 03 and 08 use it, and so does the chapter's `--nproc-per-node`.
 
 # %% [markdown]
 # A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
 # sharded, LoRA, how the weights travel to the engine, which engine. They live in their own
 # dataclass, checked when built like every config here; the chapter script turns each field
-# into a flag (`--zero`, `--lora-rank`, `--rollout`, ...). `check_parallel` adds the checks
+# into a flag (`--zero`, `--lora-rank`, `--sync-mode`, ...). `check_parallel` adds the checks
 # that need the world size or span both configs, so that every rank refuses a bad job in its
 # first second, before it loads a model.
 
 # %%
-# | export minirl/parallel/config.py
-"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, which engine.
+# | export minirl/sync/modes.py
+"""The ways a weight sync can hand a policy to the engine: all of its weights, LoRA merged in, or the adapter alone.
 
-The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01); a
+`SYNC_MODES` names them once for `minirl.sync.sharded.ShardedSync`, which implements them
+(section 4), and for stage 4's `--sync-mode` flag, which lists them before torch loads (this
+module imports nothing).
+"""
+SYNC_MODES = ("full", "merged", "adapter")   # every tensor; W + (alpha / r) B A under the base names; A and B only
+
+
+# %%
+# | export minirl/parallel/config.py
+"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, how vLLM is sized.
+
+The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01), the
+engine too (`rollout_engine`, a name of notebook 01's engine registry, vLLM included); a
 stage-4 run adds these. Every value is checked when the dataclass is built, and
 `check_parallel` adds the checks that need the world size or the RLConfig, so that every
 rank of a job refuses a bad one before it loads anything.
@@ -504,17 +406,15 @@ Importing it is light (no torch): a chapter builds its flags from these fields a
 bad command line before the heavy imports.
 """
 
-import importlib.util
 from dataclasses import dataclass
 
-from minirl.config import RLConfig, RolloutConfig
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int, device_problem
+from minirl.config import RLConfig
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
+from minirl.rollout.registry import check_engine
+from minirl.sync.modes import SYNC_MODES
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
-SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
-ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
-DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 # %% [markdown]
@@ -530,11 +430,10 @@ class ParallelConfig:
     zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
+    lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
     packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
     sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
@@ -543,10 +442,10 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
-    vllm_gpu_memory_utilization: float = 0.3  # --rollout vllm: the share of the GPU vLLM may take (the trainer's rest)
-    vllm_max_num_batched_tokens: int = 4096   # --rollout vllm: tokens per scheduler step (TRL's colocate value)
+    vllm_gpu_memory_utilization: float = 0.3  # vllm engine: the share of the GPU it may take (the trainer's: the rest)
+    vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's colocate value)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+    choices = {"zero": ZERO_LEVELS, "sync_mode": ("auto", *SYNC_MODES),
                "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
@@ -629,28 +528,16 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
     if pconfig.cpu_offload and not cuda:
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
-    if pconfig.rollout == "vllm":
-        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
-            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
-                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
-                              "drop --rollout-engine, or use --rollout minirl")
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
-        if not cuda or device_problem(config.run.device) is not None:
-            raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout minirl")
+    check_engine(config)                     # a name of the registry, and one this machine can run (vLLM: CUDA)
+    if config.rollout.rollout_engine == "vllm":
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
-                                                   "hand them back by name; drop --verify-sync with --rollout vllm")
+                                                   "hand them back by name; drop --verify-sync with "
+                                                   "--rollout-engine vllm")
         if pconfig.resolved_sync_mode == "adapter":
             raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
                                                       "serves adapters through LoRA requests, not wired here: "
-                                                      "use --sync-mode merged with --rollout vllm")
-        if config.engine_dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
-                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
-                              "pick one of those with --rollout vllm")
+                                                      "use --sync-mode merged with --rollout-engine vllm")
 
 # %% [markdown]
 # The notebook itself joins a process group of one (through a file store, no `torchrun`), so
@@ -666,8 +553,8 @@ ctx = init_distributed()
 group = ProcessGroup(ctx.device)
 print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.device}")
 for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4),
-            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2),
-            lambda: check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2),
+            lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="vllm"), 2),
+            lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="tgi"), 2),
             lambda: pick_backend("nccl", "cpu"),
             lambda: ParallelConfig(zero=1, mixed_precision="bf16"),
             lambda: ParallelConfig(sync_every=0),
@@ -681,9 +568,9 @@ for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_
 # %% [markdown]
 # ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
 #
-# Notebook 03 measured what each ZeRO stage keeps per GPU; here the same wrappers train. They
-# live in `minirl/parallel/wrap.py`, and notebook 03's measurement now calls them too, so the
-# bytes measured there are the bytes of the trainer here.
+# Notebook 03 measured what each ZeRO stage keeps per GPU with the wrappers it built,
+# `minirl/memory/wrap.py` (its appendix); here the same wrappers train, so the bytes measured
+# there are the bytes of the trainer here.
 #
 # | `--zero` | wrapper | each rank holds |
 # |---|---|---|
@@ -705,168 +592,6 @@ for bad in (lambda: check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_
 # tensors. A target that matches no layer of the model is an error, naming the layers there
 # are: peft would otherwise adapt the ones that do match and leave you to find out.
 
-# %%
-# | export minirl/parallel/wrap.py
-"""Wrapping a causal LM for data-parallel training: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
-
-One function per concern, all stock PyTorch and peft:
-- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
-- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
-- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
-  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
-  forward; with an optional MixedPrecisionPolicy and CPU offload;
-- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
-  state with ZeroRedundancyOptimizer).
-Notebook 03 measures memory with these wrappers; notebook 04 trains with them.
-
-Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
-FSDP2 without resharding after forward, which still reshards after backward, so between
-steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
-"""
-
-import warnings
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
-
-from minirl.utils.validate import ConfigError, check_choice, check_int
-
-ZERO_LEVELS = (0, 1, 2, 3)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
-
-    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
-    ValueError when the model names none.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
-    if not layers:
-        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
-                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
-    return layers
-
-
-# %% [markdown]
-# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
-# layers, the base weights frozen. An adapted model starts out equal to its base model,
-# because B starts at zero.
-
-# %%
-# | export minirl/parallel/wrap.py
-def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
-    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
-
-    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
-    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
-    """
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
-               dropout: float = 0.0) -> nn.Module:
-    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
-
-    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
-    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
-    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
-    listing the linear layers the model has.
-    """
-    check_int("lora_rank", rank, low=1)
-    targets = tuple(targets)
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    unmatched = [t for t in targets if t not in linear]
-    if not targets or unmatched:
-        raise ConfigError("lora_target_modules", ",".join(targets),
-                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
-                          f"layers are named {', '.join(linear)}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
-    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, config)
-
-
-# %% [markdown]
-# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
-# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
-
-# %%
-# | export minirl/parallel/wrap.py
-@dataclass
-class Wrapped:
-    """A model wrapped for data-parallel training."""
-
-    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
-    zero: int
-
-
-def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False, process_group=None) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
-
-    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
-    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
-    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
-    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
-    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
-    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
-    data-parallel ranks of a Ray pool, notebook 06).
-    """
-    check_choice("zero", zero, ZERO_LEVELS)
-    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
-    if process_group is not None and zero != 0:
-        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
-                                        "use zero 0")
-    device = torch.device(device)
-    model.to(device)
-    if zero <= 1:
-        if mixed_precision != "none" or cpu_offload:
-            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
-        return Wrapped(ddp, model, zero)
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return Wrapped(model, model, zero)
-
-
-def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
-    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
-    params = [p for p in wrapped.module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
-    if wrapped.zero == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-    return optimizer_class(params, **kwargs)
-
 # %% [markdown]
 # What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
 # tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
@@ -877,8 +602,8 @@ def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs
 # %%
 import copy  # noqa: E402
 
+from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
 from minirl.models.policy import load_default_policy  # noqa: E402
-from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
 
 model, tokenizer, policy_path = load_default_policy()
 sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
@@ -923,7 +648,10 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base 
 # | `bnpo` | Σ tokens / T_r *per process* | 1 | TRL normalizes by each process's own tokens: the batch's loss is the mean of the ranks' |
 #
 # So `bnpo` and `dapo`, equal in one process (notebook 01 said so), part ways here: that is
-# the difference between them. Exercise 4.1 is `rank_loss_weight`.
+# the difference between them. `cispo` normalizes as `dapo` does, and weighs as it does. Each
+# loss type's entry in notebook 01's registry holds its w_r (`rank_weight`, section 4.1 there),
+# beside its normalization and its micro-batch weight: a loss type added there is complete
+# here too, and nothing below names one.
 #
 # How does the weight get into the loss without rewriting `Actor.update`? Every term of the
 # GRPO loss (the clipped surrogate, the KL, the bias-corrected KL) depends on the
@@ -956,12 +684,12 @@ show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base 
 # | export minirl/parallel/roles.py
 """The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
 (DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
 4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
 the global batch and the wrapper averages the gradients; for that average to be the
 gradient of the whole batch, each rank's loss is weighted by its share of the global
-normalization (`rank_loss_weight`), applied as a gradient scale on the output of the
+normalization (its loss type's `rank_weight`), applied as a gradient scale on the output of the
 training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
 runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
 record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
@@ -975,8 +703,6 @@ the loss) is not caught before the backward, and leaves the others waiting until
 
 import torch
 from torch import Tensor
-
-from minirl.config import LOSS_TYPES
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -996,41 +722,12 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
 
 
 # %% [markdown]
-# Each rank's loss covers only its rows, while DDP and FSDP average the gradients over the
-# ranks. `rank_loss_weight` gives the factor per rank that makes that average equal to the
-# whole batch's gradient, for each of notebook 01's loss aggregations.
-
-# %%
-# | export minirl/parallel/roles.py
-def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                     world_size: int) -> float:
-    """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
-
-    Each rank computes notebook 01's `aggregate_loss` over its own rows; the batch's loss is
-    (1 / world_size) * sum over ranks of w * (that rank's loss), and DDP / FSDP average the
-    gradients, so scaling each rank's gradient by its w makes the average the batch's gradient.
-      "dapo":              w = world_size * max(local_tokens, 1) / max(global_tokens, 1)
-                           (TRL divides by the global batch's token count)
-      "grpo", "dr_grpo":   w = world_size * local_rows / global_rows
-                           (1 when every rank holds as many rows)
-      "bnpo":              w = 1 (TRL divides by each process's own tokens)
-    local_tokens / global_tokens: completion tokens (mask sum) of this rank / of all ranks;
-    local_rows / global_rows: completions. Raises ValueError for an unknown loss_type.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    # BEGIN SOLUTION
-    if loss_type == "dapo":
-        return world_size * max(local_tokens, 1) / max(global_tokens, 1)
-    if loss_type in ("grpo", "dr_grpo"):
-        return world_size * local_rows / global_rows
-    return 1.0
-    # END SOLUTION
-
-
-# %% [markdown]
 # The rest: the metrics reduced over the ranks, the padding to the widest completion, what
-# both roles share, and the two roles.
+# both roles share, and the two roles. Every rank updates on its own rows, so every rank
+# has its own record of the update (its loss, its clip ratios, its gradient norm), and the
+# run must log one record, the same on every rank. How each number combines depends on what
+# it is: a per-token mean is the token-weighted mean of the ranks', a minimum the smallest,
+# the loss the weighted sum that defines the batch's loss. This is exercise 4.1.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -1039,7 +736,8 @@ import math
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
-from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.loss_types import loss_type_entry
+from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 
@@ -1054,7 +752,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
 
     records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (`rank_loss_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
     "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
     is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
     the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
@@ -1064,6 +762,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     """
     if len(records) == 1:
         return dict(records[0])
+    # BEGIN SOLUTION
     total = sum(tokens) or 1.0
     out = {}
     for key, value in records[0].items():
@@ -1081,6 +780,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
         else:
             out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
     return out
+    # END SOLUTION
 
 
 # %% [markdown]
@@ -1173,7 +873,7 @@ class DataParallelRole:
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by `rank_loss_weight`; the ranks' one record.
+        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
@@ -1186,8 +886,8 @@ class DataParallelRole:
         total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
         if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
-                                  self.group.world_size)
+        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
+                                                                       self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -1212,7 +912,7 @@ class DataParallelRole:
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
     DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
     group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
@@ -1300,8 +1000,7 @@ class DistributedCritic(DataParallelRole, Critic):
 # average is off; with them, every loss type is exact (`bnpo` is its own, per-rank, loss).
 
 # %%
-from minirl.algo.losses import aggregate_loss  # noqa: E402
-from minirl.parallel.roles import rank_loss_weight  # noqa: E402
+from minirl.loss_types import LOSS_TYPES, aggregate_loss  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 per_token = torch.randn(6, 5, generator=g)
@@ -1309,7 +1008,8 @@ mask = (torch.rand(6, 5, generator=g) < 0.6).long()
 mask[:, 0] = 1
 parts, T, W = [slice(0, 2), slice(2, 4), slice(4, 6)], int(mask.sum()), 3
 rows = []
-for loss_type in ("dapo", "grpo", "dr_grpo"):
+for loss_type in ("dapo", "grpo", "dr_grpo", "cispo"):
+    rank_weight = LOSS_TYPES[loss_type].rank_weight
     x = per_token.clone().requires_grad_(True)
     aggregate_loss(x, mask, loss_type, 5).backward()
     whole = x.grad.clone()
@@ -1317,11 +1017,11 @@ for loss_type in ("dapo", "grpo", "dr_grpo"):
     for weighted in (False, True):
         x.grad = None
         for part in parts:
-            w = rank_loss_weight(loss_type, int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
+            w = rank_weight(int(mask[part].sum()), T, 2, 6, W) if weighted else 1.0
             (w / W * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
         errors.append((x.grad - whole).abs().max().item() / whole.abs().max().item())
     rows.append((loss_type, [int(mask[p].sum()) for p in parts],
-                 [round(rank_loss_weight(loss_type, int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
+                 [round(rank_weight(int(mask[p].sum()), T, 2, 6, W), 3) for p in parts],
                  f"{errors[0]:.1%}", f"{errors[1]:.1e}"))
 show(rows, ("loss_type", "tokens per rank", "w_r", "error, plain average", "error, weighted"))
 assert all(float(r[4]) < 1e-5 for r in rows)
@@ -1381,7 +1081,8 @@ from typing import Iterable, Iterator
 
 from torch import Tensor
 
-SYNC_MODES = ("full", "merged", "adapter")
+from minirl.sync.modes import SYNC_MODES
+
 PEFT_PREFIX = "base_model.model."
 LAYER = re.compile(r"\.layers\.\d+\.")
 LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -2244,8 +1945,9 @@ assert asleep == 0 and awake > 0
 #
 # vLLM is not installed on the machines that run CI and it needs a CUDA GPU, so this engine
 # is exercised only by the tests marked `vllm` (skipped cleanly elsewhere) and by
-# `--rollout vllm` on a GPU machine. Asking for it where it cannot run is an error before
-# anything is loaded (section 8).
+# `--rollout-engine vllm` on a GPU machine. It joins notebook 01's engine registry under the
+# name "vllm" (end of this section), so every stage's `--rollout-engine` takes it, and asking
+# for it where it cannot run is refused in one line before anything is loaded.
 
 # %%
 # | export minirl/rollout/vllm.py
@@ -2313,9 +2015,9 @@ from minirl.config import SamplingConfig, auto_dtype
 from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.colocated import prompt_seed
+from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
 from minirl.utils.validate import ConfigError, check_float, check_int
 
-VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
 
@@ -2331,11 +2033,10 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
+        raise ConfigError("rollout_engine", "vllm", f"vLLM is not installed ({err}); {VLLM_INSTALL}") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout minirl")
+        raise ConfigError("rollout_engine", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                                    "--rollout-engine shared_prefix")
     return vllm
 
 
@@ -2612,13 +2313,61 @@ def greedy_completions(self, prompts: list[str], max_new_tokens: int) -> list[st
     outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
     return [self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outputs]
 
-# %%
-import importlib.util  # noqa: E402
+# %% [markdown]
+# The engine joins notebook 01's registry under the name "vllm": a factory that imports
+# `minirl.rollout.vllm` (and vLLM) only when it builds one, and a check that needs neither, so
+# that `--rollout-engine vllm` on a machine without vLLM or CUDA is refused with the flags,
+# before torch or a model loads. A stage passes what it knows about sizing (stage 4: the
+# task's prompts, its `--vllm-*` flags, colocation); other stages get vLLM's defaults.
 
-have_vllm, have_cuda = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
-print(f"vLLM installed: {have_vllm}; CUDA: {have_cuda} -> "
-      + ("--rollout vllm can run here" if have_vllm and have_cuda else
-         "--rollout vllm needs a GPU machine (pip install -r requirements-gpu.txt); this notebook uses --rollout minirl"))
+# %%
+from minirl.rollout.registry import ENGINES, register_engine  # noqa: E402  (notebook 01's registry)
+
+print("engines before this one:", ", ".join(ENGINES))
+
+# %%
+# | export minirl/rollout/registry.py
+import importlib.util
+
+VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
+VLLM_INSTALL = "on a CUDA machine run pip install -r requirements-gpu.txt, or use --rollout-engine shared_prefix"
+
+
+def vllm_problem(config: RLConfig) -> str | None:
+    """Why this run cannot roll out with vLLM (not installed, not on CUDA, an FP8 copy), or None; no heavy import."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_INSTALL}"
+    if not config.run.device.startswith("cuda"):
+        return (f"vLLM's engine runs on CUDA GPUs and this run's --device is {config.run.device}; pass --device cuda "
+                "on a GPU machine, or use --rollout-engine shared_prefix")
+    if config.engine_dtype not in VLLM_DTYPES:
+        return (f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a quantization mode) and --rollout-dtype is "
+                f"{config.rollout.rollout_dtype}; pick one of those")
+    return None
+
+
+@register_engine("vllm", problem=vllm_problem)
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
+    max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
+    max_num_batched_tokens (its defaults without them)."""
+    from minirl.rollout.vllm import VLLMEngine, task_model_len  # noqa: PLC0415 (vLLM loads when built)
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
+                      seed=config.run.seed, max_model_len=length, **settings)
+
+
+# %%
+from minirl.rollout.registry import check_engine  # noqa: E402
+
+print("engines:", ", ".join(ENGINES))
+try:
+    check_engine(RLConfig.from_flat(rollout_engine="vllm", device="cuda" if torch.cuda.is_available() else "cpu"))
+    print("--rollout-engine vllm can run here")
+except ValueError as err:
+    print(f"{err} (this notebook uses the in-process engines)")
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
@@ -2677,18 +2426,19 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
+from minirl.memory.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.stops import deferred_signals
-from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
+from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
-from minirl.rollout.vllm import VLLMEngine, task_model_len
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.task import Task
-from minirl.train.run import RunState, engine_class
+from minirl.train.run import RunState
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -2711,20 +2461,19 @@ class SPMDState(RunState):
 # %%
 # | export minirl/parallel/spmd.py
 def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
-    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
+    """This rank's engine holding a copy of `model` (version 0), built by the engine registry, colocated.
+
+    An engine that colocates itself (vLLM's sleep mode: the `Colocated` protocol) is used as
+    built; an in-process one is wrapped in `ColocatedEngine` (and `SeedPerPrompt`).
     prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
-    adapter = pconfig.resolved_sync_mode == "adapter"
-    if pconfig.rollout == "vllm":
-        context = getattr(model.config, "max_position_embeddings", None)
-        length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts \
-            else None
-        return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=pconfig.colocate,
-                          seed=config.run.seed, gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
-                          max_model_len=length, max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
-    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.engine_dtype, device=device)
+    engine = build_engine(config, model, tokenizer, device, colocate=pconfig.colocate, prompts=tuple(prompts),
+                          gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
+                          max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
+    if isinstance(engine, Colocated):
+        return engine
     if pconfig.seed_per_prompt:
-        inner = SeedPerPrompt(inner)
-    return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
+        engine = SeedPerPrompt(engine)
+    return ColocatedEngine(engine, colocate=pconfig.colocate, adapter_only=pconfig.resolved_sync_mode == "adapter")
 
 
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
@@ -3717,7 +3466,7 @@ class MemoryTracker(Callback):
 # in the first cell: the chapter's own bar is only drawn on a terminal).
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402  (the package's: section 1's cell defined one here too)
+from minirl.runtime.launch import torchrun  # noqa: E402
 
 SYNC_EVERY = 4      # the runs that synchronize less often: every 4th update, without and with TIS
 STALE_STEPS = 60    # their length (the learning they cost is compared over these first steps)
@@ -4202,12 +3951,12 @@ if not SMOKE:
 # | exact resume | DCP shards + per-rank RNG and generators; a killed rank costs the steps since the last checkpoint, never the run; a broken newest checkpoint is named and the one before it used |
 # | a job that stops | every rank knows every rank's host and pid; one rank says in one line who died (or Ctrl-C), the last intact checkpoint and the resume command; the others stay quiet |
 #
-# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout vllm`,
+# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout-engine vllm`,
 # `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):
 #
 # ```
 # torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
-#     --zero 3 --lora-rank 16 --rollout vllm --mixed-precision bf16 --out runs/04-qwen
+#     --zero 3 --lora-rank 16 --rollout-engine vllm --mixed-precision bf16 --out runs/04-qwen
 # ```
 
 # %% [markdown]
@@ -4221,7 +3970,7 @@ if not SMOKE:
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 4.1 | `rank_loss_weight` | each loss type's weight (a rank with no rows weighs 0); the ranks' weighted gradients average to the whole batch's |
+# | 4.1 | `reduce_metrics` | the ranks' records as one: token-weighted means, global min and max, rank 0's gradient norm, the weighted loss |
 # | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
 # | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
 #

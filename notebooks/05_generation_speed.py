@@ -1148,9 +1148,9 @@ from minirl.rollout.engine.prefix import PrefixCache
 from minirl.rollout.engine.radix import RadixCache
 from minirl.rollout.engine.scheduler import FINISHED, RUNNING, Scheduler, Sequence
 from minirl.rollout.engine.speculative import speculative_step
+from minirl.rollout.hf import DTYPES
 from minirl.rollout.sampling import sample_tokens
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHES = ("prefix", "radix", "none")
 AUTO_CACHE_TOKENS = 65536   # the most a cache sized to the work grows to (pass num_blocks or kv_cache_bytes for more)
 
@@ -3036,16 +3036,31 @@ assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["comp
 # %% [markdown]
 # ## 11. In the loop
 #
-# `PagedEngine` stands behind the rollout-engine protocol, so the loop of notebook 01 uses
-# it with `RLConfig(rollout=RolloutConfig(rollout_engine="paged"))`, or from the command
-# line `python chapters/01_single_process.py --rollout-engine paged`. The weight sync calls
-# `load_weights` after every update, which also empties the prefix cache: keys and values
-# computed by the old weights must never be reused.
+# `PagedEngine` stands behind the rollout-engine protocol, so the loop of notebook 01 can use
+# it once it joins notebook 01's engine registry: one entry, named "paged", whose factory
+# imports this module only when it builds the engine. Every stage then takes it, with
+# `RLConfig(rollout=RolloutConfig(rollout_engine="paged"))` or from the command line
+# (`python chapters/01_single_process.py --rollout-engine paged`, and chapters 04, 06, 07).
+# The weight sync calls `load_weights` after every update, which also empties the prefix
+# cache: keys and values computed by the old weights must never be reused.
 
 # %%
 from minirl.config import RLConfig
 from minirl.rollout.base import RolloutEngine
-from minirl.train.run import build_engine
+from minirl.rollout.registry import ENGINES, build_engine, register_engine
+
+
+# %%
+# | export minirl/rollout/registry.py
+@register_engine("paged")
+def build_paged(config: RLConfig, model, tokenizer, device, **options):
+    """Notebook 05's paged engine: paged KV cache, continuous batching, prefix caching; options: none used."""
+    from minirl.rollout.engine.engine import PagedEngine  # noqa: PLC0415 (loads when built)
+    return PagedEngine(model, tokenizer, config.engine_dtype, device=device)
+
+
+# %%
+print("engines:", ", ".join(ENGINES))
 
 engine = build_engine(RLConfig.from_flat(rollout_engine="paged", num_generations=4), policy, policy_tok)
 rollout = engine.generate([format_prompt(p) for p in TASK.test[:2]], SamplingConfig(num_generations=4),

@@ -885,7 +885,7 @@ release(pgs)
 #   when every rank's loss has the same normalizer. The default loss (`loss_type="dapo"`)
 #   divides by the number of completion tokens *in the whole batch*, and two halves of a
 #   batch rarely hold the same number of tokens; so each rank weights its loss by
-#   `rank_loss_weight` (W · T_r / T for dapo, TRL's `num_items_in_batch` across processes),
+#   its loss type's `rank_weight` (W · T_r / T for dapo, TRL's `num_items_in_batch` across processes),
 #   and W ranks make the update one process makes. The rest comes with it: one metric
 #   record, the same on every rank (so the driver takes rank 0's), and the NaN rule: a
 #   non-finite batch on any rank makes every rank skip the step together, where a rank
@@ -898,6 +898,20 @@ release(pgs)
 #   `sleep`). The worker passes its `record`, so the sleeps and wake-ups show in its
 #   timeline, and `stream=False`: the sync's push goes to the engine's own `load_weights`.
 # - **The worker side of the weight syncs** (section 5).
+#
+# The names this stage chooses among (its roles here, the placements of section 6, the weight
+# syncs of section 7) live in a module that imports neither Ray nor torch, so that the chapter
+# script checks its flags against them before anything heavy loads.
+
+# %%
+# | export minirl/controller/names.py
+"""The names stage 6 chooses among: its roles, its placements (a layout of the roles on pools), its weight syncs.
+
+Imports nothing (no Ray, no torch): chapters/06_ray.py builds its flags from these names and
+refuses a bad command line before anything heavy loads.
+"""
+ROLES = ("actor", "rollout", "reward", "reference", "critic")
+
 
 # %%
 # | export minirl/controller/roles.py
@@ -924,22 +938,21 @@ import copy
 import ray
 import torch
 
+from minirl.controller.names import ROLES
 from minirl.controller.worker import Worker
 from minirl.data import Batch
+from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
 from minirl.parallel.roles import DistributedActor, DistributedCritic
-from minirl.parallel.wrap import wrap_model
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.train.run import build_engine
 from minirl.utils.seeding import seed_everything
-
-ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 
 class RewardRole:
@@ -1317,6 +1330,17 @@ class LocalSync:
 # A placement is checked against the run's config before any actor starts: every role the
 # algorithm needs (a reference only with a KL penalty, a critic only for PPO) must have a
 # pool, and the batch must split into whole groups across each pool's data-parallel ranks.
+# The three layouts are names the chapter's `--placement` takes, so they join the light module:
+
+# %%
+# | export minirl/controller/names.py
+LAYOUTS = {
+    "colocated": {role: "shared" for role in ROLES},
+    "disaggregated": {"actor": "train", "reference": "train", "critic": "train", "rollout": "rollout",
+                      "reward": "rollout"},
+    "per-role": {role: role for role in ROLES},
+}
+PLACEMENTS = tuple(LAYOUTS)
 
 # %%
 # | export minirl/controller/placement.py
@@ -1339,17 +1363,10 @@ ranks. Errors name the role, the pool and the numbers.
 
 from dataclasses import dataclass
 
+from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
-from minirl.controller.roles import ROLES
 from minirl.utils.validate import ConfigError, check_choice
 
-LAYOUTS = {
-    "colocated": {role: "shared" for role in ROLES},
-    "disaggregated": {"actor": "train", "reference": "train", "critic": "train", "rollout": "rollout",
-                      "reward": "rollout"},
-    "per-role": {role: role for role in ROLES},
-}
-PLACEMENTS = tuple(LAYOUTS)
 SPLIT_ROLES = ("actor", "critic", "reference", "rollout")   # roles whose pool splits the batch by rank
 
 
@@ -1661,7 +1678,13 @@ class RemoteReward:
 # Its step is stage 1's `stage1_step` (draw the prompts, then `rl_step`), and its run is
 # stage 1's `run_in_dir`, the very function under stage 1's `train`: the run directory,
 # resume, evaluator, JSON-lines logger, checkpointer, progress bar. One check is added after each step: a worker that died while its failure
-# was absorbed (a reward worker's, under `reward_errors="zero"`) still stops the run.
+# was absorbed (a reward worker's, under `reward_errors="zero"`) still stops the run. Its
+# weight sync between separate workers is one of section 5's two, by name (the chapter's
+# `--sync`):
+
+# %%
+# | export minirl/controller/names.py
+SYNCS = ("collective", "object_store")   # a bucketed torch.distributed broadcast, or Ray's object store
 
 # %%
 # | export minirl/controller/driver.py
@@ -1693,6 +1716,7 @@ import uuid
 import ray
 import torch
 
+from minirl.controller.names import SYNCS
 from minirl.controller.placement import Placement, check_placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
 from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_placement, release, reserve
@@ -1705,7 +1729,6 @@ from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
 from minirl.utils.validate import check_choice
 
-SYNCS = ("collective", "object_store")
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
@@ -1940,7 +1963,7 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
 
 # %%
 # | export minirl/controller/driver.py
-def stage_shares(records: list[dict]) -> dict[str, float]:
+def source_stage_shares(records: list[dict]) -> dict[str, float]:
     """stage -> its share (0..1) of the steps' total time, in SOURCE_ORDER; "other" is what no stage timed."""
     steps = [r for r in records if "time/generate" in r]
     total = sum(r["time/step"] for r in steps) or 1.0
@@ -1958,7 +1981,7 @@ def stage_shares(records: list[dict]) -> dict[str, float]:
 
 # %%
 # | export minirl/controller/plots.py
-"""Pictures of a placement: role -> node -> device, and a timeline of what each worker ran."""
+"""Pictures of a placement: role -> node -> device, and timelines of what each worker ran (stages 6 and 7)."""
 
 import matplotlib.pyplot as plt
 
@@ -1966,32 +1989,45 @@ ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:gree
                "critic": "tab:red", "sync": "tab:gray"}
 
 
-def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
-                  last_steps: int | None = None):
-    """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor).
+def last_steps_of(timelines: dict[str, list[tuple[str, float, float]]], steps: int) -> dict:
+    """The calls that started after the `steps`-th last generate of the first rollout worker (all of them when
+    it generated fewer times)."""
+    generates = next(([s for what, s, _ in events if what == "rollout.generate"]
+                      for events in timelines.values() if any(w == "rollout.generate" for w, _, _ in events)), [])
+    since = sorted(generates)[-steps] if len(generates) >= steps else float("-inf")
+    return {worker: [e for e in events if e[1] >= since] for worker, events in timelines.items()}
 
-    last_steps=k: only what started after the k-th last generate of the first rollout worker.
+
+def plot_timelines(panels: dict[str, dict[str, list[tuple[str, float, float]]]], colors: dict[str, str], path=None,
+                   *, first: str | None = None, max_rows: int | None = None, panel_height: float | None = None,
+                   xlabel: str = "seconds"):
+    """The one timeline plot (stages 6 and 7): a panel per timeline ({title: {worker: [(what, start, end)]}}),
+    a row per worker, a bar per event colored by `colors[what before its first "."]` ("actor.update" -> the
+    actor's color, "train" -> train's; black if unnamed).
+
+    first: the worker on the top row (the others follow in their order); max_rows: at most this many rows per
+    panel; panel_height: inches per panel (default 0.2 + 0.45 per row). Time starts at each panel's first bar.
     """
-    if last_steps:
-        generates = next(([s for what, s, _ in events if what == "rollout.generate"]
-                          for events in timelines.values() if any(w == "rollout.generate" for w, _, _ in events)), [])
-        since = sorted(generates)[-last_steps] if len(generates) >= last_steps else float("-inf")
-        timelines = {worker: [e for e in events if e[1] >= since] for worker, events in timelines.items()}
-    starts = [start for events in timelines.values() for _, start, _ in events]
-    t0 = min(starts) if starts else 0.0
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.45 * len(timelines)))
-    seen = set()
-    for row, events in enumerate(timelines.values()):
-        for what, start, end in events:
-            role = what.split(".")[0]
-            ax.barh(row, max(end - start, 1e-4), left=start - t0, height=0.6, color=ROLE_COLORS.get(role, "black"),
-                    label=None if role in seen else role)
-            seen.add(role)
-    ax.set_yticks(range(len(timelines)), list(timelines))
-    ax.invert_yaxis()
-    ax.set(xlabel="seconds (wall clock)", title=title)
-    if seen:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    rows_of = {title: ([first] if first is not None else []) + [w for w in workers if w != first]
+               for title, workers in panels.items()}
+    rows_of = {title: names[:max_rows] if max_rows else names for title, names in rows_of.items()}
+    height = 1.2 + sum(panel_height or 0.2 + 0.45 * len(names) for names in rows_of.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, height), squeeze=False)
+    for ax, (title, workers) in zip(axes[:, 0], panels.items(), strict=True):
+        names = rows_of[title]
+        t0 = min((s for w in names for _, s, _ in workers.get(w, [])), default=0.0)
+        seen = set()
+        for y, who in enumerate(names):
+            for what, start, end in workers.get(who, []):
+                kind = what.split(".")[0]
+                ax.barh(y, max(end - start, 1e-4), left=start - t0, height=0.6, color=colors.get(kind, "black"),
+                        label=None if kind in seen else kind)
+                seen.add(kind)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set(title=title, xlabel=xlabel)
+        if seen:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)
@@ -2149,8 +2185,8 @@ for name, result in runs.items():
 # nodes; the colocated run stacks all five roles on one device.
 
 # %%
-from minirl.controller.driver import SOURCE_ORDER, driver_cycles, stage_shares  # noqa: E402
-from minirl.controller.plots import plot_placement, plot_worker_timeline  # noqa: E402
+from minirl.controller.driver import SOURCE_ORDER, driver_cycles, source_stage_shares  # noqa: E402
+from minirl.controller.plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: E402
 
 for name, result in runs.items():
     print(f"{name:>14}:", {role: devices for role, devices in result["where"].items()})
@@ -2166,7 +2202,8 @@ for name, result in runs.items():
 
 # %%
 for name, result in runs.items():
-    plot_worker_timeline(result["timeline"], title=f"{name}: which role was busy when, last 2 steps", last_steps=2)
+    plot_timelines({f"{name}: which role was busy when, last 2 steps": last_steps_of(result["timeline"], 2)},
+                   ROLE_COLORS, xlabel="seconds (wall clock)")
     plt.show()
 first = {name: [what for what, _, _ in sorted((e for events in result["timeline"].values() for e in events),
                                                key=lambda e: e[1])] for name, result in runs.items()}
@@ -2181,7 +2218,7 @@ print("disaggregated, the first step's calls in order of start:", " -> ".join(or
 # %%
 print(f"{'placement':>14} | " + " | ".join(f"{s:>9}" for s in (*SOURCE_ORDER, "other")))
 for name, result in runs.items():
-    shares = stage_shares(result["records"])
+    shares = source_stage_shares(result["records"])
     print(f"{name:>14} | " + " | ".join(f"{100 * shares[s]:8.1f}%" if s in shares else f"{'-':>9}"
                                        for s in (*SOURCE_ORDER, "other")))
 
@@ -2227,14 +2264,14 @@ for k, cycle in enumerate(cycles, 1):
 #    collectives (here DDP's all-reduce inside the update of notebook 04's
 #    `DistributedActor`, the very actor of a data-parallel pool in section 4). The script
 #    below is notebook 04's run (`setup_spmd`, `spmd_step`) with DDP (zero 0), launched by
-#    `minirl.parallel.launch.torchrun`.
+#    `minirl.runtime.launch.torchrun`.
 # 3. **Single controller** (veRL / HybridFlow): one Driver, WorkerGroups on ResourcePools:
 #    the disaggregated run of section 8.
 # 4. **Single controller with Ray actor isolation** (OpenRLHF): one Driver, every role its
 #    own group of Ray actors: the per-role run of section 8.
 
 # %%
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 
 SPMD = '''
 """Multiple controllers: every rank runs the loop on its share of each batch (launched by torchrun)."""
@@ -2246,8 +2283,9 @@ import torch
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import init_distributed, leave, shutdown
+from minirl.parallel.launch import init_distributed, shutdown
 from minirl.parallel.spmd import setup_spmd, spmd_step
+from minirl.runtime.launch import leave
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run
 

@@ -1597,7 +1597,7 @@ def speedup_to_target(sync_times: list[float], times: dict[str, list[float]],
 
 # %%
 # | export minirl/asyncrl/config.py
-SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
+ASYNC_SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
 
 
 @dataclass
@@ -1689,7 +1689,7 @@ from pathlib import Path
 
 import torch
 
-from minirl.asyncrl.config import SAFE_ON_RESUME, AsyncConfig
+from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.asyncrl.corrections import Correction, check_correction
 from minirl.asyncrl.producer import Producer, WeightStore, producer_loop
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
@@ -1697,9 +1697,10 @@ from minirl.asyncrl.snapshots import Snapshot, Snapshots
 from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_engine, build_roles, run_in_dir
-from minirl.train.step import batch_statistics, learn
+from minirl.train.run import Callback, RunState, build_roles, run_in_dir
+from minirl.train.step import learn, sync_and_record
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError
@@ -1731,12 +1732,12 @@ def check_resume_async(saved: dict | None, acfg: AsyncConfig) -> None:
     if saved is None:
         raise ConfigError("resume", True, "the run directory holds no asynchronous run (its run.json has no "
                           "'async' settings); resume it with the script that started it")
-    changed = [k for k in now if k not in SAFE_ON_RESUME and saved.get(k) != now[k]]
+    changed = [k for k in now if k not in ASYNC_SAFE_ON_RESUME and saved.get(k) != now[k]]
     if changed:
         diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
         raise ConfigError(changed[0], now[changed[0]], f"the run was started with other settings ({diffs}); resume "
-                          f"with the run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a "
-                          "new run")
+                          f"with the run's own settings (only {', '.join(ASYNC_SAFE_ON_RESUME)} may change), or "
+                          "start a new run")
 
 # %% [markdown]
 # The trainer's state: notebook 01's RunState plus the queue, the gate and the producers, with
@@ -1846,17 +1847,14 @@ def trainer_step(state: AsyncState) -> dict:
     metrics = learn(roles, rollout, rewards, state.config, timer=timer, correct=state.correct)
     if state.correct.weight_mean is not None:
         metrics["correction/weight_mean"] = state.correct.weight_mean
-    with timer("sync"):
-        report = state.sync.push(roles.actor.named_weights(), state.engine, roles.version + 1)
-    roles.version = report.version
+    record = sync_and_record(roles, state.engine, state.sync, rollout, rewards, metrics, timer)   # stage 1's tail
     state.queue.advance(roles.version)
     state.gate.advance(roles.version)
     state.last = end = time.perf_counter()
     state.timeline.add("trainer", "train", began, end)
     state.samples += len(rewards)
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards)
-            | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
-            | state.queue.stats(end) | timer.times)
+    return (record | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
+            | state.queue.stats(end))
 
 # %% [markdown]
 # The producers as a run callback: their threads start with the run (after a resume has
@@ -1998,33 +1996,15 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
 
 # %%
 # | export minirl/asyncrl/plots.py
-"""Pictures of an asynchronous run: who waited when, and accuracy against wall time and samples."""
+"""Pictures of an asynchronous run: accuracy against wall time and samples, and the colors of its activities.
+
+Who waited when is drawn by notebook 06's timeline plot (`minirl.controller.plots.plot_timelines`) with
+`ACTIVITY_COLORS`, the trainer's row first.
+"""
 
 import matplotlib.pyplot as plt
 
-COLORS = {"generate": "tab:orange", "environment": "tab:gray", "train": "tab:blue", "wait": "tab:red"}
-
-
-def plot_timelines(panels: dict[str, dict[str, list[tuple[str, float, float]]]], path=None, max_rows: int = 6):
-    """One panel per run ({title: Timeline.window(...)}), a row per worker, bars colored by activity."""
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.6 * len(panels)), squeeze=False)
-    for ax, (title, rows) in zip(axes[:, 0], panels.items(), strict=True):
-        names = ["trainer"] + [w for w in rows if w != "trainer"][:max_rows - 1]
-        t0 = min((s for w in names for _, s, _ in rows.get(w, [])), default=0.0)
-        seen = set()
-        for y, who in enumerate(names):
-            for what, start, end in rows.get(who, []):
-                ax.barh(y, max(end - start, 1e-4), left=start - t0, height=0.6, color=COLORS.get(what, "black"),
-                        label=None if what in seen else what)
-                seen.add(what)
-        ax.set_yticks(range(len(names)), names)
-        ax.invert_yaxis()
-        ax.set(title=title, xlabel="seconds")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
+ACTIVITY_COLORS = {"generate": "tab:orange", "environment": "tab:gray", "train": "tab:blue", "wait": "tab:red"}
 
 
 def plot_learning_curves(curves: dict[str, list[dict]], path=None, target: float | None = None):
@@ -2203,7 +2183,8 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 # trainer trains, and the trainer's red shrinks to the idle share of the table.
 
 # %%
-from minirl.asyncrl.plots import plot_learning_curves, plot_timelines
+from minirl.asyncrl.plots import ACTIVITY_COLORS, plot_learning_curves
+from minirl.controller.plots import plot_timelines
 
 
 def last_seconds(result, seconds=2.0):
@@ -2211,7 +2192,8 @@ def last_seconds(result, seconds=2.0):
 
 
 plot_timelines({"synchronous (eta = 0): what overlaps the last 2 s": last_seconds(RESULTS["sync (eta=0)"]),
-                "asynchronous (eta = 2): what overlaps the last 2 s": last_seconds(RESULTS["eta=2 none"])})
+                "asynchronous (eta = 2): what overlaps the last 2 s": last_seconds(RESULTS["eta=2 none"])},
+               ACTIVITY_COLORS, first="trainer", max_rows=6, panel_height=1.6)
 plt.show()
 
 # %%
@@ -2390,7 +2372,7 @@ from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
 from minirl.controller.worker_group import DEATHS, died
-from minirl.train.run import build_engine
+from minirl.rollout.registry import build_engine
 
 
 class RayProducer(Worker):

@@ -690,7 +690,7 @@ the rank's own tokens, sends each (token, expert) pair to the rank holding the e
 (dispatch all-to-all), runs the local experts, sends the results back (combine all-to-all)
 and sums them with the routing weights: the same output as the single-process block, and,
 through `torch.distributed.nn.functional.all_to_all_single`, the same gradients.
-`worker_main` is the body of a `torchrun` job that checks this and measures the exchange;
+`expert_worker` is the body of a `torchrun` job that checks this and measures the exchange;
 `launch_expert_parallel` starts it.
 
 Simplified on purpose: gloo's all_to_all_single on CPU (NCCL on GPUs); no capacity factor or
@@ -706,7 +706,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minirl.parallel.launch import output_ends, torchrun
+from minirl.runtime.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -835,7 +835,7 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
     return {"rank": rank, "tokens": mine.shape[0], **check, **median}
 
 # %% [markdown]
-# The job runs on 2 ranks (gloo); `worker_main` (what `torchrun` starts on every rank) and
+# The job runs on 2 ranks (gloo); `expert_worker` (what `torchrun` starts on every rank) and
 # `launch_expert_parallel` (the driver's call) are in the appendix. Each rank routes its half of the tokens, and both the
 # output and the gradients (of the input and of the local experts' weights) are compared
 # with the single-process block on all tokens. Then the exchange is timed, with the router
@@ -1636,7 +1636,7 @@ for call in (lambda: check_pipeline(num_stages=2, num_microbatches=8, num_sample
 # | export minirl/parallel/pipeline_run.py
 """A real pipeline: a small model split across ranks with `torch.distributed.pipelining`, idle time measured.
 
-`worker_main` is the body of a `torchrun` job: every rank builds the same small model
+`pipeline_worker` is the body of a `torchrun` job: every rank builds the same small model
 (embedding, pre-norm residual MLP blocks, head), keeps its stage(s), and runs GPipe, 1F1B
 (`ScheduleGPipe`, `Schedule1F1B`: one stage per rank) and DualPipeV (`ScheduleDualPipeV`:
 two stages per rank, in a V) for each micro-batch count. Each stage's compute calls
@@ -1661,7 +1661,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minirl.parallel.launch import output_ends, torchrun
 from minirl.parallel.pipeline import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -1679,6 +1678,7 @@ from minirl.parallel.pipeline import (
     simulate,
     split_layers,
 )
+from minirl.runtime.launch import output_ends, torchrun
 
 # %% [markdown]
 # The model's pieces: a block is a transformer block without attention (the schedule does
@@ -1744,7 +1744,7 @@ def token_loss(logits, targets):                           # [b, T, V], [b, T] -
 
 # %% [markdown]
 # Each rank's job: time every compute call of its stage(s), build the schedule torch ships
-# under that name, and run a few steps of it (`worker_main`, what `torchrun` starts on every
+# under that name, and run a few steps of it (`pipeline_worker`, what `torchrun` starts on every
 # rank, and `launch_pipeline`, which starts the job, are in the appendix).
 
 # %%
@@ -2368,7 +2368,7 @@ def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0,
 
 # %%
 # | export minirl/parallel/expert.py
-def worker_main(argv=None) -> None:
+def expert_worker(argv=None) -> None:
     """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
     import argparse
     import warnings
@@ -2409,7 +2409,7 @@ def worker_main(argv=None) -> None:
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
                            tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300,
                            progress: bool = False) -> dict:
-    """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
+    """Run `expert_worker` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
     and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
     subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
     progress=True prints the job's output as it comes (a line per scenario)."""
@@ -2420,7 +2420,7 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
         out = Path(tmp) / "expert.json"
         flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
                  "--repeats", repeats, "--out", out]
-        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        job = torchrun("minirl.parallel.expert:expert_worker", world_size, flags, timeout=timeout, stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")
@@ -2429,13 +2429,13 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
 # %% [markdown]
 # ### The pipeline job (section 5)
 #
-# `worker_main` is the body of the `torchrun` job: every rank runs each schedule and writes
+# `pipeline_worker` is the body of the `torchrun` job: every rank runs each schedule and writes
 # its timed calls for the driver; `launch_pipeline` checks the settings, starts the job and
 # reads them back.
 
 # %%
 # | export minirl/parallel/pipeline_run.py
-def worker_main(argv=None) -> None:
+def pipeline_worker(argv=None) -> None:
     """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
     import argparse
 
@@ -2486,7 +2486,7 @@ def worker_main(argv=None) -> None:
 def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
                     hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
                     timeout: float = 600, progress: bool = False) -> dict:
-    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
+    """Run `pipeline_worker` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
 
     Checks the settings first: every micro-batch count must fit the batch and the layers must
     split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
@@ -2507,7 +2507,8 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
         flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
                  "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
                  "--out", out]
-        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        job = torchrun("minirl.parallel.pipeline_run:pipeline_worker", world_size, flags, timeout=timeout,
+                       stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")
@@ -2518,7 +2519,7 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
 
 # %%
 # | export minirl/parallel/pipeline.py
-COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
+OP_COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
 
 
 def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
@@ -2529,14 +2530,14 @@ def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
         _, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * timeline.num_ranks))
     t0 = min(e.start for e in timeline.events)
     for e in timeline.events:
-        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=COLORS[e.op.kind], edgecolor="white", height=0.8)
+        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=OP_COLORS[e.op.kind], edgecolor="white", height=0.8)
         if e.end - e.start > 0.02 * timeline.makespan:
             ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.op.microbatch), ha="center", va="center",
                     fontsize=7, color="white")
     ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
     ax.invert_yaxis()
     ax.set(xlabel="time", title=f"{title}  idle share {timeline.bubble_share:.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in OP_COLORS.values()]
     ax.legend(handles, ["forward", "backward", "backward (inputs)", "backward (weights)"], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax

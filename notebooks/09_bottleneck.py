@@ -170,7 +170,7 @@ CATEGORY_OF = {"generate": "generation", "score": "reward", "reference": "refere
                "advantages": "reference/values", "update": "update", "update_critic": "update", "sync": "sync"}
 COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective",
                  "rpc")                         # rpc: a Ray call's time outside the worker (stage 6, `split_calls`)
-WAITING = ("wait", "queue")
+WAIT_PREFIXES = ("wait", "queue")
 NESTED = {"sleep": "generate", "wake": "sync"}  # stage 4 (rollout/colocated.py) times these inside their parents
 NOT_STAGES = ("step", "eval")                   # time/step is the wall clock; time/eval runs between steps
 OVERLAP = 1.02                                  # stages summing to more than 2 % over the wall clock overlap
@@ -210,7 +210,7 @@ def category_of(stage: str) -> str:
     leaf = stage.rsplit("/", 1)[-1]
     if leaf.startswith(COMMUNICATION):
         return "communication"
-    if leaf.startswith(WAITING):
+    if leaf.startswith(WAIT_PREFIXES):
         return "waiting"
     if stage in CATEGORY_OF:
         return CATEGORY_OF[stage]
@@ -437,7 +437,7 @@ import json
 from pathlib import Path
 
 TIMELINE_FILE = "timeline.json"                 # stage 6 (chapters/06_ray.py): every Ray worker's calls
-STAGE_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
+WORKER_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
                "reference": ("reference.", "actor.logprobs", "critic.values"), "update": ("actor.update",),
                "update_critic": ("critic.update",), "sync": ("sync.",)}
 
@@ -491,7 +491,7 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     first rollout worker (a file older than the records would then be misread); step k's
     calls are those that start between its generate call's start and the next one's (or
     time/step later, for the last). Per step and stage, the work is the time during which
-    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    any worker ran one of the stage's calls (WORKER_CALLS; a union over workers: data-parallel
     ranks overlap, roles called one after another add up); the driver's time/<stage> minus
     that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
     Records are returned unchanged (and partial says why) when the timeline does not match.
@@ -519,12 +519,12 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
         calls = {w: [(what, max(s, starts[k]), min(e, end)) for what, s, e in events if starts[k] <= s < end]
                  for w, events in timeline.items()}
         record = dict(record)
-        for stage, names in STAGE_CALLS.items():
+        for stage, names in WORKER_CALLS.items():
             work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
             if work > 0 and f"time/{stage}" in record:
                 record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
         for w, c in calls.items():
-            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(STAGE_CALLS.values(), ()))])
+            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(WORKER_CALLS.values(), ()))])
         wall += record["time/step"]
         out.append(record)
     return out, {w: b / wall for w, b in busy.items()} if wall > 0 else {}
@@ -608,8 +608,8 @@ from minirl.train.run import Callback
 from minirl.utils.io import atomic_write_json, atomic_write_text
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-STAGE_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
-               "importance_weights": "advantages", "compute_advantages": "advantages", "update": "update",
+STEP_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
+               "correct_behaviour": "advantages", "compute_advantages": "advantages", "update": "update",
                "push": "sync"}
 
 # %% [markdown]
@@ -674,11 +674,11 @@ def stage_breakdown(events) -> dict[str, dict]:
     """Per stage of rl_step: wall seconds, seconds in torch operators and in matmuls, the rest (Python and
     dispatch), operator calls and the FLOPs torch counted. Needs the Python stack (with_stack=True); {} without.
 
-    A stage is a call made directly by rl_step or by its `learn` (`STAGE_CALLS`; a critic's update is
-    "update_critic"; decorators and context managers in between are skipped); each operator belongs to
-    the stage whose call encloses it on its thread.
+    A stage is a call made directly by rl_step or by its `learn` or `sync_and_record` (`STEP_CALLS`; a
+    critic's update is "update_critic"; decorators and context managers in between are skipped); each
+    operator belongs to the stage whose call encloses it on its thread.
     """
-    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn"))}
+    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn", ": sync_and_record"))}
     spans = []
     for e in events:
         caller = e.cpu_parent
@@ -686,7 +686,7 @@ def stage_breakdown(events) -> dict[str, dict]:
             caller = caller.cpu_parent
         if "minirl/" in e.name and caller is not None and id(caller) in steps:
             call = e.name.rsplit(": ", 1)[-1]
-            stage = "update_critic" if call == "update" and "critic" in e.name else STAGE_CALLS.get(call)
+            stage = "update_critic" if call == "update" and "critic" in e.name else STEP_CALLS.get(call)
             if stage is not None:
                 spans.append((e.thread, e.time_range.start, e.time_range.end, stage))
     spans.sort()
@@ -914,12 +914,12 @@ ROLLOUT_STAGES = ("generate",)
 
 # %%
 # | export minirl/profiling/mfu.py
-class ModelShapeError(ValueError):
+class FlopShapeError(ValueError):
     """No model configuration to count FLOPs from."""
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class FlopShape:
     """The numbers FLOPs per token depend on."""
 
     params: float        # weights a token is multiplied by: all but the input-embedding lookup (MoE: active experts)
@@ -930,7 +930,7 @@ class ModelShape:
     name: str = ""
 
     @classmethod
-    def from_config(cls, config, name: str = "") -> "ModelShape":
+    def from_config(cls, config, name: str = "") -> "FlopShape":
         """Count a transformers config's weights on the meta device (no memory, no download)."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -951,15 +951,15 @@ class ModelShape:
                    dtype.removeprefix("torch."), name)
 
     @classmethod
-    def from_run_dir(cls, run_dir) -> "ModelShape":
+    def from_run_dir(cls, run_dir) -> "FlopShape":
         """The shape of the model a run trained: its final/ or newest checkpoint's config.json."""
         run_dir = Path(run_dir)
         candidates = [run_dir / "final", *sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)]
         for path in candidates:
             if (path / "config.json").is_file():
                 return cls.from_config(AutoConfig.from_pretrained(path), name=str(path))
-        raise ModelShapeError(f"{run_dir} holds no model config.json (in final/ or checkpoints/step-*/): the run "
-                              "stopped before saving; pass the model's shape (ModelShape.from_config)")
+        raise FlopShapeError(f"{run_dir} holds no model config.json (in final/ or checkpoints/step-*/): the run "
+                              "stopped before saving; pass the model's shape (FlopShape.from_config)")
 
 # %% [markdown]
 # Exercise 9.2 is the forward pass's FLOPs; everything else is built on it. A GRPO batch
@@ -1018,7 +1018,7 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
 
 # %%
 # | export minirl/profiling/mfu.py
-def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float]:
+def step_flops(record: dict, config: dict, shape: FlopShape) -> dict[str, float]:
     """One step's model FLOPs for the rollout and the trainer, and the trainer's hardware FLOPs (with recomputation).
 
     record: a step record with `tokens/prompt` and `tokens/completion` (the batch's real
@@ -1090,7 +1090,7 @@ class MFUReport:
                 "peak_source": {k: v[1] for k, v in self.peak.items()}, "partial": self.partial}
 
 
-def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
+def run_mfu(records: list[dict], config: dict, shape: FlopShape, peak_trainer: float, peak_rollout: float,
             world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
     """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
 
@@ -1126,9 +1126,9 @@ def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: 
 # products inside `scaled_dot_product_attention`, so the comparison is of the 6 N part.)
 
 # %%
-from minirl.profiling.mfu import ModelShape, flat_config, forward_flops, peak_flops, run_mfu, step_flops  # noqa: E402
+from minirl.profiling.mfu import FlopShape, flat_config, forward_flops, peak_flops, run_mfu, step_flops  # noqa: E402
 
-shape = ModelShape.from_run_dir(base_dir)
+shape = FlopShape.from_run_dir(base_dir)
 print(f"policy: {shape.total_params:,.0f} parameters, {shape.params:,.0f} multiply each token "
       f"(the output projection shares the embedding matrix), {shape.layers} layers, attention width {shape.attn_dim}")
 model, tokenizer, _ = load_default_policy(progress=False)
@@ -1157,7 +1157,7 @@ from transformers import Qwen2Config  # noqa: E402
 
 qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                      num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)   # Qwen2.5-0.5B's shape
-small = ModelShape.from_config(qwen05, name="Qwen2.5-0.5B shape")
+small = FlopShape.from_config(qwen05, name="Qwen2.5-0.5B shape")
 H, L, heads = qwen05.hidden_size, qwen05.num_hidden_layers, qwen05.num_attention_heads
 head_dim = H // heads
 seq_len, sequences = 1024, 8
@@ -1295,7 +1295,7 @@ from transformers import Qwen2Config  # noqa: E402
 
 qwen7b = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
-big = ModelShape.from_config(qwen7b, name="Qwen2.5-7B shape")
+big = FlopShape.from_config(qwen7b, name="Qwen2.5-7B shape")
 head_dim = qwen7b.hidden_size // qwen7b.num_attention_heads
 kv_bytes_per_token = 2 * big.layers * qwen7b.num_key_value_heads * head_dim * 2        # K and V, every layer, bf16
 H100_FLOPS, H100_BYTES = 989e12, 3.35e12
@@ -1419,9 +1419,9 @@ from pathlib import Path
 
 from minirl.profiling.decompose import Decomposition, NoMetricsError, category_of, decompose, rank_imbalance
 from minirl.profiling.mfu import (
+    FlopShape,
+    FlopShapeError,
     MFUReport,
-    ModelShape,
-    ModelShapeError,
     UnknownPeakError,
     flat_config,
     peak_flops,
@@ -1684,7 +1684,7 @@ def _read_json(path: Path, partial: list[str]) -> dict:
 
 
 def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflops: float | None = None,
-                threads: int = 1, shape: ModelShape | None = None, summary: dict | None = None) -> MFUReport:
+                threads: int = 1, shape: FlopShape | None = None, summary: dict | None = None) -> MFUReport:
     """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing).
 
     Devices: run.json's world_size (stage 4's ranks) or summary.json's placement (stage 6:
@@ -1692,14 +1692,14 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     gradient checkpointing to the settings.
     """
     if not isinstance(run_info.get("config"), dict):
-        raise ModelShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
+        raise FlopShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
                               "the batch")
     config = flat_config(run_info["config"]) | flat_config(run_info.get("pconfig") or {})   # stage 4: LoRA, ...
     missing = [k for k in ("prompts_per_step", "num_generations", "algo", "beta", "num_iterations",
                            "importance_sampling_correction") if k not in config]
     if missing:
-        raise ModelShapeError(f"run.json's config lacks {missing}: not a minirl RL run's settings")
-    shape = shape or ModelShape.from_run_dir(run_dir)
+        raise FlopShapeError(f"run.json's config lacks {missing}: not a minirl RL run's settings")
+    shape = shape or FlopShape.from_run_dir(run_dir)
     device = str(config.get("device", "cpu"))
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
@@ -1725,7 +1725,7 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
 
 # %%
 # | export minirl/profiling/rules.py
-def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, shape: ModelShape | None = None,
+def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, shape: FlopShape | None = None,
              quiet: bool = False) -> Diagnosis:
     """Apply every rule of RULES to the run in `run_dir` (any stage's); print the report unless quiet.
 
@@ -1753,7 +1753,7 @@ def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, sha
         try:
             mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape, summary)
             partial += mfu_report.partial
-        except (UnknownPeakError, ModelShapeError) as err:
+        except (UnknownPeakError, FlopShapeError) as err:
             partial.append(f"no MFU: {err}")
     records = decomposition.records if decomposition is not None else []
     measured = measurements(decomposition, mfu_report, records, summary)
@@ -1913,7 +1913,7 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from minirl.parallel.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun  # noqa: E402
 from minirl.utils.progress import step_bar  # noqa: E402
 
 # %% [markdown]
@@ -2327,7 +2327,7 @@ import matplotlib.pyplot as plt
 
 from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of
 
-COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
+CATEGORY_COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
                                "tab:pink", "tab:gray"), strict=True))
 
 
@@ -2342,7 +2342,7 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     for category in CATEGORIES:
         heights = [sum(s[category] for s in g) / len(g) for g in groups]
         if any(heights):
-            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=COLORS[category], label=category,
+            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=CATEGORY_COLORS[category], label=category,
                    align="edge")
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set(xlabel="step", ylabel="share of the step", ylim=(0, 1), title=title or "where each step's time goes")
@@ -2381,7 +2381,7 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
             for name, left, width in pieces:
                 category = "other" if name == "other" else category_of(name)
                 if width > 0 and category in lanes:
-                    ax.barh(lanes.index(category), width, left=left, color=COLORS[category], edgecolor="white")
+                    ax.barh(lanes.index(category), width, left=left, color=CATEGORY_COLORS[category], edgecolor="white")
             t += span
         ax.axvline(start, color="black", lw=0.5)
         ax.text(start, len(lanes) - 0.4, f" step {step}", fontsize=8, va="bottom")
@@ -2400,7 +2400,7 @@ def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str |
         for category in CATEGORIES:
             share = d.shares[category]
             if share > 0:
-                ax.barh(row, share, left=left, color=COLORS[category], label=category if row == 0 else None)
+                ax.barh(row, share, left=left, color=CATEGORY_COLORS[category], label=category if row == 0 else None)
                 if share > 0.06:
                     ax.text(left + share / 2, row, f"{100 * share:.0f}%", ha="center", va="center", fontsize=8)
                 left += share

@@ -206,6 +206,8 @@ def chapter():
     (["--resume", "--overwrite"], "contradict each other"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'auto', 'float32', 'bfloat16')"),
     (["--rollout-dtype", "int8"], "argument --rollout-dtype: invalid choice: 'int8'"),
+    (["--rollout-engine", "tgi"],
+     "argument --rollout-engine: invalid choice: 'tgi' (choose from 'hf', 'shared_prefix', 'vllm', 'paged')"),
     (["--device", "tpu"], "argument --device: 'tpu': not a device: use cpu, cuda, cuda:1, ..."),
 ])
 def test_bad_flags_fail_in_one_line_before_loading(tmp_path, chapter, monkeypatch, capsys, args, message):
@@ -392,6 +394,34 @@ def test_a_mistyped_flag_fails_before_torch_loads(tmp_path):
     assert not (tmp_path / "x").exists()
     proc, imported = run_script(SCRIPT, "--help")
     assert proc.returncode == 0 and "--dtype" in proc.stdout and "torch" not in imported, "--help is fast too"
+
+
+@pytest.mark.parametrize("script", ["01_single_process.py", "06_ray.py", "07_async.py"])
+def test_vllm_where_it_cannot_run_is_one_line_before_torch_loads(tmp_path, script):
+    """Issue 28: every training chapter takes the engine registry's names; vLLM without vLLM (or CUDA) is refused with
+    the flags, in one line naming the flag, the value, why and the fix, exit 2, before torch or a model loads."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("vLLM and CUDA are here: --rollout-engine vllm is valid")
+    proc, imported = run_script(REPO / "chapters" / script, "--out", tmp_path / "x", "--rollout-engine", "vllm")
+    why = ("vLLM is not installed; on a CUDA machine run pip install -r requirements-gpu.txt, "
+           if importlib.util.find_spec("vllm") is None else "vLLM's engine runs on CUDA GPUs and this run's --device "
+                                                            "is cpu; pass --device cuda on a GPU machine, ")
+    assert proc.returncode == 2 and last_line(proc) == (
+        f"{script}: error: argument --rollout-engine: 'vllm': {why}or use --rollout-engine shared_prefix"), proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1
+    assert not {"torch", "transformers", "ray"} & imported, sorted({"torch", "transformers", "ray"} & imported)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cispo_runs_on_chapter_01(tmp_path):
+    """--loss-type cispo (TRL 1.16's CISPO, one entry of the loss registry) trains like any other loss type."""
+    out = tmp_path / "cispo"
+    run("--out", out, "--steps", 2, "--loss-type", "cispo", "--epsilon-high", 5.0, "--checkpoint-every", 0, *QUICK)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["settings"]["loss_type"] == "cispo"
+    records = read_metrics(out)
+    assert len(records) == 2 and all(r["loss"] == r["loss"] and "clip_ratio/high_mean" in r for r in records)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import torchrun
+from minirl.runtime.launch import torchrun
 from minirl.utils.io import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,16 +205,15 @@ def test_a_bad_flag_stops_every_rank_before_loading_and_one_says_so(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--prompts-per-step", "6"], "6 prompts do not divide over 4 ranks"),
     (["--backend", "nccl"], "NCCL communicates between CUDA GPUs"),
-    (["--rollout", "vllm"], "argument --rollout: 'vllm': vLLM is not installed"),
+    (["--rollout-engine", "vllm"], "argument --rollout-engine: 'vllm': vLLM is not installed"),
     (["--algo", "ppo"], "stage 4 trains GRPO"),
     (["--zero", "5"], "invalid choice: 5"),
     (["--lora-rank", "0", "--sync-mode", "merged"], "merging or shipping an adapter needs LoRA"),
     (["--zero", "1", "--mixed-precision", "bf16"], "use --zero 2 or 3"),
     (["--sync-every", "0"], "argument --sync-every: 0: must be >= 1"),
     (["--sync-every", "4"], "argument --sync-every: 4: a colocated engine discards its weights"),
-    (["--rollout", "hf"], "argument --rollout: invalid choice: 'hf'"),
-    (["--rollout", "vllm", "--rollout-engine", "paged"],
-     "argument --rollout-engine: 'paged': names one of minirl's in-process engines"),
+    (["--rollout-engine", "tgi"], "argument --rollout-engine: invalid choice: 'tgi'"),
+    (["--rollout", "vllm"], "ambiguous option: --rollout could match --rollout-engine"),   # one engine flag now
     (["--out", "/sys/minirl-run"], "argument --out: /sys/minirl-run: cannot write in /sys"),
     (["--device", "cuda"], "argument --device: 'cuda': this machine has no CUDA device"),
     (["--dataset", str(REPO / "data" / "word_problems" / "train.jsonl")],
@@ -408,13 +407,6 @@ def test_a_full_disk_stops_the_save_in_one_line_and_promotes_nothing(one_rank_st
     assert stop.code == 1 and stop.resumable
     assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/.tmp-step-000006/rank-0.pt (No space "
                                 "left on device): free some space, or pass another --out"), stop.what
-
-
-def test_sync_modes_are_the_syncs(group):
-    """parallel/config.py repeats sync/sharded.py's modes so that parsing flags imports no torch."""
-    from minirl.parallel import config
-    from minirl.sync import sharded
-    assert config.SYNC_MODES == sharded.SYNC_MODES
 
 
 # --- your model, your task (issue 19): --dataset, --eval-dataset, --reward, --reward-weights, --config ----------------

@@ -78,12 +78,13 @@ def test_a_usage_error_comes_before_torch_and_ray_load():
 
 
 def test_the_chapters_names_are_the_packages():
-    """The chapter names the choices without importing minirl.controller (Ray, torch); they must stay equal."""
-    from minirl.controller.driver import SYNCS
-    from minirl.controller.placement import PLACEMENTS
+    """The chapter takes its choices from minirl.controller.names (no Ray, no torch), the names the package uses."""
+    from minirl.controller import driver, placement
+    from minirl.controller.names import LAYOUTS, PLACEMENTS, SYNCS
     from minirl.tasks.rewards import REWARDS, SPEC_HELP
     from minirl.train.cli import BUILT_IN_REWARDS, REWARD_SPEC_HELP
-    assert chapter.PLACEMENTS == PLACEMENTS and chapter.SYNCS == SYNCS
+    assert chapter.PLACEMENTS is PLACEMENTS is placement.PLACEMENTS and chapter.SYNCS is SYNCS is driver.SYNCS
+    assert PLACEMENTS == tuple(LAYOUTS) == ("colocated", "disaggregated", "per-role")
     assert BUILT_IN_REWARDS == tuple(REWARDS) and REWARD_SPEC_HELP == SPEC_HELP
 
 

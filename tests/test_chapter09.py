@@ -14,7 +14,7 @@ from refusals import last_line
 from refusals import run_script as run_with_imports
 from test_profiling import CONFIG, make_run, step_record
 
-from minirl.parallel.launch import torchrun
+from minirl.runtime.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "chapters" / "09_profile.py"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minirl.config import RLConfig, SamplingConfig
-from minirl.controller.driver import SOURCE_ORDER, driver_cycles, stage_shares
+from minirl.controller.driver import SOURCE_ORDER, driver_cycles, source_stage_shares
 from minirl.controller.placement import check_placement, make_placement, needed_roles, parse_pools
 from minirl.controller.resource_pool import PlacementError, ResourcePool, connect, plan_placement
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, concat, rank_zero, split_by_rank
@@ -151,7 +151,7 @@ def test_driver_cycles_shift_the_sync_and_stage_shares_sum_to_one():
     cycles = driver_cycles(records)
     assert [list(c) for c in cycles] == [list(SOURCE_ORDER[:-1])] * 2
     assert [c["sync"] for c in cycles] == [0.0, 0.3] and cycles[1]["generate"] == 1.5
-    shares = stage_shares(records)
+    shares = source_stage_shares(records)
     assert list(shares)[0] == "sync" and sum(shares.values()) == pytest.approx(1.0)
     assert shares["update"] == pytest.approx(4.0 / 8.0)
 

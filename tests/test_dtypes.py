@@ -34,7 +34,8 @@ def test_the_cpu_default_is_bit_for_bit_the_explicit_float32_run():
 def test_build_roles_and_engine_use_the_resolved_dtypes(tiny):
     import copy
 
-    from minirl.train.run import build_engine, build_roles
+    from minirl.rollout.registry import build_engine
+    from minirl.train.run import build_roles
 
     model, tokenizer = tiny
     config = RLConfig.from_flat(dtype="bfloat16", rollout_dtype="float16", algo="ppo", beta=0.1)
@@ -49,13 +50,13 @@ def test_build_roles_and_engine_use_the_resolved_dtypes(tiny):
 def test_the_mfu_rules_read_an_auto_rollout_dtype(tmp_path):
     from test_profiling import CONFIG, make_run, step_record
 
-    from minirl.profiling.mfu import ModelShape
+    from minirl.profiling.mfu import FlopShape
     from minirl.profiling.rules import run_dir_mfu
 
     run = make_run(tmp_path / "run", [step_record(1)], config=CONFIG)
     info = json.loads((run / "run.json").read_text())
     assert info["config"]["rollout"]["rollout_dtype"] == "auto"
-    shape = ModelShape(params=1e6, layers=2, attn_dim=64, total_params=1.1e6)
+    shape = FlopShape(params=1e6, layers=2, attn_dim=64, total_params=1.1e6)
     from minirl.profiling.decompose import decompose
 
     report = run_dir_mfu(run, info, decompose(run), shape=shape)     # a CPU run: the peak measured at float32

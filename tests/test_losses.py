@@ -1,9 +1,23 @@
-"""The clipped objective, loss aggregation, GSPO, KL and value loss (minirl.algo.losses)."""
+"""The clipped objective, loss aggregation, GSPO, KL and value loss (minirl.algo.losses), and the loss registry
+(minirl.loss_types): every entry complete, CISPO added through it alone."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from minirl.algo.losses import aggregate_loss, clipped_surrogate, kl_k3, policy_loss, value_loss
+from minirl.algo.losses import kl_k3, policy_loss, value_loss
+from minirl.config import RLConfig
+from minirl.loss_types import (
+    LOSS_TYPES,
+    LossType,
+    aggregate_loss,
+    clipped_surrogate,
+    loss_type_entry,
+    register_loss_type,
+    token_mean,
+)
+from minirl.utils.validate import ConfigError
 
 
 def test_clipped_surrogate_values_and_gradients():
@@ -131,3 +145,59 @@ def test_value_loss_clips():
     assert loss.item() == pytest.approx(0.5 * max(0.1 ** 2, 0.8 ** 2))
     loss.backward()
     assert values.grad.item() == 0.0, "the clipped term dominates: no gradient"
+
+
+# ---- the registry --------------------------------------------------------------------------------------------
+
+def test_every_loss_type_is_one_complete_entry():
+    assert list(LOSS_TYPES) == ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+    for name, entry in LOSS_TYPES.items():
+        assert loss_type_entry(name) is entry
+        assert all(callable(getattr(entry, f.name)) for f in dataclasses.fields(LossType)), name
+
+
+def test_an_entry_that_lacks_a_part_is_refused_when_registered_and_when_the_config_is_built(monkeypatch):
+    dapo = LOSS_TYPES["dapo"]
+    with pytest.raises(TypeError):
+        LossType(objective=dapo.objective, normalise=token_mean, micro_batch_weight=dapo.micro_batch_weight)
+    with pytest.raises(ConfigError, match=r"loss_type='half': its entry's rank_weight is None, not a function"):
+        register_loss_type("half", dataclasses.replace(dapo, rank_weight=None))
+    assert "half" not in LOSS_TYPES
+    monkeypatch.setitem(LOSS_TYPES, "half", dataclasses.replace(dapo, micro_batch_weight=None))   # bypassing it
+    with pytest.raises(ConfigError, match=r"loss_type='half': its entry's micro_batch_weight is None"):
+        RLConfig.from_flat(loss_type="half")
+    monkeypatch.setitem(LOSS_TYPES, "tuple", (dapo.objective, token_mean))
+    with pytest.raises(ConfigError, match=r"loss_type='tuple': its entry's objective is None, not a function"):
+        RLConfig.from_flat(loss_type="tuple")
+    with pytest.raises(ConfigError, match=r"loss_type='sapo': use one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"):
+        RLConfig.from_flat(loss_type="sapo")
+
+
+def test_a_registered_loss_type_is_accepted_everywhere(monkeypatch):
+    """The seam: a new entry is the only change; the config, the loss and its weights take it by name."""
+    monkeypatch.setitem(LOSS_TYPES, "dapo_copy", LOSS_TYPES["dapo"])
+    assert RLConfig.from_flat(loss_type="dapo_copy").algorithm.loss_type == "dapo_copy"
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+    old = logps + torch.tensor([[0.3, -0.2], [0.1, 0.4]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    assert policy_loss(logps, old, adv, mask, loss_type="dapo_copy") == policy_loss(logps, old, adv, mask)
+
+
+def test_cispo_clips_the_detached_weight_and_keeps_every_gradient():
+    """CISPO (TRL 1.16): -min(ratio, epsilon_high).detach() * A * logp per token, normalized by the tokens."""
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.5, -1.9, -0.5]])                   # ratios e^0.5 = 1.65, e^-0.1 = 0.90, 1
+    adv = torch.tensor([2.0])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = policy_loss(logps, old, adv, mask, loss_type="cispo", epsilon_high=1.2)
+    ratio = torch.exp(logps.detach() - old)
+    weight = ratio.clamp(max=1.2)
+    assert loss.item() == pytest.approx((-(weight * 2.0 * logps.detach())[:, :2]).sum().item() / 2)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, -weight * 2.0 * mask / 2, msg="the gradient flows through logp alone")
+    assert logps.grad[0, 0] != 0, "a token whose ratio is clipped keeps its gradient (PPO's would be 0)"
+    assert m["clip_ratio/high_mean"] == pytest.approx(1 / 2) and m["clip_ratio/low_mean"] == 0.0
+    assert m["clip_ratio/region_mean"] == pytest.approx(1 / 2)
+    unset, _ = policy_loss(logps, old, adv, mask, loss_type="cispo")      # epsilon_high unset: epsilon, 0.2 (TRL)
+    assert unset.item() == pytest.approx((-(0.2 * 2.0 * logps.detach())[:, :2]).sum().item() / 2)

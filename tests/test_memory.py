@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from minirl.memory.calculator import (
     GB,
     LLAMA2_70B,
-    STAGES,
+    ZERO_LEVELS,
     ModelShape,
     activation_memory,
     bytes_per_param,
@@ -177,7 +177,7 @@ def test_bad_input_names_the_parameter(call, match):
 
 
 def test_min_gpus_is_minimal():
-    for stage in STAGES:
+    for stage in ZERO_LEVELS:
         n = min_gpus(7e9, 80 * GB, stage, activation_bytes=5 * GB)
         if n is not None:
             assert zero_per_gpu(7e9, n, stage)["total"] + 5 * GB <= 80 * GB

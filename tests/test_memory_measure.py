@@ -144,7 +144,7 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
 
     calls = []
 
-    def aborting(target, nproc, args=(), **kwargs):          # the one launcher, minirl.parallel.launch.torchrun
+    def aborting(target, nproc, args=(), **kwargs):          # the one launcher, minirl.runtime.launch.torchrun
         calls.append((target, nproc, list(args), kwargs))
         return subprocess.CompletedProcess(target, -6, stdout="rank 0: terminate called\n" + "x" * 9000, stderr="")
 
@@ -153,5 +153,5 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
         warnings.simplefilter("always")
         launch_measurement(2, size="tiny")
     assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
-    assert calls[0][:2] == ("minirl.memory.distributed:worker_main", 2) and calls[0][3]["timeout"] == 600
+    assert calls[0][:2] == ("minirl.memory.distributed:memory_worker", 2) and calls[0][3]["timeout"] == 600
     assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)

@@ -8,7 +8,7 @@ import torch
 from minirl.algo.logprobs import check_logprob_pair
 from minirl.diagnostics.mismatch import (
     clip_bounds,
-    diagnose,
+    diagnose_mismatch,
     measure_logprobs,
     mismatch_stats,
     ppo_ratio,
@@ -109,7 +109,7 @@ def test_diagnose_finds_a_planted_stale_rollout(policy):
     with torch.no_grad():
         trainer.lm_head.weight.add_(0.01)                          # one "update" the rollout never received
     rollout.version = 1                                            # the label moved, the weights did not
-    report = diagnose(trainer, tokenizer, prompts, rollout=rollout, trainer_version=1, sweep=("float32",),
+    report = diagnose_mismatch(trainer, tokenizer, prompts, rollout=rollout, trainer_version=1, sweep=("float32",),
                       num_generations=2)
     assert report.sync_problems and "synchronization did not complete" in report.sync_problems[0]
     text = str(report)

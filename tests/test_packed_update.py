@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from minirl.algo.logprobs import MicroBatchedLogprobs, micro_batches
-from minirl.algo.losses import micro_batch_weight
-from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
+from minirl.loss_types import LOSS_TYPES
 from minirl.roles.actor import Actor
 
 G = 4
@@ -111,8 +111,8 @@ def test_micro_batches_zero_is_the_padded_path_and_negative_is_refused():
 def test_micro_batch_weights_add_up_to_the_batch():
     for loss_type in LOSS_TYPES:
         plan = micro_batches(LENGTHS, 8)
-        total = sum(micro_batch_weight(loss_type, len(rows), len(LENGTHS), sum(LENGTHS[i] for i in rows),
-                                       sum(LENGTHS)) for rows in plan)
+        weigh = LOSS_TYPES[loss_type].micro_batch_weight
+        total = sum(weigh(len(rows), len(LENGTHS), sum(LENGTHS[i] for i in rows), sum(LENGTHS)) for rows in plan)
         assert total == pytest.approx(1.0), loss_type
 
 
@@ -183,12 +183,15 @@ def test_sequence_level_ratios_and_no_sharing(make_tiny_policy, tiny):
 
 def test_a_wrong_micro_batch_weight_is_caught(make_tiny_policy, tiny, monkeypatch):
     """Negative control: weighting every micro-batch 1 (plain accumulation of means) changes the gradient."""
-    import minirl.roles.actor as actor_module
+    import dataclasses
+
+    from minirl import loss_types
 
     _, tok = tiny
     exp = experience(long_tail_rollout(tok))
     _, want = gradients(actor_for(make_tiny_policy, 0, "grpo"), exp)
-    monkeypatch.setattr(actor_module, "micro_batch_weight", lambda *args: 1.0)
+    plain_sum = dataclasses.replace(loss_types.LOSS_TYPES["grpo"], micro_batch_weight=lambda *args: 1.0)
+    monkeypatch.setitem(loss_types.LOSS_TYPES, "grpo", plain_sum)
     _, got = gradients(actor_for(make_tiny_policy, 8, "grpo"), exp)
     scale = max(g.abs().max().item() for g in want.values())
     assert max((want[n] - got[n]).abs().max().item() for n in want) > 1e-2 * scale

@@ -5,6 +5,7 @@ A one-rank gloo group (a file store, no torchrun) lets FSDP2 and DTensor run her
 multi-rank behaviour is in test_parallel_torchrun.py.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -14,19 +15,19 @@ from torch import nn
 
 from minirl.config import RLConfig, SamplingConfig
 from minirl.data import Experience
+from minirl.loss_types import aggregate_loss, loss_type_entry
 from minirl.memory.measure import storage_bytes
+from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
 from minirl.parallel.roles import (
     DistributedActor,
     DistributedCritic,
     pad_completions,
-    rank_loss_weight,
     reduce_metrics,
     scale_gradient,
     split_micro_batches,
 )
-from minirl.parallel.wrap import apply_lora, decoder_layers, wrap_model
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
 from minirl.rollout.hf import HFEngine
@@ -65,8 +66,6 @@ def group():
     (dict(sync_mode="adapter"), r"sync_mode='adapter': merging or shipping an adapter needs LoRA"),
     (dict(lora_rank=4, sync_mode="full"), r"sync_mode='full': with LoRA"),
     (dict(zero=1, mixed_precision="bf16"), r"mixed_precision='bf16'.*use --zero 2 or 3"),
-    (dict(rollout="sglang"), r"rollout='sglang'"),
-    (dict(rollout="hf"), r"rollout='hf': use one of 'minirl', 'vllm'"),
     (dict(sync_every=0), r"sync_every=0: must be >= 1 \(1: push after every update"),
     (dict(sync_every=3), r"sync_every=3: a colocated engine discards its weights.*--no-colocate"),
     (dict(sync_bucket_mb=-1.0), r"sync_bucket_mb=-1.0: must be >= 0.0"),
@@ -91,25 +90,25 @@ def test_vllm_without_vllm_is_a_named_error():
     import importlib.util
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(ConfigError,
-                       match=r"rollout='vllm': vLLM is not installed.*requirements-gpu.txt.*--rollout minirl"):
-        check_parallel(ParallelConfig(rollout="vllm"), RLConfig(), 2)
+    with pytest.raises(ConfigError, match=r"rollout_engine='vllm': vLLM is not installed.*requirements-gpu.txt.*"
+                                          r"--rollout-engine shared_prefix"):
+        check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="vllm"), 2)
 
 
-def test_vllm_with_an_in_process_engine_is_a_contradiction():
-    """--rollout vllm generates with vLLM: naming one of minirl's engines as well is refused, not ignored."""
-    with pytest.raises(ConfigError, match=r"rollout_engine='paged': names one of minirl's in-process engines.*"
-                                          r"--rollout minirl"):
-        check_parallel(ParallelConfig(rollout="vllm"), RLConfig.from_flat(rollout_engine="paged"), 2)
+def test_vllm_checks_that_need_both_configs(monkeypatch):
+    """Stage 4 alone: vLLM cannot hand its weights back (--verify-sync) nor take an adapter (--sync-mode adapter)."""
+    import minirl.rollout.registry as registry
 
-
-def test_engine_class_picks_the_engine_the_config_names():
-    from minirl.rollout.engine.engine import PagedEngine
-    from minirl.train.run import engine_class
-
-    assert [engine_class(n) for n in ("hf", "shared_prefix", "paged")] == [HFEngine, SharedPrefixEngine, PagedEngine]
-    with pytest.raises(ConfigError, match=r"rollout_engine='tgi': use one of"):
-        engine_class("tgi")
+    monkeypatch.setitem(registry.ENGINES, "vllm", dataclasses.replace(registry.ENGINES["vllm"],
+                                                                      problem=registry.runs_anywhere))
+    config = RLConfig.from_flat(rollout_engine="vllm", device="cuda")
+    with pytest.raises(ConfigError, match=r"verify_sync=True: vLLM keeps its weights fused"):
+        check_parallel(ParallelConfig(verify_sync=True), config, 2)
+    with pytest.raises(ConfigError, match=r"sync_mode='adapter': minirl's vLLM engine takes whole"):
+        check_parallel(ParallelConfig(lora_rank=2, sync_mode="adapter"), config, 2)
+    check_parallel(ParallelConfig(lora_rank=2), config, 2)
+    with pytest.raises(ConfigError, match=r"rollout_engine='tgi': use one of 'hf', 'shared_prefix', 'vllm', 'paged'"):
+        check_parallel(ParallelConfig(), RLConfig.from_flat(rollout_engine="tgi"), 2)
 
 
 def test_sync_due_every_k_steps_and_where_the_engine_must_be_fresh():
@@ -166,16 +165,46 @@ def test_decoder_layers_found_by_no_split_modules(make_tiny_policy):
 
 # ---- a rank's share of the loss ------------------------------------------------------------------
 
+def rank_loss_weight(loss_type, *counts):
+    return loss_type_entry(loss_type).rank_weight(*counts)
+
+
 def test_rank_loss_weights_make_the_average_the_whole_batch():
     # two ranks holding 3 and 5 tokens of 8: dapo's weights are W * T_r / T, and average to 1
     w = [rank_loss_weight("dapo", t, 8, 2, 4, 2) for t in (3, 5)]
     assert w == pytest.approx([0.75, 1.25]) and sum(w) / 2 == pytest.approx(1)
+    assert [rank_loss_weight("cispo", t, 8, 2, 4, 2) for t in (3, 5)] == w, "cispo weighs as dapo (TRL)"
     assert rank_loss_weight("grpo", 3, 8, 2, 4, 2) == pytest.approx(1.0)
     assert rank_loss_weight("dr_grpo", 3, 8, 1, 4, 2) == pytest.approx(0.5)
     assert rank_loss_weight("bnpo", 3, 8, 2, 4, 2) == 1.0
     assert rank_loss_weight("dapo", 0, 0, 2, 4, 2) == pytest.approx(2.0)   # empty batch: the clamp, no NaN
+    for loss_type in ("grpo", "dr_grpo"):
+        assert rank_loss_weight(loss_type, 0, 8, 0, 4, 2) == 0.0, "a rank with no rows counts for nothing"
+        weights = [rank_loss_weight(loss_type, t, 8, r, 4, 3) for t, r in ((5, 3), (0, 0), (3, 1))]
+        assert sum(weights) == pytest.approx(3.0), "the ranks' weights sum to world_size"
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         rank_loss_weight("ppo", 1, 2, 1, 2, 2)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo"])
+def test_weighted_rank_gradients_average_to_the_whole_batch(loss_type):
+    """Split a batch over 3 'ranks'; (1/W) sum_r w_r grad(loss_r) is the whole batch's gradient (not unweighted)."""
+    g = torch.Generator().manual_seed(3)
+    per_token = torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) < 0.6).long()
+    mask[:, 0] = 1
+    mask[2:4, 3:] = 0                                  # unequal token counts per rank
+    x = per_token.clone().requires_grad_(True)
+    aggregate_loss(x, mask, loss_type, 5).backward()
+    whole, total = x.grad.clone(), int(mask.sum())
+    for weighted in (True, False):
+        x.grad = None
+        for part in (slice(0, 2), slice(2, 4), slice(4, 6)):
+            w = rank_loss_weight(loss_type, int(mask[part].sum()), total, 2, 6, 3) if weighted else 1.0
+            (w / 3 * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
+        close = torch.allclose(x.grad, whole, atol=1e-6)
+        assert close == weighted or loss_type in ("grpo", "dr_grpo"), \
+            f"{loss_type}: weighted={weighted}: the ranks' averaged gradients vs the batch's"
 
 
 def test_scale_gradient_scales_only_the_gradient():
@@ -506,7 +535,7 @@ def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
 
 def test_gradient_checkpointing_gives_the_same_update(group, make_tiny_policy):
     """Per-layer recomputation changes memory and time, not the gradient."""
-    from minirl.parallel.wrap import set_checkpointing
+    from minirl.memory.wrap import set_checkpointing
 
     grads = []
     for on in (False, True):

@@ -1,4 +1,4 @@
-"""minirl.parallel.launch.torchrun, the one launcher: a script or a function, and no rank left alive after a
+"""minirl.runtime.launch.torchrun, the one launcher: a script or a function, and no rank left alive after a
 timeout, even a rank that ignores SIGTERM (torchrun starts every rank in a session of its own)."""
 
 import os
@@ -10,7 +10,7 @@ import psutil
 import pytest
 from refusals import load_factor
 
-from minirl.parallel.launch import stop_job, torchrun
+from minirl.runtime.launch import stop_job, torchrun
 
 HANG = """
 import os, signal, sys, time
@@ -90,14 +90,15 @@ def test_bad_nproc_is_refused():
         torchrun("x.py", 0)
 
 
-def test_one_launcher_in_the_package():
-    """Every torchrun job of minirl goes through launch.torchrun (whose timeout ends the ranks)."""
+def test_one_launcher_in_the_package_and_the_chapters():
+    """Every torchrun job that minirl or a chapter starts goes through runtime/launch.py's torchrun (whose timeout
+    ends the ranks); chapter 04's --nproc-per-node is its in-process mode."""
     from pathlib import Path
 
-    package = Path(__file__).resolve().parents[1] / "minirl"
-    launching = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
-                       if "torch.distributed.run" in p.read_text())
-    assert launching == ["parallel/launch.py"], launching
+    root = Path(__file__).resolve().parents[1]
+    launching = sorted(str(p.relative_to(root)) for folder in ("minirl", "chapters", "benchmarks")
+                       for p in (root / folder).rglob("*.py") if "torch.distributed.run" in p.read_text())
+    assert launching == ["minirl/runtime/launch.py"], launching
 
 
 # --- a job that stops early (issue 22): who died, which signal, one line from one rank ---------------------------

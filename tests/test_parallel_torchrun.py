@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from minirl.config import RLConfig
+from minirl.memory.wrap import apply_lora
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import torchrun
-from minirl.parallel.wrap import apply_lora
 from minirl.rollout.colocated import SeedPerPrompt
+from minirl.runtime.launch import torchrun
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run, setup, stage1_step
 

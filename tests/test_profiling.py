@@ -26,8 +26,8 @@ from minirl.profiling.decompose import (
 )
 from minirl.profiling.mfu import (
     GPU_PEAK_TFLOPS,
-    ModelShape,
-    ModelShapeError,
+    FlopShape,
+    FlopShapeError,
     UnknownPeakError,
     flat_config,
     forward_flops,
@@ -220,13 +220,13 @@ def test_group_sharing_counts_the_prompt_once():
 
 
 def test_model_shape_from_configs():
-    tied = ModelShape.from_config(Qwen2Config(**TINY, tie_word_embeddings=True))
-    untied = ModelShape.from_config(Qwen2Config(**TINY, tie_word_embeddings=False))
+    tied = FlopShape.from_config(Qwen2Config(**TINY, tie_word_embeddings=True))
+    untied = FlopShape.from_config(Qwen2Config(**TINY, tie_word_embeddings=False))
     assert tied.params == tied.total_params, "tied: the embedding is also the output matmul"
     assert untied.total_params - untied.params == 18 * 32, "untied: only the lookup is free"
     assert (tied.layers, tied.attn_dim) == (2, 32)
     from transformers import Qwen2MoeConfig
-    moe = ModelShape.from_config(Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    moe = FlopShape.from_config(Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                                 vocab_size=18, num_experts=8, num_experts_per_tok=2,
                                                 shared_expert_intermediate_size=16))
@@ -235,7 +235,7 @@ def test_model_shape_from_configs():
 
 def test_six_n_agrees_with_torchs_flop_counter(make_tiny_policy):
     model, _ = make_tiny_policy(seed=2, num_layers=2)
-    shape = ModelShape.from_config(model.config)
+    shape = FlopShape.from_config(model.config)
     ids = torch.randint(3, 18, (8, 12), generator=torch.Generator().manual_seed(0))
     with torch.profiler.profile(with_flops=True) as prof:
         model(ids, labels=ids).loss.backward()
@@ -244,7 +244,7 @@ def test_six_n_agrees_with_torchs_flop_counter(make_tiny_policy):
 
 
 def test_step_flops_counts_the_passes_of_the_algorithm():
-    shape = ModelShape.from_config(Qwen2Config(**TINY))
+    shape = FlopShape.from_config(Qwen2Config(**TINY))
     record = step_record(1)
     grpo = step_flops(record, flat_config(dataclasses.asdict(CONFIG)), shape)
     ppo = step_flops(record, flat_config(dataclasses.asdict(CONFIG.replace(algo="ppo", beta=0.05))), shape)
@@ -286,7 +286,7 @@ def test_peaks_given_measured_or_unknown():
 def test_run_mfu_and_the_lower_bound_of_old_records(tmp_path):
     run = make_run(tmp_path / "r", [step_record(1), step_record(2)])
     d = decompose(run)
-    shape, config = ModelShape.from_run_dir(run), flat_config(dataclasses.asdict(CONFIG))
+    shape, config = FlopShape.from_run_dir(run), flat_config(dataclasses.asdict(CONFIG))
     report = run_mfu(d.records, config, shape, 1e9, 2e9)
     flops = step_flops(d.records[0], config, shape)
     assert report.trainer == pytest.approx(2 * flops["trainer"] / (1e9 * 2 * (0.002 + 0.001 + 0.5)))
@@ -295,8 +295,8 @@ def test_run_mfu_and_the_lower_bound_of_old_records(tmp_path):
     old = [{k: v for k, v in r.items() if not k.startswith("tokens/")} for r in d.records]
     lower = run_mfu(old, config, shape, 1e9, 2e9)
     assert lower.trainer < report.trainer and any("lower bound" in n for n in lower.partial)
-    with pytest.raises(ModelShapeError, match="config.json"):
-        ModelShape.from_run_dir(make_run(tmp_path / "nomodel", [step_record(1)], model=False))
+    with pytest.raises(FlopShapeError, match="config.json"):
+        FlopShape.from_run_dir(make_run(tmp_path / "nomodel", [step_record(1)], model=False))
 
 
 # ---------------------------------------------------------------- the profiler callback on a real run

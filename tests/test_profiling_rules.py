@@ -9,7 +9,7 @@ import torch
 from test_profiling import CONFIG, make_run, step_record
 
 from minirl.profiling.decompose import MixedRunsError, NoMetricsError, decompose
-from minirl.profiling.mfu import ModelShape, flat_config, run_mfu
+from minirl.profiling.mfu import FlopShape, flat_config, run_mfu
 from minirl.profiling.rules import RULES, diagnose, rules_that_fire
 
 HEALTHY_MFU = 0.5
@@ -18,7 +18,7 @@ HEALTHY_MFU = 0.5
 def healthy_peak_tflops(run) -> float:
     """The peak at which the lower of the run's trainer and rollout MFU is HEALTHY_MFU."""
     d = decompose(run)
-    throughput = run_mfu(d.records, flat_config(dataclasses.asdict(CONFIG)), ModelShape.from_run_dir(run), 1.0, 1.0)
+    throughput = run_mfu(d.records, flat_config(dataclasses.asdict(CONFIG)), FlopShape.from_run_dir(run), 1.0, 1.0)
     return min(throughput.trainer, throughput.rollout) / HEALTHY_MFU / 1e12
 
 

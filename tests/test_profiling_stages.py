@@ -10,7 +10,7 @@ from test_profiling import CONFIG, TINY, make_run, step_record
 from transformers import Qwen2Config
 
 from minirl.profiling.decompose import decompose
-from minirl.profiling.mfu import ModelShape, flat_config, run_mfu, step_flops
+from minirl.profiling.mfu import FlopShape, flat_config, run_mfu, step_flops
 from minirl.profiling.rules import diagnose, run_dir_mfu
 from minirl.profiling.timeline import TIMELINE_FILE, split_calls
 
@@ -52,7 +52,7 @@ def test_a_stage4_run_with_timed_collectives_is_not_partial(tmp_path):
 
 
 def test_stage4_mfu_reads_pconfig_and_the_world_size(tmp_path):
-    shape = ModelShape.from_config(Qwen2Config(**TINY))
+    shape = FlopShape.from_config(Qwen2Config(**TINY))
     config = flat_config(dataclasses.asdict(CONFIG))
     full = step_flops(step_record(1), config, shape)
     lora = step_flops(step_record(1), config | {"lora_rank": 8}, shape)
@@ -65,7 +65,7 @@ def test_stage4_mfu_reads_pconfig_and_the_world_size(tmp_path):
     reports = [run_dir_mfu(r, json.loads((r / "run.json").read_text()), decompose(r), 1.0) for r in (plain, adapted)]
     assert reports[1].trainer == pytest.approx(reports[0].trainer * 2 / 3)
     assert reports[1].trainer_hardware == pytest.approx(reports[0].trainer), "recomputation: one more forward"
-    single = run_mfu(decompose(plain).records, config, ModelShape.from_run_dir(plain), 1e12, 1e12)
+    single = run_mfu(decompose(plain).records, config, FlopShape.from_run_dir(plain), 1e12, 1e12)
     assert reports[0].trainer == pytest.approx(single.trainer / 2), "two ranks: twice the peak"
 
 

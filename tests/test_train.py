@@ -12,6 +12,7 @@ from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.sync.base import InProcessSync
+from minirl.sync.checks import check_synchronization
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import Callback, setup, stage1_step, train
 from minirl.train.step import rl_step, score
@@ -34,7 +35,6 @@ def without_timing(metrics):
     (dict(algo="dpo"), r"algo='dpo'"),
     (dict(scale_rewards="std"), r"scale_rewards='std'"),
     (dict(rollout_dtype="int4"), r"rollout_dtype='int4'"),
-    (dict(rollout_engine="tgi"), r"rollout_engine='tgi'"),
     (dict(steps=0), r"steps=0"),
     (dict(learning_rate=-1.0), r"learning_rate=-1.0"),
     (dict(learning_rate=math.inf), r"learning_rate=inf: must be finite"),
@@ -159,6 +159,24 @@ def test_non_finite_loss_skips_update_and_keeps_weights(one_rollout):
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
 
 
+def test_the_engine_registry_names_every_engine_and_refuses_others(make_tiny_policy):
+    """One registry (minirl.rollout.registry): each notebook registers its engines; every stage builds through it."""
+    from minirl.rollout.engine.engine import PagedEngine
+    from minirl.rollout.hf import HFEngine
+    from minirl.rollout.registry import ENGINES, build_engine, check_engine
+
+    assert list(ENGINES) == ["hf", "shared_prefix", "vllm", "paged"]
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    for name, kind in (("hf", HFEngine), ("shared_prefix", SharedPrefixEngine), ("paged", PagedEngine)):
+        engine = build_engine(small(rollout_engine=name), model, tok)
+        assert type(engine) is kind and engine.version == 0
+        check_engine(small(rollout_engine=name))                       # runs here
+    with pytest.raises(ConfigError, match=r"rollout_engine='tgi': use one of 'hf', 'shared_prefix', 'vllm', 'paged'"):
+        build_engine(small(rollout_engine="tgi"), model, tok)
+    with pytest.raises(ConfigError, match=r"rollout_engine='tgi'"):
+        check_engine(small(rollout_engine="tgi"))
+
+
 def test_engine_refuses_unsynced_version(make_tiny_policy):
     model, tok = make_tiny_policy(seed=3, num_layers=1)
     task = make_task()
@@ -169,7 +187,7 @@ def test_engine_refuses_unsynced_version(make_tiny_policy):
     state.roles.version = 2                             # the loop thinks it synced, the engine did not
     with pytest.raises(VersionMismatchError, match="expected version 2"):
         stage1_step(state)
-    report = InProcessSync(verify=True).push(state.roles.actor.named_weights(), state.engine, 2)
+    report = InProcessSync(verify=check_synchronization).push(state.roles.actor.named_weights(), state.engine, 2)
     assert state.engine.version == 2 and report.bytes > 0 and report.tensors > 0
 
 
@@ -219,6 +237,7 @@ def test_rl_step_reads_as_the_source_order(one_rollout):
                                                    "use_bias_correction_kl": True}),
                                          ("grpo", {"importance_sampling_correction": True}),
                                          ("grpo", {"rollout_engine": "paged"}),      # notebook 05's engine
+                                         ("grpo", {"loss_type": "cispo", "epsilon_high": 5.0}),  # TRL's CISPO
                                          ("grpo", {"max_tokens_per_microbatch": 6, "num_iterations": 2}),  # 11.4
                                          ("ppo", {}), ("ppo", {"beta": 0.05})])
 def test_train_runs_and_repeats_bit_for_bit(algo, extra, tmp_path, make_tiny_policy):

@@ -11,7 +11,8 @@ Both sides get the same weights, prompts, completions and rewards:
   forward pass the loop uses); and the loop's own `Actor.backward` on a Rollout of those tensors,
   in micro-batches of similar length (notebook 01, section 11.4), for every loss_type.
 
-Cases: every `loss_type` in {grpo, bnpo, dr_grpo, dapo}; on-policy (`old_logps` = `logps`, what
+Cases: every `loss_type` in {grpo, bnpo, dr_grpo, dapo}, and "cispo" (TRL 1.16's CISPO, added to minirl
+through its loss registry alone); on-policy (`old_logps` = `logps`, what
 TRL does when num_iterations = 1), off-policy (`old_logps` perturbed so that ratios leave
 [1 - eps, 1 + eps] and clipping is active, as when num_iterations > 1), the same with a k3 KL
 to a reference (beta > 0, temperature 0.7), and sequence-level ratios (GSPO). A negative control
@@ -73,6 +74,13 @@ GSPO = {  # sequence-level importance ratios (GSPO); TRL recommends loss_type="g
 KL_BIAS_CORRECTED = {
     "dapo_kl_corrected": ("dapo", scenario(beta=0.05, kl_bias_correction=True)),
     "gspo_kl_corrected": ("grpo", scenario(level="sequence", beta=0.05, kl_bias_correction=True)),
+}
+# CISPO (loss_type="cispo"): TRL caps the importance weight at epsilon_high itself (ScaleRL recommends 5.0; unset,
+# it is epsilon) and logs the share of capped tokens with A > 0 as "cispo_clip_ratio" instead of the clip ratios.
+CISPO = {
+    "cispo_capped": scenario(epsilon_high=1.2),                            # some ratios above the cap
+    "cispo_kl": scenario(epsilon_high=5.0, beta=0.05, temperature=0.7),    # ScaleRL's cap, a k3 KL term
+    "cispo_on_policy": scenario(off_policy=False),                         # epsilon_high unset: the cap is 0.2
 }
 
 
@@ -292,11 +300,12 @@ def check_parity(task, rows, policy_dir, loss_type, settings, num_generations=1,
     atol = 1e-6 if num_generations == 1 else 1e-5   # a shared prompt: G copies' gradients summed in another order
     for name, (a, b) in {n: (grads[n], trl_grads[n]) for n in grads}.items():
         torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}:\n{m}")
-    for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (
-            "kl",) * bool(settings["beta"]):
-        assert key in metrics, f"policy_loss metrics lack {key!r} (TRL logs it)"
-        assert abs(float(metrics[key]) - trl_metrics[key]) < 1e-5, (
-            f"metric {key}: minirl {float(metrics[key])} != TRL {trl_metrics[key]}")
+    clip_keys = {"cispo_clip_ratio": "clip_ratio/high_mean"} if loss_type == "cispo" else {
+        k: k for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+    for trl_key, key in {"entropy": "entropy", **clip_keys, **({"kl": "kl"} if settings["beta"] else {})}.items():
+        assert key in metrics, f"policy_loss metrics lack {key!r} (TRL logs it as {trl_key!r})"
+        assert abs(float(metrics[key]) - trl_metrics[trl_key]) < 1e-5, (
+            f"metric {key}: minirl {float(metrics[key])} != TRL {trl_metrics[trl_key]}")
     return trl_metrics, trl_loss, trl_grads
 
 
@@ -321,6 +330,17 @@ def test_bias_corrected_kl_matches_trl(task, rows, policy_dir, case):
     loss_type, settings = KL_BIAS_CORRECTED[case]
     trl_metrics, _, _ = check_parity(task, rows, policy_dir, loss_type, settings)
     assert 0 < trl_metrics["clip_ratio/region_mean"] < 1, "test setup: off-policy, so the ratio is not 1"
+
+
+@pytest.mark.parametrize("case", list(CISPO))
+def test_cispo_matches_trl(task, rows, policy_dir, case):
+    trl_metrics, trl_loss, _ = check_parity(task, rows, policy_dir, "cispo", CISPO[case])
+    if case == "cispo_capped":
+        assert 0 < trl_metrics["cispo_clip_ratio"] < 1, "test setup: some but not all tokens capped"
+
+
+def test_micro_batched_cispo_matches_trl(task, rows, policy_dir):
+    check_parity(task, rows, policy_dir, "cispo", CISPO["cispo_capped"], num_generations=G, max_tokens=4)
 
 
 @pytest.mark.parametrize("loss_type,scenario", [("dapo", "clipped_kl"), ("grpo", "on_policy")])

@@ -220,8 +220,8 @@ def test_stage4_builds_vllm_with_the_task_length_and_the_flags(fake_vllm, tiny):
     from minirl.parallel.spmd import build_rank_engine
 
     model, tokenizer = tiny
-    pconfig = ParallelConfig(rollout="vllm", vllm_gpu_memory_utilization=0.4, vllm_max_num_batched_tokens=2048)
-    config = RLConfig.from_flat(device="cuda", max_completion_length=8)
+    pconfig = ParallelConfig(vllm_gpu_memory_utilization=0.4, vllm_max_num_batched_tokens=2048)
+    config = RLConfig.from_flat(device="cuda", max_completion_length=8, rollout_engine="vllm")
     engine = build_rank_engine(config, pconfig, model, tokenizer, "cuda", ["12+34=", "1+2+3+4+5+6+7+8+9="])
     kw = engine.llm.kwargs
     assert kw["gpu_memory_utilization"] == 0.4 and kw["max_num_batched_tokens"] == 2048
@@ -319,7 +319,7 @@ def test_vllm_sleep_releases_gpu_memory(engine_and_policy):
 @pytest.mark.distributed
 @needs_cuda
 def test_chapter_on_one_gpu_with_nccl_bf16_and_offload(tmp_path):
-    from minirl.parallel.launch import torchrun
+    from minirl.runtime.launch import torchrun
 
     out = tmp_path / "gpu"
     job = torchrun(REPO / "chapters" / "04_fsdp_lora.py", 1,
@@ -337,11 +337,11 @@ def test_chapter_on_one_gpu_with_nccl_bf16_and_offload(tmp_path):
 @pytest.mark.distributed
 @needs_vllm
 def test_chapter_with_vllm_rollout(tmp_path):
-    from minirl.parallel.launch import torchrun
+    from minirl.runtime.launch import torchrun
 
     out = tmp_path / "vllm"
     job = torchrun(REPO / "chapters" / "04_fsdp_lora.py", 1,
-                   ["--out", out, "--device", "cuda", "--rollout", "vllm", "--zero", "3", "--lora-rank", "8",
+                   ["--out", out, "--device", "cuda", "--rollout-engine", "vllm", "--zero", "3", "--lora-rank", "8",
                     "--steps", "3", "--eval-every", "3", "--prompts-per-step", "4", "--no-progress"], timeout=1200)
     assert job.returncode == 0, job.stdout[-4000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -50,7 +50,7 @@ def test_the_same_seed_gives_the_same_rows_and_another_seed_others():
 
 def test_no_held_out_problem_is_in_training(monkeypatch):
     """With one name and one object, a question's text is its template and numbers: none may repeat."""
-    monkeypatch.setattr(word_problems, "NAMES", ["Ava", "Ben"])
+    monkeypatch.setattr(word_problems, "PEOPLE", ["Ava", "Ben"])
     monkeypatch.setattr(word_problems, "ITEMS", ["pencils"])
     monkeypatch.setattr(word_problems, "GOODS", [("pie", "pies"), ("mug", "mugs")])
     rows = generate(n_train=3000, n_test=300, seed=0)

@@ -76,7 +76,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/tasks/word_problems.py", "minirl/train/cli.py",
                 "minirl/utils/argtypes.py", "minirl/utils/cli.py", "minirl/utils/io.py", "minirl/utils/notebook.py",
                 "minirl/utils/progress.py", "minirl/utils/rundir.py", "minirl/utils/seeding.py",
-                "minirl/utils/timing.py", "minirl/utils/validate.py")
+                "minirl/utils/timing.py", "minirl/utils/validate.py", "minirl/runtime/launch.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -3,9 +3,9 @@
 
 `importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
 recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The stage-1 loop calls it
-when `importance_sampling_correction` is on, in a stage of its own
-(`minirl.train.step.importance_weights`). `vocabulary_keep_mask` and `pruned_log_softmax`
+per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
+when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
+notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
 prune the low-probability tail identically on both sides.
 
 Simplified on purpose: only an upper cap (TRL also has an optional lower bound,

@@ -7,7 +7,7 @@ here (`asyncrl/corrections.py` implements them); the environment it makes by def
 calculator tool of `asyncrl/env.py`, imported when the factory is made.
 """
 
-__all__ = ["CORRECTIONS", "AREAL_WEIGHTS", "SAFE_ON_RESUME", "AsyncConfig"]
+__all__ = ["CORRECTIONS", "AREAL_WEIGHTS", "ASYNC_SAFE_ON_RESUME", "AsyncConfig"]
 
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +18,7 @@ CORRECTIONS = ("none", "areal", "tis")
 AREAL_WEIGHTS = ("clip", "cap")
 
 
-SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
+ASYNC_SAFE_ON_RESUME = ("snapshot_every",)        # the AsyncConfig settings a resume may change
 
 
 @dataclass

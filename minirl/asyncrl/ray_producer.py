@@ -22,7 +22,7 @@ from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
 from minirl.controller.worker_group import DEATHS, died
-from minirl.train.run import build_engine
+from minirl.rollout.registry import build_engine
 
 
 class RayProducer(Worker):

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from minirl.asyncrl.config import SAFE_ON_RESUME, AsyncConfig
+from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.asyncrl.corrections import Correction, check_correction
 from minirl.asyncrl.producer import Producer, WeightStore, producer_loop
 from minirl.asyncrl.queue import ExperienceQueue, StartGate, Trajectory
@@ -52,9 +52,10 @@ from minirl.asyncrl.snapshots import Snapshot, Snapshots
 from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_engine, build_roles, run_in_dir
-from minirl.train.step import batch_statistics, learn
+from minirl.train.run import Callback, RunState, build_roles, run_in_dir
+from minirl.train.step import learn, sync_and_record
 from minirl.utils.rundir import RUN_FILE, read_run_record
 from minirl.utils.timing import StageTimer
 from minirl.utils.validate import ConfigError
@@ -81,12 +82,12 @@ def check_resume_async(saved: dict | None, acfg: AsyncConfig) -> None:
     if saved is None:
         raise ConfigError("resume", True, "the run directory holds no asynchronous run (its run.json has no "
                           "'async' settings); resume it with the script that started it")
-    changed = [k for k in now if k not in SAFE_ON_RESUME and saved.get(k) != now[k]]
+    changed = [k for k in now if k not in ASYNC_SAFE_ON_RESUME and saved.get(k) != now[k]]
     if changed:
         diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
         raise ConfigError(changed[0], now[changed[0]], f"the run was started with other settings ({diffs}); resume "
-                          f"with the run's own settings (only {', '.join(SAFE_ON_RESUME)} may change), or start a "
-                          "new run")
+                          f"with the run's own settings (only {', '.join(ASYNC_SAFE_ON_RESUME)} may change), or "
+                          "start a new run")
 
 
 @dataclass
@@ -181,17 +182,14 @@ def trainer_step(state: AsyncState) -> dict:
     metrics = learn(roles, rollout, rewards, state.config, timer=timer, correct=state.correct)
     if state.correct.weight_mean is not None:
         metrics["correction/weight_mean"] = state.correct.weight_mean
-    with timer("sync"):
-        report = state.sync.push(roles.actor.named_weights(), state.engine, roles.version + 1)
-    roles.version = report.version
+    record = sync_and_record(roles, state.engine, state.sync, rollout, rewards, metrics, timer)   # stage 1's tail
     state.queue.advance(roles.version)
     state.gate.advance(roles.version)
     state.last = end = time.perf_counter()
     state.timeline.add("trainer", "train", began, end)
     state.samples += len(rewards)
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards)
-            | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
-            | state.queue.stats(end) | timer.times)
+    return (record | health | {"time/wait": began - waited, "wall": state.wall(end), "samples": state.samples}
+            | state.queue.stats(end))
 
 
 class Producers(Callback):

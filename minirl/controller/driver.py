@@ -22,14 +22,15 @@ Simplified vs veRL's RayPPOTrainer: batches pass through the driver (veRL too, a
 `DataProto`); no tensor or pipeline parallelism inside a role; one world for all workers.
 """
 
-__all__ = ["SYNCS", "MODEL_ROLES", "SOURCE_ORDER", "DriverSetup", "Driver", "driver_cycles",
-           "stage_shares"]
+__all__ = ["MODEL_ROLES", "SOURCE_ORDER", "DriverSetup", "Driver", "driver_cycles",
+           "source_stage_shares"]
 
 import uuid
 
 import ray
 import torch
 
+from minirl.controller.names import SYNCS
 from minirl.controller.placement import Placement, check_placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
 from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_placement, release, reserve
@@ -42,7 +43,6 @@ from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
 from minirl.utils.validate import check_choice
 
-SYNCS = ("collective", "object_store")
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
 
@@ -226,7 +226,7 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     return cycles
 
 
-def stage_shares(records: list[dict]) -> dict[str, float]:
+def source_stage_shares(records: list[dict]) -> dict[str, float]:
     """stage -> its share (0..1) of the steps' total time, in SOURCE_ORDER; "other" is what no stage timed."""
     steps = [r for r in records if "time/generate" in r]
     total = sum(r["time/step"] for r in steps) or 1.0

@@ -16,22 +16,15 @@ algorithm needs has a pool, and the batch splits into whole groups across every 
 ranks. Errors name the role, the pool and the numbers.
 """
 
-__all__ = ["LAYOUTS", "PLACEMENTS", "SPLIT_ROLES", "Placement", "needed_roles", "parse_pools",
-           "make_placement", "check_placement"]
+__all__ = ["SPLIT_ROLES", "Placement", "needed_roles", "parse_pools", "make_placement",
+           "check_placement"]
 
 from dataclasses import dataclass
 
+from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
-from minirl.controller.roles import ROLES
 from minirl.utils.validate import ConfigError, check_choice
 
-LAYOUTS = {
-    "colocated": {role: "shared" for role in ROLES},
-    "disaggregated": {"actor": "train", "reference": "train", "critic": "train", "rollout": "rollout",
-                      "reward": "rollout"},
-    "per-role": {role: role for role in ROLES},
-}
-PLACEMENTS = tuple(LAYOUTS)
 SPLIT_ROLES = ("actor", "critic", "reference", "rollout")   # roles whose pool splits the batch by rank
 
 

@@ -1,7 +1,7 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Pictures of a placement: role -> node -> device, and a timeline of what each worker ran."""
+"""Pictures of a placement: role -> node -> device, and timelines of what each worker ran (stages 6 and 7)."""
 
-__all__ = ["ROLE_COLORS", "plot_worker_timeline", "plot_placement"]
+__all__ = ["ROLE_COLORS", "last_steps_of", "plot_timelines", "plot_placement"]
 
 import matplotlib.pyplot as plt
 
@@ -9,32 +9,45 @@ ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:gree
                "critic": "tab:red", "sync": "tab:gray"}
 
 
-def plot_worker_timeline(timelines: dict[str, list[tuple[str, float, float]]], path=None, title: str = "timeline",
-                  last_steps: int | None = None):
-    """One row per worker ("pool[rank]"), one bar per call, colored by role ("actor.update" -> actor).
+def last_steps_of(timelines: dict[str, list[tuple[str, float, float]]], steps: int) -> dict:
+    """The calls that started after the `steps`-th last generate of the first rollout worker (all of them when
+    it generated fewer times)."""
+    generates = next(([s for what, s, _ in events if what == "rollout.generate"]
+                      for events in timelines.values() if any(w == "rollout.generate" for w, _, _ in events)), [])
+    since = sorted(generates)[-steps] if len(generates) >= steps else float("-inf")
+    return {worker: [e for e in events if e[1] >= since] for worker, events in timelines.items()}
 
-    last_steps=k: only what started after the k-th last generate of the first rollout worker.
+
+def plot_timelines(panels: dict[str, dict[str, list[tuple[str, float, float]]]], colors: dict[str, str], path=None,
+                   *, first: str | None = None, max_rows: int | None = None, panel_height: float | None = None,
+                   xlabel: str = "seconds"):
+    """The one timeline plot (stages 6 and 7): a panel per timeline ({title: {worker: [(what, start, end)]}}),
+    a row per worker, a bar per event colored by `colors[what before its first "."]` ("actor.update" -> the
+    actor's color, "train" -> train's; black if unnamed).
+
+    first: the worker on the top row (the others follow in their order); max_rows: at most this many rows per
+    panel; panel_height: inches per panel (default 0.2 + 0.45 per row). Time starts at each panel's first bar.
     """
-    if last_steps:
-        generates = next(([s for what, s, _ in events if what == "rollout.generate"]
-                          for events in timelines.values() if any(w == "rollout.generate" for w, _, _ in events)), [])
-        since = sorted(generates)[-last_steps] if len(generates) >= last_steps else float("-inf")
-        timelines = {worker: [e for e in events if e[1] >= since] for worker, events in timelines.items()}
-    starts = [start for events in timelines.values() for _, start, _ in events]
-    t0 = min(starts) if starts else 0.0
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.45 * len(timelines)))
-    seen = set()
-    for row, events in enumerate(timelines.values()):
-        for what, start, end in events:
-            role = what.split(".")[0]
-            ax.barh(row, max(end - start, 1e-4), left=start - t0, height=0.6, color=ROLE_COLORS.get(role, "black"),
-                    label=None if role in seen else role)
-            seen.add(role)
-    ax.set_yticks(range(len(timelines)), list(timelines))
-    ax.invert_yaxis()
-    ax.set(xlabel="seconds (wall clock)", title=title)
-    if seen:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    rows_of = {title: ([first] if first is not None else []) + [w for w in workers if w != first]
+               for title, workers in panels.items()}
+    rows_of = {title: names[:max_rows] if max_rows else names for title, names in rows_of.items()}
+    height = 1.2 + sum(panel_height or 0.2 + 0.45 * len(names) for names in rows_of.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, height), squeeze=False)
+    for ax, (title, workers) in zip(axes[:, 0], panels.items(), strict=True):
+        names = rows_of[title]
+        t0 = min((s for w in names for _, s, _ in workers.get(w, [])), default=0.0)
+        seen = set()
+        for y, who in enumerate(names):
+            for what, start, end in workers.get(who, []):
+                kind = what.split(".")[0]
+                ax.barh(y, max(end - start, 1e-4), left=start - t0, height=0.6, color=colors.get(kind, "black"),
+                        label=None if kind in seen else kind)
+                seen.add(kind)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set(title=title, xlabel=xlabel)
+        if seen:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)

@@ -17,29 +17,28 @@ worker side of the weight syncs (send, receive, put in the object store, copy in
 Simplified: a data-parallel rank holds a full replica (DDP; no FSDP sharding inside a pool).
 """
 
-__all__ = ["ROLES", "RewardRole", "moved", "build_role", "RoleWorker"]
+__all__ = ["RewardRole", "moved", "build_role", "RoleWorker"]
 
 import copy
 
 import ray
 import torch
 
+from minirl.controller.names import ROLES
 from minirl.controller.worker import Worker
 from minirl.data import Batch
+from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
 from minirl.parallel.roles import DistributedActor, DistributedCritic
-from minirl.parallel.wrap import wrap_model
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.train.run import build_engine
 from minirl.utils.seeding import seed_everything
-
-ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 
 class RewardRole:

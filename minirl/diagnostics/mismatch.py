@@ -6,7 +6,7 @@ forward in fp32) compute different probabilities for the same tokens from the sa
 This module measures that gap token by token (`measure_logprobs`, `mismatch_stats`,
 `probability_buckets`), checks that a rollout really holds the trainer's weights
 (`stale_parameters`, `check_synchronization`) and runs the source's four diagnosis steps as
-one call (`diagnose` -> `MismatchReport`).
+one call (`diagnose_mismatch` -> `MismatchReport`).
 
 Simplified on purpose: production systems (veRL, TRL with vLLM, slime) log the same
 quantities (`sampling_logp_difference`, importance-ratio min/mean/max) from a separate
@@ -15,8 +15,9 @@ difference you measure comes from precision and computation path alone, which is
 """
 
 __all__ = ["ppo_ratio", "clip_bounds", "mismatch_stats", "PROBABILITY_EDGES",
-           "probability_buckets", "DTYPES", "LogprobPair", "trainer_logprobs", "measure_logprobs",
-           "MismatchReport", "worst_tokens", "diagnose", "compare_routes", "format_buckets"]
+           "probability_buckets", "LogprobPair", "trainer_logprobs", "measure_logprobs",
+           "MismatchReport", "worst_tokens", "diagnose_mismatch", "compare_routes",
+           "format_buckets"]
 
 import copy
 import math
@@ -28,7 +29,7 @@ from torch import Tensor
 from minirl.algo.logprobs import check_logprob_pair, completion_logprobs
 from minirl.config import SamplingConfig
 from minirl.models.moe import RouteRecorder, replay_routes, route_agreement, routers
-from minirl.rollout.hf import HFEngine
+from minirl.rollout.hf import DTYPES, HFEngine
 from minirl.sync.checks import check_synchronization, dtype_name
 
 
@@ -114,9 +115,6 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
     return rows
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass
 class LogprobPair:
     """The same sampled tokens scored by the rollout engine and by the trainer. All [B, C]."""
@@ -176,7 +174,7 @@ def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = 
 
 @dataclass
 class MismatchReport:
-    """What `diagnose` found, step by step; print it."""
+    """What `diagnose_mismatch` found, step by step; print it."""
 
     rollout_dtype: str
     train_dtype: str
@@ -229,7 +227,7 @@ def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
     return rows
 
 
-def diagnose(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
+def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
              rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,

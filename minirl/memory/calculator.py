@@ -12,18 +12,19 @@ buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data
 imbalance. Notebook 03 measures how far those take a real run from the figures here.
 """
 
-__all__ = ["COMPONENTS", "PRECISIONS", "STAGES", "GB", "check_positive", "check_precision",
-           "check_stage", "bytes_per_param", "state_bytes", "SHARDED", "zero_per_gpu",
-           "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE", "ATTENTION",
-           "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes", "activation_memory",
-           "lora_params", "lora_memory", "training_memory", "min_gpus"]
+__all__ = ["COMPONENTS", "PRECISIONS", "ZERO_LEVELS", "LORA_TARGETS", "GB", "check_positive",
+           "check_precision", "check_stage", "bytes_per_param", "state_bytes", "SHARDED",
+           "zero_per_gpu", "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE",
+           "ATTENTION", "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes",
+           "activation_memory", "lora_params", "lora_memory", "training_memory", "min_gpus"]
 
 import math
 from dataclasses import dataclass, replace
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-STAGES = (0, 1, 2, 3)
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
 GB = 1e9  # decimal gigabytes, as the source counts
 
 
@@ -40,8 +41,8 @@ def check_precision(precision: str) -> None:
 
 
 def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, STAGES))} "
+    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
+        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
                          "(0 = plain data parallel, 3 = everything sharded)")
 
 
@@ -272,7 +273,7 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
 
 
 def lora_params(shape: ModelShape, rank: int,
-                target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> int:
+                target_modules=LORA_TARGETS) -> int:
     """Trainable parameters LoRA adds: r x (fan_in + fan_out) per targeted linear, per layer."""
     check_positive("rank", rank)
     h, kv, i = shape.hidden_size, shape.kv_dim, shape.intermediate_size

@@ -1,17 +1,18 @@
 # Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
 """Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
 
-`worker_main` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
+`memory_worker` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
 strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
 rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
 allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
 and returns its table; `compare_measured` sets it beside the calculator's prediction. The
-models are wrapped by `minirl.parallel.wrap`, the code notebook 04 trains with.
+models are wrapped by `minirl.memory.wrap` (this notebook's appendix), the code notebook 04
+trains with; `minirl.runtime.launch.torchrun` starts the job.
 
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
 """
 
-__all__ = ["measure_strategy", "NOTES", "compare_measured", "worker_main", "launch_measurement"]
+__all__ = ["measure_strategy", "NOTES", "compare_measured", "memory_worker", "launch_measurement"]
 
 import gc
 import json
@@ -25,14 +26,15 @@ import torch
 
 from minirl.memory.calculator import zero_per_gpu
 from minirl.memory.measure import MEASURE_SIZES, STRATEGIES, build_measure_model, random_batch, storage_bytes
-from minirl.parallel import wrap
-from minirl.parallel.launch import output_ends, torchrun
+from minirl.memory.wrap import make_optimizer, wrap_model
+from minirl.runtime.launch import output_ends, torchrun
 
 
 def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`: notebook 04's wrappers."""
-    wrapped = wrap.wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.wrapper, wrap.make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
+    """(module to call, optimizer, module whose parameters are counted) for `strategy`: the wrappers notebook 04
+    trains with."""
+    wrapped = wrap_model(model, STRATEGIES[strategy], device)
+    return wrapped.wrapper, make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
 
 
 def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
@@ -142,7 +144,7 @@ def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
     return table
 
 
-def worker_main(argv=None) -> None:
+def memory_worker(argv=None) -> None:
     """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
     import argparse
 
@@ -181,9 +183,9 @@ def worker_main(argv=None) -> None:
 
 def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
                        seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
-    """Run `worker_main` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
+    """Run `memory_worker` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
 
-    Launched with notebook 04's `torchrun` (a timeout ends every rank, then raises
+    Launched with `minirl.runtime.launch.torchrun` (a timeout ends every rank, then raises
     subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
     (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
     On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
@@ -203,7 +205,8 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
         out = Path(tmp) / "rows.json"
         flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
         for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:worker_main", world_size, flags, timeout=timeout, threads=threads)
+            job = torchrun("minirl.memory.distributed:memory_worker", world_size, flags, timeout=timeout,
+                           threads=threads)
             if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
             failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"

@@ -7,8 +7,8 @@ without gradient checkpointing, and `measure_lora` does the same for LoRA's stat
 Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
 storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
 DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
-`minirl.parallel.wrap`, the code notebook 04 trains with, so what is measured here is what
-trains there.
+`minirl.memory.wrap` (this notebook's appendix), the code notebook 04 trains with, so what is
+measured here is what trains there.
 
 Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
 *what* is held; the allocator's peak (CUDA only) adds what a count of named tensors cannot
@@ -16,9 +16,8 @@ see: communication buffers, temporaries, fragmentation.
 """
 
 __all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
-           "SavedActivationMeter", "set_checkpointing", "measure_activations",
-           "time_recomputation", "padded_mask", "measure_single", "LORA_TARGETS", "measure_lora",
-           "local", "storage_key", "storage_bytes"]
+           "SavedActivationMeter", "measure_activations", "time_recomputation", "padded_mask",
+           "measure_single", "measure_lora", "local", "storage_key", "storage_bytes"]
 
 import statistics
 import time
@@ -28,8 +27,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from minirl.memory.calculator import ModelShape, activation_memory, lora_memory, lora_params
-from minirl.parallel import wrap
+from minirl.memory.calculator import LORA_TARGETS, ModelShape, activation_memory, lora_memory, lora_params
+from minirl.memory.wrap import apply_lora, set_checkpointing
 
 MEASURE_SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
@@ -111,26 +110,22 @@ class SavedActivationMeter:
         return self._ctx.__exit__(*exc)
 
 
-def set_checkpointing(model, on: bool) -> None:
-    """Per-layer gradient checkpointing on a transformers model (reentrant, so it can be metered)."""
-    wrap.set_checkpointing(model, on, reentrant=True)
-
-
 def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
                         attention_mask: torch.Tensor | None = None) -> dict:
     """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
 
     attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
     the peak of saved activations (parameters excluded) and the wall time of the forward +
-    backward. Gradients are left in place; zero them yourself.
+    backward. Gradients are left in place; zero them yourself. Checkpointing is the reentrant
+    kind, whose recomputation the saved-tensor meter can see.
     """
     model.train()
-    set_checkpointing(model, checkpointing)
+    set_checkpointing(model, checkpointing, reentrant=True)
     start = time.perf_counter()
     with SavedActivationMeter(exclude=list(model.parameters())) as meter:
         model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
     seconds = time.perf_counter() - start
-    set_checkpointing(model, False)
+    set_checkpointing(model, False, reentrant=True)
     return {"peak_bytes": meter.peak, "seconds": seconds}
 
 
@@ -158,7 +153,7 @@ def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progres
         _timed_rounds(model, input_ids, repeats, times, progress)
     finally:
         torch.set_num_threads(threads)
-        set_checkpointing(model, False)
+        set_checkpointing(model, False, reentrant=True)
     ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
@@ -170,7 +165,7 @@ def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = 
     """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
     for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
         for on in ((False, True) if i % 2 else (True, False)):
-            set_checkpointing(model, on)
+            set_checkpointing(model, on, reentrant=True)
             start = time.process_time()
             model(input_ids=input_ids, labels=input_ids).loss.backward()
             if i:
@@ -210,9 +205,6 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
     return out
 
 
-LORA_TARGETS = wrap.LORA_TARGETS
-
-
 def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
     """One Adam step of `peft` LoRA (every linear, rank `rank`) on the measurement model, FP32.
 
@@ -222,7 +214,7 @@ def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 
     model = build_measure_model(size, seed)
     shape = ModelShape.from_config(model.config)
     base = shape.param_count()
-    lora = wrap.apply_lora(model, rank, 2 * rank, LORA_TARGETS)
+    lora = apply_lora(model, rank, 2 * rank, LORA_TARGETS)
     trainable = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=1e-4)
     x = random_batch(batch, seq, seed)

@@ -5,7 +5,7 @@ __all__ = ["plot_zero", "plot_measured"]
 
 import matplotlib.pyplot as plt
 
-from minirl.memory.calculator import COMPONENTS, GB, STAGES, zero_per_gpu
+from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
 
 
 def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
@@ -13,7 +13,7 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
     colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
     x = range(len(ns))
-    for stage, ax in zip(STAGES, axes, strict=True):
+    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp in COMPONENTS:
             vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
@@ -37,7 +37,7 @@ def plot_measured(psi, ns, points):
     """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
     colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(STAGES, axes, strict=True):
+    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp, color in colors.items():
             vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]

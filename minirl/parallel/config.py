@@ -1,7 +1,8 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, which engine.
+"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, how vLLM is sized.
 
-The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01); a
+The algorithm, sampling, optimizer and run settings stay in RLConfig (notebook 01), the
+engine too (`rollout_engine`, a name of notebook 01's engine registry, vLLM included); a
 stage-4 run adds these. Every value is checked when the dataclass is built, and
 `check_parallel` adds the checks that need the world size or the RLConfig, so that every
 rank of a job refuses a bad one before it loads anything.
@@ -10,20 +11,17 @@ Importing it is light (no torch): a chapter builds its flags from these fields a
 bad command line before the heavy imports.
 """
 
-__all__ = ["SYNC_MODES", "ZERO_LEVELS", "ROLLOUTS", "MIXED_PRECISION", "DEFAULT_LORA_TARGETS",
-           "ParallelConfig", "check_parallel"]
+__all__ = ["MIXED_PRECISION", "ParallelConfig", "check_parallel"]
 
-import importlib.util
 from dataclasses import dataclass
 
-from minirl.config import RLConfig, RolloutConfig
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int, device_problem
+from minirl.config import RLConfig
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
+from minirl.rollout.registry import check_engine
+from minirl.sync.modes import SYNC_MODES
+from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
-SYNC_MODES = ("full", "merged", "adapter")   # sync/sharded.py's, without importing torch (a test keeps them equal)
-ZERO_LEVELS = (0, 1, 2, 3)
-ROLLOUTS = ("minirl", "vllm")
 MIXED_PRECISION = ("none", "bf16")
-DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
@@ -33,11 +31,10 @@ class ParallelConfig:
     zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
     lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
-    lora_target_modules: str = DEFAULT_LORA_TARGETS  # comma-separated names of the adapted linear layers
+    lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted linear layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32 (zero 2, 3)
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA, zero 2, 3)
-    rollout: str = "minirl"            # minirl: the engine --rollout-engine names (in-process); vllm: vLLM (CUDA)
     sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B only); auto: by LoRA
     packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: one per tensor
     sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: one layer
@@ -46,10 +43,10 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
     verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's (slow)
     seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size (slower)
-    vllm_gpu_memory_utilization: float = 0.3  # --rollout vllm: the share of the GPU vLLM may take (the trainer's rest)
-    vllm_max_num_batched_tokens: int = 4096   # --rollout vllm: tokens per scheduler step (TRL's colocate value)
+    vllm_gpu_memory_utilization: float = 0.3  # vllm engine: the share of the GPU it may take (the trainer's: the rest)
+    vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's colocate value)
 
-    choices = {"zero": ZERO_LEVELS, "rollout": ROLLOUTS, "sync_mode": ("auto", *SYNC_MODES),
+    choices = {"zero": ZERO_LEVELS, "sync_mode": ("auto", *SYNC_MODES),
                "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
@@ -115,25 +112,13 @@ def check_parallel(pconfig: ParallelConfig, config: RLConfig, world_size: int) -
     if pconfig.cpu_offload and not cuda:
         raise ConfigError("cpu_offload", True, "moves FSDP2's shards from the GPU to CPU memory, and this run is "
                                                "already on the CPU; drop --cpu-offload")
-    if pconfig.rollout == "vllm":
-        if config.rollout.rollout_engine != RolloutConfig().rollout_engine:
-            raise ConfigError("rollout_engine", config.rollout.rollout_engine,
-                              "names one of minirl's in-process engines, and --rollout vllm generates with vLLM; "
-                              "drop --rollout-engine, or use --rollout minirl")
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout", "vllm", "vLLM is not installed; on a CUDA machine run "
-                                                 "pip install -r requirements-gpu.txt, or use --rollout minirl")
-        if not cuda or device_problem(config.run.device) is not None:
-            raise ConfigError("rollout", "vllm", "vLLM's engine runs on CUDA GPUs; pass --device cuda on a GPU "
-                                                 "machine, or use --rollout minirl")
+    check_engine(config)                     # a name of the registry, and one this machine can run (vLLM: CUDA)
+    if config.rollout.rollout_engine == "vllm":
         if pconfig.verify_sync:
             raise ConfigError("verify_sync", True, "vLLM keeps its weights fused inside its workers and cannot "
-                                                   "hand them back by name; drop --verify-sync with --rollout vllm")
+                                                   "hand them back by name; drop --verify-sync with "
+                                                   "--rollout-engine vllm")
         if pconfig.resolved_sync_mode == "adapter":
             raise ConfigError("sync_mode", "adapter", "minirl's vLLM engine takes whole (merged) weights; vLLM "
                                                       "serves adapters through LoRA requests, not wired here: "
-                                                      "use --sync-mode merged with --rollout vllm")
-        if config.engine_dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError("rollout_dtype", config.rollout.rollout_dtype,
-                              "vLLM computes in bfloat16, float16 or float32 (its FP8 is a quantization mode); "
-                              "pick one of those with --rollout vllm")
+                                                      "use --sync-mode merged with --rollout-engine vllm")

@@ -8,7 +8,7 @@ the rank's own tokens, sends each (token, expert) pair to the rank holding the e
 (dispatch all-to-all), runs the local experts, sends the results back (combine all-to-all)
 and sums them with the routing weights: the same output as the single-process block, and,
 through `torch.distributed.nn.functional.all_to_all_single`, the same gradients.
-`worker_main` is the body of a `torchrun` job that checks this and measures the exchange;
+`expert_worker` is the body of a `torchrun` job that checks this and measures the exchange;
 `launch_expert_parallel` starts it.
 
 Simplified on purpose: gloo's all_to_all_single on CPU (NCCL on GPUs); no capacity factor or
@@ -16,7 +16,7 @@ token dropping, no overlap of the exchange with compute (DeepEP's job), one MoE 
 """
 
 __all__ = ["local_experts", "exchange", "ExpertParallelMoE", "moe_block", "skew_router",
-           "measure_rank", "worker_main", "launch_expert_parallel"]
+           "measure_rank", "expert_worker", "launch_expert_parallel"]
 
 import json
 import statistics
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minirl.parallel.launch import output_ends, torchrun
+from minirl.runtime.launch import output_ends, torchrun
 
 
 def local_experts(num_experts: int, world_size: int, rank: int) -> range:
@@ -151,7 +151,7 @@ def measure_rank(block: nn.Module, tokens: torch.Tensor, repeats: int) -> dict:
     return {"rank": rank, "tokens": mine.shape[0], **check, **median}
 
 
-def worker_main(argv=None) -> None:
+def expert_worker(argv=None) -> None:
     """Body of the torchrun job: the check and the measurement with the router as built and skewed."""
     import argparse
     import warnings
@@ -192,7 +192,7 @@ def worker_main(argv=None) -> None:
 def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int = 8, top_k: int = 2,
                            tokens: int = 4096, skew: float = 1.0, repeats: int = 5, timeout: float = 300,
                            progress: bool = False) -> dict:
-    """Run `worker_main` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
+    """Run `expert_worker` under `torchrun --standalone` on CPU (gloo); returns {"rows": one dict per rank
     and scenario, "config"}. Raises ValueError for settings that cannot split, RuntimeError if the job fails,
     subprocess.TimeoutExpired after `timeout` seconds (every rank ended: notebook 04's `torchrun`).
     progress=True prints the job's output as it comes (a line per scenario)."""
@@ -203,7 +203,7 @@ def launch_expert_parallel(world_size: int = 2, hidden: int = 64, experts: int =
         out = Path(tmp) / "expert.json"
         flags = ["--hidden", hidden, "--experts", experts, "--top-k", top_k, "--tokens", tokens, "--skew", skew,
                  "--repeats", repeats, "--out", out]
-        job = torchrun("minirl.parallel.expert:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        job = torchrun("minirl.parallel.expert:expert_worker", world_size, flags, timeout=timeout, stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"expert-parallel job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")

@@ -6,29 +6,23 @@ LOCAL_RANK, MASTER_ADDR), picks the backend for the device, joins the default pr
 and returns a `DistContext`. `ProcessGroup` is the small object the step and the roles use
 for the few numbers that must be global (rl_step's `group`). `agree` turns a failure on any
 rank into an error on every rank, so that a bad input stops the whole job with its cause
-instead of leaving the other ranks waiting in a collective. `torchrun` launches a script
-or a function from Python (the notebooks, the tests and the measurement jobs do), and ends
-every process of the job on a timeout or Ctrl-C (`stop_job`).
+instead of leaving the other ranks waiting in a collective. Starting a job from Python and
+ending it (`torchrun`, `stop_job`, `leave`) is plumbing: `minirl/runtime/launch.py`.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts
 (a failed rank ends the job; it resumes from its last sharded checkpoint).
 """
 
 __all__ = ["BACKENDS", "DistContext", "world_from_env", "pick_backend", "init_distributed",
-           "shutdown", "leave", "ProcessGroup", "rank_slice", "RankFailed", "agree", "torchrun",
-           "output_ends", "stop_job"]
+           "shutdown", "ProcessGroup", "rank_slice", "RankFailed", "agree"]
 
 import contextlib
 import os
-import subprocess
-import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -109,19 +103,6 @@ def shutdown(together: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
-
-
-def leave(code: int = 0) -> None:
-    """End this rank's process now with exit status `code`, after flushing stdout and stderr.
-
-    A rank whose work is done can still die in the interpreter's teardown: a gloo thread that
-    is still joinable gets destroyed, and C++ aborts the process ("terminate called without
-    an active exception", SIGABRT). Measured on a two-rank job: 1 run in 29 aborted at exit;
-    with os._exit, which skips that teardown, 0 in 87. Call it last, after `shutdown`.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class ProcessGroup:
@@ -215,90 +196,3 @@ def agree(what: str, fn):
         rank, (msg, cause) = failed[0]
         raise RankFailed(f"{what}: rank {rank} failed with {msg}", rank, cause)
     return result
-
-
-def torchrun(target, nproc: int, args=(), *, timeout: float = 600, stream: bool = False, threads: int = 1,
-             env: dict | None = None, grace: float = 5.0) -> subprocess.CompletedProcess:
-    """Run `target` under `torchrun --standalone --nproc-per-node nproc`; returns the finished process.
-
-    target: a script's path, or "package.module:function" (every rank imports the module and
-    calls the function, which reads its flags from sys.argv, then `leave(0)`); args: its command-line words.
-    The job imports this checkout's minirl (PYTHONPATH) with `threads` torch threads per rank;
-    stdout and stderr come back together in `.stdout`. stream=True also prints the output as
-    it comes (a notebook cell shows progress). The launcher runs in a session of its own and
-    torchrun starts each rank in another; after `timeout` seconds, or on Ctrl-C, `stop_job`
-    ends all of them (SIGTERM, then SIGKILL `grace` seconds later), and a timeout raises
-    subprocess.TimeoutExpired with the output so far. The only launcher in minirl: the
-    notebooks, the tests and the measurement jobs of notebooks 03 and 08 all use it.
-    """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: must be an int >= 1")
-    repo = str(Path(__file__).resolve().parents[2])
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    module, _, function = str(target).partition(":")
-    if function and not Path(str(target)).exists():       # an entry point, not a file
-        entry = ["--no-python", sys.executable, "-c",     # `leave`: no teardown abort after the work is done
-                 f"from {module} import {function}; from minirl.parallel.launch import leave; {function}(); leave(0)"]
-    else:
-        entry = [str(target)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
-           *map(str, args)]
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    expired = threading.Event()
-
-    def on_timeout():
-        expired.set()
-        stop_job(proc.pid, grace)
-
-    timer = threading.Timer(timeout, on_timeout)
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if stream:
-                sys.stdout.write(line)
-        proc.wait()
-    except BaseException:                                # Ctrl-C in the notebook: stop the job too
-        stop_job(proc.pid, grace)
-        raise
-    finally:
-        timer.cancel()
-        proc.stdout.close()
-    if expired.is_set():
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(lines))
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
-
-
-def output_ends(text: str, n: int = 2500) -> str:
-    """The first and last `n` characters of a job's output, or all of a short one (a rank's own
-    error comes before torchrun's long summary of the failure, which ends the output)."""
-    return text if len(text) <= 2 * n else f"{text[:n]}\n[...]\n{text[-n:]}"
-
-
-def stop_job(pid: int, grace: float = 5.0) -> None:
-    """End process `pid` and everything under it: SIGTERM to all, SIGKILL to what is left after `grace` s.
-
-    torchrun starts every rank in a session of its own (so that it can signal each rank's
-    group), so killing the launcher's process group alone would leave the ranks running:
-    the processes are found through their parents (psutil), before any is signalled.
-    """
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)

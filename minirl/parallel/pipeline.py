@@ -19,7 +19,7 @@ __all__ = ["FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "KINDS", 
            "Op", "Costs", "Event", "PipelineTimeline", "bubble_share", "check_pipeline",
            "split_layers", "gpipe_order", "one_f_one_b_order", "one_f_one_b_schedule",
            "dualpipev_stages", "dualpipev_order", "simulate", "bubble_formulas", "SCHEDULES",
-           "schedule_orders", "simulate_schedule", "COLORS", "plot_pipeline"]
+           "schedule_orders", "simulate_schedule", "OP_COLORS", "plot_pipeline"]
 
 from dataclasses import dataclass
 
@@ -367,7 +367,7 @@ def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)
 
 
-COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
+OP_COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#8C8C8C"}
 
 
 def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
@@ -378,14 +378,14 @@ def plot_pipeline(timeline: PipelineTimeline, ax=None, title: str = ""):
         _, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * timeline.num_ranks))
     t0 = min(e.start for e in timeline.events)
     for e in timeline.events:
-        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=COLORS[e.op.kind], edgecolor="white", height=0.8)
+        ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=OP_COLORS[e.op.kind], edgecolor="white", height=0.8)
         if e.end - e.start > 0.02 * timeline.makespan:
             ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.op.microbatch), ha="center", va="center",
                     fontsize=7, color="white")
     ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
     ax.invert_yaxis()
     ax.set(xlabel="time", title=f"{title}  idle share {timeline.bubble_share:.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in OP_COLORS.values()]
     ax.legend(handles, ["forward", "backward", "backward (inputs)", "backward (weights)"], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax

@@ -1,7 +1,7 @@
 # Generated from notebooks/08_moe_pipelines.py by tools/build.py -- edit the notebook, not this file.
 """A real pipeline: a small model split across ranks with `torch.distributed.pipelining`, idle time measured.
 
-`worker_main` is the body of a `torchrun` job: every rank builds the same small model
+`pipeline_worker` is the body of a `torchrun` job: every rank builds the same small model
 (embedding, pre-norm residual MLP blocks, head), keeps its stage(s), and runs GPipe, 1F1B
 (`ScheduleGPipe`, `Schedule1F1B`: one stage per rank) and DualPipeV (`ScheduleDualPipeV`:
 two stages per rank, in a V) for each micro-batch count. Each stage's compute calls
@@ -17,7 +17,7 @@ no optimizer step (the bubble is in forward and backward).
 
 __all__ = ["Block", "StageModule", "PipelineModel", "token_loss", "record_compute",
            "build_schedule", "run_steps", "measured_timelines", "measured_costs", "message_waits",
-           "compare_with_simulator", "worker_main", "launch_pipeline"]
+           "compare_with_simulator", "pipeline_worker", "launch_pipeline"]
 
 import inspect
 import json
@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minirl.parallel.launch import output_ends, torchrun
 from minirl.parallel.pipeline import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -49,6 +48,7 @@ from minirl.parallel.pipeline import (
     simulate,
     split_layers,
 )
+from minirl.runtime.launch import output_ends, torchrun
 
 
 class Block(nn.Module):
@@ -230,7 +230,7 @@ def compare_with_simulator(result: dict) -> list[dict]:
     return rows
 
 
-def worker_main(argv=None) -> None:
+def pipeline_worker(argv=None) -> None:
     """Body of the torchrun job: every schedule and micro-batch count; rank 0 writes all ranks' events."""
     import argparse
 
@@ -280,7 +280,7 @@ def worker_main(argv=None) -> None:
 def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8), layers: int = 8,
                     hidden: int = 256, batch: int = 32, seq: int = 64, repeats: int = 3,
                     timeout: float = 600, progress: bool = False) -> dict:
-    """Run `worker_main` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
+    """Run `pipeline_worker` under `torchrun --standalone`; returns its JSON (events per rank, step and run).
 
     Checks the settings first: every micro-batch count must fit the batch and the layers must
     split evenly over the stages (DualPipeV has 2 per rank and needs >= 2 x world_size
@@ -301,7 +301,8 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
         flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
                  "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
                  "--out", out]
-        job = torchrun("minirl.parallel.pipeline_run:worker_main", world_size, flags, timeout=timeout, stream=progress)
+        job = torchrun("minirl.parallel.pipeline_run:pipeline_worker", world_size, flags, timeout=timeout,
+                       stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")

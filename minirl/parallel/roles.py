@@ -1,12 +1,12 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.parallel.wrap`
+`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
 (DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
 4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
 the global batch and the wrapper averages the gradients; for that average to be the
 gradient of the whole batch, each rank's loss is weighted by its share of the global
-normalization (`rank_loss_weight`), applied as a gradient scale on the output of the
+normalization (its loss type's `rank_weight`), applied as a gradient scale on the output of the
 training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
 runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
 record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
@@ -18,9 +18,8 @@ GRPO); a loss that overflows on one rank from finite inputs and log-probs (an ex
 the loss) is not caught before the backward, and leaves the others waiting until the timeout.
 """
 
-__all__ = ["scale_gradient", "rank_loss_weight", "LOSSES", "reduce_metrics", "pad_completions",
-           "split_micro_batches", "finite_batch", "DataParallelRole", "DistributedActor",
-           "DistributedCritic"]
+__all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "pad_completions", "split_micro_batches",
+           "finite_batch", "DataParallelRole", "DistributedActor", "DistributedCritic"]
 
 import dataclasses
 import math
@@ -28,9 +27,10 @@ import math
 import torch
 from torch import Tensor
 
-from minirl.config import LOSS_TYPES, AlgorithmConfig, OptimizerConfig, SamplingConfig
+from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Batch, Experience, Rollout
-from minirl.parallel.wrap import Wrapped, make_optimizer
+from minirl.loss_types import loss_type_entry
+from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 
@@ -51,30 +51,6 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 
-def rank_loss_weight(loss_type: str, local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                     world_size: int) -> float:
-    """The weight w of this rank's loss such that averaging the ranks' gradients gives the whole batch's.
-
-    Each rank computes notebook 01's `aggregate_loss` over its own rows; the batch's loss is
-    (1 / world_size) * sum over ranks of w * (that rank's loss), and DDP / FSDP average the
-    gradients, so scaling each rank's gradient by its w makes the average the batch's gradient.
-      "dapo":              w = world_size * max(local_tokens, 1) / max(global_tokens, 1)
-                           (TRL divides by the global batch's token count)
-      "grpo", "dr_grpo":   w = world_size * local_rows / global_rows
-                           (1 when every rank holds as many rows)
-      "bnpo":              w = 1 (TRL divides by each process's own tokens)
-    local_tokens / global_tokens: completion tokens (mask sum) of this rank / of all ranks;
-    local_rows / global_rows: completions. Raises ValueError for an unknown loss_type.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    if loss_type == "dapo":
-        return world_size * max(local_tokens, 1) / max(global_tokens, 1)
-    if loss_type in ("grpo", "dr_grpo"):
-        return world_size * local_rows / global_rows
-    return 1.0
-
-
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
@@ -86,7 +62,7 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
 
     records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (`rank_loss_weight`), or None. Keys ending in "/min" take the global min; "/max" and
+    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
     "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
     is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
     the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
@@ -192,7 +168,7 @@ class DataParallelRole:
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by `rank_loss_weight`; the ranks' one record.
+        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
 
         The batch is first padded to the widest completion of any rank: notebook 01's forward
         makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
@@ -205,8 +181,8 @@ class DataParallelRole:
         total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
         if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = rank_loss_weight(self.algorithm.loss_type, tokens, total_tokens, rows, total_rows,
-                                  self.group.world_size)
+        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
+                                                                       self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -225,7 +201,7 @@ class DataParallelRole:
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.parallel.wrap.wrap_model`; `self.model` is what gets called (the
+    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
     DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
     group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
     checkpointing: the model recomputes its layers in backward (`set_checkpointing`);

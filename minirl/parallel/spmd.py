@@ -34,18 +34,19 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.config import RLConfig
+from minirl.memory.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, agree, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.parallel.stops import deferred_signals
-from minirl.parallel.wrap import apply_lora, set_checkpointing, wrap_model
 from minirl.roles.reference import Reference
+from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine, SeedPerPrompt
-from minirl.rollout.vllm import VLLMEngine, task_model_len
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync, SinkEngine, engine_tensors, gather_buckets
 from minirl.tasks.task import Task
-from minirl.train.run import RunState, engine_class
+from minirl.train.run import RunState
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -61,20 +62,19 @@ class SPMDState(RunState):
 
 
 def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
-    """This rank's engine holding a copy of `model` (version 0): vLLM, or the in-process one, colocated.
+    """This rank's engine holding a copy of `model` (version 0), built by the engine registry, colocated.
+
+    An engine that colocates itself (vLLM's sleep mode: the `Colocated` protocol) is used as
+    built; an in-process one is wrapped in `ColocatedEngine` (and `SeedPerPrompt`).
     prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
-    adapter = pconfig.resolved_sync_mode == "adapter"
-    if pconfig.rollout == "vllm":
-        context = getattr(model.config, "max_position_embeddings", None)
-        length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts \
-            else None
-        return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=pconfig.colocate,
-                          seed=config.run.seed, gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
-                          max_model_len=length, max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
-    inner = engine_class(config.rollout.rollout_engine)(model, tokenizer, config.engine_dtype, device=device)
+    engine = build_engine(config, model, tokenizer, device, colocate=pconfig.colocate, prompts=tuple(prompts),
+                          gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
+                          max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
+    if isinstance(engine, Colocated):
+        return engine
     if pconfig.seed_per_prompt:
-        inner = SeedPerPrompt(inner)
-    return ColocatedEngine(inner, colocate=pconfig.colocate, adapter_only=adapter)
+        engine = SeedPerPrompt(engine)
+    return ColocatedEngine(engine, colocate=pconfig.colocate, adapter_only=pconfig.resolved_sync_mode == "adapter")
 
 
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,

@@ -35,7 +35,7 @@ times it.
 """
 
 __all__ = ["METRICS_FILE", "PROFILE_SUMMARY", "STEP_ORDER", "CATEGORIES", "CATEGORY_OF",
-           "COMMUNICATION", "WAITING", "NESTED", "NOT_STAGES", "OVERLAP", "RunDataError",
+           "COMMUNICATION", "WAIT_PREFIXES", "NESTED", "NOT_STAGES", "OVERLAP", "RunDataError",
            "NoMetricsError", "MetricsFileError", "MixedRunsError", "parent_of", "category_of",
            "stage_shares", "own_times", "categorize", "Decomposition", "decompose",
            "rank_imbalance", "read_records", "profiled_steps", "rank_notes"]
@@ -55,7 +55,7 @@ CATEGORY_OF = {"generate": "generation", "score": "reward", "reference": "refere
                "advantages": "reference/values", "update": "update", "update_critic": "update", "sync": "sync"}
 COMMUNICATION = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "comm", "collective",
                  "rpc")                         # rpc: a Ray call's time outside the worker (stage 6, `split_calls`)
-WAITING = ("wait", "queue")
+WAIT_PREFIXES = ("wait", "queue")
 NESTED = {"sleep": "generate", "wake": "sync"}  # stage 4 (rollout/colocated.py) times these inside their parents
 NOT_STAGES = ("step", "eval")                   # time/step is the wall clock; time/eval runs between steps
 OVERLAP = 1.02                                  # stages summing to more than 2 % over the wall clock overlap
@@ -89,7 +89,7 @@ def category_of(stage: str) -> str:
     leaf = stage.rsplit("/", 1)[-1]
     if leaf.startswith(COMMUNICATION):
         return "communication"
-    if leaf.startswith(WAITING):
+    if leaf.startswith(WAIT_PREFIXES):
         return "waiting"
     if stage in CATEGORY_OF:
         return CATEGORY_OF[stage]

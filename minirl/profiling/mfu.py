@@ -29,7 +29,7 @@ critic is counted with the policy's shape (its head is one
 column, not a vocabulary).
 """
 
-__all__ = ["COMPUTE_DTYPE", "TRAINER_STAGES", "ROLLOUT_STAGES", "ModelShapeError", "ModelShape",
+__all__ = ["COMPUTE_DTYPE", "TRAINER_STAGES", "ROLLOUT_STAGES", "FlopShapeError", "FlopShape",
            "forward_flops", "group_forward_flops", "training_flops", "generation_flops", "mfu",
            "step_flops", "flat_config", "MFUReport", "run_mfu", "GPU_PEAK_TFLOPS",
            "UnknownPeakError", "gpu_peak_flops", "measure_cpu_peak", "peak_flops"]
@@ -49,12 +49,12 @@ TRAINER_STAGES = ("reference", "advantages", "update", "update_critic")
 ROLLOUT_STAGES = ("generate",)
 
 
-class ModelShapeError(ValueError):
+class FlopShapeError(ValueError):
     """No model configuration to count FLOPs from."""
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class FlopShape:
     """The numbers FLOPs per token depend on."""
 
     params: float        # weights a token is multiplied by: all but the input-embedding lookup (MoE: active experts)
@@ -65,7 +65,7 @@ class ModelShape:
     name: str = ""
 
     @classmethod
-    def from_config(cls, config, name: str = "") -> "ModelShape":
+    def from_config(cls, config, name: str = "") -> "FlopShape":
         """Count a transformers config's weights on the meta device (no memory, no download)."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -86,15 +86,15 @@ class ModelShape:
                    dtype.removeprefix("torch."), name)
 
     @classmethod
-    def from_run_dir(cls, run_dir) -> "ModelShape":
+    def from_run_dir(cls, run_dir) -> "FlopShape":
         """The shape of the model a run trained: its final/ or newest checkpoint's config.json."""
         run_dir = Path(run_dir)
         candidates = [run_dir / "final", *sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)]
         for path in candidates:
             if (path / "config.json").is_file():
                 return cls.from_config(AutoConfig.from_pretrained(path), name=str(path))
-        raise ModelShapeError(f"{run_dir} holds no model config.json (in final/ or checkpoints/step-*/): the run "
-                              "stopped before saving; pass the model's shape (ModelShape.from_config)")
+        raise FlopShapeError(f"{run_dir} holds no model config.json (in final/ or checkpoints/step-*/): the run "
+                              "stopped before saving; pass the model's shape (FlopShape.from_config)")
 
 
 def forward_flops(params: float, layers: int, attn_dim: int, seq_len: float, sequences: float) -> float:
@@ -140,7 +140,7 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / (peak_flops * seconds) if seconds > 0 and peak_flops > 0 else float("nan")
 
 
-def step_flops(record: dict, config: dict, shape: ModelShape) -> dict[str, float]:
+def step_flops(record: dict, config: dict, shape: FlopShape) -> dict[str, float]:
     """One step's model FLOPs for the rollout and the trainer, and the trainer's hardware FLOPs (with recomputation).
 
     record: a step record with `tokens/prompt` and `tokens/completion` (the batch's real
@@ -197,7 +197,7 @@ class MFUReport:
                 "peak_source": {k: v[1] for k, v in self.peak.items()}, "partial": self.partial}
 
 
-def run_mfu(records: list[dict], config: dict, shape: ModelShape, peak_trainer: float, peak_rollout: float,
+def run_mfu(records: list[dict], config: dict, shape: FlopShape, peak_trainer: float, peak_rollout: float,
             world_size: int = 1, rollout_world_size: int | None = None) -> MFUReport:
     """MFU of the trainer and the rollout over a run's step records (peaks in FLOP/s per device).
 

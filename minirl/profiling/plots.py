@@ -1,13 +1,13 @@
 # Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
 """Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
 
-__all__ = ["COLORS", "plot_shares", "plot_stage_timeline", "plot_compare"]
+__all__ = ["CATEGORY_COLORS", "plot_shares", "plot_stage_timeline", "plot_compare"]
 
 import matplotlib.pyplot as plt
 
 from minirl.profiling.decompose import CATEGORIES, STEP_ORDER, Decomposition, category_of, parent_of
 
-COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
+CATEGORY_COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "tab:orange", "tab:red", "tab:cyan",
                                "tab:pink", "tab:gray"), strict=True))
 
 
@@ -22,7 +22,7 @@ def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title
     for category in CATEGORIES:
         heights = [sum(s[category] for s in g) / len(g) for g in groups]
         if any(heights):
-            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=COLORS[category], label=category,
+            ax.bar(x, heights, width=0.9 * width, bottom=bottom, color=CATEGORY_COLORS[category], label=category,
                    align="edge")
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set(xlabel="step", ylabel="share of the step", ylim=(0, 1), title=title or "where each step's time goes")
@@ -55,7 +55,7 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
             for name, left, width in pieces:
                 category = "other" if name == "other" else category_of(name)
                 if width > 0 and category in lanes:
-                    ax.barh(lanes.index(category), width, left=left, color=COLORS[category], edgecolor="white")
+                    ax.barh(lanes.index(category), width, left=left, color=CATEGORY_COLORS[category], edgecolor="white")
             t += span
         ax.axvline(start, color="black", lw=0.5)
         ax.text(start, len(lanes) - 0.4, f" step {step}", fontsize=8, va="bottom")
@@ -74,7 +74,7 @@ def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str |
         for category in CATEGORIES:
             share = d.shares[category]
             if share > 0:
-                ax.barh(row, share, left=left, color=COLORS[category], label=category if row == 0 else None)
+                ax.barh(row, share, left=left, color=CATEGORY_COLORS[category], label=category if row == 0 else None)
                 if share > 0.06:
                     ax.text(left + share / 2, row, f"{100 * share:.0f}%", ha="center", va="center", fontsize=8)
                 left += share

@@ -23,7 +23,7 @@ Simplified vs torch.profiler.schedule and TensorBoard's plugin: one trace per st
 directly; the step before is the warm-up; no TensorBoard files.
 """
 
-__all__ = ["MATMULS", "STAGE_CALLS", "operator_totals", "operator_table", "operator_text",
+__all__ = ["MATMULS", "STEP_CALLS", "operator_totals", "operator_table", "operator_text",
            "matmul_summary", "stage_breakdown", "memory_summary", "TorchProfiler"]
 
 import bisect
@@ -38,8 +38,8 @@ from minirl.train.run import Callback
 from minirl.utils.io import atomic_write_json, atomic_write_text
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-STAGE_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
-               "importance_weights": "advantages", "compute_advantages": "advantages", "update": "update",
+STEP_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
+               "correct_behaviour": "advantages", "compute_advantages": "advantages", "update": "update",
                "push": "sync"}
 
 
@@ -94,11 +94,11 @@ def stage_breakdown(events) -> dict[str, dict]:
     """Per stage of rl_step: wall seconds, seconds in torch operators and in matmuls, the rest (Python and
     dispatch), operator calls and the FLOPs torch counted. Needs the Python stack (with_stack=True); {} without.
 
-    A stage is a call made directly by rl_step or by its `learn` (`STAGE_CALLS`; a critic's update is
-    "update_critic"; decorators and context managers in between are skipped); each operator belongs to
-    the stage whose call encloses it on its thread.
+    A stage is a call made directly by rl_step or by its `learn` or `sync_and_record` (`STEP_CALLS`; a
+    critic's update is "update_critic"; decorators and context managers in between are skipped); each
+    operator belongs to the stage whose call encloses it on its thread.
     """
-    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn"))}
+    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn", ": sync_and_record"))}
     spans = []
     for e in events:
         caller = e.cpu_parent
@@ -106,7 +106,7 @@ def stage_breakdown(events) -> dict[str, dict]:
             caller = caller.cpu_parent
         if "minirl/" in e.name and caller is not None and id(caller) in steps:
             call = e.name.rsplit(": ", 1)[-1]
-            stage = "update_critic" if call == "update" and "critic" in e.name else STAGE_CALLS.get(call)
+            stage = "update_critic" if call == "update" and "critic" in e.name else STEP_CALLS.get(call)
             if stage is not None:
                 spans.append((e.thread, e.time_range.start, e.time_range.end, stage))
     spans.sort()

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from minirl.profiling.decompose import Decomposition, NoMetricsError, category_of, decompose, rank_imbalance
 from minirl.profiling.mfu import (
+    FlopShape,
+    FlopShapeError,
     MFUReport,
-    ModelShape,
-    ModelShapeError,
     UnknownPeakError,
     flat_config,
     peak_flops,
@@ -256,7 +256,7 @@ def _read_json(path: Path, partial: list[str]) -> dict:
 
 
 def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflops: float | None = None,
-                threads: int = 1, shape: ModelShape | None = None, summary: dict | None = None) -> MFUReport:
+                threads: int = 1, shape: FlopShape | None = None, summary: dict | None = None) -> MFUReport:
     """MFU of a decomposed run from its run.json settings and its model's config (raises when either is missing).
 
     Devices: run.json's world_size (stage 4's ranks) or summary.json's placement (stage 6:
@@ -264,14 +264,14 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     gradient checkpointing to the settings.
     """
     if not isinstance(run_info.get("config"), dict):
-        raise ModelShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
+        raise FlopShapeError(f"{Path(run_dir) / RUN_FILE} holds no 'config' (the run's settings): cannot count "
                               "the batch")
     config = flat_config(run_info["config"]) | flat_config(run_info.get("pconfig") or {})   # stage 4: LoRA, ...
     missing = [k for k in ("prompts_per_step", "num_generations", "algo", "beta", "num_iterations",
                            "importance_sampling_correction") if k not in config]
     if missing:
-        raise ModelShapeError(f"run.json's config lacks {missing}: not a minirl RL run's settings")
-    shape = shape or ModelShape.from_run_dir(run_dir)
+        raise FlopShapeError(f"run.json's config lacks {missing}: not a minirl RL run's settings")
+    shape = shape or FlopShape.from_run_dir(run_dir)
     device = str(config.get("device", "cpu"))
     threads = int(run_info.get("threads", threads))
     trainer = peak_flops(device, shape.dtype, threads, peak_tflops)
@@ -292,7 +292,7 @@ def run_dir_mfu(run_dir, run_info: dict, decomposition: Decomposition, peak_tflo
     return report
 
 
-def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, shape: ModelShape | None = None,
+def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, shape: FlopShape | None = None,
              quiet: bool = False) -> Diagnosis:
     """Apply every rule of RULES to the run in `run_dir` (any stage's); print the report unless quiet.
 
@@ -320,7 +320,7 @@ def diagnose(run_dir, *, peak_tflops: float | None = None, threads: int = 1, sha
         try:
             mfu_report = run_dir_mfu(run_dir, run_info, decomposition, peak_tflops, threads, shape, summary)
             partial += mfu_report.partial
-        except (UnknownPeakError, ModelShapeError) as err:
+        except (UnknownPeakError, FlopShapeError) as err:
             partial.append(f"no MFU: {err}")
     records = decomposition.records if decomposition is not None else []
     measured = measurements(decomposition, mfu_report, records, summary)

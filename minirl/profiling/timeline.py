@@ -9,13 +9,13 @@ as communication), with each worker's busy share. A missing, damaged or mismatch
 timeline is said in `partial`, and the records come back unchanged.
 """
 
-__all__ = ["TIMELINE_FILE", "STAGE_CALLS", "read_timeline", "split_calls"]
+__all__ = ["TIMELINE_FILE", "WORKER_CALLS", "read_timeline", "split_calls"]
 
 import json
 from pathlib import Path
 
 TIMELINE_FILE = "timeline.json"                 # stage 6 (chapters/06_ray.py): every Ray worker's calls
-STAGE_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
+WORKER_CALLS = {"generate": ("rollout.",), "score": ("reward.",),        # worker call names ("role.method") per stage
                "reference": ("reference.", "actor.logprobs", "critic.values"), "update": ("actor.update",),
                "update_critic": ("critic.update",), "sync": ("sync.",)}
 
@@ -64,7 +64,7 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
     first rollout worker (a file older than the records would then be misread); step k's
     calls are those that start between its generate call's start and the next one's (or
     time/step later, for the last). Per step and stage, the work is the time during which
-    any worker ran one of the stage's calls (STAGE_CALLS; a union over workers: data-parallel
+    any worker ran one of the stage's calls (WORKER_CALLS; a union over workers: data-parallel
     ranks overlap, roles called one after another add up); the driver's time/<stage> minus
     that is `rpc`. Workers on several nodes compare wall clocks: their skew is error here.
     Records are returned unchanged (and partial says why) when the timeline does not match.
@@ -92,12 +92,12 @@ def split_calls(records: list[dict], timeline: dict[str, list], partial: list[st
         calls = {w: [(what, max(s, starts[k]), min(e, end)) for what, s, e in events if starts[k] <= s < end]
                  for w, events in timeline.items()}
         record = dict(record)
-        for stage, names in STAGE_CALLS.items():
+        for stage, names in WORKER_CALLS.items():
             work = _busy([(s, e) for c in calls.values() for what, s, e in c if what.startswith(names)])
             if work > 0 and f"time/{stage}" in record:
                 record[f"time/{stage}/rpc"] = max(0.0, record[f"time/{stage}"] - work)
         for w, c in calls.items():
-            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(STAGE_CALLS.values(), ()))])
+            busy[w] += _busy([(s, e) for what, s, e in c if what.startswith(sum(WORKER_CALLS.values(), ()))])
         wall += record["time/step"]
         out.append(record)
     return out, {w: b / wall for w, b in busy.items()} if wall > 0 else {}

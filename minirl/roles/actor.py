@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
-from minirl.algo.losses import micro_batch_weight, policy_loss
+from minirl.algo.losses import policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
+from minirl.loss_types import loss_type_entry
 
 
 def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
@@ -102,8 +103,8 @@ class Actor:
     def backward(self, exp: Experience) -> dict:
         """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
 
-        Each micro-batch's loss is weighted by its share of the batch's normalization
-        (`micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
+        Each micro-batch's loss is weighted by its share of the batch's normalization (the loss
+        type's `micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
         loss is not finite ends the backward passes (the rest only run forward, for the metrics)
         and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
         """
@@ -111,6 +112,7 @@ class Actor:
         mask = ro.completion_mask                                                  # [N, C]
         logps, entropy = torch.zeros(mask.shape, device=mask.device), torch.zeros(mask.shape, device=mask.device)
         total_rows, total_tokens = len(ro), float(mask.sum())
+        weigh = loss_type_entry(algo.loss_type).micro_batch_weight
         scorer, finite = self._scorer(ro, requires_grad=True), True
         for k, (rows, width) in enumerate(zip(scorer.rows, scorer.widths, strict=True)):
             part = lambda t, rows=rows, width=width: (  # noqa: E731
@@ -118,7 +120,7 @@ class Actor:
             lp, ent = self._micro_logprobs(scorer, k, with_entropy=True)            # [n, width] each
             loss, _ = self._loss(lp, lp.detach() if exp.old_logps is None else part(exp.old_logps),
                                  part(exp.advantages), mask[rows, :width], part(exp.ref_logps), part(exp.is_weights))
-            weight = micro_batch_weight(algo.loss_type, len(rows), total_rows, float(mask[rows].sum()), total_tokens)
+            weight = weigh(len(rows), total_rows, float(mask[rows].sum()), total_tokens)
             finite = finite and bool(torch.isfinite(loss))
             if finite:
                 (loss * weight).backward()

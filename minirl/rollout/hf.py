@@ -14,7 +14,7 @@ on a CPU: weights are round-tripped through float8_e4m3fn with one scale per ten
 computed in bfloat16.
 """
 
-__all__ = ["fp8_round_trip", "HFEngine"]
+__all__ = ["fp8_round_trip", "DTYPES", "HFEngine"]
 
 import copy
 from typing import Iterable
@@ -35,6 +35,9 @@ def fp8_round_trip(weight: Tensor) -> Tensor:
     return ((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # what a copy computes in
+
+
 class HFEngine:
     """HF `generate` over B * G rows, on the engine's own copy of the policy.
 
@@ -50,7 +53,7 @@ class HFEngine:
         self.tokenizer.padding_side = "left"      # prompts end at the same column
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else getattr(torch, dtype)
+        compute = torch.bfloat16 if dtype == "float8_e4m3fn" else DTYPES[dtype]
         self.model = copy.deepcopy(model).to(self.device, compute).eval()
         self.version = 0
         self.load_weights(model.state_dict().items(), version=0)

@@ -42,8 +42,8 @@ vLLM (tests/test_vllm.py). Simplified vs TRL: tensor parallel size 1, no server 
 LoRA adapters inside vLLM (push merged weights).
 """
 
-__all__ = ["VLLM_DTYPES", "PUBLIC_API", "INTERNAL_API", "import_vllm", "task_model_len",
-           "vllm_settings", "start_llm", "padded_rollout", "VLLMSleepMode", "VLLMEngine"]
+__all__ = ["PUBLIC_API", "INTERNAL_API", "import_vllm", "task_model_len", "vllm_settings",
+           "start_llm", "padded_rollout", "VLLMSleepMode", "VLLMEngine"]
 
 import os
 import shutil
@@ -58,9 +58,9 @@ from minirl.config import SamplingConfig, auto_dtype
 from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.colocated import prompt_seed
+from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
 from minirl.utils.validate import ConfigError, check_float, check_int
 
-VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
 
@@ -76,11 +76,10 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ConfigError("rollout", "vllm", f"vLLM is not installed ({err}); on a CUDA machine run "
-                                             "pip install -r requirements-gpu.txt, or use --rollout minirl") from None
+        raise ConfigError("rollout_engine", "vllm", f"vLLM is not installed ({err}); {VLLM_INSTALL}") from None
     if not torch.cuda.is_available():
-        raise ConfigError("rollout", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
-                                             "--rollout minirl")
+        raise ConfigError("rollout_engine", "vllm", "vLLM's engine needs a CUDA GPU and this machine has none; use "
+                                                    "--rollout-engine shared_prefix")
     return vllm
 
 

@@ -6,20 +6,20 @@ rollout engine however the placement requires, and returns a `SyncReport` (the v
 engine now holds, how many tensors and bytes moved, how long it took). Stage 1 copies
 in-process (`InProcessSync`); notebook 04 gathers FSDP-sharded tensors or merges LoRA
 first; notebook 06 broadcasts across Ray actors. All of them end with the same check: the
-engine reports the version that was pushed (`check_pushed`), and on request the weights it
-holds are compared with the trainer's (`minirl.sync.checks`, notebook 02).
+engine reports the version that was pushed (`check_pushed`), and on request a check of the
+weights it holds against the trainer's (`InProcessSync(verify=...)`: notebook 02 writes one,
+`minirl.sync.checks.check_synchronization`).
 """
 
 __all__ = ["SyncReport", "WeightSync", "check_pushed", "InProcessSync"]
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from torch import Tensor
 
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.sync.checks import check_synchronization
 
 
 @dataclass
@@ -48,12 +48,13 @@ def check_pushed(engine: RolloutEngine, version: int) -> None:
 class InProcessSync:
     """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
 
-    verify=True also compares every weight the engine holds with the trainer's, within the
-    rounding of the engine's dtype (`minirl.sync.checks.check_synchronization`; slower: it
-    reads every tensor twice). Raises RuntimeError naming the stale tensors.
+    verify: a check run after every push, verify(trainer_weights: {name: tensor}, engine) ->
+    a list of problems, e.g. notebook 02's `check_synchronization`, which compares every weight
+    the engine holds with the trainer's within the rounding of the engine's dtype (slower: it
+    reads every tensor twice). Raises RuntimeError naming the problems.
     """
 
-    def __init__(self, verify: bool = False):
+    def __init__(self, verify: Callable[[dict, RolloutEngine], list[str]] | None = None):
         self.verify = verify
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
@@ -61,8 +62,8 @@ class InProcessSync:
         named = [(name, tensor.detach()) for name, tensor in named_weights]
         engine.load_weights(named, version)
         check_pushed(engine, version)
-        if self.verify:
-            problems = check_synchronization(dict(named), engine)
+        if self.verify is not None:
+            problems = self.verify(dict(named), engine)
             if problems:
                 raise RuntimeError("weight sync left the engine stale: " + "; ".join(problems))
         return SyncReport(version, len(named), sum(t.numel() * t.element_size() for _, t in named),

@@ -20,7 +20,7 @@ Simplified vs TRL / veRL: buckets are decoder layers (no byte-sized buckets span
 no CUDA IPC handles); one LoRA adapter ("default"); no DoRA, no modules_to_save.
 """
 
-__all__ = ["SYNC_MODES", "PEFT_PREFIX", "LAYER", "LORA", "engine_name", "layer_key", "full_tensor",
+__all__ = ["PEFT_PREFIX", "LAYER", "LORA", "engine_name", "layer_key", "full_tensor",
            "gather_by_layer", "merge_lora", "engine_tensors", "shard_numels", "packable",
            "gather_packed", "split_by_layer", "layer_buckets", "gather_buckets", "LiveBytes",
            "ShardedSyncReport", "ShardedSync", "SinkEngine", "full_tensor_storage"]
@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minirl.sync.base import SyncReport, check_pushed
 from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
+from minirl.sync.modes import SYNC_MODES
 
-SYNC_MODES = ("full", "merged", "adapter")
 PEFT_PREFIX = "base_model.model."
 LAYER = re.compile(r"\.layers\.\d+\.")
 LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")

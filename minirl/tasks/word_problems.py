@@ -38,7 +38,7 @@ FORMAT_VERSION = 1   # bump when a change to this file changes what it writes fo
 INSTRUCTION = "Solve the problem step by step, then give the final answer on its own line as: #### <number>"
 SYSTEM = "You solve math word problems. Reason step by step, then give the final answer on its own last line as: " \
          "#### <number>"
-NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kate", "Liam", "Maya",
+PEOPLE = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kate", "Liam", "Maya",
          "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tara"]
 ITEMS = ["pencils", "stickers", "marbles", "apples", "shells", "cards", "buttons", "stamps"]
 GOODS = [("pie", "pies"), ("scarf", "scarves"), ("lamp", "lamps"), ("kite", "kites"), ("mug", "mugs")]
@@ -50,7 +50,7 @@ def _calc(expr: str, value: int) -> str:
 
 
 def buy_more(rng: random.Random):
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    name, item = rng.choice(PEOPLE), rng.choice(ITEMS)
     a, b, c = rng.randint(2, 60), rng.randint(2, 9), rng.randint(2, 12)
     bought, total = b * c, a + b * c
     question = (f"{name} has {a} {item}. {name} buys {b} packs of {c} {item} each. "
@@ -61,7 +61,7 @@ def buy_more(rng: random.Random):
 
 
 def earnings(rng):
-    name, (_, goods) = rng.choice(NAMES), rng.choice(GOODS)
+    name, (_, goods) = rng.choice(PEOPLE), rng.choice(GOODS)
     a, p, d = rng.randint(2, 30), rng.randint(2, 15), rng.randint(2, 7)
     daily, total = a * p, a * p * d
     question = (f"{name} sells {a} {goods} a day at ${p} each. How many dollars does {name} make in {d} days?")
@@ -71,7 +71,7 @@ def earnings(rng):
 
 
 def left_after(rng):
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    name, item = rng.choice(PEOPLE), rng.choice(ITEMS)
     a, b = rng.randint(3, 25), rng.randint(2, 9)
     c = rng.randint(2, a * b - 2)
     filled, left = a * b, a * b - c
@@ -83,7 +83,7 @@ def left_after(rng):
 
 
 def money_left(rng):
-    name, (good, _), (good2, _) = rng.choice(NAMES), *rng.sample(GOODS, 2)
+    name, (good, _), (good2, _) = rng.choice(PEOPLE), *rng.sample(GOODS, 2)
     b = rng.randint(2, 40)
     rest = 2 * rng.randint(2, 40)
     a = b + rest
@@ -95,7 +95,7 @@ def money_left(rng):
 
 
 def pages(rng):
-    name = rng.choice(NAMES)
+    name = rng.choice(PEOPLE)
     a, d = rng.randint(5, 40), rng.randint(2, 9)
     total = a * d + rng.randint(2, 120)
     read, unread = a * d, total - a * d
@@ -107,7 +107,7 @@ def pages(rng):
 
 
 def share(rng):
-    name = rng.choice(NAMES)
+    name = rng.choice(PEOPLE)
     b, c = rng.randint(2, 6), rng.randint(4, 24)
     k = rng.choice([x for x in range(2, 10) if b * c % x == 0])    # never empty: b itself divides b * c
     each = b * c // k
@@ -141,7 +141,7 @@ def factory(rng):
 
 
 def ages(rng):
-    name, other = rng.sample(NAMES, 2)
+    name, other = rng.sample(PEOPLE, 2)
     a, k, d = rng.randint(2, 12), rng.randint(2, 5), rng.randint(1, 15)
     now, later = a * k, a * k + d
     question = (f"{name} is {a} years old. {other} is {k} times as old as {name}. "

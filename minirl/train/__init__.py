@@ -1,2 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
+# by tools/build.py -- edit the notebook, not this file.
 """minirl.train."""

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 from minirl.config import RLConfig
-from minirl.utils.cli import explicit_dests, flag
+from minirl.rollout.registry import ENGINES, check_engine
+from minirl.utils.cli import add_config_flags, explicit_dests, flag
 from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.utils.validate import ConfigError
 
@@ -32,6 +33,21 @@ TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what ru
 BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)
 REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:function (my_rewards:length_penalty, "
                     "or path/to/rewards.py:length_penalty)")   # rewards.SPEC_HELP, without importing torch
+
+
+def add_rl_flags(parser: argparse.ArgumentParser, config: RLConfig, skip: tuple[str, ...] = ()) -> None:
+    """A flag per setting of `config` (`add_config_flags`), --rollout-engine taking the engine registry's names
+    (every notebook's engines: the registry names them without importing any)."""
+    add_config_flags(parser, config, skip, choices={"rollout_engine": tuple(ENGINES)})
+
+
+def check_engine_flag(parser: argparse.ArgumentParser, config: RLConfig) -> None:
+    """Refuse, in one line and before torch or a model loads, an engine this run cannot use (vLLM without vLLM
+    or CUDA): `minirl.rollout.registry.check_engine`, reported against --rollout-engine (exit 2)."""
+    try:
+        check_engine(config)
+    except ConfigError as err:
+        parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
 
 
 def out_problem(path) -> str | None:

@@ -11,10 +11,10 @@ Simplified vs TRL's Trainer: gradients accumulate only over the update's micro-b
 adds torchrun).
 """
 
-__all__ = ["SAFE_ON_RESUME", "build_roles", "engine_class", "build_engine", "RunState", "Callback",
-           "RunStopped", "run", "Evaluator", "ProgressBar", "NoSignalWarning", "no_signal_message",
-           "StopAfter", "setup", "stage1_step", "train", "JSONLLogger", "Checkpointer",
-           "check_resume_config", "LocalCheckpoints", "run_in_dir"]
+__all__ = ["SAFE_ON_RESUME", "build_roles", "RunState", "Callback", "RunStopped", "run",
+           "Evaluator", "ProgressBar", "NoSignalWarning", "no_signal_message", "StopAfter",
+           "setup", "stage1_step", "train", "JSONLLogger", "Checkpointer", "check_resume_config",
+           "LocalCheckpoints", "run_in_dir"]
 
 import dataclasses
 import sys
@@ -25,15 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minirl.config import ROLLOUT_ENGINES, RLConfig
+from minirl.config import RLConfig
 from minirl.models.critic import ValueModel
 from minirl.models.policy import check_prompts, load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
-from minirl.rollout.engine.engine import PagedEngine
-from minirl.rollout.hf import HFEngine
-from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.rollout.registry import build_engine
 from minirl.sync.base import InProcessSync
 from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
@@ -55,28 +53,6 @@ def build_roles(config: RLConfig, model) -> Roles:
     if config.algorithm.algo == "ppo":
         critic = Critic(ValueModel.from_policy(model).to(dtype), config.algorithm, config.optimizer)
     return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
-
-
-def engine_class(rollout_engine: str) -> type:
-    """The class of the in-process engine `rollout_engine` names (config.rollout.rollout_engine).
-
-    Every one is built alike, `cls(model, tokenizer, dtype, device=...)`, and speaks the
-    RolloutEngine protocol; a name outside ROLLOUT_ENGINES is a ConfigError.
-    """
-    if rollout_engine == "hf":
-        return HFEngine                   # transformers' generate on B*G rows
-    if rollout_engine == "shared_prefix":
-        return SharedPrefixEngine         # each prompt prefilled once for its G samples
-    if rollout_engine == "paged":
-        return PagedEngine                # notebook 05: paged KV cache, continuous batching
-    raise ConfigError("rollout_engine", rollout_engine, f"use one of {', '.join(ROLLOUT_ENGINES)}")
-
-
-def build_engine(config: RLConfig, model, tokenizer):
-    """The rollout engine named by config.rollout.rollout_engine, holding a copy of `model` (version 0) in
-    config.engine_dtype."""
-    engine = engine_class(config.rollout.rollout_engine)
-    return engine(model, tokenizer, config.engine_dtype, device=config.run.device)
 
 
 @dataclass

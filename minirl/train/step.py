@@ -1,4 +1,5 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
+# by tools/build.py -- edit the notebook, not this file.
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
 `rl_step` is the loop body every stage runs. It talks to the three seams only through
@@ -17,11 +18,13 @@ training model itself). PPO puts its KL penalty in the per-token
 reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
 """
 
-__all__ = ["Roles", "sample_prompts", "score", "make_experience", "importance_weights",
-           "compute_advantages", "learn", "batch_statistics", "rl_step"]
+__all__ = ["Roles", "sample_prompts", "score", "make_experience", "BEHAVIOUR_CORRECTIONS",
+           "correct_behaviour", "compute_advantages", "learn", "batch_statistics",
+           "sync_and_record", "rl_step", "importance_weights"]
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -141,14 +144,15 @@ def make_experience(rollout: Rollout, rewards: Tensor, roles: Roles, algorithm: 
         values=roles.critic.values(rollout) if roles.critic is not None else None)
 
 
-def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (notebook 02), when the correction is on."""
-    if not algorithm.importance_sampling_correction:
-        return exp
-    ro = exp.rollout
-    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
-                                                 algorithm.importance_sampling_mode,
-                                                 algorithm.importance_sampling_cap)       # [N, C]
+# Behaviour corrections, by name: (exp, algorithm) -> exp, each doing nothing unless the config turns it on.
+# Notebook 02 registers truncated importance sampling; `learn` applies them in order.
+BEHAVIOUR_CORRECTIONS: dict[str, Callable[[Experience, AlgorithmConfig], Experience]] = {}
+
+
+def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Every registered behaviour correction, in order (notebook 02's truncated IS, when the config asks)."""
+    for correction in BEHAVIOUR_CORRECTIONS.values():
+        exp = correction(exp, algorithm)
     return exp
 
 
@@ -182,7 +186,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
 
     rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
     behaviour correction (`is_weights`, and `old_logps` if it needs them); default
-    `importance_weights` (notebook 02's truncated IS, when the config turns it on).
+    `correct_behaviour` (notebook 02's truncated IS, when the config turns it on).
     Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
     gets the "reference", "advantages", "update" (and "update_critic") seconds.
     group: as in `rl_step`.
@@ -191,7 +195,7 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
     with timer("advantages"):
-        exp = importance_weights(exp, config.algorithm) if correct is None else correct(exp)
+        exp = correct_behaviour(exp, config.algorithm) if correct is None else correct(exp)
         exp = compute_advantages(exp, config.algorithm, group)
     with timer("update"):
         metrics = roles.actor.update(exp)
@@ -219,6 +223,18 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
+def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
+                    timer: StageTimer, group=None) -> dict:
+    """The step's tail: push the actor's weights into `engine` as the next version (timed as "sync"), then the
+    record: the update's `metrics`, the new version, the sync's bytes, the batch's statistics and every stage's
+    seconds. Notebook 07's trainer ends its steps with it too. group: as in `rl_step`."""
+    with timer("sync"):
+        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
+    roles.version = report.version
+    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
+            | timer.times)
+
+
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
@@ -241,8 +257,18 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     with timer("score"):
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
-    with timer("sync"):
-        report = sync.push(roles.actor.named_weights(), engine, roles.version + 1)
-    roles.version = report.version
-    return (metrics | {"version": roles.version, "sync/bytes": report.bytes} | batch_statistics(rollout, rewards, group)
-            | timer.times)
+    return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
+
+
+def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config turns the correction on."""
+    if not algorithm.importance_sampling_correction:
+        return exp
+    ro = exp.rollout
+    exp.is_weights = importance_sampling_weights(exp.old_logps, ro.logprobs, ro.completion_mask,
+                                                 algorithm.importance_sampling_mode,
+                                                 algorithm.importance_sampling_cap)       # [N, C]
+    return exp
+
+
+BEHAVIOUR_CORRECTIONS["importance_sampling"] = importance_weights

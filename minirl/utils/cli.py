@@ -239,10 +239,12 @@ def _parse(kind, optional: bool, name: str):
     return parse
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config, skip: tuple[str, ...] = ()) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, config, skip: tuple[str, ...] = (),
+                     choices: dict | None = None) -> None:
     """Add one flag per leaf field of the (nested) dataclass instance `config`, its values as defaults.
 
-    Choices come from the dataclass's `choices` class attribute ({field: allowed values}),
+    Choices come from the dataclass's `choices` class attribute ({field: allowed values}) and
+    from `choices` (a registry the dataclass's layer cannot import, e.g. the engines' names),
     help from the comment on the field's line. Fields named in `skip` get no flag.
     """
     groups = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
@@ -250,7 +252,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config, skip: tuple[str, .
     for title, sub in groups:
         group = parser.add_argument_group(title)
         comments, hints = field_comments(type(sub)), typing.get_type_hints(type(sub))
-        choices = getattr(type(sub), "choices", {})
+        allowed_by_field = getattr(type(sub), "choices", {}) | (choices or {})
         for f in dataclasses.fields(sub):
             if f.name in skip:
                 continue
@@ -262,7 +264,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config, skip: tuple[str, .
                 group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=default, help=help_)
             else:
-                allowed = choices.get(f.name)
+                allowed = allowed_by_field.get(f.name)
                 group.add_argument(flag(f.name), dest=f.name, type=_parse(kind, optional, f.name),
                                    default=default, choices=allowed, help=help_,
                                    metavar=None if allowed else kind.__name__.upper())

@@ -134,22 +134,28 @@ def test_clipped_surrogate_sequence_level_ratio_broadcasts(ex):
     assert torch.allclose(loss, torch.tensor([[-1.2, 1.5, -2.4], [-0.5, 0.8, -1.0]]))
 
 
-@pytest.mark.exercise("1.5")
-def test_aggregate_loss_types(ex):
-    per_tok = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 7.0, 7.0, 7.0]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
-    got = {lt: ex.aggregate_loss(per_tok, mask, lt).item() for lt in ("grpo", "bnpo", "dapo", "dr_grpo")}
-    want = {"grpo": 1.5, "bnpo": 1.2, "dapo": 1.2, "dr_grpo": 0.75}
-    for lt in want:
-        assert abs(got[lt] - want[lt]) < 1e-6, f"loss_type={lt!r}: expected {want[lt]}, got {got[lt]:.4f}"
+PER_TOKEN = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 7.0, 7.0, 7.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
 
 
 @pytest.mark.exercise("1.5")
-def test_aggregate_loss_edge_cases(ex):
-    per_tok = torch.ones(2, 3)
-    mask = torch.tensor([[0, 0, 0], [1, 1, 0]])
-    assert abs(ex.aggregate_loss(per_tok, mask, "grpo").item() - 0.5) < 1e-6, \
-        "'grpo': an empty row contributes 0 (clamp its token count to 1), then average over rows"
-    assert abs(ex.aggregate_loss(per_tok, mask, "dr_grpo", max_completion_length=4).item() - 2 / 8) < 1e-6, \
-        "'dr_grpo': divide by B * max_completion_length"
-    assert ex.aggregate_loss(per_tok, torch.zeros(2, 3), "bnpo").item() == 0, "an all-masked batch gives 0, not NaN"
+def test_sequence_mean_averages_rows_first(ex):
+    got = ex.sequence_mean(PER_TOKEN, MASK).item()
+    assert abs(got - 1.5) < 1e-6, f"grpo: the mean of the rows' means, (1 + 2) / 2 = 1.5, got {got:.4f}"
+    got = ex.sequence_mean(torch.ones(2, 3), torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])).item()
+    assert abs(got - 0.5) < 1e-6, "an empty row contributes 0 (clamp its token count to 1), then average over rows"
+
+
+@pytest.mark.exercise("1.6")
+def test_token_mean_over_the_batch(ex):
+    got = ex.token_mean(PER_TOKEN, MASK).item()
+    assert abs(got - 1.2) < 1e-6, f"bnpo/dapo: the masked sum over the batch's tokens, 6 / 5, got {got:.4f}"
+    assert ex.token_mean(torch.ones(2, 3), torch.zeros(2, 3)).item() == 0, "an all-masked batch gives 0, not NaN"
+
+
+@pytest.mark.exercise("1.7")
+def test_max_length_mean_divides_by_a_constant(ex):
+    got = ex.max_length_mean(PER_TOKEN, MASK).item()
+    assert abs(got - 0.75) < 1e-6, f"dr_grpo: the masked sum over B * C = 8 by default, 6 / 8, got {got:.4f}"
+    got = ex.max_length_mean(torch.ones(2, 3), torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]), 4).item()
+    assert abs(got - 2 / 8) < 1e-6, "dr_grpo: divide by B * max_completion_length when it is given"

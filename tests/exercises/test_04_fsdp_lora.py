@@ -1,11 +1,10 @@
 """Graded checks of notebook 04's exercises (python -m minirl.grade --only 04)."""
 
+import math
 import weakref
 
 import pytest
 import torch
-
-from minirl.algo.losses import aggregate_loss
 
 
 def _group():
@@ -21,49 +20,41 @@ def _group():
     return init_device_mesh("cpu", (1,))
 
 
-# ---- 4.1: a rank's share of the loss ---------------------------------------------------------------
+# ---- 4.1: the ranks' records as one -----------------------------------------------------------------
 
-@pytest.mark.exercise("4.1")
-def test_rank_loss_weight_values(ex):
-    assert ex.rank_loss_weight("dapo", 3, 8, 2, 4, 2) == pytest.approx(0.75), \
-        "dapo: world_size * local_tokens / global_tokens (2 * 3 / 8)"
-    assert ex.rank_loss_weight("dapo", 5, 8, 2, 4, 2) == pytest.approx(1.25), "the ranks' dapo weights average to 1"
-    assert ex.rank_loss_weight("grpo", 3, 8, 2, 4, 2) == pytest.approx(1.0), \
-        "grpo: world_size * local_rows / global_rows, not tokens"
-    assert ex.rank_loss_weight("dr_grpo", 7, 8, 1, 4, 2) == pytest.approx(0.5), "dr_grpo: by rows, like grpo"
-    assert ex.rank_loss_weight("bnpo", 3, 8, 2, 4, 2) == pytest.approx(1.0), \
-        "bnpo: TRL divides by each process's own tokens, so no weight"
-    assert ex.rank_loss_weight("dapo", 0, 0, 2, 4, 2) == pytest.approx(2.0), \
-        "token counts of 0 count as 1 (the loss clamps them): no division by zero"
-    for loss_type in ("grpo", "dr_grpo"):
-        assert ex.rank_loss_weight(loss_type, 0, 8, 0, 4, 2) == pytest.approx(0.0), \
-            f"{loss_type}: a rank with no rows counts for nothing (w = 0), not 1"
-        weights = [ex.rank_loss_weight(loss_type, t, 8, r, 4, 3) for t, r in ((5, 3), (0, 0), (3, 1))]
-        assert sum(weights) == pytest.approx(3.0), \
-            f"{loss_type}: the ranks' weights sum to world_size, a rank with no rows included ({weights})"
-    with pytest.raises(ValueError, match="loss_type"):
-        ex.rank_loss_weight("ppo", 1, 2, 1, 2, 2)
+RECORDS = [{"loss": 1.0, "entropy": 2.0, "ratio/min": 0.9, "ratio/max": 1.1, "skipped": 0, "grad_norm": 3.0,
+            "note": "rank 0"},
+           {"loss": 3.0, "entropy": 4.0, "ratio/min": 0.8, "ratio/max": 1.3, "skipped": 1, "grad_norm": 3.5,
+            "note": "rank 1"}]
 
 
 @pytest.mark.exercise("4.1")
-def test_weighted_rank_gradients_average_to_the_whole_batch(ex):
-    """Split a batch over 3 'ranks'; (1/W) sum_r w_r grad(loss_r) must be the whole batch's gradient."""
-    g = torch.Generator().manual_seed(3)
-    per_token = torch.randn(6, 5, generator=g)
-    mask = (torch.rand(6, 5, generator=g) < 0.6).long()
-    mask[:, 0] = 1
-    rows = [slice(0, 2), slice(2, 4), slice(4, 6)]
-    for loss_type in ("dapo", "grpo", "dr_grpo"):
-        x = per_token.clone().requires_grad_(True)
-        aggregate_loss(x, mask, loss_type, 5).backward()
-        whole = x.grad.clone()
-        x.grad = None
-        total = int(mask.sum())
-        for part in rows:
-            weight = ex.rank_loss_weight(loss_type, int(mask[part].sum()), total, 2, 6, 3)
-            (weight / 3 * aggregate_loss(x[part], mask[part], loss_type, 5)).backward()
-        assert torch.allclose(x.grad, whole, atol=1e-6), \
-            f"{loss_type}: the ranks' weighted gradients, averaged, must equal the whole batch's gradient"
+def test_reduce_metrics_values(ex):
+    out = ex.reduce_metrics([dict(r) for r in RECORDS], [30.0, 10.0], [0.5, 1.5])
+    assert out["entropy"] == pytest.approx(2.5), \
+        "a per-token mean is the token-weighted mean of the ranks' ((30 * 2 + 10 * 4) / 40), not the plain mean"
+    assert out["loss"] == pytest.approx((0.5 * 1.0 + 1.5 * 3.0) / 2), "the loss is (1 / W) sum_r w_r loss_r"
+    assert out["ratio/min"] == 0.8 and out["ratio/max"] == 1.3, "'/min' keys: the smallest; '/max': the largest"
+    assert out["skipped"] == 1, "a step one rank skipped, every rank skipped (the max)"
+    assert out["grad_norm"] == 3.0, "grad_norm is rank 0's: the norm of the averaged gradients, already global"
+    assert out["note"] == "rank 0", "what is not a number is rank 0's"
+    assert ex.reduce_metrics([dict(r) for r in RECORDS], [30.0, 10.0])["loss"] == pytest.approx(1.5), \
+        "without loss weights the loss is token-weighted like any other mean"
+
+
+@pytest.mark.exercise("4.1")
+def test_reduce_metrics_edge_cases(ex):
+    assert ex.reduce_metrics([dict(RECORDS[0])], [30.0], [2.0]) == RECORDS[0], "one rank: its record unchanged"
+    flags = [{"ok": True, "value_loss": 1.0}, {"ok": False, "value_loss": 2.0}]
+    out = ex.reduce_metrics(flags, [1.0, 1.0], [1.0, 1.0])
+    assert out["ok"] is True, "a bool is not a number: rank 0's"
+    assert out["value_loss"] == pytest.approx(1.5), "value_loss is a loss too: (1 / W) sum_r w_r loss_r"
+    empty = ex.reduce_metrics([{"entropy": 1.0}, {"entropy": 3.0}], [0.0, 0.0])
+    assert math.isfinite(empty["entropy"]), "ranks without tokens: no division by zero"
+    same = [{"loss": 2.0, "entropy": 2.0}, {"loss": 2.0, "entropy": 2.0}]
+    a = ex.reduce_metrics([dict(r) for r in same], [3.0, 5.0], [0.75, 1.25])
+    b = ex.reduce_metrics([dict(r) for r in same], [3.0, 5.0], [0.75, 1.25])
+    assert a == b == {"loss": 2.0, "entropy": 2.0}, "every rank that reduces the same lists gets the same record"
 
 
 # ---- 4.2: gathering a sharded state for the engine -----------------------------------------------

@@ -21,8 +21,8 @@ Simplified vs vLLM: one process, one device, no CUDA graphs, no detokenization s
 plain temperature sampling (no top-k/top-p), weights updated in place between batches.
 """
 
-__all__ = ["DTYPES", "CACHES", "AUTO_CACHE_TOKENS", "Request", "Stats", "request_error",
-           "cache_blocks", "check_weights", "forward_step", "EngineCore", "PagedEngine"]
+__all__ = ["CACHES", "AUTO_CACHE_TOKENS", "Request", "Stats", "request_error", "cache_blocks",
+           "check_weights", "forward_step", "EngineCore", "PagedEngine"]
 
 import copy
 import time
@@ -41,9 +41,9 @@ from minirl.rollout.engine.prefix import PrefixCache
 from minirl.rollout.engine.radix import RadixCache
 from minirl.rollout.engine.scheduler import FINISHED, RUNNING, Scheduler, Sequence
 from minirl.rollout.engine.speculative import speculative_step
+from minirl.rollout.hf import DTYPES
 from minirl.rollout.sampling import sample_tokens
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHES = ("prefix", "radix", "none")
 AUTO_CACHE_TOKENS = 65536   # the most a cache sized to the work grows to (pass num_blocks or kv_cache_bytes for more)
 

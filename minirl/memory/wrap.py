@@ -1,5 +1,5 @@
-# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Wrapping a causal LM for data-parallel training: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
+# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
+"""Wrapping a causal LM to save training memory: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
 
 One function per concern, all stock PyTorch and peft:
 - `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
@@ -9,15 +9,15 @@ One function per concern, all stock PyTorch and peft:
   forward; with an optional MixedPrecisionPolicy and CPU offload;
 - `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
   state with ZeroRedundancyOptimizer).
-Notebook 03 measures memory with these wrappers; notebook 04 trains with them.
+Notebook 03 measures memory with these wrappers; notebook 04 trains with them (and explains them).
 
 Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
 FSDP2 without resharding after forward, which still reshards after backward, so between
 steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
 """
 
-__all__ = ["ZERO_LEVELS", "LORA_TARGETS", "decoder_layers", "set_checkpointing", "apply_lora",
-           "Wrapped", "wrap_model", "make_optimizer"]
+__all__ = ["decoder_layers", "set_checkpointing", "apply_lora", "Wrapped", "wrap_model",
+           "make_optimizer"]
 
 import warnings
 from dataclasses import dataclass
@@ -31,10 +31,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.utils.validate import ConfigError, check_choice, check_int
-
-ZERO_LEVELS = (0, 1, 2, 3)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,118 @@
+# Generated from notebooks/01_single_process.py, notebooks/04_fsdp_lora.py, notebooks/05_generation_speed.py
+# by tools/build.py -- edit the notebook, not this file.
+"""The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
+
+`ENGINES` maps an engine's name (config.rollout.rollout_engine, the chapters' --rollout-engine)
+to an `EngineEntry`: `build(config, model, tokenizer, device, **options)` returns that engine
+holding a copy of `model` (version 0) in config.engine_dtype, importing its backend only then;
+`problem(config)` says why this machine or run cannot use it (None: it can), without importing
+anything heavy, so that a chapter refuses the flag before torch or a model loads
+(`check_engine`). Every stage builds its engine with `build_engine`. Notebook 01 registers "hf"
+and "shared_prefix", notebook 04 "vllm", notebook 05 "paged": each engine in the notebook that
+builds it. options: what a stage adds (stage 4's vLLM settings); a factory takes those it uses.
+"""
+
+__all__ = ["runs_anywhere", "EngineEntry", "ENGINES", "register_engine", "check_engine",
+           "build_engine", "build_hf", "build_shared_prefix", "VLLM_DTYPES", "VLLM_INSTALL",
+           "vllm_problem", "build_vllm", "build_paged"]
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+from minirl.config import RLConfig
+from minirl.utils.validate import ConfigError
+
+
+def runs_anywhere(config: RLConfig) -> str | None:
+    """The `problem` of an in-process engine: none (it runs wherever torch runs)."""
+    return None
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One registered engine."""
+
+    build: Callable     # (config, model, tokenizer, device, **options) -> RolloutEngine; imports its backend
+    problem: Callable   # (config) -> why this run cannot use the engine, or None; imports nothing heavy
+
+
+ENGINES: dict[str, EngineEntry] = {}
+
+
+def register_engine(name: str, problem: Callable = runs_anywhere):
+    """Decorator: register the factory below it as engine `name` (replacing one of that name)."""
+    def add(build: Callable) -> Callable:
+        ENGINES[name] = EngineEntry(build, problem)
+        return build
+    return add
+
+
+def check_engine(config: RLConfig) -> None:
+    """ConfigError naming rollout_engine when no engine has that name, or when this run cannot use it."""
+    name = config.rollout.rollout_engine
+    if name not in ENGINES:
+        raise ConfigError("rollout_engine", name, f"use one of {', '.join(map(repr, ENGINES))}")
+    problem = ENGINES[name].problem(config)
+    if problem is not None:
+        raise ConfigError("rollout_engine", name, problem)
+
+
+def build_engine(config: RLConfig, model, tokenizer, device=None, **options):
+    """The engine config.rollout.rollout_engine names, holding a copy of `model` (version 0), on `device`
+    (default config.run.device); ConfigError for an unknown name. options: passed to its factory."""
+    name = config.rollout.rollout_engine
+    if name not in ENGINES:
+        raise ConfigError("rollout_engine", name, f"use one of {', '.join(map(repr, ENGINES))}")
+    return ENGINES[name].build(config, model, tokenizer, config.run.device if device is None else device, **options)
+
+
+@register_engine("hf")
+def build_hf(config: RLConfig, model, tokenizer, device, **options):
+    """HF `generate` on the B * G rows (section 2); options: none used."""
+    from minirl.rollout.hf import HFEngine  # noqa: PLC0415 (the backend loads when built, not when named)
+    return HFEngine(model, tokenizer, config.engine_dtype, device=device)
+
+
+@register_engine("shared_prefix")
+def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
+    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
+    return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
+
+
+VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
+VLLM_INSTALL = "on a CUDA machine run pip install -r requirements-gpu.txt, or use --rollout-engine shared_prefix"
+
+
+def vllm_problem(config: RLConfig) -> str | None:
+    """Why this run cannot roll out with vLLM (not installed, not on CUDA, an FP8 copy), or None; no heavy import."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_INSTALL}"
+    if not config.run.device.startswith("cuda"):
+        return (f"vLLM's engine runs on CUDA GPUs and this run's --device is {config.run.device}; pass --device cuda "
+                "on a GPU machine, or use --rollout-engine shared_prefix")
+    if config.engine_dtype not in VLLM_DTYPES:
+        return (f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a quantization mode) and --rollout-dtype is "
+                f"{config.rollout.rollout_dtype}; pick one of those")
+    return None
+
+
+@register_engine("vllm", problem=vllm_problem)
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
+    max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
+    max_num_batched_tokens (its defaults without them)."""
+    from minirl.rollout.vllm import VLLMEngine, task_model_len  # noqa: PLC0415 (vLLM loads when built)
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
+                      seed=config.run.seed, max_model_len=length, **settings)
+
+
+@register_engine("paged")
+def build_paged(config: RLConfig, model, tokenizer, device, **options):
+    """Notebook 05's paged engine: paged KV cache, continuous batching, prefix caching; options: none used."""
+    from minirl.rollout.engine.engine import PagedEngine  # noqa: PLC0415 (loads when built)
+    return PagedEngine(model, tokenizer, config.engine_dtype, device=device)

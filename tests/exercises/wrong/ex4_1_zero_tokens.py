@@ -1,0 +1,25 @@
+"""Exercise 4.1, wrong: divides by the total token count without guarding 0 (ranks with no tokens give NaN)."""
+
+EXERCISE = "4.1"
+
+
+def reduce_metrics(records, tokens, loss_weights=None):
+    if len(records) == 1:
+        return dict(records[0])
+    total = sum(tokens)
+    out = {}
+    for key, value in records[0].items():
+        values = [r.get(key) for r in records]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = value
+        elif key.endswith("/min"):
+            out[key] = min(values)
+        elif key.endswith(("/max", "skipped")):
+            out[key] = max(values)
+        elif key.endswith("grad_norm"):
+            out[key] = value
+        elif key in ("loss", "value_loss") and loss_weights is not None:
+            out[key] = sum(w * v for w, v in zip(loss_weights, values, strict=True)) / len(records)
+        else:
+            out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total if total else float("nan")
+    return out
