@@ -53,10 +53,10 @@ from minirl.asyncrl.runner import AsyncConfig, train_async
 from minirl.asyncrl.snapshots import evaluate_snapshots
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy, load_default_policy
+from minirl.runtime.argtypes import float_in, int_in
+from minirl.runtime.io import write_summary
+from minirl.runtime.validate import check_choice
 from minirl.tasks.arithmetic import make_task
-from minirl.utils.argtypes import float_in, int_in
-from minirl.utils.io import write_summary
-from minirl.utils.validate import check_choice
 
 
 def parse_args(argv=None):

@@ -99,9 +99,9 @@ from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.engine.measure import decode_step_breakdown, decode_step_work, probe_step
 from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.rollout.hf import HFEngine
+from minirl.runtime.io import write_summary
+from minirl.runtime.seeding import seed_everything
 from minirl.tasks.arithmetic import make_task
-from minirl.utils.io import write_summary
-from minirl.utils.seeding import seed_everything
 
 WORKLOADS = ("grpo", "long", "uniform")
 MIN_PAIRS = 8        # the defaults time at least this many pairs: a ratio is reported with its spread

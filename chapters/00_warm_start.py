@@ -24,13 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-from minirl.utils.argtypes import int_in
-from minirl.utils.cli import (  # light: torch is imported only to check --device, after parsing
+from minirl.runtime.argtypes import int_in
+from minirl.runtime.cli import (  # light: torch is imported only to check --device, after parsing
     ConfigFileParser,
     check_device,
     merged_settings,
 )
-from minirl.utils.io import write_summary
+from minirl.runtime.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 

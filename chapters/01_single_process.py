@@ -39,7 +39,10 @@ import time
 # Only modules that load neither torch nor transformers: the flags are checked first (the heavy
 # imports are inside the functions that need them).
 from minirl.config import RLConfig
-from minirl.train.cli import (
+from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.runtime.io import write_summary
+from minirl.runtime.progress import bars_wanted
+from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
     add_task_flags,
@@ -53,10 +56,7 @@ from minirl.train.cli import (
     task_from_args,
     task_summary,
 )
-from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
-from minirl.utils.io import write_summary
-from minirl.utils.progress import bars_wanted
-from minirl.utils.validate import ConfigError, check_int
+from minirl.runtime.validate import ConfigError, check_int
 
 
 def parse_args(argv=None):
@@ -83,7 +83,10 @@ def parse_args(argv=None):
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
     check_engine_flag(parser, config)                 # vLLM without vLLM or CUDA: refused before torch loads
-    from minirl.train.cli import check_run_flags, resumed_config  # the model's files are checked: after parsing
+    from minirl.runtime.training_cli import (  # the model's files are checked: after parsing
+        check_run_flags,
+        resumed_config,
+    )
 
     check_run_flags(parser, args)          # a missing --model path before torch loads
     check_device(parser, config.run.device)           # imports torch: after every flag parsed
@@ -107,11 +110,11 @@ def main(argv=None) -> int:
 
     from minirl.models.loading import ModelSourceError, load_policy
     from minirl.models.policy import PromptError
+    from minirl.runtime.rundir import RunDirError
+    from minirl.runtime.seeding import seed_everything
     from minirl.train.checkpoint import latest_checkpoint
     from minirl.train.plots import plot_metrics
     from minirl.train.run import RunStopped, train
-    from minirl.utils.rundir import RunDirError
-    from minirl.utils.seeding import seed_everything
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 # Light modules only (no torch, no transformers): the heavy ones are imported after the flags are checked.
 from minirl.config import ROLLOUT_DTYPES
-from minirl.utils.cli import check_args, check_device, common_parser, seed_everything, write_summary
-from minirl.utils.validate import check_float, check_int
+from minirl.runtime.cli import check_args, check_device, common_parser, seed_everything, write_summary
+from minirl.runtime.validate import check_float, check_int
 
 
 def load(args):

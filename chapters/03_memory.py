@@ -44,9 +44,9 @@ from minirl.memory.calculator import (
     zero_communication,
     zero_per_gpu,
 )
-from minirl.utils.argtypes import float_in, int_in, int_list
-from minirl.utils.cli import ConfigFileParser, merged_settings
-from minirl.utils.io import write_summary
+from minirl.runtime.argtypes import float_in, int_in, int_list
+from minirl.runtime.cli import ConfigFileParser, merged_settings
+from minirl.runtime.io import write_summary
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 SHAPE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",

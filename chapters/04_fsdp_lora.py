@@ -50,7 +50,9 @@ import time
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.train.cli import (
+from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
     add_task_flags,
@@ -68,9 +70,7 @@ from minirl.train.cli import (
     task_from_args,
     task_summary,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
-from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
-from minirl.utils.validate import ConfigError, check_int
+from minirl.runtime.validate import ConfigError, check_int
 
 # Light imports only above this line: the flags are parsed (and a usage error reported) before torch loads.
 THRESHOLD = 0.05     # the source's symptom table: weight sync above 5 % of the step is slow
@@ -379,10 +379,10 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     from minirl.parallel.checkpoint import ShardedCheckpoints  # noqa: PLC0415
     from minirl.parallel.launch import agree  # noqa: PLC0415
     from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table  # noqa: PLC0415
+    from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.plots import plot_metrics  # noqa: PLC0415
     from minirl.train.run import run_in_dir  # noqa: PLC0415
-    from minirl.utils.io import write_summary  # noqa: PLC0415
-    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
 
     out, main_rank = args.out, ctx.is_main
     seed_everything(config.run.seed)

@@ -34,8 +34,8 @@ import os
 import sys
 from pathlib import Path
 
-from minirl.utils.cli import check_args, check_device, common_parser
-from minirl.utils.validate import check_int
+from minirl.runtime.cli import check_args, check_device, common_parser
+from minirl.runtime.validate import check_int
 
 LONG_TAIL_CONTEXT = 512   # LongTailConfig().max_length in minirl.rollout.engine.workloads (not imported: torch)
 
@@ -133,9 +133,9 @@ def main(argv=None) -> int:
     )
     from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
     from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
+    from minirl.runtime.io import write_summary
+    from minirl.runtime.seeding import seed_everything
     from minirl.tasks.arithmetic import make_task
-    from minirl.utils.io import write_summary
-    from minirl.utils.seeding import seed_everything
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -41,7 +41,10 @@ import time
 
 from minirl.config import RLConfig
 from minirl.controller.names import PLACEMENTS, SYNCS  # no Ray, no torch: the parser is built before either loads
-from minirl.train.cli import (
+from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.runtime.progress import bars_wanted
+from minirl.runtime.rundir import read_run_record
+from minirl.runtime.training_cli import (
     add_rl_flags,
     add_task_flags,
     check_engine_flag,
@@ -62,10 +65,7 @@ from minirl.train.cli import (
     task_summary,
     write_failure,
 )
-from minirl.utils.cli import check_device, common_parser, config_from_args, flag, merged_settings
-from minirl.utils.progress import bars_wanted
-from minirl.utils.rundir import read_run_record
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 # where the run runs, run.json's "where": --resume restores each flag not typed again; another --placement, --pools
 # or --sync is refused as a changed setting would be (another --address: a cluster restarted elsewhere, say, is not)
@@ -155,10 +155,10 @@ def main(argv=None) -> int:
     from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
+    from minirl.runtime.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
+    from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.run import Callback, RunStopped  # noqa: PLC0415
-    from minirl.utils.io import atomic_write_json, write_summary  # noqa: PLC0415
-    from minirl.utils.rundir import RunDirError  # noqa: PLC0415
-    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
 
     class StageLine(Callback):
         """One line per step: the share of each stage, in the source's Driver order."""

@@ -54,7 +54,10 @@ from pathlib import Path
 
 from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.config import RLConfig
-from minirl.train.cli import (
+from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.runtime.progress import bars_wanted
+from minirl.runtime.rundir import read_run_record
+from minirl.runtime.training_cli import (
     add_rl_flags,
     add_task_flags,
     check_engine_flag,
@@ -74,10 +77,7 @@ from minirl.train.cli import (
     task_summary,
     write_failure,
 )
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
-from minirl.utils.progress import bars_wanted
-from minirl.utils.rundir import read_run_record
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 DEFAULTS = RLConfig().replace(steps=60, learning_rate=1e-4, checkpoint_every=20)
 SKIPPED = ("eval_every",)          # evaluation: on snapshots after the run (--snapshot-every)
@@ -187,10 +187,10 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     from minirl.controller.plots import plot_timelines  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
+    from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
+    from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
-    from minirl.utils.io import write_summary  # noqa: PLC0415
-    from minirl.utils.rundir import RunDirError  # noqa: PLC0415
-    from minirl.utils.seeding import seed_everything  # noqa: PLC0415
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from minirl.utils.argtypes import int_in
-from minirl.utils.cli import check_device, common_parser, seed_everything, write_summary
+from minirl.runtime.argtypes import int_in
+from minirl.runtime.cli import check_device, common_parser, seed_everything, write_summary
 
 BALANCING = {"none": {}, "aux loss": {"aux_loss_coef": 0.2}, "bias": {"bias_update_rate": 0.002}}
 GSPO_RUNS = {"token": dict(importance_sampling_level="token", epsilon=0.2, loss_type="grpo",

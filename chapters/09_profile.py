@@ -31,10 +31,10 @@ import sys
 from pathlib import Path
 
 from minirl.config import RLConfig
-from minirl.utils.cli import add_config_flags, check_device, common_parser, config_from_args, explicit_dests, flag
-from minirl.utils.io import write_summary
-from minirl.utils.rundir import RunDirError, check_run_dir, holds_run
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, explicit_dests, flag
+from minirl.runtime.io import write_summary
+from minirl.runtime.rundir import RunDirError, check_run_dir, holds_run
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 PROFILE_DEFAULTS = RLConfig.from_flat(steps=6, eval_every=0, checkpoint_every=0)   # a short run to profile
 # what the rules read from a summary.json alone (max_over_mean only to say the hottest/coldest ratio is missing)
@@ -138,8 +138,8 @@ def profile_run(args, config) -> tuple[Path, str | None]:
 
     from minirl.models.loading import load_policy
     from minirl.profiling.profiler import TorchProfiler
+    from minirl.runtime.seeding import seed_everything
     from minirl.train.run import train
-    from minirl.utils.seeding import seed_everything
 
     torch.set_num_threads(args.threads)
     seed_everything(config.run.seed)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean, position_ids_from_mask, shared_prefix_logits
 from minirl.config import SCALE_REWARDS
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from torch import Tensor
 from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.asyncrl.queue import FutureVersionError
-from minirl.utils.validate import check_int
+from minirl.runtime.validate import check_int
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:

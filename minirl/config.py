@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_entry
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_choice, check_float, check_int
 
 ALGOS = ("grpo", "ppo")
 SCALE_REWARDS = ("group", "batch", "none")

@@ -31,7 +31,7 @@ __all__ = ["clipped_surrogate", "sequence_mean", "token_mean", "max_length_mean"
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -36,7 +36,7 @@
 # wait; that is what the rest of the course is about.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
@@ -45,7 +45,7 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.utils.notebook import add_to_class  # a long class is built up across cells (the Task interface)
+from minirl.runtime.notebook import add_to_class  # a long class is built up across cells (the Task interface)
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
@@ -1332,7 +1332,7 @@ print("format:", math_format_reward(None, natural))
 
 # %% [markdown]
 # **Rows from a file, and a data set to try.** A data set is rows with a `prompt` column; the
-# other columns reach the rewards by name, as in TRL. `minirl.tasks.data_files.load_rows`
+# other columns reach the rewards by name, as in TRL. `minirl.runtime.data_files.load_rows`
 # reads JSONL, JSON, CSV, Parquet or a `datasets.save_to_disk` directory, and names the
 # problem in one line when it cannot. A prompt may be a conversation (a list of
 # `{"role", "content"}` messages), which goes through the tokenizer's chat template.
@@ -1486,11 +1486,11 @@ def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
 import warnings
 from pathlib import Path
 
+from minirl.runtime.data_files import check_rows, load_rows, render_prompts
+from minirl.runtime.validate import ConfigError, check_choice
 from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
-from minirl.tasks.data_files import check_rows, load_rows, render_prompts
 from minirl.tasks.math_answer import math_reward, reference_answer
 from minirl.tasks.rewards import CORRECTNESS, as_conversational, check_reward_columns, resolve_rewards
-from minirl.utils.validate import ConfigError, check_choice
 
 
 def arithmetic_task(config: TaskConfig | None = None) -> Task:

@@ -43,7 +43,7 @@
 # | 4. synchronize | `sync.push` | the engine holds version v + 1 |
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import codecs
@@ -57,8 +57,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from minirl.models.policy import check_prompts, load_default_policy
+from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
 from minirl.tasks.arithmetic import make_task
-from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -315,7 +315,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_entry
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_choice, check_float, check_int
 
 ALGOS = ("grpo", "ppo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -916,7 +916,7 @@ from minirl.algo.logprobs import selective_log_softmax
 from minirl.config import ROLLOUT_DTYPES, SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, check_tokenizer, draw_seed, make_rollout
-from minirl.utils.validate import check_choice
+from minirl.runtime.validate import check_choice
 
 
 def fp8_round_trip(weight: Tensor) -> Tensor:
@@ -1233,7 +1233,7 @@ the config checks a run's loss type before torch loads. Simplified: no SAPO, LUS
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -1504,7 +1504,7 @@ from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
-from minirl.utils.validate import check_choice
+from minirl.runtime.validate import check_choice
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -2146,8 +2146,8 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.timing import StageTimer
 from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
-from minirl.utils.timing import StageTimer
 
 
 @dataclass
@@ -2442,13 +2442,13 @@ from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
+from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
+from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync
 from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.train.step import Roles, rl_step, sample_prompts
-from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
-from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
-from minirl.utils.validate import ConfigError
 
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 
@@ -2477,7 +2477,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minirl.config import RLConfig
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 
 def runs_anywhere(config: RLConfig) -> str | None:

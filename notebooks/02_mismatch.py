@@ -36,7 +36,7 @@
 # | $\pi_\theta$ | the policy being optimized | the trainer's model after some updates |
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import copy

@@ -27,7 +27,7 @@
 # the assumption that produces the source's number or show the right one.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import codecs
@@ -43,7 +43,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
+from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
@@ -1468,7 +1468,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
-from minirl.utils.validate import ConfigError, check_choice, check_int
+from minirl.runtime.validate import ConfigError, check_choice, check_int
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

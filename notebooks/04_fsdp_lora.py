@@ -33,7 +33,7 @@
 # step or every K-th.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
@@ -46,7 +46,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.utils.notebook import add_to_class
+from minirl.runtime.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -78,7 +78,7 @@ def show(rows, header):
 
 # %%
 from minirl.runtime.launch import torchrun  # noqa: E402
-from minirl.utils.progress import step_bar  # noqa: E402
+from minirl.runtime.progress import step_bar  # noqa: E402
 
 CHAPTER = ROOT / "chapters" / "04_fsdp_lora.py"
 LORA_LR = "0.002"   # LoRA's small matrices need a larger step than full fine-tuning's 3e-4
@@ -167,7 +167,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from minirl.utils.validate import ConfigError, check_choice
+from minirl.runtime.validate import ConfigError, check_choice
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -411,8 +411,8 @@ from dataclasses import dataclass
 from minirl.config import RLConfig
 from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.rollout.registry import check_engine
+from minirl.runtime.validate import ConfigError, check_choice, check_float, check_int
 from minirl.sync.modes import SYNC_MODES
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 MIXED_PRECISION = ("none", "bf16")
 
@@ -2016,7 +2016,7 @@ from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.colocated import prompt_seed
 from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
@@ -2732,9 +2732,9 @@ import torch.distributed as dist
 
 from minirl.parallel.launch import RankFailed, world_from_env
 from minirl.rollout.base import VersionMismatchError
-from minirl.train.cli import write_failure
-from minirl.utils.rundir import RunDirError
-from minirl.utils.validate import ConfigError
+from minirl.runtime.rundir import RunDirError
+from minirl.runtime.training_cli import write_failure
+from minirl.runtime.validate import ConfigError
 
 # %% [markdown]
 # Who died: every rank learns every rank's host and process id at the start, so that a
@@ -2939,7 +2939,7 @@ import subprocess  # noqa: E402
 
 from minirl.parallel.launch import RankFailed  # noqa: E402
 from minirl.parallel.stops import StopSignals, why_stopped  # noqa: E402
-from minirl.train.cli import stop_line  # noqa: E402
+from minirl.runtime.training_cli import stop_line  # noqa: E402
 
 peer = subprocess.Popen([sys.executable, "-c", "pass"])
 peer.wait()                                         # rank 1's process has ended
@@ -3010,10 +3010,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from minirl.parallel.launch import RankFailed, agree
 from minirl.parallel.stops import deferred_signals
+from minirl.runtime.rundir import RunDirError
+from minirl.runtime.validate import ConfigError
 from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
-from minirl.utils.rundir import RunDirError
-from minirl.utils.validate import ConfigError
 
 TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written
 
@@ -3903,7 +3903,7 @@ assert killed.returncode != 0 and identical
 # %%
 from minirl.rollout.base import VersionMismatchError  # noqa: E402
 from minirl.rollout.colocated import EngineNotReady  # noqa: E402
-from minirl.utils.validate import ConfigError  # noqa: E402
+from minirl.runtime.validate import ConfigError  # noqa: E402
 
 engine = ColocatedEngine(SharedPrefixEngine(copy.deepcopy(model), tokenizer), colocate=False)
 state = list(model.state_dict().items())

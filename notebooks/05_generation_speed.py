@@ -39,7 +39,7 @@
 # Anchor for size and readability: nano-vllm (about 1,200 lines), which we read but do not copy.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
@@ -49,7 +49,7 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.utils.notebook import add_to_class  # a method added to a class defined in an earlier cell
+from minirl.runtime.notebook import add_to_class  # a method added to a class defined in an earlier cell
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.set_num_threads(1)                       # small matrices: one thread is steadier on a shared machine

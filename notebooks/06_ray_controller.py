@@ -50,7 +50,7 @@
 # cluster the same code reserves GPUs (section 12 and the README show how).
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
@@ -66,9 +66,9 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.models.policy import load_default_policy
+from minirl.runtime.notebook import add_to_class
 from minirl.tasks.arithmetic import make_task
 from minirl.tasks.task import arithmetic_task
-from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -161,7 +161,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from minirl.utils.validate import ConfigError, check_choice, check_float
+from minirl.runtime.validate import ConfigError, check_choice, check_float
 
 DEVICES = ("cpu", "gpu")
 
@@ -950,9 +950,9 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.seeding import seed_everything
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.utils.seeding import seed_everything
 
 
 class RewardRole:
@@ -1365,7 +1365,7 @@ from dataclasses import dataclass
 
 from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
-from minirl.utils.validate import ConfigError, check_choice
+from minirl.runtime.validate import ConfigError, check_choice
 
 SPLIT_ROLES = ("actor", "critic", "reference", "rollout")   # roles whose pool splits the batch by rank
 
@@ -1724,10 +1724,10 @@ from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.models.policy import check_prompts
+from minirl.runtime.validate import check_choice
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, run_in_dir, stage1_step
 from minirl.train.step import Roles
-from minirl.utils.validate import check_choice
 
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world
 SOURCE_ORDER = ("sync", "generate", "score", "reference", "advantages", "update", "update_critic")  # the source's
@@ -2360,8 +2360,8 @@ print(f"row 8, the four orchestration styles: {'agree' if all_ran and spread < 1
 import shutil  # noqa: E402
 
 from minirl.controller.worker_group import WorkerDiedError  # noqa: E402
+from minirl.runtime.io import read_jsonl  # noqa: E402
 from minirl.tasks.rewards import reward_name  # noqa: E402
-from minirl.utils.io import read_jsonl  # noqa: E402
 
 crash = grpo.replace(checkpoint_every=2)                # section 8's GRPO run, with checkpoints
 out = RUNS / "06_crash"
@@ -2415,7 +2415,7 @@ assert gap < 1e-4, "a resumed run must repeat the uninterrupted one"
 
 # %%
 from minirl.controller.resource_pool import probe  # noqa: E402
-from minirl.utils.validate import ConfigError  # noqa: E402
+from minirl.runtime.validate import ConfigError  # noqa: E402
 
 
 def attempt(label, fn):

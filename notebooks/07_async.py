@@ -48,7 +48,7 @@
 # changes.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
@@ -60,8 +60,8 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
+from minirl.runtime.notebook import add_to_class  # a long class is built up across cells (section 2 on)
 from minirl.tasks.arithmetic import make_task
-from minirl.utils.notebook import add_to_class  # a long class is built up across cells (section 2 on)
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -233,7 +233,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from minirl.data import Rollout
-from minirl.utils.validate import ConfigError, check_int
+from minirl.runtime.validate import ConfigError, check_int
 
 
 class FutureVersionError(RuntimeError):
@@ -633,7 +633,7 @@ calculator tool of `asyncrl/env.py`, imported when the factory is made.
 from dataclasses import dataclass
 from functools import partial
 
-from minirl.utils.validate import check_choice, check_float, check_int
+from minirl.runtime.validate import check_choice, check_float, check_int
 
 CORRECTIONS = ("none", "areal", "tis")
 AREAL_WEIGHTS = ("clip", "cap")
@@ -699,8 +699,8 @@ import dataclasses
 
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
+from minirl.runtime.validate import ConfigError, check_choice
 from minirl.train.step import importance_weights
-from minirl.utils.validate import ConfigError, check_choice
 
 
 def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, cap: float = 1.2) -> Tensor:
@@ -849,9 +849,9 @@ from dataclasses import dataclass
 
 import torch
 
+from minirl.runtime.validate import check_float, check_int
 from minirl.tasks.arithmetic import OPERATORS, parse_answer
 from minirl.tasks.rewards import combine_rewards, reward_name
-from minirl.utils.validate import check_float, check_int
 
 
 class EnvError(RuntimeError):
@@ -1698,12 +1698,12 @@ from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
 from minirl.rollout.registry import build_engine
+from minirl.runtime.rundir import RUN_FILE, read_run_record
+from minirl.runtime.timing import StageTimer
+from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync
 from minirl.train.run import Callback, RunState, build_roles, run_in_dir
 from minirl.train.step import learn, sync_and_record
-from minirl.utils.rundir import RUN_FILE, read_run_record
-from minirl.utils.timing import StageTimer
-from minirl.utils.validate import ConfigError
 
 # %% [markdown]
 # The checks across the two configs, before anything is built, and the refusal to resume with
@@ -2472,7 +2472,7 @@ import dataclasses
 
 from minirl.asyncrl.queue import ExperienceQueue
 from minirl.asyncrl.runner import check_async
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 for attempt in (lambda: AsyncConfig(max_staleness=-1), lambda: AsyncConfig(correction="vtrace"),
                 lambda: ExperienceQueue(capacity=8, batch_size=16, max_staleness=1),

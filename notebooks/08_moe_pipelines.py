@@ -39,7 +39,7 @@
 # config classes without weights.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import copy
@@ -52,7 +52,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.utils.notebook import add_to_class  # a later cell's method, into its class
+from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)

@@ -36,7 +36,7 @@
 # the model's `config.json`) or watch a run through a callback.
 
 # %%
-# %load_ext minirl.utils.notebook
+# %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import json
@@ -50,8 +50,8 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
+from minirl.runtime.notebook import add_to_class
 from minirl.train.run import train
-from minirl.utils.notebook import add_to_class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
@@ -604,8 +604,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minirl.runtime.io import atomic_write_json, atomic_write_text
 from minirl.train.run import Callback
-from minirl.utils.io import atomic_write_json, atomic_write_text
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 STEP_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
@@ -1427,7 +1427,7 @@ from minirl.profiling.mfu import (
     peak_flops,
     run_mfu,
 )
-from minirl.utils.rundir import RUN_FILE
+from minirl.runtime.rundir import RUN_FILE
 
 
 @dataclass(frozen=True)
@@ -1914,7 +1914,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from minirl.runtime.launch import torchrun  # noqa: E402
-from minirl.utils.progress import step_bar  # noqa: E402
+from minirl.runtime.progress import step_bar  # noqa: E402
 
 # %% [markdown]
 # The two runs, each read by `diagnose`: its reports, their shares as bars, and the checks

@@ -20,8 +20,8 @@ from minirl.asyncrl.timeline import sync_step_idle
 from minirl.config import AlgorithmConfig, RLConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.validate import ConfigError
 from minirl.tasks.arithmetic import make_task
-from minirl.utils.validate import ConfigError
 
 TASK = make_task()
 ROWS = TASK.rows("train")

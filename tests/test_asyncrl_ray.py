@@ -10,8 +10,8 @@ ray = pytest.importorskip("ray")
 
 from minirl.asyncrl.runner import AsyncConfig, train_async  # noqa: E402
 from minirl.config import RLConfig  # noqa: E402
+from minirl.runtime.validate import ConfigError  # noqa: E402
 from minirl.tasks.arithmetic import make_task  # noqa: E402
-from minirl.utils.validate import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.ray
 ROWS = make_task().rows("train")

@@ -861,7 +861,7 @@ def test_repo_notebooks_paired():
 
 METHODS = '''
     # %%
-    from minirl.utils.notebook import add_to_class
+    from minirl.runtime.notebook import add_to_class
 
     # %%
     # | export minirl/shapes.py
@@ -944,7 +944,7 @@ def test_add_to_class_moves_a_message_wrapped_over_lines(tmp_path):
     ("@add_to_class(Square)\ndef area(self):\n    return (f'''{self}\nb''')\n", "multi-line string"),
     ("@add_to_class(Square)\ndef area(self):\n    return f'a{1}\\\nb'\n", "multi-line string"),
     ("@add_to_class(Square)\ndef area(self):\n    return " + "1 + " * 27 + "1\n", "once indented"),
-    ("from minirl.utils.notebook import add_to_class\n", "without the export marker"),
+    ("from minirl.runtime.notebook import add_to_class\n", "without the export marker"),
     ("@add_to_class(Square)\ndef area(self):\n    # BEGIN SOLUTION\n    return 0\n    # END SOLUTION\n",
      "exercise"),
 ])

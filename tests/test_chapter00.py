@@ -88,7 +88,7 @@ def test_a_truncated_cached_model_names_the_file_and_the_fix(tmp_path):
 
 def test_no_gpu_driver_is_known_without_torch(monkeypatch):
     """device_problem answers "cuda" at once where no GPU driver shows, and asks torch where one does."""
-    import minirl.utils.validate as validate
+    import minirl.runtime.validate as validate
 
     monkeypatch.setattr(validate, "gpu_driver_visible", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("imported torch to answer"))

@@ -13,7 +13,7 @@ import torch
 from refusals import default_sigint, last_line, load_factor, run_script, wait_for
 from safetensors.torch import load_file
 
-from minirl.utils.rundir import open_run_dir
+from minirl.runtime.rundir import open_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "01_single_process.py"

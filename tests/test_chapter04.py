@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig
+from minirl.runtime.io import atomic_write_json
 from minirl.runtime.launch import torchrun
-from minirl.utils.io import atomic_write_json
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "04_fsdp_lora.py"
@@ -315,8 +315,8 @@ def test_resume_refuses_changed_settings(tmp_path, monkeypatch):
 def test_resume_refuses_a_changed_data_set_unless_allowed(tmp_path, monkeypatch, capsys):
     """run.json's content hash of --dataset: an edited file is refused in one line naming it, before any model
     loads; --allow-changed-data goes on and says what changed (run.json records it once the run resumes)."""
+    from minirl.runtime.training_cli import content_hash
     from minirl.tasks.word_problems import write
-    from minirl.train.cli import content_hash
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     write(tmp_path / "words", n_train=8, n_test=2)

@@ -81,8 +81,8 @@ def test_the_chapters_names_are_the_packages():
     """The chapter takes its choices from minirl.controller.names (no Ray, no torch), the names the package uses."""
     from minirl.controller import driver, placement
     from minirl.controller.names import LAYOUTS, PLACEMENTS, SYNCS
+    from minirl.runtime.training_cli import BUILT_IN_REWARDS, REWARD_SPEC_HELP
     from minirl.tasks.rewards import REWARDS, SPEC_HELP
-    from minirl.train.cli import BUILT_IN_REWARDS, REWARD_SPEC_HELP
     assert chapter.PLACEMENTS is PLACEMENTS is placement.PLACEMENTS and chapter.SYNCS is SYNCS is driver.SYNCS
     assert PLACEMENTS == tuple(LAYOUTS) == ("colocated", "disaggregated", "per-role")
     assert BUILT_IN_REWARDS == tuple(REWARDS) and REWARD_SPEC_HELP == SPEC_HELP

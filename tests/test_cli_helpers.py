@@ -7,9 +7,9 @@ import pytest
 import torch
 from refusals import ROOT, last_line, run_script
 
-from minirl.train.cli import stop_line
-from minirl.utils.cli import check_device
-from minirl.utils.validate import device_problem
+from minirl.runtime.cli import check_device
+from minirl.runtime.training_cli import stop_line
+from minirl.runtime.validate import device_problem
 
 
 def test_device_problem_names_what_is_missing():

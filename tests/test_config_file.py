@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from minirl.config import RLConfig
-from minirl.utils.cli import (
+from minirl.runtime.cli import (
     ConfigFileParser,
     add_config_flags,
     common_parser,

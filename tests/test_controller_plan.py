@@ -16,8 +16,8 @@ from minirl.memory.measure import storage_bytes
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.validate import ConfigError
 from minirl.sync.broadcast import TensorMeta, plan_buckets, tensor_metadata
-from minirl.utils.validate import ConfigError
 
 TWO_NODES = [{"CPU": 2.0, "GPU": 0.0}, {"CPU": 2.0, "GPU": 0.0}]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minirl.config import RLConfig, auto_dtype
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 
 def test_auto_resolves_by_device_and_names_pass_through():

@@ -10,11 +10,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "minirl"
 # DESIGN.md's layers, top (imported by everything) to bottom (may import anything above it), as one order.
-# runtime: hand-written plumbing the lessons call (the torchrun launcher, math-verify for tasks/math_answer);
+# runtime: hand-written plumbing the lessons call but do not teach (the torchrun launcher, run directories, the
+# chapters' flags, math-verify for tasks/math_answer); its modules serve every level, so each is exempt from the
+# package order below, and test_no_import_cycles keeps them from closing a loop;
 # loss_types: the loss registry, below the config that checks a run's loss type against it; memory before
 # parallel, as in the book: notebook 03 builds the wrappers (minirl.memory.wrap) it measures and notebook 04
 # trains with; the grader's child process, then the grader.
-LAYERS = ["utils", "runtime", "loss_types", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles",
+LAYERS = ["runtime", "loss_types", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles",
           "train", "diagnostics", "memory", "parallel", "controller", "asyncrl", "profiling", "grade_child", "grade"]
 LEVEL = {name: i for i, name in enumerate(LAYERS)}
 
@@ -45,8 +47,8 @@ MODULES = sorted(p for p in ROOT.rglob("*.py"))
 def test_imports_go_up_the_layers(path):
     rel = path.relative_to(ROOT)
     own = rel.parts[0].removesuffix(".py")
-    if own not in LEVEL:
-        return                                     # minirl/__init__.py
+    if own not in LEVEL or own == "runtime":
+        return                                     # minirl/__init__.py; runtime: plumbing at every level
     for module, line, _ in minirl_imports(path):
         other = top_package(module)
         if other is None or other == own:
@@ -59,7 +61,7 @@ def test_imports_go_up_the_layers(path):
 def test_pure_algorithm_code_imports_no_orchestration():
     for path in (ROOT / "algo").glob("*.py"):
         for module, line, _ in minirl_imports(path):
-            assert top_package(module) in ("algo", "config", "data", "loss_types", "utils"), \
+            assert top_package(module) in ("algo", "config", "data", "loss_types", "runtime"), \
                 f"{path.name}:{line} imports {module}"
 
 
@@ -182,3 +184,24 @@ def test_the_name_check_can_fail(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys.modules[__name__], "ROOT", tmp_path)
         assert defined_twice(paths) == {"COLORS": ["a.py", "b.py"]}
+
+
+def test_no_import_cycles():
+    """No loop among the modules' top-level imports (runtime's modules included: they serve every layer)."""
+    graph = {}
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        graph[module_name(path)] = {m for node in tree.body for m in imported_modules(node) if m != module_name(path)}
+    state = {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", "import cycle: " + " -> ".join(trail[trail.index(name):] + [name])
+        state[name] = "open"
+        for other in sorted(graph.get(name, ())):
+            visit(other, trail + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])

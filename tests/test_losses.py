@@ -17,7 +17,7 @@ from minirl.loss_types import (
     register_loss_type,
     token_mean,
 )
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 
 def test_clipped_surrogate_values_and_gradients():

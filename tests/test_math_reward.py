@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from minirl.runtime import latex_math
+from minirl.runtime.validate import ConfigError
 from minirl.tasks.math_answer import final_answer, math_reward
 from minirl.tasks.rewards import resolve_reward
 from minirl.tasks.task import load_task
 from minirl.train.step import score
-from minirl.utils.validate import ConfigError
 
 GSM8K = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
 NO_LATEX = "math-verify reads LaTeX only (TRL's setting for completions); `####` is GSM8K's marker, read as a number"

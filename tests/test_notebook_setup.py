@@ -9,7 +9,7 @@ import nbclient
 import nbformat
 import pytest
 
-from minirl.utils.notebook import apply_cell, export_target
+from minirl.runtime.notebook import apply_cell, export_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_an_edited_exported_cell_changes_what_package_code_computes(monkeypatch)
                           "    return advantages.reshape(-1) * 0 + 42.0                              # edited")
     assert edited != cell, "the cell's return line moved: update this test"
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.notebook"),
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.runtime.notebook"),
                 nbformat.v4.new_code_cell("import torch\nimport minirl.train.step as step\n"
                                           "before = step.group_advantages(torch.tensor([1., 0.]), 2).tolist()"),
                 nbformat.v4.new_code_cell(edited),
@@ -125,7 +125,7 @@ def test_zero_argument_super_still_works_after_an_edit(monkeypatch):
 @pytest.mark.notebook
 def test_figures_show_inline_even_with_mplbackend_agg(monkeypatch):
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.utils.notebook"),
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.runtime.notebook"),
                 nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()")]
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -190,7 +190,7 @@ def test_a_method_added_in_a_later_cell_goes_into_the_package_class(monkeypatch)
     import sys
     import types
 
-    from minirl.utils.notebook import MethodAdded, add_to_class
+    from minirl.runtime.notebook import MethodAdded, add_to_class
 
     scratch = types.ModuleType("minirl_live_methods")
     monkeypatch.setitem(sys.modules, "minirl_live_methods", scratch)

@@ -103,7 +103,7 @@ def test_micro_batches_zero_is_the_padded_path_and_negative_is_refused():
     assert micro_batches(LENGTHS, 10_000) == [list(range(len(LENGTHS)))], "a batch within the budget: one"
     with pytest.raises(ValueError, match="max_tokens=-1 must be >= 0"):
         micro_batches(LENGTHS, -1)
-    from minirl.utils.validate import ConfigError
+    from minirl.runtime.validate import ConfigError
     with pytest.raises(ConfigError, match="max_tokens_per_microbatch"):
         OptimizerConfig(max_tokens_per_microbatch=-4)
 

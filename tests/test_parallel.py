@@ -32,6 +32,7 @@ from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.validate import ConfigError
 from minirl.sync.sharded import (
     LiveBytes,
     ShardedSync,
@@ -44,7 +45,6 @@ from minirl.sync.sharded import (
     shard_numels,
     split_by_layer,
 )
-from minirl.utils.validate import ConfigError
 
 SAMPLING = SamplingConfig(num_generations=2, max_completion_length=3)
 PROMPTS = ["1+2=", "3+4="]

@@ -138,7 +138,7 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     import socket
 
     from minirl.parallel.launch import RankFailed
-    from minirl.utils.validate import ConfigError
+    from minirl.runtime.validate import ConfigError
 
     def new_job():
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{time.monotonic_ns()}")

@@ -8,8 +8,9 @@ from fractions import Fraction
 import pytest
 import torch
 
+from minirl.runtime.data_files import load_rows, render_prompts
+from minirl.runtime.validate import ConfigError
 from minirl.tasks.arithmetic import accuracy_reward, arithmetic_reward, format_reward, make_task
-from minirl.tasks.data_files import load_rows, render_prompts
 from minirl.tasks.math_answer import final_answer, math_format_reward, math_reward, parse_number, reference_answer
 from minirl.tasks.rewards import (
     REWARDS,
@@ -21,7 +22,6 @@ from minirl.tasks.rewards import (
 )
 from minirl.tasks.task import Task, arithmetic_task, load_task
 from minirl.tasks.word_problems import generate
-from minirl.utils.validate import ConfigError
 
 GSM8K = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
 

@@ -1,4 +1,4 @@
-"""minirl.utils.timing: stage timers that wait for the GPU's queued work, and do nothing extra on a CPU."""
+"""minirl.runtime.timing: stage timers that wait for the GPU's queued work, and do nothing extra on a CPU."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.utils.timing import StageTimer, cuda_in_use
+from minirl.runtime.timing import StageTimer, cuda_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,8 @@ def test_an_error_inside_a_stage_is_not_hidden_by_the_wait(fake_cuda):
 
 
 def test_the_timer_does_not_import_torch():
-    code = "import sys, minirl.utils.timing as t; s = t.StageTimer()\nwith s('x'): pass\nprint('torch' in sys.modules)"
+    code = ("import sys, minirl.runtime.timing as t; s = t.StageTimer()\nwith s('x'): pass\n"
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -135,7 +135,7 @@ def test_options_reach_vllm_and_the_model_copy_is_removed(fake_vllm, tiny, tmp_p
 
 def test_a_failed_build_removes_the_copy_and_bad_options_fail_first(fake_vllm, tiny, tmp_path, monkeypatch):
     from minirl.rollout.vllm import VLLMEngine
-    from minirl.utils.validate import ConfigError
+    from minirl.runtime.validate import ConfigError
 
     model, tokenizer = tiny
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

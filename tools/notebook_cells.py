@@ -4,7 +4,7 @@
 (`Cell`: its lines, tree, imports, definitions, solution spans); `render_module` turns the
 cells of one module into its text: the first cell's docstring, the hoisted imports (grouped
 here, ordered by ruff afterwards), `__all__`, and the bodies with runs of blank lines
-collapsed. A def under `@add_to_class(C)` (d2l's style, minirl/utils/notebook.py) is moved
+collapsed. A def under `@add_to_class(C)` (d2l's style, minirl/runtime/notebook.py) is moved
 into the body of class C, defined in an earlier cell of the module (`with_methods`), so a
 long class can be built up across cells and still read as one piece in the package.
 Hand-written: what the build does is described in tools/build.py.

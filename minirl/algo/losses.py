@@ -18,7 +18,7 @@ from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
-from minirl.utils.validate import check_choice
+from minirl.runtime.validate import check_choice
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ __all__ = ["CORRECTIONS", "AREAL_WEIGHTS", "ASYNC_SAFE_ON_RESUME", "AsyncConfig"
 from dataclasses import dataclass
 from functools import partial
 
-from minirl.utils.validate import check_choice, check_float, check_int
+from minirl.runtime.validate import check_choice, check_float, check_int
 
 CORRECTIONS = ("none", "areal", "tis")
 AREAL_WEIGHTS = ("clip", "cap")

@@ -33,8 +33,8 @@ from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
+from minirl.runtime.validate import ConfigError, check_choice
 from minirl.train.step import importance_weights
-from minirl.utils.validate import ConfigError, check_choice
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from minirl.runtime.validate import check_float, check_int
 from minirl.tasks.arithmetic import OPERATORS, parse_answer
 from minirl.tasks.rewards import combine_rewards, reward_name
-from minirl.utils.validate import check_float, check_int
 
 
 class EnvError(RuntimeError):

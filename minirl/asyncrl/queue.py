@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from minirl.data import Rollout
-from minirl.utils.validate import ConfigError, check_int
+from minirl.runtime.validate import ConfigError, check_int
 
 
 class FutureVersionError(RuntimeError):

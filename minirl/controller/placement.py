@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
-from minirl.utils.validate import ConfigError, check_choice
+from minirl.runtime.validate import ConfigError, check_choice
 
 SPLIT_ROLES = ("actor", "critic", "reference", "rollout")   # roles whose pool splits the batch by rank
 

@@ -32,7 +32,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from minirl.utils.validate import ConfigError, check_choice, check_float
+from minirl.runtime.validate import ConfigError, check_choice, check_float
 
 DEVICES = ("cpu", "gpu")
 

@@ -36,9 +36,9 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.seeding import seed_everything
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
-from minirl.utils.seeding import seed_everything
 
 
 class RewardRole:

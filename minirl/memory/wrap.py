@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
-from minirl.utils.validate import ConfigError, check_choice, check_int
+from minirl.runtime.validate import ConfigError, check_choice, check_int
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

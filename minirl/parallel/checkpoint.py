@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from minirl.parallel.launch import RankFailed, agree
 from minirl.parallel.stops import deferred_signals
+from minirl.runtime.rundir import RunDirError
+from minirl.runtime.validate import ConfigError
 from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
-from minirl.utils.rundir import RunDirError
-from minirl.utils.validate import ConfigError
 
 TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written
 

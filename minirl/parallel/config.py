@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from minirl.config import RLConfig
 from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.rollout.registry import check_engine
+from minirl.runtime.validate import ConfigError, check_choice, check_float, check_int
 from minirl.sync.modes import SYNC_MODES
-from minirl.utils.validate import ConfigError, check_choice, check_float, check_int
 
 MIXED_PRECISION = ("none", "bf16")
 

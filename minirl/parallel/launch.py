@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from minirl.utils.validate import ConfigError, check_choice
+from minirl.runtime.validate import ConfigError, check_choice
 
 BACKENDS = ("auto", "gloo", "nccl")
 

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from minirl.parallel.launch import RankFailed, world_from_env
 from minirl.rollout.base import VersionMismatchError
-from minirl.train.cli import write_failure
-from minirl.utils.rundir import RunDirError
-from minirl.utils.validate import ConfigError
+from minirl.runtime.rundir import RunDirError
+from minirl.runtime.training_cli import write_failure
+from minirl.runtime.validate import ConfigError
 
 
 def rank_processes() -> list[tuple[str, int]]:

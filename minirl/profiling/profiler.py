@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minirl.runtime.io import atomic_write_json, atomic_write_text
 from minirl.train.run import Callback
-from minirl.utils.io import atomic_write_json, atomic_write_text
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 STEP_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees

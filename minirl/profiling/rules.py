@@ -35,7 +35,7 @@ from minirl.profiling.mfu import (
     peak_flops,
     run_mfu,
 )
-from minirl.utils.rundir import RUN_FILE
+from minirl.runtime.rundir import RUN_FILE
 
 
 @dataclass(frozen=True)

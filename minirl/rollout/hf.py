@@ -26,7 +26,7 @@ from minirl.algo.logprobs import selective_log_softmax
 from minirl.config import ROLLOUT_DTYPES, SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, check_tokenizer, draw_seed, make_rollout
-from minirl.utils.validate import check_choice
+from minirl.runtime.validate import check_choice
 
 
 def fp8_round_trip(weight: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minirl.config import RLConfig
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 
 def runs_anywhere(config: RLConfig) -> str | None:

@@ -59,7 +59,7 @@ from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed, make_rollout
 from minirl.rollout.colocated import prompt_seed
 from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"

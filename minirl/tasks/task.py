@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from minirl.runtime.data_files import check_rows, load_rows, render_prompts
+from minirl.runtime.validate import ConfigError, check_choice
 from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
-from minirl.tasks.data_files import check_rows, load_rows, render_prompts
 from minirl.tasks.math_answer import math_reward, reference_answer
 from minirl.tasks.rewards import (
     CORRECTNESS,
@@ -29,7 +30,6 @@ from minirl.tasks.rewards import (
     resolve_rewards,
     reward_name,
 )
-from minirl.utils.validate import ConfigError, check_choice
 
 
 @torch.no_grad()

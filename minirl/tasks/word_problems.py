@@ -9,7 +9,7 @@ read them: `prompt` (the question, with an instruction to end on `#### <number>`
      "answer": "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\\nAva has 12 + 12 = <<12+12=24>>24 pencils now.\\n#### 24"}
 
 With `chat=True` the prompt is a conversation instead (a system turn with the instruction,
-a user turn with the question), which `minirl.tasks.data_files.render_prompts` passes
+a user turn with the question), which `minirl.runtime.data_files.render_prompts` passes
 through the tokenizer's chat template: the form an Instruct model is trained on.
 
     python -m minirl.tasks.word_problems --out data/word_problems --n-train 2000 --n-test 200
@@ -32,7 +32,7 @@ import random
 import sys
 from pathlib import Path
 
-from minirl.utils.io import atomic_write_text
+from minirl.runtime.io import atomic_write_text
 
 FORMAT_VERSION = 1   # bump when a change to this file changes what it writes for a seed
 INSTRUCTION = "Solve the problem step by step, then give the final answer on its own line as: #### <number>"

@@ -32,13 +32,13 @@ from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
+from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
+from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync
 from minirl.tasks.task import Task, arithmetic_task
 from minirl.train.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
 from minirl.train.step import Roles, rl_step, sample_prompts
-from minirl.utils.io import append_jsonl, atomic_write_json, write_jsonl
-from minirl.utils.rundir import RUN_FILE, RunDirError, open_run_dir
-from minirl.utils.validate import ConfigError
 
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
 

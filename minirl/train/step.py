@@ -36,8 +36,8 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.timing import StageTimer
 from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
-from minirl.utils.timing import StageTimer
 
 
 @dataclass

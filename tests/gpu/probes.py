@@ -42,7 +42,7 @@ def timer(args) -> dict:
     """The stage timer's seconds against CUDA events around the same queued matmuls (a CPU has nothing queued)."""
     import torch
 
-    from minirl.utils.timing import StageTimer
+    from minirl.runtime.timing import StageTimer
 
     device = torch.device(args.device)
     n, repeats = (4096, 20) if device.type == "cuda" else (256, 20)

@@ -1,6 +1,6 @@
 """Exercise 7.2, wrong: uses |trainer - version|, so a future version within eta passes silently."""
 
-from minirl.utils.validate import check_int
+from minirl.runtime.validate import check_int
 
 EXERCISE = "7.2"
 

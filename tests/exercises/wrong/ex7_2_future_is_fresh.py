@@ -1,6 +1,6 @@
 """Exercise 7.2, wrong: a version newer than the trainer's is admitted (its negative staleness is "fresh")."""
 
-from minirl.utils.validate import check_int
+from minirl.runtime.validate import check_int
 
 EXERCISE = "7.2"
 

@@ -1,7 +1,7 @@
 """Exercise 7.2, wrong: admits only trajectories strictly fewer than eta versions behind."""
 
 from minirl.asyncrl.queue import FutureVersionError
-from minirl.utils.validate import check_int
+from minirl.runtime.validate import check_int
 
 EXERCISE = "7.2"
 

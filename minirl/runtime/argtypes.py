@@ -6,7 +6,7 @@ range, with exit status 2:
 
     03_memory.py: error: argument --gpus: 0: must be >= 1
 
-The ranges are checked by `minirl.utils.validate`, so a flag and the config field it feeds
+The ranges are checked by `minirl.runtime.validate`, so a flag and the config field it feeds
 fail with the same words.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from minirl.utils.validate import ConfigError, check_float, check_int
+from minirl.runtime.validate import ConfigError, check_float, check_int
 
 
 def _typed(kind, check, **bounds):

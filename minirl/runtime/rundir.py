@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from minirl.utils.io import atomic_write_json
+from minirl.runtime.io import atomic_write_json
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"

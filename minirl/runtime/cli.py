@@ -30,15 +30,15 @@ import types
 import typing
 from pathlib import Path
 
-from minirl.utils.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
-from minirl.utils.validate import ConfigError
+from minirl.runtime.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
+from minirl.runtime.validate import ConfigError
 
 
 def __getattr__(name: str):
     """`seed_everything`, re-exported for the chapter scripts, imported (with torch) only when asked for: a
     script can build its parser from this module and refuse a bad command line before torch loads."""
     if name == "seed_everything":
-        from minirl.utils.seeding import seed_everything
+        from minirl.runtime.seeding import seed_everything
         return seed_everything
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -311,7 +311,7 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str] | None = Non
 
 def check_device(parser: argparse.ArgumentParser, device: str, dest: str = "device") -> None:
     """A parser error (one line, exit status 2) when `device` cannot run on this machine; see `device_problem`."""
-    from minirl.utils.validate import device_problem
+    from minirl.runtime.validate import device_problem
 
     problem = device_problem(device)
     if problem is not None:

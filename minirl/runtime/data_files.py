@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minirl.utils.validate import ConfigError
+from minirl.runtime.validate import ConfigError
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}   # suffix -> datasets builder
 NAMES = {".jsonl": "JSON lines", ".json": "JSON", ".csv": "CSV", ".parquet": "Parquet"}

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from minirl.config import RLConfig
 from minirl.rollout.registry import ENGINES, check_engine
-from minirl.utils.cli import add_config_flags, explicit_dests, flag
-from minirl.utils.rundir import RunDirError, check_run_dir, read_run_record
-from minirl.utils.validate import ConfigError
+from minirl.runtime.cli import add_config_flags, explicit_dests, flag
+from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.runtime.validate import ConfigError
 
 TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what run.json records as "task"
 BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)

@@ -6,7 +6,7 @@ RNG) uses `seeded(seed)`, which forks the global RNG, seeds the fork, and restor
 caller's state on exit.
 
 torch is imported inside the functions, not at the top: the chapter scripts import this module
-(through minirl.utils.cli) to parse their flags, and a typo must be reported before torch loads.
+(through minirl.runtime.cli) to parse their flags, and a typo must be reported before torch loads.
 """
 
 from __future__ import annotations

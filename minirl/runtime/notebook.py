@@ -1,7 +1,7 @@
 """The notebooks' kernel setup: figures shown inline, and an exported cell, once run, is the code the package runs.
 
 Hand-written (notebook plumbing, it teaches nothing). Every notebook loads it in its first
-code cell (`%load_ext minirl.utils.notebook`), which does two things.
+code cell (`%load_ext minirl.runtime.notebook`), which does two things.
 
 Figures: matplotlib's inline backend, whatever `MPLBACKEND` says (with `MPLBACKEND=Agg` in
 the environment, a notebook would otherwise draw nothing).
@@ -192,7 +192,7 @@ def _post_run_cell(result) -> None:
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext minirl.utils.notebook`: figures inline; every exported cell applied to the package after it runs."""
+    """`%load_ext minirl.runtime.notebook`: figures inline; every exported cell applied to the package after it runs."""
     global _shell
     ipython.run_line_magic("matplotlib", "inline")
     if _shell is not None:

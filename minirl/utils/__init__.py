@@ -1,1 +1,0 @@
-"""minirl.utils: I/O, validation, seeding and command-line plumbing (hand-written; they teach nothing)."""
