@@ -51,6 +51,28 @@ def test_an_edited_exported_cell_changes_what_package_code_computes(monkeypatch)
     assert "[minirl] exported cell: minirl.algo.advantages now runs this cell's code" in printed, printed
 
 
+@pytest.mark.notebook
+def test_an_edited_exported_cell_reaches_the_processes_the_notebook_starts(monkeypatch):
+    """The same edit, then a script started from the kernel (as notebook 01 starts its chapter): the script's
+    minirl.train.step computes the edited group_advantages too, whether the module was imported at start-up or
+    later; without the kernel's edit the script computes the code on disk."""
+    cell = exported_cell("01_single_process.py", "group_advantages")
+    edited = cell.replace("    return advantages.reshape(-1)                                         # [N]",
+                          "    return advantages.reshape(-1) * 0 + 42.0                              # edited")
+    script = (
+        "import subprocess, sys\n"
+        "code = 'import torch, minirl.train.step as s; print(s.group_advantages(torch.tensor([1., 0.]), 2).tolist())'\n"
+        "print('child', subprocess.run([sys.executable, '-c', code], capture_output=True, text=True).stdout)")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext minirl.runtime.notebook"), nbformat.v4.new_code_cell(script),
+                nbformat.v4.new_code_cell(edited), nbformat.v4.new_code_cell(script)]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    before, after = ("".join(o.get("text", "") for o in nb.cells[i].get("outputs", [])) for i in (1, 3))
+    assert "child [0.7" in before, before
+    assert "child [42.0, 42.0]" in after, after
+
 def test_apply_cell_patches_earlier_references_in_place():
     import torch
 

@@ -15,6 +15,12 @@ methods). References other modules took earlier (`from minirl.algo.advantages im
 group_advantages` in `minirl.train.step`) therefore run the edited code too, for the rest of
 the kernel's life.
 
+Edits reach the processes a notebook starts, too. The extension keeps the exported cells this
+kernel ran in a file, and puts a folder on `PYTHONPATH` whose `sitecustomize.py` replays them:
+in a chapter script, a torchrun rank or a Ray worker started from the notebook, each module of
+the package takes the kernel's cells for it when it is first imported. A process started
+before a cell ran (a Ray worker that was already up) keeps what it had.
+
 A long class is built up across cells in d2l's style: `@add_to_class(Actor)` over a def in a
 later export cell makes it a method of `Actor` here, and the build moves it into the class's
 body in the generated module (tools/notebook_cells.py), so the package reads as one piece.
@@ -27,14 +33,36 @@ the module until the kernel restarts; instances created before the edit keep the
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import json
+import os
 import re
 import sys
+import tempfile
 import types
+from pathlib import Path
 
 EXPORT = re.compile(r"^#\s*\|\s*export\s+(minirl/\S+)\.py\s*$")
 
 _shell = None
 _told = False
+_cells: list[tuple[str, str]] = []      # (module, source) of every exported cell this kernel applied, in order
+_overlay: Path | None = None            # the folder on PYTHONPATH whose sitecustomize.py replays them
+
+SITECUSTOMIZE = '''"""Written by minirl.runtime.notebook: this process runs the exported cells its kernel ran."""
+import json as _json
+import os as _os
+
+try:
+    with open(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "cells.json")) as _f:
+        _cells = _json.load(_f)
+    if _cells:
+        from minirl.runtime.notebook import replay_on_import
+        replay_on_import(_cells)
+except Exception as _err:  # never stop the process: say that it runs the package on disk
+    print(f"[minirl] could not replay the notebook's cells ({type(_err).__name__}: {_err}); "
+          "this process runs the package as it is on disk", flush=True)
+'''
 
 
 def export_target(source: str) -> str | None:
@@ -169,6 +197,63 @@ def apply_cell(source: str, module_name: str) -> list[str]:
     return changed
 
 
+class _Replay(importlib.abc.MetaPathFinder):
+    """Finds a module as the other finders do, then runs the kernel's cells for it right after its own code."""
+
+    def __init__(self, cells: dict[str, list[str]]):
+        self.cells = cells
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.cells:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+                sources = self.cells.pop(name)
+
+                def exec_module(module, run=run, sources=sources):
+                    run(module)
+                    sys.modules[name] = module        # apply_cell imports it by name
+                    for source in sources:
+                        apply_cell(source, name)
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+def replay_on_import(cells: list[list[str]]) -> None:
+    """Apply each (module, source) cell when its module is first imported (now, if it already is)."""
+    pending: dict[str, list[str]] = {}
+    for name, source in cells:
+        pending.setdefault(name, []).append(source)
+    for name in [n for n in pending if n in sys.modules]:
+        for source in pending.pop(name):
+            apply_cell(source, name)
+    sys.meta_path.insert(0, _Replay(pending))
+
+
+def _remember(target: str, source: str) -> None:
+    """Add an applied cell to the file the kernel's subprocesses replay (written whole, then renamed)."""
+    if _overlay is None:
+        return
+    _cells.append((target, source))
+    tmp = _overlay / "cells.json.tmp"
+    tmp.write_text(json.dumps(_cells))
+    os.replace(tmp, _overlay / "cells.json")
+
+
+def _start_overlay() -> None:
+    """The folder whose sitecustomize.py replays this kernel's cells, first on PYTHONPATH for every subprocess."""
+    global _overlay
+    _overlay = Path(tempfile.mkdtemp(prefix="minirl-kernel-"))
+    (_overlay / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (_overlay / "cells.json").write_text("[]")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_overlay), os.environ.get("PYTHONPATH")]))
+
+
 def _post_run_cell(result) -> None:
     global _told
     source = getattr(result.info, "raw_cell", "") or ""
@@ -184,11 +269,13 @@ def _post_run_cell(result) -> None:
     except Exception as err:  # the notebook's own run succeeded; say why the package could not take it
         print(f"[minirl] this cell ran, but {target} could not take it: {type(err).__name__}: {err}")
         return
+    _remember(target, source)
     if not _told:
         _told = True
         print(f"[minirl] exported cell: {target} now runs this cell's code ({', '.join(names[:4]) or 'no names'}"
               f"{', ...' if len(names) > 4 else ''}), and so does every module that imported it, until the kernel "
-              "restarts. The files on disk change when you save the notebook and run `python tools/build.py`.")
+              "restarts, in this kernel and in the scripts, torchrun jobs and Ray workers it starts. The files on disk "
+              "change when you save the notebook and run `python tools/build.py`.")
 
 
 def load_ipython_extension(ipython) -> None:
@@ -198,6 +285,7 @@ def load_ipython_extension(ipython) -> None:
     if _shell is not None:
         return
     _shell = ipython
+    _start_overlay()
     ipython.events.register("post_run_cell", _post_run_cell)
 
 
