@@ -9,8 +9,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "minirl"
 # DESIGN.md's layers, top (imported by everything) to bottom (may import anything above it), as one order
 # memory comes after parallel: notebook 03 measures the wrappers of minirl.parallel.wrap (notebook 04)
-LAYERS = ["utils", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles", "train", "diagnostics",
-          "parallel", "memory", "controller", "asyncrl", "profiling", "grade"]
+# runtime (hand-written: real models fetched offline) imports only the standard library at its top, so that
+# utils.cli can take its `--model` alias before torch loads
+LAYERS = ["runtime", "utils", "config", "data", "algo", "tasks", "models", "rollout", "sync", "roles", "train",
+          "diagnostics", "parallel", "memory", "controller", "asyncrl", "profiling", "grade"]
 LEVEL = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -71,7 +71,8 @@ from notebook_cells import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 # Modules under minirl/ that no notebook generates (any __init__.py is allowed as well).
-HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py", "minirl/tasks/data_files.py",
+HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py", "minirl/runtime/__init__.py",
+                "minirl/runtime/smollm2.py", "minirl/tasks/arithmetic_chat.py", "minirl/tasks/data_files.py",
                 "minirl/tasks/rewards.py", "minirl/tasks/word_problems.py", "minirl/train/cli.py",
                 "minirl/utils/argtypes.py", "minirl/utils/cli.py", "minirl/utils/io.py", "minirl/utils/notebook.py",
                 "minirl/utils/progress.py", "minirl/utils/rundir.py", "minirl/utils/seeding.py",
