@@ -10,7 +10,7 @@
     python chapters/01_single_process.py --config run.yaml --out runs/01-yaml   # settings from a YAML file
     python chapters/01_single_process.py --config configs/smollm2.yaml --out runs/01-smollm2  # a real chat model
         # learns to answer arithmetic facts first (SmolLM2-135M-Instruct: build it once with
-        # python chapters/00_warm_start.py --real-model; about 10 minutes on one CPU core)
+        # python chapters/00_warm_start.py --real-model; about 6 minutes on one CPU core)
 
 Writes OUT/run.json (the run's settings), OUT/metrics.jsonl (one line per step),
 OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_state.pt,
