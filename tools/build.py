@@ -73,13 +73,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # Modules under minirl/ that no notebook generates (any __init__.py is allowed as well). The plumbing no lesson
 # teaches lives in one folder, minirl/runtime/; four hand-written modules stay beside the concept they serve: the
 # grader (its command is `python -m minirl.grade`), the reward registry (a seam, `minirl.tasks.rewards`) and the
-# word-problem generator (`python -m minirl.tasks.word_problems`, a data set, not plumbing).
+# data-set generators (`python -m minirl.tasks.word_problems`, `... arithmetic_chat`: data, not plumbing).
 HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py", "minirl/tasks/rewards.py",
                 "minirl/tasks/word_problems.py",
+                "minirl/tasks/arithmetic_chat.py",
                 "minirl/runtime/__init__.py", "minirl/runtime/argtypes.py", "minirl/runtime/cli.py",
                 "minirl/runtime/data_files.py", "minirl/runtime/io.py", "minirl/runtime/latex_math.py",
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
-                "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/timing.py",
+                "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
+                "minirl/runtime/timing.py",
                 "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"

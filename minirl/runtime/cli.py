@@ -31,6 +31,7 @@ import typing
 from pathlib import Path
 
 from minirl.runtime.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
+from minirl.runtime.smollm2 import resolve_model_name  # light (no torch): the alias smollm2 -> its directory
 from minirl.runtime.validate import ConfigError
 
 
@@ -185,8 +186,9 @@ def common_parser(description: str, seed: bool = True, device: bool = True) -> C
                               usage="%(prog)s [--out DIR] [options]   (--help lists every option)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "latest",
                         help="directory for summary.json, metrics and plots (default: %(default)s)")
-    parser.add_argument("--model", default=None,
-                        help="any HF causal LM id or local directory (default: the embedded policy)")
+    parser.add_argument("--model", default=None, type=resolve_model_name,
+                        help="any HF causal LM id or local directory, or smollm2 (SmolLM2-135M-Instruct, converted "
+                             "by chapters/00_warm_start.py --real-model) (default: the embedded policy)")
     if seed:
         parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     if device:
