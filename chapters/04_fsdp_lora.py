@@ -320,7 +320,12 @@ def main(argv=None) -> int:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     stderr = quiet_stderr() if under_torchrun and rank != 0 else sys.stderr
     try:
-        args, config, pconfig, task, settings = parse_args(argv)
+        try:
+            args, config, pconfig, task, settings = parse_args(argv)
+        except SystemExit as refused:
+            if under_torchrun and rank != 0 and refused.code:
+                time.sleep(30)  # rank 0 says why and exits first; torchrun then stops this rank (never the reverse)
+            raise
         if args.nproc_per_node is not None:
             return launch_job(args.nproc_per_node, without_nproc(list(sys.argv[1:] if argv is None else argv)))
     except KeyboardInterrupt:
