@@ -54,6 +54,42 @@ def test_the_lessons_together():
     assert total <= MAX_TOTAL, f"the notebooks hold {total} lines (at most {MAX_TOTAL})"
 
 
+COMMANDS = ("pip install -r requirements.txt && python chapters/01_single_process.py --out runs/01",
+            "pip install -r requirements.txt && python -m pytest")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:January|February|March|April|May|June|July|August|September|"
+                  r"October|November|December) 20\d\d\b")
+LOAD = re.compile(r"\bload(?: average)?(?: of| at| was|:)? ~?\d|\(load \d", re.I)
+
+
+def history(text: str) -> list[str]:
+    """The lines of `text` that give a date or a machine load (a lab log's marks)."""
+    return [line for line in text.splitlines() if DATE.search(line) or LOAD.search(line)]
+
+
+def test_history_finds_dates_and_loads():
+    assert history("Tried on 2026-12-01 at\nload 8.2-18.2\nmachine (load 0.20)\nthe load factor\nupload 5") == [
+        "Tried on 2026-12-01 at", "load 8.2-18.2", "machine (load 0.20)"]
+
+
+def test_the_readme_reads_in_five_minutes():
+    """At most 150 lines, the two commands verbatim, short table rows, no dates or machine loads."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 150, f"README.md: {len(lines)} lines (at most 150)"
+    for command in COMMANDS:
+        assert f"\n{command}\n" in text, f"README.md lacks the command {command!r} on a line of its own"
+    assert "## The learning path" in text, "tools/render.py builds the site's index from that table"
+    shown = [re.sub(r"\]\([^)]*\)", "]", line) for line in lines if line.startswith("|")]  # links as read
+    wide = [line[:60] for line in shown if len(line) > 130]
+    assert not wide, f"README.md table rows over 130 characters: {wide}"
+    assert not history(text), history(text)
+
+
+def test_the_benchmarks_readme_is_not_a_lab_log():
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    assert not history(text), history(text)
+
+
 if __name__ == "__main__":
     for name, s in SIZES.items():
         print(f"{name:24s} {s['lines']:6d} lines  code {s['code']:5d}  exported {s['exported']:5d} "
