@@ -45,6 +45,7 @@ from minirl.config import RLConfig
 from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.io import write_summary
 from minirl.runtime.progress import bars_wanted
+from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
 from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
@@ -77,6 +78,7 @@ def parse_args(argv=None):
                        help="no progress bars (they are shown only when stderr is a terminal)")
     add_task_flags(parser)
     add_rl_flags(parser, RLConfig())
+    add_schedule_flags(parser)
     args = parser.parse_args(argv)
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
     try:
         metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
                         progress=progress, stop_after=args.stop_after, run_info=run_info,
-                        task=task, eval_fn=task.eval_fn(tokenizer, max_new_tokens))
+                        task=task, eval_fn=task.eval_fn(tokenizer, max_new_tokens),
+                        extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)))
     except RunStopped as stop:
         print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
         return 1

@@ -52,6 +52,7 @@ from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
+from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
 from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
@@ -139,6 +140,7 @@ def parse_args(argv=None):
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
     add_rl_flags(parser, DEFAULTS)
+    add_schedule_flags(parser)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
     if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -409,7 +411,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     metrics = run_in_dir(
         state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite, eval_fn=eval_fn,
         progress=progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
-        first_callbacks=(MemoryTracker(),), extra_callbacks=kill, stop_after=args.stop_after,
+        first_callbacks=(MemoryTracker(),), extra_callbacks=kill + schedule_callbacks(args, config.run.steps),
+        stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
                   "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},
         checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)

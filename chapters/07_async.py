@@ -57,6 +57,7 @@ from minirl.config import RLConfig
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.progress import bars_wanted
 from minirl.runtime.rundir import read_run_record
+from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
 from minirl.runtime.training_cli import (
     add_rl_flags,
     add_task_flags,
@@ -102,6 +103,7 @@ def parse_args(argv=None):
     group.add_argument("--print-every", type=int, default=10, help="a progress line every N steps (default: 10)")
     add_task_flags(parser)
     add_rl_flags(parser, DEFAULTS, skip=SKIPPED)
+    add_schedule_flags(parser)
     add_config_flags(parser, AsyncConfig())
     args = parser.parse_args(argv)
     try:
@@ -229,7 +231,8 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     try:
         result = train_async(config, acfg, model, tokenizer, task.train, out_dir=out, resume=args.resume,
                              overwrite=args.overwrite, on_step=progress_line(args.print_every, config.run.steps),
-                             stop_after=args.stop_after, run_info=run_info, make_env=make_env)
+                             stop_after=args.stop_after, run_info=run_info, make_env=make_env,
+                             extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)))
     except RunStopped as stop:
         print(stop_line(str(stop), last_checkpoint(out), again))
         return 1

@@ -165,3 +165,132 @@ def test_chapter_03_reads_its_settings_from_the_file(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "7.00 B parameters" in proc.stdout and "2 GPUs of 40.0 GB" in proc.stdout
+
+
+# TRL's GRPOConfig names (issue 31 item 1): a YAML written for TRL runs as is.
+
+def grpo_yaml(tmp_path, **fields) -> Path:
+    """TRL's own GRPOConfig(...).to_dict(), as a YAML file: every one of its 191 fields."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl import GRPOConfig
+
+        config = GRPOConfig(output_dir=str(tmp_path / "trl_out"), report_to="none", bf16=False, use_cpu=True,
+                            **fields)
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return path
+
+
+def chapter_settings(name: str, argv: list[str], monkeypatch, world: int = 1):
+    import importlib.util
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    spec = importlib.util.spec_from_file_location(f"chapter_{name}", CHAPTERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args(argv)[-1]
+
+
+def test_the_tables_know_every_field_of_trls_grpoconfig():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from minirl.runtime.trl_config import GRPO_FIELDS
+    assert GRPO_FIELDS == {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+@pytest.mark.parametrize("chapter", ["01_single_process", "07_async"])
+def test_trls_own_grpoconfig_dump_runs_on_chapters_01_and_07(chapter, tmp_path, monkeypatch, capsys):
+    """TRL's names become the chapter's (max_steps, the batch, save_steps, output_dir, the schedule); TRL's
+    other fields at their defaults are counted in one line; what the chapter does not use is named there."""
+    path = grpo_yaml(tmp_path, max_steps=3, per_device_train_batch_size=16, gradient_accumulation_steps=2,
+                     num_generations=8, learning_rate=1e-5, max_completion_length=4, save_steps=2,
+                     logging_steps=1, lr_scheduler_type="linear", warmup_steps=0.5, seed=3)
+    settings = chapter_settings(chapter, ["--config", str(path)], monkeypatch)
+    assert settings["steps"] == 3 and settings["prompts_per_step"] == 16 * 2 // 8
+    assert settings["learning_rate"] == 1e-5 and settings["max_completion_length"] == 4
+    assert settings["checkpoint_every"] == 2 and settings["seed"] == 3 and settings["loss_type"] == "dapo"
+    assert settings["out"] == str(tmp_path / "trl_out")
+    assert settings["lr_scheduler_type"] == "linear" and settings["warmup_steps"] == 0.5
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "TRL settings this chapter does not use" in line]
+    assert len(said) == 1 and "logging_steps=1 (minirl logs every step)" in said[0], err
+    assert "more at TRL's defaults" in said[0]
+
+
+def test_chapter_04_takes_trls_lora_precision_and_checkpointing(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "peft.yaml"
+    path.write_text("use_peft: true\nlora_r: 8\nlora_alpha: 16\nlora_target_modules: [q_proj, v_proj]\n"
+                    "bf16: true\ngradient_checkpointing: true\nper_device_train_batch_size: 8\n"
+                    "num_generations: 4\nmax_steps: 2\n")
+    settings = chapter_settings("04_fsdp_lora", ["--config", str(path)], monkeypatch, world=2)
+    assert settings["lora_rank"] == 8 and settings["lora_alpha"] == 16.0
+    assert settings["lora_target_modules"] == "q_proj,v_proj" and settings["mixed_precision"] == "bf16"
+    assert settings["gradient_checkpointing"] is True
+    assert settings["prompts_per_step"] == 8 * 2 // 4, "per device: 8 completions on each of 2 ranks"
+    settings = chapter_settings("01_single_process", ["--config", str(path)], monkeypatch)
+    said = capsys.readouterr().err
+    assert "use_peft=true (this chapter trains every weight; LoRA: chapter 04)" in said, said
+
+
+@pytest.mark.parametrize("text, message", [
+    ("top_p: 0.9\n", "top_p: 0.9: minirl samples from the whole distribution (top_p 1); remove it or set it to 1.0"),
+    ("mask_truncated_completions: true\n", "mask_truncated_completions: true: minirl trains on truncated "
+     "completions as they are; remove it or set it to false"),
+    ("use_vllm: true\nvllm_mode: server\n", "vllm_mode: server: minirl runs vLLM inside the training process"),
+    ("per_device_train_batch_size: 12\nnum_generations: 8\n",
+     "per_device_train_batch_size: 12: 12 x 1 (gradient_accumulation_steps) x 1 rank(s) "
+     "= 12 completions do not make whole groups of num_generations=8"),
+    ("adam_beta2: 0.95\n", "adam_beta2: 0.95: minirl has no such setting (TRL's default is 0.999)"),
+    ("save_strategy: epoch\n", "save_strategy: 'epoch': minirl has no epochs"),
+    ("max_steps: 5\nsteps: 6\n", "max_steps: 5 and steps: 6 set the same thing; keep one"),
+])
+def test_a_trl_setting_no_chapter_honours_is_refused_with_its_reason(text, message, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "trl.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        chapter_settings("01_single_process", ["--config", str(path)], monkeypatch)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument --config: {path}: {message}" in err, err
+
+
+def test_a_typo_is_refused_before_trl_or_torch_load(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("learning_rte: 1e-5\n")
+    code = ("import sys; sys.argv = ['x', '--config', sys.argv[1]]\n"
+            "from minirl.runtime.cli import common_parser\n"
+            "try:\n    common_parser('t').parse_args()\n"
+            "except SystemExit:\n    print(sorted(m for m in ('torch', 'trl') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[]" and "'learning_rte' is no setting" in proc.stderr, proc.stderr
+
+
+def test_the_schedule_is_transformers_own_and_moves_the_optimizers():
+    """LRSchedule's factor is get_scheduler's at every step; the actor's and critic's rates follow it."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import get_scheduler
+
+    from minirl.runtime.schedule import LRSchedule
+    schedule = LRSchedule("linear", 0.25, total_steps=8)   # a quarter of the run warms up: 2 steps
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    reference = get_scheduler("linear", probe, num_warmup_steps=2, num_training_steps=8)
+    expected = []
+    for _ in range(8):
+        expected.append(probe.param_groups[0]["lr"])
+        probe.step()
+        reference.step()
+    assert [schedule.factor(s) for s in range(8)] == pytest.approx(expected)
+    assert expected[0] == 0 and expected[2] == 1 and expected[7] < 0.2
+    actor = SimpleNamespace(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.5))
+    critic = SimpleNamespace(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.5))
+    state = SimpleNamespace(step=1, roles=SimpleNamespace(actor=actor, critic=critic),
+                            config=RLConfig().replace(learning_rate=1e-3, value_learning_rate=4e-3))
+    schedule.on_start(state)
+    assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * expected[1])
+    assert critic.optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * expected[1])

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import inspect
 import io
+import os
 import re
 import sys
 import tokenize
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from minirl.runtime.io import write_summary  # noqa: F401  (re-exported for the chapter scripts)
 from minirl.runtime.smollm2 import resolve_model_name  # light (no torch): the alias smollm2 -> its directory
+from minirl.runtime.trl_config import TRLConfigError, translate
 from minirl.runtime.validate import ConfigError
 
 
@@ -117,6 +119,13 @@ class ConfigFileParser(argparse.ArgumentParser):
         if not isinstance(data, dict):
             self.error(f"{where}: holds a {type(data).__name__}, not a mapping of settings (learning_rate: 1.0e-5)")
         settings, tokens = self.settings(), {}
+        try:      # TRL's GRPOConfig names: renamed to the chapter's, ignored with one line, or refused
+            data, ignored = translate(data, set(settings), int(os.environ.get("WORLD_SIZE", 1)))
+        except TRLConfigError as err:
+            self.error(f"{where}: {err}")
+        if ignored:
+            print(f"--config {path}: TRL settings this chapter does not use, ignored: {'; '.join(ignored)}",
+                  file=sys.stderr)
         for key, value in data.items():
             name = str(key).replace("-", "_")
             if name == "config":
