@@ -1,9 +1,13 @@
 """The task interface (issue 19): the math verifier, reward specs and weights, dataset files, chat prompts, Task."""
 
 import json
+import os
 import random
 import string
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,3 +381,69 @@ def test_conversational_task_rewards_receive_messages_and_columns(tmp_path):
     assert answer == [r["answer"] for r in rows["train"][:2]]
     assert metrics["rewards/spy"] == 0.5 and total.tolist()[1] == 1.0, "2.0 * 0.5"
     assert all(isinstance(r["prompt"], str) and r["prompt"].endswith("assistant\n") for r in task.train + task.test)
+
+
+# Datasets by id and renamed columns (issue 31 item 5).
+
+def test_a_dataset_id_goes_through_load_dataset_with_its_config_and_split(monkeypatch):
+    import datasets
+
+    from minirl.runtime.data_files import is_dataset_id, load_rows
+
+    asked = []
+
+    def fake_load_dataset(name, config=None, **kwargs):
+        asked.append((name, config))
+        rows = [{"question": "1+1=", "answer": "2"}]
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                                     "test": datasets.Dataset.from_list(rows * 2)})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert is_dataset_id("openai/gsm8k:main") and is_dataset_id("gsm8k")
+    assert not is_dataset_id("data/train.jsonl") and not is_dataset_id("/no/such/dir")
+    rows = load_rows("openai/gsm8k:main", "dataset", {"question": "prompt"})
+    assert asked == [("openai/gsm8k", "main")] and rows == [{"prompt": "1+1=", "answer": "2"}]
+    assert len(load_rows("openai/gsm8k", "eval_dataset", {"question": "prompt"})) == 2, "eval takes the test split"
+
+
+def test_an_unreachable_dataset_id_is_one_line(tmp_path, monkeypatch):
+    """Offline (as here), `--dataset org/name` stops in one line that says the id could not be reached."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "01_single_process.py"
+    proc = subprocess.run([sys.executable, str(chapter), "--out", str(tmp_path / "run"), "--dataset",
+                           "minirl-nobody/no-such-set:main", "--reward", "math"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("01_single_process.py: error: argument --dataset: minirl-nobody/no-such-set:main: "
+                           "the dataset id 'minirl-nobody/no-such-set' could not be reached (HF_HUB_OFFLINE is set)")
+
+
+def test_dataset_columns_rename_before_the_rows_are_checked(tmp_path):
+    from minirl.runtime.data_files import load_rows
+    from minirl.runtime.validate import ConfigError
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text('{"question": "What is 2+3?", "solution": "5"}\n')
+    with pytest.raises(ConfigError, match="no 'prompt' column"):
+        load_rows(path)
+    assert load_rows(path, columns={"question": "prompt", "solution": "answer"}) == [
+        {"prompt": "What is 2+3?", "answer": "5"}]
+    with pytest.raises(ConfigError, match=r"has no column 'query' \(its columns: question, solution\)"):
+        load_rows(path, columns={"query": "prompt"})
+
+
+def test_chapter_01_renames_columns_with_dataset_columns(tmp_path, monkeypatch):
+    import importlib.util
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text('{"question": "What is 2+3? Answer with \\\\boxed{}.", "solution": "5"}\n')
+    spec = importlib.util.spec_from_file_location("chapter01", Path(__file__).resolve().parents[1] / "chapters"
+                                                  / "01_single_process.py")
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+    args, _, task, settings = chapter.parse_args(["--out", str(tmp_path / "run"), "--dataset", str(path),
+                                                  "--dataset-columns", "question=prompt", "solution=answer",
+                                                  "--reward", "math"])
+    assert task.train[0]["prompt"].startswith("What is 2+3?") and task.train[0]["answer"] == "5"
+    assert settings["dataset_columns"] == [["question", "prompt"], ["solution", "answer"]]

@@ -11,6 +11,8 @@ a model loads.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from minirl.runtime.validate import ConfigError
@@ -22,8 +24,62 @@ DISK_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")         
 SPLITS = {"dataset": ("train",), "eval_dataset": ("test", "validation")}                # DatasetDict split to take
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?(?::[\w.-]+)?$")            # name, org/name, org/name:config
+
+
 def _kinds() -> str:
-    return "a JSONL, JSON, CSV or Parquet file, or a directory written by datasets' save_to_disk"
+    return "a JSONL, JSON, CSV or Parquet file, a directory written by datasets' save_to_disk, or a dataset id"
+
+
+def is_dataset_id(spec) -> bool:
+    """True for `name`, `org/name` or `org/name:config` that is no file or directory here (and has no data
+    file's suffix): what `datasets.load_dataset` takes by id."""
+    spec = os.fspath(spec)
+    return (bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
+            and Path(spec.partition(":")[0]).suffix.lower() not in SUFFIXES)
+
+
+def _read_id(spec: str, param: str):
+    """A datasets.Dataset from `datasets.load_dataset(name, config)`, the split `param` takes."""
+    import datasets  # noqa: PLC0415 (seconds to import)
+
+    name, _, config = spec.partition(":")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        found = datasets.load_dataset(name, config or None)
+    except Exception as err:
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
+        raise ConfigError(param, spec, f"the dataset id {name!r} could not be reached{offline}: "
+                                       f"{_first_line(err)[:160]}; give a local file or a save_to_disk "
+                                       "directory, or run once with the Hub reachable (datasets caches it)") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return _split(found, param, spec)
+
+
+def _split(found, param: str, value: str):
+    """The split of a DatasetDict that `param` takes (train; test, else validation), or `found` itself."""
+    import datasets  # noqa: PLC0415
+
+    if not isinstance(found, datasets.DatasetDict):
+        return found
+    split = next((s for s in SPLITS.get(param, ("train",)) if s in found), None)
+    if split is None:
+        raise ConfigError(param, value, f"a DatasetDict with splits {', '.join(found)} but none of "
+                                        f"{', '.join(SPLITS.get(param, ('train',)))}; save the split you mean on "
+                                        "its own (dataset_dict['name'].save_to_disk(DIR))")
+    return found[split]
+
+
+def rename_columns(rows: list[dict], columns: dict[str, str], param: str, value: str) -> list[dict]:
+    """Rows with each column OLD of `columns` ({OLD: NEW}, --dataset-columns question=prompt) named NEW."""
+    missing = [old for old in columns if rows and old not in rows[0]]
+    if missing:
+        raise ConfigError("dataset_columns", " ".join(f"{o}={n}" for o, n in columns.items()),
+                          f"{value} has no column {', '.join(map(repr, missing))} (its columns: "
+                          f"{', '.join(rows[0])}); name columns it has")
+    return [{columns.get(k, k): v for k, v in row.items()} for row in rows]
 
 
 def _first_line(err: BaseException) -> str:
@@ -46,15 +102,7 @@ def _read(path: Path, param: str):
             if not any((path / m).is_file() for m in DISK_MARKERS):
                 raise ConfigError(param, str(path), f"a directory without {' or '.join(DISK_MARKERS[:2])}: "
                                                     f"not written by save_to_disk; give {_kinds()}")
-            found = datasets.load_from_disk(str(path))
-            if isinstance(found, datasets.DatasetDict):
-                split = next((s for s in SPLITS.get(param, ("train",)) if s in found), None)
-                if split is None:
-                    raise ConfigError(param, str(path), f"a DatasetDict with splits {', '.join(found)} but none of "
-                                                        f"{', '.join(SPLITS.get(param, ('train',)))}; save the split "
-                                                        "you mean on its own (dataset_dict['name'].save_to_disk(DIR))")
-                found = found[split]
-            return found
+            return _split(datasets.load_from_disk(str(path)), param, str(path))
         return datasets.load_dataset(SUFFIXES[path.suffix.lower()], data_files=str(path), split="train")
     except ConfigError:
         raise
@@ -94,7 +142,7 @@ def check_rows(rows: list[dict], param: str = "dataset", value=None) -> None:
                                             "nor a list of {'role', 'content'} messages")
 
 
-def load_rows(path, param: str = "dataset") -> list[dict]:
+def load_rows(path, param: str = "dataset", columns: dict[str, str] | None = None) -> list[dict]:
     """The rows of a dataset file or save_to_disk directory, as dicts; a ConfigError before anything heavy.
 
     param names the parameter in errors ("dataset", "eval_dataset"). The file type comes from
@@ -102,7 +150,15 @@ def load_rows(path, param: str = "dataset") -> list[dict]:
     for "dataset" and its "test" (else "validation") split for "eval_dataset". Errors: a
     missing path, an unsupported suffix, an empty file, a file `datasets` cannot read, no
     `prompt` column (naming the columns found), a prompt that is neither text nor messages.
+    A dataset id (`is_dataset_id`: `org/name[:config]`) goes through `datasets.load_dataset`; offline, or
+    unknown, it is one ConfigError saying the id could not be reached. `columns` ({OLD: NEW}) renames
+    columns before the rows are checked.
     """
+    if is_dataset_id(path):
+        rows = _read_id(os.fspath(path), param).to_list()
+        rows = rename_columns(rows, columns, param, os.fspath(path)) if columns else rows
+        check_rows(rows, param, os.fspath(path))
+        return rows
     path = Path(path).expanduser()
     if not path.exists():
         raise ConfigError(param, str(path), f"no such file or directory; give {_kinds()}")
@@ -116,6 +172,7 @@ def load_rows(path, param: str = "dataset") -> list[dict]:
     if len(dataset) == 0:
         raise ConfigError(param, str(path), "is empty (0 rows); give at least one row with a 'prompt'")
     rows = dataset.to_list()
+    rows = rename_columns(rows, columns, param, str(path)) if columns else rows
     check_rows(rows, param, str(path))
     return rows
 

@@ -29,7 +29,7 @@ from minirl.runtime.cli import add_config_flags, explicit_dests, flag
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.runtime.validate import ConfigError
 
-TASK_FLAGS = ("dataset", "eval_dataset", "reward", "reward_weights")   # what run.json records as "task"
+TASK_FLAGS = ("dataset", "eval_dataset", "dataset_columns", "reward", "reward_weights")   # run.json's "task"
 BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)
 REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:function (my_rewards:length_penalty, "
                     "or path/to/rewards.py:length_penalty)")   # rewards.SPEC_HELP, without importing torch
@@ -152,9 +152,12 @@ def stop_line(what: str, checkpoint, resume_command: str) -> str:
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
     """--dataset, --eval-dataset, --reward (repeatable), --reward-weights: the task of every training chapter."""
     group = parser.add_argument_group("task (default: the embedded arithmetic task)")
-    group.add_argument("--dataset", default=None, metavar="PATH",
-                       help="training rows: a JSONL, JSON, CSV or Parquet file, or a datasets.save_to_disk directory, "
-                            "with a 'prompt' column (text or chat messages); its other columns go to the rewards")
+    group.add_argument("--dataset", default=None, metavar="PATH_OR_ID",
+                       help="training rows: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk directory, or "
+                            "a dataset id (org/name[:config], through datasets.load_dataset), with a 'prompt' column "
+                            "(text or chat messages); its other columns go to the rewards")
+    group.add_argument("--dataset-columns", nargs="+", type=column_pair, default=None, metavar="OLD=NEW",
+                       help="rename columns of --dataset and --eval-dataset first: question=prompt answer=solution")
     group.add_argument("--eval-dataset", default=None, metavar="PATH",
                        help="held-out rows, decoded greedily and scored by the rewards (default: the embedded task's "
                             "held-out split without --dataset, else no evaluation)")
@@ -167,10 +170,21 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
                             "started (run.json records their content hashes, and then what changed)")
 
 
+def column_pair(text: str) -> list[str]:
+    """--dataset-columns' OLD=NEW as [OLD, NEW] (a list: JSON keeps it as it is, for run.json)."""
+    old, sep, new = text.partition("=")
+    if not (sep and old.strip() and new.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: write OLD=NEW, e.g. question=prompt")
+    return [old.strip(), new.strip()]
+
+
 def resolve_task_paths(args: argparse.Namespace) -> None:
-    """One spelling of --dataset and --eval-dataset (absolute): run.json records it, --resume compares it."""
+    """One spelling of --dataset and --eval-dataset (absolute; a dataset id as it is): run.json records it,
+    --resume compares it."""
+    from minirl.runtime.data_files import is_dataset_id  # noqa: PLC0415
+
     for dest in ("dataset", "eval_dataset"):
-        if getattr(args, dest) is not None:
+        if getattr(args, dest) is not None and not is_dataset_id(getattr(args, dest)):
             setattr(args, dest, str(Path(getattr(args, dest)).expanduser().resolve()))
 
 
@@ -270,11 +284,15 @@ def tokenizer_only(parser: argparse.ArgumentParser, name: str | None):
 
 def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """The run's Task from --dataset, --eval-dataset, --reward, --reward-weights; a parser error before loading."""
+    from minirl.runtime.data_files import is_dataset_id, load_rows  # noqa: PLC0415
     from minirl.tasks.task import load_task  # noqa: PLC0415 (torch: after parsing)
 
     tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
-    try:
-        return load_task(args.dataset, args.eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer,
+    columns = dict(getattr(args, "dataset_columns", None) or [])
+    try:            # an id or renamed columns: read here (a file is read by load_task, which names it in errors)
+        dataset, eval_dataset = (load_rows(spec, dest, columns) if spec and (columns or is_dataset_id(spec)) else spec
+                                 for dest, spec in (("dataset", args.dataset), ("eval_dataset", args.eval_dataset)))
+        return load_task(dataset, eval_dataset, args.reward, args.reward_weights, tokenizer=tokenizer,
                          reward_errors=getattr(args, "reward_errors", "raise"))
     except ConfigError as err:
         value = err.value if isinstance(err.value, str) else " ".join(map(str, err.value or []))

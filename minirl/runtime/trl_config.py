@@ -122,6 +122,8 @@ def translate(data: dict, settings: set[str], world_size: int = 1) -> tuple[dict
     def ignore(name: str, why: str | None = None) -> None:
         ignored.append(f"{name}={_show(trl[name])} ({why or WHY_IGNORED.get(name, 'not used here')})")
 
+    if trl.get("dataset_config") and "dataset" in settings and trl.get("dataset_name"):   # TRL's ScriptArguments
+        trl["dataset_name"] = f"{trl['dataset_name']}:{trl.pop('dataset_config')}"
     _batch(trl, ours, settings, world_size, put)
     for name in list(trl):
         value = trl[name]
