@@ -447,3 +447,73 @@ def test_chapter_01_renames_columns_with_dataset_columns(tmp_path, monkeypatch):
                                                   "--reward", "math"])
     assert task.train[0]["prompt"].startswith("What is 2+3?") and task.train[0]["answer"] == "5"
     assert settings["dataset_columns"] == [["question", "prompt"], ["solution", "answer"]]
+
+
+# Rewards as TRL calls them (issue 31 item 4): module.function, TRL's extra arguments, None, async, bad output.
+
+def test_a_reward_spec_may_be_module_dot_function(tmp_path, monkeypatch):
+    from minirl.tasks.rewards import resolve_reward
+
+    (tmp_path / "my_rewards.py").write_text("def length_penalty(prompts, completions, **kw):\n"
+                                            "    return [-len(c) / 10 for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dotted, coloned = resolve_reward("my_rewards.length_penalty"), resolve_reward("my_rewards:length_penalty")
+    assert dotted is coloned and dotted(["p"], ["abcd"]) == [-0.4]
+    with pytest.raises(ConfigError, match="has no 'nope'"):
+        resolve_reward("my_rewards.nope")
+
+
+def test_call_reward_passes_trls_extras_awaits_async_and_keeps_none():
+    import asyncio
+
+    from minirl.tasks.rewards import call_reward
+
+    seen, logged = {}, []
+
+    def trl_style(prompts, completions, completion_ids, trainer_state, log_metric, answer, **kwargs):
+        seen.update(ids=completion_ids, step=trainer_state.global_step)
+        log_metric("my/len", sum(map(len, completions)))
+        return [1.0 if c == a else None if a is None else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    def plain(prompts, completions, answer):              # takes no extras: none are forced on it
+        return [0.5] * len(completions)
+
+    async def slow(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [2] * len(completions)
+
+    from types import SimpleNamespace
+    args = (["p1", "p2", "p3"], ["5", "6", "7"], {"answer": ["5", "7", None]})
+    extras = dict(completion_ids=[[1], [2], [3]], trainer_state=SimpleNamespace(global_step=4),
+                  log_metric=lambda n, v: logged.append((n, v)))
+    assert call_reward(trl_style, *args, **extras) == [1.0, 0.0, None]
+    assert seen == {"ids": [[1], [2], [3]], "step": 4} and logged == [("my/len", 3)]
+    assert call_reward(plain, *args, **extras) == [0.5, 0.5, 0.5]
+    assert call_reward(slow, *args, **extras) == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("output, message", [
+    (None, "reward bad returned NoneType, not a list of 2 rewards"),
+    ("1.0", "reward bad returned str, not a list of 2 rewards"),
+    ([1.0], "reward bad returned 1 rewards for 2 completions"),
+    ([1.0, float("inf")], "reward bad returned inf for row 1 (prompt 'q2')"),
+    ([1.0, "yes"], "reward bad returned 'yes' for row 1 (prompt 'q2')"),
+])
+def test_a_bad_reward_output_names_the_function_and_the_row(output, message):
+    from minirl.tasks.rewards import RewardError, call_reward
+
+    def bad(prompts, completions, **kwargs):
+        return output
+
+    with pytest.raises(RewardError) as err:
+        call_reward(bad, ["q1", "q2"], ["a", "b"], {})
+    assert str(err.value).startswith(message)
+
+
+def test_none_is_left_out_of_the_sum_and_the_mean():
+    from minirl.tasks.rewards import combine_rewards
+
+    per_func = torch.tensor([[1.0, float("nan")], [0.0, 0.5]])
+    total, metrics = combine_rewards(per_func, [1.0, 2.0], ["a", "b"])
+    assert total.tolist() == [1.0, 1.0] and metrics == {"rewards/a": 0.5, "rewards/b": 0.5}

@@ -1,8 +1,8 @@
 """Reward functions by name: built-ins, `module:function`, weights, and the step's reward bookkeeping.
 
-Hand-written (plumbing). A reward spec, what `--reward` takes, is a built-in name or
-`module:function` (an importable module, or a file path `path/to/rewards.py:function`), as
-TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signature,
+Hand-written (plumbing). A reward spec, what `--reward` takes, is a built-in name,
+`module:function` (an importable module, or a file path `path/to/rewards.py:function`), or
+`module.function`, as TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signature,
 `f(prompts, completions, **columns) -> list[float]`.
 
 | built-in     | function                         | scores                                                  |
@@ -39,7 +39,7 @@ if TYPE_CHECKING:      # torch is imported where a tensor is made: chapter 01 na
 REWARDS = {"arithmetic": arithmetic_reward, "math": math_reward, "format": math_format_reward}
 CORRECTNESS = (arithmetic_reward, math_reward)   # 0/1 correctness rewards: their mean is an accuracy
 SPEC_HELP = (f"a built-in ({', '.join(REWARDS)}) or module:function (my_rewards:length_penalty, "
-             "or path/to/rewards.py:length_penalty)")
+             "my_rewards.length_penalty as TRL writes it, or path/to/rewards.py:length_penalty)")
 
 
 def reward_name(func) -> str:
@@ -77,6 +77,8 @@ def resolve_reward(spec: str, param: str = "reward"):
     if spec in REWARDS:
         return REWARDS[spec]
     module, sep, name = spec.rpartition(":")
+    if not sep and "." in spec and not spec.endswith(".py"):      # TRL's own spelling: my_lib.rewards.reward_fn
+        module, sep, name = spec.rpartition(".")
     if not sep or not module or not name:
         close = difflib.get_close_matches(spec, REWARDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -151,6 +153,70 @@ def check_reward_columns(funcs: list, rows: list[dict], param: str = "dataset", 
                               "its parameters (every column is passed, as TRL does)")
 
 
+class RewardError(ValueError):
+    """A reward function's output that cannot be used: the message names the function, the row and the fix."""
+
+
+TRL_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")   # what TRL passes besides the columns
+
+
+def call_reward(func, prompts: list, completions: list, columns: dict, **extras) -> list[float | None]:
+    """func's rewards for N completions, called as TRL's GRPOTrainer calls it; checked, one per completion.
+
+    The call: f(prompts=, completions=, **columns, **extras), where extras are TRL's `completion_ids`,
+    `trainer_state`, `log_extra`, `log_metric` (each passed only if given here and the function takes it or
+    `**kwargs`). An `async def` function is awaited (in a thread of its own: a notebook's kernel already runs
+    an event loop). Returns floats, and None where the function returned None (TRL: "does not apply"; the
+    caller leaves it out of that reward's mean). Raises RewardError naming the function and the first bad row
+    for: a result that is not a list of N, a value that is no finite number (a string, inf, NaN, a list).
+    """
+    name = reward_name(func)
+    extras = {k: v for k, v in extras.items() if v is not None and _takes(func, k)}
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
+        import asyncio  # noqa: PLC0415
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        with ThreadPoolExecutor(1) as pool:
+            out = pool.submit(asyncio.run, func(prompts=prompts, completions=completions, **columns,
+                                                **extras)).result()
+    else:
+        out = func(prompts=prompts, completions=completions, **columns, **extras)
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise RewardError(f"reward {name} returned {type(out).__name__}, not a list of {len(completions)} rewards; "
+                          "return one float (or None) per completion")
+    out = list(out.tolist() if hasattr(out, "tolist") else out)
+    if len(out) != len(completions):
+        raise RewardError(f"reward {name} returned {len(out)} rewards for {len(completions)} completions; return "
+                          "one float (or None) per completion, in their order")
+    values = []
+    for i, value in enumerate(out):
+        number = None if value is None else _finite(value)
+        if value is not None and number is None:
+            prompt = prompts[i] if isinstance(prompts[i], str) else str(prompts[i])
+            raise RewardError(f"reward {name} returned {value!r} for row {i} (prompt {prompt[:40]!r}); return a "
+                              "finite float, or None where the reward does not apply")
+        values.append(number)
+    return values
+
+
+def _finite(value) -> float | None:
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _takes(func, name: str) -> bool:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def as_conversational(func, lookup: dict):
     """`func` called as TRL calls it on a conversational dataset, under its own name.
 
@@ -171,8 +237,8 @@ def combine_rewards(rewards_per_func: Tensor, weights, names: list[str]) -> tupl
 
     rewards_per_func: [N, F], one column per function, finite; weights: F floats (a list or
     a tensor); names: F names. metrics: {"rewards/<name>": mean of column f} (TRL logs the
-    same under rewards/<name>/mean). TRL's sum skips NaN (a function that does not apply to a
-    sample); here every reward must be a number, so the step has already refused NaN.
+    same under rewards/<name>/mean). As TRL's, the sum and each mean skip NaN: a function that returned
+    None for a sample (it does not apply there) counts neither in that sample's total nor in its mean.
     """
     import torch
 
@@ -180,8 +246,8 @@ def combine_rewards(rewards_per_func: Tensor, weights, names: list[str]) -> tupl
     if rewards_per_func.dim() != 2 or rewards_per_func.shape[1] != len(weights) or len(names) != len(weights):
         raise ValueError(f"combine_rewards: rewards_per_func {tuple(rewards_per_func.shape)} must be [N, F] with "
                          f"F = {len(weights)} weights and {len(names)} names")
-    total = (rewards_per_func * weights).sum(dim=1)                                  # [N]
-    return total, {f"rewards/{n}": rewards_per_func[:, i].mean().item() for i, n in enumerate(names)}
+    total = (rewards_per_func * weights).nansum(dim=1)                               # [N]; NaN: "does not apply"
+    return total, {f"rewards/{n}": rewards_per_func[:, i].nanmean().item() for i, n in enumerate(names)}
 
 
 def frac_reward_zero_std(rewards: Tensor, num_generations: int) -> float:
