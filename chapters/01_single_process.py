@@ -46,6 +46,7 @@ from minirl.runtime.cli import check_device, common_parser, config_from_args, fl
 from minirl.runtime.io import write_summary
 from minirl.runtime.progress import bars_wanted
 from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
+from minirl.runtime.trackers import add_report_flag, check_report_to, tracker_callbacks
 from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
@@ -79,6 +80,7 @@ def parse_args(argv=None):
     add_task_flags(parser)
     add_rl_flags(parser, RLConfig())
     add_schedule_flags(parser)
+    add_report_flag(parser)
     args = parser.parse_args(argv)
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
@@ -87,6 +89,7 @@ def parse_args(argv=None):
         except ConfigError as err:
             parser.error(f"argument {flag(dest)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, RLConfig())
+    check_report_to(parser, args)
     check_engine_flag(parser, config)                 # vLLM without vLLM or CUDA: refused before torch loads
     from minirl.runtime.training_cli import (  # the model's files are checked: after parsing
         check_run_flags,
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
         metrics = train(config, model, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite,
                         progress=progress, stop_after=args.stop_after, run_info=run_info,
                         task=task, eval_fn=task.eval_fn(tokenizer, max_new_tokens),
-                        extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)))
+                        extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)
+                                              + tracker_callbacks(args, out)))
     except RunStopped as stop:
         print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
         return 1

@@ -53,6 +53,7 @@ from minirl.parallel.config import ParallelConfig, check_parallel
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
+from minirl.runtime.trackers import add_report_flag, check_report_to, tracker_callbacks
 from minirl.runtime.training_cli import (
     TASK_FLAGS,
     add_rl_flags,
@@ -141,6 +142,7 @@ def parse_args(argv=None):
     add_task_flags(parser)
     add_rl_flags(parser, DEFAULTS)
     add_schedule_flags(parser)
+    add_report_flag(parser)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
     if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -157,6 +159,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
+    check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     world = args.nproc_per_node or job_rank()[1]
     problem = out_problem(args.out)        # the quick refusals first: --out, the world size, --device
@@ -411,7 +414,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     metrics = run_in_dir(
         state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite, eval_fn=eval_fn,
         progress=progress, label=f"{ctx.world_size} ranks, zero {pconfig.zero}",
-        first_callbacks=(MemoryTracker(),), extra_callbacks=kill + schedule_callbacks(args, config.run.steps),
+        first_callbacks=(MemoryTracker(),), extra_callbacks=kill + schedule_callbacks(args, config.run.steps)
+        + tracker_callbacks(args, out, main_rank),
         stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
                   "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},

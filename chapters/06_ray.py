@@ -44,6 +44,7 @@ from minirl.controller.names import PLACEMENTS, SYNCS  # no Ray, no torch: the p
 from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.progress import bars_wanted
 from minirl.runtime.rundir import read_run_record
+from minirl.runtime.trackers import add_report_flag, check_report_to, tracker_callbacks
 from minirl.runtime.training_cli import (
     add_rl_flags,
     add_task_flags,
@@ -107,6 +108,7 @@ def parse_args(argv=None):
     group.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: 1)")
     add_task_flags(parser)
     add_rl_flags(parser, DEFAULTS)
+    add_report_flag(parser)
     args = parser.parse_args(argv)
     try:
         for dest, low in (("stop_after", 1), ("threads", 0), ("compare_syncs", 0)):
@@ -117,6 +119,7 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
+    check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch or Ray loads
     check_run_flags(parser, args)
     resolve_task_paths(args)
@@ -199,7 +202,9 @@ def main(argv=None) -> int:
                         **args.run_data}
             metrics = driver.train(task.train, eval_fn=task.eval_fn(tokenizer, max_new_tokens), out_dir=out,
                                    resume=args.resume, overwrite=args.overwrite, progress=False,
-                                   stop_after=args.stop_after, extra_callbacks=(StageLine(),), run_info=run_info)
+                                   stop_after=args.stop_after,
+                                   extra_callbacks=(StageLine(), *tracker_callbacks(args, args.out)),
+                                   run_info=run_info)
             timeline = driver.timeline()
             atomic_write_json(out / "timeline.json", {"clock": "time.time", "placement": args.placement,   # notebook 09
                                                       "steps": [m["step"] for m in metrics if "time/generate" in m],

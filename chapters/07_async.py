@@ -58,6 +58,7 @@ from minirl.runtime.cli import add_config_flags, check_device, common_parser, co
 from minirl.runtime.progress import bars_wanted
 from minirl.runtime.rundir import read_run_record
 from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
+from minirl.runtime.trackers import add_report_flag, check_report_to, tracker_callbacks
 from minirl.runtime.training_cli import (
     add_rl_flags,
     add_task_flags,
@@ -104,6 +105,7 @@ def parse_args(argv=None):
     add_task_flags(parser)
     add_rl_flags(parser, DEFAULTS, skip=SKIPPED)
     add_schedule_flags(parser)
+    add_report_flag(parser)
     add_config_flags(parser, AsyncConfig())
     args = parser.parse_args(argv)
     try:
@@ -116,6 +118,7 @@ def parse_args(argv=None):
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
     acfg = config_from_args(parser, args, AsyncConfig())
+    check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
     check_run_flags(parser, args)           # --out free (or --resume / --overwrite) and writable, --model exists
     resolve_task_paths(args)
@@ -232,7 +235,8 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
         result = train_async(config, acfg, model, tokenizer, task.train, out_dir=out, resume=args.resume,
                              overwrite=args.overwrite, on_step=progress_line(args.print_every, config.run.steps),
                              stop_after=args.stop_after, run_info=run_info, make_env=make_env,
-                             extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)))
+                             extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)
+                                                   + tracker_callbacks(args, out)))
     except RunStopped as stop:
         print(stop_line(str(stop), last_checkpoint(out), again))
         return 1

@@ -1,6 +1,7 @@
 """--config FILE.yaml (TRL's convention): typed and checked as flags are, overridden by them, errors name the file."""
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,37 @@ def test_the_schedule_is_transformers_own_and_moves_the_optimizers():
     schedule.on_start(state)
     assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * expected[1])
     assert critic.optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * expected[1])
+
+
+# A tracker (issue 31 item 6): --report-to tensorboard writes TRL-named scalars that TensorBoard reads back.
+
+def test_report_to_tensorboard_writes_trls_names_that_tensorboard_reads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(CHAPTERS / "01_single_process.py"), "--out", str(out), "--steps", "4",
+                           "--eval-every", "2", "--report-to", "tensorboard"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward", "train/rewards/arithmetic_reward/mean", "train/completions/mean_length", "train/loss",
+            "train/frac_reward_zero_std", "eval/accuracy"} <= tags, sorted(tags)
+    rewards = [(e.step, e.value) for e in events.Scalars("train/reward")]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rewards == [(r["step"], pytest.approx(r["reward"])) for r in logged if "reward" in r]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [2, 4]
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(tmp_path):
+    import importlib.util
+
+    missing = next((n for n in ("wandb", "trackio") if importlib.util.find_spec(n) is None), None)
+    if missing is None:
+        pytest.skip("wandb and trackio are both installed here")
+    proc = subprocess.run([sys.executable, str(CHAPTERS / "07_async.py"), "--out", str(tmp_path / "r"),
+                           "--report-to", missing], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"07_async.py: error: argument --report-to: '{missing}': the {missing} package is not installed; "
+        f"pip install {missing}, or use --report-to tensorboard")

@@ -83,7 +83,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
                 "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
-                "minirl/runtime/trl_config.py", "minirl/runtime/schedule.py")
+                "minirl/runtime/trl_config.py", "minirl/runtime/schedule.py", "minirl/runtime/trackers.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"
