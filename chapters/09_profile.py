@@ -172,9 +172,9 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minirl.profiling.decompose import RunDataError
-    from minirl.profiling.plots import plot_shares, plot_stage_timeline
-    from minirl.profiling.rules import diagnose
+    from minirl.runtime.diagnosis_report import diagnose
+    from minirl.runtime.profiling_plots import plot_shares, plot_stage_timeline
+    from minirl.runtime.run_records import RunDataError
 
     try:
         diagnosis = diagnose(run_dir, peak_tflops=args.peak_tflops, threads=args.threads)

@@ -1,7 +1,9 @@
-# Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
-"""Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
+"""Plots of a time decomposition (notebook 09): stacked shares per step, a timeline of the first steps, runs side
+by side.
 
-__all__ = ["CATEGORY_COLORS", "plot_shares", "plot_stage_timeline", "plot_compare"]
+Hand-written (plot styling). Each function takes a `minirl.profiling.decompose.Decomposition`
+and an optional matplotlib axis, and returns the axis.
+"""
 
 import matplotlib.pyplot as plt
 
