@@ -57,7 +57,7 @@ def group_forward_flops(params: float, layers: int, attn_dim: int, prompt_len: f
 
 def training_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
                    completion_len: float, group_size: int, groups: float) -> float:
-    """An update's model FLOPs: the forward and a backward that costs two forwards (6 N per token)."""
+    """An update's model FLOPs: the forward and a backward costing two forwards (6 N per token)."""
     return 3 * group_forward_flops(params, layers, attn_dim, prompt_len, completion_len,
                                    group_size, groups)
 
@@ -75,7 +75,8 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / (peak_flops * seconds) if seconds > 0 and peak_flops > 0 else float("nan")
 
 
-def rules_that_fire(measured: dict[str, float | None], rules: tuple[Rule, ...] = RULES) -> list[str]:
+def rules_that_fire(measured: dict[str, float | None],
+                    rules: tuple[Rule, ...] = RULES) -> list[str]:
     """The names of the rules that fire, in the order of `rules`.
 
     measured: rule name -> measured value, or None when the run did not record it (a rule

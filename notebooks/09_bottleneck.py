@@ -14,25 +14,22 @@
 # %% [markdown]
 # # 09 · Finding the bottleneck: where a step's time goes, and what to fix first
 #
-# **By the end of this notebook you can** take the run directory of any minirl run and say
-# where its time went (generation, reward, reference and values, the update, the weight
-# sync, communication, waiting), open a `torch.profiler` trace of one of its steps, compute
-# how much of the machine's arithmetic the trainer and the rollout used (MFU), and run the
-# source's symptom table as rules that name the bottleneck and what to try. Then you change
-# one thing and watch the bottleneck move.
+# **By the end of this notebook you can** take any minirl run directory and say where its
+# time went (generation, reward, reference and values, the update, the sync, communication,
+# waiting), open a `torch.profiler` trace of one of its steps, compute the trainer's and the
+# rollout's MFU, and run the source's symptom table as rules that name the bottleneck and
+# what to try. Then you change one thing and watch the bottleneck move.
 #
 # The source closes its section with a warning: every optimization can move the
 # bottleneck. Speed up generation and the weight sync may become visible; shard the model
 # and communication may. So the question is never "what is slow?" once, but "what is
-# slow *now*?", asked again after every change. Two of its tables turn into tools here:
+# slow *now*?", asked again after every change. Two of its tables become tools here; they
+# only read what runs record, or watch a run through a callback:
 #
 # | # | the source says | section |
 # |---|---|---|
 # | 26 | symptom table: rollout > 80 %, sync > 5 %, all-reduce/all-gather > 10 %, activation OOM, expert load 90 % vs 30 %, stragglers | 4, 5 |
 # | 27 | MFU = actual FLOPs / (peak FLOP/s × time); 35–45 %, 50–60 %, trainer 40–50 % / rollout 70–80 %; below 30 % inspect the decomposition | 3 |
-#
-# The tools only read what runs record, or watch a run through a callback: nothing here
-# changes how a run computes.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -49,6 +46,7 @@ from IPython.display import Markdown, display
 
 from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
+from minirl.runtime.profiling_plots import plot_compare, plot_shares, plot_stage_timeline
 from minirl.train.run import train
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
@@ -71,12 +69,10 @@ def stage1_run(name: str, **settings) -> Path:
     return out
 
 # %% [markdown]
-# The result first, from the package as it ships: a 60-step stage-1 run (8 steps in smoke
-# mode; the `hf` engine, which generates as TRL does), its time decomposed by stage
-# (`decompose`), and the source's symptom table applied to it as rules (`diagnose`). The
-# sections below open each piece: the decomposition (1), the profiler (2), MFU (3), the
-# rules (4); then one change moves the bottleneck (5), and the same reader takes the runs of
-# stages 4, 6 and 7 (6).
+# The result first: a 60-step stage-1 run (8 in smoke mode; the `hf` engine, which generates
+# as TRL does), its time decomposed by stage (`decompose`) and the symptom table applied as
+# rules (`diagnose`). Then each piece: the decomposition (1), the profiler (2), MFU (3), the
+# rules (4); one change moves the bottleneck (5); stages 4, 6 and 7 read the same way (6).
 
 # %%
 from minirl.profiling.decompose import decompose
@@ -92,11 +88,10 @@ print(f"largest category: {first.bottleneck} ({100 * first.shares[first.bottlene
 # %% [markdown]
 # ## 1. Every stage times itself: the decomposition
 #
-# Notebook 01's `rl_step` times each stage and writes the seconds into the step's record:
-# `time/generate`, `time/score`, `time/reference` (π_old, the reference, the critic's
-# values), `time/advantages`, `time/update`, `time/update_critic`, `time/sync`, and
-# `time/step`, the step's wall clock. Every later stage keeps these names, so one reader
-# serves all of them. It groups stages into the source's categories:
+# Notebook 01's `rl_step` writes each stage's seconds into the step's record (`time/generate`,
+# `time/score`, `time/reference`, `time/advantages`, `time/update`, `time/update_critic`,
+# `time/sync`) and `time/step`, the wall clock. Every later stage keeps these names, so one
+# reader serves all of them. It groups stages into the source's categories:
 #
 # | category | stages | from later stages |
 # |---|---|---|
@@ -116,10 +111,8 @@ print(f"largest category: {first.bottleneck} ({100 * first.shares[first.bottlene
 # | export minirl/profiling/decompose.py
 """Where a run's time goes: stage shares per step and over the run, read from the run directory.
 
-A run of any stage is decomposed the same way (notebook 09, section 1); reading the records
-safely lives in `minirl.runtime.run_records`. Simplified vs veRL's profiler: one wall-clock
-number per stage and step, not kernel traces; a collective inside a stage is seen only if
-the stage times it.
+Any stage's run is decomposed the same way (notebook 09, section 1). Simplified vs veRL's
+profiler: one wall-clock number per stage and step; a collective is seen only if timed.
 """
 
 from dataclasses import dataclass, field
@@ -281,9 +274,8 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
         flat.append({"time/step": seconds}
                     | {f"time/{s}": v for s, v in own.items() if s != "other"})
     if overlapped:
-        partial.append(f"in {overlapped} of {len(records)} steps the stages add up to more than "
-                       "the wall clock (they overlap, as in an asynchronous run): there, shares "
-                       "are of the stages' sum")
+        partial.append(f"in {overlapped} of {len(records)} steps the stages overlap (add up to "
+                       "more than the wall clock): there, shares are of the stages' sum")
     unknown = sorted({s for own in per_step for s in own
                       if s != "other" and category_of(s) == "other"})
     if unknown:
@@ -295,15 +287,12 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
                          records, partial, overlapped, workers)
 
 # %% [markdown]
-# The opening cell's run, read again and drawn (plots and the table live in
-# `minirl/runtime/profiling_plots.py` and `diagnosis_report.py`): stage 1 as TRL runs it,
-# the `hf` engine, which calls `generate` on all B × G rows, each prompt G times.
+# The opening cell's run, read again and drawn (the plots live in
+# `minirl/runtime/profiling_plots.py`): stage 1 as TRL runs it, the `hf` engine, which
+# calls `generate` on all B × G rows, each prompt G times.
 
 # %%
-from minirl.runtime.profiling_plots import plot_compare, plot_shares, plot_stage_timeline  # noqa: E402
-
 base = decompose(base_dir)
-print(decomposition_table(base))
 fig, axes = plt.subplots(2, 1, figsize=(7, 5.5))
 plot_shares(base, ax=axes[0], title="stage 1, hf engine: each step's time by category")
 plot_stage_timeline(base, steps=3, ax=axes[1])
@@ -314,19 +303,14 @@ assert base.shares["generation"] + base.shares["update"] > 0.8, "the two take ne
 assert base.shares["generation"] < 0.8
 
 # %% [markdown]
-# With four-token completions and a one-million-parameter policy, the split is far from
-# the source's "rollout above 80 %": generation and the update share the time between
-# them, and the table names the larger. Every step does the same work, so the bars look
-# much alike; the timeline shows the order of the stages inside a step.
-
-# %% [markdown]
+# With four-token completions and a one-million-parameter policy, the split is far from the
+# source's "rollout above 80 %": generation and the update share the time between them.
+#
 # ## 2. Inside one step: torch.profiler
 #
 # The decomposition says *which stage*; a profiler says *which operators* inside it.
-# `TorchProfiler` is a run callback (notebook 01's `Callback`): pass it to any run through
-# `extra_callbacks` and it wraps the chosen steps in `torch.profiler`, then writes a Chrome
-# trace, a table of operators by self time, and the memory the operators allocated.
-# It observes; the run computes exactly what it would without it.
+# `TorchProfiler`, a run callback (notebook 01's `Callback`), wraps the chosen steps in
+# `torch.profiler`: a Chrome trace, the operators by self time, the memory they allocated.
 
 # %%
 # | export minirl/profiling/profiler.py
@@ -349,7 +333,7 @@ from minirl.train.run import Callback
 
 
 class TorchProfiler(Callback):
-    """Profile the given steps (1-based) of a run into run_dir/profile/ (see the module docstring)."""
+    """Profile the given steps (1-based) of a run into run_dir/profile/."""
 
     def __init__(self, run_dir, steps, *, with_stack: bool = True, profile_memory: bool = True,
                  record_shapes: bool = True, top: int = 15):
@@ -391,7 +375,7 @@ class TorchProfiler(Callback):
         self._start_if_profiled(state.step + 1)
 
     def on_end(self, state):
-        if self.profiler is not None:    # stopped inside a profiled step: no trace of a partial step
+        if self.profiler is not None:    # stopped inside a profiled step: no partial trace
             self.profiler.stop()
             self.profiler = None
 
@@ -406,9 +390,8 @@ class TorchProfiler(Callback):
                                                        "per_step": self.results})
 
 # %% [markdown]
-# A short run set up like the first (the `hf` engine), with its third step profiled (in
-# smoke mode, its second). The step before a profiled one is its warm-up: the first step
-# of a run allocates caches and is slower.
+# A short run like the first, its third step profiled (in smoke mode, its second): the step
+# before is the warm-up, since a run's first step allocates caches and is slower.
 
 # %%
 from minirl.profiling.profiler import TorchProfiler  # noqa: E402
@@ -419,7 +402,8 @@ model, tokenizer, _ = load_default_policy(progress=False)
 train(RLConfig.from_flat(steps=PROFILED + 1, eval_every=0, checkpoint_every=0,
                          rollout_engine="hf"), model, tokenizer, out_dir=prof_dir, overwrite=True,
       progress=not SMOKE, extra_callbacks=[TorchProfiler(prof_dir, steps=[PROFILED])])
-profiled = json.loads((prof_dir / "profile" / "summary.json").read_text())["per_step"][str(PROFILED)]
+summary = json.loads((prof_dir / "profile" / "summary.json").read_text())
+profiled = summary["per_step"][str(PROFILED)]
 trace = Path(profiled["trace"])
 print(f"trace: {trace} ({trace.stat().st_size / 1e6:.1f} MB, gzip)")
 print(f"step {PROFILED}: {profiled['time_step']:.3f} s under the profiler; "
@@ -428,46 +412,33 @@ print(f"{'operator':>40} | calls | self ms | share of operator time")
 for op in profiled["top_operators"][:10]:
     print(f"{op['name'][:40]:>40} | {op['calls']:5d} | {1e3 * op['self_cpu_s']:7.1f} | "
           f"{100 * op['share_of_operator_cpu_time']:5.1f} %")
-mem = profiled["memory"]
 print("largest allocators:", ", ".join(f"{a['name']} {a['self_cpu_bytes'] / 1e6:.1f} MB"
-                                       for a in mem["top_allocators"][:3]))
-print(f"process peak resident memory so far: {mem['process_peak_resident_bytes'] / 1e9:.2f} GB")
+                                       for a in profiled["memory"]["top_allocators"][:3]))
 assert profiled["top_operators"] and trace.stat().st_size > 10_000
 assert 0 < profiled["matmul"]["share_of_step"] < 1 and profiled["matmul"]["flops"] > 0
 
 # %% [markdown]
-# **Opening the trace.** Download `trace_step-00000N.json.gz` and open it in
-# [Perfetto](https://ui.perfetto.dev) ("Open trace file"; it reads the gzip as is) or in
-# Chrome at `chrome://tracing` ("Load"). Time runs left to right; each row is a thread.
-# Because the profiler recorded the Python stack, the main thread shows `rl_step` and,
-# under it, the stages: the engine's `generate` (a loop of small forward passes, one per
-# new token), `score`, the actor's `update` (one forward, then the backward pass), and the
-# sync's `push`, with the `aten::` operators under each (`w`/`s` zoom, `a`/`d` pan). Wide
-# `aten::mm`/`aten::addmm` blocks are arithmetic; thin slivers with gaps between them are
-# time spent launching small operators and running Python, where a tiny model loses most.
-
-# %% [markdown]
+# **Opening the trace.** Open `trace_step-00000N.json.gz` in [Perfetto](https://ui.perfetto.dev)
+# or at `chrome://tracing`. With the Python stack recorded, the main thread shows `rl_step`
+# and under it the stages (`generate`: a loop of small forwards, one per token; `score`;
+# `update`; the sync's `push`), with the `aten::` operators under each. Wide `aten::mm`
+# blocks are arithmetic; thin slivers with gaps between them are time spent launching small
+# operators and running Python, where a tiny model loses most of its time.
+#
 # ## 3. MFU: how much of the machine's arithmetic a step uses
 #
 # The source defines model FLOPs utilization as
 #
 # $$\text{MFU}=\frac{\text{FLOPs the work needs}}{\text{peak FLOP/s}\times\text{time}}.$$
 #
-# Counting the FLOPs takes only the model's shape. A forward pass multiplies every token by
-# every weight once (a multiply and an add: 2 FLOPs per weight per token). Causal attention
-# adds, per layer, two products per (query, key) pair, QKᵀ and AV, each 2 × (query heads ×
-# head dim) FLOPs; token *t* of a sequence attends to *t* keys, so a sequence of *T* tokens
-# has *T*(*T* + 1)/2 pairs. Training runs the forward and a backward that costs two forwards
-# (gradients for the activations and for the weights): 6 FLOPs per weight per token.
-# Generation with a KV cache runs one forward over the prompt and then one token at a
-# time: a forward over *P* + *C* − 1 tokens (the last sampled token is never fed back).
-# Gradient checkpointing recomputes the forward during the backward: the hardware does four
-# forwards' worth, the model needs three. MFU counts the three (recomputation lowers MFU,
-# which is why the source lists it as the bottleneck of its first row); "HFU", hardware
-# FLOPs utilization, counts all four.
-#
-# The model's shape (`FlopShape`: the weights a token is multiplied by, layers, attention
-# width, read from a `transformers` config) and the device's peak (`peak_flops`: datasheet
+# Counting the FLOPs takes only the model's shape. A forward pass costs 2 FLOPs per weight
+# per token (a multiply and an add). Causal attention adds, per layer, QKᵀ and AV for each
+# (query, key) pair, 2 × (query heads × head dim) FLOPs each; a sequence of *T* tokens has
+# *T*(*T* + 1)/2 pairs. The backward costs two forwards: training is 6 FLOPs per weight per
+# token. KV-cached generation is one forward over *P* + *C* − 1 tokens (the last sampled
+# token is never fed back). Gradient checkpointing recomputes the forward: the hardware does
+# four forwards, the model needs three; MFU counts three (recomputation lowers it), "HFU"
+# all four. The model's shape (`FlopShape`) and the device's peak (`peak_flops`: datasheet
 # figures for NVIDIA GPUs, a measured best matmul for a CPU) live in
 # `minirl/runtime/mfu_inputs.py`; we only call them.
 
@@ -527,7 +498,7 @@ def group_forward_flops(params: float, layers: int, attn_dim: int, prompt_len: f
 
 def training_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
                    completion_len: float, group_size: int, groups: float) -> float:
-    """An update's model FLOPs: the forward and a backward that costs two forwards (6 N per token)."""
+    """An update's model FLOPs: the forward and a backward costing two forwards (6 N per token)."""
     return 3 * group_forward_flops(params, layers, attn_dim, prompt_len, completion_len,
                                    group_size, groups)
 
@@ -545,10 +516,8 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / (peak_flops * seconds) if seconds > 0 and peak_flops > 0 else float("nan")
 
 # %% [markdown]
-# One step of RL is more than an update: the trainer also runs forwards without gradients
-# (the reference, π_old, the critic's values), and the rollout generates. `step_flops`
-# counts each from the step's record (its batch's prompt and completion tokens) and the
-# run's settings.
+# A step is more than an update: the trainer also runs forwards without gradients (the
+# reference, π_old, the critic's values), and the rollout generates. `step_flops` counts each.
 
 # %%
 # | export minirl/profiling/mfu.py
@@ -581,10 +550,9 @@ def step_flops(record: dict, config: dict, shape: FlopShape) -> dict[str, float]
             "trainer_hardware": trainer + recompute}
 
 # %% [markdown]
-# MFU of a run: the FLOPs of every step's rollout over the seconds of `generate`, and the
-# trainer's over the seconds of the no-gradient passes, the advantages and the updates.
-# Trainer and rollout are reported separately, as the source's table does: they may run
-# at different precisions (the peak differs), and on different devices.
+# MFU of a run: the rollout's FLOPs over the seconds of `generate`, the trainer's over those
+# of the no-gradient passes, the advantages and the updates; apart, as the source's table
+# has them (they may run at different precisions, on different devices).
 
 # %%
 # | export minirl/profiling/mfu.py
@@ -638,20 +606,19 @@ def run_mfu(records: list[dict], config: dict, shape: FlopShape, peak_trainer: f
                      {k: v / n for k, v in totals.items()}, seconds, partial=partial)
 
 # %% [markdown]
-# Is the count right? torch's profiler counts the FLOPs of every matrix product it sees
-# (not the attention inside `scaled_dot_product_attention`), so one forward and backward of
-# the policy on a batch without padding can be checked against 6 N per token.
+# Is the count right? torch's profiler counts every matrix product's FLOPs (not fused
+# attention's): one forward and backward of the policy should match 6 N per token.
 
 # %%
 from minirl.profiling.mfu import forward_flops, run_mfu, step_flops  # noqa: E402
 from minirl.runtime.mfu_inputs import FlopShape, flat_config, matmul_rate, peak_flops  # noqa: E402
 
 shape = FlopShape.from_run_dir(base_dir)
-print(f"policy: {shape.total_params:,.0f} parameters, {shape.params:,.0f} multiply each token "
-      f"(the output projection shares the embedding matrix), {shape.layers} layers, "
-      f"attention width {shape.attn_dim}")
+print(f"policy: {shape.total_params:,.0f} parameters, {shape.params:,.0f} multiply each token, "
+      f"{shape.layers} layers, attention width {shape.attn_dim}")
 model, tokenizer, _ = load_default_policy(progress=False)
-ids = torch.randint(3, model.config.vocab_size, (64, 10), generator=torch.Generator().manual_seed(0))
+ids = torch.randint(3, model.config.vocab_size, (64, 10),
+                    generator=torch.Generator().manual_seed(0))
 with torch.profiler.profile(with_flops=True) as check:
     model(ids, labels=ids).loss.backward()
 counted = sum(e.flops for e in check.key_averages())
@@ -704,11 +671,11 @@ for stage, part in (("generate", "rollout"), ("update", "trainer")):
     share = {k: f"{100 * st[k] / st['seconds']:.0f} %"
              for k in ("matmul_seconds", "operator_seconds", "python_seconds")}
     rows.append(f"| {stage} | {st['seconds']:.3f} | {share['matmul_seconds']} | "
-                f"{share['operator_seconds']} | {share['python_seconds']} | {st['operator_calls']} | "
-                f"{st['flops'] / 1e9:.3f} | {needed[part] / 1e9:.3f} | "
+                f"{share['operator_seconds']} | {share['python_seconds']} | "
+                f"{st['operator_calls']} | {st['flops'] / 1e9:.3f} | {needed[part] / 1e9:.3f} | "
                 f"{100 * needed[part] / (peak * st['seconds']):.1f} % |")
-display(Markdown("| stage | wall s | in matmuls | in all operators | in Python | operator calls | "
-                 "torch-counted GFLOP | model GFLOP | MFU |\n|---|---|---|---|---|---|---|---|---|\n"
+display(Markdown("| stage | wall s | in matmuls | in all operators | in Python | operator calls "
+                 "| torch-counted GFLOP | model GFLOP | MFU |\n" + "|---" * 9 + "|\n"
                  + "\n".join(rows)))
 stages = [profiled["stages"][s] for s in ("generate", "update")]
 matmul_share = sum(s["matmul_seconds"] for s in stages) / sum(s["seconds"] for s in stages)
@@ -722,18 +689,15 @@ assert stages[0]["flops"] > needed["rollout"], "the hf engine computes each prom
 
 # %% [markdown]
 # So a one-million-parameter model on a CPU loses the machine not to slow arithmetic but to
-# the time *between* arithmetic: the thousands of other operators each stage launches
-# (norms, activations, softmax, the optimizer's updates, copies), each costing microseconds
-# whatever its size, and the Python around them. The `hf` engine also computes more than the
-# batch needs (torch's count exceeds the model FLOPs). A large model on a GPU has the
-# opposite profile: each operator is huge, launching it hides behind the work, and what
-# remains is memory bandwidth, communication and waiting, where the source places the
-# bottlenecks of its 35–80 %.
+# the time *between* arithmetic: thousands of small operators (norms, activations, the
+# optimizer's updates, copies), microseconds each whatever their size, and the Python around
+# them; the `hf` engine also computes more than the batch needs. A large model on a GPU is the
+# opposite: huge operators hide their launch, and what remains is memory bandwidth,
+# communication and waiting, where the source places the bottlenecks of its 35–80 %.
 #
-# What does the source's rollout figure presume? A decode step reads every weight once and
-# the KV cache of every sequence, and does 2 FLOPs per weight per sequence: a roofline bound
-# on decode MFU is (FLOPs / bytes read) / (peak / memory bandwidth). For Qwen2.5-7B's shape
-# in bfloat16 on an H100 SXM (989 TFLOP/s dense, 3.35 TB/s):
+# What does the source's rollout figure presume? A decode step reads every weight and the KV
+# cache once, for 2 FLOPs per weight per sequence: its MFU is at most (FLOPs / bytes) / (peak
+# / bandwidth). For Qwen2.5-7B's shape in bfloat16 on an H100 SXM (989 TFLOP/s, 3.35 TB/s):
 
 # %%
 from transformers import Qwen2Config  # noqa: E402
@@ -747,7 +711,7 @@ H100_FLOPS, H100_BYTES = 989e12, 3.35e12
 
 
 def decode_mfu_bound(batch: int, context: int) -> float:
-    """Roofline bound on decode MFU: one new token for each of `batch` sequences of `context` keys."""
+    """Roofline bound on decode MFU: a new token for each of `batch` sequences of `context` keys."""
     flops = batch * (2 * big.params + 4 * big.layers * big.attn_dim * context)
     bytes_read = 2 * big.total_params + batch * context * kv_bytes_per_token
     return min(1.0, (flops / bytes_read) / (H100_FLOPS / H100_BYTES))
@@ -766,16 +730,13 @@ assert ceiling[1024] > 0.7 > max(ceiling[4096], ceiling[16384])
 assert decode_mfu_bound(256, 1024) < 0.7
 
 # %% [markdown]
-# With a short context, a big enough batch lifts decoding into the source's 70–80 %. At the
-# long contexts of reasoning rollouts the KV cache dominates what a step reads, it grows with
-# the batch, and the bound stays far below 70 %: the source's rollout figure presumes short
-# contexts and huge batches, or prefill-heavy rollouts. A trainer at 40–50 % is within reach.
-
-# %% [markdown]
+# With a short context, a big enough batch lifts decoding into the source's 70–80 %. At long
+# contexts the KV cache, which grows with the batch, dominates what a step reads: the bound
+# stays far below 70 %. A trainer at 40–50 % is within reach: its products are compute-bound.
+#
 # ## 4. The symptom table as rules
 #
-# The source's table lists symptoms, a threshold for each and a direction. As rules, each
-# gets a measured value, a threshold, and whether it fires:
+# The source's table lists symptoms, each with a threshold and a direction. As rules:
 #
 # | rule | measured | fires when | source's threshold |
 # |---|---|---|---|
@@ -788,10 +749,9 @@ assert decode_mfu_bound(256, 1024) < 0.7
 # | `low_mfu` | the lower of trainer and rollout MFU | < 0.30 | below 30 % MFU |
 #
 # Two thresholds needed a translation. "Some devices at 90 % while others sit near 30 %" is
-# a hottest/coldest ratio of 3; the rule fires above 2. (Hottest over the mean would not do:
-# the source's example gives exactly 1.5.) The source gives stragglers no number; at 2, half
-# of a batch's decode slots sit idle behind its longest sequence. A measurement the run did
-# not record is "not measured" and never fires.
+# a hottest/coldest ratio of 3; the rule fires above 2 (hottest over mean would give exactly
+# 1.5). Stragglers get no number in the source; at 2, half of a batch's decode slots idle
+# behind its longest sequence. What the run did not record is "not measured", never fires.
 
 # %%
 # | export minirl/profiling/rules.py
@@ -858,7 +818,8 @@ RULES = (
 
 # %%
 # | export minirl/profiling/rules.py
-def rules_that_fire(measured: dict[str, float | None], rules: tuple[Rule, ...] = RULES) -> list[str]:
+def rules_that_fire(measured: dict[str, float | None],
+                    rules: tuple[Rule, ...] = RULES) -> list[str]:
     """The names of the rules that fire, in the order of `rules`.
 
     measured: rule name -> measured value, or None when the run did not record it (a rule
@@ -879,11 +840,9 @@ def rules_that_fire(measured: dict[str, float | None], rules: tuple[Rule, ...] =
     # END SOLUTION
 
 # %% [markdown]
-# `diagnose` applies them to a run directory: it decomposes the run, computes its MFU,
-# measures every symptom (shares, MFU, and what the run recorded: out-of-memory errors,
-# expert loads, each step's longest and mean completion) and calls `rules_that_fire`. That
-# bookkeeping, and the report's text, live in `minirl/runtime/diagnosis_report.py`. The
-# stage-1 run of section 1, diagnosed:
+# `diagnose` decomposes a run, computes its MFU, measures every symptom (shares, MFU, OOM
+# errors, expert loads, completion lengths) and calls `rules_that_fire`; that bookkeeping
+# lives in `minirl/runtime/diagnosis_report.py`. The stage-1 run of section 1, diagnosed:
 
 # %%
 from minirl.profiling.rules import rules_that_fire  # noqa: E402
@@ -893,29 +852,25 @@ print(base_diagnosis.report(width=100))
 assert base_diagnosis.fired == ["low_mfu"], base_diagnosis.fired
 
 # %% [markdown]
-# Only the MFU rule fires, and its direction (inspect communication, data loading and
-# rollout waiting) finds nothing to fix in one process: the time goes to thousands of small
-# operator calls (section 3). A rule is a pointer to where to look, not a verdict. Each rule
-# on made-up measurements, to see the thresholds at work:
+# Only the MFU rule fires, and its direction finds nothing to fix in one process: the time
+# goes to small operator calls (section 3). A rule points where to look; it is not a verdict.
+# Each rule on made-up measurements, to see the thresholds at work:
 
 # %%
 planted = {"slow_rollout": 0.85, "slow_sync": 0.05, "heavy_communication": None,
            "activation_oom": 0.0, "expert_imbalance": 90 / 30, "stragglers": 1.4, "low_mfu": 0.45}
-print("measured:", planted)
 print("fires:", rules_that_fire(planted))
 assert rules_that_fire(planted) == ["slow_rollout", "expert_imbalance"]
-devices = torch.tensor([0.9, 0.9, 0.3, 0.3])      # the source's example: half at 90 %, half at 30 %
-hot_cold, hot_mean = (devices.max() / devices.min()).item(), (devices.max() / devices.mean()).item()
+devices = [0.9, 0.9, 0.3, 0.3]      # the source's example: half the devices at 90 %, half at 30 %
+hot_cold, hot_mean = max(devices) / min(devices), max(devices) / statistics.mean(devices)
 print(f"the source's 90 %/30 %: hottest / coldest {hot_cold:.2f}, fires: "
-      f"{rules_that_fire({'expert_imbalance': hot_cold}) == ['expert_imbalance']}; "
-      f"hottest / mean {hot_mean:.2f}, which a strict '> 1.5' would not flag: {not hot_mean > 1.5}")
+      f"{rules_that_fire({'expert_imbalance': hot_cold})}; hottest / mean {hot_mean:.2f}")
 assert rules_that_fire({"expert_imbalance": hot_cold}) == ["expert_imbalance"]
 
 # %% [markdown]
 # Sync at exactly 5 % does not fire ("more than 5 %"); collectives not measured never fire;
 # an MFU of 45 % is healthy; the source's own expert example fires.
-
-# %% [markdown]
+#
 # ## 5. Move the bottleneck with one change
 #
 # The source's first direction for a slow rollout is prefix caching: the G completions of a
@@ -934,27 +889,23 @@ plt.show()
 
 
 def median_s(d, stage: str | None = None) -> float:
-    """Median seconds per step of one stage, or of the whole step (the median shrugs off a step
-    slowed by the machine's other work)."""
+    """Median seconds per step of a stage, or of the step (robust to a step slowed by others)."""
     return statistics.median(d.step_seconds if stage is None
                              else [s.get(stage, 0.0) for s in d.per_step])
 
 
 rows = [f"| {c} share | {100 * base.shares[c]:.1f} % | {100 * fast.shares[c]:.1f} % |"
         for c in base.shares if base.shares[c] or fast.shares[c]]
-rows += [f"| median {stage or 'step'} | {median_s(base, stage):.3f} s | {median_s(fast, stage):.3f} s |"
-         for stage in (None, "generate", "update", "sync")]
+rows += [f"| median {s or 'step'} | {median_s(base, s):.3f} s | {median_s(fast, s):.3f} s |"
+         for s in (None, "generate", "update", "sync")]
 rows += [f"| MFU {p} | {100 * getattr(base_mfu, p):.1f} % | {100 * getattr(fast_mfu, p):.1f} % |"
          for p in ("rollout", "trainer")]
 display(Markdown("| | before | after |\n|---|---|---|\n" + "\n".join(rows)))
 speedup = median_s(base, "generate") / median_s(fast, "generate")
 end_to_end = median_s(base) / median_s(fast)
-print(f"generation {speedup:.1f}x faster, the step {end_to_end:.2f}x"
-      + ("" if end_to_end > 1.05 else ": no end-to-end gain beyond 5 %, the other stages took "
-         "back what generation saved"))
-same_work = [r["completion_length"] for r in base.records] == \
-    [r["completion_length"] for r in fast.records]
-print(f"the two runs' completions had the same mean length at every step: {same_work}")
+lengths = [[r["completion_length"] for r in d.records] for d in (base, fast)]
+print(f"generation {speedup:.1f}x faster, the step {end_to_end:.2f}x (a gain above 5 %: "
+      f"{end_to_end > 1.05}); same mean completion lengths: {lengths[0] == lengths[1]}")
 if SMOKE:        # a few smoke-mode steps are too noisy to hold to the text below
     print("smoke mode: too few steps to judge; the text below describes a full run")
 else:
@@ -968,30 +919,25 @@ fast_diagnosis = diagnose(fast_dir, threads=1, quiet=True)
 print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosis.fired)
 
 # %% [markdown]
-# Generation's share fell and the update's grew: the step's time moved to the other stages,
-# the source's warning in numbers. A bottleneck that moved is not yet a gain: the gain is the
-# step's time. The update's work is the same in both runs (every stage-1 update runs each
-# group's prompt once, and both engines drew completions of the same lengths: the "same mean
-# length" line), so a gap between the median update rows is the machine's noise, and a gain
-# is called only above 5 %. The next target is the update, which now holds the largest share.
-
-# %% [markdown]
+# Generation's share fell and the update's grew: the time moved to the other stages, the
+# source's warning in numbers. A bottleneck that moved is not yet a gain: the gain is the
+# step's time. The update's work is the same in both runs (same completion lengths), so a gap
+# between the median update rows is the machine's noise. The next target is the update.
+#
 # ## 6. Stages 4, 6 and 7, decomposed
 #
 # The same reader on a run of chapter 04 (two ranks under torchrun, ZeRO-3, gradient
-# checkpointing) and one of chapter 06 (a Ray driver, rollout and trainer on separate
-# workers). Stage 4 writes rank 0's timers; its collectives run untimed *inside* the update
-# and the sync. Stage 6 times each stage on the driver, Ray call included; its workers'
-# timeline lets the reader move the driver's time outside their calls into `<stage>/rpc`.
-# What a run directory must hold is listed in `minirl/runtime/run_records.py`; the harness
-# that launches the runs is `minirl/runtime/stage_runs.py`. Smoke mode skips them.
+# checkpointing) and one of chapter 06 (Ray; rollout and trainer on separate workers). Stage
+# 6 times each stage on the driver, Ray call included; its workers' timeline lets the reader
+# move the driver's time outside their calls into `<stage>/rpc`. What a run directory must
+# hold is listed in `minirl/runtime/run_records.py`, and `minirl/runtime/stage_runs.py`
+# launches the runs (smoke mode skips them).
 
 # %%
 from minirl.runtime.stage_runs import run_stage  # noqa: E402
 
 if SMOKE:
-    print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs "
-          "both); run this notebook without MINIRL_SMOKE to see them decomposed")
+    print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs)")
 else:
     stage4 = diagnose(run_stage(4, RUNS / f"{TAG}_stage4"), quiet=True)
     stage6 = diagnose(run_stage(6, RUNS / f"{TAG}_stage6"), quiet=True)
@@ -1004,11 +950,8 @@ else:
     fig.tight_layout()
     plt.show()
     four, six = stage4.decomposition, stage6.decomposition
-    print(f"stage 4: sync {100 * four.shares['sync']:.1f} % of the step (stage 1: "
-          f"{100 * base.shares['sync']:.1f} %); communication measured: "
-          f"{stage4.summary()['measured']['heavy_communication']}")
-    print(f"stage 6: Ray calls {100 * six.shares['communication']:.1f} % of the step; workers "
-          "busy: " + ", ".join(f"{w} {100 * v:.0f} %" for w, v in six.workers.items()))
+    print(f"sync: stage 1 {100 * base.shares['sync']:.1f} %, "
+          f"stage 4 {100 * four.shares['sync']:.1f} %")
     assert any(n.startswith("2 data-parallel ranks:") for n in stage4.partial)
     assert four.shares["communication"] == 0
     assert stage4.summary()["measured"]["heavy_communication"] is None
@@ -1018,14 +961,12 @@ else:
     assert not [n for n in stage6.partial if "timeline" in n or "ranks" in n], stage6.partial
 
 # %% [markdown]
-# In full mode the stage-4 report carries a PARTIAL line: the ranks' collectives and waits
-# are in update and sync, so the communication rule says "not measured", not 0 %; its sync's
-# share exceeds stage 1's, because a ZeRO-3 sync gathers every parameter's shards first. The
-# stage-6 report has a communication share stage 1 never shows: Ray's dispatch, the batches
-# through the object store, the driver gathering the parts. It is not a collective, so the
-# all-reduce rule names it and leaves it out. The workers' busy shares are the waiting the
-# source asks about: the rollout worker idles while the trainer updates and the other way
-# round, the idle time an asynchronous pipeline (notebook 07) is built to fill.
+# The stage-4 report carries a PARTIAL line: the ranks' collectives and waits run untimed in
+# update and sync, so the communication rule says "not measured", not 0 %; its sync's share
+# exceeds stage 1's, as a ZeRO-3 sync gathers every shard first. Stage 6's communication is
+# Ray's dispatch, the object store and the gathering, not a collective: the all-reduce rule
+# names it and leaves it out. Its workers' busy shares are the source's waiting: each worker
+# idles while the other works, the time an asynchronous pipeline (notebook 07) fills.
 #
 # The source's MFU table beside the runs that match its rows: the stage-4 run above for the
 # first, a short stage-7 run (asynchronous) for the third; no minirl stage runs the second.
@@ -1038,21 +979,14 @@ if not SMOKE:
 source_mfu = [("dense", "Dense + FSDP + checkpointing, synchronous", "35–45 %"),
               ("moe", "MoE + expert parallelism + DualPipe", "50–60 %"),
               ("async", "Asynchronous RL, separate rollout", "trainer 40–50 %, rollout 70–80 %")]
-
-
-def mfu_text(run: str, report) -> str:
-    """'stage 4: trainer 9 %, rollout 3 %', 'not measured' where the records cannot give it."""
-    parts = [f"{role} {100 * value:.0f} %" if value is not None else f"{role} not measured"
-             for role, value in (("trainer", report.trainer), ("rollout", report.rollout))]
-    return f"{run}: " + ", ".join(parts)
-
-
 rows = []
 for key, name, typical in source_mfu:
+    mine = "no minirl stage runs it" if key == "moe" else "not run in smoke mode"
     if key in matching_runs:
-        mine = mfu_text(*matching_runs[key])
-    else:
-        mine = "no minirl stage runs it" if key == "moe" else "not run in smoke mode"
+        run, report = matching_runs[key]
+        mine = run + ": " + ", ".join(
+            f"{role} " + ("not measured" if v is None else f"{100 * v:.0f} %")
+            for role, v in (("trainer", report.trainer), ("rollout", report.rollout)))
     rows.append(f"| {name} | {typical} | {mine} |")
 display(Markdown("| configuration | source | minirl (1 M params, CPU) |\n|---|---|---|\n"
                  + "\n".join(rows)))
@@ -1090,10 +1024,9 @@ display(Markdown("| # | the source says | minirl | verdict | why |\n|---|---|---
 # %% [markdown]
 # ## 8. The same as a script
 #
-# `python chapters/09_profile.py --run runs/01 --out runs/09` analyses any finished run
-# directory and writes `runs/09/summary.json` (`stage_shares`, `mfu`, `findings`) and the
-# plots; `--profile-steps 3` first makes a new stage-1 run with that step profiled;
-# `--peak-tflops` gives the peak of a device minirl does not know.
+# `python chapters/09_profile.py --run runs/01 --out runs/09` analyses a finished run and
+# writes `runs/09/summary.json` (`stage_shares`, `mfu`, `findings`) and the plots;
+# `--profile-steps 3` first runs stage 1 with that step profiled; `--peak-tflops` sets a peak.
 #
 # ## Exercises
 #

@@ -1,10 +1,8 @@
 # Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
 """Where a run's time goes: stage shares per step and over the run, read from the run directory.
 
-A run of any stage is decomposed the same way (notebook 09, section 1); reading the records
-safely lives in `minirl.runtime.run_records`. Simplified vs veRL's profiler: one wall-clock
-number per stage and step, not kernel traces; a collective inside a stage is seen only if
-the stage times it.
+Any stage's run is decomposed the same way (notebook 09, section 1). Simplified vs veRL's
+profiler: one wall-clock number per stage and step; a collective is seen only if timed.
 """
 
 __all__ = ["STEP_ORDER", "CATEGORIES", "CATEGORY_OF", "COMMUNICATION", "WAIT_PREFIXES", "NESTED",
@@ -147,9 +145,8 @@ def decompose(run_dir, exclude_steps=None) -> Decomposition:
         flat.append({"time/step": seconds}
                     | {f"time/{s}": v for s, v in own.items() if s != "other"})
     if overlapped:
-        partial.append(f"in {overlapped} of {len(records)} steps the stages add up to more than "
-                       "the wall clock (they overlap, as in an asynchronous run): there, shares "
-                       "are of the stages' sum")
+        partial.append(f"in {overlapped} of {len(records)} steps the stages overlap (add up to "
+                       "more than the wall clock): there, shares are of the stages' sum")
     unknown = sorted({s for own in per_step for s in own
                       if s != "other" and category_of(s) == "other"})
     if unknown:

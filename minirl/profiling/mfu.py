@@ -47,7 +47,7 @@ def group_forward_flops(params: float, layers: int, attn_dim: int, prompt_len: f
 
 def training_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
                    completion_len: float, group_size: int, groups: float) -> float:
-    """An update's model FLOPs: the forward and a backward that costs two forwards (6 N per token)."""
+    """An update's model FLOPs: the forward and a backward costing two forwards (6 N per token)."""
     return 3 * group_forward_flops(params, layers, attn_dim, prompt_len, completion_len,
                                    group_size, groups)
 

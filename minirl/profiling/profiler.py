@@ -20,7 +20,7 @@ from minirl.train.run import Callback
 
 
 class TorchProfiler(Callback):
-    """Profile the given steps (1-based) of a run into run_dir/profile/ (see the module docstring)."""
+    """Profile the given steps (1-based) of a run into run_dir/profile/."""
 
     def __init__(self, run_dir, steps, *, with_stack: bool = True, profile_memory: bool = True,
                  record_shapes: bool = True, top: int = 15):
@@ -62,7 +62,7 @@ class TorchProfiler(Callback):
         self._start_if_profiled(state.step + 1)
 
     def on_end(self, state):
-        if self.profiler is not None:    # stopped inside a profiled step: no trace of a partial step
+        if self.profiler is not None:    # stopped inside a profiled step: no partial trace
             self.profiler.stop()
             self.profiler = None
 

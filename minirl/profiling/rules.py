@@ -55,7 +55,8 @@ RULES = (
 )
 
 
-def rules_that_fire(measured: dict[str, float | None], rules: tuple[Rule, ...] = RULES) -> list[str]:
+def rules_that_fire(measured: dict[str, float | None],
+                    rules: tuple[Rule, ...] = RULES) -> list[str]:
     """The names of the rules that fire, in the order of `rules`.
 
     measured: rule name -> measured value, or None when the run did not record it (a rule
