@@ -71,8 +71,9 @@ def stage1_run(name: str, **settings) -> Path:
 # %% [markdown]
 # The result first: a 60-step stage-1 run (8 in smoke mode; the `hf` engine, which generates
 # as TRL does), its time decomposed by stage (`decompose`) and the symptom table applied as
-# rules (`diagnose`). Then each piece: the decomposition (1), the profiler (2), MFU (3), the
-# rules (4); one change moves the bottleneck (5); stages 4, 6 and 7 read the same way (6).
+# rules (`diagnose`, with the table's printing, in `minirl/runtime/diagnosis_report.py`). Then
+# the decomposition (1), the profiler (2), MFU (3), the rules (4); one change moves the
+# bottleneck (5); stages 4, 6 and 7 read the same way (6).
 
 # %%
 from minirl.profiling.decompose import decompose
@@ -405,12 +406,11 @@ train(RLConfig.from_flat(steps=PROFILED + 1, eval_every=0, checkpoint_every=0,
 summary = json.loads((prof_dir / "profile" / "summary.json").read_text())
 profiled = summary["per_step"][str(PROFILED)]
 trace = Path(profiled["trace"])
-print(f"trace: {trace} ({trace.stat().st_size / 1e6:.1f} MB, gzip)")
-print(f"step {PROFILED}: {profiled['time_step']:.3f} s under the profiler; "
-      f"{profiled['matmul']['operator_calls']} torch operator calls")
-print(f"{'operator':>40} | calls | self ms | share of operator time")
+print(f"trace: {trace} ({trace.stat().st_size / 1e6:.1f} MB); step {PROFILED}: "
+      f"{profiled['time_step']:.3f} s, {profiled['matmul']['operator_calls']} operator calls")
+print(f"{'operator':>48} | calls | self ms | share of operator time")
 for op in profiled["top_operators"][:10]:
-    print(f"{op['name'][:40]:>40} | {op['calls']:5d} | {1e3 * op['self_cpu_s']:7.1f} | "
+    print(f"{op['name'][:48]:>48} | {op['calls']:5d} | {1e3 * op['self_cpu_s']:7.1f} | "
           f"{100 * op['share_of_operator_cpu_time']:5.1f} %")
 print("largest allocators:", ", ".join(f"{a['name']} {a['self_cpu_bytes'] / 1e6:.1f} MB"
                                        for a in profiled["memory"]["top_allocators"][:3]))
@@ -664,7 +664,7 @@ prof_record = next(r for r in map(json.loads, (prof_dir / "metrics.jsonl").read_
                    if r.get("step") == PROFILED)
 needed = step_flops(prof_record, prof_config, shape)
 print(f"profiled step {PROFILED}: {profiled['time_step']:.3f} s; this process had a CPU "
-      f"{100 * profiled['cpu_share']:.0f} % of that time (the rest went to other processes)")
+      f"{100 * profiled['cpu_share']:.0f} % of that time (other processes had the rest)")
 rows = []
 for stage, part in (("generate", "rollout"), ("update", "trainer")):
     st = profiled["stages"][stage]
@@ -937,7 +937,7 @@ print("rules that fire before:", base_diagnosis.fired, "| after:", fast_diagnosi
 from minirl.runtime.stage_runs import run_stage  # noqa: E402
 
 if SMOKE:
-    print("smoke mode: the stage-4 and stage-6 runs are skipped (tests/test_chapter09.py runs)")
+    print("smoke mode: skips the stage-4 and stage-6 runs (tests/test_chapter09.py runs them)")
 else:
     stage4 = diagnose(run_stage(4, RUNS / f"{TAG}_stage4"), quiet=True)
     stage6 = diagnose(run_stage(6, RUNS / f"{TAG}_stage6"), quiet=True)
