@@ -13,7 +13,7 @@ run's workers, `partial`: what could not be measured and why), plus OUT/shares.p
 per step and a timeline). A stage-4 run (torchrun) is decomposed from rank 0's timers and
 marked partial: its collectives run untimed inside update and sync. A stage-6 run (Ray) has
 each stage's driver time outside the workers' calls (from its timeline.json) as
-communication, `<stage>/rpc`. Notebook 09, section 6, lists the keys a run must write. With
+communication, `<stage>/rpc`. minirl/runtime/run_records.py lists the keys a run must write. With
 --profile-steps the new run goes to OUT/run/ (run.json, metrics.jsonl, final/) and its
 Chrome traces to OUT/run/profile/trace_step-N.json.gz (open them at https://ui.perfetto.dev
 or chrome://tracing); summary.json then also holds `profile`. A CPU's peak is measured on

@@ -4,6 +4,7 @@ Hand-written (bookkeeping around the rules notebook 09 teaches). `diagnose` deco
 run's time (`minirl.profiling.decompose`), computes its MFU where the run directory allows
 it (`run_dir_mfu`), measures every symptom (`measurements`), and calls `rules_that_fire`;
 whatever it cannot measure it lists in `partial`, and the report says so.
+
 - `measurements`: every rule's measured value (None: not measured) and how it was measured:
   generation's, the sync's and the collectives' shares from the time decomposition (a Ray
   call's `rpc` time is not a collective and is named, not counted; a data-parallel run whose
