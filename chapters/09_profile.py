@@ -13,7 +13,7 @@ run's workers, `partial`: what could not be measured and why), plus OUT/shares.p
 per step and a timeline). A stage-4 run (torchrun) is decomposed from rank 0's timers and
 marked partial: its collectives run untimed inside update and sync. A stage-6 run (Ray) has
 each stage's driver time outside the workers' calls (from its timeline.json) as
-communication, `<stage>/rpc`. Notebook 09, section 6, lists the keys a run must write. With
+communication, `<stage>/rpc`. minirl/runtime/run_records.py lists the keys a run must write. With
 --profile-steps the new run goes to OUT/run/ (run.json, metrics.jsonl, final/) and its
 Chrome traces to OUT/run/profile/trace_step-N.json.gz (open them at https://ui.perfetto.dev
 or chrome://tracing); summary.json then also holds `profile`. A CPU's peak is measured on
@@ -172,9 +172,9 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minirl.profiling.decompose import RunDataError
-    from minirl.profiling.plots import plot_shares, plot_stage_timeline
-    from minirl.profiling.rules import diagnose
+    from minirl.runtime.diagnosis_report import diagnose
+    from minirl.runtime.profiling_plots import plot_shares, plot_stage_timeline
+    from minirl.runtime.run_records import RunDataError
 
     try:
         diagnosis = diagnose(run_dir, peak_tflops=args.peak_tflops, threads=args.threads)

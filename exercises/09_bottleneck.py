@@ -13,7 +13,8 @@ from minirl.profiling.rules import RULES, Rule
 
 
 def stage_shares(records: list[dict]) -> dict[str, float]:
-    """Each stage's share (0-1) of a run's time: its `time/<stage>` seconds summed over the run / the total `time/step`.
+    """Each stage's share (0-1) of a run's time: its `time/<stage>` seconds summed over the run
+    / the total `time/step`.
 
     records: a run's records (as in metrics.jsonl). Only step records count: those with
     "time/step" (the step-0 evaluation record has none). Every other "time/<name>" key is a
@@ -27,42 +28,46 @@ def stage_shares(records: list[dict]) -> dict[str, float]:
     raise NotImplementedError("exercise 9.1: stage_shares -- see its docstring and notebook 09")
 
 
-def forward_flops(params: float, layers: int, attn_dim: int, seq_len: float, sequences: float) -> float:
+def forward_flops(params: float, layers: int, attn_dim: int, seq_len: float,
+                  sequences: float) -> float:
     """FLOPs of one forward pass over `sequences` causal sequences of `seq_len` tokens each.
 
     params: weights a token is multiplied by (N); layers: L; attn_dim: query heads x head dim (A).
     Per token, 2 N (a multiply and an add per weight). Attention, per layer and per
     (query, key) pair: QK^T costs 2 A and AV costs 2 A. Token t (1-based) attends to t keys
     (itself and the tokens before it), so a sequence of T tokens has T (T + 1) / 2 pairs.
-    Returns sequences x (2 N T + 2 L A T (T + 1)), a float (seq_len may be a mean, not an integer).
+    Returns sequences x (2 N T + 2 L A T (T + 1)), a float (seq_len may be a mean).
     """
     raise NotImplementedError("exercise 9.2: forward_flops -- see its docstring and notebook 09")
 
 
-def group_forward_flops(params: float, layers: int, attn_dim: int, prompt_len: float, completion_len: float,
-                        group_size: int, groups: float) -> float:
-    """One forward over `groups` groups of `group_size` completions sharing a prompt, the prompt counted once.
+def group_forward_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
+                        completion_len: float, group_size: int, groups: float) -> float:
+    """One forward over `groups` groups of `group_size` completions sharing a prompt, the
+    prompt counted once.
 
     Per group: F(P) for the prompt, and per completion F(P + C) - F(P) (its C tokens attend
     to the prompt and to each other), with F = forward_flops of one sequence.
     """
     def one(length):
         return forward_flops(params, layers, attn_dim, length, 1)
-    return groups * (one(prompt_len) + group_size * (one(prompt_len + completion_len) - one(prompt_len)))
+    prompt, whole = one(prompt_len), one(prompt_len + completion_len)
+    return groups * (prompt + group_size * (whole - prompt))
 
 
-def training_flops(params: float, layers: int, attn_dim: int, prompt_len: float, completion_len: float,
-                   group_size: int, groups: float) -> float:
-    """An update's model FLOPs: the forward and a backward that costs two forwards (6 N per token)."""
-    return 3 * group_forward_flops(params, layers, attn_dim, prompt_len, completion_len, group_size, groups)
+def training_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
+                   completion_len: float, group_size: int, groups: float) -> float:
+    """An update's model FLOPs: the forward and a backward costing two forwards (6 N per token)."""
+    return 3 * group_forward_flops(params, layers, attn_dim, prompt_len, completion_len,
+                                   group_size, groups)
 
 
-def generation_flops(params: float, layers: int, attn_dim: int, prompt_len: float, completion_len: float,
-                     group_size: int, groups: float) -> float:
-    """KV-cached sampling: the prompt once per group, then C - 1 fed-back tokens per completion (the last is
-    sampled from the previous forward and never fed back)."""
-    return group_forward_flops(params, layers, attn_dim, prompt_len, max(completion_len - 1.0, 0.0), group_size,
-                               groups)
+def generation_flops(params: float, layers: int, attn_dim: int, prompt_len: float,
+                     completion_len: float, group_size: int, groups: float) -> float:
+    """KV-cached sampling: the prompt once per group, then C - 1 fed-back tokens per completion
+    (the last is sampled from the previous forward and never fed back)."""
+    return group_forward_flops(params, layers, attn_dim, prompt_len,
+                               max(completion_len - 1.0, 0.0), group_size, groups)
 
 
 def mfu(flops: float, seconds: float, peak_flops: float) -> float:
@@ -70,7 +75,8 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / (peak_flops * seconds) if seconds > 0 and peak_flops > 0 else float("nan")
 
 
-def rules_that_fire(measured: dict[str, float | None], rules: tuple[Rule, ...] = RULES) -> list[str]:
+def rules_that_fire(measured: dict[str, float | None],
+                    rules: tuple[Rule, ...] = RULES) -> list[str]:
     """The names of the rules that fire, in the order of `rules`.
 
     measured: rule name -> measured value, or None when the run did not record it (a rule

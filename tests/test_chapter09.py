@@ -215,7 +215,7 @@ def test_a_mistyped_flag_or_a_missing_gpu_fails_before_torch_loads(tmp_path):
 def test_hopper_peaks_are_the_datasheets_dense_figures():
     """H100/H200 datasheets print bf16 1,979 (SXM) and 1,671 (NVL) TFLOP/s *with sparsity*: MFU uses half,
     and FP8's dense peak is twice bf16's."""
-    from minirl.profiling.mfu import GPU_PEAK_TFLOPS, gpu_peak_flops
+    from minirl.runtime.mfu_inputs import GPU_PEAK_TFLOPS, gpu_peak_flops
 
     table = dict(GPU_PEAK_TFLOPS)
     for name, key, dense in (("NVIDIA H200", "H200", 989e12), ("NVIDIA H100 80GB HBM3", "H100", 989e12),

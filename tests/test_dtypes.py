@@ -50,8 +50,8 @@ def test_build_roles_and_engine_use_the_resolved_dtypes(tiny):
 def test_the_mfu_rules_read_an_auto_rollout_dtype(tmp_path):
     from test_profiling import CONFIG, make_run, step_record
 
-    from minirl.profiling.mfu import FlopShape
-    from minirl.profiling.rules import run_dir_mfu
+    from minirl.runtime.diagnosis_report import run_dir_mfu
+    from minirl.runtime.mfu_inputs import FlopShape
 
     run = make_run(tmp_path / "run", [step_record(1)], config=CONFIG)
     info = json.loads((run / "run.json").read_text())

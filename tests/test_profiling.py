@@ -15,31 +15,27 @@ import torch
 from transformers import Qwen2Config
 
 from minirl.config import RLConfig
-from minirl.profiling.decompose import (
-    CATEGORIES,
-    MetricsFileError,
-    MixedRunsError,
-    NoMetricsError,
-    decompose,
-    rank_imbalance,
-    stage_shares,
-)
+from minirl.profiling.decompose import CATEGORIES, decompose, stage_shares
 from minirl.profiling.mfu import (
+    forward_flops,
+    generation_flops,
+    group_forward_flops,
+    run_mfu,
+    step_flops,
+    training_flops,
+)
+from minirl.runtime.diagnosis_report import decomposition_table
+from minirl.runtime.mfu_inputs import (
     GPU_PEAK_TFLOPS,
     FlopShape,
     FlopShapeError,
     UnknownPeakError,
     flat_config,
-    forward_flops,
-    generation_flops,
     gpu_peak_flops,
-    group_forward_flops,
     measure_cpu_peak,
     peak_flops,
-    run_mfu,
-    step_flops,
-    training_flops,
 )
+from minirl.runtime.run_records import MetricsFileError, MixedRunsError, NoMetricsError, rank_imbalance
 
 CONFIG = RLConfig.from_flat(steps=10, prompts_per_step=4, num_generations=2, eval_every=0)
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -87,7 +83,7 @@ def test_shares_of_a_stage1_run(tmp_path):
     assert abs(d.shares["other"] - 3 * 0.017 / total) < 1e-9, "what no timer covers"
     assert d.bottleneck == "update" and d.partial == []
     assert len(d.step_shares) == 3 and all(abs(sum(s.values()) - 1) < 1e-9 for s in d.step_shares)
-    assert "update" in d.table() and "generation" in d.table()
+    assert "update" in decomposition_table(d) and "generation" in decomposition_table(d)
 
 
 def test_sub_timers_move_out_of_their_stage(tmp_path):

@@ -8,9 +8,12 @@ import pytest
 import torch
 from test_profiling import CONFIG, make_run, step_record
 
-from minirl.profiling.decompose import MixedRunsError, NoMetricsError, decompose
-from minirl.profiling.mfu import FlopShape, flat_config, run_mfu
-from minirl.profiling.rules import RULES, diagnose, rules_that_fire
+from minirl.profiling.decompose import decompose
+from minirl.profiling.mfu import run_mfu
+from minirl.profiling.rules import RULES, rules_that_fire
+from minirl.runtime.diagnosis_report import diagnose
+from minirl.runtime.mfu_inputs import FlopShape, flat_config
+from minirl.runtime.run_records import MixedRunsError, NoMetricsError
 
 HEALTHY_MFU = 0.5
 

@@ -10,9 +10,10 @@ from test_profiling import CONFIG, TINY, make_run, step_record
 from transformers import Qwen2Config
 
 from minirl.profiling.decompose import decompose
-from minirl.profiling.mfu import FlopShape, flat_config, run_mfu, step_flops
-from minirl.profiling.rules import diagnose, run_dir_mfu
-from minirl.profiling.timeline import TIMELINE_FILE, split_calls
+from minirl.profiling.mfu import run_mfu, step_flops
+from minirl.runtime.diagnosis_report import decomposition_table, diagnose, run_dir_mfu
+from minirl.runtime.mfu_inputs import FlopShape, flat_config
+from minirl.runtime.ray_timeline import TIMELINE_FILE, split_calls
 
 PCONFIG = {"zero": 3, "lora_rank": 0, "gradient_checkpointing": False, "colocate": True}   # stage 4's run.json
 
@@ -115,7 +116,7 @@ def test_a_ray_run_splits_the_driver_time_outside_the_workers(tmp_path):
     assert abs(sum(d.shares.values()) - 1) < 1e-9 and d.partial == []
     assert d.workers["rollout[0]"] == near((0.3 + 0.001 + 0.015) / step)
     assert d.workers["train[0]"] == near((0.45 + 0.012) / step), "a checkpoint's call is no stage's"
-    assert "workers busy" in d.table()
+    assert "workers busy" in decomposition_table(d)
     diagnosis = diagnose(tmp_path / "r06", peak_tflops=0.001, quiet=True)
     comm = next(f for f in diagnosis.findings if f.rule.name == "heavy_communication")
     assert comm.value is None and "Ray calls" in comm.detail, "Ray calls are not the source's collectives"

@@ -83,7 +83,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
                 "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
-                "minirl/runtime/trl_config.py", "minirl/runtime/schedule.py", "minirl/runtime/trackers.py")
+                "minirl/runtime/trl_config.py", "minirl/runtime/schedule.py", "minirl/runtime/trackers.py",
+                # notebook 09
+                "minirl/runtime/diagnosis_report.py", "minirl/runtime/mfu_inputs.py",
+                "minirl/runtime/profile_tables.py", "minirl/runtime/profiling_plots.py",
+                "minirl/runtime/ray_timeline.py", "minirl/runtime/run_records.py", "minirl/runtime/stage_runs.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

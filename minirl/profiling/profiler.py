@@ -1,175 +1,56 @@
 # Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
-"""torch.profiler around chosen steps of a run, as a run callback: a Chrome trace, the top operators, memory.
+"""torch.profiler around chosen steps of a run, as a run callback (notebook 09, section 2).
 
-`TorchProfiler(run_dir, steps=[3])` is a `Callback` (minirl.train.run): pass it to a run
-through `extra_callbacks` (stage 1's `train`, the Driver's `train`, ...). It starts
-torch.profiler right after step k-1's record has gone through the callbacks and stops it
-right after step k's, so the window holds step k and the run's own callbacks of step k (an
-evaluation or a checkpoint that falls on step k shows up: profile a step without one).
-For each profiled step it writes, under `run_dir/profile/`:
-- `trace_step-000003.json.gz`: the Chrome trace (open it at https://ui.perfetto.dev, or
-  chrome://tracing); with_stack=True adds the Python call stack, so rl_step's stages
-  (`generate`, `update`, `push`) appear above the operators they ran;
-- `ops_step-000003.txt`: every torch operator with its calls, self time, FLOPs and memory;
-and records the step in `summary.json`: the top operators by self time, the matmul share
-of the step and the matmul rate (FLOPs torch counts for mm/addmm/bmm), the same per stage
-of rl_step (with the Python stack: operator, matmul and Python seconds, operator calls,
-counted FLOPs), memory (operators that allocated most, the process's peak resident memory
-so far, the CUDA peak), the step's time, and the share of it this process had a CPU
-(below 1 when other processes compete for the cores). `minirl.profiling.decompose` leaves
-profiled steps out of its shares.
-
-Simplified vs torch.profiler.schedule and TensorBoard's plugin: one trace per step, written
-directly; the step before is the warm-up; no TensorBoard files.
+Under `run_dir/profile/`, each profiled step's Chrome trace (`trace_step-000003.json.gz`),
+its operator table (`ops_step-000003.txt`) and its entry of `summary.json`, written by
+`minirl.runtime.profile_tables`. `minirl.profiling.decompose` leaves profiled steps out.
 """
 
-__all__ = ["MATMULS", "STEP_CALLS", "operator_totals", "operator_table", "operator_text",
-           "matmul_summary", "stage_breakdown", "memory_summary", "TorchProfiler"]
+__all__ = ["TorchProfiler"]
 
-import bisect
-import resource
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minirl.runtime.io import atomic_write_json, atomic_write_text
+from minirl.runtime.io import atomic_write_json
+from minirl.runtime.profile_tables import write_step_profile
 from minirl.train.run import Callback
-
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-STEP_CALLS = {"generate": "generate", "score": "score", "make_experience": "reference",  # rl_step's callees
-               "correct_behaviour": "advantages", "compute_advantages": "advantages", "update": "update",
-               "push": "sync"}
-
-
-def operator_totals(events) -> dict[str, dict]:
-    """torch operators (aten::...) summed by name over a profile's events: calls, self seconds on the CPU and on
-    the device, FLOPs counted, self bytes allocated. (torch's key_averages does this too, for every event, and
-    is slow with the Python stack recorded.)"""
-    totals = {}
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        t = totals.setdefault(e.name, {"calls": 0, "self_cpu_s": 0.0, "self_device_s": 0.0, "flops": 0.0,
-                                       "self_cpu_bytes": 0})
-        t["calls"] += 1
-        t["self_cpu_s"] += e.self_cpu_time_total / 1e6
-        t["self_device_s"] += getattr(e, "self_device_time_total", 0.0) / 1e6
-        t["flops"] += e.flops or 0.0
-        t["self_cpu_bytes"] += e.self_cpu_memory_usage
-    return totals
-
-
-def operator_table(totals: dict[str, dict], top: int = 15) -> list[dict]:
-    """The `top` operators by self time (device time first where there is any), with their share of operator time."""
-    total = sum(t["self_cpu_s"] for t in totals.values()) or 1.0
-    order = sorted(totals, key=lambda n: (totals[n]["self_device_s"], totals[n]["self_cpu_s"]), reverse=True)
-    return [{"name": n, **totals[n], "share_of_operator_cpu_time": totals[n]["self_cpu_s"] / total}
-            for n in order[:top]]
-
-
-def operator_text(totals: dict[str, dict]) -> str:
-    """Every operator as a text table, by self time."""
-    lines = [f"{'operator':<60} {'calls':>7} {'self CPU ms':>12} {'self device ms':>15} {'MFLOP':>12} {'self MB':>9}"]
-    for row in operator_table(totals, top=len(totals)):
-        lines.append(f"{row['name'][:60]:<60} {row['calls']:>7} {1e3 * row['self_cpu_s']:>12.3f} "
-                     f"{1e3 * row['self_device_s']:>15.3f} {row['flops'] / 1e6:>12.1f} "
-                     f"{row['self_cpu_bytes'] / 1e6:>9.2f}")
-    return "\n".join(lines) + "\n"
-
-
-def matmul_summary(totals: dict[str, dict], step_seconds: float) -> dict:
-    """Seconds in matrix products (MATMULS, self time on the device that ran them), FLOPs torch counted, the rate."""
-    mm = [totals[n] for n in MATMULS if n in totals]
-    device = sum(t["self_device_s"] for t in mm)
-    seconds = device if device > 0 else sum(t["self_cpu_s"] for t in mm)
-    flops = float(sum(t["flops"] for t in mm))
-    return {"seconds": seconds, "flops": flops, "flops_per_second": flops / seconds if seconds else 0.0,
-            "share_of_step": seconds / step_seconds if step_seconds else 0.0,
-            "operator_calls": sum(t["calls"] for t in totals.values())}
-
-
-def stage_breakdown(events) -> dict[str, dict]:
-    """Per stage of rl_step: wall seconds, seconds in torch operators and in matmuls, the rest (Python and
-    dispatch), operator calls and the FLOPs torch counted. Needs the Python stack (with_stack=True); {} without.
-
-    A stage is a call made directly by rl_step or by its `learn` or `sync_and_record` (`STEP_CALLS`; a
-    critic's update is "update_critic"; decorators and context managers in between are skipped); each
-    operator belongs to the stage whose call encloses it on its thread.
-    """
-    steps = {id(e) for e in events if e.name.endswith((": rl_step", ": learn", ": sync_and_record"))}
-    spans = []
-    for e in events:
-        caller = e.cpu_parent
-        while caller is not None and "minirl/" not in caller.name:      # past decorators (no_grad), context managers
-            caller = caller.cpu_parent
-        if "minirl/" in e.name and caller is not None and id(caller) in steps:
-            call = e.name.rsplit(": ", 1)[-1]
-            stage = "update_critic" if call == "update" and "critic" in e.name else STEP_CALLS.get(call)
-            if stage is not None:
-                spans.append((e.thread, e.time_range.start, e.time_range.end, stage))
-    spans.sort()
-    out = {}
-    for _, start, end, stage in spans:
-        entry = out.setdefault(stage, {"seconds": 0.0, "operator_seconds": 0.0, "matmul_seconds": 0.0,
-                                       "operator_calls": 0, "flops": 0.0})
-        entry["seconds"] += (end - start) / 1e6
-    keys = [(thread, start) for thread, start, _, _ in spans]
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        i = bisect.bisect_right(keys, (e.thread, e.time_range.start)) - 1
-        if i < 0 or spans[i][0] != e.thread or e.time_range.start > spans[i][2]:
-            continue
-        entry = out[spans[i][3]]
-        entry["operator_seconds"] += e.self_cpu_time_total / 1e6
-        entry["matmul_seconds"] += e.self_cpu_time_total / 1e6 if e.name in MATMULS else 0.0
-        entry["operator_calls"] += 1
-        entry["flops"] += e.flops or 0.0
-    for entry in out.values():
-        entry["python_seconds"] = max(0.0, entry["seconds"] - entry["operator_seconds"])
-    return out
-
-
-def memory_summary(totals: dict[str, dict], top: int = 5) -> dict:
-    """The operators that allocated most (self bytes), the process's peak resident bytes, the CUDA peak."""
-    order = sorted(totals, key=lambda n: totals[n]["self_cpu_bytes"], reverse=True)
-    out = {"top_allocators": [{"name": n, "self_cpu_bytes": totals[n]["self_cpu_bytes"]} for n in order[:top]],
-           "process_peak_resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if torch.cuda.is_available():
-        out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    return out
 
 
 class TorchProfiler(Callback):
-    """Profile the given steps (1-based) of a run into run_dir/profile/ (see the module docstring)."""
+    """Profile the given steps (1-based) of a run into run_dir/profile/."""
 
     def __init__(self, run_dir, steps, *, with_stack: bool = True, profile_memory: bool = True,
                  record_shapes: bool = True, top: int = 15):
         steps = sorted({int(s) for s in steps})
         if not steps or steps[0] < 1:
-            raise ValueError(f"TorchProfiler(steps={steps}): give step numbers >= 1 (step 1 is the first step)")
+            raise ValueError(f"TorchProfiler(steps={steps}): give step numbers >= 1 "
+                             "(step 1 is the first step)")
         self.dir, self.steps, self.top = Path(run_dir) / "profile", steps, top
-        self.options = dict(with_stack=with_stack, profile_memory=profile_memory, record_shapes=record_shapes,
-                            with_flops=True)
+        self.options = dict(with_stack=with_stack, profile_memory=profile_memory,
+                            record_shapes=record_shapes, with_flops=True)
         self.profiler, self.results = None, {}
 
     def on_start(self, state):
         late = [s for s in self.steps if s <= state.step or s > state.config.run.steps]
         if late:
-            raise ValueError(f"TorchProfiler(steps={self.steps}): step(s) {late} will not run (this run goes from step "
-                             f"{state.step + 1} to {state.config.run.steps}); choose steps in that range")
+            raise ValueError(f"TorchProfiler(steps={self.steps}): step(s) {late} will not run "
+                             f"(this run goes from step {state.step + 1} to "
+                             f"{state.config.run.steps}); choose steps in that range")
         self.dir.mkdir(parents=True, exist_ok=True)
-        for old in [*self.dir.glob("trace_step-*"), *self.dir.glob("ops_step-*"), self.dir / "summary.json"]:
-            old.unlink(missing_ok=True)                # an earlier run's profile: this directory is this run's
+        for old in [*self.dir.glob("trace_step-*"), *self.dir.glob("ops_step-*"),
+                    self.dir / "summary.json"]:
+            old.unlink(missing_ok=True)     # an earlier run's profile: this directory is this run's
         self._start_if_profiled(state.step + 1)
 
     def _start_if_profiled(self, step: int) -> None:
         if step not in self.steps:
             return
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
         self.profiler = profile(activities=activities, **self.options)
         self.clocks = (time.perf_counter(), time.process_time())
@@ -181,7 +62,7 @@ class TorchProfiler(Callback):
         self._start_if_profiled(state.step + 1)
 
     def on_end(self, state):
-        if self.profiler is not None:             # stopped inside a profiled step: no trace of a partial step
+        if self.profiler is not None:    # stopped inside a profiled step: no partial trace
             self.profiler.stop()
             self.profiler = None
 
@@ -189,18 +70,8 @@ class TorchProfiler(Callback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.profiler.stop()
-        wall, cpu = time.perf_counter() - self.clocks[0], time.process_time() - self.clocks[1]
         prof, self.profiler = self.profiler, None
-        name = f"step-{step:06d}"
-        trace = self.dir / f"trace_{name}.json.gz"
-        prof.export_chrome_trace(str(trace))
-        events = prof.events()
-        totals = operator_totals(events)
-        atomic_write_text(self.dir / f"ops_{name}.txt", operator_text(totals))
-        seconds = record.get("time/step", 0.0)
-        self.results[str(step)] = {"trace": str(trace), "time_step": seconds, "cpu_share": min(1.0, cpu / wall),
-                                   "top_operators": operator_table(totals, self.top),
-                                   "matmul": matmul_summary(totals, seconds), "stages": stage_breakdown(events),
-                                   "memory": memory_summary(totals)}
+        self.results[str(step)] = write_step_profile(prof, self.dir, step, record, self.clocks,
+                                                     self.top)
         atomic_write_json(self.dir / "summary.json", {"steps": sorted(int(s) for s in self.results),
                                                        "per_step": self.results})

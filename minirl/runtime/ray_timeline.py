@@ -1,5 +1,8 @@
-# Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
 """Stage 6's worker timelines: how much of each stage's driver time a Ray run spent outside the workers.
+
+Hand-written (bookkeeping for notebook 09's decomposition of a Ray run). A stage-6 run times
+each stage on the driver, so a stage's seconds include the Ray call: dispatch, arguments and
+results through the object store, the driver gathering the workers' parts.
 
 Chapter 06 writes `timeline.json`: every worker's calls as (what, start, end) wall-clock
 seconds, and the steps they cover. `split_calls` cuts it into steps, takes per step and
@@ -8,8 +11,6 @@ rest of the driver's time as `time/<stage>/rpc` (which `minirl.profiling.decompo
 as communication), with each worker's busy share. A missing, damaged or mismatched
 timeline is said in `partial`, and the records come back unchanged.
 """
-
-__all__ = ["TIMELINE_FILE", "WORKER_CALLS", "read_timeline", "split_calls"]
 
 import json
 from pathlib import Path

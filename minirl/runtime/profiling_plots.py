@@ -1,7 +1,9 @@
-# Generated from notebooks/09_bottleneck.py by tools/build.py -- edit the notebook, not this file.
-"""Plots of a time decomposition: stacked shares per step, a timeline of the first steps, runs side by side."""
+"""Plots of a time decomposition (notebook 09): stacked shares per step, a timeline of the first steps, runs side
+by side.
 
-__all__ = ["CATEGORY_COLORS", "plot_shares", "plot_stage_timeline", "plot_compare"]
+Hand-written (plot styling). Each function takes a `minirl.profiling.decompose.Decomposition`
+and an optional matplotlib axis, and returns the axis.
+"""
 
 import matplotlib.pyplot as plt
 
@@ -13,7 +15,7 @@ CATEGORY_COLORS = dict(zip(CATEGORIES, ("tab:blue", "tab:olive", "tab:purple", "
 
 def plot_shares(decomposition: Decomposition, ax=None, max_bars: int = 60, title: str | None = None):
     """Category shares per step as stacked bars (consecutive steps averaged when there are more than max_bars)."""
-    ax = ax or plt.subplots(figsize=(8, 3.2))[1]
+    ax = ax or plt.subplots(figsize=(7, 3.2))[1]
     shares = decomposition.step_shares
     width = max(1, -(-len(shares) // max_bars))
     groups = [shares[i:i + width] for i in range(0, len(shares), width)]
@@ -35,7 +37,7 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
 
     Sub-timers are drawn at the end of their parent's span; untimed time ("other") at the end of each step.
     """
-    ax = ax or plt.subplots(figsize=(9, 2.8))[1]
+    ax = ax or plt.subplots(figsize=(7, 2.8))[1]
     lanes = [c for c in CATEGORIES if any(s.get(c) for s in decomposition.step_shares[:steps])]
     start = 0.0
     d = decomposition                                                         # the first `steps` steps:
@@ -68,7 +70,7 @@ def plot_stage_timeline(decomposition: Decomposition, steps: int = 3, ax=None, t
 
 def plot_compare(decompositions: dict[str, Decomposition], ax=None, title: str | None = None):
     """One horizontal stacked bar of category shares per run, labelled."""
-    ax = ax or plt.subplots(figsize=(8, 0.7 + 0.6 * len(decompositions)))[1]
+    ax = ax or plt.subplots(figsize=(7, 0.7 + 0.6 * len(decompositions)))[1]
     for row, d in enumerate(decompositions.values()):
         left = 0.0
         for category in CATEGORIES:
