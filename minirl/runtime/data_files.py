@@ -24,7 +24,7 @@ DISK_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")         
 SPLITS = {"dataset": ("train",), "eval_dataset": ("test", "validation")}                # DatasetDict split to take
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?(?::[\w.-]+)?$")            # name, org/name, org/name:config
+DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?(?::[\w.-]+)?$")            # name, org/name, org/name:config
 
 
 def _kinds() -> str:
@@ -35,7 +35,7 @@ def is_dataset_id(spec) -> bool:
     """True for `name`, `org/name` or `org/name:config` that is no file or directory here (and has no data
     file's suffix): what `datasets.load_dataset` takes by id."""
     spec = os.fspath(spec)
-    return (bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
+    return (bool(DATASET_ID.match(spec)) and not Path(spec).expanduser().exists()
             and Path(spec.partition(":")[0]).suffix.lower() not in SUFFIXES)
 
 

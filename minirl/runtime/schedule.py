@@ -13,7 +13,7 @@ a resumed run picks it up where it stopped: nothing is saved for it.
 
 from __future__ import annotations
 
-SCHEDULES = ("constant", "linear", "cosine", "constant_with_warmup")
+LR_SCHEDULES = ("constant", "linear", "cosine", "constant_with_warmup")
 
 
 def add_schedule_flags(parser) -> None:
@@ -21,7 +21,7 @@ def add_schedule_flags(parser) -> None:
     from minirl.runtime.argtypes import float_in  # noqa: PLC0415
 
     group = parser.add_argument_group("learning-rate schedule (transformers' get_scheduler, as TRL)")
-    group.add_argument("--lr-scheduler-type", choices=SCHEDULES, default="constant",
+    group.add_argument("--lr-scheduler-type", choices=LR_SCHEDULES, default="constant",
                        help="how the learning rate moves over --steps (TRL's default: linear) (default: %(default)s)")
     group.add_argument("--warmup-steps", type=float_in(low=0), default=0.0,
                        help="steps of linear warm-up from 0; below 1: that fraction of --steps (default: 0)")

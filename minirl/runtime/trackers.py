@@ -20,10 +20,10 @@ import os
 from pathlib import Path
 
 REPORT_TO = ("none", "tensorboard", "trackio", "wandb")
-RENAMED = {"completion_length": "completions/mean_length", "completion_length_max": "completions/max_length",
+TRL_METRIC_NAMES = {"completion_length": "completions/mean_length", "completion_length_max": "completions/max_length",
            "ratio_mean": "importance_sampling_ratio/mean", "time/step": "step_time"}
 EVAL = ("accuracy", "eval_reward")
-PACKAGE = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
 
 
 def add_report_flag(parser) -> None:
@@ -35,16 +35,16 @@ def add_report_flag(parser) -> None:
 def check_report_to(parser, args) -> None:
     """A parser error (one line) when the tracker's package is not installed."""
     name = getattr(args, "report_to", "none")
-    if name != "none" and importlib.util.find_spec(PACKAGE[name]) is None:
-        parser.error(f"argument --report-to: {name!r}: the {PACKAGE[name]} package is not installed; "
-                     f"pip install {PACKAGE[name]}, or use --report-to tensorboard")
+    if name != "none" and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+        parser.error(f"argument --report-to: {name!r}: the {TRACKER_PACKAGES[name]} package is not installed; "
+                     f"pip install {TRACKER_PACKAGES[name]}, or use --report-to tensorboard")
 
 
 def trl_name(key: str) -> str:
     """TRL's name of one of minirl's record keys: rewards/f -> rewards/f/mean, completion_length -> ..."""
     if key.startswith("rewards/") and key.count("/") == 1:
         return f"{key}/mean"
-    return RENAMED.get(key, key)
+    return TRL_METRIC_NAMES.get(key, key)
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import math
 
-RENAMED = {           # TRL's name -> the chapter's setting of the same meaning
+TRL_RENAMED = {           # TRL's name -> the chapter's setting of the same meaning
     "max_steps": "steps", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
     "eval_steps": "eval_every", "output_dir": "out", "model_name_or_path": "model", "dataset_name": "dataset",
     "reward_funcs": "reward", "lora_r": "lora_rank", "activation_checkpointing": "gradient_checkpointing",
@@ -32,7 +32,7 @@ RENAMED = {           # TRL's name -> the chapter's setting of the same meaning
 WHY_IGNORED = {       # TRL's setting -> why a chapter without it can run on regardless
     "logging_steps": "minirl logs every step",
     "logging_strategy": "minirl logs every step",
-    "report_to": "minirl writes metrics.jsonl (a tracker: not yet)",
+    "report_to": "this chapter writes metrics.jsonl only",
     "log_completions": "not yet: the chapters print the held-out accuracy",
     "max_prompt_length": "prompts are never cut",
     "use_peft": "this chapter trains every weight; LoRA: chapter 04",
@@ -109,6 +109,11 @@ def translate(data: dict, settings: set[str], world_size: int = 1) -> tuple[dict
     """
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     ours = {k: v for k, v in data.items() if k in settings}
+    if isinstance(ours.get("report_to"), list):              # TRL's to_dict() writes a list: [] is none
+        trackers = [t for t in ours["report_to"] if t != "none"]
+        if len(trackers) > 1:
+            raise TRLConfigError(f"report_to: {trackers}: minirl reports to one tracker at a time; keep one")
+        ours["report_to"] = trackers[0] if trackers else "none"
     if isinstance(ours.get("lora_target_modules"), list):    # TRL writes a list; the flag takes q_proj,v_proj
         ours["lora_target_modules"] = ",".join(map(str, ours["lora_target_modules"]))
     trl = {k: v for k, v in data.items() if k not in settings}
@@ -173,9 +178,9 @@ def translate(data: dict, settings: set[str], world_size: int = 1) -> tuple[dict
         elif name == "warmup_ratio" and "warmup_steps" in settings:
             if value:
                 put("warmup_steps", float(value), name)      # transformers 5: a warmup_steps below 1 is a ratio
-        elif name in RENAMED and RENAMED[name] in settings:
-            put(RENAMED[name], value, name)
-        elif name in WHY_IGNORED or name in RENAMED:
+        elif name in TRL_RENAMED and TRL_RENAMED[name] in settings:
+            put(TRL_RENAMED[name], value, name)
+        elif name in WHY_IGNORED or name in TRL_RENAMED:
             if value not in (None, False, [], "none", "no"):
                 ignore(name)
         else:
