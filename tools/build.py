@@ -82,7 +82,13 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
-                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
+                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
+                # notebook 08 (issue 29): its plumbing, harnesses and plot styling
+                "minirl/runtime/balancing_hooks.py", "minirl/runtime/dualpipev.py",
+                "minirl/runtime/expert_job.py", "minirl/runtime/moe_cache.py", "minirl/runtime/moe_checks.py",
+                "minirl/runtime/moe_plots.py", "minirl/runtime/packing_bench.py", "minirl/runtime/pipeline_job.py",
+                "minirl/runtime/pipeline_sim.py", "minirl/runtime/pipeline_types.py",
+                "minirl/runtime/routing_bench.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"
