@@ -186,9 +186,9 @@ def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
     from minirl.config import SamplingConfig
     from minirl.memory.measure import build_measure_model
     from minirl.models.policy import load_default_policy
-    from minirl.parallel.packing import PACKERS, utilization
+    from minirl.parallel.packing import utilization
     from minirl.rollout.hf import HFEngine
-    from minirl.runtime.packing_bench import long_tail_lengths, padded_utilization, time_packed_vs_padded
+    from minirl.runtime.packing_bench import PACKERS, long_tail_lengths, padded_utilization, time_packed_vs_padded
 
     policy, _, _ = load_default_policy(progress=False)
     sampled = HFEngine(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]],

@@ -14,7 +14,8 @@ from minirl.runtime.moe_checks import PipelineError, check_lengths, check_pipeli
 from minirl.runtime.pipeline_types import BACKWARD, FORWARD, Op
 
 
-def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
+def load_balancing_loss(router_logits: Tensor, top_k: int,
+                        token_mask: Tensor | None = None) -> Tensor:
     """The Switch Transformer / GShard auxiliary loss of one MoE layer: E * sum_e f_e * P_e.
 
     router_logits: [N, E] float, one row per token. token_mask: [N] bool or 0/1, or None for
@@ -49,7 +50,7 @@ def gpipe_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
-    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, then cool-down.
+    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, cool-down.
 
     Stage `stage` (0-based, of `num_stages`) first runs W = min(num_stages - stage - 1,
     num_microbatches) forwards (micro-batches 0..W-1); then, for i = 0 .. M-W-1, the
@@ -82,21 +83,6 @@ def next_fit(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first; each sequence into the first (oldest) bin with room, else a new bin."""
-    check_lengths(lengths, budget)
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
-        if j is None:
-            bins.append([])
-            room.append(budget)
-            j = len(bins) - 1
-        bins[j].append(i)
-        room[j] -= lengths[i]
-    return bins
-
-
 def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """A packing plan: sequences longest first, each into the bin it fills best.
 
@@ -110,10 +96,6 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """
     check_lengths(lengths, budget)
     raise NotImplementedError("exercise 8.4: best_fit_decreasing -- see its docstring and notebook 08")
-
-
-PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
-           "best_fit_decreasing": best_fit_decreasing}
 
 
 def utilization(lengths: list[int], bins: list[list[int]], budget: int) -> float:

@@ -15,19 +15,17 @@
 # # 08 · MoE and pipelines: experts that crowd, stages that wait
 #
 # **By the end of this notebook you can** count the parameters a mixture-of-experts token
-# activates, even out a MoE policy's expert load during RL (an auxiliary loss, DeepSeek-V3's
-# loss-free bias), exchange tokens between expert-parallel ranks with all-to-all, say why
-# GSPO's one ratio per sequence tames routes that flip, measure the bubbles of GPipe, 1F1B
-# and DualPipeV, and pack uneven sequences into fixed token budgets without changing the loss.
-#
-# The source (section 18.4, "MoE and pipeline idle time") makes five claims, each checked
-# below and collected in a table at the end:
+# activates, even out a MoE policy's expert load during RL, exchange tokens between
+# expert-parallel ranks with all-to-all, say why GSPO's one ratio per sequence tames routes
+# that flip, measure the bubbles of GPipe, 1F1B and DualPipeV, and pack uneven sequences
+# into fixed token budgets without changing the loss. The source (section 18.4, "MoE and
+# pipeline idle time") makes five claims, each checked below and collected at the end:
 #
 # | # | the source says | section |
 # |---|---|---|
 # | 21 | 20 B dense + 256 experts of 5 B, 8 active → about 60 B active of about 1.3 T | 1 |
 # | 22 | a balancing loss pulls expert activation toward 1/num_experts | 2, 3 |
-# | 23 | routing differences make token-level IS ratios fluctuate; GSPO uses one ratio per sequence | 4 |
+# | 23 | routing differences make token-level IS ratios fluctuate; GSPO: one per sequence | 4 |
 # | 24 | DualPipe cuts the bubble from (P−1)/M to (P−1)/2M | 5 |
 # | 25 | best-fit packing raises utilization from 70 % to 95 % | 6 |
 #
@@ -38,13 +36,10 @@
 # %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it)
-import copy
 import os
 import statistics
 
 import torch
-
-from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
@@ -56,9 +51,8 @@ def verdict(ok: bool) -> str:
     return "agree" if ok else "differ"
 
 # %% [markdown]
-# The result first, from the package as it ships: the parameters a DeepSeek-V3 token
-# activates (counted from its `transformers` config) beside the source's illustration, and
-# the simulated idle time of three pipeline schedules beside the source's formulas.
+# The result first: the parameters a DeepSeek-V3 token activates, counted from its config,
+# and the simulated idle time of three pipeline schedules, beside the source's figures.
 
 # %%
 from transformers import DeepseekV3Config
@@ -96,22 +90,17 @@ REPRODUCED["21"] = ("20 B + 256 x 5 B, 8 active: ~60 B active of ~1.3 T",
                     verdict(ok), "20 + 256 x 5 = 1300; 20 + 8 x 5 = 60")
 
 # %% [markdown]
-# A token touches under 5 % of the model. In a real model an "expert" is one small MLP *per
-# layer*, chosen again in every MoE layer, so "256 experts of 5 B" means an expert index
-# across all layers (one DeepSeek-V3 expert of one layer is 3 × 7168 × 2048 ≈ 44 M
-# parameters, 2.6 B over its 58 MoE layers). Real configurations, counted rather than
-# quoted: `count_moe_parameters` builds the model on the *meta* device (shapes, no memory)
-# and sorts every parameter by name. It joins `minirl/models/moe.py`, begun in notebook 02.
+# In a real model an "expert" is one small MLP *per layer*, chosen again in every MoE layer.
+# `count_moe_parameters` counts real configs: it builds the model on the *meta* device
+# (shapes, no memory) and sorts every parameter by name (into notebook 02's `moe.py`).
 
 # %%
 # | export minirl/models/moe.py
 def count_moe_parameters(config) -> dict[str, float]:
     """Total and active parameters of a transformers MoE config, counted on the meta device.
 
-    Every parameter goes into a group by its name (routed experts, shared experts, routers, the
-    input embedding, dense). A token activates all but the routed experts it is not sent to:
-    active = total - routed x (1 - top_k / E); `active_without_embedding` also leaves out the
-    input embedding (a lookup, not a matrix product).
+    A token activates all but the routed experts it is not sent to: active = total - routed x
+    (1 - top_k / E); `active_without_embedding` also leaves out the input embedding (a lookup).
     """
     from transformers import AutoModelForCausalLM
 
@@ -135,45 +124,34 @@ def count_moe_parameters(config) -> dict[str, float]:
 # %%
 from transformers import Qwen3MoeConfig
 
-configs = {"Qwen3-MoE defaults": (Qwen3MoeConfig(), None),
-           "Qwen3-30B-A3B shape": (Qwen3MoeConfig(num_hidden_layers=48, head_dim=128), (30.5e9, 3.3e9)),
-           "DeepSeek-V3 defaults": (DeepseekV3Config(), (671e9, 37e9))}
-print(f"{'config':>20} | {'total':>7} | {'active':>7} | {'share':>5} | {'w/o emb.':>8} | "
-      f"{'shared':>6} | published")
-for name, (config, published) in configs.items():
-    c = count_moe_parameters(config)
-    pub = f"{published[0] / 1e9:.1f} / {published[1] / 1e9:.1f} B" if published else "(none)"
-    print(f"{name:>20} | {c['total'] / 1e9:6.1f}B | {c['active'] / 1e9:6.2f}B | "
+qwen3 = count_moe_parameters(Qwen3MoeConfig(num_hidden_layers=48, head_dim=128))   # 30B-A3B
+published = {"DeepSeek-V3": (ds3, 671e9, 37e9), "Qwen3-30B-A3B": (qwen3, 30.5e9, 3.3e9)}
+print(f"{'model':>13} | {'total':>7} | {'active':>7} | {'share':>5} | {'w/o emb.':>8} | published")
+for name, (c, total, active) in published.items():
+    print(f"{name:>13} | {c['total'] / 1e9:6.1f}B | {c['active'] / 1e9:6.2f}B | "
           f"{c['active'] / c['total']:5.1%} | {c['active_without_embedding'] / 1e9:7.2f}B | "
-          f"{c['shared_experts'] / 1e9:5.1f}B | {pub}")
-    if published:
-        assert abs(c["total"] / published[0] - 1) < 0.02 and abs(c["active"] / published[1] - 1) < 0.05
+          f"{total / 1e9:.1f} / {active / 1e9:.1f} B")
+    assert abs(c["total"] / total - 1) < 0.02 and abs(c["active"] / active - 1) < 0.05
 
 # %% [markdown]
 # The counts land on the published figures (DeepSeek-V3 without its multi-token-prediction
-# module). Shared experts and routers are active for every token; the input embedding is a
-# lookup, so compute-oriented counts drop it (`w/o emb.`). The `Qwen3MoeConfig()` defaults
-# are a half-depth toy. The source's 4.6 % is sparser than DeepSeek-V3 (about 6 %) and far
-# sparser than Qwen3-30B-A3B (about 11 %).
+# module); the input embedding is a lookup, so compute-oriented counts drop it (`w/o emb.`).
+# The source's 4.6 % is sparser than DeepSeek-V3 (6 %) and Qwen3-30B-A3B (11 %).
 #
 # ## 2. Expert load: who gets the tokens, and two ways to even it out
 #
 # A router that sends most tokens to a few experts wastes the rest of the model and, once
-# the experts live on different GPUs (section 3), makes one GPU the straggler. RL makes it
-# worse: the policy's own samples are the data, so a shift in what it writes shifts which
-# experts are busy. Two remedies:
+# the experts live on different GPUs, makes one GPU the straggler; in RL the policy's own
+# samples are the data, so what it writes decides which experts are busy. Two remedies:
 #
-# - **an auxiliary balancing loss** (Switch Transformer, GShard): per MoE layer add
-#   α · E · Σₑ fₑ · Pₑ, where fₑ is the share of (token, slot) assignments expert e received
-#   (a count, no gradient) and Pₑ its mean router probability (with gradient). It is 1 when
-#   both are uniform and grows as the load concentrates.
-# - **DeepSeek-V3's auxiliary-loss-free bias**: a bias bₑ per expert is added to the scores
-#   *only to choose* the top k (the mixing weights ignore it), and after every step each
-#   bias moves by γ · sign(mean load − loadₑ). No gradient touches the language-model loss.
+# - **an auxiliary balancing loss** (Switch Transformer, GShard), per MoE layer
+#   α · E · Σₑ fₑ · Pₑ, with fₑ the share of (token, slot) assignments expert e received (a
+#   count, no gradient) and Pₑ its mean router probability (with gradient): 1 when both are
+#   uniform, growing as the load concentrates (exercise 8.1);
+# - **DeepSeek-V3's auxiliary-loss-free bias** bₑ, added to the scores *only to choose* the
+#   top k and moved by γ · sign(mean load − loadₑ) after every step: no gradient involved.
 #
-# The loss of one layer is exercise 8.1; then the load statistics, and the autograd function
-# that lets the loss join the backward pass without the training loop knowing (Megatron's
-# `MoEAuxLossAutoScaler`).
+# Then the load statistics, and an autograd function that adds the loss to the backward pass.
 
 # %%
 # | export minirl/models/moe_balance.py
@@ -188,7 +166,8 @@ from minirl.runtime.moe_checks import check_router_logits
 
 # %%
 # | export minirl/models/moe_balance.py
-def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
+def load_balancing_loss(router_logits: Tensor, top_k: int,
+                        token_mask: Tensor | None = None) -> Tensor:
     """The Switch Transformer / GShard auxiliary loss of one MoE layer: E * sum_e f_e * P_e.
 
     router_logits: [N, E] float, one row per token. token_mask: [N] bool or 0/1, or None for
@@ -217,7 +196,8 @@ def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | 
 # | export minirl/models/moe_balance.py
 def expert_counts(indices: Tensor, num_experts: int, token_mask: Tensor | None = None) -> Tensor:
     """Tokens per expert: indices [N, k] long, token_mask [N] -> [E] float counts (one per slot)."""
-    weights = None if token_mask is None else token_mask.float().repeat_interleave(indices.shape[-1])
+    k = indices.shape[-1]
+    weights = None if token_mask is None else token_mask.float().repeat_interleave(k)
     return torch.bincount(indices.reshape(-1), weights=weights, minlength=num_experts).float()
 
 
@@ -231,12 +211,12 @@ def load_imbalance(counts: Tensor) -> dict[str, float]:
     mean = counts.mean(-1).clamp(min=1e-12)
     hot, cold = counts.max(-1).values, counts.min(-1).values
     ratio = torch.where(cold > 0, hot / cold.clamp(min=1e-12), torch.full_like(hot, float("inf")))
-    return {"max_over_mean": (hot / mean).mean().item(), "hottest_over_coldest": ratio.mean().item()}
+    return {"max_over_mean": (hot / mean).mean().item(),
+            "hottest_over_coldest": ratio.mean().item()}
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Return `x` unchanged; on backward, also send gradient 1 into `aux`: the layer's balancing
-    loss joins whatever loss the training loop backpropagates, without the loop knowing."""
+    """Return `x` unchanged; on backward, also send gradient 1 into `aux` (the balancing loss)."""
 
     @staticmethod
     def forward(ctx, x, aux):
@@ -248,9 +228,8 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
 
 # %% [markdown]
-# `transformers` ships the same loss for Qwen2-MoE with fₑ counted per token rather than per
-# (token, slot): its value is top_k times ours. Both on one router output, and the ends of
-# our scale (even routing: 1; every token to the same experts: E / top_k):
+# `transformers` counts fₑ per token rather than per (token, slot), so its loss is top_k
+# times ours. Both on one router output, and the ends of our scale (even 1, collapsed E/k):
 
 # %%
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
@@ -267,10 +246,9 @@ print(f"minirl {ours.item():.4f}, transformers {theirs.item():.4f}: our aux_loss
       f"{even.item():.3f}, collapsed {collapsed.item():.3f} (E / top_k = 4)")
 
 # %% [markdown]
-# `BalancedTopKRouter` replaces `transformers`' top-k router in place, sharing its weight,
-# and does both kinds of balancing (a router whose logits turn NaN raises `RouterError`;
-# the checks live in `minirl/runtime/moe_checks.py`). `end_step` closes an optimizer step:
-# it records the step's load and moves each expert's bias a fixed amount toward the mean.
+# `BalancedTopKRouter` replaces `transformers`' router in place (NaN logits raise
+# `RouterError`, from `minirl/runtime/moe_checks.py`); `end_step` closes an optimizer step,
+# recording its load and moving each bias a fixed amount toward the mean load.
 
 # %%
 # | export minirl/models/moe_balance.py
@@ -285,7 +263,8 @@ class BalancedTopKRouter(nn.Module):
     Simplified vs DeepSeek-V3: softmax scores (theirs: sigmoid), no node-limited routing.
     """
 
-    def __init__(self, router: nn.Module, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0):
+    def __init__(self, router: nn.Module, aux_loss_coef: float = 0.0,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         if not (aux_loss_coef >= 0 and bias_update_rate >= 0):
             raise ValueError(f"aux_loss_coef={aux_loss_coef}, bias_update_rate={bias_update_rate}: "
@@ -318,61 +297,45 @@ class BalancedTopKRouter(nn.Module):
                 weights = _AttachAuxLoss.apply(weights, aux)
         return logits, weights.to(logits.dtype), chosen
 
-# %%
-# | export minirl/models/moe_balance.py
-@add_to_class(BalancedTopKRouter)
-def end_step(self) -> None:
-    """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
-    if not self.pending:
-        return
-    counts = torch.stack(self.pending).sum(0)                               # [E]
-    self.pending.clear()
-    self.history.append(counts)
-    if self.bias_update_rate:
-        with torch.no_grad():
-            step = self.bias_update_rate * torch.sign(counts.mean() - counts)  # toward the mean
-            self.expert_bias += step.to(self.expert_bias)
+    def end_step(self) -> None:
+        """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
+        if not self.pending:
+            return
+        counts = torch.stack(self.pending).sum(0)                           # [E]
+        self.pending.clear()
+        self.history.append(counts)
+        if self.bias_update_rate:
+            with torch.no_grad():
+                step = self.bias_update_rate * torch.sign(counts.mean() - counts)   # to the mean
+                self.expert_bias += step.to(self.expert_bias)
 
 # %% [markdown]
-# Installing the routers is plumbing, in `minirl/runtime/balancing_hooks.py`:
-# `install_balancing` swaps every router, hands them the attention mask (padding never
-# counts as load) and calls `end_step` after every optimizer step, so any training loop
-# balances without knowing; `load_history` reads back one load vector per step and layer.
-# The policy is notebook 02's tiny MoE after a supervised warm start without balancing
-# (cached by `minirl/runtime/moe_cache.py`). Three runs of the stage-1 loop (GRPO, 16
-# prompts × 8 completions per step): without balancing, with the auxiliary loss (α = 0.2)
-# and with the bias (γ = 0.002), larger than pre-training's (DeepSeek-V3: γ = 0.001 over
-# hundreds of thousands of steps) because these runs have 60 steps to show an effect.
+# Installing the routers is plumbing (`minirl/runtime/balancing_hooks.py`): the routers get
+# the attention mask (padding is not load) and `end_step` runs after every optimizer step,
+# so any training loop balances unknowingly. From notebook 02's tiny MoE, warm-started
+# without balancing (`minirl/runtime/moe_cache.py`), three runs of the stage-1 loop (GRPO,
+# 16 prompts × 8 completions): none, the loss (α = 0.2), the bias (γ = 0.002; DeepSeek-V3's
+# 0.001 is meant for hundreds of thousands of steps, these runs have 60).
 
 # %%
-from minirl.config import RLConfig
 from minirl.models.policy import load_default_policy
-from minirl.runtime.balancing_hooks import install_balancing, load_history
+from minirl.runtime.balancing_hooks import balancing_runs
 from minirl.runtime.moe_cache import load_moe_policy
 from minirl.runtime.moe_plots import plot_expert_load  # figure styling: minirl/runtime/moe_plots.py
 from minirl.tasks.arithmetic import make_task
-from minirl.train.run import train
 
 _, tokenizer, _ = load_default_policy(progress=False)
 task = make_task()
 moe = load_moe_policy(tokenizer, task, warm_start_steps=20 if SMOKE else 400)
 RL_STEPS = 3 if SMOKE else 60
 BALANCING = {"none": {}, "aux loss": {"aux_loss_coef": 0.2}, "bias": {"bias_update_rate": 0.002}}
-load_runs = {}
-for name, settings in BALANCING.items():
-    model = copy.deepcopy(moe)
-    install_balancing(model, **settings)
-    config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=RL_STEPS)
-    metrics = train(config, model, tokenizer, progress=not SMOKE)
-    history = load_history(model)                                     # [steps, L, E] counts
-    load_runs[name] = {"history": history,
-                       "per_step": torch.tensor([load_imbalance(h)["max_over_mean"] for h in history]),
-                       "accuracy": [m["accuracy"] for m in metrics if "accuracy" in m]}
+load_runs = balancing_runs(moe, tokenizer, BALANCING, RL_STEPS, progress=not SMOKE)
 tail = max(1, RL_STEPS // 6)                                          # "after": the last steps
 before = load_imbalance(load_runs["none"]["history"][0])
 print(f"first RL step: hottest expert {before['max_over_mean']:.2f} x the mean, hottest/coldest "
       f"{before['hottest_over_coldest']:.1f} (even = 1)")
-print(f"{'balancing':>9} | {f'max/mean, last {tail}':>16} | {'per layer':>11} | {'hot/cold':>8} | accuracy")
+print(f"{'balancing':>9} | {f'max/mean, last {tail}':>16} | {'per layer':>11} | {'hot/cold':>8} | "
+      "accuracy")
 after = {}
 for name, run in load_runs.items():
     last = run["history"][-tail:].sum(0)                              # [L, E] the last steps
@@ -380,7 +343,8 @@ for name, run in load_runs.items():
     after[name], acc = load_imbalance(last), run["accuracy"]
     print(f"{name:>9} | {after[name]['max_over_mean']:>16.2f} | {layers:>11} | "
           f"{after[name]['hottest_over_coldest']:>8.1f} | {acc[0]:.3f} -> {acc[-1]:.3f}")
-balanced = all(after[n]["max_over_mean"] < after["none"]["max_over_mean"] for n in ("aux loss", "bias"))
+worst = after["none"]["max_over_mean"]
+balanced = all(after[n]["max_over_mean"] < worst for n in ("aux loss", "bias"))
 assert balanced or SMOKE
 REPRODUCED["22"] = ("balancing pulls expert activation toward 1/E",
                     "max/mean " + ", ".join(f"{n} {after[n]['max_over_mean']:.2f}" for n in after)
@@ -389,24 +353,16 @@ REPRODUCED["22"] = ("balancing pulls expert activation toward 1/E",
 plot_expert_load(load_runs, tail)
 
 # %% [markdown]
-# The warm-started router is lopsided: a few experts take a multiple of their 1/E share
-# (grey bars), some get almost nothing. Without balancing RL leaves it so; both remedies
-# flatten the load within 60 steps (the cell checks it): the auxiliary loss through the
-# router's gradient, the bias by changing the choice while the mixing weights stay as they
-# were. The accuracy column moves by RL's own noise at this scale, so one run each cannot
-# show balancing's cost. Production models balance from the first step of pre-training, and
-# DeepSeek-V3's small γ moves the router slowly while the experts adapt.
-
-# %% [markdown]
+# The warm-started router is lopsided (grey bars); RL alone leaves it so, and both remedies
+# flatten it within 60 steps: the loss through the router's gradient, the bias through the
+# choice alone. Accuracy moves by RL's own noise here, so one run each cannot show the cost.
+#
 # ## 3. Expert parallelism: experts on two processes, tokens through all-to-all
 #
-# With hundreds of experts per layer no GPU holds them all: expert parallelism gives each
-# rank a slice of the experts and keeps attention data-parallel. Every MoE layer then costs
-# two exchanges: *dispatch* sends each (token, chosen expert) pair to the expert's rank,
-# *combine* sends the outputs back to the token's rank, where they are mixed with the
-# routing weights. Both are all-to-all collectives (DeepSeek's DeepEP kernels do exactly
-# these two); gloo runs `all_to_all_single` on CPU, and its autograd-aware version carries
-# the gradients back through both exchanges.
+# Each rank holds a slice of the experts; every MoE layer then costs two all-to-all
+# exchanges: *dispatch* sends each (token, chosen expert) pair to the expert's rank,
+# *combine* sends the outputs back to be mixed (DeepSeek's DeepEP kernels do these two).
+# gloo runs `all_to_all_single` on CPU; its autograd version carries the gradients back.
 
 # %%
 # | export minirl/parallel/expert.py
@@ -432,7 +388,7 @@ def local_experts(num_experts: int, world_size: int, rank: int) -> range:
 
 def exchange(x: torch.Tensor, receive_counts: list[int], send_counts: list[int],
              group=None) -> torch.Tensor:
-    """all_to_all_single with autograd: [sum(send_counts), ...] out, [sum(receive_counts), ...] in."""
+    """all_to_all_single with autograd: sum(send_counts) rows out, sum(receive_counts) in."""
     from torch.distributed.nn.functional import all_to_all_single
 
     out = x.new_empty((sum(receive_counts), *x.shape[1:]))
@@ -442,8 +398,7 @@ def exchange(x: torch.Tensor, receive_counts: list[int], send_counts: list[int],
     return all_to_all_single(out, x.contiguous(), receive_counts, send_counts, group=group)
 
 # %% [markdown]
-# The layer: route on every rank, send each (token, expert) row to the rank that holds its
-# expert, run the local experts, send the outputs back and mix them.
+# The layer: route, dispatch each (token, expert) row, run the local experts, combine, mix.
 
 # %%
 # | export minirl/parallel/expert.py
@@ -497,55 +452,52 @@ class ExpertParallelMoE(nn.Module):
         routed = torch.zeros_like(x).index_add(0, token, back * mix)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         away, back_away = sum(send) - send[self.rank], sum(receive) - receive[self.rank]
-        self.last = {"rows_received": sum(receive), "rows_sent_away": away,
-                     "bytes_sent": (away + back_away) * H * x.element_size() + away * flat.element_size(),
-                     "dispatch_seconds": t1 - t0, "expert_seconds": t2 - t1, "combine_seconds": t3 - t2}
+        sent = (away + back_away) * H * x.element_size() + away * flat.element_size()
+        self.last = {"rows_received": sum(receive), "rows_sent_away": away, "bytes_sent": sent,
+                     "dispatch_seconds": t1 - t0, "expert_seconds": t2 - t1,
+                     "combine_seconds": t3 - t2}
         return (routed + shared).reshape(shape)
 
 # %% [markdown]
-# The `torchrun` job (2 ranks, a harness in `minirl/runtime/expert_job.py`) compares each
-# rank's output and gradients with the single-process block on all tokens, then times the
-# exchange with the router as built and with a hot spot: rank 0's experts tilted toward a
-# direction all tokens share, the way a hot expert appears in practice.
+# The `torchrun` job (2 ranks; `minirl/runtime/expert_job.py`) checks output and gradients
+# against the single-process block, then times the exchange as built and with a hot spot
+# (rank 0's experts tilted toward a direction all tokens share).
 
 # %%
 from minirl.runtime.expert_job import launch_expert_parallel
 
 ep = launch_expert_parallel(world_size=2, tokens=1024 if SMOKE else 4096, repeats=3 if SMOKE else 7,
                             skew=0.5, progress=True)   # a line per scenario as the job goes
-print(f"{'scenario':>8} | rank | {'max diff':>8} | {'rows in':>7} | {'sent away':>9} | {'KiB':>5} | "
-      f"{'dispatch':>8} | {'experts':>7} | {'combine':>7} (ms)")
+print(f"{'scenario':>8} | rank | {'max diff':>8} | {'rows in':>7} | {'sent away':>9} | "
+      f"{'KiB':>5} | {'dispatch':>8} | {'experts':>7} | {'combine':>7} (ms)")
 for r in ep["rows"]:
     diff = max(r["max_abs_output"], r["max_abs_input_grad"], r["max_abs_expert_grad"])
     assert diff < 1e-5, "the distributed layer must compute the single-process block"
-    print(f"{r['scenario'].split()[0]:>8} | {r['rank']:>4} | {diff:8.1e} | {r['rows_received']:>7} | "
-          f"{r['rows_sent_away']:>9} | {r['bytes_sent'] / 1024:>5.0f} | "
-          f"{1e3 * r['dispatch_seconds']:>8.2f} | {1e3 * r['expert_seconds']:>7.2f} | "
-          f"{1e3 * r['combine_seconds']:>7.2f}")
+    print(f"{r['scenario'].split()[0]:>8} | {r['rank']:>4} | {diff:8.1e} | "
+          f"{r['rows_received']:>7} | {r['rows_sent_away']:>9} | {r['bytes_sent'] / 1024:>5.0f} | "
+          + " | ".join(f"{1e3 * r[k + '_seconds']:>{w}.2f}"
+                       for k, w in (("dispatch", 8), ("expert", 7), ("combine", 7))))
 skewed = {r["rank"]: r["rows_received"] for r in ep["rows"] if r["scenario"] == "skewed router"}
 built = [r for r in ep["rows"] if r["scenario"] == "router as built"]
 ratio = (statistics.median(r["dispatch_seconds"] + r["combine_seconds"] for r in built)
          / statistics.median(r["expert_seconds"] for r in built))
 away = statistics.mean(r["rows_sent_away"] for r in built) / (2 * built[0]["tokens"])
 print(f"as built: {away:.0%} of the rows leave their rank; the exchanges take {ratio:.1f}x the "
-      f"experts' compute. skewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of the rows")
+      f"experts' compute. skewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of them")
 
 # %% [markdown]
 # The distributed layer matches the single-process one to float32 rounding, forward and
-# backward. With the router as built about half of the rows leave their rank (a share
-# 1 − 1/R crosses ranks, twice per layer); at scale, hiding that exchange behind compute is
-# what DeepEP's kernels and DualPipe's overlapped pairs are for. With the hot spot one rank
-# does most of the expert work while the other waits at the combine: the source's "some GPUs
-# at 90 % while others are near 30 %", which the balancing of section 2 removes.
+# backward. As built, about half of the rows leave their rank (1 − 1/R of them, twice per
+# layer); hiding that exchange behind compute is what DeepEP and DualPipe's overlapped pairs
+# are for. With the hot spot one rank does most of the expert work while the other waits at
+# the combine: the source's "some GPUs at 90 % while others are near 30 %".
 #
 # ## 4. GSPO on a MoE policy: one ratio per sequence
 #
-# Notebook 02 showed that a low-precision rollout and the fp32 trainer route some tokens to
-# different experts. The token-level ratio πtrainer(yₜ) / πrollout(yₜ) of such a token is
-# off by much more than rounding: a different sub-network computed it. GSPO (Qwen) replaces
-# the per-token ratios by one per sequence, the length-normalized likelihood ratio
-# exp(mean over t of (log πθ(yₜ) − log πold(yₜ))), and clips that. With n independent token
-# deviations, averaging divides the variance by about n.
+# When a low-precision rollout and the fp32 trainer route a token to different experts
+# (notebook 02), its ratio πtrainer(yₜ) / πrollout(yₜ) is off by much more than rounding. GSPO
+# (Qwen) clips one ratio per sequence instead, exp(mean over t of (log πθ(yₜ) − log πold(yₜ))):
+# with n independent token deviations, averaging divides the variance by about n.
 
 # %%
 # | export minirl/diagnostics/routing.py
@@ -561,7 +513,7 @@ def ratio_spread(trainer_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> 
     """Variance of token ratios exp(trainer - rollout) over real tokens, and of GSPO's sequence
     ratios exp(mean over each completion's tokens), with their largest deviation from 1. [B, C]."""
     mask = mask.bool()
-    diff = torch.where(mask, trainer_logps - rollout_logps, torch.zeros_like(trainer_logps))  # [B, C]
+    diff = (trainer_logps - rollout_logps).masked_fill(~mask, 0.0)                   # [B, C]
     token = torch.exp(diff[mask])                                                    # [tokens]
     rows = mask.any(-1)
     sequence = torch.exp(masked_mean(diff, mask.to(diff.dtype), dim=-1))[rows]      # [B']
@@ -572,10 +524,9 @@ def ratio_spread(trainer_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> 
             "sequence_max_dev": (sequence - 1).abs().max().item()}
 
 # %% [markdown]
-# The measurement, a harness in `minirl/runtime/routing_bench.py`: sample with a bf16 or fp8
-# copy while recording its routes, recompute in fp32 with the trainer's own routes and with
-# the rollout's replayed (R3, notebook 02's `replay_routes`), and split the tokens by whether
-# a route flipped.
+# The measurement (`minirl/runtime/routing_bench.py`): sample with a bf16 or fp8 copy,
+# recompute in fp32 with the trainer's routes and with the rollout's replayed (R3, notebook
+# 02's `replay_routes`), and split the tokens by whether their route flipped.
 
 # %%
 from minirl.runtime.routing_bench import routing_ratio_spread
@@ -589,14 +540,15 @@ for dtype, short in (("bfloat16", "bf16"), ("float8_e4m3fn", "fp8")):
     p = r["plain"]
     print(f"{short:>7} | {r['flipped_share']:>7.1%} | "
           f"{r['token_var_flipped']:>11.1e} / {r['token_var_kept']:.1e} | "
-          f"{r['flipped_variance_share']:>8.0%} | {p['token_var']:>7.1e} | {p['sequence_var']:>7.1e} | "
-          f"{p['variance_ratio']:>7.1f} | {r['r3']['token_var']:>10.1e}")
+          f"{r['flipped_variance_share']:>8.0%} | {p['token_var']:>7.1e} | "
+          f"{p['sequence_var']:>7.1e} | {p['variance_ratio']:>7.1f} | "
+          f"{r['r3']['token_var']:>10.1e}")
     assert SMOKE or (p["variance_ratio"] > 1 and r["r3"]["token_var"] <= p["token_var"]
                      and r["token_var_flipped"] > r["token_var_kept"])
 fp8 = spread["float8_e4m3fn"]
 gspo, length = fp8["plain"], fp8["plain"]["tokens"] / fp8["plain"]["sequences"]
-print(f"fp8: mean completion {length:.1f} tokens (independent deviations: variance / {length:.1f}); "
-      f"the sequence ratio divides it by {gspo['variance_ratio']:.1f}")
+print(f"fp8: mean completion {length:.1f} tokens (independent deviations: variance / "
+      f"{length:.1f}); the sequence ratio divides it by {gspo['variance_ratio']:.1f}")
 REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO: one ratio per sequence",
                     f"fp8 rollout: var token {gspo['token_var']:.1e}, sequence "
                     f"{gspo['sequence_var']:.1e} ({gspo['variance_ratio']:.1f}x)",
@@ -605,87 +557,52 @@ REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO: one ratio
                     f"{fp8['flipped_variance_share']:.0%} of the token variance")
 
 # %% [markdown]
-# Tokens whose route flipped have far more spread-out ratios than the rest, but they are
-# few; `flip var` is their share of the token variance (a minority when the many unflipped
-# tokens' rounding noise adds up to more). The sequence ratio's variance is smaller
-# (`tok/seq`), by at most about the completion length: a flipped route changes the hidden
-# states later tokens see, so one completion's deviations are correlated. R3 attacks the
-# cause: with the rollout's routes replayed, flips disappear. GSPO also copes with routes
-# that change because the weights changed between rollout and update.
+# Flipped tokens have far more spread-out ratios but are few (`flip var`: their share of
+# the token variance). The sequence ratio's variance is smaller (`tok/seq`), by at most
+# about the completion length, since a flip changes what later tokens see. R3 removes the
+# flips; GSPO also copes with routes that moved because the weights did.
 #
-# A short training comparison from the same MoE with an fp8 rollout, two updates per batch
-# (`num_iterations=2`, so π/πold moves away from 1) and truncated importance sampling
-# against the rollout: per token (ε = 0.2) and per sequence (GSPO, with the clip range its
-# paper and TRL recommend, ε = 3e-4 / 4e-4). Both use `loss_type="grpo"`, the per-sequence
-# mean GSPO is defined with, and name their TIS mode, since minirl's default is not TRL's:
+# Training, from the same MoE with an fp8 rollout, two updates per batch (so π/πold moves
+# away from 1) and truncated importance sampling: per token (ε = 0.2) against per sequence
+# (GSPO, ε = 3e-4 / 4e-4 as its paper and TRL recommend). Both use `loss_type="grpo"`, the
+# per-sequence mean GSPO is defined with, and name their TIS mode (minirl's default is not
+# TRL's); the harness, in `minirl/runtime/routing_bench.py`, prints both defaults and a table.
 
 # %%
-from dataclasses import fields
-
-from trl import GRPOConfig
-
-from minirl.config import AlgorithmConfig
 from minirl.runtime.moe_plots import plot_gspo_runs
+from minirl.runtime.routing_bench import ratio_level_runs
 
-trl, ours = ({f.name: f.default for f in fields(c)} for c in (GRPOConfig, AlgorithmConfig))
-print(f"TIS defaults: TRL {trl['vllm_importance_sampling_mode']!r} (cap "
-      f"{trl['vllm_importance_sampling_clip_max']}), minirl {ours['importance_sampling_mode']!r} "
-      f"(cap {ours['importance_sampling_cap']})")
-GSPO_RUNS = {"token (GRPO)": dict(importance_sampling_level="token", epsilon=0.2,
+GSPO_RUNS = {"token (GRPO)": dict(importance_sampling_level="token", epsilon=0.2, loss_type="grpo",
                                   importance_sampling_mode="token_truncate"),
              "sequence (GSPO)": dict(importance_sampling_level="sequence", epsilon=3e-4,
-                                     epsilon_high=4e-4, importance_sampling_mode="sequence_truncate")}
-gspo_runs = {}
-print(f"{'ratio level':>15} | {'loss_type':>9} | {'accuracy: start, middle, end':>28} | "
-      f"{'reward':>6} | {'clipped':>7} | {'grad norm':>9}")
-for name, settings in GSPO_RUNS.items():
-    config = RLConfig.from_flat(steps=RL_STEPS, prompts_per_step=16, eval_every=max(1, RL_STEPS // 2),
-                                num_iterations=2, rollout_dtype="float8_e4m3fn", loss_type="grpo",
-                                importance_sampling_correction=True, **settings)
-    metrics = gspo_runs[name] = train(config, copy.deepcopy(moe), tokenizer, progress=not SMOKE)
-    steps = [m for m in metrics if "reward" in m]
-    acc = " ".join(f"{m['accuracy']:.3f}" for m in metrics if "accuracy" in m)
-    print(f"{name:>15} | {config.algorithm.loss_type:>9} | {acc:>28} | "
-          f"{statistics.mean(m['reward'] for m in steps):>6.3f} | "
-          f"{statistics.mean(m['clip_ratio/region_mean'] for m in steps):>7.3f} | "
-          f"{statistics.mean(m['grad_norm'] for m in steps):>9.2f}")
+                                     epsilon_high=4e-4, loss_type="grpo",
+                                     importance_sampling_mode="sequence_truncate")}
+gspo_runs = ratio_level_runs(moe, tokenizer, GSPO_RUNS, RL_STEPS, progress=not SMOKE)
 plot_gspo_runs(gspo_runs)
 
 # %% [markdown]
-# Two runs of 60 steps on a tiny policy are one sample each, and they differ in more than
-# the ratio level, so the accuracy column is no evidence that one is better. The mechanics
-# do not depend on luck: GSPO clips whole sequences, with a range hundreds of times narrower
-# because a length-normalized ratio moves much less (`clipped`), and one flipped expert no
-# longer decides a token's weight on its own. `python chapters/08_moe_pipelines.py
-# --gspo-seeds 3` repeats the comparison over seeds.
-
-# %% [markdown]
+# Two runs of 60 steps prove nothing about accuracy (`--gspo-seeds 3` of the chapter repeats
+# them over seeds). The mechanics do: GSPO clips whole sequences, with a range hundreds of
+# times narrower (`clipped`), and one flipped expert no longer decides a token's weight.
+#
 # ## 5. Pipeline bubbles: GPipe, 1F1B and DualPipeV
 #
-# Pipeline parallelism cuts the layers into P stages on P ranks and the batch into M
-# micro-batches. Stage s cannot start micro-batch m before stage s − 1 has finished it, so
-# the pipeline fills and drains, and meanwhile ranks sit idle: the bubble. For GPipe (all
-# forwards, then all backwards) and 1F1B (after a warm-up, one forward, one backward) each
-# rank idles (P − 1)(F + B) per step while it computes M(F + B): bubble over compute time is
-# (P − 1)/M, the source's form, and the bubble's share of the step (P − 1)/(M + P − 1).
-#
-# DualPipe (DeepSeek-V3) feeds micro-batches from both ends, pairs a forward of one with a
-# backward of another on each rank, and splits backwards into the part the previous stage
-# waits for (I, input gradients) and the part nobody waits for (W, weight gradients), which
-# fills holes. Its V-shaped variant DualPipeV (each rank holds two stages, down and back up)
-# ships in `torch.distributed.pipelining` as `ScheduleDualPipeV`, so we can also run it.
-#
-# A schedule is, for every rank, the ordered list of its actions: `Op(kind, m, s)`, the F,
-# B, I or W of micro-batch m through stage s (plain data, in
-# `minirl/runtime/pipeline_types.py`, with `Costs` per kind and the `PipelineTimeline` of a
-# step). The simulator, `minirl/runtime/pipeline_sim.py`, starts each action as soon as its
-# rank is free and its inputs have arrived: F(m, s) waits for F(m, s − 1), B(m, s) for
-# B(m, s + 1). DualPipeV's layout, transcribed from DeepSeek's eight phases, is in
-# `minirl/runtime/dualpipev.py`. The idle share is exercise 8.2; 1F1B's order is 8.3.
+# With P stages on P ranks and M micro-batches, stage s cannot start micro-batch m before
+# stage s − 1 has finished it, so ranks idle while the pipeline fills and drains: the
+# bubble. Under GPipe (all forwards, then all backwards) and 1F1B (after a warm-up, one
+# forward, one backward) a rank idles (P − 1)(F + B) while it computes M(F + B): (P − 1)/M of
+# the compute, the source's form, or (P − 1)/(M + P − 1) of the step. DualPipe (DeepSeek-V3)
+# feeds micro-batches from both ends, overlaps a forward with another's backward, and splits
+# backwards into input gradients (I, awaited upstream) and weight gradients (W, which fill
+# holes); torch ships its V-shaped variant as `ScheduleDualPipeV`. A schedule is every rank's
+# ordered list of `Op(kind, m, s)` (plain data: `minirl/runtime/pipeline_types.py`); the
+# simulator (`minirl/runtime/pipeline_sim.py`) starts each once its rank is free and its
+# inputs are there: F(m, s) after F(m, s − 1), B(m, s) after B(m, s + 1). DualPipeV's eight
+# phases are transcribed in `minirl/runtime/dualpipev.py`. Exercises 8.2 and 8.3 are below.
 
 # %%
 # | export minirl/parallel/pipeline.py
-"""Pipeline-parallel schedules on paper: GPipe, 1F1B and DualPipeV, their idle time and its closed forms.
+"""Pipeline schedules on paper: GPipe, 1F1B and DualPipeV, their idle time and its closed forms.
 
 A schedule is, for every rank, the ordered list of its actions (`Op`s, or an overlapped (F, B)
 pair); `simulate` (minirl.runtime.pipeline_sim) runs it. An overlapped pair costs F + B: overlap
@@ -694,7 +611,7 @@ hides communication, not compute.
 from minirl.runtime.dualpipev import dualpipev_order
 from minirl.runtime.moe_checks import PipelineError, check_pipeline
 from minirl.runtime.pipeline_sim import simulate
-from minirl.runtime.pipeline_types import BACKWARD, BACKWARD_WEIGHT, FORWARD, Costs, Op, PipelineTimeline
+from minirl.runtime.pipeline_types import BACKWARD, BACKWARD_WEIGHT, FORWARD, Costs, Op
 
 
 # %%
@@ -726,7 +643,7 @@ def gpipe_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
-    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, then cool-down.
+    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, cool-down.
 
     Stage `stage` (0-based, of `num_stages`) first runs W = min(num_stages - stage - 1,
     num_microbatches) forwards (micro-batches 0..W-1); then, for i = 0 .. M-W-1, the
@@ -754,7 +671,8 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> dict[int, li
 
 # %%
 # | export minirl/parallel/pipeline.py
-def bubble_formulas(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> dict[str, float]:
+def bubble_formulas(num_ranks: int, num_microbatches: int,
+                    costs: Costs | None = None) -> dict[str, float]:
     """The closed forms as bubble time over compute time, and GPipe/1F1B's share of the total.
 
     `costs` are one rank's work per micro-batch (DualPipeV's chunks are half of it).
@@ -764,7 +682,8 @@ def bubble_formulas(num_ranks: int, num_microbatches: int, costs: Costs | None =
     """
     P, M, costs = num_ranks, num_microbatches, Costs() if costs is None else costs
     chunk = costs.scaled(0.5)
-    idle = (P - 1) * ((chunk.forward + chunk.backward) + chunk.backward - 3 * chunk.of(BACKWARD_WEIGHT))
+    fb = chunk.forward + chunk.backward                                # F&B: no compute overlap
+    idle = (P - 1) * (fb + chunk.backward - 3 * chunk.of(BACKWARD_WEIGHT))
     return {"gpipe_1f1b_source": (P - 1) / M, "gpipe_1f1b_share": (P - 1) / (M + P - 1),
             "dualpipe_source": (P - 1) / (2 * M),
             "dualpipev_table": idle / (M * (costs.forward + costs.backward))}
@@ -782,15 +701,15 @@ def schedule_orders(schedule: str, num_ranks: int, num_microbatches: int) -> dic
 
 
 def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
-                      costs: Costs | None = None) -> PipelineTimeline:
-    """Simulate a named schedule with `costs` (default `Costs()`) per rank and micro-batch."""
+                      costs: Costs | None = None):
+    """The PipelineTimeline of a named schedule with `costs` (default `Costs()`) per rank and
+    micro-batch."""
     orders, costs = schedule_orders(schedule, num_ranks, num_microbatches), costs or Costs()
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)
 
 # %% [markdown]
-# Is our DualPipeV layout torch's? `torch_dualpipev` (in `minirl/runtime/pipeline_job.py`)
-# asks torch's `ScheduleDualPipeV` for its action lists without building a pipeline (a
-# private method: this check may break with a torch upgrade, the simulator may not).
+# Our DualPipeV layout against torch's `ScheduleDualPipeV` (its action lists, read through a
+# private method by `minirl/runtime/pipeline_job.py`), then the three schedules drawn:
 
 # %%
 from minirl.runtime.dualpipev import dualpipev_order
@@ -805,59 +724,54 @@ plot_pipelines({f"{s}, P = 4, M = 8, B = 2F": simulate_schedule(s, 4, 8, Costs(1
                 for s in SCHEDULES})
 
 # %% [markdown]
-# The same work takes visibly less time under DualPipeV: its holes are shorter and partly
-# filled by weight gradients (grey). GPipe and 1F1B have the same bubble; 1F1B's gain is
-# memory (a rank keeps at most P micro-batches of activations instead of M), not time. The
-# numbers, against the formulas, for several P, M and backward/forward ratios:
+# DualPipeV's holes are shorter and partly filled by weight gradients (grey). GPipe and 1F1B
+# idle alike; 1F1B saves memory (at most P micro-batches of activations, not M). Against the
+# formulas, for several P, M and backward/forward ratios:
 
 # %%
 print(f"{'P':>2} {'M':>3} {'B/F':>3} | {'GPipe':>6} {'1F1B':>6} {'(P-1)/M':>7} | "
-      f"{'GPipe share':>11} {'(P-1)/(M+P-1)':>13} | {'DualPipeV':>9} {'(P-1)/2M':>8} {'DeepSeek':>8}")
-bubble_table = []
+      f"{'GPipe share':>11} {'(P-1)/(M+P-1)':>13} | "
+      f"{'DualPipeV':>9} {'(P-1)/2M':>8} {'DeepSeek':>8}")
+source_exact = {}                        # B/F -> DualPipeV == (P-1)/2M in every row?
 for P, M in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
     for ratio in (1.0, 2.0, 3.0):
-        sim = {s: simulate_schedule(s, P, M, Costs(forward=1.0, backward=ratio)) for s in SCHEDULES}
         f = bubble_formulas(P, M, Costs(forward=1.0, backward=ratio))
-        row = {"P": P, "M": M, "B/F": ratio, **{s: sim[s].bubble_ratio for s in SCHEDULES},
-               "gpipe_share": sim["gpipe"].bubble_share, **f}
-        bubble_table.append(row)
-        print(f"{P:>2} {M:>3} {ratio:>3.0f} | {row['gpipe']:>6.3f} {row['1f1b']:>6.3f} "
-              f"{f['gpipe_1f1b_source']:>7.3f} | {row['gpipe_share']:>11.3f} "
-              f"{f['gpipe_1f1b_share']:>13.3f} | {row['dualpipev']:>9.3f} "
-              f"{f['dualpipe_source']:>8.3f} {f['dualpipev_table']:>8.3f}")
-        assert max(abs(row["gpipe"] - f["gpipe_1f1b_source"]), abs(row["1f1b"] - f["gpipe_1f1b_source"]),
-                   abs(row["gpipe_share"] - f["gpipe_1f1b_share"])) < 1e-9
-        if ratio == 3.0:                 # W fills more holes than DeepSeek's formula credits
-            assert row["dualpipev"] < f["dualpipev_table"]
-        else:                            # B = F: the source's form; B = 2F: DeepSeek's table
-            assert abs(row["dualpipev"] - f["dualpipe_source" if ratio == 1 else "dualpipev_table"]) < 1e-9
+        sim = {s: simulate_schedule(s, P, M, Costs(forward=1.0, backward=ratio)) for s in SCHEDULES}
+        gpipe, one_f_one_b, dual = (sim[s].bubble_ratio for s in SCHEDULES)
+        print(f"{P:>2} {M:>3} {ratio:>3.0f} | {gpipe:>6.3f} {one_f_one_b:>6.3f} "
+              f"{f['gpipe_1f1b_source']:>7.3f} | {sim['gpipe'].bubble_share:>11.3f} "
+              f"{f['gpipe_1f1b_share']:>13.3f} | {dual:>9.3f} {f['dualpipe_source']:>8.3f} "
+              f"{f['dualpipev_table']:>8.3f}")
+        assert max(abs(gpipe - f["gpipe_1f1b_source"]), abs(one_f_one_b - f["gpipe_1f1b_source"]),
+                   abs(sim["gpipe"].bubble_share - f["gpipe_1f1b_share"])) < 1e-9
+        # B = F: the source's form; B = 2F: DeepSeek's table; B = 3F: W fills more than it says
+        exact = {1.0: f["dualpipe_source"], 2.0: f["dualpipev_table"]}.get(ratio)
+        assert abs(dual - exact) < 1e-9 if exact else dual < f["dualpipev_table"]
+        source_exact.setdefault(ratio, []).append(abs(dual - f["dualpipe_source"]) < 1e-9)
 
 # %% [markdown]
-# - GPipe and 1F1B: the simulator gives (P − 1)/M exactly as bubble over compute, for any
-#   backward/forward ratio; as a share of the step, (P − 1)/(M + P − 1) is smaller (at P = 8,
-#   M = 16: 44 % of the compute time, 30 % of the step).
-# - DualPipeV: the source's (P − 1)/2M is exact when a backward costs as much as a forward.
-#   With the usual B ≈ 2F the bubble is (P − 1)/3M, DeepSeek-V3's own table
-#   (PP/2 − 1)(F&B + B − 3W) with PP = 2P stages, F&B = F + B and W = B/2; at B = 3F, below
-#   even that. Halving is the right order of magnitude, not an identity.
+# - GPipe and 1F1B: exactly (P − 1)/M of the compute time for any B/F, (P − 1)/(M + P − 1)
+#   of the step (at P = 8, M = 16: 44 % against 30 %).
+# - DualPipeV: the source's (P − 1)/2M is exact when a backward costs a forward; at B = 2F
+#   it idles (P − 1)/3M, DeepSeek-V3's own (PP/2 − 1)(F&B + B − 3W) with PP = 2P, F&B = F + B,
+#   W = B/2; at B = 3F less still. Halving is the right order of magnitude, not an identity.
 #
 # ### A real pipeline under torchrun
 #
-# The same three schedules for real: a small model (embedding, 8 residual MLP blocks, head)
-# over 2 CPU processes with `torch.distributed.pipelining`, every compute call timed on a
-# shared clock, so the measured timeline has the simulator's form. The simulator then gets
-# the measured per-stage costs, once with free sends and once with the measured message
-# latency. The job and its timing are a harness, in `minirl/runtime/pipeline_job.py`.
+# The same schedules for real: embedding, 8 residual MLP blocks and a head over 2 CPU
+# processes with `torch.distributed.pipelining`, every compute call timed on a shared clock,
+# and the simulator fed the measured per-stage costs, with free sends and with the measured
+# latency (the job is a harness, in `minirl/runtime/pipeline_job.py`).
 
 # %%
 from minirl.runtime.pipeline_job import compare_with_simulator, launch_pipeline, measured_timelines
 
 pipe = launch_pipeline(world_size=2, microbatches=(4,) if SMOKE else (4, 8), layers=8,
-                       hidden=128 if SMOKE else 256, batch=16 if SMOKE else 32, seq=32 if SMOKE else 64,
-                       repeats=1 if SMOKE else 2, progress=True)
+                       hidden=128 if SMOKE else 256, batch=16 if SMOKE else 32,
+                       seq=32 if SMOKE else 64, repeats=1 if SMOKE else 2, progress=True)
 pipe_rows = compare_with_simulator(pipe)
-print(f"{'schedule':>9} {'P':>2} {'M':>2} | {'measured':>8} | {'per rank':>11} | {'simulated':>9} | "
-      f"{'+ latency':>9} | {'B/F':>4} | {'step s':>6}")
+print(f"{'schedule':>9} {'P':>2} {'M':>2} | {'measured':>8} | {'per rank':>11} | "
+      f"{'simulated':>9} | {'+ latency':>9} | {'B/F':>4} | {'step s':>6}")
 for r in pipe_rows:
     print(f"{r['schedule']:>9} {r['P']:>2} {r['M']:>2} | {r['measured']:>8.3f} | "
           f"{' '.join(f'{x:.3f}' for x in r['measured_per_rank']):>11} | {r['simulated']:>9.3f} | "
@@ -869,41 +783,35 @@ print(f"every row's loss equals the plain model's ({pipe['reference_loss']:.5f})
 print("rows whose measured idle share is more than 0.02 below the 'simulated' column (the "
       f"simulator without latency): {', '.join(below) if below else 'none'}")
 measured = {(r["schedule"], r["M"]): r["measured"] for r in pipe_rows}
-row = next(r for r in bubble_table if (r["P"], r["M"], r["B/F"]) == (8, 32, 2.0))
-holds = {ratio: all(abs(r["dualpipev"] - r["dualpipe_source"]) < 1e-9
-                    for r in bubble_table if r["B/F"] == ratio) for ratio in (1.0, 2.0)}
+big = {s: simulate_schedule(s, 8, 32, Costs(1.0, 2.0)).bubble_ratio for s in SCHEDULES}
 REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
-                    f"simulated P=8, M=32, B=2F: 1F1B {row['1f1b']:.3f}, DualPipeV "
-                    f"{row['dualpipev']:.3f}; measured P=2, M=4 idle share: "
+                    f"simulated P=8, M=32, B=2F: 1F1B {big['1f1b']:.3f}, DualPipeV "
+                    f"{big['dualpipev']:.3f}; measured P=2, M=4 idle share: "
                     + ", ".join(f"{s} {measured[(s, 4)]:.2f}" for s in SCHEDULES),
-                    f"{verdict(holds[1.0])} (B = F); {verdict(holds[2.0])} (B = 2F)",
+                    f"{verdict(all(source_exact[1.0]))} (B = F); "
+                    f"{verdict(all(source_exact[2.0]))} (B = 2F)",
                     "(P-1)/2M holds at B = F; at B = 2F DualPipeV idles (P-1)/3M")
 run = next(r for r in pipe["runs"] if r["schedule"] == "1f1b" and r["microbatches"] == 4)
 plot_pipelines({"measured 1F1B, P = 2, M = 4 (gloo, CPU)": measured_timelines(run)[0]})
 
 # %% [markdown]
-# The pipeline computes the plain model's loss: the schedules only reorder work. The
-# simulator leaves out what a real job adds (the latency of every send, which `+ latency`
-# puts back, the schedule's Python bookkeeping, time when the operating system runs
-# something else), all of which add idle time. But it is fed the *median* cost of each kind
-# of call, and where calls of one kind vary between micro-batches (the B/F column moves from
-# row to row on a shared machine), the simulated share can land on either side of the
-# measured one. The last line under the table applies one rule: it lists the rows whose
-# measured idle share is more than 0.02 below the `simulated` column (the simulator without
-# latency), and says `none` when there are none. DualPipeV, with twice the stage boundaries
-# and smaller actions, pays the overheads more often.
-
-# %% [markdown]
+# The schedules only reorder work, so the loss is the plain model's. A real job adds what
+# the simulator leaves out (the latency of every send, which `+ latency` puts back, Python
+# bookkeeping, the operating system's other work), but the simulator is fed *median* costs,
+# and where calls of one kind vary between micro-batches (watch B/F move between rows) the
+# simulated share can land on either side of the measured one. The last line under the
+# table applies one rule: it lists the rows whose measured idle share is more than 0.02 below
+# the `simulated` column (the simulator without latency), or says `none`.
+#
 # ## 6. Best-fit packing: fill the token budget
 #
 # RL batches are uneven: a few completions run to the length cap, most stop early. Padded to
-# the longest in a micro-batch, most of the compute goes to padding, and micro-batches with
-# different real work finish at different times, so data-parallel ranks wait for the
-# slowest. Packing puts several sequences into one row of a fixed token budget; the order in
-# which they are placed decides how full the rows get. `next_fit` keeps arrival order;
-# `first_fit_decreasing` and `best_fit_decreasing` (exercise 8.4) place long sequences first,
-# into the first bin with room or into the fullest bin that still fits (`check_lengths`, in
-# `minirl/runtime/moe_checks.py`, rejects a sequence longer than the budget).
+# the longest, most of the compute goes to padding, and micro-batches with different real
+# work make data-parallel ranks wait for the slowest. Packing puts several sequences into
+# one row of a fixed token budget. `next_fit` keeps arrival order; `best_fit_decreasing`
+# (exercise 8.4) places long sequences first, each into the fullest bin that still fits
+# (`check_lengths`: `minirl/runtime/moe_checks.py`; a third packer, `first_fit_decreasing`,
+# which takes the first bin with room, is in `minirl/runtime/packing_bench.py`).
 
 # %%
 # | export minirl/parallel/packing.py
@@ -928,21 +836,6 @@ def next_fit(lengths: list[int], budget: int) -> list[list[int]]:
             room = budget
         bins[-1].append(i)
         room -= n
-    return bins
-
-
-def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first; each sequence into the first (oldest) bin with room, else a new bin."""
-    check_lengths(lengths, budget)
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
-        if j is None:
-            bins.append([])
-            room.append(budget)
-            j = len(bins) - 1
-        bins[j].append(i)
-        room[j] -= lengths[i]
     return bins
 
 
@@ -974,19 +867,14 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     # END SOLUTION
 
 
-PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
-           "best_fit_decreasing": best_fit_decreasing}
-
-
 def utilization(lengths: list[int], bins: list[list[int]], budget: int) -> float:
     """Real tokens over bin capacity: sum(lengths) / (len(bins) x budget)."""
     return sum(lengths[i] for b in bins for i in b) / (len(bins) * budget)
 
 # %% [markdown]
-# A pack as one row: positions restart at 0 for every sequence, the first token of each gets
-# no label (the previous sequence's last token must not learn to predict it), and the loss
-# comes either from the position resets alone (`transformers` then builds the block-diagonal
-# mask itself, the route TRL's padding-free training takes) or from our explicit mask.
+# A pack is one row: positions restart at 0 for every sequence, whose first token gets no
+# label; the loss comes from the position resets alone (`transformers` builds the
+# block-diagonal mask, as in TRL's padding-free training) or from our explicit mask.
 
 # %%
 # | export minirl/parallel/packing.py
@@ -1009,7 +897,8 @@ def pack_sequences(sequences: list[list[int]], bins: list[list[int]], budget: in
         for k, i in enumerate(members):
             n = len(sequences[i])
             if t + n > budget:
-                raise PackingError(f"bin {r} holds {t + n} tokens > budget={budget}: the plan does not fit")
+                raise PackingError(f"bin {r} holds {t + n} tokens > budget={budget}: "
+                                   "the plan does not fit")
             ids[r, t:t + n] = torch.tensor(sequences[i])
             pos[r, t:t + n] = torch.arange(n)
             labels[r, t + 1:t + n] = ids[r, t + 1:t + n]
@@ -1037,38 +926,37 @@ def packed_loss(model, pack: dict[str, Tensor], how: str = "position_ids") -> Te
     mask = None
     if how == "mask":
         mask = block_diagonal_mask(pack["seq_ids"], next(model.parameters()).dtype)
-    return model(input_ids=pack["input_ids"], position_ids=pack["position_ids"], attention_mask=mask,
-                 labels=pack["labels"]).loss
+    return model(input_ids=pack["input_ids"], position_ids=pack["position_ids"],
+                 attention_mask=mask, labels=pack["labels"]).loss
 
 # %% [markdown]
-# Two length distributions: the embedded policy's own rollouts (a few tokens each), and a
-# long tail shaped like reasoning rollouts (prompts of 100–400 tokens, completions
-# log-normal around 600, truncated at 4096), packed into a few budgets and compared with
-# padded micro-batches of 8 (one GRPO group). The workloads, the padded reference and the
-# timing are a harness, in `minirl/runtime/packing_bench.py`.
+# The embedded policy's rollouts (a few tokens each) and a reasoning-like long tail
+# (prompts of 100–400 tokens, completions log-normal around 600, cut at 4096), against padded
+# micro-batches of 8 (one GRPO group); workloads and timing: `minirl/runtime/packing_bench.py`.
 
 # %%
 from minirl.config import SamplingConfig
 from minirl.rollout.hf import HFEngine
 from minirl.runtime.moe_plots import plot_packing
-from minirl.runtime.packing_bench import long_tail_lengths, micro_batch_spread, padded_utilization
+from minirl.runtime.packing_bench import PACKERS, long_tail_lengths, micro_batch_spread
 
 policy, _, _ = load_default_policy(progress=False)   # the dense embedded policy of notebook 00
-sampled = HFEngine(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]],
-                                               SamplingConfig(num_generations=8, max_completion_length=4),
-                                               generator=torch.Generator().manual_seed(0))
-distributions = {"embedded rollouts": ((sampled.prompt_mask.sum(1) + sampled.completion_mask.sum(1)).tolist(),
-                                       (32, 64)),
+engine, prompts = HFEngine(policy, tokenizer), [r["prompt"] for r in task.rows("train")[:64]]
+sampled = engine.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=4),
+                          generator=torch.Generator().manual_seed(0))
+rollouts = (sampled.prompt_mask.sum(1) + sampled.completion_mask.sum(1)).tolist()
+distributions = {"embedded rollouts": (rollouts, (32, 64)),
                  "long tail": (long_tail_lengths(1024), (4608, 8192))}
 print(f"{'lengths':>17} | {'budget':>6} | {'padded':>6} | {'next fit':>8} | {'ffd':>6} | "
       f"{'best fit':>8} | spread: padded -> best fit")
 packing_table = {}
 for name, (lengths, budgets) in distributions.items():
     groups = [list(range(i, min(i + 8, len(lengths)))) for i in range(0, len(lengths), 8)]
+    padded = sum(lengths) / sum(len(g) * max(lengths[i] for i in g) for g in groups)  # no packing
     for budget in budgets:
         plans = {k: f(lengths, budget) for k, f in PACKERS.items()}
         util = {k: utilization(lengths, plan, budget) for k, plan in plans.items()}
-        util = packing_table[(name, budget)] = {"padded": padded_utilization(lengths, 8), **util}
+        util = packing_table[(name, budget)] = {"padded": padded, **util}
         print(f"{name:>17} | {budget:>6} | {util['padded']:>6.1%} | {util['next_fit']:>8.1%} | "
               f"{util['first_fit_decreasing']:>6.1%} | {util['best_fit_decreasing']:>8.1%} | "
               f"{micro_batch_spread(lengths, groups):.2f} -> "
@@ -1079,20 +967,15 @@ REPRODUCED["25"] = ("best-fit packing: utilization 70 % -> 95 %",
                     f"{lt['next_fit']:.0%}, best fit {lt['best_fit_decreasing']:.0%}",
                     verdict(lt["best_fit_decreasing"] >= 0.95 and lt["next_fit"] < 0.9),
                     "holds on long tails; short uniform rollouts barely need packing")
-long_tail = distributions["long tail"][0]
-plot_packing(long_tail, {k: PACKERS[k](long_tail, 4608) for k in ("next_fit", "best_fit_decreasing")},
-             4608)
+long_tail, shown = distributions["long tail"][0], ("next_fit", "best_fit_decreasing")
+plot_packing(long_tail, {k: PACKERS[k](long_tail, 4608) for k in shown}, budget=4608)
 
 # %% [markdown]
-# On the long tail, padding wastes more than half of the compute, next fit reaches the
-# 70–90 % range, and the sorted heuristics fill the bins to 95 % and above: the source's
-# 70 % → 95 % is the step from unsorted to sorted packing, and it holds (best-fit packing as
-# a named method: Ding et al. 2024, "Fewer Truncations Improve Language Modeling"). The
-# spread column is the other half of the claim: padded micro-batches carry very different
-# amounts of real work, packed ones almost the same. The embedded rollouts, all of nearly
-# one length, have nothing to win. Packing must not change what is learnt: both routes to a
-# per-sequence attention give the padded batch's loss and gradients, to rounding; without
-# the position resets the sequences attend to their neighbours and the loss changes.
+# On the long tail padding wastes more than half of the compute, next fit reaches 70–90 %,
+# the sorted heuristics 95 % and more: the source's 70 % → 95 % is the step from unsorted to
+# sorted packing (Ding et al. 2024), with nearly equal real work per micro-batch (spread).
+# Packing must not change what is learnt: both routes give the padded batch's loss and
+# gradients; without the position resets sequences attend to their neighbours.
 
 # %%
 from minirl.memory.measure import build_measure_model
@@ -1121,19 +1004,17 @@ for name, loss_fn in {"padded": lambda: padded_loss(lm, pad_sequences(sequences,
 speed = time_packed_vs_padded(lm, sequences, budget=512, batch_size=8, pad_token_id=0,
                               repeats=3 if SMOKE else 5, progress=True)
 gain = speed["packed_utilization"] / speed["padded_utilization"]
-print(f"one forward + backward, padded ({speed['rows_padded']} rows, {speed['padded_utilization']:.0%} "
-      f"real tokens) {speed['padded_seconds']:.2f} s, packed ({speed['rows_packed']} rows, "
-      f"{speed['packed_utilization']:.0%}) {speed['packed_seconds']:.2f} s")
+print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, "
+      f"{speed['padded_seconds']:.2f} s; packed: {speed['rows_packed']} rows, "
+      f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s")
 print(f"speedup {speed['speedup']:.2f}x against a utilization ratio of {gain:.2f}x: packed faster: "
       f"{speed['speedup'] > 1}; in proportion (within 10 %): {speed['speedup'] >= 0.9 * gain}")
 
 # %% [markdown]
-# The timing alternates padded and packed steps and reports the median per-round ratio, so a
-# busy machine slows both alike. Where packing is faster, it computes fewer padding tokens;
-# where time does not fall in proportion, a packed row of 512 tokens still pays attention
-# over all 512 positions (the mask removes cross-sequence terms from the result, not from the
-# dense computation on a CPU; varlen kernels such as FlashAttention's skip them on a GPU),
-# and each step has fixed costs that padding does not change.
+# The timing alternates padded and packed steps (median per-round ratio). Packing saves the
+# padding tokens; time falls less than in proportion because a packed row still pays dense
+# attention over all 512 positions on a CPU (varlen kernels such as FlashAttention's skip
+# the cross-sequence terms on a GPU) and each step has fixed costs.
 #
 # ## 7. The source's claims, reproduced
 
@@ -1145,24 +1026,20 @@ table += [f"| {row} | {' | '.join(cells)} |" for row, cells in REPRODUCED.items(
 display(Markdown("\n".join(table)))
 
 # %% [markdown]
-# `python chapters/08_moe_pipelines.py --out runs/08` runs all of this as a script and
-# writes `runs/08/summary.json` (`bubble`, `packing_utilization`, `expert_load_max_over_mean`,
-# `expert_load_hottest_over_coldest`, which chapter 09's expert rule reads, ...) and the plots.
+# `python chapters/08_moe_pipelines.py --out runs/08` runs all of this as a script; its
+# `runs/08/summary.json` holds `expert_load_hottest_over_coldest`, which chapter 09 reads.
 #
 # ## Exercises
 #
-# Your stubs are in `exercises/08_moe_pipelines.py`. Fill them in, then grade:
-#
-# ```
-# python -m minirl.grade --only 08
-# ```
+# Your stubs are in `exercises/08_moe_pipelines.py`; grade them with
+# `python -m minirl.grade --only 08`.
 #
 # | exercise | function | what it checks |
 # |---|---|---|
-# | 8.1 | `load_balancing_loss` | 1 for an even router, E / top_k collapsed, the mask, top-k counting, the gradient, HF's value |
-# | 8.2 | `bubble_share` | idle share of a timeline: the makespan from first start to last end, idle ranks, empty input |
-# | 8.3 | `one_f_one_b_order` | warm-up count per stage, the F/B alternation, the cool-down, the (P−1)/(M+P−1) bubble |
-# | 8.4 | `best_fit_decreasing` | the fullest bin that fits, ties, every sequence once, no overflow, the too-long error |
+# | 8.1 | `load_balancing_loss` | 1 if even, E / k collapsed, mask, top-k, gradient, HF's value |
+# | 8.2 | `bubble_share` | makespan from first start to last end, idle ranks, empty input |
+# | 8.3 | `one_f_one_b_order` | warm-up per stage, F/B alternation, cool-down, (P−1)/(M+P−1) |
+# | 8.4 | `best_fit_decreasing` | fullest bin that fits, ties, each sequence once, the errors |
 #
 # Questions to think about (not graded): the auxiliary loss and the bias both move tokens
 # away from the experts the router prefers. Which would you rather have in an RL run that

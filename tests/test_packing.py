@@ -8,10 +8,8 @@ import torch
 
 from minirl.memory.measure import build_measure_model
 from minirl.parallel.packing import (
-    PACKERS,
     best_fit_decreasing,
     block_diagonal_mask,
-    first_fit_decreasing,
     next_fit,
     pack_sequences,
     packed_loss,
@@ -19,6 +17,8 @@ from minirl.parallel.packing import (
 )
 from minirl.runtime.moe_checks import PackingError
 from minirl.runtime.packing_bench import (
+    PACKERS,
+    first_fit_decreasing,
     long_tail_lengths,
     micro_batch_spread,
     pad_sequences,

@@ -14,7 +14,7 @@ def ratio_spread(trainer_logps: Tensor, rollout_logps: Tensor, mask: Tensor) -> 
     """Variance of token ratios exp(trainer - rollout) over real tokens, and of GSPO's sequence
     ratios exp(mean over each completion's tokens), with their largest deviation from 1. [B, C]."""
     mask = mask.bool()
-    diff = torch.where(mask, trainer_logps - rollout_logps, torch.zeros_like(trainer_logps))  # [B, C]
+    diff = (trainer_logps - rollout_logps).masked_fill(~mask, 0.0)                   # [B, C]
     token = torch.exp(diff[mask])                                                    # [tokens]
     rows = mask.any(-1)
     sequence = torch.exp(masked_mean(diff, mask.to(diff.dtype), dim=-1))[rows]      # [B']

@@ -138,10 +138,8 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 def count_moe_parameters(config) -> dict[str, float]:
     """Total and active parameters of a transformers MoE config, counted on the meta device.
 
-    Every parameter goes into a group by its name (routed experts, shared experts, routers, the
-    input embedding, dense). A token activates all but the routed experts it is not sent to:
-    active = total - routed x (1 - top_k / E); `active_without_embedding` also leaves out the
-    input embedding (a lookup, not a matrix product).
+    A token activates all but the routed experts it is not sent to: active = total - routed x
+    (1 - top_k / E); `active_without_embedding` also leaves out the input embedding (a lookup).
     """
     from transformers import AutoModelForCausalLM
 

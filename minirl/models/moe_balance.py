@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from minirl.runtime.moe_checks import check_router_logits
 
 
-def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
+def load_balancing_loss(router_logits: Tensor, top_k: int,
+                        token_mask: Tensor | None = None) -> Tensor:
     """The Switch Transformer / GShard auxiliary loss of one MoE layer: E * sum_e f_e * P_e.
 
     router_logits: [N, E] float, one row per token. token_mask: [N] bool or 0/1, or None for
@@ -37,7 +38,8 @@ def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | 
 
 def expert_counts(indices: Tensor, num_experts: int, token_mask: Tensor | None = None) -> Tensor:
     """Tokens per expert: indices [N, k] long, token_mask [N] -> [E] float counts (one per slot)."""
-    weights = None if token_mask is None else token_mask.float().repeat_interleave(indices.shape[-1])
+    k = indices.shape[-1]
+    weights = None if token_mask is None else token_mask.float().repeat_interleave(k)
     return torch.bincount(indices.reshape(-1), weights=weights, minlength=num_experts).float()
 
 
@@ -51,12 +53,12 @@ def load_imbalance(counts: Tensor) -> dict[str, float]:
     mean = counts.mean(-1).clamp(min=1e-12)
     hot, cold = counts.max(-1).values, counts.min(-1).values
     ratio = torch.where(cold > 0, hot / cold.clamp(min=1e-12), torch.full_like(hot, float("inf")))
-    return {"max_over_mean": (hot / mean).mean().item(), "hottest_over_coldest": ratio.mean().item()}
+    return {"max_over_mean": (hot / mean).mean().item(),
+            "hottest_over_coldest": ratio.mean().item()}
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Return `x` unchanged; on backward, also send gradient 1 into `aux`: the layer's balancing
-    loss joins whatever loss the training loop backpropagates, without the loop knowing."""
+    """Return `x` unchanged; on backward, also send gradient 1 into `aux` (the balancing loss)."""
 
     @staticmethod
     def forward(ctx, x, aux):
@@ -79,7 +81,8 @@ class BalancedTopKRouter(nn.Module):
     Simplified vs DeepSeek-V3: softmax scores (theirs: sigmoid), no node-limited routing.
     """
 
-    def __init__(self, router: nn.Module, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0):
+    def __init__(self, router: nn.Module, aux_loss_coef: float = 0.0,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         if not (aux_loss_coef >= 0 and bias_update_rate >= 0):
             raise ValueError(f"aux_loss_coef={aux_loss_coef}, bias_update_rate={bias_update_rate}: "
@@ -116,10 +119,10 @@ class BalancedTopKRouter(nn.Module):
         """Close an optimizer step: record its load and, with bias_update_rate, move the biases."""
         if not self.pending:
             return
-        counts = torch.stack(self.pending).sum(0)                               # [E]
+        counts = torch.stack(self.pending).sum(0)                           # [E]
         self.pending.clear()
         self.history.append(counts)
         if self.bias_update_rate:
             with torch.no_grad():
-                step = self.bias_update_rate * torch.sign(counts.mean() - counts)  # toward the mean
+                step = self.bias_update_rate * torch.sign(counts.mean() - counts)   # to the mean
                 self.expert_bias += step.to(self.expert_bias)

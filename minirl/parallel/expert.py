@@ -24,7 +24,7 @@ def local_experts(num_experts: int, world_size: int, rank: int) -> range:
 
 def exchange(x: torch.Tensor, receive_counts: list[int], send_counts: list[int],
              group=None) -> torch.Tensor:
-    """all_to_all_single with autograd: [sum(send_counts), ...] out, [sum(receive_counts), ...] in."""
+    """all_to_all_single with autograd: sum(send_counts) rows out, sum(receive_counts) in."""
     from torch.distributed.nn.functional import all_to_all_single
 
     out = x.new_empty((sum(receive_counts), *x.shape[1:]))
@@ -84,7 +84,8 @@ class ExpertParallelMoE(nn.Module):
         routed = torch.zeros_like(x).index_add(0, token, back * mix)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         away, back_away = sum(send) - send[self.rank], sum(receive) - receive[self.rank]
-        self.last = {"rows_received": sum(receive), "rows_sent_away": away,
-                     "bytes_sent": (away + back_away) * H * x.element_size() + away * flat.element_size(),
-                     "dispatch_seconds": t1 - t0, "expert_seconds": t2 - t1, "combine_seconds": t3 - t2}
+        sent = (away + back_away) * H * x.element_size() + away * flat.element_size()
+        self.last = {"rows_received": sum(receive), "rows_sent_away": away, "bytes_sent": sent,
+                     "dispatch_seconds": t1 - t0, "expert_seconds": t2 - t1,
+                     "combine_seconds": t3 - t2}
         return (routed + shared).reshape(shape)

@@ -3,8 +3,8 @@
 indices), and training on the packs with the padded batch's loss. RL does not split a trajectory,
 so a sequence longer than the budget is an error."""
 
-__all__ = ["next_fit", "first_fit_decreasing", "best_fit_decreasing", "PACKERS", "utilization",
-           "pack_sequences", "block_diagonal_mask", "packed_loss"]
+__all__ = ["next_fit", "best_fit_decreasing", "utilization", "pack_sequences",
+           "block_diagonal_mask", "packed_loss"]
 
 import torch
 from torch import Tensor
@@ -22,21 +22,6 @@ def next_fit(lengths: list[int], budget: int) -> list[list[int]]:
             room = budget
         bins[-1].append(i)
         room -= n
-    return bins
-
-
-def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first; each sequence into the first (oldest) bin with room, else a new bin."""
-    check_lengths(lengths, budget)
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
-        if j is None:
-            bins.append([])
-            room.append(budget)
-            j = len(bins) - 1
-        bins[j].append(i)
-        room[j] -= lengths[i]
     return bins
 
 
@@ -66,10 +51,6 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
-           "best_fit_decreasing": best_fit_decreasing}
-
-
 def utilization(lengths: list[int], bins: list[list[int]], budget: int) -> float:
     """Real tokens over bin capacity: sum(lengths) / (len(bins) x budget)."""
     return sum(lengths[i] for b in bins for i in b) / (len(bins) * budget)
@@ -94,7 +75,8 @@ def pack_sequences(sequences: list[list[int]], bins: list[list[int]], budget: in
         for k, i in enumerate(members):
             n = len(sequences[i])
             if t + n > budget:
-                raise PackingError(f"bin {r} holds {t + n} tokens > budget={budget}: the plan does not fit")
+                raise PackingError(f"bin {r} holds {t + n} tokens > budget={budget}: "
+                                   "the plan does not fit")
             ids[r, t:t + n] = torch.tensor(sequences[i])
             pos[r, t:t + n] = torch.arange(n)
             labels[r, t + 1:t + n] = ids[r, t + 1:t + n]
@@ -122,5 +104,5 @@ def packed_loss(model, pack: dict[str, Tensor], how: str = "position_ids") -> Te
     mask = None
     if how == "mask":
         mask = block_diagonal_mask(pack["seq_ids"], next(model.parameters()).dtype)
-    return model(input_ids=pack["input_ids"], position_ids=pack["position_ids"], attention_mask=mask,
-                 labels=pack["labels"]).loss
+    return model(input_ids=pack["input_ids"], position_ids=pack["position_ids"],
+                 attention_mask=mask, labels=pack["labels"]).loss

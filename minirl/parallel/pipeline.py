@@ -1,5 +1,5 @@
 # Generated from notebooks/08_moe_pipelines.py by tools/build.py -- edit the notebook, not this file.
-"""Pipeline-parallel schedules on paper: GPipe, 1F1B and DualPipeV, their idle time and its closed forms.
+"""Pipeline schedules on paper: GPipe, 1F1B and DualPipeV, their idle time and its closed forms.
 
 A schedule is, for every rank, the ordered list of its actions (`Op`s, or an overlapped (F, B)
 pair); `simulate` (minirl.runtime.pipeline_sim) runs it. An overlapped pair costs F + B: overlap
@@ -12,7 +12,7 @@ __all__ = ["bubble_share", "gpipe_order", "one_f_one_b_order", "one_f_one_b_sche
 from minirl.runtime.dualpipev import dualpipev_order
 from minirl.runtime.moe_checks import PipelineError, check_pipeline
 from minirl.runtime.pipeline_sim import simulate
-from minirl.runtime.pipeline_types import BACKWARD, BACKWARD_WEIGHT, FORWARD, Costs, Op, PipelineTimeline
+from minirl.runtime.pipeline_types import BACKWARD, BACKWARD_WEIGHT, FORWARD, Costs, Op
 
 
 def bubble_share(events: list[tuple[int, float, float]], num_ranks: int) -> float:
@@ -39,7 +39,7 @@ def gpipe_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
-    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, then cool-down.
+    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, cool-down.
 
     Stage `stage` (0-based, of `num_stages`) first runs W = min(num_stages - stage - 1,
     num_microbatches) forwards (micro-batches 0..W-1); then, for i = 0 .. M-W-1, the
@@ -64,7 +64,8 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> dict[int, li
     return {s: one_f_one_b_order(s, num_stages, num_microbatches) for s in range(num_stages)}
 
 
-def bubble_formulas(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> dict[str, float]:
+def bubble_formulas(num_ranks: int, num_microbatches: int,
+                    costs: Costs | None = None) -> dict[str, float]:
     """The closed forms as bubble time over compute time, and GPipe/1F1B's share of the total.
 
     `costs` are one rank's work per micro-batch (DualPipeV's chunks are half of it).
@@ -74,7 +75,8 @@ def bubble_formulas(num_ranks: int, num_microbatches: int, costs: Costs | None =
     """
     P, M, costs = num_ranks, num_microbatches, Costs() if costs is None else costs
     chunk = costs.scaled(0.5)
-    idle = (P - 1) * ((chunk.forward + chunk.backward) + chunk.backward - 3 * chunk.of(BACKWARD_WEIGHT))
+    fb = chunk.forward + chunk.backward                                # F&B: no compute overlap
+    idle = (P - 1) * (fb + chunk.backward - 3 * chunk.of(BACKWARD_WEIGHT))
     return {"gpipe_1f1b_source": (P - 1) / M, "gpipe_1f1b_share": (P - 1) / (M + P - 1),
             "dualpipe_source": (P - 1) / (2 * M),
             "dualpipev_table": idle / (M * (costs.forward + costs.backward))}
@@ -92,7 +94,8 @@ def schedule_orders(schedule: str, num_ranks: int, num_microbatches: int) -> dic
 
 
 def simulate_schedule(schedule: str, num_ranks: int, num_microbatches: int,
-                      costs: Costs | None = None) -> PipelineTimeline:
-    """Simulate a named schedule with `costs` (default `Costs()`) per rank and micro-batch."""
+                      costs: Costs | None = None):
+    """The PipelineTimeline of a named schedule with `costs` (default `Costs()`) per rank and
+    micro-batch."""
     orders, costs = schedule_orders(schedule, num_ranks, num_microbatches), costs or Costs()
     return simulate(orders, costs.scaled(0.5) if schedule == "dualpipev" else costs)

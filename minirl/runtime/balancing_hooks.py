@@ -11,6 +11,8 @@ is taught in notebook 08 and lives in `minirl.models.moe_balance.BalancedTopKRou
   weight steps. The training loop needs to know nothing: it steps its optimizer, the routers record one
   load vector per step and, with a bias rate, move their biases.
 - `load_history(model)` reads those load vectors back: [steps, layers, experts] token counts.
+- `balancing_runs(moe, tokenizer, settings, steps)` is notebook 08's experiment: one RL run per setting
+  (none, auxiliary loss, bias) from copies of one MoE, returning each run's load history and accuracy.
 
 Call `install_balancing` before building the optimizer or a rollout copy (the copy then gets the same
 routers, and `expert_bias` travels with the weights). The step hook holds weak references: once the routers
@@ -95,3 +97,26 @@ def load_history(model: nn.Module) -> Tensor:
     if steps == 0:
         return torch.zeros(0, len(found), found[0].num_experts)
     return torch.stack([torch.stack(r.history[:steps]) for r in found], dim=1)
+
+
+def balancing_runs(moe: nn.Module, tokenizer, settings: dict[str, dict], steps: int, prompts_per_step: int = 16,
+                   progress: bool = False) -> dict[str, dict]:
+    """One RL run of the stage-1 loop per entry of `settings` (name -> install_balancing keyword arguments),
+    each from a copy of `moe`: {name: {"history": [steps, L, E] load, "per_step": [steps] hottest expert
+    over the mean (averaged over layers), "accuracy": held-out accuracy at the start and the end}}."""
+    import copy
+
+    from minirl.config import RLConfig
+    from minirl.models.moe_balance import load_imbalance
+    from minirl.train.run import train
+
+    runs = {}
+    for name, kwargs in settings.items():
+        model = copy.deepcopy(moe)
+        install_balancing(model, **kwargs)
+        config = RLConfig.from_flat(steps=steps, prompts_per_step=prompts_per_step, eval_every=steps)
+        metrics = train(config, model, tokenizer, progress=progress)
+        history = load_history(model)
+        runs[name] = {"history": history, "accuracy": [m["accuracy"] for m in metrics if "accuracy" in m],
+                      "per_step": torch.tensor([load_imbalance(h)["max_over_mean"] for h in history])}
+    return runs

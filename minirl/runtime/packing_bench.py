@@ -3,6 +3,8 @@
 Hand-written (a measurement harness; the packers and packed training are taught in notebook 08 and live in
 `minirl.parallel.packing`).
 
+- `first_fit_decreasing` is the third packer the notebook compares: longest first, each sequence into the
+  first bin with room; `PACKERS` names all three (next fit and best fit are taught in the notebook).
 - `long_tail_lengths` draws prompt + completion lengths shaped like reasoning rollouts: uniform prompts,
   log-normal completions truncated at the generation cap (most short, a few at the cap).
 - `micro_batch_spread` says how unevenly a split hands out real tokens (largest micro-batch over the mean).
@@ -15,8 +17,27 @@ Hand-written (a measurement harness; the packers and packed training are taught 
 import torch
 from torch import Tensor
 
-from minirl.parallel.packing import best_fit_decreasing, pack_sequences, packed_loss, utilization
-from minirl.runtime.moe_checks import PackingError
+from minirl.parallel.packing import best_fit_decreasing, next_fit, pack_sequences, packed_loss, utilization
+from minirl.runtime.moe_checks import PackingError, check_lengths
+
+
+def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest first; each sequence into the first (oldest) bin with room, else a new bin."""
+    check_lengths(lengths, budget)
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
+        if j is None:
+            bins.append([])
+            room.append(budget)
+            j = len(bins) - 1
+        bins[j].append(i)
+        room[j] -= lengths[i]
+    return bins
+
+
+PACKERS = {"next_fit": next_fit, "first_fit_decreasing": first_fit_decreasing,
+           "best_fit_decreasing": best_fit_decreasing}
 
 
 def padded_utilization(lengths: list[int], batch_size: int) -> float:

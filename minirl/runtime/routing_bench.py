@@ -10,6 +10,12 @@ share of completion tokens whose route flipped (a token counts as flipped when a
 expert set at the position that produced its logits), the token-ratio variance split by flip, and the
 flipped tokens' share of the token variance.
 
+`ratio_level_runs(moe, tokenizer, runs, steps)` is notebook 08's training comparison: one RL run per entry
+of `runs` (name -> RLConfig settings, e.g. token-level ratios against GSPO's sequence-level ones), each from
+a copy of the MoE with an fp8 rollout, two updates per batch and truncated importance sampling against the
+rollout; it prints TRL's and minirl's TIS defaults (the runs name their mode, so neither decides them) and
+a table of each run's loss type, held-out accuracy, mean reward, clipped share and gradient norm.
+
 Simplified on purpose: one rollout batch, the trainer in fp32.
 """
 import torch
@@ -54,3 +60,35 @@ def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: st
             "token_var_flipped": split["flipped"][0], "tokens_flipped": split["flipped"][1],
             "token_var_kept": split["kept"][0], "tokens_kept": split["kept"][1],
             "plain": ratio_spread(plain, batch.logprobs, mask), "r3": ratio_spread(replayed, batch.logprobs, mask)}
+
+
+def ratio_level_runs(moe, tokenizer, runs: dict[str, dict], steps: int, progress: bool = False) -> dict:
+    """Train a copy of `moe` per entry of `runs`; print the TIS defaults and a table; return name -> metrics."""
+    import copy
+    import statistics
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from minirl.config import AlgorithmConfig, RLConfig
+    from minirl.train.run import train
+
+    trl, ours = ({f.name: f.default for f in fields(c)} for c in (GRPOConfig, AlgorithmConfig))
+    print(f"TIS defaults: TRL {trl['vllm_importance_sampling_mode']!r} (cap "
+          f"{trl['vllm_importance_sampling_clip_max']}), minirl {ours['importance_sampling_mode']!r} "
+          f"(cap {ours['importance_sampling_cap']})")
+    results = {}
+    print(f"{'ratio level':>15} | {'loss_type':>9} | {'accuracy: start, middle, end':>28} | "
+          f"{'reward':>6} | {'clipped':>7} | {'grad norm':>9}")
+    for name, settings in runs.items():
+        config = RLConfig.from_flat(steps=steps, prompts_per_step=16, num_iterations=2,
+                                    eval_every=max(1, steps // 2), rollout_dtype="float8_e4m3fn",
+                                    importance_sampling_correction=True, **settings)
+        metrics = results[name] = train(config, copy.deepcopy(moe), tokenizer, progress=progress)
+        rows = [m for m in metrics if "reward" in m]
+        accuracy = " ".join(f"{m['accuracy']:.3f}" for m in metrics if "accuracy" in m)
+        print(f"{name:>15} | {config.algorithm.loss_type:>9} | {accuracy:>28} | "
+              f"{statistics.mean(m['reward'] for m in rows):>6.3f} | "
+              f"{statistics.mean(m['clip_ratio/region_mean'] for m in rows):>7.3f} | "
+              f"{statistics.mean(m['grad_norm'] for m in rows):>9.2f}")
+    return results
