@@ -24,14 +24,14 @@ def plot_expert_load(load_runs: dict, tail: int) -> None:
     """load_runs: name -> {"per_step": [steps] max/mean, "history": [steps, L, E] counts}."""
     first = next(iter(load_runs.values()))["history"]
     layers, E = first.shape[1], first.shape[2]
-    fig, axes = plt.subplots(1 + layers, 1, figsize=(7, 2.6 * (1 + layers)))
+    fig, axes = plt.subplots(1 + layers, 1, figsize=(7, 3.0 * (1 + layers)))
     for name, run in load_runs.items():
         per_step = run["per_step"]
         smooth = [per_step[max(0, i - 4):i + 1].mean().item() for i in range(len(per_step))]
         axes[0].plot(range(1, len(smooth) + 1), smooth, label=name)
     axes[0].axhline(1.0, color="gray", ls=":", lw=1)
     axes[0].set(title="hottest expert / mean load (5-step mean)", xlabel="RL step", ylim=(0.9, None))
-    axes[0].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[0].legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     width = 0.8 / (len(load_runs) + 1)
     for layer, ax in enumerate(axes[1:]):
         start = first[0, layer]
@@ -41,7 +41,7 @@ def plot_expert_load(load_runs: dict, tail: int) -> None:
             ax.bar(torch.arange(E) - 0.4 + width * (i + 0.5), last / last.sum(), width, label=f"{name}, end")
         ax.axhline(1 / E, color="gray", ls=":", lw=1)
         ax.set(title=f"layer {layer}: share of assignments per expert", xlabel="expert", xticks=range(E))
-    axes[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[1].legend(fontsize=9, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     plt.show()
 
@@ -70,7 +70,7 @@ def plot_pipeline(timeline, ax=None, title: str = ""):
     for e in timeline.events:
         ax.barh(e.rank, e.end - e.start, left=e.start - t0, color=OP_COLORS[e.op.kind], edgecolor="white",
                 height=0.8)
-        if e.end - e.start > 0.03 * timeline.makespan:
+        if e.end - e.start > 0.04 * timeline.makespan:
             ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.op.microbatch), ha="center", va="center",
                     fontsize=9, color="white")
     ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
