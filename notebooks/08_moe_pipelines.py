@@ -242,8 +242,8 @@ assert torch.allclose(2 * ours, theirs, atol=1e-6)
 even = load_balancing_loss(torch.zeros(64, 8), top_k=2)            # ties: all equally likely
 collapsed = load_balancing_loss(torch.tensor([[20.0, 20.0] + [0.0] * 6]).repeat(64, 1), top_k=2)
 print(f"minirl {ours.item():.4f}, transformers {theirs.item():.4f}: our aux_loss_coef=0.2 is their "
-      f"router_aux_loss_coef={0.2 * ours.item() / theirs.item():.2f}; even router "
-      f"{even.item():.3f}, collapsed {collapsed.item():.3f} (E / top_k = 4)")
+      f"router_aux_loss_coef={0.2 * ours.item() / theirs.item():.2f}")
+print(f"even router {even.item():.3f}, collapsed router {collapsed.item():.3f} (E / top_k = 4)")
 
 # %% [markdown]
 # `BalancedTopKRouter` replaces `transformers`' router in place (NaN logits raise
@@ -483,7 +483,7 @@ ratio = (statistics.median(r["dispatch_seconds"] + r["combine_seconds"] for r in
          / statistics.median(r["expert_seconds"] for r in built))
 away = statistics.mean(r["rows_sent_away"] for r in built) / (2 * built[0]["tokens"])
 print(f"as built: {away:.0%} of the rows leave their rank; the exchanges take {ratio:.1f}x the "
-      f"experts' compute. skewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of them")
+      f"experts' compute\nskewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of them")
 
 # %% [markdown]
 # The distributed layer matches the single-process one to float32 rounding, forward and
@@ -547,8 +547,8 @@ for dtype, short in (("bfloat16", "bf16"), ("float8_e4m3fn", "fp8")):
                      and r["token_var_flipped"] > r["token_var_kept"])
 fp8 = spread["float8_e4m3fn"]
 gspo, length = fp8["plain"], fp8["plain"]["tokens"] / fp8["plain"]["sequences"]
-print(f"fp8: mean completion {length:.1f} tokens (independent deviations: variance / "
-      f"{length:.1f}); the sequence ratio divides it by {gspo['variance_ratio']:.1f}")
+print(f"fp8: completions of {length:.1f} tokens on average; the variance / {length:.1f} if "
+      f"independent, / {gspo['variance_ratio']:.1f} by the sequence ratio")
 REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO: one ratio per sequence",
                     f"fp8 rollout: var token {gspo['token_var']:.1e}, sequence "
                     f"{gspo['sequence_var']:.1e} ({gspo['variance_ratio']:.1f}x)",
@@ -780,8 +780,8 @@ for r in pipe_rows:
     assert abs(r["loss"] - r["reference_loss"]) < 1e-4 and 0 < r["measured"] < 1
 below = [f"{r['schedule']} M={r['M']}" for r in pipe_rows if r["measured"] < r["simulated"] - 0.02]
 print(f"every row's loss equals the plain model's ({pipe['reference_loss']:.5f}) to 1e-4")
-print("rows whose measured idle share is more than 0.02 below the 'simulated' column (the "
-      f"simulator without latency): {', '.join(below) if below else 'none'}")
+print("rows whose measured idle share is more than 0.02 below 'simulated' (no latency):\n  "
+      + (", ".join(below) if below else "none"))
 measured = {(r["schedule"], r["M"]): r["measured"] for r in pipe_rows}
 big = {s: simulate_schedule(s, 8, 32, Costs(1.0, 2.0)).bubble_ratio for s in SCHEDULES}
 REPRODUCED["24"] = ("DualPipe: bubble (P-1)/M -> (P-1)/2M",
@@ -799,9 +799,9 @@ plot_pipelines({"measured 1F1B, P = 2, M = 4 (gloo, CPU)": measured_timelines(ru
 # the simulator leaves out (the latency of every send, which `+ latency` puts back, Python
 # bookkeeping, the operating system's other work), but the simulator is fed *median* costs,
 # and where calls of one kind vary between micro-batches (watch B/F move between rows) the
-# simulated share can land on either side of the measured one. The last line under the
-# table applies one rule: it lists the rows whose measured idle share is more than 0.02 below
-# the `simulated` column (the simulator without latency), or says `none`.
+# simulated share can land on either side of the measured one. The last lines under the
+# table apply one rule: they list the rows whose measured idle share is more than 0.02 below
+# the `simulated` column (the simulator without latency), or say `none`.
 #
 # ## 6. Best-fit packing: fill the token budget
 #
@@ -1007,14 +1007,13 @@ gain = speed["packed_utilization"] / speed["padded_utilization"]
 print(f"padded: {speed['rows_padded']} rows, {speed['padded_utilization']:.0%} real tokens, "
       f"{speed['padded_seconds']:.2f} s; packed: {speed['rows_packed']} rows, "
       f"{speed['packed_utilization']:.0%} real tokens, {speed['packed_seconds']:.2f} s")
-print(f"speedup {speed['speedup']:.2f}x against a utilization ratio of {gain:.2f}x: packed faster: "
-      f"{speed['speedup'] > 1}; in proportion (within 10 %): {speed['speedup'] >= 0.9 * gain}")
+print(f"speedup {speed['speedup']:.2f}x, utilization ratio {gain:.2f}x: packed faster "
+      f"{speed['speedup'] > 1}, in proportion (within 10 %) {speed['speedup'] >= 0.9 * gain}")
 
 # %% [markdown]
-# The timing alternates padded and packed steps (median per-round ratio). Packing saves the
-# padding tokens; time falls less than in proportion because a packed row still pays dense
-# attention over all 512 positions on a CPU (varlen kernels such as FlashAttention's skip
-# the cross-sequence terms on a GPU) and each step has fixed costs.
+# Packing saves the padding tokens (timed alternately, median per-round ratio); time falls
+# less than in proportion because a packed row pays dense attention over all 512 positions
+# on a CPU (varlen kernels such as FlashAttention's skip those terms) plus fixed costs.
 #
 # ## 7. The source's claims, reproduced
 
