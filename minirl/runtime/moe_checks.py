@@ -2,6 +2,7 @@
 
 Hand-written (validation; the lessons are the balancing router of `minirl.models.moe_balance`, the
 schedules of `minirl.parallel.pipeline` and the packers of `minirl.parallel.packing`, which call these).
+It imports nothing heavy (no torch), so a script can check its arguments before torch loads.
 Each error names the setting that is wrong and what to do instead, so that bad input fails here with a
 sentence rather than deep inside a collective, a scheduler or a tensor operation.
 
@@ -12,17 +13,17 @@ sentence rather than deep inside a collective, a scheduler or a tensor operation
   halves (I, W) at every stage; returns the number of stages.
 - `PackingError` / `check_lengths`: a sequence that cannot go into a pack of the given token budget.
 """
-from torch import Tensor, isfinite
 
 
 class RouterError(FloatingPointError):
     """A router produced non-finite scores: the layer cannot choose experts."""
 
 
-def check_router_logits(logits: Tensor, layer: str = "router") -> None:
-    """Raise RouterError when router logits hold NaN or inf (usually an overflow upstream)."""
-    if not isfinite(logits).all():
-        bad = (~isfinite(logits)).any(-1).sum().item()
+def check_router_logits(logits, layer: str = "router") -> None:
+    """Raise RouterError when router logits (a [N, E] tensor) hold NaN or inf (usually an overflow upstream)."""
+    finite = logits.isfinite()
+    if not finite.all():
+        bad = (~finite).any(-1).sum().item()
         raise RouterError(f"{layer}: router logits are not finite for {bad} of {logits.shape[0]} tokens; "
                           "look for an overflow before this layer (lower the learning rate, clip gradients, or "
                           "compute the router in float32)")
