@@ -483,7 +483,8 @@ ratio = (statistics.median(r["dispatch_seconds"] + r["combine_seconds"] for r in
          / statistics.median(r["expert_seconds"] for r in built))
 away = statistics.mean(r["rows_sent_away"] for r in built) / (2 * built[0]["tokens"])
 print(f"as built: {away:.0%} of the rows leave their rank; the exchanges take {ratio:.1f}x the "
-      f"experts' compute\nskewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of them")
+      "experts' compute")
+print(f"skewed: rank 0 computes {skewed[0] / sum(skewed.values()):.0%} of the expert rows")
 
 # %% [markdown]
 # The distributed layer matches the single-process one to float32 rounding, forward and
@@ -547,8 +548,8 @@ for dtype, short in (("bfloat16", "bf16"), ("float8_e4m3fn", "fp8")):
                      and r["token_var_flipped"] > r["token_var_kept"])
 fp8 = spread["float8_e4m3fn"]
 gspo, length = fp8["plain"], fp8["plain"]["tokens"] / fp8["plain"]["sequences"]
-print(f"fp8: completions of {length:.1f} tokens on average; the variance / {length:.1f} if "
-      f"independent, / {gspo['variance_ratio']:.1f} by the sequence ratio")
+print(f"fp8: {length:.1f} tokens per completion; variance / {length:.1f} if independent, "
+      f"/ {gspo['variance_ratio']:.1f} by the sequence ratio")
 REPRODUCED["23"] = ("routing noise makes token ratios fluctuate; GSPO: one ratio per sequence",
                     f"fp8 rollout: var token {gspo['token_var']:.1e}, sequence "
                     f"{gspo['sequence_var']:.1e} ({gspo['variance_ratio']:.1f}x)",
