@@ -60,7 +60,8 @@ def moe_parameters(args) -> dict:
 def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict, dict]:
     """Section 2: three RL runs (no balancing, auxiliary loss, bias); load per step and layer."""
     from minirl.config import RLConfig
-    from minirl.models.moe_balance import install_balancing, load_history, load_imbalance
+    from minirl.models.moe_balance import load_imbalance
+    from minirl.runtime.balancing_hooks import install_balancing, load_history
     from minirl.train.run import train
 
     runs = {}
@@ -92,7 +93,7 @@ def expert_load(args, moe, tokenizer, task) -> tuple[dict, dict, dict]:
 def gspo(args, moe, tokenizer, task) -> dict:
     """Section 4: token vs sequence ratio variance under routing noise, and short training runs."""
     from minirl.config import RLConfig
-    from minirl.diagnostics.routing import routing_ratio_spread
+    from minirl.runtime.routing_bench import routing_ratio_spread
     from minirl.train.run import train
 
     prompts = [row["prompt"] for row in task.rows("train")[:64]]
@@ -126,7 +127,9 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
     """Section 5: the simulator's sweep, timelines, and (unless --skip-torchrun) the measured pipeline."""
     import matplotlib.pyplot as plt
 
-    from minirl.parallel.pipeline import SCHEDULES, Costs, bubble_formulas, plot_pipeline, simulate_schedule
+    from minirl.parallel.pipeline import SCHEDULES, bubble_formulas, simulate_schedule
+    from minirl.runtime.moe_plots import plot_pipeline
+    from minirl.runtime.pipeline_types import Costs
 
     table = []
     for P, M in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
@@ -152,8 +155,8 @@ def bubbles(args, out: Path) -> tuple[dict, list, dict]:
                      "source_formula": formula}
     measured = {}
     if not args.skip_torchrun:
-        from minirl.parallel.expert import launch_expert_parallel
-        from minirl.parallel.pipeline_run import compare_with_simulator, launch_pipeline
+        from minirl.runtime.expert_job import launch_expert_parallel
+        from minirl.runtime.pipeline_job import compare_with_simulator, launch_pipeline
 
         rows = compare_with_simulator(launch_pipeline(2, microbatches=args.microbatches, hidden=args.hidden,
                                                       repeats=args.repeats))
@@ -183,14 +186,9 @@ def packing(args, tokenizer, task, out: Path) -> tuple[dict, dict]:
     from minirl.config import SamplingConfig
     from minirl.memory.measure import build_measure_model
     from minirl.models.policy import load_default_policy
-    from minirl.parallel.packing import (
-        PACKERS,
-        long_tail_lengths,
-        padded_utilization,
-        time_packed_vs_padded,
-        utilization,
-    )
+    from minirl.parallel.packing import utilization
     from minirl.rollout.hf import HFEngine
+    from minirl.runtime.packing_bench import PACKERS, long_tail_lengths, padded_utilization, time_packed_vs_padded
 
     policy, _, _ = load_default_policy(progress=False)
     sampled = HFEngine(policy, tokenizer).generate([r["prompt"] for r in task.rows("train")[:64]],
@@ -247,7 +245,8 @@ def main(argv=None) -> int:
         args.microbatches = tuple(int(m) for m in args.microbatches.split(","))
     except ValueError:
         parser.error(f"argument --microbatches: {args.microbatches!r}: use comma-separated integers, e.g. 4,8")
-    from minirl.parallel.pipeline import PipelineError, check_pipeline, schedule_orders
+    from minirl.parallel.pipeline import schedule_orders
+    from minirl.runtime.moe_checks import PipelineError, check_pipeline
 
     try:                                                  # fail before any work: the job has 32 samples, 8 layers
         for m in args.microbatches:
@@ -280,8 +279,8 @@ def main(argv=None) -> int:
     seed_everything(args.seed)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    from minirl.models.moe import load_moe_policy
     from minirl.models.policy import load_default_policy
+    from minirl.runtime.moe_cache import load_moe_policy
     from minirl.tasks.arithmetic import make_task
 
     started = time.perf_counter()

@@ -10,10 +10,12 @@ imported below where these cells use it.
 import torch
 from torch import Tensor
 
-from minirl.parallel.pipeline import BACKWARD, FORWARD, Op, PipelineError
+from minirl.runtime.moe_checks import PipelineError, check_lengths, check_pipeline
+from minirl.runtime.pipeline_types import BACKWARD, FORWARD, Op
 
 
-def load_balancing_loss(router_logits: Tensor, top_k: int, token_mask: Tensor | None = None) -> Tensor:
+def load_balancing_loss(router_logits: Tensor, top_k: int,
+                        token_mask: Tensor | None = None) -> Tensor:
     """The Switch Transformer / GShard auxiliary loss of one MoE layer: E * sum_e f_e * P_e.
 
     router_logits: [N, E] float, one row per token. token_mask: [N] bool or 0/1, or None for
@@ -39,28 +41,6 @@ def bubble_share(events: list[tuple[int, float, float]], num_ranks: int) -> floa
     raise NotImplementedError("exercise 8.2: bubble_share -- see its docstring and notebook 08")
 
 
-def check_pipeline(num_stages: int, num_microbatches: int, num_samples: int | None = None,
-                   num_layers: int | None = None) -> None:
-    """Raise PipelineError for a pipeline that cannot be split as asked."""
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PipelineError(f"{name}={value!r}: must be an int >= 1")
-    if num_samples is not None and num_microbatches > num_samples:
-        raise PipelineError(f"num_microbatches={num_microbatches} exceeds the batch's {num_samples} samples: "
-                            f"every micro-batch needs at least one sample; use num_microbatches <= {num_samples}")
-    if num_layers is not None and num_layers % num_stages:
-        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-        raise PipelineError(f"num_stages={num_stages} does not divide num_layers={num_layers}: stages would be "
-                            f"unequal and the slowest sets the pace; use one of {divisors}")
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Layer indices of each stage, equal contiguous slices: [range(0, L/S), range(L/S, 2L/S), ...]."""
-    check_pipeline(num_stages, 1, num_layers=num_layers)
-    per = num_layers // num_stages
-    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
-
-
 def gpipe_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
     """GPipe: every forward, then every backward; rank s holds stage s."""
     check_pipeline(num_stages, num_microbatches)
@@ -70,7 +50,7 @@ def gpipe_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
-    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, then cool-down.
+    """The 1F1B order of one stage: warm-up forwards, then one forward / one backward, cool-down.
 
     Stage `stage` (0-based, of `num_stages`) first runs W = min(num_stages - stage - 1,
     num_microbatches) forwards (micro-batches 0..W-1); then, for i = 0 .. M-W-1, the
@@ -90,22 +70,6 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> dict[int, li
     return {s: one_f_one_b_order(s, num_stages, num_microbatches) for s in range(num_stages)}
 
 
-class PackingError(ValueError):
-    """A sequence that cannot be packed as asked; the message names it and the fix."""
-
-
-def check_lengths(lengths: list[int], budget: int) -> None:
-    """Raise PackingError unless every length is an int in 1..budget."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise PackingError(f"budget={budget!r}: must be an int >= 1 (tokens per pack)")
-    for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise PackingError(f"lengths[{i}]={n!r}: every sequence needs at least one token")
-        if n > budget:
-            raise PackingError(f"lengths[{i}]={n} is longer than the pack budget={budget}: raise the budget to at "
-                               f"least {max(lengths)}, or cap generation (max_completion_length) below it")
-
-
 def next_fit(lengths: list[int], budget: int) -> list[list[int]]:
     """Arrival order; a new bin whenever the next sequence does not fit in the current one."""
     check_lengths(lengths, budget)
@@ -116,21 +80,6 @@ def next_fit(lengths: list[int], budget: int) -> list[list[int]]:
             room = budget
         bins[-1].append(i)
         room -= n
-    return bins
-
-
-def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first; each sequence into the first (oldest) bin with room, else a new bin."""
-    check_lengths(lengths, budget)
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), None)
-        if j is None:
-            bins.append([])
-            room.append(budget)
-            j = len(bins) - 1
-        bins[j].append(i)
-        room[j] -= lengths[i]
     return bins
 
 
@@ -147,3 +96,8 @@ def best_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """
     check_lengths(lengths, budget)
     raise NotImplementedError("exercise 8.4: best_fit_decreasing -- see its docstring and notebook 08")
+
+
+def utilization(lengths: list[int], bins: list[list[int]], budget: int) -> float:
+    """Real tokens over bin capacity: sum(lengths) / (len(bins) x budget)."""
+    return sum(lengths[i] for b in bins for i in b) / (len(bins) * budget)

@@ -3,7 +3,8 @@ gradients, the rows exchanged, and bad settings."""
 
 import pytest
 
-from minirl.parallel.expert import launch_expert_parallel, local_experts
+from minirl.parallel.expert import local_experts
+from minirl.runtime.expert_job import launch_expert_parallel
 
 
 def test_experts_split_evenly_or_a_named_error():

@@ -1,5 +1,6 @@
-"""Expert load and balancing on the tiny MoE (minirl.models.moe_balance, notebook 08), parameter counting, and the
-GSPO ratio statistics (minirl.diagnostics.routing)."""
+"""Expert load and balancing on the tiny MoE (minirl.models.moe_balance, notebook 08; installed by
+minirl.runtime.balancing_hooks), parameter counting, and the GSPO ratio statistics (minirl.diagnostics.routing,
+measured by minirl.runtime.routing_bench)."""
 
 import copy
 import math
@@ -8,18 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minirl.diagnostics.routing import ratio_spread, routing_ratio_spread
-from minirl.models.moe import RouteRecorder, build_moe_policy, count_moe_parameters, load_moe_policy, routers
-from minirl.models.moe_balance import (
-    BalancedTopKRouter,
-    RouterError,
-    expert_counts,
-    install_balancing,
-    load_balancing_loss,
-    load_history,
-    load_imbalance,
-)
+from minirl.diagnostics.routing import ratio_spread
+from minirl.models.moe import RouteRecorder, build_moe_policy, count_moe_parameters, routers
+from minirl.models.moe_balance import BalancedTopKRouter, expert_counts, load_balancing_loss, load_imbalance
 from minirl.models.policy import build_tokenizer
+from minirl.runtime.balancing_hooks import install_balancing, load_history
+from minirl.runtime.moe_cache import load_moe_policy
+from minirl.runtime.moe_checks import RouterError
+from minirl.runtime.routing_bench import routing_ratio_spread
 
 
 @pytest.fixture(scope="module")

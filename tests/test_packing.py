@@ -8,21 +8,23 @@ import torch
 
 from minirl.memory.measure import build_measure_model
 from minirl.parallel.packing import (
-    PACKERS,
-    PackingError,
     best_fit_decreasing,
     block_diagonal_mask,
-    first_fit_decreasing,
-    long_tail_lengths,
-    micro_batch_spread,
     next_fit,
     pack_sequences,
     packed_loss,
+    utilization,
+)
+from minirl.runtime.moe_checks import PackingError
+from minirl.runtime.packing_bench import (
+    PACKERS,
+    first_fit_decreasing,
+    long_tail_lengths,
+    micro_batch_spread,
     pad_sequences,
     padded_loss,
     padded_utilization,
     time_packed_vs_padded,
-    utilization,
 )
 
 

@@ -1,26 +1,23 @@
 """Pipeline schedules: the simulator against the closed forms and torch's DualPipeV, bad input, and a real
-two-process pipeline under torchrun (minirl.parallel.pipeline, minirl.parallel.pipeline_run)."""
+two-process pipeline under torchrun (minirl.parallel.pipeline, minirl.runtime.pipeline_job)."""
 
 import pytest
 
 from minirl.parallel.pipeline import (
     SCHEDULES,
-    Costs,
-    Op,
-    PipelineError,
     bubble_formulas,
     bubble_share,
-    check_pipeline,
-    dualpipev_order,
     gpipe_order,
     one_f_one_b_order,
     one_f_one_b_schedule,
     schedule_orders,
-    simulate,
     simulate_schedule,
-    split_layers,
 )
-from minirl.parallel.pipeline_run import compare_with_simulator, launch_pipeline, measured_timelines
+from minirl.runtime.dualpipev import dualpipev_order
+from minirl.runtime.moe_checks import PipelineError, check_pipeline
+from minirl.runtime.pipeline_job import compare_with_simulator, launch_pipeline, measured_timelines, split_layers
+from minirl.runtime.pipeline_sim import simulate
+from minirl.runtime.pipeline_types import Costs, Op
 
 
 @pytest.mark.parametrize("P, M", [(2, 1), (2, 4), (3, 5), (4, 8), (8, 16)])

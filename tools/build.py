@@ -87,7 +87,13 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 09
                 "minirl/runtime/diagnosis_report.py", "minirl/runtime/mfu_inputs.py",
                 "minirl/runtime/profile_tables.py", "minirl/runtime/profiling_plots.py",
-                "minirl/runtime/ray_timeline.py", "minirl/runtime/run_records.py", "minirl/runtime/stage_runs.py")
+                "minirl/runtime/ray_timeline.py", "minirl/runtime/run_records.py", "minirl/runtime/stage_runs.py",
+                # notebook 08 (issue 29): its plumbing, harnesses and plot styling
+                "minirl/runtime/balancing_hooks.py", "minirl/runtime/dualpipev.py",
+                "minirl/runtime/expert_job.py", "minirl/runtime/moe_cache.py", "minirl/runtime/moe_checks.py",
+                "minirl/runtime/moe_plots.py", "minirl/runtime/packing_bench.py", "minirl/runtime/pipeline_job.py",
+                "minirl/runtime/pipeline_sim.py", "minirl/runtime/pipeline_types.py",
+                "minirl/runtime/routing_bench.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

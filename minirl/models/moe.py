@@ -16,22 +16,13 @@ tokens. The mechanism is the same.
 """
 
 __all__ = ["build_moe_policy", "routers", "RouteRecorder", "replay_routes", "route_agreement",
-           "count_moe_parameters", "load_moe_policy"]
+           "count_moe_parameters"]
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
 
 
 def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
@@ -145,60 +136,26 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 
 
 def count_moe_parameters(config) -> dict[str, float]:
-    """Total and active parameters of a transformers MoE config, counted on the meta device (no weights).
+    """Total and active parameters of a transformers MoE config, counted on the meta device.
 
-    The model is instantiated on the "meta" device (shapes only, no memory) and every parameter
-    is put in one group by its name: routed experts (`...mlp.experts...`), shared experts,
-    routers (`...mlp.gate...`), the input embedding (with tied embeddings, the shared matrix),
-    and dense (attention, norms, the dense MLP of non-MoE layers, the output head). A token
-    activates everything except the routed experts it is not sent to:
-    active = total - routed x (1 - top_k / E). The input embedding is a lookup, not a matrix
-    product, so `active_without_embedding` leaves it out too (a count closer to compute).
-    Returns counts (floats) per group, total, active, active_without_embedding, num_experts, top_k.
+    A token activates all but the routed experts it is not sent to: active = total - routed x
+    (1 - top_k / E); `active_without_embedding` also leaves out the input embedding (a lookup).
     """
     from transformers import AutoModelForCausalLM
 
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not num_experts or not top_k:
-        raise ValueError(f"{type(config).__name__} names no routed experts (num_experts / n_routed_experts and "
-                         "num_experts_per_tok): not a MoE config")
-    with torch.device("meta"):
+        raise ValueError(f"{type(config).__name__} names no routed experts: not a MoE config")
+    with torch.device("meta"):                                   # shapes only, no memory
         model = AutoModelForCausalLM.from_config(config)
-    groups = {"routed_experts": 0.0, "shared_experts": 0.0, "routers": 0.0, "input_embedding": 0.0, "dense": 0.0}
+    patterns = [("shared_experts", "shared_expert"), ("routed_experts", ".experts."),
+                ("routers", ".mlp.gate."), ("input_embedding", "embed_tokens")]
+    groups = dict.fromkeys([group for group, _ in patterns] + ["dense"], 0.0)
     for name, p in model.named_parameters():
-        if "shared_expert" in name:
-            groups["shared_experts"] += p.numel()
-        elif ".experts." in name:
-            groups["routed_experts"] += p.numel()
-        elif ".mlp.gate." in name:
-            groups["routers"] += p.numel()
-        elif "embed_tokens" in name:
-            groups["input_embedding"] += p.numel()
-        else:
-            groups["dense"] += p.numel()
+        groups[next((group for group, key in patterns if key in name), "dense")] += p.numel()
     total = sum(groups.values())
     active = total - groups["routed_experts"] * (1 - top_k / num_experts)
-    return {**groups, "total": total, "active": active, "active_without_embedding": active - groups["input_embedding"],
+    return {**groups, "total": total, "active": active,
+            "active_without_embedding": active - groups["input_embedding"],
             "num_experts": num_experts, "top_k": top_k}
-
-
-def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):
-    """The tiny MoE policy after a supervised warm start of `warm_start_steps` steps (no balancing),
-    cached under $MINIRL_CACHE like the default policy (built once, written atomically)."""
-    from transformers import Qwen2MoeForCausalLM
-
-    key = json.dumps([WARM_START_FORMAT, asdict(task.config), warm_start_steps, seed, len(tokenizer)], sort_keys=True)
-    path = cache_dir() / f"moe-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if not (path / "config.json").exists():
-        model = build_moe_policy(tokenizer, seed=seed)
-        warm_start(model, tokenizer, task, WarmStartConfig(steps=warm_start_steps, target_accuracy=None, seed=seed),
-                   progress=progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-        model.save_pretrained(tmp)
-        try:
-            os.replace(tmp, path)               # atomic: readers see all of it or none of it
-        except OSError:                         # another process finished first; keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    return Qwen2MoeForCausalLM.from_pretrained(path).eval()

@@ -8,7 +8,8 @@ must fail are in tests/exercises/wrong/ex8_*.py.
 import pytest
 import torch
 
-from minirl.parallel.pipeline import FORWARD, Costs, simulate
+from minirl.runtime.pipeline_sim import simulate
+from minirl.runtime.pipeline_types import FORWARD, Costs
 
 # ---------------------------------------------------------------- 8.1 load_balancing_loss
 

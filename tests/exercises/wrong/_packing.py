@@ -1,6 +1,6 @@
 """Shared by the wrong versions of exercise 8.4 (not a wrong version itself)."""
 
-from minirl.parallel.packing import check_lengths
+from minirl.runtime.moe_checks import check_lengths
 
 
 def fit(lengths, budget, choose, order=None):

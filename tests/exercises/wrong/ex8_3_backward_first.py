@@ -1,6 +1,6 @@
 """Exercise 8.3, wrong: in the steady state, a backward before each forward instead of after it."""
 
-from minirl.parallel.pipeline import BACKWARD, FORWARD, Op
+from minirl.runtime.pipeline_types import BACKWARD, FORWARD, Op
 
 EXERCISE = "8.3"
 

@@ -1,6 +1,6 @@
 """Exercise 8.3, wrong: the warm-up runs num_stages - stage forwards, one more than 1F1B's."""
 
-from minirl.parallel.pipeline import BACKWARD, FORWARD, Op
+from minirl.runtime.pipeline_types import BACKWARD, FORWARD, Op
 
 EXERCISE = "8.3"
 

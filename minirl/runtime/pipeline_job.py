@@ -1,23 +1,27 @@
-# Generated from notebooks/08_moe_pipelines.py by tools/build.py -- edit the notebook, not this file.
-"""A real pipeline: a small model split across ranks with `torch.distributed.pipelining`, idle time measured.
+"""Measuring a real pipeline: a small model split across ranks with `torch.distributed.pipelining`, its idle time timed.
 
-`pipeline_worker` is the body of a `torchrun` job: every rank builds the same small model
-(embedding, pre-norm residual MLP blocks, head), keeps its stage(s), and runs GPipe, 1F1B
-(`ScheduleGPipe`, `Schedule1F1B`: one stage per rank) and DualPipeV (`ScheduleDualPipeV`:
-two stages per rank, in a V) for each micro-batch count. Each stage's compute calls
-(`forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk`) are timed, so the
-measured timeline has the simulator's form and the same `bubble_share` applies;
-`launch_pipeline` starts the job and `compare_with_simulator` sets the measured idle share
-beside the simulator's for the measured per-stage costs.
+Hand-written (a measurement harness; notebook 08 section 5 teaches the schedules and their simulator in
+`minirl.parallel.pipeline`, and uses this module to time the same schedules on real processes).
 
-Simplified on purpose: gloo on CPU processes (NCCL when there is a GPU per rank), an MLP
-stack instead of attention layers (the schedule does not care what a stage computes), and
-no optimizer step (the bubble is in forward and backward).
+- `PipelineModel` is the model every rank builds identically (same seed): an embedding, pre-norm residual
+  MLP blocks (`Block`, a transformer block without attention: the schedule does not care what a stage
+  computes) and a head; `PipelineModel.stage(i, n)` is stage i of n (a `StageModule`), cut by `split_layers`.
+- `pipeline_worker` is the body of a `torchrun` job: every rank keeps its stage(s) and runs GPipe, 1F1B
+  (`ScheduleGPipe`, `Schedule1F1B`: one stage per rank) and DualPipeV (`ScheduleDualPipeV`: two stages per
+  rank, in a V) for each micro-batch count. `record_compute` wraps each stage's compute calls
+  (`forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk`) with a timer, so the measured
+  timeline has the simulator's form and the same `bubble_share` applies.
+- `split_layers(L, S)` cuts L layers into S equal contiguous stages.
+- `torch_dualpipev(P, M)` asks torch's `ScheduleDualPipeV` for its action lists (a private method, called
+  without building a pipeline) and translates them to `Op`s, to check minirl's DualPipeV layout against.
+- `launch_pipeline` checks the settings, starts the job and reads back every rank's timed calls.
+- `measured_timelines`, `measured_costs` and `message_waits` turn those calls into `PipelineTimeline`s,
+  median per-stage costs and the latency of one send; `compare_with_simulator` sets the measured idle share
+  beside the simulator's for the measured costs (with and without that latency).
+
+Simplified on purpose: gloo on CPU processes (NCCL when there is a GPU per rank), an MLP stack instead of
+attention layers, and no optimizer step (the bubble is in forward and backward).
 """
-
-__all__ = ["Block", "StageModule", "PipelineModel", "token_loss", "record_compute",
-           "build_schedule", "run_steps", "measured_timelines", "measured_costs", "message_waits",
-           "compare_with_simulator", "pipeline_worker", "launch_pipeline"]
 
 import inspect
 import json
@@ -31,24 +35,30 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minirl.parallel.pipeline import (
+from minirl.parallel.pipeline import SCHEDULES, schedule_orders
+from minirl.runtime.dualpipev import dualpipev_stages
+from minirl.runtime.launch import output_ends, torchrun
+from minirl.runtime.moe_checks import PipelineError, check_pipeline
+from minirl.runtime.pipeline_sim import simulate
+from minirl.runtime.pipeline_types import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
-    SCHEDULES,
     Costs,
     Event,
     Op,
-    PipelineError,
     PipelineTimeline,
-    check_pipeline,
-    dualpipev_stages,
-    schedule_orders,
-    simulate,
-    split_layers,
 )
-from minirl.runtime.launch import output_ends, torchrun
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Layer indices of each stage, equal contiguous slices: [range(0, L/S), range(L/S, 2L/S), ...]."""
+    check_pipeline(num_stages, 1, num_layers=num_layers)
+    per = num_layers // num_stages
+    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+
+
 
 
 class Block(nn.Module):
@@ -301,9 +311,25 @@ def launch_pipeline(world_size: int = 2, schedules=SCHEDULES, microbatches=(4, 8
         flags = ["--schedules", ",".join(schedules), "--microbatches", ",".join(map(str, microbatches)),
                  "--layers", layers, "--hidden", hidden, "--batch", batch, "--seq", seq, "--repeats", repeats,
                  "--out", out]
-        job = torchrun("minirl.parallel.pipeline_run:pipeline_worker", world_size, flags, timeout=timeout,
+        job = torchrun("minirl.runtime.pipeline_job:pipeline_worker", world_size, flags, timeout=timeout,
                        stream=progress)
         if job.returncode != 0 or not out.exists():
             raise RuntimeError(f"pipeline job (world_size={world_size}) failed with code {job.returncode}:\n"
                                f"{output_ends(job.stdout)}")
         return json.loads(out.read_text())
+
+
+def torch_dualpipev(P: int, M: int) -> dict[int, list]:
+    """torch's ScheduleDualPipeV action lists on P ranks for M micro-batches, translated to our Ops."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    kinds = {torch_schedules.FORWARD: FORWARD, torch_schedules.FULL_BACKWARD: BACKWARD,
+             torch_schedules.BACKWARD_INPUT: BACKWARD_INPUT, torch_schedules.BACKWARD_WEIGHT: BACKWARD_WEIGHT}
+    schedule = object.__new__(torch_schedules.ScheduleDualPipeV)        # no process group needed
+    schedule.pp_group_size, schedule._n_microbatches = P, M
+
+    def ours(action):
+        if action.computation_type == torch_schedules.OVERLAP_F_B:
+            return tuple(ours(a) for a in action.sub_actions)
+        return Op(kinds[action.computation_type], action.microbatch_index, action.stage_index)
+    return {r: [ours(a) for a in schedule._calculate_single_rank_operations(r)] for r in range(P)}
