@@ -1335,8 +1335,8 @@ assert ceiling[1024] > 0.7 > max(ceiling[4096], ceiling[16384]) and decode_mfu_b
 # profiler). The benchmark `engine_vs_hf.py` prints the same lines.
 
 # %%
-from minirl.rollout.engine.measure import decode_roofline, decode_step_breakdown, machine_limits  # noqa: E402
-from minirl.rollout.engine.workloads import load_long_tail_policy  # noqa: E402
+from minirl.runtime.engine_measure import decode_roofline, decode_step_breakdown, machine_limits  # noqa: E402
+from minirl.runtime.workloads import load_long_tail_policy  # noqa: E402
 
 long_tail, _, _ = load_long_tail_policy()
 cpu_roof = decode_roofline(long_tail, rows=32, context=160, limits=machine_limits(repeats=2 if SMOKE else 5),

@@ -82,7 +82,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
-                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
+                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
+                # notebook 05 (generation speed):
+                "minirl/runtime/cache_upkeep.py", "minirl/runtime/drafts.py", "minirl/runtime/engine_core.py",
+                "minirl/runtime/engine_measure.py", "minirl/runtime/generation_display.py",
+                "minirl/runtime/paged_ops.py", "minirl/runtime/scheduler_state.py", "minirl/runtime/workloads.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"
