@@ -15,14 +15,10 @@
 # # 05 · Generation speed: a paged engine, built and measured claim by claim
 #
 # **By the end of this notebook you can** say where the time and the memory of generation
-# go, and build, in plain PyTorch, the ideas production engines use to spend less of both:
-# a **paged KV cache** (vLLM's PagedAttention), **continuous batching**, **prefix caching**,
-# a **radix-tree cache** (SGLang's RadixAttention) and **speculative decoding**. Together
-# they make `PagedEngine`, a rollout engine behind the same protocol as notebook 01's: the
-# training loop uses it with one flag.
-#
-# Generation is most of an RL step when completions are long: every step samples B × G
-# completions token by token. The source summarizes the answers in one table:
+# go (most of an RL step when completions are long), and build in plain PyTorch what production
+# engines do about it: a **paged KV cache** (vLLM's PagedAttention), **continuous batching**,
+# **prefix caching**, a **radix-tree cache** (SGLang) and **speculative decoding**. Together they
+# make `PagedEngine`, a rollout engine the training loop uses with one flag. The source's table:
 #
 # | technique | problem | principle | typical benefit |
 # |---|---|---|---|
@@ -31,9 +27,8 @@
 # | speculative decoding | decoding has low compute density | a small draft proposes, the large model verifies in parallel | 2–3× |
 # | prefix caching | G responses to one prompt recompute the prefix | hash and reuse the prompt's KV cache | 70–80 % of prefix compute saved at G = 8 |
 #
-# vLLM does not run on a laptop's CPU, so we build each row, check that it computes exactly
-# what HF `generate` computes, and measure each claim. Where a CPU and a tiny model give
-# another figure than a GPU, we say why in numbers.
+# We build each row, check that it computes exactly what HF `generate` computes, and measure
+# each claim; where a CPU and a tiny model give another figure than a GPU, we say why in numbers.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -221,7 +216,7 @@ class BlockPool(PoolUpkeep):
     def release(self, block: int) -> None:
         """One holder fewer; at 0 the block joins the free list (content kept until reused)."""
         if self.ref[block] <= 0:
-            raise RuntimeError(f"BlockPool.release({block}): the block is already free (double free)")
+            raise RuntimeError(f"BlockPool.release({block}): a double free")
         self.ref[block] -= 1
         if self.ref[block] == 0:
             self.free[block] = None
@@ -262,8 +257,9 @@ assert pool.num_used == sum(len(t) for t in tables.values())
 # mask. For a decode step (one query per sequence) the copy triples the bytes attention moves,
 # so the engine then reads in place with `F.embedding_bag` (a gather fused with a weighted
 # sum). That read, the padded groups and masks, the fused and prepacked products and the
-# model wrapper's bookkeeping live in `minirl/runtime/paged_ops.py`; here we write the step,
-# the gathered read and the forward pass.
+# model wrapper's bookkeeping live in `minirl/runtime/paged_ops.py`; here we write the step
+# (`make_step`: a `Chunk` per sequence flattened into ids, positions, slots and attention
+# groups), the gathered read and the forward pass.
 
 # %%
 # | export minirl/rollout/engine/attention.py
@@ -297,13 +293,7 @@ class Chunk:
     block_table: list[int]
     num_logits: int = 1
 
-# %% [markdown]
-# `make_step` turns chunks into one `Step`: token ids, positions, slots, the rows whose logits
-# are wanted, and attention groups (`Group`: sequences of similar width and context length,
-# padded together with their causal masks, built by `make_group`).
 
-# %%
-# | export minirl/rollout/engine/attention.py
 BUCKET_TOKENS = 64   # rows whose contexts differ by less than this share one padded attention call
 
 
@@ -330,10 +320,10 @@ def make_step(chunks: list[Chunk], block_size: int, n_rep: int, device) -> ops.S
         ids += c.tokens
         positions += pos
         slots += [c.block_table[p // block_size] * block_size + p % block_size for p in pos]
-    logits_index = [t for i, c in enumerate(chunks)
-                    for t in range(first[i] + len(c.tokens) - c.num_logits, first[i] + len(c.tokens))]
-    groups = [ops.make_group([chunks[i] for i in m], [first[i] for i in m], block_size, n_rep, device)
-              for m in members.values()]
+    ends = {i: first[i] + len(c.tokens) for i, c in enumerate(chunks)}
+    logits_index = [t for i, c in enumerate(chunks) for t in range(ends[i] - c.num_logits, ends[i])]
+    groups = [ops.make_group([chunks[i] for i in m], [first[i] for i in m], block_size, n_rep,
+                             device) for m in members.values()]
 
     def as_long(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -341,10 +331,8 @@ def make_step(chunks: list[Chunk], block_size: int, n_rep: int, device) -> ops.S
     return ops.Step(as_long(ids), as_long(positions), as_long(slots), groups, as_long(logits_index))
 
 # %% [markdown]
-# The gathered read, for one group. A layer's cache holds `keys` `[Hkv, num_blocks, head_dim,
-# block_size]` (transposed within each block, for the in-place read) and `values` `[Hkv,
-# num_blocks, block_size, head_dim]`. Grouped-query attention costs no copy: the n_rep query
-# heads sharing a key head are stacked along the query axis.
+# The gathered read, for one group of sequences padded together. Grouped-query attention costs
+# no copy: the n_rep query heads sharing a key head are stacked along the query axis.
 
 # %%
 # | export minirl/rollout/engine/attention.py
@@ -373,11 +361,9 @@ def gather_attention(q: Tensor, keys: Tensor, values: Tensor, g: ops.Group, bias
     return o.reshape(S, H, Q, D).transpose(1, 2)[g.valid].reshape(-1, H * D)
 
 # %% [markdown]
-# The forward pass of one `Step`. `PagedModelBase` keeps the HF module (its weights and
-# parameter names, its embeddings, norms and rotary frequencies), the fused products and the
-# cache tensor; the engine's own forward pass is this, as every vLLM model's is: per layer,
-# q/k/v as one product, rotary, the new keys and values written into their slots, the two
-# reads, the MLP.
+# The forward pass of one `Step` (`PagedModelBase` keeps the HF module's weights, the fused
+# products and the cache): per layer, q/k/v as one product, rotary, the new keys and values
+# written into their slots, the two reads, the MLP.
 
 # %%
 # | export minirl/rollout/engine/attention.py
@@ -396,7 +382,7 @@ class PagedModel(ops.PagedModelBase):
         # once per step, for every layer: decode groups' row indices, other groups' masks
         plans = [ops.decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size)
                  if g.q_index is None else
-                 torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, -torch.inf)
+                 torch.zeros_like(g.mask, dtype=x.dtype).masked_fill_(~g.mask, -torch.inf)
                  for g in step.groups]
         blocks, offsets = step.slots // self.block_size, step.slots % self.block_size
         for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
@@ -417,16 +403,16 @@ class PagedModel(ops.PagedModelBase):
                     gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
                     for g, plan in zip(step.groups, plans, strict=True)]
             x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))
-            gate, up = products["gate_up"](ops.rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
+            h = ops.rms_norm(x, layer.post_attention_layernorm)
+            gate, up = products["gate_up"](h).chunk(2, -1)
             x = x + products["down"](layer.mlp.act_fn(gate) * up)
         h = inner.norm(x[step.logits_index])                                # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]
 
 # %% [markdown]
-# The test that matters: the logits of a paged forward pass equal HF's. Three prompts are
-# prefilled through tables of 8-token blocks (the gathered read), then each decodes its last
-# token against the cache (the in-place read); we compare the next-token logits with a plain
-# HF forward pass, and the two reads with each other on the same queries.
+# The test that matters: three prompts prefilled through tables of 8-token blocks (the gathered
+# read), then each decodes its last token (the in-place read); the logits must equal a plain HF
+# forward pass's, and the two reads must agree on the same queries.
 
 # %%
 from minirl.runtime.paged_ops import decode_attention, decode_rows
@@ -438,7 +424,8 @@ with torch.no_grad():
         paged = PagedModel(model)
         paged.allocate_cache(30, 8)
         tbl = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
-        paged(make_step([Chunk(x[:-1], 0, t) for x, t in zip(ids, tbl, strict=True)], 8, paged.n_rep, "cpu"))
+        prefill = [Chunk(x[:-1], 0, t) for x, t in zip(ids, tbl, strict=True)]
+        paged(make_step(prefill, 8, paged.n_rep, "cpu"))
         decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tbl, strict=True)], 8,
                            paged.n_rep, "cpu")
         diff = (paged(decode) - torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids]))
@@ -448,7 +435,8 @@ with torch.no_grad():
             q = torch.randn(g.stop - g.start, paged.num_heads, paged.head_dim)
             bias = torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
             rows = decode_rows(g, paged.num_heads, paged.n_rep, 30, paged.head_dim, 8)
-            gap = decode_attention(q, keys, values, rows, 0.125) - gather_attention(q, keys, values, g, bias, 0.125)
+            gap = (decode_attention(q, keys, values, rows, 0.125)
+                   - gather_attention(q, keys, values, g, bias, 0.125))
             reads = max(reads, gap.abs().max().item())
         print(f"{name:>9}: max |paged - HF| over {diff.numel()} logits = {diff.abs().max():.2e}; "
               f"in place vs gathered read: {reads:.1e}")
@@ -457,10 +445,9 @@ with torch.no_grad():
 # %% [markdown]
 # ## 3. The scheduler: continuous batching
 #
-# A static batcher runs a batch until its longest sequence ends before it takes the next; a
-# sequence that ended early keeps its row, computed as padding (HF `generate` does this with
-# the B × G rows of a GRPO batch). Continuous batching (Orca, vLLM) decides anew at every step:
-# a sequence leaves at its EOS and a waiting one takes its slot in the next step. Each step:
+# A static batcher runs a batch until its longest sequence ends; a sequence that ended early
+# keeps its row as padding (HF `generate` does this with a GRPO batch). Continuous batching
+# (Orca, vLLM) decides anew at every step, which `schedule` does:
 #
 # 1. every running sequence gets one decode token, and a new block if its last is full; if no
 #    block is free, the most recently admitted sequence is **preempted**: its blocks are freed
@@ -503,10 +490,6 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     return new_tokens <= token_budget or step_is_empty
     # END SOLUTION
 
-# %% [markdown]
-# `schedule` builds one step's work: decodes first, preempting when blocks run out, then
-# admissions in order while `can_admit` allows. Its `timeline` records every step.
-
 # %%
 # | export minirl/rollout/engine/scheduler.py
 class Scheduler(SchedulerState):
@@ -514,7 +497,7 @@ class Scheduler(SchedulerState):
     when blocks run out, then admissions while `can_admit` allows."""
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step's work: (sequence, number of new tokens to compute) pairs, decodes first."""
+        """The next step's work: (sequence, new tokens to compute) pairs, decodes first."""
         work, preempted = [], 0
         budget = self.max_num_batched_tokens
         for seq in list(self.running):                       # 1. one decode token each
@@ -525,7 +508,8 @@ class Scheduler(SchedulerState):
                 self.preempt(self.running[-1])               # the most recently admitted
                 preempted += 1
             if seq in self.running:
-                grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
+                grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size,
+                           self.take_block)
                 work.append((seq, seq.num_new))
                 budget -= seq.num_new
         admitted = 0
@@ -549,8 +533,6 @@ class Scheduler(SchedulerState):
 
 # %% [markdown]
 # `admit` counts the blocks a prefix hit lets a sequence share before it asks `can_admit`.
-# (`register`, which tells the cache about blocks as they fill, and `preempt`, which frees a
-# sequence's blocks and requeues it at the front, are moves of `SchedulerState`.)
 
 # %%
 # | export minirl/rollout/engine/scheduler.py
@@ -578,17 +560,16 @@ def admit(self, seq: Sequence, budget: int, step_is_empty: bool) -> bool:
 # %% [markdown]
 # ## 4. The engine
 #
-# `PagedEngine` puts it together. One `step()` schedules, runs one forward pass over all the
-# scheduled tokens, samples a token for every sequence whose pending tokens are all computed,
-# and retires those that hit EOS or their limit; `run` steps until every request is served.
-# Its construction (its own copy of the policy as a `PagedModel`, the cache sized in blocks,
-# the pool, the scheduler, a prefix cache), the argument checks, the counters in `Stats` and
-# notebook 01's rollout protocol (`generate`, `load_weights`) live in
-# `minirl/runtime/engine_core.py`; here is the step.
+# One `step()` schedules, runs one forward pass over all the scheduled tokens (or, with a draft,
+# a speculative round: section 9), samples a token for every sequence whose pending tokens are
+# all computed, and retires those that hit EOS or their limit; `run` steps until all requests
+# are served. The engine's construction (its copy of the policy, the cache, pool, scheduler and
+# prefix cache), argument checks, `Stats` and notebook 01's rollout protocol (`generate`,
+# `load_weights`) live in `minirl/runtime/engine_core.py`.
 
 # %%
 # | export minirl/rollout/engine/engine.py
-"""`PagedEngine`: the paged KV cache, the scheduler and the caches behind the rollout-engine protocol.
+"""`PagedEngine`: the paged KV cache, the scheduler and the caches behind the rollout protocol.
 
     engine = PagedEngine(model, tokenizer)                # its own copy of the policy, version 0
     rollout = engine.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=256))
@@ -613,12 +594,13 @@ def forward_step(engine: "PagedEngine", work: list[tuple[Sequence, int]], clock:
     """One plain step: the scheduled chunks (prefills and decode tokens) in one forward pass, then
     one token sampled for every sequence whose pending tokens are now all computed.
 
-    clock: perf_counter() when the step's scheduling ended (the phases' seconds go to `engine.stats`).
+    clock: perf_counter() when the step's scheduling ended (phase seconds go to `engine.stats`).
     """
     chunks = []
     for seq, n in work:
         if seq.status != RUNNING:                            # a padding row of a static batch
-            chunks.append(Chunk([engine.tokenizer.pad_token_id], seq.num_computed, seq.block_table, 0))
+            pad = [engine.tokenizer.pad_token_id]
+            chunks.append(Chunk(pad, seq.num_computed, seq.block_table, 0))
             engine.stats.padding_tokens += 1
             continue
         chunks.append(Chunk(seq.tokens[seq.num_computed:], seq.num_computed, seq.block_table, 1))
@@ -629,7 +611,7 @@ def forward_step(engine: "PagedEngine", work: list[tuple[Sequence, int]], clock:
     clock = engine.tick("forward", clock)
     live = [seq for seq, _ in work if seq.status == RUNNING]
     temperatures = torch.tensor([s.temperature for s in live], device=logits.device)
-    tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling step
+    tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling
     clock = engine.tick("sample", clock)
     for seq, n in work:
         seq.num_computed += n
@@ -637,19 +619,13 @@ def forward_step(engine: "PagedEngine", work: list[tuple[Sequence, int]], clock:
         engine.append(seq, [token], [logprob])
     engine.tick("postprocess", clock)
 
-# %% [markdown]
-# The engine: a step is a plain forward step or, when every scheduled sequence is decoding and
-# a draft is attached, a speculative round (section 9); `append` adds sampled tokens and
-# finishes a sequence at EOS or its limit.
 
-# %%
-# | export minirl/rollout/engine/engine.py
 class PagedEngine(EngineCore):
     """A paged, continuously batched, prefix-caching (optionally speculative) engine on an HF
     causal LM; the constructor's arguments, `generate` and `load_weights` are `EngineCore`'s."""
 
     def step(self, generator: torch.Generator | None = None) -> None:
-        """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
+        """Schedule, run one forward pass over the scheduled tokens, sample, update sequences."""
         clock = time.perf_counter()
         work = self.scheduler.schedule()
         self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
@@ -674,14 +650,15 @@ class PagedEngine(EngineCore):
                 self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
                 return
 
-    def run(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Sequence]:
+    def run(self, requests: list[Request], generator: torch.Generator | None = None
+            ) -> list[Sequence]:
         """Serve every request; returns their sequences in order (see Sequence.completion / .error).
 
         `stats` and the scheduler's `timeline` then describe this run alone.
         """
         self.stats = Stats()
         self.scheduler.timeline = []
-        self.size_to_work(requests)          # a cache sized to the work grows to hold these requests
+        self.size_to_work(requests)          # a cache sized to the work grows to hold them
         seqs = [self.add(r) for r in requests]
         while self.scheduler.has_work():
             self.step(generator)
@@ -708,17 +685,16 @@ for name, model, tok, texts, n_new, bs in checks:
     ro = engine.generate(texts[:4], SamplingConfig(num_generations=4, max_completion_length=n_new),
                          generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        trainer, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
+        trainer, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask,
+                                         ro.num_completion_tokens)
     gap = (trainer - ro.logprobs)[ro.completion_mask.bool()].abs().max().item()
     print(f"{name:>9}: greedy = HF generate for {same}/{len(texts)} prompts; sampled log-probs vs "
           f"the trainer's: max |diff| {gap:.1e} over {int(ro.completion_mask.sum())} tokens")
     assert same == len(texts) and gap < 1e-4
 
 # %% [markdown]
-# The scheduler at work: 12 requests, 4 batch slots, and a cache of 24 blocks of 4 tokens,
-# too small for 4 long sequences at once. Each bar is one sequence's stay in the batch; a bar
-# ending in a cross was preempted and comes back later to recompute. A finished sequence's
-# slot is taken in the next step when blocks allow.
+# The scheduler at work: 12 requests, 4 batch slots, 24 blocks of 4 tokens (too few for 4
+# long sequences). Each bar is one sequence's stay in the batch; a cross marks a preemption.
 
 # %%
 demo = PagedEngine(big, big_tok, block_size=4, num_blocks=24, max_num_seqs=4, cache="none",
@@ -734,18 +710,17 @@ assert all(len(s.completion) <= n for s, n in zip(demo_seqs, lengths, strict=Tru
 # %% [markdown]
 # ## 5. Measured: KV memory utilization (the PagedAttention row)
 #
-# Utilization is the share of reserved KV slots that hold a token, summed over the steps of
-# a run. We run the long-tail workload once and, at every step, compare the slots the paged
-# engine holds (its blocks) with what contiguous preallocation of prompt + `max_tokens`
-# slots would hold for the same running sequences. Then the payoff: with one fixed cache
-# size, how many sequences run at once under each while requests are still waiting.
+# Utilization is the share of reserved KV slots that hold a token, summed over a run's steps:
+# the paged engine's blocks against contiguous preallocation of prompt + `max_tokens` slots for
+# the same running sequences. Then the payoff: how many sequences one cache runs at once.
 
 # %%
 from minirl.runtime.engine_measure import effective_batch, kv_utilization
 
 kv = kv_utilization(big, big_tok, PROMPTS, sampling)
 lengths = torch.tensor(kv["completion_lengths"], dtype=torch.float)
-prompt_len = statistics.mean(len(big_tok(p, add_special_tokens=False)["input_ids"]) for p in PROMPTS)
+prompt_ids = big_tok(PROMPTS, add_special_tokens=False)["input_ids"]
+prompt_len = statistics.mean(len(x) for x in prompt_ids)
 print(f"completion lengths: mean {lengths.mean():.0f}, median {lengths.median():.0f}, "
       f"max {lengths.max():.0f}, {(lengths == MAX_NEW).float().mean() * 100:.0f} % at the cap")
 cache_tokens = 512 if SMOKE else 2048
@@ -768,35 +743,34 @@ show([("contiguous utilization", "50-70 %", pct(kv["contiguous"]),
 assert kv["paged"] > 0.85 and kv["paged"] > kv["contiguous"] and eb["ratio"] > 1
 
 # %% [markdown]
-# Utilization depends on the workload as much as on the allocator: a slab fills only as far
-# as its sequence gets, so the longer the tail of lengths, the worse contiguous reservation
-# does. Paged allocation wastes half a block per sequence on average whatever the lengths, so
-# whether it reaches 95 % depends on how many tokens a sequence holds against the block size.
-# The larger concurrency buys throughput on a GPU, where a decode step costs about the same for
-# 8 sequences as for 64.
+# A slab fills only as far as its sequence gets, so the longer the tail of lengths, the worse
+# contiguous reservation does; paged allocation wastes half a block per sequence on average,
+# so its 95 % depends on how many tokens a sequence holds against the block size.
 #
 # ## 6. Measured: continuous vs static batching
 #
-# The same requests with 16 batch slots (4 in smoke mode), run under the two policies,
-# interleaved. A step costs a fixed part (reading every weight, launching operators from
-# Python), a part per decode row and a part per prefill token; a cost model fitted from three
-# timed steps turns each policy's counted work into seconds.
+# The same requests with 16 batch slots (4 in smoke mode) under the two policies, interleaved.
+# A step costs a fixed part, a part per decode row and a part per prefill token; a cost model
+# fitted from three timed steps turns each policy's counted work into seconds.
 
 # %%
 from minirl.runtime.engine_measure import continuous_vs_static, predicted_seconds, step_costs
 
 cvs = continuous_vs_static(big, big_tok, PROMPTS[:max(2, B // 2)], sampling,
-                           max_num_seqs=4 if SMOKE else 16, repeats=1, progress="continuous vs static")
+                           max_num_seqs=4 if SMOKE else 16, repeats=1,
+                           progress="continuous vs static")
 work = cvs["work"]
 costs = step_costs(big, 16)
-model_ratio = predicted_seconds(costs, work["static"]) / predicted_seconds(costs, work["continuous"])
-show([(p, w["steps"], w["decode_rows"], w["prefill_tokens"], f"{predicted_seconds(costs, w):.2f}",
+predicted = {p: predicted_seconds(costs, w) for p, w in work.items()}
+model_ratio = predicted["static"] / predicted["continuous"]
+show([(p, w["steps"], w["decode_rows"], w["prefill_tokens"], f"{predicted[p]:.2f}",
        f"{statistics.median(cvs['seconds'][p]):.2f}") for p, w in work.items()],
      ("policy", "steps", "decode rows", "prefill tokens", "model s", "measured s"))
 print(f"a step on this CPU: {1e3 * costs['fixed']:.1f} ms + {1e3 * costs['per_row']:.2f} ms per "
       f"decode row + {1e3 * costs['per_prefill_token']:.2f} ms per prefill token")
 show([("throughput, continuous / static", "5-10x", f"{cvs['ratio']:.2f}x (measured)",
-       "agree" if 5 <= cvs["ratio"] <= 10 else "differ", f"the cost model predicts {model_ratio:.2f}x"),
+       "agree" if 5 <= cvs["ratio"] <= 10 else "differ",
+       f"the cost model predicts {model_ratio:.2f}x"),
       ("if a step cost the same for any batch", "-", f"{cvs['step_ratio']:.2f}x (steps)", "-",
        "a GPU's memory-bound decode step: time follows steps"),
       ("if time followed rows only", "-", f"{cvs['row_ratio']:.2f}x (rows)", "-",
@@ -805,11 +779,9 @@ show([("throughput, continuous / static", "5-10x", f"{cvs['ratio']:.2f}x (measur
 assert work["static"]["steps"] >= work["continuous"]["steps"] and cvs["row_ratio"] > 1
 
 # %% [markdown]
-# The static batcher computes more rows (the finished sequences' padding) in more steps (each
-# batch lasts as long as its longest member); both prefill the same prompts. On a CPU time
-# follows rows; on a GPU a small model's decode step is memory-bound and costs about the same
-# for 1 row as for dozens, so the gain follows the steps. The source's 5–10× also counts the
-# larger batches paged memory allows and longer tails than this workload's.
+# The static batcher computes more rows (padding) in more steps. On a CPU time follows rows; on
+# a GPU a decode step is memory-bound and costs about the same for 1 row as for dozens, so the
+# gain follows the steps. The source's 5–10× also counts the larger batches paged memory allows.
 #
 # ## 7. Prefix caching: the G completions of a prompt share its blocks
 #
@@ -820,8 +792,7 @@ assert work["static"]["steps"] >= work["continuous"]["steps"] and cvs["row_ratio
 # token is always computed (it gives the logits of the first sampled token), so a prompt of P
 # tokens shares `block_size * floor((P - 1) / block_size)` of them. With G completions, saved
 # share = (G − 1)/G × shared/P, which tends to 1 − 1/G = 87.5 % at G = 8 for long prompts.
-# Freed blocks stay findable until the pool hands them out again: the free list doubles as
-# the cache (vLLM's design).
+# Freed blocks stay findable until the pool hands them out again (vLLM's design).
 
 # %%
 # | export minirl/rollout/engine/prefix.py
@@ -909,9 +880,8 @@ class PrefixCache(NoEviction):
             del self.table[h]
 
 # %% [markdown]
-# Two prompts of 10 tokens, G = 3 each, blocks of 4: the first completion of each prompt
-# allocates two full blocks and a partial one; the other two share the full blocks (grey,
-# with their reference count) and own only their last, partial block.
+# Two prompts of 10 tokens, G = 3 each, blocks of 4: the later completions share the first's
+# full blocks (grey, with their reference count) and own only their last, partial block.
 
 # %%
 small = PagedEngine(big, big_tok, block_size=4, num_blocks=24, cache="prefix", max_model_len=32)
@@ -931,10 +901,9 @@ print(f"prompt tokens {sum(len(s.tokens) for s in running)}, to compute "
 assert sum(s.num_cached for s in running) == 2 * 2 * 8      # 2 prompts x 2 sharers x 2 full blocks
 
 # %% [markdown]
-# The source's figure at G = 8, counted: every completion generates one token, so the run is
-# all prefill. The closed form predicts the count exactly, which a sweep over block size and
-# prompt length shows (on a one-layer model with the same vocabulary: counts do not depend on
-# the weights).
+# The source's figure at G = 8, counted (one token per completion: all prefill), and a sweep
+# over block size and prompt length against the closed form (on a one-layer model: counts do
+# not depend on the weights).
 
 # %%
 from minirl.runtime.engine_measure import closed_form_saved, prefix_savings
@@ -958,27 +927,24 @@ print(f"70-80 % saved at G = 8 <=> each later completion recomputes {pct(1 - 0.8
       f"{pct(1 - 0.7 * 8 / 7)} of its prompt; here {pct(1 - ps['closed_form'] * 8 / 7)}")
 
 # %% [markdown]
-# The saving climbs towards 1 − 1/G with the prompt length and saw-tooths with the remainder
-# of P − 1 modulo the block size. The source's 70–80 % fits prompts whose recomputed tail (the
-# part after the last full block) is the share printed above: short prompts for 16-token
-# blocks. It is not a property of G = 8 alone.
+# The saving climbs towards 1 − 1/G with the prompt length and saw-tooths with P − 1 modulo
+# the block size: the source's 70–80 % fits short prompts for 16-token blocks, not G = 8 alone.
 #
 # ## 8. A radix tree of blocks (SGLang's RadixAttention)
 #
-# A hash chain finds a prefix one block at a time. SGLang keeps the cached sequences in a
-# radix tree instead: each edge holds a run of blocks, a node's children are keyed by the
-# tokens of their first block, and a lookup walks down as far as the tokens agree. The tree
-# suits multi-turn conversations (turn t + 1 starts with all of turn t) and programs that
-# branch one context into several calls. The tree holds a reference to its blocks; when the
-# pool runs dry it evicts least recently used leaves first (`minirl/runtime/cache_upkeep.py`).
+# SGLang keeps the cached sequences in a radix tree: each edge holds a run of blocks, a node's
+# children are keyed by the tokens of their first block, and a lookup walks down as far as the
+# tokens agree. It suits multi-turn conversations (turn t + 1 starts with all of turn t). The
+# tree holds a reference to its blocks and, when the pool runs dry, evicts least recently used
+# leaves first (`minirl/runtime/cache_upkeep.py`, with the pool's growth and checks).
 
 # %%
 # | export minirl/rollout/engine/radix.py
 """A radix-tree prefix cache, SGLang's RadixAttention at block granularity.
 
 Each edge holds a run of full blocks; a node's children are keyed by the tokens of their first
-block. Edge splits and LRU eviction: `minirl.runtime.cache_upkeep`. Simplified vs SGLang: whole blocks only, no
-cache-aware reordering of the waiting queue.
+block. Edge splits and LRU eviction: `minirl.runtime.cache_upkeep`. Simplified vs SGLang: whole
+blocks only, no cache-aware reordering of the waiting queue.
 """
 
 import itertools
@@ -1000,7 +966,7 @@ class Node:
 
 
 class RadixCache(RadixUpkeep):
-    """Prefix cache over a BlockPool as a radix tree of block runs; same interface as PrefixCache."""
+    """Prefix cache over a BlockPool as a radix tree of block runs; PrefixCache's interface."""
 
     def __init__(self, pool: BlockPool):
         self.pool, self.block_size = pool, pool.block_size
@@ -1041,15 +1007,14 @@ class RadixCache(RadixUpkeep):
         return blocks
 
 # %% [markdown]
-# Inserting a sequence's full blocks: walk down as far as the tree agrees, split the edge where
-# the sequence leaves it midway (`split`, with the eviction in `RadixUpkeep`), and hang the rest
-# below as a new leaf holding a reference to each of its blocks.
+# Inserting: walk down as far as the tree agrees, split the edge where the sequence leaves it,
+# and hang the rest below as a new leaf holding a reference to each of its blocks.
 
 # %%
 # | export minirl/rollout/engine/radix.py
 @add_to_class(RadixCache)
 def insert(self, tokens: list[int], block_table: list[int]) -> None:
-    """Add the full blocks of `tokens` (held in `block_table`) to the tree, sharing what is there."""
+    """Add the full blocks of `tokens` (held in `block_table`), sharing what the tree has."""
     full = len(tokens) // self.block_size
     found, node, n = self.walk(tokens, full)
     if n < len(node.blocks):                     # the sequence leaves this edge midway: split it
@@ -1065,10 +1030,9 @@ def insert(self, tokens: list[int], block_table: list[int]) -> None:
 
 
 # %% [markdown]
-# A multi-turn workload: 8 conversations of 4 turns (3 of 3 in smoke mode); each turn's prompt
-# is the previous prompt, the previous answer (greedy, at most 24 tokens) and a new message of
-# about 24 tokens. We count the share of prompt tokens found in the cache, with a roomy cache
-# and with one too small to keep every conversation.
+# A multi-turn workload: 8 conversations of 4 turns (3 of 3 in smoke mode), each prompt the
+# previous prompt, its answer and a new message; the share of prompt tokens found in a roomy
+# cache and in one too small to keep every conversation.
 
 # %%
 from minirl.runtime.engine_measure import multi_turn
@@ -1079,7 +1043,8 @@ follow = [few_shot_prompts(C, length=24, seed=11 + t) for t in range(TURNS - 1)]
 rows, hit = [], {}
 for blocks, label in ((None, "roomy"), (32 if SMOKE else 64, "tight")):
     for cache in ("none", "prefix", "radix"):
-        mt = multi_turn(big, big_tok, opening, follow, max_tokens=ANSWER, cache=cache, num_blocks=blocks)
+        mt = multi_turn(big, big_tok, opening, follow, max_tokens=ANSWER, cache=cache,
+                        num_blocks=blocks)
         hit[label, cache] = mt
         rows.append((label, cache, pct(mt["hit_rate"]), pct(mt["hit_rate_after_first"]),
                      " ".join(f"{h:.2f}" for h in mt["per_turn"])))
@@ -1091,20 +1056,16 @@ for label in ("roomy", "tight"):
 assert hit["roomy", "radix"]["hit_rate_after_first"] > 0.5 and hit["roomy", "none"]["hit_rate"] == 0
 
 # %% [markdown]
-# With room for everything the two caches find the same prefixes: at block granularity a hash
-# chain and a tree describe the same sets of blocks, and every turn after the first finds all
-# its history but the last, partly filled block. They can part ways under memory pressure,
-# where what gets evicted decides what is found: the tree evicts whole least-recently-used
-# branches from their leaves, the hash cache reuses freed blocks in the order they were freed.
-# The source gives no figure for RadixAttention; the table above is ours.
+# With room for everything, a hash chain and a tree find the same blocks; under memory
+# pressure they can part ways, as what is evicted decides what is found. The source gives no
+# figure for RadixAttention; the table above is ours.
 
 # %% [markdown]
 # ## 9. Speculative decoding
 #
-# A decode step computes one token per sequence, which on a GPU leaves the arithmetic units
-# mostly idle: the weights are read from memory for very little work. Speculative decoding lets
-# a cheap **draft** propose k tokens and the target check all of them in one forward pass over
-# k + 1 positions. Draft token i is kept with probability min(1, p_i(d_i) / q_i(d_i)) while
+# A decode step reads every weight for one token per sequence, leaving a GPU's arithmetic
+# mostly idle. A cheap **draft** proposes k tokens and the target checks them in one forward
+# pass over k + 1 positions. Draft token i is kept with probability min(1, p_i(d_i) / q_i(d_i)) while
 # every earlier one was kept; at the first rejection a replacement is drawn from
 # max(0, p_i − q_i), renormalized; if all k pass, a bonus token is drawn from p_{k+1}. Every
 # emitted token is then distributed exactly as the target alone would sample it (exercise 5.4
@@ -1146,24 +1107,20 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
     p_draft = p[:, :k].gather(2, draft[..., None]).squeeze(2)             # [S, k]
     q_draft = q.gather(2, draft[..., None]).squeeze(2)                    # [S, k]
     u = torch.rand(S, k, generator=generator, device=p.device)
-    kept = u * q_draft < p_draft                                          # u < p/q, no division by 0
+    kept = u * q_draft < p_draft                                          # u < p/q, never / 0
     accepted = kept.long().cumprod(1).sum(1)                              # [S] the leading run
     rows = torch.arange(S, device=p.device)
-    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], 1)              # [S, k+1, V]: 0 after drafts
+    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], 1)              # [S, k+1, V]
     residual = (p[rows, accepted] - q_padded[rows, accepted]).clamp(min=0)   # [S, V]
     next_token = torch.multinomial(residual / residual.sum(1, keepdim=True), 1,
                                    generator=generator).squeeze(1)
     return accepted, next_token
     # END SOLUTION
 
-# %% [markdown]
-# One round for every decoding sequence: propose k tokens, verify the k + 1 positions in one
-# forward pass of the target, keep what `accept_draft` accepts and roll the draft back.
-
 # %%
 # | export minirl/rollout/engine/speculative.py
 def speculative_step(engine, seqs, generator=None) -> None:
-    """One round for decoding sequences: propose k, verify k + 1 positions in one pass, keep what passes."""
+    """One round for decoding sequences: propose k, verify k + 1 positions in one pass."""
     k = engine.k
     clock = time.perf_counter()
     draft, q = engine.draft.propose(seqs, k, generator)                   # [S, k], [S, k, V]
@@ -1190,11 +1147,9 @@ def speculative_step(engine, seqs, generator=None) -> None:
     engine.tick("postprocess", clock)
 
 # %% [markdown]
-# Does the rule keep the target's distribution? On a vocabulary of 4 with bigram "models" p
-# (target) and q (draft), k = 3, we compare the first three emitted tokens of 4,000 speculative
-# runs with the exact target probabilities (a chi-square test, three seeds). For a correct rule
-# the p-value is uniform between 0 and 1 from seed to seed; for a wrong one it collapses. (The
-# graded check of exercise 5.4 also tests the bonus token, which k = 3 never reaches here.)
+# Does the rule keep the target's distribution? Bigram "models" p and q on 4 tokens, k = 3:
+# the first three emitted tokens of 4,000 runs against the exact target probabilities (a
+# chi-square test, three seeds). A correct rule's p-values are uniform; a wrong one's collapse.
 
 # %%
 from minirl.runtime.engine_measure import bigram_speculation, greedy_acceptance
@@ -1202,93 +1157,98 @@ from minirl.runtime.engine_measure import bigram_speculation, greedy_acceptance
 pvalues = {}
 for name, rule in (("accept_draft", accept_draft), ("keep if p >= q (wrong)", greedy_acceptance)):
     pvalues[name] = [bigram_speculation(rule, seed=seed) for seed in (1, 2, 3)]
-    print(f"{name:>22}: chi2 on 63 degrees of freedom " + ", ".join(f"{c:.0f}" for _, c in pvalues[name])
-          + "; p-values " + ", ".join(f"{p:.2g}" for p, _ in pvalues[name]))
+    chi2 = ", ".join(f"{c:.0f}" for _, c in pvalues[name])
+    print(f"{name:>22}: chi2 on 63 degrees of freedom {chi2}; p-values "
+          + ", ".join(f"{p:.2g}" for p, _ in pvalues[name]))
 assert all(p > 1e-4 for p, _ in pvalues["accept_draft"])
 assert all(p < 1e-6 for p, _ in pvalues["keep if p >= q (wrong)"])
 
 # %% [markdown]
-# Measured in two regimes. The GRPO case: the embedded policy as target and a policy about 8×
-# smaller, warm-started the same way (untrained in smoke mode), as draft; 16 prompts × G = 8
-# sampled at temperature 1, and one sequence alone, the latency case the source has in mind.
-# Then n-gram lookup on the long-tail policy decoding greedily at batch size 1: a random model
-# decoding greedily falls into a loop, which a lookup predicts, a stand-in for outputs that
-# copy their context (code edits, extraction).
+# Two regimes. The GRPO case: the embedded policy and a draft 8× smaller (untrained in smoke
+# mode), 16 prompts × G = 8 at temperature 1, and one sequence alone (the latency case). Then
+# n-gram lookup at batch size 1 on the long-tail policy decoding greedily, which falls into a
+# loop a lookup predicts: a stand-in for outputs that copy their context.
 
 # %%
 from minirl.models.policy import build_policy, build_tokenizer
 from minirl.runtime.drafts import ModelDraft, NgramDraft
-from minirl.runtime.engine_measure import looping_prompt, speculative_speedup, speculative_sweep, step_seconds
+from minirl.runtime.engine_measure import (
+    looping_prompt,
+    speculative_speedup,
+    speculative_sweep,
+    step_seconds,
+)
 from minirl.runtime.workloads import DRAFT_POLICY, load_draft_policy
 
-draft_model = build_policy(DRAFT_POLICY, build_tokenizer()).eval() if SMOKE else load_draft_policy()[0]
+if SMOKE:                                # an untrained draft: warm-starting one takes half a minute
+    draft_model = build_policy(DRAFT_POLICY, build_tokenizer()).eval()
+else:
+    draft_model = load_draft_policy()[0]
 ks = [1, 3] if SMOKE else [1, 2, 3, 4]
 grpo_ids = [policy_tok(r["prompt"], add_special_tokens=False)["input_ids"]
             for r in TASK.rows("train")[:2 if SMOKE else 16]]
 workloads_ = {   # name: target, tokenizer, draft factory, requests, block size
     "GRPO batch": (policy, policy_tok, lambda: ModelDraft(draft_model),
                    [Request(x, 4, 1.0) for x in grpo_ids for _ in range(8)], 4),
-    "batch 1": (policy, policy_tok, lambda: ModelDraft(draft_model), [Request(grpo_ids[0], 4, 1.0)], 4),
+    "batch 1": (policy, policy_tok, lambda: ModelDraft(draft_model),
+                [Request(grpo_ids[0], 4, 1.0)], 4),
     "n-gram, batch 1": (big, big_tok, lambda: NgramDraft(3),
-                        [Request(looping_prompt(big, big_tok, PROMPTS), 24 if SMOKE else 128, 0.0)], 16),
+                        [Request(looping_prompt(big, big_tok, PROMPTS), 24 if SMOKE else 128,
+                                 0.0)], 16),
 }
-spec = {name: speculative_sweep(model, tok, make, reqs, ks, repeats=1 if SMOKE else 3, block_size=bs,
-                                progress=f"{name}, k = 0 (plain), {', '.join(map(str, ks))}")
+spec = {name: speculative_sweep(model, tok, make, reqs, ks, repeats=1 if SMOKE else 3,
+                                block_size=bs, progress=f"{name}, k = 0 (plain), {ks}")
         for name, (model, tok, make, reqs, bs) in workloads_.items()}
-show([(name, k, pct(r["acceptance"][k]), f"{r['tokens_per_round'][k]:.2f}", f"{r['speedup'][k]:.2f}x")
-      for name, r in spec.items() for k in ks],
+show([(name, k, pct(r["acceptance"][k]), f"{r['tokens_per_round'][k]:.2f}",
+       f"{r['speedup'][k]:.2f}x") for name, r in spec.items() for k in ks],
      ("workload", "k", "acceptance", "tokens per verification", "speedup (tokens/s)"))
 
 # %% [markdown]
-# A cost model says why. Count in target decode steps: a round costs k draft steps of relative
-# cost c and one verification of k + 1 tokens of relative cost v, and yields the tokens per
-# verification above, where plain decoding yields 1 per step. We measure c and v on this CPU;
-# on a GPU a large target's decode step is memory-bound (v ≈ 1) and a draft 10–50× smaller
-# costs c ≈ 0.05.
+# Why, in target decode steps: a round costs k draft steps of cost c and one verification of
+# cost v, and yields the tokens per verification above. We measure c and v here; on a GPU a
+# large target's step is memory-bound (v ≈ 1) and a draft 10–50× smaller costs c ≈ 0.05.
 
 # %%
 k_show, rows_n = ks[-1], len(workloads_["GRPO batch"][3])
-target_1, target_n = step_seconds(policy, 1, 1, 8, block_size=4), step_seconds(policy, rows_n, 1, 8, block_size=4)
+target_1 = step_seconds(policy, 1, 1, 8, block_size=4)
+target_n = step_seconds(policy, rows_n, 1, 8, block_size=4)
 c_cpu = step_seconds(draft_model, 1, 1, 8, block_size=4) / target_1
 v_cpu = step_seconds(policy, 1, k_show + 1, 8, block_size=4) / target_1
 c_batch = step_seconds(draft_model, rows_n, 1, 8, block_size=4) / target_n
 v_batch = step_seconds(policy, rows_n, k_show + 1, 8, block_size=4) / target_n
 r1, rb, ngram = spec["batch 1"], spec["GRPO batch"], spec["n-gram, batch 1"]
 v_big = step_seconds(big, 1, k_show + 1, 128) / step_seconds(big, 1, 1, 128)
-show([(label, f"{c:.2f}", f"{v:.2f}", f"{speculative_speedup(r['tokens_per_round'][k_show], k_show, c, v):.2f}x",
-       measured) for label, c, v, r, measured in (
+show([(label, f"{c:.2f}", f"{v:.2f}",
+       f"{speculative_speedup(r['tokens_per_round'][k_show], k_show, c, v):.2f}x", measured)
+      for label, c, v, r, measured in (
           ("this CPU, 1 row", c_cpu, v_cpu, r1, f"{r1['speedup'][k_show]:.2f}x"),
           (f"this CPU, {rows_n} rows", c_batch, v_batch, rb, f"{rb['speedup'][k_show]:.2f}x"),
           ("n-gram, 1 row (free draft)", 0.0, v_big, ngram, f"{ngram['speedup'][k_show]:.2f}x"),
           ("GPU regime (assumed), 1 row", 0.05, 1.0, r1, "-"))],
-     ("costs", "draft step c", f"verify {k_show + 1} tokens v", f"model speedup, k={k_show}", "measured"))
+     ("costs", "draft step c", f"verify {k_show + 1} tokens v", f"model speedup, k={k_show}",
+      "measured"))
 model_best = max(max(rb["speedup"].values()), max(r1["speedup"].values()))
 ngram_best = max(ngram["speedup"].values())
-show([("speculation, model draft", "2-3x", f"{model_best:.2f}x", "agree" if 2 <= model_best <= 3 else "differ",
-       f"<= 4-token answers; a draft step costs c = {c_cpu:.2f} target steps here (~0.05 on a GPU)"),
-      ("speculation, n-gram lookup", "2-3x", f"{ngram_best:.2f}x", "agree" if 2 <= ngram_best <= 3 else "differ",
-       f"one sequence in a loop, a free draft accepted {pct(max(ngram['acceptance'].values()))} of the time")],
+show([("speculation, model draft", "2-3x", f"{model_best:.2f}x",
+       "agree" if 2 <= model_best <= 3 else "differ",
+       f"<= 4-token answers; a draft step costs c = {c_cpu:.2f} target steps (~0.05 on a GPU)"),
+      ("speculation, n-gram lookup", "2-3x", f"{ngram_best:.2f}x",
+       "agree" if 2 <= ngram_best <= 3 else "differ",
+       f"one sequence in a loop; a free draft, accepted {pct(max(ngram['acceptance'].values()))}")],
      ("quantity", "source", "minirl (best k)", "agree?", "why"))
 
 # %% [markdown]
-# With the model draft the answers are at most 4 tokens, so a verification can gain little,
-# and the cost model leaves out the draft's own prefill and the Python of a round. In a batch,
-# verifying k + 1 tokens per row costs v decode steps because a CPU's step grows with the work
-# in it; where v is above one and few drafts are kept, speculation adds work. When the draft is
-# free and right (n-gram lookup on repetitive output) and the batch is one sequence, the gain
-# is tokens per verification / v. With a GPU's costs a round of k drafts breaks even at
-# 1 + 0.05 k tokens per verification. Speculation pays when a decode step is memory-bound and
-# the draft is cheap and often right: short, latency-sensitive responses, not large RL
-# batches, whose steps are no longer memory-bound.
+# Answers of at most 4 tokens leave a verification little to gain, and on a CPU a step grows
+# with its work, so v is above one; a free, right draft at batch 1 gains tokens per
+# verification / v. Speculation pays when a step is memory-bound and the draft cheap and often
+# right: short, latency-sensitive responses, not large RL batches.
 #
 # ## 10. Faster than HF generate, and where the time goes
 #
-# The whole engine against HF `generate` on the same model, prompts, G and length limit,
-# called alternately. HF computes all B × G rows at every step until the longest completion
-# ends and prefills each prompt G times; the engine drops a sequence at its EOS and prefills
-# each prompt's full blocks once. The completions differ (other random streams), so we report
-# tokens per second and the time to finish the same batch. (`python benchmarks/engine_vs_hf.py`
-# runs the full workload with repeats.)
+# The engine against HF `generate`, called alternately on the same workload. HF computes all
+# B × G rows until the longest completion ends and prefills each prompt G times; the engine
+# drops a sequence at its EOS and prefills each prompt's full blocks once.
+# (`python benchmarks/engine_vs_hf.py` runs the full workload with repeats.)
 
 # %%
 vs = versus_hf(big, big_tok, PROMPTS[:2 if SMOKE else 8], sampling, block_size=16, repeats=1)
@@ -1297,56 +1257,45 @@ show([(k, f"{vs['tokens_per_s'][k]:.0f}", f"{statistics.median(vs['seconds'][k])
        f"{statistics.median(vs['tokens'][k]):.0f}") for k in ("paged", "hf")],
      ("engine", "tokens/s", "seconds to finish the batch", "tokens generated"))
 print(f"speedup: {vs['speedup']:.2f}x in tokens/s, {vs['finish_speedup']:.2f}x in time to finish. "
-      f"HF prefilled {vs['hf_prefill_tokens']} prompt tokens and decoded {vs['hf_rows_x_steps']:.0f} "
-      f"row-steps; the engine prefilled {c['prefill_tokens']:.0f} ({c['cached_tokens']:.0f} found in "
-      f"its cache) and decoded {c['decode_tokens']:.0f} tokens in {c['steps']:.0f} steps")
+      f"HF prefilled {vs['hf_prefill_tokens']} prompt tokens and decoded "
+      f"{vs['hf_rows_x_steps']:.0f} row-steps; the engine prefilled {c['prefill_tokens']:.0f} "
+      f"({c['cached_tokens']:.0f} found in its cache) and decoded {c['decode_tokens']:.0f} tokens "
+      f"in {c['steps']:.0f} steps")
 phases = vs["paged_phase_seconds"]
 total = sum(phases.values())
-show([(p, f"{s:.3f}", pct(s / total)) for p, s in phases.items() if s > 0], ("engine phase", "seconds", "share"))
+show([(p, f"{s:.3f}", pct(s / total)) for p, s in phases.items() if s > 0],
+     ("engine phase", "seconds", "share"))
 
 # %% [markdown]
-# The advantage over HF is work not done: rows of finished sequences and repeated prompt
-# prefills. It grows with the tail of lengths and with G; the Python that schedules, builds
-# the step's index tensors and samples is the share of the phases beside the forward pass.
+# The advantage is work not done (finished rows, repeated prefills); it grows with the tail of
+# lengths and with G.
 #
 # How close to the machine is a decode step? Its **roofline** time is the least the hardware
 # needs: every weight and cached key and value read once at the copy bandwidth, or every
-# multiply-add done at the matrix-product peak, whichever takes longer. We measure both limits
-# here and profile the step by operator, each kind of work beside its own ideal.
+# multiply-add done at the matrix-product peak, whichever takes longer.
 
 # %%
-from minirl.runtime.engine_measure import decode_roofline, decode_step_breakdown, machine_limits
+from minirl.runtime.engine_measure import decode_roofline, machine_limits
 
 limits = machine_limits(repeats=2 if SMOKE else 5)
 roof = decode_roofline(big, rows=32, context=160, limits=limits, repeats=5 if SMOKE else 15)
-print(f"one decode step, 32 rows x 160 tokens: {roof['flops'] / 1e6:.0f} MFLOP at "
-      f"{limits['matmul_flops'] / 1e9:.0f} GFLOP/s = {1e3 * roof['compute_s']:.2f} ms; "
-      f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e6:.1f} MB at {limits['copy_bytes'] / 1e9:.1f} GB/s "
-      f"= {1e3 * roof['memory_s']:.2f} ms.\nMeasured {1e3 * roof['measured_s']:.2f} ms against the "
-      f"ideal {1e3 * roof['ideal_s']:.2f} ms ({roof['bound']}-bound): {pct(roof['share'])} of the machine")
-parts = decode_step_breakdown(big, roof)
-show([(kind, pct(k["share"]), f"{1e3 * k['seconds']:.2f}",
-       "0" if k["ideal_s"] is None else f"{1e3 * k['ideal_s']:.2f}",
-       "-" if k["ideal_s"] is None else f"{k['seconds'] / k['ideal_s']:.1f}x") for kind, k in parts["kinds"].items()],
-     ("inside the decode step", "share of CPU time", "ms", "its own ideal ms", "over its ideal"))
-print(f"with no time at all outside the products and attention: {pct(parts['bound'])} of the machine")
+print(f"one decode step, 32 rows x 160 tokens: {roof['flops'] / 1e6:.0f} MFLOP, "
+      f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e6:.1f} MB; ideal "
+      f"{1e3 * roof['ideal_s']:.2f} ms ({roof['bound']}-bound), measured "
+      f"{1e3 * roof['measured_s']:.2f} ms: {pct(roof['share'])} of the machine")
 assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["compute_s"])
 
 # %% [markdown]
-# Matrix products of 32 rows run far below the peak of a large product (each weight is loaded
-# for 32 rows of work); the in-place attention reads every key once per query head sharing it
-# where a fused kernel would read it once; and "everything else" is overhead, a few dozen small
-# operators per layer launched from Python, each costing microseconds whatever its size (what
-# CUDA graphs remove on a GPU). The last line is how far removing that overhead alone could go.
+# Matrix products of 32 rows run far below the peak of a large product; the in-place attention
+# reads every key once per query head sharing it, where a fused kernel reads it once; and a few
+# dozen small operators per layer are launched from Python, each costing microseconds whatever
+# its size (what CUDA graphs remove on a GPU). Notebook 09 breaks the step down by operator.
 #
 # ## 11. In the loop
 #
-# `PagedEngine` stands behind the rollout-engine protocol, so the loop of notebook 01 uses it
-# once it joins the engine registry as "paged" (the factory imports this module only when it
-# builds the engine): `RLConfig(rollout=RolloutConfig(rollout_engine="paged"))`, or
-# `python chapters/01_single_process.py --rollout-engine paged`. The weight sync calls
-# `load_weights` after every update, which also empties the prefix cache: keys and values
-# computed by the old weights must never be reused.
+# Registered as "paged", the engine serves notebook 01's loop (`--rollout-engine paged`). The
+# weight sync calls `load_weights` after every update, which also empties the prefix cache:
+# keys and values computed by old weights must never be reused.
 
 # %%
 from minirl.config import RLConfig
@@ -1358,16 +1307,18 @@ from minirl.rollout.registry import ENGINES, build_engine, register_engine
 # | export minirl/rollout/registry.py
 @register_engine("paged")
 def build_paged(config: RLConfig, model, tokenizer, device, **options):
-    """Notebook 05's paged engine: paged KV cache, continuous batching, prefix caching; options: none used."""
+    """Notebook 05's engine: paged KV cache, continuous batching, prefix caching; no options."""
     from minirl.rollout.engine.engine import PagedEngine  # noqa: PLC0415 (loads when built)
     return PagedEngine(model, tokenizer, config.engine_dtype, device=device)
 
 
 # %%
 print("engines:", ", ".join(ENGINES))
-engine = build_engine(RLConfig.from_flat(rollout_engine="paged", num_generations=4), policy, policy_tok)
-rollout = engine.generate([format_prompt(p) for p in TASK.test[:2]], SamplingConfig(num_generations=4),
-                          expected_version=0, generator=torch.Generator().manual_seed(0))
+config = RLConfig.from_flat(rollout_engine="paged", num_generations=4)
+engine = build_engine(config, policy, policy_tok)
+rollout = engine.generate([format_prompt(p) for p in TASK.test[:2]],
+                          SamplingConfig(num_generations=4), expected_version=0,
+                          generator=torch.Generator().manual_seed(0))
 print(type(engine).__name__, isinstance(engine, RolloutEngine), rollout.completions)
 engine.load_weights(policy.state_dict().items(), version=1)
 assert engine.version == 1 and isinstance(engine, RolloutEngine)

@@ -4,15 +4,15 @@ Hand-written; notebook 05's `PagedEngine` (`minirl/rollout/engine/engine.py`) su
 `EngineCore` and writes what the lesson teaches: one engine step (schedule, one forward pass,
 sample) and the serving loop `run`.
 
-Here: `Request` (one completion to generate) and `Stats` (tokens computed by kind, seconds per
-phase); the argument checks, each one line naming the value, the limit and the fix
-(`request_error`, `cache_blocks`, `check_weights`); `EngineCore`, which copies the policy into a
-`PagedModel`, allocates the cache in blocks (sized to the work unless told), builds the pool,
-the scheduler and the prefix cache (`reset`, after every weight update: keys and values of old
-weights must never be found again), grows the cache in place, queues requests (`add`), and
-speaks notebook 01's rollout-engine protocol: `load_weights` (the trainer's HF parameter names,
-checked before anything is copied) and `generate` (G requests per prompt, padded into a
-`Rollout` with the behaviour log-probs and the policy version).
+Here: `Request` (one completion to generate) and `Stats` (tokens computed by kind, counted by
+`count` and `count_round`, and seconds per phase); the argument checks, each one line naming the
+value, the limit and the fix (`request_error`, `cache_blocks`, `check_weights`); `EngineCore`,
+which copies the policy into a `PagedModel`, allocates the cache in blocks (sized to the work
+unless told), builds the pool, the scheduler and the prefix cache (`reset`, after every weight
+update: keys and values of old weights must never be found again), grows the cache in place,
+queues requests (`add`), and speaks notebook 01's rollout-engine protocol: `load_weights` (the
+trainer's HF parameter names, checked before anything is copied) and `generate` (G requests per
+prompt, padded into a `Rollout` with the behaviour log-probs and the policy version).
 """
 
 import copy

@@ -6,7 +6,10 @@ accepted drafts, cache hits) that do not depend on the machine, and timed ones (
 second) whose alternatives run interleaved, `repeats` times each, compared by their medians.
 
 Hand-written (a measurement harness: timing loops, paired ratios, the versus-HF comparison,
-machine limits); notebook 05 calls it and prints the tables.
+machine limits); notebook 05 calls it and prints the tables. Also its checks' helpers:
+`hf_greedy` (what greedy decoding must reproduce), `looping_prompt` (a prompt the n-gram draft
+can predict) and `bigram_speculation` (a chi-square test of an acceptance rule, with
+`greedy_acceptance`, a plausible wrong rule it must catch).
 """
 
 

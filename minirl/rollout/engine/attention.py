@@ -58,10 +58,10 @@ def make_step(chunks: list[Chunk], block_size: int, n_rep: int, device) -> ops.S
         ids += c.tokens
         positions += pos
         slots += [c.block_table[p // block_size] * block_size + p % block_size for p in pos]
-    logits_index = [t for i, c in enumerate(chunks)
-                    for t in range(first[i] + len(c.tokens) - c.num_logits, first[i] + len(c.tokens))]
-    groups = [ops.make_group([chunks[i] for i in m], [first[i] for i in m], block_size, n_rep, device)
-              for m in members.values()]
+    ends = {i: first[i] + len(c.tokens) for i, c in enumerate(chunks)}
+    logits_index = [t for i, c in enumerate(chunks) for t in range(ends[i] - c.num_logits, ends[i])]
+    groups = [ops.make_group([chunks[i] for i in m], [first[i] for i in m], block_size, n_rep,
+                             device) for m in members.values()]
 
     def as_long(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -109,7 +109,7 @@ class PagedModel(ops.PagedModelBase):
         # once per step, for every layer: decode groups' row indices, other groups' masks
         plans = [ops.decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size)
                  if g.q_index is None else
-                 torch.zeros(g.mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~g.mask, -torch.inf)
+                 torch.zeros_like(g.mask, dtype=x.dtype).masked_fill_(~g.mask, -torch.inf)
                  for g in step.groups]
         blocks, offsets = step.slots // self.block_size, step.slots % self.block_size
         for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
@@ -130,7 +130,8 @@ class PagedModel(ops.PagedModelBase):
                     gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
                     for g, plan in zip(step.groups, plans, strict=True)]
             x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))
-            gate, up = products["gate_up"](ops.rms_norm(x, layer.post_attention_layernorm)).chunk(2, -1)
+            h = ops.rms_norm(x, layer.post_attention_layernorm)
+            gate, up = products["gate_up"](h).chunk(2, -1)
             x = x + products["down"](layer.mlp.act_fn(gate) * up)
         h = inner.norm(x[step.logits_index])                                # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]

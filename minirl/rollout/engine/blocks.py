@@ -82,7 +82,7 @@ class BlockPool(PoolUpkeep):
     def release(self, block: int) -> None:
         """One holder fewer; at 0 the block joins the free list (content kept until reused)."""
         if self.ref[block] <= 0:
-            raise RuntimeError(f"BlockPool.release({block}): the block is already free (double free)")
+            raise RuntimeError(f"BlockPool.release({block}): a double free")
         self.ref[block] -= 1
         if self.ref[block] == 0:
             self.free[block] = None

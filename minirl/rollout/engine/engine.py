@@ -1,5 +1,5 @@
 # Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
-"""`PagedEngine`: the paged KV cache, the scheduler and the caches behind the rollout-engine protocol.
+"""`PagedEngine`: the paged KV cache, the scheduler and the caches behind the rollout protocol.
 
     engine = PagedEngine(model, tokenizer)                # its own copy of the policy, version 0
     rollout = engine.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=256))
@@ -26,12 +26,13 @@ def forward_step(engine: "PagedEngine", work: list[tuple[Sequence, int]], clock:
     """One plain step: the scheduled chunks (prefills and decode tokens) in one forward pass, then
     one token sampled for every sequence whose pending tokens are now all computed.
 
-    clock: perf_counter() when the step's scheduling ended (the phases' seconds go to `engine.stats`).
+    clock: perf_counter() when the step's scheduling ended (phase seconds go to `engine.stats`).
     """
     chunks = []
     for seq, n in work:
         if seq.status != RUNNING:                            # a padding row of a static batch
-            chunks.append(Chunk([engine.tokenizer.pad_token_id], seq.num_computed, seq.block_table, 0))
+            pad = [engine.tokenizer.pad_token_id]
+            chunks.append(Chunk(pad, seq.num_computed, seq.block_table, 0))
             engine.stats.padding_tokens += 1
             continue
         chunks.append(Chunk(seq.tokens[seq.num_computed:], seq.num_computed, seq.block_table, 1))
@@ -42,7 +43,7 @@ def forward_step(engine: "PagedEngine", work: list[tuple[Sequence, int]], clock:
     clock = engine.tick("forward", clock)
     live = [seq for seq, _ in work if seq.status == RUNNING]
     temperatures = torch.tensor([s.temperature for s in live], device=logits.device)
-    tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling step
+    tokens, logprobs = sample_tokens(logits, temperatures, generator)   # notebook 01's sampling
     clock = engine.tick("sample", clock)
     for seq, n in work:
         seq.num_computed += n
@@ -56,7 +57,7 @@ class PagedEngine(EngineCore):
     causal LM; the constructor's arguments, `generate` and `load_weights` are `EngineCore`'s."""
 
     def step(self, generator: torch.Generator | None = None) -> None:
-        """Schedule, run one forward pass over all the scheduled tokens, sample, update the sequences."""
+        """Schedule, run one forward pass over the scheduled tokens, sample, update sequences."""
         clock = time.perf_counter()
         work = self.scheduler.schedule()
         self.stats.preemptions += self.scheduler.timeline[-1]["preempted"]
@@ -81,14 +82,15 @@ class PagedEngine(EngineCore):
                 self.scheduler.finish(seq, "eos" if token == seq.eos_token_id else "length")
                 return
 
-    def run(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Sequence]:
+    def run(self, requests: list[Request], generator: torch.Generator | None = None
+            ) -> list[Sequence]:
         """Serve every request; returns their sequences in order (see Sequence.completion / .error).
 
         `stats` and the scheduler's `timeline` then describe this run alone.
         """
         self.stats = Stats()
         self.scheduler.timeline = []
-        self.size_to_work(requests)          # a cache sized to the work grows to hold these requests
+        self.size_to_work(requests)          # a cache sized to the work grows to hold them
         seqs = [self.add(r) for r in requests]
         while self.scheduler.has_work():
             self.step(generator)

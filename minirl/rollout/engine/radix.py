@@ -2,8 +2,8 @@
 """A radix-tree prefix cache, SGLang's RadixAttention at block granularity.
 
 Each edge holds a run of full blocks; a node's children are keyed by the tokens of their first
-block. Edge splits and LRU eviction: `minirl.runtime.cache_upkeep`. Simplified vs SGLang: whole blocks only, no
-cache-aware reordering of the waiting queue.
+block. Edge splits and LRU eviction: `minirl.runtime.cache_upkeep`. Simplified vs SGLang: whole
+blocks only, no cache-aware reordering of the waiting queue.
 """
 
 __all__ = ["Node", "RadixCache"]
@@ -27,7 +27,7 @@ class Node:
 
 
 class RadixCache(RadixUpkeep):
-    """Prefix cache over a BlockPool as a radix tree of block runs; same interface as PrefixCache."""
+    """Prefix cache over a BlockPool as a radix tree of block runs; PrefixCache's interface."""
 
     def __init__(self, pool: BlockPool):
         self.pool, self.block_size = pool, pool.block_size
@@ -68,7 +68,7 @@ class RadixCache(RadixUpkeep):
         return blocks
 
     def insert(self, tokens: list[int], block_table: list[int]) -> None:
-        """Add the full blocks of `tokens` (held in `block_table`) to the tree, sharing what is there."""
+        """Add the full blocks of `tokens` (held in `block_table`), sharing what the tree has."""
         full = len(tokens) // self.block_size
         found, node, n = self.walk(tokens, full)
         if n < len(node.blocks):                     # the sequence leaves this edge midway: split it

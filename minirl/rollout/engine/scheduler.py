@@ -35,7 +35,7 @@ class Scheduler(SchedulerState):
     when blocks run out, then admissions while `can_admit` allows."""
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step's work: (sequence, number of new tokens to compute) pairs, decodes first."""
+        """The next step's work: (sequence, new tokens to compute) pairs, decodes first."""
         work, preempted = [], 0
         budget = self.max_num_batched_tokens
         for seq in list(self.running):                       # 1. one decode token each
@@ -46,7 +46,8 @@ class Scheduler(SchedulerState):
                 self.preempt(self.running[-1])               # the most recently admitted
                 preempted += 1
             if seq in self.running:
-                grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size, self.take_block)
+                grow_table(seq.block_table, self.tokens_to_hold(seq), self.block_size,
+                           self.take_block)
                 work.append((seq, seq.num_new))
                 budget -= seq.num_new
         admitted = 0

@@ -32,10 +32,10 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
     p_draft = p[:, :k].gather(2, draft[..., None]).squeeze(2)             # [S, k]
     q_draft = q.gather(2, draft[..., None]).squeeze(2)                    # [S, k]
     u = torch.rand(S, k, generator=generator, device=p.device)
-    kept = u * q_draft < p_draft                                          # u < p/q, no division by 0
+    kept = u * q_draft < p_draft                                          # u < p/q, never / 0
     accepted = kept.long().cumprod(1).sum(1)                              # [S] the leading run
     rows = torch.arange(S, device=p.device)
-    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], 1)              # [S, k+1, V]: 0 after drafts
+    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], 1)              # [S, k+1, V]
     residual = (p[rows, accepted] - q_padded[rows, accepted]).clamp(min=0)   # [S, V]
     next_token = torch.multinomial(residual / residual.sum(1, keepdim=True), 1,
                                    generator=generator).squeeze(1)
@@ -43,7 +43,7 @@ def accept_draft(p: Tensor, q: Tensor, draft: Tensor,
 
 
 def speculative_step(engine, seqs, generator=None) -> None:
-    """One round for decoding sequences: propose k, verify k + 1 positions in one pass, keep what passes."""
+    """One round for decoding sequences: propose k, verify k + 1 positions in one pass."""
     k = engine.k
     clock = time.perf_counter()
     draft, q = engine.draft.propose(seqs, k, generator)                   # [S, k], [S, k, V]
