@@ -66,7 +66,7 @@ from minirl.runtime.workloads import (
 )
 
 policy, policy_tok, _ = load_default_policy(progress=False)
-big, big_tok, big_path = load_long_tail_policy()
+big, big_tok, _ = load_long_tail_policy()
 for name, model in (("embedded", policy), ("long-tail", big)):
     c = model.config
     print(f"{name:>9}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
