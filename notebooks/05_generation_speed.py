@@ -74,8 +74,8 @@ for name, model in (("embedded", policy), ("long-tail", big)):
           f"{c.num_key_value_heads} key-value heads, vocabulary {c.vocab_size}")
 PROMPTS = few_shot_prompts(4 if SMOKE else 16, length=64)
 B, G, MAX_NEW = len(PROMPTS), 4 if SMOKE else 8, 48 if SMOKE else 256
-print(f"long-tail workload: {B} prompts x G={G}, at most {MAX_NEW} new tokens; "
-      f"a prompt: {PROMPTS[0]!r}")
+print(f"long-tail workload: {B} prompts x G={G}, at most {MAX_NEW} new tokens; a prompt:\n"
+      f"{PROMPTS[0]!r}")
 
 # %% [markdown]
 # The result first: the finished engine against HF `generate` on two of these prompts (one
@@ -90,7 +90,7 @@ sampling = SamplingConfig(num_generations=G, max_completion_length=MAX_NEW)
 first = versus_hf(big, big_tok, PROMPTS[:2], sampling, repeats=1)
 print(f"PagedEngine {first['tokens_per_s']['paged']:.0f} tokens/s, "
       f"HF generate {first['tokens_per_s']['hf']:.0f}: {first['speedup']:.2f}x in tokens/s, "
-      f"{first['finish_speedup']:.2f}x in time to finish the batch; prompt tokens prefilled: "
+      f"{first['finish_speedup']:.2f}x in time to finish the batch;\nprompt tokens prefilled: "
       f"{first['paged_counts']['prefill_tokens']:.0f} vs HF's {first['hf_prefill_tokens']}")
 
 # %% [markdown]
@@ -688,8 +688,8 @@ for name, model, tok, texts, n_new, bs in checks:
         trainer, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask,
                                          ro.num_completion_tokens)
     gap = (trainer - ro.logprobs)[ro.completion_mask.bool()].abs().max().item()
-    print(f"{name:>9}: greedy = HF generate for {same}/{len(texts)} prompts; sampled log-probs vs "
-          f"the trainer's: max |diff| {gap:.1e} over {int(ro.completion_mask.sum())} tokens")
+    print(f"{name:>9}: greedy = HF for {same}/{len(texts)} prompts; log-probs vs the trainer's: "
+          f"max |diff| {gap:.1e} ({int(ro.completion_mask.sum())} tokens)")
     assert same == len(texts) and gap < 1e-4
 
 # %% [markdown]
@@ -924,7 +924,7 @@ sweep_len = [(n, prefix_savings(counter, big_tok, few_shot_prompts(2, length=n, 
 plot_prefix_sweep(sweep_bs, sweep_len, closed_form_saved)
 assert all(abs(r["saved"] - r["closed_form"]) < 1e-9 for _, r in sweep_bs + sweep_len)
 print(f"70-80 % saved at G = 8 <=> each later completion recomputes {pct(1 - 0.8 * 8 / 7)} to "
-      f"{pct(1 - 0.7 * 8 / 7)} of its prompt; here {pct(1 - ps['closed_form'] * 8 / 7)}")
+      f"{pct(1 - 0.7 * 8 / 7)} of its prompt;\nhere {pct(1 - ps['closed_form'] * 8 / 7)}")
 
 # %% [markdown]
 # The saving climbs towards 1 − 1/G with the prompt length and saw-tooths with P − 1 modulo
@@ -1158,7 +1158,7 @@ pvalues = {}
 for name, rule in (("accept_draft", accept_draft), ("keep if p >= q (wrong)", greedy_acceptance)):
     pvalues[name] = [bigram_speculation(rule, seed=seed) for seed in (1, 2, 3)]
     chi2 = ", ".join(f"{c:.0f}" for _, c in pvalues[name])
-    print(f"{name:>22}: chi2 on 63 degrees of freedom {chi2}; p-values "
+    print(f"{name:>22}: chi2 (63 degrees of freedom) {chi2}; p-values "
           + ", ".join(f"{p:.2g}" for p, _ in pvalues[name]))
 assert all(p > 1e-4 for p, _ in pvalues["accept_draft"])
 assert all(p < 1e-6 for p, _ in pvalues["keep if p >= q (wrong)"])
@@ -1256,9 +1256,9 @@ c = vs["paged_counts"]
 show([(k, f"{vs['tokens_per_s'][k]:.0f}", f"{statistics.median(vs['seconds'][k]):.2f}",
        f"{statistics.median(vs['tokens'][k]):.0f}") for k in ("paged", "hf")],
      ("engine", "tokens/s", "seconds to finish the batch", "tokens generated"))
-print(f"speedup: {vs['speedup']:.2f}x in tokens/s, {vs['finish_speedup']:.2f}x in time to finish. "
+print(f"speedup: {vs['speedup']:.2f}x in tokens/s, {vs['finish_speedup']:.2f}x in time to finish.\n"
       f"HF prefilled {vs['hf_prefill_tokens']} prompt tokens and decoded "
-      f"{vs['hf_rows_x_steps']:.0f} row-steps; the engine prefilled {c['prefill_tokens']:.0f} "
+      f"{vs['hf_rows_x_steps']:.0f} row-steps;\nthe engine prefilled {c['prefill_tokens']:.0f} "
       f"({c['cached_tokens']:.0f} found in its cache) and decoded {c['decode_tokens']:.0f} tokens "
       f"in {c['steps']:.0f} steps")
 phases = vs["paged_phase_seconds"]
@@ -1280,7 +1280,7 @@ from minirl.runtime.engine_measure import decode_roofline, machine_limits
 limits = machine_limits(repeats=2 if SMOKE else 5)
 roof = decode_roofline(big, rows=32, context=160, limits=limits, repeats=5 if SMOKE else 15)
 print(f"one decode step, 32 rows x 160 tokens: {roof['flops'] / 1e6:.0f} MFLOP, "
-      f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e6:.1f} MB; ideal "
+      f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e6:.1f} MB;\nideal "
       f"{1e3 * roof['ideal_s']:.2f} ms ({roof['bound']}-bound), measured "
       f"{1e3 * roof['measured_s']:.2f} ms: {pct(roof['share'])} of the machine")
 assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["compute_s"])
