@@ -34,6 +34,7 @@ from torch import Tensor
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
+
 @dataclass
 class Group:
     """Sequences attended together, padded to one query width Q; their tokens are the flat range start:stop."""
@@ -191,6 +192,7 @@ def zeros_on_demand(shape: tuple, dtype: torch.dtype, device) -> Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)     # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=dtype).view(shape)
+
 
 class PagedModelBase(torch.nn.Module):
     """An HF Llama/Qwen2 causal LM and a paged KV cache; `PagedModel` (notebook 05) adds the forward pass.
