@@ -18,7 +18,7 @@ sampling (multinomial at temperature 1, float32, no top-k/top-p):
   - grpo: the stage-1 GRPO batch. The embedded ~1 M-parameter policy, 16 arithmetic prompts of
     ~7 tokens, G = 8, at most 4 new tokens (the task's longest answer + EOS).
   - long: the long-tail batch. A randomly initialized Qwen2 of 7.6 M parameters with a
-    70-character vocabulary (`minirl.rollout.engine.workloads`): near-uniform logits make every
+    70-character vocabulary (`minirl.runtime.workloads`): near-uniform logits make every
     step emit EOS with a probability of about 1/50, so completion lengths are roughly geometric
     (median ~30, mean ~50, a few reach the 256-token cap): the long tail of an RL batch, produced
     by the model itself. 16 few-shot arithmetic prompts of ~62 tokens, G = 8, at most 256 new
@@ -96,11 +96,11 @@ from transformers import DynamicCache
 from minirl.config import SamplingConfig
 from minirl.models.policy import load_default_policy
 from minirl.rollout.engine.engine import PagedEngine
-from minirl.rollout.engine.measure import decode_step_breakdown, decode_step_work, probe_step
-from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.rollout.hf import HFEngine
+from minirl.runtime.engine_measure import decode_step_breakdown, decode_step_work, probe_step
 from minirl.runtime.io import write_summary
 from minirl.runtime.seeding import seed_everything
+from minirl.runtime.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 
 WORKLOADS = ("grpo", "long", "uniform")

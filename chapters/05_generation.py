@@ -4,7 +4,7 @@
     python chapters/05_generation.py --quick --out runs/05-quick   # small workloads (about a minute)
     python chapters/05_generation.py --model Qwen/Qwen2.5-0.5B --draft Qwen/Qwen2.5-0.5B-Instruct --device cuda
 
-Runs the measurements of notebook 05 (minirl.rollout.engine.measure) on one workload: --num-prompts
+Runs the measurements of notebook 05 (minirl.runtime.engine_measure) on one workload: --num-prompts
 few-shot arithmetic prompts of about --prompt-length characters, G = --num-generations completions
 each, at most --max-new-tokens new tokens, sampled at temperature 1:
   - KV utilization, paged vs contiguous preallocation of prompt + max_tokens, and the sequences
@@ -37,7 +37,7 @@ from pathlib import Path
 from minirl.runtime.cli import check_args, check_device, common_parser
 from minirl.runtime.validate import check_int
 
-LONG_TAIL_CONTEXT = 512   # LongTailConfig().max_length in minirl.rollout.engine.workloads (not imported: torch)
+LONG_TAIL_CONTEXT = 512   # LongTailConfig().max_length in minirl.runtime.workloads (not imported: torch)
 
 
 def model_context(name: str | None) -> int | None:
@@ -122,8 +122,9 @@ def main(argv=None) -> int:
     from minirl.config import SamplingConfig
     from minirl.models.loading import load_policy
     from minirl.models.policy import load_default_policy
-    from minirl.rollout.engine.engine import Request
-    from minirl.rollout.engine.measure import (
+    from minirl.runtime.drafts import ModelDraft, NgramDraft
+    from minirl.runtime.engine_core import Request
+    from minirl.runtime.engine_measure import (
         continuous_vs_static,
         effective_batch,
         kv_utilization,
@@ -131,10 +132,9 @@ def main(argv=None) -> int:
         prefix_savings,
         speculative_sweep,
     )
-    from minirl.rollout.engine.speculative import ModelDraft, NgramDraft
-    from minirl.rollout.engine.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
     from minirl.runtime.io import write_summary
     from minirl.runtime.seeding import seed_everything
+    from minirl.runtime.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
     from minirl.tasks.arithmetic import make_task
 
     if args.threads:

@@ -7,7 +7,6 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import copy
 import time
 from collections import OrderedDict
 from typing import Callable
@@ -15,9 +14,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
+from minirl.rollout.engine.attention import Chunk, make_step
 from minirl.rollout.engine.blocks import BlockPool, block_hash
-from minirl.rollout.sampling import sample_tokens
+from minirl.runtime.cache_upkeep import NoEviction, PoolUpkeep
+from minirl.runtime.drafts import probabilities, sampling_logprobs
+from minirl.runtime.scheduler_state import RUNNING, SchedulerState, Sequence
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -52,7 +53,8 @@ def can_admit(num_running: int, max_num_seqs: int, blocks_wanted: int, blocks_fr
     raise NotImplementedError("exercise 5.2: can_admit -- see its docstring and notebook 05")
 
 
-def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int, tuple]]) -> list[int]:
+def match_prefix(tokens: list[int], block_size: int,
+                 table: dict[int, tuple[int, tuple]]) -> list[int]:
     """The blocks holding the longest cached prefix of `tokens`, whole blocks only.
 
     table maps a block hash (`block_hash(parent_hash, block_tokens)`, parent_hash None for

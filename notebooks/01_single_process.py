@@ -3631,7 +3631,7 @@ from minirl.algo.logprobs import MicroBatchedLogprobs  # noqa: E402
 from minirl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
 from minirl.data import Experience  # noqa: E402
 from minirl.roles.actor import Actor  # noqa: E402
-from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy  # noqa: E402
+from minirl.runtime.workloads import few_shot_prompts, load_long_tail_policy  # noqa: E402
 
 t0 = time.perf_counter()
 long_model, long_tok, _ = load_long_tail_policy()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from refusals import last_line, run_script
 
-from minirl.rollout.engine.workloads import LongTailConfig, build_long_tail_policy
+from minirl.runtime.workloads import LongTailConfig, build_long_tail_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "05_generation.py"

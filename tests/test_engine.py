@@ -13,23 +13,16 @@ from minirl.algo.logprobs import completion_logprobs
 from minirl.config import SamplingConfig
 from minirl.models.policy import PolicyConfig, build_policy, build_tokenizer, load_default_policy
 from minirl.rollout.base import RolloutEngine, VersionMismatchError
-from minirl.rollout.engine.attention import (
-    Chunk,
-    Linear,
-    PagedModel,
-    decode_attention,
-    decode_rows,
-    gather_attention,
-    make_step,
-    zeros_on_demand,
-)
+from minirl.rollout.engine.attention import Chunk, PagedModel, gather_attention, make_step
 from minirl.rollout.engine.blocks import BlockPool, block_hash, grow_table
-from minirl.rollout.engine.engine import AUTO_CACHE_TOKENS, PagedEngine, Request
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.engine.prefix import PrefixCache, match_prefix
 from minirl.rollout.engine.radix import RadixCache
-from minirl.rollout.engine.speculative import ModelDraft, NgramDraft, probabilities
-from minirl.rollout.engine.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.rollout.sampling import sample_tokens
+from minirl.runtime.drafts import ModelDraft, NgramDraft, probabilities
+from minirl.runtime.engine_core import AUTO_CACHE_TOKENS, Request
+from minirl.runtime.paged_ops import Linear, decode_attention, decode_rows, zeros_on_demand
+from minirl.runtime.workloads import few_shot_prompts, load_long_tail_policy
 from minirl.tasks.arithmetic import format_prompt, make_task
 
 torch.set_num_threads(1)

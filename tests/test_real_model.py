@@ -175,7 +175,8 @@ def test_chapter_01_trains_the_real_model_a_few_steps(checkpoint, tmp_path):
 def test_the_paged_engine_decodes_as_hf_generate_on_the_real_model(real):
     from test_engine import assert_greedy_equal, encode, hf_greedy
 
-    from minirl.rollout.engine.engine import PagedEngine, Request
+    from minirl.rollout.engine.engine import PagedEngine
+    from minirl.runtime.engine_core import Request
 
     model, tokenizer = real
     texts = [chat(tokenizer, q) for q in ("What is the capital of France?", "What is 7 * 8?",

@@ -93,7 +93,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/expert_job.py", "minirl/runtime/moe_cache.py", "minirl/runtime/moe_checks.py",
                 "minirl/runtime/moe_plots.py", "minirl/runtime/packing_bench.py", "minirl/runtime/pipeline_job.py",
                 "minirl/runtime/pipeline_sim.py", "minirl/runtime/pipeline_types.py",
-                "minirl/runtime/routing_bench.py")
+                "minirl/runtime/routing_bench.py",
+                # notebook 05 (generation speed):
+                "minirl/runtime/cache_upkeep.py", "minirl/runtime/drafts.py", "minirl/runtime/engine_core.py",
+                "minirl/runtime/engine_measure.py", "minirl/runtime/generation_display.py",
+                "minirl/runtime/paged_ops.py", "minirl/runtime/scheduler_state.py", "minirl/runtime/workloads.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -113,6 +113,6 @@ def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = F
 
 @register_engine("paged")
 def build_paged(config: RLConfig, model, tokenizer, device, **options):
-    """Notebook 05's paged engine: paged KV cache, continuous batching, prefix caching; options: none used."""
+    """Notebook 05's engine: paged KV cache, continuous batching, prefix caching; no options."""
     from minirl.rollout.engine.engine import PagedEngine  # noqa: PLC0415 (loads when built)
     return PagedEngine(model, tokenizer, config.engine_dtype, device=device)

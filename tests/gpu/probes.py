@@ -102,7 +102,8 @@ def engine(args) -> dict:
     import torch
 
     from minirl.models.policy import load_default_policy
-    from minirl.rollout.engine.engine import PagedEngine, Request
+    from minirl.rollout.engine.engine import PagedEngine
+    from minirl.runtime.engine_core import Request
     from minirl.tasks.arithmetic import format_prompt, make_task
 
     model, tokenizer, _ = load_default_policy(progress=False)

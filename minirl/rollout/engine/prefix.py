@@ -1,27 +1,19 @@
 # Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
-"""Prefix caching: full blocks found again by the hash of their content, and shared.
-
-When a block is full, its hash (its tokens chained with the previous block's hash, see
-`block_hash`) is registered with the block id. A new sequence looks up the hashes of its
-own full blocks, one after another, and shares every block found until the first miss:
-those tokens need no prefill. The G completions of one GRPO prompt are the textbook case:
-the first one to be admitted computes the prompt's blocks, the other G - 1 share them (even
-in the same step: each layer writes a step's keys and values before any query reads them).
+"""Prefix caching: full blocks found again by the chained hash of their content, and shared.
 
 A registered block stays findable after its last user frees it, until the pool hands it out
-again (`BlockPool.on_reuse` tells the cache to forget it): freed blocks double as the cache.
-
-Simplified vs vLLM: Python's tuple hash instead of SHA-256 (a collision is caught by
-comparing the tokens); the last block of a sequence is never matched, even when full, so that
-at least one token is computed and gives the logits to sample from (vLLM does the same).
+again. Simplified vs vLLM: Python's tuple hash instead of SHA-256 (a collision is caught by
+comparing the tokens).
 """
 
 __all__ = ["match_prefix", "PrefixCache"]
 
 from minirl.rollout.engine.blocks import BlockPool, block_hash
+from minirl.runtime.cache_upkeep import NoEviction
 
 
-def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int, tuple]]) -> list[int]:
+def match_prefix(tokens: list[int], block_size: int,
+                 table: dict[int, tuple[int, tuple]]) -> list[int]:
     """The blocks holding the longest cached prefix of `tokens`, whole blocks only.
 
     table maps a block hash (`block_hash(parent_hash, block_tokens)`, parent_hash None for
@@ -41,12 +33,12 @@ def match_prefix(tokens: list[int], block_size: int, table: dict[int, tuple[int,
     return blocks
 
 
-class PrefixCache:
+class PrefixCache(NoEviction):
     """Hash-chained full-block prefix cache over a BlockPool (vLLM's automatic prefix caching).
 
     match(tokens) -> block ids to share; insert(tokens, block_table) registers the full
-    blocks of a sequence whose keys/values are (or are being) computed. `hits`/`lookups`
-    count tokens found / tokens asked for at admission.
+    blocks of a sequence whose keys/values are (or are being) computed. `hit_tokens` /
+    `lookup_tokens` count tokens found / tokens asked for at admission.
     """
 
     def __init__(self, pool: BlockPool):
@@ -65,8 +57,8 @@ class PrefixCache:
     def insert(self, tokens: list[int], block_table: list[int]) -> None:
         """Register every full block of `tokens` (held in `block_table`) not registered yet.
 
-        A registered block of the table stands for its whole prefix (its hash is chained), so
-        hashing resumes after the last registered block instead of from the first.
+        A registered block stands for its whole prefix (its hash is chained), so hashing
+        resumes after the last registered block instead of from the first.
         """
         full = len(tokens) // self.block_size
         start = full
@@ -76,7 +68,7 @@ class PrefixCache:
         for i in range(start, full):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             parent = block_hash(parent, chunk)
-            if parent not in self.table:                   # first copy wins; a duplicate stays private
+            if parent not in self.table:          # first copy wins; a duplicate stays private
                 self.table[parent] = (block_table[i], chunk)
                 self.hash_of[block_table[i]] = parent
 
@@ -84,12 +76,3 @@ class PrefixCache:
         h = self.hash_of.pop(block, None)
         if h is not None and self.table.get(h, (None,))[0] == block:
             del self.table[h]
-
-    def evictable(self) -> int:
-        return 0                                           # cached blocks sit in the free list already
-
-    def evictable_blocks(self) -> set[int]:
-        return set()
-
-    def evict(self, n: int) -> None:
-        pass

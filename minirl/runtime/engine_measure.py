@@ -1,17 +1,17 @@
-# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """The measurements of notebook 05 and chapters/05, one function per row of the source's table.
 
 Each function runs the paged engine on a workload it is given (any HF Llama/Qwen2-style model
 and tokenizer) and returns a plain dict of figures: counted ones (KV slots, prefill tokens,
 accepted drafts, cache hits) that do not depend on the machine, and timed ones (tokens per
 second) whose alternatives run interleaved, `repeats` times each, compared by their medians.
+
+Hand-written (a measurement harness: timing loops, paired ratios, the versus-HF comparison,
+machine limits); notebook 05 calls it and prints the tables. Also its checks' helpers:
+`hf_greedy` (what greedy decoding must reproduce), `looping_prompt` (a prompt the n-gram draft
+can predict) and `bigram_speculation` (a chi-square test of an acceptance rule, with
+`greedy_acceptance`, a plausible wrong rule it must catch).
 """
 
-__all__ = ["interleaved", "kv_utilization", "effective_batch", "continuous_vs_static",
-           "step_costs", "predicted_seconds", "step_seconds", "probe_step", "closed_form_saved",
-           "prefix_savings", "multi_turn", "speculative_sweep", "speculative_speedup", "versus_hf",
-           "machine_limits", "decode_step_work", "decode_roofline", "STEP_KINDS", "OTHER_KIND",
-           "decode_step_breakdown"]
 
 import statistics
 import time
@@ -22,8 +22,9 @@ from tqdm.auto import tqdm
 
 from minirl.config import SamplingConfig
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
-from minirl.rollout.engine.engine import PagedEngine, Request
+from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
+from minirl.runtime.engine_core import Request
 
 
 def interleaved(runs: dict, repeats: int, progress: str | None = None) -> dict[str, list[float]]:
@@ -75,10 +76,15 @@ def effective_batch(model, tokenizer, prompts: list[str], sampling: SamplingConf
     The mean is taken over the steps in which requests were still waiting, the steps when
     memory, not the workload, sets the batch size. Also counts the steps each needs in all.
     """
+    # the engine refuses a cache smaller than one sequence of max_model_len tokens, which defaults to the
+    # model's context (8192 for SmolLM2): pass the longest sequence this workload makes, within the context
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts) \
+        + sampling.max_completion_length
+    context = getattr(model.config, "max_position_embeddings", None) or longest
     out = {}
     for reserve in ("on_demand", "max_length"):
         engine = PagedEngine(model, tokenizer, block_size=block_size, cache="none", reserve=reserve,
-                             num_blocks=cache_tokens // block_size)
+                             num_blocks=cache_tokens // block_size, max_model_len=min(longest, context))
         engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
         timeline = engine.scheduler.timeline
         full = [row["running"] for row in timeline if row["waiting"] > 0] or [row["running"] for row in timeline]
@@ -382,3 +388,69 @@ def decode_step_breakdown(model, roof: dict, repeats: int = 3, block_size: int =
     kinds = {kind: {"share": share, "seconds": share * roof["measured_s"], "ideal_s": ideals.get(kind)}
              for kind, share in shares.items()}
     return {"kinds": kinds, "bound": roof["ideal_s"] / sum(kinds[k]["seconds"] for k in ideals)}
+
+
+def hf_greedy(model, tokenizer, texts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """HF generate's greedy completions of `texts` (cut after EOS): what the engine must reproduce."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)[:, enc.input_ids.shape[1]:].tolist()
+    eos = tokenizer.eos_token_id
+    return [row[:row.index(eos) + 1] if eos in row else row for row in out]
+
+
+def looping_prompt(model, tokenizer, prompts: list[str]) -> list[int]:
+    """The first prompt whose greedy continuation runs 16 tokens without EOS (a random model's loop)."""
+    for text in prompts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out = out[0, len(ids):]
+        if len(out) == 16 and tokenizer.eos_token_id not in out.tolist():
+            return ids
+    raise RuntimeError("no prompt loops under greedy decoding: the n-gram workload needs one")
+
+
+def bigram_speculation(accept, n: int = 4000, V: int = 4, k: int = 3, seed: int = 0) -> tuple[float, float]:
+    """(p-value, chi2) of the first 3 tokens of n speculative runs from token 0 against the target's joint.
+
+    Bigram "models" on a vocabulary of V: the target P and the draft Q (fixed random matrices).
+    Each round the draft samples k tokens, `accept(p, q, draft, generator)` (the rule under test,
+    `accept_draft`'s signature) decides, and the emitted tokens are collected until every run has
+    3. A chi-square test on V**3 - 1 degrees of freedom against P's exact joint probabilities.
+    """
+    mats = torch.Generator().manual_seed(1234)
+    P = torch.softmax(torch.randn(V, V, generator=mats) * 1.5, -1)
+    Q = torch.softmax(torch.randn(V, V, generator=mats) * 1.5, -1)
+    g = torch.Generator().manual_seed(seed)
+    out, filled = torch.full((n, 3), -1), torch.zeros(n, dtype=torch.long)
+    last, rows = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    while int(filled.min()) < 3:
+        drafts, qs, prev = [], [], last
+        for _ in range(k):
+            qs.append(Q[prev])
+            drafts.append(torch.multinomial(qs[-1], 1, generator=g).squeeze(1))
+            prev = drafts[-1]
+        draft = torch.stack(drafts, 1)
+        a, nxt = accept(P[torch.cat([last[:, None], draft], 1)], torch.stack(qs, 1), draft, g)
+        for j in range(k + 1):
+            token = torch.where(j < a, draft[:, min(j, k - 1)], nxt)
+            ok = (j <= a) & (filled < 3)
+            out[rows[ok], filled[ok]] = token[ok]
+            filled = filled + ok.long()
+        last = nxt
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
+    t1, t2, t3 = torch.meshgrid(torch.arange(V), torch.arange(V), torch.arange(V), indexing="ij")
+    expected = (P[0][t1] * P[t1, t2] * P[t2, t3]).flatten().double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = torch.tensor((V ** 3 - 1) / 2, dtype=torch.double)
+    return float(torch.special.gammaincc(dof, chi2 / 2)), float(chi2)
+
+
+def greedy_acceptance(p, q, draft, generator=None):
+    """A plausible mistake, for `bigram_speculation` to catch: keep a draft token whenever p >= q."""
+    S, k = draft.shape
+    kept = p[:, :k].gather(2, draft[..., None]).squeeze(2) >= q.gather(2, draft[..., None]).squeeze(2)
+    accepted = kept.long().cumprod(1).sum(1)
+    return accepted, torch.multinomial(p[torch.arange(S), accepted], 1, generator=generator).squeeze(1)

@@ -1,4 +1,3 @@
-# Generated from notebooks/05_generation_speed.py by tools/build.py -- edit the notebook, not this file.
 """Workloads for measuring generation: a larger policy with a long tail of completion lengths, and prompts.
 
 `load_long_tail_policy()` builds (once, cached under $MINIRL_CACHE like the embedded policy)
@@ -14,11 +13,11 @@ benchmarks together and would not change the cost of a token.
 `few_shot_prompts(n, length)` makes prompts of about `length` characters from the
 arithmetic task (solved examples, then one question), the ~64-token prompts of the
 long-tail workload; `load_draft_policy()` is a small warm-started draft for speculation.
+
+Hand-written (benchmark plumbing: the models and prompts the measurements run on); notebook
+05, its chapter and the benchmarks load them from here.
 """
 
-__all__ = ["LONG_TAIL_CHARACTERS", "LongTailConfig", "long_tail_tokenizer",
-           "build_long_tail_policy", "load_long_tail_policy", "DRAFT_POLICY", "load_draft_policy",
-           "few_shot_rows", "few_shot_prompts"]
 
 import hashlib
 import json

@@ -1,0 +1,250 @@
+"""The paged forward pass's machinery, outside the lesson: padded groups, the in-place decode read,
+prepacked products, on-demand cache memory, and the model wrapper's bookkeeping.
+
+Hand-written; notebook 05 (`minirl/rollout/engine/attention.py`) builds the step (`make_step`),
+the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward`) on top of it.
+
+- `Group`, `Step`, `make_group`: a step's chunks grouped by query width and context length,
+  padded to one width, with their causal masks (`make_step` lays the flat tokens out group by group).
+- `Rows`, `decode_rows`, `decode_attention`: one query per sequence reads the cache in place with
+  `F.embedding_bag` (a gather fused with a weighted sum). Keys are stored transposed within a block,
+  `[head_dim, block_size]`, so bag (sequence, head, block) sums the block's rows k[:, d] with weights
+  q[d] and gives its block_size scores; a second bag sums value rows with the attention
+  probabilities. Nothing is copied; the indices are built once per step for every layer.
+- `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused.
+- `Linear`, `fused`: q/k/v as one product and gate/up as another, prepacked once for oneDNN on x86
+  CPUs (as vLLM's CPU backend does), F.linear elsewhere.
+- `zeros_on_demand`: the cache tensor as an anonymous mmap on a CPU, so unused blocks cost no RAM.
+- `check_architecture`, `PagedModelBase`: which HF models run (Llama-style, full attention), and
+  the wrapper that keeps the HF module's weights and parameter names, its fused products and the
+  cache tensor [layers, 2, Hkv, num_blocks, block_size * head_dim].
+
+Simplified vs vLLM: no fused paged-attention kernel (embedding_bag reads every key once per query
+head sharing it, where a kernel reads it once per key head); sequences are padded to the longest
+in their group, with a mask.
+"""
+
+import math
+import mmap
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class Group:
+    """Sequences attended together, padded to one query width Q; their tokens are the flat range start:stop."""
+
+    start: int            # the group's first flat token
+    stop: int             # one past its last
+    q_index: Tensor | None  # [S, Q] long, into start:stop (padding repeats a real query); None when Q == 1
+    valid: Tensor | None  # [S, Q] bool: a real query, not padding; None when Q == 1
+    tables: Tensor        # [S, B] long: block tables padded with block 0 (masked out)
+    mask: Tensor          # [S, 1, n_rep*Q, B*block_size] bool: key position visible to the query
+
+
+@dataclass
+class Step:
+    """One forward pass over T new tokens from several sequences, laid out group after group."""
+
+    input_ids: Tensor     # [T] long
+    positions: Tensor     # [T] long: position of each token in its sequence
+    slots: Tensor         # [T] long: cache slot (block * block_size + offset) its key/value goes to
+    groups: list[Group]
+    logits_index: Tensor  # [R] long: flat tokens whose next-token logits are returned, in chunk order
+
+
+def make_group(chunks: list, offsets: list[int], block_size: int, n_rep: int, device) -> Group:
+    """The block tables, causal mask and (for chunks longer than 1) padded query index of one group.
+
+    chunks: `Chunk`s (notebook 05) of one group; offsets: the flat index of each one's first token.
+    """
+    S = len(chunks)
+    Q = max(len(c.tokens) for c in chunks)
+    B = max(-(-(c.start + len(c.tokens)) // block_size) for c in chunks)     # blocks the longest context spans
+    start, stop = offsets[0], offsets[-1] + len(chunks[-1].tokens)
+    lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)                 # [S]
+    starts = torch.tensor([c.start for c in chunks], device=device)                       # [S]
+    j = torch.arange(Q, device=device)                                                    # [Q]
+    last = torch.minimum(j[None], lengths[:, None] - 1)                                   # [S, Q]: padding repeats
+    q_index = valid = None
+    if Q > 1:
+        valid = j[None] < lengths[:, None]                                                # [S, Q]
+        q_index = torch.tensor(offsets, device=device)[:, None] - start + last            # [S, Q]
+    tables = torch.tensor([c.block_table[:B] + [0] * (B - len(c.block_table)) for c in chunks], device=device)
+    key_pos = torch.arange(B * block_size, device=device)                                 # [L]
+    mask = key_pos[None, None] <= (starts[:, None] + last)[:, :, None]                    # [S, Q, L]
+    mask = mask[:, None].expand(S, n_rep, Q, B * block_size).reshape(S, 1, n_rep * Q, B * block_size)
+    return Group(start, stop, q_index, valid, tables, mask)
+
+
+@dataclass
+class Rows:
+    """A decode group's block tables as row indices of the caches, built once per step for every layer."""
+
+    keys: Tensor     # [S*H*B, D] long: rows of keys.view(-1, bs), (key head, block, d) for (sequence, head, block)
+    values: Tensor   # [S*H, L] long: rows of values.view(-1, D), (key head, block, offset) for (sequence, head)
+    bias: Tensor     # [S, 1, L] float32: 0 where the key position is visible, -inf elsewhere
+
+
+def decode_rows(g: Group, num_heads: int, n_rep: int, num_blocks: int, head_dim: int, block_size: int) -> Rows:
+    """The Rows of a group of one-token chunks: query head h reads key head h // n_rep."""
+    S, B = g.tables.shape
+    device = g.tables.device
+    kv_head = torch.arange(num_heads, device=device) // n_rep                                   # [H]
+    block = kv_head[None, :, None] * num_blocks + g.tables[:, None, :]                          # [S, H, B]
+    keys = (block[..., None] * head_dim + torch.arange(head_dim, device=device)).view(-1, head_dim)
+    values = (block[..., None] * block_size + torch.arange(block_size, device=device)).view(S * num_heads, -1)
+    bias = torch.zeros(S, 1, B * block_size, device=device).masked_fill_(~g.mask[:, :, 0], float("-inf"))
+    return Rows(keys, values, bias)
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale: float) -> Tensor:
+    """One query per sequence over its cached keys and values, read in place. q: [S, H, D] -> [S, H * D].
+
+    scores[s, h, block b] = sum_d q[s, h, d] * keys[block, d, :], one embedding bag per
+    (s, h, b); out[s, h] = sum_t p[s, h, t] * values[slot t], one bag per (s, h). The softmax
+    runs in float32.
+    """
+    S, H, D = q.shape
+    bs = keys.shape[-1]
+    B = rows.keys.shape[0] // (S * H)
+    weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                          # [S*H*B, D]
+    scores = F.embedding_bag(rows.keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
+    p = torch.softmax(scores.view(S, H, B * bs).float() + rows.bias, -1).to(values.dtype)      # [S, H, L]
+    out = F.embedding_bag(rows.values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
+    return out.view(S, H * D)
+
+
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, signed_sin: [T, 1, D].
+
+    HF computes x * cos + cat(-x2, x1) * sin; signed_sin = cat(-sin1, sin2) (built once per
+    step) turns that into x * cos + cat(x2, x1) * signed_sin, one fused multiply-add.
+    """
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin)
+
+
+def check_architecture(model) -> None:
+    """Raise ValueError unless `model` is a Llama-style causal LM with full attention that PagedModel can run."""
+    config = model.config
+    kind = getattr(config, "model_type", type(model).__name__)
+    inner = getattr(model, "model", None)
+    if kind not in SUPPORTED or inner is None or not hasattr(inner, "layers"):
+        raise ValueError(f"PagedModel: model_type={kind!r} ({type(model).__name__}) is not supported; the paged "
+                         f"engine runs Llama-style decoders ({', '.join(SUPPORTED)}): use the 'hf' engine for others")
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if getattr(config, "use_sliding_window", False) or set(layer_types) != {"full_attention"}:
+        raise ValueError(f"PagedModel: {kind} with sliding-window attention (layer_types={sorted(set(layer_types))}) "
+                         "is not supported; the paged cache keeps every position")
+
+
+class Linear:
+    """x @ weight.T + bias, the weight prepacked once for oneDNN on x86 CPUs (vLLM's CPU backend does the same).
+
+    Prepacking saves repacking the weight at every call, which is a large share of a small-batch
+    product. Elsewhere (CUDA, other CPUs) it is F.linear. Both agree to float rounding.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight, self.bias, self.onednn = weight, bias, False
+        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and \
+                torch.backends.mkldnn.is_available():
+            try:                                                  # kept only if it computes what F.linear does
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
+                probe = torch.linspace(-1, 1, weight.shape[1], dtype=weight.dtype)[None]
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
+                    self.weight, self.onednn = packed, True
+            except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
+                pass
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def fused(*modules) -> Linear:
+    """One Linear computing several nn.Linear modules on the same input, outputs side by side."""
+    weight = torch.cat([m.weight for m in modules])
+    biases = [m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules]
+    return Linear(weight, None if all(m.bias is None for m in modules) else torch.cat(biases))
+
+
+def rms_norm(x: Tensor, norm) -> Tensor:
+    """An HF RMSNorm module applied to x: torch's fused kernel in float32 (the same math), the module otherwise."""
+    if x.dtype != torch.float32:
+        return norm(x)                                   # HF rounds to the low precision before the weight
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def zeros_on_demand(shape: tuple, dtype: torch.dtype, device) -> Tensor:
+    """torch.zeros(shape), but on a CPU its memory is an anonymous mmap: the OS commits a page (zeroed)
+    only when it is first touched, so blocks never handed out cost no RAM. The operating system's own
+    paging, under the engine's; a GPU has none, so there it is plain torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)     # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
+class PagedModelBase(torch.nn.Module):
+    """An HF Llama/Qwen2 causal LM and a paged KV cache; `PagedModel` (notebook 05) adds the forward pass.
+
+    The wrapped `model` keeps its weights and its parameter names (so `load_weights` takes
+    the trainer's names); `refresh()` rebuilds the fused projections from them and must follow
+    any change of the weights. The cache, allocated by `allocate_cache` in the model's dtype,
+    is [layers, 2, Hkv, num_blocks, block_size * head_dim]: per layer, keys viewed as [Hkv, NB,
+    D, bs] (transposed within a block) and values as [Hkv, NB, bs, D] (see `cache_views`).
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        check_architecture(model)
+        self.model = model
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.n_rep = self.num_heads // self.num_kv_heads
+        self.vocab_size = config.vocab_size
+        self.cache: Tensor | None = None
+        self.block_size = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)build each layer's fused q/k/v, o, gate/up and down products from the HF modules' weights."""
+        self.products = [dict(qkv=fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                              o=fused(layer.self_attn.o_proj),
+                              gate_up=fused(layer.mlp.gate_proj, layer.mlp.up_proj), down=fused(layer.mlp.down_proj))
+                         for layer in self.model.model.layers]
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of `block_size` tokens holds: keys and values of every layer."""
+        dtype = next(self.model.parameters()).dtype
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        p = next(self.model.parameters())
+        self.cache = zeros_on_demand((self.num_layers, 2, self.num_kv_heads, num_blocks, block_size * self.head_dim),
+                                     p.dtype, p.device)
+        self.block_size = block_size
+
+    def grow_cache(self, num_blocks: int) -> None:
+        """A larger cache holding the old one's blocks under the same ids."""
+        old = self.cache
+        self.allocate_cache(num_blocks, self.block_size)
+        self.cache[:, :, :, :old.shape[3]] = old
+
+    def cache_views(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(keys [Hkv, NB, D, bs], values [Hkv, NB, bs, D]) of one layer: views of the cache."""
+        Hkv, NB = self.cache.shape[2], self.cache.shape[3]
+        return (self.cache[layer, 0].view(Hkv, NB, self.head_dim, self.block_size),
+                self.cache[layer, 1].view(Hkv, NB, self.block_size, self.head_dim))
