@@ -49,11 +49,12 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from minirl.asyncrl.runner import AsyncConfig, train_async
-from minirl.asyncrl.snapshots import evaluate_snapshots
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.runtime.argtypes import float_in, int_in
+from minirl.runtime.async_config import AsyncConfig
+from minirl.runtime.async_run import train_async
+from minirl.runtime.async_snapshots import evaluate_snapshots
 from minirl.runtime.io import write_summary
 from minirl.runtime.validate import check_choice
 from minirl.tasks.arithmetic import make_task

@@ -7,13 +7,22 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+import dataclasses
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
-from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
-from minirl.asyncrl.queue import FutureVersionError
-from minirl.runtime.validate import check_int
+from minirl.config import AlgorithmConfig
+from minirl.data import Experience, Rollout
+from minirl.runtime.async_bookkeeping import GateCheckpoint, QueueCheckpoint
+from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction
+from minirl.runtime.validate import ConfigError, check_choice, check_int
+from minirl.train.step import importance_weights
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
@@ -31,6 +40,10 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
     raise NotImplementedError("exercise 7.1: sync_step_idle -- see its docstring and notebook 07")
 
 
+class FutureVersionError(RuntimeError):
+    """A trajectory claims a policy version the trainer has not published yet."""
+
+
 def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     """May the trainer at `trainer_version` learn from a trajectory generated at `version`?
 
@@ -43,9 +56,9 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     raise NotImplementedError("exercise 7.2: admit -- see its docstring and notebook 07")
 
 
-def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,
-                         high: float = 1.2) -> Tensor:
-    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32, detached.
+def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                         low: float = 0.8, high: float = 1.2) -> Tensor:
+    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32.
 
     current_logps: [B, C] the trainer's (proximal) log-probs of the sampled tokens;
     behaviour_logps: [B, C] the log-probs the rollout recorded when it sampled them;
@@ -54,3 +67,19 @@ def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: T
     unless 0 < low <= 1 <= high (a weight of 1, no correction, must stay inside the interval).
     """
     raise NotImplementedError("exercise 7.3: clipped_token_weight -- see its docstring and notebook 07")
+
+
+def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                        cap: float = 1.2) -> Tensor:
+    """AReaL's code: exp(current - behaviour), and 0 for a token whose weight exceeds `cap`.
+
+    Shapes as `clipped_token_weight`; cap > 1 (AReaL's `behav_imp_weight_cap`).
+    """
+    if not cap > 1:
+        raise ValueError(f"capped_token_weight: cap={cap} must be > 1 (behav_imp_weight_cap)")
+    check_logprob_pair(current_logps, behaviour_logps, mask)
+    valid = mask.bool()
+    diff = torch.where(valid, current_logps.detach().float() - behaviour_logps.detach().float(),
+                       torch.zeros_like(current_logps, dtype=torch.float32))
+    weight = torch.exp(diff)
+    return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid     # [B, C]

@@ -82,7 +82,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
-                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
+                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
+                # notebook 07's plumbing
+                "minirl/runtime/async_bookkeeping.py", "minirl/runtime/async_config.py",
+                "minirl/runtime/async_envs.py", "minirl/runtime/async_plots.py", "minirl/runtime/async_ray.py",
+                "minirl/runtime/async_run.py", "minirl/runtime/async_snapshots.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"
