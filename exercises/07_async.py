@@ -19,14 +19,14 @@ from torch import Tensor
 from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience, Rollout
-from minirl.runtime.async_bookkeeping import GateCheckpoint, QueueCheckpoint
-from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction
-from minirl.runtime.validate import ConfigError, check_choice, check_int
+from minirl.runtime.async_bookkeeping import GateBookkeeping, QueueBookkeeping
+from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction, check_queue_sizes
+from minirl.runtime.validate import check_choice, check_int
 from minirl.train.step import importance_weights
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
-    """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
+    """Idle shares of one synchronous step: each trajectory on its own slot, then the update.
 
     durations: seconds each of the step's n trajectories takes (n >= 1, each >= 0), one per
     rollout slot, all started together at time 0. train_seconds: the update's seconds (>= 0),
@@ -54,6 +54,33 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     from weights the trainer never published is a bookkeeping bug, not data).
     """
     raise NotImplementedError("exercise 7.2: admit -- see its docstring and notebook 07")
+
+
+@dataclass
+class Trajectory:
+    """One prompt's G completions, scored by their environment sessions: what a producer queues.
+
+    rollout: G rows, its `token_versions` [G, C] set and its `version` the oldest of its tokens'
+    versions; rewards: [G] float; times in time.perf_counter seconds; ticket: its number at the
+    start gate, which fixes its prompt and seed.
+    """
+
+    rollout: Rollout
+    rewards: Tensor               # [G]
+    row: dict                     # the dataset row ({"prompt", "answer", ...})
+    producer: str                 # who made it ("producer 3", "ray 1/2", ...)
+    started: float                # the producer took it
+    generated: float              # its generation ended (the environment sessions start)
+    finished: float               # its last environment session ended
+    env_failures: int = 0         # sessions that raised, hung past their timeout or returned junk
+    env_timeouts: int = 0         # of those, the ones that hung
+    env_errors: tuple = ()        # a few of the failures, as text
+    ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
+    scores: dict = field(default_factory=dict)   # {reward function: [G] values}
+
+    @property
+    def version(self) -> int:
+        return self.rollout.version
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,

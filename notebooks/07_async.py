@@ -14,31 +14,26 @@
 # %% [markdown]
 # # 07 · Asynchronous RL: queues, staleness, corrections, slow environments
 #
-# **By the end of this notebook you can** run the RL loop with rollout producers that never
-# wait for the trainer, bound how stale their experience may get, correct (or not) for the
-# policy that generated it, survive slow, broken or hung environments, and measure what the
-# asynchrony buys on this machine against what it costs in accuracy.
+# **By the end of this notebook you can** run RL with rollout producers that never wait for
+# the trainer, bound how stale their experience gets, correct (or not) for the policy that
+# generated it, survive slow, broken or hung environments, and measure what asynchrony buys.
 #
 # The source's question: *when are task durations so uneven that asynchronous scheduling pays
-# for its stale experience?* A synchronous step waits for the slowest trajectory of its batch;
-# with a tool call whose latency has a long tail, that one is much slower than the typical
-# one. Asynchronous training puts a queue between generation and training, so both keep
-# working, and in exchange a trajectory may come from a policy several updates old. The source
-# compares three answers: **LlamaRL** corrects nothing and relies on fresh versions, **AReaL**
-# records each trajectory's version and log-probs and reweights tokens, **AgentRL** isolates
+# for its stale experience?* A synchronous step waits for its slowest trajectory; a queue
+# between generation and training keeps both working, at the price of trajectories from a
+# policy several updates old. **LlamaRL** corrects nothing and relies on fresh versions,
+# **AReaL** records versions and log-probs and reweights tokens, **AgentRL** isolates
 # multi-turn environment sessions. We build each piece small:
 #
 # | section | piece | module |
 # |---|---|---|
 # | 1 | why a synchronous step waits | `asyncrl/timeline.py` |
 # | 2 | versions, the staleness bound, a start gate and a bounded queue | `asyncrl/queue.py` |
-# | 3 | corrections: none (LlamaRL), AReaL's decoupled weight, truncated IS | `asyncrl/corrections.py` |
+# | 3 | corrections: none (LlamaRL), AReaL's weight, truncated IS | `asyncrl/corrections.py` |
 # | 4 | multi-turn environments, a slow calculator tool, timeouts | `asyncrl/env.py` |
 # | 5 | producers, the weight store, in-flight weight updates | `asyncrl/producer.py` |
-# | 6 | the trainer's step: stage 1's `learn` and `sync_and_record` on a queued batch | `asyncrl/runner.py` |
-#
-# Then we measure (sections 7 to 9): synchronous against asynchronous at staleness bounds 0,
-# 1, 2 and 4, with each correction, and our speedup beside the published ones.
+# | 6 | the trainer's step: stage 1's `learn` and `sync_and_record` | `asyncrl/runner.py` |
+# | 7-9 | measured: sync against async at $\eta$ = 0, 1, 2, 4, corrections, published speedups | |
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -67,12 +62,11 @@ task = make_task()
 # %% [markdown]
 # ## The whole loop first
 #
-# The finished runner on the default workload (a calculator tool whose latency has a long
-# tail), twice: synchronously ($\eta = 0$: the producers make one batch per version and the
-# trainer waits for its slowest trajectory) and with the producers allowed two versions ahead
-# ($\eta = 2$). The pieces are built below; the plumbing that holds them together (producer
-# threads, run directories, checkpoints and resume) lives in `minirl/runtime/async_run.py`,
-# its settings in `minirl/runtime/async_config.py`: we only call them.
+# The finished runner on a calculator tool whose latency has a long tail, synchronously
+# ($\eta = 0$: one batch per version, the trainer waits for its slowest trajectory) and with
+# the producers allowed two versions ahead ($\eta = 2$). Its plumbing (producer threads, run
+# directories, checkpoints and resume) lives in `minirl/runtime/async_run.py`, its settings in
+# `minirl/runtime/async_config.py`; we only call them and build the pieces below.
 
 # %%
 from minirl.runtime.async_config import AsyncConfig
@@ -86,16 +80,17 @@ for eta in (0, 2):
     s = result.summary()
     print(f"eta = {eta}: {s['steps']} steps in {s['seconds']:.1f} s, "
           f"{s['trajectories_per_second']:.0f} trajectories/s, trainer idle "
-          f"{100 * s['trainer_idle_share']:.0f} %, staleness at most {s['max_staleness_seen']}")
+          f"{100 * s['trainer_idle_share']:.0f} %, staleness at most {s['max_staleness_seen']}, "
+          f"reward per step {[round(r['reward'], 2) for r in result.records]}")
 
 # %% [markdown]
 # ## 1. Why a synchronous step waits
 #
-# In a synchronous step every rollout worker generates its share of the batch, the trainer
-# updates on the whole batch, the new weights go out, and the next batch starts. The trainer
-# waits for the slowest trajectory; each rollout slot waits for the slowest one and for the
-# update. Given the durations and the update's time, the idle shares follow by arithmetic
-# (exercise 7.1).
+# In a synchronous step every rollout worker generates its share of the batch, then the
+# trainer updates and the new weights go out. The trainer waits for the slowest trajectory;
+# each rollout slot waits for it and for the update. The idle shares follow by arithmetic
+# (exercise 7.1): with eight trajectories of 0.1 s, one of 2 s (a tool call stuck in the
+# tail) and an update of 0.5 s, the trainer idles 80 % of the step, the slots even more.
 
 # %%
 # | export minirl/asyncrl/timeline.py
@@ -103,7 +98,7 @@ for eta in (0, 2):
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
-    """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
+    """Idle shares of one synchronous step: each trajectory on its own slot, then the update.
 
     durations: seconds each of the step's n trajectories takes (n >= 1, each >= 0), one per
     rollout slot, all started together at time 0. train_seconds: the update's seconds (>= 0),
@@ -128,10 +123,6 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
             "rollout": sum(total - d for d in durations) / (len(durations) * total)}
     # END SOLUTION
 
-# %% [markdown]
-# Eight trajectories of 0.1 s, one of 2 s (a tool call stuck in the tail), an update of 0.5 s:
-# the trainer idles 80 % of the step, the rollout slots even more.
-
 # %%
 from minirl.asyncrl.timeline import sync_step_idle
 
@@ -142,18 +133,16 @@ assert abs(example["trainer"] - 2.0 / 2.5) < 1e-9
 # %% [markdown]
 # ## 2. Versions, the staleness bound, and a bounded queue
 #
-# Every trajectory records the policy version that generated it (with in-flight updates,
-# section 5, every token records its own and the trajectory counts as its oldest token's).
-# The trainer at version $V$ may learn from a trajectory of version $v$ only when
-# $V - v \le \eta$, the **staleness bound**. A version newer than the trainer's means the
-# weight bookkeeping is broken: an error with a name, never a silently accepted batch. That
-# rule is exercise 7.2.
+# Every trajectory records the policy version that generated it (with in-flight updates every
+# token does, and the trajectory counts as its oldest token's). The trainer at version $V$ may
+# learn from a trajectory of version $v$ only when $V - v \le \eta$, the **staleness bound**
+# (exercise 7.2). A version newer than the trainer's means broken bookkeeping: an error.
 
 # %%
 # | export minirl/asyncrl/queue.py
 """The bounded experience queue of asynchronous RL: the staleness rule, a start gate, a queue.
 
-Checkpoints and record numbers are mixins from `minirl/runtime/async_bookkeeping.py`.
+Checkpoints, record numbers and closing are mixins from `minirl/runtime/async_bookkeeping.py`.
 Simplified vs AReaL and LlamaRL: one process holds the queue; no priority by age.
 """
 
@@ -165,8 +154,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from minirl.data import Rollout
-from minirl.runtime.async_bookkeeping import GateCheckpoint, QueueCheckpoint
-from minirl.runtime.validate import ConfigError, check_int
+from minirl.runtime.async_bookkeeping import GateBookkeeping, QueueBookkeeping
+from minirl.runtime.async_config import check_queue_sizes
+from minirl.runtime.validate import check_int
 
 
 class FutureVersionError(RuntimeError):
@@ -191,20 +181,14 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     return trainer_version - version <= max_staleness
     # END SOLUTION
 
-# %% [markdown]
-# What a producer queues: one prompt's G completions with their rewards, versions and times,
-# and the ticket (its number at the start gate) that fixes its prompt and seed.
 
-# %%
-# | export minirl/asyncrl/queue.py
 @dataclass
 class Trajectory:
     """One prompt's G completions, scored by their environment sessions: what a producer queues.
 
-    rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
-    its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
-    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
+    rollout: G rows, its `token_versions` [G, C] set and its `version` the oldest of its tokens'
+    versions; rewards: [G] float; times in time.perf_counter seconds; ticket: its number at the
+    start gate, which fixes its prompt and seed.
     """
 
     rollout: Rollout
@@ -232,17 +216,15 @@ class Trajectory:
 
 # %%
 # | export minirl/asyncrl/queue.py
-class StartGate(GateCheckpoint):
+class StartGate(GateBookkeeping):
     """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V.
 
-    Each `acquire` is one call (the tickets one engine call samples together); the gate keeps
-    every call until each of its tickets is resolved, so that a checkpoint knows what is in
-    flight (`GateCheckpoint`: resolve, checkpoint, restore).
+    Each `acquire` is one call (the tickets one engine call samples together), kept in `calls`
+    so that a checkpoint knows what is in flight (`GateBookkeeping`).
     """
 
     def __init__(self, batch_size: int, max_staleness: int):
-        check_int("batch_size", batch_size, low=1)
-        check_int("max_staleness", max_staleness, low=0)
+        check_queue_sizes(batch_size, max_staleness)
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.started = 0        # trajectories counted against the bound: handed out, minus refunds
         self.next_ticket = 0    # ticket numbers are never reused
@@ -288,18 +270,15 @@ class StartGate(GateCheckpoint):
             self.started -= n
             self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
-
 # %% [markdown]
-# The queue: `put` blocks while it is full and drops a trajectory that is already too stale
-# (refunding its start at the gate).
+# The queue: `put` blocks while it is full and drops a trajectory already too stale (refunding
+# its start at the gate); `get_batch` takes the oldest trajectories that admission still
+# allows against the trainer's *current* version, drops the stale ones on the way, and waits
+# until a whole batch is there; `advance` moves the version admission is judged against.
 
 # %%
 # | export minirl/asyncrl/queue.py
-class ExperienceQueue(QueueCheckpoint):
+class ExperienceQueue(QueueBookkeeping):
     """A bounded, thread-safe FIFO of Trajectory objects with staleness admission.
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
@@ -309,12 +288,7 @@ class ExperienceQueue(QueueCheckpoint):
 
     def __init__(self, capacity: int, batch_size: int, max_staleness: int,
                  gate: StartGate | None = None):
-        check_int("batch_size", batch_size, low=1)
-        check_int("max_staleness", max_staleness, low=0)
-        check_int("queue_capacity", capacity)
-        if capacity < batch_size:
-            raise ConfigError("queue_capacity", capacity, "the queue must hold at least one batch "
-                              f"of {batch_size} trajectories (prompts_per_step)")
+        check_queue_sizes(batch_size, max_staleness, capacity)
         self.capacity, self.batch_size, self.max_staleness = capacity, batch_size, max_staleness
         self.gate, self.trainer_version = gate, 0
         self.admitted = self.dropped = 0
@@ -324,10 +298,6 @@ class ExperienceQueue(QueueCheckpoint):
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def _resolve(self, traj: Trajectory, outcome: str) -> None:
-        if self.gate is not None:
-            self.gate.resolve(traj.ticket, outcome)
 
     def _drop(self, traj: Trajectory) -> None:
         self.dropped += 1
@@ -350,11 +320,6 @@ class ExperienceQueue(QueueCheckpoint):
             self._resolve(traj, "queued")
             self._cond.notify_all()
             return True
-
-# %% [markdown]
-# The trainer's side: `get_batch` takes the oldest trajectories that admission still allows
-# against the trainer's *current* version, drops the stale ones on the way, and waits until a
-# whole batch is there; `advance` moves the version admission is judged against.
 
 # %%
 # | export minirl/asyncrl/queue.py
@@ -399,13 +364,6 @@ def advance(self, version: int) -> None:
         self.trainer_version = version
         self._cond.notify_all()
 
-
-@add_to_class(ExperienceQueue)
-def close(self) -> None:
-    with self._cond:
-        self.closed = True
-        self._cond.notify_all()
-
 # %% [markdown]
 # The rule and the queue by hand, with $B = 2$ and $\eta = 1$. The trainer takes a batch of
 # version 0 and publishes version 1; a slow version-0 trajectory is still admitted (one
@@ -445,11 +403,10 @@ except FutureVersionError as err:
 # A stale trajectory was sampled from an older policy $\pi_{\text{behav}}$ than the one being
 # trained. Three ways to live with that:
 #
-# - **none** (LlamaRL): train on it as if it were fresh. With one update per batch the PPO
-#   ratio is 1 and the gradient is the plain policy gradient on old samples; the staleness
-#   bound alone keeps the bias small. With `num_iterations` > 1 the ratio is taken against
-#   $\pi_{\text{old}}$, the trainer's weights when the batch arrived, exactly as in stage 1.
-# - **tis**: notebook 02's truncated importance sampling, unchanged: each token weighted by
+# - **none** (LlamaRL): train on it as if it were fresh; the staleness bound alone keeps the
+#   bias small. (With `num_iterations` > 1 the PPO ratio is against $\pi_{\text{old}}$, the
+#   trainer's weights when the batch arrived, as in stage 1.)
+# - **tis**: notebook 02's truncated importance sampling, each token weighted by
 #   $\min(\pi_{\text{old}} / \pi_{\text{behav}}, C)$.
 # - **areal**: AReaL's *decoupled* objective separates PPO's two jobs: the **proximal** policy
 #   $\pi_{\text{prox}}$ (the trainer's weights when the batch arrives) anchors the trust
@@ -461,13 +418,13 @@ except FutureVersionError as err:
 #   u_t = \frac{\pi_\theta(a_t)}{\pi_{\text{prox}}(a_t)}.$$
 #
 # The source describes AReaL's weight as $\exp(\text{current} - \text{gen})$ *clipped to*
-# $[0.8, 1.2]$. That is not quite AReaL's formula: in the paper $[0.8, 1.2]$ is PPO's clip of
-# $u_t$ at $\epsilon = 0.2$, and the behaviour weight is not clipped; AReaL's code optionally
-# *drops* tokens whose weight exceeds a cap (`behav_imp_weight_cap`). Both are here: the
-# source's clipped weight (`clipped_token_weight`, exercise 7.3, the default) and AReaL's
-# capped one (`areal_weight="cap"`). Every correction only fills two fields notebook 01's
-# `policy_loss` already reads: the proximal log-probs go in as `old_logps`, the behaviour
-# weight as `is_weights`. The algorithm code is untouched.
+# $[0.8, 1.2]$; in the paper $[0.8, 1.2]$ is PPO's clip of $u_t$ ($\epsilon = 0.2$) and the
+# behaviour weight is not clipped, while AReaL's code *drops* tokens whose weight exceeds a cap
+# (`behav_imp_weight_cap`). Both are here: the source's (`clipped_token_weight`, exercise 7.3,
+# the default) and AReaL's (`capped_token_weight`). Every correction only fills two fields
+# notebook 01's `policy_loss` already reads: `old_logps` (the proximal log-probs) and
+# `is_weights` (the behaviour weight). `apply_correction` does it as the `correct` step of
+# notebook 01's `learn`, where stage 1 applies truncated IS.
 
 # %%
 # | export minirl/asyncrl/corrections.py
@@ -527,11 +484,6 @@ def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Te
     weight = torch.exp(diff)
     return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid     # [B, C]
 
-# %% [markdown]
-# `apply_correction` fills the two fields for each correction. It is the `correct` step of
-# notebook 01's `learn`, in the place where stage 1 applies truncated IS (the run wraps it in
-# `Correction`, which keeps the mean weight for the record, in `minirl/runtime/async_run.py`).
-
 # %%
 # | export minirl/asyncrl/corrections.py
 def apply_correction(exp: Experience, correction: str, actor, algorithm: AlgorithmConfig,
@@ -562,10 +514,9 @@ def apply_correction(exp: Experience, correction: str, actor, algorithm: Algorit
 
 
 # %% [markdown]
-# By hand, for three tokens whose trainer log-probs moved by +0.5, -1.0 and +0.1 from the
-# rollout's (the third masked out as padding): $e^{0.5} = 1.649$ clips to 1.2, $e^{-1} =
-# 0.368$ to 0.8, the padding gets 0. AReaL's cap at 1.2 drops the first token and keeps 0.368;
-# truncated IS at its cap of 2 keeps both.
+# By hand: trainer log-probs moved by +0.5, -1.0 and +0.1 (the third is padding). $e^{0.5}$
+# clips to 1.2, $e^{-1} = 0.368$ to 0.8, padding gets 0; AReaL's cap at 1.2 drops the first
+# and keeps 0.368; truncated IS at its cap of 2 keeps both.
 
 # %%
 from minirl.algo.corrections import importance_sampling_weights
@@ -586,15 +537,14 @@ assert torch.allclose(rows["AReaL code: cap 1.2 (drop)"], torch.tensor([[0.0, ma
 # %% [markdown]
 # ## 4. Environments: multi-turn sessions, a slow tool, and failures
 #
-# AgentRL's point: an environment is a service with its own failures. A session may take much
-# longer than generation, may raise, may hang, may answer with junk; the trainer must see each
-# as a scored, counted event, never as a stopped run. Our interface is gym-like:
-# `reset(row, rng) -> observation`, `step(action) -> (observation, reward, done)`. The tool is
-# a **calculator** that answers `a+b` after a seeded lognormal latency (median 10 ms, one call
-# in a hundred slower than about a third of a second). In the **multi-turn** task the
-# environment checks the policy's answer with the tool and, when it is wrong, asks again (up
-# to `max_turns`); the reward is 1 / turn of the first correct answer. The policy trains on
-# the first turn's tokens (the group GRPO compares); later turns only shape the reward.
+# AgentRL's point: an environment is a service with its own failures. A session may be slow,
+# raise, hang or answer with junk; the trainer must see each as a scored, counted event. The
+# interface is gym-like: `reset(row, rng) -> observation`, `step(action) -> (observation,
+# reward, done)`. The tool is a **calculator** answering `a+b` after a seeded lognormal
+# latency (median 10 ms). In the **multi-turn** task a wrong answer is asked again (up to
+# `max_turns`); the reward is 1 / turn of the first correct one. The policy trains on the first
+# turn's tokens; later turns shape the reward. Each session runs isolated on its own thread,
+# cut at its deadline.
 
 # %%
 # | export minirl/asyncrl/env.py
@@ -641,10 +591,6 @@ class ArithmeticToolEnv:
         if self.turn >= self.max_turns:
             return None, 0.0, True
         return self.prompt, 0.0, False                               # try again
-
-# %% [markdown]
-# One session's loop (a later turn asks the policy again), and a batch of sessions, each
-# isolated on its own thread and cut at its deadline.
 
 # %%
 # | export minirl/asyncrl/env.py
@@ -754,20 +700,19 @@ for name, make_env in envs.items():         # first answer "99" (wrong), then "2
 # %% [markdown]
 # ## 5. Producers, the weight store, and in-flight weight updates
 #
-# A **producer** is a rollout worker that never waits for the trainer: it holds its own engine
-# (stage 1's `SharedPrefixEngine`, a copy of the policy), takes tickets from the start gate,
-# samples G completions per prompt, runs their environment sessions and queues the scored
-# trajectories. The trainer **publishes** each version to a weight store (`WeightStore`, in
-# `minirl/runtime/async_bookkeeping.py`: a copy of the weights and their version); a producer
-# pulls the newest weights with stage 1's `InProcessSync` before each engine call (LlamaRL's
-# and AReaL's default: a sequence finishes on the weights it began with).
+# A **producer** is a rollout worker that never waits for the trainer: with its own engine (a
+# copy of the policy) it takes tickets from the gate, samples G completions per prompt, runs
+# their sessions and queues the scored trajectories. The trainer **publishes** each version to
+# a weight store (`WeightStore`, in `minirl/runtime/async_bookkeeping.py`); a producer pulls
+# the newest with stage 1's `InProcessSync` before each engine call (LlamaRL's and AReaL's
+# default: a sequence finishes on the weights it began with).
 #
 # With **in-flight updates** (PipelineRL, AReaL's interruptible generation) a producer also
-# checks the store between decoding steps, so a sequence's tokens may carry mixed versions.
-# There is no new decoding loop: the shared-prefix engine's own loop (notebook 01) calls a
-# hook, `before_forward`, before every forward pass, and the producer records each step's
-# version there. The KV cache keeps the old weights' keys and values (PipelineRL keeps them
-# too), and each token's behaviour log-prob is the one it was sampled with.
+# pulls between decoding steps, so a sequence's tokens may carry mixed versions. The
+# shared-prefix engine's own loop (notebook 01) calls a hook, `before_forward`, before every
+# forward pass: `sample` loads newer weights there and records each step's version. The KV
+# cache keeps the old weights' keys and values (as in PipelineRL), and each token's behaviour
+# log-prob is the one it was sampled with.
 
 # %%
 # | export minirl/asyncrl/producer.py
@@ -788,12 +733,7 @@ from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.runtime.async_bookkeeping import WeightStore
 from minirl.sync.base import InProcessSync
 
-# %% [markdown]
-# The producer, and its `sample`: with `in_flight`, the hook loads newer weights before every
-# forward pass but the first, and records the version of each decoding step.
 
-# %%
-# | export minirl/asyncrl/producer.py
 class Producer:
     """One rollout worker: an engine, its environment, and the store it pulls weights from.
 
@@ -853,18 +793,12 @@ class Producer:
         return rollout
 
 # %% [markdown]
-# A producer thread loops: tickets from the gate, `sample` the call's prompts, run each
-# group's sessions (on a thread of its own, so a slow session delays only its group), `put`
-# the scored Trajectory into the queue; a failure closes the queue so the trainer raises it.
-# That loop and the threads' start and stop are `producer_loop` in `minirl/runtime/async_run.py`.
-#
 # ### In-flight updates against finishing on the old weights
 #
-# A controlled case: a producer samples 8 completions of one prompt while the trainer
-# publishes a new version after the second token (the warm start nudged by a little noise).
-# The in-flight producer switches between tokens: its first two tokens carry version 0, the
-# rest version 1, and no sequence is dropped. The other producer picks version 1 up only for
-# its next call.
+# A producer samples 8 completions of one prompt while the trainer publishes a new version
+# (the warm start nudged by noise) after the second token. The in-flight producer switches:
+# its first two tokens carry version 0, the rest version 1. The other picks version 1 up only
+# for its next call.
 
 # %%
 from minirl.asyncrl.producer import Producer
@@ -902,30 +836,59 @@ for in_flight in (True, False):
           f"{producer.engine.version}, switches {producer.switches}")
 
 # %% [markdown]
+# ### The pieces together, by hand
+#
+# A producer thread loops: tickets from the gate, `sample`, each group's sessions on a thread
+# of its own, `put` (`producer_loop`, in `minirl/runtime/async_run.py`). One feeds a queue with
+# $B = 2$, $\eta = 1$; a stand-in trainer takes a batch, "trains" 0.2 s (republishing the same
+# weights as the next version) and moves queue and gate on. The producer runs ahead, up to
+# $(V + \eta + 1) B$ tickets.
+
+# %%
+import threading
+
+from minirl.asyncrl.queue import StartGate
+from minirl.runtime.async_run import producer_loop
+
+gate = StartGate(batch_size=2, max_staleness=1)
+queue = ExperienceQueue(capacity=4, batch_size=2, max_staleness=1, gate=gate)
+store = WeightStore()
+store.publish(model.state_dict().items(), 0)
+make_env = AsyncConfig(env_latency=0.001).make_env()      # the calculator tool, quick
+producer = Producer("producer", SharedPrefixEngine(model, tokenizer), store, make_env, sampling)
+threading.Thread(target=producer_loop, args=(producer, task.rows("train"), 0, gate, queue),
+                 daemon=True).start()
+for version in (1, 2, 3):
+    batch = queue.get_batch(timeout=60)
+    time.sleep(0.2)                                     # the update: the producer works meanwhile
+    print(f"trainer at {version - 1}: trained on versions {[t.version for t in batch]}; "
+          f"tickets started {gate.started} of at most {gate.limit()}, queued {len(queue)}")
+    assert gate.started <= gate.limit()
+    store.publish(model.state_dict().items(), version)
+    queue.advance(version)
+    gate.advance(version)
+gate.close()
+queue.close()
+
+# %% [markdown]
 # ## 6. The trainer's step
 #
-# The trainer is a consumer of the queue. Its step takes the next admissible batch (waiting if
-# there is none: that wait is the trainer's idle time), runs notebook 01's `learn` on it (the
-# correction as `learn`'s `correct` step), and ends with stage 1's own tail, `sync_and_record`:
-# the weights are pushed into the store as the next version (the store stands where stage 1's
-# engine stood) and the record gets stage 1's keys. Then the gate and the queue's admission
-# move to the new version. At $\eta = 0$ the gate lets producers start only the current
-# version's batch, so the runner *is* synchronous training: the baseline is the same code with
-# one number changed.
+# The trainer consumes the queue. Its step takes the next admissible batch (the wait is its
+# idle time), runs notebook 01's `learn` (the correction as its `correct` step) and ends with
+# stage 1's own tail, `sync_and_record`: the weights go into the store as the next version.
+# Then the gate and the queue's admission move on. At $\eta = 0$ the gate lets producers start
+# only the current version's batch: synchronous training, with the same code.
 #
-# The step runs under notebook 01's `run_in_dir` (run directory, metrics, checkpoints, resume);
-# `minirl/runtime/async_run.py` wires it up (`train_async`), and a checkpoint saves the queued
-# trajectories while the in-flight ones are sampled again from their tickets
-# (`minirl/runtime/async_bookkeeping.py` says how). Held-out accuracy is measured afterwards on
-# weight snapshots (`minirl/runtime/async_snapshots.py`), so evaluation never pauses the
-# trainer nor counts in the wall time that asynchrony is meant to shorten.
+# `train_async` (`minirl/runtime/async_run.py`) runs the step under notebook 01's `run_in_dir`
+# (run directory, metrics, checkpoints, resume: queued trajectories are saved, in-flight ones
+# sampled again from their tickets). Held-out accuracy is measured after the run on weight
+# snapshots (`minirl/runtime/async_snapshots.py`), so evaluation never pauses the trainer.
 
 # %%
 # | export minirl/asyncrl/runner.py
 """The asynchronous trainer's step: a batch from the queue, stage 1's `learn` and `sync_and_record`.
 
-`train_async` (`minirl/runtime/async_run.py`) hands `trainer_step` to stage 1's run loop and
-starts the producers; at max_staleness = 0 it is synchronous RL with concurrent sessions.
+`minirl/runtime/async_run.py` runs it under stage 1's run loop (`train_async`).
 """
 
 import dataclasses
@@ -953,40 +916,25 @@ def trainer_step(state) -> dict:
     """One step of an AsyncState's trainer: the next admissible batch from the queue, notebook
     01's `learn` on it, the weights published as the next version."""
     waited = time.perf_counter()
-    try:
-        trajectories = state.queue.get_batch(timeout=state.batch_timeout)
-    except RuntimeError:
-        if state.errors:                             # a producer failed: raise its error
-            raise state.errors[0] from None
-        raise
+    trajectories = state.take_batch()              # the wait here is the trainer's idle time
     began = time.perf_counter()
-    state.timeline.add("trainer", "wait", waited, began)
     roles, timer = state.roles, StageTimer()
     rollout, rewards = batch_of(trajectories)
     health = batch_health(trajectories, rollout, roles.version)     # staleness, env failures
     metrics = learn(roles, rollout, rewards, state.config, timer=timer, correct=state.correct)
-    if state.correct.weight_mean is not None:
-        metrics["correction/weight_mean"] = state.correct.weight_mean
     record = sync_and_record(roles, state.engine, state.sync, rollout, rewards, metrics, timer)
-    state.queue.advance(roles.version)
+    state.queue.advance(roles.version)             # admission and the gate move to the new version
     state.gate.advance(roles.version)
-    state.last = end = time.perf_counter()
-    state.timeline.add("trainer", "train", began, end)
-    state.samples += len(rewards)
-    return (record | health | {"time/wait": began - waited, "wall": state.wall(end),
-                               "samples": state.samples} | state.queue.stats(end))
+    return state.finish_step(record | health, waited, began)   # time/wait, queue stats, timeline
 
 # %% [markdown]
 # ## 7. Synchronous against asynchronous, on a long-tail workload
 #
-# The workload: the single-turn task, each completion checked by the calculator tool
-# (lognormal latency, median 10 ms, $\sigma = 1.5$: about three batches of 128 completions in
-# four hold a call slower than a third of a second, $1 - 0.99^{128} \approx 0.72$). Four
-# producer threads sample four prompts per engine call; 16 prompts × 8 completions per step,
-# GRPO, learning rate $10^{-4}$. The synchronous baseline is the same runner at $\eta = 0$.
-# Asynchronous runs get more steps (a stale step is worth less than a fresh one), and every
-# run's snapshots are evaluated after it ends, so evaluation costs none of the wall time we
-# compare.
+# The single-turn task, each completion checked by the calculator tool ($\sigma = 1.5$: about
+# three batches of 128 completions in four hold a call slower than a third of a second,
+# $1 - 0.99^{128} \approx 0.72$). Four producers sample four prompts per engine call; 16
+# prompts × 8 completions per step, GRPO, learning rate $10^{-4}$. The baseline is the same
+# runner at $\eta = 0$; asynchronous runs get more steps (a stale step is worth less).
 
 # %%
 from minirl.models.policy import greedy_accuracy
@@ -995,7 +943,7 @@ from minirl.runtime.async_snapshots import evaluate_snapshots, time_to_accuracy
 SYNC_STEPS, ASYNC_STEPS, EVERY = (4, 6, 2) if SMOKE else (60, 90, 5)
 BASE = RLConfig().replace(learning_rate=1e-4,
                           **({"prompts_per_step": 4, "num_generations": 4} if SMOKE else {}))
-RESULTS = {}   # smoke mode keeps the default latency too: a shorter tail may not beat sync on 2 cores
+RESULTS = {}   # smoke mode keeps the default latency: a shorter tail may not beat sync on 2 cores
 
 
 def run_async(name: str, steps: int, **settings):
@@ -1012,30 +960,19 @@ def run_async(name: str, steps: int, **settings):
 
 
 run_async("sync (eta=0)", SYNC_STEPS, max_staleness=0)
-
-# %%
-for eta in (1, 2):
+for eta in (1, 2, 4):
     run_async(f"eta={eta} none", ASYNC_STEPS, max_staleness=eta)
 
 # %%
-run_async("eta=4 none", ASYNC_STEPS, max_staleness=4)
-run_async("eta=2 areal", ASYNC_STEPS, max_staleness=2, correction="areal")
-
-# %%
-run_async("eta=2 tis", ASYNC_STEPS, max_staleness=2, correction="tis")
-run_async("eta=4 areal", ASYNC_STEPS, max_staleness=4, correction="areal")
-
-# %%
-run_async("eta=4 tis", ASYNC_STEPS, max_staleness=4, correction="tis")
+for eta in (2, 4):
+    for correction in ("areal", "tis"):
+        run_async(f"eta={eta} {correction}", ASYNC_STEPS, max_staleness=eta, correction=correction)
 run_async("eta=2 in-flight", ASYNC_STEPS, max_staleness=2, in_flight=True)
 
 # %% [markdown]
-# The table: throughput, the trainer's idle share, mean staleness, trajectories dropped at
-# admission, final held-out accuracy, and the wall time to the target (the synchronous run's
-# final accuracy minus 3 points, reached when two consecutive evaluations average that much;
-# `inf` when never), with the speedup, sync's time to the target over the run's. One run
-# each, so the accuracy columns are noisy; `benchmarks/async_vs_sync.py` repeats and reports
-# medians.
+# The table adds the wall time to a target (sync's final accuracy minus 3 points, reached when
+# two consecutive evaluations average that much; `inf`: never) and the speedup. One run each;
+# `benchmarks/async_vs_sync.py` repeats and takes medians.
 
 # %%
 sync = RESULTS["sync (eta=0)"]
@@ -1054,26 +991,21 @@ for name, result in RESULTS.items():
 for name, result in RESULTS.items():
     bound = 0 if name.startswith("sync") else int(name[4])
     assert result.summary()["max_staleness_seen"] <= bound, name
-fastest = max(RESULTS[n].summary()["trajectories_per_second"] for n in RESULTS if n != "sync (eta=0)")
+fastest = max(r.summary()["trajectories_per_second"] for n, r in RESULTS.items()
+              if n != "sync (eta=0)")
 assert fastest > sync.summary()["trajectories_per_second"], "async produces more per second"
 assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["trainer_idle_share"]
 
 # %% [markdown]
-# The synchronous trainer idles while it waits for each batch's slowest tool call; asynchrony
-# turns that wait into throughput (the fastest asynchronous run produces more trajectories per
-# second, the $\eta = 2$ trainer idles less, and no batch exceeds its bound: all asserted). The
-# `drop` column counts groups refused at admission: when the queue runs full they arrive near
-# the bound, and one more publish pushes them past it. The price is the accuracy a step buys;
-# on this tiny policy one update moves the greedy answers a lot, so even one version of
-# staleness can be felt.
+# Asynchrony turns the synchronous trainer's wait for each batch's slowest tool call into
+# throughput (asserted, with the bound); drops happen when a full queue delays groups past the
+# bound. The price is the accuracy a step buys: one update moves this tiny policy a lot.
 #
 # ## 8. Who waits when, and learning curves
 #
-# The events overlapping the last two seconds of the synchronous run and of the $\eta = 2$
-# run: the trainer (blue: training, red: waiting for a batch) and the first producers (orange:
-# sampling, gray: environment sessions). Synchronously, the trainer waits for the slowest
-# session of every batch and the producers idle while it trains; asynchronously, the
-# producers work while the trainer trains. (The plot styles are `minirl/runtime/async_plots.py`.)
+# The last two seconds of the synchronous and the $\eta = 2$ run: the trainer (blue: training,
+# red: waiting) and the first producers (orange: sampling, gray: sessions); then the learning
+# curves (their styles: `minirl/runtime/async_plots.py`).
 
 # %%
 from minirl.controller.plots import plot_timelines
@@ -1088,21 +1020,19 @@ plot_timelines({"synchronous (eta = 0), last 2 s": last_seconds(sync),
                 "asynchronous (eta = 2), last 2 s": last_seconds(RESULTS["eta=2 none"])},
                ACTIVITY_COLORS, first="trainer", max_rows=6, panel_height=1.6)
 plt.show()
-
-# %%
 plot_learning_curves({name: RESULTS[name].accuracy for name in RESULTS}, target=target)
 plt.show()
 
 # %% [markdown]
 # Top, accuracy against wall time; bottom, against completions trained on, where staleness's
-# price per sample would show (one run each: single points fall on either side). The
-# corrections reweight tokens whose trainer probability moved away from the behaviour policy;
-# with one update per batch the PPO ratio is 1, so they act only through those weights. Does a
-# correction change the outcome? The rule below: a difference in final held-out accuracy from
-# the uncorrected run at the same $\eta$ counts only beyond two standard errors of the
-# difference of two binomial accuracies (one run each, so even that is one draw of training
-# noise). The in-flight run shows that noise: with few or no mid-sequence switches it trains
-# as `eta=2 none` does.
+# price per sample would show. With one update per batch the PPO ratio is 1, so a correction
+# acts only through its token weights. Does one change the outcome? A difference in final
+# accuracy from the uncorrected run at the same $\eta$ counts only beyond two standard errors
+# of the difference of two binomial accuracies (one run each: even that is one draw of
+# training noise, which the in-flight run, training much as `eta=2 none` does, also shows).
+# Few sequences straddle a publish here (at most four tokens, sampled in milliseconds); with
+# reasoning traces of thousands of tokens almost every one would. Last, section 1's arithmetic
+# on the synchronous run's own durations and update times predicts the idle share it measured.
 
 # %%
 held_out = len(task.test)
@@ -1115,21 +1045,11 @@ for name in ("eta=2 areal", "eta=2 tis", "eta=4 areal", "eta=4 tis"):
                f"{'higher' if acc > plain else 'lower'}, beyond noise")
     print(f"{name:12s} mean token weight {sum(weights) / len(weights):.4f}; accuracy {acc:.3f} vs "
           f"{plain:.3f} uncorrected ({acc - plain:+.3f}, noise {noise:.3f}): {verdict}")
-flight = RESULTS["eta=2 in-flight"]
-f = flight.summary()
+flight, f = RESULTS["eta=2 in-flight"], RESULTS["eta=2 in-flight"].summary()
+ratio = f["trajectories_per_second"] / RESULTS["eta=2 none"].summary()["trajectories_per_second"]
 print(f"in-flight: {flight.switches} weight loads mid-sequence, {f['mixed_version_sequences']} "
-      f"of {f['trajectories']} trained sequences with mixed versions; throughput "
-      f"{f['trajectories_per_second'] / RESULTS['eta=2 none'].summary()['trajectories_per_second']:.2f}"
-      "x the eta=2 run's")
-
-# %% [markdown]
-# Few sequences can straddle a publish here: ours are at most four tokens, sampled in
-# milliseconds. With reasoning traces of thousands of tokens almost every sequence would,
-# which is why PipelineRL and AReaL need in-flight updates. Section 1's arithmetic, on the
-# synchronous run's own durations (start of sampling to the end of each group's last session)
-# and update times, predicts the trainer's idle share that the runner measured:
-
-# %%
+      f"of {f['trajectories']} trained sequences with mixed versions; throughput {ratio:.2f}x "
+      "the eta=2 run's")
 B = BASE.run.prompts_per_step
 ends = sorted(e[3] for e in sync.timeline.events if e[1] == "environment")
 starts = sorted(e[2] for e in sync.timeline.events if e[1] == "generate")
@@ -1145,13 +1065,12 @@ print(f"synchronous trainer idle share: predicted {sum(predicted) / len(predicte
 # %% [markdown]
 # ## 9. Our speedup beside the published ones
 #
-# The source quotes AReaL's 2.77× (GRPO, a 671B MoE model, 1024 GPUs) and LlamaRL's 10.4×
-# (GRPO, Llama-3 70B, 4096+ GPUs) over synchronous baselines. Ours is measured the same way,
-# as wall time to a target accuracy, with the benchmark's rule (`speedup_to_target`): sync's
-# time over the best setting's, among those with $\eta \le 2$ that reached the target. When
-# none did there is no speedup to set beside the published ones, and the table says so. The
-# throughput ratio is what the speedup would be if a stale sample were worth a fresh one; the
-# ideal ratio (a synchronous step over the trainer's busy time) bounds it.
+# The source quotes AReaL's 2.77× (a 671B MoE model, 1024 GPUs) and LlamaRL's 10.4× (Llama-3
+# 70B, 4096+ GPUs) over synchronous GRPO. Ours is measured the same way, as wall time to a
+# target accuracy, with the benchmark's rule (`speedup_to_target`: the best setting with
+# $\eta \le 2$ that reached the target; none: not measured). The throughput ratio is the
+# speedup if a stale sample were worth a fresh one; the ideal ratio (a synchronous step over
+# the trainer's busy time) bounds it.
 
 # %%
 from minirl.runtime.async_snapshots import speedup_to_target
@@ -1179,23 +1098,16 @@ print("update seconds per step: " + ", ".join(f"{v:.3f} {k}" for k, v in update.
 # %% [markdown]
 # Another regime, for three reasons (the figures vary by machine; the reasons do not):
 #
-# - **Two cores, one interpreter.** Producers and trainer share two CPU cores, and the tiny
-#   model's forward pass is mostly Python under the GIL. Asynchrony overlaps *waiting* (the
-#   tool's latency) with work, but hardly work with work: compare the update's seconds alone
-#   and beside the producers. On a cluster trainer and rollout sit on different GPUs.
-# - **The length distribution.** Our tail is in the environment, over completions of at most
-#   four tokens; the heavier the tail relative to the update, the larger the ideal ratio (try
-#   `--env-latency-sigma 2` in the chapter). LlamaRL's 10.4× comes from long reasoning traces
-#   dominating a step, on separate large GPU pools.
+# - **Two cores, one interpreter.** Asynchrony overlaps *waiting* (the tool's latency) with
+#   work, hardly work with work (compare the update's seconds alone and beside the producers);
+#   on a cluster trainer and rollout sit on different GPUs.
+# - **The length distribution.** Our tail is in the environment, over four-token completions;
+#   LlamaRL's 10.4× comes from long reasoning traces dominating a step, on large GPU pools.
 # - **The staleness bound.** A larger $\eta$ removes more waiting but makes each sample less
-#   useful, and then the wall-time speedup falls below the throughput ratio. AReaL's corrected
-#   objective is meant to let $\eta$ grow without that cost; whether it did here is the verdict
-#   of section 8.
+#   useful; AReaL's correction is meant to remove that cost (section 8's verdict).
 #
-# **Ray.** With `AsyncConfig(ray=True)` the producers run in stage 6's Ray actors, the driver
-# keeping the queue, the gate and the trainer and shipping each version to the object store
-# once (`minirl/runtime/async_ray.py`). Full mode runs it on a new local cluster of its own;
-# `tests/test_asyncrl_ray.py` runs it in CI.
+# **Ray.** With `AsyncConfig(ray=True)` the producers run in stage 6's Ray actors
+# (`minirl/runtime/async_ray.py`); full mode runs it on a local cluster of its own.
 
 # %%
 if not SMOKE:
@@ -1212,19 +1124,12 @@ if not SMOKE:
 # %% [markdown]
 # ## What to take away
 #
-# - A synchronous step lasts as long as its slowest trajectory plus the update; with a
-#   long-tailed environment the trainer spends most of its time waiting.
-# - Asynchronous RL is a bounded queue between producers and the trainer, plus versions: every
-#   trajectory (every token, with in-flight updates) carries the version that made it, a gate
-#   keeps producers at most $\eta$ versions ahead, and admission drops what is staler.
-#   $\eta = 0$ is synchronous training, with the same code.
-# - The algorithm does not change: corrections only fill `old_logps` and `is_weights`, which
-#   notebook 01's loss already reads, and the step ends with stage 1's `sync_and_record`. The
-#   source's AReaL weight (clipped to [0.8, 1.2]) mixes AReaL's behaviour weight with its trust
-#   region; both variants are here.
-# - Environments fail: a session that raises, hangs or returns junk is scored 0 and counted.
-# - What asynchrony buys depends on how much waiting there is to hide: here, the tool's tail
-#   on two shared cores; at scale, long generations on separate GPU pools.
+# - A synchronous step lasts as long as its slowest trajectory plus the update.
+# - Asynchronous RL is a bounded queue plus versions: every trajectory (every token, in flight)
+#   carries the version that made it, a gate keeps producers at most $\eta$ versions ahead,
+#   admission drops what is staler. $\eta = 0$ is synchronous training, with the same code.
+# - The algorithm does not change: corrections only fill `old_logps` and `is_weights`, and the
+#   step ends with stage 1's `sync_and_record`. Environments fail: scored 0 and counted.
 #
 # ## Exercises
 #
@@ -1236,7 +1141,6 @@ if not SMOKE:
 # | 7.2 | `admit` | the inclusive bound, eta = 0, a future version is an error, eta < 0 |
 # | 7.3 | `clipped_token_weight` | clipped both sides, garbage under the mask, no gradient |
 #
-# Questions to think about (not graded): at one update per batch the PPO ratio against the
-# proximal policy is 1; with `num_iterations = 4`, what does AReaL's trust region clip that
-# the behaviour weight does not? If a tool call hangs for longer than $\eta$ updates, its
-# trajectory is dropped: how would you size `env_timeout` against $\eta$ and the step time?
+# Questions (not graded): with `num_iterations = 4`, what does AReaL's trust region clip that
+# the behaviour weight does not? A tool call hanging longer than $\eta$ updates gets its
+# trajectory dropped: how would you size `env_timeout` against $\eta$ and the step time?

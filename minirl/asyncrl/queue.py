@@ -1,7 +1,7 @@
 # Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """The bounded experience queue of asynchronous RL: the staleness rule, a start gate, a queue.
 
-Checkpoints and record numbers are mixins from `minirl/runtime/async_bookkeeping.py`.
+Checkpoints, record numbers and closing are mixins from `minirl/runtime/async_bookkeeping.py`.
 Simplified vs AReaL and LlamaRL: one process holds the queue; no priority by age.
 """
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from minirl.data import Rollout
-from minirl.runtime.async_bookkeeping import GateCheckpoint, QueueCheckpoint
-from minirl.runtime.validate import ConfigError, check_int
+from minirl.runtime.async_bookkeeping import GateBookkeeping, QueueBookkeeping
+from minirl.runtime.async_config import check_queue_sizes
+from minirl.runtime.validate import check_int
 
 
 class FutureVersionError(RuntimeError):
@@ -44,10 +45,9 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
 class Trajectory:
     """One prompt's G completions, scored by their environment sessions: what a producer queues.
 
-    rollout: G rows (a Rollout with num_generations = G), its `token_versions` [G, C] set and
-    its `version` the oldest of its tokens' versions; rewards: [G] float; times in
-    time.perf_counter seconds; ticket: its number at the start gate (-1: none); scores: each
-    reward function's values [G] by name, when the environment keeps them (a task's RewardEnv).
+    rollout: G rows, its `token_versions` [G, C] set and its `version` the oldest of its tokens'
+    versions; rewards: [G] float; times in time.perf_counter seconds; ticket: its number at the
+    start gate, which fixes its prompt and seed.
     """
 
     rollout: Rollout
@@ -68,17 +68,15 @@ class Trajectory:
         return self.rollout.version
 
 
-class StartGate(GateCheckpoint):
+class StartGate(GateBookkeeping):
     """Tickets for starting trajectories: at most (V + eta + 1) * B started for trainer version V.
 
-    Each `acquire` is one call (the tickets one engine call samples together); the gate keeps
-    every call until each of its tickets is resolved, so that a checkpoint knows what is in
-    flight (`GateCheckpoint`: resolve, checkpoint, restore).
+    Each `acquire` is one call (the tickets one engine call samples together), kept in `calls`
+    so that a checkpoint knows what is in flight (`GateBookkeeping`).
     """
 
     def __init__(self, batch_size: int, max_staleness: int):
-        check_int("batch_size", batch_size, low=1)
-        check_int("max_staleness", max_staleness, low=0)
+        check_queue_sizes(batch_size, max_staleness)
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.started = 0        # trajectories counted against the bound: handed out, minus refunds
         self.next_ticket = 0    # ticket numbers are never reused
@@ -124,13 +122,8 @@ class StartGate(GateCheckpoint):
             self.started -= n
             self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
 
-
-class ExperienceQueue(QueueCheckpoint):
+class ExperienceQueue(QueueBookkeeping):
     """A bounded, thread-safe FIFO of Trajectory objects with staleness admission.
 
     capacity: trajectories it holds at most (>= batch_size, or the trainer could never take
@@ -140,12 +133,7 @@ class ExperienceQueue(QueueCheckpoint):
 
     def __init__(self, capacity: int, batch_size: int, max_staleness: int,
                  gate: StartGate | None = None):
-        check_int("batch_size", batch_size, low=1)
-        check_int("max_staleness", max_staleness, low=0)
-        check_int("queue_capacity", capacity)
-        if capacity < batch_size:
-            raise ConfigError("queue_capacity", capacity, "the queue must hold at least one batch "
-                              f"of {batch_size} trajectories (prompts_per_step)")
+        check_queue_sizes(batch_size, max_staleness, capacity)
         self.capacity, self.batch_size, self.max_staleness = capacity, batch_size, max_staleness
         self.gate, self.trainer_version = gate, 0
         self.admitted = self.dropped = 0
@@ -155,10 +143,6 @@ class ExperienceQueue(QueueCheckpoint):
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def _resolve(self, traj: Trajectory, outcome: str) -> None:
-        if self.gate is not None:
-            self.gate.resolve(traj.ticket, outcome)
 
     def _drop(self, traj: Trajectory) -> None:
         self.dropped += 1
@@ -218,9 +202,4 @@ class ExperienceQueue(QueueCheckpoint):
         """The trainer published `version`: admission is judged against it from now on."""
         with self._cond:
             self.trainer_version = version
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
             self._cond.notify_all()

@@ -1,8 +1,7 @@
 # Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """The asynchronous trainer's step: a batch from the queue, stage 1's `learn` and `sync_and_record`.
 
-`train_async` (`minirl/runtime/async_run.py`) hands `trainer_step` to stage 1's run loop and
-starts the producers; at max_staleness = 0 it is synchronous RL with concurrent sessions.
+`minirl/runtime/async_run.py` runs it under stage 1's run loop (`train_async`).
 """
 
 __all__ = ["batch_of", "trainer_step"]
@@ -32,25 +31,13 @@ def trainer_step(state) -> dict:
     """One step of an AsyncState's trainer: the next admissible batch from the queue, notebook
     01's `learn` on it, the weights published as the next version."""
     waited = time.perf_counter()
-    try:
-        trajectories = state.queue.get_batch(timeout=state.batch_timeout)
-    except RuntimeError:
-        if state.errors:                             # a producer failed: raise its error
-            raise state.errors[0] from None
-        raise
+    trajectories = state.take_batch()              # the wait here is the trainer's idle time
     began = time.perf_counter()
-    state.timeline.add("trainer", "wait", waited, began)
     roles, timer = state.roles, StageTimer()
     rollout, rewards = batch_of(trajectories)
     health = batch_health(trajectories, rollout, roles.version)     # staleness, env failures
     metrics = learn(roles, rollout, rewards, state.config, timer=timer, correct=state.correct)
-    if state.correct.weight_mean is not None:
-        metrics["correction/weight_mean"] = state.correct.weight_mean
     record = sync_and_record(roles, state.engine, state.sync, rollout, rewards, metrics, timer)
-    state.queue.advance(roles.version)
+    state.queue.advance(roles.version)             # admission and the gate move to the new version
     state.gate.advance(roles.version)
-    state.last = end = time.perf_counter()
-    state.timeline.add("trainer", "train", began, end)
-    state.samples += len(rewards)
-    return (record | health | {"time/wait": began - waited, "wall": state.wall(end),
-                               "samples": state.samples} | state.queue.stats(end))
+    return state.finish_step(record | health, waited, began)   # time/wait, queue stats, timeline

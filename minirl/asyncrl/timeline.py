@@ -5,7 +5,7 @@ __all__ = ["sync_step_idle"]
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
-    """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
+    """Idle shares of one synchronous step: each trajectory on its own slot, then the update.
 
     durations: seconds each of the step's n trajectories takes (n >= 1, each >= 0), one per
     rollout slot, all started together at time 0. train_seconds: the update's seconds (>= 0),

@@ -3,8 +3,9 @@
 Notebook 07 builds the staleness machinery (`asyncrl/queue.py`: the start gate and the bounded
 queue); this module holds the bookkeeping around it, which teaches nothing about RL at scale:
 
-- `GateCheckpoint` and `QueueCheckpoint` are mixins that `StartGate` and `ExperienceQueue`
-  inherit. The gate remembers every call (the tickets one engine call samples together) until
+- `GateBookkeeping` and `QueueBookkeeping` are mixins that `StartGate` and `ExperienceQueue`
+  inherit: their checkpoints, their record numbers, and `close` (producers and the trainer
+  blocked on them wake up and stop). The gate remembers every call (the tickets one engine call samples together) until
   each of its tickets is resolved (`resolve`: queued, then trained, or dropped), so that a
   checkpoint knows what is in flight. At a checkpoint (`ExperienceQueue.state_dict`, taken
   under both locks, so no trajectory is counted twice or lost) the queued trajectories are
@@ -14,7 +15,7 @@ queue); this module holds the bookkeeping around it, which teaches nothing about
   with the checkpoint's weights. A queued trajectory whose call still has one in flight goes with
   its call (sampled again), so that a call is always sampled whole; at eta = 0 the resumed run
   then repeats the uninterrupted one exactly.
-- `QueueCheckpoint.stats` (depth, ages, drops) and `batch_health` (staleness, mixed-version
+- `QueueBookkeeping.stats` (depth, ages, drops) and `batch_health` (staleness, mixed-version
   sequences, environment failures, each reward function's mean) go into every step's record.
 - `WeightStore` holds the trainer's latest published weights and their version: it stands
   where stage 1's engine stood for the trainer's weight sync (`load_weights`), so the trainer
@@ -38,8 +39,15 @@ def shifted(traj, seconds: float):
                                finished=traj.finished + seconds)
 
 
-class GateCheckpoint:
-    """The checkpoint half of StartGate (a mixin: it reads the gate's lock, calls, tickets and counters)."""
+class GateBookkeeping:
+    """The checkpoint half of StartGate, and `close` (a mixin: it reads the gate's lock, calls, tickets and
+    counters)."""
+
+    def close(self) -> None:
+        """No more tickets: producers blocked in `acquire` get None and stop."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
     def resolve(self, ticket: int, outcome: str) -> None:
         """What became of a ticket: "queued", "trained" or "dropped"; a call whose tickets are all past
@@ -68,9 +76,20 @@ class GateCheckpoint:
             self._cond.notify_all()
 
 
-class QueueCheckpoint:
-    """The checkpoint half of ExperienceQueue, and its numbers for the record (a mixin: it reads the queue's
-    lock, items, gate and counters)."""
+class QueueBookkeeping:
+    """The checkpoint half of ExperienceQueue, its numbers for the record, and `close` (a mixin: it reads the
+    queue's lock, items, gate and counters)."""
+
+    def close(self) -> None:
+        """Producers blocked in `put` return False; a trainer blocked in `get_batch` gets RuntimeError."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def _resolve(self, traj, outcome: str) -> None:
+        """Tell the gate (if any) what became of a trajectory's ticket: queued, trained or dropped."""
+        if self.gate is not None:
+            self.gate.resolve(traj.ticket, outcome)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the module docstring says what and why): the queued trajectories (their

@@ -107,3 +107,15 @@ def check_resume_async(saved: dict | None, acfg: AsyncConfig) -> None:
         raise ConfigError(changed[0], now[changed[0]], f"the run was started with other settings ({diffs}); resume "
                           f"with the run's own settings (only {', '.join(ASYNC_SAFE_ON_RESUME)} may change), or "
                           "start a new run")
+
+
+def check_queue_sizes(batch_size: int, max_staleness: int, capacity: int | None = None) -> None:
+    """The sizes of a start gate or an experience queue: ConfigError naming the setting unless batch_size >= 1,
+    max_staleness >= 0 and (when given) capacity >= batch_size (else the trainer could never take a batch)."""
+    check_int("batch_size", batch_size, low=1)
+    check_int("max_staleness", max_staleness, low=0)
+    if capacity is not None:
+        check_int("queue_capacity", capacity)
+        if capacity < batch_size:
+            raise ConfigError("queue_capacity", capacity, f"the queue must hold at least one batch of {batch_size} "
+                              "trajectories (prompts_per_step)")

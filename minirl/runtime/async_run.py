@@ -7,19 +7,24 @@ every stage's run has: the run directory, the callbacks (evaluator, metrics.json
 steps happen, atomic checkpoints, progress bar), stops and `resume`.
 
 - `producer_loop` is what a producer thread runs until the gate closes: tickets -> generation
-  -> environment sessions -> queue. A ticket fixes its trajectory's prompt (`pick_row`) and
-  seed (`trajectory_seed`), so a ticket handed out again after a resume samples the same way.
-  A producer's failure is handed to the trainer, which raises it.
+  (`generate_call`: one engine call of the Producer's `sample`) -> environment sessions
+  (`score_group`: one isolated session per completion, the scored Trajectory) -> queue. A ticket
+  fixes its trajectory's prompt (`pick_row`) and seed (`trajectory_seed`), so a ticket handed out
+  again after a resume samples the same way. A producer's failure is handed to the trainer,
+  which raises it (`AsyncState.take_batch`).
 - `Producers` is the run callback that starts the producer threads (or Ray actors with
   `AsyncConfig.ray`, `runtime/async_ray.py`) when the run starts, after a resume has restored
   the queue, and stops them when it ends.
+- `Correction` wraps notebook 07's `apply_correction` as the `correct` step of notebook 01's
+  `learn`, keeping the batch's mean token weight for the record.
 - `AsyncState` is stage 1's RunState, whose engine is the weight store, plus the queue, the
-  gate and the correction; its checkpoints add the queue's `state_dict`
-  (`runtime/async_bookkeeping.py` says what is saved and what is sampled again). At
-  max_staleness = 0 with single-turn sessions a resumed run repeats the uninterrupted one
-  exactly; above it, which trajectory lands in which batch depends on timing, so a resumed run
-  continues from the checkpoint's state exactly, not along the crashed run's future. A resume
-  with other AsyncConfig settings is refused (`check_resume_async`).
+  gate and the correction; `finish_step` adds stage 7's numbers to a step's record; its
+  checkpoints add the queue's `state_dict` (`runtime/async_bookkeeping.py` says what is saved
+  and what is sampled again). At max_staleness = 0 with single-turn sessions a resumed run
+  repeats the uninterrupted one exactly; above it, which trajectory lands in which batch
+  depends on timing, so a resumed run continues from the checkpoint's state exactly, not along
+  the crashed run's future. A resume with other AsyncConfig settings is refused
+  (`check_resume_async`).
 - `train_async(config, acfg, model, tokenizer, rows)` builds the state and runs notebook 07's
   `trainer_step` under `run_in_dir`; `AsyncResult` holds the records, the weight snapshots
   (`runtime/async_snapshots.py`, evaluated after the run so that evaluation never pauses the
@@ -177,6 +182,29 @@ class AsyncState(RunState):
         if self.t0 is None:
             return self.wall_offset
         return self.wall_offset + (time.perf_counter() if now is None else now) - self.t0
+
+    def take_batch(self) -> list[Trajectory]:
+        """The queue's next batch (waiting up to batch_timeout); the error of a producer that failed and closed
+        the queue, if one did."""
+        try:
+            return self.queue.get_batch(timeout=self.batch_timeout)
+        except RuntimeError:
+            if self.errors:
+                raise self.errors[0] from None
+            raise
+
+    def finish_step(self, record: dict, waited: float, began: float) -> dict:
+        """The step's record with what stage 7 adds (the correction's mean weight, time/wait, wall, samples, the
+        queue's stats), and the trainer's wait and train events on the timeline. waited: when the trainer began
+        to wait for its batch; began: when it got it (perf_counter seconds)."""
+        self.last = end = time.perf_counter()
+        self.timeline.add("trainer", "wait", waited, began)
+        self.timeline.add("trainer", "train", began, end)
+        self.samples += record["trajectories"]
+        if self.correct.weight_mean is not None:
+            record["correction/weight_mean"] = self.correct.weight_mean
+        return (record | {"time/wait": began - waited, "wall": self.wall(end), "samples": self.samples}
+                | self.queue.stats(end))
 
     def extra_state(self) -> dict:
         return {"async": dataclasses.asdict(self.acfg), "queue": self.queue.state_dict(), "samples": self.samples,
