@@ -971,7 +971,7 @@ run_async("eta=2 in-flight", ASYNC_STEPS, max_staleness=2, in_flight=True)
 
 # %% [markdown]
 # The table adds the wall time to a target (sync's final accuracy minus 3 points, reached when
-# two consecutive evaluations average that much; `inf`: never) and the speedup. One run each;
+# two consecutive evaluations average that much; never: `inf`) and the speedup. One run each;
 # `benchmarks/async_vs_sync.py` repeats and takes medians.
 
 # %%
@@ -985,9 +985,10 @@ print(f"{'run':16s} {'traj/s':>7s} {'idle':>6s} {'stale':>6s} {'drop':>5s} {'fin
 REACH = {name: time_to_accuracy(r.accuracy, target, window=2) for name, r in RESULTS.items()}
 for name, result in RESULTS.items():
     s = result.summary()
+    reach = f"{REACH[name]:.1f} s" if math.isfinite(REACH[name]) else "never"
     print(f"{name:16s} {s['trajectories_per_second']:7.0f} {100 * s['trainer_idle_share']:5.0f}% "
           f"{s['mean_staleness']:6.2f} {s['dropped']:5d} {s['accuracy_after']:6.3f} "
-          f"{REACH[name]:9.1f}s {sync_time / REACH[name]:7.2f}x")
+          f"{reach:>10s} {sync_time / REACH[name]:7.2f}x")
 for name, result in RESULTS.items():
     bound = 0 if name.startswith("sync") else int(name[4])
     assert result.summary()["max_staleness_seen"] <= bound, name

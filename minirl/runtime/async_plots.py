@@ -21,7 +21,9 @@ def plot_learning_curves(curves: dict[str, list[dict]], path=None, target: float
     target: a dotted horizontal line at this accuracy (None: none); path: also save it there.
     """
     rows = math.ceil((len(curves) + (target is not None)) / 3)          # legend rows, three names a row
-    fig, (by_time, by_samples) = plt.subplots(2, 1, figsize=(7, 6.4 + 0.25 * rows))
+    legend_inches = 0.22 * rows + 0.15
+    height = 6.4 + legend_inches
+    fig, (by_time, by_samples) = plt.subplots(2, 1, figsize=(7, height))
     styles = ["-", "--", ":", "-."]
     for i, (name, points) in enumerate(curves.items()):
         style = {"marker": ".", "ls": styles[i // 10 % len(styles)], "label": name}
@@ -34,7 +36,7 @@ def plot_learning_curves(curves: dict[str, list[dict]], path=None, target: float
         ax.grid(alpha=0.3)
     handles, labels = by_time.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
