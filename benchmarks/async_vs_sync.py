@@ -24,7 +24,7 @@ The rule, the same in every repeat:
 Sync's own time to the target is read with the same rule (a repeat in which sync itself does not
 stay above its target is left out of the median, and the script says so).
 
-What is compared. Every run is `minirl.asyncrl.runner.train_async` on the same config (the
+What is compared. Every run is `minirl.runtime.async_run.train_async` on the same config (the
 chapter's defaults: the embedded policy, 16 prompts x 8 completions per step, learning rate
 1e-4, 4 producer threads sampling 4 prompts per call, the calculator tool's lognormal latency
 with median 10 ms and sigma 1.5, timeout 5 s); only `max_staleness` (and the correction)

@@ -573,7 +573,7 @@ class ArithmeticToolEnv:
     (with a slow verifier).
     """
 
-    def __init__(self, latency: Latency = Latency(), max_turns: int = 1,  # noqa: B008 (frozen)
+    def __init__(self, latency: Latency = Latency(), max_turns: int = 1,
                  reverse_answer: bool = True):
         check_int("max_turns", max_turns, low=1)
         self.latency, self.max_turns, self.reverse = latency, max_turns, reverse_answer
