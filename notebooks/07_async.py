@@ -400,8 +400,7 @@ except FutureVersionError as err:
 # %% [markdown]
 # ## 3. Corrections for stale experience
 #
-# A stale trajectory was sampled from an older policy $\pi_{\text{behav}}$ than the one being
-# trained. Three ways to live with that:
+# A stale trajectory was sampled from an older policy $\pi_{\text{behav}}$. Three answers:
 #
 # - **none** (LlamaRL): train on it as if it were fresh; the staleness bound alone keeps the
 #   bias small. (With `num_iterations` > 1 the PPO ratio is against $\pi_{\text{old}}$, the
@@ -421,10 +420,9 @@ except FutureVersionError as err:
 # $[0.8, 1.2]$; in the paper $[0.8, 1.2]$ is PPO's clip of $u_t$ ($\epsilon = 0.2$) and the
 # behaviour weight is not clipped, while AReaL's code *drops* tokens whose weight exceeds a cap
 # (`behav_imp_weight_cap`). Both are here: the source's (`clipped_token_weight`, exercise 7.3,
-# the default) and AReaL's (`capped_token_weight`). Every correction only fills two fields
-# notebook 01's `policy_loss` already reads: `old_logps` (the proximal log-probs) and
-# `is_weights` (the behaviour weight). `apply_correction` does it as the `correct` step of
-# notebook 01's `learn`, where stage 1 applies truncated IS.
+# the default) and AReaL's (`capped_token_weight`). A correction only fills `old_logps` (the
+# proximal log-probs) and `is_weights` (the behaviour weight), which notebook 01's
+# `policy_loss` reads: `apply_correction` is the `correct` step of notebook 01's `learn`.
 
 # %%
 # | export minirl/asyncrl/corrections.py
@@ -511,7 +509,6 @@ def apply_correction(exp: Experience, correction: str, actor, algorithm: Algorit
         return exp
     tis = dataclasses.replace(algorithm, importance_sampling_correction=correction == "tis")
     return importance_weights(exp, tis)
-
 
 # %% [markdown]
 # By hand: trainer log-probs moved by +0.5, -1.0 and +0.1 (the third is padding). $e^{0.5}$
