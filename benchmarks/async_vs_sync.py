@@ -24,7 +24,7 @@ The rule, the same in every repeat:
 Sync's own time to the target is read with the same rule (a repeat in which sync itself does not
 stay above its target is left out of the median, and the script says so).
 
-What is compared. Every run is `minirl.asyncrl.runner.train_async` on the same config (the
+What is compared. Every run is `minirl.runtime.async_run.train_async` on the same config (the
 chapter's defaults: the embedded policy, 16 prompts x 8 completions per step, learning rate
 1e-4, 4 producer threads sampling 4 prompts per call, the calculator tool's lognormal latency
 with median 10 ms and sigma 1.5, timeout 5 s); only `max_staleness` (and the correction)
@@ -49,11 +49,12 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from minirl.asyncrl.runner import AsyncConfig, train_async
-from minirl.asyncrl.snapshots import evaluate_snapshots
 from minirl.config import RLConfig
 from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.runtime.argtypes import float_in, int_in
+from minirl.runtime.async_config import AsyncConfig
+from minirl.runtime.async_run import train_async
+from minirl.runtime.async_snapshots import evaluate_snapshots
 from minirl.runtime.io import write_summary
 from minirl.runtime.validate import check_choice
 from minirl.tasks.arithmetic import make_task

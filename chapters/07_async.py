@@ -52,8 +52,8 @@ import threading
 import time
 from pathlib import Path
 
-from minirl.asyncrl.config import ASYNC_SAFE_ON_RESUME, AsyncConfig
 from minirl.config import RLConfig
+from minirl.runtime.async_config import ASYNC_SAFE_ON_RESUME, AsyncConfig, check_async
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.progress import bars_wanted
 from minirl.runtime.rundir import read_run_record
@@ -135,8 +135,6 @@ def parse_args(argv=None):
         restore_untyped(parser, args, argv, read_run_record(args.out).get("where", {}))   # --ray's --num-cpus
     args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     check_device(parser, config.run.device)
-    from minirl.asyncrl.runner import check_async  # noqa: PLC0415 (torch: after the arguments)
-
     try:
         check_async(config, acfg)
     except ConfigError as err:
@@ -185,13 +183,13 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
 
     import torch  # noqa: PLC0415
 
-    from minirl.asyncrl.env import RewardEnv  # noqa: PLC0415
-    from minirl.asyncrl.plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
-    from minirl.asyncrl.runner import train_async  # noqa: PLC0415
-    from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
     from minirl.controller.plots import plot_timelines  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
+    from minirl.runtime.async_envs import RewardEnv  # noqa: PLC0415
+    from minirl.runtime.async_plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
+    from minirl.runtime.async_run import train_async  # noqa: PLC0415
+    from minirl.runtime.async_snapshots import evaluate_snapshots  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415

@@ -7,17 +7,26 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+import dataclasses
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
-from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
-from minirl.asyncrl.queue import FutureVersionError
-from minirl.runtime.validate import check_int
+from minirl.config import AlgorithmConfig
+from minirl.data import Experience, Rollout
+from minirl.runtime.async_bookkeeping import GateBookkeeping, QueueBookkeeping
+from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction, check_queue_sizes
+from minirl.runtime.validate import check_choice, check_int
+from minirl.train.step import importance_weights
 
 
 def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, float]:
-    """Idle shares of one synchronous step: each trajectory on its own rollout slot, then the update.
+    """Idle shares of one synchronous step: each trajectory on its own slot, then the update.
 
     durations: seconds each of the step's n trajectories takes (n >= 1, each >= 0), one per
     rollout slot, all started together at time 0. train_seconds: the update's seconds (>= 0),
@@ -29,6 +38,10 @@ def sync_step_idle(durations: list[float], train_seconds: float) -> dict[str, fl
     Both are 0 when T is 0. Raises ValueError for no durations or a negative time.
     """
     raise NotImplementedError("exercise 7.1: sync_step_idle -- see its docstring and notebook 07")
+
+
+class FutureVersionError(RuntimeError):
+    """A trajectory claims a policy version the trainer has not published yet."""
 
 
 def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
@@ -43,9 +56,36 @@ def admit(trainer_version: int, version: int, max_staleness: int) -> bool:
     raise NotImplementedError("exercise 7.2: admit -- see its docstring and notebook 07")
 
 
-def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,
-                         high: float = 1.2) -> Tensor:
-    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32, detached.
+@dataclass
+class Trajectory:
+    """One prompt's G completions, scored by their environment sessions: what a producer queues.
+
+    rollout: G rows, its `token_versions` [G, C] set and its `version` the oldest of its tokens'
+    versions; rewards: [G] float; times in time.perf_counter seconds; ticket: its number at the
+    start gate, which fixes its prompt and seed.
+    """
+
+    rollout: Rollout
+    rewards: Tensor               # [G]
+    row: dict                     # the dataset row ({"prompt", "answer", ...})
+    producer: str                 # who made it ("producer 3", "ray 1/2", ...)
+    started: float                # the producer took it
+    generated: float              # its generation ended (the environment sessions start)
+    finished: float               # its last environment session ended
+    env_failures: int = 0         # sessions that raised, hung past their timeout or returned junk
+    env_timeouts: int = 0         # of those, the ones that hung
+    env_errors: tuple = ()        # a few of the failures, as text
+    ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
+    scores: dict = field(default_factory=dict)   # {reward function: [G] values}
+
+    @property
+    def version(self) -> int:
+        return self.rollout.version
+
+
+def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                         low: float = 0.8, high: float = 1.2) -> Tensor:
+    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32.
 
     current_logps: [B, C] the trainer's (proximal) log-probs of the sampled tokens;
     behaviour_logps: [B, C] the log-probs the rollout recorded when it sampled them;
@@ -54,3 +94,19 @@ def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: T
     unless 0 < low <= 1 <= high (a weight of 1, no correction, must stay inside the interval).
     """
     raise NotImplementedError("exercise 7.3: clipped_token_weight -- see its docstring and notebook 07")
+
+
+def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                        cap: float = 1.2) -> Tensor:
+    """AReaL's code: exp(current - behaviour), and 0 for a token whose weight exceeds `cap`.
+
+    Shapes as `clipped_token_weight`; cap > 1 (AReaL's `behav_imp_weight_cap`).
+    """
+    if not cap > 1:
+        raise ValueError(f"capped_token_weight: cap={cap} must be > 1 (behav_imp_weight_cap)")
+    check_logprob_pair(current_logps, behaviour_logps, mask)
+    valid = mask.bool()
+    diff = torch.where(valid, current_logps.detach().float() - behaviour_logps.detach().float(),
+                       torch.zeros_like(current_logps, dtype=torch.float32))
+    weight = torch.exp(diff)
+    return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid     # [B, C]

@@ -11,15 +11,19 @@ import pytest
 import torch
 
 from minirl.asyncrl.corrections import apply_correction, capped_token_weight, clipped_token_weight
-from minirl.asyncrl.env import ArithmeticToolEnv, EnvError, Latency, calculator, check_step, run_sessions
-from minirl.asyncrl.producer import Producer, WeightStore
+from minirl.asyncrl.env import ArithmeticToolEnv, run_sessions
+from minirl.asyncrl.producer import Producer
 from minirl.asyncrl.queue import ExperienceQueue, FutureVersionError, StartGate, Trajectory, admit
-from minirl.asyncrl.runner import AsyncConfig, batch_of, train_async
-from minirl.asyncrl.snapshots import evaluate_snapshots, speedup_to_target, time_to_accuracy
+from minirl.asyncrl.runner import batch_of
 from minirl.asyncrl.timeline import sync_step_idle
 from minirl.config import AlgorithmConfig, RLConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.async_bookkeeping import WeightStore
+from minirl.runtime.async_config import AsyncConfig
+from minirl.runtime.async_envs import EnvError, Latency, calculator, check_step
+from minirl.runtime.async_run import train_async
+from minirl.runtime.async_snapshots import evaluate_snapshots, speedup_to_target, time_to_accuracy
 from minirl.runtime.validate import ConfigError
 from minirl.tasks.arithmetic import make_task
 
@@ -455,12 +459,12 @@ def test_num_iterations_ratio_is_against_pi_old_under_every_correction(make_tiny
 
 def test_the_old_none_correction_fails_the_iterations_check(make_tiny_policy, monkeypatch):
     """The wrong version (`none` threw pi_old away): every iteration's ratio is 1 and the check above fails."""
-    import minirl.asyncrl.corrections as corrections
+    import minirl.runtime.async_run as async_run  # its Correction calls apply_correction
 
     def old_none(exp, correction, actor, algorithm, areal_weight="clip"):
         exp.old_logps, exp.is_weights = None, None
         return exp
-    monkeypatch.setattr(corrections, "apply_correction", old_none)
+    monkeypatch.setattr(async_run, "apply_correction", old_none)
     model, tok = make_tiny_policy(seed=2)
     records = parity_run(model, tok).records
     assert all(r["ratio_mean"] == 1.0 and r["clip_ratio/region_mean"] == 0.0 for r in records)
@@ -561,7 +565,7 @@ def test_resume_requeues_the_checkpoints_queue_and_refuses_other_async_settings(
 # ---------------------------------------------------------------- any task: a data set's rewards as the environment
 
 def test_reward_env_scores_one_completion_with_the_columns_and_the_weights():
-    from minirl.asyncrl.env import RewardEnv
+    from minirl.runtime.async_envs import RewardEnv
     seen = []
 
     def exact(prompts, completions, answer, **columns):
@@ -586,7 +590,7 @@ def test_reward_env_scores_one_completion_with_the_columns_and_the_weights():
 def test_train_async_on_a_task_logs_each_reward_and_the_zero_std_share(make_tiny_policy):
     from functools import partial
 
-    from minirl.asyncrl.env import RewardEnv
+    from minirl.runtime.async_envs import RewardEnv
     from minirl.tasks.arithmetic import arithmetic_reward
 
     def half(prompts, completions, **columns):

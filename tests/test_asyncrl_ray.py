@@ -8,8 +8,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from minirl.asyncrl.runner import AsyncConfig, train_async  # noqa: E402
 from minirl.config import RLConfig  # noqa: E402
+from minirl.runtime.async_config import AsyncConfig  # noqa: E402
+from minirl.runtime.async_run import train_async  # noqa: E402
 from minirl.runtime.validate import ConfigError  # noqa: E402
 from minirl.tasks.arithmetic import make_task  # noqa: E402
 

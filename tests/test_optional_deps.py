@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDS_RAY = ("minirl.controller", "minirl.asyncrl.ray_producer")   # Ray actors, through and through
+NEEDS_RAY = ("minirl.controller", "minirl.runtime.async_ray")   # Ray actors, through and through
 
 BLOCKER = '''
 import importlib.abc, sys

@@ -1,28 +1,11 @@
 # Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """Corrections for stale experience: none (LlamaRL), AReaL's decoupled weight, truncated IS.
 
-Each correction fills the Experience fields that notebook 01's `policy_loss` already reads:
-`old_logps` (the policy the PPO ratio is taken against) and `is_weights` (a per-token
-weight on the clipped objective). So the algorithm code is untouched; only the numbers
-handed to it differ. `apply_correction` is the `correct` step of notebook 01's `learn`:
-
-| correction | old_logps (trust region) | is_weights (behaviour correction) |
-|---|---|---|
-| none  | as in stage 1: pi_old recomputed when the update needs it (num_iterations > 1, ...) | None |
-| tis   | the trainer's recomputed pi_old | min(pi_old / pi_behav, cap): stage 1's `importance_weights` |
-| areal | the proximal pi_prox (recomputed) | clip(pi_prox / pi_behav, 0.8, 1.2) (the source), or AReaL's cap |
-
-`tis` and RLConfig's `importance_sampling_correction` are one switch (notebook 02's truncated
-IS): either turns it on, and `none` with the switch on is `tis`. `areal` puts its own weight
-where TIS would go, so `areal` with the switch on is refused (`check_correction`).
-
-Simplified vs AReaL: the proximal policy is always recomputed (no approximation from the
-versions); pi_prox is the trainer's weights when the batch arrives, which is also pi_old of
-its `num_iterations` updates.
+Each fills `old_logps` and `is_weights`, the Experience fields notebook 01's `policy_loss`
+reads. Simplified vs AReaL: the proximal policy is always recomputed.
 """
 
-__all__ = ["clipped_token_weight", "capped_token_weight", "check_correction", "apply_correction",
-           "Correction"]
+__all__ = ["clipped_token_weight", "capped_token_weight", "apply_correction"]
 
 import dataclasses
 
@@ -30,16 +13,16 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import check_logprob_pair
-from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
-from minirl.runtime.validate import ConfigError, check_choice
+from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction
+from minirl.runtime.validate import check_choice
 from minirl.train.step import importance_weights
 
 
-def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,
-                         high: float = 1.2) -> Tensor:
-    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32, detached.
+def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                         low: float = 0.8, high: float = 1.2) -> Tensor:
+    """The source's AReaL token weight: clamp(exp(current - behaviour), low, high), [B, C] float32.
 
     current_logps: [B, C] the trainer's (proximal) log-probs of the sampled tokens;
     behaviour_logps: [B, C] the log-probs the rollout recorded when it sampled them;
@@ -48,43 +31,35 @@ def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: T
     unless 0 < low <= 1 <= high (a weight of 1, no correction, must stay inside the interval).
     """
     if not 0 < low <= 1 <= high:
-        raise ValueError(f"clipped_token_weight: need 0 < low <= 1 <= high, got low={low}, high={high}")
+        raise ValueError(f"clipped_token_weight: need 0 < low <= 1 <= high, got low={low}, "
+                         f"high={high}")
     check_logprob_pair(current_logps, behaviour_logps, mask)
     valid = mask.bool()
     diff = torch.where(valid, current_logps.detach().float() - behaviour_logps.detach().float(),
                        torch.zeros_like(current_logps, dtype=torch.float32))
-    return torch.exp(diff).clamp(low, high) * valid                                     # [B, C]
+    return torch.exp(diff).clamp(low, high) * valid                                 # [B, C]
 
 
-def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, cap: float = 1.2) -> Tensor:
-    """AReaL's code: exp(current - behaviour), and 0 for a token whose weight exceeds `cap` (it is dropped).
+def capped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor,
+                        cap: float = 1.2) -> Tensor:
+    """AReaL's code: exp(current - behaviour), and 0 for a token whose weight exceeds `cap`.
 
     Shapes as `clipped_token_weight`; cap > 1 (AReaL's `behav_imp_weight_cap`).
     """
     if not cap > 1:
-        raise ValueError(f"capped_token_weight: cap={cap} must be > 1 (AReaL's behav_imp_weight_cap)")
+        raise ValueError(f"capped_token_weight: cap={cap} must be > 1 (behav_imp_weight_cap)")
     check_logprob_pair(current_logps, behaviour_logps, mask)
     valid = mask.bool()
     diff = torch.where(valid, current_logps.detach().float() - behaviour_logps.detach().float(),
                        torch.zeros_like(current_logps, dtype=torch.float32))
     weight = torch.exp(diff)
-    return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid          # [B, C]
-
-
-def check_correction(correction: str, algorithm: AlgorithmConfig) -> str:
-    """The correction a run applies: `correction`, or "tis" when it is "none" and the algorithm turns
-    truncated IS on. Raises ConfigError naming importance_sampling_correction for "areal" with it on."""
-    check_choice("correction", correction, CORRECTIONS)
-    if correction == "areal" and algorithm.importance_sampling_correction:
-        raise ConfigError("importance_sampling_correction", True,
-                          "--correction areal weights each token by AReaL's behaviour weight where truncated IS "
-                          "would go; drop --importance-sampling-correction, or pass --correction tis")
-    return "tis" if algorithm.importance_sampling_correction else correction
+    return torch.where(weight <= cap, weight, torch.zeros_like(weight)) * valid     # [B, C]
 
 
 def apply_correction(exp: Experience, correction: str, actor, algorithm: AlgorithmConfig,
-                     areal_weight: str = "clip", low: float = 0.8, high: float = 1.2) -> Experience:
-    """Fill exp.old_logps and exp.is_weights for `correction` (see the module's table); returns exp.
+                     areal_weight: str = "clip", low: float = 0.8,
+                     high: float = 1.2) -> Experience:
+    """Fill exp.old_logps and exp.is_weights for `correction`; returns exp.
 
     actor: anything with `logprobs(rollout) -> [N, C]` (the trainer's current weights: the
     proximal policy), asked only when exp.old_logps is None and the correction needs them.
@@ -98,28 +73,11 @@ def apply_correction(exp: Experience, correction: str, actor, algorithm: Algorit
     correction = check_correction(correction, algorithm)
     ro = exp.rollout
     if correction != "none" and exp.old_logps is None:
-        exp.old_logps = actor.logprobs(ro)                                                   # [N, C]
+        exp.old_logps = actor.logprobs(ro)                                          # [N, C]
     if correction == "areal":
         weight = clipped_token_weight if areal_weight == "clip" else capped_token_weight
         bounds = (low, high) if areal_weight == "clip" else (high,)
-        exp.is_weights = weight(exp.old_logps, ro.logprobs, ro.completion_mask, *bounds)     # [N, C]
+        exp.is_weights = weight(exp.old_logps, ro.logprobs, ro.completion_mask, *bounds)
         return exp
     tis = dataclasses.replace(algorithm, importance_sampling_correction=correction == "tis")
     return importance_weights(exp, tis)
-
-
-class Correction:
-    """`apply_correction` with a run's settings, as the `correct` step of notebook 01's `learn`; keeps the
-    mean weight of its last batch's tokens (`weight_mean`, None without weights) for the step's record."""
-
-    def __init__(self, correction: str, actor, algorithm: AlgorithmConfig, areal_weight: str = "clip"):
-        self.correction = check_correction(correction, algorithm)
-        check_choice("areal_weight", areal_weight, AREAL_WEIGHTS)
-        self.actor, self.algorithm, self.areal_weight = actor, algorithm, areal_weight
-        self.weight_mean = None
-
-    def __call__(self, exp: Experience) -> Experience:
-        exp = apply_correction(exp, self.correction, self.actor, self.algorithm, self.areal_weight)
-        mask = exp.rollout.completion_mask.bool()
-        self.weight_mean = None if exp.is_weights is None else exp.is_weights[mask].mean().item()
-        return exp

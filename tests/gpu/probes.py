@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NEEDS_RAY = ("minirl.controller", "minirl.asyncrl.ray_producer")   # the Ray controller and producers
+NEEDS_RAY = ("minirl.controller", "minirl.runtime.async_ray")   # the Ray controller and producers
 
 
 def imports(args) -> dict:

@@ -1,28 +1,44 @@
-# Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """The producers as Ray actors: stage 6's `Worker` holding a `Producer`, and the driver's handle on it.
 
 `RayProducer` runs the same `Producer` inside a Ray actor (concurrent `produce` calls share
 its engine); `RayProducerClient` gives the driver's producer threads the same `produce` as a
-local Producer's, shipping each new version to the object store once. Imported only when a
+local Producer's (`produce_groups`: `generate_call`, then `score_group` for every group at once), shipping each
+new version to the object store once. Imported only when a
 run asks for Ray (`AsyncConfig.ray`), so the rest of stage 7 runs without it.
 
 Simplified: one object-store copy per version, pulled by each actor before its next call
 (no broadcast, no in-flight updates across processes).
 """
 
-__all__ = ["RayProducer", "RayProducerClient", "start_ray_producers", "stop_ray_producers"]
-
 import math
 import threading
 
 import ray
 
-from minirl.asyncrl.producer import Producer, WeightStore
+from minirl.asyncrl.producer import Producer
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
 from minirl.controller.worker_group import DEATHS, died
 from minirl.rollout.registry import build_engine
+from minirl.runtime.async_bookkeeping import WeightStore
+from minirl.runtime.async_run import generate_call, score_group
+
+
+def produce_groups(producer: Producer, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+    """generate_call, then score_group for every row's group (their sessions all at once); one Trajectory
+    per row, returned together (what one remote call gives back)."""
+    generated = generate_call(producer, rows, seeds[0])
+    out: list[Trajectory | None] = [None] * len(rows)
+
+    def finish(i, item):
+        out[i] = score_group(producer, *item[:2], seeds[i], *item[2:], ticket=tickets[i])
+    threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 class RayProducer(Worker):
@@ -43,7 +59,7 @@ class RayProducer(Worker):
             with self.producer.lock:
                 if version > self.store.version:
                     self.store.publish(ray.get(weights_ref[0]).items(), version)
-        return self.producer.produce(rows, seeds, tickets)
+        return produce_groups(self.producer, rows, seeds, tickets)
 
 
 class RayProducerClient:

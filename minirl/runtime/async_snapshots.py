@@ -1,4 +1,3 @@
-# Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """Weight snapshots of an asynchronous run, evaluated after it: accuracy against wall time and samples.
 
 `Snapshots` is a run callback (stage 1's `Callback`): it keeps a copy of the trainer's
@@ -14,8 +13,6 @@ Why after the run: evaluating in the trainer's thread would pause the trainer wh
 producers go on, and put the evaluation's seconds into the wall time that asynchrony is
 meant to shorten.
 """
-
-__all__ = ["Snapshot", "Snapshots", "evaluate_snapshots", "time_to_accuracy", "speedup_to_target"]
 
 import copy
 import math
