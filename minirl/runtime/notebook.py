@@ -272,10 +272,9 @@ def _post_run_cell(result) -> None:
     _remember(target, source)
     if not _told:
         _told = True
-        print(f"[minirl] exported cell: {target} now runs this cell's code ({', '.join(names[:4]) or 'no names'}"
-              f"{', ...' if len(names) > 4 else ''}), and so does every module that imported it, until the kernel "
-              "restarts, in this kernel and in the scripts, torchrun jobs and Ray workers it starts. The files on disk "
-              "change when you save the notebook and run `python tools/build.py`.")
+        print(f"[minirl] {target} now runs this cell's code,\n"    # said once per kernel, in lines a page fits
+              "  here and in the scripts, torchrun jobs and Ray workers this kernel starts;\n"
+              "  the files on disk change when you save the notebook and run python tools/build.py")
 
 
 def load_ipython_extension(ipython) -> None:
@@ -285,6 +284,9 @@ def load_ipython_extension(ipython) -> None:
     if _shell is not None:
         return
     _shell = ipython
+    from minirl.runtime.progress import bars_wanted  # noqa: PLC0415
+
+    bars_wanted(no_progress=True)   # transformers' and the Hub's loading bars off (minirl's own bars stay)
     _start_overlay()
     ipython.events.register("post_run_cell", _post_run_cell)
 
