@@ -7,20 +7,22 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import dataclasses
 import math
+import re
 from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Batch, Experience, Rollout
+from minirl.data import Experience, Rollout
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.sync.sharded import LORA, engine_name, full_tensor, layer_key
+from minirl.runtime.buckets import gather_buckets, layer_key
+from minirl.runtime.lockstep import finite_batch, pad_completions, split_micro_batches
+from minirl.sync.modes import SYNC_MODES
 
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
@@ -44,6 +46,21 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     if len(records) == 1:
         return dict(records[0])
     raise NotImplementedError("exercise 4.1: reduce_metrics -- see its docstring and notebook 04")
+
+
+PEFT_PREFIX = "base_model.model."
+LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def engine_name(name: str) -> str:
+    """A trainer tensor's Hugging Face name: peft's "base_model.model." prefix and ".base_layer" removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a DTensor shard (an all-gather: every rank must call it), else the tensor."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:

@@ -82,7 +82,13 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
-                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
+                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
+                # notebook 04's plumbing
+                "minirl/runtime/buckets.py", "minirl/runtime/lockstep.py", "minirl/runtime/memory_tracking.py",
+                "minirl/runtime/parallel_checks.py", "minirl/runtime/policy_export.py",
+                "minirl/runtime/prompt_seeds.py", "minirl/runtime/push_checks.py", "minirl/runtime/ranks.py",
+                "minirl/runtime/sharded_checkpoint.py", "minirl/runtime/stops.py", "minirl/runtime/sync_meter.py",
+                "minirl/runtime/vllm_setup.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

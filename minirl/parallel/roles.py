@@ -2,37 +2,32 @@
 """The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
 
 `DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
-(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
-4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
-the global batch and the wrapper averages the gradients; for that average to be the
-gradient of the whole batch, each rank's loss is weighted by its share of the global
-normalization (its loss type's `rank_weight`), applied as a gradient scale on the output of the
-training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
-runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
-record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
-on any rank makes every rank skip the step together (none waits in a collective).
+(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`. Each rank's loss is weighted
+by its loss type's `rank_weight`, applied as a gradient scale on the output of the training
+forward (the actor's log-probs, the critic's values), so notebook 01's `update` runs
+unchanged. `DataParallelRole` holds what both share: the weighting, one metric record for
+all ranks (`reduce_metrics`), and a skip that every rank makes together.
 
 Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
-is wrapped by DDP only (its value model names no decoder layers for FSDP2; stage 4 trains
-GRPO); a loss that overflows on one rank from finite inputs and log-probs (an exp inside
-the loss) is not caught before the backward, and leaves the others waiting until the timeout.
+is wrapped by DDP only; a loss that overflows on one rank from finite inputs and log-probs
+is not caught before the backward, and leaves the others waiting until the timeout.
 """
 
-__all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "pad_completions", "split_micro_batches",
-           "finite_batch", "DataParallelRole", "DistributedActor", "DistributedCritic"]
+__all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "DataParallelRole", "DistributedActor",
+           "DistributedCritic"]
 
-import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Batch, Experience, Rollout
+from minirl.data import Experience, Rollout
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
+from minirl.runtime.lockstep import finite_batch, pad_completions, split_micro_batches
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -89,50 +84,6 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
         else:
             out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
     return out
-
-
-def pad_completions(batch: Batch, width: int) -> Batch:
-    """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
-
-    The new columns are padding (pad id in `*_ids`, 0 elsewhere, mask 0), so no loss or
-    metric sees them; earlier positions do not attend to later ones, so no value changes.
-    """
-    values = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, Batch):
-            value = pad_completions(value, width)
-        elif (isinstance(value, Tensor) and value.dim() == 2 and f.name not in batch.LEFT_PADDED
-              and value.shape[1] < width):
-            filler = value.new_full((value.shape[0], width - value.shape[1]), batch.pad_value(f.name))
-            value = torch.cat([value, filler], 1)
-        values[f.name] = value
-    return dataclasses.replace(batch, **values)
-
-
-def split_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
-    """`plan` (lists of rows) with its largest micro-batches halved until it holds `count` of them.
-
-    Every rank then makes as many forward and backward passes as the rank with the most,
-    all of them on real rows. Raises ValueError when there are fewer rows than `count` (ranks
-    with very different numbers of rows).
-    """
-    plan = [list(rows) for rows in plan]
-    while len(plan) < count:
-        k = max(range(len(plan)), key=lambda i: len(plan[i]))
-        if len(plan[k]) < 2:
-            raise ValueError(f"split_micro_batches: {sum(map(len, plan))} rows cannot make {count} micro-batches; "
-                             "give every rank as many rows (Batch.split)")
-        rows = plan.pop(k)
-        plan[k:k] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
-    return plan
-
-
-def finite_batch(exp: Experience) -> bool:
-    """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
-    is finite."""
-    tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class DataParallelRole:
@@ -195,7 +146,7 @@ class DataParallelRole:
     def _replicated(self, what: str) -> None:
         if self.zero:
             raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
-                                      "minirl.parallel.checkpoint (DCP)")
+                                      "minirl.runtime.sharded_checkpoint (DCP)")
 
 
 class DistributedActor(DataParallelRole, Actor):

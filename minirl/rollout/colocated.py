@@ -3,31 +3,20 @@
 
 `ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
 `SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
-copies each tensor into place as it arrives, so a sender that gathers layer by layer never
-needs a second whole copy; bad input (an unknown name, a wrong shape, an older version, a
-tensor missing at the end) is an error, and until a complete push succeeds the engine
-refuses to generate. With stream=False the push goes to the engine's own `load_weights`
-(its checks, and whatever it derives from the weights: the paged engine empties its prefix
-cache). With colocate=True the engine sleeps after every `generate`: the storage of its
-weights is released (resized to 0) until the next push wakes it up. Only the tensors every
-push brings are released: all of them, or with adapter_only=True just LoRA's A and B (the
-frozen base must survive the sleep).
+copies each tensor into place as it arrives (checked by `minirl/runtime/push_checks.py`), so a
+sender that gathers layer by layer never needs a second whole copy; with stream=False the push
+goes to the engine's own `load_weights`. With colocate=True the engine sleeps after every
+`generate`: the storage of the tensors every push brings (all, or with adapter_only=True just
+LoRA's A and B) is released until the next push wakes it up. Stage 4 wraps every rank's engine
+in it, stage 6 the engine of a Ray worker that also hosts the actor.
 
-This is the one colocation mechanism of minirl: stage 4 wraps every rank's engine in it,
-and stage 6 the engine of a Ray worker that also hosts the actor. The loop never calls
-`sleep` or `wake_up`: the engine sleeps at the end of its own `generate` and wakes at the
-start of the next `load_weights`, so the step reads the same colocated or not.
-
-Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call;
-the paged engine keeps its pool allocated), and level 2 only (released, then refilled by the
-next push); level 1 (offload to host memory) has nowhere to go on a CPU.
+Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call), and
+level 2 only; level 1 (offload to host memory) has nowhere to go on a CPU.
 """
 
-__all__ = ["EngineNotReady", "copy_pushed", "release_storage", "restore_storage",
-           "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
+__all__ = ["EngineNotReady", "release_storage", "restore_storage", "ColocatedEngine"]
 
 import contextlib
-import hashlib
 import time
 from typing import Iterable
 
@@ -35,38 +24,13 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
-from minirl.data import Batch, Rollout
-from minirl.rollout.base import VersionMismatchError, draw_seed
-from minirl.rollout.hf import fp8_round_trip
+from minirl.data import Rollout
+from minirl.rollout.base import VersionMismatchError
+from minirl.runtime.push_checks import copy_pushed
 
 
 class EngineNotReady(RuntimeError):
     """The engine is asleep, or its last push did not complete: it holds no usable weights."""
-
-
-def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
-                fp8: bool = False) -> None:
-    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
-    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
-    seen = set()
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name not in own:
-                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
-                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
-                                 "names (the policy's state_dict names)")
-            if own[name].shape != tensor.shape:
-                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
-                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
-            if fp8 and tensor.dim() >= 2:
-                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
-            own[name].copy_(tensor)
-            seen.add(name)
-    missing = [n for n in own if n not in seen]
-    if missing:
-        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
-                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
-                         "the last version")
 
 
 def release_storage(tensors: Iterable[Tensor]) -> int:
@@ -193,43 +157,3 @@ class ColocatedEngine:
             restore_storage(self._tensors().values())
             self.asleep, self.ready = False, False              # awake, but stale until the push completes
             self.stats["wake_seconds"] = time.perf_counter() - start
-
-
-def prompt_seed(seed: int, prompt: str) -> int:
-    """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
-    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % 2**62
-
-
-class SeedPerPrompt:
-    """An engine whose samples for a prompt depend only on one seed drawn for the batch and on the prompt.
-
-    generate() draws a seed s from the generator, then samples each prompt alone from
-    `prompt_seed(s, prompt)`: a batch split over any number of ranks (each drawing s from the
-    same shared generator) gets the same completions. One generate call per prompt (slower).
-    Everything else is the wrapped engine's.
-    """
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __getattr__(self, name):                          # model, dtype, tokenizer, named_weights, ...
-        return getattr(self.engine, name)
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.engine.version = value
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.engine.load_weights(named_tensors, version)
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        seed = draw_seed(generator) or 0
-        parts = [self.engine.generate([prompt], sampling, expected_version,
-                                      torch.Generator().manual_seed(prompt_seed(seed, prompt))) for prompt in prompts]
-        return Batch.concat(parts)

@@ -103,7 +103,8 @@ def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = F
     """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
     max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
     max_num_batched_tokens (its defaults without them)."""
-    from minirl.rollout.vllm import VLLMEngine, task_model_len  # noqa: PLC0415 (vLLM loads when built)
+    from minirl.rollout.vllm import VLLMEngine  # noqa: PLC0415 (vLLM loads when built)
+    from minirl.runtime.vllm_setup import task_model_len  # noqa: PLC0415
 
     context = getattr(model.config, "max_position_embeddings", None)
     length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None

@@ -1,0 +1,62 @@
+"""Keeping the ranks of a data-parallel update in lockstep: the same passes, and a skip that every rank makes.
+
+Hand-written for notebook 04's `minirl.parallel.roles`. Under FSDP2 every forward pass
+all-gathers weights with the other ranks (and DDP broadcasts its buffers in every forward),
+so every rank must make the same passes: `pad_completions` pads a batch with masked columns
+to the widest completion of any rank (notebook 01's forward makes one pass when completions
+are one token long, two otherwise), and `split_micro_batches` halves a rank's largest
+micro-batches until it has as many as the rank with the most (real work, never an empty
+pass). `finite_batch` says whether an update's inputs are finite: a rank that skipped its
+backward alone would leave the others waiting in the gradient all-reduce.
+"""
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from minirl.data import Batch, Experience
+
+
+def pad_completions(batch: Batch, width: int) -> Batch:
+    """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
+
+    The new columns are padding (pad id in `*_ids`, 0 elsewhere, mask 0), so no loss or
+    metric sees them; earlier positions do not attend to later ones, so no value changes.
+    """
+    values = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, Batch):
+            value = pad_completions(value, width)
+        elif (isinstance(value, Tensor) and value.dim() == 2 and f.name not in batch.LEFT_PADDED
+              and value.shape[1] < width):
+            filler = value.new_full((value.shape[0], width - value.shape[1]), batch.pad_value(f.name))
+            value = torch.cat([value, filler], 1)
+        values[f.name] = value
+    return dataclasses.replace(batch, **values)
+
+
+def split_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
+    """`plan` (lists of rows) with its largest micro-batches halved until it holds `count` of them.
+
+    Every rank then makes as many forward and backward passes as the rank with the most,
+    all of them on real rows. Raises ValueError when there are fewer rows than `count` (ranks
+    with very different numbers of rows).
+    """
+    plan = [list(rows) for rows in plan]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda i: len(plan[i]))
+        if len(plan[k]) < 2:
+            raise ValueError(f"split_micro_batches: {sum(map(len, plan))} rows cannot make {count} micro-batches; "
+                             "give every rank as many rows (Batch.split)")
+        rows = plan.pop(k)
+        plan[k:k] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return plan
+
+
+def finite_batch(exp: Experience) -> bool:
+    """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
+    is finite."""
+    tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)

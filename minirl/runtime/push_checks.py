@@ -1,0 +1,39 @@
+"""Checking a push as an in-process engine copies it into place: every name known, every shape right, none missing.
+
+Hand-written for notebook 04's `minirl.rollout.colocated.ColocatedEngine`, which streams a
+push into the engine's own tensors one at a time (so the engine never holds a second whole
+copy) and therefore cannot check the whole set before copying: `copy_pushed` checks each
+tensor as it arrives and the set at the end, with errors that name the tensor and the fix.
+"""
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from minirl.rollout.hf import fp8_round_trip
+
+
+def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
+                fp8: bool = False) -> None:
+    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
+    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
+                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
+                                 "names (the policy's state_dict names)")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
+                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
+            if fp8 and tensor.dim() >= 2:
+                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
+            own[name].copy_(tensor)
+            seen.add(name)
+    missing = [n for n in own if n not in seen]
+    if missing:
+        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
+                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
+                         "the last version")
