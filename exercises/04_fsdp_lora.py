@@ -21,7 +21,7 @@ from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.runtime.buckets import gather_buckets, layer_key
-from minirl.runtime.lockstep import finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
 from minirl.sync.modes import SYNC_MODES
 
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
@@ -32,16 +32,13 @@ def _number(value) -> bool:
 
 
 def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+    """The ranks' update metrics as one record (every rank that reduces the same lists gets the same one).
 
-    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
-    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
-    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
-    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
-    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
-    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
-    One rank: its record unchanged.
+    records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
+    None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
+    0's (already global); a loss (`LOSSES`) with weights: (1 / W) sum_r w_r loss_r; any other
+    number: the token-weighted mean of the ranks'. Anything else, or a key some rank lacks:
+    rank 0's. One rank: its record unchanged.
     """
     if len(records) == 1:
         return dict(records[0])
@@ -66,14 +63,11 @@ def full_tensor(tensor: Tensor) -> Tensor:
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
-    named_weights: (name, tensor) pairs in state_dict order; a tensor is a DTensor (an FSDP2
-    shard) or a plain tensor. Yields lists of (name, whole tensor), names unchanged:
-    consecutive names with the same `layer_key` form one list (a decoder layer's tensors),
-    any other tensor is a list of its own. Shards are gathered with `full_tensor` (a
-    collective: every rank gathers the same tensors in the same order); plain tensors are
-    passed on detached. A layer is gathered only when the consumer asks for it, and this
-    generator keeps no reference to a layer once it has yielded it: a consumer that drops
-    each list before asking for the next holds at most one layer.
+    named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
+    Yields lists of (name, whole tensor), names unchanged: consecutive names with the same
+    `layer_key` form one list, any other tensor a list of its own. Shards are gathered with
+    `full_tensor` (a collective), plain tensors passed on detached. A layer is gathered only
+    when the consumer asks for it, and no reference to a yielded layer is kept.
     """
     raise NotImplementedError("exercise 4.2: gather_by_layer -- see its docstring and notebook 04")
 
@@ -94,11 +88,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer: see the module docstring for the three modes.
-
-    full and merged give Hugging Face names (`engine_name`); adapter keeps peft's names (the
-    engine holds a peft copy). merged needs `scaling` (alpha / r).
-    """
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the engine
+    holds a peft copy), full and merged give Hugging Face names; merged needs `scaling` (alpha / r)."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}

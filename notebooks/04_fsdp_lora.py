@@ -98,42 +98,32 @@ first = run_chapter("04_first", *QUICK)
 # %% [markdown]
 # ## 1. Many controllers: every rank runs the loop
 #
-# Stage 1 was one process: it generated, scored, updated and synchronized, in that order.
-# Stage 4 starts N copies of that same process with `torchrun`, one per device. Each copy (a
-# **rank**) draws the same global batch of prompts from a generator seeded alike on every
-# rank, keeps its own share (a prompt's G completions stay together: GRPO normalizes within
-# the group), generates them with its own engine, scores them, and updates its shard of the
-# trainer. Nobody tells the ranks what to do: they meet only inside collectives (an
-# all-gather of weights in FSDP's forward, an all-reduce of gradients, a few numbers the step
-# must make global). This is **SPMD**, single program multiple data, as NeMo-Aligner runs RLHF
-# on Megatron; the source's framework table calls it *multiple controllers*. Notebook 06
-# builds the opposite: one driver that tells worker groups what to run.
+# Stage 4 starts N copies of stage 1's process with `torchrun`, one per device. Each copy (a
+# **rank**) draws the same global batch from a generator seeded alike on every rank, keeps
+# its own share (a prompt's G completions stay together: GRPO normalizes within the group),
+# generates it with its own engine, scores it, and updates its shard of the trainer. The
+# ranks meet only inside collectives (FSDP's weight all-gathers, the gradient all-reduce, a
+# few numbers the step must make global). This is **SPMD**, as NeMo-Aligner runs RLHF on
+# Megatron; the source's framework table calls it *multiple controllers* (notebook 06 builds
+# the opposite, one driver).
 #
-# | | stage 1 (TRL style) | stage 4 (SPMD) |
+# | | stage 1 | stage 4 (SPMD) |
 # |---|---|---|
 # | processes | one | N under `torchrun`, identical code |
 # | the batch | all B prompts | B / N prompts per rank, whole groups |
 # | trainer state | whole | sharded (ZeRO-1/2/3) or replicated (DDP) |
-# | the engine | one copy | one copy per rank, beside that rank's trainer shard |
-# | communicated | nothing | gradients (and weights under FSDP), a few global numbers, the gathered weights |
+# | the engine | one copy | one per rank, beside that rank's trainer shard |
 #
-# The loop does not change: each rank calls notebook 01's `rl_step`. Three of its numbers are
-# properties of the *whole* batch, though: the reward std when `scale_rewards="batch"`, the
-# token count that `dapo` divides by, and the batch statistics in the record. So `rl_step`
-# takes an optional `group`, the process group: with it those numbers are gathered over the
-# ranks; without it (stage 1) the step is exactly what it was. Under `torchrun` each process
-# finds its rank and the world size in its environment; gloo on CPUs, NCCL on GPUs. Reading
-# the environment, choosing the backend and `agree` (one rank's failure raised on every rank,
-# so that none waits in a collective) live in `minirl/runtime/ranks.py`.
+# Each rank calls notebook 01's `rl_step`, but three of its numbers belong to the *whole*
+# batch: the reward std when `scale_rewards="batch"`, the token count `dapo` divides by, and
+# the logged batch statistics. So `rl_step` takes an optional `group`: with it those numbers
+# are gathered over the ranks; without it the step is stage 1's. Reading torchrun's
+# environment, choosing gloo or NCCL and `agree` (one rank's failure raised on every rank, so
+# that none waits in a collective) live in `minirl/runtime/ranks.py`.
 
 # %%
 # | export minirl/parallel/launch.py
 """Joining a data-parallel job (one process per device under torchrun) and the few collectives the step uses.
-
-`init_distributed` joins the default process group and returns a `DistContext`;
-`ProcessGroup` is the object the step and the roles use for the numbers that must be global
-(rl_step's `group`); `rank_slice` is a rank's share of the global batch. Reading the
-environment, picking the backend and `agree` are plumbing: `minirl/runtime/ranks.py`.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts.
 """
@@ -168,12 +158,8 @@ class DistContext:
 
 
 def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0) -> DistContext:
-    """Join the job's process group (a group of one in a plain process); returns this rank's context.
-
-    Under torchrun: rank and world size from the environment, one CUDA device per local rank.
-    Without it (a notebook, a test): a one-process group through a file store, so the same
-    FSDP2 and DTensor code runs. Collectives give up after `timeout_s` seconds.
-    """
+    """Join the job's process group; returns this rank's context. Without torchrun (a notebook, a test): a
+    group of one through a file store, so the same FSDP2 and DTensor code runs."""
     rank, world, local = world_from_env()
     name = pick_backend(backend, device)
     dev = torch.device("cuda", local) if str(device).startswith("cuda") else torch.device("cpu")
@@ -204,12 +190,8 @@ def shutdown(together: bool = True) -> None:
 # %%
 # | export minirl/parallel/launch.py
 class ProcessGroup:
-    """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
-
-    Tensors travel on `device` (NCCL moves only GPU memory) and come back where they were.
-    group: a torch.distributed subgroup, e.g. the data-parallel ranks of a Ray pool
-    (notebook 06); None: the whole world.
-    """
+    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on `device`
+    (NCCL moves only GPU memory); group: a subgroup (a Ray pool's ranks, notebook 06), None: the world."""
 
     def __init__(self, device: torch.device | str = "cpu", group=None):
         self.group = group
@@ -243,11 +225,7 @@ class ProcessGroup:
 
 
 def rank_slice(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous slice of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
-
-    Raises ConfigError when the batch does not divide evenly: every rank must hold whole
-    prompts (a prompt's G completions stay together) and as many as the others.
-    """
+    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every other rank's."""
     if len(items) % world_size:
         raise ConfigError("prompts_per_step", len(items),
                           f"a batch of {len(items)} prompts does not divide over {world_size} ranks; "
@@ -256,29 +234,18 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
     return items[rank * k:(rank + 1) * k]
 
 # %% [markdown]
-# A stage-4 run needs a few settings beyond notebook 01's `RLConfig`: how the trainer is
-# sharded, LoRA, how the weights travel to the engine. They live in their own dataclass; the
-# chapter turns each field into a flag (`--zero`, `--lora-rank`, `--sync-mode`, ...). Every
-# value is checked when it is built, and `check_parallel` adds the checks that need the world
-# size, on every rank before anything loads; both live in `minirl/runtime/parallel_checks.py`.
+# A stage-4 run's own settings (the chapter turns each field into a flag: `--zero`,
+# `--lora-rank`, `--sync-mode`, ...); their checks, on every rank before anything loads, live
+# in `minirl/runtime/parallel_checks.py`.
 
 # %%
 # | export minirl/sync/modes.py
-"""The ways a weight sync can hand a policy to the engine: all of its weights, LoRA merged in, or the adapter alone.
-
-`SYNC_MODES` names them once for `minirl.sync.sharded.ShardedSync`, which implements them, and
-for stage 4's `--sync-mode` flag, which lists them before torch loads (this module imports nothing).
-"""
+"""The ways a weight sync can hand a policy to the engine (`ShardedSync`, `--sync-mode`); imports nothing."""
 SYNC_MODES = ("full", "merged", "adapter")   # every tensor; W + (alpha / r) B A under the base names; A and B only
 
 # %%
 # | export minirl/parallel/config.py
-"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, how vLLM is sized.
-
-The algorithm, sampling, optimizer, run and engine settings stay in RLConfig (notebook 01);
-a stage-4 run adds these. Light (no torch): a chapter builds its flags from these fields.
-The checks of every value live in `minirl/runtime/parallel_checks.py`.
-"""
+"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine. Light (no torch)."""
 
 from dataclasses import dataclass
 
@@ -333,13 +300,13 @@ class ParallelConfig:
         return "merged" if self.lora_rank else "full"
 
 # %% [markdown]
-# The notebook joins a process group of one (through a file store, no `torchrun`), so that
-# FSDP2, DTensors and the sync below run here exactly as on every rank of a real job:
+# This notebook joins a process group of one (a file store, no `torchrun`), so that FSDP2,
+# DTensors and the sync run here as on every rank of a real job:
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
 from minirl.parallel.config import ParallelConfig  # noqa: E402
-from minirl.parallel.launch import ProcessGroup, init_distributed  # noqa: E402
+from minirl.parallel.launch import ProcessGroup, init_distributed, rank_slice  # noqa: E402
 from minirl.runtime.parallel_checks import check_parallel  # noqa: E402
 
 ctx = init_distributed()
@@ -349,33 +316,28 @@ try:
     check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4)
 except ValueError as err:
     print(f"{type(err).__name__}: {err}")
+print("two ranks' shares of 8 prompts:", [rank_slice(list(range(8)), r, 2) for r in range(2)])
 
 # %% [markdown]
 # ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
 #
-# Notebook 03 measured what each ZeRO stage keeps per GPU with the wrappers it built,
-# `minirl/memory/wrap.py`; here the same wrappers train.
+# Notebook 03 built the wrappers (`minirl/memory/wrap.py`) and measured what each ZeRO stage
+# keeps per GPU; here they train.
 #
 # | `--zero` | wrapper | each rank holds |
 # |---|---|---|
-# | 0 | `DistributedDataParallel` | everything; gradients are all-reduced |
+# | 0 | `DistributedDataParallel` | everything; gradients all-reduced |
 # | 1 | DDP + `ZeroRedundancyOptimizer` | everything but Adam's state, split by whole tensors |
-# | 2 | FSDP2 `fully_shard(reshard_after_forward=False)` | shards; a layer's full weights from forward to backward |
-# | 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | shards; each layer gathered for forward, freed, gathered again |
+# | 2 | FSDP2, `reshard_after_forward=False` | shards; a layer's full weights from forward to backward |
+# | 3 | FSDP2, `reshard_after_forward=True` | shards; each layer gathered for forward, then again for backward |
 #
-# FSDP2 shards each decoder layer as one unit (the classes a Hugging Face model lists in
-# `_no_split_modules`, as accelerate and TRL do) and the rest as the root unit; options are a
-# `MixedPrecisionPolicy` (BF16 compute, FP32 gradient reduction: the source's 2 + 2 + 12
-# bytes), a `CPUOffloadPolicy` and per-layer gradient checkpointing.
-#
-# LoRA goes *inside* FSDP: peft first replaces each targeted linear layer by one holding the
-# frozen base weight and two small trainable matrices A (r × in) and B (out × r), then FSDP2
-# shards the result (frozen and trainable tensors share one unit, which FSDP2 allows). The
-# optimizer sees only the trainable tensors. What FSDP2 leaves in the model: every parameter
-# becomes a `DTensor`, a view of the whole tensor of which this rank holds a shard. And what
-# LoRA leaves trainable: r (d_in + d_out) per adapted d_in × d_out matrix, a large share of a
-# 128-wide layer and a small one of an 8192-wide layer; it is also what an adapter-only sync
-# ships (section 4):
+# FSDP2 shards each decoder layer as one unit (the classes in `_no_split_modules`, as
+# accelerate and TRL do), with an optional `MixedPrecisionPolicy` (the source's 2 + 2 + 12
+# bytes), `CPUOffloadPolicy` and gradient checkpointing. LoRA goes *inside* FSDP: peft replaces
+# each targeted linear layer by the frozen base weight plus two small trainable matrices A
+# (r × in) and B (out × r), then FSDP2 shards the result. Every parameter becomes a `DTensor`,
+# a view of the whole tensor of which this rank holds a shard; LoRA trains r (d_in + d_out) per
+# adapted matrix, which is also what an adapter-only sync ships (section 4):
 
 # %%
 import copy  # noqa: E402
@@ -445,18 +407,11 @@ show(rows, ("LoRA rank", "trainable", "of the base", "of Llama-2-70B"))
 
 # %%
 # | export minirl/parallel/roles.py
-"""The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
+"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted by the rank's share.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
-(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`. Each rank's loss is weighted
-by its loss type's `rank_weight`, applied as a gradient scale on the output of the training
-forward (the actor's log-probs, the critic's values), so notebook 01's `update` runs
-unchanged. `DataParallelRole` holds what both share: the weighting, one metric record for
-all ranks (`reduce_metrics`), and a skip that every rank makes together.
-
-Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
-is wrapped by DDP only; a loss that overflows on one rank from finite inputs and log-probs
-is not caught before the backward, and leaves the others waiting until the timeout.
+The weight (the loss type's `rank_weight`) is applied as a gradient scale on the output of
+the training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
+runs unchanged. Simplified: with beta > 0 the reference is a whole copy on every rank.
 """
 
 import torch
@@ -485,63 +440,6 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
 # token-weighted mean of the ranks', a minimum the smallest, the loss the weighted sum that
 # defines the batch's loss. This is exercise 4.1.
 
-# ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
-#
-# Notebook 03 measured what each ZeRO stage keeps per GPU with the wrappers it built,
-# `minirl/memory/wrap.py` (its appendix); here the same wrappers train, so the bytes measured
-# there are the bytes of the trainer here.
-#
-# | `--zero` | wrapper | each rank holds |
-# |---|---|---|
-# | 0 | `DistributedDataParallel` | everything; gradients are all-reduced |
-# | 1 | DDP + `ZeroRedundancyOptimizer` | everything but Adam's state, which is split by whole tensors |
-# | 2 | FSDP2 `fully_shard(reshard_after_forward=False)` per decoder layer | shards; a layer's full weights from its forward to its backward |
-# | 3 | FSDP2 `fully_shard(reshard_after_forward=True)` | shards; each layer gathered for its forward, freed, gathered again for backward |
-#
-# FSDP2 shards each decoder layer as one unit (the layer classes a Hugging Face model lists in
-# `_no_split_modules`, as accelerate and TRL do) and the rest of the model as the root unit.
-# Options: a `MixedPrecisionPolicy` (compute in BF16, reduce gradients in FP32: the source's
-# 2 + 2 + 12 bytes), a `CPUOffloadPolicy` (shards, gradients and Adam state in host memory),
-# and per-layer gradient checkpointing.
-#
-# LoRA goes *inside* FSDP: peft first replaces each targeted linear layer by one that holds
-# the frozen base weight and two small trainable matrices A (r × in) and B (out × r), then
-# FSDP2 shards the result. Frozen and trainable tensors share one FSDP unit, which FSDP2
-# allows (FSDP1 needed `use_orig_params=True` for it). The optimizer only sees the trainable
-# tensors. A target that matches no layer of the model is an error, naming the layers there
-# are: peft would otherwise adapt the ones that do match and leave you to find out.
-
-# %% [markdown]
-# What FSDP2 leaves in the model: every parameter becomes a `DTensor`, a view of the whole
-# tensor of which this rank holds a shard (here, in a group of one, the whole of it). And
-# what LoRA leaves trainable, here and on the source's 70 B model: r (d_in + d_out) per
-# adapted d_in × d_out matrix is a large share of a 128-wide layer and a small one of an
-# 8192-wide layer, and it is also what an adapter-only sync ships (section 4):
-
-# %%
-import copy  # noqa: E402
-
-from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model  # noqa: E402
-from minirl.models.policy import load_default_policy  # noqa: E402
-
-model, tokenizer, policy_path = load_default_policy()
-sharded = wrap_model(copy.deepcopy(model), zero=3, device="cpu")
-weight = sharded.module.get_parameter("model.layers.0.mlp.up_proj.weight")
-print(f"{len(decoder_layers(model))} decoder layers, each its own FSDP2 unit")
-print(f"up_proj.weight: {type(weight).__name__}, placement {weight.placements}, whole {tuple(weight.shape)}, "
-      f"this rank's shard {tuple(weight.to_local().shape)}")
-from minirl.memory.calculator import LLAMA2_70B, lora_params  # noqa: E402
-
-total = sum(p.numel() for p in model.parameters())
-rows = []
-for rank in (4, 8, 16):
-    adapted = apply_lora(copy.deepcopy(model), rank)
-    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-    big = lora_params(LLAMA2_70B, rank) / LLAMA2_70B.param_count()     # the same 7 targets, notebook 03's count
-    rows.append((rank, f"{trainable:,}", f"{trainable / total:.1%}", f"{big:.2%}"))
-print(f"the policy: {total:,} parameters")
-show(rows, ("LoRA rank", "trainable parameters", "of the base", "of a 70 B base (Llama-2-70B)"))
-
 # %%
 # | export minirl/parallel/roles.py
 import math
@@ -552,7 +450,7 @@ from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.runtime.lockstep import finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
 
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
@@ -562,16 +460,13 @@ def _number(value) -> bool:
 
 
 def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+    """The ranks' update metrics as one record (every rank that reduces the same lists gets the same one).
 
-    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
-    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
-    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
-    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
-    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
-    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
-    One rank: its record unchanged.
+    records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
+    None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
+    0's (already global); a loss (`LOSSES`) with weights: (1 / W) sum_r w_r loss_r; any other
+    number: the token-weighted mean of the ranks'. Anything else, or a key some rank lacks:
+    rank 0's. One rank: its record unchanged.
     """
     if len(records) == 1:
         return dict(records[0])
@@ -602,16 +497,11 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
 
 # %%
 # | export minirl/parallel/roles.py
-class DataParallelRole:
+class DataParallelRole(ReplicatedState):
     """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
-    A role sets `self.module` (the plain model underneath: names, state_dict), `self.zero`
-    and `self.group` (a ProcessGroup) with `_join`, and passes the output of its training
-    forward through `_weighted`. `update` pads the batch to the widest completion of any
-    rank, agrees on the rank's weight and on whether any rank's batch is not finite (then
-    `skip_field` becomes NaN on every rank, so that notebook 01's update skips its step
-    everywhere), runs the role's own update, and returns `reduce_metrics` of every rank's
-    metrics, plus "<loss_key>_weight": rank 0's w. Every rank must call `update` together.
+    A role calls `_join` and passes the output of its training forward through `_weighted`.
+    Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
     """
 
     skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
@@ -622,10 +512,8 @@ class DataParallelRole:
         self.grad_scale, self.skipping = 1.0, False
 
     def _weighted(self, output: Tensor) -> Tensor:
-        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled by w_r.
-
-        Forwards without gradient (log-probs and values before the update) pass untouched.
-        """
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled
+        by w_r. Forwards without gradient pass untouched."""
         if not output.requires_grad:
             return output
         if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
@@ -635,13 +523,8 @@ class DataParallelRole:
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
-
-        The batch is first padded to the widest completion of any rank: notebook 01's forward
-        makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
-        broadcasts buffers in every forward) all ranks must make the same passes (the actor
-        also agrees on its number of micro-batches: `DistributedActor.micro_batches`).
-        """
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' one record
+        (plus "<loss_key>_weight": rank 0's w). A batch that is not finite on any rank: every rank skips."""
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
@@ -659,23 +542,14 @@ class DataParallelRole:
             (metrics, tokens, weight)), strict=True))
         return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
 
-    def _replicated(self, what: str) -> None:
-        if self.zero:
-            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
-                                      "minirl.runtime.sharded_checkpoint (DCP)")
-
 # %%
 # | export minirl/parallel/roles.py
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
-    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
-    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
-    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
-    transformers then turns the KV cache off in training, so the log-probs take one pass over
-    every row instead of sharing each group's prompt (same values, more compute).
-    Every rank makes as many micro-batches as the rank with the most (`micro_batches`).
+    wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
+    model), `self.module` the model underneath. checkpointing: the layers are recomputed in
+    backward, and transformers then turns the KV cache off (no shared prompt pass).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
@@ -708,23 +582,11 @@ class DistributedActor(DataParallelRole, Actor):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
         return self.module.state_dict().items()
 
-    def state_dict(self) -> dict:
-        """The optimizer's state, when every rank holds all of it (zero 0: DDP replicas)."""
-        self._replicated("state_dict")
-        return super().state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        super().load_state_dict(state)
-
 # %%
 # | export minirl/parallel/roles.py
 class DistributedCritic(DataParallelRole, Critic):
-    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
-
-    wrapped: the value model from `wrap_model` (zero 0 or 1); a forward hook passes the
-    values of the training forward through `_weighted`. A skip makes the returns NaN.
-    """
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of ranks).
+    wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
 
     skip_field, loss_key = "returns", "value_loss"
 
@@ -734,16 +596,6 @@ class DistributedCritic(DataParallelRole, Critic):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
-
-    def state_dict(self) -> dict:
-        """The value model's weights (plain names) and the optimizer's state (zero 0)."""
-        self._replicated("state_dict")
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
 # %% [markdown]
 # Check the claim on numbers. Split a batch of per-token losses over three "ranks" with
@@ -777,6 +629,11 @@ for loss_type in ("dapo", "grpo", "dr_grpo", "cispo"):
                  f"{errors[0]:.1%}", f"{errors[1]:.1e}"))
 show(rows, ("loss_type", "tokens per rank", "w_r", "error, plain mean", "error, weighted"))
 assert all(float(r[4]) < 1e-5 for r in rows)
+
+from minirl.parallel.roles import reduce_metrics  # noqa: E402
+
+ranks = [{"loss": 0.5, "clip_ratio/max": 0.1, "kl": 0.02}, {"loss": 0.3, "clip_ratio/max": 0.3, "kl": 0.04}]
+print("two ranks' records as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], loss_weights=[1.5, 0.5]))
 # %% [markdown]
 # ## 4. Getting sharded weights into the engine
 #
@@ -802,21 +659,11 @@ assert all(float(r[4]) < 1e-5 for r in rows)
 
 # %%
 # | export minirl/sync/sharded.py
-"""Weight sync from a sharded trainer: gather layer by layer, merge LoRA or ship only the adapter.
+"""Weight sync from a sharded trainer: gathered layer by layer, LoRA merged or the adapter alone.
 
-Under FSDP2 each rank holds 1/W of every tensor (a DTensor shard); the engine needs whole
-tensors under its own names. `ShardedSync.push` walks the trainer's state one decoder layer
-(or one bucket of layers) at a time: gathers it (an all-gather every rank joins, in the same
-order), turns it into what the engine loads, and streams it into the engine before it gathers
-the next, so the gathered copy stays about one layer (two buckets, packed).
-Three modes:
-  full:    every tensor, under the engine's (Hugging Face) names;
-  merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
-  adapter: only LoRA's A and B (the engine keeps the frozen base and applies the adapter).
-Measuring a push (bytes alive, a stand-in engine, the stale check) is `minirl/runtime/sync_meter.py`.
-
-Simplified vs TRL / veRL: buckets are whole decoder layers, no CUDA IPC handles; one LoRA
-adapter ("default"); no DoRA, no modules_to_save.
+Modes: full (every tensor, Hugging Face names), merged (W + (alpha / r) B A under the base
+names), adapter (only LoRA's A and B). Simplified vs TRL / veRL: buckets are whole decoder
+layers, no CUDA IPC handles; one LoRA adapter; no DoRA.
 """
 
 import re
@@ -846,14 +693,11 @@ def full_tensor(tensor: Tensor) -> Tensor:
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
-    named_weights: (name, tensor) pairs in state_dict order; a tensor is a DTensor (an FSDP2
-    shard) or a plain tensor. Yields lists of (name, whole tensor), names unchanged:
-    consecutive names with the same `layer_key` form one list (a decoder layer's tensors),
-    any other tensor is a list of its own. Shards are gathered with `full_tensor` (a
-    collective: every rank gathers the same tensors in the same order); plain tensors are
-    passed on detached. A layer is gathered only when the consumer asks for it, and this
-    generator keeps no reference to a layer once it has yielded it: a consumer that drops
-    each list before asking for the next holds at most one layer.
+    named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
+    Yields lists of (name, whole tensor), names unchanged: consecutive names with the same
+    `layer_key` form one list, any other tensor a list of its own. Shards are gathered with
+    `full_tensor` (a collective), plain tensors passed on detached. A layer is gathered only
+    when the consumer asks for it, and no reference to a yielded layer is kept.
     """
     # BEGIN SOLUTION
     layer, key = [], None
@@ -891,11 +735,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer: see the module docstring for the three modes.
-
-    full and merged give Hugging Face names (`engine_name`); adapter keeps peft's names (the
-    engine holds a peft copy). merged needs `scaling` (alpha / r).
-    """
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the engine
+    holds a peft copy), full and merged give Hugging Face names; merged needs `scaling` (alpha / r)."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}
@@ -953,15 +794,8 @@ class ShardedSyncReport(SyncReport):
 
 
 class ShardedSync:
-    """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
-
-    mode: "full", "merged" or "adapter" (module docstring); lora_scaling: alpha / r for
-    "merged". packed=True gathers whole layers in one all-gather per bucket of at most
-    `bucket_bytes` (`gather_buckets`; 0: one layer per all-gather), packed=False one per
-    tensor (`gather_by_layer`). verify=True compares every tensor the engine holds with a
-    second gathering of the trainer's, within the engine dtype's rounding (notebook 02's
-    check; twice the traffic). The last report is kept in `last_report`.
-    """
+    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed: one
+    all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check (twice the traffic)."""
 
     def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
                  packed: bool = True, bucket_bytes: int = 0):
@@ -1029,7 +863,7 @@ class ShardedSync:
 # `merge_lora` against peft's own `merge_and_unload`, on a LoRA layer whose B is not zero:
 
 # %%
-from minirl.sync.sharded import merge_lora  # noqa: E402
+from minirl.sync.sharded import gather_by_layer, merge_lora  # noqa: E402
 
 adapted = apply_lora(copy.deepcopy(model), 8)
 with torch.no_grad():
@@ -1042,6 +876,8 @@ by_hand = merge_lora(state[f"{stem}.base_layer.weight"], state[f"{stem}.lora_A.d
                      state[f"{stem}.lora_B.default.weight"], scaling=16 / 8)
 by_peft = copy.deepcopy(adapted).merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
 print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
+layers = [[name for name, _ in layer] for layer in gather_by_layer(sharded.module.state_dict().items())]
+print(f"gather_by_layer on the FSDP2 model: {len(layers)} lists; decoder layer 0's holds {len(layers[1])} tensors")
 
 # %% [markdown]
 # The receiving side must stream too. Notebook 01's `HFEngine.load_weights` first builds a
@@ -1065,15 +901,6 @@ print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
 # | export minirl/rollout/colocated.py
 """An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
 
-`ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
-`SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
-copies each tensor into place as it arrives (checked by `minirl/runtime/push_checks.py`), so a
-sender that gathers layer by layer never needs a second whole copy; with stream=False the push
-goes to the engine's own `load_weights`. With colocate=True the engine sleeps after every
-`generate`: the storage of the tensors every push brings (all, or with adapter_only=True just
-LoRA's A and B) is released until the next push wakes it up. Stage 4 wraps every rank's engine
-in it, stage 6 the engine of a Ray worker that also hosts the actor.
-
 Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call), and
 level 2 only; level 1 (offload to host memory) has nowhere to go on a CPU.
 """
@@ -1088,7 +915,7 @@ from torch import Tensor
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError
-from minirl.runtime.push_checks import copy_pushed
+from minirl.runtime.push_checks import StreamedLoads
 
 
 class EngineNotReady(RuntimeError):
@@ -1122,16 +949,12 @@ def restore_storage(tensors: Iterable[Tensor]) -> None:
 
 # %%
 # | export minirl/rollout/colocated.py
-class ColocatedEngine:
+class ColocatedEngine(StreamedLoads):
     """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
-    engine: an in-process engine with `.model` (an nn.Module), `.version`, `generate` and
-    `load_weights`. adapter_only: pushes bring only the LoRA tensors (names containing
-    "lora_"), the base stays resident (needs stream=True). stream: copy each pushed tensor
-    into `engine.model` under its state_dict name (for engines that keep nothing derived from
-    the weights, such as the HF engines); False: hand the push to `engine.load_weights`.
-    record(what): a context manager around every "sleep" and "wake_up" (a Ray worker's
-    timeline); `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    engine: an in-process engine with `.model`, `.version`, `generate` and `load_weights`.
+    adapter_only: pushes bring only the LoRA tensors, the base stays resident. record(what): a
+    context manager around every "sleep" and "wake_up" (a Ray worker's timeline).
     """
 
     def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
@@ -1149,10 +972,6 @@ class ColocatedEngine:
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
-    @property
-    def model(self):
-        return self.engine.model
-
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
@@ -1165,13 +984,8 @@ class ColocatedEngine:
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load the push (streamed, or by the engine's own load_weights); then the engine holds `version`.
-
-        Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
-        than the one held; streamed, ValueError naming an unknown name, a wrong shape, or the
-        names missing at the end (the engine's own load_weights raises its own errors). After
-        an error the engine refuses to generate until a complete push.
-        """
+        """Wake if asleep, then load the push (streamed, or by the engine's own load_weights) as `version`;
+        after an error the engine refuses to generate until a complete push."""
         if version < self.engine.version:
             raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
                                        f"version {self.engine.version}: refusing to go back to older weights")
@@ -1184,26 +998,6 @@ class ColocatedEngine:
         else:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
-
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
-
-    def named_weights(self):
-        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
-        return self.engine.named_weights()
 
     def sleep(self) -> None:
         """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
@@ -1317,21 +1111,11 @@ assert asleep == 0 and awake > 0
 
 # %%
 # | export minirl/rollout/vllm.py
-"""The vLLM engine behind the rollout protocol: paged KV cache, prefix caching, sleep mode, in-place weight loads.
-
-Written against vLLM's offline API as TRL's colocate mode uses it: one `vllm.LLM` per
-training process (`distributed_executor_backend="external_launcher"` under torchrun), prefix
-caching on, log-probs after the temperature, `SamplingParams(n=G, logprobs=0, seed=...)` per
-prompt, `sleep(level=2)` after generating, and `reset_prefix_cache()` after every push.
-Weights go in through vLLM's public `collective_rpc("reload_weights")` (the tensors passed
-as an iterator: the external launcher runs the worker in this process, so nothing is
-copied), or, where it is missing or refuses before taking a tensor, the internal chain TRL
-uses (`weight_api` says which). Sizing, start-up, memory and sleep: `minirl/runtime/vllm_setup.py`.
+"""The vLLM engine behind the rollout protocol, written against vLLM's offline API as TRL's colocate mode uses it.
 
 Simplified vs TRL: tensor parallel size 1, no server mode, no LoRA adapters inside vLLM.
 """
 
-import os
 from typing import Iterable
 
 import torch
@@ -1339,59 +1123,19 @@ from torch import Tensor
 
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
-from minirl.rollout.base import VersionMismatchError, check_request, check_tokenizer, draw_seed
+from minirl.rollout.base import VersionMismatchError, check_request, draw_seed
 from minirl.runtime.prompt_seeds import prompt_seed
-from minirl.runtime.vllm_setup import (
-    INTERNAL_API,
-    PUBLIC_API,
-    PushStream,
-    VLLMSupport,
-    free_port,
-    import_vllm,
-    padded_rollout,
-    start_llm,
-    vllm_settings,
-)
+from minirl.runtime.vllm_setup import PushStream, VLLMSupport, padded_rollout
 
 
 class VLLMEngine(VLLMSupport):
-    """A vLLM `LLM` in this process, holding version `version` of the policy.
-
-    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
-    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
-    after generating, wake before loading weights and before generating;
-    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
-    prompt plus completion (None: the model's context; see `task_model_len`);
-    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
-    """
-
-    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
-                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 4096):
-        dtype, max_model_len = vllm_settings(model, dtype, gpu_memory_utilization, max_model_len,
-                                             max_num_batched_tokens)
-        vllm = import_vllm()
-        check_tokenizer(tokenizer)
-        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
-        self.device = torch.device(device if device is not None else "cuda")
-        self.names = list(model.state_dict())
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)                # external_launcher reads torchrun's variables
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        free_before = self._free_bytes()
-        self.llm = start_llm(vllm, model, tokenizer, dtype=dtype, seed=seed, enable_sleep_mode=colocate,
-                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
-        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
-        self.SamplingParams = vllm.SamplingParams
-        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
-        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
+    """A vLLM `LLM` in this process, holding version `version` of the policy; colocate: sleep after
+    generating. Building it (`LLM(...)` with the options above, sized): `minirl/runtime/vllm_setup.py`."""
 
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
-        """G samples per prompt with the sampled tokens' log-probs (after temperature); rows i*G .. i*G+G-1
-        continue prompts[i]. With a generator, each prompt samples from `prompt_seed(s, prompt)`, s drawn
-        from it, so a batch's samples do not depend on how it is split over ranks."""
+        """G samples per prompt with the sampled tokens' log-probs (after temperature), each prompt seeded by
+        `prompt_seed`: a batch's samples do not depend on how it is split over ranks."""
         check_request(self, prompts, sampling, expected_version)
         if not self.ready:
             raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights did not "
@@ -1410,11 +1154,7 @@ class VLLMEngine(VLLMSupport):
         return padded_rollout(tok, prompts, G, rows, self.version)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; then reset the prefix cache.
-
-        Raises VersionMismatchError for an older version, ValueError for an unknown name or
-        names missing at the end (after which the engine refuses to generate until a full push).
-        """
+        """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; reset the prefix cache."""
         if version < self.version:
             raise VersionMismatchError(f"load_weights(version={version}) but the vLLM engine holds version "
                                        f"{self.version}: refusing to go back to older weights")
@@ -1442,30 +1182,13 @@ print("engines before this one:", ", ".join(ENGINES))
 
 # %%
 # | export minirl/rollout/registry.py
-import importlib.util
-
-VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
-VLLM_INSTALL = "on a CUDA machine run pip install -r requirements-gpu.txt, or use --rollout-engine shared_prefix"
-
-
-def vllm_problem(config: RLConfig) -> str | None:
-    """Why this run cannot roll out with vLLM (not installed, not on CUDA, an FP8 copy), or None; no heavy import."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed; {VLLM_INSTALL}"
-    if not config.run.device.startswith("cuda"):
-        return (f"vLLM's engine runs on CUDA GPUs and this run's --device is {config.run.device}; pass --device cuda "
-                "on a GPU machine, or use --rollout-engine shared_prefix")
-    if config.engine_dtype not in VLLM_DTYPES:
-        return (f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a quantization mode) and --rollout-dtype is "
-                f"{config.rollout.rollout_dtype}; pick one of those")
-    return None
+from minirl.runtime.vllm_check import vllm_problem
 
 
 @register_engine("vllm", problem=vllm_problem)
 def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
     """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
-    max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
-    max_num_batched_tokens (its defaults without them)."""
+    max_model_len; settings: VLLMEngine's gpu_memory_utilization and max_num_batched_tokens."""
     from minirl.rollout.vllm import VLLMEngine  # noqa: PLC0415 (vLLM loads when built)
     from minirl.runtime.vllm_setup import task_model_len  # noqa: PLC0415
 
@@ -1507,17 +1230,8 @@ except ValueError as err:
 # | export minirl/parallel/spmd.py
 """The stage-4 run: every rank runs notebook 01's `rl_step` on its share of the batch (SPMD).
 
-`setup_spmd` builds, on every rank, the reference copy (beta > 0), the rank's engine (a full
-copy of the policy beside its trainer shard: colocated), the LoRA adapters, the wrapped
-trainer (`DistributedActor`) and the `ShardedSync`, and pushes version 0 so that a bad
-engine fails before any step. `spmd_step` draws the global batch from the generator every
-rank shares, keeps this rank's share and calls `rl_step` with the process group; with
-`sync_every` K > 1 only every K-th step pushes (`sync_due`; the others hand `rl_step` a
-`KeepWeights`). `run` and the callbacks of notebook 01 drive it unchanged. Evaluating and
-exporting the policy: `minirl/runtime/policy_export.py`; the sync's cost: `minirl/runtime/sync_meter.py`.
-
 Simplified vs NeMo-Aligner / veRL: every rank holds a whole engine copy (no tensor-parallel
-rollout), GRPO only, one model family's decoder layers per FSDP unit.
+rollout), GRPO only.
 """
 
 from dataclasses import dataclass
@@ -1530,10 +1244,7 @@ from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.roles.reference import Reference
-from minirl.rollout.base import Colocated
-from minirl.rollout.colocated import ColocatedEngine
-from minirl.rollout.registry import build_engine
-from minirl.runtime.prompt_seeds import SeedPerPrompt
+from minirl.runtime.spmd_support import build_rank_engine, rank_records
 from minirl.sync.base import SyncReport
 from minirl.sync.sharded import ShardedSync
 from minirl.train.run import RunState
@@ -1551,28 +1262,9 @@ class SPMDState(RunState):
     lag: int = 0                                        # updates the engine's weights are behind the trainer's
 
 
-def build_rank_engine(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, device, prompts=()):
-    """This rank's engine holding a copy of `model` (version 0), built by the engine registry, colocated.
-
-    An engine that colocates itself (vLLM's sleep mode: the `Colocated` protocol) is used as
-    built; an in-process one is wrapped in `ColocatedEngine` (and `SeedPerPrompt`).
-    prompts: the task's, which size vLLM's max_model_len (the model's context without them)."""
-    engine = build_engine(config, model, tokenizer, device, colocate=pconfig.colocate, prompts=tuple(prompts),
-                          gpu_memory_utilization=pconfig.vllm_gpu_memory_utilization,
-                          max_num_batched_tokens=pconfig.vllm_max_num_batched_tokens)
-    if isinstance(engine, Colocated):
-        return engine
-    if pconfig.seed_per_prompt:
-        engine = SeedPerPrompt(engine)
-    return ColocatedEngine(engine, colocate=pconfig.colocate, adapter_only=pconfig.resolved_sync_mode == "adapter")
-
-
 def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
                ctx: DistContext, reward_weights: list[float] | None = None) -> SPMDState:
-    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here).
-
-    rows: the task's training rows; reward_funcs, reward_weights: its rewards (TRL's signature and
-    weights; None: 1 each)."""
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
@@ -1602,27 +1294,16 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
 # %%
 # | export minirl/parallel/spmd.py
 class KeepWeights:
-    """The sync of a step that does not synchronize: the engine keeps the weights (and version) it holds.
-
-    push() moves nothing and reports the engine's own version, so `rl_step` keeps expecting
-    the version the engine really holds: the next batch is generated, version-checked and
-    logged (`generated_version`, the rollout's log-probs that an importance-sampling
-    correction divides by) as the older policy it is. A version counts pushes, not updates.
-    """
+    """The sync of a step that does not synchronize: it moves nothing and reports the version the engine
+    holds, so the next batch is generated, checked and logged as the older policy it is."""
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
         return SyncReport(engine.version, 0, 0, 0.0)
 
 
 def sync_due(step: int, pconfig: ParallelConfig, config: RLConfig) -> bool:
-    """Whether step `step` (1, 2, ...) pushes its update to the engine.
-
-    Every `sync_every`-th step, and always the steps that evaluate, checkpoint or end the
-    run: an evaluation measures the engine's copy (it must be the trainer's latest), and a
-    resume refills the engine from the restored trainer (the engine must have held those
-    weights when the checkpoint was taken, or the resumed run would differ). Between two
-    pushes the engine generates with weights up to sync_every - 1 updates old.
-    """
+    """Whether step `step` (1, 2, ...) pushes: every `sync_every`-th, and always the steps that evaluate
+    (the engine's copy is measured), checkpoint (a resume refills the engine) or end the run."""
     run = config.run
     return (step % pconfig.sync_every == 0 or step == run.steps
             or bool(run.eval_every and step % run.eval_every == 0)
@@ -1644,14 +1325,21 @@ def spmd_step(state: SPMDState) -> dict:
     record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
                "sync/pushed": int(due), "staleness": staleness,
                "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
-    local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
-    everyone = group.gather_objects(local)
-    for key in local:
-        if key.startswith("rewards/"):                    # equal shares: the mean of the ranks' means
-            record[key] = sum(r[key] for r in everyone) / len(everyone)
-    record["reward_errors"] = sum(r.get("reward_errors", 0) for r in everyone)
-    record["time_by_rank"] = [{k: v for k, v in r.items() if k.startswith("time/")} for r in everyone]
-    return record
+    return record | rank_records(record, group)       # per-reward means and each rank's times
+
+# %% [markdown]
+# One step of the stage, in this group of one: every rank of a torchrun job runs exactly this.
+
+# %%
+from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: E402
+from minirl.tasks.task import arithmetic_task  # noqa: E402
+
+task = arithmetic_task()
+spmd = setup_spmd(RLConfig.from_flat(prompts_per_step=4, num_generations=4), ParallelConfig(lora_rank=8),
+                  copy.deepcopy(model), tokenizer, task.train, task.reward_funcs, ctx)
+record = spmd_step(spmd)
+keys = ("reward", "loss", "loss_weight", "sync/tensors", "sync/peak_bytes", "staleness")
+print({key: round(record[key], 4) for key in keys if key in record})
 
 # %% [markdown]
 # ## 7. Run it under `torchrun`

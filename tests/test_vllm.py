@@ -220,7 +220,7 @@ def test_memory_follows_sleep_and_wake_and_generate_sleeps_after(fake_vllm, tiny
 def test_stage4_builds_vllm_with_the_task_length_and_the_flags(fake_vllm, tiny):
     from minirl.config import RLConfig
     from minirl.parallel.config import ParallelConfig
-    from minirl.parallel.spmd import build_rank_engine
+    from minirl.runtime.spmd_support import build_rank_engine
 
     model, tokenizer = tiny
     pconfig = ParallelConfig(vllm_gpu_memory_utilization=0.4, vllm_max_num_batched_tokens=2048)

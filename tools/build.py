@@ -88,7 +88,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/parallel_checks.py", "minirl/runtime/policy_export.py",
                 "minirl/runtime/prompt_seeds.py", "minirl/runtime/push_checks.py", "minirl/runtime/ranks.py",
                 "minirl/runtime/sharded_checkpoint.py", "minirl/runtime/stops.py", "minirl/runtime/sync_meter.py",
-                "minirl/runtime/vllm_setup.py")
+                "minirl/runtime/spmd_support.py", "minirl/runtime/vllm_check.py", "minirl/runtime/vllm_setup.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

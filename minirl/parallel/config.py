@@ -1,10 +1,5 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Stage 4's settings: how the trainer is sharded, LoRA, how weights reach the engine, how vLLM is sized.
-
-The algorithm, sampling, optimizer, run and engine settings stay in RLConfig (notebook 01);
-a stage-4 run adds these. Light (no torch): a chapter builds its flags from these fields.
-The checks of every value live in `minirl/runtime/parallel_checks.py`.
-"""
+"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine. Light (no torch)."""
 
 __all__ = ["MIXED_PRECISION", "ParallelConfig"]
 

@@ -1,11 +1,6 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """Joining a data-parallel job (one process per device under torchrun) and the few collectives the step uses.
 
-`init_distributed` joins the default process group and returns a `DistContext`;
-`ProcessGroup` is the object the step and the roles use for the numbers that must be global
-(rl_step's `group`); `rank_slice` is a rank's share of the global batch. Reading the
-environment, picking the backend and `agree` are plumbing: `minirl/runtime/ranks.py`.
-
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts.
 """
 
@@ -41,12 +36,8 @@ class DistContext:
 
 
 def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0) -> DistContext:
-    """Join the job's process group (a group of one in a plain process); returns this rank's context.
-
-    Under torchrun: rank and world size from the environment, one CUDA device per local rank.
-    Without it (a notebook, a test): a one-process group through a file store, so the same
-    FSDP2 and DTensor code runs. Collectives give up after `timeout_s` seconds.
-    """
+    """Join the job's process group; returns this rank's context. Without torchrun (a notebook, a test): a
+    group of one through a file store, so the same FSDP2 and DTensor code runs."""
     rank, world, local = world_from_env()
     name = pick_backend(backend, device)
     dev = torch.device("cuda", local) if str(device).startswith("cuda") else torch.device("cpu")
@@ -73,12 +64,8 @@ def shutdown(together: bool = True) -> None:
 
 
 class ProcessGroup:
-    """A process group as the step and the roles use it (rl_step's `group`): the default one, or `group`.
-
-    Tensors travel on `device` (NCCL moves only GPU memory) and come back where they were.
-    group: a torch.distributed subgroup, e.g. the data-parallel ranks of a Ray pool
-    (notebook 06); None: the whole world.
-    """
+    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on `device`
+    (NCCL moves only GPU memory); group: a subgroup (a Ray pool's ranks, notebook 06), None: the world."""
 
     def __init__(self, device: torch.device | str = "cpu", group=None):
         self.group = group
@@ -112,11 +99,7 @@ class ProcessGroup:
 
 
 def rank_slice(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous slice of a global batch: items r*k .. r*k+k-1 with k = len / world_size.
-
-    Raises ConfigError when the batch does not divide evenly: every rank must hold whole
-    prompts (a prompt's G completions stay together) and as many as the others.
-    """
+    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every other rank's."""
     if len(items) % world_size:
         raise ConfigError("prompts_per_step", len(items),
                           f"a batch of {len(items)} prompts does not divide over {world_size} ranks; "

@@ -1,16 +1,9 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
+"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted by the rank's share.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
-(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`. Each rank's loss is weighted
-by its loss type's `rank_weight`, applied as a gradient scale on the output of the training
-forward (the actor's log-probs, the critic's values), so notebook 01's `update` runs
-unchanged. `DataParallelRole` holds what both share: the weighting, one metric record for
-all ranks (`reduce_metrics`), and a skip that every rank makes together.
-
-Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
-is wrapped by DDP only; a loss that overflows on one rank from finite inputs and log-probs
-is not caught before the backward, and leaves the others waiting until the timeout.
+The weight (the loss type's `rank_weight`) is applied as a gradient scale on the output of
+the training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
+runs unchanged. Simplified: with beta > 0 the reference is a whole copy on every rank.
 """
 
 __all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "DataParallelRole", "DistributedActor",
@@ -27,7 +20,7 @@ from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.runtime.lockstep import finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -54,16 +47,13 @@ def _number(value) -> bool:
 
 
 def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+    """The ranks' update metrics as one record (every rank that reduces the same lists gets the same one).
 
-    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
-    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
-    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
-    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
-    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
-    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
-    One rank: its record unchanged.
+    records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
+    None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
+    0's (already global); a loss (`LOSSES`) with weights: (1 / W) sum_r w_r loss_r; any other
+    number: the token-weighted mean of the ranks'. Anything else, or a key some rank lacks:
+    rank 0's. One rank: its record unchanged.
     """
     if len(records) == 1:
         return dict(records[0])
@@ -86,16 +76,11 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     return out
 
 
-class DataParallelRole:
+class DataParallelRole(ReplicatedState):
     """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
 
-    A role sets `self.module` (the plain model underneath: names, state_dict), `self.zero`
-    and `self.group` (a ProcessGroup) with `_join`, and passes the output of its training
-    forward through `_weighted`. `update` pads the batch to the widest completion of any
-    rank, agrees on the rank's weight and on whether any rank's batch is not finite (then
-    `skip_field` becomes NaN on every rank, so that notebook 01's update skips its step
-    everywhere), runs the role's own update, and returns `reduce_metrics` of every rank's
-    metrics, plus "<loss_key>_weight": rank 0's w. Every rank must call `update` together.
+    A role calls `_join` and passes the output of its training forward through `_weighted`.
+    Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
     """
 
     skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
@@ -106,10 +91,8 @@ class DataParallelRole:
         self.grad_scale, self.skipping = 1.0, False
 
     def _weighted(self, output: Tensor) -> Tensor:
-        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled by w_r.
-
-        Forwards without gradient (log-probs and values before the update) pass untouched.
-        """
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled
+        by w_r. Forwards without gradient pass untouched."""
         if not output.requires_grad:
             return output
         if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
@@ -119,13 +102,8 @@ class DataParallelRole:
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
-
-        The batch is first padded to the widest completion of any rank: notebook 01's forward
-        makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
-        broadcasts buffers in every forward) all ranks must make the same passes (the actor
-        also agrees on its number of micro-batches: `DistributedActor.micro_batches`).
-        """
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' one record
+        (plus "<loss_key>_weight": rank 0's w). A batch that is not finite on any rank: every rank skips."""
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
@@ -143,22 +121,13 @@ class DataParallelRole:
             (metrics, tokens, weight)), strict=True))
         return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
 
-    def _replicated(self, what: str) -> None:
-        if self.zero:
-            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
-                                      "minirl.runtime.sharded_checkpoint (DCP)")
-
 
 class DistributedActor(DataParallelRole, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
-    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
-    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
-    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
-    transformers then turns the KV cache off in training, so the log-probs take one pass over
-    every row instead of sharing each group's prompt (same values, more compute).
-    Every rank makes as many micro-batches as the rank with the most (`micro_batches`).
+    wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
+    model), `self.module` the model underneath. checkpointing: the layers are recomputed in
+    backward, and transformers then turns the KV cache off (no shared prompt pass).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
@@ -191,22 +160,10 @@ class DistributedActor(DataParallelRole, Actor):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
         return self.module.state_dict().items()
 
-    def state_dict(self) -> dict:
-        """The optimizer's state, when every rank holds all of it (zero 0: DDP replicas)."""
-        self._replicated("state_dict")
-        return super().state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        super().load_state_dict(state)
-
 
 class DistributedCritic(DataParallelRole, Critic):
-    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
-
-    wrapped: the value model from `wrap_model` (zero 0 or 1); a forward hook passes the
-    values of the training forward through `_weighted`. A skip makes the returns NaN.
-    """
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of ranks).
+    wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
 
     skip_field, loss_key = "returns", "value_loss"
 
@@ -216,13 +173,3 @@ class DistributedCritic(DataParallelRole, Critic):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
-
-    def state_dict(self) -> dict:
-        """The value model's weights (plain names) and the optimizer's state (zero 0)."""
-        self._replicated("state_dict")
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

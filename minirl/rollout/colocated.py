@@ -1,15 +1,6 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
 
-`ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
-`SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
-copies each tensor into place as it arrives (checked by `minirl/runtime/push_checks.py`), so a
-sender that gathers layer by layer never needs a second whole copy; with stream=False the push
-goes to the engine's own `load_weights`. With colocate=True the engine sleeps after every
-`generate`: the storage of the tensors every push brings (all, or with adapter_only=True just
-LoRA's A and B) is released until the next push wakes it up. Stage 4 wraps every rank's engine
-in it, stage 6 the engine of a Ray worker that also hosts the actor.
-
 Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call), and
 level 2 only; level 1 (offload to host memory) has nowhere to go on a CPU.
 """
@@ -26,7 +17,7 @@ from torch import Tensor
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import VersionMismatchError
-from minirl.runtime.push_checks import copy_pushed
+from minirl.runtime.push_checks import StreamedLoads
 
 
 class EngineNotReady(RuntimeError):
@@ -55,16 +46,12 @@ def restore_storage(tensors: Iterable[Tensor]) -> None:
             storage.resize_(needed)
 
 
-class ColocatedEngine:
+class ColocatedEngine(StreamedLoads):
     """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
 
-    engine: an in-process engine with `.model` (an nn.Module), `.version`, `generate` and
-    `load_weights`. adapter_only: pushes bring only the LoRA tensors (names containing
-    "lora_"), the base stays resident (needs stream=True). stream: copy each pushed tensor
-    into `engine.model` under its state_dict name (for engines that keep nothing derived from
-    the weights, such as the HF engines); False: hand the push to `engine.load_weights`.
-    record(what): a context manager around every "sleep" and "wake_up" (a Ray worker's
-    timeline); `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    engine: an in-process engine with `.model`, `.version`, `generate` and `load_weights`.
+    adapter_only: pushes bring only the LoRA tensors, the base stays resident. record(what): a
+    context manager around every "sleep" and "wake_up" (a Ray worker's timeline).
     """
 
     def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
@@ -82,10 +69,6 @@ class ColocatedEngine:
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
-    @property
-    def model(self):
-        return self.engine.model
-
     def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
                  generator: torch.Generator | None = None) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
@@ -98,13 +81,8 @@ class ColocatedEngine:
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load the push (streamed, or by the engine's own load_weights); then the engine holds `version`.
-
-        Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
-        than the one held; streamed, ValueError naming an unknown name, a wrong shape, or the
-        names missing at the end (the engine's own load_weights raises its own errors). After
-        an error the engine refuses to generate until a complete push.
-        """
+        """Wake if asleep, then load the push (streamed, or by the engine's own load_weights) as `version`;
+        after an error the engine refuses to generate until a complete push."""
         if version < self.engine.version:
             raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
                                        f"version {self.engine.version}: refusing to go back to older weights")
@@ -117,26 +95,6 @@ class ColocatedEngine:
         else:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
-
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
-
-    def named_weights(self):
-        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
-        return self.engine.named_weights()
 
     def sleep(self) -> None:
         """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""

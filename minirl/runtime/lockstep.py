@@ -7,7 +7,8 @@ to the widest completion of any rank (notebook 01's forward makes one pass when 
 are one token long, two otherwise), and `split_micro_batches` halves a rank's largest
 micro-batches until it has as many as the rank with the most (real work, never an empty
 pass). `finite_batch` says whether an update's inputs are finite: a rank that skipped its
-backward alone would leave the others waiting in the gradient all-reduce.
+backward alone would leave the others waiting in the gradient all-reduce. `ReplicatedState`
+checkpoints a role whose state every rank holds whole.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from minirl.data import Batch, Experience
+from minirl.roles.critic import Critic
 
 
 def pad_completions(batch: Batch, width: int) -> Batch:
@@ -60,3 +62,29 @@ def finite_batch(exp: Experience) -> bool:
     is finite."""
     tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class ReplicatedState:
+    """Checkpointing a data-parallel role (a base of notebook 04's `DataParallelRole`) whose state every rank
+    holds whole (zero 0: DDP replicas): the actor saves its optimizer's state, the critic also its value model by
+    the plain names (`self.module`, not the DDP wrapper's). A sharded role (zero > 0) is checkpointed with
+    `minirl.runtime.sharded_checkpoint` (DCP) instead: NotImplementedError here."""
+
+    def _replicated(self, what: str) -> None:
+        if self.zero:
+            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
+                                      "minirl.runtime.sharded_checkpoint (DCP)")
+
+    def state_dict(self) -> dict:
+        self._replicated("state_dict")
+        if isinstance(self, Critic):
+            return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._replicated("load_state_dict")
+        if isinstance(self, Critic):
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            super().load_state_dict(state)

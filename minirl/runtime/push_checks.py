@@ -1,5 +1,9 @@
 """Checking a push as an in-process engine copies it into place: every name known, every shape right, none missing.
 
+`StreamedLoads` is the loading side of `ColocatedEngine` that teaches nothing about colocation:
+the inner engine's model, version and dtype passed through, the engine's own tensors by the
+trainer's names, a push copied into them as it arrives, and the copy the stale check reads.
+
 Hand-written for notebook 04's `minirl.rollout.colocated.ColocatedEngine`, which streams a
 push into the engine's own tensors one at a time (so the engine never holds a second whole
 copy) and therefore cannot check the whole set before copying: `copy_pushed` checks each
@@ -37,3 +41,31 @@ def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tenso
         raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
                          f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
                          "the last version")
+
+
+class StreamedLoads:
+    """A base class of `minirl.rollout.colocated.ColocatedEngine` (it uses the engine's `engine` and `names`)."""
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    def _tensors(self) -> dict[str, Tensor]:
+        state = self.engine.model.state_dict(keep_vars=True)
+        return {n: state[n].data for n in self.names}
+
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
+        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
+
+    def named_weights(self):
+        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
+        return self.engine.named_weights()

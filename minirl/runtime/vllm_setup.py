@@ -14,6 +14,7 @@ are read from `torch.cuda.mem_get_info` around building, sleeping and waking.
 Needs vLLM and a CUDA GPU only when an engine is built; importing this module needs neither.
 """
 
+import os
 import shutil
 import socket
 import tempfile
@@ -24,9 +25,9 @@ from torch import Tensor
 
 from minirl.config import auto_dtype
 from minirl.data import Rollout
-from minirl.rollout.base import make_rollout
-from minirl.rollout.registry import VLLM_DTYPES, VLLM_INSTALL
+from minirl.rollout.base import check_tokenizer, make_rollout
 from minirl.runtime.validate import ConfigError, check_float, check_int
+from minirl.runtime.vllm_check import VLLM_DTYPES, VLLM_INSTALL
 
 PUBLIC_API = "collective_rpc('reload_weights')"
 INTERNAL_API = "llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
@@ -84,6 +85,20 @@ def vllm_settings(model, dtype: str, gpu_memory_utilization: float, max_model_le
     return dtype, max_model_len
 
 
+def prepare_vllm(model, tokenizer, dtype: str, gpu_memory_utilization: float, max_model_len: int | None,
+                 max_num_batched_tokens: int):
+    """Before `start_llm`: the settings checked (`vllm_settings`), vLLM imported, the tokenizer checked, and the
+    variables torchrun sets put in place where they are missing (vLLM's external launcher reads them).
+    Returns (the vllm module, vLLM's compute dtype, max_model_len)."""
+    dtype, max_model_len = vllm_settings(model, dtype, gpu_memory_utilization, max_model_len, max_num_batched_tokens)
+    vllm = import_vllm()
+    check_tokenizer(tokenizer)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return vllm, dtype, max_model_len
+
+
 def start_llm(vllm, model, tokenizer, **options):
     """`vllm.LLM` on a temporary copy of the policy (removed once read, also when building fails), with the
     options every minirl engine uses (prefix caching, processed log-probs, the external launcher) and `options`."""
@@ -128,8 +143,32 @@ def padded_rollout(tokenizer, prompts: list[str], G: int, rows: list[tuple], ver
 
 
 class VLLMSupport:
-    """The sleep, memory, prompt-length and evaluation side of `VLLMEngine` (a mixin: it uses the engine's llm,
-    device, tokenizer, max_model_len, SamplingParams, held, sleeping and ready)."""
+    """The building, sleep, memory, prompt-length and evaluation side of `VLLMEngine` (a base class).
+
+    model, tokenizer: the policy to start from (written to a temporary directory that vLLM
+    loads, then removed); dtype: vLLM's compute dtype ("auto": bfloat16); colocate: sleep
+    after generating, wake before loading weights and before generating;
+    gpu_memory_utilization: the share of the GPU vLLM may take; max_model_len: the longest
+    prompt plus completion (None: the model's context; see `task_model_len`);
+    max_num_batched_tokens: tokens per scheduler step (at least max_model_len).
+    """
+
+    def __init__(self, model, tokenizer, dtype: str = "auto", device=None, *, colocate: bool = True,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 4096):
+        vllm, dtype, max_model_len = prepare_vllm(model, tokenizer, dtype, gpu_memory_utilization, max_model_len,
+                                                  max_num_batched_tokens)
+        self.tokenizer, self.dtype, self.colocate, self.max_model_len = tokenizer, dtype, colocate, max_model_len
+        self.device = torch.device(device if device is not None else "cuda")
+        self.names = list(model.state_dict())
+        free_before = self._free_bytes()
+        self.llm = start_llm(vllm, model, tokenizer, dtype=dtype, seed=seed, enable_sleep_mode=colocate,
+                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len or 0))
+        self.held = max(0, free_before - self._free_bytes())   # weights, KV cache, CUDA graphs: vLLM's
+        self.SamplingParams = vllm.SamplingParams
+        self.weight_api = PUBLIC_API if callable(getattr(self.llm, "collective_rpc", None)) else INTERNAL_API
+        self.version, self.ready, self.sleeping = 0, True, set()   # sleeping: the tags vLLM has released
 
     def _free_bytes(self) -> int:
         """Free device memory now: vLLM's own allocator is invisible to torch.cuda.memory_allocated."""

@@ -1,9 +1,5 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""The ways a weight sync can hand a policy to the engine: all of its weights, LoRA merged in, or the adapter alone.
-
-`SYNC_MODES` names them once for `minirl.sync.sharded.ShardedSync`, which implements them, and
-for stage 4's `--sync-mode` flag, which lists them before torch loads (this module imports nothing).
-"""
+"""The ways a weight sync can hand a policy to the engine (`ShardedSync`, `--sync-mode`); imports nothing."""
 
 __all__ = ["SYNC_MODES"]
 

@@ -1,19 +1,9 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Weight sync from a sharded trainer: gather layer by layer, merge LoRA or ship only the adapter.
+"""Weight sync from a sharded trainer: gathered layer by layer, LoRA merged or the adapter alone.
 
-Under FSDP2 each rank holds 1/W of every tensor (a DTensor shard); the engine needs whole
-tensors under its own names. `ShardedSync.push` walks the trainer's state one decoder layer
-(or one bucket of layers) at a time: gathers it (an all-gather every rank joins, in the same
-order), turns it into what the engine loads, and streams it into the engine before it gathers
-the next, so the gathered copy stays about one layer (two buckets, packed).
-Three modes:
-  full:    every tensor, under the engine's (Hugging Face) names;
-  merged:  LoRA folded into the base weights, W + (alpha / r) B A, under the base names;
-  adapter: only LoRA's A and B (the engine keeps the frozen base and applies the adapter).
-Measuring a push (bytes alive, a stand-in engine, the stale check) is `minirl/runtime/sync_meter.py`.
-
-Simplified vs TRL / veRL: buckets are whole decoder layers, no CUDA IPC handles; one LoRA
-adapter ("default"); no DoRA, no modules_to_save.
+Modes: full (every tensor, Hugging Face names), merged (W + (alpha / r) B A under the base
+names), adapter (only LoRA's A and B). Simplified vs TRL / veRL: buckets are whole decoder
+layers, no CUDA IPC handles; one LoRA adapter; no DoRA.
 """
 
 __all__ = ["PEFT_PREFIX", "LORA", "engine_name", "full_tensor", "gather_by_layer", "merge_lora",
@@ -51,14 +41,11 @@ def full_tensor(tensor: Tensor) -> Tensor:
 def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
-    named_weights: (name, tensor) pairs in state_dict order; a tensor is a DTensor (an FSDP2
-    shard) or a plain tensor. Yields lists of (name, whole tensor), names unchanged:
-    consecutive names with the same `layer_key` form one list (a decoder layer's tensors),
-    any other tensor is a list of its own. Shards are gathered with `full_tensor` (a
-    collective: every rank gathers the same tensors in the same order); plain tensors are
-    passed on detached. A layer is gathered only when the consumer asks for it, and this
-    generator keeps no reference to a layer once it has yielded it: a consumer that drops
-    each list before asking for the next holds at most one layer.
+    named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
+    Yields lists of (name, whole tensor), names unchanged: consecutive names with the same
+    `layer_key` form one list, any other tensor a list of its own. Shards are gathered with
+    `full_tensor` (a collective), plain tensors passed on detached. A layer is gathered only
+    when the consumer asks for it, and no reference to a yielded layer is kept.
     """
     layer, key = [], None
     for name, tensor in named_weights:
@@ -88,11 +75,8 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer: see the module docstring for the three modes.
-
-    full and merged give Hugging Face names (`engine_name`); adapter keeps peft's names (the
-    engine holds a peft copy). merged needs `scaling` (alpha / r).
-    """
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the engine
+    holds a peft copy), full and merged give Hugging Face names; merged needs `scaling` (alpha / r)."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}
@@ -118,15 +102,8 @@ class ShardedSyncReport(SyncReport):
 
 
 class ShardedSync:
-    """Stage 4's weight sync: gathered layer by layer from a sharded trainer, in one of three modes.
-
-    mode: "full", "merged" or "adapter" (module docstring); lora_scaling: alpha / r for
-    "merged". packed=True gathers whole layers in one all-gather per bucket of at most
-    `bucket_bytes` (`gather_buckets`; 0: one layer per all-gather), packed=False one per
-    tensor (`gather_by_layer`). verify=True compares every tensor the engine holds with a
-    second gathering of the trainer's, within the engine dtype's rounding (notebook 02's
-    check; twice the traffic). The last report is kept in `last_report`.
-    """
+    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed: one
+    all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check (twice the traffic)."""
 
     def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
                  packed: bool = True, bucket_bytes: int = 0):
