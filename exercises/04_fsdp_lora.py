@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Experience, Rollout
+from minirl.data import Experience
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.runtime.buckets import gather_buckets, layer_key
-from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
 from minirl.sync.modes import SYNC_MODES
 
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r

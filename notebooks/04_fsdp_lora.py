@@ -434,23 +434,21 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 # %% [markdown]
-# Every rank updates on its own rows, so every rank has its own record of the update (its
-# loss, its clip ratios, its gradient norm), and the run must log one record, the same on
-# every rank. How each number combines depends on what it is: a per-token mean is the
-# token-weighted mean of the ranks', a minimum the smallest, the loss the weighted sum that
-# defines the batch's loss. This is exercise 4.1.
+# Each rank has its own record of the update (its loss, clip ratios, gradient norm), and the
+# run logs one, the same on every rank: a per-token mean is the token-weighted mean of the
+# ranks', a minimum the smallest, the loss the weighted sum. This is exercise 4.1.
 
 # %%
 # | export minirl/parallel/roles.py
 import math
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Experience, Rollout
+from minirl.data import Experience
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
 
 LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
@@ -491,9 +489,9 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     # END SOLUTION
 
 # %% [markdown]
-# What both trained roles share (`DataParallelRole`): the rank's weight, the skip agreed by
-# every rank, and the reduced record; then the two roles, the actor scaling the gradient
-# through its log-probs, the critic through its values (a forward hook):
+# What both roles share (`DataParallelRole`): the rank's weight, a skip every rank makes
+# together, the reduced record; then the actor (gradient scaled through its log-probs) and the
+# critic (through its values, with a forward hook):
 
 # %%
 # | export minirl/parallel/roles.py
@@ -544,7 +542,7 @@ class DataParallelRole(ReplicatedState):
 
 # %%
 # | export minirl/parallel/roles.py
-class DistributedActor(DataParallelRole, Actor):
+class DistributedActor(DataParallelRole, LockstepActor, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
     wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
@@ -560,23 +558,9 @@ class DistributedActor(DataParallelRole, Actor):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
 
-    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """This rank's micro-batches, split until there are as many as on the rank with the most."""
-        plan = super().micro_batches(rollout)
-        return split_micro_batches(plan, self.group.all_max(len(plan)))
-
-    def _shares_prompt(self) -> bool:
-        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
-
     def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
         logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
         return self._weighted(logps), entropy
-
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
-        C = rollout.num_completion_tokens
-        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
 
     def named_weights(self):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
@@ -637,22 +621,20 @@ print("two ranks' records as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], l
 # %% [markdown]
 # ## 4. Getting sharded weights into the engine
 #
-# After the update, every rank's engine must hold the new policy. Under FSDP2 no rank has it:
-# each holds a 1/W shard of every tensor (a `DTensor`), and the engine wants whole tensors
-# under its own names. The naive sync gathers the full state dict on every rank: a full extra
-# copy of the model at the worst moment, when shards, gradients, Adam's state and the engine
-# share the device. The sync here walks the state **one decoder layer at a time**: gather that
-# layer (an all-gather every rank joins, in the same order), turn it into what the engine
-# loads, hand it over, drop it, then the next layer. The extra memory is about one layer. This
-# is what TRL does for FSDP2 (`full_tensor()` per parameter) and veRL with per-layer summoning.
-#
-# With LoRA there are three ways to ship the policy:
+# After the update every rank's engine needs the new policy, whole and under its own names,
+# but under FSDP2 each rank holds a 1/W shard of every tensor (a `DTensor`). Gathering the
+# full state dict costs a whole extra copy of the model at the worst moment (shards,
+# gradients, Adam and the engine all on the device). So the sync walks the state **one
+# decoder layer at a time**: gather it (an all-gather every rank joins, in the same order),
+# turn it into what the engine loads, hand it over, drop it. The extra memory is about one
+# layer: what TRL does for FSDP2 (`full_tensor()` per parameter), and veRL with per-layer
+# summoning. With LoRA there are three ways to ship the policy:
 #
 # | mode | what travels | the engine holds |
 # |---|---|---|
 # | `full` | every tensor (full fine-tuning): the model's bytes | the policy |
-# | `merged` | W + (α/r) B A per adapted layer, under the base names: the model's bytes | the merged policy |
-# | `adapter` | only A and B: r (d_in + d_out) per matrix (section 2's share) | base + adapter, B A x at every token |
+# | `merged` | W + (α/r) B A under the base names: the model's bytes | the merged policy |
+# | `adapter` | only A and B: r (d_in + d_out) per matrix | base + adapter, B A x at every token |
 #
 # `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
 # (vLLM serves LoRA adapters natively). Exercise 4.2 is `gather_by_layer`, 4.3 `merge_lora`.
@@ -753,36 +735,26 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
     return out
 
 # %% [markdown]
-# ### Packed transfers: one collective per bucket, not per tensor
+# ### Packed transfers, and the sync itself
 #
-# `gather_by_layer` makes one all-gather per tensor: 51 for the embedded policy, each paying
-# the collective's fixed cost (a round trip between the ranks, and DTensor's bookkeeping)
-# however few bytes it carries. On CPUs with gloo, for a model of a few MiB, that fixed cost
-# can be most of the sync. The remedy the source names, packing, is what FSDP2 itself does
-# for its forward (`unshard()`: one all-gather per unit): each rank copies its shards of a
-# layer, flat, into one buffer, the buffers are all-gathered in one collective, and every
-# whole tensor is cut out of the result. FSDP2 splits dim 0 as `torch.chunk` does, so every
-# rank knows every rank's share from the global shape alone, and only the data travels.
-#
-# The bucket size trades round trips for memory: the gathered buffer is alive while its
-# tensors are cut out, so a bucket of B bytes costs about 2 B. slime ships weights to SGLang in
-# buckets of 256 MiB and veRL in 512 MiB; minirl's default is 256 MiB of whole layers (a
-# layer is never split): for the embedded policy (3.8 MiB), the whole model in one collective.
-# Packing (`gather_packed`, `gather_buckets`) lives in `minirl/runtime/buckets.py`.
-
-# %% [markdown]
-# The sync itself: stream the engine's tensors into `load_weights` one layer (or bucket) at a
-# time, count the gathered bytes alive at once, check the version, and on request compare
-# every tensor with notebook 02's stale-parameter check:
+# `gather_by_layer` makes one all-gather per tensor (51 for the embedded policy), each paying
+# the collective's fixed cost however few bytes it carries; on CPUs with gloo that can be
+# most of the sync. The source's remedy, packing, is what FSDP2 does for its own forward: each
+# rank copies its shards of a layer, flat, into one buffer, the buffers are all-gathered in
+# one collective, and every whole tensor is cut out (FSDP2 splits dim 0 as `torch.chunk`
+# does, so every rank knows every share from the global shape). A bucket of B bytes costs
+# about 2 B of memory; slime ships weights in buckets of 256 MiB, veRL in 512 MiB, minirl's
+# default is 256 MiB of whole layers (`minirl/runtime/buckets.py`). The sync streams the
+# engine's tensors into `load_weights` one layer (or bucket) at a time, counts the gathered
+# bytes alive at once, checks the version, and on request every tensor (notebook 02's check):
 
 # %%
 # | export minirl/sync/sharded.py
 import time
 from dataclasses import dataclass
 
-from minirl.runtime.sync_meter import LiveBytes, full_tensor_storage, stale_tensors
+from minirl.runtime.sync_meter import CountedStream, LiveBytes, check_fresh, full_tensor_storage
 from minirl.sync.base import SyncReport, check_pushed
-from minirl.sync.checks import dtype_name
 
 
 @dataclass
@@ -821,28 +793,14 @@ class ShardedSync:
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
         """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
         start = time.perf_counter()
-        named = self._source(named_weights)
-        meter, counts = LiveBytes(), [0, 0]
-
-        def counted():
-            for name, tensor in self.stream(named, meter):
-                counts[0] += 1
-                counts[1] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        pairs = counted()
+        named, meter = self._source(named_weights), LiveBytes()
+        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as the engine takes them
         engine.load_weights(pairs, version)
-        left = sum(1 for _ in pairs)                      # every rank must join every gather, even now
-        if left:
-            raise RuntimeError(f"{type(engine).__name__}.load_weights stopped {left} tensors early: an engine must "
-                               "consume every tensor it is handed")
+        pairs.finish(engine)                              # every rank must join every gather, even now
         check_pushed(engine, version)
         if self.verify:
-            stale = stale_tensors(self, named, engine)
-            if stale:
-                raise RuntimeError(f"weight sync left the engine stale: {len(stale)} tensors differ beyond "
-                                   f"{dtype_name(engine)} rounding (first: {stale[0]})")
-        self.last_report = ShardedSyncReport(version, counts[0], counts[1], time.perf_counter() - start,
+            check_fresh(self, named, engine)              # notebook 02's stale-parameter check
+        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, time.perf_counter() - start,
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
@@ -880,22 +838,16 @@ layers = [[name for name, _ in layer] for layer in gather_by_layer(sharded.modul
 print(f"gather_by_layer on the FSDP2 model: {len(layers)} lists; decoder layer 0's holds {len(layers[1])} tensors")
 
 # %% [markdown]
-# The receiving side must stream too. Notebook 01's `HFEngine.load_weights` first builds a
-# dict of everything it is handed (to refuse a partial set before copying anything), which
-# holds a whole extra copy of the model no matter how carefully the sender gathers.
-# `ColocatedEngine` wraps an in-process engine and copies each tensor into place as it
-# arrives; checking each name and shape as it comes, and the whole set at the end, lives in
-# `minirl/runtime/push_checks.py`. Until a complete push succeeds the engine refuses to
-# generate (vLLM's `load_weights` streams the same way).
-#
-# The same wrapper does **colocation**. The trainer and the engine share the device and are
-# never busy at the same time. So after `generate` the engine goes to sleep, releasing the
-# storage of its weights, and the next push wakes it up by allocating the storage again just
-# before filling it. This is vLLM's sleep mode at level 2 (discard, then reload from the
-# trainer), which TRL's colocate mode and veRL's hybrid engine use. In `adapter` mode the
-# frozen base must survive the sleep, so only the adapter is released. Nothing in the loop
-# calls `sleep` or `wake_up`: `rl_step` reads the same colocated or not. Notebook 06 puts the
-# same wrapper around the engine of a Ray worker that also hosts the actor.
+# The receiving side must stream too: notebook 01's `HFEngine.load_weights` builds a dict of
+# everything it is handed, a whole extra copy of the model however carefully the sender
+# gathers. `ColocatedEngine` copies each tensor into place as it arrives (the per-tensor
+# checks live in `minirl/runtime/push_checks.py`), and refuses to generate until a push
+# completes. It also does **colocation**: trainer and engine share the device and are never
+# busy at once, so after `generate` the engine sleeps, releasing the storage of its weights,
+# and the next push wakes it by allocating the storage again just before filling it. This
+# is vLLM's sleep mode at level 2, which TRL's colocate mode and veRL's hybrid engine use;
+# with `adapter` sync only the adapter is released (the base must survive). The loop never
+# calls `sleep` or `wake_up`, and notebook 06 wraps a Ray worker's engine the same way.
 
 # %%
 # | export minirl/rollout/colocated.py
@@ -944,8 +896,8 @@ def restore_storage(tensors: Iterable[Tensor]) -> None:
             storage.resize_(needed)
 
 # %% [markdown]
-# The engine: it refuses to generate while asleep or half-loaded, wakes at the start of a
-# push, streams the push in (or hands it to the inner engine), and sleeps after generating:
+# The engine: no generation while asleep or half-loaded, a wake-up at the start of a push,
+# and a sleep after generating:
 
 # %%
 # | export minirl/rollout/colocated.py
@@ -1020,11 +972,9 @@ class ColocatedEngine(StreamedLoads):
             self.stats["wake_seconds"] = time.perf_counter() - start
 
 # %% [markdown]
-# Now the three modes end to end, in this one-process group: an FSDP2-wrapped actor, its
-# engine, five pushes in each mode, one all-gather per tensor and packed, each checked against
-# the trainer by the stale-parameter check (`verify=True`). The bytes are what travels; in a
-# group of one nothing really travels (the "shard" is the whole tensor), so the collectives'
-# cost and the share of a step are measured by the torchrun jobs of section 7.
+# The three modes end to end, in this one-process group: an FSDP2-wrapped actor, its engine,
+# five pushes per mode, per tensor and packed, each verified against the trainer. In a group
+# of one nothing really travels; section 7 measures the cost on two ranks.
 
 # %%
 from minirl.memory.measure import storage_bytes  # noqa: E402
@@ -1056,9 +1006,8 @@ full_bytes, adapter_bytes = float(rows[0][3]), float(rows[4][3])
 print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
 
 # %% [markdown]
-# And colocation, measured with notebook 03's byte counting (`storage_bytes`): the engine's
-# weights before and after `sleep()`, and what sleeping and waking cost (waking only
-# allocates; the push that follows refills).
+# And colocation, counted as notebook 03 counts bytes: the engine's weights awake and asleep,
+# and what sleeping and waking cost (waking only allocates; the push refills).
 
 # %%
 from minirl.sync.base import InProcessSync  # noqa: E402
@@ -1082,32 +1031,25 @@ assert asleep == 0 and awake > 0
 # %% [markdown]
 # ## 5. The vLLM engine, behind the same protocol
 #
-# On GPUs the rollout engine is vLLM: PagedAttention, continuous batching and prefix caching
-# (notebook 05 builds each of them small). `VLLMEngine` puts it behind the same
-# `RolloutEngine` protocol, using vLLM's documented offline API the way TRL's colocate mode
-# does:
+# On GPUs the rollout engine is vLLM (PagedAttention, continuous batching, prefix caching:
+# notebook 05 builds each small). `VLLMEngine` puts it behind the same `RolloutEngine`
+# protocol, with vLLM's offline API as TRL's colocate mode uses it:
 #
-# - `LLM(model=path, enable_prefix_caching=True, enable_sleep_mode=True,
-#   logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher")`:
-#   one engine per rank inside the training process, prefix caching on (the G samples of a
-#   prompt share its prefill), and log-probs taken **after** the temperature. vLLM's default
-#   returns the raw model's log-probs, which at temperature ≠ 1 are not the distribution the
-#   tokens were drawn from: notebook 02's importance ratio would be biased.
+# - `LLM(..., enable_prefix_caching=True, enable_sleep_mode=True, logprobs_mode=
+#   "processed_logprobs", distributed_executor_backend="external_launcher")`: one engine per
+#   rank inside the training process, and log-probs taken **after** the temperature (vLLM's
+#   default returns the raw model's, which at temperature ≠ 1 would bias notebook 02's ratio).
 # - `SamplingParams(n=G, temperature=T, max_tokens=C, logprobs=0, seed=s)`: G samples per
-#   prompt with the sampled token's own log-prob, one seed per prompt.
-# - After an update: the tensors streamed one at a time into the worker's model through
-#   `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (vLLM maps Hugging
-#   Face names onto its fused layouts itself); where a vLLM lacks it, TRL's path, an internal
-#   chain. Then `reset_prefix_cache()`: cached prefixes belong to the old weights.
-# - Colocation: `sleep(level=2)` after generating (weights and KV cache discarded; the next
-#   push refills the weights), `wake_up(tags=[...])` before loading and before generating.
+#   prompt with the sampled token's own log-prob.
+# - After an update, the tensors streamed one at a time into the worker's model through
+#   `collective_rpc("reload_weights", ...)` (vLLM maps Hugging Face names onto its fused
+#   layers), then `reset_prefix_cache()`: cached prefixes belong to the old weights.
+# - Colocation: `sleep(level=2)` after generating, `wake_up(tags=[...])` before loading.
 #
-# Sizing it beside a trainer (`gpu_memory_utilization`, `max_model_len` from the task's
-# prompts, `max_num_batched_tokens`), starting it from a temporary copy of the policy,
-# reading its memory around sleep and wake (vLLM allocates outside PyTorch) and its held-out
-# completions live in `minirl/runtime/vllm_setup.py`. vLLM needs a CUDA GPU and is not
-# installed in CI: the tests marked `vllm` run it on a GPU machine, and CPU tests run this
-# code against a stand-in for vLLM.
+# Building and sizing it (`gpu_memory_utilization`, `max_model_len` from the task's prompts),
+# reading its memory (vLLM allocates outside PyTorch) and sleeping live in
+# `minirl/runtime/vllm_setup.py`. vLLM needs a CUDA GPU: the tests marked `vllm` run it on
+# one, and CPU tests run this code against a stand-in.
 
 # %%
 # | export minirl/rollout/vllm.py
@@ -1170,10 +1112,9 @@ class VLLMEngine(VLLMSupport):
         self.version, self.ready = version, True
 
 # %% [markdown]
-# The engine joins notebook 01's registry under the name "vllm": a factory that imports
-# `minirl.rollout.vllm` (and vLLM) only when it builds one, and a check that needs neither, so
-# that `--rollout-engine vllm` on a machine without vLLM or CUDA is refused in one line before
-# torch or a model loads.
+# The engine joins notebook 01's registry as "vllm": its factory imports vLLM only when it
+# builds one, and `--rollout-engine vllm` where it cannot run is refused before torch loads
+# (`minirl/runtime/vllm_check.py`).
 
 # %%
 from minirl.rollout.registry import ENGINES, check_engine, register_engine  # noqa: E402
@@ -1208,23 +1149,16 @@ except ValueError as err:
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
 #
-# Everything above comes together in `setup_spmd` and `spmd_step`. Setup, on every rank:
-# move the policy to the rank's device; copy the frozen reference if β > 0; build the rank's
-# engine (from the base model, or from the peft model when only adapters travel); add LoRA;
-# wrap for the ZeRO level; build the `DistributedActor` and the `ShardedSync`; and push
-# version 0, so that an engine that cannot take the trainer's tensors fails now, on every
-# rank, before step 1. The step, on every rank: draw the global batch from the shared
-# generator, keep this rank's share, and call notebook 01's `rl_step` with the process group.
-# The record it returns is already global; the step adds the sync's peak, the engine's sleep
-# and wake times, and each rank's stage times (the slowest rank sets the pace).
-#
-# Each rank samples with a generator of its own, so the completions a run sees depend on the
-# world size; `--seed-per-prompt` samples each prompt from a seed of its own instead
-# (`minirl/runtime/prompt_seeds.py`), so that one rank and two compute the same batch: that is
-# how the tests check that two ranks compute what one process computes. And `--sync-every K`
-# pushes only every K-th update: the other steps hand `rl_step` a `KeepWeights`, which moves
-# nothing and reports the version the engine really holds, so every batch is generated,
-# version-checked and logged as the older policy it is (`staleness`).
+# `setup_spmd`, on every rank: the policy on the rank's device, the frozen reference if β > 0,
+# the rank's engine (from the peft model when only adapters travel), LoRA, the ZeRO wrapper,
+# the `DistributedActor`, the `ShardedSync`, and version 0 pushed, so that an engine that
+# cannot take the trainer's tensors fails before step 1. `spmd_step`, on every rank: draw the
+# global batch from the shared generator, keep this rank's share, and call notebook 01's
+# `rl_step` with the process group. Each rank samples with its own generator (with
+# `--seed-per-prompt`, a seed per prompt: one rank and two then compute the same batch, which
+# is how the tests check stage 4 against stage 1). `--sync-every K` pushes every K-th update
+# only: the other steps hand `rl_step` a `KeepWeights`, so each batch is generated, checked
+# and logged as the older policy it is (`staleness`).
 
 # %%
 # | export minirl/parallel/spmd.py
@@ -1344,18 +1278,15 @@ print({key: round(record[key], 4) for key in keys if key in record})
 # %% [markdown]
 # ## 7. Run it under `torchrun`
 #
-# The chapter script is the whole job: every rank parses the flags (and refuses bad ones),
-# joins the group, loads the policy, runs `setup_spmd`, and runs `spmd_step` through notebook
-# 01's `run_in_dir` (the run directory, evaluation, log, checkpoints): rank 0 evaluates, logs
-# and writes the summary; every rank takes part in the sharded checkpoints. The plumbing of a
-# multi-process job lives in `minirl/runtime/`: sharded checkpoints written with
-# `torch.distributed.checkpoint`, verified and resumed exactly in `sharded_checkpoint.py`
-# (the tests kill a rank, resume, and compare the final weights bit for bit), one line naming
-# who stopped a job and how to continue it in `stops.py`, per-rank memory in
-# `memory_tracking.py`. In smoke mode this cell reads section 0's job again; in full mode it
-# runs each ZeRO level briefly (memory), full fine-tuning and LoRA long enough to learn,
-# adapter-only sync, the sync before packing (one all-gather per tensor), and a sync every 4th
-# step without and with an importance-sampling correction.
+# The chapter script is the whole job: every rank checks the flags, joins the group, runs
+# `setup_spmd`, then `spmd_step` through notebook 01's `run_in_dir`; rank 0 evaluates, logs
+# and writes the summary. A job's plumbing lives in `minirl/runtime/`: sharded checkpoints
+# (DCP), verified and resumed exactly, in `sharded_checkpoint.py` (the tests kill a rank,
+# resume, and compare the final weights bit for bit), the one line that says who stopped a
+# job in `stops.py`, per-rank memory in `memory_tracking.py`. Smoke mode reads section 0's job
+# again; full mode runs each ZeRO level briefly, full fine-tuning and LoRA long enough to
+# learn, adapter-only sync, the sync before packing, and a sync every 4th step without and
+# with an importance-sampling correction.
 
 # %%
 SYNC_EVERY, STALE_STEPS = 4, 60    # the runs that synchronize every 4th update, and their length
@@ -1381,8 +1312,8 @@ else:
 # %% [markdown]
 # ### Does it learn?
 #
-# Stage 1's claim was that GRPO from the warm start raises held-out accuracy; the same step on
-# two ranks should do the same per step, since each step sees the same global batch.
+# Stage 1's claim was that GRPO from the warm start raises held-out accuracy; two ranks see
+# the same global batch per step, so they should do the same.
 
 # %%
 rows = [(name, s["steps"], f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
@@ -1412,11 +1343,9 @@ plt.show()
 # %% [markdown]
 # ### Per-rank memory at each ZeRO level, against notebook 03's calculator
 #
-# Every step logs each rank's bytes, counted as notebook 03 counts them: the trainer's state
-# at rest (weights, gradients, Adam), and what the rank held right after the update's
-# forward pass (the engine asleep, FSDP2's gathered layers still there). The calculator's
-# column is its FP32 state per rank (`zero_per_gpu`, or `lora_memory` for LoRA) for the same
-# parameter count and two ranks.
+# Each rank's state at rest (weights, gradients, Adam) and what it held right after the
+# update's forward pass (engine asleep, FSDP2's gathered layers still there), beside the
+# calculator's FP32 state per rank (`zero_per_gpu`, or `lora_memory`) for two ranks.
 
 # %%
 from minirl.memory.calculator import lora_memory, zero_per_gpu, zero_saving  # noqa: E402

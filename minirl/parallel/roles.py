@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Experience, Rollout
+from minirl.data import Experience
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.runtime.lockstep import ReplicatedState, finite_batch, pad_completions, split_micro_batches
+from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -122,7 +122,7 @@ class DataParallelRole(ReplicatedState):
         return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
 
 
-class DistributedActor(DataParallelRole, Actor):
+class DistributedActor(DataParallelRole, LockstepActor, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
     wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
@@ -138,23 +138,9 @@ class DistributedActor(DataParallelRole, Actor):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
 
-    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """This rank's micro-batches, split until there are as many as on the rank with the most."""
-        plan = super().micro_batches(rollout)
-        return split_micro_batches(plan, self.group.all_max(len(plan)))
-
-    def _shares_prompt(self) -> bool:
-        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
-
     def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
         logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
         return self._weighted(logps), entropy
-
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
-        C = rollout.num_completion_tokens
-        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
 
     def named_weights(self):
         """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""

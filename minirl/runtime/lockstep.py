@@ -7,7 +7,8 @@ to the widest completion of any rank (notebook 01's forward makes one pass when 
 are one token long, two otherwise), and `split_micro_batches` halves a rank's largest
 micro-batches until it has as many as the rank with the most (real work, never an empty
 pass). `finite_batch` says whether an update's inputs are finite: a rank that skipped its
-backward alone would leave the others waiting in the gradient all-reduce. `ReplicatedState`
+backward alone would leave the others waiting in the gradient all-reduce. `LockstepActor`
+applies them to notebook 04's `DistributedActor`; `ReplicatedState`
 checkpoints a role whose state every rank holds whole.
 """
 
@@ -16,7 +17,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from minirl.data import Batch, Experience
+from minirl.data import Batch, Experience, Rollout
 from minirl.roles.critic import Critic
 
 
@@ -88,3 +89,24 @@ class ReplicatedState:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             super().load_state_dict(state)
+
+
+class LockstepActor:
+    """The same passes on every rank, for notebook 04's `DistributedActor` (a base before notebook 01's `Actor`;
+    it uses `group` and `checkpointing`): as many micro-batches as the rank with the most, log-probs at the
+    step's widest completion, and no shared prompt pass when the layers are recomputed in backward
+    (transformers turns the KV cache off in training then: same values, more compute)."""
+
+    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
+        """This rank's micro-batches, split until there are as many as on the rank with the most."""
+        plan = super().micro_batches(rollout)
+        return split_micro_batches(plan, self.group.all_max(len(plan)))
+
+    def _shares_prompt(self) -> bool:
+        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
+        C = rollout.num_completion_tokens
+        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]

@@ -4,7 +4,7 @@ and the table that times a push in every mode.
 Hand-written measurement harness for notebook 04's `minirl.sync.sharded.ShardedSync`.
 `LiveBytes` counts the gathered tensors a push holds at once (each from its creation until
 it is freed) and keeps the peak; `SinkEngine` copies each tensor it is handed into a buffer,
-so that a sync can be timed alone, in any mode; `stale_tensors` is `verify=True`'s check
+so that a sync can be timed alone, in any mode; `stale_tensors` and `check_fresh` are `verify=True`'s check
 (notebook 02's stale-parameter check within the engine dtype's rounding, on a second
 gathering of the trainer's tensors); `sync_table` pushes a run's weights in every mode and
 transfer it can ship and divides by the run's median step: the share the source's 5 %
@@ -83,6 +83,34 @@ def stale_tensors(sync, named: list[tuple[str, Tensor]], engine) -> list[str]:
         stale += stale_parameters({name: tensor}, {name: held[name]} if name in held else {},
                                   *rounding_tolerance(dtype, amax))
     return stale
+
+
+def check_fresh(sync, named: list[tuple[str, Tensor]], engine) -> None:
+    """`ShardedSync(verify=True)`'s check: RuntimeError when the engine's copy is stale (`stale_tensors`)."""
+    stale = stale_tensors(sync, named, engine)
+    if stale:
+        raise RuntimeError(f"weight sync left the engine stale: {len(stale)} tensors differ beyond "
+                           f"{dtype_name(engine)} rounding (first: {stale[0]})")
+
+
+class CountedStream:
+    """The (name, tensor) pairs of a push as the engine takes them, counted in `tensors` and `bytes`."""
+
+    def __init__(self, pairs):
+        self.pairs, self.tensors, self.bytes = iter(pairs), 0, 0
+
+    def __iter__(self):
+        for name, tensor in self.pairs:
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def finish(self, engine) -> None:
+        """Drain what the engine left (every rank must join every gather), then RuntimeError if it left any."""
+        left = sum(1 for _ in self.pairs)
+        if left:
+            raise RuntimeError(f"{type(engine).__name__}.load_weights stopped {left} tensors early: an engine must "
+                               "consume every tensor it is handed")
 
 
 def sync_table(state, metrics: list[dict], repeats: int = 5) -> list[dict]:

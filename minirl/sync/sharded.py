@@ -18,9 +18,8 @@ import torch
 from torch import Tensor
 
 from minirl.runtime.buckets import gather_buckets, layer_key
-from minirl.runtime.sync_meter import LiveBytes, full_tensor_storage, stale_tensors
+from minirl.runtime.sync_meter import CountedStream, LiveBytes, check_fresh, full_tensor_storage
 from minirl.sync.base import SyncReport, check_pushed
-from minirl.sync.checks import dtype_name
 from minirl.sync.modes import SYNC_MODES
 
 PEFT_PREFIX = "base_model.model."
@@ -129,28 +128,14 @@ class ShardedSync:
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
         """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
         start = time.perf_counter()
-        named = self._source(named_weights)
-        meter, counts = LiveBytes(), [0, 0]
-
-        def counted():
-            for name, tensor in self.stream(named, meter):
-                counts[0] += 1
-                counts[1] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        pairs = counted()
+        named, meter = self._source(named_weights), LiveBytes()
+        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as the engine takes them
         engine.load_weights(pairs, version)
-        left = sum(1 for _ in pairs)                      # every rank must join every gather, even now
-        if left:
-            raise RuntimeError(f"{type(engine).__name__}.load_weights stopped {left} tensors early: an engine must "
-                               "consume every tensor it is handed")
+        pairs.finish(engine)                              # every rank must join every gather, even now
         check_pushed(engine, version)
         if self.verify:
-            stale = stale_tensors(self, named, engine)
-            if stale:
-                raise RuntimeError(f"weight sync left the engine stale: {len(stale)} tensors differ beyond "
-                                   f"{dtype_name(engine)} rounding (first: {stale[0]})")
-        self.last_report = ShardedSyncReport(version, counts[0], counts[1], time.perf_counter() - start,
+            check_fresh(self, named, engine)              # notebook 02's stale-parameter check
+        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, time.perf_counter() - start,
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
