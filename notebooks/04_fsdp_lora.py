@@ -15,18 +15,15 @@
 # # 04 · LoRA + FSDP: the same loop on every rank, and weights that must reach the engine
 #
 # **By the end of this notebook you can** run notebook 01's RL step on several processes under
-# `torchrun`, each holding a shard of the trainer (DDP, ZeRO-1, or FSDP2 as ZeRO-2/3), with or
-# without LoRA; say which numbers must be reduced across the ranks for the result to equal the
-# single-process one; get the sharded weights into a rollout engine layer by layer (whole,
-# LoRA-merged, or adapter only); let the engine give its memory back while the trainer updates
-# (colocation); and read the vLLM engine that does the same on GPUs.
+# `torchrun`, each holding a shard of the trainer (DDP, ZeRO-1, or FSDP2), with or without
+# LoRA; say which numbers must be reduced across the ranks; get the sharded weights into a
+# rollout engine layer by layer (whole, LoRA-merged, or adapter only), colocated; and read the
+# vLLM engine that does the same on GPUs.
 #
-# The source's question: *a model too large for one GPU is trained sharded, and the rollout
-# engine needs whole weights after every update. How do they get there, what does it cost, and
-# when does the synchronization itself become the bottleneck?* Its symptom table flags weight
-# sync above **5 %** of the step; its memory table pairs ZeRO-3 with LoRA. We measure both,
-# small: per-rank memory at each ZeRO level against notebook 03's calculator, and the sync's
-# bytes, seconds and share of the step for full fine-tuning, LoRA merged and adapter only.
+# The source's question: *the trainer is sharded and the rollout engine needs whole weights
+# after every update: how do they get there, what does it cost, and when does the sync become
+# the bottleneck?* Its symptom table flags a weight sync above **5 %** of the step; its memory
+# table pairs ZeRO-3 with LoRA. We measure both, small.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -60,11 +57,9 @@ def show(rows, header):
 # %% [markdown]
 # ## 0. The whole stage, first
 #
-# The stage-4 job on the package: the chapter script under `torchrun` on two CPU processes,
-# each rank holding half of a ZeRO-3-sharded trainer with LoRA adapters and an engine of its
-# own, 4 GRPO steps on 4 prompts. It prints what each rank held, where a step's time went and
-# what one sync costs in each mode (4 steps are too few to learn: section 7 runs the long jobs
-# in full mode). Launching torchrun from Python, with a progress bar, is plumbing that lives in
+# The chapter script under `torchrun` on two CPU processes, each rank holding half of a
+# ZeRO-3-sharded trainer with LoRA adapters and an engine of its own, 4 GRPO steps (too few to
+# learn: section 7 runs the long jobs in full mode). Launching it is plumbing:
 # `minirl/runtime/launch.py` and `minirl/runtime/progress.py`.
 
 # %%
@@ -84,10 +79,11 @@ def run_chapter(name: str, *flags, nproc: int = 2) -> tuple[dict, list[dict]]:
                        timeout=3600)
     if job.returncode:
         raise RuntimeError(f"{name} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
-    report = job.stdout[job.stdout.find("per-rank memory"):] if "per-rank memory" in job.stdout else ""
-    print(f"--- {name} ({nproc} ranks)\n{report.strip()}")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), metrics
+    s = json.loads((out / "summary.json").read_text())
+    peaks = [round(b / MiB, 2) for b in s["peak_bytes"]]
+    print(f"{name}: {s['steps']} steps in {s['seconds']:.0f} s; weight sync "
+          f"{100 * s['sync_share']:.1f} % of a step; peak per rank {peaks} MiB")
+    return s, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 QUICK = ("--zero", "3", "--lora-rank", "8", "--learning-rate", LORA_LR, "--steps", "4",
@@ -123,7 +119,7 @@ first = run_chapter("04_first", *QUICK)
 
 # %%
 # | export minirl/parallel/launch.py
-"""Joining a data-parallel job (one process per device under torchrun) and the few collectives the step uses.
+"""Joining a data-parallel job (a process per device under torchrun), and the step's collectives.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts.
 """
@@ -157,9 +153,10 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0) -> DistContext:
-    """Join the job's process group; returns this rank's context. Without torchrun (a notebook, a test): a
-    group of one through a file store, so the same FSDP2 and DTensor code runs."""
+def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0
+                     ) -> DistContext:
+    """Join the job's process group; returns this rank's context. Without torchrun: a group of one
+    through a file store, so the same FSDP2 and DTensor code runs."""
     rank, world, local = world_from_env()
     name = pick_backend(backend, device)
     dev = torch.device("cuda", local) if str(device).startswith("cuda") else torch.device("cpu")
@@ -184,14 +181,10 @@ def shutdown(together: bool = True) -> None:
         finally:
             dist.destroy_process_group()
 
-# %% [markdown]
-# What the step and the roles use for the few global numbers, and a rank's slice of the batch:
 
-# %%
-# | export minirl/parallel/launch.py
 class ProcessGroup:
-    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on `device`
-    (NCCL moves only GPU memory); group: a subgroup (a Ray pool's ranks, notebook 06), None: the world."""
+    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on
+    `device` (NCCL moves only GPU memory); group: a subgroup (notebook 06), None: the world."""
 
     def __init__(self, device: torch.device | str = "cpu", group=None):
         self.group = group
@@ -225,10 +218,10 @@ class ProcessGroup:
 
 
 def rank_slice(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every other rank's."""
+    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every rank's."""
     if len(items) % world_size:
         raise ConfigError("prompts_per_step", len(items),
-                          f"a batch of {len(items)} prompts does not divide over {world_size} ranks; "
+                          f"{len(items)} prompts do not divide over {world_size} ranks; "
                           f"use a multiple of {world_size}")
     k = len(items) // world_size
     return items[rank * k:(rank + 1) * k]
@@ -240,12 +233,12 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
 
 # %%
 # | export minirl/sync/modes.py
-"""The ways a weight sync can hand a policy to the engine (`ShardedSync`, `--sync-mode`); imports nothing."""
-SYNC_MODES = ("full", "merged", "adapter")   # every tensor; W + (alpha / r) B A under the base names; A and B only
+"""How a weight sync hands a policy to the engine (`ShardedSync`, `--sync-mode`): no imports."""
+SYNC_MODES = ("full", "merged", "adapter")   # every tensor; W + (alpha / r) B A; A and B only
 
 # %%
 # | export minirl/parallel/config.py
-"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine. Light (no torch)."""
+"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine (no torch)."""
 
 from dataclasses import dataclass
 
@@ -258,23 +251,23 @@ MIXED_PRECISION = ("none", "bf16")
 
 @dataclass
 class ParallelConfig:
-    """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
+    """How a data-parallel GRPO run shards, adapts and syncs (chapters/04_fsdp_lora.py's flags)."""
 
-    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam; 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
-    lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
+    lora_alpha: float = 0.0            # the update is (alpha / r) B A; 0: 2 * lora_rank
     lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA)
-    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B); auto: by LoRA
-    packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: per tensor
-    sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: a layer
-    sync_every: int = 1                # push the weights every K steps: batches up to K-1 updates stale
+    sync_mode: str = "auto"            # full, merged, adapter (A and B only); auto: by LoRA
+    packed_sync: bool = True           # one all-gather per bucket of whole layers; off: per tensor
+    sync_bucket_mb: float = 256.0      # packed: MiB of layers per all-gather; 0: one layer
+    sync_every: int = 1                # push every K steps: batches up to K-1 updates stale
     colocate: bool = True              # the engine releases its weights during the update
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
-    verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's
-    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size
+    verify_sync: bool = False          # after every push, compare the engine's tensors with ours
+    seed_per_prompt: bool = False      # a seed per prompt: batches independent of the world size
     vllm_gpu_memory_utilization: float = 0.3  # vllm engine: the share of the GPU it may take
     vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's value)
 
@@ -331,13 +324,11 @@ print("two ranks' shares of 8 prompts:", [rank_slice(list(range(8)), r, 2) for r
 # | 2 | FSDP2, `reshard_after_forward=False` | shards; a layer's full weights from forward to backward |
 # | 3 | FSDP2, `reshard_after_forward=True` | shards; each layer gathered for forward, then again for backward |
 #
-# FSDP2 shards each decoder layer as one unit (the classes in `_no_split_modules`, as
-# accelerate and TRL do), with an optional `MixedPrecisionPolicy` (the source's 2 + 2 + 12
-# bytes), `CPUOffloadPolicy` and gradient checkpointing. LoRA goes *inside* FSDP: peft replaces
-# each targeted linear layer by the frozen base weight plus two small trainable matrices A
-# (r × in) and B (out × r), then FSDP2 shards the result. Every parameter becomes a `DTensor`,
-# a view of the whole tensor of which this rank holds a shard; LoRA trains r (d_in + d_out) per
-# adapted matrix, which is also what an adapter-only sync ships (section 4):
+# FSDP2 shards each decoder layer as one unit (the classes in `_no_split_modules`, as TRL does)
+# and makes every parameter a `DTensor`, a view of the whole tensor of which this rank holds a
+# shard. LoRA goes *inside* FSDP: peft replaces each targeted linear layer by the frozen base
+# plus trainable A (r × in) and B (out × r), then FSDP2 shards the result. LoRA trains
+# r (d_in + d_out) per adapted matrix, also what an adapter-only sync ships (section 4):
 
 # %%
 import copy  # noqa: E402
@@ -365,49 +356,38 @@ show(rows, ("LoRA rank", "trainable", "of the base", "of Llama-2-70B"))
 # %% [markdown]
 # ## 3. The actor on every rank: a rank's share of the loss
 #
-# DDP and FSDP *average* the ranks' gradients. That average is the single-process gradient
-# only if each rank's loss is the right share of the whole batch's loss. Take `dapo`, TRL's
-# default: the sum of the per-token losses over the **whole generation batch**, divided by
-# its token count T. Rank r computes notebook 01's loss over its own rows, sum_r / T_r.
-# Averaging W such gradients gives (1/W) Σ_r ∇sum_r / T_r, which is not ∇(Σ_r sum_r / T)
-# unless every rank holds as many tokens. TRL divides by T / W instead, the global count
-# gathered from all processes, i.e. it weights rank r's own loss by
-#
-#   w_r = W · T_r / T.
-#
-# Then (1/W) Σ_r w_r ∇loss_r = ∇(Σ_r sum_r / T), whatever the split. The other loss types:
+# DDP and FSDP *average* the ranks' gradients, which is the single-process gradient only if
+# each rank's loss is the right share of the batch's loss. Take `dapo`, TRL's default: the
+# per-token losses summed over the **whole batch**, divided by its token count T. Rank r
+# computes sum_r / T_r over its own rows, and (1/W) Σ_r ∇sum_r / T_r is not ∇(Σ_r sum_r / T)
+# unless every rank holds as many tokens. TRL divides by T / W instead (the count gathered
+# from all processes), i.e. it weights rank r's loss by w_r = W · T_r / T; then
+# (1/W) Σ_r w_r ∇loss_r = ∇(Σ_r sum_r / T), whatever the split.
 #
 # | `loss_type` | the batch's loss | w_r |
 # |---|---|---|
 # | `dapo`, `cispo` | Σ tokens / T (global count) | W · T_r / T |
 # | `grpo` | mean over sequences of per-sequence means | W · N_r / N |
 # | `dr_grpo` | Σ tokens / (N · L) | W · N_r / N |
-# | `bnpo` | Σ tokens / T_r *per process* (TRL normalizes by each process's own tokens) | 1 |
+# | `bnpo` | Σ tokens / T_r *per process* | 1 |
 #
-# So `bnpo` and `dapo`, equal in one process, part ways here. Each loss type's entry in
-# notebook 01's registry holds its w_r (`rank_weight`): a loss type added there is complete
-# here too.
+# So `bnpo` and `dapo`, equal in one process, part ways here; each loss type's entry in
+# notebook 01's registry holds its `rank_weight`. Every term of the GRPO loss depends on the
+# parameters only through the log-probs, so scaling the gradient that flows back through them
+# by w_r scales the whole loss's gradient, while every printed value stays the rank's own:
+# `DistributedActor` overrides only `_micro_logprobs` for that (the critic, through its
+# values). Two more rules: every rank makes the same forward passes (FSDP all-gathers weights
+# in each), so batches are padded and micro-batches split alike (`minirl/runtime/lockstep.py`);
+# and a rank that skips its backward would leave the others waiting in the all-reduce, so if
+# any rank holds a non-finite batch or forward, every rank skips.
 #
-# How does the weight get into the loss without rewriting `Actor.update`? Every term of the
-# GRPO loss depends on the parameters only through the log-probs, so scaling the gradient
-# that flows back through the log-probs by w_r scales the gradient of the whole loss by w_r,
-# while every value (ratios, clip fractions, the loss printed) stays the rank's own.
-# `DistributedActor` overrides only `_micro_logprobs` to do that, and `update` to compute w_r
-# first and reduce the metrics afterwards into one record, the same on every rank. The
-# critic's value loss depends on its parameters only through the values, so
-# `DistributedCritic` (notebook 06's PPO) scales the gradient there.
-#
-# Two more rules. Every rank must make the same forward passes (under FSDP each pass
-# all-gathers weights with the other ranks), so a rank pads its batch to the widest
-# completion of any rank and splits micro-batches until it has as many as the rank with the
-# most. And a rank whose loss is not finite skips its optimizer step (notebook 01), but a rank
-# that skips its backward leaves the others waiting in the all-reduce: so the ranks agree
-# first, and if one holds a non-finite batch or forward, every rank skips. The padding, the
-# splitting and the finiteness test are plumbing, in `minirl/runtime/lockstep.py`.
+# Each rank also has its own record of the update, and the run logs one, the same on every
+# rank: a per-token mean is the token-weighted mean of the ranks', a minimum the smallest, the
+# loss the weighted sum (`reduce_metrics`, exercise 4.1).
 
 # %%
 # | export minirl/parallel/roles.py
-"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted by the rank's share.
+"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted.
 
 The weight (the loss type's `rank_weight`) is applied as a gradient scale on the output of
 the training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
@@ -433,13 +413,7 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     """`x` unchanged in value; the gradient flowing back through it is multiplied by `scale`."""
     return _ScaleGradient.apply(x, scale)
 
-# %% [markdown]
-# Each rank has its own record of the update (its loss, clip ratios, gradient norm), and the
-# run logs one, the same on every rank: a per-token mean is the token-weighted mean of the
-# ranks', a minimum the smallest, the loss the weighted sum. This is exercise 4.1.
 
-# %%
-# | export minirl/parallel/roles.py
 import math
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
@@ -450,15 +424,16 @@ from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
 
-LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
+LOSSES = ("loss", "value_loss")       # a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record (every rank that reduces the same lists gets the same one).
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None
+                   ) -> dict:
+    """The ranks' update metrics as one record (the same on every rank that reduces the same lists).
 
     records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
     None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
@@ -488,21 +463,15 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     return out
     # END SOLUTION
 
-# %% [markdown]
-# What both roles share (`DataParallelRole`): the rank's weight, a skip every rank makes
-# together, the reduced record; then the actor (gradient scaled through its log-probs) and the
-# critic (through its values, with a forward hook):
 
-# %%
-# | export minirl/parallel/roles.py
 class DataParallelRole(ReplicatedState):
-    """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
+    """What makes one of notebook 01's trained roles data-parallel; before `Actor` or `Critic`.
 
     A role calls `_join` and passes the output of its training forward through `_weighted`.
     Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
     """
 
-    skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
+    skip_field = "advantages"           # the field the role's loss reads, made NaN to skip
     loss_key = "loss"
 
     def _join(self, wrapped: Wrapped, group) -> None:
@@ -510,27 +479,29 @@ class DataParallelRole(ReplicatedState):
         self.grad_scale, self.skipping = 1.0, False
 
     def _weighted(self, output: Tensor) -> Tensor:
-        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled
-        by w_r. Forwards without gradient pass untouched."""
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient
+        scaled by w_r. Forwards without gradient pass untouched."""
         if not output.requires_grad:
             return output
-        if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
-            output = output * math.nan                       # some rank's forward is not finite: every rank skips
+        bad = float(not torch.isfinite(output).all())
+        if not self.skipping and self.group.all_sum([bad]).item():
+            output = output * math.nan                       # not finite on a rank: all skip
         if self.grad_scale != 1.0:
             output = scale_gradient(output, self.grad_scale)
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' one record
-        (plus "<loss_key>_weight": rank 0's w). A batch that is not finite on any rank: every rank skips."""
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' record
+        (plus "<loss_key>_weight": rank 0's w). A batch not finite on any rank: every rank skips."""
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
-        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
-        if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
+        bad = float(not finite_batch(exp))
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, bad]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
-                                                                       self.group.world_size)
+        rank_weight = loss_type_entry(self.algorithm.loss_type).rank_weight
+        weight = rank_weight(tokens, total_tokens, rows, total_rows, self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -538,10 +509,10 @@ class DataParallelRole(ReplicatedState):
             self.grad_scale, self.skipping = 1.0, False
         records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
             (metrics, tokens, weight)), strict=True))
-        return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
+        record = reduce_metrics(records, rank_tokens, weights)
+        return record | {f"{self.loss_key}_weight": weights[0]}
 
-# %%
-# | export minirl/parallel/roles.py
+
 class DistributedActor(DataParallelRole, LockstepActor, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
@@ -563,21 +534,22 @@ class DistributedActor(DataParallelRole, LockstepActor, Actor):
         return self._weighted(logps), entropy
 
     def named_weights(self):
-        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
+        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole under DDP."""
         return self.module.state_dict().items()
 
-# %%
-# | export minirl/parallel/roles.py
+
 class DistributedCritic(DataParallelRole, Critic):
-    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of ranks).
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool).
     wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
 
     skip_field, loss_key = "returns", "value_loss"
 
-    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, group):
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 group):
         super().__init__(wrapped.wrapper, algorithm, optimizer)
         self._join(wrapped, group)
-        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW,
+                                        lr=optimizer.value_learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
 
@@ -616,19 +588,19 @@ assert all(float(r[4]) < 1e-5 for r in rows)
 
 from minirl.parallel.roles import reduce_metrics  # noqa: E402
 
-ranks = [{"loss": 0.5, "clip_ratio/max": 0.1, "kl": 0.02}, {"loss": 0.3, "clip_ratio/max": 0.3, "kl": 0.04}]
-print("two ranks' records as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], loss_weights=[1.5, 0.5]))
+ranks = [{"loss": 0.5, "clip_ratio/max": 0.1, "kl": 0.02},
+         {"loss": 0.3, "clip_ratio/max": 0.3, "kl": 0.04}]
+print("as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], loss_weights=[1.5, 0.5]))
+
 # %% [markdown]
 # ## 4. Getting sharded weights into the engine
 #
-# After the update every rank's engine needs the new policy, whole and under its own names,
-# but under FSDP2 each rank holds a 1/W shard of every tensor (a `DTensor`). Gathering the
-# full state dict costs a whole extra copy of the model at the worst moment (shards,
-# gradients, Adam and the engine all on the device). So the sync walks the state **one
-# decoder layer at a time**: gather it (an all-gather every rank joins, in the same order),
-# turn it into what the engine loads, hand it over, drop it. The extra memory is about one
-# layer: what TRL does for FSDP2 (`full_tensor()` per parameter), and veRL with per-layer
-# summoning. With LoRA there are three ways to ship the policy:
+# After the update every engine needs the new policy, whole, but under FSDP2 each rank holds a
+# 1/W shard of every tensor. Gathering the full state dict costs a whole extra copy of the
+# model at the worst moment, so the sync walks the state **one decoder layer at a time**:
+# gather it (an all-gather every rank joins, in the same order), turn it into what the engine
+# loads, hand it over, drop it (TRL's `full_tensor()` per parameter, veRL's per-layer
+# summoning). With LoRA there are three ways to ship the policy:
 #
 # | mode | what travels | the engine holds |
 # |---|---|---|
@@ -636,8 +608,8 @@ print("two ranks' records as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], l
 # | `merged` | W + (α/r) B A under the base names: the model's bytes | the merged policy |
 # | `adapter` | only A and B: r (d_in + d_out) per matrix | base + adapter, B A x at every token |
 #
-# `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync
-# (vLLM serves LoRA adapters natively). Exercise 4.2 is `gather_by_layer`, 4.3 `merge_lora`.
+# `merged` is what TRL and OpenRLHF do; `adapter` is the source's advice for a slow sync.
+# Exercise 4.2 is `gather_by_layer`, 4.3 `merge_lora`.
 
 # %%
 # | export minirl/sync/sharded.py
@@ -662,17 +634,18 @@ LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.wei
 
 
 def engine_name(name: str) -> str:
-    """A trainer tensor's Hugging Face name: peft's "base_model.model." prefix and ".base_layer" removed."""
+    """A trainer tensor's Hugging Face name: peft's prefix and ".base_layer" removed."""
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
-    """The whole tensor behind a DTensor shard (an all-gather: every rank must call it), else the tensor."""
+    """The whole tensor behind a DTensor shard (an all-gather: every rank calls it), or `tensor`."""
     tensor = tensor.detach()
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]
+                    ) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
     named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
@@ -693,11 +666,7 @@ def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[lis
         yield layer
     # END SOLUTION
 
-# %% [markdown]
-# What the engine is sent from a gathered layer: the tensors as they are, a LoRA layer's
-# `W + scaling * B @ A` merged into one weight, or the adapters alone.
-# %%
-# | export minirl/sync/sharded.py
+
 def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
     """The weight an adapted linear layer computes with: W + scaling * B @ A.
 
@@ -706,19 +675,20 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
     weight's dtype, [out, in], a new tensor (weight is not modified). Raises ValueError when
     the shapes do not fit together.
     """
-    if lora_A.shape[1] != weight.shape[1] or lora_B.shape[0] != weight.shape[0] or lora_B.shape[1] != lora_A.shape[0]:
+    r, d_in = lora_A.shape
+    if d_in != weight.shape[1] or tuple(lora_B.shape) != (weight.shape[0], r):
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
-                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
+                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r]")
     # BEGIN SOLUTION
-    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)   # W + s B A, one op
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)  # W + s BA
     return merged.to(weight.dtype)
     # END SOLUTION
 
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the engine
-    holds a peft copy), full and merged give Hugging Face names; merged needs `scaling` (alpha / r)."""
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the
+    engine holds a peft copy), full and merged give Hugging Face names; merged needs `scaling`."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}
@@ -751,23 +721,15 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 # %%
 # | export minirl/sync/sharded.py
 import time
-from dataclasses import dataclass
 
-from minirl.runtime.sync_meter import CountedStream, LiveBytes, check_fresh, full_tensor_storage
-from minirl.sync.base import SyncReport, check_pushed
-
-
-@dataclass
-class ShardedSyncReport(SyncReport):
-    """A SyncReport with the peak of gathered bytes alive at once and the mode."""
-
-    peak_bytes: int = 0
-    mode: str = "full"
+from minirl.runtime.sync_meter import CountedStream, LiveBytes, ShardedSyncReport, check_fresh
+from minirl.runtime.sync_meter import full_tensor_storage as storage_of
+from minirl.sync.base import check_pushed
 
 
 class ShardedSync:
-    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed: one
-    all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check (twice the traffic)."""
+    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed:
+    one all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check."""
 
     def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
                  packed: bool = True, bucket_bytes: int = 0):
@@ -780,27 +742,28 @@ class ShardedSync:
         self.last_report = None
 
     def _source(self, named_weights) -> list[tuple[str, Tensor]]:
-        named = list(named_weights)                       # references to shards: nothing is gathered yet
+        named = list(named_weights)                       # references to shards: nothing gathered
         if self.mode == "adapter":
             named = [(n, t) for n, t in named if LORA.match(n)]
             if not named:
-                raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
+                raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors; "
                                  "train with LoRA, or use mode 'full'")
-        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged
             named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
-        """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
+        """Stream the trainer's weights into `engine` as `version`; check the version (and all)."""
         start = time.perf_counter()
         named, meter = self._source(named_weights), LiveBytes()
-        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as the engine takes them
+        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as they go
         engine.load_weights(pairs, version)
-        pairs.finish(engine)                              # every rank must join every gather, even now
+        pairs.finish(engine)                              # every rank joins every gather, even now
         check_pushed(engine, version)
         if self.verify:
             check_fresh(self, named, engine)              # notebook 02's stale-parameter check
-        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, time.perf_counter() - start,
+        seconds = time.perf_counter() - start
+        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, seconds,
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
@@ -808,12 +771,15 @@ class ShardedSync:
                ) -> Iterator[tuple[str, Tensor]]:
         """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones
         tracked by `meter`."""
-        own = {full_tensor_storage(t) for _, t in named}
-        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+        own = {storage_of(t) for _, t in named}
+        if self.packed:
+            layers = gather_buckets(named, self.bucket_bytes, meter)
+        else:
+            layers = gather_by_layer(named)
         for layer in layers:
             for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
                 if meter is not None and tensor.untyped_storage().data_ptr() not in own:
-                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
+                    meter.track(tensor)                    # gathered or merged here
                 yield name, tensor
             del layer
 
@@ -832,10 +798,11 @@ state = adapted.state_dict()
 stem = "base_model.model.model.layers.0.self_attn.q_proj"
 by_hand = merge_lora(state[f"{stem}.base_layer.weight"], state[f"{stem}.lora_A.default.weight"],
                      state[f"{stem}.lora_B.default.weight"], scaling=16 / 8)
-by_peft = copy.deepcopy(adapted).merge_and_unload().state_dict()["model.layers.0.self_attn.q_proj.weight"]
+by_peft = copy.deepcopy(adapted).merge_and_unload().state_dict()
+by_peft = by_peft[f"{stem.removeprefix('base_model.model.')}.weight"]
 print(f"max |merge_lora - peft| = {(by_hand - by_peft).abs().max().item():.2e}")
-layers = [[name for name, _ in layer] for layer in gather_by_layer(sharded.module.state_dict().items())]
-print(f"gather_by_layer on the FSDP2 model: {len(layers)} lists; decoder layer 0's holds {len(layers[1])} tensors")
+layers = [[name for name, _ in lay] for lay in gather_by_layer(sharded.module.state_dict().items())]
+print(f"gather_by_layer: {len(layers)} lists; decoder layer 0's holds {len(layers[1])} tensors")
 
 # %% [markdown]
 # The receiving side must stream too: notebook 01's `HFEngine.load_weights` builds a dict of
@@ -851,7 +818,7 @@ print(f"gather_by_layer on the FSDP2 model: {len(layers)} lists; decoder layer 0
 
 # %%
 # | export minirl/rollout/colocated.py
-"""An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
+"""An in-process engine sharing the trainer's device: weights streamed in, released while it waits.
 
 Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call), and
 level 2 only; level 1 (offload to host memory) has nowhere to go on a CPU.
@@ -866,16 +833,11 @@ from torch import Tensor
 
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
-from minirl.rollout.base import VersionMismatchError
-from minirl.runtime.push_checks import StreamedLoads
-
-
-class EngineNotReady(RuntimeError):
-    """The engine is asleep, or its last push did not complete: it holds no usable weights."""
+from minirl.runtime.push_checks import EngineNotReady, StreamedLoads, refuse_older
 
 
 def release_storage(tensors: Iterable[Tensor]) -> int:
-    """Resize the storage behind each tensor to 0 (shared storages once), keeping the shapes; returns the bytes."""
+    """Resize the storage behind each tensor to 0 (shared ones once), keeping shapes; bytes freed"""
     released, seen = 0, set()
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -888,59 +850,55 @@ def release_storage(tensors: Iterable[Tensor]) -> int:
 
 
 def restore_storage(tensors: Iterable[Tensor]) -> None:
-    """Allocate each released storage again, as large as its tensor needs (contents undefined until refilled)."""
+    """Allocate each released storage again, as large as its tensor needs (contents undefined)."""
     for tensor in tensors:
         storage = tensor.untyped_storage()
         needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
         if storage.nbytes() < needed:
             storage.resize_(needed)
 
-# %% [markdown]
-# The engine: no generation while asleep or half-loaded, a wake-up at the start of a push,
-# and a sleep after generating:
 
-# %%
-# | export minirl/rollout/colocated.py
 class ColocatedEngine(StreamedLoads):
-    """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
+    """Loads pushes into an engine (streamed, or by its own load_weights); colocate: sleeps between.
 
     engine: an in-process engine with `.model`, `.version`, `generate` and `load_weights`.
     adapter_only: pushes bring only the LoRA tensors, the base stays resident. record(what): a
     context manager around every "sleep" and "wake_up" (a Ray worker's timeline).
     """
 
-    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
-                 record=None):
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False,
+                 stream: bool = True, record=None):
         if adapter_only and not stream:
-            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own load_weights "
-                             "takes every tensor, not only the adapter; pass stream=True")
-        self.engine, self.colocate, self.adapter_only, self.stream = engine, colocate, adapter_only, stream
+            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own "
+                             "load_weights takes every tensor, not the adapter; pass stream=True")
+        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+        self.stream = stream
         self.record = record or (lambda what: contextlib.nullcontext())
         state = engine.model.state_dict(keep_vars=True)
         self.names = [n for n in state if not adapter_only or "lora_" in n]
         if not self.names:
-            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA tensors; build "
-                             "it from the peft model")
+            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA "
+                             "tensors; build it from the peft model")
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 expected_version: int | None = None, generator: torch.Generator | None = None
+                 ) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
         if self.asleep or not self.ready:
-            raise EngineNotReady(f"{type(self.engine).__name__} is {'asleep' if self.asleep else 'half-loaded'}: "
-                                 "push the trainer's weights (sync.push / load_weights) before generating")
+            state = "asleep" if self.asleep else "half-loaded"
+            raise EngineNotReady(f"{type(self.engine).__name__} is {state}: push the trainer's "
+                                 "weights (sync.push / load_weights) before generating")
         rollout = self.engine.generate(prompts, sampling, expected_version, generator)
         if self.colocate:
             self.sleep()
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Wake if asleep, then load the push (streamed, or by the engine's own load_weights) as `version`;
+        """Wake if asleep, then load the push (streamed, or by the engine's own) as `version`;
         after an error the engine refuses to generate until a complete push."""
-        if version < self.engine.version:
-            raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
-                                       f"version {self.engine.version}: refusing to go back to older weights")
+        refuse_older(version, self.engine.version, type(self.engine).__name__)
         if self.asleep:
             self.wake_up()
         self.ready = False
@@ -952,7 +910,7 @@ class ColocatedEngine(StreamedLoads):
         self.ready = True
 
     def sleep(self) -> None:
-        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+        """Release the storage of every tensor a push refills; keep their shapes."""
         if self.asleep:
             return
         with self.record("sleep"):
@@ -962,13 +920,13 @@ class ColocatedEngine(StreamedLoads):
             self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
     def wake_up(self) -> None:
-        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+        """Allocate the storage again (contents undefined until the push that follows fills it)."""
         if not self.asleep:
             return
         with self.record("wake_up"):
             start = time.perf_counter()
             restore_storage(self._tensors().values())
-            self.asleep, self.ready = False, False              # awake, but stale until the push completes
+            self.asleep, self.ready = False, False              # awake, stale until pushed
             self.stats["wake_seconds"] = time.perf_counter() - start
 
 # %% [markdown]
@@ -987,15 +945,17 @@ config = RLConfig.from_flat(num_generations=4)
 rows = []
 for mode in ("full", "merged", "adapter"):
     policy = copy.deepcopy(model)
-    if mode == "adapter":                          # the engine holds base + adapter: build it from the peft model
+    if mode == "adapter":                          # the engine holds base + adapter (peft)
         policy = apply_lora(policy, 8)
         engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer), adapter_only=True)
     else:                                          # the engine holds the plain policy
         engine = ColocatedEngine(SharedPrefixEngine(policy, tokenizer))
         policy = apply_lora(policy, 8) if mode == "merged" else policy
-    actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer, config.sampling, group)
+    actor = DistributedActor(wrap_model(policy, 3, "cpu"), config.algorithm, config.optimizer,
+                             config.sampling, group)
     for packed in (False, True):
-        sync = ShardedSync(mode, lora_scaling=None if mode == "full" else 2.0, verify=True, packed=packed,
+        scaling = None if mode == "full" else 2.0
+        sync = ShardedSync(mode, lora_scaling=scaling, verify=True, packed=packed,
                            bucket_bytes=256 * MiB)
         reports = [sync.push(actor.named_weights(), engine, engine.version + 1) for _ in range(5)]
         seconds = sorted(r.seconds for r in reports)[2]
@@ -1017,13 +977,14 @@ sampling = config.sampling
 awake = storage_bytes(t for _, t in engine.named_weights())
 sleeps, wakes = [], []
 for i in range(20 if not SMOKE else 5):
-    engine.generate(["12+34="], sampling, generator=torch.Generator().manual_seed(i))      # then it sleeps
+    engine.generate(["12+34="], sampling, generator=torch.Generator().manual_seed(i))  # then sleeps
     asleep = storage_bytes(t for _, t in engine.named_weights())
     sleeps.append(engine.stats["sleep_seconds"])
-    InProcessSync().push(model.state_dict().items(), engine, engine.version + 1)          # wakes, refills
+    InProcessSync().push(model.state_dict().items(), engine, engine.version + 1)  # wakes, refills
     wakes.append(engine.stats["wake_seconds"])
 median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-show([("engine weights", f"{awake / MiB:.3f}", f"{asleep / MiB:.3f}", f"{(awake - asleep) / MiB:.3f}",
+show([("engine weights", f"{awake / MiB:.3f}", f"{asleep / MiB:.3f}",
+       f"{(awake - asleep) / MiB:.3f}",
        f"{1e3 * median(sleeps):.3f}", f"{1e3 * median(wakes):.3f}")],
      ("", "awake MiB", "asleep MiB", "freed MiB", "sleep ms", "wake ms"))
 assert asleep == 0 and awake > 0
@@ -1053,7 +1014,7 @@ assert asleep == 0 and awake > 0
 
 # %%
 # | export minirl/rollout/vllm.py
-"""The vLLM engine behind the rollout protocol, written against vLLM's offline API as TRL's colocate mode uses it.
+"""The vLLM engine behind the rollout protocol, on vLLM's offline API as TRL's colocate mode has it.
 
 Simplified vs TRL: tensor parallel size 1, no server mode, no LoRA adapters inside vLLM.
 """
@@ -1065,50 +1026,49 @@ from torch import Tensor
 
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
-from minirl.rollout.base import VersionMismatchError, check_request, draw_seed
+from minirl.rollout.base import check_request, draw_seed
 from minirl.runtime.prompt_seeds import prompt_seed
+from minirl.runtime.push_checks import refuse_older
 from minirl.runtime.vllm_setup import PushStream, VLLMSupport, padded_rollout
 
 
 class VLLMEngine(VLLMSupport):
     """A vLLM `LLM` in this process, holding version `version` of the policy; colocate: sleep after
-    generating. Building it (`LLM(...)` with the options above, sized): `minirl/runtime/vllm_setup.py`."""
+    generating. Building it (`LLM(...)`, sized): `minirl/runtime/vllm_setup.py`."""
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """G samples per prompt with the sampled tokens' log-probs (after temperature), each prompt seeded by
-        `prompt_seed`: a batch's samples do not depend on how it is split over ranks."""
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 expected_version: int | None = None, generator: torch.Generator | None = None
+                 ) -> Rollout:
+        """G samples per prompt with the sampled tokens' log-probs (after temperature), each prompt
+        seeded by `prompt_seed`: a batch's samples do not depend on how it is split over ranks."""
         check_request(self, prompts, sampling, expected_version)
         if not self.ready:
-            raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights did not "
-                               "complete); push the trainer's weights before generating")
+            raise RuntimeError("VLLMEngine: no complete weights (asleep, or the last load_weights "
+                               "did not complete); push the trainer's weights before generating")
         G, C, tok = sampling.num_generations, sampling.max_completion_length, self.tokenizer
         ids = self._prompt_ids(prompts, C)
         self._wake(("weights", "kv_cache"))
         seed = draw_seed(generator)
-        params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C, logprobs=0,
-                                      seed=None if seed is None else prompt_seed(seed, p)) for p in prompts]
+        seeds = [None if seed is None else prompt_seed(seed, p) for p in prompts]
+        params = [self.SamplingParams(n=G, temperature=sampling.temperature, max_tokens=C,
+                                      logprobs=0, seed=s) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-                for p, out in zip(ids, outputs, strict=True) for c in out.outputs]                   # N = B * G rows
+        rows = [(p, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids,
+                                                                   strict=True)])
+                for p, out in zip(ids, outputs, strict=True) for c in out.outputs]      # B * G rows
         if self.colocate:
             self.sleep()
         return padded_rollout(tok, prompts, G, rows, self.version)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Stream the trainer's tensors (Hugging Face names) into vLLM's model in place; reset the prefix cache."""
-        if version < self.version:
-            raise VersionMismatchError(f"load_weights(version={version}) but the vLLM engine holds version "
-                                       f"{self.version}: refusing to go back to older weights")
-        self._wake(("weights",))                              # the KV cache stays released until generate
+        """Stream the trainer's tensors (Hugging Face names) into vLLM; reset the prefix cache."""
+        refuse_older(version, self.version, "the vLLM engine")
+        self._wake(("weights",))                              # the KV cache waits for generate
         self.ready = False
         stream = PushStream(named_tensors, set(self.names), version)
         self._push(stream)
-        missing = [n for n in self.names if n not in stream.seen]
-        if missing:
-            raise ValueError(f"VLLMEngine.load_weights(version={version}): {len(missing)} tensors never pushed "
-                             f"(first: {missing[0]}); push all of them")
-        self.llm.reset_prefix_cache()                         # cached prefixes belong to the old weights
+        stream.check_complete(self.names)
+        self.llm.reset_prefix_cache()                         # cached prefixes: the old weights
         self.version, self.ready = version, True
 
 # %% [markdown]
@@ -1127,21 +1087,24 @@ from minirl.runtime.vllm_check import vllm_problem
 
 
 @register_engine("vllm", problem=vllm_problem)
-def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
-    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
-    max_model_len; settings: VLLMEngine's gpu_memory_utilization and max_num_batched_tokens."""
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(),
+               **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's,
+    which size max_model_len; settings: gpu_memory_utilization, max_num_batched_tokens."""
     from minirl.rollout.vllm import VLLMEngine  # noqa: PLC0415 (vLLM loads when built)
     from minirl.runtime.vllm_setup import task_model_len  # noqa: PLC0415
 
     context = getattr(model.config, "max_position_embeddings", None)
-    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    new_tokens = config.sampling.max_completion_length
+    length = task_model_len(tokenizer, prompts, new_tokens, context) if prompts else None
     return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
                       seed=config.run.seed, max_model_len=length, **settings)
 
 # %%
 print("engines:", ", ".join(ENGINES))
 try:
-    check_engine(RLConfig.from_flat(rollout_engine="vllm", device="cuda" if torch.cuda.is_available() else "cpu"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_engine(RLConfig.from_flat(rollout_engine="vllm", device=device))
     print("--rollout-engine vllm can run here")
 except ValueError as err:
     print(f"{err} (this notebook uses the in-process engines)")
@@ -1178,8 +1141,7 @@ from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import DistContext, ProcessGroup, rank_slice
 from minirl.parallel.roles import DistributedActor
 from minirl.roles.reference import Reference
-from minirl.runtime.spmd_support import build_rank_engine, rank_records
-from minirl.sync.base import SyncReport
+from minirl.runtime.spmd_support import KeepWeights, build_rank_engine, rank_records, sync_due
 from minirl.sync.sharded import ShardedSync
 from minirl.train.run import RunState
 from minirl.train.step import Roles, rl_step, sample_prompts
@@ -1193,72 +1155,59 @@ class SPMDState(RunState):
     ctx: DistContext | None = None
     group: ProcessGroup | None = None
     sampling_generator: torch.Generator | None = None   # this rank's own sampling seeds
-    lag: int = 0                                        # updates the engine's weights are behind the trainer's
+    lag: int = 0                                        # updates the engine's weights are behind
 
 
-def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
+def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows: list[dict],
+               reward_funcs: list,
                ctx: DistContext, reward_weights: list[float] | None = None) -> SPMDState:
-    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (bad engines fail here)."""
+    """Every rank: reference, engine, LoRA, wrapped actor, sync; version 0 pushed (or it fails)."""
     model.to(ctx.device).eval()
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     mode = pconfig.resolved_sync_mode
-    engine = None if mode == "adapter" else build_rank_engine(config, pconfig, model, tokenizer, ctx.device,
-                                                              [r["prompt"] for r in rows])
+    prompts = [r["prompt"] for r in rows]
+    engine = None
+    if mode != "adapter":                                 # the engine holds the base model
+        engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device, prompts)
     if pconfig.lora_rank:
         model = apply_lora(model, pconfig.lora_rank, pconfig.alpha, pconfig.targets)
-    if engine is None:                                    # adapter-only: the engine holds base + adapter
+    if engine is None:                                    # adapter only: base + adapter
         engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
-    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision, pconfig.cpu_offload)
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision,
+                         pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
-    sync = ShardedSync(mode, pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None, pconfig.verify_sync,
+    scaling = pconfig.alpha / pconfig.lora_rank if pconfig.lora_rank else None
+    sync = ShardedSync(mode, scaling, pconfig.verify_sync,
                        packed=pconfig.packed_sync, bucket_bytes=int(pconfig.sync_bucket_mb * 2**20))
-    sync.push(actor.named_weights(), engine, 0)           # every name and shape checked before any step
-    seed = config.run.seed
-    return SPMDState(config, Roles(actor, reference), engine, sync, torch.Generator().manual_seed(seed), rows,
+    sync.push(actor.named_weights(), engine, 0)           # every name and shape checked now
+    seed, own = config.run.seed, config.run.seed + 1_000_003 * (ctx.rank + 1)   # own: this rank's
+    return SPMDState(config, Roles(actor, reference), engine, sync,
+                     torch.Generator().manual_seed(seed), rows,
                      reward_funcs, reward_weights, pconfig=pconfig, ctx=ctx, group=group,
-                     sampling_generator=torch.Generator().manual_seed(seed + 1_000_003 * (ctx.rank + 1)))
-
-# %% [markdown]
-# One step on a rank, and when it pushes:
-
-# %%
-# | export minirl/parallel/spmd.py
-class KeepWeights:
-    """The sync of a step that does not synchronize: it moves nothing and reports the version the engine
-    holds, so the next batch is generated, checked and logged as the older policy it is."""
-
-    def push(self, named_weights, engine, version: int) -> SyncReport:
-        return SyncReport(engine.version, 0, 0, 0.0)
-
-
-def sync_due(step: int, pconfig: ParallelConfig, config: RLConfig) -> bool:
-    """Whether step `step` (1, 2, ...) pushes: every `sync_every`-th, and always the steps that evaluate
-    (the engine's copy is measured), checkpoint (a resume refills the engine) or end the run."""
-    run = config.run
-    return (step % pconfig.sync_every == 0 or step == run.steps
-            or bool(run.eval_every and step % run.eval_every == 0)
-            or bool(run.checkpoint_every and step % run.checkpoint_every == 0))
+                     sampling_generator=torch.Generator().manual_seed(own))
 
 
 def spmd_step(state: SPMDState) -> dict:
-    """One step on this rank: the global batch's draw (the same on every rank), this rank's share, rl_step."""
+    """One step on this rank: the global batch (the same on every rank), its share, rl_step."""
     config, group = state.config, state.group
     rows = sample_prompts(state.rows, config.run.prompts_per_step, state.generator)
     mine = rank_slice(rows, group.rank, group.world_size)
     sampler = state.generator if state.pconfig.seed_per_prompt else state.sampling_generator
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
-    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler, group=group,
+    record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler,
+                     group=group,
                      reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})
-    record |= {"sync/peak_bytes": report.peak_bytes if due else 0, "sync/tensors": report.tensors if due else 0,
-               "sync/pushed": int(due), "staleness": staleness,
-               "time/sleep": stats.get("sleep_seconds", 0.0), "time/wake": stats.get("wake_seconds", 0.0)}
+    record |= {"sync/peak_bytes": report.peak_bytes if due else 0,
+               "sync/tensors": report.tensors if due else 0, "sync/pushed": int(due),
+               "staleness": staleness, "time/sleep": stats.get("sleep_seconds", 0.0),
+               "time/wake": stats.get("wake_seconds", 0.0)}
     return record | rank_records(record, group)       # per-reward means and each rank's times
 
 # %% [markdown]
@@ -1266,27 +1215,30 @@ def spmd_step(state: SPMDState) -> dict:
 
 # %%
 from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: E402
+from minirl.runtime.spmd_support import sync_due  # noqa: E402
 from minirl.tasks.task import arithmetic_task  # noqa: E402
 
 task = arithmetic_task()
-spmd = setup_spmd(RLConfig.from_flat(prompts_per_step=4, num_generations=4), ParallelConfig(lora_rank=8),
-                  copy.deepcopy(model), tokenizer, task.train, task.reward_funcs, ctx)
+spmd = setup_spmd(RLConfig.from_flat(prompts_per_step=4, num_generations=4),
+                  ParallelConfig(lora_rank=8), copy.deepcopy(model), tokenizer, task.train,
+                  task.reward_funcs, ctx)
 record = spmd_step(spmd)
 keys = ("reward", "loss", "loss_weight", "sync/tensors", "sync/peak_bytes", "staleness")
 print({key: round(record[key], 4) for key in keys if key in record})
+K4 = ParallelConfig(sync_every=4, colocate=False)
+twelve = RLConfig.from_flat(steps=12)
+print("--sync-every 4 pushes at steps", [s for s in range(1, 13) if sync_due(s, K4, twelve)])
 
 # %% [markdown]
 # ## 7. Run it under `torchrun`
 #
 # The chapter script is the whole job: every rank checks the flags, joins the group, runs
-# `setup_spmd`, then `spmd_step` through notebook 01's `run_in_dir`; rank 0 evaluates, logs
-# and writes the summary. A job's plumbing lives in `minirl/runtime/`: sharded checkpoints
-# (DCP), verified and resumed exactly, in `sharded_checkpoint.py` (the tests kill a rank,
-# resume, and compare the final weights bit for bit), the one line that says who stopped a
-# job in `stops.py`, per-rank memory in `memory_tracking.py`. Smoke mode reads section 0's job
-# again; full mode runs each ZeRO level briefly, full fine-tuning and LoRA long enough to
-# learn, adapter-only sync, the sync before packing, and a sync every 4th step without and
-# with an importance-sampling correction.
+# `setup_spmd`, then `spmd_step` through notebook 01's `run_in_dir`. Its plumbing lives in
+# `minirl/runtime/`: sharded checkpoints (DCP), verified and resumed exactly, in
+# `sharded_checkpoint.py`, the one line that says who stopped a job in `stops.py`, per-rank
+# memory in `memory_tracking.py`. Smoke mode reads section 0's job again; full mode runs each
+# ZeRO level, full fine-tuning and LoRA, adapter-only sync, the sync before packing, and a sync
+# every 4th step without and with an importance-sampling correction.
 
 # %%
 SYNC_EVERY, STALE_STEPS = 4, 60    # the runs that synchronize every 4th update, and their length
@@ -1305,7 +1257,8 @@ else:
                                   "--learning-rate", LORA_LR, "--steps", "30", "--eval-every", "0")
     runs["per_tensor"] = run_chapter("04_per_tensor", "--no-packed-sync", "--steps", "30",
                                      "--eval-every", "0")
-    for name, extra in (("sync_every", ()), ("sync_every_tis", ("--importance-sampling-correction",))):
+    tis = ("--importance-sampling-correction",)
+    for name, extra in (("sync_every", ()), ("sync_every_tis", tis)):
         runs[name] = run_chapter(f"04_{name}", "--sync-every", str(SYNC_EVERY), "--no-colocate",
                                  "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
 
@@ -1318,7 +1271,8 @@ else:
 # %%
 rows = [(name, s["steps"], f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
          f"{100 * (s['accuracy_after'] - s['accuracy_before']):+.1f}", f"{s['seconds']:.0f}")
-        for name, (s, _) in runs.items() if name in ("full", "lora") and s["accuracy_before"] is not None]
+        for name, (s, _) in runs.items()
+        if name in ("full", "lora") and s["accuracy_before"] is not None]
 show(rows, ("run", "steps", "accuracy before", "after", "points", "seconds"))
 if SMOKE:
     print("smoke mode: 4 steps on 4 prompts, too short to judge; full mode trains 150 steps")
@@ -1361,7 +1315,8 @@ for name in (n for n in ("zero0", "zero1", "zero2", "zero3", "lora") if n in run
         state = last["memory/state_bytes"][rank]
         rows.append((name, f"ZeRO-{zero}", rank, f"{state / MiB:.2f}", f"{calc / MiB:.2f}",
                      f"{state / calc:.3f}", f"{summary['update_bytes'][rank] / MiB:.2f}"))
-show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calc", "in update MiB"))
+show(rows, ("run", "stage", "rank", "state MiB", "calculator MiB", "measured / calc",
+            "in update MiB"))
 if not SMOKE:
     ratios = {r[0]: float(r[5]) for r in rows}
     for name in ("zero0", "zero3", "lora"):
@@ -1369,19 +1324,14 @@ if not SMOKE:
     assert runs["zero2"][0]["update_bytes"][0] > runs["zero3"][0]["update_bytes"][0]
 
 # %% [markdown]
-# DDP holds the whole 16 bytes per parameter on each rank and ZeRO-3 a half. ZeRO-1's
-# optimizer hands out *whole tensors*, so its ranks' shares need not be equal. FSDP2's
-# "ZeRO-2" reshards after backward, so at rest it holds ZeRO-3's shard; "in update" shows the
-# whole weights it keeps gathered from forward to backward, while ZeRO-3 has let them go. The
-# engine's copy, a whole model on every rank, is what the calculator does not count;
-# colocation gives it back during the update, exactly the room ZeRO-2's gathered weights take.
-#
-# The source's ZeRO table gives each level's per-GPU saving: ~4×, ~8× and N×. Those follow
-# from its 16 bytes per parameter in mixed precision (2 + 2 + 12): ZeRO-1 keeps 4 + 12/N and
-# ZeRO-2 2 + 14/N bytes, so ~4× and ~8× are the limits for many GPUs, and ZeRO-3's 16/N is
-# N×. Our runs are FP32 on two ranks, where the same formula gives much less. The table sets
-# the source's figure beside its formula's limit, and the formula at our setting beside what
-# the runs held (DDP's state over each level's, rank mean):
+# DDP holds all 16 bytes per parameter on each rank, ZeRO-3 half; ZeRO-1 splits Adam by whole
+# tensors, so its shares need not be equal; FSDP2's "ZeRO-2" reshards after backward, so at
+# rest it holds ZeRO-3's shard, and "in update" shows the whole weights it keeps from forward
+# to backward. The engine's whole copy is what the calculator does not count; colocation gives
+# it back during the update. The source's ZeRO table says ~4×, ~8× and N× per GPU: from its 16
+# bytes in mixed precision (2 + 2 + 12), ZeRO-1 keeps 4 + 12/N and ZeRO-2 2 + 14/N, so ~4×
+# and ~8× are limits for many GPUs. Our runs are FP32 on two ranks, where the same formula
+# gives much less; the measured column is DDP's state over each level's:
 
 # %%
 SOURCE_SAVING = {1: ("~4x", 4.0), 2: ("~8x", 8.0), 3: ("Nx", None)}   # None: N itself
@@ -1394,24 +1344,24 @@ for zero, (said, value) in SOURCE_SAVING.items():
     measured = state[0] / state[zero] if 0 in state and zero in state else None
     rows.append((f"ZeRO-{zero}", said, f"{limit:.2f}x" if value else "N (2.00x at N=2)",
                  "agree" if agrees else "differs", f"{ours:.2f}x",
-                 "smoke: not run" if measured is None else f"{measured:.2f}x",
-                 "-" if measured is None else "agree" if abs(measured / ours - 1) < 0.05 else "differs"))
-show(rows, ("stage", "source", "formula, N -> inf", "verdict (10 %)", "formula, N=2", "minirl",
+                 "not run" if measured is None else f"{measured:.2f}x",
+                 "-" if measured is None else
+                 "agree" if abs(measured / ours - 1) < 0.05 else "differs"))
+show(rows, ("stage", "source", "formula limit", "verdict (10 %)", "formula, N=2", "minirl",
             "verdict (5 %)"))
 
 # %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
-# The source flags weight synchronization above 5 % of the step and names three remedies:
-# pack the transfers, synchronize only the LoRA adapters, synchronize less often. At the end
-# of a run the chapter pushes the trainer's weights in every mode it can ship, one all-gather
-# per tensor, one per layer, and in 256 MiB buckets, into a buffer (`sync_meter.sync_table`,
-# interleaved so the machine's load hits every row alike), and divides by the run's median
-# step. From the LoRA run:
+# The source flags a weight sync above 5 % of the step and names three remedies: pack the
+# transfers, sync only the LoRA adapters, sync less often. At the end of a run the chapter
+# pushes the weights in every mode, per tensor, per layer and in 256 MiB buckets, into a
+# buffer (`sync_meter.sync_table`), and divides by the run's median step. From the LoRA run:
 
 # %%
 summary = runs["lora"][0]
-rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}", f"{1e3 * r['seconds']:.1f}",
+rows = [(r["mode"], r["transfer"], r["tensors"], f"{r['bytes'] / MiB:.3f}",
+         f"{1e3 * r['seconds']:.1f}",
          f"{100 * r['share']:.1f} %", "above: slow" if r["share"] > 0.05 else "below")
         for r in summary["sync_table"]]
 show(rows, ("mode", "transfer", "tensors", "MiB", "ms", "of a step", "source: 5 %"))
@@ -1423,62 +1373,60 @@ for mode in ("full", "merged", "adapter"):
 for transfer in ("per tensor", bucketed):
     adapter, merged = table[("adapter", transfer)], table[("merged", transfer)]
     faster = adapter["seconds"] < merged["seconds"]
-    print(f"adapter against merged, {transfer}: {adapter['bytes'] / merged['bytes']:.1%} of the bytes, "
-          f"{adapter['seconds'] / merged['seconds']:.0%} of the time" + ("" if faster else " (NOT faster)"))
+    print(f"adapter against merged, {transfer}: {adapter['bytes'] / merged['bytes']:.1%} of the "
+          f"bytes, {adapter['seconds'] / merged['seconds']:.0%} of the time"
+          + ("" if faster else " (NOT faster)"))
     assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# The bytes are fixed by the shapes; the time is this machine's. Packed, the whole adapter is
-# one small collective and the engine copies only A and B, where a merged sync gathers every
-# base weight, multiplies B A per adapted layer and copies whole matrices. On CPUs with gloo
-# a round trip's fixed cost, not its bytes, is what a small collective pays; on GPUs with NCCL
-# and a real model the bandwidth term grows and the bytes column becomes the one to read.
-#
-# Each run's own share (its sync seconds over its step seconds) also pays the real engine and
-# the wait for the slower rank. The runs, one per remedy (smoke mode: the one LoRA job); the
-# chapter's defaults are the `full` run's: ZeRO-3, packed in 256 MiB buckets, every step.
+# The bytes are fixed by the shapes, the time is this machine's: on CPUs with gloo a small
+# collective pays a round trip's fixed cost, not its bytes; on GPUs with NCCL and a real model
+# the bytes column is the one to read. Each run's own share also pays the real engine and the
+# wait for the slower rank. One run per remedy (smoke mode: the LoRA job); the chapter's
+# defaults are the `full` run's (ZeRO-3, 256 MiB buckets, a sync every step):
 
 # %%
 rows = []
-for name in (n for n in ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis") if n in runs):
+names = ("per_tensor", "full", "lora", "adapter", "sync_every", "sync_every_tis")
+for name in (n for n in names if n in runs):
     s, metrics = runs[name]
     pushed = [m["time/sync"] for m in metrics if "reward" in m and m.get("sync/pushed", 1)]
-    rows.append((name, s["sync_mode"], "packed" if s["packed_sync"] else "per tensor", s["sync_every"],
+    transfer = "packed" if s["packed_sync"] else "per tensor"
+    rows.append((name, s["sync_mode"], transfer, s["sync_every"],
                  f"{s['sync_bytes'] / MiB:.3f}", f"{1e3 * statistics.median(pushed):.1f}",
                  f"{100 * s['sync_share']:.1f} %", s["staleness_max"],
                  "above" if s["sync_share"] > 0.05 else "below"))
 show(rows, ("run", "mode", "transfer", "every", "MiB", "ms", "share", "stale", "source: 5 %"))
 if not SMOKE:
     before, after = runs["per_tensor"][0]["sync_share"], runs["full"][0]["sync_share"]
-    print(f"full fine-tuning: {100 * before:.1f} % of the step per tensor, {100 * after:.1f} % packed")
+    print(f"full fine-tuning: {100 * before:.1f} % per tensor, {100 * after:.1f} % packed")
     s = runs["sync_every"][0]
     print(f"sync every {SYNC_EVERY}: {s['pushes']} pushes in {s['steps']} steps, share "
           f"{after / s['sync_share']:.1f}x smaller, batches up to {s['staleness_max']} updates old")
 
     def mean_reward(name: str) -> float:
-        return statistics.mean(m["reward"] for m in runs[name][1] if "reward" in m and m["step"] <= STALE_STEPS)
+        steps = [m for m in runs[name][1] if "reward" in m and m["step"] <= STALE_STEPS]
+        return statistics.mean(m["reward"] for m in steps)
 
     fresh = mean_reward("full")
     show([(name, runs[name][0]["sync_every"], "TIS" if "tis" in name else "none",
            f"{mean_reward(name):.3f}", f"{mean_reward(name) - fresh:+.3f}")
           for name in ("full", "sync_every", "sync_every_tis")],
-         ("run", "sync every", "correction", f"mean reward, steps 1-{STALE_STEPS}", "vs every step"))
+         ("run", "sync every", "correction", f"mean reward, steps 1-{STALE_STEPS}",
+          "vs every step"))
 
 # %% [markdown]
-# Syncing every K-th step divides the share by up to about K (a run also pushes at
-# evaluations, checkpoints and its last step) and costs freshness: a policy gradient taken on
-# another policy's samples is biased, and the table above puts a number on what that did to
-# the learning here (the embedded policy moves a long way in a few updates, so K = 4 is
-# harsh). Notebook 02's importance-sampling correction reweights each token by
-# pi_theta / pi_behaviour, truncated. Syncing less often needs the engine to keep its weights
-# between steps, so it cannot be colocated at sleep level 2 (`--no-colocate`).
+# Syncing every K-th step divides the share by up to K and costs freshness: a gradient taken on
+# another policy's samples is biased (the table puts a number on it; notebook 02's correction
+# reweights each token by pi_theta / pi_behaviour, truncated). The engine must then keep its
+# weights between steps: no colocation at sleep level 2 (`--no-colocate`).
 #
-# ### Full fine-tuning against LoRA
+# ### Full fine-tuning against LoRA, and one rank against two
 #
-# The source's memory table puts "~40 % slower per step" on ZeRO-3 + gradient checkpointing +
-# LoRA, against unsharded full fine-tuning; notebook 03 showed that checkpointing alone costs
-# up to a third more compute, and these runs use none. So the line under the table sets
-# LoRA's own change in step time (both ZeRO-3) beside the source's 40 %, with its rule.
+# The source puts "~40 % slower per step" on ZeRO-3 + gradient checkpointing + LoRA against
+# unsharded full fine-tuning; these runs use no checkpointing (notebook 03: up to a third more
+# compute), and the line under the table sets LoRA's own change beside the 40 %. Then, with
+# `--seed-per-prompt`, one rank and two must compute the same losses up to float rounding.
 
 # %%
 SOURCE_LORA_SLOWDOWN = 0.40        # the source: "~40 % slower per step"
@@ -1499,15 +1447,20 @@ else:
           for name, s in ((n, runs[n][0]) for n in ("full", "lora", "adapter"))],
          ("run", "trainable", "state MiB", "sync", "MiB/sync", "ms/step", "ms/update", "accuracy"))
     slower = step_seconds("lora") / step_seconds("full") - 1
-    print(f"LoRA against full fine-tuning: {slower:+.0%} per step; the source: {SOURCE_LORA_SLOWDOWN:+.0%} "
+    print(f"LoRA against full fine-tuning: {slower:+.0%} per step; the source: "
+          f"{SOURCE_LORA_SLOWDOWN:+.0%} "
           "with checkpointing; within 15 points: "
           + ("agree" if abs(slower - SOURCE_LORA_SLOWDOWN) <= 0.15 else "differs"))
+    same = ("--seed-per-prompt", "--steps", "5", "--eval-every", "0")
+    one, two = run_chapter("04_one_rank", *same, nproc=1), run_chapter("04_two_ranks", *same)
+    show([(a["step"], f"{a['loss']:+.6f}", f"{b['loss']:+.6f}", f"{a['reward']:.4f}",
+           f"{b['reward']:.4f}")
+          for a, b in zip(one[1], two[1], strict=True)],
+         ("step", "loss, 1 rank", "loss, 2 ranks", "reward, 1 rank", "reward, 2 ranks"))
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one[1], two[1], strict=True))
 
 # %% [markdown]
-# ### Colocation in the run
-#
-# Each rank's engine slept through every update; each step's record holds its bytes during
-# the update and after the sync, and how long the sleep and the wake-up took:
+# ### Colocation in the run: each rank's engine slept through every update
 
 # %%
 rows = []
@@ -1523,15 +1476,15 @@ show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "w
 #
 # | question | answer |
 # |---|---|
-# | multi-controller (SPMD) | every rank runs the same loop on its share of the prompts; they meet only in collectives |
-# | what must be global | `dapo`'s token count (weight W·T_r/T), a batch reward std, the logged statistics; and every rank makes the same forward passes |
-# | ZeRO per rank, measured | DDP 16 B/param, ZeRO-3 16/N; ZeRO-1 by whole tensors; FSDP2's ZeRO-2 reshards after backward; the source's ~4× and ~8× are its formula's limits for many GPUs |
-# | weight sync from shards | gather one layer (or bucket) at a time, merge LoRA or ship the adapter, stream into the engine, check the version |
-# | the 5 % rule | pack whole layers into one all-gather per bucket; adapter-only moves only A and B; `--sync-every K` divides the share by up to K, for batches up to K-1 updates stale |
-# | colocation | the engine releases its weights during the update (vLLM sleep level 2) and takes them back at the sync |
+# | SPMD | every rank runs the same loop on its share; they meet only in collectives |
+# | what must be global | `dapo`'s token count (w_r = W·T_r/T), a batch reward std, the logged statistics |
+# | ZeRO per rank | DDP 16 B/param, ZeRO-3 16/N; the source's ~4×, ~8× are its formula's many-GPU limits |
+# | weight sync | one layer (or bucket) at a time, LoRA merged or the adapter alone, streamed in |
+# | the 5 % rule | pack the transfers; ship only A and B; `--sync-every K` for batches up to K-1 stale |
+# | colocation | the engine releases its weights during the update (vLLM sleep level 2) |
 #
-# On a GPU machine the same chapter runs with `--device cuda` (NCCL), `--rollout-engine vllm`,
-# `--mixed-precision bf16`, `--cpu-offload` and any Hugging Face causal LM (`--model`):
+# On GPUs the same chapter runs with `--device cuda`, `--rollout-engine vllm`,
+# `--mixed-precision bf16` and any Hugging Face causal LM:
 #
 # ```
 # torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \

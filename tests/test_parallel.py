@@ -22,13 +22,14 @@ from minirl.parallel.config import ParallelConfig
 from minirl.parallel.launch import ProcessGroup, init_distributed, rank_slice
 from minirl.parallel.roles import DistributedActor, DistributedCritic, reduce_metrics, scale_gradient
 from minirl.rollout.base import VersionMismatchError
-from minirl.rollout.colocated import ColocatedEngine, EngineNotReady
+from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
 from minirl.runtime.buckets import gather_buckets, gather_packed, layer_buckets, shard_numels, split_by_layer
 from minirl.runtime.lockstep import pad_completions, split_micro_batches
 from minirl.runtime.parallel_checks import check_parallel
 from minirl.runtime.prompt_seeds import SeedPerPrompt
+from minirl.runtime.push_checks import EngineNotReady
 from minirl.runtime.ranks import agree, pick_backend
 from minirl.runtime.sync_meter import LiveBytes
 from minirl.runtime.validate import ConfigError
@@ -100,7 +101,7 @@ def test_vllm_checks_that_need_both_configs(monkeypatch):
 
 
 def test_sync_due_every_k_steps_and_where_the_engine_must_be_fresh():
-    from minirl.parallel.spmd import KeepWeights, sync_due
+    from minirl.runtime.spmd_support import KeepWeights, sync_due
 
     config = RLConfig.from_flat(steps=10, eval_every=5, checkpoint_every=3)
     due = [s for s in range(1, 11) if sync_due(s, ParallelConfig(sync_every=4, colocate=False), config)]

@@ -1,5 +1,5 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine. Light (no torch)."""
+"""Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine (no torch)."""
 
 __all__ = ["MIXED_PRECISION", "ParallelConfig"]
 
@@ -14,23 +14,23 @@ MIXED_PRECISION = ("none", "bf16")
 
 @dataclass
 class ParallelConfig:
-    """How a data-parallel GRPO run shards, adapts and synchronizes (chapters/04_fsdp_lora.py's flags)."""
+    """How a data-parallel GRPO run shards, adapts and syncs (chapters/04_fsdp_lora.py's flags)."""
 
-    zero: int = 3                      # 0: DDP; 1: + sharded Adam (ZeRO-1); 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
+    zero: int = 3                      # 0: DDP; 1: + sharded Adam; 2, 3: FSDP2 (ZeRO-2 / ZeRO-3)
     lora_rank: int = 0                 # LoRA rank r (peft); 0: full fine-tuning
-    lora_alpha: float = 0.0            # LoRA's alpha: the update is (alpha / r) B A; 0: 2 * lora_rank
+    lora_alpha: float = 0.0            # the update is (alpha / r) B A; 0: 2 * lora_rank
     lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA)
-    sync_mode: str = "auto"            # full, merged (LoRA folded in), adapter (A and B); auto: by LoRA
-    packed_sync: bool = True           # whole layers packed into one all-gather per bucket; off: per tensor
-    sync_bucket_mb: float = 256.0      # packed: layers share one all-gather up to this many MiB; 0: a layer
-    sync_every: int = 1                # push the weights every K steps: batches up to K-1 updates stale
+    sync_mode: str = "auto"            # full, merged, adapter (A and B only); auto: by LoRA
+    packed_sync: bool = True           # one all-gather per bucket of whole layers; off: per tensor
+    sync_bucket_mb: float = 256.0      # packed: MiB of layers per all-gather; 0: one layer
+    sync_every: int = 1                # push every K steps: batches up to K-1 updates stale
     colocate: bool = True              # the engine releases its weights during the update
     backend: str = "auto"              # process-group backend: auto picks nccl on CUDA, gloo on CPU
-    verify_sync: bool = False          # after every push, compare every engine tensor with the trainer's
-    seed_per_prompt: bool = False      # a seed per prompt: the batch does not depend on the world size
+    verify_sync: bool = False          # after every push, compare the engine's tensors with ours
+    seed_per_prompt: bool = False      # a seed per prompt: batches independent of the world size
     vllm_gpu_memory_utilization: float = 0.3  # vllm engine: the share of the GPU it may take
     vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's value)
 

@@ -1,5 +1,5 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Joining a data-parallel job (one process per device under torchrun) and the few collectives the step uses.
+"""Joining a data-parallel job (a process per device under torchrun), and the step's collectives.
 
 Simplified vs torchrun + accelerate: one node, one flat process group, no elastic restarts.
 """
@@ -35,9 +35,10 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0) -> DistContext:
-    """Join the job's process group; returns this rank's context. Without torchrun (a notebook, a test): a
-    group of one through a file store, so the same FSDP2 and DTensor code runs."""
+def init_distributed(backend: str = "auto", device: str = "cpu", timeout_s: float = 900.0
+                     ) -> DistContext:
+    """Join the job's process group; returns this rank's context. Without torchrun: a group of one
+    through a file store, so the same FSDP2 and DTensor code runs."""
     rank, world, local = world_from_env()
     name = pick_backend(backend, device)
     dev = torch.device("cuda", local) if str(device).startswith("cuda") else torch.device("cpu")
@@ -64,8 +65,8 @@ def shutdown(together: bool = True) -> None:
 
 
 class ProcessGroup:
-    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on `device`
-    (NCCL moves only GPU memory); group: a subgroup (a Ray pool's ranks, notebook 06), None: the world."""
+    """A process group as the step and the roles use it (rl_step's `group`). Tensors travel on
+    `device` (NCCL moves only GPU memory); group: a subgroup (notebook 06), None: the world."""
 
     def __init__(self, device: torch.device | str = "cpu", group=None):
         self.group = group
@@ -99,10 +100,10 @@ class ProcessGroup:
 
 
 def rank_slice(items: list, rank: int, world_size: int) -> list:
-    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every other rank's."""
+    """Rank `rank`'s contiguous slice of a global batch: whole prompts, as many as every rank's."""
     if len(items) % world_size:
         raise ConfigError("prompts_per_step", len(items),
-                          f"a batch of {len(items)} prompts does not divide over {world_size} ranks; "
+                          f"{len(items)} prompts do not divide over {world_size} ranks; "
                           f"use a multiple of {world_size}")
     k = len(items) // world_size
     return items[rank * k:(rank + 1) * k]

@@ -1,5 +1,5 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted by the rank's share.
+"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted.
 
 The weight (the loss type's `rank_weight`) is applied as a gradient scale on the output of
 the training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
@@ -39,15 +39,16 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 
-LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
+LOSSES = ("loss", "value_loss")       # a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record (every rank that reduces the same lists gets the same one).
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None
+                   ) -> dict:
+    """The ranks' update metrics as one record (the same on every rank that reduces the same lists).
 
     records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
     None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
@@ -77,13 +78,13 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
 
 
 class DataParallelRole(ReplicatedState):
-    """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
+    """What makes one of notebook 01's trained roles data-parallel; before `Actor` or `Critic`.
 
     A role calls `_join` and passes the output of its training forward through `_weighted`.
     Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
     """
 
-    skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
+    skip_field = "advantages"           # the field the role's loss reads, made NaN to skip
     loss_key = "loss"
 
     def _join(self, wrapped: Wrapped, group) -> None:
@@ -91,27 +92,29 @@ class DataParallelRole(ReplicatedState):
         self.grad_scale, self.skipping = 1.0, False
 
     def _weighted(self, output: Tensor) -> Tensor:
-        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled
-        by w_r. Forwards without gradient pass untouched."""
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient
+        scaled by w_r. Forwards without gradient pass untouched."""
         if not output.requires_grad:
             return output
-        if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
-            output = output * math.nan                       # some rank's forward is not finite: every rank skips
+        bad = float(not torch.isfinite(output).all())
+        if not self.skipping and self.group.all_sum([bad]).item():
+            output = output * math.nan                       # not finite on a rank: all skip
         if self.grad_scale != 1.0:
             output = scale_gradient(output, self.grad_scale)
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' one record
-        (plus "<loss_key>_weight": rank 0's w). A batch that is not finite on any rank: every rank skips."""
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' record
+        (plus "<loss_key>_weight": rank 0's w). A batch not finite on any rank: every rank skips."""
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
-        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
-        if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
+        bad = float(not finite_batch(exp))
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, bad]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
-                                                                       self.group.world_size)
+        rank_weight = loss_type_entry(self.algorithm.loss_type).rank_weight
+        weight = rank_weight(tokens, total_tokens, rows, total_rows, self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -119,7 +122,8 @@ class DataParallelRole(ReplicatedState):
             self.grad_scale, self.skipping = 1.0, False
         records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
             (metrics, tokens, weight)), strict=True))
-        return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
+        record = reduce_metrics(records, rank_tokens, weights)
+        return record | {f"{self.loss_key}_weight": weights[0]}
 
 
 class DistributedActor(DataParallelRole, LockstepActor, Actor):
@@ -143,19 +147,21 @@ class DistributedActor(DataParallelRole, LockstepActor, Actor):
         return self._weighted(logps), entropy
 
     def named_weights(self):
-        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
+        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole under DDP."""
         return self.module.state_dict().items()
 
 
 class DistributedCritic(DataParallelRole, Critic):
-    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of ranks).
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool).
     wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
 
     skip_field, loss_key = "returns", "value_loss"
 
-    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, group):
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 group):
         super().__init__(wrapped.wrapper, algorithm, optimizer)
         self._join(wrapped, group)
-        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW,
+                                        lr=optimizer.value_learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))

@@ -81,14 +81,16 @@ def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
 
 
 @register_engine("vllm", problem=vllm_problem)
-def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
-    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
-    max_model_len; settings: VLLMEngine's gpu_memory_utilization and max_num_batched_tokens."""
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(),
+               **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's,
+    which size max_model_len; settings: gpu_memory_utilization, max_num_batched_tokens."""
     from minirl.rollout.vllm import VLLMEngine  # noqa: PLC0415 (vLLM loads when built)
     from minirl.runtime.vllm_setup import task_model_len  # noqa: PLC0415
 
     context = getattr(model.config, "max_position_embeddings", None)
-    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    new_tokens = config.sampling.max_completion_length
+    length = task_model_len(tokenizer, prompts, new_tokens, context) if prompts else None
     return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
                       seed=config.run.seed, max_model_len=length, **settings)
 

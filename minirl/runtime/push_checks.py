@@ -7,7 +7,8 @@ trainer's names, a push copied into them as it arrives, and the copy the stale c
 Hand-written for notebook 04's `minirl.rollout.colocated.ColocatedEngine`, which streams a
 push into the engine's own tensors one at a time (so the engine never holds a second whole
 copy) and therefore cannot check the whole set before copying: `copy_pushed` checks each
-tensor as it arrives and the set at the end, with errors that name the tensor and the fix.
+tensor as it arrives and the set at the end, with errors that name the tensor and the fix;
+`refuse_older` refuses older weights; `EngineNotReady` is a generate without complete weights.
 """
 
 from typing import Iterable
@@ -15,6 +16,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.hf import fp8_round_trip
 
 
@@ -41,6 +43,17 @@ def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tenso
         raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
                          f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
                          "the last version")
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is asleep, or its last push did not complete: it holds no usable weights."""
+
+
+def refuse_older(version: int, held: int, who: str) -> None:
+    """VersionMismatchError when a push brings an older version than the engine holds."""
+    if version < held:
+        raise VersionMismatchError(f"load_weights(version={version}) but {who} holds version {held}: refusing to "
+                                   "go back to older weights")
 
 
 class StreamedLoads:

@@ -3,7 +3,8 @@
 Hand-written. `build_rank_engine` builds this rank's engine through the engine registry: an
 engine that colocates itself (vLLM's sleep mode: the `Colocated` protocol) is used as built;
 an in-process one is wrapped in `ColocatedEngine` (and `SeedPerPrompt` with
-`--seed-per-prompt`). `rank_records` gathers what each rank measured on its own share: the
+`--seed-per-prompt`). `sync_due` says which steps push with `--sync-every K`, and the others
+push a `KeepWeights`. `rank_records` gathers what each rank measured on its own share: the
 mean of the ranks' per-reward means (equal shares), the reward errors, each rank's stage times.
 """
 
@@ -12,6 +13,7 @@ from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
 from minirl.runtime.prompt_seeds import SeedPerPrompt
+from minirl.sync.base import SyncReport
 
 
 def build_rank_engine(config: RLConfig, pconfig, model, tokenizer, device, prompts=()):
@@ -38,3 +40,20 @@ def rank_records(record: dict, group) -> dict:
     out["reward_errors"] = sum(r.get("reward_errors", 0) for r in everyone)
     out["time_by_rank"] = [{k: v for k, v in r.items() if k.startswith("time/")} for r in everyone]
     return out
+
+
+class KeepWeights:
+    """The sync of a step that does not synchronize: it moves nothing and reports the version the engine
+    holds, so the next batch is generated, checked and logged as the older policy it is."""
+
+    def push(self, named_weights, engine, version: int) -> SyncReport:
+        return SyncReport(engine.version, 0, 0, 0.0)
+
+
+def sync_due(step: int, pconfig, config: RLConfig) -> bool:
+    """Whether step `step` (1, 2, ...) pushes: every `sync_every`-th, and always the steps that evaluate
+    (the engine's copy is measured), checkpoint (a resume refills the engine) or end the run."""
+    run = config.run
+    return (step % pconfig.sync_every == 0 or step == run.steps
+            or bool(run.eval_every and step % run.eval_every == 0)
+            or bool(run.checkpoint_every and step % run.checkpoint_every == 0))

@@ -13,11 +13,21 @@ threshold applies to.
 
 import statistics
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from minirl.sync.base import SyncReport
 from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
+
+
+@dataclass
+class ShardedSyncReport(SyncReport):
+    """A SyncReport with the peak of gathered bytes alive at once and the mode."""
+
+    peak_bytes: int = 0
+    mode: str = "full"
 
 
 class LiveBytes:

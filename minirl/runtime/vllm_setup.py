@@ -129,6 +129,13 @@ class PushStream:
             self.seen.add(name)
             yield name, tensor
 
+    def check_complete(self, names: list[str]) -> None:
+        """ValueError naming the engine's tensors this push never brought."""
+        missing = [n for n in names if n not in self.seen]
+        if missing:
+            raise ValueError(f"VLLMEngine.load_weights(version={self.version}): {len(missing)} tensors never "
+                             f"pushed (first: {missing[0]}); push all of them")
+
 
 def padded_rollout(tokenizer, prompts: list[str], G: int, rows: list[tuple], version: int) -> Rollout:
     """The rollout of vLLM's (prompt ids, completion ids, log-probs) rows: prompts left-padded, completions

@@ -7,19 +7,19 @@ layers, no CUDA IPC handles; one LoRA adapter; no DoRA.
 """
 
 __all__ = ["PEFT_PREFIX", "LORA", "engine_name", "full_tensor", "gather_by_layer", "merge_lora",
-           "engine_tensors", "ShardedSyncReport", "ShardedSync"]
+           "engine_tensors", "ShardedSync"]
 
 import re
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from minirl.runtime.buckets import gather_buckets, layer_key
-from minirl.runtime.sync_meter import CountedStream, LiveBytes, check_fresh, full_tensor_storage
-from minirl.sync.base import SyncReport, check_pushed
+from minirl.runtime.sync_meter import CountedStream, LiveBytes, ShardedSyncReport, check_fresh
+from minirl.runtime.sync_meter import full_tensor_storage as storage_of
+from minirl.sync.base import check_pushed
 from minirl.sync.modes import SYNC_MODES
 
 PEFT_PREFIX = "base_model.model."
@@ -27,17 +27,18 @@ LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.wei
 
 
 def engine_name(name: str) -> str:
-    """A trainer tensor's Hugging Face name: peft's "base_model.model." prefix and ".base_layer" removed."""
+    """A trainer tensor's Hugging Face name: peft's prefix and ".base_layer" removed."""
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def full_tensor(tensor: Tensor) -> Tensor:
-    """The whole tensor behind a DTensor shard (an all-gather: every rank must call it), else the tensor."""
+    """The whole tensor behind a DTensor shard (an all-gather: every rank calls it), or `tensor`."""
     tensor = tensor.detach()
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]
+                    ) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
     named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
@@ -65,17 +66,18 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
     weight's dtype, [out, in], a new tensor (weight is not modified). Raises ValueError when
     the shapes do not fit together.
     """
-    if lora_A.shape[1] != weight.shape[1] or lora_B.shape[0] != weight.shape[0] or lora_B.shape[1] != lora_A.shape[0]:
+    r, d_in = lora_A.shape
+    if d_in != weight.shape[1] or tuple(lora_B.shape) != (weight.shape[0], r):
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
-                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
-    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)   # W + s B A, one op
+                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r]")
+    merged = torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)  # W + s BA
     return merged.to(weight.dtype)
 
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the engine
-    holds a peft copy), full and merged give Hugging Face names; merged needs `scaling` (alpha / r)."""
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the
+    engine holds a peft copy), full and merged give Hugging Face names; merged needs `scaling`."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}
@@ -92,17 +94,9 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
     return out
 
 
-@dataclass
-class ShardedSyncReport(SyncReport):
-    """A SyncReport with the peak of gathered bytes alive at once and the mode."""
-
-    peak_bytes: int = 0
-    mode: str = "full"
-
-
 class ShardedSync:
-    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed: one
-    all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check (twice the traffic)."""
+    """Stage 4's weight sync, in one of three modes; lora_scaling: alpha / r for "merged". packed:
+    one all-gather per bucket of layers (else per tensor); verify: notebook 02's stale check."""
 
     def __init__(self, mode: str = "full", lora_scaling: float | None = None, verify: bool = False,
                  packed: bool = True, bucket_bytes: int = 0):
@@ -115,27 +109,28 @@ class ShardedSync:
         self.last_report = None
 
     def _source(self, named_weights) -> list[tuple[str, Tensor]]:
-        named = list(named_weights)                       # references to shards: nothing is gathered yet
+        named = list(named_weights)                       # references to shards: nothing gathered
         if self.mode == "adapter":
             named = [(n, t) for n, t in named if LORA.match(n)]
             if not named:
-                raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors (lora_A / lora_B); "
+                raise ValueError("sync mode 'adapter': the trainer holds no LoRA tensors; "
                                  "train with LoRA, or use mode 'full'")
-        elif self.mode == "full":                         # a LoRA model's base weights, unmerged: no adapter
+        elif self.mode == "full":                         # a LoRA model's base weights, unmerged
             named = [(n, t) for n, t in named if not LORA.match(n)]
         return named
 
     def push(self, named_weights, engine, version: int) -> ShardedSyncReport:
-        """Stream the trainer's weights into `engine` as `version`; check the version (and the weights)."""
+        """Stream the trainer's weights into `engine` as `version`; check the version (and all)."""
         start = time.perf_counter()
         named, meter = self._source(named_weights), LiveBytes()
-        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as the engine takes them
+        pairs = CountedStream(self.stream(named, meter))  # counts tensors and bytes as they go
         engine.load_weights(pairs, version)
-        pairs.finish(engine)                              # every rank must join every gather, even now
+        pairs.finish(engine)                              # every rank joins every gather, even now
         check_pushed(engine, version)
         if self.verify:
             check_fresh(self, named, engine)              # notebook 02's stale-parameter check
-        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, time.perf_counter() - start,
+        seconds = time.perf_counter() - start
+        self.last_report = ShardedSyncReport(version, pairs.tensors, pairs.bytes, seconds,
                                              peak_bytes=meter.peak, mode=self.mode)
         return self.last_report
 
@@ -143,11 +138,14 @@ class ShardedSync:
                ) -> Iterator[tuple[str, Tensor]]:
         """(engine name, whole tensor) pairs, one layer (or bucket) gathered at a time; new ones
         tracked by `meter`."""
-        own = {full_tensor_storage(t) for _, t in named}
-        layers = gather_buckets(named, self.bucket_bytes, meter) if self.packed else gather_by_layer(named)
+        own = {storage_of(t) for _, t in named}
+        if self.packed:
+            layers = gather_buckets(named, self.bucket_bytes, meter)
+        else:
+            layers = gather_by_layer(named)
         for layer in layers:
             for name, tensor in engine_tensors(layer, self.mode, self.lora_scaling):
                 if meter is not None and tensor.untyped_storage().data_ptr() not in own:
-                    meter.track(tensor)                    # gathered or merged here, not the trainer's own
+                    meter.track(tensor)                    # gathered or merged here
                 yield name, tensor
             del layer
