@@ -15,15 +15,13 @@
 # # 04 · LoRA + FSDP: the same loop on every rank, and weights that must reach the engine
 #
 # **By the end of this notebook you can** run notebook 01's RL step on several processes under
-# `torchrun`, each holding a shard of the trainer (DDP, ZeRO-1, or FSDP2), with or without
-# LoRA; say which numbers must be reduced across the ranks; get the sharded weights into a
-# rollout engine layer by layer (whole, LoRA-merged, or adapter only), colocated; and read the
-# vLLM engine that does the same on GPUs.
+# `torchrun`, each holding a shard of the trainer (DDP, ZeRO-1, FSDP2), with or without LoRA;
+# say which numbers must be reduced across the ranks; get sharded weights into a colocated
+# engine layer by layer (whole, LoRA-merged, or adapter only); and read the vLLM engine.
 #
-# The source's question: *the trainer is sharded and the rollout engine needs whole weights
-# after every update: how do they get there, what does it cost, and when does the sync become
-# the bottleneck?* Its symptom table flags a weight sync above **5 %** of the step; its memory
-# table pairs ZeRO-3 with LoRA. We measure both, small.
+# The source's question: *the trainer is sharded and the engine needs whole weights after
+# every update: how do they get there, at what cost, and when does the sync become the
+# bottleneck?* It flags a sync above **5 %** of the step and pairs ZeRO-3 with LoRA.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -32,6 +30,7 @@
 import json
 import os
 import statistics
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -57,10 +56,9 @@ def show(rows, header):
 # %% [markdown]
 # ## 0. The whole stage, first
 #
-# The chapter script under `torchrun` on two CPU processes, each rank holding half of a
-# ZeRO-3-sharded trainer with LoRA adapters and an engine of its own, 4 GRPO steps (too few to
-# learn: section 7 runs the long jobs in full mode). Launching it is plumbing:
-# `minirl/runtime/launch.py` and `minirl/runtime/progress.py`.
+# The chapter script under `torchrun` on two CPU processes, each rank holding half of a ZeRO-3
+# trainer with LoRA and an engine of its own, 4 GRPO steps (section 7 runs the long jobs).
+# Launching it is plumbing: `minirl/runtime/launch.py` and `minirl/runtime/progress.py`.
 
 # %%
 from minirl.runtime.launch import torchrun  # noqa: E402
@@ -95,27 +93,23 @@ first = run_chapter("04_first", *QUICK)
 # ## 1. Many controllers: every rank runs the loop
 #
 # Stage 4 starts N copies of stage 1's process with `torchrun`, one per device. Each copy (a
-# **rank**) draws the same global batch from a generator seeded alike on every rank, keeps
-# its own share (a prompt's G completions stay together: GRPO normalizes within the group),
-# generates it with its own engine, scores it, and updates its shard of the trainer. The
-# ranks meet only inside collectives (FSDP's weight all-gathers, the gradient all-reduce, a
-# few numbers the step must make global). This is **SPMD**, as NeMo-Aligner runs RLHF on
-# Megatron; the source's framework table calls it *multiple controllers* (notebook 06 builds
-# the opposite, one driver).
+# **rank**) draws the same global batch from a generator seeded alike everywhere, keeps its
+# share (whole groups of G completions), generates it with its own engine, scores it, and
+# updates its shard of the trainer; the ranks meet only inside collectives. This is **SPMD**,
+# as NeMo-Aligner runs RLHF on Megatron: the source's *multiple controllers* (notebook 06
+# builds the opposite, one driver).
 #
 # | | stage 1 | stage 4 (SPMD) |
 # |---|---|---|
-# | processes | one | N under `torchrun`, identical code |
-# | the batch | all B prompts | B / N prompts per rank, whole groups |
+# | processes, batch | one, all B prompts | N under `torchrun`, B / N prompts each |
 # | trainer state | whole | sharded (ZeRO-1/2/3) or replicated (DDP) |
 # | the engine | one copy | one per rank, beside that rank's trainer shard |
 #
-# Each rank calls notebook 01's `rl_step`, but three of its numbers belong to the *whole*
-# batch: the reward std when `scale_rewards="batch"`, the token count `dapo` divides by, and
-# the logged batch statistics. So `rl_step` takes an optional `group`: with it those numbers
-# are gathered over the ranks; without it the step is stage 1's. Reading torchrun's
-# environment, choosing gloo or NCCL and `agree` (one rank's failure raised on every rank, so
-# that none waits in a collective) live in `minirl/runtime/ranks.py`.
+# Three numbers of notebook 01's `rl_step` belong to the *whole* batch: the reward std when
+# `scale_rewards="batch"`, the token count `dapo` divides by, and the logged statistics. So
+# `rl_step` takes an optional `group` and gathers them over the ranks. Reading torchrun's
+# environment, picking gloo or NCCL and `agree` (one rank's failure raised on every rank)
+# live in `minirl/runtime/ranks.py`.
 
 # %%
 # | export minirl/parallel/launch.py
@@ -227,9 +221,8 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
     return items[rank * k:(rank + 1) * k]
 
 # %% [markdown]
-# A stage-4 run's own settings (the chapter turns each field into a flag: `--zero`,
-# `--lora-rank`, `--sync-mode`, ...); their checks, on every rank before anything loads, live
-# in `minirl/runtime/parallel_checks.py`.
+# A stage-4 run's own settings (each field a flag of the chapter); their checks, on every rank
+# before anything loads, live in `minirl/runtime/parallel_checks.py`.
 
 # %%
 # | export minirl/sync/modes.py
@@ -293,8 +286,7 @@ class ParallelConfig:
         return "merged" if self.lora_rank else "full"
 
 # %% [markdown]
-# This notebook joins a process group of one (a file store, no `torchrun`), so that FSDP2,
-# DTensors and the sync run here as on every rank of a real job:
+# This notebook joins a group of one (no `torchrun`): FSDP2, DTensors and the sync run as on a rank:
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
@@ -308,14 +300,13 @@ print(f"rank {ctx.rank} of {ctx.world_size}, backend {ctx.backend}, device {ctx.
 try:
     check_parallel(ParallelConfig(), RLConfig.from_flat(prompts_per_step=6), 4)
 except ValueError as err:
-    print(f"{type(err).__name__}: {err}")
+    print(textwrap.fill(f"{type(err).__name__}: {err}", 100))
 print("two ranks' shares of 8 prompts:", [rank_slice(list(range(8)), r, 2) for r in range(2)])
 
 # %% [markdown]
 # ## 2. Wrapping the trainer: DDP, ZeRO-1, FSDP2, LoRA
 #
-# Notebook 03 built the wrappers (`minirl/memory/wrap.py`) and measured what each ZeRO stage
-# keeps per GPU; here they train.
+# Notebook 03 built the wrappers (`minirl/memory/wrap.py`) and measured them; here they train.
 #
 # | `--zero` | wrapper | each rank holds |
 # |---|---|---|
@@ -324,11 +315,10 @@ print("two ranks' shares of 8 prompts:", [rank_slice(list(range(8)), r, 2) for r
 # | 2 | FSDP2, `reshard_after_forward=False` | shards; a layer's full weights from forward to backward |
 # | 3 | FSDP2, `reshard_after_forward=True` | shards; each layer gathered for forward, then again for backward |
 #
-# FSDP2 shards each decoder layer as one unit (the classes in `_no_split_modules`, as TRL does)
-# and makes every parameter a `DTensor`, a view of the whole tensor of which this rank holds a
-# shard. LoRA goes *inside* FSDP: peft replaces each targeted linear layer by the frozen base
-# plus trainable A (r × in) and B (out × r), then FSDP2 shards the result. LoRA trains
-# r (d_in + d_out) per adapted matrix, also what an adapter-only sync ships (section 4):
+# FSDP2 shards each decoder layer as one unit and makes every parameter a `DTensor`, a view of
+# the whole tensor of which this rank holds a shard. LoRA goes *inside* FSDP: peft adds the
+# trainable A (r × in) and B (out × r) beside each frozen base weight, then FSDP2 shards it all.
+# LoRA trains r (d_in + d_out) per adapted matrix, what an adapter-only sync ships (section 4):
 
 # %%
 import copy  # noqa: E402
@@ -356,13 +346,11 @@ show(rows, ("LoRA rank", "trainable", "of the base", "of Llama-2-70B"))
 # %% [markdown]
 # ## 3. The actor on every rank: a rank's share of the loss
 #
-# DDP and FSDP *average* the ranks' gradients, which is the single-process gradient only if
-# each rank's loss is the right share of the batch's loss. Take `dapo`, TRL's default: the
-# per-token losses summed over the **whole batch**, divided by its token count T. Rank r
-# computes sum_r / T_r over its own rows, and (1/W) Σ_r ∇sum_r / T_r is not ∇(Σ_r sum_r / T)
-# unless every rank holds as many tokens. TRL divides by T / W instead (the count gathered
-# from all processes), i.e. it weights rank r's loss by w_r = W · T_r / T; then
-# (1/W) Σ_r w_r ∇loss_r = ∇(Σ_r sum_r / T), whatever the split.
+# DDP and FSDP *average* the ranks' gradients: the single-process gradient only if each rank's
+# loss is the right share of the batch's. `dapo` (TRL's default) sums the per-token losses of
+# the **whole batch** and divides by its token count T; rank r alone computes sum_r / T_r, and
+# (1/W) Σ_r ∇sum_r / T_r is not ∇(Σ_r sum_r / T) unless the ranks hold as many tokens. TRL
+# divides by the gathered T / W instead, i.e. weights rank r's loss by w_r = W · T_r / T.
 #
 # | `loss_type` | the batch's loss | w_r |
 # |---|---|---|
@@ -371,19 +359,14 @@ show(rows, ("LoRA rank", "trainable", "of the base", "of Llama-2-70B"))
 # | `dr_grpo` | Σ tokens / (N · L) | W · N_r / N |
 # | `bnpo` | Σ tokens / T_r *per process* | 1 |
 #
-# So `bnpo` and `dapo`, equal in one process, part ways here; each loss type's entry in
-# notebook 01's registry holds its `rank_weight`. Every term of the GRPO loss depends on the
-# parameters only through the log-probs, so scaling the gradient that flows back through them
-# by w_r scales the whole loss's gradient, while every printed value stays the rank's own:
-# `DistributedActor` overrides only `_micro_logprobs` for that (the critic, through its
-# values). Two more rules: every rank makes the same forward passes (FSDP all-gathers weights
-# in each), so batches are padded and micro-batches split alike (`minirl/runtime/lockstep.py`);
-# and a rank that skips its backward would leave the others waiting in the all-reduce, so if
-# any rank holds a non-finite batch or forward, every rank skips.
-#
-# Each rank also has its own record of the update, and the run logs one, the same on every
-# rank: a per-token mean is the token-weighted mean of the ranks', a minimum the smallest, the
-# loss the weighted sum (`reduce_metrics`, exercise 4.1).
+# Each loss type's entry in notebook 01's registry holds its `rank_weight`. The GRPO loss
+# depends on the parameters only through the log-probs, so scaling the gradient through them
+# by w_r scales the whole loss's gradient while every printed value stays the rank's own:
+# `DistributedActor` overrides only `_micro_logprobs`. Every rank must also make the same
+# forward passes (FSDP all-gathers in each: `minirl/runtime/lockstep.py` pads and splits
+# alike), and skip together when any rank's batch is not finite (one rank skipping its
+# backward would leave the others in the all-reduce). Each rank's record of the update becomes
+# one (`reduce_metrics`, exercise 4.1): token-weighted means, global extremes, the weighted loss.
 
 # %%
 # | export minirl/parallel/roles.py
@@ -554,10 +537,8 @@ class DistributedCritic(DataParallelRole, Critic):
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
 
 # %% [markdown]
-# Check the claim on numbers. Split a batch of per-token losses over three "ranks" with
-# unequal token counts, weight each rank's gradient, average, and compare with the gradient of
-# the whole batch's loss. Without the weights `dapo`'s average is off; with them every loss
-# type is exact (`bnpo` is its own, per-rank, loss).
+# Check it: a batch's per-token losses split over three "ranks" with unequal token counts. The
+# plain average of their gradients is off for `dapo`; weighted, every loss type is exact.
 
 # %%
 from minirl.loss_types import LOSS_TYPES, aggregate_loss  # noqa: E402
@@ -595,12 +576,11 @@ print("as one:", reduce_metrics(ranks, tokens=[30.0, 10.0], loss_weights=[1.5, 0
 # %% [markdown]
 # ## 4. Getting sharded weights into the engine
 #
-# After the update every engine needs the new policy, whole, but under FSDP2 each rank holds a
-# 1/W shard of every tensor. Gathering the full state dict costs a whole extra copy of the
-# model at the worst moment, so the sync walks the state **one decoder layer at a time**:
-# gather it (an all-gather every rank joins, in the same order), turn it into what the engine
-# loads, hand it over, drop it (TRL's `full_tensor()` per parameter, veRL's per-layer
-# summoning). With LoRA there are three ways to ship the policy:
+# Every engine needs the new policy, whole, but under FSDP2 each rank holds a 1/W shard of
+# every tensor, and gathering the full state dict costs a whole extra copy of the model at the
+# worst moment. So the sync walks the state **one decoder layer at a time**: gather it (an
+# all-gather every rank joins, in the same order), turn it into what the engine loads, hand it
+# over, drop it (TRL's `full_tensor()` per parameter, veRL's per-layer summoning).
 #
 # | mode | what travels | the engine holds |
 # |---|---|---|
@@ -707,16 +687,13 @@ def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | 
 # %% [markdown]
 # ### Packed transfers, and the sync itself
 #
-# `gather_by_layer` makes one all-gather per tensor (51 for the embedded policy), each paying
-# the collective's fixed cost however few bytes it carries; on CPUs with gloo that can be
-# most of the sync. The source's remedy, packing, is what FSDP2 does for its own forward: each
-# rank copies its shards of a layer, flat, into one buffer, the buffers are all-gathered in
-# one collective, and every whole tensor is cut out (FSDP2 splits dim 0 as `torch.chunk`
-# does, so every rank knows every share from the global shape). A bucket of B bytes costs
-# about 2 B of memory; slime ships weights in buckets of 256 MiB, veRL in 512 MiB, minirl's
-# default is 256 MiB of whole layers (`minirl/runtime/buckets.py`). The sync streams the
-# engine's tensors into `load_weights` one layer (or bucket) at a time, counts the gathered
-# bytes alive at once, checks the version, and on request every tensor (notebook 02's check):
+# `gather_by_layer` makes one all-gather per tensor (51 here), each paying a collective's fixed
+# cost. The source's remedy, packing, is what FSDP2 does for its own forward: each rank copies
+# its shards of a layer into one flat buffer, one all-gather moves them all, and every whole
+# tensor is cut out (dim 0 splits as `torch.chunk` does, so the shares follow from the shapes).
+# A bucket of B bytes costs about 2 B (slime: 256 MiB, veRL: 512 MiB; minirl: 256 MiB of
+# whole layers, `minirl/runtime/buckets.py`). The sync streams each layer (or bucket) into the
+# engine's `load_weights`, counts the gathered bytes alive at once, and checks the version:
 
 # %%
 # | export minirl/sync/sharded.py
@@ -805,16 +782,13 @@ layers = [[name for name, _ in lay] for lay in gather_by_layer(sharded.module.st
 print(f"gather_by_layer: {len(layers)} lists; decoder layer 0's holds {len(layers[1])} tensors")
 
 # %% [markdown]
-# The receiving side must stream too: notebook 01's `HFEngine.load_weights` builds a dict of
-# everything it is handed, a whole extra copy of the model however carefully the sender
-# gathers. `ColocatedEngine` copies each tensor into place as it arrives (the per-tensor
-# checks live in `minirl/runtime/push_checks.py`), and refuses to generate until a push
-# completes. It also does **colocation**: trainer and engine share the device and are never
-# busy at once, so after `generate` the engine sleeps, releasing the storage of its weights,
-# and the next push wakes it by allocating the storage again just before filling it. This
-# is vLLM's sleep mode at level 2, which TRL's colocate mode and veRL's hybrid engine use;
-# with `adapter` sync only the adapter is released (the base must survive). The loop never
-# calls `sleep` or `wake_up`, and notebook 06 wraps a Ray worker's engine the same way.
+# The receiving side must stream too (notebook 01's `HFEngine.load_weights` builds a dict of
+# everything, a whole extra copy): `ColocatedEngine` copies each tensor into place as it
+# arrives (checked by `minirl/runtime/push_checks.py`). It also does **colocation**: trainer
+# and engine share the device and are never busy at once, so after `generate` the engine
+# releases the storage of its weights, and the next push allocates it again just before
+# filling it: vLLM's sleep mode at level 2, as TRL's colocate mode and veRL's hybrid engine
+# use it (with `adapter` sync only the adapter is released). The loop never calls `sleep`.
 
 # %%
 # | export minirl/rollout/colocated.py
@@ -930,9 +904,8 @@ class ColocatedEngine(StreamedLoads):
             self.stats["wake_seconds"] = time.perf_counter() - start
 
 # %% [markdown]
-# The three modes end to end, in this one-process group: an FSDP2-wrapped actor, its engine,
-# five pushes per mode, per tensor and packed, each verified against the trainer. In a group
-# of one nothing really travels; section 7 measures the cost on two ranks.
+# The three modes end to end in this group of one, five pushes per mode, per tensor and packed,
+# each verified against the trainer (section 7 measures the cost on two ranks):
 
 # %%
 from minirl.memory.measure import storage_bytes  # noqa: E402
@@ -966,8 +939,7 @@ full_bytes, adapter_bytes = float(rows[0][3]), float(rows[4][3])
 print(f"adapter only ships {adapter_bytes / full_bytes:.1%} of the bytes of a full sync")
 
 # %% [markdown]
-# And colocation, counted as notebook 03 counts bytes: the engine's weights awake and asleep,
-# and what sleeping and waking cost (waking only allocates; the push refills).
+# And colocation, counted as notebook 03 counts bytes (waking only allocates; the push refills):
 
 # %%
 from minirl.sync.base import InProcessSync  # noqa: E402
@@ -992,25 +964,16 @@ assert asleep == 0 and awake > 0
 # %% [markdown]
 # ## 5. The vLLM engine, behind the same protocol
 #
-# On GPUs the rollout engine is vLLM (PagedAttention, continuous batching, prefix caching:
-# notebook 05 builds each small). `VLLMEngine` puts it behind the same `RolloutEngine`
-# protocol, with vLLM's offline API as TRL's colocate mode uses it:
-#
-# - `LLM(..., enable_prefix_caching=True, enable_sleep_mode=True, logprobs_mode=
-#   "processed_logprobs", distributed_executor_backend="external_launcher")`: one engine per
-#   rank inside the training process, and log-probs taken **after** the temperature (vLLM's
-#   default returns the raw model's, which at temperature ≠ 1 would bias notebook 02's ratio).
-# - `SamplingParams(n=G, temperature=T, max_tokens=C, logprobs=0, seed=s)`: G samples per
-#   prompt with the sampled token's own log-prob.
-# - After an update, the tensors streamed one at a time into the worker's model through
-#   `collective_rpc("reload_weights", ...)` (vLLM maps Hugging Face names onto its fused
-#   layers), then `reset_prefix_cache()`: cached prefixes belong to the old weights.
-# - Colocation: `sleep(level=2)` after generating, `wake_up(tags=[...])` before loading.
-#
-# Building and sizing it (`gpu_memory_utilization`, `max_model_len` from the task's prompts),
-# reading its memory (vLLM allocates outside PyTorch) and sleeping live in
-# `minirl/runtime/vllm_setup.py`. vLLM needs a CUDA GPU: the tests marked `vllm` run it on
-# one, and CPU tests run this code against a stand-in.
+# On GPUs the engine is vLLM (notebook 05 builds its techniques small). `VLLMEngine` puts it
+# behind the same `RolloutEngine` protocol, with vLLM's offline API as TRL's colocate mode uses
+# it: `LLM(..., enable_prefix_caching=True, enable_sleep_mode=True, logprobs_mode=
+# "processed_logprobs", distributed_executor_backend="external_launcher")`, one engine per rank
+# in the training process, log-probs taken **after** the temperature (the raw model's would
+# bias notebook 02's ratio at temperature ≠ 1); `SamplingParams(n=G, logprobs=0, seed=s)`; after
+# an update the tensors streamed into the worker through `collective_rpc("reload_weights")`,
+# then `reset_prefix_cache()`; `sleep(level=2)` after generating. Building and sizing it,
+# reading its memory and sleeping live in `minirl/runtime/vllm_setup.py`. It needs a CUDA GPU:
+# the tests marked `vllm` run it on one, and CPU tests run it against a stand-in.
 
 # %%
 # | export minirl/rollout/vllm.py
@@ -1107,21 +1070,17 @@ try:
     check_engine(RLConfig.from_flat(rollout_engine="vllm", device=device))
     print("--rollout-engine vllm can run here")
 except ValueError as err:
-    print(f"{err} (this notebook uses the in-process engines)")
+    print(textwrap.fill(f"{err} (this notebook uses the in-process engines)", 100))
 
 # %% [markdown]
 # ## 6. The stage-4 run: `rl_step` on every rank
 #
-# `setup_spmd`, on every rank: the policy on the rank's device, the frozen reference if β > 0,
-# the rank's engine (from the peft model when only adapters travel), LoRA, the ZeRO wrapper,
-# the `DistributedActor`, the `ShardedSync`, and version 0 pushed, so that an engine that
-# cannot take the trainer's tensors fails before step 1. `spmd_step`, on every rank: draw the
-# global batch from the shared generator, keep this rank's share, and call notebook 01's
-# `rl_step` with the process group. Each rank samples with its own generator (with
-# `--seed-per-prompt`, a seed per prompt: one rank and two then compute the same batch, which
-# is how the tests check stage 4 against stage 1). `--sync-every K` pushes every K-th update
-# only: the other steps hand `rl_step` a `KeepWeights`, so each batch is generated, checked
-# and logged as the older policy it is (`staleness`).
+# `setup_spmd`, on every rank: the reference if β > 0, the rank's engine, LoRA, the ZeRO
+# wrapper, the `DistributedActor`, the `ShardedSync`, and version 0 pushed (a bad engine fails
+# before step 1). `spmd_step`: the global batch from the shared generator, this rank's share,
+# notebook 01's `rl_step` with the group. With `--seed-per-prompt` one rank and two compute the
+# same batch (how the tests check stage 4 against stage 1); `--sync-every K` pushes every K-th
+# update only, and the batches between are logged as the older policy they are (`staleness`).
 
 # %%
 # | export minirl/parallel/spmd.py
@@ -1223,7 +1182,7 @@ spmd = setup_spmd(RLConfig.from_flat(prompts_per_step=4, num_generations=4),
                   ParallelConfig(lora_rank=8), copy.deepcopy(model), tokenizer, task.train,
                   task.reward_funcs, ctx)
 record = spmd_step(spmd)
-keys = ("reward", "loss", "loss_weight", "sync/tensors", "sync/peak_bytes", "staleness")
+keys = ("reward", "loss", "loss_weight", "sync/tensors", "staleness")
 print({key: round(record[key], 4) for key in keys if key in record})
 K4 = ParallelConfig(sync_every=4, colocate=False)
 twelve = RLConfig.from_flat(steps=12)
@@ -1232,13 +1191,11 @@ print("--sync-every 4 pushes at steps", [s for s in range(1, 13) if sync_due(s, 
 # %% [markdown]
 # ## 7. Run it under `torchrun`
 #
-# The chapter script is the whole job: every rank checks the flags, joins the group, runs
-# `setup_spmd`, then `spmd_step` through notebook 01's `run_in_dir`. Its plumbing lives in
-# `minirl/runtime/`: sharded checkpoints (DCP), verified and resumed exactly, in
-# `sharded_checkpoint.py`, the one line that says who stopped a job in `stops.py`, per-rank
-# memory in `memory_tracking.py`. Smoke mode reads section 0's job again; full mode runs each
-# ZeRO level, full fine-tuning and LoRA, adapter-only sync, the sync before packing, and a sync
-# every 4th step without and with an importance-sampling correction.
+# The chapter script is the whole job: every rank checks the flags, runs `setup_spmd`, then
+# `spmd_step` through notebook 01's `run_in_dir`. Its plumbing is in `minirl/runtime/`: sharded
+# checkpoints, verified and resumed exactly (`sharded_checkpoint.py`), who stopped a job
+# (`stops.py`), per-rank memory (`memory_tracking.py`). Full mode runs each ZeRO level, full
+# fine-tuning and LoRA, adapter-only sync, the sync before packing, and a sync every 4th step.
 
 # %%
 SYNC_EVERY, STALE_STEPS = 4, 60    # the runs that synchronize every 4th update, and their length
@@ -1263,10 +1220,7 @@ else:
                                  "--steps", str(STALE_STEPS), "--eval-every", "0", *extra)
 
 # %% [markdown]
-# ### Does it learn?
-#
-# Stage 1's claim was that GRPO from the warm start raises held-out accuracy; two ranks see
-# the same global batch per step, so they should do the same.
+# ### Does it learn? (stage 1's claim: GRPO from the warm start raises held-out accuracy)
 
 # %%
 rows = [(name, s["steps"], f"{s['accuracy_before']:.3f}", f"{s['accuracy_after']:.3f}",
@@ -1297,9 +1251,8 @@ plt.show()
 # %% [markdown]
 # ### Per-rank memory at each ZeRO level, against notebook 03's calculator
 #
-# Each rank's state at rest (weights, gradients, Adam) and what it held right after the
-# update's forward pass (engine asleep, FSDP2's gathered layers still there), beside the
-# calculator's FP32 state per rank (`zero_per_gpu`, or `lora_memory`) for two ranks.
+# Each rank's state at rest, what it held right after the update's forward pass (engine
+# asleep, FSDP2's gathered layers there), and the calculator's FP32 state per rank:
 
 # %%
 from minirl.memory.calculator import lora_memory, zero_per_gpu, zero_saving  # noqa: E402
@@ -1325,13 +1278,10 @@ if not SMOKE:
 
 # %% [markdown]
 # DDP holds all 16 bytes per parameter on each rank, ZeRO-3 half; ZeRO-1 splits Adam by whole
-# tensors, so its shares need not be equal; FSDP2's "ZeRO-2" reshards after backward, so at
-# rest it holds ZeRO-3's shard, and "in update" shows the whole weights it keeps from forward
-# to backward. The engine's whole copy is what the calculator does not count; colocation gives
-# it back during the update. The source's ZeRO table says ~4×, ~8× and N× per GPU: from its 16
-# bytes in mixed precision (2 + 2 + 12), ZeRO-1 keeps 4 + 12/N and ZeRO-2 2 + 14/N, so ~4×
-# and ~8× are limits for many GPUs. Our runs are FP32 on two ranks, where the same formula
-# gives much less; the measured column is DDP's state over each level's:
+# tensors; FSDP2's "ZeRO-2" reshards after backward (at rest it holds ZeRO-3's shard, "in
+# update" shows the weights it keeps gathered). The source's ~4×, ~8× and N× per GPU follow from
+# its 2 + 2 + 12 bytes: ZeRO-1 keeps 4 + 12/N and ZeRO-2 2 + 14/N, limits for many GPUs. Our
+# runs are FP32 on two ranks; the measured column is DDP's state over each level's:
 
 # %%
 SOURCE_SAVING = {1: ("~4x", 4.0), 2: ("~8x", 8.0), 3: ("Nx", None)}   # None: N itself
@@ -1353,10 +1303,9 @@ show(rows, ("stage", "source", "formula limit", "verdict (10 %)", "formula, N=2"
 # %% [markdown]
 # ### The sync's share of the step, beside the source's 5 %
 #
-# The source flags a weight sync above 5 % of the step and names three remedies: pack the
-# transfers, sync only the LoRA adapters, sync less often. At the end of a run the chapter
-# pushes the weights in every mode, per tensor, per layer and in 256 MiB buckets, into a
-# buffer (`sync_meter.sync_table`), and divides by the run's median step. From the LoRA run:
+# The source's remedies for a sync above 5 % of the step: pack the transfers, sync only the
+# adapters, sync less often. At the end of a run the chapter times a push in every mode into
+# a buffer (`sync_meter.sync_table`) against the run's median step. From the LoRA run:
 
 # %%
 summary = runs["lora"][0]
@@ -1379,11 +1328,9 @@ for transfer in ("per tensor", bucketed):
     assert adapter["bytes"] < 0.1 * merged["bytes"]
 
 # %% [markdown]
-# The bytes are fixed by the shapes, the time is this machine's: on CPUs with gloo a small
-# collective pays a round trip's fixed cost, not its bytes; on GPUs with NCCL and a real model
-# the bytes column is the one to read. Each run's own share also pays the real engine and the
-# wait for the slower rank. One run per remedy (smoke mode: the LoRA job); the chapter's
-# defaults are the `full` run's (ZeRO-3, 256 MiB buckets, a sync every step):
+# The bytes follow from the shapes, the time is this machine's: on CPUs with gloo a small
+# collective pays a round trip, not its bytes. Each run's own share also pays the real engine
+# and the slower rank. One run per remedy (the chapter's defaults are the `full` run's):
 
 # %%
 rows = []
@@ -1416,16 +1363,14 @@ if not SMOKE:
           "vs every step"))
 
 # %% [markdown]
-# Syncing every K-th step divides the share by up to K and costs freshness: a gradient taken on
-# another policy's samples is biased (the table puts a number on it; notebook 02's correction
-# reweights each token by pi_theta / pi_behaviour, truncated). The engine must then keep its
-# weights between steps: no colocation at sleep level 2 (`--no-colocate`).
+# Syncing every K-th step divides the share by up to K and costs freshness: a gradient on
+# another policy's samples is biased (notebook 02's correction reweights each token by
+# pi_theta / pi_behaviour, truncated), and the engine must keep its weights (`--no-colocate`).
 #
 # ### Full fine-tuning against LoRA, and one rank against two
 #
-# The source puts "~40 % slower per step" on ZeRO-3 + gradient checkpointing + LoRA against
-# unsharded full fine-tuning; these runs use no checkpointing (notebook 03: up to a third more
-# compute), and the line under the table sets LoRA's own change beside the 40 %. Then, with
+# The source puts "~40 % slower per step" on ZeRO-3 + gradient checkpointing + LoRA; these
+# runs use no checkpointing (notebook 03: up to a third more compute). Then, with
 # `--seed-per-prompt`, one rank and two must compute the same losses up to float rounding.
 
 # %%
@@ -1481,15 +1426,9 @@ show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "w
 # | ZeRO per rank | DDP 16 B/param, ZeRO-3 16/N; the source's ~4×, ~8× are its formula's many-GPU limits |
 # | weight sync | one layer (or bucket) at a time, LoRA merged or the adapter alone, streamed in |
 # | the 5 % rule | pack the transfers; ship only A and B; `--sync-every K` for batches up to K-1 stale |
-# | colocation | the engine releases its weights during the update (vLLM sleep level 2) |
 #
-# On GPUs the same chapter runs with `--device cuda`, `--rollout-engine vllm`,
-# `--mixed-precision bf16` and any Hugging Face causal LM:
-#
-# ```
-# torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B --device cuda \
-#     --zero 3 --lora-rank 16 --rollout-engine vllm --mixed-precision bf16 --out runs/04-qwen
-# ```
+# On GPUs: `torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --model Qwen/Qwen2.5-0.5B
+# --device cuda --lora-rank 16 --rollout-engine vllm --mixed-precision bf16 --out runs/04-qwen`.
 
 # %% [markdown]
 # ## Exercises
@@ -1506,7 +1445,5 @@ show(rows, ("run", "engine awake MiB", "asleep MiB", "freed MiB", "sleep ms", "w
 # | 4.2 | `gather_by_layer` | one list per layer, whole tensors, gathered only when asked for, no layer kept alive |
 # | 4.3 | `merge_lora` | W + (α/r) B A against peft's `merge_and_unload`; a new tensor in the base's dtype, computed in FP32 |
 #
-# Questions to think about (not graded): why does `bnpo` give a different gradient on two
-# ranks than on one, and which of `dapo` and `bnpo` would you choose for a job whose ranks
-# see very different completion lengths? With adapter-only sync the engine computes B A x at
-# every generated token: when does that cost more than the sync it saves?
+# Not graded: why does `bnpo` give another gradient on two ranks than on one? When does the
+# engine's B A x at every token cost more than the adapter-only sync saves?
