@@ -4,12 +4,12 @@ Hand-written for notebook 04's `minirl.sync.sharded.ShardedSync` (packed=True): 
 remedy for a sync whose collectives are many and small. `gather_packed` copies every rank's
 shards of a layer, flat, into one buffer, all-gathers the buffers in one collective and cuts
 every whole tensor out (bit for bit what `full_tensor` gives); `gather_buckets` does it per
-bucket of whole layers. FSDP2 and DTensor
-split dim 0 as `torch.chunk` does, so `shard_numels` gives every rank's share of a tensor from
-its global shape alone (no rank needs to ask); `packable` says whether a tensor is such a
-shard; `split_by_layer` groups a state dict's tensors by decoder layer, ungathered, and
-`layer_buckets` groups whole layers into buckets of at most a number of bytes (a layer is
-never split, so a LoRA layer's W, A and B arrive together).
+bucket of whole layers. FSDP2 and DTensor split dim 0 as `torch.chunk` does, so
+`shard_numels` gives every rank's share of a tensor from its global shape alone (no rank
+needs to ask); `packable` says whether a tensor is such a shard; `split_by_layer` groups a
+state dict's tensors by decoder layer, ungathered, and `layer_buckets` groups whole layers
+into buckets of at most a number of bytes (a layer is never split, so a LoRA layer's W, A
+and B arrive together).
 """
 
 import functools

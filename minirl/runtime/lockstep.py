@@ -8,8 +8,8 @@ are one token long, two otherwise), and `split_micro_batches` halves a rank's la
 micro-batches until it has as many as the rank with the most (real work, never an empty
 pass). `finite_batch` says whether an update's inputs are finite: a rank that skipped its
 backward alone would leave the others waiting in the gradient all-reduce. `LockstepActor`
-applies them to notebook 04's `DistributedActor`; `ReplicatedState`
-checkpoints a role whose state every rank holds whole.
+applies them to notebook 04's `DistributedActor`; `ReplicatedState` checkpoints a role whose
+state every rank holds whole.
 """
 
 import dataclasses

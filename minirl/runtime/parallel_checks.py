@@ -23,25 +23,25 @@ def check_parallel_config(pconfig) -> None:
                 low_open=True)
     check_int("vllm_max_num_batched_tokens", pconfig.vllm_max_num_batched_tokens, low=1)
     check_int("sync_every", pconfig.sync_every, low=1, why="1: push after every update; K: after every K-th, "
-                                                      "the rollout up to K-1 updates behind")
+                                                         "the rollout up to K-1 updates behind")
     if pconfig.sync_every > 1 and pconfig.colocate:
         raise ConfigError("sync_every", pconfig.sync_every, "a colocated engine discards its weights after every "
-                                                         "generate, so every step must refill them: pass "
-                                                         "--no-colocate (the engine keeps its copy), or "
-                                                         "--sync-every 1")
+                                                            "generate, so every step must refill them: pass "
+                                                            "--no-colocate (the engine keeps its copy), or "
+                                                            "--sync-every 1")
     if pconfig.lora_rank and not pconfig.targets:
         raise ConfigError("lora_target_modules", pconfig.lora_target_modules, "name at least one linear layer")
     mode = pconfig.resolved_sync_mode
     if mode in ("merged", "adapter") and not pconfig.lora_rank:
         raise ConfigError("sync_mode", pconfig.sync_mode, "merging or shipping an adapter needs LoRA: pass "
-                                                       "--lora-rank R, or --sync-mode full")
+                                                          "--lora-rank R, or --sync-mode full")
     if mode == "full" and pconfig.lora_rank:
         raise ConfigError("sync_mode", pconfig.sync_mode, "with LoRA the engine needs the adapter merged "
-                                                       "(--sync-mode merged) or applied (--sync-mode adapter)")
+                                                          "(--sync-mode merged) or applied (--sync-mode adapter)")
     if pconfig.zero < 2 and (pconfig.mixed_precision != "none" or pconfig.cpu_offload):
         flag = "mixed_precision" if pconfig.mixed_precision != "none" else "cpu_offload"
         raise ConfigError(flag, getattr(pconfig, flag), f"is FSDP2's (MixedPrecisionPolicy / CPUOffloadPolicy) and "
-                                                     f"--zero {pconfig.zero} is DDP; use --zero 2 or 3")
+                                                        f"--zero {pconfig.zero} is DDP; use --zero 2 or 3")
 
 
 def check_parallel(pconfig, config: RLConfig, world_size: int) -> None:

@@ -1,14 +1,13 @@
 """Checking a push as an in-process engine copies it into place: every name known, every shape right, none missing.
 
-`StreamedLoads` is the loading side of `ColocatedEngine` that teaches nothing about colocation:
-the inner engine's model, version and dtype passed through, the engine's own tensors by the
-trainer's names, a push copied into them as it arrives, and the copy the stale check reads.
-
 Hand-written for notebook 04's `minirl.rollout.colocated.ColocatedEngine`, which streams a
 push into the engine's own tensors one at a time (so the engine never holds a second whole
 copy) and therefore cannot check the whole set before copying: `copy_pushed` checks each
 tensor as it arrives and the set at the end, with errors that name the tensor and the fix;
 `refuse_older` refuses older weights; `EngineNotReady` is a generate without complete weights.
+`StreamedLoads` is the loading side of `ColocatedEngine` that teaches nothing about colocation:
+the inner engine's model, version and dtype passed through, the engine's own tensors by the
+trainer's names, a push copied into them as it arrives, and the copy the stale check reads.
 """
 
 from typing import Iterable

@@ -4,11 +4,12 @@ and the table that times a push in every mode.
 Hand-written measurement harness for notebook 04's `minirl.sync.sharded.ShardedSync`.
 `LiveBytes` counts the gathered tensors a push holds at once (each from its creation until
 it is freed) and keeps the peak; `SinkEngine` copies each tensor it is handed into a buffer,
-so that a sync can be timed alone, in any mode; `stale_tensors` and `check_fresh` are `verify=True`'s check
+so that a sync can be timed alone, in any mode; `CountedStream` counts a push's tensors and
+bytes as the engine takes them; `stale_tensors` and `check_fresh` are `verify=True`'s check
 (notebook 02's stale-parameter check within the engine dtype's rounding, on a second
-gathering of the trainer's tensors); `sync_table` pushes a run's weights in every mode and
-transfer it can ship and divides by the run's median step: the share the source's 5 %
-threshold applies to.
+gathering of the trainer's tensors); `ShardedSyncReport` is a push's report; `sync_table`
+pushes a run's weights in every mode and transfer it can ship and divides by the run's
+median step: the share the source's 5 % threshold applies to.
 """
 
 import statistics

@@ -6,10 +6,13 @@ get it; `task_model_len` sizes `max_model_len` from a task's prompts (without it
 reserves room for the model's whole context, e.g. 32k tokens, which may not fit beside a
 trainer); `vllm_settings` checks the engine's settings before vLLM is imported; `start_llm`
 builds the `vllm.LLM` from a temporary copy of the policy (removed as soon as vLLM has read
-it, also when building fails); `PushStream` checks a push by name as vLLM takes it;
-`padded_rollout` turns vLLM's rows into notebook 01's `Rollout`; `VLLMSleepMode` is the sleep
-side of the engine: vLLM allocates outside PyTorch's caching allocator, so its device bytes
-are read from `torch.cuda.mem_get_info` around building, sleeping and waking.
+it, also when building fails), after `prepare_vllm` (the settings checked, vLLM imported,
+torchrun's variables set where missing); `PushStream` checks a push by name as vLLM takes it;
+`padded_rollout` turns vLLM's rows into notebook 01's `Rollout`. `VLLMSupport` is the base
+class of `VLLMEngine` that builds the `LLM`, sleeps and wakes it, checks prompt lengths,
+completes greedily for held-out accuracy, and pushes weights (vLLM's public reload, else the
+internal chain TRL uses): vLLM allocates outside PyTorch's caching allocator, so its device
+bytes are read from `torch.cuda.mem_get_info` around building, sleeping and waking.
 
 Needs vLLM and a CUDA GPU only when an engine is built; importing this module needs neither.
 """
