@@ -57,8 +57,8 @@ def show(rows, header):
 # ## 0. The whole stage, first
 #
 # The chapter script under `torchrun` on two CPU processes, each rank holding half of a ZeRO-3
-# trainer with LoRA and an engine of its own, 4 GRPO steps (section 7 runs the long jobs).
-# Launching it is plumbing: `minirl/runtime/launch.py` and `minirl/runtime/progress.py`.
+# trainer with LoRA and an engine of its own, 4 GRPO steps; launching it is plumbing
+# (`minirl/runtime/launch.py`, `progress.py`).
 
 # %%
 from minirl.runtime.launch import torchrun  # noqa: E402
@@ -1191,11 +1191,10 @@ print("--sync-every 4 pushes at steps", [s for s in range(1, 13) if sync_due(s, 
 # %% [markdown]
 # ## 7. Run it under `torchrun`
 #
-# The chapter script is the whole job: every rank checks the flags, runs `setup_spmd`, then
-# `spmd_step` through notebook 01's `run_in_dir`. Its plumbing is in `minirl/runtime/`: sharded
-# checkpoints, verified and resumed exactly (`sharded_checkpoint.py`), who stopped a job
-# (`stops.py`), per-rank memory (`memory_tracking.py`). Full mode runs each ZeRO level, full
-# fine-tuning and LoRA, adapter-only sync, the sync before packing, and a sync every 4th step.
+# The chapter script runs `setup_spmd`, then `spmd_step` through notebook 01's `run_in_dir`, on
+# every rank. Its plumbing is in `minirl/runtime/`: sharded checkpoints, verified and resumed
+# exactly (`sharded_checkpoint.py`), who stopped a job (`stops.py`), per-rank memory
+# (`memory_tracking.py`). Full mode runs each ZeRO level, LoRA and the three sync remedies.
 
 # %%
 SYNC_EVERY, STALE_STEPS = 4, 60    # the runs that synchronize every 4th update, and their length
