@@ -49,8 +49,9 @@ import sys
 import time
 
 from minirl.config import RLConfig
-from minirl.parallel.config import ParallelConfig, check_parallel
+from minirl.parallel.config import ParallelConfig
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
+from minirl.runtime.parallel_checks import check_parallel
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.runtime.schedule import add_schedule_flags, schedule_callbacks
 from minirl.runtime.trackers import add_report_flag, check_report_to, tracker_callbacks
@@ -111,7 +112,7 @@ def check_world_size(parser, args, world: int) -> None:
 def check_resumable(parser, args) -> None:
     """--resume: a checkpoint whose files are intact, before any model loads (a broken newer one is named and
     skipped when the run restores, as stage 1 does)."""
-    from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415 (torch: after parsing)
+    from minirl.runtime.sharded_checkpoint import newest_intact  # noqa: PLC0415 (torch: after parsing)
 
     found, problems = newest_intact(args.out / "checkpoints")
     if found is None and problems:
@@ -190,7 +191,7 @@ def parse_args(argv=None):
         check_parallel(pconfig, config, world)
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    from minirl.parallel.launch import pick_backend  # noqa: PLC0415 (torch: after parsing)
+    from minirl.runtime.ranks import pick_backend  # noqa: PLC0415 (torch: after parsing)
 
     try:
         pick_backend(pconfig.backend, config.run.device)
@@ -339,10 +340,10 @@ def main(argv=None) -> int:
         return 130
     import torch  # noqa: PLC0415 (after the arguments: a usage error never waits for torch)
 
-    from minirl.parallel.checkpoint import newest_intact  # noqa: PLC0415
     from minirl.parallel.launch import init_distributed, shutdown  # noqa: PLC0415
-    from minirl.parallel.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
     from minirl.runtime.launch import leave  # noqa: PLC0415
+    from minirl.runtime.sharded_checkpoint import newest_intact  # noqa: PLC0415
+    from minirl.runtime.stops import StopSignals, rank_processes, relaunch_command, why_stopped  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415
 
     if args.threads:
@@ -384,13 +385,15 @@ def main(argv=None) -> int:
 
 def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> int:
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
-    from minirl.memory.tracking import MemoryTracker  # noqa: PLC0415
     from minirl.models.loading import load_policy  # noqa: PLC0415
-    from minirl.parallel.checkpoint import ShardedCheckpoints  # noqa: PLC0415
-    from minirl.parallel.launch import agree  # noqa: PLC0415
-    from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table  # noqa: PLC0415
+    from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
+    from minirl.runtime.policy_export import evaluate_engine, export_policy  # noqa: PLC0415
+    from minirl.runtime.ranks import agree  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
+    from minirl.runtime.sharded_checkpoint import ShardedCheckpoints  # noqa: PLC0415
+    from minirl.runtime.sync_meter import sync_table  # noqa: PLC0415
     from minirl.train.plots import plot_metrics  # noqa: PLC0415
     from minirl.train.run import run_in_dir  # noqa: PLC0415
 

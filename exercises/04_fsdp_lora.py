@@ -7,56 +7,176 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import dataclasses
 import math
+import re
 from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Batch, Experience, Rollout
+from minirl.data import Experience
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
-from minirl.sync.sharded import LORA, engine_name, full_tensor, layer_key
+from minirl.runtime.buckets import gather_buckets, layer_key
+from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
+from minirl.sync.modes import SYNC_MODES
 
-LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(x: Tensor, scale: float) -> Tensor:
+    """`x` unchanged in value; the gradient flowing back through it is multiplied by `scale`."""
+    return _ScaleGradient.apply(x, scale)
+
+
+LOSSES = ("loss", "value_loss")       # a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None
+                   ) -> dict:
+    """The ranks' update metrics as one record (the same on every rank that reduces the same lists).
 
-    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
-    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
-    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
-    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
-    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
-    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
-    One rank: its record unchanged.
+    records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
+    None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
+    0's (already global); a loss (`LOSSES`) with weights: (1 / W) sum_r w_r loss_r; any other
+    number: the token-weighted mean of the ranks'. Anything else, or a key some rank lacks:
+    rank 0's. One rank: its record unchanged.
     """
     if len(records) == 1:
         return dict(records[0])
     raise NotImplementedError("exercise 4.1: reduce_metrics -- see its docstring and notebook 04")
 
 
-def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
+class DataParallelRole(ReplicatedState):
+    """What makes one of notebook 01's trained roles data-parallel; before `Actor` or `Critic`.
+
+    A role calls `_join` and passes the output of its training forward through `_weighted`.
+    Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
+    """
+
+    skip_field = "advantages"           # the field the role's loss reads, made NaN to skip
+    loss_key = "loss"
+
+    def _join(self, wrapped: Wrapped, group) -> None:
+        self.module, self.zero, self.group = wrapped.module, wrapped.zero, group
+        self.grad_scale, self.skipping = 1.0, False
+
+    def _weighted(self, output: Tensor) -> Tensor:
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient
+        scaled by w_r. Forwards without gradient pass untouched."""
+        if not output.requires_grad:
+            return output
+        bad = float(not torch.isfinite(output).all())
+        if not self.skipping and self.group.all_sum([bad]).item():
+            output = output * math.nan                       # not finite on a rank: all skip
+        if self.grad_scale != 1.0:
+            output = scale_gradient(output, self.grad_scale)
+        return output
+
+    def update(self, exp: Experience) -> dict:
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' record
+        (plus "<loss_key>_weight": rank 0's w). A batch not finite on any rank: every rank skips."""
+        exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
+        mask = exp.rollout.completion_mask
+        tokens, rows = float(mask.sum()), len(exp.rollout)
+        bad = float(not finite_batch(exp))
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, bad]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits
+            setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
+        rank_weight = loss_type_entry(self.algorithm.loss_type).rank_weight
+        weight = rank_weight(tokens, total_tokens, rows, total_rows, self.group.world_size)
+        self.grad_scale, self.skipping = weight, bool(bad)
+        try:
+            metrics = super().update(exp)
+        finally:
+            self.grad_scale, self.skipping = 1.0, False
+        records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
+            (metrics, tokens, weight)), strict=True))
+        record = reduce_metrics(records, rank_tokens, weights)
+        return record | {f"{self.loss_key}_weight": weights[0]}
+
+
+class DistributedActor(DataParallelRole, LockstepActor, Actor):
+    """Notebook 01's Actor on one rank of a data-parallel job.
+
+    wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
+    model), `self.module` the model underneath. checkpointing: the layers are recomputed in
+    backward, and transformers then turns the KV cache off (no shared prompt pass).
+    """
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 sampling: SamplingConfig, group, checkpointing: bool = False):
+        super().__init__(wrapped.wrapper, algorithm, optimizer, sampling)
+        self._join(wrapped, group)
+        self.checkpointing = checkpointing
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+
+    def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
+        logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
+        return self._weighted(logps), entropy
+
+    def named_weights(self):
+        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole under DDP."""
+        return self.module.state_dict().items()
+
+
+class DistributedCritic(DataParallelRole, Critic):
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool).
+    wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
+
+    skip_field, loss_key = "returns", "value_loss"
+
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 group):
+        super().__init__(wrapped.wrapper, algorithm, optimizer)
+        self._join(wrapped, group)
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW,
+                                        lr=optimizer.value_learning_rate,
+                                        weight_decay=optimizer.weight_decay)
+        self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
+
+
+PEFT_PREFIX = "base_model.model."
+LORA = re.compile(r"^(?P<stem>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def engine_name(name: str) -> str:
+    """A trainer tensor's Hugging Face name: peft's prefix and ".base_layer" removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a DTensor shard (an all-gather: every rank calls it), or `tensor`."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gather_by_layer(named_weights: Iterable[tuple[str, Tensor]]
+                    ) -> Iterator[list[tuple[str, Tensor]]]:
     """The trainer's tensors, whole, one layer at a time.
 
-    named_weights: (name, tensor) pairs in state_dict order; a tensor is a DTensor (an FSDP2
-    shard) or a plain tensor. Yields lists of (name, whole tensor), names unchanged:
-    consecutive names with the same `layer_key` form one list (a decoder layer's tensors),
-    any other tensor is a list of its own. Shards are gathered with `full_tensor` (a
-    collective: every rank gathers the same tensors in the same order); plain tensors are
-    passed on detached. A layer is gathered only when the consumer asks for it, and this
-    generator keeps no reference to a layer once it has yielded it: a consumer that drops
-    each list before asking for the next holds at most one layer.
+    named_weights: (name, tensor) pairs in state_dict order, DTensor shards or plain tensors.
+    Yields lists of (name, whole tensor), names unchanged: consecutive names with the same
+    `layer_key` form one list, any other tensor a list of its own. Shards are gathered with
+    `full_tensor` (a collective), plain tensors passed on detached. A layer is gathered only
+    when the consumer asks for it, and no reference to a yielded layer is kept.
     """
     raise NotImplementedError("exercise 4.2: gather_by_layer -- see its docstring and notebook 04")
 
@@ -69,19 +189,17 @@ def merge_lora(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -
     weight's dtype, [out, in], a new tensor (weight is not modified). Raises ValueError when
     the shapes do not fit together.
     """
-    if lora_A.shape[1] != weight.shape[1] or lora_B.shape[0] != weight.shape[0] or lora_B.shape[1] != lora_A.shape[0]:
+    r, d_in = lora_A.shape
+    if d_in != weight.shape[1] or tuple(lora_B.shape) != (weight.shape[0], r):
         raise ValueError(f"merge_lora: weight {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
-                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r] for weight [out, in]")
+                         f"{tuple(lora_B.shape)} do not fit: need A [r, in], B [out, r]")
     raise NotImplementedError("exercise 4.3: merge_lora -- see its docstring and notebook 04")
 
 
 def engine_tensors(layer: list[tuple[str, Tensor]], mode: str, scaling: float | None = None
                    ) -> list[tuple[str, Tensor]]:
-    """What the engine loads from one gathered layer: see the module docstring for the three modes.
-
-    full and merged give Hugging Face names (`engine_name`); adapter keeps peft's names (the
-    engine holds a peft copy). merged needs `scaling` (alpha / r).
-    """
+    """What the engine loads from one gathered layer in `mode`; adapter keeps peft's names (the
+    engine holds a peft copy), full and merged give Hugging Face names; merged needs `scaling`."""
     if mode == "adapter":
         return [(name, t) for name, t in layer if LORA.match(name)]
     lora = {(m["stem"], m["which"]): t for name, t in layer if (m := LORA.match(name))}

@@ -27,11 +27,13 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig
-from minirl.parallel.launch import agree, init_distributed, shutdown
+from minirl.parallel.launch import init_distributed, shutdown
 from minirl.parallel.spmd import setup_spmd, spmd_step
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.hf import HFEngine
-from minirl.sync.sharded import ShardedSync, full_tensor, gather_buckets, split_by_layer
+from minirl.runtime.buckets import gather_buckets, split_by_layer
+from minirl.runtime.ranks import agree
+from minirl.sync.sharded import ShardedSync, full_tensor
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run
 

@@ -174,7 +174,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
                         rf"torchrun --nproc_per_node 2 \S+04_fsdp_lora.py --out {out} --resume", said[0]), said
     assert "KeyboardInterrupt" not in stderr.split("Traceback (most recent call last):")[0]
     assert "[rank" not in stderr and "Connection" not in stderr, stderr[-3000:]
-    from minirl.parallel.checkpoint import checkpoints_in, sharded_problem
+    from minirl.runtime.sharded_checkpoint import checkpoints_in, sharded_problem
     named = Path(said[0].split("checkpoint is ")[1].split(";")[0])
     assert named == checkpoints_in(out / "checkpoints")[0], "the newest checkpoint is named"
     assert all(sharded_problem(p) is None for p in checkpoints_in(out / "checkpoints")), "every one is intact"
@@ -363,7 +363,7 @@ def one_rank_state(group, make_tiny_policy):
 
 
 def test_a_checkpoint_check_names_the_broken_file(one_rank_state, tmp_path):
-    from minirl.parallel.checkpoint import newest_intact, save_sharded, sharded_problem
+    from minirl.runtime.sharded_checkpoint import newest_intact, save_sharded, sharded_problem
 
     state = one_rank_state
     for step in (2, 4):
@@ -389,8 +389,8 @@ def test_a_checkpoint_check_names_the_broken_file(one_rank_state, tmp_path):
 def test_a_full_disk_stops_the_save_in_one_line_and_promotes_nothing(one_rank_state, tmp_path, monkeypatch):
     import errno
 
-    import minirl.parallel.checkpoint as checkpoint
-    from minirl.parallel.stops import StopSignals, why_stopped
+    import minirl.runtime.sharded_checkpoint as checkpoint
+    from minirl.runtime.stops import StopSignals, why_stopped
 
     state, real_save = one_rank_state, torch.save
 

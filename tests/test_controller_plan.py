@@ -13,9 +13,10 @@ from minirl.controller.resource_pool import PlacementError, ResourcePool, connec
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, concat, rank_zero, split_by_rank
 from minirl.data import Rollout
 from minirl.memory.measure import storage_bytes
-from minirl.rollout.colocated import ColocatedEngine, EngineNotReady
+from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.push_checks import EngineNotReady
 from minirl.runtime.validate import ConfigError
 from minirl.sync.broadcast import TensorMeta, plan_buckets, tensor_metadata
 

@@ -18,33 +18,22 @@ from minirl.data import Experience
 from minirl.loss_types import aggregate_loss, loss_type_entry
 from minirl.memory.measure import storage_bytes
 from minirl.memory.wrap import apply_lora, decoder_layers, wrap_model
-from minirl.parallel.config import ParallelConfig, check_parallel
-from minirl.parallel.launch import ProcessGroup, agree, init_distributed, pick_backend, rank_slice
-from minirl.parallel.roles import (
-    DistributedActor,
-    DistributedCritic,
-    pad_completions,
-    reduce_metrics,
-    scale_gradient,
-    split_micro_batches,
-)
+from minirl.parallel.config import ParallelConfig
+from minirl.parallel.launch import ProcessGroup, init_distributed, rank_slice
+from minirl.parallel.roles import DistributedActor, DistributedCritic, reduce_metrics, scale_gradient
 from minirl.rollout.base import VersionMismatchError
-from minirl.rollout.colocated import ColocatedEngine, EngineNotReady, SeedPerPrompt
+from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.buckets import gather_buckets, gather_packed, layer_buckets, shard_numels, split_by_layer
+from minirl.runtime.lockstep import pad_completions, split_micro_batches
+from minirl.runtime.parallel_checks import check_parallel
+from minirl.runtime.prompt_seeds import SeedPerPrompt
+from minirl.runtime.push_checks import EngineNotReady
+from minirl.runtime.ranks import agree, pick_backend
+from minirl.runtime.sync_meter import LiveBytes
 from minirl.runtime.validate import ConfigError
-from minirl.sync.sharded import (
-    LiveBytes,
-    ShardedSync,
-    engine_name,
-    gather_buckets,
-    gather_by_layer,
-    gather_packed,
-    layer_buckets,
-    merge_lora,
-    shard_numels,
-    split_by_layer,
-)
+from minirl.sync.sharded import ShardedSync, engine_name, gather_by_layer, merge_lora
 
 SAMPLING = SamplingConfig(num_generations=2, max_completion_length=3)
 PROMPTS = ["1+2=", "3+4="]
@@ -112,7 +101,7 @@ def test_vllm_checks_that_need_both_configs(monkeypatch):
 
 
 def test_sync_due_every_k_steps_and_where_the_engine_must_be_fresh():
-    from minirl.parallel.spmd import KeepWeights, sync_due
+    from minirl.runtime.spmd_support import KeepWeights, sync_due
 
     config = RLConfig.from_flat(steps=10, eval_every=5, checkpoint_every=3)
     due = [s for s in range(1, 11) if sync_due(s, ParallelConfig(sync_every=4, colocate=False), config)]
@@ -554,9 +543,9 @@ def test_gradient_checkpointing_gives_the_same_update(group, make_tiny_policy):
 def test_sharded_checkpoint_resumes_exactly(group, make_tiny_policy, tmp_path, zero, lora):
     """Save after 1 step, restore into a fresh state, 2 more steps: the weights of 3 uninterrupted steps.
     ZeRO-1's optimizer is saved per rank (ZeroRedundancyOptimizer is not one DCP knows)."""
-    from minirl.parallel.checkpoint import latest_sharded, load_sharded, save_sharded
     from minirl.parallel.launch import DistContext
     from minirl.parallel.spmd import setup_spmd, spmd_step
+    from minirl.runtime.sharded_checkpoint import latest_sharded, load_sharded, save_sharded
     from minirl.sync.sharded import full_tensor
     from minirl.tasks.arithmetic import make_task
     from minirl.train.run import run
@@ -595,9 +584,10 @@ def test_sharded_checkpoint_resumes_exactly(group, make_tiny_policy, tmp_path, z
 def test_export_loads_and_resume_on_another_world_size_is_refused(group, make_tiny_policy, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from minirl.parallel.checkpoint import load_sharded, save_sharded
     from minirl.parallel.launch import DistContext
-    from minirl.parallel.spmd import export_policy, setup_spmd
+    from minirl.parallel.spmd import setup_spmd
+    from minirl.runtime.policy_export import export_policy
+    from minirl.runtime.sharded_checkpoint import load_sharded, save_sharded
     from minirl.tasks.arithmetic import make_task
 
     model, tok = make_tiny_policy(seed=12, num_layers=1)

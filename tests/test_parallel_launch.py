@@ -106,7 +106,7 @@ def test_one_launcher_in_the_package_and_the_chapters():
 def test_dead_ranks_sees_a_process_of_this_host_that_ended():
     import socket
 
-    from minirl.parallel.stops import dead_ranks
+    from minirl.runtime.stops import dead_ranks
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         processes = [(socket.gethostname(), os.getpid()), (socket.gethostname(), child.pid),
@@ -123,7 +123,7 @@ def test_dead_ranks_sees_a_process_of_this_host_that_ended():
 
 
 def _stop(err, received=(), rank=0, processes=None, out="/tmp/run", wait=0.0):
-    from minirl.parallel.stops import StopSignals, why_stopped
+    from minirl.runtime.stops import StopSignals, why_stopped
 
     signals = StopSignals()
     signals.received = list(received)
@@ -137,7 +137,7 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     import signal
     import socket
 
-    from minirl.parallel.launch import RankFailed
+    from minirl.runtime.ranks import RankFailed
     from minirl.runtime.validate import ConfigError
 
     def new_job():
@@ -184,7 +184,7 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
 def test_stop_signals_raise_once_and_deferred_signals_wait_for_the_block():
     import signal
 
-    from minirl.parallel.stops import StopSignals, Terminated, deferred_signals
+    from minirl.runtime.stops import StopSignals, Terminated, deferred_signals
 
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as signals:
@@ -204,7 +204,7 @@ def test_stop_signals_raise_once_and_deferred_signals_wait_for_the_block():
 
 
 def test_relaunch_command_repeats_the_world(monkeypatch):
-    from minirl.parallel.stops import relaunch_command
+    from minirl.runtime.stops import relaunch_command
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -17,8 +17,8 @@ import torch
 from minirl.config import RLConfig
 from minirl.memory.wrap import apply_lora
 from minirl.parallel.config import ParallelConfig
-from minirl.rollout.colocated import SeedPerPrompt
 from minirl.runtime.launch import torchrun
+from minirl.runtime.prompt_seeds import SeedPerPrompt
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import run, setup, stage1_step
 

@@ -116,7 +116,8 @@ def fake_vllm(monkeypatch):
 
 
 def test_options_reach_vllm_and_the_model_copy_is_removed(fake_vllm, tiny, tmp_path, monkeypatch):
-    from minirl.rollout.vllm import VLLMEngine, task_model_len
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.runtime.vllm_setup import task_model_len
 
     model, tokenizer = tiny
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -156,7 +157,8 @@ def test_a_failed_build_removes_the_copy_and_bad_options_fail_first(fake_vllm, t
 def test_the_public_reload_is_used_and_every_tensor_checked(fake_vllm, tiny):
     from minirl.config import SamplingConfig
     from minirl.rollout.base import VersionMismatchError
-    from minirl.rollout.vllm import PUBLIC_API, VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.runtime.vllm_setup import PUBLIC_API
 
     model, tokenizer = tiny
     engine = VLLMEngine(model, tokenizer, dtype="float32")
@@ -181,7 +183,8 @@ def test_the_public_reload_is_used_and_every_tensor_checked(fake_vllm, tiny):
 
 @pytest.mark.parametrize("rpc", [None, "refuse"])
 def test_the_internal_chain_is_the_fallback_and_says_so(fake_vllm, tiny, rpc):
-    from minirl.rollout.vllm import INTERNAL_API, PUBLIC_API, VLLMEngine
+    from minirl.rollout.vllm import VLLMEngine
+    from minirl.runtime.vllm_setup import INTERNAL_API, PUBLIC_API
 
     model, tokenizer = tiny
     FakeLLM.rpc = rpc
@@ -195,8 +198,8 @@ def test_the_internal_chain_is_the_fallback_and_says_so(fake_vllm, tiny, rpc):
 
 def test_memory_follows_sleep_and_wake_and_generate_sleeps_after(fake_vllm, tiny):
     from minirl.config import SamplingConfig
-    from minirl.memory.tracking import engine_bytes
     from minirl.rollout.vllm import VLLMEngine
+    from minirl.runtime.memory_tracking import engine_bytes
 
     model, tokenizer = tiny
     engine = VLLMEngine(model, tokenizer, colocate=True)
@@ -217,7 +220,7 @@ def test_memory_follows_sleep_and_wake_and_generate_sleeps_after(fake_vllm, tiny
 def test_stage4_builds_vllm_with_the_task_length_and_the_flags(fake_vllm, tiny):
     from minirl.config import RLConfig
     from minirl.parallel.config import ParallelConfig
-    from minirl.parallel.spmd import build_rank_engine
+    from minirl.runtime.spmd_support import build_rank_engine
 
     model, tokenizer = tiny
     pconfig = ParallelConfig(vllm_gpu_memory_utilization=0.4, vllm_max_num_batched_tokens=2048)

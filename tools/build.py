@@ -101,7 +101,13 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 07's plumbing
                 "minirl/runtime/async_bookkeeping.py", "minirl/runtime/async_config.py",
                 "minirl/runtime/async_envs.py", "minirl/runtime/async_plots.py", "minirl/runtime/async_ray.py",
-                "minirl/runtime/async_run.py", "minirl/runtime/async_snapshots.py")
+                "minirl/runtime/async_run.py", "minirl/runtime/async_snapshots.py",
+                # notebook 04's plumbing
+                "minirl/runtime/buckets.py", "minirl/runtime/lockstep.py", "minirl/runtime/memory_tracking.py",
+                "minirl/runtime/parallel_checks.py", "minirl/runtime/policy_export.py",
+                "minirl/runtime/prompt_seeds.py", "minirl/runtime/push_checks.py", "minirl/runtime/ranks.py",
+                "minirl/runtime/sharded_checkpoint.py", "minirl/runtime/stops.py", "minirl/runtime/sync_meter.py",
+                "minirl/runtime/spmd_support.py", "minirl/runtime/vllm_check.py", "minirl/runtime/vllm_setup.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

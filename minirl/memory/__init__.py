@@ -1,3 +1,2 @@
-# Generated from notebooks/03_training_memory.py, notebooks/04_fsdp_lora.py
-# by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
 """minirl.memory."""

@@ -1,38 +1,26 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""The roles on every rank of a data-parallel job: notebook 01's Actor and Critic, with a rank's share of the loss.
+"""Notebook 01's Actor and Critic on every rank of a data-parallel job, each loss weighted.
 
-`DistributedActor` and `DistributedCritic` take a model prepared by `minirl.memory.wrap`
-(DDP, ZeRO-1, FSDP2, with or without LoRA) and a `ProcessGroup`: torchrun's world (stage
-4) or the data-parallel ranks of a Ray pool (stage 6). Each rank updates on its share of
-the global batch and the wrapper averages the gradients; for that average to be the
-gradient of the whole batch, each rank's loss is weighted by its share of the global
-normalization (its loss type's `rank_weight`), applied as a gradient scale on the output of the
-training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
-runs unchanged. `DataParallelRole` holds what both roles share: the weighting, one metric
-record for all ranks (`reduce_metrics`), and the rule that a non-finite batch or forward
-on any rank makes every rank skip the step together (none waits in a collective).
-
-Simplified: with beta > 0 the reference is a full, unsharded copy on every rank; the critic
-is wrapped by DDP only (its value model names no decoder layers for FSDP2; stage 4 trains
-GRPO); a loss that overflows on one rank from finite inputs and log-probs (an exp inside
-the loss) is not caught before the backward, and leaves the others waiting until the timeout.
+The weight (the loss type's `rank_weight`) is applied as a gradient scale on the output of
+the training forward (the actor's log-probs, the critic's values), so notebook 01's `update`
+runs unchanged. Simplified: with beta > 0 the reference is a whole copy on every rank.
 """
 
-__all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "pad_completions", "split_micro_batches",
-           "finite_batch", "DataParallelRole", "DistributedActor", "DistributedCritic"]
+__all__ = ["scale_gradient", "LOSSES", "reduce_metrics", "DataParallelRole", "DistributedActor",
+           "DistributedCritic"]
 
-import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
-from minirl.data import Batch, Experience, Rollout
+from minirl.data import Experience
 from minirl.loss_types import loss_type_entry
 from minirl.memory.wrap import Wrapped, make_optimizer
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
+from minirl.runtime.lockstep import LockstepActor, ReplicatedState, finite_batch, pad_completions
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -51,24 +39,22 @@ def scale_gradient(x: Tensor, scale: float) -> Tensor:
     return _ScaleGradient.apply(x, scale)
 
 
-LOSSES = ("loss", "value_loss")       # the metrics that are a role's loss: the batch's is (1/W) sum_r w_r loss_r
+LOSSES = ("loss", "value_loss")       # a role's loss: the batch's is (1/W) sum_r w_r loss_r
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None) -> dict:
-    """The ranks' update metrics as one record; every rank that reduces the same lists gets the same record.
+def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[float] | None = None
+                   ) -> dict:
+    """The ranks' update metrics as one record (the same on every rank that reduces the same lists).
 
-    records[r], tokens[r]: rank r's metrics and its completion tokens; loss_weights[r]: its
-    w_r (its loss type's `rank_weight`), or None. Keys ending in "/min" take the global min; "/max" and
-    "skipped" the global max (a step that one rank skipped, every rank skipped); "grad_norm"
-    is rank 0's (the norm of the averaged gradients: already global); a loss (`LOSSES`) is
-    the batch's, (1 / W) sum_r w_r loss_r, when the weights are given; every other number is
-    the token-weighted mean of the ranks' values (exact for per-token means; for "ratio/std"
-    the mean of the ranks' stds). Anything else, and a key some rank lacks, is rank 0's.
-    One rank: its record unchanged.
+    records[r], tokens[r]: rank r's metrics and completion tokens; loss_weights[r]: its w_r, or
+    None. "/min" keys: the global min; "/max" and "skipped": the global max; "grad_norm": rank
+    0's (already global); a loss (`LOSSES`) with weights: (1 / W) sum_r w_r loss_r; any other
+    number: the token-weighted mean of the ranks'. Anything else, or a key some rank lacks:
+    rank 0's. One rank: its record unchanged.
     """
     if len(records) == 1:
         return dict(records[0])
@@ -91,63 +77,14 @@ def reduce_metrics(records: list[dict], tokens: list[float], loss_weights: list[
     return out
 
 
-def pad_completions(batch: Batch, width: int) -> Batch:
-    """A copy of a Rollout or Experience whose [N, C] tensors are right-padded to `width` columns.
+class DataParallelRole(ReplicatedState):
+    """What makes one of notebook 01's trained roles data-parallel; before `Actor` or `Critic`.
 
-    The new columns are padding (pad id in `*_ids`, 0 elsewhere, mask 0), so no loss or
-    metric sees them; earlier positions do not attend to later ones, so no value changes.
-    """
-    values = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, Batch):
-            value = pad_completions(value, width)
-        elif (isinstance(value, Tensor) and value.dim() == 2 and f.name not in batch.LEFT_PADDED
-              and value.shape[1] < width):
-            filler = value.new_full((value.shape[0], width - value.shape[1]), batch.pad_value(f.name))
-            value = torch.cat([value, filler], 1)
-        values[f.name] = value
-    return dataclasses.replace(batch, **values)
-
-
-def split_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
-    """`plan` (lists of rows) with its largest micro-batches halved until it holds `count` of them.
-
-    Every rank then makes as many forward and backward passes as the rank with the most,
-    all of them on real rows. Raises ValueError when there are fewer rows than `count` (ranks
-    with very different numbers of rows).
-    """
-    plan = [list(rows) for rows in plan]
-    while len(plan) < count:
-        k = max(range(len(plan)), key=lambda i: len(plan[i]))
-        if len(plan[k]) < 2:
-            raise ValueError(f"split_micro_batches: {sum(map(len, plan))} rows cannot make {count} micro-batches; "
-                             "give every rank as many rows (Batch.split)")
-        rows = plan.pop(k)
-        plan[k:k] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
-    return plan
-
-
-def finite_batch(exp: Experience) -> bool:
-    """Whether every number computed for the update (rewards, advantages, log-probs, values, returns, IS weights)
-    is finite."""
-    tensors = [exp.rewards] + [getattr(exp, name) for name in exp.OPTIONAL]
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
-
-
-class DataParallelRole:
-    """What makes one of notebook 01's trained roles data-parallel; mixed in before `Actor` or `Critic`.
-
-    A role sets `self.module` (the plain model underneath: names, state_dict), `self.zero`
-    and `self.group` (a ProcessGroup) with `_join`, and passes the output of its training
-    forward through `_weighted`. `update` pads the batch to the widest completion of any
-    rank, agrees on the rank's weight and on whether any rank's batch is not finite (then
-    `skip_field` becomes NaN on every rank, so that notebook 01's update skips its step
-    everywhere), runs the role's own update, and returns `reduce_metrics` of every rank's
-    metrics, plus "<loss_key>_weight": rank 0's w. Every rank must call `update` together.
+    A role calls `_join` and passes the output of its training forward through `_weighted`.
+    Every rank must call `update` together. Checkpointing: `ReplicatedState` (runtime/lockstep.py).
     """
 
-    skip_field = "advantages"           # the Experience field the role's loss reads, made NaN to skip
+    skip_field = "advantages"           # the field the role's loss reads, made NaN to skip
     loss_key = "loss"
 
     def _join(self, wrapped: Wrapped, group) -> None:
@@ -155,34 +92,29 @@ class DataParallelRole:
         self.grad_scale, self.skipping = 1.0, False
 
     def _weighted(self, output: Tensor) -> Tensor:
-        """The training forward's output: NaN on every rank if it is not finite on one; its gradient scaled by w_r.
-
-        Forwards without gradient (log-probs and values before the update) pass untouched.
-        """
+        """The training forward's output: NaN on every rank if it is not finite on one; its gradient
+        scaled by w_r. Forwards without gradient pass untouched."""
         if not output.requires_grad:
             return output
-        if not self.skipping and self.group.all_sum([float(not torch.isfinite(output).all())]).item():
-            output = output * math.nan                       # some rank's forward is not finite: every rank skips
+        bad = float(not torch.isfinite(output).all())
+        if not self.skipping and self.group.all_sum([bad]).item():
+            output = output * math.nan                       # not finite on a rank: all skip
         if self.grad_scale != 1.0:
             output = scale_gradient(output, self.grad_scale)
         return output
 
     def update(self, exp: Experience) -> dict:
-        """The role's update on this rank's rows, its loss weighted by its `rank_weight`; the ranks' one record.
-
-        The batch is first padded to the widest completion of any rank: notebook 01's forward
-        makes one pass when C is 1 and two otherwise, and under FSDP (and DDP, which
-        broadcasts buffers in every forward) all ranks must make the same passes (the actor
-        also agrees on its number of micro-batches: `DistributedActor.micro_batches`).
-        """
+        """The role's update on this rank's rows, weighted by its `rank_weight`; the ranks' record
+        (plus "<loss_key>_weight": rank 0's w). A batch not finite on any rank: every rank skips."""
         exp = pad_completions(exp, self.group.all_max(exp.rollout.num_completion_tokens))
         mask = exp.rollout.completion_mask
         tokens, rows = float(mask.sum()), len(exp.rollout)
-        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, float(not finite_batch(exp))]).tolist()
-        if bad:                                  # a NaN on any rank: every rank skips, none waits in a collective
+        bad = float(not finite_batch(exp))
+        total_tokens, total_rows, bad = self.group.all_sum([tokens, rows, bad]).tolist()
+        if bad:                                  # a NaN on any rank: every rank skips, none waits
             setattr(exp, self.skip_field, torch.full_like(getattr(exp, self.skip_field), math.nan))
-        weight = loss_type_entry(self.algorithm.loss_type).rank_weight(tokens, total_tokens, rows, total_rows,
-                                                                       self.group.world_size)
+        rank_weight = loss_type_entry(self.algorithm.loss_type).rank_weight
+        weight = rank_weight(tokens, total_tokens, rows, total_rows, self.group.world_size)
         self.grad_scale, self.skipping = weight, bool(bad)
         try:
             metrics = super().update(exp)
@@ -190,24 +122,16 @@ class DataParallelRole:
             self.grad_scale, self.skipping = 1.0, False
         records, rank_tokens, weights = (list(column) for column in zip(*self.group.gather_objects(
             (metrics, tokens, weight)), strict=True))
-        return reduce_metrics(records, rank_tokens, weights) | {f"{self.loss_key}_weight": weights[0]}
-
-    def _replicated(self, what: str) -> None:
-        if self.zero:
-            raise NotImplementedError(f"{what}: a sharded role (zero={self.zero}) is checkpointed with "
-                                      "minirl.parallel.checkpoint (DCP)")
+        record = reduce_metrics(records, rank_tokens, weights)
+        return record | {f"{self.loss_key}_weight": weights[0]}
 
 
-class DistributedActor(DataParallelRole, Actor):
+class DistributedActor(DataParallelRole, LockstepActor, Actor):
     """Notebook 01's Actor on one rank of a data-parallel job.
 
-    wrapped: from `minirl.memory.wrap.wrap_model`; `self.model` is what gets called (the
-    DDP wrapper or the FSDP2 model), `self.module` the model underneath (names, config).
-    group: a `minirl.parallel.launch.ProcessGroup` (all_sum, all_max, gather_objects, world_size).
-    checkpointing: the model recomputes its layers in backward (`set_checkpointing`);
-    transformers then turns the KV cache off in training, so the log-probs take one pass over
-    every row instead of sharing each group's prompt (same values, more compute).
-    Every rank makes as many micro-batches as the rank with the most (`micro_batches`).
+    wrapped: from `wrap_model`; `self.model` is what gets called (the DDP wrapper or the FSDP2
+    model), `self.module` the model underneath. checkpointing: the layers are recomputed in
+    backward, and transformers then turns the KV cache off (no shared prompt pass).
     """
 
     def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
@@ -218,60 +142,26 @@ class DistributedActor(DataParallelRole, Actor):
         self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.learning_rate,
                                         weight_decay=optimizer.weight_decay)
 
-    def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """This rank's micro-batches, split until there are as many as on the rank with the most."""
-        plan = super().micro_batches(rollout)
-        return split_micro_batches(plan, self.group.all_max(len(plan)))
-
-    def _shares_prompt(self) -> bool:
-        return not (self.checkpointing and self.model.training)   # no KV cache: no shared prompt pass
-
     def _micro_logprobs(self, scorer, k: int, with_entropy: bool = False):
         logps, entropy = super()._micro_logprobs(scorer, k, with_entropy)
         return self._weighted(logps), entropy
 
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] log-probs, computed at the step's widest completion (every rank runs the same passes)."""
-        C = rollout.num_completion_tokens
-        return super().logprobs(pad_completions(rollout, self.group.all_max(C)))[:, :C]
-
     def named_weights(self):
-        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole tensors under DDP."""
+        """(name, tensor) of the model underneath: DTensor shards under FSDP2, whole under DDP."""
         return self.module.state_dict().items()
-
-    def state_dict(self) -> dict:
-        """The optimizer's state, when every rank holds all of it (zero 0: DDP replicas)."""
-        self._replicated("state_dict")
-        return super().state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        super().load_state_dict(state)
 
 
 class DistributedCritic(DataParallelRole, Critic):
-    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool of several ranks).
-
-    wrapped: the value model from `wrap_model` (zero 0 or 1); a forward hook passes the
-    values of the training forward through `_weighted`. A skip makes the returns NaN.
-    """
+    """Notebook 01's Critic on one rank of a data-parallel job (notebook 06's PPO on a pool).
+    wrapped: the value model from `wrap_model` (zero 0 or 1). A skip makes the returns NaN."""
 
     skip_field, loss_key = "returns", "value_loss"
 
-    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig, group):
+    def __init__(self, wrapped: Wrapped, algorithm: AlgorithmConfig, optimizer: OptimizerConfig,
+                 group):
         super().__init__(wrapped.wrapper, algorithm, optimizer)
         self._join(wrapped, group)
-        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW, lr=optimizer.value_learning_rate,
+        self.optimizer = make_optimizer(wrapped, torch.optim.AdamW,
+                                        lr=optimizer.value_learning_rate,
                                         weight_decay=optimizer.weight_decay)
         self.model.register_forward_hook(lambda module, args, values: self._weighted(values))
-
-    def state_dict(self) -> dict:
-        """The value model's weights (plain names) and the optimizer's state (zero 0)."""
-        self._replicated("state_dict")
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._replicated("load_state_dict")
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

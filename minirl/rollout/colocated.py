@@ -1,33 +1,13 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""An in-process engine that shares the trainer's device: weights streamed in, released while it waits.
+"""An in-process engine sharing the trainer's device: weights streamed in, released while it waits.
 
-`ColocatedEngine` wraps an engine that holds its policy copy as an nn.Module (`HFEngine`,
-`SharedPrefixEngine`, the paged engine of notebook 05). With stream=True, `load_weights`
-copies each tensor into place as it arrives, so a sender that gathers layer by layer never
-needs a second whole copy; bad input (an unknown name, a wrong shape, an older version, a
-tensor missing at the end) is an error, and until a complete push succeeds the engine
-refuses to generate. With stream=False the push goes to the engine's own `load_weights`
-(its checks, and whatever it derives from the weights: the paged engine empties its prefix
-cache). With colocate=True the engine sleeps after every `generate`: the storage of its
-weights is released (resized to 0) until the next push wakes it up. Only the tensors every
-push brings are released: all of them, or with adapter_only=True just LoRA's A and B (the
-frozen base must survive the sleep).
-
-This is the one colocation mechanism of minirl: stage 4 wraps every rank's engine in it,
-and stage 6 the engine of a Ray worker that also hosts the actor. The loop never calls
-`sleep` or `wake_up`: the engine sleeps at the end of its own `generate` and wakes at the
-start of the next `load_weights`, so the step reads the same colocated or not.
-
-Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call;
-the paged engine keeps its pool allocated), and level 2 only (released, then refilled by the
-next push); level 1 (offload to host memory) has nowhere to go on a CPU.
+Simplified vs vLLM's sleep mode: no KV cache released (the HF engines build it per call), and
+level 2 only; level 1 (offload to host memory) has nowhere to go on a CPU.
 """
 
-__all__ = ["EngineNotReady", "copy_pushed", "release_storage", "restore_storage",
-           "ColocatedEngine", "prompt_seed", "SeedPerPrompt"]
+__all__ = ["release_storage", "restore_storage", "ColocatedEngine"]
 
 import contextlib
-import hashlib
 import time
 from typing import Iterable
 
@@ -35,42 +15,12 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
-from minirl.data import Batch, Rollout
-from minirl.rollout.base import VersionMismatchError, draw_seed
-from minirl.rollout.hf import fp8_round_trip
-
-
-class EngineNotReady(RuntimeError):
-    """The engine is asleep, or its last push did not complete: it holds no usable weights."""
-
-
-def copy_pushed(own: dict[str, Tensor], named_tensors: Iterable[tuple[str, Tensor]], version: int,
-                fp8: bool = False) -> None:
-    """Copy each pushed (name, tensor) into `own[name]` as it arrives; ValueError for an unknown name, a wrong
-    shape, or names of `own` never pushed. fp8: round 2-D tensors through FP8 first (notebook 02's rollout)."""
-    seen = set()
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name not in own:
-                raise ValueError(f"load_weights(version={version}): unexpected tensor {name!r}; the engine takes "
-                                 f"{len(own)} tensors named like {next(iter(own))!r}: push them under the engine's "
-                                 "names (the policy's state_dict names)")
-            if own[name].shape != tensor.shape:
-                raise ValueError(f"load_weights(version={version}): {name} has shape {tuple(tensor.shape)}, the "
-                                 f"engine's has {tuple(own[name].shape)}: is this the engine's model?")
-            if fp8 and tensor.dim() >= 2:
-                tensor = fp8_round_trip(tensor)              # notebook 02's simulated FP8 rollout
-            own[name].copy_(tensor)
-            seen.add(name)
-    missing = [n for n in own if n not in seen]
-    if missing:
-        raise ValueError(f"load_weights(version={version}): {len(missing)} of {len(own)} tensors were "
-                         f"never pushed (first: {missing[0]}); push all of them: the engine keeps none from "
-                         "the last version")
+from minirl.data import Rollout
+from minirl.runtime.push_checks import EngineNotReady, StreamedLoads, refuse_older
 
 
 def release_storage(tensors: Iterable[Tensor]) -> int:
-    """Resize the storage behind each tensor to 0 (shared storages once), keeping the shapes; returns the bytes."""
+    """Resize the storage behind each tensor to 0 (shared ones once), keeping shapes; bytes freed"""
     released, seen = 0, set()
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -83,7 +33,7 @@ def release_storage(tensors: Iterable[Tensor]) -> int:
 
 
 def restore_storage(tensors: Iterable[Tensor]) -> None:
-    """Allocate each released storage again, as large as its tensor needs (contents undefined until refilled)."""
+    """Allocate each released storage again, as large as its tensor needs (contents undefined)."""
     for tensor in tensors:
         storage = tensor.untyped_storage()
         needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
@@ -91,59 +41,47 @@ def restore_storage(tensors: Iterable[Tensor]) -> None:
             storage.resize_(needed)
 
 
-class ColocatedEngine:
-    """Loads pushes into an engine (streamed, or by its own load_weights); with colocate=True, sleeps between them.
+class ColocatedEngine(StreamedLoads):
+    """Loads pushes into an engine (streamed, or by its own load_weights); colocate: sleeps between.
 
-    engine: an in-process engine with `.model` (an nn.Module), `.version`, `generate` and
-    `load_weights`. adapter_only: pushes bring only the LoRA tensors (names containing
-    "lora_"), the base stays resident (needs stream=True). stream: copy each pushed tensor
-    into `engine.model` under its state_dict name (for engines that keep nothing derived from
-    the weights, such as the HF engines); False: hand the push to `engine.load_weights`.
-    record(what): a context manager around every "sleep" and "wake_up" (a Ray worker's
-    timeline); `stats` holds the last sleep's and wake-up's seconds and the bytes released.
+    engine: an in-process engine with `.model`, `.version`, `generate` and `load_weights`.
+    adapter_only: pushes bring only the LoRA tensors, the base stays resident. record(what): a
+    context manager around every "sleep" and "wake_up" (a Ray worker's timeline).
     """
 
-    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False, stream: bool = True,
-                 record=None):
+    def __init__(self, engine, colocate: bool = True, adapter_only: bool = False,
+                 stream: bool = True, record=None):
         if adapter_only and not stream:
-            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own load_weights "
-                             "takes every tensor, not only the adapter; pass stream=True")
-        self.engine, self.colocate, self.adapter_only, self.stream = engine, colocate, adapter_only, stream
+            raise ValueError("ColocatedEngine(adapter_only=True, stream=False): the engine's own "
+                             "load_weights takes every tensor, not the adapter; pass stream=True")
+        self.engine, self.colocate, self.adapter_only = engine, colocate, adapter_only
+        self.stream = stream
         self.record = record or (lambda what: contextlib.nullcontext())
         state = engine.model.state_dict(keep_vars=True)
         self.names = [n for n in state if not adapter_only or "lora_" in n]
         if not self.names:
-            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA tensors; build "
-                             "it from the peft model")
+            raise ValueError("ColocatedEngine(adapter_only=True): the engine's model holds no LoRA "
+                             "tensors; build it from the peft model")
         self.asleep, self.ready = False, True
         self.stats = {"sleep_seconds": 0.0, "wake_seconds": 0.0, "released_bytes": 0}
 
-    @property
-    def model(self):
-        return self.engine.model
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 expected_version: int | None = None, generator: torch.Generator | None = None
+                 ) -> Rollout:
         """The inner engine's `generate`; then, when colocated, sleep until the next push."""
         if self.asleep or not self.ready:
-            raise EngineNotReady(f"{type(self.engine).__name__} is {'asleep' if self.asleep else 'half-loaded'}: "
-                                 "push the trainer's weights (sync.push / load_weights) before generating")
+            state = "asleep" if self.asleep else "half-loaded"
+            raise EngineNotReady(f"{type(self.engine).__name__} is {state}: push the trainer's "
+                                 "weights (sync.push / load_weights) before generating")
         rollout = self.engine.generate(prompts, sampling, expected_version, generator)
         if self.colocate:
             self.sleep()
         return rollout
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load the push (streamed, or by the engine's own load_weights); then the engine holds `version`.
-
-        Wakes the engine first if it sleeps. Raises VersionMismatchError for a version older
-        than the one held; streamed, ValueError naming an unknown name, a wrong shape, or the
-        names missing at the end (the engine's own load_weights raises its own errors). After
-        an error the engine refuses to generate until a complete push.
-        """
-        if version < self.engine.version:
-            raise VersionMismatchError(f"load_weights(version={version}) but {type(self.engine).__name__} holds "
-                                       f"version {self.engine.version}: refusing to go back to older weights")
+        """Wake if asleep, then load the push (streamed, or by the engine's own) as `version`;
+        after an error the engine refuses to generate until a complete push."""
+        refuse_older(version, self.engine.version, type(self.engine).__name__)
         if self.asleep:
             self.wake_up()
         self.ready = False
@@ -154,28 +92,8 @@ class ColocatedEngine:
             self.engine.load_weights(named_tensors, version)     # it sets its version
         self.ready = True
 
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    def _tensors(self) -> dict[str, Tensor]:
-        state = self.engine.model.state_dict(keep_vars=True)
-        return {n: state[n].data for n in self.names}
-
-    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy each (name, tensor) into place as it arrives (cast to the engine's dtype)."""
-        copy_pushed(self._tensors(), named_tensors, version, fp8=self.engine.dtype == "float8_e4m3fn")
-
-    def named_weights(self):
-        """The engine's copy of the weights by the trainer's names (what the stale-parameter check compares)."""
-        return self.engine.named_weights()
-
     def sleep(self) -> None:
-        """Release the storage of every tensor a push refills (shared storages once); keep their shapes."""
+        """Release the storage of every tensor a push refills; keep their shapes."""
         if self.asleep:
             return
         with self.record("sleep"):
@@ -185,51 +103,11 @@ class ColocatedEngine:
             self.stats.update(sleep_seconds=time.perf_counter() - start, released_bytes=released)
 
     def wake_up(self) -> None:
-        """Allocate the storage again (its contents undefined until the push that follows fills it)."""
+        """Allocate the storage again (contents undefined until the push that follows fills it)."""
         if not self.asleep:
             return
         with self.record("wake_up"):
             start = time.perf_counter()
             restore_storage(self._tensors().values())
-            self.asleep, self.ready = False, False              # awake, but stale until the push completes
+            self.asleep, self.ready = False, False              # awake, stale until pushed
             self.stats["wake_seconds"] = time.perf_counter() - start
-
-
-def prompt_seed(seed: int, prompt: str) -> int:
-    """A sampling seed that depends only on a batch's seed and the prompt (not on its place in the batch)."""
-    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") % 2**62
-
-
-class SeedPerPrompt:
-    """An engine whose samples for a prompt depend only on one seed drawn for the batch and on the prompt.
-
-    generate() draws a seed s from the generator, then samples each prompt alone from
-    `prompt_seed(s, prompt)`: a batch split over any number of ranks (each drawing s from the
-    same shared generator) gets the same completions. One generate call per prompt (slower).
-    Everything else is the wrapped engine's.
-    """
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __getattr__(self, name):                          # model, dtype, tokenizer, named_weights, ...
-        return getattr(self.engine, name)
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.engine.version = value
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.engine.load_weights(named_tensors, version)
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig, expected_version: int | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        seed = draw_seed(generator) or 0
-        parts = [self.engine.generate([prompt], sampling, expected_version,
-                                      torch.Generator().manual_seed(prompt_seed(seed, prompt))) for prompt in prompts]
-        return Batch.concat(parts)

@@ -13,15 +13,14 @@ builds it. options: what a stage adds (stage 4's vLLM settings); a factory takes
 """
 
 __all__ = ["runs_anywhere", "EngineEntry", "ENGINES", "register_engine", "check_engine",
-           "build_engine", "build_hf", "build_shared_prefix", "VLLM_DTYPES", "VLLM_INSTALL",
-           "vllm_problem", "build_vllm", "build_paged"]
+           "build_engine", "build_hf", "build_shared_prefix", "build_vllm", "build_paged"]
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
 from minirl.config import RLConfig
 from minirl.runtime.validate import ConfigError
+from minirl.runtime.vllm_check import vllm_problem
 
 
 def runs_anywhere(config: RLConfig) -> str | None:
@@ -81,32 +80,17 @@ def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
     return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
 
 
-VLLM_DTYPES = ("bfloat16", "float16", "float32")   # vLLM's compute dtypes (its FP8 is a quantization mode)
-VLLM_INSTALL = "on a CUDA machine run pip install -r requirements-gpu.txt, or use --rollout-engine shared_prefix"
-
-
-def vllm_problem(config: RLConfig) -> str | None:
-    """Why this run cannot roll out with vLLM (not installed, not on CUDA, an FP8 copy), or None; no heavy import."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed; {VLLM_INSTALL}"
-    if not config.run.device.startswith("cuda"):
-        return (f"vLLM's engine runs on CUDA GPUs and this run's --device is {config.run.device}; pass --device cuda "
-                "on a GPU machine, or use --rollout-engine shared_prefix")
-    if config.engine_dtype not in VLLM_DTYPES:
-        return (f"vLLM computes in {', '.join(VLLM_DTYPES)} (its FP8 is a quantization mode) and --rollout-dtype is "
-                f"{config.rollout.rollout_dtype}; pick one of those")
-    return None
-
-
 @register_engine("vllm", problem=vllm_problem)
-def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(), **settings):
-    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's, which size
-    max_model_len (the model's whole context without them); settings: VLLMEngine's gpu_memory_utilization and
-    max_num_batched_tokens (its defaults without them)."""
-    from minirl.rollout.vllm import VLLMEngine, task_model_len  # noqa: PLC0415 (vLLM loads when built)
+def build_vllm(config: RLConfig, model, tokenizer, device, *, colocate: bool = False, prompts=(),
+               **settings):
+    """vLLM in this process (notebook 04). colocate: sleep after generating; prompts: the task's,
+    which size max_model_len; settings: gpu_memory_utilization, max_num_batched_tokens."""
+    from minirl.rollout.vllm import VLLMEngine  # noqa: PLC0415 (vLLM loads when built)
+    from minirl.runtime.vllm_setup import task_model_len  # noqa: PLC0415
 
     context = getattr(model.config, "max_position_embeddings", None)
-    length = task_model_len(tokenizer, prompts, config.sampling.max_completion_length, context) if prompts else None
+    new_tokens = config.sampling.max_completion_length
+    length = task_model_len(tokenizer, prompts, new_tokens, context) if prompts else None
     return VLLMEngine(model, tokenizer, dtype=config.engine_dtype, device=device, colocate=colocate,
                       seed=config.run.seed, max_model_len=length, **settings)
 

@@ -1,6 +1,7 @@
 """Exercise 4.2, wrong: gathers the whole state first, then groups it: a whole extra model in memory."""
 
-from minirl.sync.sharded import full_tensor, layer_key
+from minirl.runtime.buckets import layer_key
+from minirl.sync.sharded import full_tensor
 
 EXERCISE = "4.2"
 

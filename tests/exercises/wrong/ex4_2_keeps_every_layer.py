@@ -1,6 +1,7 @@
 """Exercise 4.2, wrong: gathers lazily but keeps every layer it yielded, so the memory grows to a whole model."""
 
-from minirl.sync.sharded import full_tensor, layer_key
+from minirl.runtime.buckets import layer_key
+from minirl.sync.sharded import full_tensor
 
 EXERCISE = "4.2"
 

@@ -1,6 +1,6 @@
 """Exercise 4.2, wrong: passes on only the DTensors; plain (unsharded) tensors never reach the engine."""
 
-from minirl.sync.sharded import layer_key
+from minirl.runtime.buckets import layer_key
 
 EXERCISE = "4.2"
 

@@ -1,6 +1,6 @@
 """Exercise 4.2, wrong: groups the tensors but never gathers them: the engine gets DTensor shards."""
 
-from minirl.sync.sharded import layer_key
+from minirl.runtime.buckets import layer_key
 
 EXERCISE = "4.2"
 

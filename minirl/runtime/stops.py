@@ -1,5 +1,6 @@
-# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """Why a data-parallel job stopped, in one line from one rank: Ctrl-C, a dead rank, a full disk, an error.
+
+Hand-written plumbing for stage 4 (notebook 04 names it; the chapter script uses it).
 
 `rank_processes` records every rank's host and pid at the start; after a failure,
 `dead_ranks` finds the ones of this host that have ended. `StopSignals` turns the first
@@ -11,10 +12,6 @@ and the exit status; `first_to_report` lets only one process say that a rank die
 Simplified vs torchelastic: no restarts and no health checks of other nodes (a rank on
 another host is seen dying only as the broken connection, and reported as such).
 """
-
-__all__ = ["rank_processes", "dead_ranks", "Terminated", "STOP_SIGNALS", "StopSignals",
-           "deferred_signals", "first_to_report", "relaunch_command", "BAD_INPUT", "Stop",
-           "why_stopped"]
 
 import contextlib
 import os
@@ -30,8 +27,8 @@ from pathlib import Path
 import psutil
 import torch.distributed as dist
 
-from minirl.parallel.launch import RankFailed, world_from_env
 from minirl.rollout.base import VersionMismatchError
+from minirl.runtime.ranks import RankFailed, world_from_env
 from minirl.runtime.rundir import RunDirError
 from minirl.runtime.training_cli import write_failure
 from minirl.runtime.validate import ConfigError

@@ -1,5 +1,4 @@
-# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
-"""Memory of a live data-parallel run, per rank, counted as notebook 03 counts it.
+"""Memory of a live data-parallel run, per rank, counted as notebook 03 counts it (a measurement harness).
 
 `trainer_bytes` splits what a rank's actor holds into weights (local shards), gradients and
 optimizer state; `engine_bytes` counts the engine's weights (0 while a colocated engine
@@ -15,8 +14,6 @@ optimizer}_bytes", "memory/engine_awake_bytes", "memory/engine_asleep_bytes", an
 Simplified: storage counting sees named tensors only (no activations or buffers); the CUDA
 allocator's peak is the ground truth where there is one.
 """
-
-__all__ = ["trainer_bytes", "engine_bytes", "MemoryTracker"]
 
 import torch
 import torch.distributed as dist

@@ -1,5 +1,6 @@
-# Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """Sharded checkpoints of a data-parallel run: torch.distributed.checkpoint, atomic, verified, exactly resumable.
+
+Hand-written plumbing for stage 4 (notebook 04 names it; the chapter script uses it).
 
 `save_sharded` writes `root/step-000010/`: every rank's model and optimizer shards with DCP
 (`get_state_dict` covers DDP, FSDP2 and peft models), ZeRO-1's per-rank optimizer state
@@ -17,9 +18,6 @@ Simplified vs torchtitan: synchronous saves (no async staging), same world size 
 checksums (a shard overwritten with garbage of the same length loads as garbage weights).
 """
 
-__all__ = ["TMP", "save_sharded", "sharded_problem", "checkpoints_in", "newest_intact",
-           "latest_sharded", "load_sharded", "ShardedCheckpointer", "ShardedCheckpoints"]
-
 import dataclasses
 import errno
 import os
@@ -35,9 +33,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from minirl.parallel.launch import RankFailed, agree
-from minirl.parallel.stops import deferred_signals
+from minirl.runtime.ranks import RankFailed, agree
 from minirl.runtime.rundir import RunDirError
+from minirl.runtime.stops import deferred_signals
 from minirl.runtime.validate import ConfigError
 from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
