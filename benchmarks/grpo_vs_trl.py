@@ -108,10 +108,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from minirl.algo.logprobs import MicroBatchedLogprobs
 from minirl.models import loading
 from minirl.rollout.engine.workloads import few_shot_rows, load_long_tail_policy
 from minirl.runtime.cli import common_parser, seed_everything, write_summary
+from minirl.runtime.prefix_sharing import MicroBatchedLogprobs
 from minirl.tasks.arithmetic import make_task
 
 MIN_PAIRS = 8      # the defaults measure at least this many pairs: a ratio is reported with its spread

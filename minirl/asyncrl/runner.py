@@ -53,11 +53,12 @@ from minirl.asyncrl.timeline import Timeline
 from minirl.config import RLConfig
 from minirl.data import Batch
 from minirl.rollout.registry import build_engine
+from minirl.runtime.callbacks import run_in_dir
 from minirl.runtime.rundir import RUN_FILE, read_run_record
 from minirl.runtime.timing import StageTimer
 from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_roles, run_in_dir
+from minirl.train.run import Callback, RunState, build_roles
 from minirl.train.step import learn, sync_and_record
 
 

@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from minirl.parallel.launch import RankFailed, agree
 from minirl.parallel.stops import deferred_signals
+from minirl.runtime.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.runtime.rundir import RunDirError
 from minirl.runtime.validate import ConfigError
-from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
 
 TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written

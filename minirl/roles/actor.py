@@ -21,11 +21,12 @@ import math
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
+from minirl.algo.logprobs import masked_mean
 from minirl.algo.losses import policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.loss_types import loss_type_entry
+from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
 
 def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The shared-prefix engine: prefill each prompt once, repeat its KV cache G times, sample in a plain loop.
 
 The G completions of a GRPO group all begin with the same prompt; HF `generate` over the
@@ -21,12 +20,13 @@ __all__ = ["SharedPrefixEngine", "sample_shared_prefix"]
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask
+from minirl.algo.logprobs import position_ids_from_mask
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, draw_seed, make_rollout
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.sampling import sample_tokens
+from minirl.runtime.prefix_sharing import CACHE_ARG
 
 
 class SharedPrefixEngine(HFEngine):

@@ -22,7 +22,6 @@ __all__ = ["Roles", "sample_prompts", "score", "make_experience", "BEHAVIOUR_COR
            "correct_behaviour", "compute_advantages", "learn", "batch_statistics",
            "sync_and_record", "rl_step", "importance_weights"]
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +35,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
 from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
 
@@ -58,34 +58,16 @@ def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list
     return [rows[i] for i in picks]
 
 
-def _call_reward(func, prompts, completions, columns, reward_errors, errors: list) -> list[float]:
-    try:
-        return list(func(prompts=prompts, completions=completions, **columns))
-    except Exception as err:
-        if reward_errors == "raise":
-            raise RuntimeError(f"reward function {reward_name(func)} raised {type(err).__name__}: {err}; "
-                               "fix it, or pass reward_errors='zero' to score failing samples 0") from err
-    values = []
-    for i in range(len(completions)):            # find the failing samples one by one
-        try:
-            values.append(float(func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                                     **{k: v[i:i + 1] for k, v in columns.items()})[0]))
-        except Exception as err:
-            errors.append(f"{reward_name(func)}[{i}]: {type(err).__name__}: {err}")
-            values.append(0.0)
-    return values
-
-
 def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise",
           reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
     Each function is called with TRL's signature, f(prompts, completions, **columns), where the
-    columns are the dataset rows' other fields, repeated G times. A wrong number of rewards, a
-    non-numeric or non-finite reward is an error naming the function; with reward_errors="zero"
-    a failing sample scores 0 and is counted in metrics["reward_errors"]. reward_weights: one
-    per function (TRL's `reward_weights`; None: 1 each); `rewards/<name>` is the function's
-    unweighted mean, as TRL logs it.
+    columns are the dataset rows' other fields, repeated G times, and checked
+    (`minirl.runtime.inputs.checked_rewards`: one finite float per completion, or an error naming
+    the function; with reward_errors="zero" a failing sample scores 0 and is counted in
+    metrics["reward_errors"]). reward_weights: one per function (TRL's `reward_weights`; None: 1
+    each); `rewards/<name>` is the function's unweighted mean, as TRL logs it.
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
@@ -93,39 +75,15 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
     if len(weights) != len(reward_funcs):
         raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
                          "give one weight per function")
-    per_func, errors = [], []
-    for func in reward_funcs:
-        values = _call_reward(func, rollout.prompts, rollout.completions, columns, reward_errors, errors)
-        name = reward_name(func)
-        if len(values) != len(rollout.completions):
-            raise ValueError(f"reward function {name} returned {len(values)} rewards for "
-                             f"{len(rollout.completions)} completions: reward_funcs must return one float each")
-        values = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)
-        if not torch.isfinite(values).all():
-            if reward_errors == "raise":
-                raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
-                                 f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
-                                 "floats, or pass reward_errors='zero' to score them 0")
-            bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
-            errors += [f"{name}[{i}]: not a finite number" for i in bad]
-            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        per_func.append(values)
+    errors = []
+    per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
+                for f in reward_funcs]                                                     # [N] each
     total, metrics = combine_rewards(torch.stack(per_func, 1), weights,
                                      [reward_name(f) for f in reward_funcs])              # [N], per-function means
     metrics["reward_errors"] = len(errors)
     if errors:
         metrics["reward_error_examples"] = errors[:3]
     return total, metrics
-
-
-def _as_float(value) -> float:
-    """A reward as a float; NaN for anything that is not a number (None, a string, a list, ...)."""
-    if isinstance(value, (str, bytes)):
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 @torch.no_grad()

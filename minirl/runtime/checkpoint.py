@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Atomic, verified, exactly resumable checkpoints of a run.
 
 A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
