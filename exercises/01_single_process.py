@@ -15,7 +15,8 @@ from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean, position_ids_from_mask
 from minirl.config import SCALE_REWARDS
-from minirl.runtime.validate import ConfigError
+from minirl.runtime.loss_weights import by_rows, by_tokens, each_rank_alone, ranks_by_rows, ranks_by_tokens
+from minirl.runtime.validate import ConfigError, check_parts
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:

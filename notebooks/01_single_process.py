@@ -115,14 +115,10 @@ plt.show()
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
 left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
 at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
-shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`, which also
-runs the update in micro-batches of similar length): same values up to float rounding, same
-gradients, less work. TRL runs every row's prompt.
+shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`).
 
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: micro-batches are sized by tokens
-and grouped by length rather than fixed row counts; no vision inputs; logits are cast to
-float32 before the temperature is applied (TRL divides first, in the model's dtype), which
-only matters for bf16 models and is the more accurate order.
+Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits are cast
+to float32 before the temperature is applied (TRL divides first, in the model's dtype).
 """
 import torch
 from torch import Tensor
@@ -504,30 +500,22 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # | export minirl/loss_types.py
 """The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all four:
-- `objective(logps, ratio, advantages, epsilon, epsilon_high)` -> (per-token loss to minimize, tokens
-  clipped below, tokens clipped above): PPO's clipped surrogate (`clipped_objective`) or CISPO's clipped,
-  detached weight on the log-prob (`cispo_objective`);
-- `normalise(per_token_loss, mask, max_completion_length)`: the per-token losses as one number;
-- `micro_batch_weight(rows, total_rows, tokens, total_tokens)`: a micro-batch's share of the batch's
-  loss (notebook 01, section 11.4), so that splitting the update never changes it;
-- `rank_weight(local_tokens, global_tokens, local_rows, global_rows, world_size)`: the weight of one
-  process's loss when W processes each compute it over their rows and average their gradients
-  (notebook 04, section 3).
-`LOSS_TYPES` maps a name to its entry; `register_loss_type` adds one and refuses an entry that lacks a
-part; `loss_type_entry` reads one (AlgorithmConfig checks its `loss_type` with it when it is built).
-`IMPORTANCE_SAMPLING_LEVELS` maps `importance_sampling_level` to how the ratio is formed: per token
-(PPO, GRPO) or one per completion (GSPO).
+A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all
+four: the per-token `objective` (PPO's clipped surrogate or CISPO's), how it is `normalise`d to one
+number, and the weights of a micro-batch (`micro_batch_weight`) and of a data-parallel rank
+(`rank_weight`, `minirl.runtime.loss_weights`). `LOSS_TYPES` maps a name to its entry;
+`register_loss_type` refuses an entry that lacks a part. `IMPORTANCE_SAMPLING_LEVELS`: the ratio per
+token (PPO, GRPO) or per completion (GSPO).
 
 The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
-Written with tensor methods only (torch is not imported: `Tensor` is named for the annotations), so
-the config checks a run's loss type before torch loads. Simplified: no SAPO, LUSPO or VESPO, and no
-`delta` (TRL's two-sided clipping).
+Tensor methods only (torch is not imported), so the config checks a run's loss type before torch
+loads. Simplified: no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
 """
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
-from minirl.runtime.validate import ConfigError
+from minirl.runtime.loss_weights import by_rows, by_tokens, each_rank_alone, ranks_by_rows, ranks_by_tokens
+from minirl.runtime.validate import ConfigError, check_parts
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -611,7 +599,8 @@ def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_len
 # others), so that splitting the work never changes the loss. A data-parallel job (notebook
 # 04) averages the gradients of W processes, each computing the loss over its rows; process
 # r's loss is weighted by W times its share, except for `bnpo`, which TRL normalizes by each
-# process's own tokens (weight 1: there, and only there, `bnpo` and `dapo` part ways).
+# process's own tokens (weight 1: there, and only there, `bnpo` and `dapo` part ways). These
+# weights are plain arithmetic, in `minirl/runtime/loss_weights.py`.
 #
 # An entry holds all four parts, and `register_loss_type` refuses one that lacks a part: a
 # new loss type cannot silently borrow another's weights. The importance ratio is chosen the
@@ -629,34 +618,6 @@ def clipped_objective(logps: "Tensor", ratio: "Tensor", advantages: "Tensor", ep
     return clipped_surrogate(ratio, advantages, epsilon, epsilon_high), low, high
 
 
-def by_rows(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """A part's share of a normalizer that counts rows ("grpo", "dr_grpo")."""
-    return rows / total_rows
-
-
-def by_tokens(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """A part's share of a normalizer that counts tokens, both clamped to 1 as the normalization clamps them."""
-    return max(tokens, 1) / max(total_tokens, 1)
-
-
-def ranks_by_rows(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int, world_size: int) -> float:
-    """W * N_r / N: a rank's weight when the batch's loss counts rows (0 for a rank with no rows)."""
-    return world_size * by_rows(local_rows, global_rows, local_tokens, global_tokens)
-
-
-def ranks_by_tokens(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                    world_size: int) -> float:
-    """W * T_r / T: a rank's weight when the batch's loss divides by the tokens of all ranks (TRL's
-    `num_items_in_batch`)."""
-    return world_size * by_tokens(local_rows, global_rows, local_tokens, global_tokens)
-
-
-def each_rank_alone(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                    world_size: int) -> float:
-    """1: each rank normalizes by its own tokens and the batch's loss is the mean of the ranks' ("bnpo")."""
-    return 1.0
-
-
 @dataclass(frozen=True)
 class LossType:
     """Every part of one loss type (see the module docstring for each part's arguments)."""
@@ -672,11 +633,7 @@ LOSS_TYPES: dict[str, LossType] = {}
 
 def check_loss_type(name: str, entry) -> None:
     """ConfigError naming the loss type and the part unless every part of a LossType is a function of `entry`."""
-    for part in fields(LossType):
-        if not callable(getattr(entry, part.name, None)):
-            raise ConfigError("loss_type", name, f"its entry's {part.name} is {getattr(entry, part.name, None)!r}, "
-                                                 "not a function: every loss type needs all of "
-                                                 f"{', '.join(f.name for f in fields(LossType))} (a LossType)")
+    check_parts("loss_type", name, entry, tuple(f.name for f in fields(LossType)), "LossType")
 
 
 def register_loss_type(name: str, entry: LossType) -> LossType:
@@ -697,11 +654,9 @@ def loss_type_entry(name: str) -> LossType:
 
 def aggregate_loss(per_token_loss: "Tensor", mask: "Tensor", loss_type: str = "dapo",
                    max_completion_length: int | None = None) -> "Tensor":
-    """Reduce a per-token loss to a scalar as loss type `loss_type` does (its `normalise`).
+    """A per-token loss [B, C] (or [B, 1], broadcast) as one number, as loss type `loss_type` normalises it.
 
-    per_token_loss: [B, C] or [B, 1] (broadcast over C); mask: [B, C] of 0/1. Returns a 0-dim
-    tensor. Raises ConfigError (a ValueError) for an unknown loss_type.
-    """
+    mask: [B, C] of 0/1. ConfigError (a ValueError) for an unknown loss_type."""
     entry = loss_type_entry(loss_type)
     mask = mask.to(per_token_loss.dtype)
     return entry.normalise(per_token_loss.expand_as(mask), mask, max_completion_length)
@@ -785,13 +740,8 @@ except ValueError as err:
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
 `policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` ("grpo", "bnpo", "dr_grpo", "dapo", "cispo") and importance_sampling_level
-in {"token", "sequence"} on one process without gradient accumulation. There, "dapo" (normalize by the
-tokens of the whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
-differ only when a batch is split across accumulation steps or processes. minirl's own micro-batches
-(section 11.4) are weighted by each loss type's `micro_batch_weight`, so that splitting the update never
-changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
-Simplified: no entropy masking, no off-policy masking.
+`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+process. Simplified: no entropy masking, no off-policy masking.
 """
 import torch
 from torch import Tensor
@@ -814,17 +764,11 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
                 use_bias_correction_kl: bool = False) -> tuple[Tensor, dict[str, float]]:
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
-    logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
-    (one per sequence, GRPO) or [B, C] (per token, PPO/GAE). The loss type's entry
-    (`minirl.loss_types`) gives the objective and the normalization; importance_sampling_level
-    the ratio (token, or sequence: GSPO).
-    use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
-    token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
-    default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
-    estimate under pi. False: the classic GRPO k3 term.
-    Returns (loss, metrics) with metrics "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
-    use_bias_correction_kl) when ref_logps is given.
+    logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
+    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
+    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
+    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
+    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
     """
     entry = loss_type_entry(loss_type)
     check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
@@ -892,6 +836,25 @@ for new in (0.22, 0.24, 0.26):
     print(f"old 0.20 -> new {new:.2f}: ratio {r.item():.2f}, loss {loss.item():+.3f}, d loss/d ratio {r.grad.item():+.1f}")
 
 # %% [markdown]
+# The KL penalty is estimated from the sampled tokens alone: k3 = exp(d) − d − 1 with
+# d = log π_ref − log π, which is never negative and whose mean over tokens drawn from π is
+# KL(π ‖ π_ref) exactly. On a toy 3-token distribution, against the exact value; then the same
+# batch's loss without and with `beta`:
+
+# %%
+from minirl.algo.losses import kl_k3  # noqa: E402
+
+pi, pi_ref = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.4, 0.4, 0.2])
+draws = torch.multinomial(pi, 100_000, replacement=True, generator=torch.Generator().manual_seed(0))
+estimate = kl_k3(pi.log()[draws], pi_ref.log()[draws]).mean().item()
+print(f"KL(pi || pi_ref): exact {(pi * (pi / pi_ref).log()).sum().item():.4f}, k3 over 100k samples {estimate:.4f}")
+logps = torch.log(torch.tensor([[0.24, 0.5], [0.3, 0.1]])).requires_grad_()
+old, ref = torch.log(torch.tensor([[0.20, 0.5], [0.3, 0.1]])), torch.log(torch.tensor([[0.25, 0.4], [0.3, 0.2]]))
+for beta in (0.0, 0.04):
+    loss, metrics = policy_loss(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), beta=beta, ref_logps=ref)
+    print(f"beta {beta}: loss {loss.item():+.4f}, kl {metrics['kl']:.4f}, ratio_mean {metrics['ratio_mean']:.3f}")
+
+# %% [markdown]
 # How the aggregations weigh a short and a long completion with the same per-token loss:
 
 # %%
@@ -919,46 +882,9 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # the language-model head. Sharing one backbone between actor and critic saves memory but
 # couples their gradients; with separate models each has its own optimizer, which is also
 # how veRL places them as separate roles (notebook 06). The head starts at zero, so the
-# first values are 0.
-
-# %%
-# | export minirl/models/critic.py
-"""The PPO critic: a copy of the policy's transformer backbone with a scalar value head.
-
-Simplified vs TRL's PPOTrainer / veRL: no separate reward model and no shared-backbone
-option; the critic is initialized from the policy (the warm start) with a zero head.
-"""
-import copy
-
-from torch import Tensor, nn
-
-from minirl.algo.logprobs import position_ids_from_mask
-
-
-class ValueModel(nn.Module):
-    """V(s_t) for each completion token: backbone hidden state at position t-1 -> linear -> scalar."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.backbone = backbone
-        self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-    @classmethod
-    def from_policy(cls, policy) -> "ValueModel":
-        """A critic whose backbone is a copy of `policy`'s (e.g. Qwen2ForCausalLM.model)."""
-        backbone = copy.deepcopy(getattr(policy, policy.base_model_prefix))
-        device = next(policy.parameters()).device
-        return cls(backbone, policy.config.hidden_size).to(device)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int) -> Tensor:
-        """input_ids, attention_mask: [B, P+C] -> values [B, C] float32 (the state before each token)."""
-        C = num_completion_tokens
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-        return self.head(hidden[:, -C - 1:-1]).squeeze(-1).float()        # [B, C]
-
+# first values are 0. That is `ValueModel` in `minirl/models/critic.py`; the `Reference` is a
+# frozen deep copy of the starting policy with one method, `logprobs(rollout)`
+# (`minirl/roles/reference.py`). Both are short enough to read there.
 
 # %% [markdown]
 # The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
@@ -969,7 +895,8 @@ class ValueModel(nn.Module):
 # (`skipped` in the metrics), leaving the weights and Adam's moments untouched: one bad batch
 # must not poison hours of training. Its metrics also say how far the engine's behaviour
 # log-probs are from the trainer's (`logprob_diff_abs`, the `ratio/...` statistics), the
-# gauge notebook 02 is built around.
+# gauge notebook 02 is built around. The guards and the gauge live in
+# `minirl/runtime/gauges.py`.
 
 # %%
 # | export minirl/roles/actor.py
@@ -977,15 +904,10 @@ class ValueModel(nn.Module):
 
 `logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;
 `update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
-`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP
-(notebook 04) or inside a Ray actor (notebook 06) an actor keeps these methods, so the step
-that calls them never changes.
-
-Both run the batch in micro-batches of similar completion length (`micro_batches`, at most
-`max_tokens_per_microbatch` completion tokens each, section 11.4), accumulating gradients
-before one optimizer step; the loss, its normalization and its gradient are the whole
-batch's. Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (TRL
-can split a generation batch into several steps), no learning-rate schedule.
+`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
+a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
+length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
+optimizer step per batch and iteration, no learning-rate schedule.
 """
 
 import math
@@ -998,52 +920,8 @@ from minirl.algo.losses import policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.loss_types import loss_type_entry
+from minirl.runtime.gauges import clipped_step, ratio_statistics
 from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
-
-
-def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
-    """Clip the gradients in .grad and step, unless their norm is not finite. Returns (stepped, grad_norm)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
-
-
-def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
-    """backward, clip, step, unless the loss or the gradient norm is not finite. Returns (stepped, grad_norm).
-
-    A non-finite batch leaves the weights and the optimizer's moments as they were.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
-        return False, math.nan
-    loss.backward()
-    return clipped_step(params, optimizer, max_grad_norm)
-
-# %% [markdown]
-# The gauge notebook 02 is built around, computed on every update: how far the rollout's
-# behaviour log-probs are from the trainer's, as a ratio per token and as a mean log-prob
-# gap.
-
-# %%
-# | export minirl/roles/actor.py
-def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the rollout's behaviour log-probs are from the trainer's, per token (notebook 02's lens).
-
-    ratio = exp(trainer - behaviour) over the tokens where mask is 1: its min, max, std and
-    the share outside [0.8, 1.25]; and the mean |trainer - behaviour| log-prob gap.
-    """
-    valid = mask.bool()
-    ratio = torch.exp(trainer_logps - behavior_logps)[valid]
-    if ratio.numel() == 0:
-        return {}
-    return {"logprob_diff_abs": masked_mean((trainer_logps - behavior_logps).abs(), mask).item(),
-            "ratio/min": ratio.min().item(), "ratio/max": ratio.max().item(),
-            "ratio/std": ratio.std().item() if ratio.numel() > 1 else 0.0,
-            "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
-
 
 # %% [markdown]
 # The actor itself: the policy and its optimizer, and the first thing the loop asks of it, the log-probs of a
@@ -1183,43 +1061,10 @@ def load_state_dict(self, state: dict) -> None:
     self.optimizer.load_state_dict(state["optimizer"])
 
 # %%
-# | export minirl/roles/reference.py
-"""The reference: a frozen copy of the initial policy, for the KL penalty.
-
-Simplified vs TRL / veRL: a full copy in the same process and precision (TRL can instead
-disable a LoRA adapter to recover the reference; veRL can colocate it with the actor).
-"""
-
-import copy
-
-import torch
-from torch import Tensor
-
-from minirl.algo.logprobs import completion_logprobs
-from minirl.data import Rollout
-
-
-class Reference:
-    """log pi_ref of the sampled tokens, from a frozen copy of the policy as it was at the start."""
-
-    def __init__(self, model, temperature: float = 1.0):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.temperature = temperature
-
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, C] float32 log-probs of the completion tokens under the reference."""
-        return completion_logprobs(self.model, rollout.input_ids, rollout.attention_mask,
-                                   rollout.num_completion_tokens, self.temperature,
-                                   num_generations=rollout.num_generations)[0]
-
-# %%
 # | export minirl/roles/critic.py
 """The critic (PPO): a value model and its optimizer; values before the update, and its own update.
 
-Simplified vs TRL's PPOTrainer / veRL: the critic is a copy of the policy's backbone with a
-zero-initialized scalar head (`ValueModel.from_policy`), trained with the clipped value loss
-in one step per batch.
+Simplified vs TRL's PPOTrainer / veRL: one clipped value-loss step per batch.
 """
 
 import torch
@@ -1230,7 +1075,7 @@ from minirl.algo.losses import value_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig
 from minirl.data import Experience, Rollout
 from minirl.models.critic import ValueModel
-from minirl.roles.actor import optimizer_step
+from minirl.runtime.gauges import optimizer_step
 
 
 class Critic:
@@ -1293,82 +1138,30 @@ print("critic values [N, C]:", critic.values(ro).abs().max().item())
 # same check (the engine reports the version just pushed) and returns what it moved, so the
 # sync's share of a step can be measured the same way everywhere (the source's symptom table
 # flags synchronization above 5 % of the step).
+#
+# The interface is `minirl/sync/base.py`: a `WeightSync` has one method,
+# `push(named_weights, engine, version)`, returning a `SyncReport` (the version the engine now
+# holds, the tensors and bytes moved, the seconds). Stage 1's `InProcessSync` hands the
+# actor's tensors to the engine's `load_weights`, then checks the version the engine reports.
+# Update the actor once on the batch above, push, and ask the engine for the old version:
 
 # %%
-# | export minirl/sync/base.py
-"""Weight synchronization as an interface: push the trainer's weights into an engine, as a new version.
+from minirl.data import Experience  # noqa: E402
+from minirl.sync.base import InProcessSync  # noqa: E402
 
-Step 4 of the loop. A `WeightSync` takes the actor's named tensors, gets them into the
-rollout engine however the placement requires, and returns a `SyncReport` (the version the
-engine now holds, how many tensors and bytes moved, how long it took). Stage 1 copies
-in-process (`InProcessSync`); notebook 04 gathers FSDP-sharded tensors or merges LoRA
-first; notebook 06 broadcasts across Ray actors. All of them end with the same check: the
-engine reports the version that was pushed (`check_pushed`), and on request a check of the
-weights it holds against the trainer's (`InProcessSync(verify=...)`: notebook 02 writes one,
-`minirl.sync.checks.check_synchronization`).
-"""
-
-import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
-
-from torch import Tensor
-
-from minirl.rollout.base import RolloutEngine, VersionMismatchError
-
-
-@dataclass
-class SyncReport:
-    """What one synchronization did."""
-
-    version: int      # the policy version the engine holds now
-    tensors: int      # named tensors handed over
-    bytes: int        # their size, in the trainer's dtype
-    seconds: float    # wall-clock time of the push
-
-
-class WeightSync(Protocol):
-    def push(self, named_weights: Iterable[tuple[str, Tensor]], engine: RolloutEngine, version: int) -> SyncReport:
-        """Load `named_weights` into `engine` as `version`; raise if the engine does not end up holding it."""
-        ...
-
-
-def check_pushed(engine: RolloutEngine, version: int) -> None:
-    """The engine must report the version just pushed (an engine that ignored the push is caught here)."""
-    if engine.version != version:
-        raise VersionMismatchError(f"after pushing version {version}, {type(engine).__name__} reports version "
-                                   f"{engine.version}: its load_weights did not take the new weights")
-
-
-# %% [markdown]
-# Stage 1's sync: the engine lives in this process, so a push copies the tensors, then checks
-# the version the engine reports.
-
-# %%
-# | export minirl/sync/base.py
-class InProcessSync:
-    """Stage 1: the engine lives in the trainer's process and copies the trainer's tensors.
-
-    verify: a check run after every push, verify(trainer_weights: {name: tensor}, engine) ->
-    a list of problems, e.g. notebook 02's `check_synchronization`, which compares every weight
-    the engine holds with the trainer's within the rounding of the engine's dtype (slower: it
-    reads every tensor twice). Raises RuntimeError naming the problems.
-    """
-
-    def __init__(self, verify: Callable[[dict, RolloutEngine], list[str]] | None = None):
-        self.verify = verify
-
-    def push(self, named_weights, engine, version: int) -> SyncReport:
-        start = time.perf_counter()
-        named = [(name, tensor.detach()) for name, tensor in named_weights]
-        engine.load_weights(named, version)
-        check_pushed(engine, version)
-        if self.verify is not None:
-            problems = self.verify(dict(named), engine)
-            if problems:
-                raise RuntimeError("weight sync left the engine stale: " + "; ".join(problems))
-        return SyncReport(version, len(named), sum(t.numel() * t.element_size() for _, t in named),
-                          time.perf_counter() - start)
+advantages = torch.randn(len(ro), generator=torch.Generator().manual_seed(0))
+actor.update(Experience(ro, torch.zeros(len(ro)), advantages=advantages))
+report = InProcessSync().push(actor.named_weights(), engine, version=1)
+print(f"pushed version {report.version}: {report.tensors} tensors, {report.bytes / 1e6:.1f} MB, "
+      f"{1000 * report.seconds:.1f} ms; the engine holds version {engine.version}")
+with torch.no_grad():
+    engine_logps, _ = completion_logprobs(engine.model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
+print("max |engine - actor| log-prob after the push:",
+      (engine_logps * ro.completion_mask - actor.logprobs(ro)).abs().max().item())
+try:
+    engine.generate(["27+35="], SamplingConfig(num_generations=4), expected_version=0)
+except VersionMismatchError as err:
+    print("VersionMismatchError:", err)
 
 # %% [markdown]
 # The update needs more than the rollout: the trainer's log-probs before the update, the
@@ -1385,20 +1178,15 @@ class InProcessSync:
 # | export minirl/train/step.py
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
-`rl_step` is the loop body every stage runs. It talks to the three seams only through
-their protocols: a rollout engine (`generate`, `load_weights`), the roles (`Actor`,
-`Reference`, `Critic`), and a weight sync (`push`). Stage 1 passes plain in-process
-objects; notebook 04 passes FSDP-wrapped roles on every rank; notebook 06 passes Ray
-worker groups with the same methods. The step never changes, so what it computes never
-changes with where it runs. Its middle, `learn` (experience -> correction -> advantages ->
-update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
-come from a queue instead of an engine call, runs the same `learn` on them.
+`rl_step` is the loop body every stage runs. It talks to the seams only through their
+protocols: a rollout engine, the roles (`Actor`, `Reference`, `Critic`), a weight sync. Stage 1
+passes in-process objects, notebook 04 FSDP-wrapped roles, notebook 06 Ray worker groups: the
+step never changes. Its middle, `learn`, is also what notebook 07's asynchronous trainer runs.
 
-Simplified vs TRL's GRPOTrainer: the weighted sum of the reward functions must be a number
-for every sample (TRL's skips a function's NaN, "does not apply"), one generation batch per
-step, and the engine holds its own copy of the policy with a version (TRL samples with the
-training model itself). PPO puts its KL penalty in the per-token
-reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
+Simplified vs TRL's GRPOTrainer: every reward must be a number (TRL skips a function's NaN),
+one generation batch per step, and the engine holds its own copy of the policy with a version.
+PPO puts its KL penalty in the per-token reward (TRL's PPOTrainer); GRPO adds the k3 KL to the
+loss (TRL's GRPOTrainer).
 """
 
 from dataclasses import dataclass
@@ -1413,9 +1201,10 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
-from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
+from minirl.tasks.rewards import combine_rewards, reward_name
 
 
 @dataclass
@@ -1538,13 +1327,8 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
           timer: StageTimer | None = None, correct=None) -> dict:
     """The update half of a step: experience -> correction -> advantages -> actor update (+ critic); its metrics.
 
-    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
-    behaviour correction (`is_weights`, and `old_logps` if it needs them); default
-    `correct_behaviour` (notebook 02's truncated IS, when the config turns it on).
-    Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
-    gets the "reference", "advantages", "update" (and "update_critic") seconds.
-    group: as in `rl_step`.
-    """
+    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp: the behaviour correction
+    (default `correct_behaviour`; notebook 07 passes its own). group: as in `rl_step`."""
     timer = StageTimer() if timer is None else timer
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
@@ -1557,24 +1341,6 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
         with timer("update_critic"):
             metrics |= roles.critic.update(exp)
     return metrics
-
-
-def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
-    """The record's numbers about a batch: its version, reward (mean, std), the share of groups whose rewards
-    are all equal (`frac_reward_zero_std`, TRL's name: those groups have zero advantage and teach nothing),
-    completion length (mean, longest), real prompt and completion tokens. group: as in `rl_step` (every
-    rank's rows; each rank holds whole groups)."""
-    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
-    prompt_tokens = rollout.prompt_mask.sum()
-    if group is not None:                                          # the global batch's rows, every rank's
-        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
-        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
-    return {"generated_version": rollout.version, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": frac_reward_zero_std(rewards, rollout.num_generations),
-            "completion_length": lengths.mean().item(),
-            "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
-            "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
 def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
@@ -1600,15 +1366,10 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
-    sync: any WeightSync. The record holds the update's metrics, the batch's reward and
-    completion length (mean and longest), its real prompt and completion tokens
-    (`tokens/prompt`, `tokens/completion`), the versions, and `time/<stage>` seconds for
-    every stage.
-    group: None in one process. In a data-parallel run (notebook 04) every rank calls rl_step
-    on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
-    ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
-    "batch" reward std and the record's reward, length and token statistics.
-    reward_weights: one per reward function (None: 1 each).
+    sync: any WeightSync. The record holds the update's metrics, the batch's statistics, the
+    versions, and `time/<stage>` seconds for every stage. group: None in one process; in a
+    data-parallel run (notebook 04) every rank calls rl_step on its share of the batch, and
+    `group` (`world_size`, `all_gather(tensor)`) makes the batch-wide numbers global.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -1618,6 +1379,26 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
         rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
     return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
+
+# %% [markdown]
+# One step by hand, with fresh roles around the policy and an engine at version 0: the
+# record says what the step did, and the engine now holds version 1.
+
+# %%
+from minirl.rollout.registry import build_engine  # noqa: E402
+from minirl.tasks.task import arithmetic_task  # noqa: E402
+from minirl.train.step import Roles, rl_step  # noqa: E402
+
+stage1 = arithmetic_task()   # the task as `train` takes it: rows, reward functions, held-out evaluation
+step_config = RLConfig.from_flat(prompts_per_step=4, num_generations=4)
+roles = Roles(Actor(model, step_config.algorithm, step_config.optimizer, step_config.sampling))
+step_engine = build_engine(step_config, model, tokenizer)
+record = rl_step(roles, step_engine, InProcessSync(), stage1.train[:4], stage1.reward_funcs, step_config,
+                 torch.Generator().manual_seed(0), reward_weights=stage1.reward_weights)
+print({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()
+       if k in ("reward", "frac_reward_zero_std", "loss", "grad_norm", "generated_version", "version")})
+print("engine version:", step_engine.version, "| seconds by stage:",
+      {k.removeprefix("time/"): round(v, 3) for k, v in record.items() if k.startswith("time/")})
 
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
@@ -1639,11 +1420,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
 record to the callbacks, which do everything else a run needs (evaluate, log JSON lines,
 checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
 stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
-own step functions.
-
-Simplified vs TRL's Trainer: gradients accumulate only over the update's micro-batches
-(within one optimizer step), no learning-rate schedule, no distributed launcher (notebook 04
-adds torchrun).
+own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
 """
 
 import time
@@ -1674,14 +1451,11 @@ from minirl.train.step import Roles, rl_step, sample_prompts
 # | export minirl/rollout/registry.py
 """The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
 
-`ENGINES` maps an engine's name (config.rollout.rollout_engine, the chapters' --rollout-engine)
-to an `EngineEntry`: `build(config, model, tokenizer, device, **options)` returns that engine
-holding a copy of `model` (version 0) in config.engine_dtype, importing its backend only then;
-`problem(config)` says why this machine or run cannot use it (None: it can), without importing
-anything heavy, so that a chapter refuses the flag before torch or a model loads
-(`check_engine`). Every stage builds its engine with `build_engine`. Notebook 01 registers "hf"
-and "shared_prefix", notebook 04 "vllm", notebook 05 "paged": each engine in the notebook that
-builds it. options: what a stage adds (stage 4's vLLM settings); a factory takes those it uses.
+`ENGINES` maps an engine's name (config.rollout.rollout_engine) to an `EngineEntry`:
+`build(config, model, tokenizer, device, **options)` returns that engine holding a copy of
+`model` (version 0), importing its backend only then; `problem(config)` says why this run
+cannot use it (None: it can), importing nothing heavy (`check_engine`). Notebook 01 registers
+"hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -1788,8 +1562,7 @@ class RunState:
     interrupted: bool = False
 
     def extra_state(self) -> dict:
-        """What a later stage's state adds to a checkpoint beyond the roles and the generator ({} here;
-        notebook 07 saves its queue)."""
+        """What a later stage adds to a checkpoint ({} here; notebook 07 saves its queue)."""
         return {}
 
     def load_extra_state(self, extra: dict) -> None:
@@ -1861,14 +1634,10 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
     model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
-    (its training rows, reward functions and weights, and its held-out evaluation); default the
-    embedded arithmetic task (`arithmetic_task()`). dataset, reward_funcs (with reward_weights)
-    and eval_fn(model) -> 0..1 override the task's. With out_dir: run.json, metrics.jsonl,
-    checkpoints/ and final/ there (the directory must be new, or resume=True continues its run
-    from the newest intact checkpoint, or overwrite=True replaces it). stop_after=k raises
-    RunStopped after step k. extra_callbacks run after the built-in ones (evaluator, logger,
-    checkpointer, progress bar, the no-signal warning). run_info: more facts for run.json besides
-    the settings (a script records the model's name).
+    (training rows, reward functions and weights, held-out evaluation; default the embedded
+    arithmetic task); dataset, reward_funcs (with reward_weights) and eval_fn(model) -> 0..1
+    override the task's. out_dir, resume, overwrite, stop_after, extra_callbacks, run_info: as
+    `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
     """
     from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
 
@@ -1887,6 +1656,23 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
                       stop_after=stop_after, run_info=run_info)
 
+
+# %% [markdown]
+# The loop with a callback of our own, and no run directory: `setup` builds the state, `run`
+# drives `stage1_step` for three steps, and the callback sees every record.
+
+# %%
+from minirl.train.run import Callback, run, setup, stage1_step  # noqa: E402
+
+
+class PrintReward(Callback):
+    def on_step(self, state, record):
+        print(f"step {record['step']}: reward {record['reward']:.3f}, engine at version {state.engine.version}")
+
+
+loop_config = RLConfig.from_flat(prompts_per_step=4)
+state = setup(loop_config, model, tokenizer, stage1.train, stage1.reward_funcs, stage1.reward_weights)
+records = run(state, stage1_step, [PrintReward()], steps=3)
 
 # %% [markdown]
 # ## 8. Run it: does the policy learn?

@@ -87,7 +87,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/callbacks.py", "minirl/runtime/checkpoint.py", "minirl/runtime/inputs.py",
                 "minirl/runtime/plots.py", "minirl/runtime/prefix_sharing.py",
                 "minirl/config.py", "minirl/data.py", "minirl/rollout/base.py", "minirl/rollout/hf.py",
-                "minirl/rollout/sampling.py", "minirl/rollout/shared_prefix.py")
+                "minirl/rollout/sampling.py", "minirl/rollout/shared_prefix.py", "minirl/runtime/gauges.py",
+                "minirl/sync/base.py", "minirl/runtime/loss_weights.py",
+                "minirl/models/critic.py", "minirl/roles/reference.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

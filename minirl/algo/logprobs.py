@@ -5,14 +5,10 @@
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
 left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
 at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
-shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`, which also
-runs the update in micro-batches of similar length): same values up to float rounding, same
-gradients, less work. TRL runs every row's prompt.
+shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`).
 
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: micro-batches are sized by tokens
-and grouped by length rather than fixed row counts; no vision inputs; logits are cast to
-float32 before the temperature is applied (TRL divides first, in the model's dtype), which
-only matters for bf16 models and is the more accurate order.
+Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits are cast
+to float32 before the temperature is applied (TRL divides first, in the model's dtype).
 """
 
 __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log_softmax",

@@ -5,11 +5,7 @@
 record to the callbacks, which do everything else a run needs (evaluate, log JSON lines,
 checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
 stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
-own step functions.
-
-Simplified vs TRL's Trainer: gradients accumulate only over the update's micro-batches
-(within one optimizer step), no learning-rate schedule, no distributed launcher (notebook 04
-adds torchrun).
+own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
 """
 
 __all__ = ["build_roles", "RunState", "Callback", "RunStopped", "run", "setup", "stage1_step",
@@ -62,8 +58,7 @@ class RunState:
     interrupted: bool = False
 
     def extra_state(self) -> dict:
-        """What a later stage's state adds to a checkpoint beyond the roles and the generator ({} here;
-        notebook 07 saves its queue)."""
+        """What a later stage adds to a checkpoint ({} here; notebook 07 saves its queue)."""
         return {}
 
     def load_extra_state(self, extra: dict) -> None:
@@ -128,14 +123,10 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
     model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
-    (its training rows, reward functions and weights, and its held-out evaluation); default the
-    embedded arithmetic task (`arithmetic_task()`). dataset, reward_funcs (with reward_weights)
-    and eval_fn(model) -> 0..1 override the task's. With out_dir: run.json, metrics.jsonl,
-    checkpoints/ and final/ there (the directory must be new, or resume=True continues its run
-    from the newest intact checkpoint, or overwrite=True replaces it). stop_after=k raises
-    RunStopped after step k. extra_callbacks run after the built-in ones (evaluator, logger,
-    checkpointer, progress bar, the no-signal warning). run_info: more facts for run.json besides
-    the settings (a script records the model's name).
+    (training rows, reward functions and weights, held-out evaluation; default the embedded
+    arithmetic task); dataset, reward_funcs (with reward_weights) and eval_fn(model) -> 0..1
+    override the task's. out_dir, resume, overwrite, stop_after, extra_callbacks, run_info: as
+    `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
     """
     from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
 

@@ -2,25 +2,20 @@
 # by tools/build.py -- edit the notebook, not this file.
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
-`rl_step` is the loop body every stage runs. It talks to the three seams only through
-their protocols: a rollout engine (`generate`, `load_weights`), the roles (`Actor`,
-`Reference`, `Critic`), and a weight sync (`push`). Stage 1 passes plain in-process
-objects; notebook 04 passes FSDP-wrapped roles on every rank; notebook 06 passes Ray
-worker groups with the same methods. The step never changes, so what it computes never
-changes with where it runs. Its middle, `learn` (experience -> correction -> advantages ->
-update), is a function of its own: the asynchronous trainer of notebook 07, whose batches
-come from a queue instead of an engine call, runs the same `learn` on them.
+`rl_step` is the loop body every stage runs. It talks to the seams only through their
+protocols: a rollout engine, the roles (`Actor`, `Reference`, `Critic`), a weight sync. Stage 1
+passes in-process objects, notebook 04 FSDP-wrapped roles, notebook 06 Ray worker groups: the
+step never changes. Its middle, `learn`, is also what notebook 07's asynchronous trainer runs.
 
-Simplified vs TRL's GRPOTrainer: the weighted sum of the reward functions must be a number
-for every sample (TRL's skips a function's NaN, "does not apply"), one generation batch per
-step, and the engine holds its own copy of the policy with a version (TRL samples with the
-training model itself). PPO puts its KL penalty in the per-token
-reward (as TRL's PPOTrainer); GRPO adds the k3 KL to the loss (as TRL's GRPOTrainer).
+Simplified vs TRL's GRPOTrainer: every reward must be a number (TRL skips a function's NaN),
+one generation batch per step, and the engine holds its own copy of the policy with a version.
+PPO puts its KL penalty in the per-token reward (TRL's PPOTrainer); GRPO adds the k3 KL to the
+loss (TRL's GRPOTrainer).
 """
 
 __all__ = ["Roles", "sample_prompts", "score", "make_experience", "BEHAVIOUR_CORRECTIONS",
-           "correct_behaviour", "compute_advantages", "learn", "batch_statistics",
-           "sync_and_record", "rl_step", "importance_weights"]
+           "correct_behaviour", "compute_advantages", "learn", "sync_and_record", "rl_step",
+           "importance_weights"]
 
 from dataclasses import dataclass
 from typing import Callable
@@ -35,9 +30,10 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
-from minirl.tasks.rewards import combine_rewards, frac_reward_zero_std, reward_name
+from minirl.tasks.rewards import combine_rewards, reward_name
 
 
 @dataclass
@@ -142,13 +138,8 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
           timer: StageTimer | None = None, correct=None) -> dict:
     """The update half of a step: experience -> correction -> advantages -> actor update (+ critic); its metrics.
 
-    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp fills the
-    behaviour correction (`is_weights`, and `old_logps` if it needs them); default
-    `correct_behaviour` (notebook 02's truncated IS, when the config turns it on).
-    Notebook 07 passes its corrections for stale batches here. timer: a StageTimer that
-    gets the "reference", "advantages", "update" (and "update_critic") seconds.
-    group: as in `rl_step`.
-    """
+    rollout: the batch, N = B * G rows; rewards: [N]. correct(exp) -> exp: the behaviour correction
+    (default `correct_behaviour`; notebook 07 passes its own). group: as in `rl_step`."""
     timer = StageTimer() if timer is None else timer
     with timer("reference"):
         exp = make_experience(rollout, rewards, roles, config.algorithm)
@@ -161,24 +152,6 @@ def learn(roles: Roles, rollout: Rollout, rewards: Tensor, config: RLConfig, gro
         with timer("update_critic"):
             metrics |= roles.critic.update(exp)
     return metrics
-
-
-def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
-    """The record's numbers about a batch: its version, reward (mean, std), the share of groups whose rewards
-    are all equal (`frac_reward_zero_std`, TRL's name: those groups have zero advantage and teach nothing),
-    completion length (mean, longest), real prompt and completion tokens. group: as in `rl_step` (every
-    rank's rows; each rank holds whole groups)."""
-    lengths = rollout.completion_mask.float().sum(1)                                      # [N]
-    prompt_tokens = rollout.prompt_mask.sum()
-    if group is not None:                                          # the global batch's rows, every rank's
-        rewards, lengths = group.all_gather(rewards), group.all_gather(lengths)
-        prompt_tokens = group.all_gather(prompt_tokens.reshape(1)).sum()
-    return {"generated_version": rollout.version, "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": frac_reward_zero_std(rewards, rollout.num_generations),
-            "completion_length": lengths.mean().item(),
-            "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
-            "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
 
 
 def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tensor, metrics: dict,
@@ -198,15 +171,10 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
-    sync: any WeightSync. The record holds the update's metrics, the batch's reward and
-    completion length (mean and longest), its real prompt and completion tokens
-    (`tokens/prompt`, `tokens/completion`), the versions, and `time/<stage>` seconds for
-    every stage.
-    group: None in one process. In a data-parallel run (notebook 04) every rank calls rl_step
-    on its share of the batch, and `group` (with `world_size` and `all_gather(tensor)`, the
-    ranks' tensors concatenated along dim 0) makes the batch-wide numbers global: the
-    "batch" reward std and the record's reward, length and token statistics.
-    reward_weights: one per reward function (None: 1 each).
+    sync: any WeightSync. The record holds the update's metrics, the batch's statistics, the
+    versions, and `time/<stage>` seconds for every stage. group: None in one process; in a
+    data-parallel run (notebook 04) every rank calls rl_step on its share of the batch, and
+    `group` (`world_size`, `all_gather(tensor)`) makes the batch-wide numbers global.
     """
     timer = StageTimer()
     with timer("generate"):
