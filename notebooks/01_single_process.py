@@ -885,8 +885,7 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # first values are 0. That is `ValueModel` in `minirl/models/critic.py`; the `Reference` is a
 # frozen deep copy of the starting policy with one method, `logprobs(rollout)`
 # (`minirl/roles/reference.py`). Both are short enough to read there.
-
-# %% [markdown]
+#
 # The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
 # objective of section 4. `backward` computes each step's gradient in micro-batches of rows
 # of similar completion length, at most `max_tokens_per_microbatch` completion tokens each,
