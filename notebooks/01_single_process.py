@@ -321,7 +321,8 @@ from minirl.rollout.hf import HFEngine  # noqa: E402
 
 engine = HFEngine(model, tokenizer)
 print("an HFEngine is a RolloutEngine:", isinstance(engine, RolloutEngine))
-ro = engine.generate(["27+35=", "4+5="], SamplingConfig(num_generations=4), generator=torch.Generator().manual_seed(0))
+ro = engine.generate(["27+35=", "4+5="], SamplingConfig(num_generations=4),
+                     generator=torch.Generator().manual_seed(0))
 print("completions:", ro.completions, " version:", ro.version)
 print("behaviour log-probs [N, C]:\n", ro.logprobs.round(decimals=2))
 try:
@@ -833,7 +834,8 @@ for new in (0.22, 0.24, 0.26):
     r = torch.tensor([[new / 0.20]], requires_grad=True)
     loss = clipped_surrogate(r, torch.tensor([[1.0]]), 0.2)
     loss.backward()
-    print(f"old 0.20 -> new {new:.2f}: ratio {r.item():.2f}, loss {loss.item():+.3f}, d loss/d ratio {r.grad.item():+.1f}")
+    print(f"old 0.20 -> new {new:.2f}: ratio {r.item():.2f}, loss {loss.item():+.3f}, "
+          f"d loss/d ratio {r.grad.item():+.1f}")
 
 # %% [markdown]
 # The KL penalty is estimated from the sampled tokens alone: k3 = exp(d) − d − 1 with
@@ -847,7 +849,8 @@ from minirl.algo.losses import kl_k3  # noqa: E402
 pi, pi_ref = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.4, 0.4, 0.2])
 draws = torch.multinomial(pi, 100_000, replacement=True, generator=torch.Generator().manual_seed(0))
 estimate = kl_k3(pi.log()[draws], pi_ref.log()[draws]).mean().item()
-print(f"KL(pi || pi_ref): exact {(pi * (pi / pi_ref).log()).sum().item():.4f}, k3 over 100k samples {estimate:.4f}")
+print(f"KL(pi || pi_ref): exact {(pi * (pi / pi_ref).log()).sum().item():.4f}, "
+      f"k3 over 100k samples {estimate:.4f}")
 logps = torch.log(torch.tensor([[0.24, 0.5], [0.3, 0.1]])).requires_grad_()
 old, ref = torch.log(torch.tensor([[0.20, 0.5], [0.3, 0.1]])), torch.log(torch.tensor([[0.25, 0.4], [0.3, 0.2]]))
 for beta in (0.0, 0.04):
@@ -1807,7 +1810,8 @@ print("critic loss by window: highest in window", peak + 1, "of", len(critics), 
 per_step = {name: sum(m.get("time/step", 0) for m in ms) / ms[-1]["step"] for name, ms in (("GRPO", grpo_metrics),
                                                                                            ("PPO", ppo_metrics))}
 print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f} -> PPO costs "
-      f"{per_step['PPO'] / per_step['GRPO']:.1f}x " + ("more" if per_step["PPO"] > per_step["GRPO"] else "NOT more"))
+      f"{per_step['PPO'] / per_step['GRPO']:.1f}x "
+      + ("more" if per_step["PPO"] > per_step["GRPO"] else "NOT more"))
 
 # %% [markdown]
 # Read the critic's curve with care: its loss is not a score that should fall steadily. Its
@@ -1968,7 +1972,8 @@ print(f"same seed: {identical} of {len(batch)} completions identical")
 for name, r in same_seed.items():
     with torch.no_grad():
         trainer, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.num_completion_tokens)
-    print(f"{name:>13}: max |engine - trainer| log-prob {(r.logprobs - trainer * r.completion_mask).abs().max():.1e}")
+    gap = (r.logprobs - trainer * r.completion_mask).abs().max()
+    print(f"{name:>13}: max |engine - trainer| log-prob {gap:.1e}")
 generate_ms = median_ms({name: (lambda e=e: e.generate(prompts16, SAMPLING)) for name, e in engines.items()}, REPS)
 print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} ms, shared prefix "
       f"{generate_ms['shared_prefix']:.1f} ms ({generate_ms['hf'] / generate_ms['shared_prefix']:.1f}x)")
@@ -1985,12 +1990,12 @@ print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} m
 # runs a short benchmark (skipped in smoke mode); `benchmarks/README.md` has longer runs.
 
 # %%
-bench = Path("../benchmarks/grpo_vs_trl.py") if Path("../benchmarks").exists() else Path("benchmarks/grpo_vs_trl.py")
+bench = ROOT / "benchmarks" / "grpo_vs_trl.py"
 bench_out = Path(os.environ.get("MINIRL_RUNS", "runs")) / "01_bench"
 if SMOKE:
     print("smoke mode: skipping the TRL benchmark")
 elif not bench.exists():
-    print(f"{bench} not found: the benchmark is not part of this checkout")
+    print("benchmarks/grpo_vs_trl.py not found: the benchmark is not part of this checkout")
 else:
     proc = subprocess.Popen([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
                             stdout=subprocess.PIPE, text=True)
