@@ -2022,19 +2022,14 @@ else:
 # %% [markdown]
 # ### 11.4 Long completions: the update at the cost of real tokens
 #
-# With 4-token answers every completion has the same length. With long, uneven completions
-# (the long tail of a reasoning task) one pass padded to the longest completion computes mostly
-# padding. The actor therefore runs its update in micro-batches of rows of similar completion
-# length, at most `max_tokens_per_microbatch` completion tokens each, each padded only to its
-# own longest row, with every group's prompt still computed once for all of them; each
-# micro-batch's loss is weighted by its share of the loss type's normalizer
-# (`micro_batch_weight`, section 4.1), so the loss and its gradient are the whole batch's.
-# Micro-batching changes how the work is cut, never what is computed. The machinery is
-# `MicroBatchedLogprobs` in `minirl/runtime/prefix_sharing.py`; `tests/test_packed_update.py`
-# checks the gradients against one padded pass, and the benchmark's `--workload long` measures
-# the saving against TRL (`benchmarks/README.md`). On a GPU, set the budget to thousands of
-# tokens so that each micro-batch still fills the device (veRL's `ppo_max_token_len_per_gpu`
-# is typically 16 384); `max_tokens_per_microbatch=0` gives the one padded pass.
+# With long, uneven completions one pass padded to the longest computes mostly padding. So the
+# actor updates in micro-batches of rows of similar length (at most `max_tokens_per_microbatch`
+# completion tokens each, each padded to its own longest row, every group's prompt still
+# computed once), each loss weighted by its share of the loss type's normalizer (section 4.1):
+# the loss and its gradient are the whole batch's. The machinery is `MicroBatchedLogprobs` in
+# `minirl/runtime/prefix_sharing.py`; `tests/test_packed_update.py` checks the gradients, and
+# the benchmark's `--workload long` measures the saving (`benchmarks/README.md`). On a GPU, set
+# the budget to thousands of tokens; `max_tokens_per_microbatch=0` gives the one padded pass.
 
 # %% [markdown]
 # ## Exercises
