@@ -108,9 +108,9 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from minirl.algo.logprobs import MicroBatchedLogprobs
 from minirl.models import loading
 from minirl.runtime.cli import common_parser, seed_everything, write_summary
+from minirl.runtime.prefix_sharing import MicroBatchedLogprobs
 from minirl.runtime.workloads import few_shot_rows, load_long_tail_policy
 from minirl.tasks.arithmetic import make_task
 

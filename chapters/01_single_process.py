@@ -118,10 +118,10 @@ def main(argv=None) -> int:
 
     from minirl.models.loading import ModelSourceError, load_policy
     from minirl.models.policy import PromptError
+    from minirl.runtime.checkpoint import latest_checkpoint
+    from minirl.runtime.plots import plot_metrics
     from minirl.runtime.rundir import RunDirError
     from minirl.runtime.seeding import seed_everything
-    from minirl.train.checkpoint import latest_checkpoint
-    from minirl.train.plots import plot_metrics
     from minirl.train.run import RunStopped, train
 
     if args.threads:
@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
     plot_path = out / "reward_curve.png"
-    plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}")
+    plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}",
+                 temperature=config.sampling.temperature)
     steps = [m for m in metrics if "reward" in m]
     last20 = [m["reward"] for m in steps][-20:]
     summary = {

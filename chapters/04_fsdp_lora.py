@@ -387,15 +387,15 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
     from minirl.models.loading import load_policy  # noqa: PLC0415
     from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: PLC0415
+    from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
     from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
+    from minirl.runtime.plots import plot_metrics  # noqa: PLC0415
     from minirl.runtime.policy_export import evaluate_engine, export_policy  # noqa: PLC0415
     from minirl.runtime.ranks import agree  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.runtime.sharded_checkpoint import ShardedCheckpoints  # noqa: PLC0415
     from minirl.runtime.sync_meter import sync_table  # noqa: PLC0415
-    from minirl.train.plots import plot_metrics  # noqa: PLC0415
-    from minirl.train.run import run_in_dir  # noqa: PLC0415
 
     out, main_rank = args.out, ctx.is_main
     seed_everything(config.run.seed)
@@ -434,7 +434,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
                     "config": dataclasses.asdict(config), "settings": settings,
                     "config_file": None if args.config is None else str(args.config)}
         plot_metrics(metrics, out / "reward_curve.png",
-                     title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}")
+                     title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}",
+                     temperature=config.sampling.temperature)
         write_summary(out, summary)
         return summary
 

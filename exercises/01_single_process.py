@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import masked_mean, position_ids_from_mask, shared_prefix_logits
+from minirl.algo.logprobs import masked_mean, position_ids_from_mask
 from minirl.config import SCALE_REWARDS
-from minirl.runtime.validate import ConfigError
+from minirl.runtime.loss_weights import by_rows, by_tokens, each_rank_alone, ranks_by_rows, ranks_by_tokens
+from minirl.runtime.validate import ConfigError, check_parts
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -53,6 +54,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
         raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
     C = num_completion_tokens
     if num_generations > 1:
+        from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)
         logits = shared_prefix_logits(model, input_ids, attention_mask, C, num_generations)   # [B, C, V]
     else:
         position_ids = position_ids_from_mask(attention_mask)

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The configuration of an RL run, by concern: algorithm, sampling, rollout, optimizer, run.
 
 Leaf names follow TRL's `GRPOConfig` where the concept is the same (`num_generations`,

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The batch that travels: `Rollout` (what an engine sampled) and `Experience` (what the update needs).
 
 Both are dataclasses of per-row tensors and lists, N = B * G rows in generation order (rows

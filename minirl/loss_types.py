@@ -1,37 +1,28 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all four:
-- `objective(logps, ratio, advantages, epsilon, epsilon_high)` -> (per-token loss to minimize, tokens
-  clipped below, tokens clipped above): PPO's clipped surrogate (`clipped_objective`) or CISPO's clipped,
-  detached weight on the log-prob (`cispo_objective`);
-- `normalise(per_token_loss, mask, max_completion_length)`: the per-token losses as one number;
-- `micro_batch_weight(rows, total_rows, tokens, total_tokens)`: a micro-batch's share of the batch's
-  loss (notebook 01, section 11.4), so that splitting the update never changes it;
-- `rank_weight(local_tokens, global_tokens, local_rows, global_rows, world_size)`: the weight of one
-  process's loss when W processes each compute it over their rows and average their gradients
-  (notebook 04, section 3).
-`LOSS_TYPES` maps a name to its entry; `register_loss_type` adds one and refuses an entry that lacks a
-part; `loss_type_entry` reads one (AlgorithmConfig checks its `loss_type` with it when it is built).
-`IMPORTANCE_SAMPLING_LEVELS` maps `importance_sampling_level` to how the ratio is formed: per token
-(PPO, GRPO) or one per completion (GSPO).
+A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all
+four: the per-token `objective` (PPO's clipped surrogate or CISPO's), how it is `normalise`d to one
+number, and the weights of a micro-batch (`micro_batch_weight`) and of a data-parallel rank
+(`rank_weight`, `minirl.runtime.loss_weights`). `LOSS_TYPES` maps a name to its entry;
+`register_loss_type` refuses an entry that lacks a part. `IMPORTANCE_SAMPLING_LEVELS`: the ratio per
+token (PPO, GRPO) or per completion (GSPO).
 
 The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
-Written with tensor methods only (torch is not imported: `Tensor` is named for the annotations), so
-the config checks a run's loss type before torch loads. Simplified: no SAPO, LUSPO or VESPO, and no
-`delta` (TRL's two-sided clipping).
+Tensor methods only (torch is not imported), so the config checks a run's loss type before torch
+loads. Simplified: no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
 """
 
 __all__ = ["clipped_surrogate", "sequence_mean", "token_mean", "max_length_mean",
-           "clipped_objective", "by_rows", "by_tokens", "ranks_by_rows", "ranks_by_tokens",
-           "each_rank_alone", "LossType", "LOSS_TYPES", "check_loss_type", "register_loss_type",
+           "clipped_objective", "LossType", "LOSS_TYPES", "check_loss_type", "register_loss_type",
            "loss_type_entry", "aggregate_loss", "token_log_ratio", "sequence_log_ratio",
            "IMPORTANCE_SAMPLING_LEVELS", "cispo_objective"]
 
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
-from minirl.runtime.validate import ConfigError
+from minirl.runtime.loss_weights import by_rows, by_tokens, each_rank_alone, ranks_by_rows, ranks_by_tokens
+from minirl.runtime.validate import ConfigError, check_parts
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -90,34 +81,6 @@ def clipped_objective(logps: "Tensor", ratio: "Tensor", advantages: "Tensor", ep
     return clipped_surrogate(ratio, advantages, epsilon, epsilon_high), low, high
 
 
-def by_rows(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """A part's share of a normalizer that counts rows ("grpo", "dr_grpo")."""
-    return rows / total_rows
-
-
-def by_tokens(rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """A part's share of a normalizer that counts tokens, both clamped to 1 as the normalization clamps them."""
-    return max(tokens, 1) / max(total_tokens, 1)
-
-
-def ranks_by_rows(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int, world_size: int) -> float:
-    """W * N_r / N: a rank's weight when the batch's loss counts rows (0 for a rank with no rows)."""
-    return world_size * by_rows(local_rows, global_rows, local_tokens, global_tokens)
-
-
-def ranks_by_tokens(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                    world_size: int) -> float:
-    """W * T_r / T: a rank's weight when the batch's loss divides by the tokens of all ranks (TRL's
-    `num_items_in_batch`)."""
-    return world_size * by_tokens(local_rows, global_rows, local_tokens, global_tokens)
-
-
-def each_rank_alone(local_tokens: int, global_tokens: int, local_rows: int, global_rows: int,
-                    world_size: int) -> float:
-    """1: each rank normalizes by its own tokens and the batch's loss is the mean of the ranks' ("bnpo")."""
-    return 1.0
-
-
 @dataclass(frozen=True)
 class LossType:
     """Every part of one loss type (see the module docstring for each part's arguments)."""
@@ -133,11 +96,7 @@ LOSS_TYPES: dict[str, LossType] = {}
 
 def check_loss_type(name: str, entry) -> None:
     """ConfigError naming the loss type and the part unless every part of a LossType is a function of `entry`."""
-    for part in fields(LossType):
-        if not callable(getattr(entry, part.name, None)):
-            raise ConfigError("loss_type", name, f"its entry's {part.name} is {getattr(entry, part.name, None)!r}, "
-                                                 "not a function: every loss type needs all of "
-                                                 f"{', '.join(f.name for f in fields(LossType))} (a LossType)")
+    check_parts("loss_type", name, entry, tuple(f.name for f in fields(LossType)), "LossType")
 
 
 def register_loss_type(name: str, entry: LossType) -> LossType:
@@ -158,11 +117,9 @@ def loss_type_entry(name: str) -> LossType:
 
 def aggregate_loss(per_token_loss: "Tensor", mask: "Tensor", loss_type: str = "dapo",
                    max_completion_length: int | None = None) -> "Tensor":
-    """Reduce a per-token loss to a scalar as loss type `loss_type` does (its `normalise`).
+    """A per-token loss [B, C] (or [B, 1], broadcast) as one number, as loss type `loss_type` normalises it.
 
-    per_token_loss: [B, C] or [B, 1] (broadcast over C); mask: [B, C] of 0/1. Returns a 0-dim
-    tensor. Raises ConfigError (a ValueError) for an unknown loss_type.
-    """
+    mask: [B, C] of 0/1. ConfigError (a ValueError) for an unknown loss_type."""
     entry = loss_type_entry(loss_type)
     mask = mask.to(per_token_loss.dtype)
     return entry.normalise(per_token_loss.expand_as(mask), mask, max_completion_length)

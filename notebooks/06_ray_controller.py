@@ -1724,9 +1724,10 @@ from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
 from minirl.models.policy import check_prompts
+from minirl.runtime.callbacks import run_in_dir
 from minirl.runtime.validate import check_choice
 from minirl.tasks.rewards import reward_name
-from minirl.train.run import RunState, run_in_dir, stage1_step
+from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
 
 MODEL_ROLES = ("actor", "critic", "reference", "rollout")      # roles whose workers join the torch.distributed world

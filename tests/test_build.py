@@ -390,7 +390,7 @@ def test_long_header_wrapped(tmp_path):
 
 
 def test_subpackage_marker(tmp_path):
-    root = make_tree(tmp_path, {"05_hf.py": '# %%\n# | export minirl/rollout/hf.py\n"""HF rollout."""\nX = 1\n'})
+    root = make_tree(tmp_path, {"05_hf.py": '# %%\n# | export minirl/rollout/toy.py\n"""HF rollout."""\nX = 1\n'})
     build(root, check=False)
     assert read(root, "minirl/rollout/__init__.py") == (
         "# Generated from notebooks/05_hf.py by tools/build.py -- edit the notebook, not this file.\n"

@@ -144,7 +144,7 @@ def test_a_usage_error_comes_before_torch_loads():
 
 
 def test_the_chapters_resume_rule_is_stage_1s():
-    from minirl.train.run import SAFE_ON_RESUME
+    from minirl.runtime.callbacks import SAFE_ON_RESUME
     assert chapter.STAGE1_SAFE_ON_RESUME == tuple(k for k in SAFE_ON_RESUME if k not in chapter.SKIPPED)
 
 

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from minirl.algo.logprobs import MicroBatchedLogprobs, micro_batches
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.loss_types import LOSS_TYPES
 from minirl.roles.actor import Actor
+from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
 G = 4
 LENGTHS = [1, 3, 2, 14, 4, 2, 9, 5, 2, 2, 3, 1, 6, 14, 2, 4]     # completion tokens per row: a long tail

@@ -6,11 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minirl.algo.logprobs import CACHE_ARG, completion_logprobs
+from minirl.algo.logprobs import completion_logprobs
 from minirl.config import SamplingConfig
 from minirl.rollout.base import RolloutEngine, VersionMismatchError, completion_mask_from_ids
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine, sample_shared_prefix
+from minirl.runtime.prefix_sharing import CACHE_ARG
 
 PROMPTS = ["27+35=", "4+5=", "99+1="]
 ENGINES = {"hf": HFEngine, "shared_prefix": SharedPrefixEngine}

@@ -2,13 +2,8 @@
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
 `policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` ("grpo", "bnpo", "dr_grpo", "dapo", "cispo") and importance_sampling_level
-in {"token", "sequence"} on one process without gradient accumulation. There, "dapo" (normalize by the
-tokens of the whole generation batch) equals "bnpo" (normalize by the tokens of the micro-batch): they
-differ only when a batch is split across accumulation steps or processes. minirl's own micro-batches
-(section 11.4) are weighted by each loss type's `micro_batch_weight`, so that splitting the update never
-changes its loss: "bnpo" keeps the batch's token count (TRL's would take each micro-batch's).
-Simplified: no entropy masking, no off-policy masking.
+`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+process. Simplified: no entropy masking, no off-policy masking.
 """
 
 __all__ = ["kl_k3", "policy_loss", "value_loss"]
@@ -34,17 +29,11 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
                 use_bias_correction_kl: bool = False) -> tuple[Tensor, dict[str, float]]:
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
-    logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B]
-    (one per sequence, GRPO) or [B, C] (per token, PPO/GAE). The loss type's entry
-    (`minirl.loss_types`) gives the objective and the normalization; importance_sampling_level
-    the ratio (token, or sequence: GSPO).
-    use_bias_correction_kl: multiply the k3 KL term by the importance ratio pi/pi_old (the
-    token ratio, or the sequence ratio for GSPO; with its gradient), as TRL 1.16 does by
-    default (DeepSeek-V3.2): the tokens were sampled from pi_old, so this makes the KL an
-    estimate under pi. False: the classic GRPO k3 term.
-    Returns (loss, metrics) with metrics "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean", "ratio_mean", and "kl" (the KL term as added, so corrected when
-    use_bias_correction_kl) when ref_logps is given.
+    logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
+    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
+    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
+    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
+    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
     """
     entry = loss_type_entry(loss_type)
     check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The PPO critic: a copy of the policy's transformer backbone with a scalar value head.
 
 Simplified vs TRL's PPOTrainer / veRL: no separate reward model and no shared-backbone

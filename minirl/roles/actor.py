@@ -3,67 +3,26 @@
 
 `logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;
 `update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
-`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP
-(notebook 04) or inside a Ray actor (notebook 06) an actor keeps these methods, so the step
-that calls them never changes.
-
-Both run the batch in micro-batches of similar completion length (`micro_batches`, at most
-`max_tokens_per_microbatch` completion tokens each, section 11.4), accumulating gradients
-before one optimizer step; the loss, its normalization and its gradient are the whole
-batch's. Simplified vs TRL's GRPOTrainer: one optimizer step per batch and iteration (TRL
-can split a generation batch into several steps), no learning-rate schedule.
+`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
+a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
+length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
+optimizer step per batch and iteration, no learning-rate schedule.
 """
 
-__all__ = ["clipped_step", "optimizer_step", "ratio_statistics", "Actor"]
+__all__ = ["Actor"]
 
 import math
 
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import MicroBatchedLogprobs, masked_mean, micro_batches
+from minirl.algo.logprobs import masked_mean
 from minirl.algo.losses import policy_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig, SamplingConfig
 from minirl.data import Experience, Rollout
 from minirl.loss_types import loss_type_entry
-
-
-def clipped_step(params, optimizer, max_grad_norm: float) -> tuple[bool, float]:
-    """Clip the gradients in .grad and step, unless their norm is not finite. Returns (stepped, grad_norm)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
-
-
-def optimizer_step(params, optimizer, loss: Tensor, max_grad_norm: float) -> tuple[bool, float]:
-    """backward, clip, step, unless the loss or the gradient norm is not finite. Returns (stepped, grad_norm).
-
-    A non-finite batch leaves the weights and the optimizer's moments as they were.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
-        return False, math.nan
-    loss.backward()
-    return clipped_step(params, optimizer, max_grad_norm)
-
-
-def ratio_statistics(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the rollout's behaviour log-probs are from the trainer's, per token (notebook 02's lens).
-
-    ratio = exp(trainer - behaviour) over the tokens where mask is 1: its min, max, std and
-    the share outside [0.8, 1.25]; and the mean |trainer - behaviour| log-prob gap.
-    """
-    valid = mask.bool()
-    ratio = torch.exp(trainer_logps - behavior_logps)[valid]
-    if ratio.numel() == 0:
-        return {}
-    return {"logprob_diff_abs": masked_mean((trainer_logps - behavior_logps).abs(), mask).item(),
-            "ratio/min": ratio.min().item(), "ratio/max": ratio.max().item(),
-            "ratio/std": ratio.std().item() if ratio.numel() > 1 else 0.0,
-            "ratio/outside": ((ratio < 0.8) | (ratio > 1.25)).float().mean().item()}
+from minirl.runtime.gauges import clipped_step, ratio_statistics
+from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
 
 class Actor:

@@ -1,9 +1,7 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The critic (PPO): a value model and its optimizer; values before the update, and its own update.
 
-Simplified vs TRL's PPOTrainer / veRL: the critic is a copy of the policy's backbone with a
-zero-initialized scalar head (`ValueModel.from_policy`), trained with the clipped value loss
-in one step per batch.
+Simplified vs TRL's PPOTrainer / veRL: one clipped value-loss step per batch.
 """
 
 __all__ = ["Critic"]
@@ -16,7 +14,7 @@ from minirl.algo.losses import value_loss
 from minirl.config import AlgorithmConfig, OptimizerConfig
 from minirl.data import Experience, Rollout
 from minirl.models.critic import ValueModel
-from minirl.roles.actor import optimizer_step
+from minirl.runtime.gauges import optimizer_step
 
 
 class Critic:

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The reference: a frozen copy of the initial policy, for the KL penalty.
 
 Simplified vs TRL / veRL: a full copy in the same process and precision (TRL can instead

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The rollout-engine protocol: what the loop asks of any engine that samples completions.
 
 An engine holds its own copy of the policy at some version. The loop asks it for G

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The Hugging Face `generate` engine: sampling with a KV cache, on its own copy of the policy.
 
 `HFEngine` holds a copy of the policy (optionally in a lower precision) and samples G

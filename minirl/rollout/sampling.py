@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """One token per row and its behaviour log-prob: the sampling step every hand-written decoding loop shares.
 
 HF `generate` (HFEngine) and vLLM sample inside their own code; minirl's own loops (the

@@ -1,11 +1,10 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The shared-prefix engine: prefill each prompt once, repeat its KV cache G times, sample in a plain loop.
 
 The G completions of a GRPO group all begin with the same prompt; HF `generate` over the
 B * G repeated prompts computes that prompt G times. This engine computes it once, repeats
 the cache, and decodes the N = B * G rows token by token with nothing but a softmax and a
 multinomial draw per step: about twice as fast as `HFEngine` on the tiny policy (notebook
-01, section 10), for the same distribution.
+01, section 11.2), for the same distribution.
 
 Its loop is the one decoding loop of minirl's in-process engines: notebook 07's in-flight
 weight updates run it with a hook (`before_forward`) that may load new weights between two
@@ -21,12 +20,13 @@ __all__ = ["SharedPrefixEngine", "sample_shared_prefix"]
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import CACHE_ARG, position_ids_from_mask
+from minirl.algo.logprobs import position_ids_from_mask
 from minirl.config import SamplingConfig
 from minirl.data import Rollout
 from minirl.rollout.base import check_request, draw_seed, make_rollout
 from minirl.rollout.hf import HFEngine
 from minirl.rollout.sampling import sample_tokens
+from minirl.runtime.prefix_sharing import CACHE_ARG
 
 
 class SharedPrefixEngine(HFEngine):

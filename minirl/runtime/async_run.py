@@ -54,10 +54,11 @@ from minirl.rollout.registry import build_engine
 from minirl.runtime.async_bookkeeping import Timeline, WeightStore
 from minirl.runtime.async_config import AREAL_WEIGHTS, AsyncConfig, check_async, check_correction, check_resume_async
 from minirl.runtime.async_snapshots import Snapshot, Snapshots
+from minirl.runtime.callbacks import run_in_dir
 from minirl.runtime.rundir import RUN_FILE, read_run_record
 from minirl.runtime.validate import check_choice
 from minirl.sync.base import InProcessSync
-from minirl.train.run import Callback, RunState, build_roles, run_in_dir
+from minirl.train.run import Callback, RunState, build_roles
 
 
 def trajectory_seed(seed: int, ticket: int) -> int:

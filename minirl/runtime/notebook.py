@@ -19,7 +19,9 @@ Edits reach the processes a notebook starts, too. The extension keeps the export
 kernel ran in a file, and puts a folder on `PYTHONPATH` whose `sitecustomize.py` replays them:
 in a chapter script, a torchrun rank or a Ray worker started from the notebook, each module of
 the package takes the kernel's cells for it when it is first imported. A process started
-before a cell ran (a Ray worker that was already up) keeps what it had.
+before a cell ran (a Ray worker that was already up) keeps what it had. `run_script(path, *args)`
+starts such a script (notebook 01 §8 runs its chapter with it) and streams its output, progress
+bar included, into the cell.
 
 A long class is built up across cells in d2l's style: `@add_to_class(Actor)` over a def in a
 later export cell makes it a method of `Actor` here, and the build moves it into the class's
@@ -32,11 +34,13 @@ the module until the kernel restarts; instances created before the edit keep the
 
 from __future__ import annotations
 
+import codecs
 import importlib
 import importlib.abc
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import types
@@ -275,6 +279,17 @@ def _post_run_cell(result) -> None:
         print(f"[minirl] {target} now runs this cell's code,\n"    # said once per kernel, in lines a page fits
               "  here and in the scripts, torchrun jobs and Ray workers this kernel starts;\n"
               "  the files on disk change when you save the notebook and run python tools/build.py")
+
+
+def run_script(script, *args: str) -> None:
+    """Run `python script *args` in a subprocess that takes this kernel's edited cells (the PYTHONPATH above),
+    streaming its output, progress bar included, into the cell; AssertionError if it fails."""
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    for chunk in iter(lambda: proc.stdout.read1(256), b""):
+        sys.stdout.write(decode(chunk))
+    assert proc.wait() == 0, f"{script} failed"
 
 
 def load_ipython_extension(ipython) -> None:

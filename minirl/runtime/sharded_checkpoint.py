@@ -33,11 +33,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from minirl.runtime.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.runtime.ranks import RankFailed, agree
 from minirl.runtime.rundir import RunDirError
 from minirl.runtime.stops import deferred_signals
 from minirl.runtime.validate import ConfigError
-from minirl.train.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
 from minirl.train.run import Callback
 
 TMP = TMP_PREFIX + PREFIX           # .tmp-step-000010: a checkpoint being written

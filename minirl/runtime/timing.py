@@ -14,11 +14,16 @@ nothing is synchronized and nothing is imported, so CPU runs time exactly as bef
 Simplified: one synchronize of the current device (a process drives one GPU in minirl);
 CUDA events would time the device without stalling the host, but the stall is what makes
 the next stage start on an idle device, which is what a share means.
+
+`median_ms(fns, reps)` times a few functions against each other, interleaved (one call of each
+per round, so a change of machine load hits all of them alike), and returns each one's median
+milliseconds with the first round dropped (warm-up).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
 import time
 
@@ -62,3 +67,17 @@ class StageTimer:
         finally:
             key = f"time/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+
+def median_ms(fns: dict, reps: int, desc: str | None = None) -> dict:
+    """Run each function `reps` times, interleaved; median milliseconds per function, the first round
+    dropped when there are more than two (with `desc`: a progress bar)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415 (only when something is timed)
+
+    times = {name: [] for name in fns}
+    for _ in tqdm(range(reps), desc=desc, disable=desc is None):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(t[1:] if len(t) > 2 else t) for name, t in times.items()}

@@ -116,7 +116,7 @@ def resumed_config(parser: argparse.ArgumentParser, args: argparse.Namespace, ar
     SAFE_ON_RESUME).
     """
     if safe is None:
-        from minirl.train.run import SAFE_ON_RESUME  # noqa: PLC0415 (torch: after parsing)
+        from minirl.runtime.callbacks import SAFE_ON_RESUME  # noqa: PLC0415 (torch: after parsing)
         safe = SAFE_ON_RESUME
     record = read_run_record(args.out)
     saved = RLConfig.from_dict(record["config"])
@@ -339,7 +339,7 @@ def last_checkpoint(out):
     """The newest intact checkpoint's path under out/checkpoints, or None (broken newer ones are skipped)."""
     import warnings  # noqa: PLC0415
 
-    from minirl.train.checkpoint import latest_checkpoint  # noqa: PLC0415 (torch)
+    from minirl.runtime.checkpoint import latest_checkpoint  # noqa: PLC0415 (torch)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")            # a broken newer one is named when the run resumes

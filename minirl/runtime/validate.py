@@ -56,6 +56,15 @@ NO_CUDA = "this machine has no CUDA device (torch.cuda.is_available() is False):
 GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
+def check_parts(name: str, value, entry, parts: tuple[str, ...], kind: str) -> None:
+    """ConfigError naming setting `name`, its `value` and the part unless every one of `parts` is a function
+    of `entry` (a registry entry, e.g. a loss type's `LossType`, whose class is `kind`)."""
+    for part in parts:
+        if not callable(getattr(entry, part, None)):
+            raise ConfigError(name, value, f"its entry's {part} is {getattr(entry, part, None)!r}, not a function: "
+                                           f"every {name.replace('_', ' ')} needs all of {', '.join(parts)} (a {kind})")
+
+
 def gpu_driver_visible() -> bool:
     """Whether a GPU driver shows on this Linux machine (NVIDIA's, ROCm's, WSL's); True elsewhere (unknown)."""
     return not sys.platform.startswith("linux") or any(os.path.exists(path) for path in GPU_DRIVER_FILES)

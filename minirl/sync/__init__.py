@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py, notebooks/04_fsdp_lora.py,
-# notebooks/06_ray_controller.py
+# Generated from notebooks/02_mismatch.py, notebooks/04_fsdp_lora.py, notebooks/06_ray_controller.py
 # by tools/build.py -- edit the notebook, not this file.
 """minirl.sync."""

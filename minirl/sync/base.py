@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Weight synchronization as an interface: push the trainer's weights into an engine, as a new version.
 
 Step 4 of the loop. A `WeightSync` takes the actor's named tensors, gets them into the

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Atomic, verified, exactly resumable checkpoints of a run.
 
 A checkpoint is `checkpoints/step-000010/`: the policy in Hugging Face format
@@ -13,6 +12,9 @@ crash mid-write never leaves a half checkpoint. Before a resume each candidate i
 Simplified vs TRL/Accelerate: one process writes one file of state (notebook 04 writes
 sharded checkpoints with torch.distributed.checkpoint); the frozen reference is not saved
 (it is the initial policy, rebuilt from the model the run starts from).
+
+Hand-written bookkeeping (it teaches no RL): `minirl.runtime.callbacks.Checkpointer` saves
+checkpoints during a run, and `run_in_dir` restores the newest intact one when resuming.
 """
 
 __all__ = ["PREFIX", "TMP_PREFIX", "CheckpointError", "save_checkpoint", "load_checkpoint",
