@@ -1617,7 +1617,7 @@ class AsyncConfig:
     env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
     max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
     in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
-    ray: bool = False                  # producers are Ray actors (needs a Ray cluster: resource_pool.connect)
+    ray: bool = False                  # producers are Ray actors (needs a Ray cluster: runtime.ray_start.connect)
     ray_actors: int = 2                # Ray actors sharing the producer slots
     snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
 
@@ -1976,7 +1976,7 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if acfg.ray:
         import ray  # noqa: PLC0415 (Ray only when asked)
         if not ray.is_initialized():
-            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.controller.resource_pool."
+            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.runtime.ray_start."
                                "connect() first (a local cluster of its own: ray.init(address='local'))")
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built
@@ -1998,7 +1998,7 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
 # | export minirl/asyncrl/plots.py
 """Pictures of an asynchronous run: accuracy against wall time and samples, and the colors of its activities.
 
-Who waited when is drawn by notebook 06's timeline plot (`minirl.controller.plots.plot_timelines`) with
+Who waited when is drawn by notebook 06's timeline plot (`minirl.runtime.cluster_plots.plot_timelines`) with
 `ACTIVITY_COLORS`, the trainer's row first.
 """
 
@@ -2184,7 +2184,7 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 
 # %%
 from minirl.asyncrl.plots import ACTIVITY_COLORS, plot_learning_curves
-from minirl.controller.plots import plot_timelines
+from minirl.runtime.cluster_plots import plot_timelines
 
 
 def last_seconds(result, seconds=2.0):
@@ -2371,8 +2371,8 @@ from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
-from minirl.controller.worker_group import DEATHS, died
 from minirl.rollout.registry import build_engine
+from minirl.runtime.ray_calls import DEATHS, died
 
 
 class RayProducer(Worker):
@@ -2454,7 +2454,7 @@ def stop_ray_producers(actors) -> None:
 if not SMOKE:
     import ray
 
-    from minirl.controller.resource_pool import connect
+    from minirl.runtime.ray_start import connect
 
     print(connect(num_cpus=2))       # a new local cluster of our own (address="local"), never someone else's
     try:

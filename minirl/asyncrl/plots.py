@@ -1,7 +1,7 @@
 # Generated from notebooks/07_async.py by tools/build.py -- edit the notebook, not this file.
 """Pictures of an asynchronous run: accuracy against wall time and samples, and the colors of its activities.
 
-Who waited when is drawn by notebook 06's timeline plot (`minirl.controller.plots.plot_timelines`) with
+Who waited when is drawn by notebook 06's timeline plot (`minirl.runtime.cluster_plots.plot_timelines`) with
 `ACTIVITY_COLORS`, the trainer's row first.
 """
 

@@ -21,8 +21,8 @@ from minirl.asyncrl.producer import Producer, WeightStore
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
-from minirl.controller.worker_group import DEATHS, died
 from minirl.rollout.registry import build_engine
+from minirl.runtime.ray_calls import DEATHS, died
 
 
 class RayProducer(Worker):

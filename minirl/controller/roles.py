@@ -1,20 +1,9 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""The five roles of the RL loop as Ray workers: Actor, Rollout, Critic, Reference, Reward.
+"""The five roles of the RL loop as Ray workers: stage 1's own objects, built as stage 1 builds them.
 
-A `RoleWorker` is one process on one device of a pool. It hosts the roles its pool was
-given and answers `call(role, method, *args)` with stage 1's own objects, built as stage 1
-builds them: `Actor`, `Reference`, `Critic` (minirl.roles), any engine behind the
-`RolloutEngine` protocol (`build_engine`), and the reward functions (`RewardRole`). So a
-change of placement cannot change what is computed.
-
-Around the roles a worker adds data parallelism (on a pool of several ranks the actor and
-the critic are stage 4's `DistributedActor` and `DistributedCritic`, DDP over the pool's
-process group: the same loss weighting, metric reduction and NaN rule as under torchrun),
-colocation (an engine that shares a worker with the actor is stage 4's `ColocatedEngine`:
-it frees its weights after generating and gets them back from the next sync), and the
-worker side of the weight syncs (send, receive, put in the object store, copy in-process).
-
-Simplified: a data-parallel rank holds a full replica (DDP; no FSDP sharding inside a pool).
+A `RoleWorker` hosts the roles of its pool and answers `call(role, method, *args)`, so a change
+of placement cannot change what is computed. Simplified: a data-parallel rank holds a full
+replica (stage 4's DDP roles; no FSDP sharding inside a pool).
 """
 
 __all__ = ["RewardRole", "moved", "build_role", "RoleWorker"]
@@ -36,6 +25,7 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
@@ -52,11 +42,8 @@ class RewardRole:
 
 
 def moved(value, device):
-    """`value` with every tensor (inside Batches, dicts, lists and tuples too) on `device`.
-
-    Batches arrive from the driver on the CPU and results go back on the CPU: the driver may
-    have no GPU, and a CUDA tensor cannot be unpickled without one.
-    """
+    """`value` with every tensor (inside Batches, dicts, lists, tuples too) on `device` (results go
+    back on the CPU: the driver may have no GPU)."""
     if isinstance(value, (torch.Tensor, Batch)):
         return value.to(device)
     if isinstance(value, dict):
@@ -67,16 +54,13 @@ def moved(value, device):
 
 
 def build_role(name: str, config, model, tokenizer, reward_funcs, group: ProcessGroup | None = None):
-    """One role, as stage 1 builds it; `group`: the pool's data-parallel ranks when it has more than one.
-
-    With a group the actor and the critic are stage 4's data-parallel roles, DDP over it.
-    """
+    """One role, as stage 1 builds it; with `group` (the pool's ranks) stage 4's DDP actor and critic."""
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
     if name == "actor":
         if group is None:
             return Actor(model, algo, opt, sampling)
-        return DistributedActor(wrap_model(model, 0, group.device, process_group=group.group), algo, opt, sampling,
-                                group)
+        return DistributedActor(wrap_model(model, 0, group.device, process_group=group.group), algo, opt,
+                                sampling, group)
     if name == "critic":
         value = ValueModel.from_policy(model)
         if group is None:
@@ -91,28 +75,27 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group: Process
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
 
-class RoleWorker(Worker):
-    """A worker that hosts roles of the RL loop; roles on one worker share its process and device."""
+class RoleWorker(Worker, RestoringWorker):
+    """A worker that hosts roles of the RL loop; roles on one worker share its process and device.
+
+    From `RestoringWorker` (minirl/runtime/role_checkpoints.py): `restore`, for checkpoints."""
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
         self.torch_device = torch.device(config.run.device)
         model = copy.deepcopy(model).to(self.torch_device).eval()
-        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # only pools that hold models
+        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # pools holding models
         group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
-        order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor trains
+        order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
                       for name in order if name in roles}
-        if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns on the device
+        if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns
             self.roles["rollout"] = ColocatedEngine(self.roles["rollout"], stream=False,
                                                     record=lambda what: self.record(f"rollout.{what}"))
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method".
-
-        Tensor arguments move to this worker's device, tensor results back to the CPU.
-        """
+        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"."""
         with self.record(f"{role}.{method}"):
             result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
             return moved(result, "cpu")
@@ -121,13 +104,6 @@ class RoleWorker(Worker):
         """The role's weights by name, on the CPU (what the driver's copy and a checkpoint hold)."""
         with self.record(f"{role}.named_weights"):
             return [(name, t.detach().cpu()) for name, t in self.roles[role].named_weights()]
-
-    def restore(self, role: str, weights: dict, state: dict) -> None:
-        """Load a checkpoint's weights and optimizer state into the actor (weights {} for other roles)."""
-        target = self.roles[role]
-        if weights:
-            getattr(target, "module", target.model).load_state_dict(weights)
-        target.load_state_dict(state)
 
     def weight_metadata(self) -> list:
         return tensor_metadata(self.roles["actor"].named_weights())
@@ -147,21 +123,20 @@ class RoleWorker(Worker):
     def put_weights(self) -> dict:
         """Trainer rank 0: the actor's weights into Ray's object store; {"ref", "tensors", "bytes"}.
 
-        The ref travels inside a dict, so Ray hands it over as a ref; passed on as a top-level
-        argument, it is resolved to the weights in the receiving worker.
-        """
+        The ref travels inside a dict, so Ray hands it over as a ref (a top-level ref argument would
+        be resolved to the weights in the receiving worker)."""
         with self.record("sync.put"):
             named = [(name, t.detach().cpu()) for name, t in self.roles["actor"].named_weights()]
             return {"ref": ray.put(named), "tensors": len(named),
                     "bytes": sum(t.numel() * t.element_size() for _, t in named)}
 
     def receive(self, named_tensors, version: int) -> int:
-        """A rollout worker: load these weights (resolved from the object store by Ray); the engine's version."""
+        """A rollout worker: load these weights (resolved from the object store by Ray); the version."""
         with self.record("sync.receive"):
             self.roles["rollout"].load_weights(named_tensors, version)
             return self.roles["rollout"].version
 
     def local_sync(self, version: int):
-        """Colocated: copy this worker's actor weights into this worker's engine (stage 1's InProcessSync)."""
+        """Colocated: copy this worker's actor weights into its own engine (stage 1's InProcessSync)."""
         with self.record("sync.local"):
             return InProcessSync().push(self.roles["actor"].named_weights(), self.roles["rollout"], version)

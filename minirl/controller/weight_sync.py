@@ -1,24 +1,14 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Weight syncs between workers, behind stage 1's `WeightSync` protocol.
-
-`push(named_weights, engine, version) -> SyncReport`, as in stage 1; `named_weights` is the
-actor group's `RemoteWeights` handle and `engine` the rollout group's `EngineGroup` proxy,
-so the weights move from worker to worker and never through the driver:
-
-- `CollectiveSync` (disaggregated, per-role): trainer rank 0 broadcasts, bucketed, over a
-  torch.distributed group spanning it and the rollout workers (gloo; NCCL on GPUs);
-- `ObjectStoreSync` (for comparison): trainer rank 0 puts its weights in Ray's object store
-  once; each rollout worker gets them from there;
-- `LocalSync` (colocated): each worker copies its own actor's weights into its own engine.
-
-Every push ends with stage 1's check: each engine reports the version pushed.
+"""Weight syncs between workers behind stage 1's `push(named_weights, engine, version) -> SyncReport`:
+a bucketed broadcast, Ray's object store, or (colocated) an in-process copy on every worker.
+The weights move worker to worker, never through the driver.
 """
 
 __all__ = ["CollectiveSync", "ObjectStoreSync", "LocalSync"]
 
 import time
 
-from minirl.controller.worker_group import gather
+from minirl.runtime.ray_calls import gather
 from minirl.sync.base import SyncReport, check_pushed
 from minirl.sync.broadcast import plan_buckets
 
