@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
     from minirl.runtime.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.runtime.placement_checks import describe  # noqa: PLC0415
     from minirl.runtime.ray_calls import WorkerDiedError  # noqa: PLC0415
     from minirl.runtime.ray_start import connect  # noqa: PLC0415
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         with Driver(config, placement, model, tokenizer, task.reward_funcs, reward_weights=task.reward_weights,
                     sync=args.sync, threads=args.threads, bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
             where = driver.where()
-            print(f"placement {placement.describe(driver.roles_needed())}; sync: {type(driver.sync).__name__}")
+            print(f"placement {describe(placement, driver.roles_needed())}; sync: {type(driver.sync).__name__}")
             for role, devices in where.items():
                 print(f"  {role:>9} -> {', '.join(devices)}")
             run_info = {"model": args.model, "placement": args.placement, "pools": args.pools, "settings": settings,

@@ -17,21 +17,16 @@
 # **By the end of this notebook you can** place the five roles of the RL loop (actor,
 # rollout, critic, reference, reward) on pools of devices across the nodes of a Ray cluster,
 # run stage 1's very step on them from one driver process, and move the weights from the
-# trainer to the rollout workers through a collective or through Ray's object store.
+# trainer to the rollout workers.
 #
-# The source asks *how models are placed on GPUs*. veRL (HybridFlow) answers with three
-# abstractions: a **ResourcePool** (a group of devices), a **Worker** (one model instance on
-# one device) and a **Driver**, the single controller that runs the algorithm and tells the
-# workers what to compute. Roles may share a pool and take turns on its devices
-# (**colocated**) or get devices of their own (**disaggregated**); OpenRLHF gives every role
-# its own group of Ray actors. We build each piece small, in order: pools (§1), workers (§2),
-# groups and dispatch modes (§3), the roles (§4), the weight sync (§5), placements (§6) and
-# the Driver (§7). Then the claim that matters most: **the same algorithm in every
-# placement** (§8), and three rows of the source reproduced: the loop order (row 1), the
-# Driver's stage order (row 7) and the four orchestration styles (row 8).
-#
-# Everything runs here: Ray's test cluster starts two "nodes" on this machine, two CPUs
-# each, and a device is a quarter-CPU slot. On a real cluster the same code reserves GPUs.
+# The source asks *how models are placed on GPUs*. veRL (HybridFlow) answers with a
+# **ResourcePool** (a group of devices), a **Worker** (one model instance on one device) and a
+# **Driver**, the single controller that runs the algorithm and tells the workers what to
+# compute. Roles may share a pool and take turns on its devices (**colocated**) or get
+# devices of their own (**disaggregated**). We build each piece small (§1-§7), check that the
+# algorithm is the same in every placement (§8), and reproduce three rows of the source: the
+# loop order (row 1), the Driver's stage order (row 7), the orchestration styles (row 8).
+# Ray's test cluster starts two "nodes" on this machine; a device is a quarter-CPU slot.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -39,6 +34,7 @@
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import ray
@@ -51,8 +47,10 @@ from minirl.tasks.arithmetic import make_task
 from minirl.tasks.task import arithmetic_task
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
+ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
+RUNS = ROOT / "runs"
 torch.manual_seed(0)
-torch.set_num_threads(1)  # the tiny policy gains nothing from more threads; the workers get one each
+torch.set_num_threads(1)  # the tiny policy gains nothing from more threads
 model, tokenizer, policy_path = load_default_policy()
 task = make_task()
 rewards = arithmetic_task().reward_funcs   # the reward stage 1's train() uses, under the same name
@@ -68,11 +66,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # Ray's workers inher
 # we only call it.
 
 # %%
-from minirl.config import RLConfig  # noqa: E402
-from minirl.controller.driver import Driver  # noqa: E402
-from minirl.controller.placement import make_placement  # noqa: E402
-from minirl.runtime.ray_start import local_cluster  # noqa: E402
-from minirl.train.run import train  # noqa: E402
+from minirl.config import RLConfig
+from minirl.controller.driver import Driver
+from minirl.controller.placement import make_placement
+from minirl.runtime.ray_start import local_cluster
+from minirl.train.run import train
 
 started = time.perf_counter()
 cluster = local_cluster(num_nodes=2, cpus_per_node=2)        # two Ray nodes on this machine
@@ -92,16 +90,11 @@ for a, b in zip(alone, on_ray, strict=True):
 # ## 1. Resource pools: which devices, on which nodes
 #
 # A pool says how many devices its roles need on each node it spans: `ResourcePool([2])` is
-# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes (a data-parallel
-# trainer on two machines). A device is a GPU, or on a machine without GPUs a slot of
-# `cpus_per_device` CPUs.
-#
-# Before any process starts the driver **plans**: it assigns every (pool, node) entry to a
-# real node, first fit, and fails at once with the numbers when the cluster cannot hold the
-# request. Only then does it **reserve**: one Ray placement group per entry, one bundle per
-# device, pinned to the planned node, held until released, so the workers started in it
-# later cannot be starved. (veRL lets Ray pick the nodes; choosing them ourselves makes the
-# printed plan the placement that happens.)
+# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes. A device is a
+# GPU, or without GPUs a slot of `cpus_per_device` CPUs. Before any process starts the driver
+# **plans** (every pool entry to a real node, first fit, failing at once with the numbers),
+# and only then **reserves**: one Ray placement group per entry, one bundle per device,
+# pinned to the planned node and held until released.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -127,7 +120,7 @@ class ResourcePool:
 
     def __init__(self, devices_per_node: list[int], device: str = "cpu",
                  cpus_per_device: float = 0.25):
-        check_pool(devices_per_node, device, cpus_per_device)      # a ConfigError naming a bad value
+        check_pool(devices_per_node, device, cpus_per_device)      # a ConfigError names a bad one
         self.devices_per_node = list(devices_per_node)
         self.device, self.cpus_per_device = device, cpus_per_device
 
@@ -145,14 +138,6 @@ class ResourcePool:
                 f"cpus_per_device={self.cpus_per_device:g})")
 
 
-def cluster_nodes() -> list[dict]:
-    """The alive nodes of the connected cluster, head first: {"node_id", "CPU", "GPU"} (totals)."""
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]),
-                   key=lambda n: "node:__internal_head__" not in n["Resources"])
-    return [{"node_id": n["NodeID"], "CPU": n["Resources"].get("CPU", 0.0),
-             "GPU": n["Resources"].get("GPU", 0.0)} for n in nodes]
-
-
 def _fmt(resources: dict) -> str:
     return " ".join(f"{k} {v:g}" for k, v in resources.items() if k in ("CPU", "GPU"))
 
@@ -164,7 +149,7 @@ def _fmt(resources: dict) -> str:
 # %%
 # | export minirl/controller/resource_pool.py
 def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[str, list[int]]:
-    """A node for every entry of every pool: {pool name: [node index for each entry of devices_per_node]}.
+    """A node for every entry of every pool: {pool name: [node of each devices_per_node entry]}.
 
     nodes: each node's total resources, e.g. [{"CPU": 2.0, "GPU": 0.0}, ...] (other keys are
     ignored), in cluster order; node i is `nodes[i]`. First fit, pools in the order of `pools`
@@ -182,14 +167,15 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
         used = []
         for k, count in enumerate(pool.devices_per_node):
             need = {r: count * amount for r, amount in pool.bundle().items()}
-            fits = [i for i, free in enumerate(left)
-                    if i not in used and all(free[r] >= amount - 1e-9 for r, amount in need.items())]
+            fits = [i for i, free in enumerate(left) if i not in used
+                    and all(free[r] >= amount - 1e-9 for r, amount in need.items())]
             if not fits:
                 raise PlacementError(
-                    f"pool {name!r} (devices_per_node={pool.devices_per_node}) needs {count} device(s) = "
-                    f"{_fmt(need)} on a node of its own for entry {k}, but no node has that left: "
-                    + ", ".join(f"node{i} has {_fmt(free)}" + (" (used by this pool)" if i in used else "")
-                                for i, free in enumerate(left))
+                    f"pool {name!r} (devices_per_node={pool.devices_per_node}) needs {count} "
+                    f"device(s) = {_fmt(need)} on a node of its own for entry {k}, but no node has "
+                    "that left: " + ", ".join(f"node{i} has {_fmt(free)}"
+                                              + (" (used by this pool)" if i in used else "")
+                                              for i, free in enumerate(left))
                     + f" ({len(nodes)} node(s) in the cluster)")
             node = fits[0]
             for r, amount in need.items():
@@ -198,9 +184,6 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
         plan[name] = used
     return plan
     # END SOLUTION
-
-# %% [markdown]
-# Reserving: one placement group per entry, pinned to its planned node with a label selector.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -213,13 +196,14 @@ def reserve(name: str, pool: ResourcePool, node_ids: list[str],
     groups = []
     try:
         for count, node_id in zip(pool.devices_per_node, node_ids, strict=True):
+            pinned = [{"ray.io/node-id": node_id}] * count
             groups.append(placement_group([pool.bundle()] * count, strategy="STRICT_PACK",
-                                          bundle_label_selector=[{"ray.io/node-id": node_id}] * count))
+                                          bundle_label_selector=pinned))
         ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
         if len(ready) < len(groups):
             raise PlacementError(f"pool {name!r}: Ray did not grant its {pool.size} device(s) "
-                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job may "
-                                 "hold them (`ray status` shows what is in use)")
+                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job "
+                                 "may hold them (`ray status` shows what is in use)")
     except BaseException:
         release(groups)
         raise
@@ -235,7 +219,8 @@ def release(groups: list[PlacementGroup]) -> None:
 # the two Ray nodes started above; a request too large (17 GPUs) fails before anything starts.
 
 # %%
-from minirl.controller.resource_pool import PlacementError, ResourcePool, cluster_nodes, plan_placement  # noqa: E402
+from minirl.controller.resource_pool import PlacementError, ResourcePool, plan_placement
+from minirl.runtime.ray_start import cluster_nodes
 
 paper = [{"CPU": 64, "GPU": 8}, {"CPU": 64, "GPU": 8}]
 pools = {"train": ResourcePool([4, 4], "gpu", 8), "rollout": ResourcePool([4], "gpu", 8),
@@ -245,7 +230,8 @@ here = cluster_nodes()
 print("here:", [{k: v for k, v in n.items() if k != "node_id"} for n in here])
 print("here:", plan_placement({"train": ResourcePool([1, 1]), "rollout": ResourcePool([2])}, here))
 try:
-    plan_placement({"train": ResourcePool([8, 8], "gpu"), "rollout": ResourcePool([1], "gpu")}, paper)
+    plan_placement({"train": ResourcePool([8, 8], "gpu"), "rollout": ResourcePool([1], "gpu")},
+                   paper)
     raise AssertionError("17 GPUs on a 16-GPU cluster should not fit")
 except PlacementError as err:
     print("PlacementError:", err)
@@ -253,12 +239,10 @@ except PlacementError as err:
 # %% [markdown]
 # ## 2. The Worker: a Ray actor that knows its rank
 #
-# A worker is one process on one device. veRL's `Worker` reads its rank and world size from
-# environment variables; ours takes them as arguments. A worker can join a
+# A worker is one process on one device, with its rank and world size. It can join a
 # **torch.distributed world** with the other workers (gloo between CPU processes, NCCL
 # between GPUs): the actor's ranks average their gradients through it, and the trainer
-# broadcasts its weights to the rollout workers through it. It also keeps a **timeline** of
-# what it ran, from when to when, so the driver can see which role was busy when.
+# broadcasts its weights through it. It keeps a **timeline** of what it ran, from when to when.
 
 # %%
 # | export minirl/controller/worker.py
@@ -281,7 +265,8 @@ from minirl.runtime.ray_calls import WorkerInfo
 class Worker(WorkerInfo):
     """Base of every worker process: its place in its group, the world it joined, its timeline.
 
-    From `WorkerInfo`: `where()` (its node, device, pid) and `free_address()` (a free port)."""
+    From `WorkerInfo` (minirl/runtime/ray_calls.py): `where()` and `free_address()` (a free port,
+    where world rank 0 meets the others)."""
 
     def __init__(self, group: str, rank: int, size: int, device: str = "cpu", threads: int = 1):
         self.group, self.rank, self.size, self.device = group, rank, size, device
@@ -289,19 +274,14 @@ class Worker(WorkerInfo):
         if threads:
             torch.set_num_threads(threads)
 
-# %% [markdown]
-# Joining the one world of all workers at the address world rank 0 offered (`free_address`,
-# from `minirl/runtime/ray_calls.py`); then all of them create the named subgroups together
-# (torch.distributed makes a group collectively, even in the processes outside it).
-
 # %%
 # | export minirl/controller/worker.py
 @add_to_class(Worker)
 def init_world(self, init_method: str, world_rank: int, world_size: int, backend: str,
                timeout_s: float = 120.0) -> int:
     """Join the world of all workers (every member calls this at the same time)."""
-    dist.init_process_group(backend, init_method=init_method, rank=world_rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=init_method, rank=world_rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
     self.world_rank = world_rank
     return world_rank
 
@@ -349,11 +329,9 @@ def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
 # | `DP_UPDATE` | split the same way | rank 0's (the ranks reduce their metrics) | the actor's and critic's update |
 # | `RANK_ZERO` | to rank 0 only | rank 0's result | weights and optimizer state |
 #
-# veRL attaches its modes to worker methods with a decorator that also generates the group's
-# methods. Here a mode is two plain functions, one to split the arguments and one to collect
-# the results, and the call names the role and method as data:
-# `group.execute(DP_COMPUTE, "actor", "logprobs", rollout)`. Splitting is exercise 6.2:
-# contiguous equal parts, a prompt's G completions never torn apart.
+# Here a mode is two plain functions, one to split the arguments and one to collect the
+# results: `group.execute(DP_COMPUTE, "actor", "logprobs", rollout)`. Splitting is exercise
+# 6.2: contiguous equal parts, a prompt's G completions never torn apart.
 
 # %%
 # | export minirl/controller/worker_group.py
@@ -406,12 +384,12 @@ def split_by_rank(n: int, batch, *args) -> list[tuple]:
     split into n equal parts (of whole groups).
     """
     # BEGIN SOLUTION
-    if isinstance(batch, Batch) or hasattr(batch, "group_size"):   # a Batch, whichever copy of minirl.data
+    if isinstance(batch, Batch) or hasattr(batch, "group_size"):   # any copy of minirl.data's Batch
         parts = batch.split(n)
     else:
         if n < 1 or len(batch) % n:
-            raise ValueError(f"split_by_rank: {len(batch)} items do not split into {n} equal parts; "
-                             f"use a number of ranks that divides {len(batch)}")
+            raise ValueError(f"split_by_rank: {len(batch)} items do not split into {n} equal "
+                             f"parts; use a number of ranks that divides {len(batch)}")
         size = len(batch) // n
         parts = [batch[r * size:(r + 1) * size] for r in range(n)]
     return [(part, *args) for part in parts]
@@ -441,18 +419,13 @@ DP_COMPUTE = Mode(split_by_rank, concat)
 DP_UPDATE = Mode(split_by_rank, first)       # every rank returns the same record
 RANK_ZERO = Mode(rank_zero, first)
 
-# %% [markdown]
-# The group starts one Ray actor per device of its pool, each in its bundle of the pool's
-# placement groups. `run` calls one worker method on the ranks it gives arguments; `execute`
-# calls a role's method through a dispatch mode.
-
 # %%
 # | export minirl/controller/worker_group.py
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
 
-    def __init__(self, name: str, pool: ResourcePool, placement_groups: list, roles: list[str], worker_cls,
-                 prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
+    def __init__(self, name: str, pool: ResourcePool, placement_groups: list, roles: list[str],
+                 worker_cls, prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group
         self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its error
@@ -475,15 +448,16 @@ class WorkerGroup:
         return f"{'+'.join(self.roles)} worker {self.name}[rank {rank}] on node{self.node_of[rank]}"
 
     def run(self, method: str, per_rank_args: list[tuple | None], **kwargs) -> list:
-        """Call worker method `method` on every rank whose arguments are not None; results by rank."""
+        """Worker method `method` on every rank whose arguments are not None; results by rank."""
+        pairs = enumerate(zip(self.workers, per_rank_args, strict=True))
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
-                 for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
-                 if args is not None]
+                 for rank, (worker, args) in pairs if args is not None]
         first = next((args for args in per_rank_args if args is not None), ())
-        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
+        what = f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method
+        return gather(calls, what)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
-        """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
+        """`role.method(...)` on the ranks `mode` picks; `mode` splits the arguments, collects."""
         per_rank = mode.dispatch(len(self.workers), *args)
         calls = [(self, rank, self.workers[rank].call.remote(role, method, *a, **kwargs))
                  for rank, a in enumerate(per_rank) if a is not None]
@@ -498,9 +472,9 @@ class WorkerGroup:
 # nodes, a dispatch in each mode, and the timeline each worker kept.
 
 # %%
-from minirl.controller.resource_pool import release, reserve  # noqa: E402
-from minirl.controller.worker import Worker  # noqa: E402
-from minirl.controller.worker_group import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, WorkerGroup  # noqa: E402
+from minirl.controller.resource_pool import release, reserve
+from minirl.controller.worker import Worker
+from minirl.controller.worker_group import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, WorkerGroup
 
 
 class SumWorker(Worker):
@@ -512,7 +486,9 @@ class SumWorker(Worker):
                 t = torch.tensor([float(self.rank + 1)])
                 torch.distributed.all_reduce(t)
                 return t.item()
-            return [f"rank {self.rank} got {x}" for x in args[0]] if method == "echo" else self.where()
+            if method == "echo":
+                return [f"rank {self.rank} got {x}" for x in args[0]]
+            return self.where()
 
 
 pool = ResourcePool([1, 1])
@@ -524,7 +500,7 @@ demo.run("init_world", [(address, rank, 2, "gloo") for rank in range(2)])
 where = demo.execute(ONE_TO_ALL, "", "where")
 print("where:", [(w["group"], w["rank"], w["node_id"][:8]) for w in where])
 print("all-reduce of 1 + 2 across two nodes:", demo.execute(ONE_TO_ALL, "", "all_reduce"))
-print("DP_COMPUTE, 4 prompts:", demo.execute(DP_COMPUTE, "", "echo", ["1+1=", "2+2=", "3+3=", "4+4="]))
+print("DP_COMPUTE, 4 prompts:", demo.execute(DP_COMPUTE, "", "echo", ["1+1", "2+2", "3+3", "4+4"]))
 print("RANK_ZERO:", demo.execute(RANK_ZERO, "", "echo", ["only rank 0"]))
 print("timeline of rank 1:", [(what, round(end - start, 4)) for what, start, end in
                               ray.get(demo.workers[1].timeline.remote())])
@@ -536,20 +512,12 @@ release(pgs)
 #
 # A `RoleWorker` hosts the roles its pool was given and answers `call(role, method, *args)`
 # with stage 1's own objects (`Actor`, `Reference`, `Critic`, any `RolloutEngine`, the reward
-# functions), built as stage 1 builds them from one copy of the policy in Ray's object store.
-# Nothing here computes anything new; a worker adds three things around the roles:
-#
-# - **Data parallelism.** With several ranks, the actor and the critic are notebook 04's
-#   `DistributedActor` and `DistributedCritic` (DDP over the pool's own process group), with
-#   the same loss weighting, metric reduction and NaN rule as under torchrun: W ranks make
-#   the update one process makes.
-# - **Colocation.** When the actor and the engine share a worker, the engine is notebook 04's
-#   `ColocatedEngine`: it frees its weights after generating and gets them back from the next
-#   sync, so training has the device to itself (vLLM calls it `sleep`).
-# - **The worker side of the weight syncs** (section 5).
-#
-# The names this stage chooses among live in a module without Ray or torch, so the chapter
-# script checks its flags before anything heavy loads.
+# functions), built as stage 1 builds them. Nothing here computes anything new; around the
+# roles a worker adds **data parallelism** (on several ranks the actor and critic are
+# notebook 04's DDP `DistributedActor` and `DistributedCritic`: W ranks make the update one
+# process makes), **colocation** (an engine sharing a worker with the actor is notebook 04's
+# `ColocatedEngine`: it frees its weights after generating, so training has the device to
+# itself) and the worker side of the weight syncs (section 5).
 
 # %%
 # | export minirl/controller/names.py
@@ -560,7 +528,7 @@ ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 # %%
 # | export minirl/controller/roles.py
-"""The five roles of the RL loop as Ray workers: stage 1's own objects, built as stage 1 builds them.
+"""The five roles of the RL loop as Ray workers: stage 1's own objects, built as stage 1 does.
 
 A `RoleWorker` hosts the roles of its pool and answers `call(role, method, *args)`, so a change
 of placement cannot change what is computed. Simplified: a data-parallel rank holds a full
@@ -569,12 +537,10 @@ replica (stage 4's DDP roles; no FSDP sharding inside a pool).
 
 import copy
 
-import ray
 import torch
 
 from minirl.controller.names import ROLES
 from minirl.controller.worker import Worker
-from minirl.data import Batch
 from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
@@ -584,6 +550,8 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.object_store_sync import ObjectStoreEnds
+from minirl.runtime.ray_calls import moved
 from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
 from minirl.sync.base import InProcessSync
@@ -600,31 +568,20 @@ class RewardRole:
         return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
 
 
-def moved(value, device):
-    """`value` with every tensor (inside Batches, dicts, lists, tuples too) on `device` (results go
-    back on the CPU: the driver may have no GPU)."""
-    if isinstance(value, (torch.Tensor, Batch)):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: moved(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(moved(v, device) for v in value)
-    return value
-
-
-def build_role(name: str, config, model, tokenizer, reward_funcs, group: ProcessGroup | None = None):
-    """One role, as stage 1 builds it; with `group` (the pool's ranks) stage 4's DDP actor and critic."""
+def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
+    """One role, as stage 1 builds it; with `group` (the pool's ranks): stage 4's DDP roles."""
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
     if name == "actor":
         if group is None:
             return Actor(model, algo, opt, sampling)
-        return DistributedActor(wrap_model(model, 0, group.device, process_group=group.group), algo, opt,
-                                sampling, group)
+        ddp = wrap_model(model, 0, group.device, process_group=group.group)
+        return DistributedActor(ddp, algo, opt, sampling, group)
     if name == "critic":
         value = ValueModel.from_policy(model)
         if group is None:
             return Critic(value, algo, opt)
-        return DistributedCritic(wrap_model(value, 0, group.device, process_group=group.group), algo, opt, group)
+        ddp = wrap_model(value, 0, group.device, process_group=group.group)
+        return DistributedCritic(ddp, algo, opt, group)
     if name == "reference":
         return Reference(model, sampling.temperature)
     if name == "rollout":
@@ -633,33 +590,30 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group: Process
         return RewardRole(reward_funcs)
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
-# %% [markdown]
-# The worker: `setup` builds the roles (the reference first: it copies the policy before the
-# actor ever trains), `call` runs one method of one role and records it.
-
 # %%
 # | export minirl/controller/roles.py
-class RoleWorker(Worker, RestoringWorker):
+class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
     """A worker that hosts roles of the RL loop; roles on one worker share its process and device.
 
-    From `RestoringWorker` (minirl/runtime/role_checkpoints.py): `restore`, for checkpoints."""
+    From minirl/runtime/: the object store's sync ends (`put_weights`, `receive`) and `restore`."""
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
         self.torch_device = torch.device(config.run.device)
         model = copy.deepcopy(model).to(self.torch_device).eval()
-        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # pools holding models
+        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # model pools
         group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
-        order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor
+        order = ("reference", "critic", "actor", "rollout", "reward")   # copies before the actor
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
                       for name in order if name in roles}
         if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns
             self.roles["rollout"] = ColocatedEngine(self.roles["rollout"], stream=False,
-                                                    record=lambda what: self.record(f"rollout.{what}"))
+                                                    record=lambda w: self.record(f"rollout.{w}"))
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"."""
+        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"
+        (tensors `moved` to this worker's device, results back to the CPU)."""
         with self.record(f"{role}.{method}"):
             result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
             return moved(result, "cpu")
@@ -668,10 +622,6 @@ class RoleWorker(Worker, RestoringWorker):
         """The role's weights by name, on the CPU (what the driver's copy and a checkpoint hold)."""
         with self.record(f"{role}.named_weights"):
             return [(name, t.detach().cpu()) for name, t in self.roles[role].named_weights()]
-
-# %% [markdown]
-# The worker's side of section 5's syncs: the metadata both ends plan buckets from, the two
-# ends of the broadcast, the object store's put and receive, and the colocated in-process copy.
 
 # %%
 # | export minirl/controller/roles.py
@@ -684,7 +634,8 @@ def weight_metadata(self) -> list:
 def send_weights(self, buckets, src: int) -> int:
     """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
     with self.record("sync.send"):
-        return send_buckets(dict(self.roles["actor"].named_weights()), buckets, src, self.groups["sync"])
+        named = dict(self.roles["actor"].named_weights())
+        return send_buckets(named, buckets, src, self.groups["sync"])
 
 
 @add_to_class(RoleWorker)
@@ -692,27 +643,8 @@ def recv_weights(self, buckets, src: int, version: int) -> int:
     """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
     with self.record("sync.recv"):
         device = "cuda" if self.device == "gpu" else "cpu"
-        self.roles["rollout"].load_weights(recv_buckets(buckets, src, self.groups["sync"], device), version)
-        return self.roles["rollout"].version
-
-
-@add_to_class(RoleWorker)
-def put_weights(self) -> dict:
-    """Trainer rank 0: the actor's weights into Ray's object store; {"ref", "tensors", "bytes"}.
-
-    The ref travels inside a dict, so Ray hands it over as a ref (a top-level ref argument would
-    be resolved to the weights in the receiving worker)."""
-    with self.record("sync.put"):
-        named = [(name, t.detach().cpu()) for name, t in self.roles["actor"].named_weights()]
-        return {"ref": ray.put(named), "tensors": len(named),
-                "bytes": sum(t.numel() * t.element_size() for _, t in named)}
-
-
-@add_to_class(RoleWorker)
-def receive(self, named_tensors, version: int) -> int:
-    """A rollout worker: load these weights (resolved from the object store by Ray); the version."""
-    with self.record("sync.receive"):
-        self.roles["rollout"].load_weights(named_tensors, version)
+        named = recv_buckets(buckets, src, self.groups["sync"], device)
+        self.roles["rollout"].load_weights(named, version)
         return self.roles["rollout"].version
 
 
@@ -720,26 +652,23 @@ def receive(self, named_tensors, version: int) -> int:
 def local_sync(self, version: int):
     """Colocated: copy this worker's actor weights into its own engine (stage 1's InProcessSync)."""
     with self.record("sync.local"):
-        return InProcessSync().push(self.roles["actor"].named_weights(), self.roles["rollout"], version)
+        named = self.roles["actor"].named_weights()
+        return InProcessSync().push(named, self.roles["rollout"], version)
 
 # %% [markdown]
 # ## 5. Weight sync between actors
 #
-# Step 4 of the loop, synchronize, is where placement costs the most. Colocated workers copy
-# in-process, as stage 1 did. When the rollout workers are other processes, on other devices
-# or nodes, the weights must travel, two ways:
-#
-# 1. **A collective.** Trainer rank 0 and every rollout worker share a torch.distributed
-#    group and rank 0 broadcasts (NCCL over NVLink or InfiniBand in veRL and OpenRLHF; gloo
-#    over TCP here). Tensors travel in **buckets**: both sides plan the same buckets from the
-#    same names, shapes and dtypes, and only flat buffers move, so the collective's fixed
-#    cost is paid once per bucket, not once per tensor.
-# 2. **Ray's object store.** Rank 0 puts its weights in the store once and every rollout
-#    worker gets them from there: no process group, but a serialize-and-copy (§8 times both).
+# Synchronize is where placement costs the most. Colocated workers copy in-process, as stage
+# 1 did; rollout workers in other processes need the weights to travel. Trainer rank 0 and
+# every rollout worker share a torch.distributed group and rank 0 **broadcasts** (NCCL over
+# NVLink or InfiniBand in veRL and OpenRLHF; gloo over TCP here), in **buckets**: both sides
+# plan the same buckets from the same names, shapes and dtypes, and only flat buffers move,
+# so the collective's fixed cost is paid once per bucket. The comparison, Ray's object store
+# (`minirl/runtime/object_store_sync.py`), needs no process group but serializes and copies.
 
 # %%
 # | export minirl/sync/broadcast.py
-"""Bucketed broadcast of named tensors over a torch.distributed group: the wire under stage 6's weight sync.
+"""Bucketed broadcast of named tensors over a torch.distributed group: the wire of stage 6's sync.
 
 Both ends plan the same buckets from the same metadata, so only flat buffers travel, one
 `broadcast` per bucket. Simplified: the sender holds full tensors (an FSDP trainer gathers its
@@ -791,21 +720,19 @@ def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[Ten
         buckets.append(current)
     return buckets
 
-# %% [markdown]
-# The two ends: the sender checks every tensor against the plan and broadcasts one flat buffer
-# per bucket; the receivers rebuild the tensors as views of theirs.
-
 # %%
 # | export minirl/sync/broadcast.py
-def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int, group=None) -> int:
+def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int,
+                 group=None) -> int:
     """Broadcast every bucket from this process (global rank `src`); returns the bytes sent."""
     sent = 0
     for bucket in buckets:
         for meta in bucket:
-            if tuple(named[meta.name].shape) != meta.shape or named[meta.name].dtype != meta.dtype:
-                raise ValueError(f"send_buckets: {meta.name} is {tuple(named[meta.name].shape)} "
-                                 f"{named[meta.name].dtype}, but the receivers expect {meta.shape} {meta.dtype}")
-        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])     # [sum of numel]
+            x = named[meta.name]
+            if tuple(x.shape) != meta.shape or x.dtype != meta.dtype:
+                raise ValueError(f"send_buckets: {meta.name} is {tuple(x.shape)} {x.dtype}, but the "
+                                 f"receivers expect {meta.shape} {meta.dtype}")
+        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])   # [numel]
         dist.broadcast(flat, src=src, group=group)
         sent += flat.numel() * flat.element_size()
     return sent
@@ -813,7 +740,7 @@ def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src:
 
 def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None,
                  device="cpu") -> list[tuple[str, Tensor]]:
-    """Receive every bucket broadcast by global rank `src`; the named tensors, as views of the buffers."""
+    """Every bucket broadcast by global rank `src`; the named tensors, as views of the buffers."""
     named = []
     for bucket in buckets:
         flat = torch.empty(sum(meta.numel for meta in bucket), dtype=bucket[0].dtype, device=device)
@@ -823,15 +750,50 @@ def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None,
     return named
 
 # %% [markdown]
-# On the driver's side a sync has stage 1's `push(named_weights, engine, version) ->
-# SyncReport`. For an actor on workers `named_weights` is only a handle (`RemoteWeights`,
-# section 7): the weights never pass through the driver.
+# The wire at work: the policy's tensors in buckets, then two workers, one on each node, in one
+# gloo world; rank 0 broadcasts the weights in 64 KiB buckets and rank 1 rebuilds every tensor.
+
+# %%
+from minirl.sync.broadcast import plan_buckets, recv_buckets, send_buckets, tensor_metadata
+
+meta = tensor_metadata(model.named_parameters())
+for limit in (32 << 20, 64 << 10):
+    print(f"{len(meta)} tensors, {sum(m.nbytes for m in meta) / 2**20:.2f} MiB, buckets of at most "
+          f"{limit / 2**10:g} KiB: {len(plan_buckets(meta, limit))} broadcasts")
+
+
+class WireWorker(Worker):
+    def send(self, named, buckets):
+        with self.record("sync.send"):
+            return send_buckets(named, buckets, src=0)
+
+    def recv(self, buckets):
+        with self.record("sync.recv"):
+            return recv_buckets(buckets, src=0)
+
+
+pgs = reserve("wire", pool, [here[i]["node_id"] for i in plan["demo"]])
+wire = WorkerGroup("wire", pool, pgs, ["wire"], WireWorker, nodes=plan["demo"])
+address = ray.get(wire.workers[0].free_address.remote())
+wire.run("init_world", [(address, rank, 2, "gloo") for rank in range(2)])
+named = {name: p.detach() for name, p in model.named_parameters()}
+buckets = plan_buckets(tensor_metadata(named.items()), 64 << 10)
+sender, receiver = wire.workers
+sent, got = ray.get([sender.send.remote(named, buckets), receiver.recv.remote(buckets)])
+same = all(torch.equal(named[name], tensor) for name, tensor in got)
+print(f"{sent / 2**20:.2f} MiB in {len(buckets)} broadcasts; rank 1 holds every tensor: {same}")
+wire.shutdown()
+release(pgs)
+
+# %% [markdown]
+# On the driver's side a sync has stage 1's `push(named_weights, engine, version)`; for an
+# actor on workers `named_weights` is a handle (section 7): the weights skip the driver.
 
 # %%
 # | export minirl/controller/weight_sync.py
-"""Weight syncs between workers behind stage 1's `push(named_weights, engine, version) -> SyncReport`:
-a bucketed broadcast, Ray's object store, or (colocated) an in-process copy on every worker.
-The weights move worker to worker, never through the driver.
+"""Weight syncs between workers, behind stage 1's `push(named_weights, engine, version)`:
+a bucketed broadcast, or (colocated) an in-process copy on every worker; the weights move
+worker to worker, never through the driver (the object store: `runtime.object_store_sync`).
 """
 
 import time
@@ -842,7 +804,7 @@ from minirl.sync.broadcast import plan_buckets
 
 
 class CollectiveSync:
-    """Bucketed broadcast from trainer rank 0 to every rollout worker over the "sync" process group."""
+    """Bucketed broadcast from trainer rank 0 to every rollout worker over the "sync" group."""
 
     def __init__(self, actor_group, engine_group, bucket_bytes: int = 32 << 20):
         self.actor_group, self.engine_group = actor_group, engine_group
@@ -853,28 +815,14 @@ class CollectiveSync:
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
         start = time.perf_counter()
-        sender = (self.actor_group, 0, self.actor_group.workers[0].send_weights.remote(self.buckets, self.src))
-        receivers = [(self.engine_group, rank, worker.recv_weights.remote(self.buckets, self.src, version))
-                     for rank, worker in enumerate(self.engine_group.workers)]
+        rank0 = self.actor_group.workers[0]
+        sender = (self.actor_group, 0, rank0.send_weights.remote(self.buckets, self.src))
+        receivers = [(self.engine_group, r, w.recv_weights.remote(self.buckets, self.src, version))
+                     for r, w in enumerate(self.engine_group.workers)]
         results = gather([sender, *receivers], "sync (broadcast)")
         engine.confirm(results[1:])
         check_pushed(engine, version)
         return SyncReport(version, self.tensors, self.bytes, time.perf_counter() - start)
-
-
-class ObjectStoreSync:
-    """Trainer rank 0 puts its weights in Ray's object store; every rollout worker gets them from there."""
-
-    def __init__(self, actor_group, engine_group):
-        self.actor_group, self.engine_group = actor_group, engine_group
-
-    def push(self, named_weights, engine, version: int) -> SyncReport:
-        start = time.perf_counter()
-        put = self.actor_group.run("put_weights", [()] + [None] * (len(self.actor_group) - 1))[0]
-        versions = self.engine_group.run("receive", [(put["ref"], version)] * len(self.engine_group))
-        engine.confirm(versions)
-        check_pushed(engine, version)
-        return SyncReport(version, put["tensors"], put["bytes"], time.perf_counter() - start)
 
 
 class LocalSync:
@@ -888,15 +836,15 @@ class LocalSync:
         reports = self.group.run("local_sync", [(version,)] * len(self.group))
         engine.confirm([r.version for r in reports])
         check_pushed(engine, version)
-        return SyncReport(version, reports[0].tensors, reports[0].bytes, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return SyncReport(version, reports[0].tensors, reports[0].bytes, seconds)
 
 # %% [markdown]
 # ## 6. Placement: which pool hosts each role
 #
-# A placement maps every role to a pool. Roles on the same pool share its workers: one
-# process per device hosts them all and they take turns on the device (colocation, as in
-# veRL's fused workers). Three placements cover the source's designs; the chapter script's
-# `--pools actor=2,rollout=1+1` sizes them (2 devices on one node; one on each of two nodes):
+# A placement maps every role to a pool; roles on one pool share its workers and take turns
+# on the device (colocation, as in veRL's fused workers). Three placements cover the source's
+# designs; the chapter script's `--pools actor=2,rollout=1+1` sizes them:
 #
 # | placement | pools | who shares a worker | weight sync |
 # |---|---|---|---|
@@ -908,15 +856,15 @@ class LocalSync:
 # | export minirl/controller/names.py
 LAYOUTS = {
     "colocated": {role: "shared" for role in ROLES},
-    "disaggregated": {"actor": "train", "reference": "train", "critic": "train", "rollout": "rollout",
-                      "reward": "rollout"},
+    "disaggregated": {"actor": "train", "reference": "train", "critic": "train",
+                      "rollout": "rollout", "reward": "rollout"},
     "per-role": {role: role for role in ROLES},
 }
 PLACEMENTS = tuple(LAYOUTS)
 
 # %%
 # | export minirl/controller/placement.py
-"""Placement: which pool hosts each role; three layouts (colocated, disaggregated, per-role), one Driver.
+"""Placement: which pool hosts each role; three layouts (colocated, disaggregated, per-role).
 
 Roles mapped to one pool share its workers; a placement is checked against a run's config
 before any actor starts (`minirl.runtime.placement_checks`).
@@ -938,28 +886,16 @@ class Placement:
     pools: dict[str, ResourcePool]
     roles: dict[str, str]
 
-    def roles_on(self, pool: str, needed=ROLES) -> list[str]:
-        return [role for role in needed if self.roles.get(role) == pool]
-
-    def describe(self, needed=ROLES) -> str:
-        pools = dict.fromkeys(self.roles[r] for r in needed if r in self.roles)
-        return f"{self.name}: " + "; ".join(
-            f"{pool} {self.pools[pool].devices_per_node} {self.pools[pool].device} "
-            f"({', '.join(self.roles_on(pool, needed))})" for pool in pools if pool in self.pools)
-
 
 def needed_roles(config) -> list[str]:
-    """The roles a run of `config` uses: actor, rollout, reward; a reference with beta > 0; a critic for PPO."""
+    """The roles a run of `config` uses: actor, rollout, reward; a reference if beta > 0; a critic
+    for PPO."""
     roles = ["actor", "rollout", "reward"]
     if config.algorithm.beta > 0:
         roles.append("reference")
     if config.algorithm.algo == "ppo":
         roles.append("critic")
     return roles
-
-# %% [markdown]
-# One of the three layouts, each pool sized from `sizes` (one device unless given). A pool
-# that hosts only the reward stays on CPUs: a verifier needs no GPU.
 
 # %%
 # | export minirl/controller/placement.py
@@ -968,7 +904,7 @@ def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device:
     """The `kind` layout; `sizes`: {role: devices per node} (roles sharing a pool: one size)."""
     check_choice("placement", kind, PLACEMENTS)
     layout, sizes = LAYOUTS[kind], dict(sizes or {})
-    check_sizes(kind, sizes)                  # every key a role; roles sharing a pool given one size
+    check_sizes(kind, sizes)              # every key a role; roles sharing a pool given one size
     pools = {}
     for pool in dict.fromkeys(layout.values()):
         roles = [role for role in ROLES if layout[role] == pool]
@@ -978,22 +914,28 @@ def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device:
     return Placement(kind, pools, dict(layout))
 
 # %% [markdown]
+# The three layouts, the per-role one with an actor pool that spans both nodes:
+
+# %%
+from minirl.controller.names import PLACEMENTS
+from minirl.controller.placement import make_placement
+from minirl.runtime.placement_checks import describe
+
+for kind in PLACEMENTS:
+    print(describe(make_placement(kind, {"actor": [1, 1]} if kind == "per-role" else None)))
+
+# %% [markdown]
 # ## 7. The Driver
 #
 # ### 7.1 The roles as the driver sees them
 #
-# Stage 1's `rl_step` takes `roles` (an actor with `logprobs`, `update`, `named_weights`; a
-# reference; a critic), an `engine` (`version`, `generate`, `load_weights`) and a `sync`
-# (`push`). The driver hands it objects with exactly those methods, each forwarding the call
-# to the workers that host the role with a dispatch mode. That is the whole trick of the
-# single controller: the algorithm is written once, as if everything ran here, and the
-# proxies decide where it runs.
-#
-# Two details keep the results equal to stage 1's. **Sampling seeds:** `EngineGroup` hands
-# rollout worker r a copy of the loop's generator as it is after r seed draws, then advances
-# the driver's generator by one draw per worker: with one rollout worker the completions are
-# exactly stage 1's. **The driver's copy of the policy** (`ActorGroup.model`), for evaluation
-# and checkpoints, is fetched from rank 0 whenever the workers have updated since it was read.
+# Stage 1's `rl_step` takes `roles` (actor, reference, critic), an `engine` and a `sync`. The
+# driver hands it objects with exactly those methods, each forwarding the call to the workers
+# that host the role with a dispatch mode: the algorithm is written once, as if everything
+# ran here, and the proxies decide where it runs. `EngineGroup` hands rollout worker r a copy
+# of the loop's generator as it is after r seed draws, so with one rollout worker the
+# completions are exactly stage 1's; `ActorGroup.model`, the driver's copy of the policy, is
+# fetched from rank 0 whenever the workers have updated since it was read.
 
 # %%
 # | export minirl/controller/proxies.py
@@ -1019,7 +961,8 @@ class RemoteWeights:
         self.group = group
 
     def __iter__(self):
-        return iter(self.group.run("named_weights", [("actor",)] + [None] * (len(self.group) - 1))[0])
+        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
+        return iter(self.group.run("named_weights", rank0)[0])
 
 
 class ActorGroup(CheckpointedRole):
@@ -1033,7 +976,7 @@ class ActorGroup(CheckpointedRole):
 
     @property
     def model(self):
-        """The driver's copy of the policy, refreshed from rank 0 if the workers have updated since."""
+        """The driver's copy of the policy, refreshed from rank 0 if the workers updated since."""
         if not self._fresh:
             self._model.load_state_dict(dict(RemoteWeights(self.group)))
             self._fresh = True
@@ -1048,10 +991,6 @@ class ActorGroup(CheckpointedRole):
 
     def named_weights(self) -> RemoteWeights:
         return RemoteWeights(self.group)
-
-# %% [markdown]
-# The other proxies: the reference and the critic, data-parallel like the actor; the rollout
-# workers as one engine; each reward function as a callable over the reward workers.
 
 # %%
 # | export minirl/controller/proxies.py
@@ -1085,8 +1024,9 @@ class EngineGroup:
     def generate(self, prompts, sampling, expected_version=None, generator=None):
         calls = []
         for (part,) in split_by_rank(len(self.group), list(prompts)):
-            calls.append(("rollout", "generate", part, sampling, expected_version, copy.deepcopy(generator)))
-            draw_seed(generator)                  # the driver's generator moves on by that worker's draw
+            rng = copy.deepcopy(generator)
+            calls.append(("rollout", "generate", part, sampling, expected_version, rng))
+            draw_seed(generator)                  # the driver's generator moves on by that draw
         return Batch.concat(self.group.run("call", calls))
 
     def load_weights(self, named_tensors, version: int) -> None:
@@ -1096,20 +1036,20 @@ class EngineGroup:
     def confirm(self, versions: list[int]) -> None:
         """The versions the workers report after a sync: all equal, or VersionMismatchError."""
         if len(set(versions)) != 1:
-            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions {versions} "
-                                       "after a sync; each must load every push")
+            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions "
+                                       f"{versions} after a sync; each must load every push")
         self.version = versions[0]
 
 
 class RemoteReward:
-    """Reward function `index` of the reward workers, callable with TRL's signature from the driver."""
+    """Reward function `index` of the reward workers, callable with TRL's signature."""
 
     def __init__(self, group, index: int, name: str):
         self.group, self.index, self.__name__ = group, index, name
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
         N, n = len(completions), len(self.group)
-        bounds = [(r * N // n, (r + 1) * N // n) for r in range(n)]      # contiguous, as equal as N allows
+        bounds = [(r * N // n, (r + 1) * N // n) for r in range(n)]      # contiguous, near equal
         calls = [("reward", "score", self.index, prompts[a:b], completions[a:b],
                   {k: v[a:b] for k, v in columns.items()}) if b > a else None for a, b in bounds]
         return [x for part in self.group.run("call", calls) for x in part]
@@ -1118,16 +1058,14 @@ class RemoteReward:
 # ### 7.2 The Driver
 #
 # The Driver builds everything in an order that fails early: check the placement against the
-# config (`minirl/runtime/placement_checks.py`), plan it against the cluster's nodes, and only
-# then reserve devices and start workers; if anything fails after that, every worker and
-# reservation made so far is removed. It joins the workers that hold models into one
-# torch.distributed world (gloo, or NCCL when every such pool is on GPUs), with a
-# data-parallel group per pool and a sync group of trainer rank 0 and the rollout workers,
-# and puts the policy in Ray's object store once for every worker to build its roles from.
+# config (`minirl/runtime/placement_checks.py`), plan it, and only then reserve devices and
+# start workers (removed again if anything fails after that). It joins the model workers
+# into one torch.distributed world, with a data-parallel group per pool and a sync group of
+# trainer rank 0 and the rollout workers, and puts the policy in Ray's object store once.
 
 # %%
 # | export minirl/controller/names.py
-SYNCS = ("collective", "object_store")   # a bucketed torch.distributed broadcast, or Ray's object store
+SYNCS = ("collective", "object_store")   # a bucketed broadcast, or Ray's object store
 
 # %%
 # | export minirl/controller/driver.py
@@ -1143,13 +1081,15 @@ import ray
 
 from minirl.controller.placement import Placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
-from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_placement, reserve
+from minirl.controller.resource_pool import PlacementError, plan_placement, reserve
 from minirl.controller.roles import RoleWorker
-from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
+from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
-from minirl.runtime.placement_checks import check_driver_args, check_placement
+from minirl.runtime.object_store_sync import ObjectStoreSync
+from minirl.runtime.placement_checks import check_driver_args, check_placement, describe
 from minirl.runtime.ray_calls import gather
+from minirl.runtime.ray_start import cluster_nodes
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
@@ -1171,27 +1111,29 @@ class DriverSetup(DriverLifecycle):
         check_driver_args(sync, reward_funcs, reward_weights)
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
         self.reward_weights = None if reward_weights is None else list(reward_weights)
-        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"         # workers: "<name>/<pool>-<rank>"
-        self.used = check_placement(placement, config)              # {pool: roles}, before anything starts
+        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"   # workers: "<name>/<pool>-<rank>"
+        self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
         try:
             self.plan = plan_placement(pools, self.nodes)
         except PlacementError as err:
-            raise PlacementError(f"{err}; the placement was {placement.describe(self.roles_needed())}") from None
+            was = describe(placement, self.roles_needed())
+            raise PlacementError(f"{err}; the placement was {was}") from None
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
-                groups = reserve(pool, pools[pool], [self.nodes[i]["node_id"] for i in self.plan[pool]],
-                                 reserve_timeout)
+                node_ids = [self.nodes[i]["node_id"] for i in self.plan[pool]]
+                groups = reserve(pool, pools[pool], node_ids, reserve_timeout)
                 self._reserved += groups
                 self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker,
-                                                prefix=f"{self.name}/", nodes=self.plan[pool], threads=threads)
+                                                prefix=f"{self.name}/", nodes=self.plan[pool],
+                                                threads=threads)
             self._join_world()
-            self.model = model.to("cpu").eval()                      # the driver's copy of the policy
+            self.model = model.to("cpu").eval()                    # the driver's copy of the policy
             shared = ray.put(self.model)
-            gather([(group, rank, worker.setup.remote(group.roles, config, shared, tokenizer, reward_funcs))
-                    for group in self.groups.values() for rank, worker in enumerate(group.workers)], "setup")
+            gather([(g, r, w.setup.remote(g.roles, config, shared, tokenizer, reward_funcs))
+                    for g in self.groups.values() for r, w in enumerate(g.workers)], "setup")
             self._build_proxies(reward_funcs, sync, bucket_bytes)
         except BaseException:
             self.shutdown()
@@ -1203,11 +1145,6 @@ class DriverSetup(DriverLifecycle):
     def group_of(self, role: str) -> WorkerGroup:
         return self.groups[self.placement.roles[role]]
 
-# %% [markdown]
-# The world and the proxies: the model workers join one world, a data-parallel group per
-# pool and, when actor and rollout live apart, a sync group of trainer rank 0 and the rollout
-# workers; then the role proxies and the weight syncs the placement allows.
-
 # %%
 # | export minirl/controller/driver.py
 @add_to_class(DriverSetup)
@@ -1215,7 +1152,8 @@ def _join_world(self) -> None:
     members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
     world = [(group, rank) for group in members for rank in range(len(group))]
     backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
-    address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
+    first = world[0][0]
+    address = gather([(first, 0, first.workers[0].free_address.remote())], "free_address")[0]
     gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
             for i, (g, r) in enumerate(world)], "init_world")
     for group in members:
@@ -1231,9 +1169,9 @@ def _join_world(self) -> None:
 def _build_proxies(self, reward_funcs, sync: str, bucket_bytes: int) -> None:
     needed = self.roles_needed()
     actor, rollout = self.group_of("actor"), self.group_of("rollout")
-    self.roles = Roles(ActorGroup(actor, self.model),
-                       ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
-                       CriticGroup(self.group_of("critic")) if "critic" in needed else None)
+    reference = ReferenceGroup(self.group_of("reference")) if "reference" in needed else None
+    critic = CriticGroup(self.group_of("critic")) if "critic" in needed else None
+    self.roles = Roles(ActorGroup(actor, self.model), reference, critic)
     self.engine = EngineGroup(rollout)
     self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
                          for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
@@ -1245,15 +1183,13 @@ def _build_proxies(self, reward_funcs, sync: str, bucket_bytes: int) -> None:
     self.sync = self.syncs.get(sync, next(iter(self.syncs.values())))
 
 # %% [markdown]
-# The Driver's loop is stage 1's: its step is `stage1_step` (draw the prompts, then `rl_step`)
-# on the proxies, and its run is stage 1's `run_in_dir` (run directory, resume, evaluation,
-# checkpoints), through `minirl/runtime/driver_run.py`, which also stops the run when a worker
-# died during a step.
+# The Driver's step is stage 1's `stage1_step` on the proxies, and its run stage 1's
+# `run_in_dir` (run directory, resume, checkpoints: `minirl/runtime/driver_run.py`).
 
 # %%
 # | export minirl/controller/driver.py
 class Driver(DriverSetup):
-    """The single controller: stage 1's step and run on the workers, proxies and sync DriverSetup built."""
+    """The single controller: stage 1's step and run on what DriverSetup built."""
 
     def step(self, state: RunState) -> dict:
         """Stage 1's step; a worker that died during it stops the run with a WorkerDiedError."""
@@ -1266,6 +1202,33 @@ class Driver(DriverSetup):
         return train_on_driver(self, rows, **options)
 
 # %% [markdown]
+# Bad input fails in the Driver's first checks, before any worker starts or any device is
+# reserved, naming the role, the pool and the numbers:
+
+# %%
+from minirl.config import RLConfig
+from minirl.controller.placement import make_placement
+from minirl.runtime.validate import ConfigError
+
+grpo = RLConfig.from_flat(steps=3 if SMOKE else 10, prompts_per_step=8, num_generations=8,
+                          eval_every=0)
+ppo = grpo.replace(algo="ppo", beta=0.04)
+no_critic = make_placement("per-role")
+del no_critic.roles["critic"]
+for label, config, placement in [
+        ("a pool larger than the cluster", grpo.replace(prompts_per_step=9),
+         make_placement("per-role", {"actor": [1, 1, 1]})),
+        ("a role with no pool", ppo, no_critic),
+        ("a batch that does not split", grpo.replace(prompts_per_step=6),
+         make_placement("per-role", {"actor": [2, 2]}))]:
+    try:
+        Driver(config, placement, model, tokenizer, rewards)
+        print(f"{label}: no error?!")
+    except (PlacementError, ConfigError) as err:
+        print(f"{label}: {type(err).__name__}: {err}\n")
+print("workers alive after all that:", ray.util.list_named_actors())
+
+# %% [markdown]
 # The source writes the Driver's loop as sync → sample → score → values → advantages →
 # update actor → update critic; `rl_step` runs generate → … → update → sync. It is the same
 # cycle cut one stage later: the weights pushed at the end of step k are what the source's
@@ -1275,7 +1238,7 @@ class Driver(DriverSetup):
 # %%
 # | export minirl/controller/driver.py
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
-    """A run's per-step records re-cut into the source's Driver iterations, stage seconds in SOURCE_ORDER.
+    """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
     records: the records of a run in step order; records without "time/generate" (the
     step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes
@@ -1303,20 +1266,17 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
 # %% [markdown]
 # ## 8. Same algorithm, different placement
 #
-# Placement decides where the roles run, never what they compute. We run one configuration
-# with one seed in one process (stage 1's `train`) and on the workers in three placements,
-# and compare every metric of every step. The per-role run's actor spans **both nodes**: two
-# DDP ranks, one per node, all-reducing over gloo (the same update up to the order of float
-# sums). The colocated run uses PPO with a KL penalty, so all five roles share one worker.
-# On the disaggregated workers we also time section 5's syncs, interleaved.
+# Placement decides where the roles run, never what they compute: one configuration, one
+# seed, in one process (stage 1's `train`) and in three placements, every metric of every
+# step compared. The per-role actor spans **both nodes** (two DDP ranks); the colocated run
+# is PPO with a KL penalty, so all five roles share one worker. On the disaggregated workers
+# we also time the syncs, interleaved.
 
 # %%
-from minirl.controller.weight_sync import CollectiveSync  # noqa: E402
+from minirl.controller.weight_sync import CollectiveSync
 
-STEPS = 3 if SMOKE else 10
+STEPS = grpo.run.steps
 rows = task.rows("train")
-grpo = RLConfig.from_flat(steps=STEPS, prompts_per_step=8, num_generations=8, eval_every=0)
-ppo = grpo.replace(algo="ppo", beta=0.04)
 
 
 def fresh_policy():
@@ -1324,7 +1284,8 @@ def fresh_policy():
     return load_default_policy(progress=False)[0]
 
 
-reference = {"grpo": train(grpo, fresh_policy(), tokenizer), "ppo": train(ppo, fresh_policy(), tokenizer)}
+reference = {"grpo": train(grpo, fresh_policy(), tokenizer),
+             "ppo": train(ppo, fresh_policy(), tokenizer)}
 runs, sync_times = {}, {}
 plans = [("colocated", ppo, make_placement("colocated")),
          ("disaggregated", grpo, make_placement("disaggregated")),
@@ -1338,14 +1299,16 @@ for name, config, placement in plans:
         runs[name] |= {"timeline": driver.timeline(), "where": driver.where()}
         if name == "disaggregated":
             actor_group, rollout_group = driver.group_of("actor"), driver.group_of("rollout")
+            small = CollectiveSync(actor_group, rollout_group, 64 << 10)
             syncs = {"broadcast, 32 MiB buckets": driver.syncs["collective"],
-                     "broadcast, 64 KiB buckets": CollectiveSync(actor_group, rollout_group, 64 << 10),
+                     "broadcast, 64 KiB buckets": small,
                      "object store": driver.syncs["object_store"]}
             for _ in tqdm(range(5 if SMOKE else 30), desc="the three syncs, in turn"):
                 for label, sync in syncs.items():
-                    report = sync.push(driver.roles.actor.named_weights(), driver.engine, driver.roles.version)
+                    weights, version = driver.roles.actor.named_weights(), driver.roles.version
+                    report = sync.push(weights, driver.engine, version)
                     sync_times.setdefault(label, []).append((report.seconds, report.bytes))
-            buckets = {label: len(sync.buckets) for label, sync in syncs.items() if hasattr(sync, "buckets")}
+            buckets = {label: len(s.buckets) for label, s in syncs.items() if hasattr(s, "buckets")}
 
 
 def max_difference(records, expected) -> float:
@@ -1361,15 +1324,13 @@ for name, result in runs.items():
     verdict = "(identical)" if diff == 0 else "(float rounding)" if diff < 1e-4 else "DIFFERS"
     print(f"{name:>14} | {algo:>4} | {result['workers']:7d} | {result['startup']:6.1f} s | "
           f"{len(result['records']):5d} | {diff:.2e} {verdict}")
-assert all(max_difference(r["records"], reference[r["config"].algorithm.algo]) < 1e-4 for r in runs.values())
+assert all(max_difference(r["records"], reference[r["config"].algorithm.algo]) < 1e-4
+           for r in runs.values())
 
 # %% [markdown]
-# Every metric of every step agrees with the single-process run, in every placement (0 means
-# bit for bit; the per-role run's two actor ranks add their gradients in another order). The
-# start-up column is what a placement costs before its first step: a Python process per
-# worker, each importing torch and building its roles.
-#
-# The weight syncs of section 5, timed on the disaggregated workers:
+# Every metric agrees with the single-process run (0: bit for bit; the per-role actor's two
+# ranks add their gradients in another order). Start-up is a Python process per worker, each
+# importing torch and building its roles. The syncs, timed on the disaggregated workers:
 
 # %%
 print(f"{'sync':>26} | buckets | MiB  | median ms | MiB/s")
@@ -1377,8 +1338,8 @@ medians = {}
 for label, samples in sync_times.items():
     medians[label] = sorted(s for s, _ in samples)[len(samples) // 2]
     mib = samples[0][1] / 2**20
-    print(f"{label:>26} | {buckets.get(label, '-'):>7} | {mib:4.2f} | {1e3 * medians[label]:9.2f} | "
-          f"{mib / medians[label]:6.0f}")
+    print(f"{label:>26} | {buckets.get(label, '-'):>7} | {mib:4.2f} | "
+          f"{1e3 * medians[label]:9.2f} | {mib / medians[label]:6.0f}")
 fast = medians["broadcast, 32 MiB buckets"]
 print(f"object store / broadcast: {medians['object store'] / fast:.1f}x the time; "
       f"small buckets / large: {medians['broadcast, 64 KiB buckets'] / fast:.1f}x")
@@ -1386,49 +1347,90 @@ for name, result in runs.items():
     steps = [r for r in result["records"] if "time/sync" in r]
     share = sum(r["time/sync"] for r in steps) / sum(r["time/step"] for r in steps)
     print(f"sync share of the step, {name}: {100 * share:.1f} %: "
-          f"{'above' if share > 0.05 else 'at or below'} the source's 5 % threshold for a slow sync")
+          f"{'above' if share > 0.05 else 'at or below'} the source's 5 % for a slow sync")
 
 # %% [markdown]
-# Both ways move the same bytes; the table says which is faster here. On this machine a
-# "network" transfer is a copy between processes through the loopback (gloo) or shared memory
-# (the object store); on GPUs NCCL broadcasts over NVLink or InfiniBand, while the object
-# store would first copy every tensor to host memory, which is why veRL and OpenRLHF sync
-# with NCCL. Small buckets pay the collective's fixed cost once per message. The tiny policy
-# makes every stage short, so a sync share here says more about copying vs computing at this
-# size than about a production run.
+# **When a worker dies.** The driver learns it at once: the dead worker's pending call fails
+# and `gather` (`minirl/runtime/ray_calls.py`) names its roles, pool and rank. The run stops
+# without a checkpoint of the half-done step, and a new Driver resumes from the last one. Here
+# a reward function kills its own worker on its third call, in step 3 of the GRPO run, now
+# checkpointing every 2 steps; the resumed run must repeat the uninterrupted one.
+
+# %%
+import shutil
+
+from minirl.runtime.io import read_jsonl
+from minirl.runtime.ray_calls import WorkerDiedError
+from minirl.tasks.rewards import reward_name
+
+crash, out = grpo.replace(checkpoint_every=2), RUNS / "06_crash"
+shutil.rmtree(out, ignore_errors=True)
+
+
+def reward_that_kills(kill_at: int):
+    """The task's reward, but call `kill_at` kills the worker it runs in."""
+    calls = []
+
+    def reward(prompts, completions, answer, **columns):
+        calls.append(1)
+        if len(calls) == kill_at:
+            ray.kill(ray.get_runtime_context().current_actor)
+        return task.reward(prompts, completions, answer)
+    reward.__name__ = reward_name(rewards[0])          # the records' `rewards/<name>`, as before
+    return reward
+
+
+try:
+    killer = [reward_that_kills(3)]
+    with Driver(crash, make_placement("colocated"), fresh_policy(), tokenizer, killer) as driver:
+        driver.train(rows, out_dir=out, progress=False)
+except WorkerDiedError as err:
+    print(f"WorkerDiedError: {err}")
+print("steps logged before the crash:", [r["step"] for r in read_jsonl(out / "metrics.jsonl")])
+with Driver(crash, make_placement("colocated"), fresh_policy(), tokenizer, rewards) as driver:
+    driver.train(rows, out_dir=out, resume=True, progress=False)
+gap = max_difference(read_jsonl(out / "metrics.jsonl"), reference["grpo"])
+print(f"resumed vs uninterrupted, max |metric difference|: {gap:.2e} (rule: < 1e-4)")
+assert gap < 1e-4, "a resumed run must repeat the uninterrupted one"
+
+# %% [markdown]
+# Both syncs move the same bytes; here a "network" transfer is a copy between processes
+# through the loopback (gloo) or shared memory (the object store). On GPUs NCCL broadcasts
+# over NVLink or InfiniBand while the object store first copies every tensor to host memory,
+# which is why veRL and OpenRLHF sync with NCCL. The tiny policy makes every stage short, so
+# the sync shares say more about copying vs computing at this size than about production.
 #
 # ## 9. Where the roles ran, and when
 #
-# Role → node → device for each run (drawing: `minirl/runtime/cluster_plots.py`), then which
-# role was busy when on every worker. Colocated, one worker does everything in turn and its
-# engine sleeps after generating; disaggregated and per-role, each worker waits for the
-# others: the idle time that asynchronous RL (notebook 07) goes after.
+# Role → node → device for each run, then which role was busy when on every worker (drawn by
+# `minirl/runtime/cluster_plots.py`). Colocated, one worker does everything in turn; apart,
+# each worker waits for the others: the idle time asynchronous RL (notebook 07) goes after.
 
 # %%
-from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: E402
+from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines
 
 for name, result in runs.items():
     plot_placement(result["where"], title=f"{name}: role -> node -> device")
     plt.show()
-    plot_timelines({f"{name}: which role was busy when, last 2 steps": last_steps_of(result["timeline"], 2)},
-                   ROLE_COLORS, xlabel="seconds (wall clock)")
+    last_two = last_steps_of(result["timeline"], 2)
+    plot_timelines({f"{name}: which role was busy when, last 2 steps": last_two}, ROLE_COLORS,
+                   xlabel="seconds (wall clock)")
     plt.show()
 
 # %% [markdown]
 # Two rows of the source's claims, checked against what ran:
 #
-# - **Row 1, the loop order**, generate → reward → update → synchronize: the calls of the
-#   disaggregated run's first step, in the order they started on the workers.
-# - **Row 7, the Driver's loop**, sync → sample → score → values (critic) → advantages and
-#   update actor → update critic: every iteration of the colocated PPO run, read from its
-#   timeline (`recorded_iterations` orders the workers' calls by their recorded start; an
-#   iteration begins at a sync, as the source's does). The advantages are computed in the
-#   driver right before the actor's update, so the update's call stands for that stage.
+# - **Row 1, the loop order**, generate → reward → update → synchronize: the disaggregated
+#   run's first calls, in the order they started on the workers.
+# - **Row 7, the Driver's loop**: every iteration of the colocated PPO run, its workers' calls
+#   ordered by their recorded start (`minirl/runtime/source_rows.py`); the advantages are
+#   computed in the driver right before the actor's update, whose call stands for that stage.
 #
-# Then the stage times re-cut into the source's iterations (exercise 6.3).
+# Then (next cell) each stage's share of the step, and the stage times re-cut into the
+# source's iterations (exercise 6.3).
 
 # %%
-from minirl.runtime.source_rows import SOURCE_LOOP, driver_order_agrees, recorded_iterations  # noqa: E402
+from minirl.runtime.source_rows import SOURCE_LOOP, driver_order_agrees, recorded_iterations
 
 calls = sorted((start, what) for events in runs["disaggregated"]["timeline"].values()
                for what, start, _ in events)
@@ -1446,30 +1448,39 @@ print("  source:", " -> ".join(SOURCE_LOOP))
 for k, order in enumerate(iterations, 2):
     print(f"  minirl, iteration {k}:", " -> ".join(order))
 print("  verdict:", "agree" if row7_agrees else "DIFFER")
+swap = {"reward.score": "critic.values", "critic.values": "reward.score"}     # a wrong middle order
+wrong = {worker: [(swap.get(what, what), start, end) for what, start, end in events]
+         for worker, events in runs["colocated"]["timeline"].items()}
+print("  the check on a timeline with score and values swapped:", driver_order_agrees(wrong))
+
+# %%
+from minirl.controller.driver import SOURCE_ORDER, driver_cycles
+from minirl.runtime.source_rows import source_stage_shares
+
+shares = {name: source_stage_shares(result["records"]) for name, result in runs.items()}
+print(f"{'stage':>13} | " + " | ".join(f"{name:>13}" for name in shares))
+for s in (*SOURCE_ORDER, "other"):
+    cells = [f"{100 * sh[s]:12.1f}%" if s in sh else f"{'-':>13}" for sh in shares.values()]
+    print(f"{s:>13} | " + " | ".join(cells))
 for k, cycle in enumerate(driver_cycles(runs["colocated"]["records"]), 1):
     print(f"  iteration {k} (ms): " + ", ".join(f"{s} {1e3 * t:.1f}" for s, t in cycle.items()))
 
 # %% [markdown]
 # ## 10. Four orchestration styles, side by side
 #
-# The source's framework table sorts RL systems by how they orchestrate the loop. All four
-# run here, on the same `rl_step` with the same configuration:
-#
-# 1. **Single process** (TRL): stage 1's `train`, the reference of section 8.
-# 2. **Multiple controllers** (NeMo-Aligner): SPMD under `torchrun`, no driver; every rank
-#    runs the loop on its share of the batch and the ranks meet only in collectives (DDP's
-#    all-reduce in notebook 04's `DistributedActor`, as in section 4's data-parallel pools).
-# 3. **Single controller** (veRL / HybridFlow): the disaggregated run of section 8.
-# 4. **Single controller with Ray actor isolation** (OpenRLHF): the per-role run of section 8.
+# The source's framework table sorts RL systems by how they orchestrate the loop; all four
+# styles run here on the same `rl_step`: **single process** (TRL: stage 1's `train`),
+# **multiple controllers** (NeMo-Aligner: SPMD under `torchrun`, every rank runs the loop on
+# its share and the ranks meet only in DDP's all-reduce), **single controller** (veRL: the
+# disaggregated run) and **single controller with Ray actor isolation** (OpenRLHF: per-role).
 
 # %%
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
 
-from minirl.runtime.launch import torchrun  # noqa: E402
+from minirl.runtime.launch import torchrun
 
 SPMD = '''
-"""Multiple controllers: every rank runs the loop on its share of each batch (launched by torchrun)."""
+"""Multiple controllers: every rank runs the loop on its share of each batch (under torchrun)."""
 import json
 import sys
 
@@ -1486,57 +1497,57 @@ from minirl.train.run import run
 
 ctx = init_distributed()                                     # gloo on CPUs, NCCL on GPUs
 torch.set_num_threads(1)
-config = RLConfig.from_flat(steps=int(sys.argv[1]), prompts_per_step=8, num_generations=8, eval_every=0)
+config = RLConfig.from_flat(steps=int(sys.argv[1]), prompts_per_step=8, num_generations=8,
+                            eval_every=0)
 model, tokenizer, _ = load_default_policy(progress=False)
 task = make_task()
-state = setup_spmd(config, ParallelConfig(zero=0), model, tokenizer, task.rows("train"), [task.reward], ctx)
-for record in run(state, spmd_step, [], config.run.steps):   # DistributedActor (DDP), rl_step on every rank
+state = setup_spmd(config, ParallelConfig(zero=0), model, tokenizer, task.rows("train"),
+                   [task.reward], ctx)
+for record in run(state, spmd_step, [], config.run.steps):   # DDP actor, rl_step on every rank
     if ctx.is_main:
-        print(json.dumps({"step": record["step"], "reward": record["reward"], "time/step": record["time/step"]}))
+        print(json.dumps({k: record[k] for k in ("step", "reward", "time/step")}))
 shutdown()
-leave(0)                                                     # exit without the teardown where gloo can abort
+leave(0)                                      # exit without the teardown where gloo can abort
 '''
-ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()   # the repository
-spmd_path = ROOT / "runs" / "06_spmd.py"
+spmd_path = RUNS / "06_spmd.py"
 spmd_path.parent.mkdir(parents=True, exist_ok=True)
 spmd_path.write_text(SPMD)
 RANKS = 2
 proc = torchrun(spmd_path, RANKS, [STEPS], timeout=600)
 assert proc.returncode == 0, proc.stdout[-3000:]
 spmd = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-styles = [("TRL", "single process", "train(config, model, tokenizer)", 1, reference["grpo"]),
-          ("NeMo-Aligner", "multiple controllers", f"torchrun x{RANKS}: rl_step on each shard", RANKS, spmd)]
+styles = [("TRL", "single process", "train()", 1, reference["grpo"]),
+          ("NeMo-Aligner", "multiple controllers", f"torchrun x{RANKS}", RANKS, spmd)]
 for framework, style, placement in (("veRL (HybridFlow)", "single controller", "disaggregated"),
-                                    ("OpenRLHF", "single controller, actor per role", "per-role")):
+                                    ("OpenRLHF", "single controller + actor/role", "per-role")):
     run_ = runs[placement]
-    styles.append((framework, style, f"Driver(grpo, {placement!r})", 1 + run_["workers"], run_["records"]))
-print(f"{'framework':>17} | {'orchestration (source)':>33} | {'minirl run':>40} | procs | reward | s/step")
+    styles.append((framework, style, f"Driver, {placement}", 1 + run_["workers"], run_["records"]))
+print(f"{'framework':>17} | {'orchestration (source)':>30} | {'minirl run':>21} | procs | "
+      "reward | s/step")
 mean_reward = {}
 for framework, style, code, processes, records in styles:
     mean_reward[framework] = sum(r["reward"] for r in records) / len(records)
     per_step = sum(r["time/step"] for r in records) / len(records)
-    print(f"{framework:>17} | {style:>33} | {code:>40} | {processes:5d} | {mean_reward[framework]:6.3f} | "
-          f"{per_step:6.3f}")
+    print(f"{framework:>17} | {style:>30} | {code:>21} | {processes:5d} | "
+          f"{mean_reward[framework]:6.3f} | {per_step:6.3f}")
 all_ran = all(len(records) == STEPS for *_, records in styles)
 same_draws = ("TRL", "veRL (HybridFlow)", "OpenRLHF")          # one sampler, the same seeds
 spread = max(mean_reward[f] for f in same_draws) - min(mean_reward[f] for f in same_draws)
-print(f"row 8, the four styles: {'agree' if all_ran and spread < 1e-6 else 'DIFFER'} (all ran {STEPS} "
-      f"steps: {all_ran}; mean reward of the single-process and single-controller runs spread by "
-      f"{spread:.1e}, rule < 1e-6; the multiple-controller run samples other draws)")
+verdict = "agree" if all_ran and spread < 1e-6 else "DIFFER"
+print(f"row 8, the four styles: {verdict} (all ran {STEPS} steps: {all_ran}; mean reward of the\n"
+      f"  single-process and single-controller runs spread by {spread:.1e}, rule < 1e-6;\n"
+      "  the multiple-controller run samples other draws)")
 
 # %% [markdown]
-# All four styles run the one algorithm; the single-process run and both single-controller
-# runs draw the same samples and must end with the same mean reward. The torchrun ranks each
-# sample their half of the prompts from seeds of their own (notebook 04), so their completions
-# are other draws. At this size the seconds per step say little about the styles: what they
-# change is who holds the loop (one process, every rank, or a driver) and how the weights and
-# batches move, which is what the timelines show.
+# The single-process and both single-controller runs draw the same samples and end with the
+# same mean reward; the torchrun ranks sample from seeds of their own (notebook 04). What the
+# styles change is who holds the loop (one process, every rank, or a driver) and how weights
+# and batches move, not the algorithm.
 #
 # ## 11. Beyond one machine
 #
-# Everything above ran on two Ray nodes: the plan chose between them, a pool spanned both,
-# and the per-role actor's two ranks all-reduced across them. On a real cluster only the start
-# changes: start Ray on every machine, then run the driver on any of them.
+# On a real cluster only the start changes: start Ray on every machine, then run the driver
+# on any of them.
 #
 # ```
 # ray start --head --port 6379                      # on the head machine; prints its address
@@ -1545,22 +1556,15 @@ print(f"row 8, the four styles: {'agree' if all_ran and spread < 1e-6 else 'DIFF
 #     --pools actor=4+4,rollout=4 --model Qwen/Qwen2.5-0.5B --out runs/06-cluster
 # ```
 #
-# With `--device cuda` every pool that hosts a model reserves one GPU per device, the world
-# uses NCCL, and the reward pool stays on CPUs. Every machine needs the same Python
-# environment; the driver ships the weights through the object store once, so the model must
-# fit the driver's host memory. A worker that dies mid-step is named at once and the run stops
-# without a checkpoint of the half-done step; `--resume` continues it exactly (the tests in
-# `tests/test_controller.py` kill one and check).
+# With `--device cuda` every model pool reserves one GPU per device and the world uses NCCL;
+# the reward pool stays on CPUs. Every machine needs the same Python environment.
 #
 # ## What to take away
 #
 # - One algorithm, written once (`rl_step`), runs in one process, under torchrun, or from a
 #   driver on Ray workers; the driver only hands it proxies with the same methods.
-# - A placement maps roles to pools, planned against the cluster before anything starts.
-#   Colocated roles take turns on the same devices; disaggregated roles run in their own
-#   processes and pay a weight sync.
-# - Notebook 07 builds on these pieces: rollout workers that produce continuously into a
-#   bounded queue while new weights arrive, and a driver that consumes the queue.
+# - A placement maps roles to pools, planned before anything starts. Colocated roles take
+#   turns on the same devices; disaggregated roles run apart and pay a weight sync.
 #
 # ## Exercises
 #
@@ -1576,11 +1580,9 @@ print(f"row 8, the four styles: {'agree' if all_ran and spread < 1e-6 else 'DIFF
 # | 6.2 | `split_by_rank` | contiguous equal parts, whole groups, the batch back by concatenation, errors |
 # | 6.3 | `driver_cycles` | the sync moved to the next iteration, the source's order, skipped evaluation records |
 #
-# Questions to think about (not graded): on the per-role placement the rollout worker waits
-# while the actor trains, and the actor while the rollout generates. How would you change the
-# driver's loop so both stay busy, and what does the batch lose (notebook 07)? The object
-# store copies the weights once per receiver: how does its time grow with the number of
-# rollout workers, and a broadcast's?
+# To think about (not graded): per-role, the rollout worker waits while the actor trains and
+# the other way round; how would you keep both busy, and what does the batch lose (notebook
+# 07)? How does the object store's sync time grow with the number of rollout workers?
 
 # %%
 ray.shutdown()

@@ -86,7 +86,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 06's plumbing (Ray start-up, waits and deaths, checks, the run around the Driver, plots)
                 "minirl/runtime/ray_start.py", "minirl/runtime/ray_calls.py", "minirl/runtime/placement_checks.py",
                 "minirl/runtime/driver_run.py", "minirl/runtime/role_checkpoints.py", "minirl/runtime/cluster_plots.py",
-                "minirl/runtime/source_rows.py")
+                "minirl/runtime/source_rows.py", "minirl/runtime/object_store_sync.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

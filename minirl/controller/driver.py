@@ -13,13 +13,15 @@ import ray
 
 from minirl.controller.placement import Placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
-from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_placement, reserve
+from minirl.controller.resource_pool import PlacementError, plan_placement, reserve
 from minirl.controller.roles import RoleWorker
-from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
+from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
-from minirl.runtime.placement_checks import check_driver_args, check_placement
+from minirl.runtime.object_store_sync import ObjectStoreSync
+from minirl.runtime.placement_checks import check_driver_args, check_placement, describe
 from minirl.runtime.ray_calls import gather
+from minirl.runtime.ray_start import cluster_nodes
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
@@ -41,27 +43,29 @@ class DriverSetup(DriverLifecycle):
         check_driver_args(sync, reward_funcs, reward_weights)
         self.config, self.placement, self.tokenizer = config, placement, tokenizer
         self.reward_weights = None if reward_weights is None else list(reward_weights)
-        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"         # workers: "<name>/<pool>-<rank>"
-        self.used = check_placement(placement, config)              # {pool: roles}, before anything starts
+        self.name = name or f"minirl-{uuid.uuid4().hex[:6]}"   # workers: "<name>/<pool>-<rank>"
+        self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
         try:
             self.plan = plan_placement(pools, self.nodes)
         except PlacementError as err:
-            raise PlacementError(f"{err}; the placement was {placement.describe(self.roles_needed())}") from None
+            was = describe(placement, self.roles_needed())
+            raise PlacementError(f"{err}; the placement was {was}") from None
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
-                groups = reserve(pool, pools[pool], [self.nodes[i]["node_id"] for i in self.plan[pool]],
-                                 reserve_timeout)
+                node_ids = [self.nodes[i]["node_id"] for i in self.plan[pool]]
+                groups = reserve(pool, pools[pool], node_ids, reserve_timeout)
                 self._reserved += groups
                 self.groups[pool] = WorkerGroup(pool, pools[pool], groups, roles, RoleWorker,
-                                                prefix=f"{self.name}/", nodes=self.plan[pool], threads=threads)
+                                                prefix=f"{self.name}/", nodes=self.plan[pool],
+                                                threads=threads)
             self._join_world()
-            self.model = model.to("cpu").eval()                      # the driver's copy of the policy
+            self.model = model.to("cpu").eval()                    # the driver's copy of the policy
             shared = ray.put(self.model)
-            gather([(group, rank, worker.setup.remote(group.roles, config, shared, tokenizer, reward_funcs))
-                    for group in self.groups.values() for rank, worker in enumerate(group.workers)], "setup")
+            gather([(g, r, w.setup.remote(g.roles, config, shared, tokenizer, reward_funcs))
+                    for g in self.groups.values() for r, w in enumerate(g.workers)], "setup")
             self._build_proxies(reward_funcs, sync, bucket_bytes)
         except BaseException:
             self.shutdown()
@@ -77,7 +81,8 @@ class DriverSetup(DriverLifecycle):
         members = [g for g in self.groups.values() if any(r in MODEL_ROLES for r in g.roles)]
         world = [(group, rank) for group in members for rank in range(len(group))]
         backend = "nccl" if all(g.pool.device == "gpu" for g in members) else "gloo"
-        address = gather([(world[0][0], 0, world[0][0].workers[0].free_address.remote())], "free_address")[0]
+        first = world[0][0]
+        address = gather([(first, 0, first.workers[0].free_address.remote())], "free_address")[0]
         gather([(g, r, g.workers[r].init_world.remote(address, i, len(world), backend))
                 for i, (g, r) in enumerate(world)], "init_world")
         for group in members:
@@ -91,9 +96,9 @@ class DriverSetup(DriverLifecycle):
     def _build_proxies(self, reward_funcs, sync: str, bucket_bytes: int) -> None:
         needed = self.roles_needed()
         actor, rollout = self.group_of("actor"), self.group_of("rollout")
-        self.roles = Roles(ActorGroup(actor, self.model),
-                           ReferenceGroup(self.group_of("reference")) if "reference" in needed else None,
-                           CriticGroup(self.group_of("critic")) if "critic" in needed else None)
+        reference = ReferenceGroup(self.group_of("reference")) if "reference" in needed else None
+        critic = CriticGroup(self.group_of("critic")) if "critic" in needed else None
+        self.roles = Roles(ActorGroup(actor, self.model), reference, critic)
         self.engine = EngineGroup(rollout)
         self.reward_funcs = [RemoteReward(self.group_of("reward"), i, reward_name(f))
                              for i, f in enumerate(reward_funcs)]      # the name stage 1's metrics use
@@ -106,7 +111,7 @@ class DriverSetup(DriverLifecycle):
 
 
 class Driver(DriverSetup):
-    """The single controller: stage 1's step and run on the workers, proxies and sync DriverSetup built."""
+    """The single controller: stage 1's step and run on what DriverSetup built."""
 
     def step(self, state: RunState) -> dict:
         """Stage 1's step; a worker that died during it stops the run with a WorkerDiedError."""
@@ -120,7 +125,7 @@ class Driver(DriverSetup):
 
 
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
-    """A run's per-step records re-cut into the source's Driver iterations, stage seconds in SOURCE_ORDER.
+    """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
     records: the records of a run in step order; records without "time/generate" (the
     step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes

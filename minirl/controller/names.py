@@ -9,11 +9,11 @@ ROLES = ("actor", "rollout", "reward", "reference", "critic")
 
 LAYOUTS = {
     "colocated": {role: "shared" for role in ROLES},
-    "disaggregated": {"actor": "train", "reference": "train", "critic": "train", "rollout": "rollout",
-                      "reward": "rollout"},
+    "disaggregated": {"actor": "train", "reference": "train", "critic": "train",
+                      "rollout": "rollout", "reward": "rollout"},
     "per-role": {role: role for role in ROLES},
 }
 PLACEMENTS = tuple(LAYOUTS)
 
 
-SYNCS = ("collective", "object_store")   # a bucketed torch.distributed broadcast, or Ray's object store
+SYNCS = ("collective", "object_store")   # a bucketed broadcast, or Ray's object store

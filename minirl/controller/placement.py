@@ -1,5 +1,5 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Placement: which pool hosts each role; three layouts (colocated, disaggregated, per-role), one Driver.
+"""Placement: which pool hosts each role; three layouts (colocated, disaggregated, per-role).
 
 Roles mapped to one pool share its workers; a placement is checked against a run's config
 before any actor starts (`minirl.runtime.placement_checks`).
@@ -23,18 +23,10 @@ class Placement:
     pools: dict[str, ResourcePool]
     roles: dict[str, str]
 
-    def roles_on(self, pool: str, needed=ROLES) -> list[str]:
-        return [role for role in needed if self.roles.get(role) == pool]
-
-    def describe(self, needed=ROLES) -> str:
-        pools = dict.fromkeys(self.roles[r] for r in needed if r in self.roles)
-        return f"{self.name}: " + "; ".join(
-            f"{pool} {self.pools[pool].devices_per_node} {self.pools[pool].device} "
-            f"({', '.join(self.roles_on(pool, needed))})" for pool in pools if pool in self.pools)
-
 
 def needed_roles(config) -> list[str]:
-    """The roles a run of `config` uses: actor, rollout, reward; a reference with beta > 0; a critic for PPO."""
+    """The roles a run of `config` uses: actor, rollout, reward; a reference if beta > 0; a critic
+    for PPO."""
     roles = ["actor", "rollout", "reward"]
     if config.algorithm.beta > 0:
         roles.append("reference")
@@ -48,7 +40,7 @@ def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device:
     """The `kind` layout; `sizes`: {role: devices per node} (roles sharing a pool: one size)."""
     check_choice("placement", kind, PLACEMENTS)
     layout, sizes = LAYOUTS[kind], dict(sizes or {})
-    check_sizes(kind, sizes)                  # every key a role; roles sharing a pool given one size
+    check_sizes(kind, sizes)              # every key a role; roles sharing a pool given one size
     pools = {}
     for pool in dict.fromkeys(layout.values()):
         roles = [role for role in ROLES if layout[role] == pool]

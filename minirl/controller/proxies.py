@@ -24,7 +24,8 @@ class RemoteWeights:
         self.group = group
 
     def __iter__(self):
-        return iter(self.group.run("named_weights", [("actor",)] + [None] * (len(self.group) - 1))[0])
+        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
+        return iter(self.group.run("named_weights", rank0)[0])
 
 
 class ActorGroup(CheckpointedRole):
@@ -38,7 +39,7 @@ class ActorGroup(CheckpointedRole):
 
     @property
     def model(self):
-        """The driver's copy of the policy, refreshed from rank 0 if the workers have updated since."""
+        """The driver's copy of the policy, refreshed from rank 0 if the workers updated since."""
         if not self._fresh:
             self._model.load_state_dict(dict(RemoteWeights(self.group)))
             self._fresh = True
@@ -85,8 +86,9 @@ class EngineGroup:
     def generate(self, prompts, sampling, expected_version=None, generator=None):
         calls = []
         for (part,) in split_by_rank(len(self.group), list(prompts)):
-            calls.append(("rollout", "generate", part, sampling, expected_version, copy.deepcopy(generator)))
-            draw_seed(generator)                  # the driver's generator moves on by that worker's draw
+            rng = copy.deepcopy(generator)
+            calls.append(("rollout", "generate", part, sampling, expected_version, rng))
+            draw_seed(generator)                  # the driver's generator moves on by that draw
         return Batch.concat(self.group.run("call", calls))
 
     def load_weights(self, named_tensors, version: int) -> None:
@@ -96,20 +98,20 @@ class EngineGroup:
     def confirm(self, versions: list[int]) -> None:
         """The versions the workers report after a sync: all equal, or VersionMismatchError."""
         if len(set(versions)) != 1:
-            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions {versions} "
-                                       "after a sync; each must load every push")
+            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions "
+                                       f"{versions} after a sync; each must load every push")
         self.version = versions[0]
 
 
 class RemoteReward:
-    """Reward function `index` of the reward workers, callable with TRL's signature from the driver."""
+    """Reward function `index` of the reward workers, callable with TRL's signature."""
 
     def __init__(self, group, index: int, name: str):
         self.group, self.index, self.__name__ = group, index, name
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
         N, n = len(completions), len(self.group)
-        bounds = [(r * N // n, (r + 1) * N // n) for r in range(n)]      # contiguous, as equal as N allows
+        bounds = [(r * N // n, (r + 1) * N // n) for r in range(n)]      # contiguous, near equal
         calls = [("reward", "score", self.index, prompts[a:b], completions[a:b],
                   {k: v[a:b] for k, v in columns.items()}) if b > a else None for a, b in bounds]
         return [x for part in self.group.run("call", calls) for x in part]

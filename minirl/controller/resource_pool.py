@@ -6,8 +6,7 @@ choose it (first fit over the nodes' total resources) and pin the group there, s
 print is the placement that happens. Starting Ray: `minirl.runtime.ray_start`.
 """
 
-__all__ = ["PlacementError", "ResourcePool", "cluster_nodes", "plan_placement", "reserve",
-           "release"]
+__all__ = ["PlacementError", "ResourcePool", "plan_placement", "reserve", "release"]
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -24,7 +23,7 @@ class ResourcePool:
 
     def __init__(self, devices_per_node: list[int], device: str = "cpu",
                  cpus_per_device: float = 0.25):
-        check_pool(devices_per_node, device, cpus_per_device)      # a ConfigError naming a bad value
+        check_pool(devices_per_node, device, cpus_per_device)      # a ConfigError names a bad one
         self.devices_per_node = list(devices_per_node)
         self.device, self.cpus_per_device = device, cpus_per_device
 
@@ -42,20 +41,12 @@ class ResourcePool:
                 f"cpus_per_device={self.cpus_per_device:g})")
 
 
-def cluster_nodes() -> list[dict]:
-    """The alive nodes of the connected cluster, head first: {"node_id", "CPU", "GPU"} (totals)."""
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]),
-                   key=lambda n: "node:__internal_head__" not in n["Resources"])
-    return [{"node_id": n["NodeID"], "CPU": n["Resources"].get("CPU", 0.0),
-             "GPU": n["Resources"].get("GPU", 0.0)} for n in nodes]
-
-
 def _fmt(resources: dict) -> str:
     return " ".join(f"{k} {v:g}" for k, v in resources.items() if k in ("CPU", "GPU"))
 
 
 def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[str, list[int]]:
-    """A node for every entry of every pool: {pool name: [node index for each entry of devices_per_node]}.
+    """A node for every entry of every pool: {pool name: [node of each devices_per_node entry]}.
 
     nodes: each node's total resources, e.g. [{"CPU": 2.0, "GPU": 0.0}, ...] (other keys are
     ignored), in cluster order; node i is `nodes[i]`. First fit, pools in the order of `pools`
@@ -72,14 +63,15 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
         used = []
         for k, count in enumerate(pool.devices_per_node):
             need = {r: count * amount for r, amount in pool.bundle().items()}
-            fits = [i for i, free in enumerate(left)
-                    if i not in used and all(free[r] >= amount - 1e-9 for r, amount in need.items())]
+            fits = [i for i, free in enumerate(left) if i not in used
+                    and all(free[r] >= amount - 1e-9 for r, amount in need.items())]
             if not fits:
                 raise PlacementError(
-                    f"pool {name!r} (devices_per_node={pool.devices_per_node}) needs {count} device(s) = "
-                    f"{_fmt(need)} on a node of its own for entry {k}, but no node has that left: "
-                    + ", ".join(f"node{i} has {_fmt(free)}" + (" (used by this pool)" if i in used else "")
-                                for i, free in enumerate(left))
+                    f"pool {name!r} (devices_per_node={pool.devices_per_node}) needs {count} "
+                    f"device(s) = {_fmt(need)} on a node of its own for entry {k}, but no node has "
+                    "that left: " + ", ".join(f"node{i} has {_fmt(free)}"
+                                              + (" (used by this pool)" if i in used else "")
+                                              for i, free in enumerate(left))
                     + f" ({len(nodes)} node(s) in the cluster)")
             node = fits[0]
             for r, amount in need.items():
@@ -98,13 +90,14 @@ def reserve(name: str, pool: ResourcePool, node_ids: list[str],
     groups = []
     try:
         for count, node_id in zip(pool.devices_per_node, node_ids, strict=True):
+            pinned = [{"ray.io/node-id": node_id}] * count
             groups.append(placement_group([pool.bundle()] * count, strategy="STRICT_PACK",
-                                          bundle_label_selector=[{"ray.io/node-id": node_id}] * count))
+                                          bundle_label_selector=pinned))
         ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
         if len(ready) < len(groups):
             raise PlacementError(f"pool {name!r}: Ray did not grant its {pool.size} device(s) "
-                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job may "
-                                 "hold them (`ray status` shows what is in use)")
+                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job "
+                                 "may hold them (`ray status` shows what is in use)")
     except BaseException:
         release(groups)
         raise

@@ -20,7 +20,8 @@ from minirl.runtime.ray_calls import WorkerInfo
 class Worker(WorkerInfo):
     """Base of every worker process: its place in its group, the world it joined, its timeline.
 
-    From `WorkerInfo`: `where()` (its node, device, pid) and `free_address()` (a free port)."""
+    From `WorkerInfo` (minirl/runtime/ray_calls.py): `where()` and `free_address()` (a free port,
+    where world rank 0 meets the others)."""
 
     def __init__(self, group: str, rank: int, size: int, device: str = "cpu", threads: int = 1):
         self.group, self.rank, self.size, self.device = group, rank, size, device
@@ -31,8 +32,8 @@ class Worker(WorkerInfo):
     def init_world(self, init_method: str, world_rank: int, world_size: int, backend: str,
                    timeout_s: float = 120.0) -> int:
         """Join the world of all workers (every member calls this at the same time)."""
-        dist.init_process_group(backend, init_method=init_method, rank=world_rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method=init_method, rank=world_rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
         self.world_rank = world_rank
         return world_rank
 

@@ -49,12 +49,12 @@ def split_by_rank(n: int, batch, *args) -> list[tuple]:
     the batch back. Raises ValueError naming n and the batch's length when the batch does not
     split into n equal parts (of whole groups).
     """
-    if isinstance(batch, Batch) or hasattr(batch, "group_size"):   # a Batch, whichever copy of minirl.data
+    if isinstance(batch, Batch) or hasattr(batch, "group_size"):   # any copy of minirl.data's Batch
         parts = batch.split(n)
     else:
         if n < 1 or len(batch) % n:
-            raise ValueError(f"split_by_rank: {len(batch)} items do not split into {n} equal parts; "
-                             f"use a number of ranks that divides {len(batch)}")
+            raise ValueError(f"split_by_rank: {len(batch)} items do not split into {n} equal "
+                             f"parts; use a number of ranks that divides {len(batch)}")
         size = len(batch) // n
         parts = [batch[r * size:(r + 1) * size] for r in range(n)]
     return [(part, *args) for part in parts]
@@ -86,8 +86,8 @@ RANK_ZERO = Mode(rank_zero, first)
 class WorkerGroup:
     """One worker (a Ray actor of class `worker_cls`) per device of `pool`, rank 0 .. size-1."""
 
-    def __init__(self, name: str, pool: ResourcePool, placement_groups: list, roles: list[str], worker_cls,
-                 prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
+    def __init__(self, name: str, pool: ResourcePool, placement_groups: list, roles: list[str],
+                 worker_cls, prefix: str = "", nodes: list[int] | None = None, **worker_kwargs):
         self.name, self.pool, self.roles = name, pool, list(roles)
         self.nodes = nodes or [0] * len(placement_groups)    # node index of each placement group
         self.world_ranks, self.dead, self.death = [], None, None    # dead: a rank; death: its error
@@ -110,15 +110,16 @@ class WorkerGroup:
         return f"{'+'.join(self.roles)} worker {self.name}[rank {rank}] on node{self.node_of[rank]}"
 
     def run(self, method: str, per_rank_args: list[tuple | None], **kwargs) -> list:
-        """Call worker method `method` on every rank whose arguments are not None; results by rank."""
+        """Worker method `method` on every rank whose arguments are not None; results by rank."""
+        pairs = enumerate(zip(self.workers, per_rank_args, strict=True))
         calls = [(self, rank, getattr(worker, method).remote(*args, **kwargs))
-                 for rank, (worker, args) in enumerate(zip(self.workers, per_rank_args, strict=True))
-                 if args is not None]
+                 for rank, (worker, args) in pairs if args is not None]
         first = next((args for args in per_rank_args if args is not None), ())
-        return gather(calls, f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method)
+        what = f"{first[0]}.{first[1]}" if method == "call" and len(first) > 1 else method
+        return gather(calls, what)
 
     def execute(self, mode: Mode, role: str, method: str, *args, **kwargs):
-        """`role.method(...)` on the ranks `mode` picks, arguments split and results collected by `mode`."""
+        """`role.method(...)` on the ranks `mode` picks; `mode` splits the arguments, collects."""
         per_rank = mode.dispatch(len(self.workers), *args)
         calls = [(self, rank, self.workers[rank].call.remote(role, method, *a, **kwargs))
                  for rank, a in enumerate(per_rank) if a is not None]

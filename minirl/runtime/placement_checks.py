@@ -13,6 +13,8 @@ Hand-written (validation and CLI parsing; notebook 06 teaches the placements the
   `check_sizes(kind, sizes)` (the sizes `make_placement` gives the pools) and
   `check_driver_args(sync, reward_funcs, reward_weights)` (the Driver's own arguments) refuse
   bad values with a `ConfigError` or `ValueError` naming the setting.
+- `describe(placement, needed)`: one line naming each pool, its devices and its roles (for
+  messages and the chapter's first line).
 - `parse_pools("actor=2,rollout=1+1")` -> {"actor": [2], "rollout": [1, 1]}: the devices on
   each node of each role's pool, as chapters/06_ray.py's --pools flag gives them.
 """
@@ -54,6 +56,15 @@ def check_driver_args(sync: str, reward_funcs, reward_weights) -> None:
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
         raise ValueError(f"reward_weights has {len(reward_weights)} weights for {len(reward_funcs)} reward "
                          "functions: give one weight per function")
+
+
+def describe(placement, needed=ROLES) -> str:
+    """"disaggregated: train [1] cpu (actor); rollout [1] cpu (rollout, reward)": the pools of the `needed` roles."""
+    pools = dict.fromkeys(placement.roles[r] for r in needed if r in placement.roles)
+    return f"{placement.name}: " + "; ".join(
+        f"{pool} {placement.pools[pool].devices_per_node} {placement.pools[pool].device} "
+        f"({', '.join(r for r in needed if placement.roles.get(r) == pool)})"
+        for pool in pools if pool in placement.pools)
 
 
 def check_placement(placement, config) -> dict[str, list[str]]:

@@ -3,7 +3,9 @@
 Hand-written (it teaches nothing about RL; notebook 06 teaches the workers and groups this
 serves). `WorkerInfo` is a base of stage 6's `Worker`: `where()` (its group, rank, node,
 device, process id) and `free_address()` (a free port on its node, where the torch.distributed
-world of all workers meets).
+world of all workers meets). `moved(value, device)` is what crosses between the driver and a
+worker: batches arrive on the CPU and go to the worker's device, results go back on the CPU
+(the driver may have no GPU, and a CUDA tensor cannot be unpickled without one).
 
 Every `ray.get` of stage 6's driver on a worker goes through `gather(calls, what)`: it takes
 the calls as they finish, so a worker that dies is reported at once, even while its peers
@@ -23,6 +25,20 @@ import os
 import socket
 
 import ray
+import torch
+
+from minirl.data import Batch
+
+
+def moved(value, device):
+    """`value` with every tensor (inside Batches, dicts, lists and tuples too) on `device`."""
+    if isinstance(value, (torch.Tensor, Batch)):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    return value
 
 
 class WorkerInfo:

@@ -10,6 +10,8 @@ Hand-written (it teaches nothing about RL; notebook 06 teaches what runs on the 
   is at hand (`token_available`), and otherwise names token auth (`AUTH_HINT`).
 - `local_cluster(num_nodes, cpus_per_node)` starts Ray's multi-node test cluster on this
   machine: every node a real raylet with its own resources, only the network the loopback.
+- `cluster_nodes()`: the alive nodes of the connected cluster, head first, with their total
+  CPUs and GPUs: what stage 6's placement plan places pools on.
 - Why starting is hard on a busy machine: a raylet gives its dashboard agent (a Python process)
   15 s to write each of its port files and then aborts (fixed in Ray 2.60), and at load 15-20
   on two cores the agent's imports alone take longer. So both starts raise the waits that are
@@ -166,3 +168,11 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: float = 2, attempts: int = 
         return cluster
     return started(start, lambda: holder["cluster"].shutdown() if "cluster" in holder else None,
                    f"starting a local Ray cluster of {num_nodes} nodes", attempts)
+
+
+def cluster_nodes() -> list[dict]:
+    """The alive nodes of the connected cluster, head first: {"node_id", "CPU", "GPU"} (totals)."""
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]),
+                   key=lambda n: "node:__internal_head__" not in n["Resources"])
+    return [{"node_id": n["NodeID"], "CPU": n["Resources"].get("CPU", 0.0),
+             "GPU": n["Resources"].get("GPU", 0.0)} for n in nodes]

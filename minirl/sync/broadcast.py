@@ -1,5 +1,5 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Bucketed broadcast of named tensors over a torch.distributed group: the wire under stage 6's weight sync.
+"""Bucketed broadcast of named tensors over a torch.distributed group: the wire of stage 6's sync.
 
 Both ends plan the same buckets from the same metadata, so only flat buffers travel, one
 `broadcast` per bucket. Simplified: the sender holds full tensors (an FSDP trainer gathers its
@@ -54,15 +54,17 @@ def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[Ten
     return buckets
 
 
-def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int, group=None) -> int:
+def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int,
+                 group=None) -> int:
     """Broadcast every bucket from this process (global rank `src`); returns the bytes sent."""
     sent = 0
     for bucket in buckets:
         for meta in bucket:
-            if tuple(named[meta.name].shape) != meta.shape or named[meta.name].dtype != meta.dtype:
-                raise ValueError(f"send_buckets: {meta.name} is {tuple(named[meta.name].shape)} "
-                                 f"{named[meta.name].dtype}, but the receivers expect {meta.shape} {meta.dtype}")
-        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])     # [sum of numel]
+            x = named[meta.name]
+            if tuple(x.shape) != meta.shape or x.dtype != meta.dtype:
+                raise ValueError(f"send_buckets: {meta.name} is {tuple(x.shape)} {x.dtype}, but the "
+                                 f"receivers expect {meta.shape} {meta.dtype}")
+        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])   # [numel]
         dist.broadcast(flat, src=src, group=group)
         sent += flat.numel() * flat.element_size()
     return sent
@@ -70,7 +72,7 @@ def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src:
 
 def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None,
                  device="cpu") -> list[tuple[str, Tensor]]:
-    """Receive every bucket broadcast by global rank `src`; the named tensors, as views of the buffers."""
+    """Every bucket broadcast by global rank `src`; the named tensors, as views of the buffers."""
     named = []
     for bucket in buckets:
         flat = torch.empty(sum(meta.numel for meta in bucket), dtype=bucket[0].dtype, device=device)
