@@ -1463,7 +1463,7 @@ for s in (*SOURCE_ORDER, "other"):
     cells = [f"{100 * sh[s]:12.1f}%" if s in sh else f"{'-':>13}" for sh in shares.values()]
     print(f"{s:>13} | " + " | ".join(cells))
 for k, cycle in enumerate(driver_cycles(runs["colocated"]["records"]), 1):
-    print(f"  iteration {k} (ms): " + ", ".join(f"{s} {1e3 * t:.1f}" for s, t in cycle.items()))
+    print(f"iteration {k} (ms): " + ", ".join(f"{s} {1e3 * t:.0f}" for s, t in cycle.items()))
 
 # %% [markdown]
 # ## 10. Four orchestration styles, side by side

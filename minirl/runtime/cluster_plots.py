@@ -11,6 +11,7 @@ timelines of its producers and trainer.
 - `plot_placement(where)`: nodes side by side, a column per device, the roles it hosts
   stacked in it (`ROLE_COLORS`).
 """
+
 import matplotlib.pyplot as plt
 
 ROLE_COLORS = {"actor": "tab:blue", "rollout": "tab:orange", "reward": "tab:green", "reference": "tab:purple",
