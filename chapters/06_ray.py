@@ -131,7 +131,8 @@ def parse_args(argv=None):
     args.run_data = data_record(parser, args)   # the data's content hashes; on --resume, refused if changed
     if args.address is None:               # on a cluster the workers' nodes have the devices, not necessarily this one
         check_device(parser, config.run.device)
-    from minirl.controller.placement import check_placement, make_placement, parse_pools  # noqa: PLC0415 (Ray, torch)
+    from minirl.controller.placement import make_placement  # noqa: PLC0415 (Ray, torch)
+    from minirl.runtime.placement_checks import check_placement, parse_pools  # noqa: PLC0415
 
     device = "gpu" if config.run.device.startswith("cuda") else "cpu"
     try:
@@ -152,15 +153,18 @@ def main(argv=None) -> int:
     import ray  # noqa: PLC0415 (after the arguments: a usage error never waits for torch and Ray)
     import torch  # noqa: PLC0415
 
-    from minirl.controller.driver import SOURCE_ORDER, Driver, source_stage_shares  # noqa: PLC0415
-    from minirl.controller.plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
-    from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
-    from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
+    from minirl.controller.driver import SOURCE_ORDER, Driver  # noqa: PLC0415
+    from minirl.controller.resource_pool import PlacementError  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
+    from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
     from minirl.runtime.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.runtime.placement_checks import describe  # noqa: PLC0415
+    from minirl.runtime.ray_calls import WorkerDiedError  # noqa: PLC0415
+    from minirl.runtime.ray_start import connect  # noqa: PLC0415
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
+    from minirl.runtime.source_rows import source_stage_shares  # noqa: PLC0415
     from minirl.train.run import Callback, RunStopped  # noqa: PLC0415
 
     class StageLine(Callback):
@@ -193,7 +197,7 @@ def main(argv=None) -> int:
         with Driver(config, placement, model, tokenizer, task.reward_funcs, reward_weights=task.reward_weights,
                     sync=args.sync, threads=args.threads, bucket_bytes=int(args.bucket_mb * 2**20)) as driver:
             where = driver.where()
-            print(f"placement {placement.describe(driver.roles_needed())}; sync: {type(driver.sync).__name__}")
+            print(f"placement {describe(placement, driver.roles_needed())}; sync: {type(driver.sync).__name__}")
             for role, devices in where.items():
                 print(f"  {role:>9} -> {', '.join(devices)}")
             run_info = {"model": args.model, "placement": args.placement, "pools": args.pools, "settings": settings,

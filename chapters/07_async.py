@@ -183,13 +183,13 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
 
     import torch  # noqa: PLC0415
 
-    from minirl.controller.plots import plot_timelines  # noqa: PLC0415
     from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
     from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.async_envs import RewardEnv  # noqa: PLC0415
     from minirl.runtime.async_plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
     from minirl.runtime.async_run import train_async  # noqa: PLC0415
     from minirl.runtime.async_snapshots import evaluate_snapshots  # noqa: PLC0415
+    from minirl.runtime.cluster_plots import plot_timelines  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
@@ -218,9 +218,9 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
         if acfg.ray:
             import ray  # noqa: PLC0415 (Ray only with --ray)
 
-            from minirl.controller.resource_pool import connect  # noqa: PLC0415
+            from minirl.runtime.ray_start import connect  # noqa: PLC0415
             print(connect(None, num_cpus=args.num_cpus), flush=True)
-        from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415 (imports Ray)
+        from minirl.runtime.ray_calls import WorkerDiedError  # noqa: PLC0415 (imports Ray)
     except ConnectionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from minirl.data import Batch
 
 
 def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[str, list[int]]:
-    """A node for every entry of every pool: {pool name: [node index for each entry of devices_per_node]}.
+    """A node for every entry of every pool: {pool name: [node of each devices_per_node entry]}.
 
     nodes: each node's total resources, e.g. [{"CPU": 2.0, "GPU": 0.0}, ...] (other keys are
     ignored), in cluster order; node i is `nodes[i]`. First fit, pools in the order of `pools`
@@ -40,7 +40,7 @@ def split_by_rank(n: int, batch, *args) -> list[tuple]:
 
 
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
-    """A run's per-step records re-cut into the source's Driver iterations, stage seconds in SOURCE_ORDER.
+    """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
     records: the records of a run in step order; records without "time/generate" (the
     step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes

@@ -1006,8 +1006,8 @@ assert sync.summary()["trainer_idle_share"] > RESULTS["eta=2 none"].summary()["t
 # curves (their styles: `minirl/runtime/async_plots.py`).
 
 # %%
-from minirl.controller.plots import plot_timelines
 from minirl.runtime.async_plots import ACTIVITY_COLORS, plot_learning_curves
+from minirl.runtime.cluster_plots import plot_timelines
 
 
 def last_seconds(result, seconds=2.0):
@@ -1111,7 +1111,7 @@ print("update seconds per step: " + ", ".join(f"{v:.3f} {k}" for k, v in update.
 if not SMOKE:
     import ray
 
-    from minirl.controller.resource_pool import connect
+    from minirl.runtime.ray_start import connect
 
     print(connect(num_cpus=2))       # a new local cluster of our own (address="local")
     try:

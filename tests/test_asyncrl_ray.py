@@ -21,7 +21,7 @@ ROWS = make_task().rows("train")
 @pytest.fixture(scope="module")
 def cluster():
     """A local cluster of our own (address="local": never another process's), started with retries."""
-    from minirl.controller.resource_pool import connect
+    from minirl.runtime.ray_start import connect
     torch.set_num_threads(1)
     try:
         connect(None, num_cpus=2)

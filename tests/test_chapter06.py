@@ -79,11 +79,12 @@ def test_a_usage_error_comes_before_torch_and_ray_load():
 
 def test_the_chapters_names_are_the_packages():
     """The chapter takes its choices from minirl.controller.names (no Ray, no torch), the names the package uses."""
-    from minirl.controller import driver, placement
+    from minirl.controller import placement
     from minirl.controller.names import LAYOUTS, PLACEMENTS, SYNCS
+    from minirl.runtime import placement_checks
     from minirl.runtime.training_cli import BUILT_IN_REWARDS, REWARD_SPEC_HELP
     from minirl.tasks.rewards import REWARDS, SPEC_HELP
-    assert chapter.PLACEMENTS is PLACEMENTS is placement.PLACEMENTS and chapter.SYNCS is SYNCS is driver.SYNCS
+    assert chapter.PLACEMENTS is PLACEMENTS is placement.PLACEMENTS and chapter.SYNCS is SYNCS is placement_checks.SYNCS
     assert PLACEMENTS == tuple(LAYOUTS) == ("colocated", "disaggregated", "per-role")
     assert BUILT_IN_REWARDS == tuple(REWARDS) and REWARD_SPEC_HELP == SPEC_HELP
 
@@ -107,3 +108,41 @@ def test_unreachable_address_fails_within_seconds(tmp_path, capsys):
     assert time.perf_counter() - start < 10 * load_factor() and not ray.is_initialized()
     assert not (tmp_path / "run").exists()
 
+
+
+def timeline_of(*iterations):
+    """A Driver-style timeline ({worker: [(call, start, end)]}): the iterations' calls one after another, split
+    across two workers the way a disaggregated run splits them, preceded by step 1's calls (before any sync)."""
+    first = ["rollout.generate", "reward.score", "actor.logprobs", "critic.values", "actor.update", "critic.update"]
+    calls = [*first, *[call for iteration in iterations for call in iteration]]
+    timeline = {"train[0]": [], "rollout[0]": []}
+    for k, call in enumerate(calls):
+        worker = "rollout[0]" if call.startswith(("rollout.", "reward.", "sync.recv")) else "train[0]"
+        timeline[worker].append((call, 100.0 + k, 100.5 + k))
+    return timeline
+
+
+RIGHT = ["sync.send", "sync.recv", "rollout.generate", "reward.score", "actor.logprobs", "reference.logprobs",
+         "critic.values", "actor.update", "critic.update"]
+
+
+def test_the_driver_order_check_reads_the_recorded_order_and_passes_the_source_order():
+    """Issue 29 item 5: row 7's check compares every iteration's stages in the order the timeline recorded their
+    starts with the source's loop."""
+    from minirl.runtime.source_rows import SOURCE_LOOP, driver_order_agrees, recorded_iterations
+    timeline = timeline_of(RIGHT, RIGHT, ["sync.send", "sync.recv", "actor.named_weights"])
+    assert recorded_iterations(timeline) == [list(SOURCE_LOOP)] * 2, "step 1 (no sync yet) and the last sync left out"
+    assert driver_order_agrees(timeline)
+
+
+@pytest.mark.parametrize("swap", [("reward.score", "critic.values"), ("rollout.generate", "reward.score"),
+                                  ("actor.update", "critic.update")])
+def test_the_driver_order_check_fails_on_a_wrong_middle_order(swap):
+    from minirl.runtime.source_rows import SOURCE_LOOP, driver_order_agrees, recorded_iterations
+    a, b = RIGHT.index(swap[0]), RIGHT.index(swap[1])
+    wrong = list(RIGHT)
+    wrong[a], wrong[b] = wrong[b], wrong[a]
+    timeline = timeline_of(RIGHT, wrong)
+    assert recorded_iterations(timeline)[1] != list(SOURCE_LOOP)
+    assert not driver_order_agrees(timeline), f"{swap[1]} recorded before {swap[0]} must fail the check"
+    assert not driver_order_agrees({"shared[0]": []}), "no recorded iteration: nothing agrees"

@@ -25,10 +25,11 @@ ray = pytest.importorskip("ray")
 from minirl.config import RLConfig  # noqa: E402
 from minirl.controller.driver import Driver  # noqa: E402
 from minirl.controller.placement import make_placement  # noqa: E402
-from minirl.controller.resource_pool import PlacementError, local_cluster  # noqa: E402
-from minirl.controller.worker_group import WorkerDiedError  # noqa: E402
+from minirl.controller.resource_pool import PlacementError  # noqa: E402
 from minirl.data import Experience  # noqa: E402
 from minirl.runtime.io import read_jsonl  # noqa: E402
+from minirl.runtime.ray_calls import WorkerDiedError  # noqa: E402
+from minirl.runtime.ray_start import local_cluster  # noqa: E402
 from minirl.runtime.validate import ConfigError  # noqa: E402
 from minirl.tasks.arithmetic import make_task  # noqa: E402
 from minirl.train.run import train  # noqa: E402

@@ -7,16 +7,19 @@ import pytest
 import torch
 
 from minirl.config import RLConfig, SamplingConfig
-from minirl.controller.driver import SOURCE_ORDER, driver_cycles, source_stage_shares
-from minirl.controller.placement import check_placement, make_placement, needed_roles, parse_pools
-from minirl.controller.resource_pool import PlacementError, ResourcePool, connect, plan_placement
+from minirl.controller.driver import SOURCE_ORDER, driver_cycles
+from minirl.controller.placement import make_placement, needed_roles
+from minirl.controller.resource_pool import PlacementError, ResourcePool, plan_placement
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, concat, rank_zero, split_by_rank
 from minirl.data import Rollout
 from minirl.memory.measure import storage_bytes
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.placement_checks import check_placement, parse_pools
 from minirl.runtime.push_checks import EngineNotReady
+from minirl.runtime.ray_start import connect
+from minirl.runtime.source_rows import source_stage_shares
 from minirl.runtime.validate import ConfigError
 from minirl.sync.broadcast import TensorMeta, plan_buckets, tensor_metadata
 
@@ -199,7 +202,7 @@ def test_a_pool_of_zero_devices_is_refused_by_its_flag():
 
 
 def test_a_failed_start_is_cleaned_up_and_tried_again_with_backoff():
-    from minirl.controller.resource_pool import started
+    from minirl.runtime.ray_start import started
     tries, stops = [], []
 
     def flaky():
@@ -223,7 +226,7 @@ def test_a_failed_start_is_cleaned_up_and_tried_again_with_backoff():
 
 
 def test_start_waits_are_raised_only_where_unset(monkeypatch):
-    from minirl.controller.resource_pool import START_ENV, raise_start_waits
+    from minirl.runtime.ray_start import START_ENV, raise_start_waits
     monkeypatch.setenv("RAY_agent_register_timeout_ms", "5000")
     monkeypatch.delenv("RAY_worker_register_timeout_seconds", raising=False)
     monkeypatch.delenv("RAY_worker_niceness", raising=False)
@@ -237,7 +240,7 @@ def test_start_waits_are_raised_only_where_unset(monkeypatch):
 def test_a_dead_or_oom_killed_worker_becomes_one_named_error():
     import ray
 
-    from minirl.controller.worker_group import DEATHS, WorkerDiedError, died
+    from minirl.runtime.ray_calls import DEATHS, WorkerDiedError, died
     oom = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\nMemory on the "
                                           "node (IP: 10.0.0.1) was 61 GB / 64 GB")
     err = died("actor worker train[rank 1] on node2", "actor.update", oom)

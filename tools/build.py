@@ -114,7 +114,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/config.py", "minirl/data.py", "minirl/rollout/base.py", "minirl/rollout/hf.py",
                 "minirl/rollout/sampling.py", "minirl/rollout/shared_prefix.py", "minirl/runtime/gauges.py",
                 "minirl/sync/base.py", "minirl/runtime/loss_weights.py",
-                "minirl/models/critic.py", "minirl/roles/reference.py")
+                "minirl/models/critic.py", "minirl/roles/reference.py",
+                # notebook 06's plumbing (Ray start-up, waits and deaths, checks, the run around the Driver, plots)
+                "minirl/runtime/ray_start.py", "minirl/runtime/ray_calls.py", "minirl/runtime/placement_checks.py",
+                "minirl/runtime/driver_run.py", "minirl/runtime/role_checkpoints.py", "minirl/runtime/cluster_plots.py",
+                "minirl/runtime/source_rows.py", "minirl/runtime/object_store_sync.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

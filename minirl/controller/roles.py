@@ -1,32 +1,19 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""The five roles of the RL loop as Ray workers: Actor, Rollout, Critic, Reference, Reward.
+"""The five roles of the RL loop as Ray workers: stage 1's own objects, built as stage 1 does.
 
-A `RoleWorker` is one process on one device of a pool. It hosts the roles its pool was
-given and answers `call(role, method, *args)` with stage 1's own objects, built as stage 1
-builds them: `Actor`, `Reference`, `Critic` (minirl.roles), any engine behind the
-`RolloutEngine` protocol (`build_engine`), and the reward functions (`RewardRole`). So a
-change of placement cannot change what is computed.
-
-Around the roles a worker adds data parallelism (on a pool of several ranks the actor and
-the critic are stage 4's `DistributedActor` and `DistributedCritic`, DDP over the pool's
-process group: the same loss weighting, metric reduction and NaN rule as under torchrun),
-colocation (an engine that shares a worker with the actor is stage 4's `ColocatedEngine`:
-it frees its weights after generating and gets them back from the next sync), and the
-worker side of the weight syncs (send, receive, put in the object store, copy in-process).
-
-Simplified: a data-parallel rank holds a full replica (DDP; no FSDP sharding inside a pool).
+A `RoleWorker` hosts the roles of its pool and answers `call(role, method, *args)`, so a change
+of placement cannot change what is computed. Simplified: a data-parallel rank holds a full
+replica (stage 4's DDP roles; no FSDP sharding inside a pool).
 """
 
-__all__ = ["RewardRole", "moved", "build_role", "RoleWorker"]
+__all__ = ["RewardRole", "build_role", "RoleWorker"]
 
 import copy
 
-import ray
 import torch
 
 from minirl.controller.names import ROLES
 from minirl.controller.worker import Worker
-from minirl.data import Batch
 from minirl.memory.wrap import wrap_model
 from minirl.models.critic import ValueModel
 from minirl.parallel.launch import ProcessGroup
@@ -36,6 +23,9 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.object_store_sync import ObjectStoreEnds
+from minirl.runtime.ray_calls import moved
+from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
@@ -51,37 +41,20 @@ class RewardRole:
         return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
 
 
-def moved(value, device):
-    """`value` with every tensor (inside Batches, dicts, lists and tuples too) on `device`.
-
-    Batches arrive from the driver on the CPU and results go back on the CPU: the driver may
-    have no GPU, and a CUDA tensor cannot be unpickled without one.
-    """
-    if isinstance(value, (torch.Tensor, Batch)):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: moved(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(moved(v, device) for v in value)
-    return value
-
-
-def build_role(name: str, config, model, tokenizer, reward_funcs, group: ProcessGroup | None = None):
-    """One role, as stage 1 builds it; `group`: the pool's data-parallel ranks when it has more than one.
-
-    With a group the actor and the critic are stage 4's data-parallel roles, DDP over it.
-    """
+def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
+    """One role, as stage 1 builds it; with `group` (the pool's ranks): stage 4's DDP roles."""
     algo, opt, sampling = config.algorithm, config.optimizer, config.sampling
     if name == "actor":
         if group is None:
             return Actor(model, algo, opt, sampling)
-        return DistributedActor(wrap_model(model, 0, group.device, process_group=group.group), algo, opt, sampling,
-                                group)
+        ddp = wrap_model(model, 0, group.device, process_group=group.group)
+        return DistributedActor(ddp, algo, opt, sampling, group)
     if name == "critic":
         value = ValueModel.from_policy(model)
         if group is None:
             return Critic(value, algo, opt)
-        return DistributedCritic(wrap_model(value, 0, group.device, process_group=group.group), algo, opt, group)
+        ddp = wrap_model(value, 0, group.device, process_group=group.group)
+        return DistributedCritic(ddp, algo, opt, group)
     if name == "reference":
         return Reference(model, sampling.temperature)
     if name == "rollout":
@@ -91,28 +64,28 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group: Process
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
 
-class RoleWorker(Worker):
-    """A worker that hosts roles of the RL loop; roles on one worker share its process and device."""
+class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
+    """A worker that hosts roles of the RL loop; roles on one worker share its process and device.
+
+    From minirl/runtime/: the object store's sync ends (`put_weights`, `receive`) and `restore`."""
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
         self.torch_device = torch.device(config.run.device)
         model = copy.deepcopy(model).to(self.torch_device).eval()
-        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # only pools that hold models
+        ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # model pools
         group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
-        order = ("reference", "critic", "actor", "rollout", "reward")   # the copies first, then the actor trains
+        order = ("reference", "critic", "actor", "rollout", "reward")   # copies before the actor
         self.roles = {name: build_role(name, config, model, tokenizer, reward_funcs, group)
                       for name in order if name in roles}
-        if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns on the device
+        if "actor" in self.roles and "rollout" in self.roles:              # colocated: take turns
             self.roles["rollout"] = ColocatedEngine(self.roles["rollout"], stream=False,
-                                                    record=lambda what: self.record(f"rollout.{what}"))
+                                                    record=lambda w: self.record(f"rollout.{w}"))
         return {name: type(role).__name__ for name, role in self.roles.items()}
 
     def call(self, role: str, method: str, *args, **kwargs):
-        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method".
-
-        Tensor arguments move to this worker's device, tensor results back to the CPU.
-        """
+        """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"
+        (tensors `moved` to this worker's device, results back to the CPU)."""
         with self.record(f"{role}.{method}"):
             result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
             return moved(result, "cpu")
@@ -122,46 +95,25 @@ class RoleWorker(Worker):
         with self.record(f"{role}.named_weights"):
             return [(name, t.detach().cpu()) for name, t in self.roles[role].named_weights()]
 
-    def restore(self, role: str, weights: dict, state: dict) -> None:
-        """Load a checkpoint's weights and optimizer state into the actor (weights {} for other roles)."""
-        target = self.roles[role]
-        if weights:
-            getattr(target, "module", target.model).load_state_dict(weights)
-        target.load_state_dict(state)
-
     def weight_metadata(self) -> list:
         return tensor_metadata(self.roles["actor"].named_weights())
 
     def send_weights(self, buckets, src: int) -> int:
         """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
         with self.record("sync.send"):
-            return send_buckets(dict(self.roles["actor"].named_weights()), buckets, src, self.groups["sync"])
+            named = dict(self.roles["actor"].named_weights())
+            return send_buckets(named, buckets, src, self.groups["sync"])
 
     def recv_weights(self, buckets, src: int, version: int) -> int:
         """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
         with self.record("sync.recv"):
             device = "cuda" if self.device == "gpu" else "cpu"
-            self.roles["rollout"].load_weights(recv_buckets(buckets, src, self.groups["sync"], device), version)
-            return self.roles["rollout"].version
-
-    def put_weights(self) -> dict:
-        """Trainer rank 0: the actor's weights into Ray's object store; {"ref", "tensors", "bytes"}.
-
-        The ref travels inside a dict, so Ray hands it over as a ref; passed on as a top-level
-        argument, it is resolved to the weights in the receiving worker.
-        """
-        with self.record("sync.put"):
-            named = [(name, t.detach().cpu()) for name, t in self.roles["actor"].named_weights()]
-            return {"ref": ray.put(named), "tensors": len(named),
-                    "bytes": sum(t.numel() * t.element_size() for _, t in named)}
-
-    def receive(self, named_tensors, version: int) -> int:
-        """A rollout worker: load these weights (resolved from the object store by Ray); the engine's version."""
-        with self.record("sync.receive"):
-            self.roles["rollout"].load_weights(named_tensors, version)
+            named = recv_buckets(buckets, src, self.groups["sync"], device)
+            self.roles["rollout"].load_weights(named, version)
             return self.roles["rollout"].version
 
     def local_sync(self, version: int):
-        """Colocated: copy this worker's actor weights into this worker's engine (stage 1's InProcessSync)."""
+        """Colocated: copy this worker's actor weights into its own engine (stage 1's InProcessSync)."""
         with self.record("sync.local"):
-            return InProcessSync().push(self.roles["actor"].named_weights(), self.roles["rollout"], version)
+            named = self.roles["actor"].named_weights()
+            return InProcessSync().push(named, self.roles["rollout"], version)

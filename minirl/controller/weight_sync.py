@@ -1,30 +1,20 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Weight syncs between workers, behind stage 1's `WeightSync` protocol.
-
-`push(named_weights, engine, version) -> SyncReport`, as in stage 1; `named_weights` is the
-actor group's `RemoteWeights` handle and `engine` the rollout group's `EngineGroup` proxy,
-so the weights move from worker to worker and never through the driver:
-
-- `CollectiveSync` (disaggregated, per-role): trainer rank 0 broadcasts, bucketed, over a
-  torch.distributed group spanning it and the rollout workers (gloo; NCCL on GPUs);
-- `ObjectStoreSync` (for comparison): trainer rank 0 puts its weights in Ray's object store
-  once; each rollout worker gets them from there;
-- `LocalSync` (colocated): each worker copies its own actor's weights into its own engine.
-
-Every push ends with stage 1's check: each engine reports the version pushed.
+"""Weight syncs between workers, behind stage 1's `push(named_weights, engine, version)`:
+a bucketed broadcast, or (colocated) an in-process copy on every worker; the weights move
+worker to worker, never through the driver (the object store: `runtime.object_store_sync`).
 """
 
-__all__ = ["CollectiveSync", "ObjectStoreSync", "LocalSync"]
+__all__ = ["CollectiveSync", "LocalSync"]
 
 import time
 
-from minirl.controller.worker_group import gather
+from minirl.runtime.ray_calls import gather
 from minirl.sync.base import SyncReport, check_pushed
 from minirl.sync.broadcast import plan_buckets
 
 
 class CollectiveSync:
-    """Bucketed broadcast from trainer rank 0 to every rollout worker over the "sync" process group."""
+    """Bucketed broadcast from trainer rank 0 to every rollout worker over the "sync" group."""
 
     def __init__(self, actor_group, engine_group, bucket_bytes: int = 32 << 20):
         self.actor_group, self.engine_group = actor_group, engine_group
@@ -35,28 +25,14 @@ class CollectiveSync:
 
     def push(self, named_weights, engine, version: int) -> SyncReport:
         start = time.perf_counter()
-        sender = (self.actor_group, 0, self.actor_group.workers[0].send_weights.remote(self.buckets, self.src))
-        receivers = [(self.engine_group, rank, worker.recv_weights.remote(self.buckets, self.src, version))
-                     for rank, worker in enumerate(self.engine_group.workers)]
+        rank0 = self.actor_group.workers[0]
+        sender = (self.actor_group, 0, rank0.send_weights.remote(self.buckets, self.src))
+        receivers = [(self.engine_group, r, w.recv_weights.remote(self.buckets, self.src, version))
+                     for r, w in enumerate(self.engine_group.workers)]
         results = gather([sender, *receivers], "sync (broadcast)")
         engine.confirm(results[1:])
         check_pushed(engine, version)
         return SyncReport(version, self.tensors, self.bytes, time.perf_counter() - start)
-
-
-class ObjectStoreSync:
-    """Trainer rank 0 puts its weights in Ray's object store; every rollout worker gets them from there."""
-
-    def __init__(self, actor_group, engine_group):
-        self.actor_group, self.engine_group = actor_group, engine_group
-
-    def push(self, named_weights, engine, version: int) -> SyncReport:
-        start = time.perf_counter()
-        put = self.actor_group.run("put_weights", [()] + [None] * (len(self.actor_group) - 1))[0]
-        versions = self.engine_group.run("receive", [(put["ref"], version)] * len(self.engine_group))
-        engine.confirm(versions)
-        check_pushed(engine, version)
-        return SyncReport(version, put["tensors"], put["bytes"], time.perf_counter() - start)
 
 
 class LocalSync:
@@ -70,4 +46,5 @@ class LocalSync:
         reports = self.group.run("local_sync", [(version,)] * len(self.group))
         engine.confirm([r.version for r in reports])
         check_pushed(engine, version)
-        return SyncReport(version, reports[0].tensors, reports[0].bytes, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return SyncReport(version, reports[0].tensors, reports[0].bytes, seconds)

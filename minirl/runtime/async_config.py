@@ -38,7 +38,7 @@ class AsyncConfig:
     env_timeout: float = 5.0           # seconds a session may take before it is scored 0 as hung
     max_turns: int = 1                 # 1: one answer per episode; more: the environment asks again when wrong
     in_flight: bool = False            # producers pick up new weights between decoding steps (shared_prefix engine)
-    ray: bool = False                  # producers are Ray actors (needs a Ray cluster: resource_pool.connect)
+    ray: bool = False                  # producers are Ray actors (needs a Ray cluster: runtime.ray_start.connect)
     ray_actors: int = 2                # Ray actors sharing the producer slots
     snapshot_every: int = 10           # weights kept for the held-out evaluation every N steps (and at the end)
 

@@ -3,7 +3,7 @@
 `plot_learning_curves` draws held-out accuracy against wall seconds (top panel) and against
 completions trained on (bottom panel), one line per run, with the legend below both panels so
 that it never covers a curve; the figure is 7 inches wide, so it reads at 1280 px.
-Who waited when is drawn by notebook 06's timeline plot (`minirl.controller.plots.plot_timelines`)
+Who waited when is drawn by notebook 06's timeline plot (`minirl.runtime.cluster_plots.plot_timelines`)
 with `ACTIVITY_COLORS`, the trainer's row first.
 """
 

@@ -19,10 +19,10 @@ from minirl.asyncrl.producer import Producer
 from minirl.asyncrl.queue import Trajectory
 from minirl.config import RLConfig
 from minirl.controller.worker import Worker
-from minirl.controller.worker_group import DEATHS, died
 from minirl.rollout.registry import build_engine
 from minirl.runtime.async_bookkeeping import WeightStore
 from minirl.runtime.async_run import generate_call, score_group
+from minirl.runtime.ray_calls import DEATHS, died
 
 
 def produce_groups(producer: Producer, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:

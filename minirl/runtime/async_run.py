@@ -336,7 +336,7 @@ def train_async(config: RLConfig, acfg: AsyncConfig, model, tokenizer, rows: lis
     if acfg.ray:
         import ray  # noqa: PLC0415 (Ray only when asked)
         if not ray.is_initialized():
-            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.controller.resource_pool."
+            raise RuntimeError("AsyncConfig.ray=True needs a Ray cluster: call minirl.runtime.ray_start."
                                "connect() first (a local cluster of its own: ray.init(address='local'))")
     if resume and out_dir is not None and (Path(out_dir) / RUN_FILE).exists():
         check_resume_async(read_run_record(out_dir).get("async"), acfg)          # before anything is built

@@ -1,17 +1,9 @@
 # Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Bucketed broadcast of named tensors over a torch.distributed group: the wire under stage 6's weight sync.
+"""Bucketed broadcast of named tensors over a torch.distributed group: the wire of stage 6's sync.
 
-One sender (the trainer's rank 0, which holds every tensor whole) and any number of
-receivers (rollout workers), all members of one process group: gloo between CPU processes,
-NCCL between GPUs. Both sides plan the same buckets from the same metadata (names, shapes,
-dtypes: `tensor_metadata`, `plan_buckets`), so only flat buffers travel: one `broadcast`
-per bucket of at most `bucket_bytes` bytes of one dtype. Fewer, larger messages pay the
-collective's fixed latency fewer times; the limit bounds the memory of the flat copy (veRL
-and OpenRLHF bucket their NCCL weight updates the same way).
-
-Simplified: the sender holds full tensors (an FSDP or tensor-parallel trainer gathers its
-shards first, notebook 04); tensors travel in the trainer's dtype (the engine casts them on
-load); tied weights travel once per name.
+Both ends plan the same buckets from the same metadata, so only flat buffers travel, one
+`broadcast` per bucket. Simplified: the sender holds full tensors (an FSDP trainer gathers its
+shards first, notebook 04); tensors travel in the trainer's dtype.
 """
 
 __all__ = ["TensorMeta", "tensor_metadata", "plan_buckets", "send_buckets", "recv_buckets"]
@@ -46,11 +38,8 @@ def tensor_metadata(named_tensors) -> list[TensorMeta]:
 
 
 def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
-    """Consecutive tensors in buckets of one dtype and at most `bucket_bytes` bytes (a larger tensor goes alone).
-
-    Sender and receivers call this with the same arguments and so agree on the buckets
-    without sending them.
-    """
+    """Consecutive tensors in buckets of one dtype and at most `bucket_bytes` bytes (a larger tensor
+    goes alone). Sender and receivers agree on the buckets without sending them."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1 (e.g. 32 << 20 for 32 MiB)")
     buckets, current, size = [], [], 0
@@ -65,22 +54,25 @@ def plan_buckets(metadata: list[TensorMeta], bucket_bytes: int) -> list[list[Ten
     return buckets
 
 
-def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int, group=None) -> int:
+def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src: int,
+                 group=None) -> int:
     """Broadcast every bucket from this process (global rank `src`); returns the bytes sent."""
     sent = 0
     for bucket in buckets:
         for meta in bucket:
-            if tuple(named[meta.name].shape) != meta.shape or named[meta.name].dtype != meta.dtype:
-                raise ValueError(f"send_buckets: {meta.name} is {tuple(named[meta.name].shape)} "
-                                 f"{named[meta.name].dtype}, but the receivers expect {meta.shape} {meta.dtype}")
-        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])     # [sum of numel]
+            x = named[meta.name]
+            if tuple(x.shape) != meta.shape or x.dtype != meta.dtype:
+                raise ValueError(f"send_buckets: {meta.name} is {tuple(x.shape)} {x.dtype}, but the "
+                                 f"receivers expect {meta.shape} {meta.dtype}")
+        flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])   # [numel]
         dist.broadcast(flat, src=src, group=group)
         sent += flat.numel() * flat.element_size()
     return sent
 
 
-def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None, device="cpu") -> list[tuple[str, Tensor]]:
-    """Receive every bucket broadcast by global rank `src`; the named tensors, as views of the flat buffers."""
+def recv_buckets(buckets: list[list[TensorMeta]], src: int, group=None,
+                 device="cpu") -> list[tuple[str, Tensor]]:
+    """Every bucket broadcast by global rank `src`; the named tensors, as views of the buffers."""
     named = []
     for bucket in buckets:
         flat = torch.empty(sum(meta.numel for meta in bucket), dtype=bucket[0].dtype, device=device)

@@ -1,7 +1,16 @@
-# Generated from notebooks/06_ray_controller.py by tools/build.py -- edit the notebook, not this file.
-"""Pictures of a placement: role -> node -> device, and timelines of what each worker ran (stages 6 and 7)."""
+"""Pictures of a Ray run: role -> node -> device, and timelines of what each worker ran (stages 6 and 7).
 
-__all__ = ["ROLE_COLORS", "last_steps_of", "plot_timelines", "plot_placement"]
+Hand-written plot styling (it teaches nothing about RL). The data come from the workers
+themselves: `Driver.where()` (role -> "node<i>/<device><j>" for each rank) and
+`Driver.timeline()` ("<pool>[rank]" -> [(what, start, end)], wall clock), or notebook 07's
+timelines of its producers and trainer.
+
+- `plot_timelines(panels, colors)`: one panel per timeline, a row per worker, a bar per
+  call, colored by the part of its name before the first "." ("actor.update" -> actor);
+  `last_steps_of(timeline, k)` cuts a run's timeline to its last k steps.
+- `plot_placement(where)`: nodes side by side, a column per device, the roles it hosts
+  stacked in it (`ROLE_COLORS`).
+"""
 
 import matplotlib.pyplot as plt
 
@@ -78,3 +87,4 @@ def plot_placement(where: dict[str, list[str]], path=None, title: str = "placeme
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
