@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NEEDS_RAY = ("minirl.controller", "minirl.runtime.async_ray")   # the Ray controller and producers
+NEEDS_RAY = ("minirl.controller", "minirl.runtime.async_ray",   # the Ray controller and producers, and the
+             "minirl.runtime.driver_run", "minirl.runtime.object_store_sync",   # controller's plumbing
+             "minirl.runtime.ray_calls", "minirl.runtime.ray_start", "minirl.runtime.role_checkpoints",
+             "minirl.runtime.source_rows")
 
 
 def imports(args) -> dict:
