@@ -111,8 +111,7 @@ def main(argv=None) -> int:
     progress = bars_wanted(args.no_progress)         # on a terminal only: a log gets no bars, ours or transformers'
     import torch
 
-    from minirl.models.loading import ModelSourceError, load_policy
-    from minirl.models.policy import PromptError
+    from minirl.runtime.model_loading import ModelSourceError, PromptError, load_policy
     from minirl.runtime.rundir import RunDirError
     from minirl.runtime.seeding import seed_everything
     from minirl.train.checkpoint import latest_checkpoint

@@ -105,7 +105,7 @@ def model_shape(parser: argparse.ArgumentParser, args) -> tuple[ModelShape, str]
     """The shape the activation and LoRA figures use, and a phrase saying where it came from."""
     if args.model is not None:
         # imported here: it loads torch and transformers, which the plain calculator does not need
-        from minirl.models.loading import ModelSourceError, check_model_source
+        from minirl.runtime.model_loading import ModelSourceError, check_model_source
 
         try:
             check_model_source(args.model, need_tokenizer=False)

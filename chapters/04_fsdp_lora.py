@@ -375,11 +375,11 @@ def main(argv=None) -> int:
 def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> int:
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
     from minirl.memory.tracking import MemoryTracker  # noqa: PLC0415
-    from minirl.models.loading import load_policy  # noqa: PLC0415
     from minirl.parallel.checkpoint import ShardedCheckpoints  # noqa: PLC0415
     from minirl.parallel.launch import agree  # noqa: PLC0415
     from minirl.parallel.spmd import evaluate_engine, export_policy, setup_spmd, spmd_step, sync_table  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.model_loading import load_policy  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.plots import plot_metrics  # noqa: PLC0415
     from minirl.train.run import run_in_dir  # noqa: PLC0415

@@ -153,9 +153,12 @@ def main(argv=None) -> int:
     from minirl.controller.plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
     from minirl.controller.resource_pool import PlacementError, connect  # noqa: PLC0415
     from minirl.controller.worker_group import WorkerDiedError  # noqa: PLC0415
-    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.runtime.model_loading import (  # noqa: PLC0415
+        ModelSourceError,
+        PromptError,  # noqa: PLC0415
+        load_policy,
+    )
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.run import Callback, RunStopped  # noqa: PLC0415

@@ -185,9 +185,12 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     from minirl.asyncrl.runner import train_async  # noqa: PLC0415
     from minirl.asyncrl.snapshots import evaluate_snapshots  # noqa: PLC0415
     from minirl.controller.plots import plot_timelines  # noqa: PLC0415
-    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.model_loading import (  # noqa: PLC0415
+        ModelSourceError,
+        PromptError,  # noqa: PLC0415
+        load_policy,
+    )
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415

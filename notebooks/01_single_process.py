@@ -56,7 +56,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minirl.models.policy import check_prompts, load_default_policy
+from minirl.models.policy import load_default_policy
+from minirl.runtime.model_loading import check_prompts
 from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
 from minirl.tasks.arithmetic import make_task
 
@@ -2437,12 +2438,13 @@ from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
 from minirl.models.critic import ValueModel
-from minirl.models.policy import check_prompts, load_default_policy
+from minirl.models.policy import load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
 from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.model_loading import check_prompts
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync

@@ -82,7 +82,11 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/launch.py", "minirl/runtime/notebook.py", "minirl/runtime/progress.py",
                 "minirl/runtime/rundir.py", "minirl/runtime/seeding.py", "minirl/runtime/smollm2.py",
                 "minirl/runtime/timing.py",
-                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py")
+                "minirl/runtime/training_cli.py", "minirl/runtime/validate.py",
+                # notebook 00 (l00-02-03):
+                "minirl/runtime/completions.py", "minirl/runtime/config_checks.py", "minirl/runtime/math_answer.py",
+                "minirl/runtime/model_loading.py", "minirl/runtime/policy_cache.py",
+                "minirl/runtime/task_files.py", "minirl/tasks/task.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -37,7 +37,7 @@ from minirl.controller.resource_pool import PlacementError, cluster_nodes, plan_
 from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync, ObjectStoreSync
 from minirl.controller.worker_group import WorkerDiedError, WorkerGroup, gather
-from minirl.models.policy import check_prompts
+from minirl.runtime.model_loading import check_prompts
 from minirl.runtime.validate import check_choice
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, run_in_dir, stage1_step

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, warm_start
+from minirl.runtime.policy_cache import cache_dir
 
 
 def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
