@@ -186,8 +186,8 @@ def print_tables(calc: dict) -> None:
 def measure(args) -> dict:
     from tqdm.auto import tqdm
 
-    from minirl.memory.distributed import compare_measured, launch_measurement
     from minirl.memory.measure import measure_lora, measure_single
+    from minirl.runtime.zero_measure import compare_measured, launch_measurement
 
     started = time.perf_counter()
     single = measure_single(args.size, args.batch, args.seq_measure, repeats=args.repeats)

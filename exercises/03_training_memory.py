@@ -15,12 +15,10 @@ from minirl.memory.calculator import (
     RECOMPUTE,
     ModelShape,
     activation_memory,
-    check_positive,
-    check_precision,
-    check_stage,
     lora_memory,
     lora_params,
 )
+from minirl.runtime.memory_checks import check_positive, check_precision, check_stage
 
 
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:

@@ -491,8 +491,8 @@ def build_policy(config: PolicyConfig, tokenizer: PreTrainedTokenizerFast) -> Qw
 policy = build_policy(PolicyConfig(), tokenizer)
 print(f"{sum(p.numel() for p in policy.parameters()):,} parameters")
 logits = policy(**tokenizer(["27+35="], return_tensors="pt", add_special_tokens=False)).logits
-print("logits", tuple(logits.shape), "= [batch, positions, vocabulary]: a next-token",
-      "distribution per position; the last one's is the answer's first digit")
+print("logits", tuple(logits.shape), "= [batch, positions, vocabulary]: a next-token")
+print("distribution per position; the last position's is the answer's first digit")
 
 # %% [markdown]
 # ## 4. The warm start: supervised learning on the answers
@@ -549,8 +549,8 @@ print(format_prompt(task.train[0]), task.answer_text(task.train[0]))
 print("input_ids:", ids)
 print("labels:   ", labels)
 batch = sft_batch(task, task.train[:3], tokenizer)     # right-padded: the loss ignores padding too
-print({name: tuple(t.shape) for name, t in batch.items()},
-      "labels row 0:", batch["labels"][0].tolist())
+print({name: tuple(t.shape) for name, t in batch.items()})
+print("labels, row 0:", batch["labels"][0].tolist())
 
 # %% [markdown]
 # The warm start itself: a config whose defaults stop it half-skilled, and a plain training
@@ -710,8 +710,8 @@ assert 0.3 < accuracy < 0.75, "the warm start should leave a half-skilled policy
 assert gap < 0.1, "train and held-out accuracy should be close"
 
 # %% [markdown]
-# Where does the half-skilled policy fail? Split the held-out problems by whether the ones
-# digits carry, the step the warm start learns last:
+# Is it the carries that the half-skilled policy gets wrong? Split the held-out problems by
+# whether the ones digits carry:
 
 # %%
 carry = [q for q in task.test if q.a % 10 + q.b % 10 >= 10]

@@ -30,17 +30,10 @@
 # %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
-import codecs
-import json
-import math
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 
 from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
@@ -58,7 +51,6 @@ def show(rows, header):
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
-
 
 # %% [markdown]
 # The result first. The package's finished calculator, `training_memory`, sizes one
@@ -84,8 +76,8 @@ print(f"the fewest GPUs on which it fits: {n}")
 # alone is 1120 GB / 8 = 140 GB per GPU. The sections below open the calculator piece by
 # piece: the 16 bytes (§1), ZeRO's sharding (§2), activations and recomputation (§3), the
 # whole 70 B table (§4); then they measure it on a real model: activations (§5), ZeRO under
-# `torchrun` (§6) and LoRA (§7). The plotting helpers and the torchrun job's plumbing are in
-# the appendix at the end.
+# `torchrun` (§6) and LoRA (§7). The measuring harnesses are hand-written modules
+# (`minirl/memory/measure.py`, `minirl/runtime/zero_measure.py`); this notebook runs them.
 
 # %% [markdown]
 # ## 1. Sixteen bytes per parameter
@@ -110,38 +102,20 @@ Every function returns bytes (plain Python numbers) and takes raw counts, so the
 sizes the embedded 1 M-parameter policy and a 70 B model. `ModelShape` holds what the
 activation and LoRA formulas need, read from a Hugging Face config without loading weights.
 
-Simplified on purpose: the calculator counts the training state (weights, gradients,
-master weights, Adam moments) and the activations autograd saves for backward. It leaves
-out what depends on the framework's mood: temporary buffers (all-gather and reduce-scatter
-buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data-parallel
-imbalance. Notebook 03 measures how far those take a real run from the figures here.
+Simplified on purpose: it counts the training state and the activations autograd saves, and
+leaves out temporary buffers (collective buckets, fragmentation, the CUDA context) and
+data-parallel imbalance. Notebook 03 measures how far those take a real run from it.
 """
 import math
 from dataclasses import dataclass, replace
 
+from minirl.runtime.memory_checks import check_model_sizes, check_positive, check_precision, check_stage
+
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = all sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GB = 1e9  # decimal gigabytes, as the source counts
-
-
-def check_positive(name: str, value) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive number")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
-                         "('mixed' = BF16 weights/grads + FP32 master and Adam, the source's 16 B)")
-
-
-def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
-                         "(0 = plain data parallel, 3 = everything sharded)")
 
 # %% [markdown]
 # Exercise 3.1 turns the paragraph above into a table: bytes per parameter, by component,
@@ -335,7 +309,7 @@ print(f"\n70B, N=8, BF16 gradients: DDP sends {comm[0]['bytes'] / GB:.0f} GB per
 # 140 GB here: above the line at *any* N. Only ZeRO-3 ever crosses it.
 
 # %%
-from minirl.memory.plots import plot_zero  # noqa: E402  (code: appendix)
+from minirl.runtime.memory_plots import plot_zero  # noqa: E402
 
 plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU training state")
 
@@ -344,6 +318,7 @@ plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU t
 #
 # The state above does not depend on the batch. Activations do: every operation of the
 # forward pass saves the inputs its backward needs, for every token. The source writes
+
 # "~100 GB, depends on batch and sequence length". To turn that into a number we need a model
 # shape, so `ModelShape` holds the few sizes that matter and reads them from any Hugging Face
 # config without loading a weight.
@@ -391,34 +366,28 @@ class ModelShape:
         return embed + self.num_layers * layer + h
 
 # %% [markdown]
-# Reading a shape from a transformers config: the sizes are checked before anything is
-# built, and the parameters are counted on the meta device, so a 70 B config costs no
-# memory. `describe` returns the sizes as one line of text.
+# Reading a shape from a transformers config: the parameters are counted on the meta device,
+# so a 70 B config costs no memory (`from_pretrained` reads only config.json). The shape of
+# Llama-2-70B, the source's model, is written out by hand.
 
 # %%
 # | export minirl/memory/calculator.py
 @add_to_class(ModelShape)
 @classmethod
 def from_config(cls, config) -> "ModelShape":
-    """From a transformers config (Llama, Qwen2, Mistral, ...).
+    """From a transformers config (Llama, Qwen2, Mistral, ...), sizes checked before any build.
 
-    The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
-    naming the field, not a "negative dimension" from deep inside torch). Parameters are
-    counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
-    context applies `tie_word_embeddings` as a real build does, where accelerate's
-    `init_empty_weights` leaves the tie out and counts the embedding twice.
+    A `torch.device("meta")` context applies `tie_word_embeddings` as a real build does
+    (accelerate's `init_empty_weights` leaves the tie out and counts the embedding twice).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sizes = {name: getattr(text, name, None) for name in
-             ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
+    sizes = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+             "intermediate_size", "num_attention_heads", "vocab_size")}
     sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
-                             f"(is this a decoder-only causal LM config?)")
+    check_model_sizes(sizes)
     shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
                 intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
                 num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
@@ -426,22 +395,9 @@ def from_config(cls, config) -> "ModelShape":
                 qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
+    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: counted once
 
 
-@add_to_class(ModelShape)
-def describe(self) -> str:
-    """One line: the sizes the activation and LoRA figures use."""
-    return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
-            f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
-            f"{self.param_count() / 1e9:.3g} B parameters")
-
-# %% [markdown]
-# `from_pretrained` reads a model's config.json from the Hub or a directory, never its
-# weights; the shape of Llama-2-70B, the source's model, is written out by hand.
-
-# %%
-# | export minirl/memory/calculator.py
 @add_to_class(ModelShape)
 @classmethod
 def from_pretrained(cls, name_or_path: str) -> "ModelShape":
@@ -451,10 +407,17 @@ def from_pretrained(cls, name_or_path: str) -> "ModelShape":
     return cls.from_config(AutoConfig.from_pretrained(name_or_path))
 
 
+@add_to_class(ModelShape)
+def describe(self) -> str:
+    """One line: the sizes the activation and LoRA figures use."""
+    return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
+            f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+            f"{self.param_count() / 1e9:.3g} B parameters")
+
+
 # Llama-2-70B: the usual "70 B" (68.98 B parameters; 8 KV heads; 32 k vocabulary).
 LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672, num_heads=64,
                         num_kv_heads=8, vocab_size=32000)
-
 
 # %% [markdown]
 # Which tensors does a decoder layer save? We asked autograd: a `saved_tensors_hooks` context
@@ -777,250 +740,21 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 # We time it in §5 below (measured CPU time lands a few points either side of that); ZeRO-3's cost depends on the interconnect and is measured at
 # small scale in §6, on CPUs, where it does not transfer to NVLink.
 
-
 # %% [markdown]
 # ## 5. Measuring activations and the cost of recomputing them
 #
-# A calculator is a claim. To check it we need a model to train, and it should be the same
-# architecture as the embedded policy, only bigger, so memory is dominated by the layers:
-# a Qwen2 with hidden size 512, 6 layers and our 19-token vocabulary, about 24 M parameters,
-# built locally with random weights (smoke mode uses a 0.4 M one). Everything runs in FP32:
-# CPUs (and gloo) handle BF16 poorly, so we compare with the calculator's "fp32" variant, whose
-# 16 B/parameter splits 4/4/0/4/4 instead of 2/2/4/4/4.
+# A calculator is a claim. To check it we train a Qwen2 of the embedded policy's architecture,
+# only bigger so the layers dominate: hidden size 512, 6 layers, our 19-token vocabulary, about
+# 24 M parameters with random weights (smoke mode: 0.4 M). Everything runs in FP32 (CPUs and
+# gloo handle BF16 poorly), so we compare with the calculator's "fp32" variant, whose 16
+# B/parameter splits 4/4/0/4/4.
 #
-# The measuring tool is `SavedActivationMeter`: a `saved_tensors_hooks` context whose pack
-# hook wraps every saved tensor in a small holder and counts its storage once; when autograd
-# frees the saved tensor (after that node's backward), the holder dies and its bytes leave
-# the count. The running maximum is the activation peak, recomputation included.
-
-# %%
-# | export minirl/memory/measure.py
-"""Training memory, measured on one process: saved activations, recomputation, LoRA.
-
-`SavedActivationMeter` counts the unique storages autograd saves for backward (works on CPU
-and GPU); `measure_single` sets them beside the calculator's activation formula, with and
-without gradient checkpointing, and `measure_lora` does the same for LoRA's state. The small
-Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
-storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
-DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
-`minirl.memory.wrap` (this notebook's appendix), the code notebook 04 trains with, so what is
-measured here is what trains there.
-
-Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
-*what* is held; the allocator's peak (CUDA only) adds what a count of named tensors cannot
-see: communication buffers, temporaries, fragmentation.
-"""
-import statistics
-import time
-import weakref
-
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from minirl.memory.calculator import LORA_TARGETS, ModelShape, activation_memory, lora_memory, lora_params
-from minirl.memory.wrap import apply_lora, set_checkpointing
-
-MEASURE_SIZES = {
-    "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
-                  num_key_value_heads=4),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2),
-}
-STRATEGIES = {"ddp": 0, "zero1": 1, "fsdp_noreshard": 2, "fsdp": 3}  # strategy -> ZeRO stage it implements
-VOCAB_SIZE = 19  # the embedded policy's character tokenizer (len(build_tokenizer()))
-
-
-def build_measure_model(size: str = "small", seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
-    """A randomly initialized FP32 Qwen2 of `size` ("small" ~24 M parameters, "tiny" ~0.4 M)."""
-    if size not in MEASURE_SIZES:
-        raise ValueError(f"size={size!r}: use one of {', '.join(map(repr, MEASURE_SIZES))}")
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=True,
-                         attn_implementation=attn_implementation, use_cache=False, **MEASURE_SIZES[size])
-    return Qwen2ForCausalLM(config)
-
-
-def random_batch(batch: int, seq: int, seed: int = 0, device="cpu") -> torch.Tensor:
-    """input_ids [batch, seq] of ordinary (non-special) tokens; used as their own labels."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB_SIZE, (batch, seq), generator=g).to(device)
-
-
-
-# %% [markdown]
-# Counting what autograd saves: a saved-tensor hook records each unique storage once, so a
-# view or a tensor saved twice is not counted twice (`storage_key` and `storage_bytes`, in the
-# appendix, name a storage by its device and address).
-
-# %%
-# | export minirl/memory/measure.py
-class _Saved:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class SavedActivationMeter:
-    """Peak bytes of the distinct storages autograd saves for backward, inside a `with` block.
-
-    Storages in `exclude` (pass the parameters) are not counted. Keep the block open through
-    backward, so the recomputation of checkpointed layers is counted too. Recomputation must
-    run under these hooks: use reentrant checkpointing (`use_reentrant=True`); non-reentrant
-    checkpointing installs hooks of its own that hide the saved tensors from this meter.
-    """
-
-    def __init__(self, exclude=()):
-        self.exclude = {storage_key(t) for t in exclude}
-        self.count, self.size = {}, {}
-        self.live = self.peak = 0
-
-    def _release(self, key):
-        self.count[key] -= 1
-        if not self.count[key]:
-            del self.count[key]
-            self.live -= self.size.pop(key)
-
-    def _pack(self, t):
-        key = storage_key(t)
-        nbytes = t.untyped_storage().nbytes()
-        if key in self.exclude or nbytes == 0:
-            return t
-        if key not in self.count:
-            self.count[key], self.size[key] = 0, nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self.count[key] += 1
-        holder = _Saved(t)
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(holder):
-        return holder.tensor if isinstance(holder, _Saved) else holder
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
-
-
-# %% [markdown]
-# One metered forward and backward: the peak of the meter is the activation memory.
-
-# %%
-# | export minirl/memory/measure.py
-def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
-                        attention_mask: torch.Tensor | None = None) -> dict:
-    """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
-
-    attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
-    the peak of saved activations (parameters excluded) and the wall time of the forward +
-    backward. Gradients are left in place; zero them yourself. Checkpointing is the reentrant
-    kind, whose recomputation the saved-tensor meter can see.
-    """
-    model.train()
-    set_checkpointing(model, checkpointing, reentrant=True)
-    start = time.perf_counter()
-    with SavedActivationMeter(exclude=list(model.parameters())) as meter:
-        model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
-    seconds = time.perf_counter() - start
-    set_checkpointing(model, False, reentrant=True)
-    return {"peak_bytes": meter.peak, "seconds": seconds}
-
-
-# %% [markdown]
-# Recomputation's price: the same steps timed with and without gradient checkpointing, interleaved so the machine's load hits both alike.
-
-# %%
-# | export minirl/memory/measure.py
-from tqdm.auto import tqdm
-
-
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progress: bool = False) -> dict:
-    """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
-
-    Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
-    wall time includes everybody else's work, and single wall-clock rounds of one setting can
-    differ several-fold; on an idle machine with one thread the two agree. Torch runs on one
-    thread meanwhile (restored after): idle intra-op threads spin, and spinning counts as CPU
-    time. (CPU only: on a GPU the kernels run asynchronously and this would time the launches.)
-    Each of `repeats` rounds,
-    after one untimed warm-up round, times both modes back to back in alternating order and
-    takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
-    (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
-    "repeats", "clock"}. progress=True shows a bar over the rounds.
-    """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
-    times = {False: [], True: []}
-    model.train()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _timed_rounds(model, input_ids, repeats, times, progress)
-    finally:
-        torch.set_num_threads(threads)
-        set_checkpointing(model, False, reentrant=True)
-    ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
-    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
-            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
-            "repeats": repeats, "clock": "process_time, 1 thread"}
-
-
-def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = False) -> None:
-    """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
-    for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
-        for on in ((False, True) if i % 2 else (True, False)):
-            set_checkpointing(model, on, reentrant=True)
-            start = time.process_time()
-            model(input_ids=input_ids, labels=input_ids).loss.backward()
-            if i:
-                times[on].append(time.process_time() - start)
-            model.zero_grad(set_to_none=True)
-
-
-# %% [markdown]
-# `measure_single` runs the three metered passes (unpadded, checkpointed, padded) beside the
-# calculator's formula, then the timing above, on one model and batch.
-
-# %%
-# | export minirl/memory/measure.py
-def padded_mask(batch: int, seq: int) -> torch.Tensor:
-    """[batch, seq] attention mask whose first row is left-padded by a quarter (the rest unpadded)."""
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, :seq // 4] = 0
-    return mask
-
-
-def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0,
-                   progress: bool = False) -> dict:
-    """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
-
-    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
-    "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
-    "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
-    `time_recomputation`'s. progress=True prints a line per metered pass and a bar over the timed rounds.
-    """
-    model = build_measure_model(size, seed)
-    shape = ModelShape.from_config(model.config)
-    x = random_batch(batch, seq, seed)
-    out = {"size": size, "batch": batch, "seq": seq, "num_params": shape.param_count()}
-    for mode, on, mask in (("none", False, None), ("full", True, None), ("padded", False, padded_mask(batch, seq))):
-        measured = measure_activations(model, x, on, attention_mask=mask)["peak_bytes"]
-        model.zero_grad(set_to_none=True)
-        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
-                                 padding_mask=mask is not None)["total"]
-        out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
-        if progress:
-            print(f"metered pass '{mode}': {measured / 2**20:.2f} MiB saved", flush=True)
-    out["timing"] = time_recomputation(model, x, repeats, progress)
-    return out
-
+# The meter is `SavedActivationMeter` (`minirl/memory/measure.py`): a `saved_tensors_hooks`
+# context whose pack hook wraps every tensor autograd saves for backward in a small holder and
+# counts its storage once; when autograd frees it, the holder dies and its bytes leave the
+# count. The running maximum is the activation peak, recomputation included. The timing takes
+# CPU seconds of this process on one thread, both modes back to back in alternating order, and
+# the median of the rounds' ratios (the wall clock of a shared machine counts everybody's work).
 
 # %% [markdown]
 # Measured against the calculator (FP32, SDPA attention; smoke mode uses the tiny model),
@@ -1053,232 +787,49 @@ print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 
       "unclear when the middle half of the rounds spans more than 30 points")
 
 # %% [markdown]
-# The slowdown is the one figure here that is timed rather than counted. We time the CPU
-# seconds of this process on one torch thread, not the wall clock: on a shared machine the
-# wall clock also counts
-# everybody else's work, and two wall-clock runs of the same setting can differ several-fold
-# (when this notebook timed the wall clock, this cell and the chapter disagreed by a factor
-# of two). Each round times both modes back to back, and we take the median of the rounds'
-# ratios and print their spread; a spread wider than 30 points is called noise rather than
-# a verdict. Per-layer recomputation replays each layer's forward once more, and a forward
-# is about a third of forward + backward, so expect about +33 %: just above the source's
-# 20-30 % and near the top of the 15-35 % band the verdict's rule accepts, so the median can
-# land on either side of 35 % and the verdict read agree or differ (the row prints this
-# run's median and spread). The chapter script (§6) repeats the same measurement, and its figure is printed
-# beside this one there.
+# Per-layer recomputation replays each layer's forward once more, and a forward is about a
+# third of forward + backward, so expect about +33 %: just above the source's 20-30 % and
+# near the top of the 15-35 % band the rule accepts, so this run's median can land on either
+# side and the verdict read agree or differ. A spread wider than 30 points is called noise.
 
 # %% [markdown]
 # ## 6. Measuring ZeRO: DDP, ZeRO-1 and FSDP2 under `torchrun`
 #
-# Four strategies, one per ZeRO stage, all stock PyTorch:
+# Four strategies, one per ZeRO stage, all stock PyTorch (the wrappers of
+# `minirl/memory/wrap.py`, which notebook 04 trains with):
 #
-# | strategy | ZeRO stage | how |
+# | strategy | stage | how |
 # |---|---|---|
 # | `ddp` | 0 | `DistributedDataParallel`, Adam on every rank |
-# | `zero1` | 1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`: each rank keeps Adam state for its share of the tensors |
-# | `fsdp_noreshard` | 2 | FSDP2 `fully_shard(..., reshard_after_forward=False)` per layer: weights stay gathered from forward to backward |
-# | `fsdp` | 3 | FSDP2 `fully_shard(..., reshard_after_forward=True)`: each layer's weights gathered for its forward, freed, gathered again for backward |
+# | `zero1` | 1 | DDP + `ZeroRedundancyOptimizer`: Adam state for a rank's share of the tensors |
+# | `fsdp_noreshard` | 2 | FSDP2 `fully_shard(reshard_after_forward=False)`: weights stay gathered |
+# | `fsdp` | 3 | FSDP2 `fully_shard(reshard_after_forward=True)`: a layer gathered, used, freed |
 #
 # Each rank runs two steps (the first creates Adam's state) and, in the second, records the
-# storage bytes of what it holds: the parameters registered on the model right after the
-# forward (for FSDP2 these are the gathered full tensors of the layers not yet resharded,
-# plus the shards), the gradients after backward, and Adam's m and v after the step. DTensor
-# shards are counted by their local storage. DDP runs with `gradient_as_bucket_view=True`:
-# by default it keeps its communication buckets *and* `.grad`, two copies of the gradients.
+# storage bytes of what it holds: the parameters right after the forward (for FSDP2 the
+# gathered layers not yet resharded, plus the shards), the gradients after backward, and
+# Adam's m and v after the step. DTensor shards count by their local storage. DDP runs with
+# `gradient_as_bucket_view=True` (by default it keeps its buckets *and* `.grad`, two copies).
+# `compare_measured` sets each figure beside `zero_per_gpu(Ψ, N, stage, "fp32")`, as the mean
+# over ranks (sharding divides the *total* exactly by N); within 5 % agrees, and every known
+# reason for a larger gap is written beside it. The job and its launcher are in
+# `minirl/runtime/zero_measure.py`.
+#
+# In full mode the chapter script runs one `torchrun` job per world size 1, 2 and 4 with the
+# 24 M model (a few minutes on two cores; kept in `runs/03_measure/`, delete it to measure
+# again). Smoke mode runs one job, world size 2, with the tiny model. The table shows measured
+# / calculator per component: 1.000 is exact agreement.
 
 # %%
-# | export minirl/memory/distributed.py
-"""Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
+from minirl.runtime.zero_measure import chapter_measurement, compare_measured, launch_measurement
 
-`memory_worker` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
-strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
-rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
-allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
-and returns its table; `compare_measured` sets it beside the calculator's prediction. The
-models are wrapped by `minirl.memory.wrap` (this notebook's appendix), the code notebook 04
-trains with; `minirl.runtime.launch.torchrun` starts the job.
-
-Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
-"""
-
-import gc
-import json
-import os
-import tempfile
-import time
-import warnings
-from pathlib import Path
-
-import torch
-
-from minirl.memory.calculator import zero_per_gpu
-from minirl.memory.measure import MEASURE_SIZES, STRATEGIES, build_measure_model, random_batch, storage_bytes
-from minirl.memory.wrap import make_optimizer, wrap_model
-from minirl.runtime.launch import output_ends, torchrun
-
-
-def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`: the wrappers notebook 04
-    trains with."""
-    wrapped = wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.wrapper, make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
-
-
-# %% [markdown]
-# One strategy on one rank: build the model, wrap it, take two steps, and count what the rank
-# holds at each moment that matters.
-
-# %%
-# | export minirl/memory/distributed.py
-def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
-                     device: torch.device = torch.device("cpu")) -> dict:
-    """Train `size` two steps under `strategy` in the current process group; this rank's bytes.
-
-    Returns {"weights", "weights_step", "grads", "adam_m", "adam_v", "opt_other", "step_s",
-    "num_params", ...}: storage bytes held by this rank at rest (after the step) and, for
-    "weights_step", right after the forward pass of the second step. On CUDA also
-    "cuda_peak" (max_memory_allocated over the second step) and "cuda_at_rest".
-    """
-    import torch.distributed as dist
-
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: use one of {', '.join(map(repr, STRATEGIES))}")
-    model = build_measure_model(size, seed).to(device)
-    num_params = sum(p.numel() for p in model.parameters())
-    call, opt, counted = _wrap(model, strategy, device)
-    shards = [p for p in counted.parameters()]                     # at rest: what the rank owns
-    seen = {}
-
-    def after_forward(module, args, output):
-        registered = list(counted.parameters())                    # FSDP2 swaps in gathered tensors
-        seen["weights_step"] = storage_bytes(shards + registered)
-
-    hook = counted.register_forward_hook(after_forward)
-    x = random_batch(batch, seq, seed + dist.get_rank(), device)
-    result = {}
-    for step in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        call(input_ids=x, labels=x).loss.backward()
-        result["grads"] = storage_bytes(p.grad for p in counted.parameters())
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        result["step_s"] = time.perf_counter() - start
-        if step == 0:
-            opt.zero_grad(set_to_none=False)                       # keep grads allocated, as in training
-    hook.remove()
-    state = opt.optim.state if hasattr(opt, "optim") else opt.state  # ZeroRedundancyOptimizer wraps one
-    tensors = {"exp_avg": [], "exp_avg_sq": [], "other": []}
-    for per_param in state.values():
-        for name, value in per_param.items():
-            if torch.is_tensor(value):
-                tensors[name if name in tensors else "other"].append(value)
-    result.update(strategy=strategy, stage=STRATEGIES[strategy], rank=dist.get_rank(),
-                  world_size=dist.get_world_size(), num_params=num_params, size=size, batch=batch, seq=seq,
-                  device=str(device), dtype="fp32", weights=storage_bytes(counted.parameters()),
-                  weights_step=seen["weights_step"], adam_m=storage_bytes(tensors["exp_avg"]),
-                  adam_v=storage_bytes(tensors["exp_avg_sq"]), opt_other=storage_bytes(tensors["other"]))
-    if device.type == "cuda":
-        result["cuda_peak"] = torch.cuda.max_memory_allocated(device)
-        result["cuda_at_rest"] = torch.cuda.memory_allocated(device)
-    return result
-
-
-
-# %% [markdown]
-# The calculator's figures for the same runs are `zero_per_gpu(Ψ, N, stage, "fp32")`.
-# `compare_measured` lines them up, per strategy, world size and component, with the mean over
-# ranks (sharding divides the *total* exactly by N) and the largest rank; within 5 % counts as
-# agreement, and every known reason for a larger gap is written beside it.
-
-# %%
-# | export minirl/memory/distributed.py
-NOTES = {
-    ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
-    ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
-                                        "(with mixed precision that shard is the FP32 master)",
-    ("fsdp_noreshard", "weights_rest"): "FSDP2 reshards after backward, so between steps it holds ZeRO-3's 1/N; "
-                                        "DeepSpeed's ZeRO-2 keeps the full copy",
-    ("fsdp", "weights_step"): "seen after the forward; the one layer gathered at a time (a transient) is "
-                              "already freed (torch.cuda.max_memory_allocated sees it)",
-}
-
-
-def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
-    """Measured bytes (mean and max over ranks) against the calculator's FP32 figures.
-
-    rows: the per-rank dicts of `launch_measurement`. Returns one dict per (strategy, world
-    size, component) with "calculator", "measured_mean", "measured_max", "ratio" (mean /
-    calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
-    else "DIFFER") and "note".
-    """
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
-    table = []
-    for (strategy, n), ranks in sorted(groups.items(), key=lambda kv: (STRATEGIES[kv[0][0]], kv[0][1])):
-        stage, psi = STRATEGIES[strategy], ranks[0]["num_params"]
-        calc = zero_per_gpu(psi, n, stage, "fp32")
-        expected = {"weights_step": calc["weights"], "weights_rest": calc["weights"], "grads": calc["grads"],
-                    "adam_m": calc["adam_m"], "adam_v": calc["adam_v"],
-                    "state": calc["weights"] + calc["grads"] + calc["adam_m"] + calc["adam_v"]}
-        measured = {"weights_step": [r["weights_step"] for r in ranks], "weights_rest": [r["weights"] for r in ranks],
-                    "grads": [r["grads"] for r in ranks], "adam_m": [r["adam_m"] for r in ranks],
-                    "adam_v": [r["adam_v"] for r in ranks],
-                    "state": [r["weights_step"] + r["grads"] + r["adam_m"] + r["adam_v"] for r in ranks]}
-        for comp, values in measured.items():
-            mean = sum(values) / len(values)
-            ratio = mean / expected[comp]
-            note = NOTES.get((strategy, "adam" if comp.startswith("adam") else comp), "")
-            if comp == "state" and strategy == "fsdp_noreshard" and n > 0:
-                note = NOTES[(strategy, "weights_step")]
-            spread = max(values) / mean - 1
-            if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
-                note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
-            verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
-            shown = note if verdict != "agree" or spread > tolerance else ""
-            table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
-                              calculator=expected[comp], measured_mean=mean, measured_max=max(values),
-                              ratio=ratio, verdict=verdict, note=shown))
-    return table
-
-
-# %% [markdown]
-# Run the measurement. In full mode this launches the chapter script, which runs one
-# `torchrun` job per world size 1, 2 and 4 with the 24 M model (a few minutes on two cores;
-# the result is kept in the repository's `runs/03_measure/`, and deleting that directory
-# measures again). Smoke mode runs one job, world size 2, with the tiny model. On a machine
-# with GPUs the same code uses NCCL and adds CUDA's peaks. The table shows measured /
-# calculator per component: 1.000 is exact agreement.
-
-# %%
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
 chapter = None
 if SMOKE:
-    from minirl.memory.distributed import launch_measurement
-
     measured_rows = launch_measurement(2, size="tiny", batch=2, seq=32)
 else:
-    cached = ROOT / "runs" / "03_measure" / "summary.json"
-    timing = json.loads(cached.read_text()).get("activations", {}).get("timing", {}) if cached.exists() else {}
-    if timing.get("clock") != "process_time, 1 thread":       # no measurement yet, or one by an older version
-        print("measuring with chapters/03_memory.py --measure: activations, LoRA, then torchrun at 1, 2 and 4 ranks")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
-                                 "--out", str(cached.parent)], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-        for chunk in iter(lambda: proc.stdout.read1(256), b""):   # its progress bar and tables, live
-            sys.stdout.write(decode(chunk))
-        if proc.wait():
-            raise RuntimeError(f"chapters/03_memory.py --measure failed with code {proc.returncode} (output above)")
-    chapter = json.loads(cached.read_text())
+    chapter = chapter_measurement(ROOT)
     measured_rows = chapter["rows"]
-    print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(ROOT)}")
-
-from minirl.memory.distributed import compare_measured  # noqa: E402
 
 comparison = compare_measured(measured_rows)
 COMPONENTS_MEASURED = ("weights_step", "weights_rest", "grads", "adam_m", "adam_v", "state")
@@ -1290,7 +841,8 @@ notes = {}
 for r in comparison:
     if r["verdict"] != "agree" or r["note"]:
         notes.setdefault((r["strategy"], r["note"] or "no note"), []).append(f"{r['component']}@N={r['world_size']}")
-print(f"\n{sum(r['verdict'] == 'agree' for r in comparison)} of {len(comparison)} cells agree within 5 %; the others:")
+print(f"\n{sum(r['verdict'] == 'agree' for r in comparison)} of {len(comparison)} cells agree within 5 %; "
+      "the others:")
 for (strategy, note), where in notes.items():
     print(f"  {strategy}: {', '.join(where)}: {note}")
 assert not [r for r in comparison if r["verdict"] == "DIFFER"], "an unexplained difference"
@@ -1303,7 +855,8 @@ assert not [r for r in comparison if r["verdict"] == "DIFFER"], "an unexplained 
 if chapter is None:
     print("smoke mode: the chapter script was not run (full mode prints its timing here)")
 else:
-    timings = {"this notebook (§5)": single["timing"], "chapters/03_memory.py --measure": chapter["activations"]["timing"]}
+    timings = {"this notebook (§5)": single["timing"],
+               "chapters/03_memory.py --measure": chapter["activations"]["timing"]}
     show([(who, f"{x['slowdown']:+.0%}", f"{x['slowdown_low']:+.0%} to {x['slowdown_high']:+.0%}", x["repeats"])
           for who, x in timings.items()], ("measured by", "median slowdown", "middle half", "rounds"))
 
@@ -1324,22 +877,15 @@ for r in comparison:
         points[(r["stage"], r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
 ns = sorted({r["world_size"] for r in comparison} | {1, 2, 4})
 
-from minirl.memory.plots import plot_measured  # noqa: E402  (code: appendix)
+from minirl.runtime.memory_plots import plot_measured  # noqa: E402
 
 plot_measured(psi_measured, ns, points)
 
-# %%
-times = {}
-for r in measured_rows:
-    times.setdefault((r["strategy"], r["world_size"]), []).append(r["step_s"])
-print("seconds per step (slowest rank; one step, CPU + gloo, shared cores: not a speed benchmark)")
-show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0]))],
-     ("strategy", "N", "step s"))
-
 # %% [markdown]
-# The ZeRO-2 stars sit above their bars by 1/N of the weights: that is FSDP2's shard kept
-# beside the gathered weights, as the table says (weights_step 1 + 1/N). On CPU the timings of these runs say nothing about ZeRO-3's
-# "10–15 %" (gloo over shared memory is not NVLink), so we do not print them as if they did.
+# The ZeRO-2 stars sit above their bars by 1/N of the weights: FSDP2's shard kept beside the
+# gathered weights (weights_step 1 + 1/N in the table). On CPU the step times of these runs
+# say nothing about ZeRO-3's "10–15 %" (gloo over shared memory is not NVLink), so we do not
+# print them as if they did.
 
 # %% [markdown]
 # ## 7. LoRA: train a few adapters, freeze the rest
@@ -1352,38 +898,7 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
 # their gradients and Adam state after one step.
 
 # %%
-# | export minirl/memory/measure.py
-def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
-    """One Adam step of `peft` LoRA (every linear, rank `rank`) on the measurement model, FP32.
-
-    Returns the measured trainable parameters, gradient bytes (frozen weights must have none),
-    Adam m and v bytes and saved-activation peak, each beside the calculator's figure.
-    """
-    model = build_measure_model(size, seed)
-    shape = ModelShape.from_config(model.config)
-    base = shape.param_count()
-    lora = apply_lora(model, rank, 2 * rank, LORA_TARGETS)
-    trainable = [p for p in lora.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(trainable, lr=1e-4)
-    x = random_batch(batch, seq, seed)
-    lora.train()
-    with SavedActivationMeter(exclude=list(lora.parameters())) as meter:
-        lora(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    m = [s["exp_avg"] for s in opt.state.values()]
-    v = [s["exp_avg_sq"] for s in opt.state.values()]
-    calc = lora_memory(base, lora_params(shape, rank, LORA_TARGETS), 1, 0, "fp32")
-    return {"rank": rank, "base_params": base, "trainable_params": sum(p.numel() for p in trainable),
-            "trainable_calculator": lora_params(shape, rank, LORA_TARGETS),
-            "grads": storage_bytes(p.grad for p in lora.parameters()), "grads_calculator": calc["grads"],
-            "frozen_with_grad": sum(p.grad is not None for p in lora.parameters() if not p.requires_grad),
-            "adam": storage_bytes(m) + storage_bytes(v), "adam_calculator": calc["adam_m"] + calc["adam_v"],
-            "activations": meter.peak,
-            "activations_full_model": activation_memory(shape, batch, seq, "fp32")["total"]}
-
-
-# %%
-from minirl.memory.measure import measure_lora  # noqa: E402
+from minirl.memory.measure import measure_lora
 
 t0 = time.time()
 lo = measure_lora("tiny" if SMOKE else "small", rank=8, batch=2, seq=64)
@@ -1428,341 +943,7 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # ```
 
 # %% [markdown]
-# ## Appendix: the wrappers, plotting helpers and the torchrun job
-#
-# The code the sections above call: the wrappers §5-§7 measure with, which notebook 04
-# trains with and explains (DDP, ZeRO-1, FSDP2, checkpointing, LoRA: `minirl.memory.wrap`),
-# the two ZeRO plots of §2 and §6 (`minirl.memory.plots`), the storage counting every
-# measurement uses (`minirl.memory.measure`), and the body and launcher of §6's `torchrun`
-# job (`minirl.memory.distributed`).
 
-# %%
-# | export minirl/memory/wrap.py
-"""Wrapping a causal LM to save training memory: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
-
-One function per concern, all stock PyTorch and peft:
-- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
-- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
-- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
-  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
-  forward; with an optional MixedPrecisionPolicy and CPU offload;
-- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
-  state with ZeroRedundancyOptimizer).
-Notebook 03 measures memory with these wrappers; notebook 04 trains with them (and explains them).
-
-Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
-FSDP2 without resharding after forward, which still reshards after backward, so between
-steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
-"""
-
-import warnings
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
-
-from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
-from minirl.runtime.validate import ConfigError, check_choice, check_int
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
-
-    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
-    ValueError when the model names none.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
-    if not layers:
-        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
-                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
-    return layers
-
-
-# %% [markdown]
-# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
-# layers, the base weights frozen. An adapted model starts out equal to its base model,
-# because B starts at zero.
-
-# %%
-# | export minirl/memory/wrap.py
-def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
-    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
-
-    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
-    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
-    """
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
-               dropout: float = 0.0) -> nn.Module:
-    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
-
-    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
-    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
-    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
-    listing the linear layers the model has.
-    """
-    check_int("lora_rank", rank, low=1)
-    targets = tuple(targets)
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    unmatched = [t for t in targets if t not in linear]
-    if not targets or unmatched:
-        raise ConfigError("lora_target_modules", ",".join(targets),
-                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
-                          f"layers are named {', '.join(linear)}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
-    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, config)
-
-
-# %% [markdown]
-# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
-# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
-
-# %%
-# | export minirl/memory/wrap.py
-@dataclass
-class Wrapped:
-    """A model wrapped for data-parallel training."""
-
-    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
-    zero: int
-
-
-def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False, process_group=None) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
-
-    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
-    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
-    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
-    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
-    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
-    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
-    data-parallel ranks of a Ray pool, notebook 06).
-    """
-    check_choice("zero", zero, ZERO_LEVELS)
-    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
-    if process_group is not None and zero != 0:
-        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
-                                        "use zero 0")
-    device = torch.device(device)
-    model.to(device)
-    if zero <= 1:
-        if mixed_precision != "none" or cpu_offload:
-            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
-        return Wrapped(ddp, model, zero)
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return Wrapped(model, model, zero)
-
-
-def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
-    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
-    params = [p for p in wrapped.module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
-    if wrapped.zero == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-    return optimizer_class(params, **kwargs)
-
-
-
-# %%
-# | export minirl/memory/plots.py
-"""Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured."""
-import matplotlib.pyplot as plt
-
-from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
-
-
-def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
-    """Stacked per-component bars per stage against N; optional measured totals on top."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    x = range(len(ns))
-    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp in COMPONENTS:
-            vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
-            if any(vals):
-                ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp, width=0.7)
-                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        if gpu_gb:
-            ax.axhline(gpu_gb, ls="--", c="k", lw=0.8, label=f"one {gpu_gb} GB GPU")
-        for (s, n), val in (measured or {}).items():
-            if s == stage and n in ns:
-                ax.plot(ns.index(n), val / GB, "k*", ms=12, label="measured" if n == ns[0] else None)
-        ax.set(xticks=list(x), xticklabels=ns, xlabel="GPUs N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("GB per GPU")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    plt.show()
-
-
-def plot_measured(psi, ns, points):
-    """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp, color in colors.items():
-            vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
-            ax.bar(range(len(ns)), vals, bottom=bottom, color=color, width=0.7, label=comp)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        for (s, n), val in points.items():
-            if s == stage:
-                ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)
-        ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="ranks N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("MiB per rank")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars) and measured (stars)")
-    fig.tight_layout()
-    plt.show()
-
-
-# %% [markdown]
-# Storage counting: a DTensor (FSDP2's shard) counts by its local storage, and views of one
-# storage count once.
-
-# %%
-# | export minirl/memory/measure.py
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def storage_key(t: torch.Tensor) -> tuple:
-    s = local(t).untyped_storage()
-    return (str(t.device), s.data_ptr())
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = local(t).untyped_storage()
-            seen[(str(t.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
-
-
-# %% [markdown]
-# `memory_worker` is the body of the `torchrun` job: every strategy in turn, all ranks'
-# results gathered to rank 0, written as JSON.
-
-# %%
-# | export minirl/memory/distributed.py
-def memory_worker(argv=None) -> None:
-    """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
-    import argparse
-
-    import torch.distributed as dist
-
-    parser = argparse.ArgumentParser(description="minirl memory measurement worker (run under torchrun)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--size", default="small", choices=list(MEASURE_SIZES))
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rows = []
-    try:
-        for strategy in args.strategies.split(","):
-            mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
-            gc.collect()                                           # the strategy's model and optimizer are gone
-            if cuda:
-                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            rows.extend(everyone)
-        if dist.get_rank() == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(rows, indent=1))
-        dist.barrier()   # leave together: a rank whose peer already closed its gloo pairs can abort at exit
-    finally:
-        dist.destroy_process_group()
-
-
-# %% [markdown]
-# `launch_measurement`: one torchrun job measures every strategy, retried once on an overloaded machine, and returns one row per strategy and rank.
-
-# %%
-# | export minirl/memory/distributed.py
-def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
-                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
-    """Run `memory_worker` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
-
-    Launched with `minirl.runtime.launch.torchrun` (a timeout ends every rank, then raises
-    subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
-    (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
-    On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
-    (with a warning that says why) up to `attempts` times in all; the last failure raises
-    RuntimeError with the start and the end of the job's output (a rank's own error comes
-    before torchrun's long summary).
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if torch.cuda.is_available() and world_size > torch.cuda.device_count():
-        raise ValueError(f"world_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"strategies={unknown!r}: use names from {', '.join(STRATEGIES)}")
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
-        for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:memory_worker", world_size, flags, timeout=timeout,
-                           threads=threads)
-            if job.returncode == 0 and out.exists():
-                return json.loads(out.read_text())
-            failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
-                       f"{output_ends(job.stdout)}")
-            if attempt < attempts:
-                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
-                              stacklevel=2)
-        raise RuntimeError(failure)
-
-
-# %% [markdown]
 # ## Exercises
 #
 # Your stubs are in `exercises/03_training_memory.py`. Fill them in, then grade:

@@ -86,7 +86,10 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 00 (l00-02-03):
                 "minirl/runtime/completions.py", "minirl/runtime/config_checks.py", "minirl/runtime/math_answer.py",
                 "minirl/runtime/model_loading.py", "minirl/runtime/policy_cache.py",
-                "minirl/runtime/task_files.py", "minirl/tasks/task.py")
+                "minirl/runtime/task_files.py", "minirl/tasks/task.py",
+                # notebook 03 (l00-02-03):
+                "minirl/memory/measure.py", "minirl/memory/wrap.py", "minirl/runtime/memory_checks.py",
+                "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

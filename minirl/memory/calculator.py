@@ -5,45 +5,27 @@ Every function returns bytes (plain Python numbers) and takes raw counts, so the
 sizes the embedded 1 M-parameter policy and a 70 B model. `ModelShape` holds what the
 activation and LoRA formulas need, read from a Hugging Face config without loading weights.
 
-Simplified on purpose: the calculator counts the training state (weights, gradients,
-master weights, Adam moments) and the activations autograd saves for backward. It leaves
-out what depends on the framework's mood: temporary buffers (all-gather and reduce-scatter
-buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data-parallel
-imbalance. Notebook 03 measures how far those take a real run from the figures here.
+Simplified on purpose: it counts the training state and the activations autograd saves, and
+leaves out temporary buffers (collective buckets, fragmentation, the CUDA context) and
+data-parallel imbalance. Notebook 03 measures how far those take a real run from it.
 """
 
-__all__ = ["COMPONENTS", "PRECISIONS", "ZERO_LEVELS", "LORA_TARGETS", "GB", "check_positive",
-           "check_precision", "check_stage", "bytes_per_param", "state_bytes", "SHARDED",
-           "zero_per_gpu", "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE",
-           "ATTENTION", "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes",
-           "activation_memory", "lora_params", "lora_memory", "training_memory", "min_gpus"]
+__all__ = ["COMPONENTS", "PRECISIONS", "ZERO_LEVELS", "LORA_TARGETS", "GB", "bytes_per_param",
+           "state_bytes", "SHARDED", "zero_per_gpu", "zero_saving", "zero_communication",
+           "DTYPE_BYTES", "RECOMPUTE", "ATTENTION", "ModelShape", "LLAMA2_70B",
+           "checkpointed_activation_bytes", "activation_memory", "lora_params", "lora_memory",
+           "training_memory", "min_gpus"]
 
 import math
 from dataclasses import dataclass, replace
 
+from minirl.runtime.memory_checks import check_model_sizes, check_positive, check_precision, check_stage
+
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = all sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GB = 1e9  # decimal gigabytes, as the source counts
-
-
-def check_positive(name: str, value) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive number")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
-                         "('mixed' = BF16 weights/grads + FP32 master and Adam, the source's 16 B)")
-
-
-def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
-                         "(0 = plain data parallel, 3 = everything sharded)")
 
 
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
@@ -161,25 +143,19 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        """From a transformers config (Llama, Qwen2, Mistral, ...).
+        """From a transformers config (Llama, Qwen2, Mistral, ...), sizes checked before any build.
 
-        The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
-        naming the field, not a "negative dimension" from deep inside torch). Parameters are
-        counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
-        context applies `tie_word_embeddings` as a real build does, where accelerate's
-        `init_empty_weights` leaves the tie out and counts the embedding twice.
+        A `torch.device("meta")` context applies `tie_word_embeddings` as a real build does
+        (accelerate's `init_empty_weights` leaves the tie out and counts the embedding twice).
         """
         import torch
         from transformers import AutoModelForCausalLM
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        sizes = {name: getattr(text, name, None) for name in
-                 ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
+        sizes = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+                 "intermediate_size", "num_attention_heads", "vocab_size")}
         sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
-                                 f"(is this a decoder-only causal LM config?)")
+        check_model_sizes(sizes)
         shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
                     intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
                     num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
@@ -187,13 +163,7 @@ class ModelShape:
                     qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
-
-    def describe(self) -> str:
-        """One line: the sizes the activation and LoRA figures use."""
-        return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
-                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
-                f"{self.param_count() / 1e9:.3g} B parameters")
+        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: counted once
 
     @classmethod
     def from_pretrained(cls, name_or_path: str) -> "ModelShape":
@@ -201,6 +171,12 @@ class ModelShape:
         from transformers import AutoConfig
 
         return cls.from_config(AutoConfig.from_pretrained(name_or_path))
+
+    def describe(self) -> str:
+        """One line: the sizes the activation and LoRA figures use."""
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
+                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+                f"{self.param_count() / 1e9:.3g} B parameters")
 
 
 # Llama-2-70B: the usual "70 B" (68.98 B parameters; 8 KV heads; 32 k vocabulary).
