@@ -427,10 +427,10 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 #
 # | where | saved | bytes per token |
 # |---|---|---|
-# | each of 2 RMSNorms | its input upcast to FP32, the normalized x, the normed output (next matmul's input) | 4h + 2ph (+4, the 1/rms) |
-# | attention (SDPA / flash) | q, k, v after RoPE, the output, the log-sum-exp | p(2h + 2kv) + 4a |
-# | attention (SDPA, padded batch) | the same, but k and v repeated to all heads, and the mask | p(2h + 2h) + 4a + p s |
-# | attention (eager) | q, k and v repeated to all heads, the output, the softmax (FP32, plus its cast) | 4ph + a s (4 + p if p < 4) |
+# | each of 2 RMSNorms | input upcast to FP32, normalized x, normed output | 4h + 2ph (+4) |
+# | attention (SDPA / flash) | q, k, v after RoPE, output, log-sum-exp | p(2h + 2kv) + 4a |
+# | attention (SDPA, padded) | k, v repeated to all heads, and the mask | p(2h + 2h) + 4a + p s |
+# | attention (eager) | q, k, v at all heads, output, FP32 softmax | 4ph + a s (4 + p if p < 4) |
 # | SwiGLU MLP | gate, up, silu(gate), their product | 4 p I |
 # | head (once) | final norm, FP32 log-softmax of the logits | 4h + 2ph + 4 + 4V |
 #
@@ -438,13 +438,10 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 # a·s term is the s × s score matrix per head: quadratic in the sequence; SDPA and flash
 # attention recompute it in backward and keep only the log-sum-exp.
 #
-# Padding changes the SDPA row. RL batches are padded (prompts on the left, completions on
-# the right), and with any zero in the attention mask Hugging Face passes the mask to SDPA,
-# whose grouped-query path takes no mask: K and V are first repeated to every query head,
-# and those full-width copies are what backward keeps, with the mask (one row of s values
-# per token, in the compute dtype). We found this with the same `saved_tensors_hooks` and
-# measure it in §5. The calculator's default is an unpadded batch (packed or equal-length
-# sequences); `padding_mask=True` counts the padded case.
+# Padding changes the SDPA row: with any zero in the attention mask (RL batches are padded),
+# SDPA's grouped-query path, which takes no mask, is skipped; K and V are repeated to every
+# query head and backward keeps those copies and the mask. `padding_mask=True` counts that
+# case (§5 measures it); the default is an unpadded batch.
 #
 # Recomputation changes what is kept:
 #
@@ -455,10 +452,8 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 # - **sqrt** (Chen et al., 2016): keep the inputs of k = ⌈√L⌉ segments and recompute one
 #   segment of ⌈L/k⌉ layers at a time: k × input + ⌈L/k⌉ × layer, which is O(√L).
 #
-# The source says checkpointing takes activations "from O(L) to O(√L)". That is the segment
-# scheme. What everyone runs is per-layer checkpointing, which is still O(L), but its
-# constant is one hidden vector per token instead of a whole layer's worth, so it usually
-# beats the √L scheme in bytes (we compute both below).
+# The source's "from O(L) to O(√L)" is the segment scheme. What everyone runs is per-layer
+# checkpointing, still O(L) but with a constant of one hidden vector per token.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -726,19 +721,17 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 
 # %% [markdown]
 # The verdicts of rows 1, 2 and 4 stand, but the figures do not follow from the source's own
-# 16 B/parameter: its "940 GB" is what 12 B/parameter gives (BF16 weights and gradients, FP32
-# Adam, *no* FP32 master copy), and its "118 GB" is 940 / 8. The third row is wrong on its
-# verdict as well: on 8 GPUs ZeRO-3 leaves 140 GB of sharded state per GPU before a single
-# activation, and checkpointing only shrinks activations. Full fine-tuning of a 70 B model on
-# 80 GB GPUs needs at least ~15 of them with ZeRO-3, or CPU offload of the optimizer state;
-# "~30 GB" is what about 38 GPUs give (the table's N). The fourth row's "yes" holds on 8 GPUs even with a BF16
-# base (~19 GB); its "~8 GB" needs a 4-bit base.
+# 16 B/parameter: its "940 GB" is what 12 B/parameter gives (no FP32 master copy), and its
+# "118 GB" is 940 / 8. The third row is wrong on its verdict as well: on 8 GPUs ZeRO-3 leaves
+# 140 GB of sharded state per GPU before a single activation, and checkpointing only shrinks
+# activations. Full fine-tuning of 70 B on 80 GB GPUs needs at least ~15 of them with ZeRO-3,
+# or CPU offload of the optimizer state; "~30 GB" is what about 38 GPUs give. The fourth
+# row's "yes" holds on 8 GPUs even with a BF16 base (~19 GB); "~8 GB" needs a 4-bit base.
 #
-# And the speed column? The source's "10–15 %", "30–40 %" and "~40 %" are not derived from
-# anything in it. Checkpointing costs one extra forward pass of the layers, so at most
-# (1 + 2 + 1) / (1 + 2) - 1 = 33 % more arithmetic (a forward is ~1/3 of forward + backward).
-# We time it in §5 below (measured CPU time lands a few points either side of that); ZeRO-3's cost depends on the interconnect and is measured at
-# small scale in §6, on CPUs, where it does not transfer to NVLink.
+# The source's speed column ("10–15 %", "30–40 %", "~40 %") is derived from nothing in it.
+# Checkpointing costs one extra forward of the layers: at most (1 + 2 + 1) / (1 + 2) - 1 =
+# 33 % more arithmetic. §5 times it; ZeRO-3's cost depends on the interconnect, which CPUs
+# (§6) do not have.
 
 # %% [markdown]
 # ## 5. Measuring activations and the cost of recomputing them
@@ -806,19 +799,13 @@ print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 
 # | `fsdp` | 3 | FSDP2 `fully_shard(reshard_after_forward=True)`: a layer gathered, used, freed |
 #
 # Each rank runs two steps (the first creates Adam's state) and, in the second, records the
-# storage bytes of what it holds: the parameters right after the forward (for FSDP2 the
-# gathered layers not yet resharded, plus the shards), the gradients after backward, and
-# Adam's m and v after the step. DTensor shards count by their local storage. DDP runs with
-# `gradient_as_bucket_view=True` (by default it keeps its buckets *and* `.grad`, two copies).
-# `compare_measured` sets each figure beside `zero_per_gpu(Ψ, N, stage, "fp32")`, as the mean
-# over ranks (sharding divides the *total* exactly by N); within 5 % agrees, and every known
-# reason for a larger gap is written beside it. The job and its launcher are in
-# `minirl/runtime/zero_measure.py`.
-#
-# In full mode the chapter script runs one `torchrun` job per world size 1, 2 and 4 with the
-# 24 M model (a few minutes on two cores; kept in `runs/03_measure/`, delete it to measure
-# again). Smoke mode runs one job, world size 2, with the tiny model. The table shows measured
-# / calculator per component: 1.000 is exact agreement.
+# storage bytes it holds: the parameters right after the forward (for FSDP2 the gathered
+# layers not yet resharded, plus the shards), the gradients after backward, Adam's m and v
+# after the step. `compare_measured` sets each beside `zero_per_gpu(Ψ, N, stage, "fp32")` as
+# the mean over ranks; within 5 % agrees, and every known reason for a larger gap is written
+# beside it. The job is `minirl/runtime/zero_measure.py`'s: in full mode the chapter script
+# runs it at world sizes 1, 2 and 4 with the 24 M model (kept in `runs/03_measure/`); smoke
+# mode at world size 2 with the tiny one. 1.000 below is exact agreement.
 
 # %%
 from minirl.runtime.zero_measure import chapter_measurement, compare_measured, launch_measurement
@@ -933,14 +920,8 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # | activations | ~390 KiB per token per layer for Llama-2-70B in BF16; per-layer checkpointing keeps 16 KiB |
 # | 70 B on 8 × 80 GB | full fine-tuning does not fit even with ZeRO-3 + checkpointing (≥ 15 GPUs); LoRA does |
 #
-# Try the chapter script on a real config (no weights are downloaded beyond `config.json`, and
-# a local directory works offline):
-#
-# ```
-# python chapters/03_memory.py --params 70e9 --gpus 8 --gpu-mem-gb 80
-# python chapters/03_memory.py --model Qwen/Qwen2.5-7B --gpus 4 --gpu-mem-gb 24 --json
-# python chapters/03_memory.py --measure --out runs/03_measure   # torchrun, 1/2/4 ranks
-# ```
+# Try the chapter script on a real config (it reads `config.json` only):
+# `python chapters/03_memory.py --model Qwen/Qwen2.5-7B --gpus 4 --gpu-mem-gb 24`.
 
 # %% [markdown]
 
