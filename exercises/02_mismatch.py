@@ -7,14 +7,11 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import IS_MODES
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:

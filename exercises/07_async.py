@@ -10,9 +10,9 @@ imported below where these cells use it.
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.asyncrl.queue import FutureVersionError
+from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.validate import check_int
 
 

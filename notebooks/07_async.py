@@ -665,8 +665,8 @@ its `num_iterations` updates.
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def clipped_token_weight(current_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, low: float = 0.8,

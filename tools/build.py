@@ -89,7 +89,10 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/task_files.py", "minirl/tasks/task.py",
                 # notebook 03 (l00-02-03):
                 "minirl/memory/measure.py", "minirl/memory/wrap.py", "minirl/runtime/memory_checks.py",
-                "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py")
+                "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py",
+                # notebook 02 (l00-02-03):
+                "minirl/runtime/logprob_checks.py", "minirl/runtime/logprob_measure.py",
+                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

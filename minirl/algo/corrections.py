@@ -1,16 +1,11 @@
 # Generated from notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
 """Corrections for the training–inference mismatch: truncated IS and vocabulary pruning.
 
-`importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
-recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
-when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
-notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
-prune the low-probability tail identically on both sides.
-
-Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
-`vllm_importance_sampling_clip_min`), and pruning uses a min-p threshold from one side,
-not a tuned top-p schedule; both are enough to show what each correction does.
+`importance_sampling_weights` reweights each token by pi_old / pi_rollout, truncated or masked
+at a cap, per token or per sequence (TRL's `vllm_importance_sampling_mode`); the loop calls it
+when `importance_sampling_correction` is on. `vocabulary_keep_mask` and `pruned_log_softmax`
+prune the low-probability tail identically on both sides. Simplified on purpose: only an upper
+cap, and pruning by a min-p threshold from one side.
 """
 
 __all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_softmax"]
@@ -18,8 +13,8 @@ __all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_so
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import IS_MODES
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,

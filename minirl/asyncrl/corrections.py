@@ -29,10 +29,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.asyncrl.config import AREAL_WEIGHTS, CORRECTIONS
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
+from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.validate import ConfigError, check_choice
 from minirl.train.step import importance_weights
 
