@@ -15,19 +15,15 @@
 # # 02 · Same weights, different probabilities: the training–inference mismatch lab
 #
 # **By the end of this notebook you can** measure, token by token, how far the rollout
-# engine's probabilities are from the trainer's for the *same* weights and the *same*
-# tokens; say where the error concentrates; run the source's four-step diagnosis as one
-# call; and apply the corrections that work: record the behaviour log-probs, truncated
-# importance sampling, vocabulary pruning, and Rollout Routing Replay (R3) for a
-# mixture-of-experts policy. Finally you train twice with a deliberately mismatched rollout,
-# without and with the correction, and read the metrics that tell them apart.
+# engine's probabilities are from the trainer's for the *same* weights and tokens; say where
+# the error concentrates; run the source's four-step diagnosis; and apply the corrections:
+# the behaviour log-probs, truncated importance sampling, vocabulary pruning, and Rollout
+# Routing Replay (R3) for a mixture-of-experts policy, then train with and without one.
 #
-# The source (section 18.4) starts from a claim that surprises most people: *parameter
-# synchronization is not enough*. After the rollout engine has received exactly the
-# trainer's weights, it still computes different probabilities, because it computes them
-# along a different numerical path (lower precision, a KV cache, other kernels, other batch
-# shapes). PPO's clipping, the usual safety net, cannot see this error. Everything below is
-# measured on this machine; nothing is asserted without a number.
+# The source (section 18.4) starts from a surprising claim: *parameter synchronization is not
+# enough*. A rollout engine holding exactly the trainer's weights still computes different
+# probabilities, along a different numerical path (lower precision, a KV cache, other
+# kernels, other batch shapes), and PPO's clipping cannot see the error.
 #
 # | symbol | meaning | in minirl |
 # |---|---|---|
@@ -42,6 +38,7 @@
 import copy
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -208,7 +205,8 @@ dlogp = (p_rollout.log() - p_trainer.log()).abs()
 print(f"PPO's ratio before any update (trainer / trainer): {ppo_sees.item():.4f}  -> nothing to clip")
 print(f"true ratio vs the behaviour policy (0.29 / 0.30):  {truth.item():.4f}")
 print(f"|delta log p| = {dlogp.item():.4f}: {dlogp.item() / math.log(1.2):.0%} of the clip band's "
-      f"upper half (log 1.2 = {math.log(1.2):.4f}) used up before the optimizer moved")
+      f"upper half (log 1.2 = {math.log(1.2):.4f})")
+print("used up before the optimizer moved")
 for n in (10, 100, 1000):
     print(f"  a sequence of {n:>4} tokens each off by the same factor: sequence ratio "
           f"{truth.item() ** n:.3g}")
@@ -360,14 +358,14 @@ from minirl.rollout.hf import HFEngine
 rollout = HFEngine(model, tokenizer, dtype="bfloat16")
 batch = rollout.generate(prompts, SamplingConfig(8, 4, 1.0), generator=torch.Generator().manual_seed(0))
 trainer_side = trainer_logprobs(model, batch)                                 # [B, C]
-print(mismatch_stats(trainer_side, batch.logprobs.float(), batch.completion_mask))
+st = mismatch_stats(trainer_side, batch.logprobs.float(), batch.completion_mask)
+print(f"{st['tokens']} tokens: mean |dlogp| {st['mean_abs_delta']:.2e}, "
+      f"ratio pi_old / pi_rollout in [{st['ratio_min']:.3f}, {st['ratio_max']:.3f}]")
 
 # %% [markdown]
 # `measure_logprobs` (`minirl/runtime/logprob_measure.py`) makes exactly these two calls and
-# returns both sides, aligned, as a `LogprobPair` with `.stats()` and `.buckets()`.
-
-# %% [markdown]
-# Measure the warm-started policy again with it (the opening's bf16 row). The
+# returns both sides, aligned, as a `LogprobPair` with `.stats()` and `.buckets()`. Measure
+# the warm-started policy again with it (the opening's bf16 row). The
 # tiny policy is confident (the last line counts its sure and its tail tokens), so below we
 # also sample at temperature 2 to put more low-probability tokens in the buckets (both sides
 # use the temperature sampled at).
@@ -413,7 +411,8 @@ for pr in pairs.values():
     sure_smallest &= all(o > top for o in others)
     factors += [o / top for o in others]
 print(f"p >= 0.9 bucket has the smallest mean |dlogp| in every measurement: "
-      f"{'yes' if sure_smallest else 'no'}; the others' are {min(factors):.0f}x to {max(factors):.0f}x larger")
+      f"{'yes' if sure_smallest else 'no'}")
+print(f"the other buckets' mean |dlogp| is {min(factors):.0f}x to {max(factors):.0f}x larger")
 
 fig, ax = plt.subplots(figsize=(8, 3.2))
 width = 0.13
@@ -452,19 +451,12 @@ print(f"row 2 is of the same order when ours / the source's |dlogp| is in [0.1, 
 # %% [markdown]
 # ## 3. The diagnosis, in the source's order
 #
-# 1. **Version and synchronization.** Is the rollout engine at the trainer's version, and did
-#    the last weight transfer complete? A stale or half-loaded copy produces a mismatch that
-#    no precision fix will cure. The version number is a label; the weights are the truth, so
-#    we compare them too, allowing exactly the rounding of the rollout's dtype.
-# 2. **Token by token.** Compare the log-probs of the same tokens and locate the errors
-#    (the buckets above).
-# 3. **Precision and kernels.** Re-run the rollout in other precisions and see how much the
-#    discrepancy shrinks.
-# 4. **MoE routes.** For a mixture-of-experts policy, compare the experts each token was
-#    routed to on both sides (section 4 builds the tools).
-#
-# Step 1's core is an exercise: find the parameters whose rollout copy differs from the
-# trainer's by more than rounding.
+# 1. **Version and synchronization.** Is the engine at the trainer's version, and did the
+#    last transfer complete? The version is a label; the weights are the truth, so we compare
+#    them too, allowing exactly the rounding of the rollout's dtype (exercise 2.3).
+# 2. **Token by token.** Compare the log-probs of the same tokens; locate the errors.
+# 3. **Precision and kernels.** Re-run the rollout in other precisions.
+# 4. **MoE routes.** Compare the experts each token was routed to on both sides (§4.3).
 
 # %%
 # | export minirl/sync/checks.py
@@ -647,7 +639,7 @@ loss.backward()
 optimizer.step()
 stale_rollout.version = 1                                      # the counter moved, the weights did not
 for problem in check_synchronization(trainer, stale_rollout, trainer_version=1):
-    print("PROBLEM:", problem)
+    print(textwrap.fill(f"PROBLEM: {problem}", 100, subsequent_indent="  "))
 stale_rollout.load_weights(trainer.state_dict(), version=1)    # a real synchronization
 print("after load_weights:", check_synchronization(trainer, stale_rollout, trainer_version=1) or "OK")
 
@@ -657,11 +649,8 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 # ### 4.1 Record the behaviour policy, and weight by it: truncated importance sampling
 #
 # The first correction is bookkeeping: keep the log-probs the rollout engine computed while
-# sampling (`Rollout.logprobs`) and never replace them with the trainer's recomputation. The
-# recomputation is still useful, as the denominator of PPO's ratio and as a probe of the
-# mismatch, but it is not the policy that produced the data.
-#
-# With both in hand, the gradient can be reweighted by
+# sampling (`Rollout.logprobs`); the trainer's recomputation is not the policy that produced
+# the data. With both in hand, the gradient can be reweighted by
 # $w_t = \pi_\text{old}(a_t)/\pi_\text{rollout}(a_t)$, the importance weight that turns
 # samples from $\pi_\text{rollout}$ into an estimate under $\pi_\text{old}$. Raw weights have
 # unbounded variance (one tail token with $w = 50$ dominates a batch), so they are capped:
@@ -749,7 +738,7 @@ print(f"token ratios: {above:.1%} above 1, {below:.1%} below 1, median {ratio.me
 print(f"above the cap 2: {(ratio > 2).double().mean():.2%}, above 1.05: {(ratio > 1.05).double().mean():.2%}")
 bias = max(abs(ratio.median().item() - 1), abs(ratio.mean().item() - 1))
 print(f"a systematic direction to correct: {'no' if bias < 0.01 else 'yes'} "
-      f"(rule: median and mean within 1 % of 1; the larger deviation is {bias:.2%})")
+      f"(rule: median and mean within 1 % of 1; here {bias:.2%})")
 
 fig, ax = plt.subplots(figsize=(6.5, 2.8))
 ax.hist(ratio.log().numpy(), bins=60, color="C0")
@@ -888,15 +877,10 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 #
 # In a MoE layer a router scores every expert and each token goes to its top-k. When two
 # experts' scores are nearly tied, a bf16 rollout and an fp32 trainer can pick different
-# experts for the same token, and then the two sides run *different sub-networks*: a
-# mismatch far larger than rounding. R3 records the experts chosen during rollout and
-# makes the training forward pass use the same ones. The router still computes its own
-# (fp32) probabilities for those experts, so it still receives gradients.
-#
-# We build a tiny `Qwen2MoeForCausalLM` from `transformers` (8 experts, top-2, with a shared
-# expert, as Qwen's MoE models). Its router is a small module returning
-# `(router_logits, routing_weights, selected_experts)`; `RouteRecorder` wraps that forward
-# to record, `replay_routes` to replay.
+# experts for the same token: the two sides run *different sub-networks*. R3 records the
+# experts chosen during rollout and makes the training forward use the same ones; the router
+# still computes its own probabilities for them, so it still learns. We build a tiny
+# `Qwen2MoeForCausalLM` (8 experts, top-2, a shared expert, as Qwen's MoE models).
 
 # %%
 # | export minirl/models/moe.py
@@ -1093,11 +1077,10 @@ print("route agreement with R3 is 100 %: "
 # %% [markdown]
 # ## 5. Does it matter for training?
 #
-# Two runs of the stage-1 loop (`minirl.train.run.train`) with the same deliberately mismatched
-# rollout (FP8 weight round-trip, computed in bf16) against the fp32 trainer: one as is, one
-# with `importance_sampling_correction=True` (token-level TIS, cap 2). Training takes minutes,
-# so it runs as the chapter script, launched from this cell. The actor's update reports, per
-# batch, the spread of the ratio π_old / π_rollout among its metrics (`ratio/std`, ...).
+# Two runs of the stage-1 loop with the same deliberately mismatched rollout (FP8 weight
+# round-trip, computed in bf16) against the fp32 trainer: one as is, one with
+# `importance_sampling_correction=True` (token TIS, cap 2). Training takes minutes, so it runs
+# as the chapter script (`minirl/runtime/mismatch_runs.py` launches it and reads it back).
 
 # %%
 from minirl.runtime.mismatch_runs import chapter_training
@@ -1150,15 +1133,11 @@ plt.show()
 # *largest* ratio of a batch can pass the cap of 2 when an uncertain tail token is sampled;
 # those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
 # and leaves the rest of the batch untouched, so the two runs see nearly the same gradients
-# and their reward curves track each other. The final
-# accuracies come from one seed and 60 steps, and one run's held-out accuracy moves by
-# several points between evaluations: read a gap between the two columns as noise until
-# several seeds agree. The effect grows with what this scale lacks: long completions (the gap
-# compounds over thousands of tokens), a flatter policy (more tail tokens), MoE routing
-# flips, and many updates per batch. The measurements above, not the reward curves, are
-# what a practitioner should monitor: `logprob_diff_abs` and the ratio spread in the loop's
-# metrics are TRL's `sampling/sampling_logp_difference` and
-# `sampling/importance_sampling_ratio`.
+# and their reward curves track each other (one seed, 60 steps: read a gap in final
+# accuracy as noise until several seeds agree). The effect grows with what this scale lacks:
+# long completions, a flatter policy, MoE routing flips, many updates per batch. Monitor the
+# measurements, not the reward curves: the loop's `logprob_diff_abs` and ratio spread are
+# TRL's `sampling/sampling_logp_difference` and `sampling/importance_sampling_ratio`.
 
 # %% [markdown]
 # ## Exercises

@@ -50,11 +50,13 @@ class MismatchReport:
                "1. version and synchronization: " + ("OK" if not self.sync_problems else "PROBLEMS"),
                *[f"   - {p}" for p in self.sync_problems],
                f"2. token by token ({s['tokens']} tokens): mean |dlogp| {s['mean_abs_delta']:.2e}, "
-               f"max {s['max_abs_delta']:.2e}, KL(k3) {s['kl_k3']:.2e}, ratio in "
-               f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], outside [0.8, 1.25]: {s['share_outside']:.2%}",
+               f"max {s['max_abs_delta']:.2e}, KL(k3) {s['kl_k3']:.2e},",
+               f"   ratio in [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], outside [0.8, 1.25]: "
+               f"{s['share_outside']:.2%}",
                *["   " + line for line in format_buckets(self.buckets).splitlines()],
-               "   worst tokens: " + ", ".join(f"{w['token']!r}@{w['position']} p_rollout={w['p_rollout']:.3g} "
-                                               f"p_trainer={w['p_trainer']:.3g}" for w in self.worst_tokens)]
+               "   worst tokens:",
+               *[f"     {w['token']!r} at {w['position']}: p_rollout {w['p_rollout']:.3g}, "
+                 f"p_trainer {w['p_trainer']:.3g}" for w in self.worst_tokens]]
         out.append("3. precision sweep (rollout dtype vs trainer " + self.train_dtype + "):")
         out.append(f"   {'rollout':>14} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside [0.8, 1.25]")
         for dtype, st in self.sweep.items():
