@@ -14,17 +14,14 @@
 # %% [markdown]
 # # 03 · Training memory: what a step holds, and how ZeRO, checkpointing and LoRA shrink it
 #
-# **By the end of this notebook you can** say, for any model and any number of GPUs, how
-# many bytes each GPU holds while training: weights, gradients, master weights, the two Adam
-# moments and the activations; how ZeRO stages 1, 2 and 3 divide them; what gradient
-# checkpointing and LoRA save; and whether a given model fits a given GPU. You will also
-# *measure* those bytes on a real (small) Qwen2 model trained with DDP, ZeRO-1 and FSDP2
-# under `torchrun`, so the calculator is checked, not trusted.
+# **By the end of this notebook you can** say, for any model and number of GPUs, how many
+# bytes each GPU holds while training (weights, gradients, master weights, Adam's moments,
+# activations), how ZeRO stages 1-3 divide them, what checkpointing and LoRA save, and
+# whether a model fits a GPU; and *measure* those bytes on a small Qwen2 under `torchrun`.
 #
 # The source's question: *a 70 B model cannot do full-parameter BF16 training on one 80 GB
-# H100 — so what does it take?* The source answers with three tables. We recompute every
-# figure in them from its own assumptions. Most agree; a few do not, and for those we find
-# the assumption that produces the source's number or show the right one.
+# H100 — so what does it take?* We recompute every figure of its three tables from its own
+# assumptions; where one does not follow, we find the assumption that produces it.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -44,13 +41,18 @@ GB = 1e9
 
 
 def show(rows, header):
-    """Print a small aligned table (a list of tuples under a header tuple)."""
-    rows = [tuple(str(c) for c in r) for r in [header, *rows]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    """Print rows under header, aligned; a last "why" or "note" column goes below the table."""
+    notes = [r[-1] for r in rows] if header[-1] in ("why", "note") else []
+    rows = [tuple(str(c) for c in r[:len(header) - bool(notes)]) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        mark = f" ({j})" if j and notes and notes[j - 1] else ""
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + mark)
         if j == 0:
             print("-+-".join("-" * w for w in widths))
+    for j, note in enumerate(notes, 1):
+        if note:
+            print(f"  ({j}) {header[-1]}: {note}")
 
 # %% [markdown]
 # The result first. The package's finished calculator, `training_memory`, sizes one
@@ -67,7 +69,8 @@ print(f"{'per GPU':<28} | {'source':>12} | {'minirl':>10}")
 print(f"{'training state (ZeRO-3, N=8)':<28} | {'':>12} | {first['state'] / GB:>7.1f} GB")
 print(f"{'activations (checkpointed)':<28} | {'':>12} | {first['activations'] / GB:>7.1f} GB")
 print(f"{'total':<28} | {'~30 GB':>12} | {first['total'] / GB:>7.1f} GB")
-print(f"{'fits one 80 GB GPU?':<28} | {'yes':>12} | {'yes' if fits else 'no':>10}   (rule: total <= 80 GB)")
+print(f"{'fits one 80 GB GPU?':<28} | {'yes':>12} | {'yes' if fits else 'no':>10}")
+print("rule: it fits when the total is at most 80 GB")
 n = min_gpus(70e9, 80 * GB, 3, activation_bytes=first["activations"])
 print(f"the fewest GPUs on which it fits: {n}")
 
@@ -90,9 +93,8 @@ print(f"the fewest GPUs on which it fits: {n}")
 # **m** and of its square **v** (4 B + 4 B). That is 2 + 2 + 4 + 4 + 4 = 16 bytes. The ZeRO
 # paper writes it 2Ψ + 2Ψ + KΨ with K = 12 for the optimizer's three FP32 copies.
 #
-# Two variants are worth knowing. Pure FP32 training (what we run on CPUs below) has no
-# separate master copy: weights 4, gradients 4, m 4, v 4, again 16 bytes. Pure BF16 (weights
-# and Adam state all BF16, as some memory-starved setups do, at a cost in stability) needs 8.
+# Pure FP32 training (what we run on CPUs below) has no separate master copy: 4 + 4 + 4 + 4,
+# again 16 bytes. Pure BF16 (everything BF16, at a cost in stability) needs 8.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -109,7 +111,7 @@ data-parallel imbalance. Notebook 03 measures how far those take a real run from
 import math
 from dataclasses import dataclass, replace
 
-from minirl.runtime.memory_checks import check_model_sizes, check_positive, check_precision, check_stage
+from minirl.runtime.memory_checks import check_positive, check_precision, check_stage
 
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
@@ -161,25 +163,20 @@ rows = [(k, f"{bytes_per_param()[k]} B", source_gb[k], f"{ours[k] / GB:.0f}",
 source_activations = 100  # GB, "depends on batch and sequence length"
 total = ours["total"] / GB + source_activations
 rows.append(("activations", "dynamic", "~100", "(see §3)", "-", "we size it in §3: ~3.1 k tokens"))
-rows.append(("total", "16 B", "~1220", f"{total:.0f}", "agree" if abs(total - 1220) < 10 else "DIFFER",
+rows.append(("total", "16 B", "~1220", f"{total:.0f}",
+             "agree" if abs(total - 1220) < 10 else "DIFFER",
              "1120 GB of state + 100 GB"))
 show(rows, ("component", "B/param", "source GB", "minirl GB", "agree?", "why"))
-print("rule: a component agrees within 0.5 GB of the source's figure, the total within 10 GB of its ~1220")
-print(f"\nin 80 GB GPUs' worth: the state alone {ours['total'] / (80 * GB):.2f}, with the activations "
-      f"{total / 80:.2f}")
+print("rule: a component agrees within 0.5 GB of the source's figure, the total within 10 GB")
+print(f"\nin 80 GB GPUs' worth: the state alone {ours['total'] / (80 * GB):.2f}, "
+      f"with the activations {total / 80:.2f}")
 
 # %% [markdown]
-# The table adds up: 16 B × 70 × 10^9 = 1.12 TB of training state, plus the ~100 GB of
-# activations the source assumes, is 1.22 TB: the state alone fills fourteen 80 GB H100s,
-# and with the activations more than fifteen (the last line), before a single temporary
-# buffer. The precision variants:
+# The table adds up: 16 B × 70 × 10^9 = 1.12 TB of state plus ~100 GB of activations is
+# 1.22 TB, more than fifteen 80 GB H100s before a single buffer. The precision variants:
 
 # %%
 show([(p, *bytes_per_param(p).values()) for p in PRECISIONS], ("precision", *COMPONENTS, "total"))
-try:
-    bytes_per_param("fp8")
-except ValueError as err:
-    print("\nValueError:", err)
 
 # %% [markdown]
 # ## 2. ZeRO: shard the state, not the model
@@ -210,7 +207,8 @@ SHARDED = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "ada
            3: ("weights", "grads", "master", "adam_m", "adam_v")}
 
 
-def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_per_gpu(num_params: float, num_gpus: int, stage: int,
+                 precision: str = "mixed") -> dict[str, float]:
     """Per-GPU bytes of the training state under ZeRO `stage` on `num_gpus` data-parallel GPUs.
 
     num_params: Ψ, the model's parameter count (> 0). num_gpus: N, an int >= 1. stage: 0
@@ -237,10 +235,12 @@ def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = 
 
 def zero_saving(num_gpus: int, stage: int, precision: str = "mixed") -> float:
     """How many times less state a GPU holds under `stage` than under plain DDP (stage 0)."""
-    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage, precision)["total"]
+    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage,
+                                                                             precision)["total"]
 
 
-def zero_communication(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_communication(num_params: float, num_gpus: int, stage: int,
+                       precision: str = "mixed") -> dict[str, float]:
     """Bytes each GPU sends per optimizer step, with ring collectives (the ZeRO paper's §7).
 
     A ring all-reduce of B bytes sends 2 (N-1)/N B per GPU; a reduce-scatter or an all-gather
@@ -255,7 +255,8 @@ def zero_communication(num_params: float, num_gpus: int, stage: int, precision: 
     g = bytes_per_param(precision)["grads"]
     frac = (num_gpus - 1) / num_gpus
     volumes = {0: 2 * frac, 1: 2 * frac, 2: 2 * frac, 3: 3 * frac}
-    return {"bytes": volumes[stage] * num_params * g, "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
+    return {"bytes": volumes[stage] * num_params * g,
+            "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
 
 
 # %% [markdown]
@@ -272,24 +273,28 @@ comm = {s: zero_communication(P70, 8, s) for s in ZERO_LEVELS}
 vs_ddp = {s: comm[s]["vs_ddp"] for s in (1, 2, 3)}
 
 
-def saving_verdict(stage, claim):       # rule: within 10 % of the claim at N=8, else at N = 10^6 (the limit)
+def saving_verdict(stage, claim):       # rule: within 10 % of the claim at N=8, else at N = 10^6
     if abs(zero_saving(8, stage) / claim - 1) <= 0.1:
         return "agree"
     return "agree (limit)" if abs(zero_saving(10**6, stage) / claim - 1) <= 0.1 else "DIFFER"
 
 
-def comm_verdict(stage, word):          # rule: "low" = no more than DDP, "medium" = more than DDP but not the
-    x, top = vs_ddp[stage], max(vs_ddp.values())   # most, "high" = more than DDP and the most of the three
-    ok = {"low": x <= 1 + 1e-9, "medium": 1 + 1e-9 < x < top, "high": x > 1 + 1e-9 and x == top}[word]
+def comm_verdict(stage, word):          # rule: "low" = no more than DDP, "medium" = more than DDP
+    x, top = vs_ddp[stage], max(vs_ddp.values())   # but not the most, "high" = more and the most
+    ok = {"low": x <= 1 + 1e-9, "medium": 1 + 1e-9 < x < top,
+          "high": x > 1 + 1e-9 and x == top}[word]
     return ("agree (same as DDP)" if word == "low" else "agree") if ok else "differ"
 
 
 rows = [
-    ("ZeRO-1 saving", "~4x", f"{zero_saving(8, 1):.2f}x at N=8, {zero_saving(10**6, 1):.0f}x as N->inf",
+    ("ZeRO-1 saving", "~4x",
+     f"{zero_saving(8, 1):.2f}x at N=8, {zero_saving(10**6, 1):.0f}x as N->inf",
      saving_verdict(1, 4), "16/(4+12/N): the replicated 4 B of weights+grads bound it"),
-    ("ZeRO-2 saving", "~8x", f"{zero_saving(8, 2):.2f}x at N=8, {zero_saving(10**6, 2):.0f}x as N->inf",
+    ("ZeRO-2 saving", "~8x",
+     f"{zero_saving(8, 2):.2f}x at N=8, {zero_saving(10**6, 2):.0f}x as N->inf",
      saving_verdict(2, 8), "16/(2+14/N): only 8x when N >> 14"),
-    ("ZeRO-3 saving", "Nx", f"{zero_saving(8, 3):.2f}x at N=8", saving_verdict(3, 8), "16/(16/N) = N exactly"),
+    ("ZeRO-3 saving", "Nx", f"{zero_saving(8, 3):.2f}x at N=8", saving_verdict(3, 8),
+     "16/(16/N) = N exactly"),
     ("ZeRO-1 comm", "low", f"{vs_ddp[1]:.1f}x DDP", comm_verdict(1, "low"),
      "no extra traffic over DDP: reduce-scatter + all-gather = all-reduce"),
     ("ZeRO-2 comm", "medium", f"{vs_ddp[2]:.1f}x DDP", comm_verdict(2, "medium"),
@@ -298,15 +303,15 @@ rows = [
      "one extra all-gather of the weights per step: 3 (N-1)/N Psi"),
 ]
 show(rows, ("quantity", "source", "minirl", "agree?", "why"))
-print("rules: a saving agrees within 10 % of the source's at N=8, or 'in the limit' at N = 10^6; for traffic, "
-      "'low' means no more than DDP, 'medium' more than DDP but not the most, 'high' more than DDP and the most")
+print("rules: a saving agrees within 10 % of the source's at N=8, or 'in the limit' at N = 10^6;")
+print("for traffic, 'low' means no more than DDP, 'medium' more than DDP but not the most,")
+print("'high' more than DDP and the most")
 print(f"\n70B, N=8, BF16 gradients: DDP sends {comm[0]['bytes'] / GB:.0f} GB per GPU per step, "
       f"ZeRO-3 {comm[3]['bytes'] / GB:.0f} GB")
 
 # %% [markdown]
-# Per-GPU memory against N, stacked by component, for each stage (70 B, mixed precision).
-# The dashed line is one 80 GB H100. ZeRO-1 and ZeRO-2 flatten out at 4 Ψ and 2 Ψ, 280 GB and
-# 140 GB here: above the line at *any* N. Only ZeRO-3 ever crosses it.
+# Per-GPU memory against N by component (70 B, mixed precision; dashed: one 80 GB H100).
+# ZeRO-1 and ZeRO-2 flatten out at 4 Ψ and 2 Ψ, above the line at *any* N; only ZeRO-3 crosses.
 
 # %%
 from minirl.runtime.memory_plots import plot_zero  # noqa: E402
@@ -316,12 +321,10 @@ plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU t
 # %% [markdown]
 # ## 3. Activations: what autograd keeps for the backward pass
 #
-# The state above does not depend on the batch. Activations do: every operation of the
-# forward pass saves the inputs its backward needs, for every token. The source writes
-
-# "~100 GB, depends on batch and sequence length". To turn that into a number we need a model
-# shape, so `ModelShape` holds the few sizes that matter and reads them from any Hugging Face
-# config without loading a weight.
+# Activations depend on the batch: every operation of the forward pass saves the inputs its
+# backward needs, for every token. To turn the source's "~100 GB, depends on batch and
+# sequence length" into a number we need a model shape: `ModelShape` holds the sizes that
+# matter.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -345,10 +348,12 @@ class ModelShape:
     num_params: int | None = None  # exact count when known (from a config); else the closed form
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
+        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+                     "vocab_size"):
             check_positive(f"ModelShape.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by num_heads="
+            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by "
+                             f"num_heads="
                              f"{self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}")
 
     @property
@@ -356,7 +361,7 @@ class ModelShape:
         return self.hidden_size // self.num_heads * self.num_kv_heads
 
     def param_count(self) -> int:
-        """`num_params` if known, else embeddings + L x (attention + SwiGLU MLP + 2 RMSNorms) + final norm."""
+        """`num_params` if known, else embeddings + L x (attention + MLP + 2 norms) + final norm."""
         if self.num_params is not None:
             return self.num_params
         h, kv, i = self.hidden_size, self.kv_dim, self.intermediate_size
@@ -383,19 +388,24 @@ def from_config(cls, config) -> "ModelShape":
     import torch
     from transformers import AutoModelForCausalLM
 
+    from minirl.runtime.memory_checks import check_model_sizes  # lazy: only config reading needs it
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
              "intermediate_size", "num_attention_heads", "vocab_size")}
-    sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
+    sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads",
+                                           None) or sizes["num_attention_heads"]
     check_model_sizes(sizes)
     shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
-                intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
+                intermediate_size=sizes["intermediate_size"],
+                num_heads=sizes["num_attention_heads"],
                 num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
                 tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
+                qkv_bias=bool(getattr(text, "attention_bias",
+                                      False) or text.model_type.startswith("qwen2")))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: counted once
+    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: once
 
 
 @add_to_class(ModelShape)
@@ -410,7 +420,8 @@ def from_pretrained(cls, name_or_path: str) -> "ModelShape":
 @add_to_class(ModelShape)
 def describe(self) -> str:
     """One line: the sizes the activation and LoRA figures use."""
-    return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
+    return (f"{self.num_layers} layers, hidden {self.hidden_size}, "
+            f"intermediate {self.intermediate_size}, "
             f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
             f"{self.param_count() / 1e9:.3g} B parameters")
 
@@ -434,9 +445,8 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 # | SwiGLU MLP | gate, up, silu(gate), their product | 4 p I |
 # | head (once) | final norm, FP32 log-softmax of the logits | 4h + 2ph + 4 + 4V |
 #
-# In FP32 the "upcast" is the input itself, hence 4h + 2·4h = 12h. The eager attention's
-# a·s term is the s × s score matrix per head: quadratic in the sequence; SDPA and flash
-# attention recompute it in backward and keep only the log-sum-exp.
+# The eager attention's a·s term is the s × s score matrix per head, quadratic in the
+# sequence; SDPA and flash attention recompute it in backward.
 #
 # Padding changes the SDPA row: with any zero in the attention mask (RL batches are padded),
 # SDPA's grouped-query path, which takes no mask, is skipped; K and V are repeated to every
@@ -495,7 +505,8 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
 # %%
 # | export minirl/memory/calculator.py
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
+                      attention: str = "sdpa", recompute: str = "none",
+                      padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
 
     Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
@@ -516,7 +527,7 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
     norm = 4 * h + 2 * p * h + 4
     if attention == "sdpa" and padding_mask:
-        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
+        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; a mask row
     elif attention == "sdpa":
         attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
     else:
@@ -526,7 +537,8 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     boundary = tokens * p * h
     head = tokens * (norm + 4 * shape.vocab_size)
     total = checkpointed_activation_bytes(layer, boundary, head, shape.num_layers, recompute)
-    return {"layer": float(layer), "boundary": float(boundary), "head": float(head), "total": float(total)}
+    return {"layer": float(layer), "boundary": float(boundary), "head": float(head),
+            "total": float(total)}
 
 
 # %% [markdown]
@@ -539,28 +551,26 @@ print(f"one layer saves {per_token['layer'] / 1024:.0f} KiB per token; 80 layers
       f"{per_token['total'] / 2**20:.1f} MiB per token")
 tokens_100gb = 100 * GB / per_token["total"]
 print(f"100 GB of activations = {tokens_100gb:,.0f} tokens, e.g. one 3 k-token sequence")
-plain, padded = (activation_memory(LLAMA2_70B, 1, 4096, padding_mask=m)["layer"] for m in (False, True))
-print(f"a padded batch (SDPA repeats K/V to all 64 heads, keeps the mask): {padded / plain - 1:+.1%} per layer "
-      "at 4,096 tokens")
+plain, padded = (activation_memory(LLAMA2_70B, 1, 4096,
+                                   padding_mask=m)["layer"] for m in (False, True))
+print(f"a padded batch (SDPA repeats K/V to all 64 heads, keeps the mask): "
+      f"{padded / plain - 1:+.1%} per layer at 4,096 tokens")
 rows = []
 for seq in (1024, 4096, 16384):
     r = [activation_memory(LLAMA2_70B, 1, seq, recompute=rc)["total"] / GB for rc in RECOMPUTE]
     rows.append((seq, *(f"{v:.1f}" for v in r)))
 show(rows, ("tokens (batch 1)", "none GB", "full (per layer) GB", "sqrt(L) segments GB"))
 at4k = {rc: activation_memory(LLAMA2_70B, 1, 4096, recompute=rc)["total"] for rc in RECOMPUTE}
-print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none']:.1%} of the activations; "
-      f"per-layer below sqrt(L) segments: {'yes' if at4k['full'] < at4k['sqrt'] else 'no'}; "
-      f"layer input {per_token['boundary'] / 1024:.0f} KiB per token")
+print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none']:.1%} of the "
+      f"activations; below sqrt(L) segments: {'yes' if at4k['full'] < at4k['sqrt'] else 'no'}")
+print(f"a layer's input is {per_token['boundary'] / 1024:.0f} KiB per token")
 
 # %% [markdown]
 # Per-layer checkpointing cuts 131 GB to 7 GB at 4 k tokens (about 5 %, the last line): the
 # layer input is 16 KiB per token, a whole layer ~390 KiB. The √L scheme keeps 9 inputs but
 # recomputes 9 layers at once, so it holds more. O(√L) beats O(L) only when a layer's
-# interior is no larger than its input, which is not the case for transformers. (§5 checks
-# these formulas against autograd on a real model.)
-#
-# The last piece the table of §4 needs is LoRA's: only the adapters train, so the frozen
-# base costs its weights alone (§7 measures it).
+# interior is no larger than its input, which is not the case for transformers. The last piece
+# §4 needs is LoRA's: only the adapters train, so the frozen base costs its weights alone.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -578,7 +588,8 @@ def lora_params(shape: ModelShape, rank: int,
 
 
 def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 1, stage: int = 0,
-                precision: str = "mixed", base_bytes_per_param: float | None = None) -> dict[str, float]:
+                precision: str = "mixed",
+                base_bytes_per_param: float | None = None) -> dict[str, float]:
     """Per-GPU bytes when only LoRA adapters train: a frozen base plus the adapters' full state.
 
     The frozen base has weights only (no gradients, no optimizer state): `base_bytes_per_param`
@@ -587,10 +598,13 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
     like any parameter. Returns {"base", "weights", "grads", "master", "adam_m", "adam_v", "total"}.
     """
     check_positive("num_base_params", num_base_params)
-    base_b = bytes_per_param(precision)["weights"] if base_bytes_per_param is None else base_bytes_per_param
+    base_b = base_bytes_per_param
+    if base_b is None:
+        base_b = bytes_per_param(precision)["weights"]
     check_positive("base_bytes_per_param", base_b)
     out = {"base": num_base_params * base_b / (num_gpus if stage == 3 else 1)}
-    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage, precision).items() if k != "total"})
+    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage,
+                                              precision).items() if k != "total"})
     out["total"] = sum(out.values())
     return out
 
@@ -598,9 +612,7 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
 # %% [markdown]
 # ## 4. Does it fit? The 70 B on 80 GB table
 #
-# Put the pieces together: per GPU, training state (by stage) plus activations for that
-# GPU's micro-batch. Data parallelism splits a global batch over N GPUs, so the micro-batch is
-# `global_batch / N`, which must be a whole number of sequences.
+# Per GPU: training state (by stage) plus the activations of its `global_batch / N` sequences.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -619,16 +631,19 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
     check_positive("num_gpus", num_gpus)
     check_positive("global_batch", global_batch)
     if global_batch % num_gpus:
-        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: data "
-                         "parallelism gives every GPU the same number of sequences; pick a multiple")
+        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: "
+                         "data parallelism gives every GPU the same number of sequences; "
+                         "pick a multiple")
     shape = shape or LLAMA2_70B
     if lora_rank is None:
         out = zero_per_gpu(num_params, num_gpus, stage, precision)
     else:
-        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
+        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision,
+                          base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute,
+                            padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 
@@ -653,25 +668,26 @@ def min_gpus(num_params: float, gpu_memory_bytes: float, stage: int, precision: 
     if room < 0 or (room == 0 and sharded > 0):
         return None
     n = max(1, math.ceil(sharded / room)) if sharded > 0 else 1
-    while n > 1 and zero_per_gpu(num_params, n - 1, stage, precision)["total"] + activation_bytes <= gpu_memory_bytes:
+    while n > 1 and zero_per_gpu(num_params, n - 1, stage,
+                                 precision)["total"] + activation_bytes <= gpu_memory_bytes:
         n -= 1                                                  # float rounding, downwards
-    while zero_per_gpu(num_params, n, stage, precision)["total"] + activation_bytes > gpu_memory_bytes:
+    while zero_per_gpu(num_params, n, stage,
+                       precision)["total"] + activation_bytes > gpu_memory_bytes:
         n += 1                                                  # float rounding, upwards
     return n if n <= max_gpus else None
     # END SOLUTION
 
 
 # %% [markdown]
-# The source's table assumes eight 80 GB H100s and ~100 GB of activations; we keep both and
-# take the activations to belong to the *global* batch (the tokens of Llama-2-70B that make
-# 100 GB in §3, printed below), so each of 8 GPUs holds an eighth of them. We also list the assumption under which each of
-# the source's figures does come out.
+# The source assumes eight 80 GB H100s and ~100 GB of activations; we keep both, the activations
+# belonging to the *global* batch (each GPU holds an eighth), and list the assumption under
+# which each of the source's figures does come out.
 
 # %%
 N8, H100 = 8, 80 * GB
 act_tokens = round(tokens_100gb)                     # the source's "~100 GB" as tokens
 print(f"activations: {act_tokens:,} tokens of Llama-2-70B per global batch (the source's ~100 GB)")
-def act_for(n, recompute):                           # activations per GPU when N GPUs split the batch
+def act_for(n, recompute):                  # activations per GPU, N GPUs splitting the batch
     return activation_memory(LLAMA2_70B, 1, act_tokens / n, recompute=recompute)["total"]
 
 
@@ -693,29 +709,34 @@ def verdict(nbytes):
     return "yes" if nbytes <= H100 else "no"
 
 
-def agreement(nbytes, source_gb, source_fits):   # rule: the figure within 10 % of the source's; the fit verdict equal
+def agreement(nbytes, source_gb,
+              source_fits):   # rule: the figure within 10 % of the source's; the fit verdict equal
     figure, fits = abs(nbytes / GB / source_gb - 1) <= 0.1, verdict(nbytes) == source_fits
     return {(True, True): "agree", (True, False): "agree (verdict differs)",
-            (False, True): "differ (verdict agrees)", (False, False): "DIFFER (verdict too)"}[figure, fits]
+            (False, True): "differ (verdict agrees)",
+            (False, False): "DIFFER (verdict too)"}[figure, fits]
 
 
 rows = [
-    ("no sharding", "~940 GB / no", f"{no_shard / GB:.0f} GB / {verdict(no_shard)}", agreement(no_shard, 940, "no"),
-     f"940 = 12 B x 70 B + 100 GB = {twelve / GB:.0f}: the source dropped the 4 B FP32 master copy"),
+    ("no sharding", "~940 GB / no", f"{no_shard / GB:.0f} GB / {verdict(no_shard)}",
+     agreement(no_shard, 940, "no"),
+     f"940 = 12 B x 70 B + 100 GB = {twelve / GB:.0f}: the source dropped the FP32 master copy"),
     ("ZeRO-3, N=8", "~118 GB / no", f"{z3 / GB:.1f} GB / {verdict(z3)}", agreement(z3, 118, "no"),
-     "118 = 940 / 8: its 12 B state and its activations both split 8 ways; with 16 B: 1120/8 + 100/8"),
+     "118 = 940 / 8: its 12 B state and its activations split 8 ways; 16 B: 1120/8 + 100/8"),
     ("ZeRO-3 + checkpointing", "~30 GB / yes", f"{z3_ckpt / GB:.1f} GB / {verdict(z3_ckpt)}",
      agreement(z3_ckpt, 30, "yes"),
-     f"sharded state alone is 1120/8 = 140 GB (105 even at 12 B); 30 GB needs N = {n_for_30:.0f} GPUs, "
-     f"or optimizer state offloaded to CPU ({offload / GB:.0f} GB)"),
-    (f"+ LoRA r={lora_r}", "~8 GB / yes", f"{z3_lora / GB:.1f} GB / {verdict(z3_lora)}", agreement(z3_lora, 8, "yes"),
-     f"frozen BF16 base alone is 140/8 = 17.5 GB; ~8 GB needs a 4-bit base (QLoRA: {qlora / GB:.1f} GB) "
-     f"or N = {n_for_8:.0f} GPUs"),
+     f"sharded state alone is 1120/8 = 140 GB (105 at 12 B); 30 GB needs N = {n_for_30:.0f} "
+     f"GPUs, or optimizer state offloaded to CPU ({offload / GB:.0f} GB)"),
+    (f"+ LoRA r={lora_r}", "~8 GB / yes", f"{z3_lora / GB:.1f} GB / {verdict(z3_lora)}",
+     agreement(z3_lora, 8, "yes"),
+     f"frozen BF16 base alone is 140/8 = 17.5 GB; ~8 GB needs a 4-bit base "
+     f"(QLoRA: {qlora / GB:.1f} GB) or N = {n_for_8:.0f} GPUs"),
 ]
 show(rows, ("configuration", "source", "minirl (per GPU)", "agree?", "why"))
-print("rule: a figure agrees within 10 % of the source's; the verdict (fits one 80 GB GPU?) must be the same word")
-print(f"\nLoRA r={lora_r} on every linear layer of Llama-2-70B: {lora_n / 1e6:.0f} M trainable parameters "
-      f"({lora_n / LLAMA2_70B.param_count():.2%})")
+print("rule: a figure agrees within 10 % of the source's; the verdict (fits one 80 GB GPU?) must")
+print("be the same word")
+print(f"\nLoRA r={lora_r} on every linear layer of Llama-2-70B: {lora_n / 1e6:.0f} M trainable "
+      f"parameters ({lora_n / LLAMA2_70B.param_count():.2%})")
 print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n} GPUs "
       f"({zero_per_gpu(P70, need_n, 3)['total'] / GB:.1f} GB of state each)")
 
@@ -746,8 +767,7 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 # context whose pack hook wraps every tensor autograd saves for backward in a small holder and
 # counts its storage once; when autograd frees it, the holder dies and its bytes leave the
 # count. The running maximum is the activation peak, recomputation included. The timing takes
-# CPU seconds of this process on one thread, both modes back to back in alternating order, and
-# the median of the rounds' ratios (the wall clock of a shared machine counts everybody's work).
+# CPU seconds on one thread, both modes back to back, and the median of the rounds' ratios.
 
 # %% [markdown]
 # Measured against the calculator (FP32, SDPA attention; smoke mode uses the tiny model),
@@ -757,27 +777,33 @@ print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n
 from minirl.memory.measure import measure_single  # noqa: E402
 
 REPEATS = 3 if SMOKE else 9
-single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS, progress=True)
-why = {"none": "", "full": "the recomputed layer's input is also a checkpoint: counted once, not twice",
+single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS,
+                        progress=True)
+why = {"none": "",
+       "full": "the recomputed layer's input is also a checkpoint: counted once, not twice",
        "padded": "K/V repeated to all heads + the mask, as the padded formula counts"}
-rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}", f"{single[mode]['measured'] / 2**20:.2f}",
+rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}",
+         f"{single[mode]['measured'] / 2**20:.2f}",
          f"{single[mode]['ratio'] - 1:+.1%}", why[mode]) for mode in ("none", "full", "padded")]
 show(rows, ("recompute", "calculator MiB", "measured MiB", "diff", "why"))
 padding_cost = single["padded"]["measured"] / single["none"]["measured"] - 1
 print(f"padding costs {padding_cost:+.1%} of activations here (no checkpointing)")
-assert all(abs(single[m]["ratio"] - 1) < 0.05 for m in ("none", "full", "padded")), "calculator and autograd disagree"
+modes = ("none", "full", "padded")
+assert all(abs(single[m]["ratio"] - 1) < 0.05 for m in modes), "calculator and autograd disagree"
 assert single["padded"]["measured"] > single["none"]["measured"], "a padded batch saves more"
 
 t = single["timing"]
-spread = f"middle half of {t['repeats']} rounds: {t['slowdown_low']:+.0%} to {t['slowdown_high']:+.0%}"
+spread = (f"middle half of {t['repeats']} rounds: {t['slowdown_low']:+.0%} to "
+          f"{t['slowdown_high']:+.0%}")
 noisy = t["slowdown_high"] - t["slowdown_low"] > 0.3
-print(f"\n{single['num_params'] / 1e6:.1f} M parameters, {single['batch']} x {single['seq']} tokens, CPU time")
+print(f"\n{single['num_params'] / 1e6:.1f} M parameters, {single['batch']} x {single['seq']} "
+      "tokens, CPU time")
 show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
        "unclear (noisy)" if noisy else "agree" if 0.15 <= t["slowdown"] <= 0.35 else "differ",
-       f"median of per-round ratios ({spread}); one extra forward adds about a third of the compute")],
+       f"median of per-round ratios ({spread}); one extra forward adds ~1/3 of the compute")],
      ("quantity", "source", "minirl", "agree?", "why"))
-print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 %, 5 points either side); "
-      "unclear when the middle half of the rounds spans more than 30 points")
+print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 %, 5 points either")
+print("side); unclear when the middle half of the rounds spans more than 30 points")
 
 # %% [markdown]
 # Per-layer recomputation replays each layer's forward once more, and a forward is about a
@@ -798,19 +824,18 @@ print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 
 # | `fsdp_noreshard` | 2 | FSDP2 `fully_shard(reshard_after_forward=False)`: weights stay gathered |
 # | `fsdp` | 3 | FSDP2 `fully_shard(reshard_after_forward=True)`: a layer gathered, used, freed |
 #
-# Each rank runs two steps (the first creates Adam's state) and, in the second, records the
-# storage bytes it holds: the parameters right after the forward (for FSDP2 the gathered
-# layers not yet resharded, plus the shards), the gradients after backward, Adam's m and v
-# after the step. `compare_measured` sets each beside `zero_per_gpu(Ψ, N, stage, "fp32")` as
-# the mean over ranks; within 5 % agrees, and every known reason for a larger gap is written
-# beside it. The job is `minirl/runtime/zero_measure.py`'s: in full mode the chapter script
-# runs it at world sizes 1, 2 and 4 with the 24 M model (kept in `runs/03_measure/`); smoke
-# mode at world size 2 with the tiny one. 1.000 below is exact agreement.
+# Each rank runs two steps and, in the second, records the bytes it holds: the parameters
+# after the forward, the gradients after backward, Adam's m and v after the step.
+# `compare_measured` sets each beside `zero_per_gpu(Ψ, N, stage, "fp32")` (mean over ranks;
+# within 5 % agrees; known reasons for a larger gap are noted). The job is
+# `minirl/runtime/zero_measure.py`'s, at world sizes 1, 2 and 4 in full mode (kept in
+# `runs/03_measure/`), 2 in smoke mode. 1.000 below is exact agreement.
 
 # %%
 from minirl.runtime.zero_measure import chapter_measurement, compare_measured, launch_measurement
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
+ROOT = next(p for p in [Path.cwd(),
+                        *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
 chapter = None
 if SMOKE:
     measured_rows = launch_measurement(2, size="tiny", batch=2, seq=32)
@@ -822,46 +847,33 @@ comparison = compare_measured(measured_rows)
 COMPONENTS_MEASURED = ("weights_step", "weights_rest", "grads", "adam_m", "adam_v", "state")
 cells = {(r["strategy"], r["world_size"], r["component"]): r for r in comparison}
 groups = sorted({(r["stage"], r["strategy"], r["world_size"]) for r in comparison})
-show([(strategy, f"ZeRO-{stage}", n, *(f"{cells[(strategy, n, c)]['ratio']:.3f}" for c in COMPONENTS_MEASURED))
+show([(strategy, f"ZeRO-{stage}", n,
+       *(f"{cells[(strategy, n, c)]['ratio']:.3f}" for c in COMPONENTS_MEASURED))
       for stage, strategy, n in groups], ("strategy", "stage", "N", *COMPONENTS_MEASURED))
 notes = {}
 for r in comparison:
     if r["verdict"] != "agree" or r["note"]:
-        notes.setdefault((r["strategy"], r["note"] or "no note"), []).append(f"{r['component']}@N={r['world_size']}")
-print(f"\n{sum(r['verdict'] == 'agree' for r in comparison)} of {len(comparison)} cells agree within 5 %; "
-      "the others:")
+        notes.setdefault((r["strategy"], r["note"] or "no note"),
+                         []).append(f"{r['component']}@N={r['world_size']}")
+agreeing = sum(r["verdict"] == "agree" for r in comparison)
+print(f"\n{agreeing} of {len(comparison)} cells agree within 5 %; the others:")
 for (strategy, note), where in notes.items():
     print(f"  {strategy}: {', '.join(where)}: {note}")
 assert not [r for r in comparison if r["verdict"] == "DIFFER"], "an unexplained difference"
 
 # %% [markdown]
-# In full mode the chapter also repeated §5's checkpointing timing on the same model and
-# batch; beside ours:
-
-# %%
-if chapter is None:
-    print("smoke mode: the chapter script was not run (full mode prints its timing here)")
-else:
-    timings = {"this notebook (§5)": single["timing"],
-               "chapters/03_memory.py --measure": chapter["activations"]["timing"]}
-    show([(who, f"{x['slowdown']:+.0%}", f"{x['slowdown_low']:+.0%} to {x['slowdown_high']:+.0%}", x["repeats"])
-          for who, x in timings.items()], ("measured by", "median slowdown", "middle half", "rounds"))
-
-# %% [markdown]
-# Gradients and Adam moments agree to within padding: DDP and ZeRO-1 hold all gradients, FSDP2
-# holds 1/N of them, ZeRO-1 and FSDP2 hold 1/N of the Adam state. ZeRO-1's ranks are uneven,
-# because `ZeroRedundancyOptimizer` hands out whole tensors; only their mean is exactly 1/N.
-# The weights tell the FSDP2 story: with `reshard_after_forward=False` a rank holds the full
-# weights from forward to backward *and* its shard, and between steps only the shard. With
-# `reshard_after_forward=True` (ZeRO-3) a rank holds its shard plus one gathered layer at a
-# time. Now the same per-rank totals over the calculator's lines:
+# Gradients and Adam moments agree to within padding (ZeRO-1's ranks are uneven, since
+# `ZeroRedundancyOptimizer` hands out whole tensors; their mean is exactly 1/N). With
+# `reshard_after_forward=False` a rank holds the full weights from forward to backward *and*
+# its shard; with `True` (ZeRO-3), its shard plus one gathered layer. The per-rank totals:
 
 # %%
 psi_measured = measured_rows[0]["num_params"]
 points = {}
 for r in comparison:
     if r["component"] == "state":
-        points[(r["stage"], r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
+        points[(r["stage"],
+                r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
 ns = sorted({r["world_size"] for r in comparison} | {1, 2, 4})
 
 from minirl.runtime.memory_plots import plot_measured  # noqa: E402
@@ -870,9 +882,7 @@ plot_measured(psi_measured, ns, points)
 
 # %% [markdown]
 # The ZeRO-2 stars sit above their bars by 1/N of the weights: FSDP2's shard kept beside the
-# gathered weights (weights_step 1 + 1/N in the table). On CPU the step times of these runs
-# say nothing about ZeRO-3's "10–15 %" (gloo over shared memory is not NVLink), so we do not
-# print them as if they did.
+# gathered weights. CPU step times say nothing about ZeRO-3's "10–15 %" (gloo is not NVLink).
 
 # %% [markdown]
 # ## 7. LoRA: train a few adapters, freeze the rest
@@ -880,9 +890,7 @@ plot_measured(psi_measured, ns, points)
 # LoRA (Hu et al., 2021) freezes every base weight W and trains a low-rank update B·A beside
 # it: for a d_in × d_out linear, A is r × d_in and B is d_out × r, so r (d_in + d_out)
 # trainable parameters. Frozen weights need no gradient and no optimizer state, so the 16
-# bytes per parameter apply only to the adapters; the base costs its weights alone. We check
-# that with `peft` on the 24 M model: the count of trainable parameters, and the bytes of
-# their gradients and Adam state after one step.
+# bytes per parameter apply only to the adapters. We check that with `peft` on the 24 M model.
 
 # %%
 from minirl.memory.measure import measure_lora
@@ -895,19 +903,19 @@ rows = [
      f"{lo['trainable_params'] / lo['base_params']:.2%} of the base"),
     ("gradient bytes", f"{lo['grads_calculator']:,.0f}", f"{lo['grads']:,}",
      f"{lo['frozen_with_grad']} frozen tensors got a gradient"),
-    ("Adam m + v bytes", f"{lo['adam_calculator']:,.0f}", f"{lo['adam']:,}", "8 B per trainable parameter (FP32)"),
-    ("saved activations", f"{lo['activations_full_model']:,.0f} (full FT)", f"{lo['activations']:,}",
-     f"{lo['activations'] / lo['activations_full_model']:.0%} of full FT's: backward still flows through every "
-     "layer (frozen linears skip saving their inputs, the adapters' A matrices save them instead)"),
+    ("Adam m + v bytes", f"{lo['adam_calculator']:,.0f}", f"{lo['adam']:,}",
+     "8 B per trainable parameter (FP32)"),
+    ("saved activations", f"{lo['activations_full_model']:,.0f} (full FT)",
+     f"{lo['activations']:,}",
+     f"{lo['activations'] / lo['activations_full_model']:.0%} of full FT's: backward still flows "
+     "through every layer (frozen linears save no inputs; the adapters' A matrices do)"),
 ]
 show(rows, ("quantity", "calculator", "measured", "note"))
 
 # %% [markdown]
-# LoRA removes the gradients and optimizer state of the base, which is 14 of the 16 bytes per
-# parameter in mixed precision, but it removes only a small share of the activations (the
-# last row): the gradient still has to flow back through every frozen layer to reach the
-# adapters below. That is why the source pairs LoRA with checkpointing, and why its ~40 %
-# slowdown is mostly checkpointing's.
+# LoRA removes the base's gradients and optimizer state (14 of the 16 bytes per parameter) but
+# only a small share of the activations: the gradient still flows back through every frozen
+# layer. That is why the source pairs LoRA with checkpointing.
 
 # %% [markdown]
 # ## 8. What to remember
@@ -919,12 +927,8 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # | communication | ZeRO-1 and 2 move what DDP moves; ZeRO-3 1.5× |
 # | activations | ~390 KiB per token per layer for Llama-2-70B in BF16; per-layer checkpointing keeps 16 KiB |
 # | 70 B on 8 × 80 GB | full fine-tuning does not fit even with ZeRO-3 + checkpointing (≥ 15 GPUs); LoRA does |
-#
-# Try the chapter script on a real config (it reads `config.json` only):
-# `python chapters/03_memory.py --model Qwen/Qwen2.5-7B --gpus 4 --gpu-mem-gb 24`.
 
 # %% [markdown]
-
 # ## Exercises
 #
 # Your stubs are in `exercises/03_training_memory.py`. Fill them in, then grade:
