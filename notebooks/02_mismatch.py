@@ -55,7 +55,8 @@ def show(rows, header):
     rows = [tuple(str(c) for c in r[:len(header) - bool(notes)]) for r in [header, *rows]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + (f" ({j})" if j and notes else ""))
+        line = " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+        print(line + (f" ({j})" if j and notes else ""))
         if j == 0:
             print("-+-".join("-" * w for w in widths))
     for j, note in enumerate(notes, 1):
@@ -81,8 +82,9 @@ print(f"{'rollout copy':>14} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlo
 first = {}
 for dtype in ("bfloat16", "float8_e4m3fn"):
     s = first[dtype] = measure_logprobs(model, tokenizer, prompts, rollout_dtype=dtype).stats()
-    print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | {s['max_abs_delta']:>11.2e} | "
-          f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | {s['share_outside']:.2%}")
+    print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | "
+          f"{s['max_abs_delta']:>11.2e} | [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | "
+          f"{s['share_outside']:.2%}")
 same = [d for d, s in first.items() if s["max_abs_delta"] == 0]
 print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 'in neither copy'} "
       "(rule: every |dlogp| is 0)")
@@ -163,7 +165,8 @@ low, high = clip_bounds(old_p)
 at_boundary = objective(r, torch.tensor(1.0))
 beyond = objective(ppo_ratio(torch.tensor(0.26).log(), old_p.log()), torch.tensor(1.0))
 show([("r for 0.20 -> 0.24", 1.2, f"{r.item():.4f}", abs(r.item() - 1.2) < 1e-6),
-      ("upper clip bound for p_old = 0.20", 0.24, f"{high.item():.4f}", abs(high.item() - 0.24) < 1e-6),
+      ("upper clip bound for p_old = 0.20", 0.24, f"{high.item():.4f}",
+       abs(high.item() - 0.24) < 1e-6),
       ("objective at r = 1.2, A = +1", 1.2, f"{at_boundary.item():.4f}",
        abs(at_boundary.item() - 1.2) < 1e-6),
       ("objective at 0.20 -> 0.26, A = +1", "(1.2)", f"{beyond.item():.4f}",
@@ -199,10 +202,11 @@ plt.show()
 
 # %%
 p_rollout, p_trainer = torch.tensor(0.30), torch.tensor(0.29)
-ppo_sees = ppo_ratio(p_trainer.log(), p_trainer.log())          # pi_theta / pi_old before any update
+ppo_sees = ppo_ratio(p_trainer.log(),
+                     p_trainer.log())          # pi_theta / pi_old before any update
 truth = ppo_ratio(p_trainer.log(), p_rollout.log())              # pi_theta / pi_rollout
 dlogp = (p_rollout.log() - p_trainer.log()).abs()
-print(f"PPO's ratio before any update (trainer / trainer): {ppo_sees.item():.4f}  -> nothing to clip")
+print(f"PPO's ratio before any update (trainer / trainer): {ppo_sees.item():.4f}: nothing to clip")
 print(f"true ratio vs the behaviour policy (0.29 / 0.30):  {truth.item():.4f}")
 print(f"|delta log p| = {dlogp.item():.4f}: {dlogp.item() / math.log(1.2):.0%} of the clip band's "
       f"upper half (log 1.2 = {math.log(1.2):.4f})")
@@ -211,9 +215,9 @@ for n in (10, 100, 1000):
     print(f"  a sequence of {n:>4} tokens each off by the same factor: sequence ratio "
           f"{truth.item() ** n:.3g}")
 
-TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 rounding of these numbers)
-wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # off 1, by 0.29 / 0.30
-blind = abs(ppo_sees.item() - 1) < TOL                                          # PPO's ratio is 1: nothing to clip
+TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 rounding)
+wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # 0.29/0.30, not 1
+blind = abs(ppo_sees.item() - 1) < TOL                                          # nothing to clip
 print()
 show([("ratio error from 0.30 vs 0.29", "wrong before any update",
        f"{truth.item():.3f} ({1 / truth.item() - 1:.1%} off)", "yes" if wrong else "no",
@@ -310,7 +314,8 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
         rows.append(dict(lo=float(lo), hi=float(hi), tokens=n,
                          mean_abs_delta=d.mean().item() if n else 0.0,
                          max_abs_delta=d.max().item() if n else 0.0,
-                         share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
+                         share_outside=((r < low) | (r > high)).double().mean().item()
+                         if n else 0.0))
     return rows
     # END SOLUTION
 
@@ -328,7 +333,8 @@ from minirl.algo.logprobs import completion_logprobs
 from minirl.rollout.hf import DTYPES, HFEngine
 
 
-def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", temperature: float = 1.0) -> Tensor:
+def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32",
+                     temperature: float = 1.0) -> Tensor:
     """The trainer's recomputation of a Rollout's completion log-probs, [B, C] float32.
 
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
@@ -339,11 +345,13 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
-    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
+    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids],
+                          dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
     with torch.no_grad():
         logps, _ = completion_logprobs(trainer, input_ids, attention_mask,
-                                       rollout_batch.completion_ids.shape[1], temperature=temperature)
+                                       rollout_batch.completion_ids.shape[1],
+                                       temperature=temperature)
     return logps.float()
 
 
@@ -356,7 +364,8 @@ from minirl.config import SamplingConfig
 from minirl.rollout.hf import HFEngine
 
 rollout = HFEngine(model, tokenizer, dtype="bfloat16")
-batch = rollout.generate(prompts, SamplingConfig(8, 4, 1.0), generator=torch.Generator().manual_seed(0))
+batch = rollout.generate(prompts, SamplingConfig(8, 4, 1.0),
+                         generator=torch.Generator().manual_seed(0))
 trainer_side = trainer_logprobs(model, batch)                                 # [B, C]
 st = mismatch_stats(trainer_side, batch.logprobs.float(), batch.completion_mask)
 print(f"{st['tokens']} tokens: mean |dlogp| {st['mean_abs_delta']:.2e}, "
@@ -395,14 +404,15 @@ for d in PAIR_DTYPES:
     for T in (1.0, 2.0):
         t0 = time.time()
         pairs[d, T] = measure_logprobs(model, tokenizer, prompts, d, temperature=T)
-        print(f"measured {d} at T = {T:g} ({len(pairs)} of {2 * len(PAIR_DTYPES)}, {time.time() - t0:.1f} s)")
+        print(f"measured {d} at T = {T:g} ({len(pairs)} of {2 * len(PAIR_DTYPES)}, "
+              f"{time.time() - t0:.1f} s)")
 print("\nFP8 rollout, temperature 2:")
 print(format_buckets(pairs["float8_e4m3fn", 2.0].buckets()))
 print(f"\n{'rollout':>14} | {'T':>3} | {'tokens':>6} | ratio range       | outside [0.8, 1.25]")
 for (d, T), pr in pairs.items():
     st = pr.stats()
-    print(f"{d:>14} | {T:>3g} | {st['tokens']:>6} | [{st['ratio_min']:.3f}, {st['ratio_max']:.3f}] | "
-          f"{st['share_outside']:.2%}")
+    print(f"{d:>14} | {T:>3g} | {st['tokens']:>6} | "
+          f"[{st['ratio_min']:.3f}, {st['ratio_max']:.3f}]    | {st['share_outside']:.2%}")
 sure_smallest, factors = True, []   # the p >= 0.9 bucket against every other non-empty bucket
 for pr in pairs.values():
     rows = [r for r in pr.buckets() if r["tokens"]]
@@ -436,13 +446,15 @@ plt.show()
 # measure: are the risky tokens the uncertain ones? The source's two claims, beside ours:
 
 # %%
-source_gap = math.log(0.30 / 0.29)                               # the source's one token, |delta log p|
-fp8_gap = pairs["float8_e4m3fn", 1.0].stats()["mean_abs_delta"]  # our FP8 rollout, every token, T = 1
-same_order = 0.1 <= fp8_gap / source_gap <= 10                   # rule: within a factor of 10 either way
+source_gap = math.log(0.30 / 0.29)                               # the source's one token
+fp8_gap = pairs["float8_e4m3fn",
+                1.0].stats()["mean_abs_delta"]  # our FP8 rollout, every token, T = 1
+same_order = 0.1 <= fp8_gap / source_gap <= 10                   # rule: within a factor of 10
 show([("errors concentrate on low p", "yes", f"p >= 0.9 smallest in all {len(pairs)}",
        "yes" if sure_smallest else "no", "log-softmax saturates near p = 1"),
       ("FP8 0.30 vs BF16 0.29", f"{source_gap:.3f}, one token", f"FP8 mean |dlogp| {fp8_gap:.3f}",
-       "same order" if same_order else "no", "our FP8 is a weight round-trip on a 1 M-parameter model")],
+       "same order" if same_order else "no",
+       "our FP8 is a weight round-trip on a 1 M-parameter model")],
      ("quantity", "source", "minirl", "agree?", "why"))
 print("rules: row 1 agrees when the p >= 0.9 bucket is the smallest in every measurement above;")
 print(f"row 2 is of the same order when ours / the source's |dlogp| is in [0.1, 10] "
@@ -535,8 +547,9 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         trainer_weights = trainer_weights.state_dict()
     problems = []
     if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
-                        "push the trainer's weights (load_weights) before generating")
+        problems.append(f"version: the engine holds {engine.version}, the trainer is at "
+                        f"{trainer_version}; push the trainer's weights (load_weights) before "
+                        "generating")
     engine_weights = dict(engine.named_weights())
     dtype = dtype_name(engine)
     stale = []
@@ -544,12 +557,13 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         t = trainer_weights.get(name)
         amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
         rel, abs_ = rounding_tolerance(dtype, amax)
-        stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
-                                  rel, abs_)
+        ours = {name: t.detach()} if t is not None else {}
+        theirs = {name: engine_weights[name].detach()} if name in engine_weights else {}
+        stale += stale_parameters(ours, theirs, rel, abs_)
     if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
-                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
+        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond "
+                        f"{dtype} rounding (first: {stale[0]}); the last synchronization did not "
+                        "complete")
     return problems
 
 
@@ -593,7 +607,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
     done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
-    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
+    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout,
+                            **kwargs)
     done("2. token by token")
     table = {}
     for d in sweep:
@@ -601,7 +616,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
         done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout),
+                                **kwargs)
         done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
@@ -610,7 +626,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
 # Run the four steps on a rollout copy that is in sync:
 
 # %%
-SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16", "float8_e4m3fn")
+SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16",
+                                                    "float8_e4m3fn")
 t0 = time.time()
 report = diagnose_mismatch(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP, progress=True)
 print(f"done in {time.time() - t0:.0f} s\n")
@@ -637,11 +654,12 @@ batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens
 loss = trainer(**batch, labels=batch["input_ids"]).loss        # any update will do
 loss.backward()
 optimizer.step()
-stale_rollout.version = 1                                      # the counter moved, the weights did not
+stale_rollout.version = 1                                      # the counter moved, not the weights
 for problem in check_synchronization(trainer, stale_rollout, trainer_version=1):
     print(textwrap.fill(f"PROBLEM: {problem}", 100, subsequent_indent="  "))
 stale_rollout.load_weights(trainer.state_dict(), version=1)    # a real synchronization
-print("after load_weights:", check_synchronization(trainer, stale_rollout, trainer_version=1) or "OK")
+print("after load_weights:", check_synchronization(trainer, stale_rollout,
+                                                   trainer_version=1) or "OK")
 
 # %% [markdown]
 # ## 4. Corrections
@@ -697,11 +715,12 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}: use one of {IS_MODES}")
     if not cap > 0:
-        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses about 2 to 5)")
+        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses 2 to 5)")
     check_logprob_pair(old_logps, behavior_logps, mask)
     # BEGIN SOLUTION
     valid = mask.bool()
-    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(), torch.zeros_like(old_logps))
+    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(),
+                       torch.zeros_like(old_logps))
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)                     # [B, 1]
     ratio = torch.exp(diff)
@@ -721,13 +740,15 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
 fp8 = pairs["float8_e4m3fn", 2.0]
 substituted = importance_sampling_weights(fp8.trainer_logps, fp8.trainer_logps, fp8.mask)
 print(f"behaviour log-probs replaced by the recomputation: weights in "
-      f"[{substituted[fp8.mask.bool()].min():.3f}, {substituted[fp8.mask.bool()].max():.3f}]  (blind)")
+      f"[{substituted[fp8.mask.bool()].min():.3f}, {substituted[fp8.mask.bool()].max():.3f}] "
+      "(blind)")
 ratio = torch.exp(fp8.trainer_logps - fp8.behavior_logps)[fp8.mask.bool()]
 print(f"{'mode':>18} | {'cap':>4} | {'mean w':>7} | {'min w':>6} | {'max w':>6} | tokens changed")
 for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
     for cap in (1.05, 2.0):
         w = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode, cap)
-        raw = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode, 1e9)
+        raw = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode,
+                                          1e9)
         v, r0 = w[fp8.mask.bool()], raw[fp8.mask.bool()]
         print(f"{mode:>18} | {cap:>4} | {v.mean():>7.4f} | {v.min():>6.3f} | {v.max():>6.3f} | "
               f"{((v - r0).abs() > 1e-9).double().mean():.2%}")
@@ -735,7 +756,8 @@ for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask
 above, below = (ratio > 1).double().mean().item(), (ratio < 1).double().mean().item()
 print(f"token ratios: {above:.1%} above 1, {below:.1%} below 1, median {ratio.median():.4f}, "
       f"mean {ratio.mean():.4f}, max {ratio.max():.3f}")
-print(f"above the cap 2: {(ratio > 2).double().mean():.2%}, above 1.05: {(ratio > 1.05).double().mean():.2%}")
+print(f"above the cap 2: {(ratio > 2).double().mean():.2%}, "
+      f"above 1.05: {(ratio > 1.05).double().mean():.2%}")
 bias = max(abs(ratio.median().item() - 1), abs(ratio.mean().item() - 1))
 print(f"a systematic direction to correct: {'no' if bias < 0.01 else 'yes'} "
       f"(rule: median and mean within 1 % of 1; here {bias:.2%})")
@@ -778,7 +800,7 @@ from minirl.data import Experience
 
 
 def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config asks for them."""
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), if the config asks."""
     if not algorithm.importance_sampling_correction:
         return exp
     ro = exp.rollout
@@ -821,8 +843,9 @@ def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
 def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     """log_softmax over the kept tokens only: [..., V] float32, -inf where keep is False."""
     if keep.shape != logits.shape:
-        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has {tuple(logits.shape)}: "
-                         "pass the [..., V] mask from vocabulary_keep_mask on logits of the same shape")
+        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has "
+                         f"{tuple(logits.shape)}: pass the [..., V] mask from vocabulary_keep_mask "
+                         "on logits of the same shape")
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
 
 
@@ -838,11 +861,12 @@ rollout8 = HFEngine(model, tokenizer, dtype="float8_e4m3fn")
 sample = rollout8.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=4),
                            generator=torch.Generator().manual_seed(0))
 args = (sample.input_ids, sample.attention_mask, sample.num_completion_tokens, 1.0)
-with torch.no_grad():   # notebook 01's completion_logits: the distributions each token was drawn from
+with torch.no_grad():   # notebook 01's completion_logits: the distributions the tokens came from
     rollout_logits = completion_logits(rollout8.model, *args)          # [B, C, V]
     trainer_logits = completion_logits(model, *args)
 rows = sample.completion_mask.bool()
-full_r = torch.log_softmax(rollout_logits, -1)[rows]                   # [N, V] every vocabulary entry
+full_r = torch.log_softmax(rollout_logits,
+                           -1)[rows]                   # [N, V] every vocabulary entry
 full_t = torch.log_softmax(trainer_logits, -1)[rows]
 gap, p = (full_r - full_t).abs(), full_r.exp()
 print("every vocabulary entry at every completion position (not only the sampled ones):")
@@ -856,13 +880,14 @@ print(f"\n{'min_p':>6} | {'kept':>6} | {'mass pruned':>11} | {'max |dlogp| kept'
       f"{'mean |dlogp| kept':>17} | KL(rollout||trainer)")
 for min_p in (0.0, 1e-3, 1e-2, 5e-2):
     keep = vocabulary_keep_mask(rollout_logits, min_p)
-    lr, lt = pruned_log_softmax(rollout_logits, keep)[rows], pruned_log_softmax(trainer_logits, keep)[rows]
+    lr, lt = pruned_log_softmax(rollout_logits, keep)[rows], pruned_log_softmax(trainer_logits,
+                                                                                keep)[rows]
     k = keep[rows]
     diff = (lr - lt).masked_fill(~k, 0)
     kl = (lr.exp() * diff).sum(-1)
     mass = (1 - torch.softmax(rollout_logits, -1)[rows].masked_fill(~k, 0).sum(-1)).clamp(min=0)
-    print(f"{min_p:>6g} | {k.float().mean():>6.1%} | {mass.mean():>11.2e} | {diff.abs().max():>16.3f} | "
-          f"{diff.abs()[k].mean():>17.2e} | {kl.mean():.2e}")
+    print(f"{min_p:>6g} | {k.float().mean():>6.1%} | {mass.mean():>11.2e} | "
+          f"{diff.abs().max():>16.3f} | {diff.abs()[k].mean():>17.2e} | {kl.mean():.2e}")
 
 # %% [markdown]
 # Measured honestly, this tiny policy does not show the pattern pruning is built for: per
@@ -932,7 +957,8 @@ def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
     return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("top_k", "num_experts", "weight")) and type(m).__name__.endswith("Router")]
+            if all(hasattr(m, a) for a in ("top_k", "num_experts",
+                                           "weight")) and type(m).__name__.endswith("Router")]
 
 
 class RouteRecorder:
@@ -945,7 +971,7 @@ class RouteRecorder:
         self.calls: list[list[Tensor]] = [[] for _ in self.routers]
 
     def __enter__(self):
-        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch, if any
+        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch
         for i, router in enumerate(self.routers):
             original = router.forward
 
@@ -953,7 +979,7 @@ class RouteRecorder:
                 out = _original(hidden_states)
                 self.calls[_i].append(out[2].detach().clone())       # [tokens of this call, k]
                 return out
-            router.forward = recording                                  # instance attribute shadows the class
+            router.forward = recording                 # an instance attribute shadows the class
         return self
 
     def __exit__(self, *exc):
@@ -961,7 +987,7 @@ class RouteRecorder:
             _restore_forward(router, saved)
 
     def routes(self, batch_size: int) -> Tensor:
-        """Every call's experts, stitched along time: [L, B, T, k] long (T = tokens seen per row)."""
+        """Every call's experts, stitched along time: [L, B, T, k] long (T: tokens seen per row)."""
         layers = []
         for calls in self.calls:
             k = calls[0].shape[-1]
@@ -986,14 +1012,16 @@ def replay_routes(model: nn.Module, routes: Tensor):
     found = routers(model)
     saved = [router.__dict__.get("forward") for router in found]
     if routes.dim() != 4 or routes.shape[0] != len(found):
-        raise ValueError(f"routes has shape {tuple(routes.shape)}: expected [L={len(found)}, B, T, k]")
+        raise ValueError(f"routes has shape {tuple(routes.shape)}: "
+                         f"expected [L={len(found)}, B, T, k]")
     for layer, router in enumerate(found):
         def replaying(hidden_states, _router=router, _routes=routes[layer]):
             hidden_states = hidden_states.reshape(-1, _router.weight.shape[1])
             index = _routes.reshape(-1, _routes.shape[-1]).to(hidden_states.device)     # [N, k]
             if index.shape[0] != hidden_states.shape[0]:
-                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this forward has "
-                                 f"{hidden_states.shape[0]}; replay needs the recorded [B, T]")
+                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this "
+                                 f"forward has {hidden_states.shape[0]}; replay needs the recorded "
+                                 "[B, T]")
             logits = F.linear(hidden_states, _router.weight)                             # [N, E]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(-1, index)
@@ -1009,7 +1037,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
 
 
 def _restore_forward(module: nn.Module, saved) -> None:
-    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class's."""
+    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class."""
     if saved is None:
         module.__dict__.pop("forward", None)
     else:
@@ -1023,7 +1051,9 @@ def _restore_forward(module: nn.Module, saved) -> None:
 # %%
 # | export minirl/models/moe.py
 def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
-    """Share of (layer, token) pairs whose top-k expert *sets* agree. routes: [L, B, T, k]; mask [B, T]."""
+    """Share of (layer, token) pairs whose top-k expert *sets* agree.
+
+    routes_a, routes_b: [L, B, T, k]; token_mask: [B, T] (None: every token)."""
     if routes_a.shape != routes_b.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          "must both be [L, B, T, k] over the same tokens")
@@ -1048,18 +1078,19 @@ from minirl.runtime.logprob_measure import compare_routes
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
-warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None),
+warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30,
+                                                       target_accuracy=None),
            progress=True)
 print(f"MoE policy: {sum(p.numel() for p in moe_model.parameters()):,} parameters, "
       f"{len(routers(moe_model))} MoE layers, warm start {time.time() - t0:.0f} s")
-print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | {'with R3':>9} | "
-      f"{'max |dlogp|':>11} | {'with R3':>9}")
+print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | "
+      f"{'with R3':>9} | {'max |dlogp|':>11} | {'with R3':>9}")
 route_rows = {}
 for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16", "float8_e4m3fn"):
     r = route_rows[dtype] = compare_routes(moe_model, tokenizer, prompts, rollout_dtype=dtype)
     print(f"{dtype:>14} | {r['route_agreement']:>15.2%} | {r['route_agreement_r3']:>7.2%} | "
-          f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | {r['max_abs_delta']:>11.2e} | "
-          f"{r['max_abs_delta_r3']:>9.2e}", flush=True)
+          f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | "
+          f"{r['max_abs_delta']:>11.2e} | {r['max_abs_delta_r3']:>9.2e}", flush=True)
 shrinks = [d for d, r in route_rows.items() if r["max_abs_delta_r3"] < r["max_abs_delta"]]
 print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} rollout precisions "
       f"({', '.join(shrinks) or 'none'})")
@@ -1097,7 +1128,8 @@ for key in training["no_correction"]:
 
 def smooth(values, k=5):
     """Trailing mean over k steps."""
-    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+    windows = [values[max(0, i - k + 1):i + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
 fig, axes = plt.subplots(2, 2, figsize=(7, 5))

@@ -37,10 +37,11 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}: use one of {IS_MODES}")
     if not cap > 0:
-        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses about 2 to 5)")
+        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses 2 to 5)")
     check_logprob_pair(old_logps, behavior_logps, mask)
     valid = mask.bool()
-    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(), torch.zeros_like(old_logps))
+    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(),
+                       torch.zeros_like(old_logps))
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)                     # [B, 1]
     ratio = torch.exp(diff)
@@ -68,6 +69,7 @@ def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
 def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     """log_softmax over the kept tokens only: [..., V] float32, -inf where keep is False."""
     if keep.shape != logits.shape:
-        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has {tuple(logits.shape)}: "
-                         "pass the [..., V] mask from vocabulary_keep_mask on logits of the same shape")
+        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has "
+                         f"{tuple(logits.shape)}: pass the [..., V] mask from vocabulary_keep_mask "
+                         "on logits of the same shape")
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)

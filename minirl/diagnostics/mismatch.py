@@ -105,11 +105,13 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
         rows.append(dict(lo=float(lo), hi=float(hi), tokens=n,
                          mean_abs_delta=d.mean().item() if n else 0.0,
                          max_abs_delta=d.max().item() if n else 0.0,
-                         share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
+                         share_outside=((r < low) | (r > high)).double().mean().item()
+                         if n else 0.0))
     return rows
 
 
-def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", temperature: float = 1.0) -> Tensor:
+def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32",
+                     temperature: float = 1.0) -> Tensor:
     """The trainer's recomputation of a Rollout's completion log-probs, [B, C] float32.
 
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
@@ -120,11 +122,13 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
-    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
+    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids],
+                          dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
     with torch.no_grad():
         logps, _ = completion_logprobs(trainer, input_ids, attention_mask,
-                                       rollout_batch.completion_ids.shape[1], temperature=temperature)
+                                       rollout_batch.completion_ids.shape[1],
+                                       temperature=temperature)
     return logps.float()
 
 
@@ -154,7 +158,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
     done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
-    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
+    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout,
+                            **kwargs)
     done("2. token by token")
     table = {}
     for d in sweep:
@@ -162,7 +167,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
         done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout),
+                                **kwargs)
         done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
