@@ -60,7 +60,7 @@ def show(rows, header):
         if j == 0:
             print("-+-".join("-" * w for w in widths))
     for j, note in enumerate(notes, 1):
-        print(f"  ({j}) why: {note}")
+        print(textwrap.fill(f"  ({j}) why: {note}", 100, subsequent_indent="      "))
 
 # %% [markdown]
 # The result first. The package's finished `measure_logprobs` samples completions with a

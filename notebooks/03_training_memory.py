@@ -28,6 +28,7 @@
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def show(rows, header):
             print("-+-".join("-" * w for w in widths))
     for j, note in enumerate(notes, 1):
         if note:
-            print(f"  ({j}) {header[-1]}: {note}")
+            print(textwrap.fill(f"  ({j}) {header[-1]}: {note}", 100, subsequent_indent="      "))
 
 # %% [markdown]
 # The result first. The package's finished calculator, `training_memory`, sizes one
@@ -733,8 +734,7 @@ rows = [
      f"(QLoRA: {qlora / GB:.1f} GB) or N = {n_for_8:.0f} GPUs"),
 ]
 show(rows, ("configuration", "source", "minirl (per GPU)", "agree?", "why"))
-print("rule: a figure agrees within 10 % of the source's; the verdict (fits one 80 GB GPU?) must")
-print("be the same word")
+print("rule: a figure agrees within 10 % of the source's; the verdict (fits 80 GB?) must match")
 print(f"\nLoRA r={lora_r} on every linear layer of Llama-2-70B: {lora_n / 1e6:.0f} M trainable "
       f"parameters ({lora_n / LLAMA2_70B.param_count():.2%})")
 print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n} GPUs "
@@ -858,7 +858,7 @@ for r in comparison:
 agreeing = sum(r["verdict"] == "agree" for r in comparison)
 print(f"\n{agreeing} of {len(comparison)} cells agree within 5 %; the others:")
 for (strategy, note), where in notes.items():
-    print(f"  {strategy}: {', '.join(where)}: {note}")
+    print(textwrap.fill(f"  {strategy}: {', '.join(where)}: {note}", 100, subsequent_indent="    "))
 assert not [r for r in comparison if r["verdict"] == "DIFFER"], "an unexplained difference"
 
 # %% [markdown]
