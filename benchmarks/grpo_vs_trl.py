@@ -108,7 +108,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from minirl.models import loading
+from minirl.runtime import model_loading
 from minirl.runtime.cli import common_parser, seed_everything, write_summary
 from minirl.runtime.prefix_sharing import MicroBatchedLogprobs
 from minirl.runtime.workloads import few_shot_rows, load_long_tail_policy
@@ -161,7 +161,7 @@ def load_policy(args):
     if args.model is None and args.workload == "long":
         model, tokenizer, _ = load_long_tail_policy(device=args.device)
         return model, tokenizer
-    return loading.load_policy(args.model, args.device, progress=False)
+    return model_loading.load_policy(args.model, args.device, progress=False)
 
 
 def prompt_pool(task, n: int, seed: int, workload: str = "default") -> list[dict]:

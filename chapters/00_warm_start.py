@@ -93,13 +93,8 @@ def main(argv=None) -> int:
         return real_model(args)
     import torch  # after the flags: a wrong flag is reported at once, not after seconds of imports
 
-    from minirl.models.policy import (
-        PolicyCacheError,
-        default_policy_dir,
-        greedy_accuracy,
-        load_default_policy,
-        warm_start_report,
-    )
+    from minirl.models.policy import default_policy_dir, greedy_accuracy, load_default_policy
+    from minirl.runtime.policy_cache import PolicyCacheError, warm_start_report
     from minirl.tasks.arithmetic import make_task
 
     if args.threads:

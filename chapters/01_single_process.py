@@ -116,9 +116,8 @@ def main(argv=None) -> int:
     progress = bars_wanted(args.no_progress)         # on a terminal only: a log gets no bars, ours or transformers'
     import torch
 
-    from minirl.models.loading import ModelSourceError, load_policy
-    from minirl.models.policy import PromptError
     from minirl.runtime.checkpoint import latest_checkpoint
+    from minirl.runtime.model_loading import ModelSourceError, PromptError, load_policy
     from minirl.runtime.plots import plot_metrics
     from minirl.runtime.rundir import RunDirError
     from minirl.runtime.seeding import seed_everything

@@ -30,8 +30,7 @@ from minirl.runtime.validate import check_float, check_int
 
 def load(args):
     """(model, tokenizer, prompts) from --model / --prompts-file, or the embedded default."""
-    from minirl.models.loading import load_policy
-    from minirl.models.policy import check_prompts
+    from minirl.runtime.model_loading import check_prompts, load_policy
     from minirl.tasks.arithmetic import make_task
 
     model, tokenizer = load_policy(args.model, args.device, dtype="float32", progress=False)
@@ -118,7 +117,7 @@ def mismatch(argv=None) -> dict:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         parser.error(f"argument --prompts-file: {args.prompts_file!r}: no such file")
     check_device(parser, args.device)                   # imports torch: after every flag parsed
-    from minirl.models.loading import ModelSourceError, check_model_source
+    from minirl.runtime.model_loading import ModelSourceError, check_model_source
 
     if args.model is not None:
         try:

@@ -105,7 +105,7 @@ def model_shape(parser: argparse.ArgumentParser, args) -> tuple[ModelShape, str]
     """The shape the activation and LoRA figures use, and a phrase saying where it came from."""
     if args.model is not None:
         # imported here: it loads torch and transformers, which the plain calculator does not need
-        from minirl.models.loading import ModelSourceError, check_model_source
+        from minirl.runtime.model_loading import ModelSourceError, check_model_source
 
         try:
             check_model_source(args.model, need_tokenizer=False)
@@ -186,8 +186,8 @@ def print_tables(calc: dict) -> None:
 def measure(args) -> dict:
     from tqdm.auto import tqdm
 
-    from minirl.memory.distributed import compare_measured, launch_measurement
     from minirl.memory.measure import measure_lora, measure_single
+    from minirl.runtime.zero_measure import compare_measured, launch_measurement
 
     started = time.perf_counter()
     single = measure_single(args.size, args.batch, args.seq_measure, repeats=args.repeats)

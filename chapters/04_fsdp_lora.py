@@ -385,11 +385,11 @@ def main(argv=None) -> int:
 
 def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> int:
     """The body every rank runs: load, set up (all ranks agree), notebook 01's `run_in_dir`, export, summarize."""
-    from minirl.models.loading import load_policy  # noqa: PLC0415
     from minirl.parallel.spmd import setup_spmd, spmd_step  # noqa: PLC0415
     from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
     from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
+    from minirl.runtime.model_loading import load_policy  # noqa: PLC0415
     from minirl.runtime.plots import plot_metrics  # noqa: PLC0415
     from minirl.runtime.policy_export import evaluate_engine, export_policy  # noqa: PLC0415
     from minirl.runtime.ranks import agree  # noqa: PLC0415

@@ -99,7 +99,7 @@ def parse_args(argv=None):
         args.repeats, args.slots, args.cache_tokens, args.ks = 1, 4, 512, args.ks[:2]
     check_context(parser, args, model_context(args.model), args.model or "the long-tail policy")
     check_device(parser, args.device)                  # imports torch: after every flag parsed
-    from minirl.models.loading import ModelSourceError, check_model_source
+    from minirl.runtime.model_loading import ModelSourceError, check_model_source
 
     for flag, name in (("--model", args.model), ("--draft", args.draft)):
         try:
@@ -120,7 +120,6 @@ def main(argv=None) -> int:
     import torch
 
     from minirl.config import SamplingConfig
-    from minirl.models.loading import load_policy
     from minirl.models.policy import load_default_policy
     from minirl.runtime.drafts import ModelDraft, NgramDraft
     from minirl.runtime.engine_core import Request
@@ -133,6 +132,7 @@ def main(argv=None) -> int:
         speculative_sweep,
     )
     from minirl.runtime.io import write_summary
+    from minirl.runtime.model_loading import load_policy
     from minirl.runtime.seeding import seed_everything
     from minirl.runtime.workloads import few_shot_prompts, load_draft_policy, load_long_tail_policy
     from minirl.tasks.arithmetic import make_task

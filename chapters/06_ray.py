@@ -155,10 +155,13 @@ def main(argv=None) -> int:
 
     from minirl.controller.driver import SOURCE_ORDER, Driver  # noqa: PLC0415
     from minirl.controller.resource_pool import PlacementError  # noqa: PLC0415
-    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines  # noqa: PLC0415
     from minirl.runtime.io import atomic_write_json, write_summary  # noqa: PLC0415
+    from minirl.runtime.model_loading import (  # noqa: PLC0415
+        ModelSourceError,
+        PromptError,  # noqa: PLC0415
+        load_policy,
+    )
     from minirl.runtime.placement_checks import describe  # noqa: PLC0415
     from minirl.runtime.ray_calls import WorkerDiedError  # noqa: PLC0415
     from minirl.runtime.ray_start import connect  # noqa: PLC0415

@@ -183,14 +183,17 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
 
     import torch  # noqa: PLC0415
 
-    from minirl.models.loading import ModelSourceError, load_policy  # noqa: PLC0415
-    from minirl.models.policy import PromptError  # noqa: PLC0415
     from minirl.runtime.async_envs import RewardEnv  # noqa: PLC0415
     from minirl.runtime.async_plots import ACTIVITY_COLORS, plot_learning_curves  # noqa: PLC0415
     from minirl.runtime.async_run import train_async  # noqa: PLC0415
     from minirl.runtime.async_snapshots import evaluate_snapshots  # noqa: PLC0415
     from minirl.runtime.cluster_plots import plot_timelines  # noqa: PLC0415
     from minirl.runtime.io import write_summary  # noqa: PLC0415
+    from minirl.runtime.model_loading import (  # noqa: PLC0415
+        ModelSourceError,
+        PromptError,  # noqa: PLC0415
+        load_policy,
+    )
     from minirl.runtime.rundir import RunDirError  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.train.run import RunStopped  # noqa: PLC0415

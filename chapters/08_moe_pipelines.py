@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         parser.error(f"argument --device: {args.device!r}: chapter 08 runs on the CPU (gloo jobs, a tiny MoE; the "
                      "figures do not need a GPU): drop --device")
     if args.model is not None:                            # counted from its config: a bad name fails now, not later
-        from minirl.models.loading import ModelSourceError, check_model_source
+        from minirl.runtime.model_loading import ModelSourceError, check_model_source
 
         try:
             check_model_source(args.model, need_tokenizer=False)

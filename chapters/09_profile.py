@@ -136,8 +136,8 @@ def profile_run(args, config) -> tuple[Path, str | None]:
     """Run stage 1 into OUT/run with TorchProfiler on the chosen steps; (run directory, error or None)."""
     import torch
 
-    from minirl.models.loading import load_policy
     from minirl.profiling.profiler import TorchProfiler
+    from minirl.runtime.model_loading import load_policy
     from minirl.runtime.seeding import seed_everything
     from minirl.train.run import train
 

@@ -7,9 +7,13 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 
-from minirl.tasks.arithmetic import MAX_DIGITS, ArithmeticTask, Problem
+from minirl.runtime.completions import completion_text
+from minirl.runtime.validate import check_choice
+from minirl.tasks.arithmetic import MAX_DIGITS, Problem, TaskConfig
 
 
 def format_prompt(problem: Problem) -> str:
@@ -38,17 +42,8 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
     raise NotImplementedError("exercise 0.2: parse_answer -- see its docstring and notebook 00")
 
 
-def completion_text(completion) -> str | None:
-    """The text of a completion given as a string or as TRL's list of chat messages."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content")
-        return content if isinstance(content, str) else None
-    return None
-
-
-def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns) -> list[float]:
+def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True,
+                    **columns) -> list[float]:
     """1.0 where a completion states exactly `answer`, else 0.0 (malformed included).
 
     prompts: list[str] (unused, kept for TRL's signature); completions: list[str] or chat
@@ -59,12 +54,46 @@ def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, *
 
 def format_reward(prompts, completions, reverse_answer: bool = True, **columns) -> list[float]:
     """1.0 for a well-formed number, right or wrong; a shaping signal, off by default."""
-    return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
+    return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0
+            for c in completions]
 
 
 def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
     """The embedded task's reward, `--reward arithmetic`: `accuracy_reward` on reversed digits."""
     return accuracy_reward(prompts, completions, answer, reverse_answer=True)
+
+
+@dataclass
+class ArithmeticTask:
+    """A config and its split: `train`, `test` (held out) and `validation` are lists of Problems."""
+
+    config: TaskConfig
+    train: list[Problem]
+    test: list[Problem]
+    validation: list[Problem] = field(default_factory=list)
+
+    def prompt(self, problem: Problem) -> str:
+        return format_prompt(problem)
+
+    def answer_text(self, problem: Problem) -> str:
+        return format_answer(problem.value, self.config.reverse_answer)
+
+    def reward(self, prompts, completions, answer, **columns) -> list[float]:
+        """`accuracy_reward` with this task's answer format (TRL signature)."""
+        return accuracy_reward(prompts, completions, answer,
+                               reverse_answer=self.config.reverse_answer)
+
+    def rows(self, split: str = "train") -> list[dict]:
+        """Dataset rows `{"prompt", "answer"}` in TRL's standard (non-chat) format."""
+        splits = {"train": self.train, "validation": self.validation, "test": self.test}
+        check_choice("split", split, splits)
+        return [{"prompt": format_prompt(p), "answer": p.value} for p in splits[split]]
+
+    def dataset(self, split: str = "train"):
+        """The split as a `datasets.Dataset` (what TRL's trainers take)."""
+        from datasets import Dataset  # imported here: the rest of the task needs no datasets
+
+        return Dataset.from_list(self.rows(split))
 
 
 def sft_example(task: ArithmeticTask, problem: Problem, tokenizer) -> tuple[list[int], list[int]]:

@@ -7,14 +7,11 @@ Only the notebook's cells that hold exercises are here; the rest of its code is 
 imported below where these cells use it.
 """
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import IS_MODES
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -93,7 +90,7 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}: use one of {IS_MODES}")
     if not cap > 0:
-        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses about 2 to 5)")
+        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses 2 to 5)")
     check_logprob_pair(old_logps, behavior_logps, mask)
     raise NotImplementedError("exercise 2.4: importance_sampling_weights -- see its docstring and notebook 02")
 
@@ -114,6 +111,7 @@ def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
 def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     """log_softmax over the kept tokens only: [..., V] float32, -inf where keep is False."""
     if keep.shape != logits.shape:
-        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has {tuple(logits.shape)}: "
-                         "pass the [..., V] mask from vocabulary_keep_mask on logits of the same shape")
+        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has "
+                         f"{tuple(logits.shape)}: pass the [..., V] mask from vocabulary_keep_mask "
+                         "on logits of the same shape")
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)

@@ -15,12 +15,10 @@ from minirl.memory.calculator import (
     RECOMPUTE,
     ModelShape,
     activation_memory,
-    check_positive,
-    check_precision,
-    check_stage,
     lora_memory,
     lora_params,
 )
+from minirl.runtime.memory_checks import check_positive, check_precision, check_stage
 
 
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
@@ -47,7 +45,8 @@ SHARDED = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "ada
            3: ("weights", "grads", "master", "adam_m", "adam_v")}
 
 
-def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_per_gpu(num_params: float, num_gpus: int, stage: int,
+                 precision: str = "mixed") -> dict[str, float]:
     """Per-GPU bytes of the training state under ZeRO `stage` on `num_gpus` data-parallel GPUs.
 
     num_params: Ψ, the model's parameter count (> 0). num_gpus: N, an int >= 1. stage: 0
@@ -69,10 +68,12 @@ def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = 
 
 def zero_saving(num_gpus: int, stage: int, precision: str = "mixed") -> float:
     """How many times less state a GPU holds under `stage` than under plain DDP (stage 0)."""
-    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage, precision)["total"]
+    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage,
+                                                                             precision)["total"]
 
 
-def zero_communication(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_communication(num_params: float, num_gpus: int, stage: int,
+                       precision: str = "mixed") -> dict[str, float]:
     """Bytes each GPU sends per optimizer step, with ring collectives (the ZeRO paper's §7).
 
     A ring all-reduce of B bytes sends 2 (N-1)/N B per GPU; a reduce-scatter or an all-gather
@@ -87,7 +88,8 @@ def zero_communication(num_params: float, num_gpus: int, stage: int, precision: 
     g = bytes_per_param(precision)["grads"]
     frac = (num_gpus - 1) / num_gpus
     volumes = {0: 2 * frac, 1: 2 * frac, 2: 2 * frac, 3: 3 * frac}
-    return {"bytes": volumes[stage] * num_params * g, "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
+    return {"bytes": volumes[stage] * num_params * g,
+            "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
 
 
 def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, head_bytes: float,
@@ -128,16 +130,19 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
     check_positive("num_gpus", num_gpus)
     check_positive("global_batch", global_batch)
     if global_batch % num_gpus:
-        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: data "
-                         "parallelism gives every GPU the same number of sequences; pick a multiple")
+        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: "
+                         "data parallelism gives every GPU the same number of sequences; "
+                         "pick a multiple")
     shape = shape or LLAMA2_70B
     if lora_rank is None:
         out = zero_per_gpu(num_params, num_gpus, stage, precision)
     else:
-        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
+        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision,
+                          base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute,
+                            padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 

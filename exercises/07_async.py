@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience, Rollout
 from minirl.runtime.async_bookkeeping import GateBookkeeping, QueueBookkeeping
 from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction, check_queue_sizes
+from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.validate import check_choice, check_int
 from minirl.train.step import importance_weights
 

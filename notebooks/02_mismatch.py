@@ -15,39 +15,52 @@
 # # 02 · Same weights, different probabilities: the training–inference mismatch lab
 #
 # **By the end of this notebook you can** measure, token by token, how far the rollout
-# engine's probabilities are from the trainer's for the *same* weights and the *same*
-# tokens; say where the error concentrates; run the source's four-step diagnosis as one
-# call; and apply the corrections that work: record the behaviour log-probs, truncated
-# importance sampling, vocabulary pruning, and Rollout Routing Replay (R3) for a
-# mixture-of-experts policy. Finally you train twice with a deliberately mismatched rollout,
-# without and with the correction, and read the metrics that tell them apart.
+# engine's probabilities are from the trainer's for the *same* weights and tokens; say where
+# the error concentrates; run the source's four-step diagnosis; and apply the corrections:
+# the behaviour log-probs, truncated importance sampling, vocabulary pruning, and Rollout
+# Routing Replay (R3) for a mixture-of-experts policy, then train with and without one.
 #
-# The source (section 18.4) starts from a claim that surprises most people: *parameter
-# synchronization is not enough*. After the rollout engine has received exactly the
-# trainer's weights, it still computes different probabilities, because it computes them
-# along a different numerical path (lower precision, a KV cache, other kernels, other batch
-# shapes). PPO's clipping, the usual safety net, cannot see this error. Everything below is
-# measured on this machine; nothing is asserted without a number.
+# The source (section 18.4) starts from a surprising claim: *parameter synchronization is not
+# enough*. A rollout engine holding exactly the trainer's weights still computes different
+# probabilities, along a different numerical path (lower precision, a KV cache, other
+# kernels, other batch shapes), and PPO's clipping cannot see the error.
 #
 # | symbol | meaning | in minirl |
 # |---|---|---|
-# | $\pi_\text{rollout}$ | the policy the rollout engine actually sampled from | `Rollout.logprobs` (behaviour log-probs) |
-# | $\pi_\text{old}$ | the trainer's recomputation of the same policy | `completion_logprobs(model, ...)` in fp32 |
-# | $\pi_\theta$ | the policy being optimized | the trainer's model after some updates |
+# | $\pi_\text{rollout}$ | what the rollout engine sampled from | `Rollout.logprobs` (behaviour) |
+# | $\pi_\text{old}$ | the trainer's recomputation of it | `completion_logprobs(...)` in fp32 |
+# | $\pi_\theta$ | the policy being optimized | the trainer's model after updates |
 
 # %%
 # %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import copy
+import math
 import os
+import textwrap
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
 SMOKE = os.environ.get("MINIRL_SMOKE") == "1"  # CI runs every notebook in this fast mode
 torch.manual_seed(0)
+
+
+def show(rows, header):
+    """Print rows under header, aligned; a last "why" column is printed below, one note a row."""
+    notes = [r[-1] for r in rows] if header[-1] == "why" else []
+    rows = [tuple(str(c) for c in r[:len(header) - bool(notes)]) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for j, r in enumerate(rows):
+        line = " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+        print(line + (f" ({j})" if j and notes else ""))
+        if j == 0:
+            print("-+-".join("-" * w for w in widths))
+    for j, note in enumerate(notes, 1):
+        print(textwrap.fill(f"  ({j}) why: {note}", 100, subsequent_indent="      "))
 
 # %% [markdown]
 # The result first. The package's finished `measure_logprobs` samples completions with a
@@ -56,8 +69,8 @@ torch.manual_seed(0)
 # the same probabilities, every ratio π_old / π_rollout would be 1.000:
 
 # %%
-from minirl.diagnostics.mismatch import measure_logprobs  # the finished function, as the package ships it
 from minirl.models.policy import load_default_policy
+from minirl.runtime.logprob_measure import measure_logprobs  # the harness §2 builds on
 from minirl.tasks.arithmetic import make_task
 
 model, tokenizer, _ = load_default_policy(progress=False)
@@ -69,8 +82,9 @@ print(f"{'rollout copy':>14} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlo
 first = {}
 for dtype in ("bfloat16", "float8_e4m3fn"):
     s = first[dtype] = measure_logprobs(model, tokenizer, prompts, rollout_dtype=dtype).stats()
-    print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | {s['max_abs_delta']:>11.2e} | "
-          f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | {s['share_outside']:.2%}")
+    print(f"{dtype:>14} | {s['tokens']:>6} | {s['mean_abs_delta']:>12.2e} | "
+          f"{s['max_abs_delta']:>11.2e} | [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]{'':>8} | "
+          f"{s['share_outside']:.2%}")
 same = [d for d, s in first.items() if s["max_abs_delta"] == 0]
 print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 'in neither copy'} "
       "(rule: every |dlogp| is 0)")
@@ -79,8 +93,7 @@ print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 
 # Same weights, same tokens, different probabilities. The sections below open this piece by
 # piece: what PPO's clipping does and does not see (§1), the measurement itself and where
 # the error concentrates (§2), the source's four-step diagnosis as one call (§3), the
-# corrections (§4), and two training runs with and without one (§5). Input checks and the
-# table formatting live in the appendix at the end.
+# corrections (§4), and two training runs with and without one (§5).
 
 # %% [markdown]
 # ## 1. PPO clipping, by the numbers
@@ -101,18 +114,11 @@ print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 
 The rollout engine (HF generate with a KV cache, in bf16/fp16/fp8) and the trainer (a full
 forward in fp32) compute different probabilities for the same tokens from the same weights.
 This module measures that gap token by token (`measure_logprobs`, `mismatch_stats`,
-`probability_buckets`), checks that a rollout really holds the trainer's weights
-(`stale_parameters`, `check_synchronization`) and runs the source's four diagnosis steps as
-one call (`diagnose_mismatch` -> `MismatchReport`).
-
-Simplified on purpose: production systems (veRL, TRL with vLLM, slime) log the same
-quantities (`sampling_logp_difference`, importance-ratio min/mean/max) from a separate
-inference server; here the rollout engine is an HF model copy in the same process, so every
-difference you measure comes from precision and computation path alone, which is the point.
+`probability_buckets`) and runs the source's four diagnosis steps as one call
+(`diagnose_mismatch`). Simplified on purpose: production systems (veRL, TRL with vLLM, slime)
+log the same quantities from a separate inference server; here the rollout engine is an HF
+copy in the same process, so every difference comes from precision and computation path.
 """
-import math
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
@@ -158,15 +164,15 @@ r = ppo_ratio(new_p.log(), old_p.log())
 low, high = clip_bounds(old_p)
 at_boundary = objective(r, torch.tensor(1.0))
 beyond = objective(ppo_ratio(torch.tensor(0.26).log(), old_p.log()), torch.tensor(1.0))
-print(f"{'quantity':<38} | {'source':>7} | {'minirl':>8} | agree?")
-print(f"{'r for 0.20 -> 0.24':<38} | {1.2:>7} | {r.item():>8.4f} | {abs(r.item() - 1.2) < 1e-6}")
-print(f"{'upper clip bound for p_old = 0.20':<38} | {0.24:>7} | {high.item():>8.4f} | "
-      f"{abs(high.item() - 0.24) < 1e-6}")
-print(f"{'objective at r = 1.2, A = +1':<38} | {'1.2':>7} | {at_boundary.item():>8.4f} | "
-      f"{abs(at_boundary.item() - 1.2) < 1e-6}")
-print(f"{'objective at 0.20 -> 0.26, A = +1':<38} | {'(1.2)':>7} | {beyond.item():>8.4f} | "
-      f"{abs(beyond.item() - 1.2) < 1e-6} (clipped: no gain past 1 + eps)")
-print("rule: agree? is True when minirl's value is within 1e-6 of the source's")
+show([("r for 0.20 -> 0.24", 1.2, f"{r.item():.4f}", abs(r.item() - 1.2) < 1e-6),
+      ("upper clip bound for p_old = 0.20", 0.24, f"{high.item():.4f}",
+       abs(high.item() - 0.24) < 1e-6),
+      ("objective at r = 1.2, A = +1", 1.2, f"{at_boundary.item():.4f}",
+       abs(at_boundary.item() - 1.2) < 1e-6),
+      ("objective at 0.20 -> 0.26, A = +1", "(1.2)", f"{beyond.item():.4f}",
+       abs(beyond.item() - 1.2) < 1e-6)], ("quantity", "source", "minirl", "agree?"))
+print("rule: agree? is True when minirl's value is within 1e-6 of the source's (the last row is")
+print("clipped: no gain past 1 + eps)")
 
 # %% [markdown]
 # Sweep the ratio for a positive and a negative advantage. The flat parts are where the
@@ -175,7 +181,7 @@ print("rule: agree? is True when minirl's value is within 1e-6 of the source's")
 
 # %%
 ratios = torch.linspace(0.4, 1.8, 281)
-fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharex=True)
+fig, axes = plt.subplots(1, 2, figsize=(7, 2.8), sharex=True)
 for ax, adv in zip(axes, (+1.0, -1.0), strict=True):
     ax.plot(ratios, ratios * adv, ls="--", color="gray", label="unclipped r·A")
     ax.plot(ratios, objective(ratios, torch.tensor(adv)), lw=2, label="clipped (ε = 0.2)")
@@ -196,29 +202,31 @@ plt.show()
 
 # %%
 p_rollout, p_trainer = torch.tensor(0.30), torch.tensor(0.29)
-ppo_sees = ppo_ratio(p_trainer.log(), p_trainer.log())          # pi_theta / pi_old before any update
+ppo_sees = ppo_ratio(p_trainer.log(),
+                     p_trainer.log())          # pi_theta / pi_old before any update
 truth = ppo_ratio(p_trainer.log(), p_rollout.log())              # pi_theta / pi_rollout
 dlogp = (p_rollout.log() - p_trainer.log()).abs()
-print(f"PPO's ratio before any update (trainer / trainer): {ppo_sees.item():.4f}  -> nothing to clip")
-print(f"true ratio vs the behaviour policy (0.29 / 0.30):  {truth.item():.4f}  (inverse {1 / truth.item():.4f})")
+print(f"PPO's ratio before any update (trainer / trainer): {ppo_sees.item():.4f}: nothing to clip")
+print(f"true ratio vs the behaviour policy (0.29 / 0.30):  {truth.item():.4f}")
 print(f"|delta log p| = {dlogp.item():.4f}: {dlogp.item() / math.log(1.2):.0%} of the clip band's "
-      f"upper half (log 1.2 = {math.log(1.2):.4f}) used up before the optimizer moved")
+      f"upper half (log 1.2 = {math.log(1.2):.4f})")
+print("used up before the optimizer moved")
 for n in (10, 100, 1000):
     print(f"  a sequence of {n:>4} tokens each off by the same factor: sequence ratio "
           f"{truth.item() ** n:.3g}")
 
-TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 rounding of these numbers)
-wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # off 1, by 0.29 / 0.30
-blind = abs(ppo_sees.item() - 1) < TOL                                          # PPO's ratio is 1: nothing to clip
-rows = [("ratio error from 0.30 vs 0.29", "the ratio is wrong before any update",
-         f"{truth.item():.3f} (or {1 / truth.item():.3f}, {1 / truth.item() - 1:.1%} off)", wrong,
-         f"0.29/0.30; |dlogp| = {dlogp.item():.3f}"),
-        ("what clipping does about it", "nothing", f"PPO's ratio is {ppo_sees.item():.3f}", blind,
-         "the denominator is the recomputation, not the sampler")]
-print(f"\n{'quantity':<30} | {'source':<36} | {'minirl':<28} | agree? | why")
-for quantity, source, ours, agree, why in rows:
-    print(f"{quantity:<30} | {source:<36} | {ours:<28} | {'yes' if agree else 'no':<6} | {why}")
-print(f"rule: row 1 agrees when the true ratio is 0.29/0.30 and not 1, row 2 when PPO's ratio is 1 (within {TOL:g})")
+TOL = 1e-6   # rule: a ratio "is" a value when it is within TOL of it (float32 rounding)
+wrong = abs(truth.item() - 0.29 / 0.30) < TOL and abs(truth.item() - 1) > TOL   # 0.29/0.30, not 1
+blind = abs(ppo_sees.item() - 1) < TOL                                          # nothing to clip
+print()
+show([("ratio error from 0.30 vs 0.29", "wrong before any update",
+       f"{truth.item():.3f} ({1 / truth.item() - 1:.1%} off)", "yes" if wrong else "no",
+       f"0.29/0.30; |dlogp| = {dlogp.item():.3f}"),
+      ("what clipping does about it", "nothing", f"PPO's ratio is {ppo_sees.item():.3f}",
+       "yes" if blind else "no", "the denominator is the recomputation, not the sampler")],
+     ("quantity", "source", "minirl", "agree?", "why"))
+print("rule: row 1 agrees when the true ratio is 0.29/0.30 and not 1, row 2 when PPO's ratio is 1")
+print(f"(within {TOL:g})")
 
 # %% [markdown]
 # A consistent 3.4 % per-token bias compounds over a sequence (over 100 tokens the ratio falls
@@ -236,11 +244,11 @@ print(f"rule: row 1 agrees when the true ratio is 0.29/0.30 and not 1, row 2 whe
 #
 # Both tensors are `[B, C]`; the completion mask is 1 up to and including the first EOS.
 # `mismatch_stats` summarizes the gap. It first checks its input with `check_logprob_pair`
-# (in the appendix): bad input fails loudly, naming the tensor and the shape it wants.
+# (`minirl/runtime/logprob_checks.py`): bad input fails naming the tensor and the shape.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
-from minirl.algo.logprobs import check_logprob_pair
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -306,44 +314,27 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
         rows.append(dict(lo=float(lo), hi=float(hi), tokens=n,
                          mean_abs_delta=d.mean().item() if n else 0.0,
                          max_abs_delta=d.max().item() if n else 0.0,
-                         share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
+                         share_outside=((r < low) | (r > high)).double().mean().item()
+                         if n else 0.0))
     return rows
     # END SOLUTION
 
 
 
 # %% [markdown]
-# Now the measurement itself. `measure_logprobs` samples with a rollout engine and recomputes
-# the same tokens in the trainer's precision; it returns both, aligned.
+# The trainer's side is one function: the recomputation of a rollout's completion
+# log-probs, in the trainer's precision.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
 import copy
 
 from minirl.algo.logprobs import completion_logprobs
-from minirl.config import SamplingConfig
 from minirl.rollout.hf import DTYPES, HFEngine
 
 
-@dataclass
-class LogprobPair:
-    """The same sampled tokens scored by the rollout engine and by the trainer. All [B, C]."""
-
-    trainer_logps: Tensor
-    behavior_logps: Tensor
-    mask: Tensor
-    completion_ids: Tensor
-    rollout_dtype: str
-    train_dtype: str
-
-    def stats(self, low: float = 0.8, high: float = 1.25) -> dict[str, float]:
-        return mismatch_stats(self.trainer_logps, self.behavior_logps, self.mask, low, high)
-
-    def buckets(self, edges: tuple[float, ...] = PROBABILITY_EDGES) -> list[dict]:
-        return probability_buckets(self.trainer_logps, self.behavior_logps, self.mask, edges)
-
-
-def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", temperature: float = 1.0) -> Tensor:
+def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32",
+                     temperature: float = 1.0) -> Tensor:
     """The trainer's recomputation of a Rollout's completion log-probs, [B, C] float32.
 
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
@@ -354,52 +345,46 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
-    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
+    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids],
+                          dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
     with torch.no_grad():
         logps, _ = completion_logprobs(trainer, input_ids, attention_mask,
-                                       rollout_batch.completion_ids.shape[1], temperature=temperature)
+                                       rollout_batch.completion_ids.shape[1],
+                                       temperature=temperature)
     return logps.float()
 
 
 # %% [markdown]
-# `measure_logprobs` puts the two sides together: sample with the rollout engine, recompute
-# with the trainer, return both, aligned. It is the function the notebook opened with.
+# The two sides, by hand: a bf16 rollout copy samples (and records its behaviour
+# log-probs), the fp32 trainer recomputes the same tokens.
 
 # %%
-# | export minirl/diagnostics/mismatch.py
-def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
-                     train_dtype: str = "float32", num_generations: int = 8, max_new_tokens: int = 4,
-                     temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
-    """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
+from minirl.config import SamplingConfig
+from minirl.rollout.hf import HFEngine
 
-    model: the trainer's policy (an HF causal LM). rollout: an HFEngine to use as it is
-    (its own dtype and version); when None a fresh HFEngine(model, tokenizer, rollout_dtype)
-    is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
-    """
-    device = next(model.parameters()).device
-    if rollout is None:
-        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
-                             generator=generator)
-    trainer = trainer_logprobs(model, batch, train_dtype, temperature)
-    return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
-                       getattr(rollout, "dtype", rollout_dtype), train_dtype)
+rollout = HFEngine(model, tokenizer, dtype="bfloat16")
+batch = rollout.generate(prompts, SamplingConfig(8, 4, 1.0),
+                         generator=torch.Generator().manual_seed(0))
+trainer_side = trainer_logprobs(model, batch)                                 # [B, C]
+st = mismatch_stats(trainer_side, batch.logprobs.float(), batch.completion_mask)
+print(f"{st['tokens']} tokens: mean |dlogp| {st['mean_abs_delta']:.2e}, "
+      f"ratio pi_old / pi_rollout in [{st['ratio_min']:.3f}, {st['ratio_max']:.3f}]")
 
 # %% [markdown]
-# Measure the warm-started policy again, now with the code above (the opening's bf16 row).
-# The rollout copy runs in bf16 with a KV cache; the trainer recomputes in fp32. The tiny
-# policy is confident (at temperature 1 a large share of the sampled tokens get p >= 0.9 and
-# only a few come from the tail below 0.01; the last line counts both), so we also sample at
-# temperature 2 to put more low-probability tokens in the buckets. (Both sides use the same
-# temperature: the log-probs are those of the distribution actually sampled from.)
+# `measure_logprobs` (`minirl/runtime/logprob_measure.py`) makes exactly these two calls and
+# returns both sides, aligned, as a `LogprobPair` with `.stats()` and `.buckets()`. Measure
+# the warm-started policy again with it (the opening's bf16 row). The
+# tiny policy is confident (the last line counts its sure and its tail tokens), so below we
+# also sample at temperature 2 to put more low-probability tokens in the buckets (both sides
+# use the temperature sampled at).
 
 # %%
 pair = measure_logprobs(model, tokenizer, prompts, rollout_dtype="bfloat16", temperature=1.0)
 s = pair.stats()
 print(f"bf16 rollout vs fp32 trainer, {s['tokens']} sampled tokens:")
-print(f"  mean |dlogp| {s['mean_abs_delta']:.2e}   max |dlogp| {s['max_abs_delta']:.2e}   KL(k3) {s['kl_k3']:.2e}")
+print(f"  mean |dlogp| {s['mean_abs_delta']:.2e}   max |dlogp| {s['max_abs_delta']:.2e}   "
+      f"KL(k3) {s['kl_k3']:.2e}")
 print(f"  ratio pi_old/pi_rollout in [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], "
       f"outside [0.8, 1.25]: {s['share_outside']:.2%}")
 p_sampled = pair.behavior_logps.exp()[pair.mask.bool()]
@@ -411,7 +396,7 @@ print(f"  sampled tokens with rollout p >= 0.9: {(p_sampled >= 0.9).double().mea
 # and the mean |Δ log p| per bucket for each precision, at temperature 1 and 2:
 
 # %%
-from minirl.diagnostics.mismatch import format_buckets  # code: appendix
+from minirl.runtime.mismatch_report import format_buckets  # the rows as a fixed-width table
 
 PAIR_DTYPES = ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16", "float8_e4m3fn")
 pairs = {}
@@ -419,19 +404,15 @@ for d in PAIR_DTYPES:
     for T in (1.0, 2.0):
         t0 = time.time()
         pairs[d, T] = measure_logprobs(model, tokenizer, prompts, d, temperature=T)
-        print(f"measured {d} at T = {T:g} ({len(pairs)} of {2 * len(PAIR_DTYPES)}, {time.time() - t0:.1f} s)")
+        print(f"measured {d} at T = {T:g} ({len(pairs)} of {2 * len(PAIR_DTYPES)}, "
+              f"{time.time() - t0:.1f} s)")
 print("\nFP8 rollout, temperature 2:")
 print(format_buckets(pairs["float8_e4m3fn", 2.0].buckets()))
 print(f"\n{'rollout':>14} | {'T':>3} | {'tokens':>6} | ratio range       | outside [0.8, 1.25]")
 for (d, T), pr in pairs.items():
     st = pr.stats()
-    print(f"{d:>14} | {T:>3g} | {st['tokens']:>6} | [{st['ratio_min']:.3f}, {st['ratio_max']:.3f}] | "
-          f"{st['share_outside']:.2%}")
-worst = max(pairs, key=lambda k: pairs[k].stats()["share_outside"])
-print(f"most tokens outside the band: {worst[0]} at T = {worst[1]:g}")
-for d in PAIR_DTYPES:   # rule: no token of either temperature has its ratio outside [0.8, 1.25]
-    inside = all(pairs[d, T].stats()["share_outside"] == 0 for T in (1.0, 2.0))
-    print(f"  {d:>14}: every ratio inside [0.8, 1.25] at both temperatures: {'yes' if inside else 'no'}")
+    print(f"{d:>14} | {T:>3g} | {st['tokens']:>6} | "
+          f"[{st['ratio_min']:.3f}, {st['ratio_max']:.3f}]    | {st['share_outside']:.2%}")
 sure_smallest, factors = True, []   # the p >= 0.9 bucket against every other non-empty bucket
 for pr in pairs.values():
     rows = [r for r in pr.buckets() if r["tokens"]]
@@ -439,14 +420,9 @@ for pr in pairs.values():
     others = [r["mean_abs_delta"] for r in rows if r["lo"] < 0.9]
     sure_smallest &= all(o > top for o in others)
     factors += [o / top for o in others]
-print(f"p >= 0.9 bucket has the smallest mean |dlogp| in every measurement: {'yes' if sure_smallest else 'no'}; "
-      f"the other buckets' mean is {min(factors):.0f}x to {max(factors):.0f}x larger")
-tails = [[r["mean_abs_delta"] for r in pr.buckets() if r["tokens"] and r["hi"] <= 0.5] for pr in pairs.values()]
-tails = [t for t in tails if len(t) > 1 and min(t) > 0]                 # buckets ordered from p = 0 upwards
-steady = bool(tails) and all(t[i] > t[i + 1] for t in tails for i in range(len(t) - 1))  # rule: each lower-p bucket larger
-spreads = [max(t) / min(t) for t in tails] or [float("nan")]
-print(f"tail (p < 0.5): mean |dlogp| grows at every step towards p = 0 in every measurement: "
-      f"{'yes' if steady else 'no'}; largest over smallest tail bucket: {min(spreads):.1f}x to {max(spreads):.1f}x")
+print(f"p >= 0.9 bucket has the smallest mean |dlogp| in every measurement: "
+      f"{'yes' if sure_smallest else 'no'}")
+print(f"the other buckets' mean |dlogp| is {min(factors):.0f}x to {max(factors):.0f}x larger")
 
 fig, ax = plt.subplots(figsize=(8, 3.2))
 width = 0.13
@@ -464,47 +440,35 @@ plt.show()
 
 # %% [markdown]
 # Read the plot from the right: tokens the policy is sure of (p >= 0.9) carry the least
-# log-prob error, because log-softmax is flat near p = 1 (the line under the small table
-# checks that this bucket is the smallest in every measurement, and prints how many times
-# larger the others are). Within the tail (p < 0.5) the error need not keep growing as p
-# falls: the next line says whether it does here, and how far apart the tail buckets are.
-# The source's claim ("small errors on high-probability tokens are harmless, errors on many
-# low-probability tokens accumulate") is tested in the form we can measure: are the risky
-# tokens the uncertain ones? The small table under the buckets says how far the ratio
-# π_old / π_rollout strays in each precision, the lines under it say, per precision, whether
-# every ratio stayed inside [0.8, 1.25], and one line names the precision with the most
-# tokens outside the band. The source's two claims, beside ours:
+# log-prob error, because log-softmax is flat near p = 1 (the last printed line checks it in
+# every measurement). The source's claim ("small errors on high-probability tokens are
+# harmless, errors on many low-probability tokens accumulate") is tested in the form we can
+# measure: are the risky tokens the uncertain ones? The source's two claims, beside ours:
 
 # %%
-source_gap = math.log(0.30 / 0.29)                               # the source's one token, |delta log p|
-fp8_gap = pairs["float8_e4m3fn", 1.0].stats()["mean_abs_delta"]  # our FP8 rollout, every token, T = 1
-same_order = 0.1 <= fp8_gap / source_gap <= 10                   # rule: within a factor of 10 either way
-rows = [("errors concentrate on low-p tokens", "yes", f"p >= 0.9 bucket smallest in all {len(pairs)}: "
-         f"{'yes' if sure_smallest else 'no'}", "yes" if sure_smallest else "no", "log-softmax saturates near p = 1"),
-        ("FP8 0.30 vs BF16 0.29", f"one token, {source_gap:.3f}", f"FP8 mean |dlogp| {fp8_gap:.3f}",
-         "same order of magnitude" if same_order else "no", "our FP8 is a weight round-trip on a 1 M-parameter model")]
-print(f"{'quantity':<34} | {'source':<17} | {'minirl':<38} | {'agree?':<23} | why")
-for quantity, source, ours, agree, why in rows:
-    print(f"{quantity:<34} | {source:<17} | {ours:<38} | {agree:<23} | {why}")
-print(f"rules: row 1 agrees when the p >= 0.9 bucket is the smallest in every measurement above; row 2 is of the "
-      f"same order when ours / the source's |dlogp| lies in [0.1, 10] (here {fp8_gap / source_gap:.2f})")
+source_gap = math.log(0.30 / 0.29)                               # the source's one token
+fp8_gap = pairs["float8_e4m3fn",
+                1.0].stats()["mean_abs_delta"]  # our FP8 rollout, every token, T = 1
+same_order = 0.1 <= fp8_gap / source_gap <= 10                   # rule: within a factor of 10
+show([("errors concentrate on low p", "yes", f"p >= 0.9 smallest in all {len(pairs)}",
+       "yes" if sure_smallest else "no", "log-softmax saturates near p = 1"),
+      ("FP8 0.30 vs BF16 0.29", f"{source_gap:.3f}, one token", f"FP8 mean |dlogp| {fp8_gap:.3f}",
+       "same order" if same_order else "no",
+       "our FP8 is a weight round-trip on a 1 M-parameter model")],
+     ("quantity", "source", "minirl", "agree?", "why"))
+print("rules: row 1 agrees when the p >= 0.9 bucket is the smallest in every measurement above;")
+print(f"row 2 is of the same order when ours / the source's |dlogp| is in [0.1, 10] "
+      f"(here {fp8_gap / source_gap:.2f})")
 
 # %% [markdown]
 # ## 3. The diagnosis, in the source's order
 #
-# 1. **Version and synchronization.** Is the rollout engine at the trainer's version, and did
-#    the last weight transfer complete? A stale or half-loaded copy produces a mismatch that
-#    no precision fix will cure. The version number is a label; the weights are the truth, so
-#    we compare them too, allowing exactly the rounding of the rollout's dtype.
-# 2. **Token by token.** Compare the log-probs of the same tokens and locate the errors
-#    (the buckets above).
-# 3. **Precision and kernels.** Re-run the rollout in other precisions and see how much the
-#    discrepancy shrinks.
-# 4. **MoE routes.** For a mixture-of-experts policy, compare the experts each token was
-#    routed to on both sides (section 4 builds the tools).
-#
-# Step 1's core is an exercise: find the parameters whose rollout copy differs from the
-# trainer's by more than rounding.
+# 1. **Version and synchronization.** Is the engine at the trainer's version, and did the
+#    last transfer complete? The version is a label; the weights are the truth, so we compare
+#    them too, allowing exactly the rounding of the rollout's dtype (exercise 2.3).
+# 2. **Token by token.** Compare the log-probs of the same tokens; locate the errors.
+# 3. **Precision and kernels.** Re-run the rollout in other precisions.
+# 4. **MoE routes.** Compare the experts each token was routed to on both sides (§4.3).
 
 # %%
 # | export minirl/sync/checks.py
@@ -583,8 +547,9 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         trainer_weights = trainer_weights.state_dict()
     problems = []
     if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
-                        "push the trainer's weights (load_weights) before generating")
+        problems.append(f"version: the engine holds {engine.version}, the trainer is at "
+                        f"{trainer_version}; push the trainer's weights (load_weights) before "
+                        "generating")
     engine_weights = dict(engine.named_weights())
     dtype = dtype_name(engine)
     stale = []
@@ -592,89 +557,33 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         t = trainer_weights.get(name)
         amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
         rel, abs_ = rounding_tolerance(dtype, amax)
-        stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
-                                  rel, abs_)
+        ours = {name: t.detach()} if t is not None else {}
+        theirs = {name: engine_weights[name].detach()} if name in engine_weights else {}
+        stale += stale_parameters(ours, theirs, rel, abs_)
     if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
-                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
+        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond "
+                        f"{dtype} rounding (first: {stale[0]}); the last synchronization did not "
+                        "complete")
     return problems
 
 
 # %% [markdown]
-# The report gathers the four steps. `diagnose_mismatch` runs them and returns a `MismatchReport`
-# whose `str` is a page a learner can read.
+# `diagnose_mismatch` runs the four steps: the synchronization check, the token-by-token
+# measurement, the precision sweep on fresh synchronized copies, and the MoE routes when the
+# policy has routers. It returns a `MismatchReport` (`minirl/runtime/mismatch_report.py`, with
+# the worst tokens named) whose `str` is a page to read.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
 from minirl.models.moe import routers
+from minirl.runtime.logprob_measure import compare_routes, measure_logprobs
+from minirl.runtime.mismatch_report import MismatchReport, worst_tokens
 from minirl.sync.checks import check_synchronization, dtype_name
 
 
-@dataclass
-class MismatchReport:
-    """What `diagnose_mismatch` found, step by step; print it."""
-
-    rollout_dtype: str
-    train_dtype: str
-    sync_problems: list[str]
-    stats: dict[str, float]
-    buckets: list[dict]
-    worst_tokens: list[dict]
-    sweep: dict[str, dict[str, float]] = field(default_factory=dict)
-    routes: dict[str, float] | None = None
-
-    def __str__(self) -> str:
-        s = self.stats
-        out = [f"Mismatch report: rollout {self.rollout_dtype} (KV cache) vs trainer {self.train_dtype} (full forward)",
-               "1. version and synchronization: " + ("OK" if not self.sync_problems else "PROBLEMS"),
-               *[f"   - {p}" for p in self.sync_problems],
-               f"2. token by token ({s['tokens']} tokens): mean |dlogp| {s['mean_abs_delta']:.2e}, "
-               f"max {s['max_abs_delta']:.2e}, KL(k3) {s['kl_k3']:.2e}, ratio in "
-               f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], outside [0.8, 1.25]: {s['share_outside']:.2%}",
-               *["   " + line for line in format_buckets(self.buckets).splitlines()],
-               "   worst tokens: " + ", ".join(f"{w['token']!r}@{w['position']} p_rollout={w['p_rollout']:.3g} "
-                                               f"p_trainer={w['p_trainer']:.3g}" for w in self.worst_tokens)]
-        out.append("3. precision sweep (rollout dtype vs trainer " + self.train_dtype + "):")
-        out.append(f"   {'rollout':>14} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside [0.8, 1.25]")
-        for dtype, st in self.sweep.items():
-            out.append(f"   {dtype:>14} | {st['mean_abs_delta']:>12.2e} | {st['max_abs_delta']:>11.2e} | "
-                       f"{st['share_outside']:.2%}")
-        if self.routes is None:
-            out.append("4. MoE routes: not a mixture-of-experts policy (nothing to compare)")
-        else:
-            out.append("4. MoE routes: " + ", ".join(f"{k} {v:.4g}" for k, v in self.routes.items()))
-        return "\n".join(out)
-
-    def to_dict(self) -> dict:
-        return dict(rollout_dtype=self.rollout_dtype, train_dtype=self.train_dtype,
-                    sync_problems=self.sync_problems, stats=self.stats, buckets=self.buckets,
-                    worst_tokens=self.worst_tokens, sweep=self.sweep, routes=self.routes)
-
-
-# %% [markdown]
-# `diagnose_mismatch` fills the report: the synchronization check, the token-by-token measurement (with
-# the worst tokens named), the precision sweep on fresh synchronized copies, and the MoE
-# routes when the policy has routers.
-
-# %%
-# | export minirl/diagnostics/mismatch.py
-def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
-    """The k sampled tokens with the largest |delta log p|: position [b, c], token, both probabilities."""
-    delta = (pair.trainer_logps - pair.behavior_logps).abs().masked_fill(~pair.mask.bool(), -1.0)
-    top = delta.flatten().topk(min(k, int(pair.mask.sum()))).indices
-    rows = []
-    for flat in top.tolist():
-        b, c = divmod(flat, delta.shape[1])
-        tid = int(pair.completion_ids[b, c])
-        rows.append(dict(position=[b, c], token=tokenizer.decode([tid]) if tokenizer else tid,
-                         p_rollout=math.exp(pair.behavior_logps[b, c].item()),
-                         p_trainer=math.exp(pair.trainer_logps[b, c].item())))
-    return rows
-
-
-def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
-             rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
+def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
+                      trainer_version: int | None = None, rollout_dtype: str = "bfloat16",
+                      train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
              seed: int = 0, progress: bool = False) -> MismatchReport:
@@ -698,7 +607,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, traine
     done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
-    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
+    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout,
+                            **kwargs)
     done("2. token by token")
     table = {}
     for d in sweep:
@@ -706,7 +616,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, traine
         done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout),
+                                **kwargs)
         done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
@@ -715,7 +626,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, traine
 # Run the four steps on a rollout copy that is in sync:
 
 # %%
-SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16", "float8_e4m3fn")
+SWEEP = ("float32", "float8_e4m3fn") if SMOKE else ("float32", "bfloat16", "float16",
+                                                    "float8_e4m3fn")
 t0 = time.time()
 report = diagnose_mismatch(model, tokenizer, prompts, trainer_version=0, sweep=SWEEP, progress=True)
 print(f"done in {time.time() - t0:.0f} s\n")
@@ -726,10 +638,9 @@ print(f"\nthe KV-cache path alone (float32 row): mean |dlogp| {cache_only:.1e}, 
 
 # %% [markdown]
 # The float32 row is the KV-cache path alone (same precision, incremental decoding instead of
-# one full forward): on this CPU its gap is at rounding level (the last line applies the
-# rule), so precision, not the cache, is what separates the engines here. On a GPU,
-# different attention kernels and batch shapes add their own share; run
-# `chapters/02_mismatch.py --device cuda` to see it.
+# one full forward): on this CPU its gap is at rounding level, so precision, not the cache,
+# separates the engines here. On a GPU, other kernels and batch shapes add their own share
+# (`chapters/02_mismatch.py --device cuda`).
 #
 # Now plant the most common real bug: the trainer takes a step, the version counter is
 # bumped, but the weight transfer never happened. The label says "version 1"; the weights
@@ -743,11 +654,12 @@ batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens
 loss = trainer(**batch, labels=batch["input_ids"]).loss        # any update will do
 loss.backward()
 optimizer.step()
-stale_rollout.version = 1                                      # the counter moved, the weights did not
+stale_rollout.version = 1                                      # the counter moved, not the weights
 for problem in check_synchronization(trainer, stale_rollout, trainer_version=1):
-    print("PROBLEM:", problem)
+    print(textwrap.fill(f"PROBLEM: {problem}", 100, subsequent_indent="  "))
 stale_rollout.load_weights(trainer.state_dict(), version=1)    # a real synchronization
-print("after load_weights:", check_synchronization(trainer, stale_rollout, trainer_version=1) or "OK")
+print("after load_weights:", check_synchronization(trainer, stale_rollout,
+                                                   trainer_version=1) or "OK")
 
 # %% [markdown]
 # ## 4. Corrections
@@ -755,41 +667,32 @@ print("after load_weights:", check_synchronization(trainer, stale_rollout, train
 # ### 4.1 Record the behaviour policy, and weight by it: truncated importance sampling
 #
 # The first correction is bookkeeping: keep the log-probs the rollout engine computed while
-# sampling (`Rollout.logprobs`) and never replace them with the trainer's recomputation. The
-# recomputation is still useful, as the denominator of PPO's ratio and as a probe of the
-# mismatch, but it is not the policy that produced the data.
-#
-# With both in hand, the gradient can be reweighted by
+# sampling (`Rollout.logprobs`); the trainer's recomputation is not the policy that produced
+# the data. With both in hand, the gradient can be reweighted by
 # $w_t = \pi_\text{old}(a_t)/\pi_\text{rollout}(a_t)$, the importance weight that turns
 # samples from $\pi_\text{rollout}$ into an estimate under $\pi_\text{old}$. Raw weights have
 # unbounded variance (one tail token with $w = 50$ dominates a batch), so they are capped:
 # **truncated IS** (TIS) clips $w$ at $C$; **masked IS** (MIS) drops tokens with $w > C$.
 # At sequence level one weight $\exp\sum_t(\log\pi_\text{old} - \log\pi_\text{rollout})$ is
-# shared by all tokens of a sequence. The modes are TRL's `vllm_importance_sampling_mode`
-# (TRL's default cap is 3; ours is 2, as in the stage-1 loop's config). The loss then becomes
-# $w_t \cdot \min(r_t\hat A_t, \text{clip}(r_t)\hat A_t)$: clipping still bounds the update,
-# the weight fixes the denominator.
+# shared by all tokens of a sequence (TRL's `vllm_importance_sampling_mode`; our cap is 2).
+# The loss becomes $w_t \cdot \min(r_t\hat A_t, \text{clip}(r_t)\hat A_t)$: clipping still
+# bounds the update, the weight fixes the denominator.
 
 # %%
 # | export minirl/algo/corrections.py
 """Corrections for the training–inference mismatch: truncated IS and vocabulary pruning.
 
-`importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
-recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
-when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
-notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
-prune the low-probability tail identically on both sides.
-
-Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
-`vllm_importance_sampling_clip_min`), and pruning uses a min-p threshold from one side,
-not a tuned top-p schedule; both are enough to show what each correction does.
+`importance_sampling_weights` reweights each token by pi_old / pi_rollout, truncated or masked
+at a cap, per token or per sequence (TRL's `vllm_importance_sampling_mode`); the loop calls it
+when `importance_sampling_correction` is on. `vocabulary_keep_mask` and `pruned_log_softmax`
+prune the low-probability tail identically on both sides. Simplified on purpose: only an upper
+cap, and pruning by a min-p threshold from one side.
 """
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import IS_MODES
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -812,11 +715,12 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}: use one of {IS_MODES}")
     if not cap > 0:
-        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses about 2 to 5)")
+        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses 2 to 5)")
     check_logprob_pair(old_logps, behavior_logps, mask)
     # BEGIN SOLUTION
     valid = mask.bool()
-    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(), torch.zeros_like(old_logps))
+    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(),
+                       torch.zeros_like(old_logps))
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)                     # [B, 1]
     ratio = torch.exp(diff)
@@ -836,24 +740,27 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
 fp8 = pairs["float8_e4m3fn", 2.0]
 substituted = importance_sampling_weights(fp8.trainer_logps, fp8.trainer_logps, fp8.mask)
 print(f"behaviour log-probs replaced by the recomputation: weights in "
-      f"[{substituted[fp8.mask.bool()].min():.3f}, {substituted[fp8.mask.bool()].max():.3f}]  (blind)")
+      f"[{substituted[fp8.mask.bool()].min():.3f}, {substituted[fp8.mask.bool()].max():.3f}] "
+      "(blind)")
 ratio = torch.exp(fp8.trainer_logps - fp8.behavior_logps)[fp8.mask.bool()]
 print(f"{'mode':>18} | {'cap':>4} | {'mean w':>7} | {'min w':>6} | {'max w':>6} | tokens changed")
 for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
     for cap in (1.05, 2.0):
         w = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode, cap)
-        raw = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode, 1e9)
+        raw = importance_sampling_weights(fp8.trainer_logps, fp8.behavior_logps, fp8.mask, mode,
+                                          1e9)
         v, r0 = w[fp8.mask.bool()], raw[fp8.mask.bool()]
         print(f"{mode:>18} | {cap:>4} | {v.mean():>7.4f} | {v.min():>6.3f} | {v.max():>6.3f} | "
               f"{((v - r0).abs() > 1e-9).double().mean():.2%}")
 
 above, below = (ratio > 1).double().mean().item(), (ratio < 1).double().mean().item()
 print(f"token ratios: {above:.1%} above 1, {below:.1%} below 1, median {ratio.median():.4f}, "
-      f"mean {ratio.mean():.4f}, max {ratio.max():.3f}; above the cap 2: {(ratio > 2).double().mean():.2%}, "
+      f"mean {ratio.mean():.4f}, max {ratio.max():.3f}")
+print(f"above the cap 2: {(ratio > 2).double().mean():.2%}, "
       f"above 1.05: {(ratio > 1.05).double().mean():.2%}")
 bias = max(abs(ratio.median().item() - 1), abs(ratio.mean().item() - 1))
 print(f"a systematic direction to correct: {'no' if bias < 0.01 else 'yes'} "
-      f"(rule: median and mean within 1 % of 1; the larger deviation is {bias:.2%})")
+      f"(rule: median and mean within 1 % of 1; here {bias:.2%})")
 
 fig, ax = plt.subplots(figsize=(6.5, 2.8))
 ax.hist(ratio.log().numpy(), bins=60, color="C0")
@@ -866,17 +773,13 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the "tokens changed" column and the histogram together. The FP8 gap moves most
-# token ratios by a few percent around 1 (the lines above give the shares on each side, the
-# median and the mean; more tokens may sit on one side, but the median and the mean stay
-# within a fraction of a percent of 1, so there is no systematic direction to correct,
-# as the last line's rule says), which is far below a cap of 2: at cap 2 only the
-# tokens right of the dashed line are touched, usually none or a handful per batch; at a
-# tight cap of 1.05 every token right of the dotted line is. TIS only caps from above; the
-# mask modes drop those tokens instead. The sequence modes multiply all of a completion's
-# token ratios, so one bad token moves the whole sequence's weight: at the same cap,
-# sequence-level weights are masked or truncated at least as often as token-level ones, and
-# more often wherever the cap binds at all (compare the two modes' "tokens changed" at 1.05).
+# Read the "tokens changed" column and the histogram together. The FP8 gap moves most token
+# ratios by a few percent around 1, far below a cap of 2: at cap 2 only the tokens right of
+# the dashed line are touched, usually none or a handful per batch; at a tight cap of 1.05
+# every token right of the dotted line is. TIS caps from above; the mask modes drop those
+# tokens instead. The sequence modes multiply all of a completion's token ratios, so one bad
+# token moves the whole sequence's weight: at the same cap, sequence-level weights are cut
+# at least as often as token-level ones (compare the "tokens changed" at 1.05).
 
 # %% [markdown]
 # Into the loop. Notebook 01's step runs the behaviour corrections registered in
@@ -897,7 +800,7 @@ from minirl.data import Experience
 
 
 def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config turns the correction on."""
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), if the config asks."""
     if not algorithm.importance_sampling_correction:
         return exp
     ro = exp.rollout
@@ -912,14 +815,12 @@ BEHAVIOUR_CORRECTIONS["importance_sampling"] = importance_weights
 # %% [markdown]
 # ### 4.2 Prune the tail, identically on both sides
 #
-# Section 2 showed that the tokens the rollout was sure of (p >= 0.9) carry the smallest
-# error and every less likely bucket a larger one (its "tail" line says whether the error
-# keeps growing into the far tail). Dynamic vocabulary pruning removes the far tail from
-# *both* distributions before anything is sampled or
-# scored. The keep set is computed once, from one side (here the rollout's, with a min-p
-# rule: keep every token whose probability is at least `min_p` times the top token's), and
-# applied to both; each side then renormalizes over the same kept tokens. A token outside
-# the set can be neither sampled nor scored, so its wild ratio cannot reach the loss.
+# Section 2 showed that the tokens the rollout was sure of carry the smallest error. Dynamic
+# vocabulary pruning removes the far tail from *both* distributions before anything is
+# sampled or scored. The keep set is computed once, from one side (here the rollout's, with a
+# min-p rule: keep every token whose probability is at least `min_p` times the top token's),
+# and applied to both; each side renormalizes over the same kept tokens. A token outside the
+# set can be neither sampled nor scored, so its wild ratio cannot reach the loss.
 
 # %%
 # | export minirl/algo/corrections.py
@@ -942,8 +843,9 @@ def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
 def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     """log_softmax over the kept tokens only: [..., V] float32, -inf where keep is False."""
     if keep.shape != logits.shape:
-        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has {tuple(logits.shape)}: "
-                         "pass the [..., V] mask from vocabulary_keep_mask on logits of the same shape")
+        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has "
+                         f"{tuple(logits.shape)}: pass the [..., V] mask from vocabulary_keep_mask "
+                         "on logits of the same shape")
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
 
 
@@ -956,14 +858,15 @@ def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
 from minirl.algo.logprobs import completion_logits
 
 rollout8 = HFEngine(model, tokenizer, dtype="float8_e4m3fn")
-sample = rollout8.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=4, temperature=1.0),
+sample = rollout8.generate(prompts, SamplingConfig(num_generations=8, max_completion_length=4),
                            generator=torch.Generator().manual_seed(0))
 args = (sample.input_ids, sample.attention_mask, sample.num_completion_tokens, 1.0)
-with torch.no_grad():   # notebook 01's completion_logits: the distributions each token was drawn from
+with torch.no_grad():   # notebook 01's completion_logits: the distributions the tokens came from
     rollout_logits = completion_logits(rollout8.model, *args)          # [B, C, V]
     trainer_logits = completion_logits(model, *args)
 rows = sample.completion_mask.bool()
-full_r = torch.log_softmax(rollout_logits, -1)[rows]                   # [N, V] every vocabulary entry
+full_r = torch.log_softmax(rollout_logits,
+                           -1)[rows]                   # [N, V] every vocabulary entry
 full_t = torch.log_softmax(trainer_logits, -1)[rows]
 gap, p = (full_r - full_t).abs(), full_r.exp()
 print("every vocabulary entry at every completion position (not only the sampled ones):")
@@ -971,42 +874,38 @@ print(f"{'rollout p':>17} | {'entries':>7} | {'mean |dlogp|':>12} | {'max |dlogp
 for lo, hi in ((0, 1e-4), (1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 0.1), (0.1, 0.5), (0.5, 1.01)):
     m = (p >= lo) & (p < hi)
     if m.any():
-        print(f"[{lo:<6g}, {min(hi, 1):>6g}) | {int(m.sum()):>7} | {gap[m].mean():>12.2e} | {gap[m].max():>11.2e}")
-print(f"\n{'min_p':>6} | {'kept':>6} | {'mass pruned':>11} | {'max |dlogp| kept':>16} | {'mean |dlogp| kept':>17} | KL(rollout||trainer)")
+        print(f"[{lo:<6g}, {min(hi, 1):>6g}) | {int(m.sum()):>7} | {gap[m].mean():>12.2e} | "
+              f"{gap[m].max():>11.2e}")
+print(f"\n{'min_p':>6} | {'kept':>6} | {'mass pruned':>11} | {'max |dlogp| kept':>16} | "
+      f"{'mean |dlogp| kept':>17} | KL(rollout||trainer)")
 for min_p in (0.0, 1e-3, 1e-2, 5e-2):
     keep = vocabulary_keep_mask(rollout_logits, min_p)
-    lr, lt = pruned_log_softmax(rollout_logits, keep)[rows], pruned_log_softmax(trainer_logits, keep)[rows]
+    lr, lt = pruned_log_softmax(rollout_logits, keep)[rows], pruned_log_softmax(trainer_logits,
+                                                                                keep)[rows]
     k = keep[rows]
     diff = (lr - lt).masked_fill(~k, 0)
     kl = (lr.exp() * diff).sum(-1)
     mass = (1 - torch.softmax(rollout_logits, -1)[rows].masked_fill(~k, 0).sum(-1)).clamp(min=0)
-    print(f"{min_p:>6g} | {k.float().mean():>6.1%} | {mass.mean():>11.2e} | {diff.abs().max():>16.3f} | "
-          f"{diff.abs()[k].mean():>17.2e} | {kl.mean():.2e}")
+    print(f"{min_p:>6g} | {k.float().mean():>6.1%} | {mass.mean():>11.2e} | "
+          f"{diff.abs().max():>16.3f} | {diff.abs()[k].mean():>17.2e} | {kl.mean():.2e}")
 
 # %% [markdown]
 # Measured honestly, this tiny policy does not show the pattern pruning is built for: per
-# vocabulary entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3 (only p > 0.5 is
-# much better), so pruning removes mass (the "mass pruned" column) without shrinking the
-# gap on what is kept, and the KL barely moves (both columns are printed). Pruning pays off
-# where the far tail is both huge and badly computed: a 150 k-entry vocabulary in FP8, where the tail holds
-# thousands of entries per position and sampling at temperature 1 regularly lands in it. The
-# mechanism is what matters here: one keep set, from one side, applied to both; the
-# rollout samples from the pruned distribution, so a pruned token never enters the data.
+# vocabulary entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3, so pruning
+# removes mass without shrinking the gap on what is kept, and the KL barely moves. Pruning
+# pays off where the far tail is huge and badly computed: a 150 k-entry vocabulary in FP8,
+# thousands of tail entries per position. The mechanism is what matters here: one keep set,
+# from one side, applied to both, so a pruned token never enters the data.
 
 # %% [markdown]
 # ### 4.3 Rollout Routing Replay (R3) for mixture-of-experts policies
 #
 # In a MoE layer a router scores every expert and each token goes to its top-k. When two
 # experts' scores are nearly tied, a bf16 rollout and an fp32 trainer can pick different
-# experts for the same token, and then the two sides run *different sub-networks*: a
-# mismatch far larger than rounding. R3 records the experts chosen during rollout and
-# makes the training forward pass use the same ones. The router still computes its own
-# (fp32) probabilities for those experts, so it still receives gradients.
-#
-# We build a tiny `Qwen2MoeForCausalLM` from `transformers` (8 experts, top-2, with a shared
-# expert, as Qwen's MoE models). Its router is a small module returning
-# `(router_logits, routing_weights, selected_experts)`; `RouteRecorder` wraps that forward
-# to record, `replay_routes` to replay.
+# experts for the same token: the two sides run *different sub-networks*. R3 records the
+# experts chosen during rollout and makes the training forward use the same ones; the router
+# still computes its own probabilities for them, so it still learns. We build a tiny
+# `Qwen2MoeForCausalLM` (8 experts, top-2, a shared expert, as Qwen's MoE models).
 
 # %%
 # | export minirl/models/moe.py
@@ -1058,7 +957,8 @@ def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
     return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("top_k", "num_experts", "weight")) and type(m).__name__.endswith("Router")]
+            if all(hasattr(m, a) for a in ("top_k", "num_experts",
+                                           "weight")) and type(m).__name__.endswith("Router")]
 
 
 class RouteRecorder:
@@ -1071,7 +971,7 @@ class RouteRecorder:
         self.calls: list[list[Tensor]] = [[] for _ in self.routers]
 
     def __enter__(self):
-        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch, if any
+        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch
         for i, router in enumerate(self.routers):
             original = router.forward
 
@@ -1079,7 +979,7 @@ class RouteRecorder:
                 out = _original(hidden_states)
                 self.calls[_i].append(out[2].detach().clone())       # [tokens of this call, k]
                 return out
-            router.forward = recording                                  # instance attribute shadows the class
+            router.forward = recording                 # an instance attribute shadows the class
         return self
 
     def __exit__(self, *exc):
@@ -1087,7 +987,7 @@ class RouteRecorder:
             _restore_forward(router, saved)
 
     def routes(self, batch_size: int) -> Tensor:
-        """Every call's experts, stitched along time: [L, B, T, k] long (T = tokens seen per row)."""
+        """Every call's experts, stitched along time: [L, B, T, k] long (T: tokens seen per row)."""
         layers = []
         for calls in self.calls:
             k = calls[0].shape[-1]
@@ -1112,14 +1012,16 @@ def replay_routes(model: nn.Module, routes: Tensor):
     found = routers(model)
     saved = [router.__dict__.get("forward") for router in found]
     if routes.dim() != 4 or routes.shape[0] != len(found):
-        raise ValueError(f"routes has shape {tuple(routes.shape)}: expected [L={len(found)}, B, T, k]")
+        raise ValueError(f"routes has shape {tuple(routes.shape)}: "
+                         f"expected [L={len(found)}, B, T, k]")
     for layer, router in enumerate(found):
         def replaying(hidden_states, _router=router, _routes=routes[layer]):
             hidden_states = hidden_states.reshape(-1, _router.weight.shape[1])
             index = _routes.reshape(-1, _routes.shape[-1]).to(hidden_states.device)     # [N, k]
             if index.shape[0] != hidden_states.shape[0]:
-                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this forward has "
-                                 f"{hidden_states.shape[0]}; replay needs the recorded [B, T]")
+                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this "
+                                 f"forward has {hidden_states.shape[0]}; replay needs the recorded "
+                                 "[B, T]")
             logits = F.linear(hidden_states, _router.weight)                             # [N, E]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(-1, index)
@@ -1135,7 +1037,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
 
 
 def _restore_forward(module: nn.Module, saved) -> None:
-    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class's."""
+    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class."""
     if saved is None:
         module.__dict__.pop("forward", None)
     else:
@@ -1149,7 +1051,9 @@ def _restore_forward(module: nn.Module, saved) -> None:
 # %%
 # | export minirl/models/moe.py
 def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
-    """Share of (layer, token) pairs whose top-k expert *sets* agree. routes: [L, B, T, k]; mask [B, T]."""
+    """Share of (layer, token) pairs whose top-k expert *sets* agree.
+
+    routes_a, routes_b: [L, B, T, k]; token_mask: [B, T] (None: every token)."""
     if routes_a.shape != routes_b.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          "must both be [L, B, T, k] over the same tokens")
@@ -1160,50 +1064,9 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
     return same[m].mean().item() if m.any() else 1.0
 
 # %% [markdown]
-# `compare_routes` puts it together: generate with a low-precision rollout copy while
-# recording its routes, recompute in fp32 while recording the trainer's routes, and
-# recompute once more replaying the rollout's routes.
-
-# %%
-# | export minirl/diagnostics/mismatch.py
-from minirl.models.moe import RouteRecorder, replay_routes, route_agreement
-
-
-def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
-                   num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
-                   seed: int = 0) -> dict[str, float]:
-    """Route agreement and log-prob gap between a rollout copy and the fp32 trainer, without and with R3.
-
-    Returns route_agreement / route_agreement_r3 (share of (layer, token) top-k sets that match
-    the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
-    sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
-    """
-    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
-                                 generator=torch.Generator().manual_seed(seed))
-    rows = batch.prompt_ids.shape[0]
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
-    total = attention.shape[1]
-    recorded = recorder.routes(rows)[:, :, :total]                                     # [L, B, <=T, k]
-    if recorded.shape[2] < total:   # the last token is never fed back during generation
-        pad = recorded[:, :, -1:].expand(-1, -1, total - recorded.shape[2], -1)
-        recorded = torch.cat([recorded, pad], dim=2)                                   # [L, B, T, k]
-    compare = attention.clone()
-    compare[:, -1] = 0                                   # its route was never recorded: do not score it
-    with RouteRecorder(model) as recorder:
-        plain = trainer_logprobs(model, batch, "float32", temperature)
-    trainer_routes = recorder.routes(rows)
-    with replay_routes(model, recorded), RouteRecorder(model) as recorder:
-        replayed = trainer_logprobs(model, batch, "float32", temperature)
-    replay_routes_seen = recorder.routes(rows)
-    before = mismatch_stats(plain, batch.logprobs.float(), batch.completion_mask)
-    after = mismatch_stats(replayed, batch.logprobs.float(), batch.completion_mask)
-    return dict(route_agreement=route_agreement(recorded, trainer_routes, compare),
-                route_agreement_r3=route_agreement(recorded, replay_routes_seen, compare),
-                mean_abs_delta=before["mean_abs_delta"], mean_abs_delta_r3=after["mean_abs_delta"],
-                max_abs_delta=before["max_abs_delta"], max_abs_delta_r3=after["max_abs_delta"],
-                share_outside=before["share_outside"], share_outside_r3=after["share_outside"])
+# `compare_routes` (`minirl/runtime/logprob_measure.py`) puts it together: generate with a
+# low-precision rollout copy while recording its routes, recompute in fp32 while recording
+# the trainer's routes, and recompute once more replaying the rollout's routes.
 
 # %% [markdown]
 # A MoE policy that has learnt something routes less randomly than a fresh one, so we give
@@ -1211,23 +1074,27 @@ def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "b
 
 # %%
 from minirl.models.policy import WarmStartConfig, warm_start
+from minirl.runtime.logprob_measure import compare_routes
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
-warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30, target_accuracy=None), progress=True)
+warm_start(moe_model, tokenizer, task, WarmStartConfig(steps=0 if SMOKE else 30,
+                                                       target_accuracy=None),
+           progress=True)
 print(f"MoE policy: {sum(p.numel() for p in moe_model.parameters()):,} parameters, "
       f"{len(routers(moe_model))} MoE layers, warm start {time.time() - t0:.0f} s")
-print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | {'with R3':>9} | "
-      f"{'max |dlogp|':>11} | {'with R3':>9}")
+print(f"{'rollout':>14} | {'route agreement':>15} | {'with R3':>7} | {'mean |dlogp|':>12} | "
+      f"{'with R3':>9} | {'max |dlogp|':>11} | {'with R3':>9}")
 route_rows = {}
 for dtype in ("bfloat16", "float8_e4m3fn") if SMOKE else ("bfloat16", "float16", "float8_e4m3fn"):
-    r = route_rows[dtype] = compare_routes(moe_model, tokenizer, prompts, rollout_dtype=dtype, temperature=1.0)
+    r = route_rows[dtype] = compare_routes(moe_model, tokenizer, prompts, rollout_dtype=dtype)
     print(f"{dtype:>14} | {r['route_agreement']:>15.2%} | {r['route_agreement_r3']:>7.2%} | "
-          f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | {r['max_abs_delta']:>11.2e} | "
-          f"{r['max_abs_delta_r3']:>9.2e}", flush=True)
+          f"{r['mean_abs_delta']:>12.2e} | {r['mean_abs_delta_r3']:>9.2e} | "
+          f"{r['max_abs_delta']:>11.2e} | {r['max_abs_delta_r3']:>9.2e}", flush=True)
 shrinks = [d for d, r in route_rows.items() if r["max_abs_delta_r3"] < r["max_abs_delta"]]
 print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} rollout precisions "
-      f"({', '.join(shrinks) or 'none'}); route agreement with R3 is 100 %: "
+      f"({', '.join(shrinks) or 'none'})")
+print("route agreement with R3 is 100 %: "
       f"{'yes' if all(r['route_agreement_r3'] == 1.0 for r in route_rows.values()) else 'no'}")
 
 # %% [markdown]
@@ -1241,33 +1108,16 @@ print(f"R3 shrinks the largest |dlogp| for {len(shrinks)} of {len(route_rows)} r
 # %% [markdown]
 # ## 5. Does it matter for training?
 #
-# Two runs of the stage-1 loop (`minirl.train.run.train`) with the same deliberately mismatched
-# rollout (FP8 weight round-trip, computed in bf16) against the fp32 trainer: one as is, one
-# with `importance_sampling_correction=True` (token-level TIS, cap 2). Training takes minutes,
-# so it runs as the chapter script, launched from this cell. The actor's update reports, per
-# batch, the spread of the ratio π_old / π_rollout among its metrics (`ratio/std`, ...).
+# Two runs of the stage-1 loop with the same deliberately mismatched rollout (FP8 weight
+# round-trip, computed in bf16) against the fp32 trainer: one as is, one with
+# `importance_sampling_correction=True` (token TIS, cap 2). Training takes minutes, so it runs
+# as the chapter script (`minirl/runtime/mismatch_runs.py` launches it and reads it back).
 
 # %%
-import codecs
-import json
-import subprocess
-import sys
-from pathlib import Path
+from minirl.runtime.mismatch_runs import chapter_training
 
 ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TRAIN_OUT = ROOT / "runs" / ("02_training_smoke" if SMOKE else "02_training")   # replaced by every run
-train_args = (["--train-steps", "1", "--num-prompts", "2", "--num-generations", "2", "--prompts-per-step", "4",
-               "--eval-every", "0"]
-              if SMOKE else ["--train-steps", "60", "--eval-every", "20", "--num-prompts", "16"])
-# never reuse an earlier run's summary: it may come from another policy or another version of the code
-script = ROOT / "chapters" / "02_mismatch.py"
-proc = subprocess.Popen([sys.executable, str(script), "--out", str(TRAIN_OUT), "--sweep", "float32", *train_args],
-                        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-for chunk in iter(lambda: proc.stderr.read1(256), b""):   # the two runs' progress bars, live
-    sys.stdout.write(decode(chunk))
-assert proc.wait() == 0, f"{script} failed"
-training = json.loads((TRAIN_OUT / "summary.json").read_text())["training"]
+training, runs = chapter_training(ROOT, smoke=SMOKE)   # chapters/02_mismatch.py, progress bars live
 print(f"{'':>22} | {'no correction':>13} | {'TIS (cap 2)':>11}")
 for key in training["no_correction"]:
     a, b = training["no_correction"][key], training["tis"][key]
@@ -1275,16 +1125,15 @@ for key in training["no_correction"]:
           f"{str(b) if not isinstance(b, float) else f'{b:.4f}':>11}")
 
 # %%
-runs = {name: [json.loads(line) for line in (TRAIN_OUT / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("no_correction", "tis")}
-
 
 def smooth(values, k=5):
     """Trailing mean over k steps."""
-    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+    windows = [values[max(0, i - k + 1):i + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
-fig, axes = plt.subplots(1, 4, figsize=(13, 3))
+fig, axes = plt.subplots(2, 2, figsize=(7, 5))
+axes = axes.ravel()
 for name, metrics in runs.items():
     steps = [m for m in metrics if "reward" in m]
     xs = [m["step"] for m in steps]
@@ -1294,7 +1143,7 @@ for name, metrics in runs.items():
     axes[3].plot(xs, [m.get("clip_ratio/region_mean", 0.0) for m in steps], label=name)
     over = sum(m["ratio/max"] > 2.0 for m in steps)
     print(f"{name:>13}: steps whose largest token ratio exceeds the cap 2: {over} of {len(steps)}; "
-          f"median per-step std {sorted(m['ratio/std'] for m in steps)[len(steps) // 2]:.3f}")
+          f"median std {sorted(m['ratio/std'] for m in steps)[len(steps) // 2]:.3f}")
 gap = abs(training["no_correction"]["reward_second_half"] - training["tis"]["reward_second_half"])
 print(f"reward curves track each other: {'yes' if gap < 0.05 else 'no'} "
       f"(rule: second-half mean rewards within 0.05; they differ by {gap:.3f})")
@@ -1311,93 +1160,16 @@ plt.show()
 # %% [markdown]
 # What to expect, and why it is small here. With one update per batch (`num_iterations=1`)
 # the PPO ratio is exactly 1 at the update, so the clip fraction is 0 in both runs: clipping
-# never sees the mismatch, as section 1 said. The mismatch enters only through TIS's weights.
-# Two numbers describe them, and the plots show both: the typical token's ratio is within a
-# few percent of 1 (the per-step std, printed above), but the *largest* ratio of a batch can
-# pass the cap of 2 (`ratio_max` in the table) when an uncertain tail token is sampled;
+# never sees the mismatch, as section 1 said. The mismatch enters only through TIS's weights:
+# the typical token's ratio is within a few percent of 1 (the per-step std), but the
+# *largest* ratio of a batch can pass the cap of 2 when an uncertain tail token is sampled;
 # those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
-# (the steps above the dashed cap line are counted in the lines printed above), and leaves
-# the rest of the batch untouched, so the two runs see nearly the same gradients and their
-# reward curves track each other (the last printed line applies the rule). The final
-# accuracies in the table come from one seed and 60 steps, and a single run's held-out accuracy can move by several points from one evaluation to the next (notebook
-# 01's learning curve is not monotone): read a gap between the two columns as noise until
-# several seeds agree. The effect grows with what this scale lacks: long completions (the gap
-# compounds over thousands of tokens), a flatter policy (more tail tokens), MoE routing
-# flips, and many updates per batch. The measurements above, not the reward curves, are
-# what a practitioner should monitor: `logprob_diff_abs` and the ratio spread in the loop's
-# metrics are TRL's `sampling/sampling_logp_difference` and
-# `sampling/importance_sampling_ratio`.
-
-# %% [markdown]
-# ## Appendix: input checks and the bucket table
-#
-# The bookkeeping the sections above call. `check_logprob_pair` is the guard every function
-# of §2 and §4 runs first (`minirl.algo.logprobs`); `format_buckets` prints the rows of
-# `probability_buckets` (`minirl.diagnostics.mismatch`).
-
-# %%
-# | export minirl/algo/logprobs.py
-LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
-
-
-def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
-    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
-
-    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
-    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
-    LOGP_TOLERANCE absorbs rounding in low precision).
-    """
-    if behavior_logps is None:
-        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
-                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
-                         "recomputation is not a substitute for the behaviour policy")
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
-    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
-        if t.shape != trainer_logps.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
-                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
-    valid = mask.bool()
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
-        missing = valid & ~torch.isfinite(t)
-        if missing.any():
-            b, c = missing.nonzero()[0].tolist()
-            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
-                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
-                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
-        above = valid & (t > LOGP_TOLERANCE)
-        if above.any():
-            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
-                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")
-
-
-# %% [markdown]
-# Bad input is refused with a message that names the tensor and the shape it expects:
-
-# %%
-C = pair.mask.shape[1]
-for label, args in [("missing behaviour log-probs", (pair.trainer_logps, None, pair.mask)),
-                    ("shapes differ", (pair.trainer_logps, pair.behavior_logps[:, :-1], pair.mask)),
-                    ("probabilities passed as log-probs", (pair.trainer_logps, pair.behavior_logps.exp(), pair.mask)),
-                    ("a NaN behaviour log-prob", (pair.trainer_logps, pair.behavior_logps.masked_fill(
-                        torch.ones_like(pair.mask, dtype=torch.bool).tril(), float("nan")), pair.mask))]:
-    try:
-        mismatch_stats(*args)
-    except ValueError as err:
-        print(f"{label:<36} -> ValueError: {err}")
-
-# %%
-# | export minirl/diagnostics/mismatch.py
-def format_buckets(rows: list[dict]) -> str:
-    """The rows of `probability_buckets` as a fixed-width table."""
-    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
-    for r in rows:
-        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
-                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
-    return "\n".join(lines)
-
+# and leaves the rest of the batch untouched, so the two runs see nearly the same gradients
+# and their reward curves track each other (one seed, 60 steps: read a gap in final
+# accuracy as noise until several seeds agree). The effect grows with what this scale lacks:
+# long completions, a flatter policy, MoE routing flips, many updates per batch. Monitor the
+# measurements, not the reward curves: the loop's `logprob_diff_abs` and ratio spread are
+# TRL's `sampling/sampling_logp_difference` and `sampling/importance_sampling_ratio`.
 
 # %% [markdown]
 # ## Exercises

@@ -14,33 +14,24 @@
 # %% [markdown]
 # # 03 · Training memory: what a step holds, and how ZeRO, checkpointing and LoRA shrink it
 #
-# **By the end of this notebook you can** say, for any model and any number of GPUs, how
-# many bytes each GPU holds while training: weights, gradients, master weights, the two Adam
-# moments and the activations; how ZeRO stages 1, 2 and 3 divide them; what gradient
-# checkpointing and LoRA save; and whether a given model fits a given GPU. You will also
-# *measure* those bytes on a real (small) Qwen2 model trained with DDP, ZeRO-1 and FSDP2
-# under `torchrun`, so the calculator is checked, not trusted.
+# **By the end of this notebook you can** say, for any model and number of GPUs, how many
+# bytes each GPU holds while training (weights, gradients, master weights, Adam's moments,
+# activations), how ZeRO stages 1-3 divide them, what checkpointing and LoRA save, and
+# whether a model fits a GPU; and *measure* those bytes on a small Qwen2 under `torchrun`.
 #
 # The source's question: *a 70 B model cannot do full-parameter BF16 training on one 80 GB
-# H100 — so what does it take?* The source answers with three tables. We recompute every
-# figure in them from its own assumptions. Most agree; a few do not, and for those we find
-# the assumption that produces the source's number or show the right one.
+# H100 — so what does it take?* We recompute every figure of its three tables from its own
+# assumptions; where one does not follow, we find the assumption that produces it.
 
 # %%
 # %load_ext minirl.runtime.notebook
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
-import codecs
-import json
-import math
 import os
-import subprocess
-import sys
-import tempfile
+import textwrap
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
 
 from minirl.runtime.notebook import add_to_class  # a later cell's method, into its class
@@ -51,14 +42,18 @@ GB = 1e9
 
 
 def show(rows, header):
-    """Print a small aligned table (a list of tuples under a header tuple)."""
-    rows = [tuple(str(c) for c in r) for r in [header, *rows]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    """Print rows under header, aligned; a last "why" or "note" column goes below the table."""
+    notes = [r[-1] for r in rows] if header[-1] in ("why", "note") else []
+    rows = [tuple(str(c) for c in r[:len(header) - bool(notes)]) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        mark = f" ({j})" if j and notes and notes[j - 1] else ""
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + mark)
         if j == 0:
             print("-+-".join("-" * w for w in widths))
-
+    for j, note in enumerate(notes, 1):
+        if note:
+            print(textwrap.fill(f"  ({j}) {header[-1]}: {note}", 100, subsequent_indent="      "))
 
 # %% [markdown]
 # The result first. The package's finished calculator, `training_memory`, sizes one
@@ -75,7 +70,8 @@ print(f"{'per GPU':<28} | {'source':>12} | {'minirl':>10}")
 print(f"{'training state (ZeRO-3, N=8)':<28} | {'':>12} | {first['state'] / GB:>7.1f} GB")
 print(f"{'activations (checkpointed)':<28} | {'':>12} | {first['activations'] / GB:>7.1f} GB")
 print(f"{'total':<28} | {'~30 GB':>12} | {first['total'] / GB:>7.1f} GB")
-print(f"{'fits one 80 GB GPU?':<28} | {'yes':>12} | {'yes' if fits else 'no':>10}   (rule: total <= 80 GB)")
+print(f"{'fits one 80 GB GPU?':<28} | {'yes':>12} | {'yes' if fits else 'no':>10}")
+print("rule: it fits when the total is at most 80 GB")
 n = min_gpus(70e9, 80 * GB, 3, activation_bytes=first["activations"])
 print(f"the fewest GPUs on which it fits: {n}")
 
@@ -84,8 +80,8 @@ print(f"the fewest GPUs on which it fits: {n}")
 # alone is 1120 GB / 8 = 140 GB per GPU. The sections below open the calculator piece by
 # piece: the 16 bytes (§1), ZeRO's sharding (§2), activations and recomputation (§3), the
 # whole 70 B table (§4); then they measure it on a real model: activations (§5), ZeRO under
-# `torchrun` (§6) and LoRA (§7). The plotting helpers and the torchrun job's plumbing are in
-# the appendix at the end.
+# `torchrun` (§6) and LoRA (§7). The measuring harnesses are hand-written modules
+# (`minirl/memory/measure.py`, `minirl/runtime/zero_measure.py`); this notebook runs them.
 
 # %% [markdown]
 # ## 1. Sixteen bytes per parameter
@@ -98,9 +94,8 @@ print(f"the fewest GPUs on which it fits: {n}")
 # **m** and of its square **v** (4 B + 4 B). That is 2 + 2 + 4 + 4 + 4 = 16 bytes. The ZeRO
 # paper writes it 2Ψ + 2Ψ + KΨ with K = 12 for the optimizer's three FP32 copies.
 #
-# Two variants are worth knowing. Pure FP32 training (what we run on CPUs below) has no
-# separate master copy: weights 4, gradients 4, m 4, v 4, again 16 bytes. Pure BF16 (weights
-# and Adam state all BF16, as some memory-starved setups do, at a cost in stability) needs 8.
+# Pure FP32 training (what we run on CPUs below) has no separate master copy: 4 + 4 + 4 + 4,
+# again 16 bytes. Pure BF16 (everything BF16, at a cost in stability) needs 8.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -110,38 +105,20 @@ Every function returns bytes (plain Python numbers) and takes raw counts, so the
 sizes the embedded 1 M-parameter policy and a 70 B model. `ModelShape` holds what the
 activation and LoRA formulas need, read from a Hugging Face config without loading weights.
 
-Simplified on purpose: the calculator counts the training state (weights, gradients,
-master weights, Adam moments) and the activations autograd saves for backward. It leaves
-out what depends on the framework's mood: temporary buffers (all-gather and reduce-scatter
-buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data-parallel
-imbalance. Notebook 03 measures how far those take a real run from the figures here.
+Simplified on purpose: it counts the training state and the activations autograd saves, and
+leaves out temporary buffers (collective buckets, fragmentation, the CUDA context) and
+data-parallel imbalance. Notebook 03 measures how far those take a real run from it.
 """
 import math
 from dataclasses import dataclass, replace
 
+from minirl.runtime.memory_checks import check_positive, check_precision, check_stage
+
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = all sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GB = 1e9  # decimal gigabytes, as the source counts
-
-
-def check_positive(name: str, value) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive number")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
-                         "('mixed' = BF16 weights/grads + FP32 master and Adam, the source's 16 B)")
-
-
-def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
-                         "(0 = plain data parallel, 3 = everything sharded)")
 
 # %% [markdown]
 # Exercise 3.1 turns the paragraph above into a table: bytes per parameter, by component,
@@ -187,25 +164,20 @@ rows = [(k, f"{bytes_per_param()[k]} B", source_gb[k], f"{ours[k] / GB:.0f}",
 source_activations = 100  # GB, "depends on batch and sequence length"
 total = ours["total"] / GB + source_activations
 rows.append(("activations", "dynamic", "~100", "(see §3)", "-", "we size it in §3: ~3.1 k tokens"))
-rows.append(("total", "16 B", "~1220", f"{total:.0f}", "agree" if abs(total - 1220) < 10 else "DIFFER",
+rows.append(("total", "16 B", "~1220", f"{total:.0f}",
+             "agree" if abs(total - 1220) < 10 else "DIFFER",
              "1120 GB of state + 100 GB"))
 show(rows, ("component", "B/param", "source GB", "minirl GB", "agree?", "why"))
-print("rule: a component agrees within 0.5 GB of the source's figure, the total within 10 GB of its ~1220")
-print(f"\nin 80 GB GPUs' worth: the state alone {ours['total'] / (80 * GB):.2f}, with the activations "
-      f"{total / 80:.2f}")
+print("rule: a component agrees within 0.5 GB of the source's figure, the total within 10 GB")
+print(f"\nin 80 GB GPUs' worth: the state alone {ours['total'] / (80 * GB):.2f}, "
+      f"with the activations {total / 80:.2f}")
 
 # %% [markdown]
-# The table adds up: 16 B × 70 × 10^9 = 1.12 TB of training state, plus the ~100 GB of
-# activations the source assumes, is 1.22 TB: the state alone fills fourteen 80 GB H100s,
-# and with the activations more than fifteen (the last line), before a single temporary
-# buffer. The precision variants:
+# The table adds up: 16 B × 70 × 10^9 = 1.12 TB of state plus ~100 GB of activations is
+# 1.22 TB, more than fifteen 80 GB H100s before a single buffer. The precision variants:
 
 # %%
 show([(p, *bytes_per_param(p).values()) for p in PRECISIONS], ("precision", *COMPONENTS, "total"))
-try:
-    bytes_per_param("fp8")
-except ValueError as err:
-    print("\nValueError:", err)
 
 # %% [markdown]
 # ## 2. ZeRO: shard the state, not the model
@@ -236,7 +208,8 @@ SHARDED = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "ada
            3: ("weights", "grads", "master", "adam_m", "adam_v")}
 
 
-def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_per_gpu(num_params: float, num_gpus: int, stage: int,
+                 precision: str = "mixed") -> dict[str, float]:
     """Per-GPU bytes of the training state under ZeRO `stage` on `num_gpus` data-parallel GPUs.
 
     num_params: Ψ, the model's parameter count (> 0). num_gpus: N, an int >= 1. stage: 0
@@ -263,10 +236,12 @@ def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = 
 
 def zero_saving(num_gpus: int, stage: int, precision: str = "mixed") -> float:
     """How many times less state a GPU holds under `stage` than under plain DDP (stage 0)."""
-    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage, precision)["total"]
+    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage,
+                                                                             precision)["total"]
 
 
-def zero_communication(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_communication(num_params: float, num_gpus: int, stage: int,
+                       precision: str = "mixed") -> dict[str, float]:
     """Bytes each GPU sends per optimizer step, with ring collectives (the ZeRO paper's §7).
 
     A ring all-reduce of B bytes sends 2 (N-1)/N B per GPU; a reduce-scatter or an all-gather
@@ -281,7 +256,8 @@ def zero_communication(num_params: float, num_gpus: int, stage: int, precision: 
     g = bytes_per_param(precision)["grads"]
     frac = (num_gpus - 1) / num_gpus
     volumes = {0: 2 * frac, 1: 2 * frac, 2: 2 * frac, 3: 3 * frac}
-    return {"bytes": volumes[stage] * num_params * g, "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
+    return {"bytes": volumes[stage] * num_params * g,
+            "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
 
 
 # %% [markdown]
@@ -298,24 +274,28 @@ comm = {s: zero_communication(P70, 8, s) for s in ZERO_LEVELS}
 vs_ddp = {s: comm[s]["vs_ddp"] for s in (1, 2, 3)}
 
 
-def saving_verdict(stage, claim):       # rule: within 10 % of the claim at N=8, else at N = 10^6 (the limit)
+def saving_verdict(stage, claim):       # rule: within 10 % of the claim at N=8, else at N = 10^6
     if abs(zero_saving(8, stage) / claim - 1) <= 0.1:
         return "agree"
     return "agree (limit)" if abs(zero_saving(10**6, stage) / claim - 1) <= 0.1 else "DIFFER"
 
 
-def comm_verdict(stage, word):          # rule: "low" = no more than DDP, "medium" = more than DDP but not the
-    x, top = vs_ddp[stage], max(vs_ddp.values())   # most, "high" = more than DDP and the most of the three
-    ok = {"low": x <= 1 + 1e-9, "medium": 1 + 1e-9 < x < top, "high": x > 1 + 1e-9 and x == top}[word]
+def comm_verdict(stage, word):          # rule: "low" = no more than DDP, "medium" = more than DDP
+    x, top = vs_ddp[stage], max(vs_ddp.values())   # but not the most, "high" = more and the most
+    ok = {"low": x <= 1 + 1e-9, "medium": 1 + 1e-9 < x < top,
+          "high": x > 1 + 1e-9 and x == top}[word]
     return ("agree (same as DDP)" if word == "low" else "agree") if ok else "differ"
 
 
 rows = [
-    ("ZeRO-1 saving", "~4x", f"{zero_saving(8, 1):.2f}x at N=8, {zero_saving(10**6, 1):.0f}x as N->inf",
+    ("ZeRO-1 saving", "~4x",
+     f"{zero_saving(8, 1):.2f}x at N=8, {zero_saving(10**6, 1):.0f}x as N->inf",
      saving_verdict(1, 4), "16/(4+12/N): the replicated 4 B of weights+grads bound it"),
-    ("ZeRO-2 saving", "~8x", f"{zero_saving(8, 2):.2f}x at N=8, {zero_saving(10**6, 2):.0f}x as N->inf",
+    ("ZeRO-2 saving", "~8x",
+     f"{zero_saving(8, 2):.2f}x at N=8, {zero_saving(10**6, 2):.0f}x as N->inf",
      saving_verdict(2, 8), "16/(2+14/N): only 8x when N >> 14"),
-    ("ZeRO-3 saving", "Nx", f"{zero_saving(8, 3):.2f}x at N=8", saving_verdict(3, 8), "16/(16/N) = N exactly"),
+    ("ZeRO-3 saving", "Nx", f"{zero_saving(8, 3):.2f}x at N=8", saving_verdict(3, 8),
+     "16/(16/N) = N exactly"),
     ("ZeRO-1 comm", "low", f"{vs_ddp[1]:.1f}x DDP", comm_verdict(1, "low"),
      "no extra traffic over DDP: reduce-scatter + all-gather = all-reduce"),
     ("ZeRO-2 comm", "medium", f"{vs_ddp[2]:.1f}x DDP", comm_verdict(2, "medium"),
@@ -324,29 +304,28 @@ rows = [
      "one extra all-gather of the weights per step: 3 (N-1)/N Psi"),
 ]
 show(rows, ("quantity", "source", "minirl", "agree?", "why"))
-print("rules: a saving agrees within 10 % of the source's at N=8, or 'in the limit' at N = 10^6; for traffic, "
-      "'low' means no more than DDP, 'medium' more than DDP but not the most, 'high' more than DDP and the most")
+print("rules: a saving agrees within 10 % of the source's at N=8, or 'in the limit' at N = 10^6;")
+print("for traffic, 'low' means no more than DDP, 'medium' more than DDP but not the most,")
+print("'high' more than DDP and the most")
 print(f"\n70B, N=8, BF16 gradients: DDP sends {comm[0]['bytes'] / GB:.0f} GB per GPU per step, "
       f"ZeRO-3 {comm[3]['bytes'] / GB:.0f} GB")
 
 # %% [markdown]
-# Per-GPU memory against N, stacked by component, for each stage (70 B, mixed precision).
-# The dashed line is one 80 GB H100. ZeRO-1 and ZeRO-2 flatten out at 4 Ψ and 2 Ψ, 280 GB and
-# 140 GB here: above the line at *any* N. Only ZeRO-3 ever crosses it.
+# Per-GPU memory against N by component (70 B, mixed precision; dashed: one 80 GB H100).
+# ZeRO-1 and ZeRO-2 flatten out at 4 Ψ and 2 Ψ, above the line at *any* N; only ZeRO-3 crosses.
 
 # %%
-from minirl.memory.plots import plot_zero  # noqa: E402  (code: appendix)
+from minirl.runtime.memory_plots import plot_zero  # noqa: E402
 
 plot_zero(P70, [1, 2, 4, 8, 16, 32, 64], title="70 B, mixed precision: per-GPU training state")
 
 # %% [markdown]
 # ## 3. Activations: what autograd keeps for the backward pass
 #
-# The state above does not depend on the batch. Activations do: every operation of the
-# forward pass saves the inputs its backward needs, for every token. The source writes
-# "~100 GB, depends on batch and sequence length". To turn that into a number we need a model
-# shape, so `ModelShape` holds the few sizes that matter and reads them from any Hugging Face
-# config without loading a weight.
+# Activations depend on the batch: every operation of the forward pass saves the inputs its
+# backward needs, for every token. To turn the source's "~100 GB, depends on batch and
+# sequence length" into a number we need a model shape: `ModelShape` holds the sizes that
+# matter.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -370,10 +349,12 @@ class ModelShape:
     num_params: int | None = None  # exact count when known (from a config); else the closed form
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
+        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+                     "vocab_size"):
             check_positive(f"ModelShape.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by num_heads="
+            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by "
+                             f"num_heads="
                              f"{self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}")
 
     @property
@@ -381,7 +362,7 @@ class ModelShape:
         return self.hidden_size // self.num_heads * self.num_kv_heads
 
     def param_count(self) -> int:
-        """`num_params` if known, else embeddings + L x (attention + SwiGLU MLP + 2 RMSNorms) + final norm."""
+        """`num_params` if known, else embeddings + L x (attention + MLP + 2 norms) + final norm."""
         if self.num_params is not None:
             return self.num_params
         h, kv, i = self.hidden_size, self.kv_dim, self.intermediate_size
@@ -391,57 +372,43 @@ class ModelShape:
         return embed + self.num_layers * layer + h
 
 # %% [markdown]
-# Reading a shape from a transformers config: the sizes are checked before anything is
-# built, and the parameters are counted on the meta device, so a 70 B config costs no
-# memory. `describe` returns the sizes as one line of text.
+# Reading a shape from a transformers config: the parameters are counted on the meta device,
+# so a 70 B config costs no memory (`from_pretrained` reads only config.json). The shape of
+# Llama-2-70B, the source's model, is written out by hand.
 
 # %%
 # | export minirl/memory/calculator.py
 @add_to_class(ModelShape)
 @classmethod
 def from_config(cls, config) -> "ModelShape":
-    """From a transformers config (Llama, Qwen2, Mistral, ...).
+    """From a transformers config (Llama, Qwen2, Mistral, ...), sizes checked before any build.
 
-    The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
-    naming the field, not a "negative dimension" from deep inside torch). Parameters are
-    counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
-    context applies `tie_word_embeddings` as a real build does, where accelerate's
-    `init_empty_weights` leaves the tie out and counts the embedding twice.
+    A `torch.device("meta")` context applies `tie_word_embeddings` as a real build does
+    (accelerate's `init_empty_weights` leaves the tie out and counts the embedding twice).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from minirl.runtime.memory_checks import check_model_sizes  # lazy: only config reading needs it
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sizes = {name: getattr(text, name, None) for name in
-             ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
-    sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
-                             f"(is this a decoder-only causal LM config?)")
+    sizes = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+             "intermediate_size", "num_attention_heads", "vocab_size")}
+    sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads",
+                                           None) or sizes["num_attention_heads"]
+    check_model_sizes(sizes)
     shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
-                intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
+                intermediate_size=sizes["intermediate_size"],
+                num_heads=sizes["num_attention_heads"],
                 num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
                 tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
+                qkv_bias=bool(getattr(text, "attention_bias",
+                                      False) or text.model_type.startswith("qwen2")))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
+    return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: once
 
 
-@add_to_class(ModelShape)
-def describe(self) -> str:
-    """One line: the sizes the activation and LoRA figures use."""
-    return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
-            f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
-            f"{self.param_count() / 1e9:.3g} B parameters")
-
-# %% [markdown]
-# `from_pretrained` reads a model's config.json from the Hub or a directory, never its
-# weights; the shape of Llama-2-70B, the source's model, is written out by hand.
-
-# %%
-# | export minirl/memory/calculator.py
 @add_to_class(ModelShape)
 @classmethod
 def from_pretrained(cls, name_or_path: str) -> "ModelShape":
@@ -451,10 +418,18 @@ def from_pretrained(cls, name_or_path: str) -> "ModelShape":
     return cls.from_config(AutoConfig.from_pretrained(name_or_path))
 
 
+@add_to_class(ModelShape)
+def describe(self) -> str:
+    """One line: the sizes the activation and LoRA figures use."""
+    return (f"{self.num_layers} layers, hidden {self.hidden_size}, "
+            f"intermediate {self.intermediate_size}, "
+            f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+            f"{self.param_count() / 1e9:.3g} B parameters")
+
+
 # Llama-2-70B: the usual "70 B" (68.98 B parameters; 8 KV heads; 32 k vocabulary).
 LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672, num_heads=64,
                         num_kv_heads=8, vocab_size=32000)
-
 
 # %% [markdown]
 # Which tensors does a decoder layer save? We asked autograd: a `saved_tensors_hooks` context
@@ -464,24 +439,20 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 #
 # | where | saved | bytes per token |
 # |---|---|---|
-# | each of 2 RMSNorms | its input upcast to FP32, the normalized x, the normed output (next matmul's input) | 4h + 2ph (+4, the 1/rms) |
-# | attention (SDPA / flash) | q, k, v after RoPE, the output, the log-sum-exp | p(2h + 2kv) + 4a |
-# | attention (SDPA, padded batch) | the same, but k and v repeated to all heads, and the mask | p(2h + 2h) + 4a + p s |
-# | attention (eager) | q, k and v repeated to all heads, the output, the softmax (FP32, plus its cast) | 4ph + a s (4 + p if p < 4) |
+# | each of 2 RMSNorms | input upcast to FP32, normalized x, normed output | 4h + 2ph (+4) |
+# | attention (SDPA / flash) | q, k, v after RoPE, output, log-sum-exp | p(2h + 2kv) + 4a |
+# | attention (SDPA, padded) | k, v repeated to all heads, and the mask | p(2h + 2h) + 4a + p s |
+# | attention (eager) | q, k, v at all heads, output, FP32 softmax | 4ph + a s (4 + p if p < 4) |
 # | SwiGLU MLP | gate, up, silu(gate), their product | 4 p I |
 # | head (once) | final norm, FP32 log-softmax of the logits | 4h + 2ph + 4 + 4V |
 #
-# In FP32 the "upcast" is the input itself, hence 4h + 2·4h = 12h. The eager attention's
-# a·s term is the s × s score matrix per head: quadratic in the sequence; SDPA and flash
-# attention recompute it in backward and keep only the log-sum-exp.
+# The eager attention's a·s term is the s × s score matrix per head, quadratic in the
+# sequence; SDPA and flash attention recompute it in backward.
 #
-# Padding changes the SDPA row. RL batches are padded (prompts on the left, completions on
-# the right), and with any zero in the attention mask Hugging Face passes the mask to SDPA,
-# whose grouped-query path takes no mask: K and V are first repeated to every query head,
-# and those full-width copies are what backward keeps, with the mask (one row of s values
-# per token, in the compute dtype). We found this with the same `saved_tensors_hooks` and
-# measure it in §5. The calculator's default is an unpadded batch (packed or equal-length
-# sequences); `padding_mask=True` counts the padded case.
+# Padding changes the SDPA row: with any zero in the attention mask (RL batches are padded),
+# SDPA's grouped-query path, which takes no mask, is skipped; K and V are repeated to every
+# query head and backward keeps those copies and the mask. `padding_mask=True` counts that
+# case (§5 measures it); the default is an unpadded batch.
 #
 # Recomputation changes what is kept:
 #
@@ -492,10 +463,8 @@ LLAMA2_70B = ModelShape(hidden_size=8192, num_layers=80, intermediate_size=28672
 # - **sqrt** (Chen et al., 2016): keep the inputs of k = ⌈√L⌉ segments and recompute one
 #   segment of ⌈L/k⌉ layers at a time: k × input + ⌈L/k⌉ × layer, which is O(√L).
 #
-# The source says checkpointing takes activations "from O(L) to O(√L)". That is the segment
-# scheme. What everyone runs is per-layer checkpointing, which is still O(L), but its
-# constant is one hidden vector per token instead of a whole layer's worth, so it usually
-# beats the √L scheme in bytes (we compute both below).
+# The source's "from O(L) to O(√L)" is the segment scheme. What everyone runs is per-layer
+# checkpointing, still O(L) but with a constant of one hidden vector per token.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -537,7 +506,8 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
 # %%
 # | export minirl/memory/calculator.py
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
+                      attention: str = "sdpa", recompute: str = "none",
+                      padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
 
     Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
@@ -558,7 +528,7 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
     norm = 4 * h + 2 * p * h + 4
     if attention == "sdpa" and padding_mask:
-        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
+        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; a mask row
     elif attention == "sdpa":
         attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
     else:
@@ -568,7 +538,8 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     boundary = tokens * p * h
     head = tokens * (norm + 4 * shape.vocab_size)
     total = checkpointed_activation_bytes(layer, boundary, head, shape.num_layers, recompute)
-    return {"layer": float(layer), "boundary": float(boundary), "head": float(head), "total": float(total)}
+    return {"layer": float(layer), "boundary": float(boundary), "head": float(head),
+            "total": float(total)}
 
 
 # %% [markdown]
@@ -581,28 +552,26 @@ print(f"one layer saves {per_token['layer'] / 1024:.0f} KiB per token; 80 layers
       f"{per_token['total'] / 2**20:.1f} MiB per token")
 tokens_100gb = 100 * GB / per_token["total"]
 print(f"100 GB of activations = {tokens_100gb:,.0f} tokens, e.g. one 3 k-token sequence")
-plain, padded = (activation_memory(LLAMA2_70B, 1, 4096, padding_mask=m)["layer"] for m in (False, True))
-print(f"a padded batch (SDPA repeats K/V to all 64 heads, keeps the mask): {padded / plain - 1:+.1%} per layer "
-      "at 4,096 tokens")
+plain, padded = (activation_memory(LLAMA2_70B, 1, 4096,
+                                   padding_mask=m)["layer"] for m in (False, True))
+print(f"a padded batch (SDPA repeats K/V to all 64 heads, keeps the mask): "
+      f"{padded / plain - 1:+.1%} per layer at 4,096 tokens")
 rows = []
 for seq in (1024, 4096, 16384):
     r = [activation_memory(LLAMA2_70B, 1, seq, recompute=rc)["total"] / GB for rc in RECOMPUTE]
     rows.append((seq, *(f"{v:.1f}" for v in r)))
 show(rows, ("tokens (batch 1)", "none GB", "full (per layer) GB", "sqrt(L) segments GB"))
 at4k = {rc: activation_memory(LLAMA2_70B, 1, 4096, recompute=rc)["total"] for rc in RECOMPUTE}
-print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none']:.1%} of the activations; "
-      f"per-layer below sqrt(L) segments: {'yes' if at4k['full'] < at4k['sqrt'] else 'no'}; "
-      f"layer input {per_token['boundary'] / 1024:.0f} KiB per token")
+print(f"at 4,096 tokens per-layer checkpointing keeps {at4k['full'] / at4k['none']:.1%} of the "
+      f"activations; below sqrt(L) segments: {'yes' if at4k['full'] < at4k['sqrt'] else 'no'}")
+print(f"a layer's input is {per_token['boundary'] / 1024:.0f} KiB per token")
 
 # %% [markdown]
 # Per-layer checkpointing cuts 131 GB to 7 GB at 4 k tokens (about 5 %, the last line): the
 # layer input is 16 KiB per token, a whole layer ~390 KiB. The √L scheme keeps 9 inputs but
 # recomputes 9 layers at once, so it holds more. O(√L) beats O(L) only when a layer's
-# interior is no larger than its input, which is not the case for transformers. (§5 checks
-# these formulas against autograd on a real model.)
-#
-# The last piece the table of §4 needs is LoRA's: only the adapters train, so the frozen
-# base costs its weights alone (§7 measures it).
+# interior is no larger than its input, which is not the case for transformers. The last piece
+# §4 needs is LoRA's: only the adapters train, so the frozen base costs its weights alone.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -620,7 +589,8 @@ def lora_params(shape: ModelShape, rank: int,
 
 
 def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 1, stage: int = 0,
-                precision: str = "mixed", base_bytes_per_param: float | None = None) -> dict[str, float]:
+                precision: str = "mixed",
+                base_bytes_per_param: float | None = None) -> dict[str, float]:
     """Per-GPU bytes when only LoRA adapters train: a frozen base plus the adapters' full state.
 
     The frozen base has weights only (no gradients, no optimizer state): `base_bytes_per_param`
@@ -629,10 +599,13 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
     like any parameter. Returns {"base", "weights", "grads", "master", "adam_m", "adam_v", "total"}.
     """
     check_positive("num_base_params", num_base_params)
-    base_b = bytes_per_param(precision)["weights"] if base_bytes_per_param is None else base_bytes_per_param
+    base_b = base_bytes_per_param
+    if base_b is None:
+        base_b = bytes_per_param(precision)["weights"]
     check_positive("base_bytes_per_param", base_b)
     out = {"base": num_base_params * base_b / (num_gpus if stage == 3 else 1)}
-    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage, precision).items() if k != "total"})
+    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage,
+                                              precision).items() if k != "total"})
     out["total"] = sum(out.values())
     return out
 
@@ -640,9 +613,7 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
 # %% [markdown]
 # ## 4. Does it fit? The 70 B on 80 GB table
 #
-# Put the pieces together: per GPU, training state (by stage) plus activations for that
-# GPU's micro-batch. Data parallelism splits a global batch over N GPUs, so the micro-batch is
-# `global_batch / N`, which must be a whole number of sequences.
+# Per GPU: training state (by stage) plus the activations of its `global_batch / N` sequences.
 
 # %%
 # | export minirl/memory/calculator.py
@@ -661,16 +632,19 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
     check_positive("num_gpus", num_gpus)
     check_positive("global_batch", global_batch)
     if global_batch % num_gpus:
-        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: data "
-                         "parallelism gives every GPU the same number of sequences; pick a multiple")
+        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: "
+                         "data parallelism gives every GPU the same number of sequences; "
+                         "pick a multiple")
     shape = shape or LLAMA2_70B
     if lora_rank is None:
         out = zero_per_gpu(num_params, num_gpus, stage, precision)
     else:
-        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
+        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision,
+                          base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute,
+                            padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 
@@ -695,25 +669,26 @@ def min_gpus(num_params: float, gpu_memory_bytes: float, stage: int, precision: 
     if room < 0 or (room == 0 and sharded > 0):
         return None
     n = max(1, math.ceil(sharded / room)) if sharded > 0 else 1
-    while n > 1 and zero_per_gpu(num_params, n - 1, stage, precision)["total"] + activation_bytes <= gpu_memory_bytes:
+    while n > 1 and zero_per_gpu(num_params, n - 1, stage,
+                                 precision)["total"] + activation_bytes <= gpu_memory_bytes:
         n -= 1                                                  # float rounding, downwards
-    while zero_per_gpu(num_params, n, stage, precision)["total"] + activation_bytes > gpu_memory_bytes:
+    while zero_per_gpu(num_params, n, stage,
+                       precision)["total"] + activation_bytes > gpu_memory_bytes:
         n += 1                                                  # float rounding, upwards
     return n if n <= max_gpus else None
     # END SOLUTION
 
 
 # %% [markdown]
-# The source's table assumes eight 80 GB H100s and ~100 GB of activations; we keep both and
-# take the activations to belong to the *global* batch (the tokens of Llama-2-70B that make
-# 100 GB in §3, printed below), so each of 8 GPUs holds an eighth of them. We also list the assumption under which each of
-# the source's figures does come out.
+# The source assumes eight 80 GB H100s and ~100 GB of activations; we keep both, the activations
+# belonging to the *global* batch (each GPU holds an eighth), and list the assumption under
+# which each of the source's figures does come out.
 
 # %%
 N8, H100 = 8, 80 * GB
 act_tokens = round(tokens_100gb)                     # the source's "~100 GB" as tokens
 print(f"activations: {act_tokens:,} tokens of Llama-2-70B per global batch (the source's ~100 GB)")
-def act_for(n, recompute):                           # activations per GPU when N GPUs split the batch
+def act_for(n, recompute):                  # activations per GPU, N GPUs splitting the batch
     return activation_memory(LLAMA2_70B, 1, act_tokens / n, recompute=recompute)["total"]
 
 
@@ -735,292 +710,64 @@ def verdict(nbytes):
     return "yes" if nbytes <= H100 else "no"
 
 
-def agreement(nbytes, source_gb, source_fits):   # rule: the figure within 10 % of the source's; the fit verdict equal
+def agreement(nbytes, source_gb,
+              source_fits):   # rule: the figure within 10 % of the source's; the fit verdict equal
     figure, fits = abs(nbytes / GB / source_gb - 1) <= 0.1, verdict(nbytes) == source_fits
     return {(True, True): "agree", (True, False): "agree (verdict differs)",
-            (False, True): "differ (verdict agrees)", (False, False): "DIFFER (verdict too)"}[figure, fits]
+            (False, True): "differ (verdict agrees)",
+            (False, False): "DIFFER (verdict too)"}[figure, fits]
 
 
 rows = [
-    ("no sharding", "~940 GB / no", f"{no_shard / GB:.0f} GB / {verdict(no_shard)}", agreement(no_shard, 940, "no"),
-     f"940 = 12 B x 70 B + 100 GB = {twelve / GB:.0f}: the source dropped the 4 B FP32 master copy"),
+    ("no sharding", "~940 GB / no", f"{no_shard / GB:.0f} GB / {verdict(no_shard)}",
+     agreement(no_shard, 940, "no"),
+     f"940 = 12 B x 70 B + 100 GB = {twelve / GB:.0f}: the source dropped the FP32 master copy"),
     ("ZeRO-3, N=8", "~118 GB / no", f"{z3 / GB:.1f} GB / {verdict(z3)}", agreement(z3, 118, "no"),
-     "118 = 940 / 8: its 12 B state and its activations both split 8 ways; with 16 B: 1120/8 + 100/8"),
+     "118 = 940 / 8: its 12 B state and its activations split 8 ways; 16 B: 1120/8 + 100/8"),
     ("ZeRO-3 + checkpointing", "~30 GB / yes", f"{z3_ckpt / GB:.1f} GB / {verdict(z3_ckpt)}",
      agreement(z3_ckpt, 30, "yes"),
-     f"sharded state alone is 1120/8 = 140 GB (105 even at 12 B); 30 GB needs N = {n_for_30:.0f} GPUs, "
-     f"or optimizer state offloaded to CPU ({offload / GB:.0f} GB)"),
-    (f"+ LoRA r={lora_r}", "~8 GB / yes", f"{z3_lora / GB:.1f} GB / {verdict(z3_lora)}", agreement(z3_lora, 8, "yes"),
-     f"frozen BF16 base alone is 140/8 = 17.5 GB; ~8 GB needs a 4-bit base (QLoRA: {qlora / GB:.1f} GB) "
-     f"or N = {n_for_8:.0f} GPUs"),
+     f"sharded state alone is 1120/8 = 140 GB (105 at 12 B); 30 GB needs N = {n_for_30:.0f} "
+     f"GPUs, or optimizer state offloaded to CPU ({offload / GB:.0f} GB)"),
+    (f"+ LoRA r={lora_r}", "~8 GB / yes", f"{z3_lora / GB:.1f} GB / {verdict(z3_lora)}",
+     agreement(z3_lora, 8, "yes"),
+     f"frozen BF16 base alone is 140/8 = 17.5 GB; ~8 GB needs a 4-bit base "
+     f"(QLoRA: {qlora / GB:.1f} GB) or N = {n_for_8:.0f} GPUs"),
 ]
 show(rows, ("configuration", "source", "minirl (per GPU)", "agree?", "why"))
-print("rule: a figure agrees within 10 % of the source's; the verdict (fits one 80 GB GPU?) must be the same word")
-print(f"\nLoRA r={lora_r} on every linear layer of Llama-2-70B: {lora_n / 1e6:.0f} M trainable parameters "
-      f"({lora_n / LLAMA2_70B.param_count():.2%})")
+print("rule: a figure agrees within 10 % of the source's; the verdict (fits 80 GB?) must match")
+print(f"\nLoRA r={lora_r} on every linear layer of Llama-2-70B: {lora_n / 1e6:.0f} M trainable "
+      f"parameters ({lora_n / LLAMA2_70B.param_count():.2%})")
 print(f"full fine-tuning with ZeRO-3 + checkpointing fits 80 GB from N = {need_n} GPUs "
       f"({zero_per_gpu(P70, need_n, 3)['total'] / GB:.1f} GB of state each)")
 
 # %% [markdown]
 # The verdicts of rows 1, 2 and 4 stand, but the figures do not follow from the source's own
-# 16 B/parameter: its "940 GB" is what 12 B/parameter gives (BF16 weights and gradients, FP32
-# Adam, *no* FP32 master copy), and its "118 GB" is 940 / 8. The third row is wrong on its
-# verdict as well: on 8 GPUs ZeRO-3 leaves 140 GB of sharded state per GPU before a single
-# activation, and checkpointing only shrinks activations. Full fine-tuning of a 70 B model on
-# 80 GB GPUs needs at least ~15 of them with ZeRO-3, or CPU offload of the optimizer state;
-# "~30 GB" is what about 38 GPUs give (the table's N). The fourth row's "yes" holds on 8 GPUs even with a BF16
-# base (~19 GB); its "~8 GB" needs a 4-bit base.
+# 16 B/parameter: its "940 GB" is what 12 B/parameter gives (no FP32 master copy), and its
+# "118 GB" is 940 / 8. The third row is wrong on its verdict as well: on 8 GPUs ZeRO-3 leaves
+# 140 GB of sharded state per GPU before a single activation, and checkpointing only shrinks
+# activations. Full fine-tuning of 70 B on 80 GB GPUs needs at least ~15 of them with ZeRO-3,
+# or CPU offload of the optimizer state; "~30 GB" is what about 38 GPUs give. The fourth
+# row's "yes" holds on 8 GPUs even with a BF16 base (~19 GB); "~8 GB" needs a 4-bit base.
 #
-# And the speed column? The source's "10–15 %", "30–40 %" and "~40 %" are not derived from
-# anything in it. Checkpointing costs one extra forward pass of the layers, so at most
-# (1 + 2 + 1) / (1 + 2) - 1 = 33 % more arithmetic (a forward is ~1/3 of forward + backward).
-# We time it in §5 below (measured CPU time lands a few points either side of that); ZeRO-3's cost depends on the interconnect and is measured at
-# small scale in §6, on CPUs, where it does not transfer to NVLink.
-
+# The source's speed column ("10–15 %", "30–40 %", "~40 %") is derived from nothing in it.
+# Checkpointing costs one extra forward of the layers: at most (1 + 2 + 1) / (1 + 2) - 1 =
+# 33 % more arithmetic. §5 times it; ZeRO-3's cost depends on the interconnect, which CPUs
+# (§6) do not have.
 
 # %% [markdown]
 # ## 5. Measuring activations and the cost of recomputing them
 #
-# A calculator is a claim. To check it we need a model to train, and it should be the same
-# architecture as the embedded policy, only bigger, so memory is dominated by the layers:
-# a Qwen2 with hidden size 512, 6 layers and our 19-token vocabulary, about 24 M parameters,
-# built locally with random weights (smoke mode uses a 0.4 M one). Everything runs in FP32:
-# CPUs (and gloo) handle BF16 poorly, so we compare with the calculator's "fp32" variant, whose
-# 16 B/parameter splits 4/4/0/4/4 instead of 2/2/4/4/4.
+# A calculator is a claim. To check it we train a Qwen2 of the embedded policy's architecture,
+# only bigger so the layers dominate: hidden size 512, 6 layers, our 19-token vocabulary, about
+# 24 M parameters with random weights (smoke mode: 0.4 M). Everything runs in FP32 (CPUs and
+# gloo handle BF16 poorly), so we compare with the calculator's "fp32" variant, whose 16
+# B/parameter splits 4/4/0/4/4.
 #
-# The measuring tool is `SavedActivationMeter`: a `saved_tensors_hooks` context whose pack
-# hook wraps every saved tensor in a small holder and counts its storage once; when autograd
-# frees the saved tensor (after that node's backward), the holder dies and its bytes leave
-# the count. The running maximum is the activation peak, recomputation included.
-
-# %%
-# | export minirl/memory/measure.py
-"""Training memory, measured on one process: saved activations, recomputation, LoRA.
-
-`SavedActivationMeter` counts the unique storages autograd saves for backward (works on CPU
-and GPU); `measure_single` sets them beside the calculator's activation formula, with and
-without gradient checkpointing, and `measure_lora` does the same for LoRA's state. The small
-Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
-storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
-DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
-`minirl.memory.wrap` (this notebook's appendix), the code notebook 04 trains with, so what is
-measured here is what trains there.
-
-Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
-*what* is held; the allocator's peak (CUDA only) adds what a count of named tensors cannot
-see: communication buffers, temporaries, fragmentation.
-"""
-import statistics
-import time
-import weakref
-
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from minirl.memory.calculator import LORA_TARGETS, ModelShape, activation_memory, lora_memory, lora_params
-from minirl.memory.wrap import apply_lora, set_checkpointing
-
-MEASURE_SIZES = {
-    "small": dict(hidden_size=512, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=8,
-                  num_key_value_heads=4),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2),
-}
-STRATEGIES = {"ddp": 0, "zero1": 1, "fsdp_noreshard": 2, "fsdp": 3}  # strategy -> ZeRO stage it implements
-VOCAB_SIZE = 19  # the embedded policy's character tokenizer (len(build_tokenizer()))
-
-
-def build_measure_model(size: str = "small", seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
-    """A randomly initialized FP32 Qwen2 of `size` ("small" ~24 M parameters, "tiny" ~0.4 M)."""
-    if size not in MEASURE_SIZES:
-        raise ValueError(f"size={size!r}: use one of {', '.join(map(repr, MEASURE_SIZES))}")
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=True,
-                         attn_implementation=attn_implementation, use_cache=False, **MEASURE_SIZES[size])
-    return Qwen2ForCausalLM(config)
-
-
-def random_batch(batch: int, seq: int, seed: int = 0, device="cpu") -> torch.Tensor:
-    """input_ids [batch, seq] of ordinary (non-special) tokens; used as their own labels."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB_SIZE, (batch, seq), generator=g).to(device)
-
-
-
-# %% [markdown]
-# Counting what autograd saves: a saved-tensor hook records each unique storage once, so a
-# view or a tensor saved twice is not counted twice (`storage_key` and `storage_bytes`, in the
-# appendix, name a storage by its device and address).
-
-# %%
-# | export minirl/memory/measure.py
-class _Saved:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class SavedActivationMeter:
-    """Peak bytes of the distinct storages autograd saves for backward, inside a `with` block.
-
-    Storages in `exclude` (pass the parameters) are not counted. Keep the block open through
-    backward, so the recomputation of checkpointed layers is counted too. Recomputation must
-    run under these hooks: use reentrant checkpointing (`use_reentrant=True`); non-reentrant
-    checkpointing installs hooks of its own that hide the saved tensors from this meter.
-    """
-
-    def __init__(self, exclude=()):
-        self.exclude = {storage_key(t) for t in exclude}
-        self.count, self.size = {}, {}
-        self.live = self.peak = 0
-
-    def _release(self, key):
-        self.count[key] -= 1
-        if not self.count[key]:
-            del self.count[key]
-            self.live -= self.size.pop(key)
-
-    def _pack(self, t):
-        key = storage_key(t)
-        nbytes = t.untyped_storage().nbytes()
-        if key in self.exclude or nbytes == 0:
-            return t
-        if key not in self.count:
-            self.count[key], self.size[key] = 0, nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self.count[key] += 1
-        holder = _Saved(t)
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(holder):
-        return holder.tensor if isinstance(holder, _Saved) else holder
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
-
-
-# %% [markdown]
-# One metered forward and backward: the peak of the meter is the activation memory.
-
-# %%
-# | export minirl/memory/measure.py
-def measure_activations(model, input_ids: torch.Tensor, checkpointing: bool = False,
-                        attention_mask: torch.Tensor | None = None) -> dict:
-    """One forward + backward of `model` on input_ids [B, T] (labels = inputs) under the meter.
-
-    attention_mask: optional [B, T] of 0/1 (0 = padding). Returns {"peak_bytes", "seconds"}:
-    the peak of saved activations (parameters excluded) and the wall time of the forward +
-    backward. Gradients are left in place; zero them yourself. Checkpointing is the reentrant
-    kind, whose recomputation the saved-tensor meter can see.
-    """
-    model.train()
-    set_checkpointing(model, checkpointing, reentrant=True)
-    start = time.perf_counter()
-    with SavedActivationMeter(exclude=list(model.parameters())) as meter:
-        model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
-    seconds = time.perf_counter() - start
-    set_checkpointing(model, False, reentrant=True)
-    return {"peak_bytes": meter.peak, "seconds": seconds}
-
-
-# %% [markdown]
-# Recomputation's price: the same steps timed with and without gradient checkpointing, interleaved so the machine's load hits both alike.
-
-# %%
-# | export minirl/memory/measure.py
-from tqdm.auto import tqdm
-
-
-def time_recomputation(model, input_ids: torch.Tensor, repeats: int = 9, progress: bool = False) -> dict:
-    """How much more compute a forward + backward takes with per-layer checkpointing: median and spread.
-
-    Times CPU seconds of this process (`time.process_time`), not wall time: on a shared machine
-    wall time includes everybody else's work, and single wall-clock rounds of one setting can
-    differ several-fold; on an idle machine with one thread the two agree. Torch runs on one
-    thread meanwhile (restored after): idle intra-op threads spin, and spinning counts as CPU
-    time. (CPU only: on a GPU the kernels run asynchronously and this would time the launches.)
-    Each of `repeats` rounds,
-    after one untimed warm-up round, times both modes back to back in alternating order and
-    takes their ratio. Returns {"plain_s", "checkpointed_s" (median CPU seconds), "slowdown"
-    (median ratio - 1), "slowdown_low", "slowdown_high" (quartiles of the rounds' ratios - 1),
-    "repeats", "clock"}. progress=True shows a bar over the rounds.
-    """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
-    times = {False: [], True: []}
-    model.train()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _timed_rounds(model, input_ids, repeats, times, progress)
-    finally:
-        torch.set_num_threads(threads)
-        set_checkpointing(model, False, reentrant=True)
-    ratios = sorted(c / p for p, c in zip(times[False], times[True], strict=True))
-    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"plain_s": statistics.median(times[False]), "checkpointed_s": statistics.median(times[True]),
-            "slowdown": statistics.median(ratios) - 1, "slowdown_low": low - 1, "slowdown_high": high - 1,
-            "repeats": repeats, "clock": "process_time, 1 thread"}
-
-
-def _timed_rounds(model, input_ids, repeats: int, times: dict, progress: bool = False) -> None:
-    """`repeats` + 1 rounds of both modes, alternating which goes first; CPU seconds into `times`."""
-    for i in tqdm(range(repeats + 1), desc="timed rounds (1 warm-up)", disable=not progress):
-        for on in ((False, True) if i % 2 else (True, False)):
-            set_checkpointing(model, on, reentrant=True)
-            start = time.process_time()
-            model(input_ids=input_ids, labels=input_ids).loss.backward()
-            if i:
-                times[on].append(time.process_time() - start)
-            model.zero_grad(set_to_none=True)
-
-
-# %% [markdown]
-# `measure_single` runs the three metered passes (unpadded, checkpointed, padded) beside the
-# calculator's formula, then the timing above, on one model and batch.
-
-# %%
-# | export minirl/memory/measure.py
-def padded_mask(batch: int, seq: int) -> torch.Tensor:
-    """[batch, seq] attention mask whose first row is left-padded by a quarter (the rest unpadded)."""
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, :seq // 4] = 0
-    return mask
-
-
-def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: int = 9, seed: int = 0,
-                   progress: bool = False) -> dict:
-    """Activations with and without per-layer checkpointing, beside the calculator, and the slowdown.
-
-    One process, FP32, SDPA attention. Returns {"none": {...}, "full": {...}, "padded": {...},
-    "timing": {...}}: each mode has "measured", "calculator" and "ratio" (bytes); "padded" is
-    "none" on a batch with padding (see `activation_memory(padding_mask=True)`); "timing" is
-    `time_recomputation`'s. progress=True prints a line per metered pass and a bar over the timed rounds.
-    """
-    model = build_measure_model(size, seed)
-    shape = ModelShape.from_config(model.config)
-    x = random_batch(batch, seq, seed)
-    out = {"size": size, "batch": batch, "seq": seq, "num_params": shape.param_count()}
-    for mode, on, mask in (("none", False, None), ("full", True, None), ("padded", False, padded_mask(batch, seq))):
-        measured = measure_activations(model, x, on, attention_mask=mask)["peak_bytes"]
-        model.zero_grad(set_to_none=True)
-        calc = activation_memory(shape, batch, seq, "fp32", "sdpa", "full" if on else "none",
-                                 padding_mask=mask is not None)["total"]
-        out[mode] = {"measured": measured, "calculator": calc, "ratio": measured / calc}
-        if progress:
-            print(f"metered pass '{mode}': {measured / 2**20:.2f} MiB saved", flush=True)
-    out["timing"] = time_recomputation(model, x, repeats, progress)
-    return out
-
+# The meter is `SavedActivationMeter` (`minirl/memory/measure.py`): a `saved_tensors_hooks`
+# context whose pack hook wraps every tensor autograd saves for backward in a small holder and
+# counts its storage once; when autograd frees it, the holder dies and its bytes leave the
+# count. The running maximum is the activation peak, recomputation included. The timing takes
+# CPU seconds on one thread, both modes back to back, and the median of the rounds' ratios.
 
 # %% [markdown]
 # Measured against the calculator (FP32, SDPA attention; smoke mode uses the tiny model),
@@ -1030,316 +777,112 @@ def measure_single(size: str = "small", batch: int = 2, seq: int = 64, repeats: 
 from minirl.memory.measure import measure_single  # noqa: E402
 
 REPEATS = 3 if SMOKE else 9
-single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS, progress=True)
-why = {"none": "", "full": "the recomputed layer's input is also a checkpoint: counted once, not twice",
+single = measure_single("tiny" if SMOKE else "small", batch=2, seq=64, repeats=REPEATS,
+                        progress=True)
+why = {"none": "",
+       "full": "the recomputed layer's input is also a checkpoint: counted once, not twice",
        "padded": "K/V repeated to all heads + the mask, as the padded formula counts"}
-rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}", f"{single[mode]['measured'] / 2**20:.2f}",
+rows = [(mode, f"{single[mode]['calculator'] / 2**20:.2f}",
+         f"{single[mode]['measured'] / 2**20:.2f}",
          f"{single[mode]['ratio'] - 1:+.1%}", why[mode]) for mode in ("none", "full", "padded")]
 show(rows, ("recompute", "calculator MiB", "measured MiB", "diff", "why"))
 padding_cost = single["padded"]["measured"] / single["none"]["measured"] - 1
 print(f"padding costs {padding_cost:+.1%} of activations here (no checkpointing)")
-assert all(abs(single[m]["ratio"] - 1) < 0.05 for m in ("none", "full", "padded")), "calculator and autograd disagree"
+modes = ("none", "full", "padded")
+assert all(abs(single[m]["ratio"] - 1) < 0.05 for m in modes), "calculator and autograd disagree"
 assert single["padded"]["measured"] > single["none"]["measured"], "a padded batch saves more"
 
 t = single["timing"]
-spread = f"middle half of {t['repeats']} rounds: {t['slowdown_low']:+.0%} to {t['slowdown_high']:+.0%}"
+spread = (f"middle half of {t['repeats']} rounds: {t['slowdown_low']:+.0%} to "
+          f"{t['slowdown_high']:+.0%}")
 noisy = t["slowdown_high"] - t["slowdown_low"] > 0.3
-print(f"\n{single['num_params'] / 1e6:.1f} M parameters, {single['batch']} x {single['seq']} tokens, CPU time")
+print(f"\n{single['num_params'] / 1e6:.1f} M parameters, {single['batch']} x {single['seq']} "
+      "tokens, CPU time")
 show([("checkpointing slowdown", "20-30 %", f"{t['slowdown']:+.0%}",
        "unclear (noisy)" if noisy else "agree" if 0.15 <= t["slowdown"] <= 0.35 else "differ",
-       f"median of per-round ratios ({spread}); one extra forward adds about a third of the compute")],
+       f"median of per-round ratios ({spread}); one extra forward adds ~1/3 of the compute")],
      ("quantity", "source", "minirl", "agree?", "why"))
-print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 %, 5 points either side); "
-      "unclear when the middle half of the rounds spans more than 30 points")
+print("rule: agree when the median slowdown lies in 15-35 % (the source's 20-30 %, 5 points either")
+print("side); unclear when the middle half of the rounds spans more than 30 points")
 
 # %% [markdown]
-# The slowdown is the one figure here that is timed rather than counted. We time the CPU
-# seconds of this process on one torch thread, not the wall clock: on a shared machine the
-# wall clock also counts
-# everybody else's work, and two wall-clock runs of the same setting can differ several-fold
-# (when this notebook timed the wall clock, this cell and the chapter disagreed by a factor
-# of two). Each round times both modes back to back, and we take the median of the rounds'
-# ratios and print their spread; a spread wider than 30 points is called noise rather than
-# a verdict. Per-layer recomputation replays each layer's forward once more, and a forward
-# is about a third of forward + backward, so expect about +33 %: just above the source's
-# 20-30 % and near the top of the 15-35 % band the verdict's rule accepts, so the median can
-# land on either side of 35 % and the verdict read agree or differ (the row prints this
-# run's median and spread). The chapter script (§6) repeats the same measurement, and its figure is printed
-# beside this one there.
+# Per-layer recomputation replays each layer's forward once more, and a forward is about a
+# third of forward + backward, so expect about +33 %: just above the source's 20-30 % and
+# near the top of the 15-35 % band the rule accepts, so this run's median can land on either
+# side and the verdict read agree or differ. A spread wider than 30 points is called noise.
 
 # %% [markdown]
 # ## 6. Measuring ZeRO: DDP, ZeRO-1 and FSDP2 under `torchrun`
 #
-# Four strategies, one per ZeRO stage, all stock PyTorch:
+# Four strategies, one per ZeRO stage, all stock PyTorch (the wrappers of
+# `minirl/memory/wrap.py`, which notebook 04 trains with):
 #
-# | strategy | ZeRO stage | how |
+# | strategy | stage | how |
 # |---|---|---|
 # | `ddp` | 0 | `DistributedDataParallel`, Adam on every rank |
-# | `zero1` | 1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`: each rank keeps Adam state for its share of the tensors |
-# | `fsdp_noreshard` | 2 | FSDP2 `fully_shard(..., reshard_after_forward=False)` per layer: weights stay gathered from forward to backward |
-# | `fsdp` | 3 | FSDP2 `fully_shard(..., reshard_after_forward=True)`: each layer's weights gathered for its forward, freed, gathered again for backward |
+# | `zero1` | 1 | DDP + `ZeroRedundancyOptimizer`: Adam state for a rank's share of the tensors |
+# | `fsdp_noreshard` | 2 | FSDP2 `fully_shard(reshard_after_forward=False)`: weights stay gathered |
+# | `fsdp` | 3 | FSDP2 `fully_shard(reshard_after_forward=True)`: a layer gathered, used, freed |
 #
-# Each rank runs two steps (the first creates Adam's state) and, in the second, records the
-# storage bytes of what it holds: the parameters registered on the model right after the
-# forward (for FSDP2 these are the gathered full tensors of the layers not yet resharded,
-# plus the shards), the gradients after backward, and Adam's m and v after the step. DTensor
-# shards are counted by their local storage. DDP runs with `gradient_as_bucket_view=True`:
-# by default it keeps its communication buckets *and* `.grad`, two copies of the gradients.
+# Each rank runs two steps and, in the second, records the bytes it holds: the parameters
+# after the forward, the gradients after backward, Adam's m and v after the step.
+# `compare_measured` sets each beside `zero_per_gpu(Ψ, N, stage, "fp32")` (mean over ranks;
+# within 5 % agrees; known reasons for a larger gap are noted). The job is
+# `minirl/runtime/zero_measure.py`'s, at world sizes 1, 2 and 4 in full mode (kept in
+# `runs/03_measure/`), 2 in smoke mode. 1.000 below is exact agreement.
 
 # %%
-# | export minirl/memory/distributed.py
-"""Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
+from minirl.runtime.zero_measure import chapter_measurement, compare_measured, launch_measurement
 
-`memory_worker` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
-strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
-rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
-allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
-and returns its table; `compare_measured` sets it beside the calculator's prediction. The
-models are wrapped by `minirl.memory.wrap` (this notebook's appendix), the code notebook 04
-trains with; `minirl.runtime.launch.torchrun` starts the job.
-
-Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
-"""
-
-import gc
-import json
-import os
-import tempfile
-import time
-import warnings
-from pathlib import Path
-
-import torch
-
-from minirl.memory.calculator import zero_per_gpu
-from minirl.memory.measure import MEASURE_SIZES, STRATEGIES, build_measure_model, random_batch, storage_bytes
-from minirl.memory.wrap import make_optimizer, wrap_model
-from minirl.runtime.launch import output_ends, torchrun
-
-
-def _wrap(model, strategy: str, device: torch.device):
-    """(module to call, optimizer, module whose parameters are counted) for `strategy`: the wrappers notebook 04
-    trains with."""
-    wrapped = wrap_model(model, STRATEGIES[strategy], device)
-    return wrapped.wrapper, make_optimizer(wrapped, torch.optim.Adam, lr=1e-4), wrapped.module
-
-
-# %% [markdown]
-# One strategy on one rank: build the model, wrap it, take two steps, and count what the rank
-# holds at each moment that matters.
-
-# %%
-# | export minirl/memory/distributed.py
-def measure_strategy(strategy: str, size: str = "small", batch: int = 2, seq: int = 32, seed: int = 0,
-                     device: torch.device = torch.device("cpu")) -> dict:
-    """Train `size` two steps under `strategy` in the current process group; this rank's bytes.
-
-    Returns {"weights", "weights_step", "grads", "adam_m", "adam_v", "opt_other", "step_s",
-    "num_params", ...}: storage bytes held by this rank at rest (after the step) and, for
-    "weights_step", right after the forward pass of the second step. On CUDA also
-    "cuda_peak" (max_memory_allocated over the second step) and "cuda_at_rest".
-    """
-    import torch.distributed as dist
-
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: use one of {', '.join(map(repr, STRATEGIES))}")
-    model = build_measure_model(size, seed).to(device)
-    num_params = sum(p.numel() for p in model.parameters())
-    call, opt, counted = _wrap(model, strategy, device)
-    shards = [p for p in counted.parameters()]                     # at rest: what the rank owns
-    seen = {}
-
-    def after_forward(module, args, output):
-        registered = list(counted.parameters())                    # FSDP2 swaps in gathered tensors
-        seen["weights_step"] = storage_bytes(shards + registered)
-
-    hook = counted.register_forward_hook(after_forward)
-    x = random_batch(batch, seq, seed + dist.get_rank(), device)
-    result = {}
-    for step in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        call(input_ids=x, labels=x).loss.backward()
-        result["grads"] = storage_bytes(p.grad for p in counted.parameters())
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        result["step_s"] = time.perf_counter() - start
-        if step == 0:
-            opt.zero_grad(set_to_none=False)                       # keep grads allocated, as in training
-    hook.remove()
-    state = opt.optim.state if hasattr(opt, "optim") else opt.state  # ZeroRedundancyOptimizer wraps one
-    tensors = {"exp_avg": [], "exp_avg_sq": [], "other": []}
-    for per_param in state.values():
-        for name, value in per_param.items():
-            if torch.is_tensor(value):
-                tensors[name if name in tensors else "other"].append(value)
-    result.update(strategy=strategy, stage=STRATEGIES[strategy], rank=dist.get_rank(),
-                  world_size=dist.get_world_size(), num_params=num_params, size=size, batch=batch, seq=seq,
-                  device=str(device), dtype="fp32", weights=storage_bytes(counted.parameters()),
-                  weights_step=seen["weights_step"], adam_m=storage_bytes(tensors["exp_avg"]),
-                  adam_v=storage_bytes(tensors["exp_avg_sq"]), opt_other=storage_bytes(tensors["other"]))
-    if device.type == "cuda":
-        result["cuda_peak"] = torch.cuda.max_memory_allocated(device)
-        result["cuda_at_rest"] = torch.cuda.memory_allocated(device)
-    return result
-
-
-
-# %% [markdown]
-# The calculator's figures for the same runs are `zero_per_gpu(Ψ, N, stage, "fp32")`.
-# `compare_measured` lines them up, per strategy, world size and component, with the mean over
-# ranks (sharding divides the *total* exactly by N) and the largest rank; within 5 % counts as
-# agreement, and every known reason for a larger gap is written beside it.
-
-# %%
-# | export minirl/memory/distributed.py
-NOTES = {
-    ("zero1", "adam"): "ZeroRedundancyOptimizer gives each rank whole tensors, so ranks differ; their mean is exact",
-    ("fsdp_noreshard", "weights_step"): "FSDP2 keeps its 1/N shard beside the gathered copy: +1/N "
-                                        "(with mixed precision that shard is the FP32 master)",
-    ("fsdp_noreshard", "weights_rest"): "FSDP2 reshards after backward, so between steps it holds ZeRO-3's 1/N; "
-                                        "DeepSpeed's ZeRO-2 keeps the full copy",
-    ("fsdp", "weights_step"): "seen after the forward; the one layer gathered at a time (a transient) is "
-                              "already freed (torch.cuda.max_memory_allocated sees it)",
-}
-
-
-def compare_measured(rows: list[dict], tolerance: float = 0.05) -> list[dict]:
-    """Measured bytes (mean and max over ranks) against the calculator's FP32 figures.
-
-    rows: the per-rank dicts of `launch_measurement`. Returns one dict per (strategy, world
-    size, component) with "calculator", "measured_mean", "measured_max", "ratio" (mean /
-    calculator), "verdict" ("agree" within `tolerance`, "explained" when a note says why,
-    else "DIFFER") and "note".
-    """
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["strategy"], r["world_size"]), []).append(r)
-    table = []
-    for (strategy, n), ranks in sorted(groups.items(), key=lambda kv: (STRATEGIES[kv[0][0]], kv[0][1])):
-        stage, psi = STRATEGIES[strategy], ranks[0]["num_params"]
-        calc = zero_per_gpu(psi, n, stage, "fp32")
-        expected = {"weights_step": calc["weights"], "weights_rest": calc["weights"], "grads": calc["grads"],
-                    "adam_m": calc["adam_m"], "adam_v": calc["adam_v"],
-                    "state": calc["weights"] + calc["grads"] + calc["adam_m"] + calc["adam_v"]}
-        measured = {"weights_step": [r["weights_step"] for r in ranks], "weights_rest": [r["weights"] for r in ranks],
-                    "grads": [r["grads"] for r in ranks], "adam_m": [r["adam_m"] for r in ranks],
-                    "adam_v": [r["adam_v"] for r in ranks],
-                    "state": [r["weights_step"] + r["grads"] + r["adam_m"] + r["adam_v"] for r in ranks]}
-        for comp, values in measured.items():
-            mean = sum(values) / len(values)
-            ratio = mean / expected[comp]
-            note = NOTES.get((strategy, "adam" if comp.startswith("adam") else comp), "")
-            if comp == "state" and strategy == "fsdp_noreshard" and n > 0:
-                note = NOTES[(strategy, "weights_step")]
-            spread = max(values) / mean - 1
-            if strategy == "zero1" and comp.startswith("adam") and spread > tolerance:
-                note = f"{NOTES[('zero1', 'adam')]} (largest rank +{spread:.0%})"
-            verdict = "agree" if abs(ratio - 1) <= tolerance else ("explained" if note else "DIFFER")
-            shown = note if verdict != "agree" or spread > tolerance else ""
-            table.append(dict(strategy=strategy, stage=stage, world_size=n, component=comp,
-                              calculator=expected[comp], measured_mean=mean, measured_max=max(values),
-                              ratio=ratio, verdict=verdict, note=shown))
-    return table
-
-
-# %% [markdown]
-# Run the measurement. In full mode this launches the chapter script, which runs one
-# `torchrun` job per world size 1, 2 and 4 with the 24 M model (a few minutes on two cores;
-# the result is kept in the repository's `runs/03_measure/`, and deleting that directory
-# measures again). Smoke mode runs one job, world size 2, with the tiny model. On a machine
-# with GPUs the same code uses NCCL and adds CUDA's peaks. The table shows measured /
-# calculator per component: 1.000 is exact agreement.
-
-# %%
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
+ROOT = next(p for p in [Path.cwd(),
+                        *Path.cwd().parents] if (p / "chapters" / "03_memory.py").exists())
 chapter = None
 if SMOKE:
-    from minirl.memory.distributed import launch_measurement
-
     measured_rows = launch_measurement(2, size="tiny", batch=2, seq=32)
 else:
-    cached = ROOT / "runs" / "03_measure" / "summary.json"
-    timing = json.loads(cached.read_text()).get("activations", {}).get("timing", {}) if cached.exists() else {}
-    if timing.get("clock") != "process_time, 1 thread":       # no measurement yet, or one by an older version
-        print("measuring with chapters/03_memory.py --measure: activations, LoRA, then torchrun at 1, 2 and 4 ranks")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "chapters" / "03_memory.py"), "--measure",
-                                 "--out", str(cached.parent)], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-        for chunk in iter(lambda: proc.stdout.read1(256), b""):   # its progress bar and tables, live
-            sys.stdout.write(decode(chunk))
-        if proc.wait():
-            raise RuntimeError(f"chapters/03_memory.py --measure failed with code {proc.returncode} (output above)")
-    chapter = json.loads(cached.read_text())
+    chapter = chapter_measurement(ROOT)
     measured_rows = chapter["rows"]
-    print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(ROOT)}")
-
-from minirl.memory.distributed import compare_measured  # noqa: E402
 
 comparison = compare_measured(measured_rows)
 COMPONENTS_MEASURED = ("weights_step", "weights_rest", "grads", "adam_m", "adam_v", "state")
 cells = {(r["strategy"], r["world_size"], r["component"]): r for r in comparison}
 groups = sorted({(r["stage"], r["strategy"], r["world_size"]) for r in comparison})
-show([(strategy, f"ZeRO-{stage}", n, *(f"{cells[(strategy, n, c)]['ratio']:.3f}" for c in COMPONENTS_MEASURED))
+show([(strategy, f"ZeRO-{stage}", n,
+       *(f"{cells[(strategy, n, c)]['ratio']:.3f}" for c in COMPONENTS_MEASURED))
       for stage, strategy, n in groups], ("strategy", "stage", "N", *COMPONENTS_MEASURED))
 notes = {}
 for r in comparison:
     if r["verdict"] != "agree" or r["note"]:
-        notes.setdefault((r["strategy"], r["note"] or "no note"), []).append(f"{r['component']}@N={r['world_size']}")
-print(f"\n{sum(r['verdict'] == 'agree' for r in comparison)} of {len(comparison)} cells agree within 5 %; the others:")
+        notes.setdefault((r["strategy"], r["note"] or "no note"),
+                         []).append(f"{r['component']}@N={r['world_size']}")
+agreeing = sum(r["verdict"] == "agree" for r in comparison)
+print(f"\n{agreeing} of {len(comparison)} cells agree within 5 %; the others:")
 for (strategy, note), where in notes.items():
-    print(f"  {strategy}: {', '.join(where)}: {note}")
+    print(textwrap.fill(f"  {strategy}: {', '.join(where)}: {note}", 100, subsequent_indent="    "))
 assert not [r for r in comparison if r["verdict"] == "DIFFER"], "an unexplained difference"
 
 # %% [markdown]
-# In full mode the chapter also repeated §5's checkpointing timing on the same model and
-# batch; beside ours:
-
-# %%
-if chapter is None:
-    print("smoke mode: the chapter script was not run (full mode prints its timing here)")
-else:
-    timings = {"this notebook (§5)": single["timing"], "chapters/03_memory.py --measure": chapter["activations"]["timing"]}
-    show([(who, f"{x['slowdown']:+.0%}", f"{x['slowdown_low']:+.0%} to {x['slowdown_high']:+.0%}", x["repeats"])
-          for who, x in timings.items()], ("measured by", "median slowdown", "middle half", "rounds"))
-
-# %% [markdown]
-# Gradients and Adam moments agree to within padding: DDP and ZeRO-1 hold all gradients, FSDP2
-# holds 1/N of them, ZeRO-1 and FSDP2 hold 1/N of the Adam state. ZeRO-1's ranks are uneven,
-# because `ZeroRedundancyOptimizer` hands out whole tensors; only their mean is exactly 1/N.
-# The weights tell the FSDP2 story: with `reshard_after_forward=False` a rank holds the full
-# weights from forward to backward *and* its shard, and between steps only the shard. With
-# `reshard_after_forward=True` (ZeRO-3) a rank holds its shard plus one gathered layer at a
-# time. Now the same per-rank totals over the calculator's lines:
+# Gradients and Adam moments agree to within padding (ZeRO-1's ranks are uneven, since
+# `ZeroRedundancyOptimizer` hands out whole tensors; their mean is exactly 1/N). With
+# `reshard_after_forward=False` a rank holds the full weights from forward to backward *and*
+# its shard; with `True` (ZeRO-3), its shard plus one gathered layer. The per-rank totals:
 
 # %%
 psi_measured = measured_rows[0]["num_params"]
 points = {}
 for r in comparison:
     if r["component"] == "state":
-        points[(r["stage"], r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
+        points[(r["stage"],
+                r["world_size"])] = r["measured_mean"]  # bytes per rank, mean over ranks
 ns = sorted({r["world_size"] for r in comparison} | {1, 2, 4})
 
-from minirl.memory.plots import plot_measured  # noqa: E402  (code: appendix)
+from minirl.runtime.memory_plots import plot_measured  # noqa: E402
 
 plot_measured(psi_measured, ns, points)
 
-# %%
-times = {}
-for r in measured_rows:
-    times.setdefault((r["strategy"], r["world_size"]), []).append(r["step_s"])
-print("seconds per step (slowest rank; one step, CPU + gloo, shared cores: not a speed benchmark)")
-show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0]))],
-     ("strategy", "N", "step s"))
-
 # %% [markdown]
-# The ZeRO-2 stars sit above their bars by 1/N of the weights: that is FSDP2's shard kept
-# beside the gathered weights, as the table says (weights_step 1 + 1/N). On CPU the timings of these runs say nothing about ZeRO-3's
-# "10–15 %" (gloo over shared memory is not NVLink), so we do not print them as if they did.
+# The ZeRO-2 stars sit above their bars by 1/N of the weights: FSDP2's shard kept beside the
+# gathered weights. CPU step times say nothing about ZeRO-3's "10–15 %" (gloo is not NVLink).
 
 # %% [markdown]
 # ## 7. LoRA: train a few adapters, freeze the rest
@@ -1347,43 +890,10 @@ show([(s, n, f"{max(v):.3f}") for (s, n), v in sorted(times.items(), key=lambda 
 # LoRA (Hu et al., 2021) freezes every base weight W and trains a low-rank update B·A beside
 # it: for a d_in × d_out linear, A is r × d_in and B is d_out × r, so r (d_in + d_out)
 # trainable parameters. Frozen weights need no gradient and no optimizer state, so the 16
-# bytes per parameter apply only to the adapters; the base costs its weights alone. We check
-# that with `peft` on the 24 M model: the count of trainable parameters, and the bytes of
-# their gradients and Adam state after one step.
+# bytes per parameter apply only to the adapters. We check that with `peft` on the 24 M model.
 
 # %%
-# | export minirl/memory/measure.py
-def measure_lora(size: str = "small", rank: int = 8, batch: int = 2, seq: int = 32, seed: int = 0) -> dict:
-    """One Adam step of `peft` LoRA (every linear, rank `rank`) on the measurement model, FP32.
-
-    Returns the measured trainable parameters, gradient bytes (frozen weights must have none),
-    Adam m and v bytes and saved-activation peak, each beside the calculator's figure.
-    """
-    model = build_measure_model(size, seed)
-    shape = ModelShape.from_config(model.config)
-    base = shape.param_count()
-    lora = apply_lora(model, rank, 2 * rank, LORA_TARGETS)
-    trainable = [p for p in lora.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(trainable, lr=1e-4)
-    x = random_batch(batch, seq, seed)
-    lora.train()
-    with SavedActivationMeter(exclude=list(lora.parameters())) as meter:
-        lora(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    m = [s["exp_avg"] for s in opt.state.values()]
-    v = [s["exp_avg_sq"] for s in opt.state.values()]
-    calc = lora_memory(base, lora_params(shape, rank, LORA_TARGETS), 1, 0, "fp32")
-    return {"rank": rank, "base_params": base, "trainable_params": sum(p.numel() for p in trainable),
-            "trainable_calculator": lora_params(shape, rank, LORA_TARGETS),
-            "grads": storage_bytes(p.grad for p in lora.parameters()), "grads_calculator": calc["grads"],
-            "frozen_with_grad": sum(p.grad is not None for p in lora.parameters() if not p.requires_grad),
-            "adam": storage_bytes(m) + storage_bytes(v), "adam_calculator": calc["adam_m"] + calc["adam_v"],
-            "activations": meter.peak,
-            "activations_full_model": activation_memory(shape, batch, seq, "fp32")["total"]}
-
-
-# %%
-from minirl.memory.measure import measure_lora  # noqa: E402
+from minirl.memory.measure import measure_lora
 
 t0 = time.time()
 lo = measure_lora("tiny" if SMOKE else "small", rank=8, batch=2, seq=64)
@@ -1393,19 +903,19 @@ rows = [
      f"{lo['trainable_params'] / lo['base_params']:.2%} of the base"),
     ("gradient bytes", f"{lo['grads_calculator']:,.0f}", f"{lo['grads']:,}",
      f"{lo['frozen_with_grad']} frozen tensors got a gradient"),
-    ("Adam m + v bytes", f"{lo['adam_calculator']:,.0f}", f"{lo['adam']:,}", "8 B per trainable parameter (FP32)"),
-    ("saved activations", f"{lo['activations_full_model']:,.0f} (full FT)", f"{lo['activations']:,}",
-     f"{lo['activations'] / lo['activations_full_model']:.0%} of full FT's: backward still flows through every "
-     "layer (frozen linears skip saving their inputs, the adapters' A matrices save them instead)"),
+    ("Adam m + v bytes", f"{lo['adam_calculator']:,.0f}", f"{lo['adam']:,}",
+     "8 B per trainable parameter (FP32)"),
+    ("saved activations", f"{lo['activations_full_model']:,.0f} (full FT)",
+     f"{lo['activations']:,}",
+     f"{lo['activations'] / lo['activations_full_model']:.0%} of full FT's: backward still flows "
+     "through every layer (frozen linears save no inputs; the adapters' A matrices do)"),
 ]
 show(rows, ("quantity", "calculator", "measured", "note"))
 
 # %% [markdown]
-# LoRA removes the gradients and optimizer state of the base, which is 14 of the 16 bytes per
-# parameter in mixed precision, but it removes only a small share of the activations (the
-# last row): the gradient still has to flow back through every frozen layer to reach the
-# adapters below. That is why the source pairs LoRA with checkpointing, and why its ~40 %
-# slowdown is mostly checkpointing's.
+# LoRA removes the base's gradients and optimizer state (14 of the 16 bytes per parameter) but
+# only a small share of the activations: the gradient still flows back through every frozen
+# layer. That is why the source pairs LoRA with checkpointing.
 
 # %% [markdown]
 # ## 8. What to remember
@@ -1417,350 +927,6 @@ show(rows, ("quantity", "calculator", "measured", "note"))
 # | communication | ZeRO-1 and 2 move what DDP moves; ZeRO-3 1.5× |
 # | activations | ~390 KiB per token per layer for Llama-2-70B in BF16; per-layer checkpointing keeps 16 KiB |
 # | 70 B on 8 × 80 GB | full fine-tuning does not fit even with ZeRO-3 + checkpointing (≥ 15 GPUs); LoRA does |
-#
-# Try the chapter script on a real config (no weights are downloaded beyond `config.json`, and
-# a local directory works offline):
-#
-# ```
-# python chapters/03_memory.py --params 70e9 --gpus 8 --gpu-mem-gb 80
-# python chapters/03_memory.py --model Qwen/Qwen2.5-7B --gpus 4 --gpu-mem-gb 24 --json
-# python chapters/03_memory.py --measure --out runs/03_measure   # torchrun, 1/2/4 ranks
-# ```
-
-# %% [markdown]
-# ## Appendix: the wrappers, plotting helpers and the torchrun job
-#
-# The code the sections above call: the wrappers §5-§7 measure with, which notebook 04
-# trains with and explains (DDP, ZeRO-1, FSDP2, checkpointing, LoRA: `minirl.memory.wrap`),
-# the two ZeRO plots of §2 and §6 (`minirl.memory.plots`), the storage counting every
-# measurement uses (`minirl.memory.measure`), and the body and launcher of §6's `torchrun`
-# job (`minirl.memory.distributed`).
-
-# %%
-# | export minirl/memory/wrap.py
-"""Wrapping a causal LM to save training memory: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
-
-One function per concern, all stock PyTorch and peft:
-- `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
-- `set_checkpointing(model, on)`: per-decoder-layer gradient checkpointing (transformers');
-- `wrap_model(model, zero, device, ...)`: ZeRO 0 and 1 = DDP, 2 = FSDP2 `fully_shard` per
-  decoder layer keeping weights gathered from forward to backward, 3 = FSDP2 resharding after
-  forward; with an optional MixedPrecisionPolicy and CPU offload;
-- `make_optimizer(wrapped, ...)`: the optimizer over the trainable tensors (ZeRO-1 shards its
-  state with ZeroRedundancyOptimizer).
-Notebook 03 measures memory with these wrappers; notebook 04 trains with them (and explains them).
-
-Simplified vs accelerate/TRL: no FSDP1, DeepSpeed or HSDP (one flat mesh). ZeRO-2 here is
-FSDP2 without resharding after forward, which still reshards after backward, so between
-steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
-"""
-
-import warnings
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
-
-from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
-from minirl.runtime.validate import ConfigError, check_choice, check_int
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (or of a peft model around one), in order.
-
-    Found by the class names the model lists in `_no_split_modules`, the units accelerate and
-    TRL shard for FSDP (also after FSDP2 has wrapped them in subclasses of their own). Raises
-    ValueError when the model names none.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]  # FSDP2 subclasses
-    if not layers:
-        raise ValueError(f"{type(base).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
-                         "FSDP2 shards one decoder layer at a time: pass a transformers causal LM")
-    return layers
-
-
-# %% [markdown]
-# Gradient checkpointing per decoder layer, then LoRA: peft adapters on the named linear
-# layers, the base weights frozen. An adapted model starts out equal to its base model,
-# because B starts at zero.
-
-# %%
-# | export minirl/memory/wrap.py
-def set_checkpointing(model: nn.Module, on: bool, reentrant: bool = False) -> None:
-    """Per-decoder-layer gradient checkpointing on a transformers model (or a peft model around one).
-
-    reentrant=True is what notebook 03's saved-tensor meter can see; training uses the
-    non-reentrant variant (PyTorch's recommendation, and what works with FSDP2 and frozen inputs).
-    """
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 renamed it
-        if on:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
-               dropout: float = 0.0) -> nn.Module:
-    """`model` with peft LoRA adapters of rank `rank` on every linear layer named in `targets`.
-
-    The base weights are frozen; each targeted layer computes W x + (alpha / r) B A x with A
-    (r x in) random and B (out x r) zero, so the adapted model starts as the base model.
-    alpha defaults to 2 * rank. Raises ConfigError when a target matches no linear layer,
-    listing the linear layers the model has.
-    """
-    check_int("lora_rank", rank, low=1)
-    targets = tuple(targets)
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    unmatched = [t for t in targets if t not in linear]
-    if not targets or unmatched:
-        raise ConfigError("lora_target_modules", ",".join(targets),
-                          f"{unmatched or 'nothing'} matches no linear layer of {type(model).__name__}; its linear "
-                          f"layers are named {', '.join(linear)}")
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=list(targets))
-    with warnings.catch_warnings():     # peft calls a transformers method deprecated in 5.x; not ours to fix
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, config)
-
-
-# %% [markdown]
-# Then the wrapping itself: DDP for ZeRO-0 and 1, FSDP2's `fully_shard` on every decoder
-# layer and on the whole model for ZeRO-2 and 3, and the optimizer (ZeRO-1's sharded one):
-
-# %%
-# | export minirl/memory/wrap.py
-@dataclass
-class Wrapped:
-    """A model wrapped for data-parallel training."""
-
-    wrapper: nn.Module     # what to call: the DDP wrapper, or the FSDP2-sharded model itself
-    module: nn.Module      # the model underneath (Hugging Face or peft; DDP's `.module`): names, config, parameters
-    zero: int
-
-
-def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
-               cpu_offload: bool = False, process_group=None) -> Wrapped:
-    """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
-
-    0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
-    gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
-    2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
-    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
-    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
-    process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
-    data-parallel ranks of a Ray pool, notebook 06).
-    """
-    check_choice("zero", zero, ZERO_LEVELS)
-    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
-    if process_group is not None and zero != 0:
-        raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
-                                        "use zero 0")
-    device = torch.device(device)
-    model.to(device)
-    if zero <= 1:
-        if mixed_precision != "none" or cpu_offload:
-            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
-        return Wrapped(ddp, model, zero)
-    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return Wrapped(model, model, zero)
-
-
-def make_optimizer(wrapped: Wrapped, optimizer_class=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-    """`optimizer_class(**kwargs)` over the trainable parameters; under ZeRO-1 each rank keeps the state of
-    its share of the tensors (ZeroRedundancyOptimizer, which hands out whole tensors)."""
-    params = [p for p in wrapped.module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the wrapped model has no trainable parameters (is everything frozen?)")
-    if wrapped.zero == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-    return optimizer_class(params, **kwargs)
-
-
-
-# %%
-# | export minirl/memory/plots.py
-"""Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured."""
-import matplotlib.pyplot as plt
-
-from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
-
-
-def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
-    """Stacked per-component bars per stage against N; optional measured totals on top."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    x = range(len(ns))
-    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp in COMPONENTS:
-            vals = [zero_per_gpu(num_params, n, stage, precision)[comp] / GB for n in ns]
-            if any(vals):
-                ax.bar(x, vals, bottom=bottom, color=colors[comp], label=comp, width=0.7)
-                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        if gpu_gb:
-            ax.axhline(gpu_gb, ls="--", c="k", lw=0.8, label=f"one {gpu_gb} GB GPU")
-        for (s, n), val in (measured or {}).items():
-            if s == stage and n in ns:
-                ax.plot(ns.index(n), val / GB, "k*", ms=12, label="measured" if n == ns[0] else None)
-        ax.set(xticks=list(x), xticklabels=ns, xlabel="GPUs N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("GB per GPU")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    plt.show()
-
-
-def plot_measured(psi, ns, points):
-    """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
-    colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-    for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
-        bottom = [0.0] * len(ns)
-        for comp, color in colors.items():
-            vals = [zero_per_gpu(psi, n, stage, "fp32")[comp] / 2**20 for n in ns]
-            ax.bar(range(len(ns)), vals, bottom=bottom, color=color, width=0.7, label=comp)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        for (s, n), val in points.items():
-            if s == stage:
-                ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)
-        ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="ranks N", title=f"ZeRO-{stage}")
-    axes[0].set_ylabel("MiB per rank")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars) and measured (stars)")
-    fig.tight_layout()
-    plt.show()
-
-
-# %% [markdown]
-# Storage counting: a DTensor (FSDP2's shard) counts by its local storage, and views of one
-# storage count once.
-
-# %%
-# | export minirl/memory/measure.py
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (FSDP2's shards), else the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def storage_key(t: torch.Tensor) -> tuple:
-    s = local(t).untyped_storage()
-    return (str(t.device), s.data_ptr())
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = local(t).untyped_storage()
-            seen[(str(t.device), s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
-
-
-# %% [markdown]
-# `memory_worker` is the body of the `torchrun` job: every strategy in turn, all ranks'
-# results gathered to rank 0, written as JSON.
-
-# %%
-# | export minirl/memory/distributed.py
-def memory_worker(argv=None) -> None:
-    """Body of the torchrun job: every strategy in turn; rank 0 writes all ranks' results as JSON."""
-    import argparse
-
-    import torch.distributed as dist
-
-    parser = argparse.ArgumentParser(description="minirl memory measurement worker (run under torchrun)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--size", default="small", choices=list(MEASURE_SIZES))
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rows = []
-    try:
-        for strategy in args.strategies.split(","):
-            mine = measure_strategy(strategy, args.size, args.batch, args.seq, device=device)
-            gc.collect()                                           # the strategy's model and optimizer are gone
-            if cuda:
-                torch.cuda.empty_cache()                           # so the next strategy's CUDA peak starts clean
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            rows.extend(everyone)
-        if dist.get_rank() == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(rows, indent=1))
-        dist.barrier()   # leave together: a rank whose peer already closed its gloo pairs can abort at exit
-    finally:
-        dist.destroy_process_group()
-
-
-# %% [markdown]
-# `launch_measurement`: one torchrun job measures every strategy, retried once on an overloaded machine, and returns one row per strategy and rank.
-
-# %%
-# | export minirl/memory/distributed.py
-def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str = "small", batch: int = 2,
-                       seq: int = 32, timeout: float = 600, attempts: int = 2) -> list[dict]:
-    """Run `memory_worker` under `torchrun --standalone --nproc-per-node world_size`; one dict per rank and strategy.
-
-    Launched with `minirl.runtime.launch.torchrun` (a timeout ends every rank, then raises
-    subprocess.TimeoutExpired). Uses every visible GPU's NCCL when CUDA is available
-    (world_size must then be <= the GPU count), else gloo on CPU processes sharing the cores.
-    On an overloaded machine a gloo job occasionally aborts, so a failed job is run again
-    (with a warning that says why) up to `attempts` times in all; the last failure raises
-    RuntimeError with the start and the end of the job's output (a rank's own error comes
-    before torchrun's long summary).
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if torch.cuda.is_available() and world_size > torch.cuda.device_count():
-        raise ValueError(f"world_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"strategies={unknown!r}: use names from {', '.join(STRATEGIES)}")
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
-        for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:memory_worker", world_size, flags, timeout=timeout,
-                           threads=threads)
-            if job.returncode == 0 and out.exists():
-                return json.loads(out.read_text())
-            failure = (f"measurement job (world_size={world_size}) failed with code {job.returncode}:\n"
-                       f"{output_ends(job.stdout)}")
-            if attempt < attempts:
-                warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
-                              stacklevel=2)
-        raise RuntimeError(failure)
-
 
 # %% [markdown]
 # ## Exercises

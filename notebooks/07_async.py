@@ -437,10 +437,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import AlgorithmConfig
 from minirl.data import Experience
 from minirl.runtime.async_config import AREAL_WEIGHTS, check_correction
+from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.validate import check_choice
 from minirl.train.step import importance_weights
 

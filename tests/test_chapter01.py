@@ -212,7 +212,7 @@ def chapter():
 ])
 def test_bad_flags_fail_in_one_line_before_loading(tmp_path, chapter, monkeypatch, capsys, args, message):
     """Items 9-10: one argparse-style line naming the flag, the value and the range; exit 2; nothing loaded."""
-    monkeypatch.setattr("minirl.models.loading.load_policy",        # main imports it after the flags are checked
+    monkeypatch.setattr("minirl.runtime.model_loading.load_policy",        # main imports it after the flags are checked
                         lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
     with pytest.raises(SystemExit) as exit_:
         chapter.main(["--out", str(tmp_path / "x"), *args])
@@ -376,7 +376,7 @@ def test_bad_task_inputs_fail_in_one_line_before_the_model_loads(tmp_path, chapt
         "chat_without_template": (["--model", words["plain_model"], "--dataset", chat, "--reward", "math"], chat),
         "no_reward": (["--dataset", plain], plain),
     }[case]
-    monkeypatch.setattr("minirl.models.loading.load_policy",        # main imports it after the flags are checked
+    monkeypatch.setattr("minirl.runtime.model_loading.load_policy",        # main imports it after the flags are checked
                         lambda *a, **k: pytest.fail("loaded a model for a bad command line"))
     with pytest.raises(SystemExit) as exit_:
         chapter.main(["--out", str(tmp_path / "x"), *map(str, args)])

@@ -81,7 +81,8 @@ def test_a_killed_rank_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from minirl.models.policy import greedy_accuracy, load_default_policy, load_tokenizer
+    from minirl.models.policy import greedy_accuracy, load_default_policy
+    from minirl.runtime.policy_cache import load_tokenizer
     from minirl.tasks.arithmetic import make_task
     exported = AutoModelForCausalLM.from_pretrained(whole / "final")          # LoRA merged into the base
     base, _, _ = load_default_policy(progress=False)

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "minirl"
 # DESIGN.md's layers, top (imported by everything) to bottom (may import anything above it), as one order.
 # runtime: hand-written plumbing the lessons call but do not teach (the torchrun launcher, run directories, the
-# chapters' flags, math-verify for tasks/math_answer); its modules serve every level, so each is exempt from the
+# chapters' flags, math-verify for runtime/math_answer); its modules serve every level, so each is exempt from the
 # package order below, and test_no_import_cycles keeps them from closing a loop;
 # loss_types: the loss registry, below the config that checks a run's loss type against it; memory before
 # parallel, as in the book: notebook 03 builds the wrappers (minirl.memory.wrap) it measures and notebook 04

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from minirl.runtime import latex_math
+from minirl.runtime.math_answer import final_answer, math_reward
+from minirl.runtime.task_files import load_task
 from minirl.runtime.validate import ConfigError
-from minirl.tasks.math_answer import final_answer, math_reward
 from minirl.tasks.rewards import resolve_reward
-from minirl.tasks.task import load_task
 from minirl.train.step import score
 
 GSM8K = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
@@ -168,8 +168,8 @@ def test_plain_numbers_are_read_without_sympy(monkeypatch):
     """The fast path: `#### N`, `\\boxed{N}` and bare numbers never reach math-verify."""
     def refuse(*args, **kwargs):
         raise AssertionError("math-verify was called on a plain number")
-    monkeypatch.setattr("minirl.tasks.math_answer.parse_math", refuse)
-    monkeypatch.setattr("minirl.tasks.math_answer.verify_math", refuse)
+    monkeypatch.setattr("minirl.runtime.math_answer.parse_math", refuse)
+    monkeypatch.setattr("minirl.runtime.math_answer.verify_math", refuse)
     plain = ["#### 62", "so 31 + 31 = 62.\n#### 62 apples", "\\boxed{62}", "\\boxed{1{,}234}", " 62", "#### −5",
              "#### 62\n\n#### Verification", "I think 61, no, 62", "#### 61"]
     assert math_reward(None, plain, answer=[62, GSM8K, 62, 1234, "62", -5, 62, 62, 62]) == [1] * 7 + [0, 0]

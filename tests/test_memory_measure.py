@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from minirl.memory.calculator import ModelShape, activation_memory
-from minirl.memory.distributed import compare_measured, launch_measurement
 from minirl.memory.measure import (
     SavedActivationMeter,
     build_measure_model,
@@ -15,6 +14,7 @@ from minirl.memory.measure import (
     storage_bytes,
     time_recomputation,
 )
+from minirl.runtime.zero_measure import compare_measured, launch_measurement
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
     import subprocess
     import warnings
 
-    import minirl.memory.distributed as distributed
+    import minirl.runtime.zero_measure as distributed
 
     calls = []
 
@@ -153,5 +153,5 @@ def test_a_failed_job_runs_again_then_reports_both_ends(monkeypatch):
         warnings.simplefilter("always")
         launch_measurement(2, size="tiny")
     assert len(calls) == 2 and "attempt 1 of 2" in str(caught[0].message)
-    assert calls[0][:2] == ("minirl.memory.distributed:memory_worker", 2) and calls[0][3]["timeout"] == 600
+    assert calls[0][:2] == ("minirl.runtime.zero_measure:memory_worker", 2) and calls[0][3]["timeout"] == 600
     assert "failed with code -6" in str(err.value) and "rank 0: terminate called" in str(err.value)

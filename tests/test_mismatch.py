@@ -5,16 +5,10 @@ import math
 import pytest
 import torch
 
-from minirl.algo.logprobs import check_logprob_pair
-from minirl.diagnostics.mismatch import (
-    clip_bounds,
-    diagnose_mismatch,
-    measure_logprobs,
-    mismatch_stats,
-    ppo_ratio,
-    probability_buckets,
-)
+from minirl.diagnostics.mismatch import clip_bounds, diagnose_mismatch, mismatch_stats, ppo_ratio, probability_buckets
 from minirl.rollout.hf import HFEngine, fp8_round_trip
+from minirl.runtime.logprob_checks import check_logprob_pair
+from minirl.runtime.logprob_measure import measure_logprobs
 from minirl.sync.checks import check_synchronization, rounding_tolerance, stale_parameters
 
 

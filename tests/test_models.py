@@ -8,22 +8,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import minirl.models.policy as policy_module
-from minirl.models.loading import ModelSourceError, load_policy
 from minirl.models.policy import (
-    PolicyCacheError,
     PolicyConfig,
-    PromptError,
     WarmStartConfig,
-    build_default_policy,
     build_policy,
     build_tokenizer,
-    check_prompts,
     default_policy_dir,
     greedy_accuracy,
     load_default_policy,
     warm_start,
-    warm_start_report,
 )
+from minirl.runtime.model_loading import ModelSourceError, PromptError, check_prompts, load_policy
+from minirl.runtime.policy_cache import PolicyCacheError, build_default_policy, warm_start_report
 from minirl.tasks.arithmetic import TaskConfig, make_task
 
 SMALL_TASK = TaskConfig(max_operand=19, num_test=40, num_validation=40)
@@ -289,7 +285,7 @@ def test_load_policy_on_cuda_answers_like_the_cpu():
 def test_a_saved_policy_reads_back_the_tokenizer_it_was_built_with(small_dir):
     """AutoTokenizer (transformers 5) rebuilds a qwen2 checkpoint's tokenizer as a byte-level BPE that drops
     spaces and unknown characters; every minirl loader reads tokenizer.json as saved."""
-    from minirl.models.policy import load_tokenizer
+    from minirl.runtime.policy_cache import load_tokenizer
 
     text, built = "12 + 34 =Q", build_tokenizer()
     want = built(text, add_special_tokens=False)["input_ids"]

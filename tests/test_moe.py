@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from minirl.diagnostics.mismatch import compare_routes
 from minirl.models.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
 from minirl.models.policy import build_tokenizer
+from minirl.runtime.logprob_measure import compare_routes
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def real(checkpoint):
-    from minirl.models.loading import load_policy
+    from minirl.runtime.model_loading import load_policy
 
     return load_policy(str(checkpoint))
 

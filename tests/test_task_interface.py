@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from minirl.runtime.data_files import load_rows, render_prompts
+from minirl.runtime.math_answer import final_answer, math_format_reward, math_reward, parse_number, reference_answer
+from minirl.runtime.task_files import load_task
 from minirl.runtime.validate import ConfigError
 from minirl.tasks.arithmetic import accuracy_reward, arithmetic_reward, format_reward, make_task
-from minirl.tasks.math_answer import final_answer, math_format_reward, math_reward, parse_number, reference_answer
 from minirl.tasks.rewards import (
     REWARDS,
     as_conversational,
@@ -24,7 +25,7 @@ from minirl.tasks.rewards import (
     frac_reward_zero_std,
     resolve_rewards,
 )
-from minirl.tasks.task import Task, arithmetic_task, load_task
+from minirl.tasks.task import Task, arithmetic_task
 from minirl.tasks.word_problems import generate
 
 GSM8K = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"

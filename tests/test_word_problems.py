@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from minirl.runtime.math_answer import final_answer, math_format_reward, math_reward
 from minirl.tasks import word_problems
-from minirl.tasks.math_answer import final_answer, math_format_reward, math_reward
 from minirl.tasks.word_problems import generate, main, write
 
 DATA = Path(__file__).resolve().parents[1] / "data"

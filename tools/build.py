@@ -118,7 +118,18 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 06's plumbing (Ray start-up, waits and deaths, checks, the run around the Driver, plots)
                 "minirl/runtime/ray_start.py", "minirl/runtime/ray_calls.py", "minirl/runtime/placement_checks.py",
                 "minirl/runtime/driver_run.py", "minirl/runtime/role_checkpoints.py", "minirl/runtime/cluster_plots.py",
-                "minirl/runtime/source_rows.py", "minirl/runtime/object_store_sync.py")
+                "minirl/runtime/source_rows.py", "minirl/runtime/object_store_sync.py",
+                # notebook 00: the policy cache, model loading, the math verifier, task files; tasks/task.py beside
+                # its concept
+                "minirl/runtime/completions.py", "minirl/runtime/config_checks.py", "minirl/runtime/math_answer.py",
+                "minirl/runtime/model_loading.py", "minirl/runtime/policy_cache.py",
+                "minirl/runtime/task_files.py", "minirl/tasks/task.py",
+                # notebook 03
+                "minirl/memory/measure.py", "minirl/memory/wrap.py", "minirl/runtime/memory_checks.py",
+                "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py",
+                # notebook 02
+                "minirl/runtime/logprob_checks.py", "minirl/runtime/logprob_measure.py",
+                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

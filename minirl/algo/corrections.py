@@ -1,16 +1,11 @@
 # Generated from notebooks/02_mismatch.py by tools/build.py -- edit the notebook, not this file.
 """Corrections for the training–inference mismatch: truncated IS and vocabulary pruning.
 
-`importance_sampling_weights` reweights each token by pi_old / pi_rollout (the trainer's
-recomputation over the rollout engine's behaviour log-probs), truncated or masked at a cap,
-per token or per sequence: TRL's `vllm_importance_sampling_mode`. The loop of every stage calls it
-when `importance_sampling_correction` is on (`minirl.train.step.importance_weights`, registered in
-notebook 01's `minirl.train.step.BEHAVIOUR_CORRECTIONS`). `vocabulary_keep_mask` and `pruned_log_softmax`
-prune the low-probability tail identically on both sides.
-
-Simplified on purpose: only an upper cap (TRL also has an optional lower bound,
-`vllm_importance_sampling_clip_min`), and pruning uses a min-p threshold from one side,
-not a tuned top-p schedule; both are enough to show what each correction does.
+`importance_sampling_weights` reweights each token by pi_old / pi_rollout, truncated or masked
+at a cap, per token or per sequence (TRL's `vllm_importance_sampling_mode`); the loop calls it
+when `importance_sampling_correction` is on. `vocabulary_keep_mask` and `pruned_log_softmax`
+prune the low-probability tail identically on both sides. Simplified on purpose: only an upper
+cap, and pruning by a min-p threshold from one side.
 """
 
 __all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_softmax"]
@@ -18,8 +13,8 @@ __all__ = ["importance_sampling_weights", "vocabulary_keep_mask", "pruned_log_so
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair
 from minirl.config import IS_MODES
+from minirl.runtime.logprob_checks import check_logprob_pair
 
 
 def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
@@ -42,10 +37,11 @@ def importance_sampling_weights(old_logps: Tensor, behavior_logps: Tensor, mask:
     if mode not in IS_MODES:
         raise ValueError(f"mode={mode!r}: use one of {IS_MODES}")
     if not cap > 0:
-        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses about 2 to 5)")
+        raise ValueError(f"cap={cap}: the importance-weight cap must be > 0 (TIS uses 2 to 5)")
     check_logprob_pair(old_logps, behavior_logps, mask)
     valid = mask.bool()
-    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(), torch.zeros_like(old_logps))
+    diff = torch.where(valid, old_logps.detach() - behavior_logps.detach(),
+                       torch.zeros_like(old_logps))
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)                     # [B, 1]
     ratio = torch.exp(diff)
@@ -73,6 +69,7 @@ def vocabulary_keep_mask(logits: Tensor, min_p: float) -> Tensor:
 def pruned_log_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     """log_softmax over the kept tokens only: [..., V] float32, -inf where keep is False."""
     if keep.shape != logits.shape:
-        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has {tuple(logits.shape)}: "
-                         "pass the [..., V] mask from vocabulary_keep_mask on logits of the same shape")
+        raise ValueError(f"keep has shape {tuple(keep.shape)} but logits has "
+                         f"{tuple(logits.shape)}: pass the [..., V] mask from vocabulary_keep_mask "
+                         "on logits of the same shape")
     return torch.log_softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)

@@ -1,5 +1,4 @@
-# Generated from notebooks/01_single_process.py, notebooks/02_mismatch.py
-# by tools/build.py -- edit the notebook, not this file.
+# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
 Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
@@ -12,8 +11,7 @@ to float32 before the temperature is applied (TRL divides first, in the model's 
 """
 
 __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log_softmax",
-           "entropy_from_logits", "completion_logits", "completion_logprobs", "LOGP_TOLERANCE",
-           "check_logprob_pair"]
+           "entropy_from_logits", "completion_logits", "completion_logprobs"]
 
 import torch
 from torch import Tensor
@@ -106,39 +104,3 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
                                temperature, num_generations)            # [B, C, V]
     logps = selective_log_softmax(logits, input_ids[:, -num_completion_tokens:])   # [B, C]
     return logps, (entropy_from_logits(logits) if with_entropy else None)
-
-
-LOGP_TOLERANCE = 1e-3  # a log-prob above this is not rounding any more: p would exceed 1.001
-
-
-def check_logprob_pair(trainer_logps: Tensor, behavior_logps: Tensor | None, mask: Tensor) -> None:
-    """Raise ValueError unless trainer_logps, behavior_logps and mask are aligned [B, C] tensors.
-
-    behavior_logps must be the rollout engine's own log-probs (never a recomputation), with
-    a finite value at every position where mask is 1. Log-probs must be <= 0 (a tolerance of
-    LOGP_TOLERANCE absorbs rounding in low precision).
-    """
-    if behavior_logps is None:
-        raise ValueError("behavior_logps is missing: pass the rollout engine's log-probs of the sampled "
-                         "tokens (Rollout.logprobs), a [B, C] tensor like trainer_logps; a trainer-side "
-                         "recomputation is not a substitute for the behaviour policy")
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps), ("mask", mask)):
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a [B, C] tensor (one value per completion token), got {shape}")
-    for name, t in (("behavior_logps", behavior_logps), ("mask", mask)):
-        if t.shape != trainer_logps.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but trainer_logps has "
-                             f"{tuple(trainer_logps.shape)}: both must be [B, C] over the same completion tokens")
-    valid = mask.bool()
-    for name, t in (("trainer_logps", trainer_logps), ("behavior_logps", behavior_logps)):
-        missing = valid & ~torch.isfinite(t)
-        if missing.any():
-            b, c = missing.nonzero()[0].tolist()
-            raise ValueError(f"{name} is missing a log-prob at {int(missing.sum())} unmasked positions "
-                             f"(first at [{b}, {c}]): record a finite value for every completion token, "
-                             f"shape [B, C] = {tuple(trainer_logps.shape)}")
-        above = valid & (t > LOGP_TOLERANCE)
-        if above.any():
-            raise ValueError(f"{name} has values above 0 (max {t[above].max().item():.4g}): log-probs are "
-                             "<= 0; pass log-probabilities of the sampled tokens [B, C], not probabilities or logits")

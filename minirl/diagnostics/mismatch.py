@@ -4,32 +4,26 @@
 The rollout engine (HF generate with a KV cache, in bf16/fp16/fp8) and the trainer (a full
 forward in fp32) compute different probabilities for the same tokens from the same weights.
 This module measures that gap token by token (`measure_logprobs`, `mismatch_stats`,
-`probability_buckets`), checks that a rollout really holds the trainer's weights
-(`stale_parameters`, `check_synchronization`) and runs the source's four diagnosis steps as
-one call (`diagnose_mismatch` -> `MismatchReport`).
-
-Simplified on purpose: production systems (veRL, TRL with vLLM, slime) log the same
-quantities (`sampling_logp_difference`, importance-ratio min/mean/max) from a separate
-inference server; here the rollout engine is an HF model copy in the same process, so every
-difference you measure comes from precision and computation path alone, which is the point.
+`probability_buckets`) and runs the source's four diagnosis steps as one call
+(`diagnose_mismatch`). Simplified on purpose: production systems (veRL, TRL with vLLM, slime)
+log the same quantities from a separate inference server; here the rollout engine is an HF
+copy in the same process, so every difference comes from precision and computation path.
 """
 
 __all__ = ["ppo_ratio", "clip_bounds", "mismatch_stats", "PROBABILITY_EDGES",
-           "probability_buckets", "LogprobPair", "trainer_logprobs", "measure_logprobs",
-           "MismatchReport", "worst_tokens", "diagnose_mismatch", "compare_routes",
-           "format_buckets"]
+           "probability_buckets", "trainer_logprobs", "diagnose_mismatch"]
 
 import copy
-import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import check_logprob_pair, completion_logprobs
-from minirl.config import SamplingConfig
-from minirl.models.moe import RouteRecorder, replay_routes, route_agreement, routers
+from minirl.algo.logprobs import completion_logprobs
+from minirl.models.moe import routers
 from minirl.rollout.hf import DTYPES, HFEngine
+from minirl.runtime.logprob_checks import check_logprob_pair
+from minirl.runtime.logprob_measure import compare_routes, measure_logprobs
+from minirl.runtime.mismatch_report import MismatchReport, worst_tokens
 from minirl.sync.checks import check_synchronization, dtype_name
 
 
@@ -111,29 +105,13 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
         rows.append(dict(lo=float(lo), hi=float(hi), tokens=n,
                          mean_abs_delta=d.mean().item() if n else 0.0,
                          max_abs_delta=d.max().item() if n else 0.0,
-                         share_outside=((r < low) | (r > high)).double().mean().item() if n else 0.0))
+                         share_outside=((r < low) | (r > high)).double().mean().item()
+                         if n else 0.0))
     return rows
 
 
-@dataclass
-class LogprobPair:
-    """The same sampled tokens scored by the rollout engine and by the trainer. All [B, C]."""
-
-    trainer_logps: Tensor
-    behavior_logps: Tensor
-    mask: Tensor
-    completion_ids: Tensor
-    rollout_dtype: str
-    train_dtype: str
-
-    def stats(self, low: float = 0.8, high: float = 1.25) -> dict[str, float]:
-        return mismatch_stats(self.trainer_logps, self.behavior_logps, self.mask, low, high)
-
-    def buckets(self, edges: tuple[float, ...] = PROBABILITY_EDGES) -> list[dict]:
-        return probability_buckets(self.trainer_logps, self.behavior_logps, self.mask, edges)
-
-
-def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", temperature: float = 1.0) -> Tensor:
+def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32",
+                     temperature: float = 1.0) -> Tensor:
     """The trainer's recomputation of a Rollout's completion log-probs, [B, C] float32.
 
     One full forward over prompt + completion (no KV cache) with `model` cast to train_dtype
@@ -144,91 +122,19 @@ def trainer_logprobs(model, rollout_batch, train_dtype: str = "float32", tempera
     trainer = model
     if next(model.parameters()).dtype != DTYPES[train_dtype]:
         trainer = copy.deepcopy(model).to(DTYPES[train_dtype])
-    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids], dim=1)      # [B, P+C]
+    input_ids = torch.cat([rollout_batch.prompt_ids, rollout_batch.completion_ids],
+                          dim=1)      # [B, P+C]
     attention_mask = torch.cat([rollout_batch.prompt_mask, rollout_batch.completion_mask], dim=1)
     with torch.no_grad():
         logps, _ = completion_logprobs(trainer, input_ids, attention_mask,
-                                       rollout_batch.completion_ids.shape[1], temperature=temperature)
+                                       rollout_batch.completion_ids.shape[1],
+                                       temperature=temperature)
     return logps.float()
 
 
-def measure_logprobs(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
-                     train_dtype: str = "float32", num_generations: int = 8, max_new_tokens: int = 4,
-                     temperature: float = 1.0, seed: int = 0, rollout=None) -> LogprobPair:
-    """Sample with a rollout engine in `rollout_dtype`, recompute in `train_dtype`; both log-probs.
-
-    model: the trainer's policy (an HF causal LM). rollout: an HFEngine to use as it is
-    (its own dtype and version); when None a fresh HFEngine(model, tokenizer, rollout_dtype)
-    is built, so it holds exactly the trainer's weights. Returns a LogprobPair of [B*G, C].
-    """
-    device = next(model.parameters()).device
-    if rollout is None:
-        rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
-                             generator=generator)
-    trainer = trainer_logprobs(model, batch, train_dtype, temperature)
-    return LogprobPair(trainer, batch.logprobs.float(), batch.completion_mask, batch.completion_ids,
-                       getattr(rollout, "dtype", rollout_dtype), train_dtype)
-
-
-@dataclass
-class MismatchReport:
-    """What `diagnose_mismatch` found, step by step; print it."""
-
-    rollout_dtype: str
-    train_dtype: str
-    sync_problems: list[str]
-    stats: dict[str, float]
-    buckets: list[dict]
-    worst_tokens: list[dict]
-    sweep: dict[str, dict[str, float]] = field(default_factory=dict)
-    routes: dict[str, float] | None = None
-
-    def __str__(self) -> str:
-        s = self.stats
-        out = [f"Mismatch report: rollout {self.rollout_dtype} (KV cache) vs trainer {self.train_dtype} (full forward)",
-               "1. version and synchronization: " + ("OK" if not self.sync_problems else "PROBLEMS"),
-               *[f"   - {p}" for p in self.sync_problems],
-               f"2. token by token ({s['tokens']} tokens): mean |dlogp| {s['mean_abs_delta']:.2e}, "
-               f"max {s['max_abs_delta']:.2e}, KL(k3) {s['kl_k3']:.2e}, ratio in "
-               f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], outside [0.8, 1.25]: {s['share_outside']:.2%}",
-               *["   " + line for line in format_buckets(self.buckets).splitlines()],
-               "   worst tokens: " + ", ".join(f"{w['token']!r}@{w['position']} p_rollout={w['p_rollout']:.3g} "
-                                               f"p_trainer={w['p_trainer']:.3g}" for w in self.worst_tokens)]
-        out.append("3. precision sweep (rollout dtype vs trainer " + self.train_dtype + "):")
-        out.append(f"   {'rollout':>14} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside [0.8, 1.25]")
-        for dtype, st in self.sweep.items():
-            out.append(f"   {dtype:>14} | {st['mean_abs_delta']:>12.2e} | {st['max_abs_delta']:>11.2e} | "
-                       f"{st['share_outside']:.2%}")
-        if self.routes is None:
-            out.append("4. MoE routes: not a mixture-of-experts policy (nothing to compare)")
-        else:
-            out.append("4. MoE routes: " + ", ".join(f"{k} {v:.4g}" for k, v in self.routes.items()))
-        return "\n".join(out)
-
-    def to_dict(self) -> dict:
-        return dict(rollout_dtype=self.rollout_dtype, train_dtype=self.train_dtype,
-                    sync_problems=self.sync_problems, stats=self.stats, buckets=self.buckets,
-                    worst_tokens=self.worst_tokens, sweep=self.sweep, routes=self.routes)
-
-
-def worst_tokens(pair: LogprobPair, tokenizer=None, k: int = 3) -> list[dict]:
-    """The k sampled tokens with the largest |delta log p|: position [b, c], token, both probabilities."""
-    delta = (pair.trainer_logps - pair.behavior_logps).abs().masked_fill(~pair.mask.bool(), -1.0)
-    top = delta.flatten().topk(min(k, int(pair.mask.sum()))).indices
-    rows = []
-    for flat in top.tolist():
-        b, c = divmod(flat, delta.shape[1])
-        tid = int(pair.completion_ids[b, c])
-        rows.append(dict(position=[b, c], token=tokenizer.decode([tid]) if tokenizer else tid,
-                         p_rollout=math.exp(pair.behavior_logps[b, c].item()),
-                         p_trainer=math.exp(pair.trainer_logps[b, c].item())))
-    return rows
-
-
-def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, trainer_version: int | None = None,
-             rollout_dtype: str = "bfloat16", train_dtype: str = "float32",
+def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
+                      trainer_version: int | None = None, rollout_dtype: str = "bfloat16",
+                      train_dtype: str = "float32",
              sweep: tuple[str, ...] = ("float32", "bfloat16", "float16", "float8_e4m3fn"),
              num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
              seed: int = 0, progress: bool = False) -> MismatchReport:
@@ -252,7 +158,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, traine
     done("1. synchronization")
     kwargs = dict(num_generations=num_generations, max_new_tokens=max_new_tokens,
                   temperature=temperature, seed=seed)
-    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout, **kwargs)
+    pair = measure_logprobs(model, tokenizer, prompts, train_dtype=train_dtype, rollout=rollout,
+                            **kwargs)
     done("2. token by token")
     table = {}
     for d in sweep:
@@ -260,53 +167,8 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None, traine
         done(f"3. precision sweep, {d}")
     routes = None
     if routers(model):
-        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout), **kwargs)
+        routes = compare_routes(model, tokenizer, prompts, rollout_dtype=dtype_name(rollout),
+                                **kwargs)
         done("4. MoE routes")
     return MismatchReport(dtype_name(rollout), train_dtype, problems, pair.stats(), pair.buckets(),
                           worst_tokens(pair, tokenizer), table, routes)
-
-
-def compare_routes(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",
-                   num_generations: int = 8, max_new_tokens: int = 4, temperature: float = 1.0,
-                   seed: int = 0) -> dict[str, float]:
-    """Route agreement and log-prob gap between a rollout copy and the fp32 trainer, without and with R3.
-
-    Returns route_agreement / route_agreement_r3 (share of (layer, token) top-k sets that match
-    the rollout's, over real prompt and completion tokens) and mean/max |delta log p| of the
-    sampled tokens without (`mean_abs_delta`) and with replay (`mean_abs_delta_r3`).
-    """
-    rollout = HFEngine(model, tokenizer, dtype=rollout_dtype, device=next(model.parameters()).device)
-    with RouteRecorder(rollout.model) as recorder:
-        batch = rollout.generate(prompts, SamplingConfig(num_generations, max_new_tokens, temperature),
-                                 generator=torch.Generator().manual_seed(seed))
-    rows = batch.prompt_ids.shape[0]
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)           # [B, T]
-    total = attention.shape[1]
-    recorded = recorder.routes(rows)[:, :, :total]                                     # [L, B, <=T, k]
-    if recorded.shape[2] < total:   # the last token is never fed back during generation
-        pad = recorded[:, :, -1:].expand(-1, -1, total - recorded.shape[2], -1)
-        recorded = torch.cat([recorded, pad], dim=2)                                   # [L, B, T, k]
-    compare = attention.clone()
-    compare[:, -1] = 0                                   # its route was never recorded: do not score it
-    with RouteRecorder(model) as recorder:
-        plain = trainer_logprobs(model, batch, "float32", temperature)
-    trainer_routes = recorder.routes(rows)
-    with replay_routes(model, recorded), RouteRecorder(model) as recorder:
-        replayed = trainer_logprobs(model, batch, "float32", temperature)
-    replay_routes_seen = recorder.routes(rows)
-    before = mismatch_stats(plain, batch.logprobs.float(), batch.completion_mask)
-    after = mismatch_stats(replayed, batch.logprobs.float(), batch.completion_mask)
-    return dict(route_agreement=route_agreement(recorded, trainer_routes, compare),
-                route_agreement_r3=route_agreement(recorded, replay_routes_seen, compare),
-                mean_abs_delta=before["mean_abs_delta"], mean_abs_delta_r3=after["mean_abs_delta"],
-                max_abs_delta=before["max_abs_delta"], max_abs_delta_r3=after["max_abs_delta"],
-                share_outside=before["share_outside"], share_outside_r3=after["share_outside"])
-
-
-def format_buckets(rows: list[dict]) -> str:
-    """The rows of `probability_buckets` as a fixed-width table."""
-    lines = [f"{'rollout p':>17} | {'tokens':>6} | {'mean |dlogp|':>12} | {'max |dlogp|':>11} | ratio outside"]
-    for r in rows:
-        lines.append(f"[{r['lo']:<6.3g}, {r['hi']:>6.3g}) | {r['tokens']:>6} | {r['mean_abs_delta']:>12.2e} | "
-                     f"{r['max_abs_delta']:>11.2e} | {r['share_outside']:>8.1%}")
-    return "\n".join(lines)

@@ -5,45 +5,27 @@ Every function returns bytes (plain Python numbers) and takes raw counts, so the
 sizes the embedded 1 M-parameter policy and a 70 B model. `ModelShape` holds what the
 activation and LoRA formulas need, read from a Hugging Face config without loading weights.
 
-Simplified on purpose: the calculator counts the training state (weights, gradients,
-master weights, Adam moments) and the activations autograd saves for backward. It leaves
-out what depends on the framework's mood: temporary buffers (all-gather and reduce-scatter
-buckets, the allocator's fragmentation, the CUDA context of ~0.5-1 GB), and data-parallel
-imbalance. Notebook 03 measures how far those take a real run from the figures here.
+Simplified on purpose: it counts the training state and the activations autograd saves, and
+leaves out temporary buffers (collective buckets, fragmentation, the CUDA context) and
+data-parallel imbalance. Notebook 03 measures how far those take a real run from it.
 """
 
-__all__ = ["COMPONENTS", "PRECISIONS", "ZERO_LEVELS", "LORA_TARGETS", "GB", "check_positive",
-           "check_precision", "check_stage", "bytes_per_param", "state_bytes", "SHARDED",
-           "zero_per_gpu", "zero_saving", "zero_communication", "DTYPE_BYTES", "RECOMPUTE",
-           "ATTENTION", "ModelShape", "LLAMA2_70B", "checkpointed_activation_bytes",
-           "activation_memory", "lora_params", "lora_memory", "training_memory", "min_gpus"]
+__all__ = ["COMPONENTS", "PRECISIONS", "ZERO_LEVELS", "LORA_TARGETS", "GB", "bytes_per_param",
+           "state_bytes", "SHARDED", "zero_per_gpu", "zero_saving", "zero_communication",
+           "DTYPE_BYTES", "RECOMPUTE", "ATTENTION", "ModelShape", "LLAMA2_70B",
+           "checkpointed_activation_bytes", "activation_memory", "lora_params", "lora_memory",
+           "training_memory", "min_gpus"]
 
 import math
 from dataclasses import dataclass, replace
 
+from minirl.runtime.memory_checks import check_positive, check_precision, check_stage
+
 COMPONENTS = ("weights", "grads", "master", "adam_m", "adam_v")
 PRECISIONS = ("mixed", "fp32", "bf16")
-ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = everything sharded
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default
+ZERO_LEVELS = (0, 1, 2, 3)                # ZeRO's stages: 0 = plain data parallel, 3 = all sharded
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GB = 1e9  # decimal gigabytes, as the source counts
-
-
-def check_positive(name: str, value) -> None:
-    """Raise ValueError naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive number")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
-                         "('mixed' = BF16 weights/grads + FP32 master and Adam, the source's 16 B)")
-
-
-def check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in ZERO_LEVELS:
-        raise ValueError(f"stage={stage!r}: use a ZeRO stage in {', '.join(map(str, ZERO_LEVELS))} "
-                         "(0 = plain data parallel, 3 = everything sharded)")
 
 
 def bytes_per_param(precision: str = "mixed") -> dict[str, int]:
@@ -73,7 +55,8 @@ SHARDED = {0: (), 1: ("master", "adam_m", "adam_v"), 2: ("grads", "master", "ada
            3: ("weights", "grads", "master", "adam_m", "adam_v")}
 
 
-def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_per_gpu(num_params: float, num_gpus: int, stage: int,
+                 precision: str = "mixed") -> dict[str, float]:
     """Per-GPU bytes of the training state under ZeRO `stage` on `num_gpus` data-parallel GPUs.
 
     num_params: Ψ, the model's parameter count (> 0). num_gpus: N, an int >= 1. stage: 0
@@ -98,10 +81,12 @@ def zero_per_gpu(num_params: float, num_gpus: int, stage: int, precision: str = 
 
 def zero_saving(num_gpus: int, stage: int, precision: str = "mixed") -> float:
     """How many times less state a GPU holds under `stage` than under plain DDP (stage 0)."""
-    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage, precision)["total"]
+    return zero_per_gpu(1.0, num_gpus, 0, precision)["total"] / zero_per_gpu(1.0, num_gpus, stage,
+                                                                             precision)["total"]
 
 
-def zero_communication(num_params: float, num_gpus: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+def zero_communication(num_params: float, num_gpus: int, stage: int,
+                       precision: str = "mixed") -> dict[str, float]:
     """Bytes each GPU sends per optimizer step, with ring collectives (the ZeRO paper's §7).
 
     A ring all-reduce of B bytes sends 2 (N-1)/N B per GPU; a reduce-scatter or an all-gather
@@ -116,7 +101,8 @@ def zero_communication(num_params: float, num_gpus: int, stage: int, precision: 
     g = bytes_per_param(precision)["grads"]
     frac = (num_gpus - 1) / num_gpus
     volumes = {0: 2 * frac, 1: 2 * frac, 2: 2 * frac, 3: 3 * frac}
-    return {"bytes": volumes[stage] * num_params * g, "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
+    return {"bytes": volumes[stage] * num_params * g,
+            "vs_ddp": volumes[stage] / volumes[0] if num_gpus > 1 else 1.0}
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -139,10 +125,12 @@ class ModelShape:
     num_params: int | None = None  # exact count when known (from a config); else the closed form
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
+        for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+                     "vocab_size"):
             check_positive(f"ModelShape.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by num_heads="
+            raise ValueError(f"ModelShape: hidden_size={self.hidden_size} must be divisible by "
+                             f"num_heads="
                              f"{self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}")
 
     @property
@@ -150,7 +138,7 @@ class ModelShape:
         return self.hidden_size // self.num_heads * self.num_kv_heads
 
     def param_count(self) -> int:
-        """`num_params` if known, else embeddings + L x (attention + SwiGLU MLP + 2 RMSNorms) + final norm."""
+        """`num_params` if known, else embeddings + L x (attention + MLP + 2 norms) + final norm."""
         if self.num_params is not None:
             return self.num_params
         h, kv, i = self.hidden_size, self.kv_dim, self.intermediate_size
@@ -161,39 +149,32 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        """From a transformers config (Llama, Qwen2, Mistral, ...).
+        """From a transformers config (Llama, Qwen2, Mistral, ...), sizes checked before any build.
 
-        The sizes are checked before any model is built (a `hidden_size` of -5 is a ValueError
-        naming the field, not a "negative dimension" from deep inside torch). Parameters are
-        counted on the meta device, so a 70 B config costs no memory; a `torch.device("meta")`
-        context applies `tie_word_embeddings` as a real build does, where accelerate's
-        `init_empty_weights` leaves the tie out and counts the embedding twice.
+        A `torch.device("meta")` context applies `tie_word_embeddings` as a real build does
+        (accelerate's `init_empty_weights` leaves the tie out and counts the embedding twice).
         """
         import torch
         from transformers import AutoModelForCausalLM
 
+        from minirl.runtime.memory_checks import check_model_sizes  # lazy: only config reading needs it
+
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        sizes = {name: getattr(text, name, None) for name in
-                 ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")}
-        sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads", None) or sizes["num_attention_heads"]
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model config: {name}={value!r}: must be a positive integer "
-                                 f"(is this a decoder-only causal LM config?)")
+        sizes = {name: getattr(text, name, None) for name in ("hidden_size", "num_hidden_layers",
+                 "intermediate_size", "num_attention_heads", "vocab_size")}
+        sizes["num_key_value_heads"] = getattr(text, "num_key_value_heads",
+                                               None) or sizes["num_attention_heads"]
+        check_model_sizes(sizes)
         shape = cls(hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
-                    intermediate_size=sizes["intermediate_size"], num_heads=sizes["num_attention_heads"],
+                    intermediate_size=sizes["intermediate_size"],
+                    num_heads=sizes["num_attention_heads"],
                     num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
                     tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                    qkv_bias=bool(getattr(text, "attention_bias", False) or text.model_type.startswith("qwen2")))
+                    qkv_bias=bool(getattr(text, "attention_bias",
+                                          False) or text.model_type.startswith("qwen2")))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied tensors count once
-
-    def describe(self) -> str:
-        """One line: the sizes the activation and LoRA figures use."""
-        return (f"{self.num_layers} layers, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "
-                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
-                f"{self.param_count() / 1e9:.3g} B parameters")
+        return replace(shape, num_params=sum(p.numel() for p in model.parameters()))  # tied: once
 
     @classmethod
     def from_pretrained(cls, name_or_path: str) -> "ModelShape":
@@ -201,6 +182,13 @@ class ModelShape:
         from transformers import AutoConfig
 
         return cls.from_config(AutoConfig.from_pretrained(name_or_path))
+
+    def describe(self) -> str:
+        """One line: the sizes the activation and LoRA figures use."""
+        return (f"{self.num_layers} layers, hidden {self.hidden_size}, "
+                f"intermediate {self.intermediate_size}, "
+                f"{self.num_heads} heads ({self.num_kv_heads} KV), vocabulary {self.vocab_size:,}, "
+                f"{self.param_count() / 1e9:.3g} B parameters")
 
 
 # Llama-2-70B: the usual "70 B" (68.98 B parameters; 8 KV heads; 32 k vocabulary).
@@ -238,7 +226,8 @@ def checkpointed_activation_bytes(layer_bytes: float, boundary_bytes: float, hea
 
 
 def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf16",
-                      attention: str = "sdpa", recompute: str = "none", padding_mask: bool = False) -> dict[str, float]:
+                      attention: str = "sdpa", recompute: str = "none",
+                      padding_mask: bool = False) -> dict[str, float]:
     """Bytes of saved activations for `batch` sequences of `seq` tokens through `shape`.
 
     Counts what Hugging Face's Llama/Qwen2 layers save (the table above), per GPU, for one
@@ -259,7 +248,7 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     p, h, i, a = DTYPE_BYTES[dtype], shape.hidden_size, shape.intermediate_size, shape.num_heads
     norm = 4 * h + 2 * p * h + 4
     if attention == "sdpa" and padding_mask:
-        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; one mask row per token
+        attn = p * (2 * h + 2 * h) + 4 * a + p * seq     # K, V repeated to h wide; a mask row
     elif attention == "sdpa":
         attn = p * (2 * h + 2 * shape.kv_dim) + 4 * a
     else:
@@ -269,7 +258,8 @@ def activation_memory(shape: ModelShape, batch: int, seq: int, dtype: str = "bf1
     boundary = tokens * p * h
     head = tokens * (norm + 4 * shape.vocab_size)
     total = checkpointed_activation_bytes(layer, boundary, head, shape.num_layers, recompute)
-    return {"layer": float(layer), "boundary": float(boundary), "head": float(head), "total": float(total)}
+    return {"layer": float(layer), "boundary": float(boundary), "head": float(head),
+            "total": float(total)}
 
 
 def lora_params(shape: ModelShape, rank: int,
@@ -286,7 +276,8 @@ def lora_params(shape: ModelShape, rank: int,
 
 
 def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 1, stage: int = 0,
-                precision: str = "mixed", base_bytes_per_param: float | None = None) -> dict[str, float]:
+                precision: str = "mixed",
+                base_bytes_per_param: float | None = None) -> dict[str, float]:
     """Per-GPU bytes when only LoRA adapters train: a frozen base plus the adapters' full state.
 
     The frozen base has weights only (no gradients, no optimizer state): `base_bytes_per_param`
@@ -295,10 +286,13 @@ def lora_memory(num_base_params: float, num_lora_params: float, num_gpus: int = 
     like any parameter. Returns {"base", "weights", "grads", "master", "adam_m", "adam_v", "total"}.
     """
     check_positive("num_base_params", num_base_params)
-    base_b = bytes_per_param(precision)["weights"] if base_bytes_per_param is None else base_bytes_per_param
+    base_b = base_bytes_per_param
+    if base_b is None:
+        base_b = bytes_per_param(precision)["weights"]
     check_positive("base_bytes_per_param", base_b)
     out = {"base": num_base_params * base_b / (num_gpus if stage == 3 else 1)}
-    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage, precision).items() if k != "total"})
+    out.update({k: v for k, v in zero_per_gpu(num_lora_params, num_gpus, stage,
+                                              precision).items() if k != "total"})
     out["total"] = sum(out.values())
     return out
 
@@ -318,16 +312,19 @@ def training_memory(num_params: float, num_gpus: int = 1, stage: int = 0, precis
     check_positive("num_gpus", num_gpus)
     check_positive("global_batch", global_batch)
     if global_batch % num_gpus:
-        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: data "
-                         "parallelism gives every GPU the same number of sequences; pick a multiple")
+        raise ValueError(f"global_batch={global_batch} is not divisible by num_gpus={num_gpus}: "
+                         "data parallelism gives every GPU the same number of sequences; "
+                         "pick a multiple")
     shape = shape or LLAMA2_70B
     if lora_rank is None:
         out = zero_per_gpu(num_params, num_gpus, stage, precision)
     else:
-        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision, base_bytes_per_param)
+        out = lora_memory(num_params, lora_params(shape, lora_rank), num_gpus, stage, precision,
+                          base_bytes_per_param)
     state = out.pop("total")
     dtype = "fp32" if precision == "fp32" else "bf16"
-    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute, padding_mask)["total"]
+    act = activation_memory(shape, global_batch // num_gpus, seq, dtype, attention, recompute,
+                            padding_mask)["total"]
     return {**out, "state": state, "activations": act, "total": state + act}
 
 
@@ -351,8 +348,10 @@ def min_gpus(num_params: float, gpu_memory_bytes: float, stage: int, precision: 
     if room < 0 or (room == 0 and sharded > 0):
         return None
     n = max(1, math.ceil(sharded / room)) if sharded > 0 else 1
-    while n > 1 and zero_per_gpu(num_params, n - 1, stage, precision)["total"] + activation_bytes <= gpu_memory_bytes:
+    while n > 1 and zero_per_gpu(num_params, n - 1, stage,
+                                 precision)["total"] + activation_bytes <= gpu_memory_bytes:
         n -= 1                                                  # float rounding, downwards
-    while zero_per_gpu(num_params, n, stage, precision)["total"] + activation_bytes > gpu_memory_bytes:
+    while zero_per_gpu(num_params, n, stage,
+                       precision)["total"] + activation_bytes > gpu_memory_bytes:
         n += 1                                                  # float rounding, upwards
     return n if n <= max_gpus else None

@@ -1,13 +1,14 @@
-# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
 """Training memory, measured on one process: saved activations, recomputation, LoRA.
+
+Hand-written (a measurement harness): notebook 03 runs it and sets its figures beside the calculator.
 
 `SavedActivationMeter` counts the unique storages autograd saves for backward (works on CPU
 and GPU); `measure_single` sets them beside the calculator's activation formula, with and
 without gradient checkpointing, and `measure_lora` does the same for LoRA's state. The small
 Qwen2 models and the storage counting (`storage_bytes`, DTensor shards by their local
-storage) are shared with `minirl.memory.distributed`, which measures per-rank state under
+storage) are shared with `minirl.runtime.zero_measure`, which measures per-rank state under
 DDP, ZeRO-1 and FSDP2 in a torchrun job. The models are wrapped (checkpointing, LoRA) by
-`minirl.memory.wrap` (this notebook's appendix), the code notebook 04 trains with, so what is
+`minirl.memory.wrap`, the code notebook 04 trains with, so what is
 measured here is what trains there.
 
 Simplified on purpose: FP32 throughout, one small model, a few steps. Counting storages shows
@@ -15,9 +16,6 @@ Simplified on purpose: FP32 throughout, one small model, a few steps. Counting s
 see: communication buffers, temporaries, fragmentation.
 """
 
-__all__ = ["MEASURE_SIZES", "STRATEGIES", "VOCAB_SIZE", "build_measure_model", "random_batch",
-           "SavedActivationMeter", "measure_activations", "time_recomputation", "padded_mask",
-           "measure_single", "measure_lora", "local", "storage_key", "storage_bytes"]
 
 import statistics
 import time

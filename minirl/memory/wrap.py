@@ -1,5 +1,6 @@
-# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
 """Wrapping a causal LM to save training memory: DDP, ZeRO-1, FSDP2 (ZeRO-2/3), checkpointing, LoRA.
+
+Hand-written: notebook 03 measures memory with these wrappers and notebook 04 trains with them.
 
 One function per concern, all stock PyTorch and peft:
 - `apply_lora(model, rank, ...)`: peft LoRA adapters on the named linear layers, base frozen;
@@ -16,8 +17,6 @@ FSDP2 without resharding after forward, which still reshards after backward, so 
 steps it holds ZeRO-3's shard (DeepSpeed's ZeRO-2 keeps the whole weights).
 """
 
-__all__ = ["decoder_layers", "set_checkpointing", "apply_lora", "Wrapped", "wrap_model",
-           "make_optimizer"]
 
 import warnings
 from dataclasses import dataclass

@@ -45,7 +45,8 @@ def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
     return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("top_k", "num_experts", "weight")) and type(m).__name__.endswith("Router")]
+            if all(hasattr(m, a) for a in ("top_k", "num_experts",
+                                           "weight")) and type(m).__name__.endswith("Router")]
 
 
 class RouteRecorder:
@@ -58,7 +59,7 @@ class RouteRecorder:
         self.calls: list[list[Tensor]] = [[] for _ in self.routers]
 
     def __enter__(self):
-        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch, if any
+        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch
         for i, router in enumerate(self.routers):
             original = router.forward
 
@@ -66,7 +67,7 @@ class RouteRecorder:
                 out = _original(hidden_states)
                 self.calls[_i].append(out[2].detach().clone())       # [tokens of this call, k]
                 return out
-            router.forward = recording                                  # instance attribute shadows the class
+            router.forward = recording                 # an instance attribute shadows the class
         return self
 
     def __exit__(self, *exc):
@@ -74,7 +75,7 @@ class RouteRecorder:
             _restore_forward(router, saved)
 
     def routes(self, batch_size: int) -> Tensor:
-        """Every call's experts, stitched along time: [L, B, T, k] long (T = tokens seen per row)."""
+        """Every call's experts, stitched along time: [L, B, T, k] long (T: tokens seen per row)."""
         layers = []
         for calls in self.calls:
             k = calls[0].shape[-1]
@@ -93,14 +94,16 @@ def replay_routes(model: nn.Module, routes: Tensor):
     found = routers(model)
     saved = [router.__dict__.get("forward") for router in found]
     if routes.dim() != 4 or routes.shape[0] != len(found):
-        raise ValueError(f"routes has shape {tuple(routes.shape)}: expected [L={len(found)}, B, T, k]")
+        raise ValueError(f"routes has shape {tuple(routes.shape)}: "
+                         f"expected [L={len(found)}, B, T, k]")
     for layer, router in enumerate(found):
         def replaying(hidden_states, _router=router, _routes=routes[layer]):
             hidden_states = hidden_states.reshape(-1, _router.weight.shape[1])
             index = _routes.reshape(-1, _routes.shape[-1]).to(hidden_states.device)     # [N, k]
             if index.shape[0] != hidden_states.shape[0]:
-                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this forward has "
-                                 f"{hidden_states.shape[0]}; replay needs the recorded [B, T]")
+                raise ValueError(f"replay_routes: routes cover {index.shape[0]} tokens but this "
+                                 f"forward has {hidden_states.shape[0]}; replay needs the recorded "
+                                 "[B, T]")
             logits = F.linear(hidden_states, _router.weight)                             # [N, E]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(-1, index)
@@ -116,7 +119,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
 
 
 def _restore_forward(module: nn.Module, saved) -> None:
-    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class's."""
+    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class."""
     if saved is None:
         module.__dict__.pop("forward", None)
     else:
@@ -124,7 +127,9 @@ def _restore_forward(module: nn.Module, saved) -> None:
 
 
 def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
-    """Share of (layer, token) pairs whose top-k expert *sets* agree. routes: [L, B, T, k]; mask [B, T]."""
+    """Share of (layer, token) pairs whose top-k expert *sets* agree.
+
+    routes_a, routes_b: [L, B, T, k]; token_mask: [B, T] (None: every token)."""
     if routes_a.shape != routes_b.shape:
         raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
                          "must both be [L, B, T, k] over the same tokens")

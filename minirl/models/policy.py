@@ -1,39 +1,30 @@
 # Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
 """The embedded policy: a character tokenizer, a tiny Qwen2 model, and its warm start.
 
-Everything is built locally (no model hub): `load_default_policy()` returns a warm-started
-model and tokenizer from the on-disk cache, building them when absent (a few minutes on one
-CPU thread). `load_policy()` loads it, or any other causal LM, for the loop. The saved
-directory is an ordinary Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained(path)`
-loads the model offline, and `load_tokenizer(path)` the tokenizer as saved (transformers 5's
-`AutoTokenizer` rebuilds a Qwen2 checkpoint's tokenizer as a byte-level BPE, which drops this
-one's spaces and unknown characters).
-
-Simplified on purpose: the warm start is a plain supervised loop rather than TRL's
-SFTTrainer, because the whole of it fits on one screen and runs deterministically.
+`load_default_policy()` builds it once into the cache (`minirl.runtime.policy_cache`) and reads it
+back, an ordinary Hugging Face checkpoint. Simplified on purpose: the warm start is a plain
+supervised loop rather than TRL's SFTTrainer: it fits on one screen and runs deterministically.
 """
 
-__all__ = ["PAD", "BOS", "EOS", "UNK", "CHARACTERS", "build_tokenizer", "PromptError",
-           "check_prompts", "PolicyConfig", "build_policy", "sft_example", "sft_batch",
-           "WarmStartConfig", "warm_start", "greedy_accuracy", "WARM_START_FORMAT", "TRAIN_SAMPLE",
-           "PolicyCacheError", "cache_dir", "make_build_dir", "default_policy_dir",
-           "build_default_policy", "damaged_cache", "GENERIC_TOKENIZER_CLASSES", "load_tokenizer",
-           "load_default_policy", "warm_start_report"]
+__all__ = ["PAD", "BOS", "EOS", "UNK", "CHARACTERS", "build_tokenizer", "PolicyConfig",
+           "build_policy", "sft_example", "sft_batch", "WarmStartConfig", "warm_start",
+           "greedy_accuracy", "WARM_START_FORMAT", "default_policy_dir", "load_default_policy"]
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt, make_task
+from minirl.runtime.config_checks import check_warm_start_config
+from minirl.runtime.policy_cache import build_default_policy, policy_dir, read_policy
+from minirl.tasks.arithmetic import ArithmeticTask, Problem, TaskConfig, format_prompt
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+CHARACTERS = "0123456789+-*= "
+
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARACTERS = "0123456789+-*= "
@@ -53,35 +44,6 @@ def build_tokenizer(max_length: int = 32) -> PreTrainedTokenizerFast:
                                         eos_token=EOS, unk_token=UNK, model_max_length=max_length)
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-class PromptError(ValueError):
-    """A prompt the policy cannot take: empty, with unknown characters, or too long for the context."""
-
-
-def check_prompts(tokenizer, prompts: list[str], context: int | None = None, max_new_tokens: int = 0) -> None:
-    """Raise PromptError naming the first bad prompt (its index and text) and what is wrong.
-
-    context: the model's positions (`config.max_position_embeddings`); each prompt's tokens plus
-    `max_new_tokens` must fit in it. Unknown characters are those the tokenizer maps to its
-    unknown token (a byte-level BPE has none, and maps every character somewhere).
-    """
-    if isinstance(prompts, str) or not prompts:
-        raise PromptError(f"prompts={prompts!r}: give a non-empty list of prompt strings")
-    unk = tokenizer.unk_token_id
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt:
-            raise PromptError(f"prompt {i} ({prompt!r}) is empty or not a string")
-        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        ids = enc["input_ids"]
-        if unk is not None and unk in ids:
-            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"], strict=True) if t == unk})
-            raise PromptError(f"prompt {i} ({prompt[:40]!r}) has characters the tokenizer does not know: {chars} "
-                              f"(they would become {tokenizer.unk_token})")
-        if context is not None and len(ids) + max_new_tokens > context:
-            raise PromptError(f"prompt {i} ({prompt[:40]!r}) is {len(ids)} tokens; with max_new_tokens="
-                              f"{max_new_tokens} it needs {len(ids) + max_new_tokens} positions, but the model's "
-                              f"context is {context}")
 
 
 @dataclass(frozen=True)
@@ -142,7 +104,7 @@ class WarmStartConfig:
     `target_accuracy`, so the policy is half-skilled whatever the machine or seed."""
 
     steps: int = 1500                     # at most this many optimizer steps
-    target_accuracy: float | None = 0.45  # stop at the first check reaching it; None: train all `steps`
+    target_accuracy: float | None = 0.45  # stop at the first check reaching it; None: all `steps`
     eval_every: int = 10                  # steps between validation checks
     batch_size: int = 128
     lr: float = 2e-3
@@ -150,11 +112,7 @@ class WarmStartConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.steps < 0 or self.eval_every < 1 or self.batch_size < 1:
-            raise ValueError(f"WarmStartConfig: steps={self.steps} must be >= 0, eval_every={self.eval_every} "
-                             f"and batch_size={self.batch_size} >= 1")
-        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"WarmStartConfig.target_accuracy={self.target_accuracy}: must be in (0, 1], or None")
+        check_warm_start_config(self)
 
 
 def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
@@ -166,7 +124,8 @@ def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
     greedy decoding none. Without a validation split (or target None) it trains all `steps`.
     """
     generator = torch.Generator().manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98),
+                                  weight_decay=0.0)
     model.train()
     losses, checks = [], []
     bar = tqdm(range(1, config.steps + 1), desc="warm start", disable=not progress)
@@ -180,7 +139,7 @@ def warm_start(model, tokenizer, task: ArithmeticTask, config: WarmStartConfig,
         optimizer.step()
         losses.append(loss.item())
         if config.target_accuracy is not None and task.validation and step % config.eval_every == 0:
-            checks.append([step, greedy_accuracy(model, tokenizer, task, task.validation)])   # back in eval mode
+            checks.append([step, greedy_accuracy(model, tokenizer, task, task.validation)])
             model.train()
             bar.set_postfix(validation=f"{checks[-1][1]:.2f}")
             if checks[-1][1] >= config.target_accuracy:
@@ -203,8 +162,9 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
         chunk = problems[start:start + batch_size]
         enc = tokenizer([format_prompt(p) for p in chunk], return_tensors="pt", padding=True,
                         add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=task.config.max_answer_length + 1, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(**enc, max_new_tokens=task.config.max_answer_length + 1,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         correct += sum(task.reward(None, texts, answer=[p.value for p in chunk]))
     model.train(was_training)
@@ -212,120 +172,23 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, problems: list[Probl
 
 
 WARM_START_FORMAT = 2  # bump when the warm start's code changes what it produces
-TRAIN_SAMPLE = 500     # training problems whose accuracy the report records (the split is shuffled)
 
 
-class PolicyCacheError(RuntimeError):
-    """The policy cache cannot be written, or a cached policy cannot be read back."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl"))
-
-
-def make_build_dir(path: Path) -> Path:
-    """A fresh temporary directory beside `path`, or PolicyCacheError naming the cache and the fix."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    except OSError as err:
-        where = os.environ.get("MINIRL_CACHE", "unset, so ~/.cache/minirl")
-        raise PolicyCacheError(f"cannot write the warm-started policy under {path.parent} "
-                               f"({err.strerror or err}): set MINIRL_CACHE to a writable directory "
-                               f"(MINIRL_CACHE is {where})") from None
-
-
-def default_policy_dir(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
+def default_policy_dir(task_config: TaskConfig = TaskConfig(),
+                       policy_config: PolicyConfig = PolicyConfig(),
                        warm_config: WarmStartConfig = WarmStartConfig()) -> Path:
     """Where the warm-started policy for these configs lives (whether or not it exists yet)."""
-    key = json.dumps([WARM_START_FORMAT, asdict(task_config), asdict(policy_config), asdict(warm_config)],
-                     sort_keys=True)
-    return cache_dir() / f"policy-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    key = [WARM_START_FORMAT, asdict(task_config), asdict(policy_config), asdict(warm_config)]
+    return policy_dir(key)
 
 
-def build_default_policy(path: Path, task_config: TaskConfig, policy_config: PolicyConfig,
-                         warm_config: WarmStartConfig, progress: bool = True) -> None:
-    """Build, warm-start, evaluate and save the policy at `path`, atomically.
-
-    The temporary directory comes first: an unwritable cache is a PolicyCacheError before
-    any training. Whatever stops the build (an error, Ctrl-C) removes the temporary directory.
-    """
-    tmp = make_build_dir(path)
-    try:
-        task = make_task(task_config)
-        tokenizer = build_tokenizer(task_config.max_length)
-        model = build_policy(policy_config, tokenizer)
-        trained = warm_start(model, tokenizer, task, warm_config, progress=progress)
-        report = {**trained, "steps": len(trained["losses"]),
-                  "heldout_accuracy": greedy_accuracy(model, tokenizer, task),
-                  "validation_accuracy": greedy_accuracy(model, tokenizer, task, task.validation),
-                  "train_accuracy": greedy_accuracy(model, tokenizer, task, task.train[:TRAIN_SAMPLE]),
-                  "train_sample": min(TRAIN_SAMPLE, len(task.train)),
-                  "task": asdict(task_config), "policy": asdict(policy_config), "warm_start": asdict(warm_config)}
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "warm_start.json").write_text(json.dumps(report))
-        try:
-            os.replace(tmp, path)       # atomic: readers see all of it or none of it
-        except OSError:                 # another process finished first; keep theirs
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def damaged_cache(path: Path, filename: str, err: Exception) -> PolicyCacheError:
-    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return PolicyCacheError(f"the cached policy is damaged: {Path(path) / filename} cannot be read "
-                            f"({type(err).__name__}: {reason}). Delete it and rebuild: rm -r {path} "
-                            f"(or python chapters/00_warm_start.py --rebuild)")
-
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved in the directory `path`, exactly as saved; AutoTokenizer's for anything else.
-
-    transformers 5 loads the tokenizer of every qwen2 checkpoint through `AutoTokenizer` as a
-    byte-level BPE (`Qwen2Tokenizer`) rebuilt from the vocabulary, whatever `tokenizer.json`
-    says. Our character tokenizer would then lose its spaces and drop unknown characters
-    without a trace. A directory whose tokenizer_config.json names the generic class (ours do)
-    therefore gets its `tokenizer.json` pipeline as it was saved.
-    """
-    path = Path(path)
-    config = path / "tokenizer_config.json"
-    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
-def load_default_policy(task_config: TaskConfig = TaskConfig(), policy_config: PolicyConfig = PolicyConfig(),
+def load_default_policy(task_config: TaskConfig = TaskConfig(),
+                        policy_config: PolicyConfig = PolicyConfig(),
                         warm_config: WarmStartConfig = WarmStartConfig(), device: str = "cpu",
                         progress: bool = True):
     """(model, tokenizer, path) of the warm-started policy, built first if not cached."""
     path = default_policy_dir(task_config, policy_config, warm_config)
     if not (path / "warm_start.json").exists():
         build_default_policy(path, task_config, policy_config, warm_config, progress=progress)
-    # Any failure to read back a cached file means the cache is damaged (safetensors, JSON and
-    # OS errors all occur), so every exception is reported with the file and the fix.
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path)
-    except Exception as err:
-        raise damaged_cache(path, "model.safetensors", err) from err
-    try:
-        tokenizer = load_tokenizer(path)
-    except Exception as err:
-        raise damaged_cache(path, "tokenizer.json", err) from err
-    tokenizer.padding_side = "left"
-    model.to(device).eval()
+    model, tokenizer = read_policy(path, device)
     return model, tokenizer, path
-
-
-def warm_start_report(path: Path) -> dict:
-    """What was recorded when the policy at `path` was built: "losses", "validation" checks,
-    "steps", and greedy accuracy on the held-out, validation and (a sample of) training problems."""
-    try:
-        return json.loads((Path(path) / "warm_start.json").read_text())
-    except (OSError, ValueError) as err:
-        raise damaged_cache(path, "warm_start.json", err) from err

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 import torch
 
 from minirl.controller.resource_pool import release
-from minirl.models.policy import check_prompts
 from minirl.runtime.callbacks import run_in_dir
+from minirl.runtime.model_loading import check_prompts
 from minirl.runtime.ray_calls import WorkerDiedError
 from minirl.train.run import RunState
 

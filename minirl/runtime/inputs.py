@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from minirl.models.policy import check_prompts
+from minirl.runtime.model_loading import check_prompts
 from minirl.tasks.rewards import reward_name
 
 

@@ -1,4 +1,4 @@
-"""math-verify's `parse` and `verify`, callable from any thread (hand-written plumbing for `tasks/math_answer`).
+"""math-verify's `parse` and `verify`, callable from any thread (hand-written plumbing for `runtime/math_answer`).
 
 math-verify (what TRL's `accuracy_reward` grades with) bounds each parse and comparison with
 `signal.alarm`, which Python allows only in the main thread: from chapter 07's producer threads, or a

@@ -19,7 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from minirl.models.moe import build_moe_policy
-from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, cache_dir, warm_start
+from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, warm_start
+from minirl.runtime.policy_cache import cache_dir
 
 
 def load_moe_policy(tokenizer, task, warm_start_steps: int = 400, seed: int = 0, progress: bool = False):

@@ -97,7 +97,7 @@ def check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if (problem := model_path_problem(args.model)) is not None:
         parser.error(f"argument --model: {args.model}: {problem}")
     if args.model is not None:
-        from minirl.models.loading import ModelSourceError, check_model_source  # noqa: PLC0415 (torch)
+        from minirl.runtime.model_loading import ModelSourceError, check_model_source  # noqa: PLC0415 (torch)
 
         try:
             check_model_source(args.model)          # a directory without config.json, a malformed hub id
@@ -273,7 +273,7 @@ def tokenizer_only(parser: argparse.ArgumentParser, name: str | None):
     """The tokenizer of --model, loaded alone (a chat template is checked before the model loads)."""
     if name is None:
         return None                                   # the embedded policy's tokenizer has no chat template
-    from minirl.models.policy import load_tokenizer  # noqa: PLC0415 (transformers: after parsing)
+    from minirl.runtime.policy_cache import load_tokenizer  # noqa: PLC0415 (transformers: after parsing)
 
     try:
         return load_tokenizer(name)
@@ -285,7 +285,7 @@ def tokenizer_only(parser: argparse.ArgumentParser, name: str | None):
 def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """The run's Task from --dataset, --eval-dataset, --reward, --reward-weights; a parser error before loading."""
     from minirl.runtime.data_files import is_dataset_id, load_rows  # noqa: PLC0415
-    from minirl.tasks.task import load_task  # noqa: PLC0415 (torch: after parsing)
+    from minirl.runtime.task_files import load_task  # noqa: PLC0415 (torch: after parsing)
 
     tokenizer = tokenizer_only(parser, args.model) if args.dataset or args.eval_dataset else None
     columns = dict(getattr(args, "dataset_columns", None) or [])
@@ -302,7 +302,7 @@ def task_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
 def check_task_prompts(task, tokenizer, model, config: RLConfig, args: argparse.Namespace) -> None:
     """Every prompt of the task's two splits fits `model` (known characters, room to generate); PromptError naming
     the flag (--dataset, --eval-dataset) and the file otherwise. Call it once the model is loaded, before training."""
-    from minirl.models.policy import PromptError, check_prompts  # noqa: PLC0415 (torch: after parsing)
+    from minirl.runtime.model_loading import PromptError, check_prompts  # noqa: PLC0415 (torch: after parsing)
 
     context = getattr(model.config, "max_position_embeddings", None)
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length

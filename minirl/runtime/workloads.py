@@ -31,7 +31,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from minirl.models.policy import BOS, EOS, PAD, PolicyConfig, cache_dir, load_default_policy, load_tokenizer
+from minirl.models.policy import BOS, EOS, PAD, PolicyConfig, load_default_policy
+from minirl.runtime.policy_cache import cache_dir, load_tokenizer
 from minirl.tasks.arithmetic import make_task
 
 LONG_TAIL_CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:;?!()[]{}<>/|&%$#@^~_'\""

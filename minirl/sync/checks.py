@@ -68,8 +68,9 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         trainer_weights = trainer_weights.state_dict()
     problems = []
     if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at {trainer_version}; "
-                        "push the trainer's weights (load_weights) before generating")
+        problems.append(f"version: the engine holds {engine.version}, the trainer is at "
+                        f"{trainer_version}; push the trainer's weights (load_weights) before "
+                        "generating")
     engine_weights = dict(engine.named_weights())
     dtype = dtype_name(engine)
     stale = []
@@ -77,10 +78,11 @@ def check_synchronization(trainer_weights, engine, trainer_version: int | None =
         t = trainer_weights.get(name)
         amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
         rel, abs_ = rounding_tolerance(dtype, amax)
-        stale += stale_parameters({name: t.detach()} if t is not None else {},
-                                  {name: engine_weights[name].detach()} if name in engine_weights else {},
-                                  rel, abs_)
+        ours = {name: t.detach()} if t is not None else {}
+        theirs = {name: engine_weights[name].detach()} if name in engine_weights else {}
+        stale += stale_parameters(ours, theirs, rel, abs_)
     if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond {dtype} "
-                        f"rounding (first: {stale[0]}); the last synchronization did not complete")
+        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond "
+                        f"{dtype} rounding (first: {stale[0]}); the last synchronization did not "
+                        "complete")
     return problems

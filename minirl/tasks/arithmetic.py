@@ -2,25 +2,24 @@
 """The embedded arithmetic task: problems, a train/validation/held-out split, prompts, verifiers.
 
 A prompt is `"a+b="`; the target completion is the answer (reversed digits by default) and
-an end-of-sequence token. Reward functions follow TRL's signature,
-`f(prompts, completions, **columns) -> list[float]`, so they plug into TRL's GRPOTrainer
-as they are. They score anything malformed 0.0 and never raise, whatever string arrives.
-
-Simplified on purpose: one task family, exact-match rewards, no chat template. A real
-math-RL setup adds formatting rules, partial credit and a sandbox; none of that changes
-how the loop is distributed, which is what this course is about.
+EOS. Rewards have TRL's signature, `f(prompts, completions, **columns) -> list[float]`, score
+anything malformed 0.0 and never raise. Simplified on purpose: one task family, exact match,
+no chat template; none of what a real math-RL setup adds changes how the loop is distributed.
 """
 
 __all__ = ["OPERATORS", "MAX_DIGITS", "TaskConfig", "Problem", "format_prompt", "format_answer",
-           "parse_answer", "completion_text", "accuracy_reward", "format_reward",
-           "arithmetic_reward", "ArithmeticTask", "make_task"]
+           "parse_answer", "accuracy_reward", "format_reward", "arithmetic_reward",
+           "ArithmeticTask", "make_task"]
 
 import random
 from dataclasses import dataclass, field
 
+from minirl.runtime.completions import completion_text
+from minirl.runtime.config_checks import check_task_config
+from minirl.runtime.validate import check_choice
+
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-MAX_DIGITS = 1000  # longer digit strings are malformed: no task answer is that long, and Python's int()
-                   # refuses strings of more than 4,300 digits (a verifier must not raise on them)
+MAX_DIGITS = 1000  # longer digit strings are malformed (and int() refuses more than 4,300 digits)
 
 
 @dataclass(frozen=True)
@@ -37,29 +36,7 @@ class TaskConfig:
     max_length: int = 32       # the tokenizer's context: prompt + answer + EOS must fit
 
     def __post_init__(self):
-        if not self.ops or any(op not in OPERATORS for op in self.ops):
-            raise ValueError(f"TaskConfig.ops={self.ops!r}: use one or more of {''.join(OPERATORS)!r}")
-        if self.min_operand < 0:
-            raise ValueError(f"TaskConfig.min_operand={self.min_operand}: operands must be >= 0 "
-                             "(a leading minus sign would be ambiguous in the prompt)")
-        if self.max_operand < self.min_operand:
-            raise ValueError(f"TaskConfig: empty operand range min_operand={self.min_operand} > "
-                             f"max_operand={self.max_operand}; set max_operand >= min_operand")
-        if self.max_answer_length > MAX_DIGITS:
-            raise ValueError(f"TaskConfig.max_operand={self.max_operand}: answers of {self.max_answer_length} "
-                             f"digits exceed the verifier's MAX_DIGITS={MAX_DIGITS}; lower max_operand")
-        if self.sequence_length > self.max_length:
-            raise ValueError(
-                f"TaskConfig.max_operand={self.max_operand}: its longest prompt + answer + EOS "
-                f"is {self.sequence_length} tokens, beyond the tokenizer's context "
-                f"max_length={self.max_length}; lower max_operand or raise max_length")
-        if not 0 < self.num_test < self.num_problems:
-            raise ValueError(f"TaskConfig.num_test={self.num_test}: must be in 1..{self.num_problems - 1} "
-                             f"(there are {self.num_problems} problems)")
-        if not 0 <= self.num_validation < self.num_problems - self.num_test:
-            raise ValueError(f"TaskConfig.num_validation={self.num_validation}: must be in 0.."
-                             f"{self.num_problems - self.num_test - 1} (there are {self.num_problems} problems, "
-                             f"{self.num_test} held out, and training needs at least one)")
+        check_task_config(self, OPERATORS, MAX_DIGITS)
 
     @property
     def num_problems(self) -> int:
@@ -90,7 +67,7 @@ class Problem:
 
     @property
     def pair(self) -> tuple:
-        """The unordered operand pair with its operator: a+b and b+a share it (so do a-b and b-a)."""
+        """The unordered operand pair with its operator: a+b and b+a share it (a-b and b-a too)."""
         return (self.op, min(self.a, self.b), max(self.a, self.b))
 
 
@@ -129,24 +106,16 @@ def parse_answer(completion: str, reverse: bool = True) -> int | None:
     return sign * int(digits[::-1] if reverse else digits)
 
 
-def completion_text(completion) -> str | None:
-    """The text of a completion given as a string or as TRL's list of chat messages."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content")
-        return content if isinstance(content, str) else None
-    return None
-
-
-def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, **columns) -> list[float]:
+def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True,
+                    **columns) -> list[float]:
     """1.0 where a completion states exactly `answer`, else 0.0 (malformed included).
 
     prompts: list[str] (unused, kept for TRL's signature); completions: list[str] or chat
     messages; answer: list[int], one per completion. Returns one float per completion.
     """
     if len(completions) != len(answer):
-        raise ValueError(f"accuracy_reward: {len(completions)} completions but {len(answer)} answers")
+        raise ValueError(f"accuracy_reward: {len(completions)} completions but "
+                         f"{len(answer)} answers")
     rewards = []
     for completion, target in zip(completions, answer, strict=True):
         stated = parse_answer(completion_text(completion), reverse=reverse_answer)
@@ -156,7 +125,8 @@ def accuracy_reward(prompts, completions, answer, reverse_answer: bool = True, *
 
 def format_reward(prompts, completions, reverse_answer: bool = True, **columns) -> list[float]:
     """1.0 for a well-formed number, right or wrong; a shaping signal, off by default."""
-    return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0 for c in completions]
+    return [0.0 if parse_answer(completion_text(c), reverse_answer) is None else 1.0
+            for c in completions]
 
 
 def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
@@ -181,15 +151,14 @@ class ArithmeticTask:
 
     def reward(self, prompts, completions, answer, **columns) -> list[float]:
         """`accuracy_reward` with this task's answer format (TRL signature)."""
-        return accuracy_reward(prompts, completions, answer, reverse_answer=self.config.reverse_answer)
+        return accuracy_reward(prompts, completions, answer,
+                               reverse_answer=self.config.reverse_answer)
 
     def rows(self, split: str = "train") -> list[dict]:
         """Dataset rows `{"prompt", "answer"}` in TRL's standard (non-chat) format."""
         splits = {"train": self.train, "validation": self.validation, "test": self.test}
-        if split not in splits:
-            raise ValueError(f"split={split!r}: use one of {', '.join(map(repr, splits))}")
-        problems = splits[split]
-        return [{"prompt": format_prompt(p), "answer": p.value} for p in problems]
+        check_choice("split", split, splits)
+        return [{"prompt": format_prompt(p), "answer": p.value} for p in splits[split]]
 
     def dataset(self, split: str = "train"):
         """The split as a `datasets.Dataset` (what TRL's trainers take)."""
@@ -201,12 +170,9 @@ class ArithmeticTask:
 def make_task(config: TaskConfig | None = None) -> ArithmeticTask:
     """Every problem of the config, split by unordered operand pair into test, validation and train.
 
-    a+b and b+a always land in the same split, so no held-out problem has its commuted twin
-    in training. The pairs are shuffled by `config.seed`; the held-out set takes whole pairs
-    until it holds `num_test` problems, then the validation set until `num_validation` (a
-    pair that would overshoot is passed over for a later one, so the sizes are exact when
-    enough a+a problems exist, and never larger); training gets the rest. Each split is then
-    shuffled on its own, so a problem and its twin are not neighbours.
+    a+b and b+a always land in the same split. The pairs are shuffled by `config.seed`; the
+    held-out set takes whole pairs until it holds `num_test` problems (a pair that would
+    overshoot is passed over), then validation until `num_validation`; training gets the rest.
     """
     config = config or TaskConfig()
     operands = range(config.min_operand, config.max_operand + 1)

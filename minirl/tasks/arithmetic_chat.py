@@ -36,9 +36,9 @@ import random
 import sys
 from pathlib import Path
 
+from minirl.runtime.completions import completion_text
 from minirl.runtime.io import atomic_write_text
-from minirl.tasks.arithmetic import completion_text
-from minirl.tasks.math_answer import NUMBER, parse_number
+from minirl.runtime.math_answer import NUMBER, parse_number
 
 FACTS_FORMAT_VERSION = 1   # bump when a change to this file changes what it writes for a seed
 FACTS_SYSTEM = "Reply with just the number."

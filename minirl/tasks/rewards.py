@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from minirl.runtime.math_answer import math_format_reward, math_reward
 from minirl.runtime.validate import ConfigError
 from minirl.tasks.arithmetic import arithmetic_reward
-from minirl.tasks.math_answer import math_format_reward, math_reward
 
 if TYPE_CHECKING:      # torch is imported where a tensor is made: chapter 01 names SPEC_HELP in --reward's help,
     from torch import Tensor  # and its --help and a mistyped flag must not wait for torch to load

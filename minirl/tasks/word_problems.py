@@ -1,6 +1,6 @@
 """A small set of GSM8K-style word problems, generated from templates and a seed (no copied data set).
 
-Hand-written (data plumbing; the verifier it is scored by, `minirl.tasks.math_answer`, is
+Hand-written (data plumbing; the verifier it is scored by, `minirl.runtime.math_answer`, is
 taught in notebook 00). Each row has GSM8K's two fields, renamed the way TRL's trainers
 read them: `prompt` (the question, with an instruction to end on `#### <number>`) and
 `answer` (a worked solution with GSM8K's calculator annotations, then `#### N`):

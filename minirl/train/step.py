@@ -187,7 +187,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
 
 
 def importance_weights(exp: Experience, algorithm: AlgorithmConfig) -> Experience:
-    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), when the config turns the correction on."""
+    """Truncated IS weights pi_old / pi_rollout per token (`is_weights`), if the config asks."""
     if not algorithm.importance_sampling_correction:
         return exp
     ro = exp.rollout

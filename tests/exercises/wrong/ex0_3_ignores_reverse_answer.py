@@ -1,6 +1,7 @@
 """Exercise 0.3, wrong: always parses reversed digits, whatever reverse_answer says."""
 
-from minirl.tasks.arithmetic import completion_text, parse_answer
+from minirl.runtime.completions import completion_text
+from minirl.tasks.arithmetic import parse_answer
 
 EXERCISE = "0.3"
 

@@ -1,6 +1,6 @@
 """Exercise 3.1, wrong: gives pure bf16 4-byte gradients (10 B)."""
 
-from minirl.memory.calculator import check_precision
+from minirl.runtime.memory_checks import check_precision
 
 EXERCISE = "3.1"
 

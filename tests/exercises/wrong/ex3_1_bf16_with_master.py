@@ -1,6 +1,6 @@
 """Exercise 3.1, wrong: keeps an FP32 master copy in pure bf16 too (12 B, not 8)."""
 
-from minirl.memory.calculator import check_precision
+from minirl.runtime.memory_checks import check_precision
 
 EXERCISE = "3.1"
 

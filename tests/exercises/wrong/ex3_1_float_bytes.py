@@ -1,6 +1,6 @@
 """Exercise 3.1, wrong: writes the bytes as floats (2.0, ...); the docstring promises ints."""
 
-from minirl.memory.calculator import check_precision
+from minirl.runtime.memory_checks import check_precision
 
 EXERCISE = "3.1"
 

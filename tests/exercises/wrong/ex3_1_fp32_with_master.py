@@ -1,6 +1,6 @@
 """Exercise 3.1, wrong: counts a master copy in fp32 (20 B): the weights are the master there."""
 
-from minirl.memory.calculator import check_precision
+from minirl.runtime.memory_checks import check_precision
 
 EXERCISE = "3.1"
 

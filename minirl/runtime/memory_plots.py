@@ -1,8 +1,7 @@
-# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
-"""Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured."""
+"""Plots of notebook 03: per-GPU training state by ZeRO stage, computed and measured.
 
-__all__ = ["plot_zero", "plot_measured"]
-
+Hand-written (plot styling): one panel per ZeRO stage, in a 2 x 2 grid 7 inches wide.
+"""
 import matplotlib.pyplot as plt
 
 from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
@@ -11,7 +10,8 @@ from minirl.memory.calculator import COMPONENTS, GB, ZERO_LEVELS, zero_per_gpu
 def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title=""):
     """Stacked per-component bars per stage against N; optional measured totals on top."""
     colors = dict(weights="#4c72b0", grads="#dd8452", master="#55a868", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
+    fig, axes = plt.subplots(2, 2, figsize=(7, 5.6), sharey=True)
+    axes = axes.ravel()
     x = range(len(ns))
     for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
@@ -27,6 +27,7 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
                 ax.plot(ns.index(n), val / GB, "k*", ms=12, label="measured" if n == ns[0] else None)
         ax.set(xticks=list(x), xticklabels=ns, xlabel="GPUs N", title=f"ZeRO-{stage}")
     axes[0].set_ylabel("GB per GPU")
+    axes[2].set_ylabel("GB per GPU")
     axes[0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
@@ -36,7 +37,8 @@ def plot_zero(num_params, ns, measured=None, precision="mixed", gpu_gb=80, title
 def plot_measured(psi, ns, points):
     """Calculator (FP32) stacked per component, measured per-rank state as stars; MiB per rank."""
     colors = dict(weights="#4c72b0", grads="#dd8452", adam_m="#c44e52", adam_v="#8172b3")
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
+    fig, axes = plt.subplots(2, 2, figsize=(7, 5.6), sharey=True)
+    axes = axes.ravel()
     for stage, ax in zip(ZERO_LEVELS, axes, strict=True):
         bottom = [0.0] * len(ns)
         for comp, color in colors.items():
@@ -48,7 +50,8 @@ def plot_measured(psi, ns, points):
                 ax.plot(ns.index(n), val / 2**20, "k*", ms=13, label="measured" if n == ns[0] else None)
         ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="ranks N", title=f"ZeRO-{stage}")
     axes[0].set_ylabel("MiB per rank")
+    axes[2].set_ylabel("MiB per rank")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars) and measured (stars)")
+    fig.suptitle(f"{psi / 1e6:.1f} M parameters, FP32: calculator (bars), measured (stars)")
     fig.tight_layout()
     plt.show()

@@ -1,5 +1,6 @@
-# Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
 """A math-answer verifier for real models: the final answer of a worked solution, compared by value.
+
+Hand-written: notebook 00 shows what it reads and scores; the reading itself is text parsing.
 
 GSM8K's solutions end with `#### 62`; models trained on MATH write `\\boxed{62}` or `\\boxed{\\frac{3}{4}}`.
 `final_answer` finds the final answer (after the last `####` that starts a number, or inside the last
@@ -22,8 +23,8 @@ __all__ = ["MAX_NUMBER_CHARS", "NUMBER", "parse_number", "MARKER", "MATH_AFTER",
 import re
 from fractions import Fraction
 
+from minirl.runtime.completions import completion_text
 from minirl.runtime.latex_math import parse_math, verify_math
-from minirl.tasks.arithmetic import completion_text
 
 MAX_NUMBER_CHARS = 64  # longer "numbers" are malformed: no answer is that long, and Fraction() refuses
                        # strings of more than 4,300 digits (a verifier must not raise on them)

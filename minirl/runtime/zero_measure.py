@@ -1,18 +1,18 @@
-# Generated from notebooks/03_training_memory.py by tools/build.py -- edit the notebook, not this file.
 """Training memory per rank, measured under torchrun: DDP, ZeRO-1 and FSDP2 as ZeRO-2 and ZeRO-3.
+
+Hand-written (a measurement harness): notebook 03 runs it and sets its figures beside the calculator.
 
 `memory_worker` is the body of a `torchrun` job that trains a small Qwen2 two steps under each
 strategy and reports, per rank, the bytes of parameters, gradients and optimizer state that
 rank actually holds (DTensor shards counted by their local storage; on CUDA also the caching
 allocator's peak, `torch.cuda.max_memory_allocated`). `launch_measurement` starts that job
 and returns its table; `compare_measured` sets it beside the calculator's prediction. The
-models are wrapped by `minirl.memory.wrap` (this notebook's appendix), the code notebook 04
+models are wrapped by `minirl.memory.wrap`, the code notebook 04
 trains with; `minirl.runtime.launch.torchrun` starts the job.
 
 Simplified on purpose: FP32 throughout (gloo has little BF16 support), one small model.
 """
 
-__all__ = ["measure_strategy", "NOTES", "compare_measured", "memory_worker", "launch_measurement"]
 
 import gc
 import json
@@ -205,7 +205,7 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
         out = Path(tmp) / "rows.json"
         flags = ["--strategies", ",".join(strategies), "--size", size, "--batch", batch, "--seq", seq, "--out", out]
         for attempt in range(1, attempts + 1):
-            job = torchrun("minirl.memory.distributed:memory_worker", world_size, flags, timeout=timeout,
+            job = torchrun("minirl.runtime.zero_measure:memory_worker", world_size, flags, timeout=timeout,
                            threads=threads)
             if job.returncode == 0 and out.exists():
                 return json.loads(out.read_text())
@@ -215,3 +215,30 @@ def launch_measurement(world_size: int, strategies=tuple(STRATEGIES), size: str 
                 warnings.warn(f"{failure.splitlines()[0]} (attempt {attempt} of {attempts}); running it again",
                               stacklevel=2)
         raise RuntimeError(failure)
+
+
+def chapter_measurement(root: Path) -> dict:
+    """The summary of `chapters/03_memory.py --measure`, kept in `root/runs/03_measure/summary.json`.
+
+    Runs the chapter (activations, LoRA, then torchrun at 1, 2 and 4 ranks; a few minutes on two
+    cores), streaming its output live, when there is no summary yet or one timed by an older
+    version; delete the directory to measure again. RuntimeError when the chapter fails.
+    """
+    import codecs  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    cached = Path(root) / "runs" / "03_measure" / "summary.json"
+    timing = json.loads(cached.read_text()).get("activations", {}).get("timing", {}) if cached.exists() else {}
+    if timing.get("clock") != "process_time, 1 thread":       # no measurement yet, or one by an older version
+        print("measuring with chapters/03_memory.py --measure: activations, LoRA, then torchrun at 1, 2 and 4 ranks")
+        proc = subprocess.Popen([sys.executable, str(Path(root) / "chapters" / "03_memory.py"), "--measure",
+                                 "--out", str(cached.parent)], cwd=root, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        for chunk in iter(lambda: proc.stdout.read1(256), b""):   # its progress bar and tables, live
+            sys.stdout.write(decode(chunk))
+        if proc.wait():
+            raise RuntimeError(f"chapters/03_memory.py --measure failed with code {proc.returncode} (output above)")
+    print(f"measured by chapters/03_memory.py --measure: {cached.relative_to(root)}")
+    return json.loads(cached.read_text())

@@ -1,23 +1,21 @@
-# Generated from notebooks/00_task_and_policy.py by tools/build.py -- edit the notebook, not this file.
-"""One loader for every policy: the embedded one, or any Hugging Face causal LM by hub id or directory.
+"""One loader for every policy, and the checks a model name and a prompt pass before they are used.
 
-`load_policy` prepares the tokenizer as TRL's trainers do (padding on the left, EOS as the pad
-token where there is none) and checks the name before any weight loads (`check_model_source`):
-a path that does not exist, a malformed hub id, or a directory without tokenizer files is
-named with its fix. Offline, a hub id loads only from the local Hugging Face cache.
+Hand-written (it teaches nothing about RL). Every chapter takes `--model`: the embedded policy by
+default, or any Hugging Face causal LM by hub id or local directory. `load_policy` is that one door.
+It prepares the tokenizer as TRL's trainers do (padding on the left, so generation continues every
+prompt from the same column; EOS as the pad token where there is none) and checks the name before
+any weight loads (`check_model_source`): a path that does not exist, a malformed hub id, or a
+directory without tokenizer files is a `ModelSourceError` naming the fix. Offline
+(`HF_HUB_OFFLINE=1`) a hub id loads only from the local Hugging Face cache.
+
+`check_prompts` refuses, before a prompt reaches a policy, what would otherwise fail far away or
+not at all: no prompts, an empty prompt, characters the tokenizer does not know (they would become
+its unknown token), or a prompt that leaves no room for the completion in the model's context.
+Every rollout engine calls it on its prompts.
 """
-
-__all__ = ["TOKENIZER_FILES", "ModelSourceError", "check_model_source", "resolve_dtype",
-           "load_policy"]
 
 import os
 from pathlib import Path
-
-import torch
-from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from minirl.models.policy import load_default_policy, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -27,6 +25,10 @@ class ModelSourceError(ValueError):
     """A model name that names no usable model: no such directory, not a hub id, or files missing."""
 
 
+class PromptError(ValueError):
+    """A prompt the policy cannot take: empty, with unknown characters, or too long for the context."""
+
+
 def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
     """"local" for a model directory, "hub" for a well-formed hub id; ModelSourceError otherwise.
 
@@ -34,6 +36,8 @@ def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
     `need_tokenizer`) one of TOKENIZER_FILES; a name that is no directory must be a valid hub
     id, "name" or "owner/name".
     """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
+
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -56,6 +60,8 @@ def check_model_source(name_or_path: str, need_tokenizer: bool = True) -> str:
 
 def resolve_dtype(dtype):
     """None, a torch.dtype, or its name ("bfloat16") -> None or a torch.dtype."""
+    import torch  # noqa: PLC0415
+
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -72,6 +78,11 @@ def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progr
     is no model (see `check_model_source`), a hub id that is neither cached nor downloadable
     (offline), or a tokenizer with neither a pad nor an EOS token.
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from minirl.models.policy import load_default_policy  # noqa: PLC0415 (torch)
+    from minirl.runtime.policy_cache import load_tokenizer  # noqa: PLC0415
+
     dtype = resolve_dtype(dtype)
     if name_or_path is None:
         model, tokenizer, _ = load_default_policy(device=device, progress=progress)
@@ -103,3 +114,28 @@ def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progr
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval(), tokenizer
+
+
+def check_prompts(tokenizer, prompts: list[str], context: int | None = None, max_new_tokens: int = 0) -> None:
+    """Raise PromptError naming the first bad prompt (its index and text) and what is wrong.
+
+    context: the model's positions (`config.max_position_embeddings`); each prompt's tokens plus
+    `max_new_tokens` must fit in it. Unknown characters are those the tokenizer maps to its
+    unknown token (a byte-level BPE has none, and maps every character somewhere).
+    """
+    if isinstance(prompts, str) or not prompts:
+        raise PromptError(f"prompts={prompts!r}: give a non-empty list of prompt strings")
+    unk = tokenizer.unk_token_id
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt:
+            raise PromptError(f"prompt {i} ({prompt!r}) is empty or not a string")
+        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = enc["input_ids"]
+        if unk is not None and unk in ids:
+            chars = sorted({prompt[a:b] for t, (a, b) in zip(ids, enc["offset_mapping"], strict=True) if t == unk})
+            raise PromptError(f"prompt {i} ({prompt[:40]!r}) has characters the tokenizer does not know: {chars} "
+                              f"(they would become {tokenizer.unk_token})")
+        if context is not None and len(ids) + max_new_tokens > context:
+            raise PromptError(f"prompt {i} ({prompt[:40]!r}) is {len(ids)} tokens; with max_new_tokens="
+                              f"{max_new_tokens} it needs {len(ids) + max_new_tokens} positions, but the model's "
+                              f"context is {context}")
