@@ -175,6 +175,7 @@ def main(argv=None) -> int:
         "final_reward": sum(last20) / max(1, len(last20)),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
         "device": config.run.device, "dtype": config.policy_dtype, "rollout_dtype": config.engine_dtype,
+        "mixed_precision": {"bfloat16": "bf16", "float16": "fp16"}.get(config.autocast_dtype, "no"),
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
         "task": task_summary(task, args),
         "config": dataclasses.asdict(config), "settings": settings,

@@ -40,6 +40,7 @@ the ranks' status (130 for Ctrl-C).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shlex
@@ -141,7 +142,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_rl_flags(parser, DEFAULTS)
+    add_rl_flags(parser, DEFAULTS, skip=("mixed_precision",))   # stage 4's is FSDP2's (ParallelConfig)
     add_schedule_flags(parser)
     add_report_flag(parser)
     add_config_flags(parser, ParallelConfig())
@@ -158,7 +159,7 @@ def parse_args(argv=None):
                 raise ConfigError("kill_rank", args.kill_rank, "write it as RANK:STEP, e.g. 1:3")
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    config = config_from_args(parser, args, DEFAULTS)
+    config = config_from_args(parser, argparse.Namespace(**{**vars(args), "mixed_precision": "no"}), DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads

@@ -12,15 +12,19 @@ accumulate gradients, as TRL's `gradient_accumulation_steps` do, but are sized b
 `max_tokens_per_microbatch`, rather than by rows), no learning-rate schedule; rewards are
 weighted as TRL's `reward_weights`.
 
-Precision: `dtype` is the policy's (the trainer's, the reference's and the critic's; TRL's
-`dtype` in `model_init_kwargs`) and `rollout_dtype` the rollout copy's. Both default to
-"auto": bfloat16 on a CUDA device, float32 elsewhere, so a CPU run computes in float32 as it
-always did and a GPU run uses its tensor cores. `policy_dtype` and `engine_dtype` give the
-resolved names. A bfloat16 policy trains in pure bfloat16 (weights, gradients and AdamW's
-state, as TRL does with `dtype=bfloat16`); log-probs and losses are computed in float32.
+Precision, as TRL trains: the trained weights and AdamW's state are float32 on every device
+(`dtype` "auto"), and `mixed_precision` (accelerate's name and values: auto, no, bf16, fp16;
+auto is bf16 on a CUDA device and no on the CPU) runs each step's forward passes under
+autocast, so the tensor cores do the products while every update lands on float32 weights.
+Pure bfloat16 (`dtype` "bfloat16": weights, gradients and AdamW's state) is taken only when
+asked, with a warning: at RL learning rates most of its updates round away (one AdamW step at lr
+1e-6 changed 1.4 % of the embedded policy's parameters in bfloat16, all of them in float32).
+`rollout_dtype` is the rollout copy's ("auto": bfloat16 on CUDA, float32 elsewhere).
+`policy_dtype`, `engine_dtype` and `autocast_dtype` give the resolved names. Log-probs and
+losses are computed in float32 whatever the precision.
 """
 
-__all__ = ["ALGOS", "SCALE_REWARDS", "IS_MODES", "ROLLOUT_DTYPES", "POLICY_DTYPES",
+__all__ = ["ALGOS", "SCALE_REWARDS", "IS_MODES", "ROLLOUT_DTYPES", "POLICY_DTYPES", "MIXED_PRECISIONS",
            "REWARD_ERRORS", "auto_dtype", "AlgorithmConfig", "SamplingConfig", "RolloutConfig",
            "OptimizerConfig", "RunConfig", "RLConfig"]
 
@@ -36,6 +40,7 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")   # what an engine's copy can be
 POLICY_DTYPES = ("float32", "bfloat16")                                # what the policy can train in
 REWARD_ERRORS = ("raise", "zero")
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")                     # accelerate's mixed_precision values
 
 
 def auto_dtype(name: str, device: str) -> str:
@@ -143,12 +148,14 @@ class RunConfig:
     checkpoint_every: int = 100        # with an output directory: a checkpoint every N steps; 0: only the final model
     keep_checkpoints: int = 2          # the newest N checkpoints are kept
     device: str = "cpu"                # cpu, cuda, cuda:1, ...
-    dtype: str = "auto"                # the policy's precision (trainer, reference, critic); auto: bfloat16 on CUDA
+    dtype: str = "auto"                # the trained weights' precision; auto: float32 (bfloat16: pure bf16, lossy)
+    mixed_precision: str = "auto"      # autocast of each step (accelerate's); auto: bf16 on CUDA, no on the CPU
 
-    choices = {"dtype": ("auto", *POLICY_DTYPES)}
+    choices = {"dtype": ("auto", *POLICY_DTYPES), "mixed_precision": MIXED_PRECISIONS}
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, self.choices["dtype"])
+        check_choice("mixed_precision", self.mixed_precision, self.choices["mixed_precision"])
         check_int("steps", self.steps, low=1)
         check_int("prompts_per_step", self.prompts_per_step, low=1)
         check_int("seed", self.seed, low=0)
@@ -174,8 +181,17 @@ class RLConfig:
 
     @property
     def policy_dtype(self) -> str:
-        """The dtype the policy trains in: run.dtype, "auto" resolved for run.device."""
-        return auto_dtype(self.run.dtype, self.run.device)
+        """The dtype the policy trains in: run.dtype, "auto" resolved (float32 on every device, as TRL)."""
+        return "float32" if self.run.dtype == "auto" else self.run.dtype
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The dtype each step's forward passes autocast to ("bfloat16", "float16"), or None (no autocast):
+        run.mixed_precision with "auto" resolved for run.device (bf16 on CUDA, none elsewhere)."""
+        mode = self.run.mixed_precision
+        if mode == "auto":
+            mode = "bf16" if str(self.run.device).startswith("cuda") else "no"
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(mode)
 
     @property
     def engine_dtype(self) -> str:

@@ -1,4 +1,5 @@
-"""The policy's and the rollout's dtypes: "auto" is bfloat16 on CUDA and float32 on a CPU; a CPU run is as before."""
+"""Precision as TRL trains: float32 weights on every device, mixed precision by autocast ("auto": bf16 on CUDA);
+the rollout copy's "auto" is bfloat16 on CUDA and float32 on a CPU; a CPU run is as before."""
 
 import json
 
@@ -15,7 +16,10 @@ def test_auto_resolves_by_device_and_names_pass_through():
     cpu, gpu = RLConfig(), RLConfig.from_flat(device="cuda")
     assert (cpu.run.dtype, cpu.rollout.rollout_dtype) == ("auto", "auto"), "the setting stays auto (run.json says so)"
     assert (cpu.policy_dtype, cpu.engine_dtype) == ("float32", "float32")
-    assert (gpu.policy_dtype, gpu.engine_dtype) == ("bfloat16", "bfloat16")
+    assert (gpu.policy_dtype, gpu.engine_dtype) == ("float32", "bfloat16"), "weights float32, as TRL's"
+    assert (cpu.autocast_dtype, gpu.autocast_dtype) == (None, "bfloat16")
+    assert RLConfig.from_flat(mixed_precision="bf16").autocast_dtype == "bfloat16"
+    assert RLConfig.from_flat(device="cuda", mixed_precision="no").autocast_dtype is None
     assert RLConfig.from_flat(device="cuda", dtype="float32", rollout_dtype="float8_e4m3fn").engine_dtype == \
         "float8_e4m3fn"
     with pytest.raises(ConfigError, match="dtype='float16'"):
@@ -61,3 +65,41 @@ def test_the_mfu_rules_read_an_auto_rollout_dtype(tmp_path):
 
     report = run_dir_mfu(run, info, decompose(run), shape=shape)     # a CPU run: the peak measured at float32
     assert report.rollout is not None and "best float32 matmul" in report.peak["rollout"][1]
+
+
+def _changed_share(out, dtype) -> float:
+    """The share of the policy's parameters that one run in `out` changed from the embedded start."""
+    from transformers import AutoModelForCausalLM
+
+    from minirl.models.policy import load_default_policy
+    start, _, _ = load_default_policy(progress=False)
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    before = {n: p.detach().to(dtype) for n, p in start.named_parameters()}
+    changed = total = 0
+    for name, p in final.named_parameters():
+        changed += (p.detach().to(dtype) != before[name]).sum().item()
+        total += p.numel()
+    return changed / total
+
+
+@pytest.mark.slow
+def test_mixed_precision_keeps_every_update_that_pure_bf16_loses(tmp_path):
+    """One step at lr 1e-6 (bf16 autocast runs on the CPU): with --mixed-precision bf16 the float32 weights take
+    (nearly) every update; with --dtype bfloat16 (pure bf16) most updates round away and a warning says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "01_single_process.py"
+    common = ["--steps", "1", "--learning-rate", "1e-6", "--eval-every", "0", "--checkpoint-every", "0"]
+    mixed, pure = tmp_path / "mixed", tmp_path / "pure"
+    ran = [subprocess.run([sys.executable, str(chapter), "--out", str(out), *common, *extra], capture_output=True,
+                          text=True, timeout=600)
+           for out, extra in ((mixed, ["--mixed-precision", "bf16"]), (pure, ["--dtype", "bfloat16"]))]
+    for proc in ran:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((mixed / "run.json").read_text())["config"]["run"]["mixed_precision"] == "bf16"
+    assert "warning: --dtype bfloat16 trains bfloat16 weights" in ran[1].stderr
+    assert "warning" not in ran[0].stderr
+    kept, lost = _changed_share(mixed, torch.float32), _changed_share(pure, torch.bfloat16)
+    assert kept > 0.9 and lost < 0.3, f"float32 weights + bf16 autocast changed {kept:.1%}; pure bf16 {lost:.1%}"

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
@@ -194,6 +195,21 @@ class LocalCheckpoints:
         restore_checkpoint(training, weights, state)
 
 
+def with_autocast(step_fn, config):
+    """`step_fn` run under torch.autocast to config.autocast_dtype (bf16 or fp16 mixed precision, as accelerate
+    wraps TRL's forward passes), or `step_fn` itself when the run has no mixed precision. The weights, their
+    gradients and AdamW's state stay in the policy's dtype (float32): only the products run in half precision."""
+    if config.autocast_dtype is None:
+        return step_fn
+    device_type = torch.device(config.run.device).type
+    dtype = getattr(torch, config.autocast_dtype)
+
+    def step(state):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return step_fn(state)
+    return step
+
+
 def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
                eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
                stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
@@ -234,7 +250,11 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
         callbacks += list(extra_callbacks)
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))
-        return run(state, step_fn, callbacks, config.run.steps)
+        if main and config.policy_dtype != "float32":
+            print(f"warning: --dtype {config.policy_dtype} trains {config.policy_dtype} weights and optimizer state: "
+                  "at RL learning rates most updates round away; --mixed-precision bf16 keeps float32 weights "
+                  "(as TRL trains)", file=sys.stderr)
+        return run(state, with_autocast(step_fn, config), callbacks, config.run.steps)
     finally:
         if run_dir is not None:
             run_dir.close()

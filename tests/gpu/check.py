@@ -9,7 +9,8 @@ Checks, in order (each a subprocess, as a user would run it; figures from its su
   imports  every minirl module but the Ray controller imports (without trl, ray, vllm)
   warm     the embedded policy built (or loaded from the cache) locally: no hub
   timer    StageTimer waits for the GPU: its seconds cover the CUDA events' (synchronized timers)
-  stage1   chapter 01 on the device, policy and rollout in bfloat16 (--dtype auto): reward,
+  stage1   chapter 01 on the device as TRL trains there: float32 weights, bf16 autocast, a bfloat16
+           rollout copy (--dtype auto, --mixed-precision auto): reward,
            held-out accuracy before and after (fails if it halves, or a reward is not finite), median
            step time, the dtypes it recorded and saved
   engine   the paged engine's greedy tokens equal HF generate's on the device (float32; bfloat16
@@ -158,19 +159,21 @@ class Checker:
         s = self.summary(out / "summary.json")
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         times = [m["time/step"] for m in metrics if "time/step" in m][1:] or [float("nan")]   # step 1 warms up
-        want = "float32" if self.cpu else "bfloat16"
+        want = ("float32", "float32" if self.cpu else "bfloat16", "float32", "no" if self.cpu else "bf16")
         saved = json.loads((out / "final" / "config.json").read_text())
         saved_dtype = str(saved.get("dtype") or saved.get("torch_dtype"))
-        text = (f"{steps} steps, dtype {s['dtype']}/rollout {s['rollout_dtype']}, held-out accuracy "
+        text = (f"{steps} steps, dtype {s['dtype']}/rollout {s['rollout_dtype']}/mixed {s['mixed_precision']}, "
+                f"held-out accuracy "
                 f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}, reward (last 20 steps) "
                 f"{s['final_reward']:.3f}, median step {statistics.median(times) * 1e3:.0f} ms")
         problems = []
-        if (s["dtype"], s["rollout_dtype"], saved_dtype) != (want, want, want):
-            problems.append(f"dtypes {s['dtype']}, {s['rollout_dtype']}, saved {saved_dtype}: want {want}")
+        if (s["dtype"], s["rollout_dtype"], saved_dtype, s["mixed_precision"]) != want:
+            problems.append(f"dtypes {s['dtype']}, {s['rollout_dtype']}, saved {saved_dtype}, mixed "
+                            f"{s['mixed_precision']}: want {', '.join(want)}")
         if not all(math.isfinite(m["reward"]) for m in metrics if "reward" in m):
             problems.append("a reward is not finite")
         if not self.cpu and s["accuracy_after"] < 0.5 * s["accuracy_before"]:
-            problems.append("held-out accuracy halved: the bfloat16 update diverged")
+            problems.append("held-out accuracy halved: the mixed-precision update diverged")
         return ("FAIL" if problems else "ok"), text + ("; " + "; ".join(problems) if problems else "")
 
     def check_engine(self):
