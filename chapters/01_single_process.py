@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     from minirl.runtime.plots import plot_metrics
     from minirl.runtime.rundir import RunDirError
     from minirl.runtime.seeding import seed_everything
+    from minirl.tasks.rewards import RewardError
     from minirl.train.run import RunStopped, train
 
     if args.threads:
@@ -159,6 +160,11 @@ def main(argv=None) -> int:
     except (RunDirError, ConfigError, PromptError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RewardError as err:                        # a reward function's output, named with its row
+        found = latest_checkpoint(out / "checkpoints")
+        resume = f"; the last checkpoint is {found[0]}, continue with --resume" if found else ""
+        print(f"error: {err}{resume}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
     plot_path = out / "reward_curve.png"

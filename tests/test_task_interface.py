@@ -495,11 +495,11 @@ def test_call_reward_passes_trls_extras_awaits_async_and_keeps_none():
 
 
 @pytest.mark.parametrize("output, message", [
-    (None, "reward bad returned NoneType, not a list of 2 rewards"),
-    ("1.0", "reward bad returned str, not a list of 2 rewards"),
-    ([1.0], "reward bad returned 1 rewards for 2 completions"),
-    ([1.0, float("inf")], "reward bad returned inf for row 1 (prompt 'q2')"),
-    ([1.0, "yes"], "reward bad returned 'yes' for row 1 (prompt 'q2')"),
+    (None, "reward function bad returned NoneType, not a list of 2 rewards"),
+    ("1.0", "reward function bad returned str, not a list of 2 rewards"),
+    ([1.0], "reward function bad returned 1 rewards for 2 completions"),
+    ([1.0, float("inf")], "reward function bad returned inf for row 1 (prompt 'q2')"),
+    ([1.0, "yes"], "reward function bad returned 'yes' for row 1 (prompt 'q2')"),
 ])
 def test_a_bad_reward_output_names_the_function_and_the_row(output, message):
     from minirl.tasks.rewards import RewardError, call_reward
@@ -518,3 +518,28 @@ def test_none_is_left_out_of_the_sum_and_the_mean():
     per_func = torch.tensor([[1.0, float("nan")], [0.0, 0.5]])
     total, metrics = combine_rewards(per_func, [1.0, 2.0], ["a", "b"])
     assert total.tolist() == [1.0, 1.0] and metrics == {"rewards/a": 0.5, "rewards/b": 0.5}
+
+
+BAD_REWARDS = '''
+def strings(prompts, completions, **kwargs):
+    return ["good"] * len(completions)
+
+def raises(prompts, completions, **kwargs):
+    raise KeyError("no answer")
+'''
+
+
+@pytest.mark.parametrize("name, said", [      # every kind of output: test_a_bad_reward_output_names_...
+    ("strings", "reward function strings returned 'good' for row 0 (prompt"),
+    ("raises", "reward function raises raised KeyError: 'no answer' on row 0 (prompt"),
+])
+def test_a_bad_reward_function_stops_chapter_01_with_one_line(name, said, tmp_path):
+    """Issue 34 item 6: every kind of bad output stops the run with one line naming the reward and the row."""
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "01_single_process.py"
+    proc = subprocess.run([sys.executable, str(chapter), "--out", str(tmp_path / "run"), "--steps", "2",
+                           "--prompts-per-step", "8", "--eval-every", "0", "--reward", f"bad_rewards:{name}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {said}"), last

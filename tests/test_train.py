@@ -105,11 +105,12 @@ def test_score_checks_reward_functions(one_rollout):
     assert rewards.shape == (16,) and metrics["reward_errors"] == 0
     with pytest.raises(ValueError, match="reward function short returned 1 rewards for 16"):
         score([short], ro, rows)
-    with pytest.raises(ValueError, match="reward function nan returned non-numeric or non-finite"):
+    with pytest.raises(ValueError, match=r"reward function nan returned nan for row 0 \(prompt"):
         score([nan], ro, rows)
-    with pytest.raises(ValueError, match="reward function words returned non-numeric"):
+    with pytest.raises(ValueError, match="reward function words returned 'good' for row 0"):
         score([words], ro, rows)
-    with pytest.raises(RuntimeError, match="reward function boom raised KeyError.*reward_errors='zero'"):
+    raised = r"reward function boom raised KeyError: 'bad sample' on row 5 .*--reward-errors zero"
+    with pytest.raises(ValueError, match=raised):
         score([boom], ro, rows)
     rewards, metrics = score([boom], ro, rows, "zero")
     failing = sum(c == ro.completions[5] for c in ro.completions)

@@ -4,10 +4,11 @@ Hand-written plumbing (a run must fail in its first second when it is misconfigu
 what is wrong; the checks teach no RL). `check_run_inputs` runs before anything is built:
 rows with a "prompt" column, prompts the tokenizer can encode and the model can hold
 (`minirl.models.policy.check_prompts`), at least one reward function. `checked_rewards` calls
-one reward function with TRL's signature, f(prompts, completions, **columns), and returns one
-finite float per completion, or raises an error naming the function: a wrong number of rewards,
-a non-numeric or non-finite one. With reward_errors="zero" a sample whose reward fails scores 0
-instead, and the failure is appended to `errors` (the step counts them in its record).
+one reward function as TRL's GRPOTrainer does (`minirl.tasks.rewards.call_reward`) and returns
+one float per completion (NaN where it returned None: "does not apply"), or raises a RewardError
+naming the function and the row: a wrong number of rewards, a non-numeric or non-finite one, an
+exception. With reward_errors="zero" a sample whose reward fails scores 0 instead, and the
+failure is appended to `errors` (the step counts them in its record).
 `minirl.train.step.score` calls it for each function.
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from minirl.runtime.model_loading import check_prompts
-from minirl.tasks.rewards import reward_name
+from minirl.tasks.rewards import RewardError, call_reward, reward_name
 
 
 def check_run_inputs(config, model, tokenizer, rows: list[dict], reward_funcs) -> None:
@@ -32,49 +33,47 @@ def check_run_inputs(config, model, tokenizer, rows: list[dict], reward_funcs) -
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
 
 
-def _call_reward(func, prompts, completions, columns, reward_errors, errors: list) -> list[float]:
+def checked_rewards(func, prompts: list[str], completions: list[str], columns: dict, reward_errors: str,
+                    errors: list, **extras) -> Tensor:
+    """func's rewards for the completions, [N] float32, checked (see the module docstring).
+
+    Called as TRL calls it (`minirl.tasks.rewards.call_reward`: TRL's extras when given and taken, an
+    `async def` awaited). None, where the function says it does not apply, is NaN here: left out of
+    that reward's mean and of the weighted sum, as TRL does. A bad output or an exception is a
+    RewardError naming the function and the row (reward_errors="raise"), or that sample scores 0
+    and is counted in `errors` ("zero").
+    """
+    name = reward_name(func)
     try:
-        return list(func(prompts=prompts, completions=completions, **columns))
+        values = call_reward(func, prompts, completions, columns, **extras)
     except Exception as err:
         if reward_errors == "raise":
-            raise RuntimeError(f"reward function {reward_name(func)} raised {type(err).__name__}: {err}; "
-                               "fix it, or pass reward_errors='zero' to score failing samples 0") from err
-    values = []
-    for i in range(len(completions)):            # find the failing samples one by one
-        try:
-            values.append(float(func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                                     **{k: v[i:i + 1] for k, v in columns.items()})[0]))
-        except Exception as err:
-            errors.append(f"{reward_name(func)}[{i}]: {type(err).__name__}: {err}")
-            values.append(0.0)
-    return values
+            raise _named(err, func, prompts, completions, columns, extras) from err
+        values = []
+        for i in range(len(completions)):        # find the failing samples one by one
+            try:
+                values += call_reward(func, prompts[i:i + 1], completions[i:i + 1],
+                                      {k: v[i:i + 1] for k, v in columns.items()}, **extras)
+            except Exception as one:
+                errors.append(f"{name}[{i}]: {type(one).__name__}: {one}")
+                values.append(0.0)
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
 
 
-def _as_float(value) -> float:
-    """A reward as a float; NaN for anything that is not a number (None, a string, a list, ...)."""
-    if isinstance(value, (str, bytes)):
-        return math.nan
+def _named(err: Exception, func, prompts, completions, columns, extras) -> RewardError:
+    """The error of a reward function that raised, naming its first failing row (found one sample at a time)."""
+    if isinstance(err, RewardError):
+        return err
+    row = next((i for i in range(len(completions)) if _fails(func, prompts, completions, columns, extras, i)), None)
+    where = "" if row is None else f" on row {row} (prompt {str(prompts[row])[:40]!r})"
+    return RewardError(f"reward function {reward_name(func)} raised {type(err).__name__}: {err}{where}; fix it, "
+                       "or pass --reward-errors zero (reward_errors='zero') to score failing samples 0")
+
+
+def _fails(func, prompts, completions, columns, extras, i: int) -> bool:
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def checked_rewards(func, prompts: list[str], completions: list[str], columns: dict, reward_errors: str,
-                    errors: list) -> Tensor:
-    """func's rewards for the completions, [N] float32, checked (see the module docstring)."""
-    values = _call_reward(func, prompts, completions, columns, reward_errors, errors)
-    name = reward_name(func)
-    if len(values) != len(completions):
-        raise ValueError(f"reward function {name} returned {len(values)} rewards for "
-                         f"{len(completions)} completions: reward_funcs must return one float each")
-    values = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)
-    if not torch.isfinite(values).all():
-        if reward_errors == "raise":
-            raise ValueError(f"reward function {name} returned non-numeric or non-finite rewards "
-                             f"({(~torch.isfinite(values)).sum().item()} of {len(values)}); return finite "
-                             "floats, or pass reward_errors='zero' to score them 0")
-        bad = torch.nonzero(~torch.isfinite(values)).flatten().tolist()
-        errors += [f"{name}[{i}]: not a finite number" for i in bad]
-        values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-    return values
+        call_reward(func, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
+                    **extras)
+    except Exception:
+        return True
+    return False

@@ -182,19 +182,19 @@ def call_reward(func, prompts: list, completions: list, columns: dict, **extras)
     else:
         out = func(prompts=prompts, completions=completions, **columns, **extras)
     if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-        raise RewardError(f"reward {name} returned {type(out).__name__}, not a list of {len(completions)} rewards; "
-                          "return one float (or None) per completion")
+        raise RewardError(f"reward function {name} returned {type(out).__name__}, not a list of "
+                          f"{len(completions)} rewards; return one float (or None) per completion")
     out = list(out.tolist() if hasattr(out, "tolist") else out)
     if len(out) != len(completions):
-        raise RewardError(f"reward {name} returned {len(out)} rewards for {len(completions)} completions; return "
-                          "one float (or None) per completion, in their order")
+        raise RewardError(f"reward function {name} returned {len(out)} rewards for {len(completions)} "
+                          "completions; return one float (or None) per completion, in their order")
     values = []
     for i, value in enumerate(out):
         number = None if value is None else _finite(value)
         if value is not None and number is None:
             prompt = prompts[i] if isinstance(prompts[i], str) else str(prompts[i])
-            raise RewardError(f"reward {name} returned {value!r} for row {i} (prompt {prompt[:40]!r}); return a "
-                              "finite float, or None where the reward does not apply")
+            raise RewardError(f"reward function {name} returned {value!r} for row {i} (prompt {prompt[:40]!r}); "
+                              "return a finite float, or None where the reward does not apply")
         values.append(number)
     return values
 
