@@ -263,6 +263,12 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     finally:
         if ray is not None:
             ray.shutdown()
+    ran = result.summary()
+    if ran["trajectories"] and ran["env_failures"] >= ran["trajectories"]:
+        print(f"error: every one of the {ran['trajectories']} trajectories failed in its environment (a reward "
+              "function or the tool raised, hung or returned junk: metrics.jsonl's env/ records say which); "
+              "nothing was learned", file=sys.stderr)
+        return 1
     eval_fn = task.eval_fn(tokenizer, max_new_tokens)
     accuracy = evaluate_snapshots(result, model, eval_fn) if eval_fn is not None else []
     metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"

@@ -359,3 +359,19 @@ def test_a_killed_ray_producer_is_named_in_one_line(tmp_path, words):
     assert re.search(r"RayProducer ray \d slot \d \(pid \d+ on node \w+\) died during produce", lines[0]), lines[0]
     assert "no checkpoint was written yet; continue with: python" in lines[0]
     assert lines[0].endswith(f"07_async.py --out {out} --resume")
+
+
+def test_chapter_07_never_exits_0_after_every_trajectory_failed(tmp_path):
+    """Issue 34 item 6: a reward that always raises costs each session, and the run ends nonzero, in one line."""
+    import subprocess
+    import sys
+
+    (tmp_path / "always_raises.py").write_text("def broken(prompts, completions, **kw):\n    raise KeyError('x')\n")
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10, 30) for b in range(10, 14)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "07_async.py"
+    proc = subprocess.run([sys.executable, str(chapter), "--out", str(tmp_path / "run"), "--steps", "2",
+                           "--dataset", "sums.jsonl", "--reward", "always_raises:broken"], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: every one of the "), proc.stderr[-1000:]

@@ -25,7 +25,7 @@ import torch
 
 from minirl.runtime.validate import check_float
 from minirl.tasks.arithmetic import OPERATORS
-from minirl.tasks.rewards import combine_rewards, reward_name
+from minirl.tasks.rewards import RewardError, call_reward, combine_rewards, reward_name
 
 
 class EnvError(RuntimeError):
@@ -102,11 +102,12 @@ class RewardEnv:
     def step(self, action: str) -> tuple[None, float, bool]:
         columns = {k: [v] for k, v in self.row.items() if k != "prompt"}
         values = []
-        for func, name in zip(self.funcs, self.names, strict=True):
-            out = list(func(prompts=[self.row["prompt"]], completions=[action], **columns))
-            if len(out) != 1 or isinstance(out[0], (str, bytes)):
-                raise EnvError(f"reward function {name} returned {out!r} for one completion; return one float")
-            values.append(float(out[0]))
+        for func in self.funcs:          # as TRL calls it; a bad output names the function and the prompt
+            try:
+                values += call_reward(func, [self.row["prompt"]], [action], columns)
+            except RewardError as err:
+                raise EnvError(str(err)) from None
+        values = [math.nan if v is None else v for v in values]            # None: does not apply (TRL)
         total, _ = combine_rewards(torch.tensor([values], dtype=torch.float64), self.weights, self.names)
         self.scores = dict(zip(self.names, values, strict=True))
         return None, total.item(), True

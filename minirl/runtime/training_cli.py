@@ -32,7 +32,8 @@ from minirl.runtime.validate import ConfigError
 TASK_FLAGS = ("dataset", "eval_dataset", "dataset_columns", "reward", "reward_weights")   # run.json's "task"
 BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)
 REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:function (my_rewards:length_penalty, "
-                    "or path/to/rewards.py:length_penalty)")   # rewards.SPEC_HELP, without importing torch
+                    "my_rewards.length_penalty as TRL writes it, or path/to/rewards.py:length_penalty)")
+# rewards.SPEC_HELP, without importing torch
 
 
 def add_rl_flags(parser: argparse.ArgumentParser, config: RLConfig, skip: tuple[str, ...] = ()) -> None:

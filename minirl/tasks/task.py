@@ -11,12 +11,13 @@ Simplified vs TRL: evaluation decodes each held-out prompt once, greedily (TRL s
 `num_generations_eval` completions with the training sampler's settings).
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from minirl.tasks.arithmetic import TaskConfig, arithmetic_reward, make_task
-from minirl.tasks.rewards import combine_rewards, reward_name
+from minirl.tasks.rewards import call_reward, combine_rewards, reward_name
 
 
 @torch.no_grad()
@@ -81,8 +82,8 @@ class Task:
         """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64."""
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
         prompts = [r["prompt"] for r in rows]
-        per_func = torch.tensor([[float(v) for v in f(prompts=prompts, completions=completions, **columns)]
-                                 for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]
+        per_func = torch.tensor([[math.nan if v is None else v for v in call_reward(f, prompts, completions, columns)]
+                                 for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]; None: NaN
         return combine_rewards(per_func, self.reward_weights, self.reward_names)
 
     def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500) -> dict:
