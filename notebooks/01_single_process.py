@@ -20,11 +20,9 @@
 # whole loop, generate → reward → update → synchronize, in one Python process until the
 # tiny policy of notebook 00 gains tens of points of held-out accuracy.
 #
-# The source's first claim is the order of the loop, and that every framework it surveys,
-# from TRL to veRL, runs the same four steps; they differ in *where* each step runs. TRL
-# runs all four in one process, on one device (or a few, through Accelerate). That is the
-# stage we build here. It is also the reference every later stage must reproduce, so we build
-# it around four seams that later stages fill differently without touching the step itself:
+# Every framework the source surveys, from TRL to veRL, runs the same four steps; they differ
+# in *where* each runs. TRL runs all four in one process: the stage we build here, around four
+# seams that later stages fill differently without touching the step:
 #
 # | seam | here (stage 1) | later |
 # |---|---|---|
@@ -70,11 +68,9 @@ task = make_task()
 # %% [markdown]
 # ## 0. The whole loop first
 #
-# Before opening any piece, the finished stage running on the package: `train` from
-# `minirl.train.run` with the default GRPO configuration on the embedded task, from the warm
-# start of notebook 00 (a fresh copy: the `model` above stays as it is), for 300 steps (smoke
-# mode: 20), with held-out greedy accuracy measured before, during and after. Section 8 runs
-# the full 1000 steps; sections 1 to 7 build every piece this one call runs.
+# The finished stage first: `train` with the default GRPO configuration, from notebook 00's warm
+# start (a fresh copy), for 300 steps (smoke mode: 20), with held-out greedy accuracy along the
+# way. Sections 1 to 7 build every piece this call runs; section 8 runs the full 1000 steps.
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
@@ -97,16 +93,11 @@ plt.show()
 # %% [markdown]
 # ## 1. Per-token log-probabilities
 #
-# Every policy-gradient loss for language models is built from one quantity: the
-# log-probability the policy gives each sampled completion token, log π(y_t | x, y_<t).
-# A forward pass over the prompt and the completion gives logits [B, T, V]; the logit at
-# position t predicts token t+1, so the completion's log-probs come from the C positions
-# *before* each completion token. Sampling at temperature τ means the policy is
-# softmax(logits / τ), so the log-probs must be computed from logits / τ too (TRL does the
-# same; forget it and the ratio π/π_old is wrong from the first step).
-#
-# First, masked means and sums: completions have different lengths, and the positions after
-# the end-of-sequence token must count for nothing.
+# Every policy-gradient loss for language models is built from log π(y_t | x, y_<t), the
+# log-probability of each sampled completion token. The logit at position t predicts token
+# t+1, so the completion's log-probs come from the C positions *before* its tokens, and from
+# logits / τ when sampling at temperature τ (forget it and π/π_old is wrong from step one).
+# First, masked means: completions differ in length, and padding must count for nothing.
 
 # %%
 # | export minirl/algo/logprobs.py
@@ -123,12 +114,12 @@ to float32 before the temperature is applied (TRL divides first, in the model's 
 import torch
 from torch import Tensor
 
+from minirl.runtime.arg_checks import check_logit_args, check_same_shape
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of `values` where `mask` is 1. values, mask: [B, T] (same shape)."""
-    if values.shape != mask.shape:
-        raise ValueError(f"masked_sum: values {tuple(values.shape)} and mask {tuple(mask.shape)} "
-                         "must have the same shape [B, T]")
+    check_same_shape("masked_sum", values, mask)
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
 
 
@@ -155,11 +146,9 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# Now the log-probability of the chosen token. Taking `log_softmax` over the whole vocabulary
-# and then picking one entry works, but materializes a second [B, T, V] tensor; with a
-# 150 000-token vocabulary that is the largest tensor of the step. Since
-# log softmax(z)_i = z_i − logsumexp(z), we can gather z_i first and subtract one logsumexp
-# per position. This is exercise 1.1.
+# `log_softmax` over the vocabulary, then one entry, materializes a second [B, T, V] tensor,
+# the largest of the step at 150 000 tokens. Since log softmax(z)_i = z_i − logsumexp(z), gather
+# z_i first and subtract one logsumexp per position. This is exercise 1.1.
 
 # %%
 # | export minirl/algo/logprobs.py
@@ -195,10 +184,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
     result up to float rounding.
     """
-    if temperature <= 0:
-        raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
-    if num_generations < 1:
-        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
+    check_logit_args(temperature, num_generations)
     C = num_completion_tokens
     if num_generations > 1:
         from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)
@@ -225,15 +211,10 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
 
 
 # %% [markdown]
-# Try it on the warm-started policy: the log-probs of the correct answer to a few prompts.
-# Mind the `position_ids`. `generate` numbers a left-padded prompt's tokens from 0; a plain
-# forward pass without `position_ids` numbers them from the first *column*, so a padded
-# prompt sees every position shifted by its padding. Does that matter? For Qwen2 it barely
-# does: rotary embeddings (RoPE) depend only on the *difference* between two positions, and a
-# constant shift cancels, leaving rounding error. For a model with learned absolute
-# positions (GPT-2, OPT) the shift changes the answer outright. We pass position ids from
-# the mask always, as `generate` and TRL do, so the trainer scores exactly what the rollout
-# sampled, whatever the architecture. The table measures both.
+# Mind the `position_ids`: `generate` numbers a left-padded prompt's tokens from 0, a plain
+# forward pass from the first *column*. For Qwen2 the shift barely matters (RoPE depends only on
+# differences of positions); for learned absolute positions (GPT-2) it changes the answer. We
+# always pass position ids from the mask, as `generate` and TRL do. The table measures both:
 
 # %%
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -266,31 +247,21 @@ for name, net in (("qwen2", model), ("gpt2", gpt2)):
 # %% [markdown]
 # ## 2. The configuration, the batch, and the engine that samples it
 #
-# Three pieces come before any learning, and they are the seams every later stage keeps, so
-# they live in the package as plain modules that you read rather than rebuild here:
+# Three seams come before any learning; they are plain modules to read, not rebuild:
 #
-# - **The configuration** (`minirl/config.py`): about thirty settings in five groups, what the
-#   update computes (`algorithm`), how completions are drawn (`sampling`), which engine draws
-#   them (`rollout`), the optimizer, and the run. The names are TRL's (`num_generations`,
-#   `beta`, `epsilon`, `loss_type`, ...) and unique across groups, so `config.replace(beta=0.04)`
-#   knows where `beta` lives and each chapter script turns every setting into a flag. Each group
-#   checks its values when built: a bad setting fails before any work is done.
-# - **The batch** (`minirl/data.py`): a `Rollout` holds N = B × G rows, the G completions of a
-#   prompt next to each other, prompts left-padded and completions right-padded, with the
-#   engine's own **behaviour log-probs** and the **version** of the policy that sampled them.
-#   An `Experience` adds what the update needs (old, reference log-probs, values, advantages).
-#   Both can `split(n)` into parts of whole groups (GRPO normalizes within a group) and
-#   `Batch.concat` back, which is all that notebooks 04 and 06 need to move them around.
-# - **The rollout engine** (`minirl/rollout/base.py`): in TRL the model that samples is the model
-#   that trains; in every distributed system it is a *copy*. minirl keeps that copy even in one
-#   process, so step 4, synchronize, is an explicit call with a version number. The protocol
-#   `RolloutEngine` asks for two methods, `generate(prompts, sampling, expected_version)` and
-#   `load_weights(named_tensors, version)`, and an engine refuses to sample from another version
-#   than the loop expects. `HFEngine` (`minirl/rollout/hf.py`) samples with HF `generate` on its
-#   own copy of the policy and records the log-prob of each token from the very logits it sampled
-#   from; its `load_weights` refuses a partial set of weights (half a synchronization is worse
-#   than none). A faster engine (section 11), vLLM (04) and a paged engine (05) stand behind the
-#   same protocol.
+# - **The configuration** (`minirl/config.py`): about thirty settings in five groups, with TRL's
+#   names (`num_generations`, `beta`, `epsilon`, `loss_type`), unique across groups, so
+#   `config.replace(beta=0.04)` knows where `beta` lives. A bad setting fails when built.
+# - **The batch** (`minirl/data.py`): a `Rollout` holds N = B × G rows, a prompt's G completions
+#   side by side, with the engine's **behaviour log-probs** and the policy **version** that
+#   sampled them; an `Experience` adds what the update needs. Both `split(n)` into whole groups
+#   and `Batch.concat` back: all that notebooks 04 and 06 need to move them.
+# - **The rollout engine** (`minirl/rollout/base.py`): in TRL the sampling model is the trained
+#   one; in every distributed system it is a *copy*. minirl keeps the copy even here, so step 4
+#   is an explicit call with a version. `RolloutEngine` asks for `generate(prompts, sampling,
+#   expected_version)` and `load_weights(named_tensors, version)`, and refuses another version
+#   than the loop expects. `HFEngine` (`minirl/rollout/hf.py`) samples with HF `generate` and
+#   records each token's log-prob from the logits it sampled from.
 
 # %%
 import dataclasses  # noqa: E402
@@ -303,16 +274,10 @@ print("defaults:", {k: v for k, v in config.flat().items() if k in ("algo", "num
 print("changed: ", config.replace(beta=0.04, steps=50).flat()["beta"])
 print(f"{len(config.flat())} settings in {len(config.groups())} groups:",
       ", ".join(f"{name} {len(dataclasses.asdict(group))}" for name, group in config.groups().items()))
-for bad in (dict(num_generations=1), dict(learning_rate=float("inf")), dict(loss_type="ppo")):
-    try:
-        RLConfig.from_flat(**bad)
-    except ValueError as err:
-        print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
-# One call: two prompts, four samples each. Then the check that protects the loop: asking
-# for version 1 while the engine holds version 0 is refused. And the batch splits into whole
-# groups and concatenates back to itself.
+# Two prompts, four samples each; asking for version 1 while the engine holds 0 is refused;
+# the batch splits into whole groups and concatenates back to itself.
 
 # %%
 from minirl.data import Batch  # noqa: E402
@@ -335,8 +300,7 @@ print("split(2):", [h.prompts[0] for h in halves], "| concat(split) is the batch
       all(torch.equal(getattr(back, k), getattr(ro, k)) for k in ("prompt_ids", "completion_ids", "logprobs")))
 
 # %% [markdown]
-# Are the engine's log-probs the trainer's? In float32, with position ids, they should
-# agree to rounding error:
+# The engine's log-probs are the trainer's, to rounding error (float32, position ids):
 
 # %%
 with torch.no_grad():
@@ -346,10 +310,9 @@ print("max |engine - trainer| log-prob:", (ro.logprobs - trainer_logps * ro.comp
 # %% [markdown]
 # ## 3. Advantages
 #
-# **GRPO** needs no critic. For each prompt it samples a group of G completions and scores
-# each one against its siblings: A_i = (r_i − mean(r_group)) / (std(r_group) + 1e-4). A
-# group whose members all got the same reward carries no signal (every A_i = 0). TRL offers
-# three scalings, and we follow it exactly, down to the unbiased std and the 1e-4:
+# **GRPO** needs no critic: each of a prompt's G completions is scored against its siblings,
+# A_i = (r_i − mean(r_group)) / (std(r_group) + 1e-4); a group of equal rewards teaches nothing.
+# TRL's three scalings, down to the unbiased std and the 1e-4:
 #
 # | `scale_rewards` | divide by | from |
 # |---|---|---|
@@ -373,7 +336,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
-from minirl.config import SCALE_REWARDS
+from minirl.runtime.arg_checks import check_group_rewards
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
@@ -385,18 +348,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
       scale_rewards="group": A / (std(r over its group) + 1e-4)
       scale_rewards="batch": A / (std(r over all N) + 1e-4)
       scale_rewards="none":  A unchanged.
-    std is torch's default unbiased std (divides by n - 1), as TRL. Raises ValueError if
-    num_generations < 2, if N is not a multiple of num_generations, or for an unknown
-    scale_rewards.
+    std is torch's default unbiased std (divides by n - 1), as TRL. ValueError for bad arguments.
     """
-    if num_generations < 2:
-        raise ValueError(f"num_generations={num_generations}: GRPO compares completions within a group; "
-                         "use num_generations >= 2")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: need a flat [B * num_generations] tensor "
-                         f"with num_generations={num_generations}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    check_group_rewards(rewards, num_generations, scale_rewards)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, num_generations)                           # [B, G]
     advantages = grouped - grouped.mean(1, keepdim=True)                  # [B, G]
@@ -416,14 +370,10 @@ for scale in ("group", "batch", "none"):
     print(f"{scale:>5}:", group_advantages(r, 4, scale).round(decimals=3).tolist())
 
 # %% [markdown]
-# **PPO** learns a critic V(s_t) that predicts the return from each token on, and uses
-# Generalized Advantage Estimation (Schulman et al., 2016):
-# δ_t = r_t + γ V(s_{t+1}) − V(s_t), A_t = δ_t + γλ A_{t+1}, and the critic's target is the
-# return R_t = A_t + V(s_t). The reward is *terminal*: 0 on every token except the last
-# completion token, which gets the verifier's score (minus an optional per-token KL
-# penalty). With γ = 1 and λ = 0.95 the advantage of an early token is a blend of the final
-# reward and the critic's guesses along the way. The recursion runs backwards over the
-# completion and stops at its end (mask). This is exercise 1.3.
+# **PPO** learns a critic V(s_t) of the return from each token on, and uses Generalized
+# Advantage Estimation: δ_t = r_t + γ V(s_{t+1}) − V(s_t), A_t = δ_t + γλ A_{t+1}, target
+# R_t = A_t + V(s_t). The reward is *terminal* (the verifier's score on the last token). The
+# recursion runs backwards and stops at the completion's end (mask). This is exercise 1.3.
 
 # %%
 # | export minirl/algo/advantages.py
@@ -486,16 +436,11 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # %% [markdown]
 # ## 4. The clipped objective and how to average it
 #
-# With ratio r_t = π(y_t) / π_old(y_t), PPO's per-token loss is
-# −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t): once the policy has moved a token's
-# probability by more than ε in the direction the advantage wants, the gradient stops. DAPO
-# made the two sides different (ε_high > ε_low, "clip-higher") so that unlikely tokens with
-# positive advantage can grow faster. This is exercise 1.4.
-#
-# Everything that differs between the members of the GRPO family lives in one module,
-# `minirl/loss_types.py`, as one registry entry per `loss_type` (section 4.1). It uses tensor
-# methods only, no `import torch`, so that the config can check a run's `loss_type` against it
-# before torch loads.
+# With r_t = π(y_t) / π_old(y_t), PPO's per-token loss is
+# −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t): once a token's probability has moved by
+# more than ε the way the advantage wants, its gradient stops. DAPO's "clip-higher"
+# (ε_high > ε_low) lets unlikely good tokens grow faster. This is exercise 1.4. What differs
+# within the GRPO family lives in `minirl/loss_types.py`, one registry entry per `loss_type`.
 
 # %%
 # | export minirl/loss_types.py
@@ -540,8 +485,7 @@ def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float 
 
 
 # %% [markdown]
-# Then the per-token losses become one number, and here the GRPO family disagrees. TRL
-# offers four `loss_type`s that differ only in this:
+# Then the per-token losses become one number, where TRL's four `loss_type`s differ:
 #
 # | `loss_type` | loss = | effect |
 # |---|---|---|
@@ -550,8 +494,8 @@ def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float 
 # | `"dapo"` | sum over all tokens / tokens of the whole generation batch | as bnpo, but constant across gradient-accumulation slices (DAPO) |
 # | `"dr_grpo"` | sum over all tokens / (B × max_completion_length) | a constant denominator: no length bias at all (Dr. GRPO) |
 #
-# Three normalizations cover the four (`bnpo` and `dapo` share one: they part ways only when
-# the batch is split over processes, notebook 04). These are exercises 1.5, 1.6 and 1.7.
+# `bnpo` and `dapo` share one normalization (they part only across processes, notebook 04).
+# These are exercises 1.5, 1.6 and 1.7.
 
 # %%
 # | export minirl/loss_types.py
@@ -593,20 +537,12 @@ def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_len
 # %% [markdown]
 # ### 4.1 One entry per loss type
 #
-# A loss type fixes two more numbers, both used later and both following from its
-# normalization: how much a *part* of the batch counts when its loss is computed on its own.
-# The update runs in micro-batches (section 11.4), and each micro-batch's loss is weighted by
-# its share of the normalizer (of the rows for `grpo` and `dr_grpo`, of the tokens for the
-# others), so that splitting the work never changes the loss. A data-parallel job (notebook
-# 04) averages the gradients of W processes, each computing the loss over its rows; process
-# r's loss is weighted by W times its share, except for `bnpo`, which TRL normalizes by each
-# process's own tokens (weight 1: there, and only there, `bnpo` and `dapo` part ways). These
-# weights are plain arithmetic, in `minirl/runtime/loss_weights.py`.
-#
-# An entry holds all four parts, and `register_loss_type` refuses one that lacks a part: a
-# new loss type cannot silently borrow another's weights. The importance ratio is chosen the
-# same way, by `importance_sampling_level`: one per token, or one per completion (GSPO, the
-# geometric mean of its token ratios; notebook 08 shows why MoE models need it).
+# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 11.4)
+# or a data-parallel rank (notebook 04) is weighted by its share of the normalizer (rows for
+# `grpo` and `dr_grpo`, tokens for the others), so splitting the work never changes the loss.
+# The weights are arithmetic in `minirl/runtime/loss_weights.py`. `register_loss_type` refuses
+# an entry that lacks a part. The importance ratio is one per token, or one per completion
+# (`importance_sampling_level="sequence"`, GSPO; notebook 08 shows why MoE models need it).
 
 # %%
 # | export minirl/loss_types.py
@@ -688,14 +624,10 @@ register_loss_type("dapo", LossType(objective=clipped_objective, normalise=token
 # %% [markdown]
 # ### 4.2 Adding a loss type: CISPO
 #
-# The next loss type is one entry, and nothing else changes: not the loss, not the update,
-# not the data-parallel roles of notebook 04. CISPO (MiniMax-M1; TRL 1.16's
-# `loss_type="cispo"`) clips the importance *weight* instead of the objective, and stops its
-# gradient: the per-token loss is −sg(min(r_t, ε_max)) · A_t · log π(y_t), so every token
-# keeps a gradient (PPO drops the clipped ones) and a token whose ratio ran away counts at
-# most ε_max. In TRL the cap is `epsilon_high` itself (ScaleRL recommends 5.0; unset, it
-# falls back to `epsilon`, 0.2), and the losses are normalized as `dapo`'s. Your own loss
-# type goes here the same way: write what differs, reuse the parts that do not, register.
+# A new loss type is one entry; nothing else changes. CISPO (MiniMax-M1; TRL 1.16) clips the
+# importance *weight* and stops its gradient: −sg(min(r_t, ε_max)) · A_t · log π(y_t), so every
+# token keeps a gradient and a runaway ratio counts at most ε_max (TRL's `epsilon_high`;
+# ScaleRL recommends 5.0), normalized as `dapo`. Yours goes here the same way.
 
 # %%
 # | export minirl/loss_types.py
@@ -727,14 +659,9 @@ except ValueError as err:
     print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
-# `policy_loss` puts the parts together, with the options TRL has: the importance ratio per
-# token or per sequence, a k3 KL penalty to a frozen reference with coefficient `beta`, and
-# optional per-token weights `is_weights` for the truncated importance sampling of notebook 02.
-# The KL term is itself an average over tokens sampled from π_old, not from π;
-# `use_bias_correction_kl=True` weights it by the same importance ratio π/π_old
-# (DeepSeek-V3.2's correction, on by default in TRL 1.16, off by default here as in classic
-# GRPO; with one update per batch the ratio is 1, so the KL's value is unchanged but its
-# gradient gains a term KL · ∇log π). It also reports the clip fractions, as TRL logs them.
+# `policy_loss` puts the parts together with TRL's options: a k3 KL penalty to a frozen
+# reference (`beta`), per-token `is_weights` (notebook 02), and `use_bias_correction_kl`, which
+# weights the KL by π/π_old since its tokens came from π_old (DeepSeek-V3.2; TRL 1.16's default).
 
 # %%
 # | export minirl/algo/losses.py
@@ -747,9 +674,9 @@ process. Simplified: no entropy masking, no off-policy masking.
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import masked_mean
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
-from minirl.runtime.validate import check_choice
+from minirl.runtime.arg_checks import check_loss_args
+from minirl.runtime.gauges import clip_metrics
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -772,9 +699,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
     """
     entry = loss_type_entry(loss_type)
-    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    if beta != 0.0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
+    check_loss_args(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, beta, ref_logps)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     if advantages.dim() == 1:
@@ -790,17 +715,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = entry.normalise(per_token.expand_as(mask), mask, max_completion_length)
-
-    with torch.no_grad():
-        def share(flags):                    # TRL's global masked mean; [B, 1] counts per sequence
-            flags = flags.to(mask.dtype)
-            return (flags.mean() if flags.shape[1] == 1 and mask.shape[1] != 1
-                    else masked_mean(flags.expand_as(mask), mask)).item()
-        metrics = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-                   "clip_ratio/region_mean": share(low | high), "ratio_mean": share(ratio)}
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl, mask).item()
-    return loss, metrics
+    return loss, clip_metrics(low, high, ratio, mask, kl)      # TRL's clip ratios, ratio_mean, kl
 
 
 # %% [markdown]
@@ -822,9 +737,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # %% [markdown]
-# The source's clipping example in numbers: the old policy gave a token 0.20, the new one
-# gives 0.24, so r = 1.2 = 1 + ε at ε = 0.2, exactly at the edge. A bit further and the
-# gradient is gone (notebook 02 sweeps this).
+# The source's clipping example: old 0.20, new 0.24, so r = 1.2 = 1 + ε, exactly at the edge.
 
 # %%
 from minirl.algo.losses import policy_loss  # noqa: E402
@@ -838,10 +751,8 @@ for new in (0.22, 0.24, 0.26):
           f"d loss/d ratio {r.grad.item():+.1f}")
 
 # %% [markdown]
-# The KL penalty is estimated from the sampled tokens alone: k3 = exp(d) − d − 1 with
-# d = log π_ref − log π, which is never negative and whose mean over tokens drawn from π is
-# KL(π ‖ π_ref) exactly. On a toy 3-token distribution, against the exact value; then the same
-# batch's loss without and with `beta`:
+# The KL from sampled tokens alone: k3 = exp(d) − d − 1, d = log π_ref − log π, never negative,
+# with mean KL(π ‖ π_ref) over tokens drawn from π. Against the exact value, then a loss with `beta`:
 
 # %%
 from minirl.algo.losses import kl_k3  # noqa: E402
@@ -870,35 +781,17 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # %% [markdown]
 # ## 5. The roles: actor, reference, critic
 #
-# Three models take part in the update, and each becomes a **role**: an object that owns
-# its model (and optimizer, if it trains) and answers the loop's questions about a batch.
-# The `Actor` is the policy being trained: its log-probs before the update, the update
-# itself, and the named weights the engine must receive. The `Reference` is a frozen copy
-# of the starting policy, for the KL penalty. The `Critic` (PPO only) estimates values and
-# trains toward the returns. Under FSDP (notebook 04) or inside a Ray actor (notebook 06) a
-# role keeps the same methods; only what sits inside changes.
+# Three models take part in the update, each a **role** that owns its model (and optimizer)
+# and answers the loop's questions about a batch; under FSDP (04) or in a Ray actor (06) a role
+# keeps its methods. The `Reference` (`minirl/roles/reference.py`) is a frozen copy of the
+# starting policy, for the KL. The `Critic` (PPO) is a **separate value model**
+# (`minirl/models/critic.py`): the policy's backbone, copied as OpenRLHF and veRL do, with a
+# zero-initialized scalar head; separate models keep separate optimizers and gradients.
 #
-# The critic needs a model first. PPO needs V(s_t) for every completion token. We choose the
-# clearest design that real systems also use: a **separate value model**, the policy's
-# backbone (copied, so it starts from the warm start's features, as OpenRLHF and veRL
-# initialize the critic from the actor or reward model) with a scalar linear head instead of
-# the language-model head. Sharing one backbone between actor and critic saves memory but
-# couples their gradients; with separate models each has its own optimizer, which is also
-# how veRL places them as separate roles (notebook 06). The head starts at zero, so the
-# first values are 0. That is `ValueModel` in `minirl/models/critic.py`; the `Reference` is a
-# frozen deep copy of the starting policy with one method, `logprobs(rollout)`
-# (`minirl/roles/reference.py`). Both are short enough to read there.
-#
-# The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
-# objective of section 4. `backward` computes each step's gradient in micro-batches of rows
-# of similar completion length, at most `max_tokens_per_microbatch` completion tokens each,
-# weighted so that their gradients add up to the whole batch's (section 11.4 says why and
-# how; this task's batches fit in one). A step whose loss or gradient norm is not finite is skipped
-# (`skipped` in the metrics), leaving the weights and Adam's moments untouched: one bad batch
-# must not poison hours of training. Its metrics also say how far the engine's behaviour
-# log-probs are from the trainer's (`logprob_diff_abs`, the `ratio/...` statistics), the
-# gauge notebook 02 is built around. The guards and the gauge live in
-# `minirl/runtime/gauges.py`.
+# The `Actor` runs `num_iterations` optimizer steps per batch, in micro-batches of similar
+# completion length (section 11.4). A step whose loss or gradient norm is not finite is skipped
+# (`skipped`), and its metrics hold notebook 02's gauge, `logprob_diff_abs`; the guards and
+# gauges live in `minirl/runtime/gauges.py`.
 
 # %%
 # | export minirl/roles/actor.py
@@ -926,8 +819,7 @@ from minirl.runtime.gauges import clipped_step, ratio_statistics
 from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
 # %% [markdown]
-# The actor itself: the policy and its optimizer, and the first thing the loop asks of it, the log-probs of a
-# rollout, computed in micro-batches.
+# The actor, and its first answer: the log-probs of a rollout, in micro-batches.
 
 # %%
 # | export minirl/roles/actor.py
@@ -966,9 +858,7 @@ class Actor:
         return out * rollout.completion_mask
 
 # %% [markdown]
-# The gradient of one batch: `backward` runs the micro-batches, weighting each so that their
-# gradients add up to the whole batch's, and stops backpropagating at the first non-finite
-# loss; `_loss` is the policy loss with this run's settings.
+# `backward` weights each micro-batch so that their gradients add up to the whole batch's.
 
 # %%
 # | export minirl/roles/actor.py
@@ -1018,9 +908,7 @@ def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
                        use_bias_correction_kl=algo.use_bias_correction_kl)
 
 # %% [markdown]
-# The second question, `update`: the optimizer steps on one batch, each skipped when its
-# loss or gradient norm is not finite. Then what the weight sync pushes (`named_weights`)
-# and what a checkpoint saves beside the weights (`state_dict`).
+# `update` steps the optimizer; `named_weights` is what the sync pushes.
 
 # %%
 # | export minirl/roles/actor.py
@@ -1116,8 +1004,7 @@ class Critic:
         self.optimizer.load_state_dict(state["optimizer"])
 
 # %% [markdown]
-# Ask the roles about the batch sampled above: the actor's log-probs are the engine's (same
-# weights, same precision), the fresh critic says 0 everywhere.
+# The actor's log-probs are the engine's; the fresh critic says 0 everywhere.
 
 # %%
 from minirl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
@@ -1203,6 +1090,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.arg_checks import check_reward_weights
 from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
@@ -1241,9 +1129,7 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
-                         "give one weight per function")
+    check_reward_weights(weights, reward_funcs)
     errors = []
     per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
                 for f in reward_funcs]                                                     # [N] each
@@ -1432,14 +1318,13 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.models.critic import ValueModel
-from minirl.models.policy import load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
-from minirl.runtime.inputs import check_run_inputs
+from minirl.runtime.inputs import run_inputs
 from minirl.sync.base import InProcessSync
-from minirl.tasks.task import Task, arithmetic_task
+from minirl.tasks.task import Task
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 # %% [markdown]
@@ -1635,24 +1520,14 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
           extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
-    model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
-    (training rows, reward functions and weights, held-out evaluation; default the embedded
-    arithmetic task); dataset, reward_funcs (with reward_weights) and eval_fn(model) -> 0..1
-    override the task's. out_dir, resume, overwrite, stop_after, extra_callbacks, run_info: as
+    model, tokenizer, task (default: the embedded policy and arithmetic task), dataset, reward_funcs,
+    reward_weights, eval_fn: as `minirl.runtime.inputs.run_inputs`; the other arguments: as
     `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
     """
     from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
 
-    if (model is None) != (tokenizer is None):
-        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
-    if model is None:
-        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
-    task = task or arithmetic_task()
-    rows = task.train if dataset is None else list(dataset)
-    if reward_funcs is None:
-        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
-    check_run_inputs(config, model, tokenizer, rows, reward_funcs)     # at the door, naming what is wrong
-    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
+    model, tokenizer, rows, reward_funcs, reward_weights, eval_fn = run_inputs(
+        config, model, tokenizer, task, dataset, reward_funcs, reward_weights, eval_fn, progress)
     state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
     return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,

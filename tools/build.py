@@ -114,7 +114,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/config.py", "minirl/data.py", "minirl/rollout/base.py", "minirl/rollout/hf.py",
                 "minirl/rollout/sampling.py", "minirl/rollout/shared_prefix.py", "minirl/runtime/gauges.py",
                 "minirl/sync/base.py", "minirl/runtime/loss_weights.py",
-                "minirl/models/critic.py", "minirl/roles/reference.py")
+                "minirl/models/critic.py", "minirl/roles/reference.py",
+                # notebook 01, second cut: the argument checks of its functions
+                "minirl/runtime/arg_checks.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -18,12 +18,12 @@ __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log
 import torch
 from torch import Tensor
 
+from minirl.runtime.arg_checks import check_logit_args, check_same_shape
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of `values` where `mask` is 1. values, mask: [B, T] (same shape)."""
-    if values.shape != mask.shape:
-        raise ValueError(f"masked_sum: values {tuple(values.shape)} and mask {tuple(mask.shape)} "
-                         "must have the same shape [B, T]")
+    check_same_shape("masked_sum", values, mask)
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
 
 
@@ -79,10 +79,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
     result up to float rounding.
     """
-    if temperature <= 0:
-        raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
-    if num_generations < 1:
-        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
+    check_logit_args(temperature, num_generations)
     C = num_completion_tokens
     if num_generations > 1:
         from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)

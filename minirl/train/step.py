@@ -30,6 +30,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.arg_checks import check_reward_weights
 from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
@@ -68,9 +69,7 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
-                         "give one weight per function")
+    check_reward_weights(weights, reward_funcs)
     errors = []
     per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
                 for f in reward_funcs]                                                     # [N] each
