@@ -45,7 +45,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     Position ids come from the mask, exactly as `generate` derived them when it sampled, so
     rollout and trainer agree. num_generations=1 runs one forward pass over every row.
     num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
+    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
     result up to float rounding.
     """
     check_logit_args(temperature, num_generations)

@@ -45,9 +45,6 @@
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -181,7 +178,7 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
     Position ids come from the mask, exactly as `generate` derived them when it sampled, so
     rollout and trainer agree. num_generations=1 runs one forward pass over every row.
     num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
+    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
     result up to float rounding.
     """
     check_logit_args(temperature, num_generations)
@@ -537,7 +534,7 @@ def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_len
 # %% [markdown]
 # ### 4.1 One entry per loss type
 #
-# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 11.4)
+# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 10.4)
 # or a data-parallel rank (notebook 04) is weighted by its share of the normalizer (rows for
 # `grpo` and `dr_grpo`, tokens for the others), so splitting the work never changes the loss.
 # The weights are arithmetic in `minirl/runtime/loss_weights.py`. `register_loss_type` refuses
@@ -786,10 +783,11 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # keeps its methods. The `Reference` (`minirl/roles/reference.py`) is a frozen copy of the
 # starting policy, for the KL. The `Critic` (PPO) is a **separate value model**
 # (`minirl/models/critic.py`): the policy's backbone, copied as OpenRLHF and veRL do, with a
-# zero-initialized scalar head; separate models keep separate optimizers and gradients.
+# zero-initialized scalar head; separate models keep separate optimizers and gradients. Its role,
+# `Critic` (`minirl/roles/critic.py`), fits the values to the returns with `value_loss` (§4).
 #
 # The `Actor` runs `num_iterations` optimizer steps per batch, in micro-batches of similar
-# completion length (section 11.4). A step whose loss or gradient norm is not finite is skipped
+# completion length (section 10.4). A step whose loss or gradient norm is not finite is skipped
 # (`skipped`), and its metrics hold notebook 02's gauge, `logprob_diff_abs`; the guards and
 # gauges live in `minirl/runtime/gauges.py`.
 
@@ -801,7 +799,7 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 `update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
 `named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
 a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
-length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
+length (section 10.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
 optimizer step per batch and iteration, no learning-rate schedule.
 """
 
@@ -835,11 +833,11 @@ class Actor:
                                            weight_decay=optimizer.weight_decay)
 
     def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """The rows of each micro-batch of this rollout (section 11.4)."""
+        """The rows of each micro-batch of this rollout (section 10.4)."""
         return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
 
     def _shares_prompt(self) -> bool:
-        return True                          # each group's prompt computed once (section 11.1)
+        return True                          # each group's prompt computed once (section 10.1)
 
     def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
         return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,
@@ -950,59 +948,6 @@ def state_dict(self) -> dict:
 def load_state_dict(self, state: dict) -> None:
     self.optimizer.load_state_dict(state["optimizer"])
 
-# %%
-# | export minirl/roles/critic.py
-"""The critic (PPO): a value model and its optimizer; values before the update, and its own update.
-
-Simplified vs TRL's PPOTrainer / veRL: one clipped value-loss step per batch.
-"""
-
-import torch
-from torch import Tensor
-
-from minirl.algo.logprobs import masked_mean
-from minirl.algo.losses import value_loss
-from minirl.config import AlgorithmConfig, OptimizerConfig
-from minirl.data import Experience, Rollout
-from minirl.models.critic import ValueModel
-from minirl.runtime.gauges import optimizer_step
-
-
-class Critic:
-    """V(s_t) for every completion token, fitted to the GAE returns."""
-
-    def __init__(self, value_model: ValueModel, algorithm: AlgorithmConfig, optimizer: OptimizerConfig):
-        self.model = value_model.eval()
-        self.algorithm = algorithm
-        self.max_grad_norm = optimizer.max_grad_norm
-        self.optimizer = torch.optim.AdamW(value_model.parameters(), lr=optimizer.value_learning_rate,
-                                           weight_decay=optimizer.weight_decay)
-
-    @torch.no_grad()
-    def values(self, rollout: Rollout) -> Tensor:
-        """[N, C] float32 values of the states before each completion token; 0 after the completion."""
-        return self.model(rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens) \
-            * rollout.completion_mask
-
-    def update(self, exp: Experience) -> dict:
-        """One clipped value-loss step toward `exp.returns`."""
-        ro = exp.rollout
-        self.model.train()
-        values = self.model(ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
-        loss = value_loss(values, exp.values, exp.returns, ro.completion_mask, self.algorithm.cliprange_value,
-                          self.algorithm.loss_type)
-        stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
-        self.model.eval()
-        return {"value_loss": loss.item(), "value_grad_norm": grad_norm, "value_skipped": int(not stepped),
-                "value_mean": masked_mean(exp.values, ro.completion_mask).item()}
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
 # %% [markdown]
 # The actor's log-probs are the engine's; the fresh critic says 0 everywhere.
 
@@ -1020,19 +965,12 @@ print("critic values [N, C]:", critic.values(ro).abs().max().item())
 # %% [markdown]
 # ## 6. Synchronize, and the step
 #
-# Step 4 of the loop gets an interface of its own, because it is the step that changes most
-# from stage to stage: here the engine lives in this process and copies the trainer's
-# tensors; in notebook 04 the tensors are first gathered from shards (or a LoRA adapter is
-# merged); in notebook 06 they are broadcast to another process. Every variant ends with the
-# same check (the engine reports the version just pushed) and returns what it moved, so the
-# sync's share of a step can be measured the same way everywhere (the source's symptom table
-# flags synchronization above 5 % of the step).
-#
-# The interface is `minirl/sync/base.py`: a `WeightSync` has one method,
-# `push(named_weights, engine, version)`, returning a `SyncReport` (the version the engine now
-# holds, the tensors and bytes moved, the seconds). Stage 1's `InProcessSync` hands the
-# actor's tensors to the engine's `load_weights`, then checks the version the engine reports.
-# Update the actor once on the batch above, push, and ask the engine for the old version:
+# Step 4 changes most from stage to stage: here the engine copies the trainer's tensors in
+# this process; notebook 04 gathers them from shards first, notebook 06 broadcasts them. So it
+# has an interface, `WeightSync.push(named_weights, engine, version)` (`minirl/sync/base.py`),
+# which checks the version the engine reports and returns what it moved, so the sync's share of
+# a step is measured the same way everywhere (the source flags more than 5 %). Update, push,
+# and ask the engine for the old version:
 
 # %%
 from minirl.data import Experience  # noqa: E402
@@ -1053,15 +991,9 @@ except VersionMismatchError as err:
     print("VersionMismatchError:", err)
 
 # %% [markdown]
-# The update needs more than the rollout: the trainer's log-probs before the update, the
-# reference's, the critic's values, the advantages, and (with notebook 02's correction) the
-# importance weights. An `Experience` (`minirl/data.py`) holds them beside the rollout.
-#
-# Now the step. `sample_prompts` draws B rows without replacement from a seeded generator;
-# `score` calls the reward functions with TRL's signature and weighs them as TRL's
-# `reward_weights`. Its checks (a wrong number of rewards, a non-numeric or non-finite one is an
-# error naming the function; with `reward_errors="zero"` a failing sample scores 0 and is
-# counted) live in `minirl/runtime/reward_calls.py`.
+# Now the step. `sample_prompts` draws B rows from a seeded generator; `score` calls the reward
+# functions with TRL's signature and weighs them as TRL's `reward_weights` (its checks live in
+# `minirl/runtime/inputs.py`).
 
 # %%
 # | export minirl/train/step.py
@@ -1141,13 +1073,9 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
     return total, metrics
 
 # %% [markdown]
-# Between scoring and the update come the quantities the update needs, each in its own
-# stage: `make_experience` asks the roles (no gradients), the behaviour corrections run
-# (`correct_behaviour`: none yet; notebook 02 registers its truncated importance sampling
-# in `BEHAVIOUR_CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
-# `compute_advantages` turns rewards into advantages, GRPO's group-normalized ones or PPO's
-# GAE over per-token rewards (the KL penalty, for PPO, is part of the reward, as in TRL's
-# PPOTrainer).
+# Between scoring and the update: `make_experience` asks the roles (no gradients), the
+# behaviour corrections run (none yet; notebook 02 registers one), and `compute_advantages`
+# gives GRPO's group-normalized advantages or PPO's GAE (PPO's KL is part of its reward).
 
 # %%
 # | export minirl/train/step.py
@@ -1203,11 +1131,8 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) 
     return exp
 
 # %% [markdown]
-# And the step itself, in the source's order. It talks to the seams only through their
-# methods: an engine, the roles, a sync. Read it top to bottom; this is the function every
-# later stage runs. Its middle, from the batch and its rewards to the updated roles, is a
-# function of its own, `learn`: notebook 07's asynchronous trainer takes its batches from a
-# queue instead of an engine call and runs this same `learn` on them.
+# The update half, `learn`, is a function of its own: notebook 07's asynchronous trainer runs it
+# on batches from a queue.
 
 # %%
 # | export minirl/train/step.py
@@ -1244,8 +1169,7 @@ def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tenso
 
 
 # %% [markdown]
-# `rl_step` puts `learn` between the engine's `generate` and the sync's `push`: the four steps
-# of the loop, in the source's order.
+# `rl_step`, the function every later stage runs: the four steps, in the source's order.
 
 # %%
 # | export minirl/train/step.py
@@ -1269,8 +1193,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 
 # %% [markdown]
-# One step by hand, with fresh roles around the policy and an engine at version 0: the
-# record says what the step did, and the engine now holds version 1.
+# One step by hand: the record says what it did, and the engine now holds version 1.
 
 # %%
 from minirl.rollout.registry import build_engine  # noqa: E402
@@ -1291,48 +1214,17 @@ print("engine version:", step_engine.version, "| seconds by stage:",
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
 #
-# A run repeats the step and does a few other jobs around it: evaluate now and then, log
-# every step, save checkpoints, show progress. Each job is a small **callback** that sees
-# every record; the loop itself stays a few lines long (minGPT keeps its trainer short the
-# same way). `train` builds the state and hands it to `run_in_dir`, which opens the run
-# directory, resumes, sets up the callbacks and calls `run`; later stages (the Ray driver of
-# notebook 06) call `run_in_dir` with their own step functions. The callbacks, run
-# directories, resume, stops and checkpoint files live in `minirl/runtime/callbacks.py` and
-# `minirl/runtime/checkpoint.py`; we only call them.
-
-# %%
-# | export minirl/train/run.py
-"""A run: build the roles, the engine and the sync; then step, and hand each record to callbacks.
-
-`run(state, step_fn, callbacks, steps)` is the whole loop: it calls the step and passes each
-record to the callbacks, which do everything else a run needs (evaluate, log JSON lines,
-checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
-stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
-own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
-"""
-
-import time
-from dataclasses import dataclass, field
-
-import torch
-
-from minirl.config import RLConfig
-from minirl.models.critic import ValueModel
-from minirl.roles.actor import Actor
-from minirl.roles.critic import Critic
-from minirl.roles.reference import Reference
-from minirl.rollout.registry import build_engine
-from minirl.runtime.inputs import run_inputs
-from minirl.sync.base import InProcessSync
-from minirl.tasks.task import Task
-from minirl.train.step import Roles, rl_step, sample_prompts
+# A run repeats the step; every other job (evaluate, log, checkpoint, show progress) is a small
+# **callback** that sees every record, so the loop stays a few lines long: `run(state, step_fn,
+# callbacks, steps)` calls the step and hands each record to every callback's `on_step`.
+# `setup` builds a stage-1 run's state (the roles for the config, an engine at version 0, an
+# in-process sync, a seeded generator), `stage1_step` draws the prompts and calls `rl_step`, and
+# `train` adds a run directory, evaluation, log and progress. They are plain code to read in
+# `minirl/train/run.py`; callbacks and checkpoints live in `minirl/runtime/`.
 
 # %% [markdown]
-# The engine that `rollout_engine` names comes from a registry owned by the rollout layer: a
-# name maps to a factory that imports its backend only when it builds it, and every stage
-# builds its engine through `build_engine`. This notebook registers its two engines; notebook
-# 04 registers vLLM and notebook 05 its paged engine, each in the notebook that builds it, so
-# no stage's code names a backend.
+# The engine `rollout_engine` names comes from a registry: a name maps to a factory that
+# imports its backend only when it builds. Notebooks 04 and 05 register vLLM and a paged engine.
 
 # %%
 # | export minirl/rollout/registry.py
@@ -1403,140 +1295,12 @@ def build_hf(config: RLConfig, model, tokenizer, device, **options):
 
 @register_engine("shared_prefix")
 def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
-    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    """Each prompt prefilled once for its G samples (section 10); options: none used."""
     from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
     return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
 
 # %% [markdown]
-# The parts of a run, built from its config: the roles for a model (and the engine, from the
-# registry above).
-
-# %%
-# | export minirl/train/run.py
-def build_roles(config: RLConfig, model) -> Roles:
-    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device in
-    config.policy_dtype (a no-op for the float32 policy on a CPU)."""
-    dtype = getattr(torch, config.policy_dtype)
-    model.to(device=config.run.device, dtype=dtype).eval()
-    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
-    critic = None
-    if config.algorithm.algo == "ppo":
-        critic = Critic(ValueModel.from_policy(model).to(dtype), config.algorithm, config.optimizer)
-    return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
-
-
-
-# %% [markdown]
-# What a run holds between steps (`RunState`), the hooks of a callback, and the loop that
-# drives the step function.
-
-# %%
-# | export minirl/train/run.py
-@dataclass
-class RunState:
-    """Everything a run changes, and what a checkpoint restores."""
-
-    config: RLConfig
-    roles: Roles
-    engine: object                          # a RolloutEngine
-    sync: object                            # a WeightSync
-    generator: torch.Generator              # draws the prompts and the sampling seeds
-    rows: list[dict]                        # the dataset
-    reward_funcs: list
-    reward_weights: list[float] | None = None   # one per reward function (None: 1 each)
-    step: int = 0
-    metrics: list[dict] = field(default_factory=list)
-    interrupted: bool = False
-
-    def extra_state(self) -> dict:
-        """What a later stage adds to a checkpoint ({} here; notebook 07 saves its queue)."""
-        return {}
-
-    def load_extra_state(self, extra: dict) -> None:
-        """Restore what `extra_state` returned (nothing here)."""
-
-
-class Callback:
-    """Hooks of a run; each does one job. on_end runs last, also after an error (see state.interrupted)."""
-
-    def on_start(self, state: RunState) -> None: ...
-
-    def on_step(self, state: RunState, record: dict) -> None: ...
-
-    def on_end(self, state: RunState) -> None: ...
-
-
-class RunStopped(Exception):
-    """Raised by `minirl.runtime.callbacks.StopAfter`: the run stopped on purpose before its last step."""
-
-
-def run(state: RunState, step_fn, callbacks: list[Callback], steps: int) -> list[dict]:
-    """Call step_fn(state) until `steps` steps are done; each record goes through every callback in order."""
-    for cb in callbacks:
-        cb.on_start(state)
-    try:
-        while state.step < steps:
-            start = time.perf_counter()
-            record = step_fn(state)
-            state.step += 1
-            record = {"step": state.step, **record, "time/step": time.perf_counter() - start}
-            state.metrics.append(record)
-            for cb in callbacks:
-                cb.on_step(state, record)
-    except BaseException:
-        state.interrupted = True
-        raise
-    finally:
-        for cb in callbacks:
-            cb.on_end(state)
-    return state.metrics
-
-# %% [markdown]
-# Assembling a stage-1 run: the roles for the model, an engine holding version 0, an
-# in-process sync, a generator for prompts and sampling seeds. `train` wires them to a task
-# and hands the state to `run_in_dir` (`minirl/runtime/callbacks.py`), which adds the run
-# directory, the checkpoints, the evaluation, the log and the progress bar.
-
-# %%
-# | export minirl/train/run.py
-def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
-          reward_weights: list[float] | None = None) -> RunState:
-    """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
-    roles = build_roles(config, model)
-    return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
-                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs, reward_weights)
-
-
-def stage1_step(state: RunState) -> dict:
-    """Stage 1's step: draw this step's prompts, then `rl_step`."""
-    rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
-    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator,
-                   reward_weights=state.reward_weights)
-
-
-def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None, *, out_dir=None,
-          resume: bool = False, overwrite: bool = False, progress: bool = True, reward_funcs=None,
-          reward_weights=None, dataset=None, eval_fn=None, stop_after: int | None = None,
-          extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
-    """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
-
-    model, tokenizer, task (default: the embedded policy and arithmetic task), dataset, reward_funcs,
-    reward_weights, eval_fn: as `minirl.runtime.inputs.run_inputs`; the other arguments: as
-    `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
-    """
-    from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
-
-    model, tokenizer, rows, reward_funcs, reward_weights, eval_fn = run_inputs(
-        config, model, tokenizer, task, dataset, reward_funcs, reward_weights, eval_fn, progress)
-    state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
-    return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
-                      eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
-                      stop_after=stop_after, run_info=run_info)
-
-
-# %% [markdown]
-# The loop with a callback of our own, and no run directory: `setup` builds the state, `run`
-# drives `stage1_step` for three steps, and the callback sees every record.
+# The loop with a callback of our own, and no run directory:
 
 # %%
 from minirl.train.run import Callback, run, setup, stage1_step  # noqa: E402
@@ -1701,66 +1465,20 @@ print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f}
 # the accuracy plot shows how close the two algorithms land after the same steps.
 
 # %% [markdown]
-# ## 10. Bad input fails early, with the parameter's name
+# ## 10. Speed: share the prompt, then race TRL's GRPOTrainer
 #
-# A loop that runs for hours must fail in the first second when it is misconfigured, and
-# must not corrupt its weights when one batch goes wrong. A few of the checks:
-
-# %%
-def show(fn):
-    try:
-        fn()
-    except (ValueError, RuntimeError) as err:
-        print(f"{type(err).__name__}: {err}")
-
-
-show(lambda: RLConfig.from_flat(num_generations=1))
-show(lambda: RLConfig.from_flat(loss_type="ppo"))
-show(lambda: RLConfig.from_flat(max_completion_length=0))
-show(lambda: train(RLConfig.from_flat(steps=1), model, tokenizer, dataset=[], progress=False))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
-                   reward_funcs=[lambda prompts, completions, **kw: [1.0]]))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
-                   reward_funcs=[lambda prompts, completions, **kw: ["good"] * len(completions)]))
-
-# %% [markdown]
-# And a non-finite loss skips the optimizer step (logged as `skipped`), leaving the weights
-# as they were:
-
-# %%
-from minirl.data import Experience  # noqa: E402
-
-actor = Actor(model, AlgorithmConfig(), OptimizerConfig(), SamplingConfig(num_generations=2))
-batch2 = HFEngine(model, tokenizer).generate(["1+2=", "3+4="], SamplingConfig(num_generations=2))
-before = {k: v.clone() for k, v in model.state_dict().items()}
-out = actor.update(Experience(batch2, torch.zeros(4), advantages=torch.full((4,), float("nan"))))
-print("skipped:", out["skipped"], "| weights unchanged:",
-      all(torch.equal(v, before[k]) for k, v in model.state_dict().items()))
-
-# %% [markdown]
-# ## 11. Speed: share the prompt, then race TRL's GRPOTrainer
+# minirl's stage 1 is TRL's design, and `tests/test_trl_parity.py` checks that both compute the
+# same loss and gradients; a faster loop must do *less* arithmetic. The G = 8 completions of a
+# prompt all begin with it, and the simple path computes it 8 times, twice over (in `generate`
+# and in the update). The source lists prefix caching among the core GRPO optimizations.
 #
-# The source's framework table puts TRL at "single process, HF generate, learners and
-# prototypes". minirl's stage 1 is the same design, and `tests/test_trl_parity.py` checks that
-# the two compute the same loss and gradients on the same batch. Doing the same arithmetic they
-# should take about the same time, so a faster loop must do *less* arithmetic without changing
-# what it computes. There is such arithmetic: the G = 8 completions of a prompt all begin with
-# that prompt, and the simple path computes it 8 times, twice over (`generate` prefills B × G
-# rows, and the update runs forward and backward over all B × G × (P + C) tokens). The source
-# lists prefix caching among the core GRPO optimizations of rollout engines; the same idea works
-# in the trainer.
+# ### 10.1 The update: one prompt pass per group
 #
-# ### 11.1 The update: one prompt pass per group
-#
-# Run the B distinct prompts once with a KV cache, keep the last position's logits (they
-# predict the first completion token of all G samples), repeat the cache G times, and run the
-# N = B × G completions against it with the positions derived from the mask. Nothing is
-# approximated: every completion token attends to the same keys and values as in one long
-# forward pass, and backpropagation sums the G copies' gradients into the one prompt pass
-# (the chain rule for an activation used G times). `completion_logprobs(..., num_generations=G)`
-# takes this path; the code is in `minirl/runtime/prefix_sharing.py`. Check it on a real batch,
-# log-probs and gradients of the same random loss both ways; a "group" whose rows do not share
-# their prompt is refused rather than silently mis-scored.
+# Run the B prompts once with a KV cache, repeat the cache G times, and run the N = B × G
+# completions against it. Nothing is approximated: each token attends to the same keys and
+# values, and backpropagation sums the G copies' gradients into the one prompt pass.
+# `completion_logprobs(..., num_generations=G)` takes this path (`minirl/runtime/prefix_sharing.py`).
+# Log-probs and gradients of the same random loss, both ways:
 
 # %%
 model, tokenizer, _ = load_default_policy()
@@ -1788,13 +1506,10 @@ print(f"rows {ids.shape[0]} = {len(prompts16)} prompts x G={G}, P={batch.prompt_
 print(f"max |log p(one pass) - log p(shared prefix)| = {(one_pass - shared)[m].abs().max().item():.1e}")
 print(f"max |gradient difference| / max |gradient| = "
       f"{grad_err / max(a.abs().max().item() for a in one_grads):.1e}")
-show(lambda: completion_logprobs(model, ids, mask, C, num_generations=2 * G))   # groups of 16 span two prompts
 
 # %% [markdown]
-# What it saves per update (forward and backward, median of interleaved repeats; the timing
-# helper is `minirl.runtime.timing.median_ms`). The prompt columns shrink from N × P to B × P
-# tokens, 1/G of them; the completion tokens are all still computed, so the whole pass shrinks
-# less than G-fold.
+# What it saves per update: prompt tokens shrink G-fold, completion tokens do not, so the pass
+# shrinks less than G-fold.
 
 # %%
 from minirl.runtime.timing import median_ms  # noqa: E402
@@ -1811,10 +1526,8 @@ speedup = update_ms["one pass over N rows"] / update_ms["shared prefix"]
 print(f"speedup of the update: {speedup:.2f}x, {'less' if speedup < G else 'NOT less'} than G = {G}-fold")
 
 # %% [markdown]
-# The source's figure for prefix caching, against the count. Computing a prompt once instead of
-# G times saves 1 − 1/G; the source's range does not follow from G = 8 alone (a cache of whole
-# blocks, as vLLM's, recomputes a prompt's partial last block, which lowers the saving for
-# short prompts).
+# The source's figure for prefix caching, against the count: a prompt once instead of G times
+# saves 1 − 1/G (a block cache, as vLLM's, recomputes a partial last block, saving less).
 
 # %%
 saved = 1 - 1 / G
@@ -1823,18 +1536,13 @@ print(f"{f'prefix compute saved, G = {G}':32} | {'70-80 %':8} | {100 * saved:6.1
       + ("agrees (inside the range)" if 0.70 <= saved <= 0.80 else "differs (outside the range)"))
 
 # %% [markdown]
-# ### 11.2 Generation: prefill once, sample in a plain loop
+# ### 10.2 Generation: prefill once, sample in a plain loop
 #
-# The rollout engine can share the prompt the same way: prefill each prompt once, repeat its
-# cache G times, then decode the N rows token by token with nothing but softmax(logits / τ) and
-# one multinomial draw per row (HF `generate` wraps every decoding step in machinery that a
-# 1 M-parameter model feels). That is `SharedPrefixEngine` (`minirl/rollout/shared_prefix.py`,
-# the default `rollout_engine`), and its sampling step, `sample_tokens`
-# (`minirl/rollout/sampling.py`), is shared by every hand-written decoding loop of minirl
-# (notebook 05's paged engine too), so a behaviour log-prob means the same thing in every
-# engine. With one seed both engines draw the same random numbers, but the prefill of B rows
-# instead of B × G rounds differently, so a draw on the boundary between two tokens can flip:
-# the distribution is the same, not necessarily every sample.
+# The engine can share the prompt too: prefill once, repeat the cache G times, then decode with
+# softmax(logits / τ) and one multinomial draw per row. That is `SharedPrefixEngine`
+# (`minirl/rollout/shared_prefix.py`, the default), whose `sample_tokens` every hand-written
+# decoding loop of minirl shares. Same seed, same distribution; a draw on a boundary between two
+# tokens can flip, since B rows round differently from B × G.
 
 # %%
 from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
@@ -1854,57 +1562,14 @@ print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} m
       f"{generate_ms['shared_prefix']:.1f} ms ({generate_ms['hf'] / generate_ms['shared_prefix']:.1f}x)")
 
 # %% [markdown]
-# ### 11.3 The race: minirl against TRL's GRPOTrainer
+# ### 10.3 Against TRL, and long completions
 #
-# `benchmarks/grpo_vs_trl.py` runs both trainers interleaved in one process on the same
-# policy, prompts and settings (TRL's bf16 autocast and gradient checkpointing off, so that both
-# do the same arithmetic). On this path TRL 1.16 generates with HF `generate` over the B × G
-# repeated prompts and scores all B × G full sequences: minirl's simple path. So the gap
-# should be what 11.1 and 11.2 saved, plus TRL's extra layers, which should be small; that rest
-# also holds the timing noise, so on a loaded machine it can come out above a tenth. The cell
-# runs a short benchmark (skipped in smoke mode); `benchmarks/README.md` has longer runs.
-
-# %%
-bench = ROOT / "benchmarks" / "grpo_vs_trl.py"
-bench_out = Path(os.environ.get("MINIRL_RUNS", "runs")) / "01_bench"
-if SMOKE:
-    print("smoke mode: skipping the TRL benchmark")
-elif not bench.exists():
-    print("benchmarks/grpo_vs_trl.py not found: the benchmark is not part of this checkout")
-else:
-    proc = subprocess.Popen([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
-                            stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:                       # its lines as they come (it takes a while): the progress
-        if not line.startswith("{"):               # not TRL's log dict
-            print(line, end="", flush=True)
-    assert proc.wait() == 0, f"{bench} failed"
-    result = json.loads((bench_out / "summary.json").read_text())
-    trl_ms, minirl_ms = 1000 * result["trl_median_seconds"], 1000 * result["minirl_median_seconds"]
-    saved_update = update_ms["one pass over N rows"] - update_ms["shared prefix"]
-    saved_generate = generate_ms["hf"] - generate_ms["shared_prefix"]
-    print(f"\n{'per step (ms)':44} | measured")
-    print(f"{'TRL GRPOTrainer':44} | {trl_ms:8.1f}")
-    print(f"{'minirl':44} | {minirl_ms:8.1f}")
-    print(f"{'gap':44} | {trl_ms - minirl_ms:8.1f}")
-    print(f"{'  saved by sharing the prompt in the update':44} | {saved_update:8.1f}  (section 11.1)")
-    print(f"{'  saved by sharing the prefill in generation':44} | {saved_generate:8.1f}  (section 11.2)")
-    print(f"{'  rest (TRL overhead, noise)':44} | {trl_ms - minirl_ms - saved_update - saved_generate:8.1f}")
-    rest = (trl_ms - minirl_ms - saved_update - saved_generate) / trl_ms
-    print(f"TRL's extra layers (the rest): {100 * rest:+.1f} % of TRL's step -> "
-          + ("less than a tenth" if rest < 0.1 else "NOT less than a tenth")
-          + " (the rest also holds the timing noise: see the load average above)")
-
-# %% [markdown]
-# ### 11.4 Long completions: the update at the cost of real tokens
-#
-# With long, uneven completions one pass padded to the longest computes mostly padding. So the
-# actor updates in micro-batches of rows of similar length (at most `max_tokens_per_microbatch`
-# completion tokens each, each padded to its own longest row, every group's prompt still
-# computed once), each loss weighted by its share of the loss type's normalizer (section 4.1):
-# the loss and its gradient are the whole batch's. The machinery is `MicroBatchedLogprobs` in
-# `minirl/runtime/prefix_sharing.py`; `tests/test_packed_update.py` checks the gradients, and
-# the benchmark's `--workload long` measures the saving (`benchmarks/README.md`). On a GPU, set
-# the budget to thousands of tokens; `max_tokens_per_microbatch=0` gives the one padded pass.
+# `benchmarks/grpo_vs_trl.py` races minirl against TRL's GRPOTrainer on the same policy and
+# batch: TRL's path is minirl's simple one, so the gap should be what 10.1 and 10.2 saved
+# (`benchmarks/README.md` has the runs). With long, uneven completions one padded pass computes
+# mostly padding, so the actor updates in micro-batches of similar length (at most
+# `max_tokens_per_microbatch` tokens), each weighted by its share of the normalizer (section
+# 4.1): the gradient is the whole batch's (`minirl/runtime/prefix_sharing.py`).
 
 # %% [markdown]
 # ## Exercises

@@ -116,7 +116,8 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/sync/base.py", "minirl/runtime/loss_weights.py",
                 "minirl/models/critic.py", "minirl/roles/reference.py",
                 # notebook 01, second cut: the argument checks of its functions
-                "minirl/runtime/arg_checks.py")
+                "minirl/runtime/arg_checks.py", "minirl/roles/critic.py",
+                "minirl/train/run.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -5,7 +5,7 @@
 `update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
 `named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
 a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
-length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
+length (section 10.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
 optimizer step per batch and iteration, no learning-rate schedule.
 """
 
@@ -37,11 +37,11 @@ class Actor:
                                            weight_decay=optimizer.weight_decay)
 
     def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """The rows of each micro-batch of this rollout (section 11.4)."""
+        """The rows of each micro-batch of this rollout (section 10.4)."""
         return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
 
     def _shares_prompt(self) -> bool:
-        return True                          # each group's prompt computed once (section 11.1)
+        return True                          # each group's prompt computed once (section 10.1)
 
     def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
         return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,

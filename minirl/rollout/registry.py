@@ -72,7 +72,7 @@ def build_hf(config: RLConfig, model, tokenizer, device, **options):
 
 @register_engine("shared_prefix")
 def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
-    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    """Each prompt prefilled once for its G samples (section 10); options: none used."""
     from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
     return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
 

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """A run: build the roles, the engine and the sync; then step, and hand each record to callbacks.
 
 `run(state, step_fn, callbacks, steps)` is the whole loop: it calls the step and passes each
@@ -6,6 +5,11 @@ record to the callbacks, which do everything else a run needs (evaluate, log JSO
 checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
 stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
 own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
+
+Hand-written beside its concept: notebook 01 builds the step (`minirl.train.step.rl_step`) and
+uses this loop around it. `build_roles` makes the roles a config asks for (a reference when
+beta > 0, a critic for PPO); `setup` the state of a fresh stage-1 run; `stage1_step` draws the
+step's prompts and calls `rl_step`.
 """
 
 __all__ = ["build_roles", "RunState", "Callback", "RunStopped", "run", "setup", "stage1_step",
