@@ -42,11 +42,8 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
-    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
-    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
-    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
-    result up to float rounding.
+    Position ids come from the mask, as `generate` derived them. num_generations=G > 1: rows
+    i*G .. i*G+G-1 share one prompt, which then runs once (`shared_prefix_logits`, section 10).
     """
     check_logit_args(temperature, num_generations)
     C = num_completion_tokens

@@ -14,11 +14,9 @@
 # %% [markdown]
 # # 01 · The single-process loop that really learns
 #
-# **By the end of this notebook you can** write every piece of a GRPO or PPO step yourself
-# (per-token log-probs, group-normalized advantages, GAE with a critic, the clipped
-# objective, the four ways TRL aggregates a loss, the KL to a reference model) and run the
-# whole loop, generate → reward → update → synchronize, in one Python process until the
-# tiny policy of notebook 00 gains tens of points of held-out accuracy.
+# **By the end of this notebook you can** write every piece of a GRPO or PPO step (log-probs,
+# advantages, GAE, the clipped objective, TRL's loss aggregations, the KL) and run the loop in one
+# process until notebook 00's tiny policy gains tens of points of held-out accuracy.
 #
 # Every framework the source surveys, from TRL to veRL, runs the same four steps; they differ
 # in *where* each runs. TRL runs all four in one process: the stage we build here, around four
@@ -100,13 +98,9 @@ plt.show()
 # | export minirl/algo/logprobs.py
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
-Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
-left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
-at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
-shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`).
-
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits are cast
-to float32 before the temperature is applied (TRL divides first, in the model's dtype).
+`completion_logprobs`: log π(y_t | x, y_<t) of each completion token, at the sampling temperature,
+in float32. Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits
+are cast to float32 before the temperature is applied (TRL divides first, in the model's dtype).
 """
 import torch
 from torch import Tensor
@@ -175,11 +169,8 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
-    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
-    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
-    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 10), with the same
-    result up to float rounding.
+    Position ids come from the mask, as `generate` derived them. num_generations=G > 1: rows
+    i*G .. i*G+G-1 share one prompt, which then runs once (`shared_prefix_logits`, section 10).
     """
     check_logit_args(temperature, num_generations)
     C = num_completion_tokens
@@ -253,12 +244,10 @@ for name, net in (("qwen2", model), ("gpt2", gpt2)):
 #   side by side, with the engine's **behaviour log-probs** and the policy **version** that
 #   sampled them; an `Experience` adds what the update needs. Both `split(n)` into whole groups
 #   and `Batch.concat` back: all that notebooks 04 and 06 need to move them.
-# - **The rollout engine** (`minirl/rollout/base.py`): in TRL the sampling model is the trained
-#   one; in every distributed system it is a *copy*. minirl keeps the copy even here, so step 4
-#   is an explicit call with a version. `RolloutEngine` asks for `generate(prompts, sampling,
-#   expected_version)` and `load_weights(named_tensors, version)`, and refuses another version
-#   than the loop expects. `HFEngine` (`minirl/rollout/hf.py`) samples with HF `generate` and
-#   records each token's log-prob from the logits it sampled from.
+# - **The rollout engine** (`minirl/rollout/base.py`): in every distributed system the sampling
+#   model is a *copy*; minirl keeps one even here, so step 4 is an explicit call with a version.
+#   `generate(prompts, sampling, expected_version)` refuses another version than the loop's;
+#   `load_weights(named_tensors, version)` takes the new one. `HFEngine` samples with HF `generate`.
 
 # %%
 import dataclasses  # noqa: E402
@@ -309,25 +298,20 @@ print("max |engine - trainer| log-prob:", (ro.logprobs - trainer_logps * ro.comp
 #
 # **GRPO** needs no critic: each of a prompt's G completions is scored against its siblings,
 # A_i = (r_i − mean(r_group)) / (std(r_group) + 1e-4); a group of equal rewards teaches nothing.
-# TRL's three scalings, down to the unbiased std and the 1e-4:
+# TRL's three scalings, down to the unbiased std and the 1e-4, are exercise 1.2:
 #
 # | `scale_rewards` | divide by | from |
 # |---|---|---|
 # | `"group"` | the group's std | GRPO (DeepSeekMath) |
 # | `"batch"` | the whole batch's std | Hu et al., REINFORCE++ style; more robust to easy groups |
 # | `"none"` | nothing | Dr. GRPO: the std division biases toward too easy and too hard prompts |
-#
-# This is exercise 1.2.
 
 # %%
 # | export minirl/algo/advantages.py
 """Advantages: group-normalized (GRPO, no critic) and GAE (PPO, with a critic).
 
-Simplified vs production: GRPO advantages follow TRL's GRPOTrainer exactly for one reward
-function (no multi-objective aggregation, no NaN-aware means); GAE follows the classic
-recursion over a right-padded completion, one value per token, as TRL's PPOTrainer and
-veRL's `compute_gae_advantage_return`, without the KL-in-reward bookkeeping, which the
-loop does when it builds per-token rewards.
+GRPO's follow TRL's GRPOTrainer (no NaN-aware means); GAE the classic recursion over a
+right-padded completion, as TRL's PPOTrainer and veRL's `compute_gae_advantage_return`.
 """
 import torch
 from torch import Tensor
@@ -443,16 +427,11 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # | export minirl/loss_types.py
 """The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all
-four: the per-token `objective` (PPO's clipped surrogate or CISPO's), how it is `normalise`d to one
-number, and the weights of a micro-batch (`micro_batch_weight`) and of a data-parallel rank
-(`rank_weight`, `minirl.runtime.loss_weights`). `LOSS_TYPES` maps a name to its entry;
-`register_loss_type` refuses an entry that lacks a part. `IMPORTANCE_SAMPLING_LEVELS`: the ratio per
-token (PPO, GRPO) or per completion (GSPO).
-
-The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
-Tensor methods only (torch is not imported), so the config checks a run's loss type before torch
-loads. Simplified: no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
+An entry (`LossType`) holds the per-token `objective`, how it is `normalise`d to one number, and
+the weights of a micro-batch and of a data-parallel rank (`minirl.runtime.loss_weights`). The
+entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo". Tensor
+methods only (no torch import), so the config checks a loss type before torch loads. Simplified:
+no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
 """
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
@@ -534,7 +513,7 @@ def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_len
 # %% [markdown]
 # ### 4.1 One entry per loss type
 #
-# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 10.4)
+# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 10.3)
 # or a data-parallel rank (notebook 04) is weighted by its share of the normalizer (rows for
 # `grpo` and `dr_grpo`, tokens for the others), so splitting the work never changes the loss.
 # The weights are arithmetic in `minirl/runtime/loss_weights.py`. `register_loss_type` refuses
@@ -645,15 +624,9 @@ register_loss_type("cispo", LossType(objective=cispo_objective, normalise=token_
                                      micro_batch_weight=by_tokens, rank_weight=ranks_by_tokens))
 
 # %%
-from minirl.loss_types import LOSS_TYPES, LossType, register_loss_type, token_mean  # noqa: E402
+from minirl.loss_types import LOSS_TYPES  # noqa: E402
 
 print("loss types:", ", ".join(LOSS_TYPES))
-dapo = LOSS_TYPES["dapo"]
-try:                                       # an entry without its rank weight is refused when it is registered
-    register_loss_type("half_done", LossType(objective=dapo.objective, normalise=token_mean,
-                                             micro_batch_weight=dapo.micro_batch_weight, rank_weight=None))
-except ValueError as err:
-    print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
 # `policy_loss` puts the parts together with TRL's options: a k3 KL penalty to a frozen
@@ -664,8 +637,7 @@ except ValueError as err:
 # | export minirl/algo/losses.py
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
-`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every registered loss type, on one
 process. Simplified: no entropy masking, no off-policy masking.
 """
 import torch
@@ -690,10 +662,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
-    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
-    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
-    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
-    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
+    or [B, C] (PPO/GAE). Returns (loss, metrics): TRL's clip ratios, "ratio_mean", and "kl".
     """
     entry = loss_type_entry(loss_type)
     check_loss_args(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, beta, ref_logps)
@@ -778,16 +747,14 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # %% [markdown]
 # ## 5. The roles: actor, reference, critic
 #
-# Three models take part in the update, each a **role** that owns its model (and optimizer)
-# and answers the loop's questions about a batch; under FSDP (04) or in a Ray actor (06) a role
-# keeps its methods. The `Reference` (`minirl/roles/reference.py`) is a frozen copy of the
-# starting policy, for the KL. The `Critic` (PPO) is a **separate value model**
-# (`minirl/models/critic.py`): the policy's backbone, copied as OpenRLHF and veRL do, with a
-# zero-initialized scalar head; separate models keep separate optimizers and gradients. Its role,
-# `Critic` (`minirl/roles/critic.py`), fits the values to the returns with `value_loss` (§4).
+# Each model of the update is a **role** that owns it (and its optimizer) and answers the loop's
+# questions; under FSDP (04) or in a Ray actor (06) a role keeps its methods. The `Reference` is
+# a frozen copy of the starting policy (`minirl/roles/reference.py`). PPO's `Critic`
+# (`minirl/roles/critic.py`) fits a **separate value model** to the returns with `value_loss`: the
+# policy's backbone, copied as OpenRLHF and veRL do, with a zero-initialized scalar head.
 #
 # The `Actor` runs `num_iterations` optimizer steps per batch, in micro-batches of similar
-# completion length (section 10.4). A step whose loss or gradient norm is not finite is skipped
+# completion length (section 10.3). A step whose loss or gradient norm is not finite is skipped
 # (`skipped`), and its metrics hold notebook 02's gauge, `logprob_diff_abs`; the guards and
 # gauges live in `minirl/runtime/gauges.py`.
 
@@ -795,12 +762,8 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # | export minirl/roles/actor.py
 """The actor: the policy being trained, with its optimizer, answering the loop's three questions.
 
-`logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;
-`update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
-`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
-a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
-length (section 10.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
-optimizer step per batch and iteration, no learning-rate schedule.
+`logprobs(rollout)` before the update, `update(experience)`, and `named_weights()` for the sync.
+Simplified vs TRL: one optimizer step per batch and iteration, no learning-rate schedule.
 """
 
 import math
@@ -816,11 +779,7 @@ from minirl.loss_types import loss_type_entry
 from minirl.runtime.gauges import clipped_step, ratio_statistics
 from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
-# %% [markdown]
-# The actor, and its first answer: the log-probs of a rollout, in micro-batches.
 
-# %%
-# | export minirl/roles/actor.py
 class Actor:
     """The policy being trained and its AdamW optimizer."""
 
@@ -833,7 +792,7 @@ class Actor:
                                            weight_decay=optimizer.weight_decay)
 
     def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """The rows of each micro-batch of this rollout (section 10.4)."""
+        """The rows of each micro-batch of this rollout (section 10.3)."""
         return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
 
     def _shares_prompt(self) -> bool:
@@ -856,7 +815,8 @@ class Actor:
         return out * rollout.completion_mask
 
 # %% [markdown]
-# `backward` weights each micro-batch so that their gradients add up to the whole batch's.
+# `backward` weights each micro-batch so that their gradients add up to the whole batch's;
+# `update` steps the optimizer; `named_weights` is what the sync pushes.
 
 # %%
 # | export minirl/roles/actor.py
@@ -864,10 +824,8 @@ class Actor:
 def backward(self, exp: Experience) -> dict:
     """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
 
-    Each micro-batch's loss is weighted by its share of the batch's normalization (the loss
-    type's `micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
-    loss is not finite ends the backward passes (the rest only run forward, for the metrics)
-    and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+    Each micro-batch's loss is weighted by its share of the batch's normalization, so the
+    gradients add up to the whole batch's. A non-finite loss ends the backward passes (loss NaN).
     """
     ro, algo = exp.rollout, self.algorithm
     mask = ro.completion_mask                                                  # [N, C]
@@ -905,11 +863,6 @@ def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
                        max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
                        use_bias_correction_kl=algo.use_bias_correction_kl)
 
-# %% [markdown]
-# `update` steps the optimizer; `named_weights` is what the sync pushes.
-
-# %%
-# | export minirl/roles/actor.py
 @add_to_class(Actor)
 def update(self, exp: Experience) -> dict:
     """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
@@ -969,8 +922,7 @@ print("critic values [N, C]:", critic.values(ro).abs().max().item())
 # this process; notebook 04 gathers them from shards first, notebook 06 broadcasts them. So it
 # has an interface, `WeightSync.push(named_weights, engine, version)` (`minirl/sync/base.py`),
 # which checks the version the engine reports and returns what it moved, so the sync's share of
-# a step is measured the same way everywhere (the source flags more than 5 %). Update, push,
-# and ask the engine for the old version:
+# a step is measured the same way everywhere (the source flags more than 5 %). Update, push:
 
 # %%
 from minirl.data import Experience  # noqa: E402
@@ -985,10 +937,6 @@ with torch.no_grad():
     engine_logps, _ = completion_logprobs(engine.model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
 print("max |engine - actor| log-prob after the push:",
       (engine_logps * ro.completion_mask - actor.logprobs(ro)).abs().max().item())
-try:
-    engine.generate(["27+35="], SamplingConfig(num_generations=4), expected_version=0)
-except VersionMismatchError as err:
-    print("VersionMismatchError:", err)
 
 # %% [markdown]
 # Now the step. `sample_prompts` draws B rows from a seeded generator; `score` calls the reward
@@ -999,15 +947,9 @@ except VersionMismatchError as err:
 # | export minirl/train/step.py
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
-`rl_step` is the loop body every stage runs. It talks to the seams only through their
-protocols: a rollout engine, the roles (`Actor`, `Reference`, `Critic`), a weight sync. Stage 1
-passes in-process objects, notebook 04 FSDP-wrapped roles, notebook 06 Ray worker groups: the
-step never changes. Its middle, `learn`, is also what notebook 07's asynchronous trainer runs.
-
-Simplified vs TRL's GRPOTrainer: every reward must be a number (TRL skips a function's NaN),
-one generation batch per step, and the engine holds its own copy of the policy with a version.
-PPO puts its KL penalty in the per-token reward (TRL's PPOTrainer); GRPO adds the k3 KL to the
-loss (TRL's GRPOTrainer).
+`rl_step` is the loop body every stage runs, through the seams' protocols only. Simplified vs
+TRL's GRPOTrainer: every reward must be a number, one generation batch per step, and the engine
+holds its own copy of the policy with a version.
 """
 
 from dataclasses import dataclass
@@ -1051,12 +993,8 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
           reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
-    Each function is called with TRL's signature, f(prompts, completions, **columns), where the
-    columns are the dataset rows' other fields, repeated G times, and checked
-    (`minirl.runtime.inputs.checked_rewards`: one finite float per completion, or an error naming
-    the function; with reward_errors="zero" a failing sample scores 0 and is counted in
-    metrics["reward_errors"]). reward_weights: one per function (TRL's `reward_weights`; None: 1
-    each); `rewards/<name>` is the function's unweighted mean, as TRL logs it.
+    Each function is called with TRL's signature, f(prompts, completions, **columns), the columns
+    being the rows' other fields repeated G times (`minirl.runtime.inputs.checked_rewards`).
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
@@ -1110,9 +1048,7 @@ def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience
 def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
 
-    group: None in one process. In a data-parallel run (notebook 04) each rank holds whole
-    groups, so "group" scaling stays local, but "batch" scaling divides by the std of the
-    whole global batch: `group.all_gather` brings every rank's rewards.
+    group: None in one process; in a data-parallel run (04) "batch" scaling needs every rank's rewards.
     """
     if algorithm.algo == "grpo":
         G = exp.rollout.num_generations
@@ -1131,8 +1067,8 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) 
     return exp
 
 # %% [markdown]
-# The update half, `learn`, is a function of its own: notebook 07's asynchronous trainer runs it
-# on batches from a queue.
+# `rl_step`, the function every later stage runs: the four steps, in the source's order. Its
+# update half, `learn`, is a function of its own: notebook 07's trainer runs it on queued batches.
 
 # %%
 # | export minirl/train/step.py
@@ -1168,20 +1104,12 @@ def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tenso
             | timer.times)
 
 
-# %% [markdown]
-# `rl_step`, the function every later stage runs: the four steps, in the source's order.
-
-# %%
-# | export minirl/train/step.py
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
-    rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
-    sync: any WeightSync. The record holds the update's metrics, the batch's statistics, the
-    versions, and `time/<stage>` seconds for every stage. group: None in one process; in a
-    data-parallel run (notebook 04) every rank calls rl_step on its share of the batch, and
-    `group` (`world_size`, `all_gather(tensor)`) makes the batch-wide numbers global.
+    rows: this step's B dataset rows; engine: any RolloutEngine; sync: any WeightSync. group: None in
+    one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -1214,13 +1142,11 @@ print("engine version:", step_engine.version, "| seconds by stage:",
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
 #
-# A run repeats the step; every other job (evaluate, log, checkpoint, show progress) is a small
-# **callback** that sees every record, so the loop stays a few lines long: `run(state, step_fn,
-# callbacks, steps)` calls the step and hands each record to every callback's `on_step`.
-# `setup` builds a stage-1 run's state (the roles for the config, an engine at version 0, an
-# in-process sync, a seeded generator), `stage1_step` draws the prompts and calls `rl_step`, and
-# `train` adds a run directory, evaluation, log and progress. They are plain code to read in
-# `minirl/train/run.py`; callbacks and checkpoints live in `minirl/runtime/`.
+# A run repeats the step; every other job (evaluate, log, checkpoint, progress) is a small
+# **callback** that sees every record: `run(state, step_fn, callbacks, steps)` is a few lines.
+# `setup` builds a run's state (roles, an engine at version 0, a sync, a seeded generator),
+# `stage1_step` draws prompts and calls `rl_step`, `train` adds a run directory and evaluation:
+# plain code in `minirl/train/run.py` (callbacks and checkpoints: `minirl/runtime/`).
 
 # %% [markdown]
 # The engine `rollout_engine` names comes from a registry: a name maps to a factory that
@@ -1230,11 +1156,7 @@ print("engine version:", step_engine.version, "| seconds by stage:",
 # | export minirl/rollout/registry.py
 """The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
 
-`ENGINES` maps an engine's name (config.rollout.rollout_engine) to an `EngineEntry`:
-`build(config, model, tokenizer, device, **options)` returns that engine holding a copy of
-`model` (version 0), importing its backend only then; `problem(config)` says why this run
-cannot use it (None: it can), importing nothing heavy (`check_engine`). Notebook 01 registers
-"hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
+Notebook 01 registers "hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -1318,13 +1240,11 @@ records = run(state, stage1_step, [PrintReward()], steps=3)
 # %% [markdown]
 # ## 8. Run it: does the policy learn?
 #
-# The claim to check: from the warm start, the default configuration gains at least 25
-# points of held-out greedy accuracy within 5 minutes on two CPU cores, repeatably for a
-# fixed seed. In full mode this cell launches the chapter script, the README's main command,
-# with its own progress bar; in smoke mode it runs 20 steps inline, enough to see the loop
-# turn. Either way it runs the code of the cells you ran: the script is started through
-# `minirl.runtime.notebook.run_script`, which hands it this kernel's edited exported cells.
-# The same script trains a real model too: after `python chapters/00_warm_start.py --real-model`,
+# The claim: from the warm start, the default configuration gains at least 25 points of
+# held-out greedy accuracy within 5 minutes on two CPU cores, repeatably for a fixed seed. The
+# cell runs the chapter script (smoke mode: 20 steps inline) through `run_script`, which hands
+# it the exported cells you edited in this kernel. The same script trains a real model: after
+# `python chapters/00_warm_start.py --real-model`,
 # `python chapters/01_single_process.py --config configs/smollm2.yaml` trains SmolLM2-135M-Instruct.
 
 # %%
@@ -1351,8 +1271,7 @@ plot_metrics(grpo_metrics, title="GRPO, embedded policy, one process", temperatu
 plt.show()
 
 # %% [markdown]
-# Before and after, on the held-out problems the policy never trained on; and the run of section 0,
-# which used the same seed for fewer steps, beside this one at the steps both evaluated:
+# Before and after, on held-out problems; and section 0's run (same seed) at the steps both evaluated:
 
 # %%
 gain = grpo_summary["accuracy_after"] - grpo_summary["accuracy_before"]
@@ -1376,11 +1295,8 @@ print("repeatable for a fixed seed: the evaluations both runs made,", ", ".join(
       "identical" if all(a == b for _, a, b in common) else "NOT identical")
 
 # %% [markdown]
-# Where does the time go? Every record carries the seconds of each stage. The source says
-# that in RL for LLMs generation usually dominates (its symptom table flags rollout above
-# 80 % of the step). With a 4-token completion and a 1 M-parameter model the balance here
-# may be different: the table shows which stage dominates on this machine. Notebook 09
-# turns such shares into a diagnosis.
+# Where does the time go? The source's symptom table flags rollout above 80 % of the step; with
+# 4-token completions and a 1 M-parameter model the balance may differ (notebook 09 diagnoses).
 
 # %%
 stages = ["generate", "score", "reference", "advantages", "update", "sync"]
@@ -1397,13 +1313,9 @@ print(f"generation {100 * share:.1f} % of the step: {'above' if share > 0.8 else
 # %% [markdown]
 # ## 9. PPO beside GRPO
 #
-# The same step with `algo="ppo"`: `make_experience` adds the critic's values,
-# `compute_advantages` builds terminal per-token rewards and runs GAE (γ = 1, λ = 0.95) and
-# whitens the advantages, and `critic.update` fits the values to the returns with a clipped
-# loss. Per step PPO costs more: a second model to run forward and to train, and twice the
-# optimizer memory; that cost is why GRPO dropped the critic. Both runs below use the same
-# seed, steps and evaluation schedule, so their accuracy curves can be read against each
-# other.
+# The same step with `algo="ppo"`: the critic's values, GAE over terminal per-token rewards,
+# whitened, and a critic update. PPO costs more per step (a second model to run and train):
+# that cost is why GRPO dropped the critic. Same seed, steps and evaluation schedule as GRPO.
 
 # %%
 if SMOKE:
@@ -1453,19 +1365,13 @@ print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f}
       + ("more" if per_step["PPO"] > per_step["GRPO"] else "NOT more"))
 
 # %% [markdown]
-# Read the critic's curve with care: its loss is not a score that should fall steadily. Its
-# targets are returns built from a 0/1 reward, so even a critic that knew the success rate p
-# of the batch exactly would be off by the spread of those rewards: its expected loss would
-# be ½·p(1 − p) (half the variance of a 0/1 outcome), which is largest at p = ½. As the
-# policy improves, p climbs from the warm start's level toward 1, so the loss first rises and
-# then falls, following that curve; the table sets the two side by side, window by window.
-# Where the critic's loss sits below ½·p(1 − p), it has learned more than the batch's
-# average: which prompts are easier. On this task, where the reward is a single 0/1 at the end
-# of a 4-token answer, that is about all a critic can add over GRPO's per-group baseline, and
-# the accuracy plot shows how close the two algorithms land after the same steps.
+# The critic's loss need not fall steadily: its targets come from a 0/1 reward, so a critic
+# that knew the batch's success rate p would still lose ½·p(1 − p), largest at p = ½. As p
+# climbs, the loss rises, then falls. Below ½·p(1 − p), the critic has learned which prompts are
+# easier: about all it can add over GRPO's per-group baseline on a 4-token answer.
 
 # %% [markdown]
-# ## 10. Speed: share the prompt, then race TRL's GRPOTrainer
+# ## 10. Speed: share the prompt
 #
 # minirl's stage 1 is TRL's design, and `tests/test_trl_parity.py` checks that both compute the
 # same loss and gradients; a faster loop must do *less* arithmetic. The G = 8 completions of a
@@ -1574,12 +1480,8 @@ print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} m
 # %% [markdown]
 # ## Exercises
 #
-# Your stubs are in `exercises/01_single_process.py`: the bodies of the functions below are
-# replaced by `raise NotImplementedError`. Fill them in, then grade:
-#
-# ```
-# python -m minirl.grade --only 01
-# ```
+# Your stubs are in `exercises/01_single_process.py` (bodies replaced by
+# `raise NotImplementedError`). Fill them in, then grade: `python -m minirl.grade --only 01`.
 #
 # | exercise | function | what it checks |
 # |---|---|---|
@@ -1591,8 +1493,7 @@ print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} m
 # | 1.6 | `token_mean` | bnpo / dapo / cispo: over the batch's tokens; an all-masked batch gives 0, not NaN |
 # | 1.7 | `max_length_mean` | dr_grpo: over B × max_completion_length, whatever the columns |
 #
-# Questions to think about (not graded): set `scale_rewards="none"` or `loss_type="grpo"`
-# and rerun section 8: does the curve change, and why so little on this task (hint: how
-# long are the completions)? Set `rollout_dtype="bfloat16"` and watch the metric
+# Not graded: with `scale_rewards="none"` or `loss_type="grpo"`, why does section 8's curve
+# barely change (how long are the completions)? With `rollout_dtype="bfloat16"`, watch
 # `logprob_diff_abs`: notebook 02 starts there.
 

@@ -1,11 +1,8 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Advantages: group-normalized (GRPO, no critic) and GAE (PPO, with a critic).
 
-Simplified vs production: GRPO advantages follow TRL's GRPOTrainer exactly for one reward
-function (no multi-objective aggregation, no NaN-aware means); GAE follows the classic
-recursion over a right-padded completion, one value per token, as TRL's PPOTrainer and
-veRL's `compute_gae_advantage_return`, without the KL-in-reward bookkeeping, which the
-loop does when it builds per-token rewards.
+GRPO's follow TRL's GRPOTrainer (no NaN-aware means); GAE the classic recursion over a
+right-padded completion, as TRL's PPOTrainer and veRL's `compute_gae_advantage_return`.
 """
 
 __all__ = ["group_advantages", "gae", "whiten", "terminal_rewards"]

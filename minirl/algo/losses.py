@@ -1,8 +1,7 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
-`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every registered loss type, on one
 process. Simplified: no entropy masking, no off-policy masking.
 """
 
@@ -30,10 +29,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
-    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
-    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
-    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
-    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
+    or [B, C] (PPO/GAE). Returns (loss, metrics): TRL's clip ratios, "ratio_mean", and "kl".
     """
     entry = loss_type_entry(loss_type)
     check_loss_args(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, beta, ref_logps)
