@@ -1147,8 +1147,7 @@ print("engine version:", step_engine.version, "| seconds by stage:",
 # `setup` builds a run's state (roles, an engine at version 0, a sync, a seeded generator),
 # `stage1_step` draws prompts and calls `rl_step`, `train` adds a run directory and evaluation:
 # plain code in `minirl/train/run.py` (callbacks and checkpoints: `minirl/runtime/`).
-
-# %% [markdown]
+#
 # The engine `rollout_engine` names comes from a registry: a name maps to a factory that
 # imports its backend only when it builds. Notebooks 04 and 05 register vLLM and a paged engine.
 
