@@ -718,7 +718,7 @@ for new in (0.22, 0.24, 0.26):
 
 # %% [markdown]
 # The KL from sampled tokens alone: k3 = exp(d) − d − 1, d = log π_ref − log π, never negative,
-# with mean KL(π ‖ π_ref) over tokens drawn from π. Against the exact value, then a loss with `beta`:
+# with mean KL(π ‖ π_ref) over tokens drawn from π. Against the exact value; then `beta` in a loss:
 
 # %%
 from minirl.algo.losses import kl_k3  # noqa: E402
@@ -1048,7 +1048,7 @@ def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience
 def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
 
-    group: None in one process; in a data-parallel run (04) "batch" scaling needs every rank's rewards.
+    group: None in one process; data-parallel (04): "batch" scaling needs every rank's rewards.
     """
     if algorithm.algo == "grpo":
         G = exp.rollout.num_generations
@@ -1108,7 +1108,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
-    rows: this step's B dataset rows; engine: any RolloutEngine; sync: any WeightSync. group: None in
+    rows: this step's B dataset rows; engine: a RolloutEngine; sync: a WeightSync. group: None in
     one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
     """
     timer = StageTimer()
@@ -1270,7 +1270,7 @@ plot_metrics(grpo_metrics, title="GRPO, embedded policy, one process", temperatu
 plt.show()
 
 # %% [markdown]
-# Before and after, on held-out problems; and section 0's run (same seed) at the steps both evaluated:
+# Before and after, on held-out problems; and section 0's run (same seed) where both evaluated:
 
 # %%
 gain = grpo_summary["accuracy_after"] - grpo_summary["accuracy_before"]
@@ -1382,7 +1382,7 @@ print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f}
 # Run the B prompts once with a KV cache, repeat the cache G times, and run the N = B × G
 # completions against it. Nothing is approximated: each token attends to the same keys and
 # values, and backpropagation sums the G copies' gradients into the one prompt pass.
-# `completion_logprobs(..., num_generations=G)` takes this path (`minirl/runtime/prefix_sharing.py`).
+# `completion_logprobs(..., num_generations=G)` takes this path (`runtime/prefix_sharing.py`).
 # Log-probs and gradients of the same random loss, both ways:
 
 # %%

@@ -102,7 +102,7 @@ def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience
 def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
 
-    group: None in one process; in a data-parallel run (04) "batch" scaling needs every rank's rewards.
+    group: None in one process; data-parallel (04): "batch" scaling needs every rank's rewards.
     """
     if algorithm.algo == "grpo":
         G = exp.rollout.num_generations
@@ -157,7 +157,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
-    rows: this step's B dataset rows; engine: any RolloutEngine; sync: any WeightSync. group: None in
+    rows: this step's B dataset rows; engine: a RolloutEngine; sync: a WeightSync. group: None in
     one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
     """
     timer = StageTimer()
