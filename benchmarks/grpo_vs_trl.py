@@ -13,7 +13,7 @@ ratios (X > 1: minirl is faster). A pair is one minirl step and one TRL step run
 on the same prompts; which of the two runs first alternates from pair to pair. Before it:
 minirl's generate and update seconds per step (medians, by the loop's own clocks), and the
 completion tokens its update computed per step, padded to the longest completion against in its
-micro-batches (notebook 01, section 11.4), beside the real ones.
+micro-batches (notebook 01, section 10.3), beside the real ones.
 
 What is compared. Both trainers start from the same warm-started policy (two fresh copies
 loaded from the same checkpoint, or `--model`) and run the same GRPO step:
@@ -50,7 +50,7 @@ counted). minirl's step is the wall clock around the loop's own `stage1_step` (p
 generate, reward, advantages, update and the weight sync; no evaluation). `--only minirl|trl`
 runs one side alone (for profiling).
 
-Where the difference comes from (notebook 01, section 11, measures each part):
+Where the difference comes from (notebook 01, section 10, measures each part):
   - Almost the whole step is the arithmetic of the same HF model, on both sides. minirl does
     less of it, with the same results: each prompt's G completions share the prompt, so
     minirl computes it once per group, twice over:

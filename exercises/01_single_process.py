@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean, position_ids_from_mask
-from minirl.config import SCALE_REWARDS
+from minirl.runtime.arg_checks import check_group_rewards, check_logit_args
 from minirl.runtime.loss_weights import by_rows, by_tokens, each_rank_alone, ranks_by_rows, ranks_by_tokens
 from minirl.runtime.validate import ConfigError, check_parts
 
@@ -42,16 +42,10 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
-    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
-    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
-    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
-    result up to float rounding.
+    Position ids come from the mask, as `generate` derived them. num_generations=G > 1: rows
+    i*G .. i*G+G-1 share one prompt, which then runs once (`shared_prefix_logits`, section 10).
     """
-    if temperature <= 0:
-        raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
-    if num_generations < 1:
-        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
+    check_logit_args(temperature, num_generations)
     C = num_completion_tokens
     if num_generations > 1:
         from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)
@@ -86,18 +80,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
       scale_rewards="group": A / (std(r over its group) + 1e-4)
       scale_rewards="batch": A / (std(r over all N) + 1e-4)
       scale_rewards="none":  A unchanged.
-    std is torch's default unbiased std (divides by n - 1), as TRL. Raises ValueError if
-    num_generations < 2, if N is not a multiple of num_generations, or for an unknown
-    scale_rewards.
+    std is torch's default unbiased std (divides by n - 1), as TRL. ValueError for bad arguments.
     """
-    if num_generations < 2:
-        raise ValueError(f"num_generations={num_generations}: GRPO compares completions within a group; "
-                         "use num_generations >= 2")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: need a flat [B * num_generations] tensor "
-                         f"with num_generations={num_generations}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    check_group_rewards(rewards, num_generations, scale_rewards)
     raise NotImplementedError("exercise 1.2: group_advantages -- see its docstring and notebook 01")
 
 

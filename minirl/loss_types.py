@@ -1,16 +1,11 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all
-four: the per-token `objective` (PPO's clipped surrogate or CISPO's), how it is `normalise`d to one
-number, and the weights of a micro-batch (`micro_batch_weight`) and of a data-parallel rank
-(`rank_weight`, `minirl.runtime.loss_weights`). `LOSS_TYPES` maps a name to its entry;
-`register_loss_type` refuses an entry that lacks a part. `IMPORTANCE_SAMPLING_LEVELS`: the ratio per
-token (PPO, GRPO) or per completion (GSPO).
-
-The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
-Tensor methods only (torch is not imported), so the config checks a run's loss type before torch
-loads. Simplified: no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
+An entry (`LossType`) holds the per-token `objective`, how it is `normalise`d to one number, and
+the weights of a micro-batch and of a data-parallel rank (`minirl.runtime.loss_weights`). The
+entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo". Tensor
+methods only (no torch import), so the config checks a loss type before torch loads. Simplified:
+no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
 """
 
 __all__ = ["clipped_surrogate", "sequence_mean", "token_mean", "max_length_mean",

@@ -14,17 +14,13 @@
 # %% [markdown]
 # # 01 · The single-process loop that really learns
 #
-# **By the end of this notebook you can** write every piece of a GRPO or PPO step yourself
-# (per-token log-probs, group-normalized advantages, GAE with a critic, the clipped
-# objective, the four ways TRL aggregates a loss, the KL to a reference model) and run the
-# whole loop, generate → reward → update → synchronize, in one Python process until the
-# tiny policy of notebook 00 gains tens of points of held-out accuracy.
+# **By the end of this notebook you can** write every piece of a GRPO or PPO step (log-probs,
+# advantages, GAE, the clipped objective, TRL's loss aggregations, the KL) and run the loop in one
+# process until notebook 00's tiny policy gains tens of points of held-out accuracy.
 #
-# The source's first claim is the order of the loop, and that every framework it surveys,
-# from TRL to veRL, runs the same four steps; they differ in *where* each step runs. TRL
-# runs all four in one process, on one device (or a few, through Accelerate). That is the
-# stage we build here. It is also the reference every later stage must reproduce, so we build
-# it around four seams that later stages fill differently without touching the step itself:
+# Every framework the source surveys, from TRL to veRL, runs the same four steps; they differ
+# in *where* each runs. TRL runs all four in one process: the stage we build here, around four
+# seams that later stages fill differently without touching the step:
 #
 # | seam | here (stage 1) | later |
 # |---|---|---|
@@ -47,9 +43,6 @@
 # (above: figures inline whatever MPLBACKEND says, and an exported cell you edit and run becomes
 #  the code the package runs, for the rest of this kernel; `python tools/build.py` saves it to disk)
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -70,11 +63,9 @@ task = make_task()
 # %% [markdown]
 # ## 0. The whole loop first
 #
-# Before opening any piece, the finished stage running on the package: `train` from
-# `minirl.train.run` with the default GRPO configuration on the embedded task, from the warm
-# start of notebook 00 (a fresh copy: the `model` above stays as it is), for 300 steps (smoke
-# mode: 20), with held-out greedy accuracy measured before, during and after. Section 8 runs
-# the full 1000 steps; sections 1 to 7 build every piece this one call runs.
+# The finished stage first: `train` with the default GRPO configuration, from notebook 00's warm
+# start (a fresh copy), for 300 steps (smoke mode: 20), with held-out greedy accuracy along the
+# way. Sections 1 to 7 build every piece this call runs; section 8 runs the full 1000 steps.
 
 # %%
 from minirl.config import RLConfig  # noqa: E402
@@ -97,38 +88,29 @@ plt.show()
 # %% [markdown]
 # ## 1. Per-token log-probabilities
 #
-# Every policy-gradient loss for language models is built from one quantity: the
-# log-probability the policy gives each sampled completion token, log π(y_t | x, y_<t).
-# A forward pass over the prompt and the completion gives logits [B, T, V]; the logit at
-# position t predicts token t+1, so the completion's log-probs come from the C positions
-# *before* each completion token. Sampling at temperature τ means the policy is
-# softmax(logits / τ), so the log-probs must be computed from logits / τ too (TRL does the
-# same; forget it and the ratio π/π_old is wrong from the first step).
-#
-# First, masked means and sums: completions have different lengths, and the positions after
-# the end-of-sequence token must count for nothing.
+# Every policy-gradient loss for language models is built from log π(y_t | x, y_<t), the
+# log-probability of each sampled completion token. The logit at position t predicts token
+# t+1, so the completion's log-probs come from the C positions *before* its tokens, and from
+# logits / τ when sampling at temperature τ (forget it and π/π_old is wrong from step one).
+# First, masked means: completions differ in length, and padding must count for nothing.
 
 # %%
 # | export minirl/algo/logprobs.py
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
-Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
-left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
-at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
-shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`).
-
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits are cast
-to float32 before the temperature is applied (TRL divides first, in the model's dtype).
+`completion_logprobs`: log π(y_t | x, y_<t) of each completion token, at the sampling temperature,
+in float32. Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits
+are cast to float32 before the temperature is applied (TRL divides first, in the model's dtype).
 """
 import torch
 from torch import Tensor
 
+from minirl.runtime.arg_checks import check_logit_args, check_same_shape
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of `values` where `mask` is 1. values, mask: [B, T] (same shape)."""
-    if values.shape != mask.shape:
-        raise ValueError(f"masked_sum: values {tuple(values.shape)} and mask {tuple(mask.shape)} "
-                         "must have the same shape [B, T]")
+    check_same_shape("masked_sum", values, mask)
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
 
 
@@ -155,11 +137,9 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 # %% [markdown]
-# Now the log-probability of the chosen token. Taking `log_softmax` over the whole vocabulary
-# and then picking one entry works, but materializes a second [B, T, V] tensor; with a
-# 150 000-token vocabulary that is the largest tensor of the step. Since
-# log softmax(z)_i = z_i − logsumexp(z), we can gather z_i first and subtract one logsumexp
-# per position. This is exercise 1.1.
+# `log_softmax` over the vocabulary, then one entry, materializes a second [B, T, V] tensor,
+# the largest of the step at 150 000 tokens. Since log softmax(z)_i = z_i − logsumexp(z), gather
+# z_i first and subtract one logsumexp per position. This is exercise 1.1.
 
 # %%
 # | export minirl/algo/logprobs.py
@@ -189,16 +169,10 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
-    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
-    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
-    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
-    result up to float rounding.
+    Position ids come from the mask, as `generate` derived them. num_generations=G > 1: rows
+    i*G .. i*G+G-1 share one prompt, which then runs once (`shared_prefix_logits`, section 10).
     """
-    if temperature <= 0:
-        raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
-    if num_generations < 1:
-        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
+    check_logit_args(temperature, num_generations)
     C = num_completion_tokens
     if num_generations > 1:
         from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)
@@ -225,15 +199,10 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
 
 
 # %% [markdown]
-# Try it on the warm-started policy: the log-probs of the correct answer to a few prompts.
-# Mind the `position_ids`. `generate` numbers a left-padded prompt's tokens from 0; a plain
-# forward pass without `position_ids` numbers them from the first *column*, so a padded
-# prompt sees every position shifted by its padding. Does that matter? For Qwen2 it barely
-# does: rotary embeddings (RoPE) depend only on the *difference* between two positions, and a
-# constant shift cancels, leaving rounding error. For a model with learned absolute
-# positions (GPT-2, OPT) the shift changes the answer outright. We pass position ids from
-# the mask always, as `generate` and TRL do, so the trainer scores exactly what the rollout
-# sampled, whatever the architecture. The table measures both.
+# Mind the `position_ids`: `generate` numbers a left-padded prompt's tokens from 0, a plain
+# forward pass from the first *column*. For Qwen2 the shift barely matters (RoPE depends only on
+# differences of positions); for learned absolute positions (GPT-2) it changes the answer. We
+# always pass position ids from the mask, as `generate` and TRL do. The table measures both:
 
 # %%
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -266,31 +235,19 @@ for name, net in (("qwen2", model), ("gpt2", gpt2)):
 # %% [markdown]
 # ## 2. The configuration, the batch, and the engine that samples it
 #
-# Three pieces come before any learning, and they are the seams every later stage keeps, so
-# they live in the package as plain modules that you read rather than rebuild here:
+# Three seams come before any learning; they are plain modules to read, not rebuild:
 #
-# - **The configuration** (`minirl/config.py`): about thirty settings in five groups, what the
-#   update computes (`algorithm`), how completions are drawn (`sampling`), which engine draws
-#   them (`rollout`), the optimizer, and the run. The names are TRL's (`num_generations`,
-#   `beta`, `epsilon`, `loss_type`, ...) and unique across groups, so `config.replace(beta=0.04)`
-#   knows where `beta` lives and each chapter script turns every setting into a flag. Each group
-#   checks its values when built: a bad setting fails before any work is done.
-# - **The batch** (`minirl/data.py`): a `Rollout` holds N = B × G rows, the G completions of a
-#   prompt next to each other, prompts left-padded and completions right-padded, with the
-#   engine's own **behaviour log-probs** and the **version** of the policy that sampled them.
-#   An `Experience` adds what the update needs (old, reference log-probs, values, advantages).
-#   Both can `split(n)` into parts of whole groups (GRPO normalizes within a group) and
-#   `Batch.concat` back, which is all that notebooks 04 and 06 need to move them around.
-# - **The rollout engine** (`minirl/rollout/base.py`): in TRL the model that samples is the model
-#   that trains; in every distributed system it is a *copy*. minirl keeps that copy even in one
-#   process, so step 4, synchronize, is an explicit call with a version number. The protocol
-#   `RolloutEngine` asks for two methods, `generate(prompts, sampling, expected_version)` and
-#   `load_weights(named_tensors, version)`, and an engine refuses to sample from another version
-#   than the loop expects. `HFEngine` (`minirl/rollout/hf.py`) samples with HF `generate` on its
-#   own copy of the policy and records the log-prob of each token from the very logits it sampled
-#   from; its `load_weights` refuses a partial set of weights (half a synchronization is worse
-#   than none). A faster engine (section 11), vLLM (04) and a paged engine (05) stand behind the
-#   same protocol.
+# - **The configuration** (`minirl/config.py`): about thirty settings in five groups, with TRL's
+#   names (`num_generations`, `beta`, `epsilon`, `loss_type`), unique across groups, so
+#   `config.replace(beta=0.04)` knows where `beta` lives. A bad setting fails when built.
+# - **The batch** (`minirl/data.py`): a `Rollout` holds N = B × G rows, a prompt's G completions
+#   side by side, with the engine's **behaviour log-probs** and the policy **version** that
+#   sampled them; an `Experience` adds what the update needs. Both `split(n)` into whole groups
+#   and `Batch.concat` back: all that notebooks 04 and 06 need to move them.
+# - **The rollout engine** (`minirl/rollout/base.py`): in every distributed system the sampling
+#   model is a *copy*; minirl keeps one even here, so step 4 is an explicit call with a version.
+#   `generate(prompts, sampling, expected_version)` refuses another version than the loop's;
+#   `load_weights(named_tensors, version)` takes the new one. `HFEngine` samples with HF `generate`.
 
 # %%
 import dataclasses  # noqa: E402
@@ -303,16 +260,10 @@ print("defaults:", {k: v for k, v in config.flat().items() if k in ("algo", "num
 print("changed: ", config.replace(beta=0.04, steps=50).flat()["beta"])
 print(f"{len(config.flat())} settings in {len(config.groups())} groups:",
       ", ".join(f"{name} {len(dataclasses.asdict(group))}" for name, group in config.groups().items()))
-for bad in (dict(num_generations=1), dict(learning_rate=float("inf")), dict(loss_type="ppo")):
-    try:
-        RLConfig.from_flat(**bad)
-    except ValueError as err:
-        print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
-# One call: two prompts, four samples each. Then the check that protects the loop: asking
-# for version 1 while the engine holds version 0 is refused. And the batch splits into whole
-# groups and concatenates back to itself.
+# Two prompts, four samples each; asking for version 1 while the engine holds 0 is refused;
+# the batch splits into whole groups and concatenates back to itself.
 
 # %%
 from minirl.data import Batch  # noqa: E402
@@ -335,8 +286,7 @@ print("split(2):", [h.prompts[0] for h in halves], "| concat(split) is the batch
       all(torch.equal(getattr(back, k), getattr(ro, k)) for k in ("prompt_ids", "completion_ids", "logprobs")))
 
 # %% [markdown]
-# Are the engine's log-probs the trainer's? In float32, with position ids, they should
-# agree to rounding error:
+# The engine's log-probs are the trainer's, to rounding error (float32, position ids):
 
 # %%
 with torch.no_grad():
@@ -346,34 +296,28 @@ print("max |engine - trainer| log-prob:", (ro.logprobs - trainer_logps * ro.comp
 # %% [markdown]
 # ## 3. Advantages
 #
-# **GRPO** needs no critic. For each prompt it samples a group of G completions and scores
-# each one against its siblings: A_i = (r_i − mean(r_group)) / (std(r_group) + 1e-4). A
-# group whose members all got the same reward carries no signal (every A_i = 0). TRL offers
-# three scalings, and we follow it exactly, down to the unbiased std and the 1e-4:
+# **GRPO** needs no critic: each of a prompt's G completions is scored against its siblings,
+# A_i = (r_i − mean(r_group)) / (std(r_group) + 1e-4); a group of equal rewards teaches nothing.
+# TRL's three scalings, down to the unbiased std and the 1e-4, are exercise 1.2:
 #
 # | `scale_rewards` | divide by | from |
 # |---|---|---|
 # | `"group"` | the group's std | GRPO (DeepSeekMath) |
 # | `"batch"` | the whole batch's std | Hu et al., REINFORCE++ style; more robust to easy groups |
 # | `"none"` | nothing | Dr. GRPO: the std division biases toward too easy and too hard prompts |
-#
-# This is exercise 1.2.
 
 # %%
 # | export minirl/algo/advantages.py
 """Advantages: group-normalized (GRPO, no critic) and GAE (PPO, with a critic).
 
-Simplified vs production: GRPO advantages follow TRL's GRPOTrainer exactly for one reward
-function (no multi-objective aggregation, no NaN-aware means); GAE follows the classic
-recursion over a right-padded completion, one value per token, as TRL's PPOTrainer and
-veRL's `compute_gae_advantage_return`, without the KL-in-reward bookkeeping, which the
-loop does when it builds per-token rewards.
+GRPO's follow TRL's GRPOTrainer (no NaN-aware means); GAE the classic recursion over a
+right-padded completion, as TRL's PPOTrainer and veRL's `compute_gae_advantage_return`.
 """
 import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
-from minirl.config import SCALE_REWARDS
+from minirl.runtime.arg_checks import check_group_rewards
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
@@ -385,18 +329,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
       scale_rewards="group": A / (std(r over its group) + 1e-4)
       scale_rewards="batch": A / (std(r over all N) + 1e-4)
       scale_rewards="none":  A unchanged.
-    std is torch's default unbiased std (divides by n - 1), as TRL. Raises ValueError if
-    num_generations < 2, if N is not a multiple of num_generations, or for an unknown
-    scale_rewards.
+    std is torch's default unbiased std (divides by n - 1), as TRL. ValueError for bad arguments.
     """
-    if num_generations < 2:
-        raise ValueError(f"num_generations={num_generations}: GRPO compares completions within a group; "
-                         "use num_generations >= 2")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: need a flat [B * num_generations] tensor "
-                         f"with num_generations={num_generations}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    check_group_rewards(rewards, num_generations, scale_rewards)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, num_generations)                           # [B, G]
     advantages = grouped - grouped.mean(1, keepdim=True)                  # [B, G]
@@ -416,14 +351,10 @@ for scale in ("group", "batch", "none"):
     print(f"{scale:>5}:", group_advantages(r, 4, scale).round(decimals=3).tolist())
 
 # %% [markdown]
-# **PPO** learns a critic V(s_t) that predicts the return from each token on, and uses
-# Generalized Advantage Estimation (Schulman et al., 2016):
-# δ_t = r_t + γ V(s_{t+1}) − V(s_t), A_t = δ_t + γλ A_{t+1}, and the critic's target is the
-# return R_t = A_t + V(s_t). The reward is *terminal*: 0 on every token except the last
-# completion token, which gets the verifier's score (minus an optional per-token KL
-# penalty). With γ = 1 and λ = 0.95 the advantage of an early token is a blend of the final
-# reward and the critic's guesses along the way. The recursion runs backwards over the
-# completion and stops at its end (mask). This is exercise 1.3.
+# **PPO** learns a critic V(s_t) of the return from each token on, and uses Generalized
+# Advantage Estimation: δ_t = r_t + γ V(s_{t+1}) − V(s_t), A_t = δ_t + γλ A_{t+1}, target
+# R_t = A_t + V(s_t). The reward is *terminal* (the verifier's score on the last token). The
+# recursion runs backwards and stops at the completion's end (mask). This is exercise 1.3.
 
 # %%
 # | export minirl/algo/advantages.py
@@ -486,31 +417,21 @@ print("advantages", adv.round(decimals=3).tolist(), "\nreturns   ", ret.round(de
 # %% [markdown]
 # ## 4. The clipped objective and how to average it
 #
-# With ratio r_t = π(y_t) / π_old(y_t), PPO's per-token loss is
-# −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t): once the policy has moved a token's
-# probability by more than ε in the direction the advantage wants, the gradient stops. DAPO
-# made the two sides different (ε_high > ε_low, "clip-higher") so that unlikely tokens with
-# positive advantage can grow faster. This is exercise 1.4.
-#
-# Everything that differs between the members of the GRPO family lives in one module,
-# `minirl/loss_types.py`, as one registry entry per `loss_type` (section 4.1). It uses tensor
-# methods only, no `import torch`, so that the config can check a run's `loss_type` against it
-# before torch loads.
+# With r_t = π(y_t) / π_old(y_t), PPO's per-token loss is
+# −min(r_t A_t, clip(r_t, 1 − ε_low, 1 + ε_high) A_t): once a token's probability has moved by
+# more than ε the way the advantage wants, its gradient stops. DAPO's "clip-higher"
+# (ε_high > ε_low) lets unlikely good tokens grow faster. This is exercise 1.4. What differs
+# within the GRPO family lives in `minirl/loss_types.py`, one registry entry per `loss_type`.
 
 # %%
 # | export minirl/loss_types.py
 """The loss registry: each `loss_type` names one entry that holds every part of its loss.
 
-A GRPO-family loss differs from its siblings in four parts, and an entry (`LossType`) holds all
-four: the per-token `objective` (PPO's clipped surrogate or CISPO's), how it is `normalise`d to one
-number, and the weights of a micro-batch (`micro_batch_weight`) and of a data-parallel rank
-(`rank_weight`, `minirl.runtime.loss_weights`). `LOSS_TYPES` maps a name to its entry;
-`register_loss_type` refuses an entry that lacks a part. `IMPORTANCE_SAMPLING_LEVELS`: the ratio per
-token (PPO, GRPO) or per completion (GSPO).
-
-The entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo".
-Tensor methods only (torch is not imported), so the config checks a run's loss type before torch
-loads. Simplified: no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
+An entry (`LossType`) holds the per-token `objective`, how it is `normalise`d to one number, and
+the weights of a micro-batch and of a data-parallel rank (`minirl.runtime.loss_weights`). The
+entries reproduce TRL 1.16's GRPOTrainer for "grpo", "bnpo", "dr_grpo", "dapo" and "cispo". Tensor
+methods only (no torch import), so the config checks a loss type before torch loads. Simplified:
+no SAPO, LUSPO or VESPO, and no `delta` (TRL's two-sided clipping).
 """
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable
@@ -540,8 +461,7 @@ def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float 
 
 
 # %% [markdown]
-# Then the per-token losses become one number, and here the GRPO family disagrees. TRL
-# offers four `loss_type`s that differ only in this:
+# Then the per-token losses become one number, where TRL's four `loss_type`s differ:
 #
 # | `loss_type` | loss = | effect |
 # |---|---|---|
@@ -550,8 +470,8 @@ def clipped_surrogate(ratio: "Tensor", advantages: "Tensor", epsilon_low: float 
 # | `"dapo"` | sum over all tokens / tokens of the whole generation batch | as bnpo, but constant across gradient-accumulation slices (DAPO) |
 # | `"dr_grpo"` | sum over all tokens / (B × max_completion_length) | a constant denominator: no length bias at all (Dr. GRPO) |
 #
-# Three normalizations cover the four (`bnpo` and `dapo` share one: they part ways only when
-# the batch is split over processes, notebook 04). These are exercises 1.5, 1.6 and 1.7.
+# `bnpo` and `dapo` share one normalization (they part only across processes, notebook 04).
+# These are exercises 1.5, 1.6 and 1.7.
 
 # %%
 # | export minirl/loss_types.py
@@ -593,20 +513,12 @@ def max_length_mean(per_token_loss: "Tensor", mask: "Tensor", max_completion_len
 # %% [markdown]
 # ### 4.1 One entry per loss type
 #
-# A loss type fixes two more numbers, both used later and both following from its
-# normalization: how much a *part* of the batch counts when its loss is computed on its own.
-# The update runs in micro-batches (section 11.4), and each micro-batch's loss is weighted by
-# its share of the normalizer (of the rows for `grpo` and `dr_grpo`, of the tokens for the
-# others), so that splitting the work never changes the loss. A data-parallel job (notebook
-# 04) averages the gradients of W processes, each computing the loss over its rows; process
-# r's loss is weighted by W times its share, except for `bnpo`, which TRL normalizes by each
-# process's own tokens (weight 1: there, and only there, `bnpo` and `dapo` part ways). These
-# weights are plain arithmetic, in `minirl/runtime/loss_weights.py`.
-#
-# An entry holds all four parts, and `register_loss_type` refuses one that lacks a part: a
-# new loss type cannot silently borrow another's weights. The importance ratio is chosen the
-# same way, by `importance_sampling_level`: one per token, or one per completion (GSPO, the
-# geometric mean of its token ratios; notebook 08 shows why MoE models need it).
+# A loss type also fixes how much a *part* of the batch counts: a micro-batch (section 10.3)
+# or a data-parallel rank (notebook 04) is weighted by its share of the normalizer (rows for
+# `grpo` and `dr_grpo`, tokens for the others), so splitting the work never changes the loss.
+# The weights are arithmetic in `minirl/runtime/loss_weights.py`. `register_loss_type` refuses
+# an entry that lacks a part. The importance ratio is one per token, or one per completion
+# (`importance_sampling_level="sequence"`, GSPO; notebook 08 shows why MoE models need it).
 
 # %%
 # | export minirl/loss_types.py
@@ -688,14 +600,10 @@ register_loss_type("dapo", LossType(objective=clipped_objective, normalise=token
 # %% [markdown]
 # ### 4.2 Adding a loss type: CISPO
 #
-# The next loss type is one entry, and nothing else changes: not the loss, not the update,
-# not the data-parallel roles of notebook 04. CISPO (MiniMax-M1; TRL 1.16's
-# `loss_type="cispo"`) clips the importance *weight* instead of the objective, and stops its
-# gradient: the per-token loss is −sg(min(r_t, ε_max)) · A_t · log π(y_t), so every token
-# keeps a gradient (PPO drops the clipped ones) and a token whose ratio ran away counts at
-# most ε_max. In TRL the cap is `epsilon_high` itself (ScaleRL recommends 5.0; unset, it
-# falls back to `epsilon`, 0.2), and the losses are normalized as `dapo`'s. Your own loss
-# type goes here the same way: write what differs, reuse the parts that do not, register.
+# A new loss type is one entry; nothing else changes. CISPO (MiniMax-M1; TRL 1.16) clips the
+# importance *weight* and stops its gradient: −sg(min(r_t, ε_max)) · A_t · log π(y_t), so every
+# token keeps a gradient and a runaway ratio counts at most ε_max (TRL's `epsilon_high`;
+# ScaleRL recommends 5.0), normalized as `dapo`. Yours goes here the same way.
 
 # %%
 # | export minirl/loss_types.py
@@ -716,40 +624,28 @@ register_loss_type("cispo", LossType(objective=cispo_objective, normalise=token_
                                      micro_batch_weight=by_tokens, rank_weight=ranks_by_tokens))
 
 # %%
-from minirl.loss_types import LOSS_TYPES, LossType, register_loss_type, token_mean  # noqa: E402
+from minirl.loss_types import LOSS_TYPES  # noqa: E402
 
 print("loss types:", ", ".join(LOSS_TYPES))
-dapo = LOSS_TYPES["dapo"]
-try:                                       # an entry without its rank weight is refused when it is registered
-    register_loss_type("half_done", LossType(objective=dapo.objective, normalise=token_mean,
-                                             micro_batch_weight=dapo.micro_batch_weight, rank_weight=None))
-except ValueError as err:
-    print(f"{type(err).__name__}: {err}")
 
 # %% [markdown]
-# `policy_loss` puts the parts together, with the options TRL has: the importance ratio per
-# token or per sequence, a k3 KL penalty to a frozen reference with coefficient `beta`, and
-# optional per-token weights `is_weights` for the truncated importance sampling of notebook 02.
-# The KL term is itself an average over tokens sampled from π_old, not from π;
-# `use_bias_correction_kl=True` weights it by the same importance ratio π/π_old
-# (DeepSeek-V3.2's correction, on by default in TRL 1.16, off by default here as in classic
-# GRPO; with one update per batch the ratio is 1, so the KL's value is unchanged but its
-# gradient gains a term KL · ∇log π). It also reports the clip fractions, as TRL logs them.
+# `policy_loss` puts the parts together with TRL's options: a k3 KL penalty to a frozen
+# reference (`beta`), per-token `is_weights` (notebook 02), and `use_bias_correction_kl`, which
+# weights the KL by π/π_old since its tokens came from π_old (DeepSeek-V3.2; TRL 1.16's default).
 
 # %%
 # | export minirl/algo/losses.py
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
-`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every registered loss type, on one
 process. Simplified: no entropy masking, no off-policy masking.
 """
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import masked_mean
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
-from minirl.runtime.validate import check_choice
+from minirl.runtime.arg_checks import check_loss_args
+from minirl.runtime.gauges import clip_metrics
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -766,15 +662,10 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
-    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
-    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
-    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
-    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
+    or [B, C] (PPO/GAE). Returns (loss, metrics): TRL's clip ratios, "ratio_mean", and "kl".
     """
     entry = loss_type_entry(loss_type)
-    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    if beta != 0.0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
+    check_loss_args(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, beta, ref_logps)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     if advantages.dim() == 1:
@@ -790,17 +681,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = entry.normalise(per_token.expand_as(mask), mask, max_completion_length)
-
-    with torch.no_grad():
-        def share(flags):                    # TRL's global masked mean; [B, 1] counts per sequence
-            flags = flags.to(mask.dtype)
-            return (flags.mean() if flags.shape[1] == 1 and mask.shape[1] != 1
-                    else masked_mean(flags.expand_as(mask), mask)).item()
-        metrics = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-                   "clip_ratio/region_mean": share(low | high), "ratio_mean": share(ratio)}
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl, mask).item()
-    return loss, metrics
+    return loss, clip_metrics(low, high, ratio, mask, kl)      # TRL's clip ratios, ratio_mean, kl
 
 
 # %% [markdown]
@@ -822,9 +703,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # %% [markdown]
-# The source's clipping example in numbers: the old policy gave a token 0.20, the new one
-# gives 0.24, so r = 1.2 = 1 + ε at ε = 0.2, exactly at the edge. A bit further and the
-# gradient is gone (notebook 02 sweeps this).
+# The source's clipping example: old 0.20, new 0.24, so r = 1.2 = 1 + ε, exactly at the edge.
 
 # %%
 from minirl.algo.losses import policy_loss  # noqa: E402
@@ -838,10 +717,8 @@ for new in (0.22, 0.24, 0.26):
           f"d loss/d ratio {r.grad.item():+.1f}")
 
 # %% [markdown]
-# The KL penalty is estimated from the sampled tokens alone: k3 = exp(d) − d − 1 with
-# d = log π_ref − log π, which is never negative and whose mean over tokens drawn from π is
-# KL(π ‖ π_ref) exactly. On a toy 3-token distribution, against the exact value; then the same
-# batch's loss without and with `beta`:
+# The KL from sampled tokens alone: k3 = exp(d) − d − 1, d = log π_ref − log π, never negative,
+# with mean KL(π ‖ π_ref) over tokens drawn from π. Against the exact value; then `beta` in a loss:
 
 # %%
 from minirl.algo.losses import kl_k3  # noqa: E402
@@ -870,46 +747,23 @@ print(" | ".join(f"{lt}: {aggregate_loss(per_tok, m2, lt).item():.3f}" for lt in
 # %% [markdown]
 # ## 5. The roles: actor, reference, critic
 #
-# Three models take part in the update, and each becomes a **role**: an object that owns
-# its model (and optimizer, if it trains) and answers the loop's questions about a batch.
-# The `Actor` is the policy being trained: its log-probs before the update, the update
-# itself, and the named weights the engine must receive. The `Reference` is a frozen copy
-# of the starting policy, for the KL penalty. The `Critic` (PPO only) estimates values and
-# trains toward the returns. Under FSDP (notebook 04) or inside a Ray actor (notebook 06) a
-# role keeps the same methods; only what sits inside changes.
+# Each model of the update is a **role** that owns it (and its optimizer) and answers the loop's
+# questions; under FSDP (04) or in a Ray actor (06) a role keeps its methods. The `Reference` is
+# a frozen copy of the starting policy (`minirl/roles/reference.py`). PPO's `Critic`
+# (`minirl/roles/critic.py`) fits a **separate value model** to the returns with `value_loss`: the
+# policy's backbone, copied as OpenRLHF and veRL do, with a zero-initialized scalar head.
 #
-# The critic needs a model first. PPO needs V(s_t) for every completion token. We choose the
-# clearest design that real systems also use: a **separate value model**, the policy's
-# backbone (copied, so it starts from the warm start's features, as OpenRLHF and veRL
-# initialize the critic from the actor or reward model) with a scalar linear head instead of
-# the language-model head. Sharing one backbone between actor and critic saves memory but
-# couples their gradients; with separate models each has its own optimizer, which is also
-# how veRL places them as separate roles (notebook 06). The head starts at zero, so the
-# first values are 0. That is `ValueModel` in `minirl/models/critic.py`; the `Reference` is a
-# frozen deep copy of the starting policy with one method, `logprobs(rollout)`
-# (`minirl/roles/reference.py`). Both are short enough to read there.
-#
-# The actor. `update` runs `num_iterations` optimizer steps on one batch with the clipped
-# objective of section 4. `backward` computes each step's gradient in micro-batches of rows
-# of similar completion length, at most `max_tokens_per_microbatch` completion tokens each,
-# weighted so that their gradients add up to the whole batch's (section 11.4 says why and
-# how; this task's batches fit in one). A step whose loss or gradient norm is not finite is skipped
-# (`skipped` in the metrics), leaving the weights and Adam's moments untouched: one bad batch
-# must not poison hours of training. Its metrics also say how far the engine's behaviour
-# log-probs are from the trainer's (`logprob_diff_abs`, the `ratio/...` statistics), the
-# gauge notebook 02 is built around. The guards and the gauge live in
-# `minirl/runtime/gauges.py`.
+# The `Actor` runs `num_iterations` optimizer steps per batch, in micro-batches of similar
+# completion length (section 10.3). A step whose loss or gradient norm is not finite is skipped
+# (`skipped`), and its metrics hold notebook 02's gauge, `logprob_diff_abs`; the guards and
+# gauges live in `minirl/runtime/gauges.py`.
 
 # %%
 # | export minirl/roles/actor.py
 """The actor: the policy being trained, with its optimizer, answering the loop's three questions.
 
-`logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;
-`update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
-`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
-a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
-length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
-optimizer step per batch and iteration, no learning-rate schedule.
+`logprobs(rollout)` before the update, `update(experience)`, and `named_weights()` for the sync.
+Simplified vs TRL: one optimizer step per batch and iteration, no learning-rate schedule.
 """
 
 import math
@@ -925,12 +779,7 @@ from minirl.loss_types import loss_type_entry
 from minirl.runtime.gauges import clipped_step, ratio_statistics
 from minirl.runtime.prefix_sharing import MicroBatchedLogprobs, micro_batches
 
-# %% [markdown]
-# The actor itself: the policy and its optimizer, and the first thing the loop asks of it, the log-probs of a
-# rollout, computed in micro-batches.
 
-# %%
-# | export minirl/roles/actor.py
 class Actor:
     """The policy being trained and its AdamW optimizer."""
 
@@ -943,11 +792,11 @@ class Actor:
                                            weight_decay=optimizer.weight_decay)
 
     def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """The rows of each micro-batch of this rollout (section 11.4)."""
+        """The rows of each micro-batch of this rollout (section 10.3)."""
         return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
 
     def _shares_prompt(self) -> bool:
-        return True                          # each group's prompt computed once (section 11.1)
+        return True                          # each group's prompt computed once (section 10.1)
 
     def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
         return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,
@@ -966,9 +815,8 @@ class Actor:
         return out * rollout.completion_mask
 
 # %% [markdown]
-# The gradient of one batch: `backward` runs the micro-batches, weighting each so that their
-# gradients add up to the whole batch's, and stops backpropagating at the first non-finite
-# loss; `_loss` is the policy loss with this run's settings.
+# `backward` weights each micro-batch so that their gradients add up to the whole batch's;
+# `update` steps the optimizer; `named_weights` is what the sync pushes.
 
 # %%
 # | export minirl/roles/actor.py
@@ -976,10 +824,8 @@ class Actor:
 def backward(self, exp: Experience) -> dict:
     """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
 
-    Each micro-batch's loss is weighted by its share of the batch's normalization (the loss
-    type's `micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
-    loss is not finite ends the backward passes (the rest only run forward, for the metrics)
-    and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+    Each micro-batch's loss is weighted by its share of the batch's normalization, so the
+    gradients add up to the whole batch's. A non-finite loss ends the backward passes (loss NaN).
     """
     ro, algo = exp.rollout, self.algorithm
     mask = ro.completion_mask                                                  # [N, C]
@@ -1017,13 +863,6 @@ def _loss(self, logps, old_logps, advantages, mask, ref_logps, is_weights):
                        max_completion_length=self.sampling.max_completion_length, is_weights=is_weights,
                        use_bias_correction_kl=algo.use_bias_correction_kl)
 
-# %% [markdown]
-# The second question, `update`: the optimizer steps on one batch, each skipped when its
-# loss or gradient norm is not finite. Then what the weight sync pushes (`named_weights`)
-# and what a checkpoint saves beside the weights (`state_dict`).
-
-# %%
-# | export minirl/roles/actor.py
 @add_to_class(Actor)
 def update(self, exp: Experience) -> dict:
     """`num_iterations` optimizer steps on this batch; returns the last step's metrics.
@@ -1062,62 +901,8 @@ def state_dict(self) -> dict:
 def load_state_dict(self, state: dict) -> None:
     self.optimizer.load_state_dict(state["optimizer"])
 
-# %%
-# | export minirl/roles/critic.py
-"""The critic (PPO): a value model and its optimizer; values before the update, and its own update.
-
-Simplified vs TRL's PPOTrainer / veRL: one clipped value-loss step per batch.
-"""
-
-import torch
-from torch import Tensor
-
-from minirl.algo.logprobs import masked_mean
-from minirl.algo.losses import value_loss
-from minirl.config import AlgorithmConfig, OptimizerConfig
-from minirl.data import Experience, Rollout
-from minirl.models.critic import ValueModel
-from minirl.runtime.gauges import optimizer_step
-
-
-class Critic:
-    """V(s_t) for every completion token, fitted to the GAE returns."""
-
-    def __init__(self, value_model: ValueModel, algorithm: AlgorithmConfig, optimizer: OptimizerConfig):
-        self.model = value_model.eval()
-        self.algorithm = algorithm
-        self.max_grad_norm = optimizer.max_grad_norm
-        self.optimizer = torch.optim.AdamW(value_model.parameters(), lr=optimizer.value_learning_rate,
-                                           weight_decay=optimizer.weight_decay)
-
-    @torch.no_grad()
-    def values(self, rollout: Rollout) -> Tensor:
-        """[N, C] float32 values of the states before each completion token; 0 after the completion."""
-        return self.model(rollout.input_ids, rollout.attention_mask, rollout.num_completion_tokens) \
-            * rollout.completion_mask
-
-    def update(self, exp: Experience) -> dict:
-        """One clipped value-loss step toward `exp.returns`."""
-        ro = exp.rollout
-        self.model.train()
-        values = self.model(ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
-        loss = value_loss(values, exp.values, exp.returns, ro.completion_mask, self.algorithm.cliprange_value,
-                          self.algorithm.loss_type)
-        stepped, grad_norm = optimizer_step(self.model.parameters(), self.optimizer, loss, self.max_grad_norm)
-        self.model.eval()
-        return {"value_loss": loss.item(), "value_grad_norm": grad_norm, "value_skipped": int(not stepped),
-                "value_mean": masked_mean(exp.values, ro.completion_mask).item()}
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
 # %% [markdown]
-# Ask the roles about the batch sampled above: the actor's log-probs are the engine's (same
-# weights, same precision), the fresh critic says 0 everywhere.
+# The actor's log-probs are the engine's; the fresh critic says 0 everywhere.
 
 # %%
 from minirl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
@@ -1133,19 +918,11 @@ print("critic values [N, C]:", critic.values(ro).abs().max().item())
 # %% [markdown]
 # ## 6. Synchronize, and the step
 #
-# Step 4 of the loop gets an interface of its own, because it is the step that changes most
-# from stage to stage: here the engine lives in this process and copies the trainer's
-# tensors; in notebook 04 the tensors are first gathered from shards (or a LoRA adapter is
-# merged); in notebook 06 they are broadcast to another process. Every variant ends with the
-# same check (the engine reports the version just pushed) and returns what it moved, so the
-# sync's share of a step can be measured the same way everywhere (the source's symptom table
-# flags synchronization above 5 % of the step).
-#
-# The interface is `minirl/sync/base.py`: a `WeightSync` has one method,
-# `push(named_weights, engine, version)`, returning a `SyncReport` (the version the engine now
-# holds, the tensors and bytes moved, the seconds). Stage 1's `InProcessSync` hands the
-# actor's tensors to the engine's `load_weights`, then checks the version the engine reports.
-# Update the actor once on the batch above, push, and ask the engine for the old version:
+# Step 4 changes most from stage to stage: here the engine copies the trainer's tensors in
+# this process; notebook 04 gathers them from shards first, notebook 06 broadcasts them. So it
+# has an interface, `WeightSync.push(named_weights, engine, version)` (`minirl/sync/base.py`),
+# which checks the version the engine reports and returns what it moved, so the sync's share of
+# a step is measured the same way everywhere (the source flags more than 5 %). Update, push:
 
 # %%
 from minirl.data import Experience  # noqa: E402
@@ -1160,35 +937,19 @@ with torch.no_grad():
     engine_logps, _ = completion_logprobs(engine.model, ro.input_ids, ro.attention_mask, ro.num_completion_tokens)
 print("max |engine - actor| log-prob after the push:",
       (engine_logps * ro.completion_mask - actor.logprobs(ro)).abs().max().item())
-try:
-    engine.generate(["27+35="], SamplingConfig(num_generations=4), expected_version=0)
-except VersionMismatchError as err:
-    print("VersionMismatchError:", err)
 
 # %% [markdown]
-# The update needs more than the rollout: the trainer's log-probs before the update, the
-# reference's, the critic's values, the advantages, and (with notebook 02's correction) the
-# importance weights. An `Experience` (`minirl/data.py`) holds them beside the rollout.
-#
-# Now the step. `sample_prompts` draws B rows without replacement from a seeded generator;
-# `score` calls the reward functions with TRL's signature and weighs them as TRL's
-# `reward_weights`. Its checks (a wrong number of rewards, a non-numeric or non-finite one is an
-# error naming the function; with `reward_errors="zero"` a failing sample scores 0 and is
-# counted) live in `minirl/runtime/reward_calls.py`.
+# Now the step. `sample_prompts` draws B rows from a seeded generator; `score` calls the reward
+# functions with TRL's signature and weighs them as TRL's `reward_weights` (its checks live in
+# `minirl/runtime/inputs.py`).
 
 # %%
 # | export minirl/train/step.py
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
-`rl_step` is the loop body every stage runs. It talks to the seams only through their
-protocols: a rollout engine, the roles (`Actor`, `Reference`, `Critic`), a weight sync. Stage 1
-passes in-process objects, notebook 04 FSDP-wrapped roles, notebook 06 Ray worker groups: the
-step never changes. Its middle, `learn`, is also what notebook 07's asynchronous trainer runs.
-
-Simplified vs TRL's GRPOTrainer: every reward must be a number (TRL skips a function's NaN),
-one generation batch per step, and the engine holds its own copy of the policy with a version.
-PPO puts its KL penalty in the per-token reward (TRL's PPOTrainer); GRPO adds the k3 KL to the
-loss (TRL's GRPOTrainer).
+`rl_step` is the loop body every stage runs, through the seams' protocols only. Simplified vs
+TRL's GRPOTrainer: every reward must be a number, one generation batch per step, and the engine
+holds its own copy of the policy with a version.
 """
 
 from dataclasses import dataclass
@@ -1203,6 +964,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.arg_checks import check_reward_weights
 from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
@@ -1231,19 +993,13 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
           reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
-    Each function is called with TRL's signature, f(prompts, completions, **columns), where the
-    columns are the dataset rows' other fields, repeated G times, and checked
-    (`minirl.runtime.inputs.checked_rewards`: one finite float per completion, or an error naming
-    the function; with reward_errors="zero" a failing sample scores 0 and is counted in
-    metrics["reward_errors"]). reward_weights: one per function (TRL's `reward_weights`; None: 1
-    each); `rewards/<name>` is the function's unweighted mean, as TRL logs it.
+    Each function is called with TRL's signature, f(prompts, completions, **columns), the columns
+    being the rows' other fields repeated G times (`minirl.runtime.inputs.checked_rewards`).
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
-                         "give one weight per function")
+    check_reward_weights(weights, reward_funcs)
     errors = []
     per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
                 for f in reward_funcs]                                                     # [N] each
@@ -1255,13 +1011,9 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
     return total, metrics
 
 # %% [markdown]
-# Between scoring and the update come the quantities the update needs, each in its own
-# stage: `make_experience` asks the roles (no gradients), the behaviour corrections run
-# (`correct_behaviour`: none yet; notebook 02 registers its truncated importance sampling
-# in `BEHAVIOUR_CORRECTIONS`, applied when the config's `importance_sampling_correction` is on), and
-# `compute_advantages` turns rewards into advantages, GRPO's group-normalized ones or PPO's
-# GAE over per-token rewards (the KL penalty, for PPO, is part of the reward, as in TRL's
-# PPOTrainer).
+# Between scoring and the update: `make_experience` asks the roles (no gradients), the
+# behaviour corrections run (none yet; notebook 02 registers one), and `compute_advantages`
+# gives GRPO's group-normalized advantages or PPO's GAE (PPO's KL is part of its reward).
 
 # %%
 # | export minirl/train/step.py
@@ -1296,9 +1048,7 @@ def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience
 def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
 
-    group: None in one process. In a data-parallel run (notebook 04) each rank holds whole
-    groups, so "group" scaling stays local, but "batch" scaling divides by the std of the
-    whole global batch: `group.all_gather` brings every rank's rewards.
+    group: None in one process; data-parallel (04): "batch" scaling needs every rank's rewards.
     """
     if algorithm.algo == "grpo":
         G = exp.rollout.num_generations
@@ -1317,11 +1067,8 @@ def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) 
     return exp
 
 # %% [markdown]
-# And the step itself, in the source's order. It talks to the seams only through their
-# methods: an engine, the roles, a sync. Read it top to bottom; this is the function every
-# later stage runs. Its middle, from the batch and its rewards to the updated roles, is a
-# function of its own, `learn`: notebook 07's asynchronous trainer takes its batches from a
-# queue instead of an engine call and runs this same `learn` on them.
+# `rl_step`, the function every later stage runs: the four steps, in the source's order. Its
+# update half, `learn`, is a function of its own: notebook 07's trainer runs it on queued batches.
 
 # %%
 # | export minirl/train/step.py
@@ -1357,21 +1104,12 @@ def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tenso
             | timer.times)
 
 
-# %% [markdown]
-# `rl_step` puts `learn` between the engine's `generate` and the sync's `push`: the four steps
-# of the loop, in the source's order.
-
-# %%
-# | export minirl/train/step.py
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
-    rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
-    sync: any WeightSync. The record holds the update's metrics, the batch's statistics, the
-    versions, and `time/<stage>` seconds for every stage. group: None in one process; in a
-    data-parallel run (notebook 04) every rank calls rl_step on its share of the batch, and
-    `group` (`world_size`, `all_gather(tensor)`) makes the batch-wide numbers global.
+    rows: this step's B dataset rows; engine: a RolloutEngine; sync: a WeightSync. group: None in
+    one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
     """
     timer = StageTimer()
     with timer("generate"):
@@ -1383,8 +1121,7 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
     return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 
 # %% [markdown]
-# One step by hand, with fresh roles around the policy and an engine at version 0: the
-# record says what the step did, and the engine now holds version 1.
+# One step by hand: the record says what it did, and the engine now holds version 1.
 
 # %%
 from minirl.rollout.registry import build_engine  # noqa: E402
@@ -1405,59 +1142,20 @@ print("engine version:", step_engine.version, "| seconds by stage:",
 # %% [markdown]
 # ## 7. The run: a loop and its callbacks
 #
-# A run repeats the step and does a few other jobs around it: evaluate now and then, log
-# every step, save checkpoints, show progress. Each job is a small **callback** that sees
-# every record; the loop itself stays a few lines long (minGPT keeps its trainer short the
-# same way). `train` builds the state and hands it to `run_in_dir`, which opens the run
-# directory, resumes, sets up the callbacks and calls `run`; later stages (the Ray driver of
-# notebook 06) call `run_in_dir` with their own step functions. The callbacks, run
-# directories, resume, stops and checkpoint files live in `minirl/runtime/callbacks.py` and
-# `minirl/runtime/checkpoint.py`; we only call them.
-
-# %%
-# | export minirl/train/run.py
-"""A run: build the roles, the engine and the sync; then step, and hand each record to callbacks.
-
-`run(state, step_fn, callbacks, steps)` is the whole loop: it calls the step and passes each
-record to the callbacks, which do everything else a run needs (evaluate, log JSON lines,
-checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
-stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
-own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
-"""
-
-import time
-from dataclasses import dataclass, field
-
-import torch
-
-from minirl.config import RLConfig
-from minirl.models.critic import ValueModel
-from minirl.models.policy import load_default_policy
-from minirl.roles.actor import Actor
-from minirl.roles.critic import Critic
-from minirl.roles.reference import Reference
-from minirl.rollout.registry import build_engine
-from minirl.runtime.inputs import check_run_inputs
-from minirl.sync.base import InProcessSync
-from minirl.tasks.task import Task, arithmetic_task
-from minirl.train.step import Roles, rl_step, sample_prompts
-
-# %% [markdown]
-# The engine that `rollout_engine` names comes from a registry owned by the rollout layer: a
-# name maps to a factory that imports its backend only when it builds it, and every stage
-# builds its engine through `build_engine`. This notebook registers its two engines; notebook
-# 04 registers vLLM and notebook 05 its paged engine, each in the notebook that builds it, so
-# no stage's code names a backend.
+# A run repeats the step; every other job (evaluate, log, checkpoint, progress) is a small
+# **callback** that sees every record: `run(state, step_fn, callbacks, steps)` is a few lines.
+# `setup` builds a run's state (roles, an engine at version 0, a sync, a seeded generator),
+# `stage1_step` draws prompts and calls `rl_step`, `train` adds a run directory and evaluation:
+# plain code in `minirl/train/run.py` (callbacks and checkpoints: `minirl/runtime/`).
+#
+# The engine `rollout_engine` names comes from a registry: a name maps to a factory that
+# imports its backend only when it builds. Notebooks 04 and 05 register vLLM and a paged engine.
 
 # %%
 # | export minirl/rollout/registry.py
 """The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
 
-`ENGINES` maps an engine's name (config.rollout.rollout_engine) to an `EngineEntry`:
-`build(config, model, tokenizer, device, **options)` returns that engine holding a copy of
-`model` (version 0), importing its backend only then; `problem(config)` says why this run
-cannot use it (None: it can), importing nothing heavy (`check_engine`). Notebook 01 registers
-"hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
+Notebook 01 registers "hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -1518,150 +1216,12 @@ def build_hf(config: RLConfig, model, tokenizer, device, **options):
 
 @register_engine("shared_prefix")
 def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
-    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    """Each prompt prefilled once for its G samples (section 10); options: none used."""
     from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
     return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
 
 # %% [markdown]
-# The parts of a run, built from its config: the roles for a model (and the engine, from the
-# registry above).
-
-# %%
-# | export minirl/train/run.py
-def build_roles(config: RLConfig, model) -> Roles:
-    """Actor (always), Reference (when beta > 0), Critic (PPO) for `model`, on config.run.device in
-    config.policy_dtype (a no-op for the float32 policy on a CPU)."""
-    dtype = getattr(torch, config.policy_dtype)
-    model.to(device=config.run.device, dtype=dtype).eval()
-    reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
-    critic = None
-    if config.algorithm.algo == "ppo":
-        critic = Critic(ValueModel.from_policy(model).to(dtype), config.algorithm, config.optimizer)
-    return Roles(Actor(model, config.algorithm, config.optimizer, config.sampling), reference, critic)
-
-
-
-# %% [markdown]
-# What a run holds between steps (`RunState`), the hooks of a callback, and the loop that
-# drives the step function.
-
-# %%
-# | export minirl/train/run.py
-@dataclass
-class RunState:
-    """Everything a run changes, and what a checkpoint restores."""
-
-    config: RLConfig
-    roles: Roles
-    engine: object                          # a RolloutEngine
-    sync: object                            # a WeightSync
-    generator: torch.Generator              # draws the prompts and the sampling seeds
-    rows: list[dict]                        # the dataset
-    reward_funcs: list
-    reward_weights: list[float] | None = None   # one per reward function (None: 1 each)
-    step: int = 0
-    metrics: list[dict] = field(default_factory=list)
-    interrupted: bool = False
-
-    def extra_state(self) -> dict:
-        """What a later stage adds to a checkpoint ({} here; notebook 07 saves its queue)."""
-        return {}
-
-    def load_extra_state(self, extra: dict) -> None:
-        """Restore what `extra_state` returned (nothing here)."""
-
-
-class Callback:
-    """Hooks of a run; each does one job. on_end runs last, also after an error (see state.interrupted)."""
-
-    def on_start(self, state: RunState) -> None: ...
-
-    def on_step(self, state: RunState, record: dict) -> None: ...
-
-    def on_end(self, state: RunState) -> None: ...
-
-
-class RunStopped(Exception):
-    """Raised by `minirl.runtime.callbacks.StopAfter`: the run stopped on purpose before its last step."""
-
-
-def run(state: RunState, step_fn, callbacks: list[Callback], steps: int) -> list[dict]:
-    """Call step_fn(state) until `steps` steps are done; each record goes through every callback in order."""
-    for cb in callbacks:
-        cb.on_start(state)
-    try:
-        while state.step < steps:
-            start = time.perf_counter()
-            record = step_fn(state)
-            state.step += 1
-            record = {"step": state.step, **record, "time/step": time.perf_counter() - start}
-            state.metrics.append(record)
-            for cb in callbacks:
-                cb.on_step(state, record)
-    except BaseException:
-        state.interrupted = True
-        raise
-    finally:
-        for cb in callbacks:
-            cb.on_end(state)
-    return state.metrics
-
-# %% [markdown]
-# Assembling a stage-1 run: the roles for the model, an engine holding version 0, an
-# in-process sync, a generator for prompts and sampling seeds. `train` wires them to a task
-# and hands the state to `run_in_dir` (`minirl/runtime/callbacks.py`), which adds the run
-# directory, the checkpoints, the evaluation, the log and the progress bar.
-
-# %%
-# | export minirl/train/run.py
-def setup(config: RLConfig, model, tokenizer, rows: list[dict], reward_funcs: list,
-          reward_weights: list[float] | None = None) -> RunState:
-    """The state of a fresh run: roles, an engine holding version 0, an in-process sync, the generator."""
-    roles = build_roles(config, model)
-    return RunState(config, roles, build_engine(config, model, tokenizer), InProcessSync(),
-                    torch.Generator().manual_seed(config.run.seed), rows, reward_funcs, reward_weights)
-
-
-def stage1_step(state: RunState) -> dict:
-    """Stage 1's step: draw this step's prompts, then `rl_step`."""
-    rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
-    return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator,
-                   reward_weights=state.reward_weights)
-
-
-def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None, *, out_dir=None,
-          resume: bool = False, overwrite: bool = False, progress: bool = True, reward_funcs=None,
-          reward_weights=None, dataset=None, eval_fn=None, stop_after: int | None = None,
-          extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
-    """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
-
-    model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
-    (training rows, reward functions and weights, held-out evaluation; default the embedded
-    arithmetic task); dataset, reward_funcs (with reward_weights) and eval_fn(model) -> 0..1
-    override the task's. out_dir, resume, overwrite, stop_after, extra_callbacks, run_info: as
-    `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
-    """
-    from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
-
-    if (model is None) != (tokenizer is None):
-        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
-    if model is None:
-        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
-    task = task or arithmetic_task()
-    rows = task.train if dataset is None else list(dataset)
-    if reward_funcs is None:
-        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
-    check_run_inputs(config, model, tokenizer, rows, reward_funcs)     # at the door, naming what is wrong
-    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
-    state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
-    return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
-                      eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,
-                      stop_after=stop_after, run_info=run_info)
-
-
-# %% [markdown]
-# The loop with a callback of our own, and no run directory: `setup` builds the state, `run`
-# drives `stage1_step` for three steps, and the callback sees every record.
+# The loop with a callback of our own, and no run directory:
 
 # %%
 from minirl.train.run import Callback, run, setup, stage1_step  # noqa: E402
@@ -1679,13 +1239,11 @@ records = run(state, stage1_step, [PrintReward()], steps=3)
 # %% [markdown]
 # ## 8. Run it: does the policy learn?
 #
-# The claim to check: from the warm start, the default configuration gains at least 25
-# points of held-out greedy accuracy within 5 minutes on two CPU cores, repeatably for a
-# fixed seed. In full mode this cell launches the chapter script, the README's main command,
-# with its own progress bar; in smoke mode it runs 20 steps inline, enough to see the loop
-# turn. Either way it runs the code of the cells you ran: the script is started through
-# `minirl.runtime.notebook.run_script`, which hands it this kernel's edited exported cells.
-# The same script trains a real model too: after `python chapters/00_warm_start.py --real-model`,
+# The claim: from the warm start, the default configuration gains at least 25 points of
+# held-out greedy accuracy within 5 minutes on two CPU cores, repeatably for a fixed seed. The
+# cell runs the chapter script (smoke mode: 20 steps inline) through `run_script`, which hands
+# it the exported cells you edited in this kernel. The same script trains a real model: after
+# `python chapters/00_warm_start.py --real-model`,
 # `python chapters/01_single_process.py --config configs/smollm2.yaml` trains SmolLM2-135M-Instruct.
 
 # %%
@@ -1712,8 +1270,7 @@ plot_metrics(grpo_metrics, title="GRPO, embedded policy, one process", temperatu
 plt.show()
 
 # %% [markdown]
-# Before and after, on the held-out problems the policy never trained on; and the run of section 0,
-# which used the same seed for fewer steps, beside this one at the steps both evaluated:
+# Before and after, on held-out problems; and section 0's run (same seed) where both evaluated:
 
 # %%
 gain = grpo_summary["accuracy_after"] - grpo_summary["accuracy_before"]
@@ -1737,11 +1294,8 @@ print("repeatable for a fixed seed: the evaluations both runs made,", ", ".join(
       "identical" if all(a == b for _, a, b in common) else "NOT identical")
 
 # %% [markdown]
-# Where does the time go? Every record carries the seconds of each stage. The source says
-# that in RL for LLMs generation usually dominates (its symptom table flags rollout above
-# 80 % of the step). With a 4-token completion and a 1 M-parameter model the balance here
-# may be different: the table shows which stage dominates on this machine. Notebook 09
-# turns such shares into a diagnosis.
+# Where does the time go? The source's symptom table flags rollout above 80 % of the step; with
+# 4-token completions and a 1 M-parameter model the balance may differ (notebook 09 diagnoses).
 
 # %%
 stages = ["generate", "score", "reference", "advantages", "update", "sync"]
@@ -1758,13 +1312,9 @@ print(f"generation {100 * share:.1f} % of the step: {'above' if share > 0.8 else
 # %% [markdown]
 # ## 9. PPO beside GRPO
 #
-# The same step with `algo="ppo"`: `make_experience` adds the critic's values,
-# `compute_advantages` builds terminal per-token rewards and runs GAE (γ = 1, λ = 0.95) and
-# whitens the advantages, and `critic.update` fits the values to the returns with a clipped
-# loss. Per step PPO costs more: a second model to run forward and to train, and twice the
-# optimizer memory; that cost is why GRPO dropped the critic. Both runs below use the same
-# seed, steps and evaluation schedule, so their accuracy curves can be read against each
-# other.
+# The same step with `algo="ppo"`: the critic's values, GAE over terminal per-token rewards,
+# whitened, and a critic update. PPO costs more per step (a second model to run and train):
+# that cost is why GRPO dropped the critic. Same seed, steps and evaluation schedule as GRPO.
 
 # %%
 if SMOKE:
@@ -1814,78 +1364,26 @@ print(f"seconds per step: GRPO {per_step['GRPO']:.3f}, PPO {per_step['PPO']:.3f}
       + ("more" if per_step["PPO"] > per_step["GRPO"] else "NOT more"))
 
 # %% [markdown]
-# Read the critic's curve with care: its loss is not a score that should fall steadily. Its
-# targets are returns built from a 0/1 reward, so even a critic that knew the success rate p
-# of the batch exactly would be off by the spread of those rewards: its expected loss would
-# be ½·p(1 − p) (half the variance of a 0/1 outcome), which is largest at p = ½. As the
-# policy improves, p climbs from the warm start's level toward 1, so the loss first rises and
-# then falls, following that curve; the table sets the two side by side, window by window.
-# Where the critic's loss sits below ½·p(1 − p), it has learned more than the batch's
-# average: which prompts are easier. On this task, where the reward is a single 0/1 at the end
-# of a 4-token answer, that is about all a critic can add over GRPO's per-group baseline, and
-# the accuracy plot shows how close the two algorithms land after the same steps.
+# The critic's loss need not fall steadily: its targets come from a 0/1 reward, so a critic
+# that knew the batch's success rate p would still lose ½·p(1 − p), largest at p = ½. As p
+# climbs, the loss rises, then falls. Below ½·p(1 − p), the critic has learned which prompts are
+# easier: about all it can add over GRPO's per-group baseline on a 4-token answer.
 
 # %% [markdown]
-# ## 10. Bad input fails early, with the parameter's name
+# ## 10. Speed: share the prompt
 #
-# A loop that runs for hours must fail in the first second when it is misconfigured, and
-# must not corrupt its weights when one batch goes wrong. A few of the checks:
-
-# %%
-def show(fn):
-    try:
-        fn()
-    except (ValueError, RuntimeError) as err:
-        print(f"{type(err).__name__}: {err}")
-
-
-show(lambda: RLConfig.from_flat(num_generations=1))
-show(lambda: RLConfig.from_flat(loss_type="ppo"))
-show(lambda: RLConfig.from_flat(max_completion_length=0))
-show(lambda: train(RLConfig.from_flat(steps=1), model, tokenizer, dataset=[], progress=False))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
-                   reward_funcs=[lambda prompts, completions, **kw: [1.0]]))
-show(lambda: train(RLConfig.from_flat(steps=1, eval_every=0), model, tokenizer, progress=False,
-                   reward_funcs=[lambda prompts, completions, **kw: ["good"] * len(completions)]))
-
-# %% [markdown]
-# And a non-finite loss skips the optimizer step (logged as `skipped`), leaving the weights
-# as they were:
-
-# %%
-from minirl.data import Experience  # noqa: E402
-
-actor = Actor(model, AlgorithmConfig(), OptimizerConfig(), SamplingConfig(num_generations=2))
-batch2 = HFEngine(model, tokenizer).generate(["1+2=", "3+4="], SamplingConfig(num_generations=2))
-before = {k: v.clone() for k, v in model.state_dict().items()}
-out = actor.update(Experience(batch2, torch.zeros(4), advantages=torch.full((4,), float("nan"))))
-print("skipped:", out["skipped"], "| weights unchanged:",
-      all(torch.equal(v, before[k]) for k, v in model.state_dict().items()))
-
-# %% [markdown]
-# ## 11. Speed: share the prompt, then race TRL's GRPOTrainer
+# minirl's stage 1 is TRL's design, and `tests/test_trl_parity.py` checks that both compute the
+# same loss and gradients; a faster loop must do *less* arithmetic. The G = 8 completions of a
+# prompt all begin with it, and the simple path computes it 8 times, twice over (in `generate`
+# and in the update). The source lists prefix caching among the core GRPO optimizations.
 #
-# The source's framework table puts TRL at "single process, HF generate, learners and
-# prototypes". minirl's stage 1 is the same design, and `tests/test_trl_parity.py` checks that
-# the two compute the same loss and gradients on the same batch. Doing the same arithmetic they
-# should take about the same time, so a faster loop must do *less* arithmetic without changing
-# what it computes. There is such arithmetic: the G = 8 completions of a prompt all begin with
-# that prompt, and the simple path computes it 8 times, twice over (`generate` prefills B × G
-# rows, and the update runs forward and backward over all B × G × (P + C) tokens). The source
-# lists prefix caching among the core GRPO optimizations of rollout engines; the same idea works
-# in the trainer.
+# ### 10.1 The update: one prompt pass per group
 #
-# ### 11.1 The update: one prompt pass per group
-#
-# Run the B distinct prompts once with a KV cache, keep the last position's logits (they
-# predict the first completion token of all G samples), repeat the cache G times, and run the
-# N = B × G completions against it with the positions derived from the mask. Nothing is
-# approximated: every completion token attends to the same keys and values as in one long
-# forward pass, and backpropagation sums the G copies' gradients into the one prompt pass
-# (the chain rule for an activation used G times). `completion_logprobs(..., num_generations=G)`
-# takes this path; the code is in `minirl/runtime/prefix_sharing.py`. Check it on a real batch,
-# log-probs and gradients of the same random loss both ways; a "group" whose rows do not share
-# their prompt is refused rather than silently mis-scored.
+# Run the B prompts once with a KV cache, repeat the cache G times, and run the N = B × G
+# completions against it. Nothing is approximated: each token attends to the same keys and
+# values, and backpropagation sums the G copies' gradients into the one prompt pass.
+# `completion_logprobs(..., num_generations=G)` takes this path (`runtime/prefix_sharing.py`).
+# Log-probs and gradients of the same random loss, both ways:
 
 # %%
 model, tokenizer, _ = load_default_policy()
@@ -1913,13 +1411,10 @@ print(f"rows {ids.shape[0]} = {len(prompts16)} prompts x G={G}, P={batch.prompt_
 print(f"max |log p(one pass) - log p(shared prefix)| = {(one_pass - shared)[m].abs().max().item():.1e}")
 print(f"max |gradient difference| / max |gradient| = "
       f"{grad_err / max(a.abs().max().item() for a in one_grads):.1e}")
-show(lambda: completion_logprobs(model, ids, mask, C, num_generations=2 * G))   # groups of 16 span two prompts
 
 # %% [markdown]
-# What it saves per update (forward and backward, median of interleaved repeats; the timing
-# helper is `minirl.runtime.timing.median_ms`). The prompt columns shrink from N × P to B × P
-# tokens, 1/G of them; the completion tokens are all still computed, so the whole pass shrinks
-# less than G-fold.
+# What it saves per update: prompt tokens shrink G-fold, completion tokens do not, so the pass
+# shrinks less than G-fold.
 
 # %%
 from minirl.runtime.timing import median_ms  # noqa: E402
@@ -1936,10 +1431,8 @@ speedup = update_ms["one pass over N rows"] / update_ms["shared prefix"]
 print(f"speedup of the update: {speedup:.2f}x, {'less' if speedup < G else 'NOT less'} than G = {G}-fold")
 
 # %% [markdown]
-# The source's figure for prefix caching, against the count. Computing a prompt once instead of
-# G times saves 1 − 1/G; the source's range does not follow from G = 8 alone (a cache of whole
-# blocks, as vLLM's, recomputes a prompt's partial last block, which lowers the saving for
-# short prompts).
+# The source's figure for prefix caching, against the count: a prompt once instead of G times
+# saves 1 − 1/G (a block cache, as vLLM's, recomputes a partial last block, saving less).
 
 # %%
 saved = 1 - 1 / G
@@ -1948,18 +1441,13 @@ print(f"{f'prefix compute saved, G = {G}':32} | {'70-80 %':8} | {100 * saved:6.1
       + ("agrees (inside the range)" if 0.70 <= saved <= 0.80 else "differs (outside the range)"))
 
 # %% [markdown]
-# ### 11.2 Generation: prefill once, sample in a plain loop
+# ### 10.2 Generation: prefill once, sample in a plain loop
 #
-# The rollout engine can share the prompt the same way: prefill each prompt once, repeat its
-# cache G times, then decode the N rows token by token with nothing but softmax(logits / τ) and
-# one multinomial draw per row (HF `generate` wraps every decoding step in machinery that a
-# 1 M-parameter model feels). That is `SharedPrefixEngine` (`minirl/rollout/shared_prefix.py`,
-# the default `rollout_engine`), and its sampling step, `sample_tokens`
-# (`minirl/rollout/sampling.py`), is shared by every hand-written decoding loop of minirl
-# (notebook 05's paged engine too), so a behaviour log-prob means the same thing in every
-# engine. With one seed both engines draw the same random numbers, but the prefill of B rows
-# instead of B × G rounds differently, so a draw on the boundary between two tokens can flip:
-# the distribution is the same, not necessarily every sample.
+# The engine can share the prompt too: prefill once, repeat the cache G times, then decode with
+# softmax(logits / τ) and one multinomial draw per row. That is `SharedPrefixEngine`
+# (`minirl/rollout/shared_prefix.py`, the default), whose `sample_tokens` every hand-written
+# decoding loop of minirl shares. Same seed, same distribution; a draw on a boundary between two
+# tokens can flip, since B rows round differently from B × G.
 
 # %%
 from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: E402
@@ -1979,67 +1467,20 @@ print(f"generate {len(batch)} completions: HF generate {generate_ms['hf']:.1f} m
       f"{generate_ms['shared_prefix']:.1f} ms ({generate_ms['hf'] / generate_ms['shared_prefix']:.1f}x)")
 
 # %% [markdown]
-# ### 11.3 The race: minirl against TRL's GRPOTrainer
+# ### 10.3 Against TRL, and long completions
 #
-# `benchmarks/grpo_vs_trl.py` runs both trainers interleaved in one process on the same
-# policy, prompts and settings (TRL's bf16 autocast and gradient checkpointing off, so that both
-# do the same arithmetic). On this path TRL 1.16 generates with HF `generate` over the B × G
-# repeated prompts and scores all B × G full sequences: minirl's simple path. So the gap
-# should be what 11.1 and 11.2 saved, plus TRL's extra layers, which should be small; that rest
-# also holds the timing noise, so on a loaded machine it can come out above a tenth. The cell
-# runs a short benchmark (skipped in smoke mode); `benchmarks/README.md` has longer runs.
-
-# %%
-bench = ROOT / "benchmarks" / "grpo_vs_trl.py"
-bench_out = Path(os.environ.get("MINIRL_RUNS", "runs")) / "01_bench"
-if SMOKE:
-    print("smoke mode: skipping the TRL benchmark")
-elif not bench.exists():
-    print("benchmarks/grpo_vs_trl.py not found: the benchmark is not part of this checkout")
-else:
-    proc = subprocess.Popen([sys.executable, str(bench), "--quick", "--threads", "1", "--out", str(bench_out)],
-                            stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:                       # its lines as they come (it takes a while): the progress
-        if not line.startswith("{"):               # not TRL's log dict
-            print(line, end="", flush=True)
-    assert proc.wait() == 0, f"{bench} failed"
-    result = json.loads((bench_out / "summary.json").read_text())
-    trl_ms, minirl_ms = 1000 * result["trl_median_seconds"], 1000 * result["minirl_median_seconds"]
-    saved_update = update_ms["one pass over N rows"] - update_ms["shared prefix"]
-    saved_generate = generate_ms["hf"] - generate_ms["shared_prefix"]
-    print(f"\n{'per step (ms)':44} | measured")
-    print(f"{'TRL GRPOTrainer':44} | {trl_ms:8.1f}")
-    print(f"{'minirl':44} | {minirl_ms:8.1f}")
-    print(f"{'gap':44} | {trl_ms - minirl_ms:8.1f}")
-    print(f"{'  saved by sharing the prompt in the update':44} | {saved_update:8.1f}  (section 11.1)")
-    print(f"{'  saved by sharing the prefill in generation':44} | {saved_generate:8.1f}  (section 11.2)")
-    print(f"{'  rest (TRL overhead, noise)':44} | {trl_ms - minirl_ms - saved_update - saved_generate:8.1f}")
-    rest = (trl_ms - minirl_ms - saved_update - saved_generate) / trl_ms
-    print(f"TRL's extra layers (the rest): {100 * rest:+.1f} % of TRL's step -> "
-          + ("less than a tenth" if rest < 0.1 else "NOT less than a tenth")
-          + " (the rest also holds the timing noise: see the load average above)")
-
-# %% [markdown]
-# ### 11.4 Long completions: the update at the cost of real tokens
-#
-# With long, uneven completions one pass padded to the longest computes mostly padding. So the
-# actor updates in micro-batches of rows of similar length (at most `max_tokens_per_microbatch`
-# completion tokens each, each padded to its own longest row, every group's prompt still
-# computed once), each loss weighted by its share of the loss type's normalizer (section 4.1):
-# the loss and its gradient are the whole batch's. The machinery is `MicroBatchedLogprobs` in
-# `minirl/runtime/prefix_sharing.py`; `tests/test_packed_update.py` checks the gradients, and
-# the benchmark's `--workload long` measures the saving (`benchmarks/README.md`). On a GPU, set
-# the budget to thousands of tokens; `max_tokens_per_microbatch=0` gives the one padded pass.
+# `benchmarks/grpo_vs_trl.py` races minirl against TRL's GRPOTrainer on the same policy and
+# batch: TRL's path is minirl's simple one, so the gap should be what 10.1 and 10.2 saved
+# (`benchmarks/README.md` has the runs). With long, uneven completions one padded pass computes
+# mostly padding, so the actor updates in micro-batches of similar length (at most
+# `max_tokens_per_microbatch` tokens), each weighted by its share of the normalizer (section
+# 4.1): the gradient is the whole batch's (`minirl/runtime/prefix_sharing.py`).
 
 # %% [markdown]
 # ## Exercises
 #
-# Your stubs are in `exercises/01_single_process.py`: the bodies of the functions below are
-# replaced by `raise NotImplementedError`. Fill them in, then grade:
-#
-# ```
-# python -m minirl.grade --only 01
-# ```
+# Your stubs are in `exercises/01_single_process.py` (bodies replaced by
+# `raise NotImplementedError`). Fill them in, then grade: `python -m minirl.grade --only 01`.
 #
 # | exercise | function | what it checks |
 # |---|---|---|
@@ -2051,8 +1492,7 @@ else:
 # | 1.6 | `token_mean` | bnpo / dapo / cispo: over the batch's tokens; an all-masked batch gives 0, not NaN |
 # | 1.7 | `max_length_mean` | dr_grpo: over B × max_completion_length, whatever the columns |
 #
-# Questions to think about (not graded): set `scale_rewards="none"` or `loss_type="grpo"`
-# and rerun section 8: does the curve change, and why so little on this task (hint: how
-# long are the completions)? Set `rollout_dtype="bfloat16"` and watch the metric
+# Not graded: with `scale_rewards="none"` or `loss_type="grpo"`, why does section 8's curve
+# barely change (how long are the completions)? With `rollout_dtype="bfloat16"`, watch
 # `logprob_diff_abs`: notebook 02 starts there.
 

@@ -1,6 +1,6 @@
 """The update at the cost of real tokens: micro-batches of similar length equal the padded update.
 
-notebook 01, section 11.4: `micro_batches` plans, `MicroBatchedLogprobs` scores each micro-batch
+notebook 01, section 10.3: `micro_batches` plans, `MicroBatchedLogprobs` scores each micro-batch
 at its own width (every group's prompt once, through `PromptCache`), and `Actor.backward` weights
 each micro-batch's loss by its share of the batch's normalization. Against the padded path
 (max_tokens_per_microbatch=0, one micro-batch): the same log-probs per token, loss, metrics and

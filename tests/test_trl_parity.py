@@ -9,7 +9,7 @@ Both sides get the same weights, prompts, completions and rewards:
 - minirl: a fresh copy of the same weights, `completion_logprobs` + `group_advantages` +
   `policy_loss` on the very same tensors (and once with `num_generations=G`, the shared-prefix
   forward pass the loop uses); and the loop's own `Actor.backward` on a Rollout of those tensors,
-  in micro-batches of similar length (notebook 01, section 11.4), for every loss_type.
+  in micro-batches of similar length (notebook 01, section 10.3), for every loss_type.
 
 Cases: every `loss_type` in {grpo, bnpo, dr_grpo, dapo}, and "cispo" (TRL 1.16's CISPO, added to minirl
 through its loss registry alone); on-policy (`old_logps` = `logps`, what

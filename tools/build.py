@@ -129,7 +129,10 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py",
                 # notebook 02
                 "minirl/runtime/logprob_checks.py", "minirl/runtime/logprob_measure.py",
-                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py")
+                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py",
+                # notebook 01, second cut: the argument checks of its functions
+                "minirl/runtime/arg_checks.py", "minirl/roles/critic.py",
+                "minirl/train/run.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -1,11 +1,8 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Advantages: group-normalized (GRPO, no critic) and GAE (PPO, with a critic).
 
-Simplified vs production: GRPO advantages follow TRL's GRPOTrainer exactly for one reward
-function (no multi-objective aggregation, no NaN-aware means); GAE follows the classic
-recursion over a right-padded completion, one value per token, as TRL's PPOTrainer and
-veRL's `compute_gae_advantage_return`, without the KL-in-reward bookkeeping, which the
-loop does when it builds per-token rewards.
+GRPO's follow TRL's GRPOTrainer (no NaN-aware means); GAE the classic recursion over a
+right-padded completion, as TRL's PPOTrainer and veRL's `compute_gae_advantage_return`.
 """
 
 __all__ = ["group_advantages", "gae", "whiten", "terminal_rewards"]
@@ -14,7 +11,7 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import masked_mean
-from minirl.config import SCALE_REWARDS
+from minirl.runtime.arg_checks import check_group_rewards
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
@@ -26,18 +23,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
       scale_rewards="group": A / (std(r over its group) + 1e-4)
       scale_rewards="batch": A / (std(r over all N) + 1e-4)
       scale_rewards="none":  A unchanged.
-    std is torch's default unbiased std (divides by n - 1), as TRL. Raises ValueError if
-    num_generations < 2, if N is not a multiple of num_generations, or for an unknown
-    scale_rewards.
+    std is torch's default unbiased std (divides by n - 1), as TRL. ValueError for bad arguments.
     """
-    if num_generations < 2:
-        raise ValueError(f"num_generations={num_generations}: GRPO compares completions within a group; "
-                         "use num_generations >= 2")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: need a flat [B * num_generations] tensor "
-                         f"with num_generations={num_generations}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    check_group_rewards(rewards, num_generations, scale_rewards)
     grouped = rewards.view(-1, num_generations)                           # [B, G]
     advantages = grouped - grouped.mean(1, keepdim=True)                  # [B, G]
     if scale_rewards == "group":

@@ -1,13 +1,9 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Per-token log-probabilities and entropies of completions, and masked reductions.
 
-Everything an RL loss needs from a forward pass: `completion_logprobs` runs the model over
-left-padded prompt + completion and returns log π(y_t | x, y_<t) for each completion token,
-at the sampling temperature, in float32. With `num_generations=G` it computes the prompt
-shared by each group of G consecutive rows once (`minirl.runtime.prefix_sharing`).
-
-Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits are cast
-to float32 before the temperature is applied (TRL divides first, in the model's dtype).
+`completion_logprobs`: log π(y_t | x, y_<t) of each completion token, at the sampling temperature,
+in float32. Simplified vs TRL's `_get_per_token_logps_and_entropies`: no vision inputs; logits
+are cast to float32 before the temperature is applied (TRL divides first, in the model's dtype).
 """
 
 __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log_softmax",
@@ -16,12 +12,12 @@ __all__ = ["masked_sum", "masked_mean", "position_ids_from_mask", "selective_log
 import torch
 from torch import Tensor
 
+from minirl.runtime.arg_checks import check_logit_args, check_same_shape
+
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of `values` where `mask` is 1. values, mask: [B, T] (same shape)."""
-    if values.shape != mask.shape:
-        raise ValueError(f"masked_sum: values {tuple(values.shape)} and mask {tuple(mask.shape)} "
-                         "must have the same shape [B, T]")
+    check_same_shape("masked_sum", values, mask)
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
 
 
@@ -71,16 +67,10 @@ def completion_logits(model, input_ids: Tensor, attention_mask: Tensor, num_comp
 
     input_ids, attention_mask: [B, P+C], a left-padded prompt followed by the completion.
     Returns logits / temperature, [B, C, V] float32, where [:, t] predicts completion token t.
-    Position ids come from the mask, exactly as `generate` derived them when it sampled, so
-    rollout and trainer agree. num_generations=1 runs one forward pass over every row.
-    num_generations=G > 1 says that rows i*G .. i*G+G-1 share one prompt (the rollout's
-    order); each prompt then runs once (`shared_prefix_logits`, section 11), with the same
-    result up to float rounding.
+    Position ids come from the mask, as `generate` derived them. num_generations=G > 1: rows
+    i*G .. i*G+G-1 share one prompt, which then runs once (`shared_prefix_logits`, section 10).
     """
-    if temperature <= 0:
-        raise ValueError(f"completion_logprobs: temperature={temperature} must be > 0")
-    if num_generations < 1:
-        raise ValueError(f"completion_logprobs: num_generations={num_generations} must be >= 1 (1: no sharing)")
+    check_logit_args(temperature, num_generations)
     C = num_completion_tokens
     if num_generations > 1:
         from minirl.runtime.prefix_sharing import shared_prefix_logits  # noqa: PLC0415 (it imports this module)

@@ -1,8 +1,7 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """Losses: the GRPO/PPO policy loss of any registered loss type, k3 KL, the value loss.
 
-`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every entry of
-`minirl.loss_types.LOSS_TYPES` and importance_sampling_level in {"token", "sequence"} on one
+`policy_loss` reproduces TRL GRPOTrainer's `_compute_loss` for every registered loss type, on one
 process. Simplified: no entropy masking, no off-policy masking.
 """
 
@@ -11,9 +10,9 @@ __all__ = ["kl_k3", "policy_loss", "value_loss"]
 import torch
 from torch import Tensor
 
-from minirl.algo.logprobs import masked_mean
 from minirl.loss_types import IMPORTANCE_SAMPLING_LEVELS, aggregate_loss, loss_type_entry
-from minirl.runtime.validate import check_choice
+from minirl.runtime.arg_checks import check_loss_args
+from minirl.runtime.gauges import clip_metrics
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -30,15 +29,10 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     """The GRPO/PPO policy loss and its metrics, as TRL GRPOTrainer's `_compute_loss`.
 
     logps (with grad), old_logps, ref_logps, is_weights, mask: [B, C]; advantages: [B] (GRPO)
-    or [B, C] (PPO/GAE). The loss type's entry gives the objective and the normalization;
-    importance_sampling_level the ratio (token, or sequence: GSPO). use_bias_correction_kl:
-    the k3 term times the ratio pi/pi_old, as TRL 1.16 by default. Returns (loss, metrics):
-    TRL's clip ratios, "ratio_mean", and "kl" (the term as added) when ref_logps is given.
+    or [B, C] (PPO/GAE). Returns (loss, metrics): TRL's clip ratios, "ratio_mean", and "kl".
     """
     entry = loss_type_entry(loss_type)
-    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    if beta != 0.0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
+    check_loss_args(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, beta, ref_logps)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     if advantages.dim() == 1:
@@ -54,17 +48,7 @@ def policy_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tens
     if beta != 0.0:
         per_token = per_token + beta * kl
     loss = entry.normalise(per_token.expand_as(mask), mask, max_completion_length)
-
-    with torch.no_grad():
-        def share(flags):                    # TRL's global masked mean; [B, 1] counts per sequence
-            flags = flags.to(mask.dtype)
-            return (flags.mean() if flags.shape[1] == 1 and mask.shape[1] != 1
-                    else masked_mean(flags.expand_as(mask), mask)).item()
-        metrics = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-                   "clip_ratio/region_mean": share(low | high), "ratio_mean": share(ratio)}
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl, mask).item()
-    return loss, metrics
+    return loss, clip_metrics(low, high, ratio, mask, kl)      # TRL's clip ratios, ratio_mean, kl
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float = 0.2,

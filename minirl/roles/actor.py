@@ -1,12 +1,8 @@
 # Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The actor: the policy being trained, with its optimizer, answering the loop's three questions.
 
-`logprobs(rollout)`: the trainer's log-probs of the sampled tokens before the update;
-`update(experience)`: `num_iterations` clipped-objective steps, returning metrics;
-`named_weights()`: what the weight sync pushes to the rollout engine. Under FSDP (04) or in
-a Ray actor (06) an actor keeps these methods. Both run in micro-batches of similar completion
-length (section 11.4) whose gradients add up to the whole batch's. Simplified vs TRL: one
-optimizer step per batch and iteration, no learning-rate schedule.
+`logprobs(rollout)` before the update, `update(experience)`, and `named_weights()` for the sync.
+Simplified vs TRL: one optimizer step per batch and iteration, no learning-rate schedule.
 """
 
 __all__ = ["Actor"]
@@ -37,11 +33,11 @@ class Actor:
                                            weight_decay=optimizer.weight_decay)
 
     def micro_batches(self, rollout: Rollout) -> list[list[int]]:
-        """The rows of each micro-batch of this rollout (section 11.4)."""
+        """The rows of each micro-batch of this rollout (section 10.3)."""
         return micro_batches(rollout.completion_mask.sum(1).tolist(), self.max_tokens_per_microbatch)
 
     def _shares_prompt(self) -> bool:
-        return True                          # each group's prompt computed once (section 11.1)
+        return True                          # each group's prompt computed once (section 10.1)
 
     def _scorer(self, rollout: Rollout, requires_grad: bool) -> MicroBatchedLogprobs:
         return MicroBatchedLogprobs(self.model, rollout, self.micro_batches(rollout), self.sampling.temperature,
@@ -62,10 +58,8 @@ class Actor:
     def backward(self, exp: Experience) -> dict:
         """The gradient of the batch's loss, accumulated in .grad over the micro-batches; returns the metrics.
 
-        Each micro-batch's loss is weighted by its share of the batch's normalization (the loss
-        type's `micro_batch_weight`), so the gradients add up to the whole batch's. A micro-batch whose
-        loss is not finite ends the backward passes (the rest only run forward, for the metrics)
-        and makes metrics["loss"] NaN. The metrics are computed once, over the whole batch.
+        Each micro-batch's loss is weighted by its share of the batch's normalization, so the
+        gradients add up to the whole batch's. A non-finite loss ends the backward passes (loss NaN).
         """
         ro, algo = exp.rollout, self.algorithm
         mask = ro.completion_mask                                                  # [N, C]

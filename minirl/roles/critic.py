@@ -1,5 +1,11 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """The critic (PPO): a value model and its optimizer; values before the update, and its own update.
+
+Hand-written beside its concept (notebook 01 teaches the value loss and GAE it serves; the role
+is a wrapper). `values(rollout)`: V(s_t) of every completion token under the value model
+(`minirl.models.critic.ValueModel`), before the update; `update(experience)`: one clipped
+value-loss step (`minirl.algo.losses.value_loss`) toward the GAE returns, skipped when the loss
+or its gradient is not finite (`minirl.runtime.gauges.optimizer_step`). Under FSDP (notebook 04)
+or in a Ray actor (notebook 06) a critic keeps these methods.
 
 Simplified vs TRL's PPOTrainer / veRL: one clipped value-loss step per batch.
 """

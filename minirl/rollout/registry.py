@@ -2,11 +2,7 @@
 # by tools/build.py -- edit the notebook, not this file.
 """The rollout-engine registry: a name maps to a factory, and the factory imports its backend.
 
-`ENGINES` maps an engine's name (config.rollout.rollout_engine) to an `EngineEntry`:
-`build(config, model, tokenizer, device, **options)` returns that engine holding a copy of
-`model` (version 0), importing its backend only then; `problem(config)` says why this run
-cannot use it (None: it can), importing nothing heavy (`check_engine`). Notebook 01 registers
-"hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
+Notebook 01 registers "hf" and "shared_prefix", notebook 04 "vllm", notebook 05 "paged".
 """
 
 __all__ = ["runs_anywhere", "EngineEntry", "ENGINES", "register_engine", "check_engine",
@@ -72,7 +68,7 @@ def build_hf(config: RLConfig, model, tokenizer, device, **options):
 
 @register_engine("shared_prefix")
 def build_shared_prefix(config: RLConfig, model, tokenizer, device, **options):
-    """Each prompt prefilled once for its G samples (section 11); options: none used."""
+    """Each prompt prefilled once for its G samples (section 10); options: none used."""
     from minirl.rollout.shared_prefix import SharedPrefixEngine  # noqa: PLC0415 (loads when built)
     return SharedPrefixEngine(model, tokenizer, config.engine_dtype, device=device)
 

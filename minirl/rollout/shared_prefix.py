@@ -4,7 +4,7 @@ The G completions of a GRPO group all begin with the same prompt; HF `generate` 
 B * G repeated prompts computes that prompt G times. This engine computes it once, repeats
 the cache, and decodes the N = B * G rows token by token with nothing but a softmax and a
 multinomial draw per step: about twice as fast as `HFEngine` on the tiny policy (notebook
-01, section 11.2), for the same distribution.
+01, section 10.2), for the same distribution.
 
 Its loop is the one decoding loop of minirl's in-process engines: notebook 07's in-flight
 weight updates run it with a hook (`before_forward`) that may load new weights between two

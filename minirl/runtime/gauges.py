@@ -16,6 +16,8 @@ generated it, the reward (mean, std), the share of groups whose rewards are all 
 `frac_reward_zero_std`: those groups have zero advantage and teach nothing), the completion
 lengths (mean, longest: notebook 09's stragglers) and the real prompt and completion tokens
 (notebook 09's MFU). In a data-parallel run every rank's rows count (`group.all_gather`).
+
+`clip_metrics` is what the policy loss logs beside its value, as TRL: how often the clip bit.
 """
 
 import math
@@ -82,3 +84,19 @@ def batch_statistics(rollout: Rollout, rewards: Tensor, group=None) -> dict:
             "completion_length": lengths.mean().item(),
             "tokens/prompt": int(prompt_tokens), "tokens/completion": int(lengths.sum()),
             "completion_length_max": lengths.max().item()}                   # for MFU and stragglers (notebook 09)
+
+
+def clip_metrics(low: Tensor, high: Tensor, ratio: Tensor, mask: Tensor, kl: Tensor | None) -> dict[str, float]:
+    """What `minirl.algo.losses.policy_loss` logs, as TRL does: the shares of tokens clipped below, above and
+    either way, the mean ratio, and the mean KL term (when there is one). low, high, ratio: [B, C], or [B, 1]
+    for sequence-level ratios (then counted per sequence); mask: [B, C]."""
+    with torch.no_grad():
+        def share(flags):                    # TRL's global masked mean; [B, 1] counts per sequence
+            flags = flags.to(mask.dtype)
+            return (flags.mean() if flags.shape[1] == 1 and mask.shape[1] != 1
+                    else masked_mean(flags.expand_as(mask), mask)).item()
+        metrics = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
+                   "clip_ratio/region_mean": share(low | high), "ratio_mean": share(ratio)}
+        if kl is not None:
+            metrics["kl"] = masked_mean(kl, mask).item()
+    return metrics

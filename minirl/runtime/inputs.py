@@ -10,6 +10,12 @@ naming the function and the row: a wrong number of rewards, a non-numeric or non
 exception. With reward_errors="zero" a sample whose reward fails scores 0 instead, and the
 failure is appended to `errors` (the step counts them in its record).
 `minirl.train.step.score` calls it for each function.
+
+`run_inputs` resolves what `minirl.train.run.train` was given into what a run needs: the model and
+tokenizer (both, or neither: the embedded warm-started policy), the training rows, the reward
+functions and weights and the held-out evaluation (a `minirl.tasks.task.Task`'s, default the
+embedded arithmetic task, each overridden by an explicit `dataset`, `reward_funcs` or `eval_fn`),
+checked by `check_run_inputs` before anything is built.
 """
 
 import math
@@ -31,6 +37,27 @@ def check_run_inputs(config, model, tokenizer, rows: list[dict], reward_funcs) -
                   config.sampling.max_completion_length)     # unknown characters, too long
     if not reward_funcs:
         raise ValueError("reward_funcs is empty: pass at least one f(prompts, completions, **columns)")
+
+
+def run_inputs(config, model, tokenizer, task, dataset, reward_funcs, reward_weights, eval_fn, progress: bool):
+    """(model, tokenizer, rows, reward_funcs, reward_weights, eval_fn) of a run (see the module docstring).
+
+    eval_fn(model) -> 0..1 defaults to the task's held-out evaluation at the task's (else the sampling's)
+    completion length; progress: show the policy's loading bar."""
+    from minirl.models.policy import load_default_policy  # noqa: PLC0415 (light to import this module)
+    from minirl.tasks.task import arithmetic_task  # noqa: PLC0415
+
+    if (model is None) != (tokenizer is None):
+        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
+    if model is None:
+        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
+    task = task or arithmetic_task()
+    rows = task.train if dataset is None else list(dataset)
+    if reward_funcs is None:
+        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
+    check_run_inputs(config, model, tokenizer, rows, reward_funcs)     # at the door, naming what is wrong
+    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
+    return model, tokenizer, rows, reward_funcs, reward_weights, eval_fn
 
 
 def checked_rewards(func, prompts: list[str], completions: list[str], columns: dict, reward_errors: str,

@@ -5,7 +5,7 @@ GRPO-family loss is a sum of per-row terms over one normalizer: rows for "grpo" 
 per-row means) and "dr_grpo" (B x max_completion_length), tokens for "bnpo", "dapo" and
 "cispo". So a part's weight is its share of that normalizer:
 
-- a micro-batch's (`micro_batch_weight`, notebook 01 section 11.4): `by_rows` or `by_tokens`,
+- a micro-batch's (`micro_batch_weight`, notebook 01 section 10.3): `by_rows` or `by_tokens`,
   so that the micro-batches' weighted losses, and gradients, add up to the whole batch's;
 - a data-parallel rank's (`rank_weight`, notebook 04): W processes average their gradients,
   so rank r's loss is weighted by W times its share (`ranks_by_rows`, `ranks_by_tokens`), except

@@ -11,7 +11,7 @@ For a long-tailed batch the update runs in micro-batches of rows of similar comp
 (`micro_batches`, at most `max_tokens_per_microbatch` completion tokens each), each padded only
 to its own longest completion. `MicroBatchedLogprobs` scores a Rollout that way, with every
 group's prompt still computed once for all micro-batches (`PromptCache`): the update then costs
-about the real tokens, not rows x the longest completion. Notebook 01 (section 11) measures both
+about the real tokens, not rows x the longest completion. Notebook 01 (section 10) measures both
 savings; the actor (`minirl.roles.actor`) runs every update through `MicroBatchedLogprobs`.
 
 Hand-written (a speed-up the lesson measures but does not build). Simplified vs TRL: micro-batches

@@ -1,4 +1,3 @@
-# Generated from notebooks/01_single_process.py by tools/build.py -- edit the notebook, not this file.
 """A run: build the roles, the engine and the sync; then step, and hand each record to callbacks.
 
 `run(state, step_fn, callbacks, steps)` is the whole loop: it calls the step and passes each
@@ -6,6 +5,11 @@ record to the callbacks, which do everything else a run needs (evaluate, log JSO
 checkpoint, show progress, stop early: `minirl.runtime.callbacks`). `train()` assembles the
 stage-1 run from a config and a policy; later stages reuse `run` and the callbacks with their
 own step functions. Simplified vs TRL's Trainer: no learning-rate schedule, no launcher.
+
+Hand-written beside its concept: notebook 01 builds the step (`minirl.train.step.rl_step`) and
+uses this loop around it. `build_roles` makes the roles a config asks for (a reference when
+beta > 0, a critic for PPO); `setup` the state of a fresh stage-1 run; `stage1_step` draws the
+step's prompts and calls `rl_step`.
 """
 
 __all__ = ["build_roles", "RunState", "Callback", "RunStopped", "run", "setup", "stage1_step",
@@ -18,14 +22,13 @@ import torch
 
 from minirl.config import RLConfig
 from minirl.models.critic import ValueModel
-from minirl.models.policy import load_default_policy
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
-from minirl.runtime.inputs import check_run_inputs
+from minirl.runtime.inputs import run_inputs
 from minirl.sync.base import InProcessSync
-from minirl.tasks.task import Task, arithmetic_task
+from minirl.tasks.task import Task
 from minirl.train.step import Roles, rl_step, sample_prompts
 
 
@@ -122,24 +125,14 @@ def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None
           extra_callbacks: tuple = (), run_info: dict | None = None) -> list[dict]:
     """The stage-1 run: `config.run.steps` steps of `rl_step`; returns one record per step (and per evaluation).
 
-    model/tokenizer: default the embedded warm-started policy. task: a `minirl.tasks.task.Task`
-    (training rows, reward functions and weights, held-out evaluation; default the embedded
-    arithmetic task); dataset, reward_funcs (with reward_weights) and eval_fn(model) -> 0..1
-    override the task's. out_dir, resume, overwrite, stop_after, extra_callbacks, run_info: as
+    model, tokenizer, task (default: the embedded policy and arithmetic task), dataset, reward_funcs,
+    reward_weights, eval_fn: as `minirl.runtime.inputs.run_inputs`; the other arguments: as
     `minirl.runtime.callbacks.run_in_dir` (a run directory, resumable; RunStopped after step k).
     """
     from minirl.runtime.callbacks import run_in_dir  # noqa: PLC0415 (it imports this module)
 
-    if (model is None) != (tokenizer is None):
-        raise ValueError("train: pass both model and tokenizer, or neither (the embedded policy)")
-    if model is None:
-        model, tokenizer, _ = load_default_policy(device=config.run.device, progress=progress)
-    task = task or arithmetic_task()
-    rows = task.train if dataset is None else list(dataset)
-    if reward_funcs is None:
-        reward_funcs, reward_weights = task.reward_funcs, task.reward_weights
-    check_run_inputs(config, model, tokenizer, rows, reward_funcs)     # at the door, naming what is wrong
-    eval_fn = eval_fn or task.eval_fn(tokenizer, task.max_new_tokens or config.sampling.max_completion_length)
+    model, tokenizer, rows, reward_funcs, reward_weights, eval_fn = run_inputs(
+        config, model, tokenizer, task, dataset, reward_funcs, reward_weights, eval_fn, progress)
     state = setup(config, model, tokenizer, rows, list(reward_funcs), reward_weights)
     return run_in_dir(state, stage1_step, tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                       eval_fn=eval_fn, progress=progress, label="stage 1", extra_callbacks=extra_callbacks,

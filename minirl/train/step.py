@@ -2,15 +2,9 @@
 # by tools/build.py -- edit the notebook, not this file.
 """One RL step over roles: generate -> score -> make experience -> advantages -> update -> sync.
 
-`rl_step` is the loop body every stage runs. It talks to the seams only through their
-protocols: a rollout engine, the roles (`Actor`, `Reference`, `Critic`), a weight sync. Stage 1
-passes in-process objects, notebook 04 FSDP-wrapped roles, notebook 06 Ray worker groups: the
-step never changes. Its middle, `learn`, is also what notebook 07's asynchronous trainer runs.
-
-Simplified vs TRL's GRPOTrainer: every reward must be a number (TRL skips a function's NaN),
-one generation batch per step, and the engine holds its own copy of the policy with a version.
-PPO puts its KL penalty in the per-token reward (TRL's PPOTrainer); GRPO adds the k3 KL to the
-loss (TRL's GRPOTrainer).
+`rl_step` is the loop body every stage runs, through the seams' protocols only. Simplified vs
+TRL's GRPOTrainer: every reward must be a number, one generation batch per step, and the engine
+holds its own copy of the policy with a version.
 """
 
 __all__ = ["Roles", "sample_prompts", "score", "make_experience", "BEHAVIOUR_CORRECTIONS",
@@ -30,6 +24,7 @@ from minirl.data import Experience, Rollout
 from minirl.roles.actor import Actor
 from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
+from minirl.runtime.arg_checks import check_reward_weights
 from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
 from minirl.runtime.timing import StageTimer
@@ -58,19 +53,13 @@ def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors:
           reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
-    Each function is called with TRL's signature, f(prompts, completions, **columns), where the
-    columns are the dataset rows' other fields, repeated G times, and checked
-    (`minirl.runtime.inputs.checked_rewards`: one finite float per completion, or an error naming
-    the function; with reward_errors="zero" a failing sample scores 0 and is counted in
-    metrics["reward_errors"]). reward_weights: one per function (TRL's `reward_weights`; None: 1
-    each); `rewards/<name>` is the function's unweighted mean, as TRL logs it.
+    Each function is called with TRL's signature, f(prompts, completions, **columns), the columns
+    being the rows' other fields repeated G times (`minirl.runtime.inputs.checked_rewards`).
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(weights)} weights for {len(reward_funcs)} reward functions: "
-                         "give one weight per function")
+    check_reward_weights(weights, reward_funcs)
     errors = []
     per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
                 for f in reward_funcs]                                                     # [N] each
@@ -113,9 +102,7 @@ def correct_behaviour(exp: Experience, algorithm: AlgorithmConfig) -> Experience
 def compute_advantages(exp: Experience, algorithm: AlgorithmConfig, group=None) -> Experience:
     """GRPO: group-normalized [N]. PPO: terminal reward (minus beta * k1 KL per token), GAE, whitened [N, C].
 
-    group: None in one process. In a data-parallel run (notebook 04) each rank holds whole
-    groups, so "group" scaling stays local, but "batch" scaling divides by the std of the
-    whole global batch: `group.all_gather` brings every rank's rewards.
+    group: None in one process; data-parallel (04): "batch" scaling needs every rank's rewards.
     """
     if algorithm.algo == "grpo":
         G = exp.rollout.num_generations
@@ -170,11 +157,8 @@ def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, co
             generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
-    rows: this step's B dataset rows ({"prompt", **columns}); engine: any RolloutEngine;
-    sync: any WeightSync. The record holds the update's metrics, the batch's statistics, the
-    versions, and `time/<stage>` seconds for every stage. group: None in one process; in a
-    data-parallel run (notebook 04) every rank calls rl_step on its share of the batch, and
-    `group` (`world_size`, `all_gather(tensor)`) makes the batch-wide numbers global.
+    rows: this step's B dataset rows; engine: a RolloutEngine; sync: a WeightSync. group: None in
+    one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
     """
     timer = StageTimer()
     with timer("generate"):
