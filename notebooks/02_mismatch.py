@@ -474,13 +474,10 @@ print(f"row 2 is of the same order when ours / the source's |dlogp| is in [0.1, 
 # | export minirl/sync/checks.py
 """Did the weights arrive? The stale-parameter check every weight sync can run after a push.
 
-A version number is a label; the weights are the truth. `check_synchronization` compares
-every tensor an engine holds with the trainer's, allowing exactly the rounding of the
-engine's dtype (`rounding_tolerance`), and reports the tensors that differ (`stale_parameters`).
-Notebook 02 uses it as step 1 of the mismatch diagnosis; `InProcessSync(verify=True)` and the
-syncs of notebooks 04 and 06 run it after a push.
+A version number is a label; the weights are the truth. `stale_parameters` names the tensors
+whose rollout copy differs from the trainer's beyond a rounding tolerance;
+`minirl.runtime.sync_checks.check_synchronization` runs it on every tensor of an engine.
 """
-import torch
 from torch import Tensor
 
 
@@ -508,77 +505,18 @@ def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, 
 
 
 # %% [markdown]
-# How much difference is rounding? Exactly what a round-to-nearest cast to the rollout's
-# dtype can cause. `check_synchronization` runs the whole of step 1 with that tolerance:
-# the version label first, then every tensor.
-
-# %%
-# | export minirl/sync/checks.py
-def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
-    """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
-
-    Half a unit in the last place: 2^-(mantissa bits + 1) relative, plus an absolute term for
-    subnormals (float8_e4m3fn here is scaled per tensor so that amax maps to 448).
-    """
-    mantissa = {"float32": 23, "bfloat16": 7, "float16": 10, "float8_e4m3fn": 3}
-    if dtype not in mantissa:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(mantissa)}")
-    rel = 2.0 ** -(mantissa[dtype] + 1) * 1.01
-    smallest = {"float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24,
-                "float8_e4m3fn": amax / 448 * 2.0 ** -9}[dtype]
-    return rel, smallest
-
-
-def dtype_name(engine) -> str:
-    """The engine's weight precision as a name ("float32", "bfloat16", ...)."""
-    dtype = getattr(engine, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-
-
-@torch.no_grad()
-def check_synchronization(trainer_weights, engine, trainer_version: int | None = None) -> list[str]:
-    """The problems found with an engine's version and weights ([] if none).
-
-    trainer_weights: the trainer's tensors by name (a dict, or a model: its state_dict);
-    engine: has `version`, `named_weights()` and `dtype`. Compares the versions (when
-    trainer_version is given), then every tensor within the engine dtype's rounding.
-    """
-    if isinstance(trainer_weights, torch.nn.Module):
-        trainer_weights = trainer_weights.state_dict()
-    problems = []
-    if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at "
-                        f"{trainer_version}; push the trainer's weights (load_weights) before "
-                        "generating")
-    engine_weights = dict(engine.named_weights())
-    dtype = dtype_name(engine)
-    stale = []
-    for name in sorted(set(trainer_weights) | set(engine_weights)):
-        t = trainer_weights.get(name)
-        amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
-        rel, abs_ = rounding_tolerance(dtype, amax)
-        ours = {name: t.detach()} if t is not None else {}
-        theirs = {name: engine_weights[name].detach()} if name in engine_weights else {}
-        stale += stale_parameters(ours, theirs, rel, abs_)
-    if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond "
-                        f"{dtype} rounding (first: {stale[0]}); the last synchronization did not "
-                        "complete")
-    return problems
-
-
-# %% [markdown]
-# `diagnose_mismatch` runs the four steps: the synchronization check, the token-by-token
-# measurement, the precision sweep on fresh synchronized copies, and the MoE routes when the
-# policy has routers. It returns a `MismatchReport` (`minirl/runtime/mismatch_report.py`, with
-# the worst tokens named) whose `str` is a page to read.
+# How much difference is rounding? Exactly what a round-to-nearest cast to the rollout's dtype
+# can cause: half a unit in the last place. Step 1 with that tolerance, the version label
+# first and then every tensor, is `check_synchronization` (`minirl/runtime/sync_checks.py`).
+# `diagnose_mismatch` runs the four steps and returns a `MismatchReport`
+# (`minirl/runtime/mismatch_report.py`) whose `str` is a page to read.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
-from minirl.models.moe import routers
 from minirl.runtime.logprob_measure import compare_routes, measure_logprobs
 from minirl.runtime.mismatch_report import MismatchReport, worst_tokens
-from minirl.sync.checks import check_synchronization, dtype_name
+from minirl.runtime.moe_routes import routers
+from minirl.runtime.sync_checks import check_synchronization, dtype_name
 
 
 def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
@@ -591,7 +529,7 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
 
     rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
+    Step 4 runs only when the policy has MoE routers (minirl.runtime.moe_routes).
     progress=True prints a line as each step (and each dtype of the sweep) is done.
     """
     device = next(model.parameters()).device
@@ -904,24 +842,19 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 # experts' scores are nearly tied, a bf16 rollout and an fp32 trainer can pick different
 # experts for the same token: the two sides run *different sub-networks*. R3 records the
 # experts chosen during rollout and makes the training forward use the same ones; the router
-# still computes its own probabilities for them, so it still learns. We build a tiny
-# `Qwen2MoeForCausalLM` (8 experts, top-2, a shared expert, as Qwen's MoE models).
+# still computes its own probabilities for them, so it still learns. The tiny MoE policy
+# (a `Qwen2MoeForCausalLM`: 8 experts, top-2, a shared expert), the router finder and the
+# `RouteRecorder` (one record per router call, so it follows KV-cached generation) live in
+# `minirl/runtime/moe_routes.py`; the replay is the idea.
 
 # %%
 # | export minirl/models/moe.py
-"""Mixture-of-experts routing: a tiny Qwen2-MoE policy, route recording and replay (R3).
+"""Mixture-of-experts routing: Rollout Routing Replay (R3), and counting MoE parameters.
 
-`RouteRecorder` records which experts every router picks, call by call (so it works during
-KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
-a later forward pass use recorded experts instead of its own top-k, with routing weights
-taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `minirl.diagnostics.mismatch.compare_routes` measures route
-agreement and the log-prob gap with and without replay.
-
-Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
-(`top_k`, `num_experts`, `weight`, forward -> (logits, weights, indices)); production R3
-(in slime, veRL with SGLang/vLLM) ships the routes from the inference server with the
-tokens. The mechanism is the same.
+`replay_routes` makes a forward pass use recorded experts instead of its own top-k, with
+routing weights from its own router probabilities at those experts, so the router keeps its
+gradient. Building the tiny MoE policy, finding routers, recording routes and measuring
+their agreement live in `minirl.runtime.moe_routes`.
 """
 from contextlib import contextmanager
 
@@ -929,78 +862,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
-                     top_k: int = 2, max_length: int = 32, seed: int = 0):
-    """A freshly initialized tiny Qwen2MoeForCausalLM (about 0.25 M parameters by default)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-        max_position_embeddings=max_length, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    return Qwen2MoeForCausalLM(config)
+from minirl.runtime.moe_routes import restore_forward, routers
 
 
-# %% [markdown]
-# The routers are found by what they hold (top-k, number of experts, a weight), one per MoE
-# layer. `RouteRecorder` wraps each router's forward and keeps the experts it picked, call by
-# call (generation calls the model once per new token).
-
-# %%
-# | export minirl/models/moe.py
-def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("top_k", "num_experts",
-                                           "weight")) and type(m).__name__.endswith("Router")]
-
-
-class RouteRecorder:
-    """`with RouteRecorder(model) as rec: ...` then `rec.routes(batch_size)` -> [L, B, T, k]."""
-
-    def __init__(self, model: nn.Module):
-        self.routers = routers(model)
-        if not self.routers:
-            raise ValueError(f"{type(model).__name__} has no MoE routers to record")
-        self.calls: list[list[Tensor]] = [[] for _ in self.routers]
-
-    def __enter__(self):
-        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch
-        for i, router in enumerate(self.routers):
-            original = router.forward
-
-            def recording(hidden_states, _i=i, _original=original):
-                out = _original(hidden_states)
-                self.calls[_i].append(out[2].detach().clone())       # [tokens of this call, k]
-                return out
-            router.forward = recording                 # an instance attribute shadows the class
-        return self
-
-    def __exit__(self, *exc):
-        for router, saved in zip(self.routers, self._saved, strict=True):
-            _restore_forward(router, saved)
-
-    def routes(self, batch_size: int) -> Tensor:
-        """Every call's experts, stitched along time: [L, B, T, k] long (T: tokens seen per row)."""
-        layers = []
-        for calls in self.calls:
-            k = calls[0].shape[-1]
-            layers.append(torch.cat([c.view(batch_size, -1, k) for c in calls], dim=1))
-        return torch.stack(layers)
-
-
-# %% [markdown]
-# `replay_routes` is R3 itself: inside the block each router returns the recorded experts,
-# with weights from its own softmax at those experts, so the router still learns.
-
-# %%
-# | export minirl/models/moe.py
 @contextmanager
 def replay_routes(model: nn.Module, routes: Tensor):
     """Inside the block, every forward of `model` uses `routes` ([L, B, T, k]) as its experts.
@@ -1033,35 +897,7 @@ def replay_routes(model: nn.Module, routes: Tensor):
         yield model
     finally:
         for router, previous in zip(found, saved, strict=True):
-            _restore_forward(router, previous)
-
-
-def _restore_forward(module: nn.Module, saved) -> None:
-    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class."""
-    if saved is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = saved
-
-
-# %% [markdown]
-# And the measure of how often the two sides agree: the share of (layer, token) pairs with
-# the same top-k expert set.
-
-# %%
-# | export minirl/models/moe.py
-def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
-    """Share of (layer, token) pairs whose top-k expert *sets* agree.
-
-    routes_a, routes_b: [L, B, T, k]; token_mask: [B, T] (None: every token)."""
-    if routes_a.shape != routes_b.shape:
-        raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
-                         "must both be [L, B, T, k] over the same tokens")
-    same = (routes_a.sort(-1).values == routes_b.sort(-1).values).all(-1).double()   # [L, B, T]
-    if token_mask is None:
-        return same.mean().item()
-    m = token_mask.bool().expand_as(same)
-    return same[m].mean().item() if m.any() else 1.0
+            restore_forward(router, previous)
 
 # %% [markdown]
 # `compare_routes` (`minirl/runtime/logprob_measure.py`) puts it together: generate with a
@@ -1075,6 +911,7 @@ def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | Non
 # %%
 from minirl.models.policy import WarmStartConfig, warm_start
 from minirl.runtime.logprob_measure import compare_routes
+from minirl.runtime.moe_routes import build_moe_policy, routers
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()

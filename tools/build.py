@@ -129,7 +129,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py",
                 # notebook 02
                 "minirl/runtime/logprob_checks.py", "minirl/runtime/logprob_measure.py",
-                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py")
+                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py",
+                # notebook 02 (second cut): routing tools around R3, the synchronization check
+                "minirl/runtime/moe_routes.py", "minirl/runtime/sync_checks.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"
