@@ -980,8 +980,8 @@ plt.show()
 # | exercise | function | what it checks |
 # |---|---|---|
 # | 2.1 | `clip_bounds` | 0.20 -> (0.16, 0.24) at ε = 0.2, epsilon_high, the cap at probability 1 |
-# | 2.2 | `probability_buckets` | edges, counts, mean/max \|Δ log p\|, share outside, empty buckets |
-# | 2.3 | `stale_parameters` | a planted stale tensor found; rounding within tolerance not; missing names |
+# | 2.2 | `probability_buckets` | edges, counts, mean/max \|Δ log p\|, share outside, empty ones |
+# | 2.3 | `stale_parameters` | a planted stale tensor; rounding within tolerance; missing names |
 # | 2.4 | `importance_sampling_weights` | the four modes, the cap, masked positions, no gradient |
 # | 2.5 | `vocabulary_keep_mask` | min-p threshold, the top token always kept, 0 keeps everything |
 #
