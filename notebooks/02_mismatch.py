@@ -100,12 +100,10 @@ print(f"same weights, same tokens, identical probabilities: {', '.join(same) or 
 #
 # PPO limits how far one update moves the policy with the ratio
 # $r_t = \pi_\theta(a_t\mid s_t) / \pi_\text{old}(a_t\mid s_t)$ and the clipped objective
-# $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$.
-# Notebook 01 wrote it once, as a loss to minimize: `minirl.loss_types.clipped_surrogate` returns
-# minus this objective, and everything below reuses it. What this notebook adds is the ratio
-# and the arithmetic of the clip seen from one token's probability: with $\pi_\text{old} = p$,
-# an update still moves the objective only while the new probability stays inside
-# $[p(1-\epsilon),\ p(1+\epsilon)]$.
+# $\min\big(r_t \hat A_t,\ \text{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat A_t\big)$
+# (notebook 01's `minirl.loss_types.clipped_surrogate` returns minus it). Seen from one token
+# with $\pi_\text{old} = p$, an update moves the objective only while the new probability stays
+# inside $[p(1-\epsilon),\ p(1+\epsilon)]$.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
@@ -229,22 +227,18 @@ print("rule: row 1 agrees when the true ratio is 0.29/0.30 and not 1, row 2 when
 print(f"(within {TOL:g})")
 
 # %% [markdown]
-# A consistent 3.4 % per-token bias compounds over a sequence (over 100 tokens the ratio falls
-# to 0.034, the second of the sequence lines above); random per-token errors partly cancel
-# instead. Which one happens on a real rollout is a question for measurement, next.
-
-# %% [markdown]
+# A consistent 3.4 % per-token bias compounds over a sequence (0.034 over 100 tokens); random
+# per-token errors partly cancel instead. Which happens on a real rollout is for measurement.
+#
 # ## 2. Measure it: the rollout's log-probs against the trainer's, token by token
 #
 # The rollout side is `minirl.rollout.hf.HFEngine`, the rollout engine's own copy of the
 # policy: HF `generate` with a KV cache, in the precision you give it. Its `Rollout.logprobs`
 # are the **behaviour log-probs**, computed while sampling. The trainer side is
 # `minirl.algo.logprobs.completion_logprobs`: one full forward in fp32 over prompt + completion,
-# the recomputation every PPO/GRPO trainer does.
-#
-# Both tensors are `[B, C]`; the completion mask is 1 up to and including the first EOS.
-# `mismatch_stats` summarizes the gap. It first checks its input with `check_logprob_pair`
-# (`minirl/runtime/logprob_checks.py`): bad input fails naming the tensor and the shape.
+# the recomputation every PPO/GRPO trainer does. Both tensors are `[B, C]`, masked up to and
+# including the first EOS; `mismatch_stats` summarizes the gap (its input checks live in
+# `minirl/runtime/logprob_checks.py`).
 
 # %%
 # | export minirl/diagnostics/mismatch.py
@@ -275,8 +269,7 @@ def mismatch_stats(trainer_logps: Tensor, behavior_logps: Tensor, mask: Tensor,
 
 
 # %% [markdown]
-# Where does the error live? Bucket the tokens by the probability the rollout gave them. This
-# is an exercise; its docstring is the specification.
+# Where does the error live? Bucket the tokens by the rollout's probability (exercise 2.2).
 
 # %%
 # | export minirl/diagnostics/mismatch.py
@@ -322,8 +315,7 @@ def probability_buckets(trainer_logps: Tensor, behavior_logps: Tensor, mask: Ten
 
 
 # %% [markdown]
-# The trainer's side is one function: the recomputation of a rollout's completion
-# log-probs, in the trainer's precision.
+# The trainer's side: the recomputation of a rollout's log-probs, in the trainer's precision.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
@@ -368,32 +360,18 @@ batch = rollout.generate(prompts, SamplingConfig(8, 4, 1.0),
                          generator=torch.Generator().manual_seed(0))
 trainer_side = trainer_logprobs(model, batch)                                 # [B, C]
 st = mismatch_stats(trainer_side, batch.logprobs.float(), batch.completion_mask)
-print(f"{st['tokens']} tokens: mean |dlogp| {st['mean_abs_delta']:.2e}, "
+print(f"{st['tokens']} tokens: mean |dlogp| {st['mean_abs_delta']:.2e}, KL(k3) {st['kl_k3']:.2e}, "
       f"ratio pi_old / pi_rollout in [{st['ratio_min']:.3f}, {st['ratio_max']:.3f}]")
-
-# %% [markdown]
-# `measure_logprobs` (`minirl/runtime/logprob_measure.py`) makes exactly these two calls and
-# returns both sides, aligned, as a `LogprobPair` with `.stats()` and `.buckets()`. Measure
-# the warm-started policy again with it (the opening's bf16 row). The
-# tiny policy is confident (the last line counts its sure and its tail tokens), so below we
-# also sample at temperature 2 to put more low-probability tokens in the buckets (both sides
-# use the temperature sampled at).
-
-# %%
-pair = measure_logprobs(model, tokenizer, prompts, rollout_dtype="bfloat16", temperature=1.0)
-s = pair.stats()
-print(f"bf16 rollout vs fp32 trainer, {s['tokens']} sampled tokens:")
-print(f"  mean |dlogp| {s['mean_abs_delta']:.2e}   max |dlogp| {s['max_abs_delta']:.2e}   "
-      f"KL(k3) {s['kl_k3']:.2e}")
-print(f"  ratio pi_old/pi_rollout in [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}], "
-      f"outside [0.8, 1.25]: {s['share_outside']:.2%}")
-p_sampled = pair.behavior_logps.exp()[pair.mask.bool()]
-print(f"  sampled tokens with rollout p >= 0.9: {(p_sampled >= 0.9).double().mean():.0%}; "
+p_sampled = batch.logprobs.float().exp()[batch.completion_mask.bool()]
+print(f"sampled tokens with rollout p >= 0.9: {(p_sampled >= 0.9).double().mean():.0%}; "
       f"with p < 0.01 (the tail): {(p_sampled < 0.01).double().mean():.1%}")
 
 # %% [markdown]
-# Where does the error concentrate? The bucketed table for an FP8 rollout (the largest gap)
-# and the mean |Δ log p| per bucket for each precision, at temperature 1 and 2:
+# `measure_logprobs` (`minirl/runtime/logprob_measure.py`) makes exactly these two calls and
+# returns both sides, aligned, as a `LogprobPair` with `.stats()` and `.buckets()`. The tiny
+# policy is confident (the last line above), so we also sample at temperature 2 to put more
+# low-probability tokens in the buckets. Where does the error concentrate? The bucketed table
+# for an FP8 rollout (the largest gap) and the mean |Δ log p| per bucket for each precision:
 
 # %%
 from minirl.runtime.mismatch_report import format_buckets  # the rows as a fixed-width table
@@ -439,11 +417,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the plot from the right: tokens the policy is sure of (p >= 0.9) carry the least
-# log-prob error, because log-softmax is flat near p = 1 (the last printed line checks it in
-# every measurement). The source's claim ("small errors on high-probability tokens are
-# harmless, errors on many low-probability tokens accumulate") is tested in the form we can
-# measure: are the risky tokens the uncertain ones? The source's two claims, beside ours:
+# Tokens the policy is sure of (p >= 0.9) carry the least log-prob error: log-softmax is flat
+# near p = 1. The source's claims ("errors on many low-probability tokens accumulate", and its
+# 0.30 vs 0.29 token), beside what we measure:
 
 # %%
 source_gap = math.log(0.30 / 0.29)                               # the source's one token
@@ -474,13 +450,10 @@ print(f"row 2 is of the same order when ours / the source's |dlogp| is in [0.1, 
 # | export minirl/sync/checks.py
 """Did the weights arrive? The stale-parameter check every weight sync can run after a push.
 
-A version number is a label; the weights are the truth. `check_synchronization` compares
-every tensor an engine holds with the trainer's, allowing exactly the rounding of the
-engine's dtype (`rounding_tolerance`), and reports the tensors that differ (`stale_parameters`).
-Notebook 02 uses it as step 1 of the mismatch diagnosis; `InProcessSync(verify=True)` and the
-syncs of notebooks 04 and 06 run it after a push.
+A version number is a label; the weights are the truth. `stale_parameters` names the tensors
+whose rollout copy differs from the trainer's beyond a rounding tolerance;
+`minirl.runtime.sync_checks.check_synchronization` runs it on every tensor of an engine.
 """
-import torch
 from torch import Tensor
 
 
@@ -508,77 +481,18 @@ def stale_parameters(trainer_state: dict[str, Tensor], rollout_state: dict[str, 
 
 
 # %% [markdown]
-# How much difference is rounding? Exactly what a round-to-nearest cast to the rollout's
-# dtype can cause. `check_synchronization` runs the whole of step 1 with that tolerance:
-# the version label first, then every tensor.
-
-# %%
-# | export minirl/sync/checks.py
-def rounding_tolerance(dtype: str, amax: float = 1.0) -> tuple[float, float]:
-    """(rel_tol, abs_tol) of a round-to-nearest cast of a tensor with max |value| amax to dtype.
-
-    Half a unit in the last place: 2^-(mantissa bits + 1) relative, plus an absolute term for
-    subnormals (float8_e4m3fn here is scaled per tensor so that amax maps to 448).
-    """
-    mantissa = {"float32": 23, "bfloat16": 7, "float16": 10, "float8_e4m3fn": 3}
-    if dtype not in mantissa:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(mantissa)}")
-    rel = 2.0 ** -(mantissa[dtype] + 1) * 1.01
-    smallest = {"float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24,
-                "float8_e4m3fn": amax / 448 * 2.0 ** -9}[dtype]
-    return rel, smallest
-
-
-def dtype_name(engine) -> str:
-    """The engine's weight precision as a name ("float32", "bfloat16", ...)."""
-    dtype = getattr(engine, "dtype", "float32")
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-
-
-@torch.no_grad()
-def check_synchronization(trainer_weights, engine, trainer_version: int | None = None) -> list[str]:
-    """The problems found with an engine's version and weights ([] if none).
-
-    trainer_weights: the trainer's tensors by name (a dict, or a model: its state_dict);
-    engine: has `version`, `named_weights()` and `dtype`. Compares the versions (when
-    trainer_version is given), then every tensor within the engine dtype's rounding.
-    """
-    if isinstance(trainer_weights, torch.nn.Module):
-        trainer_weights = trainer_weights.state_dict()
-    problems = []
-    if trainer_version is not None and engine.version != trainer_version:
-        problems.append(f"version: the engine holds {engine.version}, the trainer is at "
-                        f"{trainer_version}; push the trainer's weights (load_weights) before "
-                        "generating")
-    engine_weights = dict(engine.named_weights())
-    dtype = dtype_name(engine)
-    stale = []
-    for name in sorted(set(trainer_weights) | set(engine_weights)):
-        t = trainer_weights.get(name)
-        amax = t.detach().abs().max().item() if t is not None and t.numel() else 1.0
-        rel, abs_ = rounding_tolerance(dtype, amax)
-        ours = {name: t.detach()} if t is not None else {}
-        theirs = {name: engine_weights[name].detach()} if name in engine_weights else {}
-        stale += stale_parameters(ours, theirs, rel, abs_)
-    if stale:
-        problems.append(f"weights: {len(stale)} of {len(trainer_weights)} tensors differ beyond "
-                        f"{dtype} rounding (first: {stale[0]}); the last synchronization did not "
-                        "complete")
-    return problems
-
-
-# %% [markdown]
-# `diagnose_mismatch` runs the four steps: the synchronization check, the token-by-token
-# measurement, the precision sweep on fresh synchronized copies, and the MoE routes when the
-# policy has routers. It returns a `MismatchReport` (`minirl/runtime/mismatch_report.py`, with
-# the worst tokens named) whose `str` is a page to read.
+# How much difference is rounding? Exactly what a round-to-nearest cast to the rollout's dtype
+# can cause: half a unit in the last place. Step 1 with that tolerance, the version label
+# first and then every tensor, is `check_synchronization` (`minirl/runtime/sync_checks.py`).
+# `diagnose_mismatch` runs the four steps and returns a `MismatchReport`
+# (`minirl/runtime/mismatch_report.py`) whose `str` is a page to read.
 
 # %%
 # | export minirl/diagnostics/mismatch.py
-from minirl.models.moe import routers
 from minirl.runtime.logprob_measure import compare_routes, measure_logprobs
 from minirl.runtime.mismatch_report import MismatchReport, worst_tokens
-from minirl.sync.checks import check_synchronization, dtype_name
+from minirl.runtime.moe_routes import routers
+from minirl.runtime.sync_checks import check_synchronization, dtype_name
 
 
 def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
@@ -591,7 +505,7 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
 
     rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
+    Step 4 runs only when the policy has MoE routers (minirl.runtime.moe_routes).
     progress=True prints a line as each step (and each dtype of the sweep) is done.
     """
     device = next(model.parameters()).device
@@ -637,14 +551,10 @@ print(f"\nthe KV-cache path alone (float32 row): mean |dlogp| {cache_only:.1e}, 
       f"{'at rounding level' if cache_only < 1e-5 else 'above rounding'} (rule: below 1e-5)")
 
 # %% [markdown]
-# The float32 row is the KV-cache path alone (same precision, incremental decoding instead of
-# one full forward): on this CPU its gap is at rounding level, so precision, not the cache,
-# separates the engines here. On a GPU, other kernels and batch shapes add their own share
-# (`chapters/02_mismatch.py --device cuda`).
-#
-# Now plant the most common real bug: the trainer takes a step, the version counter is
-# bumped, but the weight transfer never happened. The label says "version 1"; the weights
-# are version 0. Step 1 catches it.
+# The float32 row is the KV-cache path alone: at rounding level on this CPU, so precision, not
+# the cache, separates the engines here (on a GPU, kernels and batch shapes add their share:
+# `chapters/02_mismatch.py --device cuda`). Now plant the most common real bug: the trainer
+# steps, the version counter is bumped, the weights never move. Step 1 catches it.
 
 # %%
 stale_rollout = HFEngine(model, tokenizer, dtype="bfloat16")
@@ -773,19 +683,16 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the "tokens changed" column and the histogram together. The FP8 gap moves most token
-# ratios by a few percent around 1, far below a cap of 2: at cap 2 only the tokens right of
-# the dashed line are touched, usually none or a handful per batch; at a tight cap of 1.05
-# every token right of the dotted line is. TIS caps from above; the mask modes drop those
-# tokens instead. The sequence modes multiply all of a completion's token ratios, so one bad
-# token moves the whole sequence's weight: at the same cap, sequence-level weights are cut
-# at least as often as token-level ones (compare the "tokens changed" at 1.05).
+# The FP8 gap moves most token ratios by a few percent around 1: a cap of 2 touches only the
+# tokens right of the dashed line (none or a handful per batch), a tight 1.05 every token right
+# of the dotted one. The mask modes drop those tokens instead of capping them. The sequence
+# modes multiply a completion's token ratios, so one bad token moves the whole sequence's
+# weight: sequence-level weights are cut at least as often ("tokens changed" at 1.05).
 
 # %% [markdown]
-# Into the loop. Notebook 01's step runs the behaviour corrections registered in
-# `BEHAVIOUR_CORRECTIONS` between the experience and the advantages; this one joins them, and weights
-# each token when the config's `importance_sampling_correction` is on (with its
-# `importance_sampling_mode` and `importance_sampling_cap`). The step itself does not change.
+# Into the loop: notebook 01's step runs the corrections registered in `BEHAVIOUR_CORRECTIONS`
+# between the experience and the advantages; this one weights each token when the config's
+# `importance_sampling_correction` is on (`importance_sampling_mode`, `_cap`).
 
 # %%
 from minirl.train.step import BEHAVIOUR_CORRECTIONS  # noqa: E402  (notebook 01's hook)
@@ -891,11 +798,10 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 
 # %% [markdown]
 # Measured honestly, this tiny policy does not show the pattern pruning is built for: per
-# vocabulary entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3, so pruning
-# removes mass without shrinking the gap on what is kept, and the KL barely moves. Pruning
-# pays off where the far tail is huge and badly computed: a 150 k-entry vocabulary in FP8,
-# thousands of tail entries per position. The mechanism is what matters here: one keep set,
-# from one side, applied to both, so a pruned token never enters the data.
+# entry the FP8 gap is about as large at p = 1e-4 as at p = 0.3, so pruning removes mass
+# without shrinking the gap on what is kept. It pays off where the tail is huge and badly
+# computed (a 150 k vocabulary in FP8). The mechanism is the point: one keep set, from one
+# side, applied to both, so a pruned token never enters the data.
 
 # %% [markdown]
 # ### 4.3 Rollout Routing Replay (R3) for mixture-of-experts policies
@@ -904,24 +810,19 @@ for min_p in (0.0, 1e-3, 1e-2, 5e-2):
 # experts' scores are nearly tied, a bf16 rollout and an fp32 trainer can pick different
 # experts for the same token: the two sides run *different sub-networks*. R3 records the
 # experts chosen during rollout and makes the training forward use the same ones; the router
-# still computes its own probabilities for them, so it still learns. We build a tiny
-# `Qwen2MoeForCausalLM` (8 experts, top-2, a shared expert, as Qwen's MoE models).
+# still computes its own probabilities for them, so it still learns. The tiny MoE policy
+# (a `Qwen2MoeForCausalLM`: 8 experts, top-2, a shared expert), the router finder and the
+# `RouteRecorder` (one record per router call, so it follows KV-cached generation) live in
+# `minirl/runtime/moe_routes.py`; the replay is the idea.
 
 # %%
 # | export minirl/models/moe.py
-"""Mixture-of-experts routing: a tiny Qwen2-MoE policy, route recording and replay (R3).
+"""Mixture-of-experts routing: Rollout Routing Replay (R3), and counting MoE parameters.
 
-`RouteRecorder` records which experts every router picks, call by call (so it works during
-KV-cached generation: one prefill call, then one call per new token). `replay_routes` makes
-a later forward pass use recorded experts instead of its own top-k, with routing weights
-taken from its own router probabilities at those experts (so the router keeps its
-gradient): Rollout Routing Replay. `minirl.diagnostics.mismatch.compare_routes` measures route
-agreement and the log-prob gap with and without replay.
-
-Simplified on purpose: routers are found by duck typing on transformers' TopKRouter modules
-(`top_k`, `num_experts`, `weight`, forward -> (logits, weights, indices)); production R3
-(in slime, veRL with SGLang/vLLM) ships the routes from the inference server with the
-tokens. The mechanism is the same.
+`replay_routes` makes a forward pass use recorded experts instead of its own top-k, with
+routing weights from its own router probabilities at those experts, so the router keeps its
+gradient. Building the tiny MoE policy, finding routers, recording routes and measuring
+their agreement live in `minirl.runtime.moe_routes`.
 """
 from contextlib import contextmanager
 
@@ -929,78 +830,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def build_moe_policy(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 8,
-                     top_k: int = 2, max_length: int = 32, seed: int = 0):
-    """A freshly initialized tiny Qwen2MoeForCausalLM (about 0.25 M parameters by default)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-        max_position_embeddings=max_length, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    return Qwen2MoeForCausalLM(config)
+from minirl.runtime.moe_routes import restore_forward, routers
 
 
-# %% [markdown]
-# The routers are found by what they hold (top-k, number of experts, a weight), one per MoE
-# layer. `RouteRecorder` wraps each router's forward and keeps the experts it picked, call by
-# call (generation calls the model once per new token).
-
-# %%
-# | export minirl/models/moe.py
-def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k routers, one per MoE layer, in layer order ([] for a dense model)."""
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("top_k", "num_experts",
-                                           "weight")) and type(m).__name__.endswith("Router")]
-
-
-class RouteRecorder:
-    """`with RouteRecorder(model) as rec: ...` then `rec.routes(batch_size)` -> [L, B, T, k]."""
-
-    def __init__(self, model: nn.Module):
-        self.routers = routers(model)
-        if not self.routers:
-            raise ValueError(f"{type(model).__name__} has no MoE routers to record")
-        self.calls: list[list[Tensor]] = [[] for _ in self.routers]
-
-    def __enter__(self):
-        self._saved = [router.__dict__.get("forward") for router in self.routers]   # an outer patch
-        for i, router in enumerate(self.routers):
-            original = router.forward
-
-            def recording(hidden_states, _i=i, _original=original):
-                out = _original(hidden_states)
-                self.calls[_i].append(out[2].detach().clone())       # [tokens of this call, k]
-                return out
-            router.forward = recording                 # an instance attribute shadows the class
-        return self
-
-    def __exit__(self, *exc):
-        for router, saved in zip(self.routers, self._saved, strict=True):
-            _restore_forward(router, saved)
-
-    def routes(self, batch_size: int) -> Tensor:
-        """Every call's experts, stitched along time: [L, B, T, k] long (T: tokens seen per row)."""
-        layers = []
-        for calls in self.calls:
-            k = calls[0].shape[-1]
-            layers.append(torch.cat([c.view(batch_size, -1, k) for c in calls], dim=1))
-        return torch.stack(layers)
-
-
-# %% [markdown]
-# `replay_routes` is R3 itself: inside the block each router returns the recorded experts,
-# with weights from its own softmax at those experts, so the router still learns.
-
-# %%
-# | export minirl/models/moe.py
 @contextmanager
 def replay_routes(model: nn.Module, routes: Tensor):
     """Inside the block, every forward of `model` uses `routes` ([L, B, T, k]) as its experts.
@@ -1033,48 +865,18 @@ def replay_routes(model: nn.Module, routes: Tensor):
         yield model
     finally:
         for router, previous in zip(found, saved, strict=True):
-            _restore_forward(router, previous)
-
-
-def _restore_forward(module: nn.Module, saved) -> None:
-    """Undo an instance-level forward patch: put back the outer patch, or fall back to the class."""
-    if saved is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = saved
-
+            restore_forward(router, previous)
 
 # %% [markdown]
-# And the measure of how often the two sides agree: the share of (layer, token) pairs with
-# the same top-k expert set.
-
-# %%
-# | export minirl/models/moe.py
-def route_agreement(routes_a: Tensor, routes_b: Tensor, token_mask: Tensor | None = None) -> float:
-    """Share of (layer, token) pairs whose top-k expert *sets* agree.
-
-    routes_a, routes_b: [L, B, T, k]; token_mask: [B, T] (None: every token)."""
-    if routes_a.shape != routes_b.shape:
-        raise ValueError(f"routes_a {tuple(routes_a.shape)} and routes_b {tuple(routes_b.shape)} "
-                         "must both be [L, B, T, k] over the same tokens")
-    same = (routes_a.sort(-1).values == routes_b.sort(-1).values).all(-1).double()   # [L, B, T]
-    if token_mask is None:
-        return same.mean().item()
-    m = token_mask.bool().expand_as(same)
-    return same[m].mean().item() if m.any() else 1.0
-
-# %% [markdown]
-# `compare_routes` (`minirl/runtime/logprob_measure.py`) puts it together: generate with a
-# low-precision rollout copy while recording its routes, recompute in fp32 while recording
-# the trainer's routes, and recompute once more replaying the rollout's routes.
-
-# %% [markdown]
-# A MoE policy that has learnt something routes less randomly than a fresh one, so we give
-# the tiny MoE a short supervised warm start (notebook 00's `warm_start`) before measuring.
+# `compare_routes` (`minirl/runtime/logprob_measure.py`) generates with a low-precision rollout
+# copy recording its routes, recomputes in fp32 recording the trainer's, and once more
+# replaying the rollout's. A short supervised warm start (notebook 00) first, since a MoE that
+# has learnt something routes less randomly than a fresh one.
 
 # %%
 from minirl.models.policy import WarmStartConfig, warm_start
 from minirl.runtime.logprob_measure import compare_routes
+from minirl.runtime.moe_routes import build_moe_policy, routers
 
 moe_model = build_moe_policy(tokenizer)
 t0 = time.time()
@@ -1098,12 +900,10 @@ print("route agreement with R3 is 100 %: "
       f"{'yes' if all(r['route_agreement_r3'] == 1.0 for r in route_rows.values()) else 'no'}")
 
 # %% [markdown]
-# Without replay, the low-precision rollout and the fp32 trainer disagree on the expert set
-# for a share of (layer, token) pairs: near-tied router scores flip under rounding. With R3
-# the trainer uses the rollout's experts, agreement is 100 % by construction, and the
-# largest log-prob gaps (the tokens that went through a different expert) shrink (the last
-# line counts the precisions where they do); what is left is ordinary precision error, which
-# the earlier corrections handle.
+# Without replay, near-tied router scores flip under rounding and the two sides disagree on
+# the expert set for a share of (layer, token) pairs. With R3 agreement is 100 % by
+# construction and the largest gaps (tokens that went through another expert) shrink; what is
+# left is ordinary precision error, which the earlier corrections handle.
 
 # %% [markdown]
 # ## 5. Does it matter for training?
@@ -1158,18 +958,15 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# What to expect, and why it is small here. With one update per batch (`num_iterations=1`)
-# the PPO ratio is exactly 1 at the update, so the clip fraction is 0 in both runs: clipping
-# never sees the mismatch, as section 1 said. The mismatch enters only through TIS's weights:
-# the typical token's ratio is within a few percent of 1 (the per-step std), but the
-# *largest* ratio of a batch can pass the cap of 2 when an uncertain tail token is sampled;
-# those steps are the spikes in the std and max panels. TIS truncates exactly those tokens
-# and leaves the rest of the batch untouched, so the two runs see nearly the same gradients
-# and their reward curves track each other (one seed, 60 steps: read a gap in final
-# accuracy as noise until several seeds agree). The effect grows with what this scale lacks:
-# long completions, a flatter policy, MoE routing flips, many updates per batch. Monitor the
-# measurements, not the reward curves: the loop's `logprob_diff_abs` and ratio spread are
-# TRL's `sampling/sampling_logp_difference` and `sampling/importance_sampling_ratio`.
+# Why the effect is small here. With one update per batch the PPO ratio is exactly 1 at the
+# update, so the clip fraction is 0 in both runs: clipping never sees the mismatch (§1). It
+# enters only through TIS's weights: the typical token's ratio is within a few percent of 1,
+# but a batch's *largest* can pass the cap when a tail token is sampled (the spikes). TIS
+# truncates exactly those tokens, so the runs see nearly the same gradients (one seed: read a
+# gap in final accuracy as noise). The effect grows with what this scale lacks: long
+# completions, a flatter policy, MoE routing flips, many updates per batch. Monitor the
+# measurements, not the rewards: the loop's `logprob_diff_abs` and ratio spread are TRL's
+# `sampling/sampling_logp_difference` and `sampling/importance_sampling_ratio`.
 
 # %% [markdown]
 # ## Exercises
@@ -1183,8 +980,8 @@ plt.show()
 # | exercise | function | what it checks |
 # |---|---|---|
 # | 2.1 | `clip_bounds` | 0.20 -> (0.16, 0.24) at ε = 0.2, epsilon_high, the cap at probability 1 |
-# | 2.2 | `probability_buckets` | bucket edges, counts, mean/max \|Δ log p\|, share outside, empty buckets |
-# | 2.3 | `stale_parameters` | a planted stale tensor is found; rounding within tolerance is not; missing names |
+# | 2.2 | `probability_buckets` | edges, counts, mean/max \|Δ log p\|, share outside, empty ones |
+# | 2.3 | `stale_parameters` | a planted stale tensor; rounding within tolerance; missing names |
 # | 2.4 | `importance_sampling_weights` | the four modes, the cap, masked positions, no gradient |
 # | 2.5 | `vocabulary_keep_mask` | min-p threshold, the top token always kept, 0 keeps everything |
 #

@@ -9,7 +9,8 @@ from minirl.diagnostics.mismatch import clip_bounds, diagnose_mismatch, mismatch
 from minirl.rollout.hf import HFEngine, fp8_round_trip
 from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.logprob_measure import measure_logprobs
-from minirl.sync.checks import check_synchronization, rounding_tolerance, stale_parameters
+from minirl.runtime.sync_checks import check_synchronization, rounding_tolerance
+from minirl.sync.checks import stale_parameters
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from minirl.models.moe import RouteRecorder, build_moe_policy, replay_routes, route_agreement, routers
+from minirl.models.moe import replay_routes
 from minirl.models.policy import build_tokenizer
 from minirl.runtime.logprob_measure import compare_routes
+from minirl.runtime.moe_routes import RouteRecorder, build_moe_policy, route_agreement, routers
 
 
 @pytest.fixture(scope="module")

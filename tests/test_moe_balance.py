@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from minirl.diagnostics.routing import ratio_spread
-from minirl.models.moe import RouteRecorder, build_moe_policy, count_moe_parameters, routers
+from minirl.models.moe import count_moe_parameters
 from minirl.models.moe_balance import BalancedTopKRouter, expert_counts, load_balancing_loss, load_imbalance
 from minirl.models.policy import build_tokenizer
 from minirl.runtime.balancing_hooks import install_balancing, load_history
 from minirl.runtime.moe_cache import load_moe_policy
 from minirl.runtime.moe_checks import RouterError
+from minirl.runtime.moe_routes import RouteRecorder, build_moe_policy, routers
 from minirl.runtime.routing_bench import routing_ratio_spread
 
 

@@ -11,9 +11,9 @@ from minirl.data import Experience
 from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.rollout.base import VersionMismatchError
 from minirl.rollout.shared_prefix import SharedPrefixEngine
+from minirl.runtime.sync_checks import check_synchronization
 from minirl.runtime.validate import ConfigError
 from minirl.sync.base import InProcessSync
-from minirl.sync.checks import check_synchronization
 from minirl.tasks.arithmetic import make_task
 from minirl.train.run import Callback, setup, stage1_step, train
 from minirl.train.step import rl_step, score

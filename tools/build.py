@@ -132,7 +132,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py",
                 # notebook 01, second cut: the argument checks of its functions
                 "minirl/runtime/arg_checks.py", "minirl/roles/critic.py",
-                "minirl/train/run.py")
+                "minirl/train/run.py",
+                # notebook 02 (second cut): routing tools around R3, the synchronization check
+                "minirl/runtime/moe_routes.py", "minirl/runtime/sync_checks.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

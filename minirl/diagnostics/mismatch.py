@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from minirl.algo.logprobs import completion_logprobs
-from minirl.models.moe import routers
 from minirl.rollout.hf import DTYPES, HFEngine
 from minirl.runtime.logprob_checks import check_logprob_pair
 from minirl.runtime.logprob_measure import compare_routes, measure_logprobs
 from minirl.runtime.mismatch_report import MismatchReport, worst_tokens
-from minirl.sync.checks import check_synchronization, dtype_name
+from minirl.runtime.moe_routes import routers
+from minirl.runtime.sync_checks import check_synchronization, dtype_name
 
 
 def ppo_ratio(new_logps: Tensor, old_logps: Tensor) -> Tensor:
@@ -142,7 +142,7 @@ def diagnose_mismatch(model, tokenizer, prompts: list[str], rollout=None,
 
     rollout: the engine to diagnose (when None, a fresh HFEngine in rollout_dtype, in sync).
     Step 3 builds a fresh, synchronized rollout per dtype in `sweep` on the same prompts.
-    Step 4 runs only when the policy has MoE routers (see minirl.models.moe).
+    Step 4 runs only when the policy has MoE routers (minirl.runtime.moe_routes).
     progress=True prints a line as each step (and each dtype of the sweep) is done.
     """
     device = next(model.parameters()).device

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from minirl.models.moe import routers
 from minirl.models.moe_balance import BalancedTopKRouter
+from minirl.runtime.moe_routes import routers
 
 
 def _capture_token_mask(model: nn.Module, args, kwargs) -> None:

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from minirl.config import SamplingConfig
-from minirl.models.moe import RouteRecorder, replay_routes, route_agreement
+from minirl.models.moe import replay_routes
 from minirl.rollout.hf import HFEngine
+from minirl.runtime.moe_routes import RouteRecorder, route_agreement
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The warm-started tiny MoE policy, built once and cached: what notebook 08's RL runs start from.
 
-Hand-written (a cache; the MoE policy itself is built in notebook 02, `minirl.models.moe.build_moe_policy`,
+Hand-written (a cache; the MoE policy itself is built in notebook 02, `minirl.runtime.moe_routes.build_moe_policy`,
 and warm-started with notebook 00's recipe, `minirl.models.policy.warm_start`).
 
 `load_moe_policy(tokenizer, task, warm_start_steps)` returns the tiny MoE after a supervised warm start
@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from minirl.models.moe import build_moe_policy
 from minirl.models.policy import WARM_START_FORMAT, WarmStartConfig, warm_start
+from minirl.runtime.moe_routes import build_moe_policy
 from minirl.runtime.policy_cache import cache_dir
 
 

@@ -23,8 +23,9 @@ import torch
 from minirl.config import SamplingConfig
 from minirl.diagnostics.mismatch import trainer_logprobs
 from minirl.diagnostics.routing import ratio_spread
-from minirl.models.moe import RouteRecorder, replay_routes
+from minirl.models.moe import replay_routes
 from minirl.rollout.hf import HFEngine
+from minirl.runtime.moe_routes import RouteRecorder
 
 
 def routing_ratio_spread(model, tokenizer, prompts: list[str], rollout_dtype: str = "bfloat16",

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minirl.runtime.sync_checks import dtype_name, rounding_tolerance
 from minirl.sync.base import SyncReport
-from minirl.sync.checks import dtype_name, rounding_tolerance, stale_parameters
+from minirl.sync.checks import stale_parameters
 
 
 @dataclass

@@ -6,8 +6,8 @@ engine now holds, how many tensors and bytes moved, how long it took). Stage 1 c
 in-process (`InProcessSync`); notebook 04 gathers FSDP-sharded tensors or merges LoRA
 first; notebook 06 broadcasts across Ray actors. All of them end with the same check: the
 engine reports the version that was pushed (`check_pushed`), and on request a check of the
-weights it holds against the trainer's (`InProcessSync(verify=...)`: notebook 02 writes one,
-`minirl.sync.checks.check_synchronization`).
+weights it holds against the trainer's (`InProcessSync(verify=...)`: step 1 of notebook 02's diagnosis,
+`minirl.runtime.sync_checks.check_synchronization`).
 """
 
 __all__ = ["SyncReport", "WeightSync", "check_pushed", "InProcessSync"]
