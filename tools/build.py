@@ -129,7 +129,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/memory_plots.py", "minirl/runtime/zero_measure.py",
                 # notebook 02
                 "minirl/runtime/logprob_checks.py", "minirl/runtime/logprob_measure.py",
-                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py")
+                "minirl/runtime/mismatch_report.py", "minirl/runtime/mismatch_runs.py",
+                # notebook 06, second cut: Ray reservations, a worker's ends of the syncs
+                "minirl/runtime/reservations.py", "minirl/runtime/sync_ends.py")
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

@@ -13,15 +13,15 @@ import ray
 
 from minirl.controller.placement import Placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
-from minirl.controller.resource_pool import PlacementError, plan_placement, reserve
 from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
 from minirl.runtime.object_store_sync import ObjectStoreSync
-from minirl.runtime.placement_checks import check_driver_args, check_placement, describe
+from minirl.runtime.placement_checks import check_driver_args, check_placement, plan_naming_placement
 from minirl.runtime.ray_calls import gather
 from minirl.runtime.ray_start import cluster_nodes
+from minirl.runtime.reservations import reserve
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
@@ -47,11 +47,7 @@ class DriverSetup(DriverLifecycle):
         self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
-        try:
-            self.plan = plan_placement(pools, self.nodes)
-        except PlacementError as err:
-            was = describe(placement, self.roles_needed())
-            raise PlacementError(f"{err}; the placement was {was}") from None
+        self.plan = plan_naming_placement(pools, self.nodes, placement, self.roles_needed())
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
