@@ -85,11 +85,10 @@ for a, b in zip(alone, on_ray, strict=True):
 # ## 1. Resource pools: which devices, on which nodes
 #
 # A pool says how many devices its roles need on each node it spans: `ResourcePool([2])` is
-# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes. A device is a
-# GPU, or without GPUs a slot of `cpus_per_device` CPUs. Before any process starts the driver
-# **plans** (every pool entry to a real node, first fit, failing at once with the numbers),
-# and only then **reserves**: one Ray placement group per entry, one bundle per device,
-# pinned to the planned node (`minirl/runtime/reservations.py`; we only call it).
+# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes; a device is a GPU
+# or a slot of `cpus_per_device` CPUs. Before any process starts the driver **plans** (each
+# pool entry to a node, first fit) and only then **reserves** a Ray placement group per entry,
+# one bundle per device, on the planned node (`minirl/runtime/reservations.py`; we call it).
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -224,10 +223,8 @@ from minirl.runtime.ray_calls import WorkerInfo
 
 
 class Worker(WorkerInfo):
-    """Base of every worker process: its place in its group, the world it joined, its timeline.
-
-    From `WorkerInfo` (minirl/runtime/ray_calls.py): `where()` and `free_address()` (a free port,
-    where world rank 0 meets the others)."""
+    """Base of every worker process: its place in its group, the world it joined, its timeline
+    (`where()` and `free_address()`, where rank 0 meets the others: runtime/ray_calls.py)."""
 
     def __init__(self, group: str, rank: int, size: int, device: str = "cpu", threads: int = 1):
         self.group, self.rank, self.size, self.device = group, rank, size, device
@@ -290,9 +287,8 @@ def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
 # | `DP_UPDATE` | split the same way | rank 0's (the ranks reduce their metrics) | the actor's and critic's update |
 # | `RANK_ZERO` | to rank 0 only | rank 0's result | weights and optimizer state |
 #
-# Here a mode is two plain functions, one to split the arguments and one to collect the
-# results: `group.execute(DP_COMPUTE, "actor", "logprobs", rollout)`. Splitting is exercise
-# 6.2: contiguous equal parts, a prompt's G completions never torn apart.
+# A mode is two plain functions, one to split the arguments and one to collect the results.
+# Splitting is exercise 6.2: contiguous equal parts, a prompt's G completions never torn apart.
 
 # %%
 # | export minirl/controller/worker_group.py
@@ -761,9 +757,9 @@ class LocalSync:
 # %% [markdown]
 # ## 6. Placement: which pool hosts each role
 #
-# A placement maps every role to a pool; roles on one pool share its workers and take turns
-# on the device (colocation, as in veRL's fused workers). Three placements cover the source's
-# designs; the chapter script's `--pools actor=2,rollout=1+1` sizes them:
+# A placement maps every role to a pool; roles on one pool share its workers and take turns on
+# the device (veRL's fused workers). Three placements cover the source's designs (printed
+# after the code; the per-role one with an actor pool that spans both nodes):
 #
 # | placement | pools | who shares a worker | weight sync |
 # |---|---|---|---|
@@ -819,9 +815,6 @@ def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device:
         pools[pool] = ResourcePool(next(iter(given.values()), [1]), pool_device, cpus_per_device)
     return Placement(kind, pools, dict(layout))
 
-# %% [markdown]
-# The three layouts, the per-role one with an actor pool that spans both nodes:
-
 # %%
 from minirl.controller.names import PLACEMENTS
 from minirl.controller.placement import make_placement
@@ -852,25 +845,14 @@ import ray
 
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, split_by_rank
 from minirl.data import Batch
-from minirl.rollout.base import VersionMismatchError, draw_seed
+from minirl.rollout.base import draw_seed
 from minirl.runtime.role_checkpoints import CheckpointedRole
-
-
-class RemoteWeights:
-    """The actor's named weights, left on its workers (a sync between workers moves them without the
-    driver); iterating fetches rank 0's."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __iter__(self):
-        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
-        return iter(self.group.run("named_weights", rank0)[0])
+from minirl.runtime.sync_ends import RemoteWeights, one_version
 
 
 class ActorGroup(CheckpointedRole):
-    """The actor role on a WorkerGroup, with stage 1's Actor methods (state_dict and load_state_dict
-    for checkpoints: `CheckpointedRole`, minirl/runtime/role_checkpoints.py)."""
+    """The actor role on a WorkerGroup, with stage 1's Actor methods (its checkpoints:
+    `CheckpointedRole`; `RemoteWeights`, a handle on rank 0's weights: runtime/sync_ends.py)."""
 
     role = "actor"
 
@@ -938,10 +920,7 @@ class EngineGroup:
 
     def confirm(self, versions: list[int]) -> None:
         """The versions the workers report after a sync: all equal, or VersionMismatchError."""
-        if len(set(versions)) != 1:
-            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions "
-                                       f"{versions} after a sync; each must load every push")
-        self.version = versions[0]
+        self.version = one_version(self.group.name, versions)
 
 
 class RemoteReward:
@@ -987,7 +966,7 @@ from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
 from minirl.runtime.object_store_sync import ObjectStoreSync
-from minirl.runtime.placement_checks import check_driver_args, check_placement, plan_naming_placement
+from minirl.runtime.placement_checks import check_driver_args, check_placement, plan_or_explain
 from minirl.runtime.ray_calls import gather
 from minirl.runtime.ray_start import cluster_nodes
 from minirl.runtime.reservations import reserve
@@ -1016,7 +995,7 @@ class DriverSetup(DriverLifecycle):
         self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
-        self.plan = plan_naming_placement(pools, self.nodes, placement, self.roles_needed())
+        self.plan = plan_or_explain(pools, self.nodes, placement, self.roles_needed())
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
@@ -1099,12 +1078,10 @@ class Driver(DriverSetup):
         return train_on_driver(self, rows, **options)
 
 # %% [markdown]
-# Bad input fails in the Driver's first checks, before any worker starts or any device is
-# reserved, naming the role, the pool and the numbers:
+# Bad input fails in the Driver's first checks, before any worker starts, naming the role, the
+# pool and the numbers (a pool too large for the cluster fails in the plan, as in §1):
 
 # %%
-from minirl.config import RLConfig
-from minirl.controller.placement import make_placement
 from minirl.runtime.validate import ConfigError
 
 grpo = RLConfig.from_flat(steps=3 if SMOKE else 10, prompts_per_step=8, num_generations=8,
@@ -1113,15 +1090,13 @@ ppo = grpo.replace(algo="ppo", beta=0.04)
 no_critic = make_placement("per-role")
 del no_critic.roles["critic"]
 for label, config, placement in [
-        ("a pool larger than the cluster", grpo.replace(prompts_per_step=9),
-         make_placement("per-role", {"actor": [1, 1, 1]})),
         ("a role with no pool", ppo, no_critic),
         ("a batch that does not split", grpo.replace(prompts_per_step=6),
          make_placement("per-role", {"actor": [2, 2]}))]:
     try:
         Driver(config, placement, model, tokenizer, rewards)
         print(f"{label}: no error?!")
-    except (PlacementError, ConfigError) as err:
+    except ConfigError as err:
         print(f"{label}: {type(err).__name__}: {err}\n")
 print("workers alive after all that:", ray.util.list_named_actors())
 
@@ -1135,14 +1110,11 @@ print("workers alive after all that:", ray.util.list_named_actors())
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
-    records: the records of a run in step order; records without "time/generate" (the
-    step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes
-    the weights of step k + 1, which the source counts as the first stage of its iteration
-    k + 1. So iteration k's "sync" is step k-1's "time/sync" (0.0 for the first iteration:
-    the weights it uses were loaded before the run), and its other stages are step k's
-    "time/<stage>" values. Returns one dict per step whose keys follow SOURCE_ORDER and
-    include only the stages present in the records ("update_critic" only for PPO; "sync"
-    always). The last step's sync starts an iteration that never ran and is left out.
+    Records (in step order) without "time/generate" (the step-0 evaluation) are skipped. Step
+    k ends with the sync the source counts as the start of iteration k + 1: iteration k's
+    "sync" is step k-1's "time/sync" (0.0 for the first), its other stages step k's
+    "time/<stage>". One dict per step, keys in SOURCE_ORDER, only the stages present ("sync"
+    always; "update_critic" only for PPO). The last step's sync is left out.
     """
     # BEGIN SOLUTION
     cycles, previous_sync = [], 0.0
@@ -1222,9 +1194,8 @@ assert all(max_difference(r["records"], reference[r["config"].algorithm.algo]) <
            for r in runs.values())
 
 # %% [markdown]
-# Every metric agrees with the single-process run (0: bit for bit; the per-role actor's two
-# ranks add their gradients in another order). Start-up is a Python process per worker, each
-# importing torch and building its roles. The syncs, timed on the disaggregated workers:
+# Every metric agrees with stage 1 (0: bit for bit; the per-role actor's two ranks add their
+# gradients in another order); start-up is a Python process per worker. The syncs, timed:
 
 # %%
 print(f"{'sync':>26} | buckets | MiB  | median ms | MiB/s")
@@ -1292,9 +1263,8 @@ assert gap < 1e-4, "a resumed run must repeat the uninterrupted one"
 #
 # ## 9. Where the roles ran, and when
 #
-# Role → node → device for each run, then which role was busy when on every worker (drawn by
-# `minirl/runtime/cluster_plots.py`). Colocated, one worker does everything in turn; apart,
-# each worker waits for the others: the idle time asynchronous RL (notebook 07) goes after.
+# Role → node → device for each run, then which role was busy when on every worker. Colocated,
+# one worker does everything in turn; apart, each waits for the others (notebook 07's target).
 
 # %%
 from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines
@@ -1352,11 +1322,10 @@ for k, cycle in enumerate(driver_cycles(runs["colocated"]["records"]), 1):
 # %% [markdown]
 # ## 10. Four orchestration styles, side by side
 #
-# The source's framework table sorts RL systems by how they orchestrate the loop; all four
-# styles run here on the same `rl_step`: **single process** (TRL: stage 1's `train`),
-# **multiple controllers** (NeMo-Aligner: SPMD under `torchrun`, every rank runs the loop on
-# its share and the ranks meet only in DDP's all-reduce), **single controller** (veRL: the
-# disaggregated run) and **single controller with Ray actor isolation** (OpenRLHF: per-role).
+# The source's four orchestration styles, all on the same `rl_step`: **single process** (TRL:
+# stage 1's `train`), **multiple controllers** (NeMo-Aligner: every rank runs the loop under
+# `torchrun`, meeting only in DDP's all-reduce), **single controller** (veRL: disaggregated)
+# and **single controller with Ray actor isolation** (OpenRLHF: per-role).
 
 # %%
 import json
@@ -1442,10 +1411,7 @@ print(f"row 8, the four styles: {verdict} (all ran {STEPS} steps: {all_ran}; mea
 # ## Exercises
 #
 # Your stubs are in `exercises/06_ray_controller.py`; grade them with
-#
-# ```
-# python -m minirl.grade --only 06
-# ```
+# `python -m minirl.grade --only 06`.
 #
 # | exercise | function | what it checks |
 # |---|---|---|

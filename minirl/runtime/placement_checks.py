@@ -16,7 +16,7 @@ Hand-written (validation and CLI parsing; notebook 06 teaches the placements the
   `check_driver_args(sync, reward_funcs, reward_weights)` (the Driver's own arguments) refuse
   bad values with a `ConfigError` or `ValueError` naming the setting.
 - `describe(placement, needed)`: one line naming each pool, its devices and its roles (for
-  messages and the chapter's first line); `plan_naming_placement` is the Driver's
+  messages and the chapter's first line); `plan_or_explain` is the Driver's
   `plan_placement` whose PlacementError also names the placement that way.
 - `parse_pools("actor=2,rollout=1+1")` -> {"actor": [2], "rollout": [1, 1]}: the devices on
   each node of each role's pool, as chapters/06_ray.py's --pools flag gives them.
@@ -81,7 +81,7 @@ def describe(placement, needed=ROLES) -> str:
         for pool in pools if pool in placement.pools)
 
 
-def plan_naming_placement(pools: dict, nodes: list[dict], placement, needed) -> dict[str, list[int]]:
+def plan_or_explain(pools: dict, nodes: list[dict], placement, needed) -> dict[str, list[int]]:
     """`plan_placement(pools, nodes)`; its PlacementError also names the placement (`describe`)."""
     from minirl.controller.resource_pool import PlacementError, plan_placement  # noqa: PLC0415 (it imports us)
     try:

@@ -14,8 +14,16 @@ rank 0 and every rollout worker) and whose `record` adds a call to the worker's 
   it into the engine; the engine's version (the driver checks they all agree).
 - `local_sync(version)`, colocated: copies this worker's actor weights into its own engine
   (stage 1's `InProcessSync`); its `SyncReport`.
+
+`one_version(group_name, versions)`: the one version every rollout worker reports after a sync
+(the driver's `EngineGroup.confirm`), or `VersionMismatchError` naming them all.
+
+The driver's end: `RemoteWeights(group)`, what the driver's `ActorGroup.named_weights()` returns
+and hands to a sync's `push`. It leaves the weights on the workers (a sync between workers moves
+them without the driver); only iterating it fetches trainer rank 0's weights to the driver.
 """
 
+from minirl.rollout.base import VersionMismatchError
 from minirl.sync.base import InProcessSync
 from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
 
@@ -56,3 +64,22 @@ class SyncEnds:
         with self.record("sync.local"):
             named = self.roles["actor"].named_weights()
             return InProcessSync().push(named, self.roles["rollout"], version)
+
+
+class RemoteWeights:
+    """The actor's named weights, left on its workers; iterating fetches rank 0's."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __iter__(self):
+        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
+        return iter(self.group.run("named_weights", rank0)[0])
+
+
+def one_version(group_name: str, versions: list[int]) -> int:
+    """The version all rollout workers hold after a sync, or VersionMismatchError."""
+    if len(set(versions)) != 1:
+        raise VersionMismatchError(f"rollout workers of {group_name} hold versions {versions} "
+                                   "after a sync; each must load every push")
+    return versions[0]
