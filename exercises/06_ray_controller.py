@@ -42,13 +42,10 @@ def split_by_rank(n: int, batch, *args) -> list[tuple]:
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
-    records: the records of a run in step order; records without "time/generate" (the
-    step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes
-    the weights of step k + 1, which the source counts as the first stage of its iteration
-    k + 1. So iteration k's "sync" is step k-1's "time/sync" (0.0 for the first iteration:
-    the weights it uses were loaded before the run), and its other stages are step k's
-    "time/<stage>" values. Returns one dict per step whose keys follow SOURCE_ORDER and
-    include only the stages present in the records ("update_critic" only for PPO; "sync"
-    always). The last step's sync starts an iteration that never ran and is left out.
+    Records (in step order) without "time/generate" (the step-0 evaluation) are skipped. Step
+    k ends with the sync the source counts as the start of iteration k + 1: iteration k's
+    "sync" is step k-1's "time/sync" (0.0 for the first), its other stages step k's
+    "time/<stage>". One dict per step, keys in SOURCE_ORDER, only the stages present ("sync"
+    always; "update_critic" only for PPO). The last step's sync is left out.
     """
     raise NotImplementedError("exercise 6.3: driver_cycles -- see its docstring and notebook 06")

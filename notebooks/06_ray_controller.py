@@ -16,17 +16,14 @@
 #
 # **By the end of this notebook you can** place the five roles of the RL loop (actor,
 # rollout, critic, reference, reward) on pools of devices across the nodes of a Ray cluster,
-# run stage 1's very step on them from one driver process, and move the weights from the
-# trainer to the rollout workers.
+# run stage 1's very step on them from one driver process, and move the weights between them.
 #
 # The source asks *how models are placed on GPUs*. veRL (HybridFlow) answers with a
 # **ResourcePool** (a group of devices), a **Worker** (one model instance on one device) and a
-# **Driver**, the single controller that runs the algorithm and tells the workers what to
-# compute. Roles may share a pool and take turns on its devices (**colocated**) or get
-# devices of their own (**disaggregated**). We build each piece small (§1-§7), check that the
-# algorithm is the same in every placement (§8), and reproduce three rows of the source: the
-# loop order (row 1), the Driver's stage order (row 7), the orchestration styles (row 8).
-# Ray's test cluster starts two "nodes" on this machine; a device is a quarter-CPU slot.
+# **Driver**, the single controller that runs the algorithm. Roles share a pool and take turns
+# (**colocated**) or get devices of their own (**disaggregated**). We build each piece (§1-§7),
+# check the algorithm is the same in every placement (§8), and reproduce the source's rows 1,
+# 7 and 8. Ray's test cluster runs two "nodes" here; a device is a quarter-CPU slot.
 
 # %%
 # %load_ext minirl.runtime.notebook
@@ -59,11 +56,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # Ray's workers inher
 # %% [markdown]
 # ## The whole loop first
 #
-# Stage 1's GRPO loop run by the single controller: a two-node Ray cluster of our own on this
-# machine, a `Driver` that starts one worker holding every role (the colocated placement),
-# and two steps; beside them, the same two steps in one process (stage 1's `train`). Starting
-# Ray on a busy machine (retries, raised waits, token auth) lives in `minirl/runtime/ray_start.py`;
-# we only call it.
+# Two GRPO steps from a `Driver` whose one worker holds every role (colocated), beside the same
+# two steps in one process (stage 1's `train`). Starting Ray on a busy machine lives in
+# `minirl/runtime/ray_start.py`; we only call it.
 
 # %%
 from minirl.config import RLConfig
@@ -90,11 +85,10 @@ for a, b in zip(alone, on_ray, strict=True):
 # ## 1. Resource pools: which devices, on which nodes
 #
 # A pool says how many devices its roles need on each node it spans: `ResourcePool([2])` is
-# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes. A device is a
-# GPU, or without GPUs a slot of `cpus_per_device` CPUs. Before any process starts the driver
-# **plans** (every pool entry to a real node, first fit, failing at once with the numbers),
-# and only then **reserves**: one Ray placement group per entry, one bundle per device,
-# pinned to the planned node and held until released.
+# two devices on one node, `ResourcePool([1, 1])` one on each of two nodes; a device is a GPU
+# or a slot of `cpus_per_device` CPUs. Before any process starts the driver **plans** (each
+# pool entry to a node, first fit) and only then **reserves** a Ray placement group per entry,
+# one bundle per device, on the planned node (`minirl/runtime/reservations.py`; we call it).
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -102,11 +96,8 @@ for a, b in zip(alone, on_ray, strict=True):
 
 Simplified vs veRL's `RayResourcePool`: veRL lets Ray choose each placement group's node; we
 choose it (first fit over the nodes' total resources) and pin the group there, so the plan we
-print is the placement that happens. Starting Ray: `minirl.runtime.ray_start`.
+print is the placement that happens. Reserving it in Ray: `minirl.runtime.reservations`.
 """
-
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from minirl.runtime.placement_checks import check_pool
 
@@ -142,9 +133,8 @@ def _fmt(resources: dict) -> str:
     return " ".join(f"{k} {v:g}" for k, v in resources.items() if k in ("CPU", "GPU"))
 
 # %% [markdown]
-# The plan is a small first-fit assignment, and the first exercise (6.1). Every entry of a
-# pool must land on a node the pool does not use yet (a pool "spans two nodes" means two
-# different machines) and that still has room after the pools placed before it.
+# The plan is a first-fit assignment (exercise 6.1): each entry of a pool lands on a node the
+# pool does not use yet and that still has room after the pools placed before it.
 
 # %%
 # | export minirl/controller/resource_pool.py
@@ -185,35 +175,6 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
     return plan
     # END SOLUTION
 
-# %%
-# | export minirl/controller/resource_pool.py
-def reserve(name: str, pool: ResourcePool, node_ids: list[str],
-            timeout: float = 60.0) -> list[PlacementGroup]:
-    """One placement group per entry of `pool`, pinned to node_ids[entry], one bundle per device.
-
-    Waits until Ray holds them all; otherwise removes what it made and raises PlacementError.
-    """
-    groups = []
-    try:
-        for count, node_id in zip(pool.devices_per_node, node_ids, strict=True):
-            pinned = [{"ray.io/node-id": node_id}] * count
-            groups.append(placement_group([pool.bundle()] * count, strategy="STRICT_PACK",
-                                          bundle_label_selector=pinned))
-        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
-        if len(ready) < len(groups):
-            raise PlacementError(f"pool {name!r}: Ray did not grant its {pool.size} device(s) "
-                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job "
-                                 "may hold them (`ray status` shows what is in use)")
-    except BaseException:
-        release(groups)
-        raise
-    return groups
-
-
-def release(groups: list[PlacementGroup]) -> None:
-    for group in groups:
-        remove_placement_group(group)
-
 # %% [markdown]
 # Three pools planned on a cluster that exists only on paper (two nodes of 8 GPUs), then on
 # the two Ray nodes started above; a request too large (17 GPUs) fails before anything starts.
@@ -239,10 +200,9 @@ except PlacementError as err:
 # %% [markdown]
 # ## 2. The Worker: a Ray actor that knows its rank
 #
-# A worker is one process on one device, with its rank and world size. It can join a
-# **torch.distributed world** with the other workers (gloo between CPU processes, NCCL
-# between GPUs): the actor's ranks average their gradients through it, and the trainer
-# broadcasts its weights through it. It keeps a **timeline** of what it ran, from when to when.
+# A worker is one process on one device, with its rank and world size. It joins a
+# **torch.distributed world** with the others (gloo on CPUs, NCCL on GPUs), through which the
+# actor's ranks average gradients and the trainer broadcasts weights, and keeps a **timeline**.
 
 # %%
 # | export minirl/controller/worker.py
@@ -263,10 +223,8 @@ from minirl.runtime.ray_calls import WorkerInfo
 
 
 class Worker(WorkerInfo):
-    """Base of every worker process: its place in its group, the world it joined, its timeline.
-
-    From `WorkerInfo` (minirl/runtime/ray_calls.py): `where()` and `free_address()` (a free port,
-    where world rank 0 meets the others)."""
+    """Base of every worker process: its place in its group, the world it joined, its timeline
+    (`where()` and `free_address()`, where rank 0 meets the others: runtime/ray_calls.py)."""
 
     def __init__(self, group: str, rank: int, size: int, device: str = "cpu", threads: int = 1):
         self.group, self.rank, self.size, self.device = group, rank, size, device
@@ -329,9 +287,8 @@ def timeline(self, clear: bool = False) -> list[tuple[str, float, float]]:
 # | `DP_UPDATE` | split the same way | rank 0's (the ranks reduce their metrics) | the actor's and critic's update |
 # | `RANK_ZERO` | to rank 0 only | rank 0's result | weights and optimizer state |
 #
-# Here a mode is two plain functions, one to split the arguments and one to collect the
-# results: `group.execute(DP_COMPUTE, "actor", "logprobs", rollout)`. Splitting is exercise
-# 6.2: contiguous equal parts, a prompt's G completions never torn apart.
+# A mode is two plain functions, one to split the arguments and one to collect the results.
+# Splitting is exercise 6.2: contiguous equal parts, a prompt's G completions never torn apart.
 
 # %%
 # | export minirl/controller/worker_group.py
@@ -472,9 +429,9 @@ class WorkerGroup:
 # nodes, a dispatch in each mode, and the timeline each worker kept.
 
 # %%
-from minirl.controller.resource_pool import release, reserve
 from minirl.controller.worker import Worker
 from minirl.controller.worker_group import DP_COMPUTE, ONE_TO_ALL, RANK_ZERO, WorkerGroup
+from minirl.runtime.reservations import release, reserve
 
 
 class SumWorker(Worker):
@@ -510,14 +467,11 @@ release(pgs)
 # %% [markdown]
 # ## 4. The five roles as workers
 #
-# A `RoleWorker` hosts the roles its pool was given and answers `call(role, method, *args)`
-# with stage 1's own objects (`Actor`, `Reference`, `Critic`, any `RolloutEngine`, the reward
-# functions), built as stage 1 builds them. Nothing here computes anything new; around the
-# roles a worker adds **data parallelism** (on several ranks the actor and critic are
-# notebook 04's DDP `DistributedActor` and `DistributedCritic`: W ranks make the update one
-# process makes), **colocation** (an engine sharing a worker with the actor is notebook 04's
-# `ColocatedEngine`: it frees its weights after generating, so training has the device to
-# itself) and the worker side of the weight syncs (section 5).
+# A `RoleWorker` hosts its pool's roles and answers `call(role, method, *args)` with stage 1's
+# own objects, built as stage 1 builds them. It adds only **data parallelism** (on several
+# ranks, notebook 04's DDP `DistributedActor` and `DistributedCritic`) and **colocation** (an
+# engine beside the actor is notebook 04's `ColocatedEngine`, which frees its weights after
+# generating). Its ends of the weight syncs are in `minirl/runtime/sync_ends.py`.
 
 # %%
 # | export minirl/controller/names.py
@@ -554,8 +508,7 @@ from minirl.runtime.object_store_sync import ObjectStoreEnds
 from minirl.runtime.ray_calls import moved
 from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
-from minirl.sync.base import InProcessSync
-from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
+from minirl.runtime.sync_ends import SyncEnds
 
 
 class RewardRole:
@@ -592,10 +545,11 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
 
 # %%
 # | export minirl/controller/roles.py
-class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
+class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
     """A worker that hosts roles of the RL loop; roles on one worker share its process and device.
 
-    From minirl/runtime/: the object store's sync ends (`put_weights`, `receive`) and `restore`."""
+    From minirl/runtime/: the ends of the syncs (object_store_sync.py: `put_weights`, `receive`;
+    sync_ends.py: `send_weights`, `recv_weights`, `local_sync`) and `restore`."""
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
@@ -623,48 +577,14 @@ class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
         with self.record(f"{role}.named_weights"):
             return [(name, t.detach().cpu()) for name, t in self.roles[role].named_weights()]
 
-# %%
-# | export minirl/controller/roles.py
-@add_to_class(RoleWorker)
-def weight_metadata(self) -> list:
-    return tensor_metadata(self.roles["actor"].named_weights())
-
-
-@add_to_class(RoleWorker)
-def send_weights(self, buckets, src: int) -> int:
-    """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
-    with self.record("sync.send"):
-        named = dict(self.roles["actor"].named_weights())
-        return send_buckets(named, buckets, src, self.groups["sync"])
-
-
-@add_to_class(RoleWorker)
-def recv_weights(self, buckets, src: int, version: int) -> int:
-    """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
-    with self.record("sync.recv"):
-        device = "cuda" if self.device == "gpu" else "cpu"
-        named = recv_buckets(buckets, src, self.groups["sync"], device)
-        self.roles["rollout"].load_weights(named, version)
-        return self.roles["rollout"].version
-
-
-@add_to_class(RoleWorker)
-def local_sync(self, version: int):
-    """Colocated: copy this worker's actor weights into its own engine (stage 1's InProcessSync)."""
-    with self.record("sync.local"):
-        named = self.roles["actor"].named_weights()
-        return InProcessSync().push(named, self.roles["rollout"], version)
-
 # %% [markdown]
 # ## 5. Weight sync between actors
 #
-# Synchronize is where placement costs the most. Colocated workers copy in-process, as stage
-# 1 did; rollout workers in other processes need the weights to travel. Trainer rank 0 and
-# every rollout worker share a torch.distributed group and rank 0 **broadcasts** (NCCL over
-# NVLink or InfiniBand in veRL and OpenRLHF; gloo over TCP here), in **buckets**: both sides
-# plan the same buckets from the same names, shapes and dtypes, and only flat buffers move,
-# so the collective's fixed cost is paid once per bucket. The comparison, Ray's object store
-# (`minirl/runtime/object_store_sync.py`), needs no process group but serializes and copies.
+# Colocated workers copy in-process, as stage 1 did; rollout workers elsewhere need the weights
+# to travel. Trainer rank 0 **broadcasts** to them over a torch.distributed group (NCCL in veRL
+# and OpenRLHF; gloo here) in **buckets** both sides plan from the same names, shapes and
+# dtypes, so only flat buffers move. Ray's object store (`minirl/runtime/object_store_sync.py`)
+# is the comparison: no process group, but it serializes and copies.
 
 # %%
 # | export minirl/sync/broadcast.py
@@ -727,11 +647,6 @@ def send_buckets(named: dict[str, Tensor], buckets: list[list[TensorMeta]], src:
     """Broadcast every bucket from this process (global rank `src`); returns the bytes sent."""
     sent = 0
     for bucket in buckets:
-        for meta in bucket:
-            x = named[meta.name]
-            if tuple(x.shape) != meta.shape or x.dtype != meta.dtype:
-                raise ValueError(f"send_buckets: {meta.name} is {tuple(x.shape)} {x.dtype}, but the "
-                                 f"receivers expect {meta.shape} {meta.dtype}")
         flat = torch.cat([named[meta.name].detach().reshape(-1) for meta in bucket])   # [numel]
         dist.broadcast(flat, src=src, group=group)
         sent += flat.numel() * flat.element_size()
@@ -842,9 +757,9 @@ class LocalSync:
 # %% [markdown]
 # ## 6. Placement: which pool hosts each role
 #
-# A placement maps every role to a pool; roles on one pool share its workers and take turns
-# on the device (colocation, as in veRL's fused workers). Three placements cover the source's
-# designs; the chapter script's `--pools actor=2,rollout=1+1` sizes them:
+# A placement maps every role to a pool; roles on one pool share its workers and take turns on
+# the device (veRL's fused workers). Three placements cover the source's designs (printed
+# after the code; the per-role one with an actor pool that spans both nodes):
 #
 # | placement | pools | who shares a worker | weight sync |
 # |---|---|---|---|
@@ -872,10 +787,9 @@ before any actor starts (`minirl.runtime.placement_checks`).
 
 from dataclasses import dataclass
 
-from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
+from minirl.controller.names import LAYOUTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
 from minirl.runtime.placement_checks import check_sizes
-from minirl.runtime.validate import check_choice
 
 
 @dataclass
@@ -886,25 +800,13 @@ class Placement:
     pools: dict[str, ResourcePool]
     roles: dict[str, str]
 
-
-def needed_roles(config) -> list[str]:
-    """The roles a run of `config` uses: actor, rollout, reward; a reference if beta > 0; a critic
-    for PPO."""
-    roles = ["actor", "rollout", "reward"]
-    if config.algorithm.beta > 0:
-        roles.append("reference")
-    if config.algorithm.algo == "ppo":
-        roles.append("critic")
-    return roles
-
 # %%
 # | export minirl/controller/placement.py
 def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device: str = "cpu",
                    cpus_per_device: float = 0.25) -> Placement:
     """The `kind` layout; `sizes`: {role: devices per node} (roles sharing a pool: one size)."""
-    check_choice("placement", kind, PLACEMENTS)
+    check_sizes(kind, sizes or {})      # a known layout; roles sharing a pool given one size
     layout, sizes = LAYOUTS[kind], dict(sizes or {})
-    check_sizes(kind, sizes)              # every key a role; roles sharing a pool given one size
     pools = {}
     for pool in dict.fromkeys(layout.values()):
         roles = [role for role in ROLES if layout[role] == pool]
@@ -912,9 +814,6 @@ def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device:
         pool_device = "cpu" if roles == ["reward"] else device
         pools[pool] = ResourcePool(next(iter(given.values()), [1]), pool_device, cpus_per_device)
     return Placement(kind, pools, dict(layout))
-
-# %% [markdown]
-# The three layouts, the per-role one with an actor pool that spans both nodes:
 
 # %%
 from minirl.controller.names import PLACEMENTS
@@ -929,13 +828,10 @@ for kind in PLACEMENTS:
 #
 # ### 7.1 The roles as the driver sees them
 #
-# Stage 1's `rl_step` takes `roles` (actor, reference, critic), an `engine` and a `sync`. The
-# driver hands it objects with exactly those methods, each forwarding the call to the workers
-# that host the role with a dispatch mode: the algorithm is written once, as if everything
-# ran here, and the proxies decide where it runs. `EngineGroup` hands rollout worker r a copy
-# of the loop's generator as it is after r seed draws, so with one rollout worker the
-# completions are exactly stage 1's; `ActorGroup.model`, the driver's copy of the policy, is
-# fetched from rank 0 whenever the workers have updated since it was read.
+# Stage 1's `rl_step` takes `roles`, an `engine` and a `sync`. The driver hands it objects with
+# those methods, each forwarding the call to the role's workers with a dispatch mode: the
+# algorithm is written once and the proxies decide where it runs. `EngineGroup` gives rollout
+# worker r the loop's generator after r seed draws, so one rollout worker samples as stage 1.
 
 # %%
 # | export minirl/controller/proxies.py
@@ -949,25 +845,14 @@ import ray
 
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, split_by_rank
 from minirl.data import Batch
-from minirl.rollout.base import VersionMismatchError, draw_seed
+from minirl.rollout.base import draw_seed
 from minirl.runtime.role_checkpoints import CheckpointedRole
-
-
-class RemoteWeights:
-    """The actor's named weights, left on its workers (a sync between workers moves them without the
-    driver); iterating fetches rank 0's."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __iter__(self):
-        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
-        return iter(self.group.run("named_weights", rank0)[0])
+from minirl.runtime.sync_ends import RemoteWeights, one_version
 
 
 class ActorGroup(CheckpointedRole):
-    """The actor role on a WorkerGroup, with stage 1's Actor methods (state_dict and load_state_dict
-    for checkpoints: `CheckpointedRole`, minirl/runtime/role_checkpoints.py)."""
+    """The actor role on a WorkerGroup, with stage 1's Actor methods (its checkpoints:
+    `CheckpointedRole`; `RemoteWeights`, a handle on rank 0's weights: runtime/sync_ends.py)."""
 
     role = "actor"
 
@@ -1035,10 +920,7 @@ class EngineGroup:
 
     def confirm(self, versions: list[int]) -> None:
         """The versions the workers report after a sync: all equal, or VersionMismatchError."""
-        if len(set(versions)) != 1:
-            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions "
-                                       f"{versions} after a sync; each must load every push")
-        self.version = versions[0]
+        self.version = one_version(self.group.name, versions)
 
 
 class RemoteReward:
@@ -1057,11 +939,9 @@ class RemoteReward:
 # %% [markdown]
 # ### 7.2 The Driver
 #
-# The Driver builds everything in an order that fails early: check the placement against the
-# config (`minirl/runtime/placement_checks.py`), plan it, and only then reserve devices and
-# start workers (removed again if anything fails after that). It joins the model workers
-# into one torch.distributed world, with a data-parallel group per pool and a sync group of
-# trainer rank 0 and the rollout workers, and puts the policy in Ray's object store once.
+# The Driver checks the placement (`minirl/runtime/placement_checks.py`) and plans it before
+# it reserves devices and starts workers. It joins the model workers in one torch.distributed
+# world (a data-parallel group per pool, a sync group of trainer rank 0 and the rollout workers).
 
 # %%
 # | export minirl/controller/names.py
@@ -1081,15 +961,15 @@ import ray
 
 from minirl.controller.placement import Placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
-from minirl.controller.resource_pool import PlacementError, plan_placement, reserve
 from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
 from minirl.runtime.object_store_sync import ObjectStoreSync
-from minirl.runtime.placement_checks import check_driver_args, check_placement, describe
+from minirl.runtime.placement_checks import check_driver_args, check_placement, plan_or_explain
 from minirl.runtime.ray_calls import gather
 from minirl.runtime.ray_start import cluster_nodes
+from minirl.runtime.reservations import reserve
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
@@ -1115,11 +995,7 @@ class DriverSetup(DriverLifecycle):
         self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
-        try:
-            self.plan = plan_placement(pools, self.nodes)
-        except PlacementError as err:
-            was = describe(placement, self.roles_needed())
-            raise PlacementError(f"{err}; the placement was {was}") from None
+        self.plan = plan_or_explain(pools, self.nodes, placement, self.roles_needed())
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
@@ -1202,12 +1078,10 @@ class Driver(DriverSetup):
         return train_on_driver(self, rows, **options)
 
 # %% [markdown]
-# Bad input fails in the Driver's first checks, before any worker starts or any device is
-# reserved, naming the role, the pool and the numbers:
+# Bad input fails in the Driver's first checks, before any worker starts, naming the role, the
+# pool and the numbers (a pool too large for the cluster fails in the plan, as in §1):
 
 # %%
-from minirl.config import RLConfig
-from minirl.controller.placement import make_placement
 from minirl.runtime.validate import ConfigError
 
 grpo = RLConfig.from_flat(steps=3 if SMOKE else 10, prompts_per_step=8, num_generations=8,
@@ -1216,38 +1090,31 @@ ppo = grpo.replace(algo="ppo", beta=0.04)
 no_critic = make_placement("per-role")
 del no_critic.roles["critic"]
 for label, config, placement in [
-        ("a pool larger than the cluster", grpo.replace(prompts_per_step=9),
-         make_placement("per-role", {"actor": [1, 1, 1]})),
         ("a role with no pool", ppo, no_critic),
         ("a batch that does not split", grpo.replace(prompts_per_step=6),
          make_placement("per-role", {"actor": [2, 2]}))]:
     try:
         Driver(config, placement, model, tokenizer, rewards)
         print(f"{label}: no error?!")
-    except (PlacementError, ConfigError) as err:
+    except ConfigError as err:
         print(f"{label}: {type(err).__name__}: {err}\n")
 print("workers alive after all that:", ray.util.list_named_actors())
 
 # %% [markdown]
-# The source writes the Driver's loop as sync → sample → score → values → advantages →
-# update actor → update critic; `rl_step` runs generate → … → update → sync. It is the same
-# cycle cut one stage later: the weights pushed at the end of step k are what the source's
-# iteration k + 1 starts by synchronizing. Exercise 6.3 re-cuts a run's records into the
-# source's iterations, so a table of stage times reads in the source's order.
+# The source's Driver loop is sync → sample → score → values → advantages → update actor →
+# update critic; `rl_step` runs generate → … → update → sync: the same cycle cut one stage
+# later. Exercise 6.3 re-cuts a run's records into the source's iterations.
 
 # %%
 # | export minirl/controller/driver.py
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
-    records: the records of a run in step order; records without "time/generate" (the
-    step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes
-    the weights of step k + 1, which the source counts as the first stage of its iteration
-    k + 1. So iteration k's "sync" is step k-1's "time/sync" (0.0 for the first iteration:
-    the weights it uses were loaded before the run), and its other stages are step k's
-    "time/<stage>" values. Returns one dict per step whose keys follow SOURCE_ORDER and
-    include only the stages present in the records ("update_critic" only for PPO; "sync"
-    always). The last step's sync starts an iteration that never ran and is left out.
+    Records (in step order) without "time/generate" (the step-0 evaluation) are skipped. Step
+    k ends with the sync the source counts as the start of iteration k + 1: iteration k's
+    "sync" is step k-1's "time/sync" (0.0 for the first), its other stages step k's
+    "time/<stage>". One dict per step, keys in SOURCE_ORDER, only the stages present ("sync"
+    always; "update_critic" only for PPO). The last step's sync is left out.
     """
     # BEGIN SOLUTION
     cycles, previous_sync = [], 0.0
@@ -1266,11 +1133,10 @@ def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
 # %% [markdown]
 # ## 8. Same algorithm, different placement
 #
-# Placement decides where the roles run, never what they compute: one configuration, one
-# seed, in one process (stage 1's `train`) and in three placements, every metric of every
-# step compared. The per-role actor spans **both nodes** (two DDP ranks); the colocated run
-# is PPO with a KL penalty, so all five roles share one worker. On the disaggregated workers
-# we also time the syncs, interleaved.
+# One configuration and seed, in one process (stage 1's `train`) and in three placements, every
+# metric of every step compared. The per-role actor spans **both nodes** (two DDP ranks); the
+# colocated run is PPO with a KL penalty (all five roles on one worker). The disaggregated
+# workers also time the syncs, interleaved.
 
 # %%
 from minirl.controller.weight_sync import CollectiveSync
@@ -1328,9 +1194,8 @@ assert all(max_difference(r["records"], reference[r["config"].algorithm.algo]) <
            for r in runs.values())
 
 # %% [markdown]
-# Every metric agrees with the single-process run (0: bit for bit; the per-role actor's two
-# ranks add their gradients in another order). Start-up is a Python process per worker, each
-# importing torch and building its roles. The syncs, timed on the disaggregated workers:
+# Every metric agrees with stage 1 (0: bit for bit; the per-role actor's two ranks add their
+# gradients in another order); start-up is a Python process per worker. The syncs, timed:
 
 # %%
 print(f"{'sync':>26} | buckets | MiB  | median ms | MiB/s")
@@ -1350,11 +1215,9 @@ for name, result in runs.items():
           f"{'above' if share > 0.05 else 'at or below'} the source's 5 % for a slow sync")
 
 # %% [markdown]
-# **When a worker dies.** The driver learns it at once: the dead worker's pending call fails
-# and `gather` (`minirl/runtime/ray_calls.py`) names its roles, pool and rank. The run stops
-# without a checkpoint of the half-done step, and a new Driver resumes from the last one. Here
-# a reward function kills its own worker on its third call, in step 3 of the GRPO run, now
-# checkpointing every 2 steps; the resumed run must repeat the uninterrupted one.
+# **When a worker dies** its pending call fails and `gather` (`minirl/runtime/ray_calls.py`)
+# names its roles, pool and rank; a new Driver resumes from the last checkpoint. A reward that
+# kills its worker in step 3 (checkpoints every 2 steps); the resumed run repeats the first.
 
 # %%
 import shutil
@@ -1394,17 +1257,14 @@ print(f"resumed vs uninterrupted, max |metric difference|: {gap:.2e} (rule: < 1e
 assert gap < 1e-4, "a resumed run must repeat the uninterrupted one"
 
 # %% [markdown]
-# Both syncs move the same bytes; here a "network" transfer is a copy between processes
-# through the loopback (gloo) or shared memory (the object store). On GPUs NCCL broadcasts
-# over NVLink or InfiniBand while the object store first copies every tensor to host memory,
-# which is why veRL and OpenRLHF sync with NCCL. The tiny policy makes every stage short, so
-# the sync shares say more about copying vs computing at this size than about production.
+# Both syncs move the same bytes, here between processes through the loopback or shared
+# memory. On GPUs NCCL broadcasts over NVLink while the object store first copies every
+# tensor to host memory: why veRL and OpenRLHF sync with NCCL.
 #
 # ## 9. Where the roles ran, and when
 #
-# Role → node → device for each run, then which role was busy when on every worker (drawn by
-# `minirl/runtime/cluster_plots.py`). Colocated, one worker does everything in turn; apart,
-# each worker waits for the others: the idle time asynchronous RL (notebook 07) goes after.
+# Role → node → device for each run, then which role was busy when on every worker. Colocated,
+# one worker does everything in turn; apart, each waits for the others (notebook 07's target).
 
 # %%
 from minirl.runtime.cluster_plots import ROLE_COLORS, last_steps_of, plot_placement, plot_timelines
@@ -1418,16 +1278,10 @@ for name, result in runs.items():
     plt.show()
 
 # %% [markdown]
-# Two rows of the source's claims, checked against what ran:
-#
-# - **Row 1, the loop order**, generate → reward → update → synchronize: the disaggregated
-#   run's first calls, in the order they started on the workers.
-# - **Row 7, the Driver's loop**: every iteration of the colocated PPO run, its workers' calls
-#   ordered by their recorded start (`minirl/runtime/source_rows.py`); the advantages are
-#   computed in the driver right before the actor's update, whose call stands for that stage.
-#
-# Then (next cell) each stage's share of the step, and the stage times re-cut into the
-# source's iterations (exercise 6.3).
+# **Row 1** (generate → reward → update → synchronize): the disaggregated run's first calls,
+# by start. **Row 7** (the Driver's loop): every iteration of the colocated PPO run, its calls
+# by recorded start (`minirl/runtime/source_rows.py`; the actor's update stands for the
+# advantages computed right before it), and the check on a wrong middle order.
 
 # %%
 from minirl.runtime.source_rows import SOURCE_LOOP, driver_order_agrees, recorded_iterations
@@ -1468,11 +1322,10 @@ for k, cycle in enumerate(driver_cycles(runs["colocated"]["records"]), 1):
 # %% [markdown]
 # ## 10. Four orchestration styles, side by side
 #
-# The source's framework table sorts RL systems by how they orchestrate the loop; all four
-# styles run here on the same `rl_step`: **single process** (TRL: stage 1's `train`),
-# **multiple controllers** (NeMo-Aligner: SPMD under `torchrun`, every rank runs the loop on
-# its share and the ranks meet only in DDP's all-reduce), **single controller** (veRL: the
-# disaggregated run) and **single controller with Ray actor isolation** (OpenRLHF: per-role).
+# The source's four orchestration styles, all on the same `rl_step`: **single process** (TRL:
+# stage 1's `train`), **multiple controllers** (NeMo-Aligner: every rank runs the loop under
+# `torchrun`, meeting only in DDP's all-reduce), **single controller** (veRL: disaggregated)
+# and **single controller with Ray actor isolation** (OpenRLHF: per-role).
 
 # %%
 import json
@@ -1539,25 +1392,14 @@ print(f"row 8, the four styles: {verdict} (all ran {STEPS} steps: {all_ran}; mea
       "  the multiple-controller run samples other draws)")
 
 # %% [markdown]
-# The single-process and both single-controller runs draw the same samples and end with the
-# same mean reward; the torchrun ranks sample from seeds of their own (notebook 04). What the
-# styles change is who holds the loop (one process, every rank, or a driver) and how weights
-# and batches move, not the algorithm.
+# The styles change who holds the loop (one process, every rank, or a driver) and how weights
+# and batches move, not the algorithm; the torchrun ranks sample from seeds of their own.
 #
 # ## 11. Beyond one machine
 #
-# On a real cluster only the start changes: start Ray on every machine, then run the driver
-# on any of them.
-#
-# ```
-# ray start --head --port 6379                      # on the head machine; prints its address
-# ray start --address HEAD_IP:6379                  # on every other machine
-# python chapters/06_ray.py --address auto --device cuda --placement disaggregated \
-#     --pools actor=4+4,rollout=4 --model Qwen/Qwen2.5-0.5B --out runs/06-cluster
-# ```
-#
-# With `--device cuda` every model pool reserves one GPU per device and the world uses NCCL;
-# the reward pool stays on CPUs. Every machine needs the same Python environment.
+# Only the start changes: `ray start --head` on one machine, `ray start --address HEAD:6379`
+# on the others, then `python chapters/06_ray.py --address auto --device cuda ...` anywhere:
+# every model pool reserves a GPU per device and the world uses NCCL.
 #
 # ## What to take away
 #
@@ -1569,10 +1411,7 @@ print(f"row 8, the four styles: {verdict} (all ran {STEPS} steps: {all_ran}; mea
 # ## Exercises
 #
 # Your stubs are in `exercises/06_ray_controller.py`; grade them with
-#
-# ```
-# python -m minirl.grade --only 06
-# ```
+# `python -m minirl.grade --only 06`.
 #
 # | exercise | function | what it checks |
 # |---|---|---|

@@ -84,7 +84,8 @@ def test_the_chapters_names_are_the_packages():
     from minirl.runtime import placement_checks
     from minirl.runtime.training_cli import BUILT_IN_REWARDS, REWARD_SPEC_HELP
     from minirl.tasks.rewards import REWARDS, SPEC_HELP
-    assert chapter.PLACEMENTS is PLACEMENTS is placement.PLACEMENTS and chapter.SYNCS is SYNCS is placement_checks.SYNCS
+    assert chapter.PLACEMENTS is PLACEMENTS is placement_checks.PLACEMENTS and placement.LAYOUTS is LAYOUTS
+    assert chapter.SYNCS is SYNCS is placement_checks.SYNCS
     assert PLACEMENTS == tuple(LAYOUTS) == ("colocated", "disaggregated", "per-role")
     assert BUILT_IN_REWARDS == tuple(REWARDS) and REWARD_SPEC_HELP == SPEC_HELP
 

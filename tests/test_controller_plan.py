@@ -8,7 +8,7 @@ import torch
 
 from minirl.config import RLConfig, SamplingConfig
 from minirl.controller.driver import SOURCE_ORDER, driver_cycles
-from minirl.controller.placement import make_placement, needed_roles
+from minirl.controller.placement import make_placement
 from minirl.controller.resource_pool import PlacementError, ResourcePool, plan_placement
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, concat, rank_zero, split_by_rank
 from minirl.data import Rollout
@@ -16,7 +16,7 @@ from minirl.memory.measure import storage_bytes
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.shared_prefix import SharedPrefixEngine
-from minirl.runtime.placement_checks import check_placement, parse_pools
+from minirl.runtime.placement_checks import check_placement, needed_roles, parse_pools
 from minirl.runtime.push_checks import EngineNotReady
 from minirl.runtime.ray_start import connect
 from minirl.runtime.source_rows import source_stage_shares

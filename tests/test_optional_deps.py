@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEEDS_RAY = ("minirl.controller", "minirl.runtime.async_ray",    # Ray actors, through and through, and the
              "minirl.runtime.driver_run", "minirl.runtime.object_store_sync",   # controller's plumbing
              "minirl.runtime.ray_calls", "minirl.runtime.ray_start", "minirl.runtime.role_checkpoints",
-             "minirl.runtime.source_rows")
+             "minirl.runtime.source_rows", "minirl.runtime.reservations")
 
 BLOCKER = '''
 import importlib.abc, sys

@@ -13,15 +13,15 @@ import ray
 
 from minirl.controller.placement import Placement
 from minirl.controller.proxies import ActorGroup, CriticGroup, EngineGroup, ReferenceGroup, RemoteReward
-from minirl.controller.resource_pool import PlacementError, plan_placement, reserve
 from minirl.controller.roles import RoleWorker
 from minirl.controller.weight_sync import CollectiveSync, LocalSync
 from minirl.controller.worker_group import WorkerGroup
 from minirl.runtime.driver_run import DriverLifecycle, stop_if_a_worker_died, train_on_driver
 from minirl.runtime.object_store_sync import ObjectStoreSync
-from minirl.runtime.placement_checks import check_driver_args, check_placement, describe
+from minirl.runtime.placement_checks import check_driver_args, check_placement, plan_or_explain
 from minirl.runtime.ray_calls import gather
 from minirl.runtime.ray_start import cluster_nodes
+from minirl.runtime.reservations import reserve
 from minirl.tasks.rewards import reward_name
 from minirl.train.run import RunState, stage1_step
 from minirl.train.step import Roles
@@ -47,11 +47,7 @@ class DriverSetup(DriverLifecycle):
         self.used = check_placement(placement, config)         # {pool: roles}, before any start
         self.nodes = cluster_nodes()
         pools = {pool: placement.pools[pool] for pool in self.used}
-        try:
-            self.plan = plan_placement(pools, self.nodes)
-        except PlacementError as err:
-            was = describe(placement, self.roles_needed())
-            raise PlacementError(f"{err}; the placement was {was}") from None
+        self.plan = plan_or_explain(pools, self.nodes, placement, self.roles_needed())
         self.groups, self._reserved = {}, []
         try:
             for pool, roles in self.used.items():
@@ -127,14 +123,11 @@ class Driver(DriverSetup):
 def driver_cycles(records: list[dict]) -> list[dict[str, float]]:
     """A run's per-step records re-cut into the source's Driver iterations, seconds in SOURCE_ORDER.
 
-    records: the records of a run in step order; records without "time/generate" (the
-    step-0 evaluation record) are skipped. rl_step's step k ends with the sync that makes
-    the weights of step k + 1, which the source counts as the first stage of its iteration
-    k + 1. So iteration k's "sync" is step k-1's "time/sync" (0.0 for the first iteration:
-    the weights it uses were loaded before the run), and its other stages are step k's
-    "time/<stage>" values. Returns one dict per step whose keys follow SOURCE_ORDER and
-    include only the stages present in the records ("update_critic" only for PPO; "sync"
-    always). The last step's sync starts an iteration that never ran and is left out.
+    Records (in step order) without "time/generate" (the step-0 evaluation) are skipped. Step
+    k ends with the sync the source counts as the start of iteration k + 1: iteration k's
+    "sync" is step k-1's "time/sync" (0.0 for the first), its other stages step k's
+    "time/<stage>". One dict per step, keys in SOURCE_ORDER, only the stages present ("sync"
+    always; "update_critic" only for PPO). The last step's sync is left out.
     """
     cycles, previous_sync = [], 0.0
     for record in records:

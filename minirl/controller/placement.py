@@ -5,14 +5,13 @@ Roles mapped to one pool share its workers; a placement is checked against a run
 before any actor starts (`minirl.runtime.placement_checks`).
 """
 
-__all__ = ["Placement", "needed_roles", "make_placement"]
+__all__ = ["Placement", "make_placement"]
 
 from dataclasses import dataclass
 
-from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES
+from minirl.controller.names import LAYOUTS, ROLES
 from minirl.controller.resource_pool import ResourcePool
 from minirl.runtime.placement_checks import check_sizes
-from minirl.runtime.validate import check_choice
 
 
 @dataclass
@@ -24,23 +23,11 @@ class Placement:
     roles: dict[str, str]
 
 
-def needed_roles(config) -> list[str]:
-    """The roles a run of `config` uses: actor, rollout, reward; a reference if beta > 0; a critic
-    for PPO."""
-    roles = ["actor", "rollout", "reward"]
-    if config.algorithm.beta > 0:
-        roles.append("reference")
-    if config.algorithm.algo == "ppo":
-        roles.append("critic")
-    return roles
-
-
 def make_placement(kind: str, sizes: dict[str, list[int]] | None = None, device: str = "cpu",
                    cpus_per_device: float = 0.25) -> Placement:
     """The `kind` layout; `sizes`: {role: devices per node} (roles sharing a pool: one size)."""
-    check_choice("placement", kind, PLACEMENTS)
+    check_sizes(kind, sizes or {})      # a known layout; roles sharing a pool given one size
     layout, sizes = LAYOUTS[kind], dict(sizes or {})
-    check_sizes(kind, sizes)              # every key a role; roles sharing a pool given one size
     pools = {}
     for pool in dict.fromkeys(layout.values()):
         roles = [role for role in ROLES if layout[role] == pool]

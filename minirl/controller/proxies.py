@@ -3,8 +3,7 @@
 reward function), each call forwarded to the WorkerGroup that hosts the role with a dispatch mode.
 """
 
-__all__ = ["RemoteWeights", "ActorGroup", "ReferenceGroup", "CriticGroup", "EngineGroup",
-           "RemoteReward"]
+__all__ = ["ActorGroup", "ReferenceGroup", "CriticGroup", "EngineGroup", "RemoteReward"]
 
 import copy
 
@@ -12,25 +11,14 @@ import ray
 
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, split_by_rank
 from minirl.data import Batch
-from minirl.rollout.base import VersionMismatchError, draw_seed
+from minirl.rollout.base import draw_seed
 from minirl.runtime.role_checkpoints import CheckpointedRole
-
-
-class RemoteWeights:
-    """The actor's named weights, left on its workers (a sync between workers moves them without the
-    driver); iterating fetches rank 0's."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __iter__(self):
-        rank0 = [("actor",)] + [None] * (len(self.group) - 1)
-        return iter(self.group.run("named_weights", rank0)[0])
+from minirl.runtime.sync_ends import RemoteWeights, one_version
 
 
 class ActorGroup(CheckpointedRole):
-    """The actor role on a WorkerGroup, with stage 1's Actor methods (state_dict and load_state_dict
-    for checkpoints: `CheckpointedRole`, minirl/runtime/role_checkpoints.py)."""
+    """The actor role on a WorkerGroup, with stage 1's Actor methods (its checkpoints:
+    `CheckpointedRole`; `RemoteWeights`, a handle on rank 0's weights: runtime/sync_ends.py)."""
 
     role = "actor"
 
@@ -97,10 +85,7 @@ class EngineGroup:
 
     def confirm(self, versions: list[int]) -> None:
         """The versions the workers report after a sync: all equal, or VersionMismatchError."""
-        if len(set(versions)) != 1:
-            raise VersionMismatchError(f"rollout workers of {self.group.name} hold versions "
-                                       f"{versions} after a sync; each must load every push")
-        self.version = versions[0]
+        self.version = one_version(self.group.name, versions)
 
 
 class RemoteReward:

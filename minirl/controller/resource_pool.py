@@ -3,13 +3,10 @@
 
 Simplified vs veRL's `RayResourcePool`: veRL lets Ray choose each placement group's node; we
 choose it (first fit over the nodes' total resources) and pin the group there, so the plan we
-print is the placement that happens. Starting Ray: `minirl.runtime.ray_start`.
+print is the placement that happens. Reserving it in Ray: `minirl.runtime.reservations`.
 """
 
-__all__ = ["PlacementError", "ResourcePool", "plan_placement", "reserve", "release"]
-
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+__all__ = ["PlacementError", "ResourcePool", "plan_placement"]
 
 from minirl.runtime.placement_checks import check_pool
 
@@ -79,31 +76,3 @@ def plan_placement(pools: dict[str, ResourcePool], nodes: list[dict]) -> dict[st
             used.append(node)
         plan[name] = used
     return plan
-
-
-def reserve(name: str, pool: ResourcePool, node_ids: list[str],
-            timeout: float = 60.0) -> list[PlacementGroup]:
-    """One placement group per entry of `pool`, pinned to node_ids[entry], one bundle per device.
-
-    Waits until Ray holds them all; otherwise removes what it made and raises PlacementError.
-    """
-    groups = []
-    try:
-        for count, node_id in zip(pool.devices_per_node, node_ids, strict=True):
-            pinned = [{"ray.io/node-id": node_id}] * count
-            groups.append(placement_group([pool.bundle()] * count, strategy="STRICT_PACK",
-                                          bundle_label_selector=pinned))
-        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
-        if len(ready) < len(groups):
-            raise PlacementError(f"pool {name!r}: Ray did not grant its {pool.size} device(s) "
-                                 f"({_fmt(pool.bundle())} each) within {timeout:g} s; another job "
-                                 "may hold them (`ray status` shows what is in use)")
-    except BaseException:
-        release(groups)
-        raise
-    return groups
-
-
-def release(groups: list[PlacementGroup]) -> None:
-    for group in groups:
-        remove_placement_group(group)

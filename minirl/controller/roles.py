@@ -27,8 +27,7 @@ from minirl.runtime.object_store_sync import ObjectStoreEnds
 from minirl.runtime.ray_calls import moved
 from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
-from minirl.sync.base import InProcessSync
-from minirl.sync.broadcast import recv_buckets, send_buckets, tensor_metadata
+from minirl.runtime.sync_ends import SyncEnds
 
 
 class RewardRole:
@@ -64,10 +63,11 @@ def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
     raise ValueError(f"role {name!r}: the roles are {', '.join(ROLES)}")
 
 
-class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
+class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
     """A worker that hosts roles of the RL loop; roles on one worker share its process and device.
 
-    From minirl/runtime/: the object store's sync ends (`put_weights`, `receive`) and `restore`."""
+    From minirl/runtime/: the ends of the syncs (object_store_sync.py: `put_weights`, `receive`;
+    sync_ends.py: `send_weights`, `recv_weights`, `local_sync`) and `restore`."""
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
@@ -94,26 +94,3 @@ class RoleWorker(Worker, ObjectStoreEnds, RestoringWorker):
         """The role's weights by name, on the CPU (what the driver's copy and a checkpoint hold)."""
         with self.record(f"{role}.named_weights"):
             return [(name, t.detach().cpu()) for name, t in self.roles[role].named_weights()]
-
-    def weight_metadata(self) -> list:
-        return tensor_metadata(self.roles["actor"].named_weights())
-
-    def send_weights(self, buckets, src: int) -> int:
-        """Trainer rank 0: broadcast the actor's weights, bucket by bucket, to the sync group."""
-        with self.record("sync.send"):
-            named = dict(self.roles["actor"].named_weights())
-            return send_buckets(named, buckets, src, self.groups["sync"])
-
-    def recv_weights(self, buckets, src: int, version: int) -> int:
-        """A rollout worker: receive the broadcast, load it into the engine; the engine's version."""
-        with self.record("sync.recv"):
-            device = "cuda" if self.device == "gpu" else "cpu"
-            named = recv_buckets(buckets, src, self.groups["sync"], device)
-            self.roles["rollout"].load_weights(named, version)
-            return self.roles["rollout"].version
-
-    def local_sync(self, version: int):
-        """Colocated: copy this worker's actor weights into its own engine (stage 1's InProcessSync)."""
-        with self.record("sync.local"):
-            named = self.roles["actor"].named_weights()
-            return InProcessSync().push(named, self.roles["rollout"], version)

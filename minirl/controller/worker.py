@@ -18,10 +18,8 @@ from minirl.runtime.ray_calls import WorkerInfo
 
 
 class Worker(WorkerInfo):
-    """Base of every worker process: its place in its group, the world it joined, its timeline.
-
-    From `WorkerInfo` (minirl/runtime/ray_calls.py): `where()` and `free_address()` (a free port,
-    where world rank 0 meets the others)."""
+    """Base of every worker process: its place in its group, the world it joined, its timeline
+    (`where()` and `free_address()`, where rank 0 meets the others: runtime/ray_calls.py)."""
 
     def __init__(self, group: str, rank: int, size: int, device: str = "cpu", threads: int = 1):
         self.group, self.rank, self.size, self.device = group, rank, size, device

@@ -23,10 +23,10 @@ from contextlib import contextmanager
 
 import torch
 
-from minirl.controller.resource_pool import release
 from minirl.runtime.callbacks import run_in_dir
 from minirl.runtime.model_loading import check_prompts
 from minirl.runtime.ray_calls import WorkerDiedError
+from minirl.runtime.reservations import release
 from minirl.train.run import RunState
 
 

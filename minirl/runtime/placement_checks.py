@@ -3,6 +3,8 @@
 Hand-written (validation and CLI parsing; notebook 06 teaches the placements themselves, in
 `minirl.controller.placement`):
 
+- `needed_roles(config)`: the roles a run uses (actor, rollout, reward; a reference with a KL
+  penalty, a critic for PPO).
 - `check_placement(placement, config)` runs before any Ray actor starts (the Driver's first
   step, and chapters/06_ray.py's flag checks): every role the algorithm needs (`needed_roles`:
   a reference only with a KL penalty, a critic only for PPO) has a pool, and the batch splits
@@ -10,16 +12,17 @@ Hand-written (validation and CLI parsing; notebook 06 teaches the placements the
   (`SPLIT_ROLES`). It returns {pool: the roles it hosts}; errors name the role, the pool and
   the numbers.
 - `check_pool(devices_per_node, device, cpus_per_device)` (a `ResourcePool`'s arguments),
-  `check_sizes(kind, sizes)` (the sizes `make_placement` gives the pools) and
+  `check_sizes(kind, sizes)` (a layout `make_placement` knows, and the sizes it gives the pools) and
   `check_driver_args(sync, reward_funcs, reward_weights)` (the Driver's own arguments) refuse
   bad values with a `ConfigError` or `ValueError` naming the setting.
 - `describe(placement, needed)`: one line naming each pool, its devices and its roles (for
-  messages and the chapter's first line).
+  messages and the chapter's first line); `plan_or_explain` is the Driver's
+  `plan_placement` whose PlacementError also names the placement that way.
 - `parse_pools("actor=2,rollout=1+1")` -> {"actor": [2], "rollout": [1, 1]}: the devices on
   each node of each role's pool, as chapters/06_ray.py's --pools flag gives them.
 """
 
-from minirl.controller.names import LAYOUTS, ROLES, SYNCS
+from minirl.controller.names import LAYOUTS, PLACEMENTS, ROLES, SYNCS
 from minirl.runtime.validate import ConfigError, check_choice, check_float
 
 DEVICES = ("cpu", "gpu")
@@ -37,8 +40,19 @@ def check_pool(devices_per_node, device: str, cpus_per_device: float) -> None:
     check_float("cpus_per_device", cpus_per_device, low=0.0, low_open=True)
 
 
+def needed_roles(config) -> list[str]:
+    """The roles a run of `config` uses: actor, rollout, reward; a reference if beta > 0; a critic for PPO."""
+    roles = ["actor", "rollout", "reward"]
+    if config.algorithm.beta > 0:
+        roles.append("reference")
+    if config.algorithm.algo == "ppo":
+        roles.append("critic")
+    return roles
+
+
 def check_sizes(kind: str, sizes: dict[str, list[int]]) -> None:
-    """The --pools sizes of a `kind` layout: every key a role; roles that share a pool given one size."""
+    """A layout of PLACEMENTS and its --pools sizes: every key a role; roles that share a pool given one size."""
+    check_choice("placement", kind, PLACEMENTS)
     unknown = sorted(set(sizes) - set(ROLES))
     if unknown:
         raise ConfigError("pools", unknown[0], f"not a role; the roles are {', '.join(ROLES)}")
@@ -67,10 +81,18 @@ def describe(placement, needed=ROLES) -> str:
         for pool in pools if pool in placement.pools)
 
 
+def plan_or_explain(pools: dict, nodes: list[dict], placement, needed) -> dict[str, list[int]]:
+    """`plan_placement(pools, nodes)`; its PlacementError also names the placement (`describe`)."""
+    from minirl.controller.resource_pool import PlacementError, plan_placement  # noqa: PLC0415 (it imports us)
+    try:
+        return plan_placement(pools, nodes)
+    except PlacementError as err:
+        raise PlacementError(f"{err}; the placement was {describe(placement, needed)}") from None
+
+
 def check_placement(placement, config) -> dict[str, list[str]]:
     """{pool name: the roles it hosts} for the roles `config` needs; raises ConfigError first if a role
     has no pool, or if the batch does not split across a pool's ranks."""
-    from minirl.controller.placement import needed_roles  # noqa: PLC0415 (placement imports this module)
     needed = needed_roles(config)
     for role in needed:
         pool = placement.roles.get(role)
