@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     seed_everything(config.run.seed)
     try:
         model, tokenizer = load_policy(args.model, config.run.device, dtype=config.policy_dtype,
+                                       dropout=not config.run.disable_dropout,
                                        progress=progress)
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)

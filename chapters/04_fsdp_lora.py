@@ -400,7 +400,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
 
     out, main_rank = args.out, ctx.is_main
     seed_everything(config.run.seed)
-    load = lambda: load_policy(args.model, config.run.device, progress=progress)     # noqa: E731
+    load = lambda: load_policy(args.model, config.run.device, progress=progress,     # noqa: E731
+                               dropout=not config.run.disable_dropout)
     loaded = agree("loading the policy", load if main_rank else lambda: None)  # rank 0 first: it builds the cache
     loaded = agree("loading the policy", (lambda: loaded) if main_rank else load)
     model, tokenizer = loaded

@@ -198,7 +198,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     max_new_tokens = task.max_new_tokens or config.sampling.max_completion_length
     try:
-        model, tokenizer = load_policy(args.model, "cpu", progress=False)     # the driver's copy stays on the CPU
+        model, tokenizer = load_policy(args.model, "cpu", progress=False,     # the driver's copy stays on the CPU
+                                       dropout=not config.run.disable_dropout)
         check_task_prompts(task, tokenizer, model, config, args)
         with Driver(config, placement, model, tokenizer, task.reward_funcs, reward_weights=task.reward_weights,
                     sync=args.sync, threads=args.threads, bucket_bytes=int(args.bucket_mb * 2**20)) as driver:

@@ -203,7 +203,8 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
     seed_everything(config.run.seed)
     out, again = Path(args.out), resume_command(args.out)
     try:
-        model, tokenizer = load_policy(args.model, config.run.device, progress=False)
+        model, tokenizer = load_policy(args.model, config.run.device, progress=False,
+                                       dropout=not config.run.disable_dropout)
     except ModelSourceError as err:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2

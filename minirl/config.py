@@ -150,6 +150,7 @@ class RunConfig:
     device: str = "cpu"                # cpu, cuda, cuda:1, ...
     dtype: str = "auto"                # the trained weights' precision; auto: float32 (bfloat16: pure bf16, lossy)
     mixed_precision: str = "auto"      # autocast of each step (accelerate's); auto: bf16 on CUDA, no on the CPU
+    disable_dropout: bool = True       # TRL's: dropout off during RL (the packed update's shared prompt pass needs it)
 
     choices = {"dtype": ("auto", *POLICY_DTYPES), "mixed_precision": MIXED_PRECISIONS}
 

@@ -99,6 +99,8 @@ def test_mixed_precision_keeps_every_update_that_pure_bf16_loses(tmp_path):
     for proc in ran:
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((mixed / "run.json").read_text())["config"]["run"]["mixed_precision"] == "bf16"
+    summary = json.loads((mixed / "summary.json").read_text())
+    assert summary["mixed_precision"] == "bf16" and summary["settings"]["disable_dropout"] is True
     assert "warning: --dtype bfloat16 trains bfloat16 weights" in ran[1].stderr
     assert "warning" not in ran[0].stderr
     kept, lost = _changed_share(mixed, torch.float32), _changed_share(pure, torch.bfloat16)

@@ -260,3 +260,30 @@ def test_a_non_finite_micro_batch_skips_the_step_and_keeps_the_weights(make_tiny
     assert all(torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
     assert all(p.grad is None for p in actor.model.parameters()), "no gradient left behind"
     assert actor.update(experience(ro))["skipped"] == 0
+
+
+def test_with_dropout_disabled_a_dropout_model_packs_as_it_pads(make_tiny_policy, tiny):
+    """Issue 30 item 3: a model with dropout breaks the packed update's shared prompt pass (each micro-batch would
+    draw other masks than the padded pass); disable_dropout (TRL's setting, on by default) makes them equal."""
+    from minirl.runtime.model_loading import disable_dropout
+
+    _, tok = tiny
+    exp = experience(long_tail_rollout(tok))
+    results = {}
+    for disabled in (False, True):
+        padded_actor, packed_actor = (actor_for(make_tiny_policy, b) for b in (0, 8))
+        for actor in (padded_actor, packed_actor):
+            actor.model.config.attention_dropout = 0.3
+            for module in actor.model.modules():
+                if hasattr(module, "attention_dropout"):
+                    module.attention_dropout = 0.3
+            if disabled:
+                assert disable_dropout(actor.model) > 0
+        torch.manual_seed(0)
+        _, want = gradients(padded_actor, exp)
+        torch.manual_seed(0)
+        _, got = gradients(packed_actor, exp)
+        scale = max(g.abs().max().item() for g in want.values())
+        results[disabled] = max((want[n] - got[n]).abs().max().item() for n in want) / scale
+    assert results[True] < 1e-5, f"dropout off: packed and padded differ by {results[True]:.1e}"
+    assert results[False] > 1e-3, f"dropout on: they should differ (by {results[False]:.1e}): the test can fail"

@@ -69,11 +69,36 @@ def resolve_dtype(dtype):
     raise ValueError(f"dtype={dtype!r}: use a torch.dtype or its name, e.g. 'float32' or 'bfloat16'")
 
 
-def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progress: bool = True):
+DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                      "activation_dropout", "classifier_dropout")
+
+
+def disable_dropout(model) -> int:
+    """TRL's `disable_dropout` (on by default here): every nn.Dropout's p, and every dropout rate a module or the
+    config keeps as a float (Qwen2's attention reads `attention_dropout` itself), set to 0. Returns how many were
+    not 0. The packed update computes each group's prompt once for all its completions (PromptCache), which is
+    the same pass only when the forward has no dropout; and RL's old and new log-probs must come from one model."""
+    import torch  # noqa: PLC0415
+
+    changed = 0
+    for holder in (*model.modules(), getattr(model, "config", None)):
+        if isinstance(holder, torch.nn.Dropout) and holder.p:
+            holder.p, changed = 0.0, changed + 1
+        for name in DROPOUT_ATTRIBUTES:
+            value = getattr(holder, name, None)
+            if isinstance(value, float) and value:
+                setattr(holder, name, 0.0)
+                changed += 1
+    return changed
+
+
+def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progress: bool = True,
+                dropout: bool = False):
     """(model, tokenizer) ready for the loop: the embedded policy (None), a local directory or a hub id.
 
     dtype: None keeps the checkpoint's (float32 for the embedded policy), else a torch.dtype or
-    its name. The model is in eval mode on `device`; the tokenizer pads on the left and, when it
+    its name. dropout: keep the model's dropout (default off: `disable_dropout`, TRL's setting).
+    The model is in eval mode on `device`; the tokenizer pads on the left and, when it
     has no pad token, with its EOS token (as TRL does). Raises ModelSourceError for a name that
     is no model (see `check_model_source`), a hub id that is neither cached nor downloadable
     (offline), or a tokenizer with neither a pad nor an EOS token.
@@ -113,6 +138,8 @@ def load_policy(name_or_path: str | None = None, device="cpu", dtype=None, progr
                                "(model.resize_token_embeddings(len(tokenizer))) or use the matching tokenizer")
     if dtype is not None:
         model = model.to(dtype)
+    if not dropout:
+        disable_dropout(model)
     return model.to(device).eval(), tokenizer
 
 

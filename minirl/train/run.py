@@ -27,6 +27,7 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.registry import build_engine
 from minirl.runtime.inputs import run_inputs
+from minirl.runtime.model_loading import disable_dropout
 from minirl.sync.base import InProcessSync
 from minirl.tasks.task import Task
 from minirl.train.step import Roles, rl_step, sample_prompts
@@ -37,6 +38,8 @@ def build_roles(config: RLConfig, model) -> Roles:
     config.policy_dtype (a no-op for the float32 policy on a CPU)."""
     dtype = getattr(torch, config.policy_dtype)
     model.to(device=config.run.device, dtype=dtype).eval()
+    if config.run.disable_dropout:
+        disable_dropout(model)
     reference = Reference(model, config.sampling.temperature) if config.algorithm.beta > 0 else None
     critic = None
     if config.algorithm.algo == "ppo":
