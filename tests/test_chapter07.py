@@ -326,7 +326,7 @@ def test_exit_with_a_thread_still_in_torch_never_aborts(how):
 def test_a_full_disk_is_one_line_and_promotes_nothing(tmp_path, capsys, tiny_model_dir, monkeypatch):
     import errno
 
-    import minirl.train.run as run_module
+    import minirl.runtime.callbacks as run_module  # where LocalCheckpoints calls save_checkpoint
 
     def full(root, state, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(root) / ".tmp-step-000002-x"))

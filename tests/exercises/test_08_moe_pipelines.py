@@ -8,6 +8,7 @@ must fail are in tests/exercises/wrong/ex8_*.py.
 import pytest
 import torch
 
+from minirl.runtime.moe_checks import PackingError
 from minirl.runtime.pipeline_sim import simulate
 from minirl.runtime.pipeline_types import FORWARD, Costs
 
@@ -176,7 +177,7 @@ def check_best_fit_valid(ex):
         assert sorted(i for b in plan for i in b) == list(range(len(lengths))), "every sequence exactly once"
         assert all(sum(lengths[i] for i in b) <= budget for b in plan), "no bin above the budget"
         assert len(plan) <= len([b for b in _next_fit(lengths, budget)]), "never worse than arrival order"
-    with pytest.raises(ex.PackingError):          # the implementation's own error type (a ValueError)
+    with pytest.raises(PackingError):             # the package's own error (a ValueError), via check_lengths
         ex.best_fit_decreasing([3, 11], 10)
 
 
