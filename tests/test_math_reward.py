@@ -17,7 +17,7 @@ from minirl.runtime import latex_math
 from minirl.runtime.math_answer import final_answer, math_reward
 from minirl.runtime.task_files import load_task
 from minirl.runtime.validate import ConfigError
-from minirl.tasks.rewards import resolve_reward
+from minirl.tasks.rewards import RewardError, resolve_reward
 from minirl.train.step import score
 
 GSM8K = "Ava buys 3 * 4 = <<3*4=12>>12 pencils.\nShe has 50 + 12 = <<50+12=62>>62 pencils now.\n#### 62"
@@ -212,7 +212,7 @@ def _rollout(rows, completions):
 def test_the_step_stops_on_it_with_one_line_or_scores_it_zero():
     """The step's reward machinery (train/step.py's score): raise -> one line naming the row; zero -> 0, counted."""
     rollout = _rollout(ROWS, ["#### 7", "#### 70", "\\boxed{0.75}"])
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(RewardError) as err:
         score([math_reward], rollout, ROWS, "raise")
     assert "\n" not in str(err.value) and "'Ava reads 10 pages a day" in str(err.value)
     assert "reward_errors='zero'" in str(err.value)
