@@ -42,6 +42,7 @@ import time
 # Only modules that load neither torch nor transformers: the flags are checked first (the heavy
 # imports are inside the functions that need them).
 from minirl.config import RLConfig
+from minirl.runtime.accelerate_launch import accelerate_mixed_precision, refuse_several_processes
 from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.io import write_summary
 from minirl.runtime.progress import bars_wanted
@@ -82,6 +83,8 @@ def parse_args(argv=None):
     add_schedule_flags(parser)
     add_report_flag(parser)
     args = parser.parse_args(argv)
+    refuse_several_processes(parser)                 # torchrun or accelerate launch with N > 1: chapter 04's
+    accelerate_mixed_precision(parser, args)         # accelerate launch --mixed_precision, when ours is auto
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
             if getattr(args, dest) is not None:

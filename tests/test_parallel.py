@@ -602,3 +602,40 @@ def test_export_loads_and_resume_on_another_world_size_is_refused(group, make_ti
     torch.save(training | {"world_size": 4}, path / "training_state.pt")
     with pytest.raises(ConfigError, match=r"written by 4 ranks; resume with torchrun --nproc_per_node 4"):
         load_sharded(path, state)
+
+
+def test_a_lora_export_saves_the_peft_adapter_beside_the_merged_model(group, make_tiny_policy, tmp_path):
+    """Issue 31: final/adapter/ is what peft saves (adapter_config.json, adapter_model.safetensors); peft loads it on
+    the base model, and its merged outputs are the merged export's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from minirl.parallel.launch import DistContext
+    from minirl.parallel.spmd import setup_spmd
+    from minirl.runtime.policy_export import adapter_path, export_policy
+    from minirl.tasks.arithmetic import make_task
+
+    model, tok = make_tiny_policy(seed=12, num_layers=1)
+    zero = [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    state = setup_spmd(RLConfig.from_flat(num_generations=2), ParallelConfig(zero=3, lora_rank=4, lora_alpha=16),
+                       model, tok, make_task().rows("train"), zero, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    torch.manual_seed(0)
+    with torch.no_grad():                            # a trained adapter: B is zero until the first update
+        for name, p in state.roles.actor.module.named_parameters():
+            if "lora_B" in name:
+                p.to_local().normal_(0.0, 0.1)      # FSDP2: a DTensor; one rank holds it whole
+    final = export_policy(state.roles.actor, state.sync.lora_scaling, tok, tmp_path / "final", state.ctx)
+    adapter = adapter_path(final, 4)
+    assert adapter == final / "adapter" and adapter_path(final, 0) is None
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    base, _ = make_tiny_policy(seed=12, num_layers=1)
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    assert peft_model.peft_config["default"].r == 4 and peft_model.peft_config["default"].lora_alpha == 16
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.tensor([tok.encode("12+7=")])
+    with torch.no_grad():
+        adapted, exported = peft_model(ids).logits, merged(ids).logits
+        plain, _ = make_tiny_policy(seed=12, num_layers=1)
+        assert not torch.allclose(exported, plain.eval()(ids).logits, atol=1e-4), "the adapter changed the outputs"
+        torch.testing.assert_close(adapted, exported, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(peft_model.merge_and_unload()(ids).logits, exported, atol=1e-5, rtol=1e-4)
