@@ -310,3 +310,10 @@ def test_relaunch_command_repeats_the_world(monkeypatch):
         "torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --out 'runs/my run' --resume"
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert relaunch_command("x.py", ["--resume"]).startswith("torchrun --nnodes 2 --nproc_per_node 8 x.py")
+
+
+def test_a_rank_is_named_before_the_ranks_have_swapped_their_pids():
+    """A rank that fails before `rank_processes()` knows only its own (host, pid): others are named by rank."""
+    from minirl.runtime.stops import _names
+
+    assert _names([0, 1], [("host", 5)]) == "rank 0 (pid 5 on host), rank 1"

@@ -202,7 +202,9 @@ class Stop:
 
 
 def _names(ranks: list[int], processes: list[tuple[str, int]]) -> str:
-    return ", ".join(f"rank {r} (pid {processes[r][1]} on {processes[r][0]})" for r in ranks)
+    """'rank R (pid P on HOST)' for each rank; 'rank R' alone before `rank_processes()` has run."""
+    return ", ".join(f"rank {r} (pid {processes[r][1]} on {processes[r][0]})" if r < len(processes)
+                     else f"rank {r}" for r in ranks)
 
 
 def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[str, int]], rank: int, out,
