@@ -1488,8 +1488,10 @@ from minirl.runtime.run_answers import before_after, print_before_after  # noqa:
 from minirl.runtime.smollm2 import build_checkpoint  # noqa: E402
 
 build_checkpoint()   # finds the converted checkpoint, or converts it once (about a minute)
-short = ["--steps", "1", "--eval-every", "1", "--prompts-per-step", "2"] if SMOKE else []
-real_metrics = run_chapter(RUNS / "01_smollm2", "--config", ROOT / "configs" / "smollm2.yaml", *short)
+short = ["--steps", "1", "--eval-every", "1", "--prompts-per-step", "1"] if SMOKE else []
+data = ROOT / "data" / "arithmetic_chat"   # the config's paths are the repository's, this kernel's are notebooks/
+real_metrics = run_chapter(RUNS / "01_smollm2", "--config", ROOT / "configs" / "smollm2.yaml",
+                           "--dataset", data / "train.jsonl", "--eval-dataset", data / "test.jsonl", *short)
 real = json.loads((RUNS / "01_smollm2" / "summary.json").read_text())
 print(f"held-out greedy accuracy {real['accuracy_before']:.3f} -> {real['accuracy_after']:.3f} "
       f"({100 * (real['accuracy_after'] - real['accuracy_before']):+.1f} points), {real['steps']} steps in "
@@ -1500,9 +1502,11 @@ plt.show()
 print_before_after(before_after(RUNS / "01_smollm2", n=6))
 
 # %% [markdown]
-# What to notice: the model knew most of these facts before training; what it learns is to
-# answer first. Untrained, it starts to explain ("To find ...") and runs out of tokens before the
-# number; a few steps of GRPO reward the completions that reach it, and the greedy answers follow.
+# What to notice: the untrained model starts to explain ("To solve this problem, we need to ...") and
+# runs out of tokens before the number; GRPO rewards the samples that reach it, and within a few
+# steps the greedy answers lead with it (held-out accuracy from about 0.04 to about 0.75 in full
+# mode). What it learned is the format, not arithmetic: its remaining errors are wrong facts in the
+# right form ("14 - 8 = 7").
 
 # %% [markdown]
 # ## Exercises
