@@ -138,6 +138,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 06, second cut: Ray reservations, a worker's ends of the syncs
                 "minirl/runtime/reservations.py", "minirl/runtime/sync_ends.py",
                 "minirl/runtime/accelerate_launch.py",  # branch peft: accelerate launch for chapters 01 and 04
+                "minirl/runtime/run_answers.py",  # branch nb01real: notebook 01 §11, a real model's answers
                 )
 
 MODULE_PREFIX = "# Generated from notebooks/"
