@@ -40,7 +40,6 @@ the ranks' status (130 for Ctrl-C).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
@@ -142,7 +141,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_rl_flags(parser, DEFAULTS, skip=("mixed_precision",))   # stage 4's is FSDP2's (ParallelConfig)
+    add_rl_flags(parser, DEFAULTS)
     add_schedule_flags(parser)
     add_report_flag(parser)
     add_config_flags(parser, ParallelConfig())
@@ -159,7 +158,7 @@ def parse_args(argv=None):
                 raise ConfigError("kill_rank", args.kill_rank, "write it as RANK:STEP, e.g. 1:3")
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    config = config_from_args(parser, argparse.Namespace(**{**vars(args), "mixed_precision": "no"}), DEFAULTS)
+    config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
@@ -424,7 +423,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
                   "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},
-        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
+        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree,
+        autocast=pconfig.zero < 2)    # --mixed-precision: DDP steps autocast; FSDP2 casts by its MixedPrecisionPolicy
     seconds = time.perf_counter() - started
     export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
     rows_table = sync_table(state, metrics)
@@ -432,6 +432,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     def write_results() -> dict:                         # rank 0; a full disk stops every rank with its file named
         summary = summarize(metrics, state, pconfig, rows_table, seconds)
         summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
+                    "mixed_precision": config.resolved_mixed_precision,
                     "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
                     "config": dataclasses.asdict(config), "settings": settings,
                     "config_file": None if args.config is None else str(args.config)}

@@ -119,9 +119,6 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
-    if config.run.mixed_precision in ("bf16", "fp16"):
-        parser.error(f"argument --mixed-precision: {config.run.mixed_precision!r}: chapter 06's Ray workers train "
-                     "without autocast (float32 weights and products); use no, or chapter 01, 04 or 07")
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch or Ray loads
     check_run_flags(parser, args)
@@ -267,6 +264,7 @@ def main(argv=None) -> int:
         "steps": metrics[-1]["step"] if metrics else 0, "seconds": seconds,
         "seconds_training": sum(m.get("time/step", 0.0) for m in steps),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
+        "mixed_precision": config.resolved_mixed_precision,
         "metrics": str(out / "metrics.jsonl"), "timeline": str(out / "timeline.png"),
         "placement_plot": str(out / "placement.png"), "task": task_summary(task, args),
         "config": dataclasses.asdict(config), "settings": settings,
