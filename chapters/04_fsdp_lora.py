@@ -23,8 +23,10 @@ OUT/checkpoints/step-N/ (sharded, torch.distributed.checkpoint), OUT/final/ (the
 Hugging Face format) and OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one
 per rank), sync_seconds, sync_bytes, sync_share (0-1: the sync's seconds over the steps'),
 staleness, steps, the stage split, the sync table (full / merged / adapter, per tensor and
-packed), the memory freed by colocation, the task and every setting (`settings`, after
---config and the flags). Every setting of RLConfig and ParallelConfig is a flag.
+packed), the memory freed by colocation, mixed_precision (--mixed-precision resolved: FSDP2's
+MixedPrecisionPolicy at --zero 2/3, autocast at 0/1, float32 weights either way), the task and
+every setting (`settings`, after --config and the flags). Every setting of RLConfig and
+ParallelConfig is a flag.
 
 The task flags are chapter 01's: --dataset (a `prompt` column, text or chat messages rendered by
 the model's chat template; the other columns go to the rewards), --eval-dataset, --reward

@@ -16,7 +16,8 @@ OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OU
 steps this process ran, every worker's calls as [what, start, end] in wall-clock seconds; notebook 09 reads it),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
-step), sync_bytes, placement (role -> list of node/device), steps and seconds, the task
+step), sync_bytes, placement (role -> list of node/device), steps and seconds, mixed_precision
+(--mixed-precision resolved: the workers run each call under its autocast, float32 weights), the task
 and every setting (`settings`, after --config and the flags). Prints the stage shares after
 every step. Without --address a local Ray cluster starts inside the run (tried a few times,
 with Ray's start-up waits raised, on a busy machine) and stops at its end. A cluster started by
