@@ -26,8 +26,9 @@ Hugging Face format; with LoRA also peft's adapter, OUT/final/adapter/, `final_a
 OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one per rank), sync_seconds,
 sync_bytes, sync_share (0-1: the sync's seconds over the steps'), staleness, steps, the stage
 split, the sync table (full / merged / adapter, per tensor and packed), the memory freed by
-colocation, the task and every setting (`settings`, after --config and the flags). Every
-setting of RLConfig and ParallelConfig is a flag.
+colocation, mixed_precision (--mixed-precision resolved: FSDP2's MixedPrecisionPolicy at
+--zero 2/3, autocast at 0/1, float32 weights either way), the task and every setting
+(`settings`, after --config and the flags). Every setting of RLConfig and ParallelConfig is a flag.
 
 The task flags are chapter 01's: --dataset (a `prompt` column, text or chat messages rendered by
 the model's chat template; the other columns go to the rewards), --eval-dataset, --reward
@@ -43,7 +44,6 @@ the ranks' status (130 for Ctrl-C).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
@@ -146,7 +146,7 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_rl_flags(parser, DEFAULTS, skip=("mixed_precision",))   # stage 4's is FSDP2's (ParallelConfig)
+    add_rl_flags(parser, DEFAULTS)
     add_schedule_flags(parser)
     add_report_flag(parser)
     add_config_flags(parser, ParallelConfig())
@@ -165,7 +165,7 @@ def parse_args(argv=None):
                 raise ConfigError("kill_rank", args.kill_rank, "write it as RANK:STEP, e.g. 1:3")
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    config = config_from_args(parser, argparse.Namespace(**{**vars(args), "mixed_precision": "no"}), DEFAULTS)
+    config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
@@ -430,7 +430,8 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
                   "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},
-        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
+        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree,
+        autocast=pconfig.zero < 2)    # --mixed-precision: DDP steps autocast; FSDP2 casts by its MixedPrecisionPolicy
     seconds = time.perf_counter() - started
     export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
     rows_table = sync_table(state, metrics)
@@ -440,6 +441,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         adapter = adapter_path(out / "final", pconfig.lora_rank)     # LoRA: peft's adapter beside the merged model
         summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
                     "final_adapter": None if adapter is None else str(adapter),
+                    "mixed_precision": config.resolved_mixed_precision,
                     "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
                     "config": dataclasses.asdict(config), "settings": settings,
                     "config_file": None if args.config is None else str(args.config)}

@@ -504,6 +504,7 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.callbacks import autocast_context
 from minirl.runtime.object_store_sync import ObjectStoreEnds
 from minirl.runtime.ray_calls import moved
 from minirl.runtime.role_checkpoints import RestoringWorker
@@ -553,7 +554,7 @@ class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
-        self.torch_device = torch.device(config.run.device)
+        self.torch_device, self.config = torch.device(config.run.device), config
         model = copy.deepcopy(model).to(self.torch_device).eval()
         ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # model pools
         group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
@@ -567,8 +568,8 @@ class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
 
     def call(self, role: str, method: str, *args, **kwargs):
         """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"
-        (tensors `moved` to this worker's device, results back to the CPU)."""
-        with self.record(f"{role}.{method}"):
+        (tensors `moved` to this worker's device, results back to the CPU), under the run's autocast."""
+        with self.record(f"{role}.{method}"), autocast_context(self.config):
             result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
             return moved(result, "cpu")
 

@@ -210,7 +210,8 @@ def test_a_bad_flag_stops_every_rank_before_loading_and_one_says_so(tmp_path):
     (["--algo", "ppo"], "stage 4 trains GRPO"),
     (["--zero", "5"], "invalid choice: 5"),
     (["--lora-rank", "0", "--sync-mode", "merged"], "merging or shipping an adapter needs LoRA"),
-    (["--zero", "1", "--mixed-precision", "bf16"], "use --zero 2 or 3"),
+    (["--zero", "1", "--cpu-offload"], "use --zero 2 or 3"),
+    (["--mixed-precision", "none"], "argument --mixed-precision: invalid choice: 'none'"),   # accelerate's "no"
     (["--sync-every", "0"], "argument --sync-every: 0: must be >= 1"),
     (["--sync-every", "4"], "argument --sync-every: 4: a colocated engine discards its weights"),
     (["--rollout-engine", "tgi"], "argument --rollout-engine: invalid choice: 'tgi'"),

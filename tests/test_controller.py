@@ -263,6 +263,23 @@ def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path, tin
     assert (out / "timeline.png").stat().st_size > 1000 and (out / "placement.png").stat().st_size > 1000
 
 
+def test_chapter_with_bf16_mixed_precision_keeps_every_update(cluster, tmp_path):
+    """--mixed-precision bf16 (issue 30), colocated: the workers run each call under bf16 autocast on float32
+    weights, so one step at lr 1e-6 changes (nearly) every weight of the saved policy; summary.json says bf16."""
+    from test_dtypes import _changed_share
+
+    out = tmp_path / "bf16"
+    proc = subprocess.run([sys.executable, str(REPO / "chapters" / "06_ray.py"), "--address", cluster.address,
+                           "--placement", "colocated", "--out", str(out), "--steps", "1", "--learning-rate", "1e-6",
+                           "--eval-every", "0", "--checkpoint-every", "0", "--mixed-precision", "bf16"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mixed_precision"] == "bf16" and summary["settings"]["mixed_precision"] == "bf16"
+    kept = _changed_share(out, torch.float32)
+    assert kept > 0.9, f"float32 weights + the workers' bf16 autocast changed {kept:.1%}"
+
+
 # --- chapter 06 on a data set, and what stops it (issues 19 and 22) ------------------------------------------------
 
 SPY = '''

@@ -54,7 +54,7 @@ def group():
     (dict(lora_rank=-1), r"lora_rank=-1: must be >= 0"),
     (dict(sync_mode="adapter"), r"sync_mode='adapter': merging or shipping an adapter needs LoRA"),
     (dict(lora_rank=4, sync_mode="full"), r"sync_mode='full': with LoRA"),
-    (dict(zero=1, mixed_precision="bf16"), r"mixed_precision='bf16'.*use --zero 2 or 3"),
+    (dict(zero=1, cpu_offload=True), r"cpu_offload=True: is FSDP2's.*use --zero 2 or 3"),
     (dict(sync_every=0), r"sync_every=0: must be >= 1 \(1: push after every update"),
     (dict(sync_every=3), r"sync_every=3: a colocated engine discards its weights.*--no-colocate"),
     (dict(sync_bucket_mb=-1.0), r"sync_bucket_mb=-1.0: must be >= 0.0"),
@@ -508,16 +508,20 @@ def test_distributed_critic_matches_the_plain_critic_in_one_process(group, make_
         sharded_actor(make_tiny_policy(seed=8, num_layers=1)[0], group, zero=3).state_dict()
 
 
-def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
-    """FSDP2's MixedPrecisionPolicy: compute in bfloat16, keep (and update) float32 shards."""
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_keeps_fp32_shards(group, make_tiny_policy, precision, dtype):
+    """FSDP2's MixedPrecisionPolicy (--mixed-precision bf16 or fp16 at ZeRO 2/3): compute in half precision, keep
+    (and update) float32 shards."""
     model, tok = make_tiny_policy(seed=9, num_layers=2)
     ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
     config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
-    wrapped = wrap_model(model, 3, "cpu", mixed_precision="bf16")
+    wrapped = wrap_model(model, 3, "cpu", mixed_precision=precision)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group)
+    seen = set()
+    model.lm_head.register_forward_hook(lambda _m, _i, output: seen.add(output.dtype))
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
-    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0
+    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0 and seen == {dtype}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters()), "the shards stay float32 (the master copy)"
     assert any(not torch.equal(p.detach().to_local(), before[n]) for n, p in model.named_parameters())
 

@@ -51,8 +51,8 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
         engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
-    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision,
-                         pconfig.cpu_offload)
+    fsdp_precision = config.resolved_mixed_precision if pconfig.zero >= 2 else "no"   # DDP: the step autocasts
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, fsdp_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
