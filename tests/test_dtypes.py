@@ -107,6 +107,21 @@ def test_mixed_precision_keeps_every_update_that_pure_bf16_loses(tmp_path):
     assert kept > 0.9 and lost < 0.3, f"float32 weights + bf16 autocast changed {kept:.1%}; pure bf16 {lost:.1%}"
 
 
+def test_fp16_mixed_precision_says_it_has_no_loss_scaling(tmp_path):
+    """fp16 autocast runs (float32 weights), and a warning says that no GradScaler scales the loss."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "01_single_process.py"
+    proc = subprocess.run([sys.executable, str(chapter), "--out", str(tmp_path / "run"), "--steps", "1",
+                           "--eval-every", "0", "--checkpoint-every", "0", "--mixed-precision", "fp16"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: --mixed-precision fp16 autocasts without loss scaling" in proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["mixed_precision"] == "fp16"
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [3, 0])

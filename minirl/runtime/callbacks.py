@@ -263,6 +263,10 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             print(f"warning: --dtype {config.policy_dtype} trains {config.policy_dtype} weights and optimizer state: "
                   "at RL learning rates most updates round away; --mixed-precision bf16 keeps float32 weights "
                   "(as TRL trains)", file=sys.stderr)
+        if main and config.resolved_mixed_precision == "fp16":
+            print("warning: --mixed-precision fp16 autocasts without loss scaling here (TRL scales the loss with "
+                  "accelerate's GradScaler): small gradients underflow to 0 in float16; prefer bf16 where the "
+                  "device has it", file=sys.stderr)
         return run(state, with_autocast(step_fn, config) if autocast else step_fn, callbacks, config.run.steps)
     finally:
         if run_dir is not None:
