@@ -36,8 +36,11 @@ from minirl.tasks.rewards import TRL_EXTRAS, invoke_reward
 LOCAL = ("log_metric", "log_extra")               # extras that call back into the caller's process
 
 
-def completion_ids(rollout) -> list[list[int]]:
-    """Each row's completion token ids, up to and including its first EOS, without padding (TRL's)."""
+def completion_ids(rollout) -> list[list[int]] | None:
+    """Each row's completion token ids, up to and including its first EOS, without padding (TRL's); None for a
+    batch of text only (no `completion_ids` tensor: then the functions get none)."""
+    if getattr(rollout, "completion_ids", None) is None:
+        return None
     mask = rollout.completion_mask.bool().cpu()                                    # [N, C]
     return [ids[m].tolist() for ids, m in zip(rollout.completion_ids.cpu(), mask, strict=True)]
 
