@@ -84,6 +84,13 @@ def test_chapter_01_calls_every_kind_of_trl_reward(tmp_path):
                                                         "curriculum/epoch"), 1) for r in steps)
 
 
+def test_chapter_04s_ranks_call_every_kind_of_trl_reward_and_average_what_they_log(tmp_path):
+    steps = [r for r in run("04_fsdp_lora.py", tmp_path, "--nproc-per-node", "2", "--eval-every", "0")
+             if "reward" in r]
+    check_records(steps, 9000)
+    assert all(r["log_metric_counts"]["curriculum/step"] == 2 for r in steps), "one value per rank, averaged"
+
+
 def test_chapter_07_calls_every_kind_of_trl_reward_in_its_sessions(tmp_path):
     from minirl.tasks.task import arithmetic_task
 
