@@ -169,3 +169,23 @@ def test_a_reward_that_requires_an_extra_is_not_a_missing_column():
         return [0.0] * len(completion_ids)
 
     check_reward_columns([soft_overlong], [{"prompt": "1+1=", "answer": 2}])
+
+
+def test_a_failing_sample_scores_zero_and_the_others_keep_their_own_ids():
+    """reward_errors="zero" scores one sample at a time after a failure: each gets its own completion_ids."""
+    from minirl.train.step import score
+
+    rollout = SimpleNamespace(prompts=["1+1="] * 2, completions=["2", "22"], num_generations=2,
+                              completion_ids=torch.tensor([[5, 2, 0], [5, 5, 2]]),
+                              completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+
+    def by_ids(completions, completion_ids, log_metric, **kwargs):
+        assert len(completion_ids) == len(completions)
+        if any(len(ids) == 3 for ids in completion_ids):
+            raise ValueError("too long")
+        log_metric("scored", len(completion_ids))
+        return [float(len(ids)) for ids in completion_ids]
+
+    total, metrics = score([by_ids], rollout, [{"prompt": "1+1=", "answer": 2}], "zero")
+    assert total.tolist() == [2.0, 0.0] and metrics["reward_errors"] == 1
+    assert metrics["scored"] == 1.0 and metrics["log_metric_counts"] == {"scored": 1}
