@@ -3,7 +3,8 @@
 Hand-written (plumbing). A reward spec, what `--reward` takes, is a built-in name,
 `module:function` (an importable module, or a file path `path/to/rewards.py:function`), or
 `module.function`, as TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signature,
-`f(prompts, completions, **columns) -> list[float]`.
+`f(prompts, completions, **columns) -> list[float]`; the training steps also pass TRL's extras (`TRL_EXTRAS`:
+completion_ids, trainer_state, log_metric, log_extra; `minirl.runtime.reward_extras`) to a function that takes them.
 
 | built-in     | function                         | scores                                                  |
 |--------------|----------------------------------|---------------------------------------------------------|
