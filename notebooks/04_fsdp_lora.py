@@ -1156,7 +1156,7 @@ def spmd_step(state: SPMDState) -> dict:
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
     record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler,
-                     group=group,
+                     group=group, trainer_state=state.trainer_state,
                      reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})

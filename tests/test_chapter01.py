@@ -280,7 +280,8 @@ steps: 9
     train_calls = [c for c in calls if c["n"] == 8]                # 4 prompts x 2 generations
     assert len(train_calls) == 3 and {c["n"] for c in calls} == {8, 6}, "3 steps, and the 6 held-out rows (twice)"
     first = train_calls[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### ")
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### ")
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())

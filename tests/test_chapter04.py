@@ -467,7 +467,8 @@ steps: 9
     assert sorted(c["rank"] for c in train) == [0, 0, 0, 1, 1, 1], "each rank scores its share, every step"
     assert {c["n"] for c in calls} == {4, 6}, "and rank 0 alone scores the 6 held-out rows (steps 0 and 3)"
     first = train[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### ")
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### ")
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())

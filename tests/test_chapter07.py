@@ -224,7 +224,8 @@ steps: 9
     sessions = [c for c in calls if c["n"] == 1]                   # one call per completion, in its session
     assert len(sessions) >= 3 * 4 * 2 and {c["n"] for c in calls} == {1, 6}, "and the 6 held-out rows per snapshot"
     first = sessions[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns"
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns"
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())

@@ -139,6 +139,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/reservations.py", "minirl/runtime/sync_ends.py",
                 "minirl/runtime/accelerate_launch.py",  # branch peft: accelerate launch for chapters 01 and 04
                 "minirl/runtime/run_answers.py",  # branch nb01real: notebook 01 §11, a real model's answers
+                "minirl/runtime/reward_extras.py",  # branch rewards: TRL's extras to reward functions
                 )
 
 MODULE_PREFIX = "# Generated from notebooks/"

@@ -26,6 +26,7 @@ from minirl.rollout.registry import build_engine
 from minirl.runtime.callbacks import autocast_context
 from minirl.runtime.object_store_sync import ObjectStoreEnds
 from minirl.runtime.ray_calls import moved
+from minirl.runtime.reward_extras import worker_rewards
 from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
 from minirl.runtime.sync_ends import SyncEnds
@@ -37,8 +38,8 @@ class RewardRole:
     def __init__(self, reward_funcs):
         self.funcs = list(reward_funcs)
 
-    def score(self, index: int, prompts: list, completions: list, columns: dict) -> list[float]:
-        return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
+    def score(self, index: int, prompts: list, completions: list, columns: dict) -> tuple[list, dict]:
+        return worker_rewards(self.funcs[index], prompts, completions, columns)   # as TRL calls it; what it logged
 
 
 def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
