@@ -1,7 +1,6 @@
 """The paged engine (notebook 05, minirl/rollout/engine): correct first, then leak-free, then bad input."""
 
 import os
-import platform
 import random
 from pathlib import Path
 
@@ -199,13 +198,16 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
         torch.testing.assert_close(got[j], (p[..., None] * v).sum(1).flatten(), atol=1e-5, rtol=1e-5)
 
 
-def test_prepacked_products_equal_plain_ones():
+def test_products_on_transposed_weights_equal_plain_ones():
     weight, bias = torch.randn(48, 32), torch.randn(48)
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
-        assert Linear(weight, bias).onednn, "on an x86 CPU the weights are prepacked for oneDNN"
     for rows in (1, 5, 64):
-        x = torch.randn(rows, 32)
-        torch.testing.assert_close(Linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+        x, residual = torch.randn(rows, 32), torch.randn(rows, 48)
+        for b in (bias, None):
+            want = torch.nn.functional.linear(x, weight, b)
+            torch.testing.assert_close(Linear(weight, b)(x), want)
+            out = residual.clone()
+            assert Linear(weight, b).add_to(out, x) is out, "the residual is added in place"
+            torch.testing.assert_close(out, residual + want)
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc (Linux)")
