@@ -307,6 +307,25 @@ def test_the_cache_is_sized_to_the_work_and_keeps_its_prefixes_when_it_grows(lon
     assert budget.num_blocks == 100 * 2**20 // budget.model.cache_bytes_per_block(16), "a budget is fixed"
 
 
+def test_add_grows_a_cache_sized_to_the_work_so_that_step_runs_the_whole_batch(long_tail):
+    model, tokenizer = long_tail
+    ids = encode(tokenizer, few_shot_prompts(2))
+    requests = [Request(x, 20, 0.0) for x in ids for _ in range(4)]
+    want = [s.completion for s in PagedEngine(model, tokenizer, block_size=16).run(requests)]
+    engine = PagedEngine(model, tokenizer, block_size=16)
+    seqs = [engine.add(r) for r in requests]
+    per_row = -(-(max(len(x) for x in ids) + 20) // 16)
+    assert engine.num_blocks >= 8 * per_row, "add() grows the cache to the queued work, as run() does"
+    while engine.scheduler.has_work():
+        engine.step()
+    assert max(row["running"] for row in engine.scheduler.timeline) == 8 and engine.stats.preemptions == 0
+    assert [s.completion for s in seqs] == want
+    engine.pool.check()
+    fixed = PagedEngine(model, tokenizer, block_size=16, num_blocks=32)
+    fixed.add(requests[0])
+    assert fixed.num_blocks == 32, "a cache the caller sized stays as it is"
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_block_accounting_never_leaks_and_outputs_do_not_depend_on_the_schedule(policy, prompts, seed):
     """Property: any cache, policy, block size, cache size, slots and budget: same greedy outputs, all blocks freed."""
