@@ -256,7 +256,7 @@ assert pool.num_used == sum(len(t) for t in tables.values())
 # into a padded tensor (`index_select`) and call `scaled_dot_product_attention` with a causal
 # mask. For a decode step (one query per sequence) the copy triples the bytes attention moves,
 # so the engine then reads in place with `F.embedding_bag` (a gather fused with a weighted
-# sum). That read, the padded groups and masks, the fused and prepacked products and the
+# sum). That read, the padded groups and masks, the fused products, the cache writes and the
 # model wrapper's bookkeeping live in `minirl/runtime/paged_ops.py`; here we write the step
 # (`make_step`: a `Chunk` per sequence flattened into ids, positions, slots and attention
 # groups), the gathered read and the forward pass.

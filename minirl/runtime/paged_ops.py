@@ -1,5 +1,5 @@
 """The paged forward pass's machinery, outside the lesson: padded groups, the in-place decode read,
-prepacked products, on-demand cache memory, and the model wrapper's bookkeeping.
+fused products, the rotary table, the cache writes, on-demand cache memory, and the model wrapper's bookkeeping.
 
 Hand-written; notebook 05 (`minirl/rollout/engine/attention.py`) builds the step (`make_step`),
 the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward`) on top of it.
@@ -14,7 +14,7 @@ the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward
 - `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused; `PagedModelBase.rotary` looks the
   rotary cos/sin up in a table built once (HF recomputes them from the positions at every call).
 - `Linear`, `fused`: q/k/v as one product and gate/up as another, each weight kept transposed
-  ([in, out], contiguous), so a product is one `torch.mm`/`addmm` without repacking; `add_to` adds a
+  ([in, out], contiguous), so a product is one `torch.mm`/`addmm` in MKL's fastest layout; `add_to` adds a
   product into the residual stream in place (`addmm_`: the o and down projections fused with the
   residual additions).
 - `cache_index`, `PagedModelBase.write_cache`: the flat cache position of every element of the step's new
@@ -154,12 +154,13 @@ class Linear:
     """x @ weight.T + bias, with the weight kept transposed: [in, out], contiguous, made once.
 
     Why: for the few-row products of a decode step (32 rows against a weight of 0.1-8 MB), one
-    thread of MKL runs `x @ W_t` with W_t in [in, out] layout about 1.3-1.5x faster than
-    `F.linear`'s x @ W.T (and than oneDNN's prepacked weights, tried before), measured on the
-    2-core x86 machine of benchmarks/README.md at every shape of the benchmarks' models; MKL's own
-    prepacking pays off only at the one batch size it was packed for. Same products, float
-    rounding aside. `add_to(out, x)` adds x @ weight.T into `out` in place (a residual addition
-    fused into the product).
+    thread of MKL runs `x @ W_t` with W_t in [in, out] layout 1.3-1.6x faster than `F.linear`'s
+    x @ W.T when the weight is in cache, 5-30 % when it streams from memory, and faster than
+    oneDNN's prepacked weights (used before) at all but the widest product (gate/up, within 15 %);
+    measured at one thread on the 2-core x86 machine of benchmarks/README.md at every product
+    shape of the benchmarks' models. MKL's own prepacking pays off only at the one batch size it
+    was packed for. Same products, float rounding aside. `add_to(out, x)` adds x @ weight.T into
+    `out` in place (a residual addition fused into the product).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
