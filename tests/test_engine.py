@@ -198,10 +198,11 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
         torch.testing.assert_close(got[j], (p[..., None] * v).sum(1).flatten(), atol=1e-5, rtol=1e-5)
 
 
-def test_products_on_transposed_weights_equal_plain_ones():
-    weight, bias = torch.randn(48, 32), torch.randn(48)
+@pytest.mark.parametrize("out_features", [48, 128])       # transposed for torch.mm; wide: prepacked (x86)
+def test_products_equal_plain_ones_and_add_into_the_residual(out_features):
+    weight, bias = torch.randn(out_features, 32), torch.randn(out_features)
     for rows in (1, 5, 64):
-        x, residual = torch.randn(rows, 32), torch.randn(rows, 48)
+        x, residual = torch.randn(rows, 32), torch.randn(rows, out_features)
         for b in (bias, None):
             want = torch.nn.functional.linear(x, weight, b)
             torch.testing.assert_close(Linear(weight, b)(x), want)

@@ -13,10 +13,10 @@ the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward
   probabilities. Nothing is copied; the indices are built once per step for every layer.
 - `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused; `PagedModelBase.rotary` looks the
   rotary cos/sin up in a table built once (HF recomputes them from the positions at every call).
-- `Linear`, `fused`: q/k/v as one product and gate/up as another, each weight kept transposed
-  ([in, out], contiguous), so a product is one `torch.mm`/`addmm` in MKL's fastest layout; `add_to` adds a
-  product into the residual stream in place (`addmm_`: the o and down projections fused with the
-  residual additions).
+- `Linear`, `fused`: q/k/v as one product and gate/up as another, each weight kept in the layout
+  measured fastest for few-row products (transposed for `torch.mm`, or prepacked for oneDNN when
+  wide); `add_to` adds a product into the residual stream in place (`addmm_`: the o and down
+  projections fused with the residual additions).
 - `cache_index`, `PagedModelBase.write_cache`: the flat cache position of every element of the step's new
   keys and values, built once per step, so that each layer writes them with one `put_`.
 - `zeros_on_demand`: the cache tensor as an anonymous mmap on a CPU, so unused blocks cost no RAM.
@@ -151,28 +151,48 @@ def check_architecture(model) -> None:
 
 
 class Linear:
-    """x @ weight.T + bias, with the weight kept transposed: [in, out], contiguous, made once.
+    """x @ weight.T + bias, in the layout that runs a decode step's few-row products fastest on a CPU.
 
-    Why: for the few-row products of a decode step (32 rows against a weight of 0.1-8 MB), one
-    thread of MKL runs `x @ W_t` with W_t in [in, out] layout 1.3-1.6x faster than `F.linear`'s
-    x @ W.T when the weight is in cache, 5-30 % when it streams from memory, and faster than
-    oneDNN's prepacked weights (used before) at all but the widest product (gate/up, within 15 %);
-    measured at one thread on the 2-core x86 machine of benchmarks/README.md at every product
-    shape of the benchmarks' models. MKL's own prepacking pays off only at the one batch size it
-    was packed for. Same products, float rounding aside. `add_to(out, x)` adds x @ weight.T into
-    `out` in place (a residual addition fused into the product).
+    Products at least WIDE times wider than deep (gate/up: [hidden] -> [2 x intermediate]) keep
+    the weight prepacked for oneDNN on x86 CPUs (as vLLM's CPU backend does); the others keep it
+    transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured at one thread on the
+    2-core x86 machine of benchmarks/README.md, 32 rows, at every product shape of the benchmarks'
+    models: the transposed weight beats `F.linear`'s x @ W.T by 1.3-1.6x when the weight is in
+    cache and 5-30 % when it streams from memory, and beats oneDNN on the square and narrow
+    products (q/k/v, o, down: by 15-40 %); oneDNN wins the wide ones by about 15 % (it does not
+    repack the weight at every call). MKL's own prepacking pays off only at the one batch size it
+    was packed for. Same products, float rounding aside. Elsewhere (CUDA, other CPUs) the
+    transposed weight. `add_to(out, x)` adds x @ weight.T into `out` in place (a residual
+    addition fused into the product).
     """
 
+    WIDE = 4
+
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        self.weight_t, self.bias = weight.t().contiguous(), bias                 # [in, out]
+        self.weight_t, self.bias, self.onednn = weight.t().contiguous(), bias, None      # [in, out]
+        out_features, in_features = weight.shape
+        if out_features >= self.WIDE * in_features and weight.device.type == "cpu" and \
+                weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+            try:                                                  # kept only if it computes what F.linear does
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
+                probe = torch.linspace(-1, 1, in_features, dtype=weight.dtype)[None]
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
+                    self.onednn = packed
+            except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
+                pass
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out += x @ weight.T + bias, in place; returns out."""
+        if self.onednn is not None:
+            return out.add_(self(x))
         out.addmm_(x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
 
