@@ -167,7 +167,7 @@ def _leaving(rank: int) -> None:
             store.set(_job_key(f"left/{rank}"), "1")
 
 
-def died(processes: list[tuple[str, int]]) -> list[int]:
+def ranks_that_died(processes: list[tuple[str, int]]) -> list[int]:
     """`dead_ranks` without the ranks that ended after entering `why_stopped` (stopped, not dead):
     in a job torchrun stops after a rank died, only that rank."""
     dead = dead_ranks(processes)
@@ -213,7 +213,7 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
 
     In order: Ctrl-C (rank 0 says "interrupted", exit 130); an error every rank met (`agree`, or
     marked `agreed`): rank 0 says it, exit 1 for a file that could not be written (disk full,
-    read-only), else 2 (bad input); a rank of this host that died (`died`: it ended without
+    read-only), else 2 (bad input); a rank of this host that died (`ranks_that_died`: it ended without
     coming here; the lowest rank alive says so: exit 1); SIGTERM without a dead rank (rank 0,
     unless a rank has said why: 143); this rank's own error: it says so itself (1). A broken
     collective without a dead rank in sight waits up to `wait` seconds for the death or the
@@ -232,7 +232,7 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
         return Stop(f"error: {err}" if rank == 0 else None, 2 if isinstance(err, BAD_INPUT) else 1, resumable=False)
     deadline = time.monotonic() + wait
     while True:
-        dead = died(processes)
+        dead = ranks_that_died(processes)
         if dead:
             return Stop(f"{_names(dead, processes)} died" if says() else None, 1)
         if signal.SIGINT in signals.received:
