@@ -64,7 +64,7 @@ from minirl.runtime.training_cli import (
     stop_line,
     task_from_args,
     task_summary,
-    write_failure,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_float, check_int
 
@@ -241,11 +241,7 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     except OSError as err:                    # a disk that filled, a directory made read-only during the run
-        line = write_failure(err, out)
-        if line is None:
-            raise
-        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
-        return 1
+        return write_stop(err, out, again)
     finally:
         ray.shutdown()
     seconds = time.perf_counter() - started

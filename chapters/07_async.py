@@ -77,7 +77,7 @@ from minirl.runtime.training_cli import (
     stop_line,
     task_from_args,
     task_summary,
-    write_failure,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_float, check_int
 
@@ -252,11 +252,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:                    # a disk that filled, a directory made read-only during the run
-        line = write_failure(err, out)
-        if line is None:
-            raise
-        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
-        return 1
+        return write_stop(err, out, again)
     except (RuntimeError, TimeoutError) as err:          # a producer failed, or no batch came
         print(stop_line(f"the run stopped: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
                         last_checkpoint(out), again), file=sys.stderr)

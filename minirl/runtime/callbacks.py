@@ -19,7 +19,10 @@ does not.
 """
 
 import dataclasses
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.runtime.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
-from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.checkpoint import (
+    TMP_PREFIX,
+    latest_checkpoint,
+    remove_stale_temporaries,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl, writing
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
@@ -160,8 +169,14 @@ class Checkpointer(Callback):
             return
         if self.saved_step != state.step:
             self.save(state)
-        state.roles.actor.model.save_pretrained(self.final)
-        self.tokenizer.save_pretrained(self.final)
+        with writing(self.final):
+            tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{self.final.name}-", dir=self.final.parent))
+        with writing(self.final, tmp):                     # whole or not at all, as a checkpoint
+            state.roles.actor.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(tmp, self.final)
 
 
 def check_resume_config(saved: dict, config: RLConfig) -> None:
