@@ -22,7 +22,6 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from minirl.runtime.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl, writing
+from minirl.runtime.io import append_jsonl, atomic_write_json, temporary_beside, write_jsonl, writing
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
@@ -169,8 +168,7 @@ class Checkpointer(Callback):
             return
         if self.saved_step != state.step:
             self.save(state)
-        with writing(self.final):
-            tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{self.final.name}-", dir=self.final.parent))
+        tmp = temporary_beside(self.final, TMP_PREFIX)
         with writing(self.final, tmp):                     # whole or not at all, as a checkpoint
             state.roles.actor.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)

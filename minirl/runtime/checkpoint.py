@@ -25,7 +25,6 @@ import dataclasses
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minirl.runtime.io import writing
+from minirl.runtime.io import temporary_beside, writing
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -47,9 +46,7 @@ def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
     """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints of this run."""
     root = Path(root)
     final = root / f"{PREFIX}{state.step:06d}"
-    with writing(final):
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+    tmp = temporary_beside(final, TMP_PREFIX)
     roles = state.roles
     with writing(final, tmp):                                # a failure (a full disk) deletes tmp, names `final`
         roles.actor.model.save_pretrained(tmp)

@@ -88,6 +88,20 @@ def writing(where, temporary=None):
         raise error from err
 
 
+def temporary_beside(where, prefix: str = ".tmp-") -> Path:
+    """A new temporary directory beside `where` (`prefix` + its name + a random part), for `writing(where, it)`;
+    a failure to make it (a full or read-only disk) is an OSError naming `where`."""
+    where = Path(where)
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{where.name}-", dir=where.parent))
+    except OSError as err:
+        error = as_write_error(err, where, err.filename)
+        if error is None or error is err:
+            raise
+        raise error from err
+
+
 def atomic_write_text(path, text: str) -> Path:
     """Write `text` to `path` through a temporary file and a rename; returns the path."""
     path = Path(path)

@@ -9,14 +9,13 @@ renamed when whole), a failed write (a full disk) raised on every rank.
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
 from minirl.parallel.launch import DistContext
 from minirl.runtime.buckets import gather_buckets
-from minirl.runtime.io import writing
+from minirl.runtime.io import temporary_beside, writing
 from minirl.runtime.ranks import agree
 from minirl.runtime.stops import deferred_signals
 from minirl.sync.sharded import engine_tensors
@@ -62,8 +61,7 @@ def export_policy(actor, lora_scaling: float | None, tokenizer, path,
         base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
         model = AutoModelForCausalLM.from_config(base.config)
         model.load_state_dict(state, strict=True)
-        with writing(path):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        tmp = temporary_beside(path, ".")
         with writing(path, tmp):                           # a full disk: tmp deleted, the OSError names `path`
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
