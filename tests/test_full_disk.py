@@ -131,3 +131,30 @@ def test_checkpoints_that_turned_read_only_end_chapter_01_in_one_line(tmp_path):
                                           mount_at=out / "checkpoints", read_only=True)
     check_one_line(code, stdout, stderr, left, out, "01_single_process.py", 2, why="Read-only file system")
     assert "make it writable" in stderr.splitlines()[-1]
+
+
+def test_every_writer_s_report_of_a_failed_write_is_one_oserror_naming_what_it_was_for(tmp_path):
+    """`writing`: the temporary goes on any error; safetensors' SafetensorError and an OSError naming a file in the
+    temporary come out as the OSError naming the checkpoint's file; other errors pass through unchanged."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from minirl.runtime.io import as_write_error, writing
+
+    final, tmp = tmp_path / "step-000003", tmp_path / ".tmp-step-000003-x"
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    tmp.mkdir()
+    with pytest.raises(OSError) as raised, writing(final, tmp):
+        raise full
+    assert (raised.value.errno, raised.value.filename, raised.value.__cause__) == (errno.ENOSPC, str(final), full)
+    assert not tmp.exists(), "the temporary is gone"
+    ro = OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp / "training_state.pt"))
+    assert as_write_error(ro, final, tmp).filename == str(final / "training_state.pt")
+    assert as_write_error(OSError(errno.ENOENT, "gone", "x"), final, tmp) is None, "not a disk's"
+    assert as_write_error(KeyboardInterrupt(), final, tmp) is None
+    assert as_write_error(RuntimeError("unexpected pos 1 vs 2"), final, tmp) is None, "this disk has room"
+    tmp.mkdir()
+    with pytest.raises(ValueError), writing(final, tmp):
+        raise ValueError("a bug")
+    assert not tmp.exists()
