@@ -7,15 +7,18 @@ the base) and saves it on rank 0 in Hugging Face format, atomically (a temporary
 renamed when whole), a failed write (a full disk) raised on every rank.
 """
 
+import errno
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from minirl.parallel.launch import DistContext
 from minirl.runtime.buckets import gather_buckets
-from minirl.runtime.io import temporary_beside, writing
 from minirl.runtime.ranks import agree
 from minirl.runtime.stops import deferred_signals
 from minirl.sync.sharded import engine_tensors
@@ -41,6 +44,17 @@ def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float
     return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
 
 
+def _save_pretrained(model, tokenizer, path: Path) -> None:
+    """save_pretrained, with safetensors' errors (which name no file) as the OSError they are, naming `path`."""
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    except SafetensorError as err:
+        code = re.search(r"(?:os error|code:) (\d+)", str(err))      # "No space left on device (os error 28)"
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(path / "model.safetensors")) from err
+
+
 def export_policy(actor, lora_scaling: float | None, tokenizer, path,
                   ctx: DistContext) -> Path | None:
     """Gather the policy layer by layer (LoRA merged into the base) and save it on rank 0 in Hugging Face format.
@@ -61,14 +75,16 @@ def export_policy(actor, lora_scaling: float | None, tokenizer, path,
         base = actor.module.get_base_model() if hasattr(actor.module, "get_base_model") else actor.module
         model = AutoModelForCausalLM.from_config(base.config)
         model.load_state_dict(state, strict=True)
-        tmp = temporary_beside(path, ".")
-        with writing(path, tmp):                           # a full disk: tmp deleted, the OSError names `path`
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            with deferred_signals():
-                if path.exists():
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            _save_pretrained(model, tokenizer, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with deferred_signals():
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
         return path
 
     return agree(f"writing {path}", write if ctx.is_main else lambda: None)
