@@ -247,9 +247,6 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)": last_steps_of(timeline, 3)},
-                   ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
-    plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
@@ -268,7 +265,13 @@ def main(argv=None) -> int:
         "config": dataclasses.asdict(config), "settings": settings,
         "config_file": None if args.config is None else str(args.config),
     }
-    write_summary(out, summary)
+    try:                                      # the disk may fill after the last checkpoint too
+        plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)":
+                        last_steps_of(timeline, 3)}, ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
+        plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
+        write_summary(out, summary)
+    except OSError as err:
+        return write_stop(err, out, again)
     if evals:
         print(f"{args.placement}: {held_out_line(task, summary, seconds)}")
     shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())
