@@ -65,7 +65,7 @@ from minirl.runtime.training_cli import (
     stop_line,
     task_from_args,
     task_summary,
-    write_failure,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_float, check_int
 
@@ -239,19 +239,12 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     except OSError as err:                    # a disk that filled, a directory made read-only during the run
-        line = write_failure(err, out)
-        if line is None:
-            raise
-        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
-        return 1
+        return write_stop(err, out, again)
     finally:
         ray.shutdown()
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)": last_steps_of(timeline, 3)},
-                   ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
-    plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
@@ -271,7 +264,13 @@ def main(argv=None) -> int:
         "config": dataclasses.asdict(config), "settings": settings,
         "config_file": None if args.config is None else str(args.config),
     }
-    write_summary(out, summary)
+    try:                                      # the disk may fill after the last checkpoint too
+        plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)":
+                        last_steps_of(timeline, 3)}, ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
+        plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
+        write_summary(out, summary)
+    except OSError as err:
+        return write_stop(err, out, again)
     if evals:
         print(f"{args.placement}: {held_out_line(task, summary, seconds)}")
     shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())

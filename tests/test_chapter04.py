@@ -408,7 +408,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_promotes_nothing(one_rank_st
     assert not list((tmp_path / "checkpoints").glob(".tmp-*")), "and nothing half-written left behind"
     stop = why_stopped(raised.value, StopSignals(), [("host", os.getpid())], 0, tmp_path)
     assert stop.code == 1 and stop.resumable
-    assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/.tmp-step-000006/rank-0.pt (No space "
+    assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/step-000006/rank-0.pt (No space "
                                 "left on device): free some space, or pass another --out"), stop.what
 
 

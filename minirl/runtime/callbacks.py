@@ -20,6 +20,8 @@ does not.
 
 import contextlib
 import dataclasses
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,8 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.runtime.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
-from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.checkpoint import (
+    TMP_PREFIX,
+    latest_checkpoint,
+    remove_stale_temporaries,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from minirl.runtime.io import append_jsonl, atomic_write_json, temporary_beside, write_jsonl, writing
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
@@ -161,8 +169,13 @@ class Checkpointer(Callback):
             return
         if self.saved_step != state.step:
             self.save(state)
-        state.roles.actor.model.save_pretrained(self.final)
-        self.tokenizer.save_pretrained(self.final)
+        tmp = temporary_beside(self.final, TMP_PREFIX)
+        with writing(self.final, tmp):                     # whole or not at all, as a checkpoint
+            state.roles.actor.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(tmp, self.final)
 
 
 def check_resume_config(saved: dict, config: RLConfig) -> None:
