@@ -53,11 +53,13 @@ from minirl.runtime.training_cli import (
     add_task_flags,
     check_engine_flag,
     check_task_prompts,
+    data_defaults,
     data_record,
     held_out_line,
     resolve_task_paths,
     restore_task_flags,
     saved_task,
+    summary_extras,
     task_from_args,
     task_summary,
 )
@@ -108,6 +110,7 @@ def parse_args(argv=None):
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
         config = config.replace(eval_every=0)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return args, config, task, merged_settings(parser, args)
 
 
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
         "mixed_precision": {"bfloat16": "bf16", "float16": "fp16"}.get(config.autocast_dtype, "no"),
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
         "task": task_summary(task, args),
-        "config": dataclasses.asdict(config), "settings": settings,
+        "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
         "config_file": None if args.config is None else str(args.config),
     }
     write_summary(out, summary)

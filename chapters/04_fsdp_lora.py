@@ -63,6 +63,7 @@ from minirl.runtime.training_cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_defaults,
     data_record,
     held_out_line,
     out_problem,
@@ -71,6 +72,7 @@ from minirl.runtime.training_cli import (
     resumed_config,
     saved_task,
     stop_line,
+    summary_extras,
     task_from_args,
     task_summary,
 )
@@ -202,6 +204,7 @@ def parse_args(argv=None):
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
         config = config.replace(eval_every=0)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return args, config, pconfig, task, merged_settings(parser, args)
 
 
@@ -433,7 +436,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         summary = summarize(metrics, state, pconfig, rows_table, seconds)
         summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
                     "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
-                    "config": dataclasses.asdict(config), "settings": settings,
+                    "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
                     "config_file": None if args.config is None else str(args.config)}
         plot_metrics(metrics, out / "reward_curve.png",
                      title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}",

@@ -136,7 +136,9 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 02 (second cut): routing tools around R3, the synchronization check
                 "minirl/runtime/moe_routes.py", "minirl/runtime/sync_checks.py",
                 # notebook 06, second cut: Ray reservations, a worker's ends of the syncs
-                "minirl/runtime/reservations.py", "minirl/runtime/sync_ends.py")
+                "minirl/runtime/reservations.py", "minirl/runtime/sync_ends.py",
+                "minirl/runtime/completion_log.py",   # branch trlux: issue 31 item 3, what the model wrote
+                )
 
 MODULE_PREFIX = "# Generated from notebooks/"
 EXERCISE_PREFIX = "# Exercises of notebooks/"

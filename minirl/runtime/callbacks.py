@@ -8,7 +8,9 @@ steps)` hands every step's record to callbacks, each of which does one job:
   advantage 0: nothing to learn), and names the likely cause;
 - `StopAfter`: stops right after step k, as a crash would (`RunStopped`), so resuming can be tried;
 - `JSONLLogger`: metrics.jsonl, one line per step;
-- `Checkpointer`: a checkpoint every `checkpoint_every` steps and the final policy (`minirl.runtime.checkpoint`).
+- `Checkpointer`: a checkpoint every `checkpoint_every` steps and the final policy (`minirl.runtime.checkpoint`);
+- `SampleTap`, `CompletionLog` (`minirl.runtime.completion_log`): what each step generated and scored, its share
+  cut at max_completion_length, and with `log_completions` a few rows of it in completions.jsonl and on screen.
 
 `run_in_dir(state, step_fn, tokenizer, out_dir=..., resume=..., ...)` opens the run directory
 (`minirl.runtime.rundir`: new, resumed or overwritten, locked), restores the newest intact
@@ -28,16 +30,19 @@ from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
 from minirl.runtime.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
+from minirl.runtime.completion_log import FILE as COMPLETIONS_FILE
+from minirl.runtime.completion_log import CompletionLog, SampleTap, eval_metrics
 from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
 
-SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
+SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device", "log_completions")
 
 
 class Evaluator(Callback):
-    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step."""
+    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step, and each reward's
+    held-out mean when eval_fn keeps them (`eval/reward`, `eval/rewards/<name>/mean`: a Task's evaluation does)."""
 
     def __init__(self, eval_fn, every: int, last_step: int):
         self.eval_fn, self.every, self.last_step = eval_fn, every, last_step
@@ -45,6 +50,7 @@ class Evaluator(Callback):
     def evaluate(self, state: RunState, record: dict) -> None:
         start = time.perf_counter()
         record["accuracy"] = self.eval_fn(state.roles.actor.model)
+        record.update(eval_metrics(self.eval_fn))
         record["time/eval"] = time.perf_counter() - start
 
     def on_start(self, state):
@@ -76,7 +82,8 @@ class ProgressBar(Callback):
 
 class NoSignalWarning(Callback):
     """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
-    GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
+    GRPO advantages were all 0, so nothing could be learned. Names the likely cause: completions cut at
+    max_completion_length first, else what the mean rewards say."""
 
     def __init__(self, steps: int = 3):
         self.steps, self.seen, self.done = steps, [], False
@@ -89,15 +96,36 @@ class NoSignalWarning(Callback):
             self.done = True
         elif len(self.seen) >= self.steps:
             self.done = True
-            print(no_signal_message(self.seen), file=sys.stderr, flush=True)
+            print(no_signal_message(self.seen, state.config.sampling.max_completion_length), file=sys.stderr,
+                  flush=True)
 
 
-def no_signal_message(records: list[dict]) -> str:
-    """The warning of `NoSignalWarning`: what happened in `records` and what to check."""
+def truncation(records: list[dict], max_completion_length: int | None) -> str | None:
+    """How the completions of `records` hit max_completion_length, when that is why they all scored alike: "N %
+    hit the cap" (more than half did, by `completions/clipped_ratio`), or, for records without that share, "the
+    longest hit the cap" (`completion_length_max`); else None."""
+    if max_completion_length is None:
+        return None
+    shares = [r["completions/clipped_ratio"] for r in records if "completions/clipped_ratio" in r]
+    if shares:
+        share = sum(shares) / len(shares)
+        return f"{100 * share:.0f} % hit the cap" if share > 0.5 else None
+    if any(r.get("completion_length_max", 0) >= max_completion_length for r in records):
+        return "the longest hit the cap"
+    return None
+
+
+def no_signal_message(records: list[dict], max_completion_length: int | None = None) -> str:
+    """The warning of `NoSignalWarning`: what happened in `records` and what to check (truncation first)."""
     means = {k.removeprefix("rewards/"): sum(r[k] for r in records) / len(records)
              for k in records[-1] if k.startswith("rewards/")}
     reward = sum(r["reward"] for r in records) / len(records)
-    if all(v == 0 for v in means.values()):
+    cut = truncation(records, max_completion_length)
+    if cut is not None:
+        why = (f"completions are cut at max_completion_length={max_completion_length} ({cut}): raise "
+               "--max-completion-length, then look again at what the policy wrote (completions.jsonl in the run "
+               "directory) before suspecting the reward's format or the warm start")
+    elif all(v == 0 for v in means.values()):
         why = ("every completion scored 0: check that the policy's completions can match the reward's format "
                "(the math reward wants a final '#### N' or \\boxed{N}; a base model may need a chat or few-shot "
                "prompt), that the reward reads the right dataset column, or warm-start the policy first")
@@ -238,7 +266,8 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             together("restoring the checkpoint", lambda: checkpoints.restore(state))
             if main:
                 atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
-        callbacks = list(first_callbacks)
+        tap = SampleTap(getattr(tokenizer, "eos_token_id", None))   # first: the step's samples, before it is logged
+        callbacks = [tap, *first_callbacks]
         if eval_fn:
             callbacks.append(Evaluator(eval_fn, config.run.eval_every, config.run.steps))
         if out_dir is not None:
@@ -248,13 +277,15 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
         callbacks.append(NoSignalWarning())
         callbacks += list(extra_callbacks)
+        if out_dir is not None and main and config.run.log_completions:
+            callbacks.append(CompletionLog(Path(out_dir) / COMPLETIONS_FILE, config.run.log_completions, tap, eval_fn))
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))
         if main and config.policy_dtype != "float32":
             print(f"warning: --dtype {config.policy_dtype} trains {config.policy_dtype} weights and optimizer state: "
                   "at RL learning rates most updates round away; --mixed-precision bf16 keeps float32 weights "
                   "(as TRL trains)", file=sys.stderr)
-        return run(state, with_autocast(step_fn, config), callbacks, config.run.steps)
+        return run(state, with_autocast(tap.around(step_fn), config), callbacks, config.run.steps)
     finally:
         if run_dir is not None:
             run_dir.close()
