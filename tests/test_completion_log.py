@@ -113,7 +113,8 @@ def test_the_no_signal_warning_names_truncation_first():
     message = no_signal_message(cut, max_completion_length=4)
     assert "Completions are cut at max_completion_length=4 (100 % hit the cap): raise --max-completion-length" in \
         message, message
-    assert message.index("cut at") < message.index("format"), "truncation before the format and the warm start"
+    assert message.index("cut at") < message.index("every completion scored 0") < message.index("format"), \
+        "truncation named before the format and the warm start"
     whole = [r | {"completions/clipped_ratio": 0.25} for r in cut]
     assert "cut at" not in no_signal_message(whole, 4) and "match the reward's format" in no_signal_message(whole, 4)
     older = [{k: v for k, v in r.items() if k != "completions/clipped_ratio"} for r in cut]

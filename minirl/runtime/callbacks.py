@@ -121,11 +121,7 @@ def no_signal_message(records: list[dict], max_completion_length: int | None = N
              for k in records[-1] if k.startswith("rewards/")}
     reward = sum(r["reward"] for r in records) / len(records)
     cut = truncation(records, max_completion_length)
-    if cut is not None:
-        why = (f"completions are cut at max_completion_length={max_completion_length} ({cut}): raise "
-               "--max-completion-length, then look again at what the policy wrote (completions.jsonl in the run "
-               "directory) before suspecting the reward's format or the warm start")
-    elif all(v == 0 for v in means.values()):
+    if all(v == 0 for v in means.values()):
         why = ("every completion scored 0: check that the policy's completions can match the reward's format "
                "(the math reward wants a final '#### N' or \\boxed{N}; a base model may need a chat or few-shot "
                "prompt), that the reward reads the right dataset column, or warm-start the policy first")
@@ -134,7 +130,10 @@ def no_signal_message(records: list[dict], max_completion_length: int | None = N
                "policy's skill, more num_generations, a higher temperature, or a graded reward")
     return (f"warning: no learning signal in the first {len(records)} steps: in every group all completions had "
             f"equal rewards (frac_reward_zero_std = 1), so every advantage was 0 (mean reward {reward:.3g}; "
-            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + f"). {why[0].upper()}{why[1:]}.")
+            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + "). "
+            + (f"Completions are cut at max_completion_length={max_completion_length} ({cut}): raise "
+               "--max-completion-length first, and look at what the policy wrote (completions.jsonl in the run "
+               f"directory); if they still score alike once whole: {why}." if cut else f"{why[0].upper()}{why[1:]}."))
 
 
 class StopAfter(Callback):
