@@ -395,7 +395,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
     from minirl.runtime.model_loading import load_policy  # noqa: PLC0415
     from minirl.runtime.plots import plot_metrics  # noqa: PLC0415
-    from minirl.runtime.policy_export import evaluate_engine, export_policy  # noqa: PLC0415
+    from minirl.runtime.policy_export import EngineEval, export_policy  # noqa: PLC0415
     from minirl.runtime.ranks import agree  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.runtime.sharded_checkpoint import ShardedCheckpoints  # noqa: PLC0415
@@ -416,8 +416,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
                   lambda: setup_spmd(config, pconfig, model, tokenizer, task.train, task.reward_funcs, ctx,
                                      task.reward_weights))
     kill = [KillRank(*map(int, args.kill_rank.split(":")), ctx.rank)] if args.kill_rank is not None else []
-    eval_fn = (lambda _model: evaluate_engine(state.engine, tokenizer, task, max_new_tokens)) \
-        if main_rank and task.test else None
+    eval_fn = EngineEval(state.engine, tokenizer, task, max_new_tokens) if main_rank and task.test else None
     started = time.perf_counter()
     metrics = run_in_dir(
         state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite, eval_fn=eval_fn,
