@@ -363,12 +363,17 @@ def data_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, con
 
 
 def room_to_generate(parser: argparse.ArgumentParser, model: str | None, task) -> int | None:
-    """Positions --model's context leaves after the task's longest prompt (training or held-out); None when
-    unknown (the embedded policy, a config without max_position_embeddings, a model that does not load here)."""
-    if model is None:
-        return None
+    """Positions --model's context (the embedded policy's without it) leaves after the task's longest prompt
+    (training or held-out); None when unknown (a config without max_position_embeddings, a model that does not
+    load here, an embedded policy not built yet)."""
     from transformers import AutoConfig  # noqa: PLC0415 (after parsing)
 
+    if model is None:
+        from minirl.models.policy import default_policy_dir  # noqa: PLC0415
+
+        model = str(default_policy_dir())
+        if not (Path(model) / "config.json").is_file():
+            return None
     try:
         context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
     except Exception:                                 # offline, damaged: the model's loading says so later
