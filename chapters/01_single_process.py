@@ -17,7 +17,11 @@ OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_st
 written atomically), OUT/final/ (the final policy, Hugging Face format) and OUT/summary.json
 with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1; with --eval-dataset and no
 correctness reward, the mean weighted reward), steps, seconds and every setting (`settings`, after
---config and the flags). A directory holds one run: --resume continues it, --overwrite replaces it.
+--config and the flags) with `defaults` ("trl": a --dataset run takes TRL's GRPOConfig defaults for
+what was not set, max_completion_length 512 fitted to the model's context, learning_rate 1e-6, seed 42,
+a linear schedule; "embedded": the embedded task's tuned ones), and OUT/completions.jsonl (what the model
+wrote: --log-completions rows of prompt, completion and rewards of the first steps and of every
+evaluation, also printed). A directory holds one run: --resume continues it, --overwrite replaces it.
 Every setting of minirl.config.RLConfig is a flag below (with its default).
 
 The task: --dataset (a `prompt` column, the other columns passed to the rewards, as in TRL;

@@ -150,7 +150,7 @@ def test_the_tap_keeps_what_rewards_return_and_calls_them_as_trl_does():
     assert values == [[2.0, 3.0], [1.0, None]], "async awaited, completion_ids passed, None kept"
     state = type("S", (), {"reward_weights": [1.0, 0.5]})()
     tap._funcs = [judge, Lengths()]
-    rows = tap._rows(state)
+    rows = tap.rows(state)
     assert [r["rewards"] for r in rows] == [{"judge": 2.0, "Lengths": 1.0}, {"judge": 3.0, "Lengths": None}]
     assert [r["total"] for r in rows] == [2.5, 3.0] and rows[1]["completion"] == "abc"
 

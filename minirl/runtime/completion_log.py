@@ -38,10 +38,10 @@ WIDTH = 100                     # the printed table's columns at most
 
 
 class SampleTap(Callback):
-    """Keeps what each step generated and how each reward function scored it (`rows`, after the step)."""
+    """Keeps what the last step generated and how each reward function scored it (`rows(state)`, after it)."""
 
     def __init__(self, eos_token_id: int | None = None):
-        self.rollouts, self.calls, self.capturing, self.rows = [], {}, False, []
+        self.rollouts, self.calls, self.capturing = [], {}, False
         self.eos, self._engine, self._funcs = eos_token_id, None, None
 
     def around(self, step_fn):
@@ -72,15 +72,11 @@ class SampleTap(Callback):
 
     def on_step(self, state, record):
         cap = state.config.sampling.max_completion_length
-        batch = getattr(state, "last_batch", None)
-        if batch:                                      # stage 7: the trajectories the trainer took
-            self.rows, rollouts = trajectory_rows(batch), [t.rollout for t in batch]
-        else:
-            self.rows, rollouts = self._rows(state), self.rollouts
+        batch = getattr(state, "last_batch", None)     # stage 7: the trajectories the trainer took
+        rollouts = [t.rollout for t in batch] if batch else self.rollouts
         clipped = [flag for r in rollouts for flag in clipped_flags(r, cap, self.eos)]
         if clipped:
             record["completions/clipped_ratio"] = sum(clipped) / len(clipped)
-        self.rollouts, self.calls = [], {}
 
     def on_end(self, state):
         if self._engine is not None:
@@ -108,9 +104,12 @@ class SampleTap(Callback):
         tapped.__wrapped__ = func                      # inspect.signature (TRL's extras are passed as func takes them)
         return tapped
 
-    def _rows(self, state) -> list[dict]:
-        """The step's rows: each prompt and completion as the reward functions saw them (else as generated), each
-        function's value (None: not applicable, or not kept) and the weighted total of the values there are."""
+    def rows(self, state) -> list[dict]:
+        """The last step's rows: each prompt and completion as the reward functions saw them (else as generated),
+        each function's value (None: not applicable, or not kept) and the weighted total of the values there are."""
+        batch = getattr(state, "last_batch", None)
+        if batch:
+            return trajectory_rows(batch)
         funcs = self._funcs or []
         names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
         weights = list(state.reward_weights or [1.0] * len(funcs))
@@ -216,7 +215,7 @@ class CompletionLog(Callback):
     def on_step(self, state, record):
         evaluated = "accuracy" in record
         if state.step <= FIRST_STEPS or evaluated:
-            self.write(state.step, "train", pick(self.tap.rows, self.n, state.config.sampling.num_generations))
+            self.write(state.step, "train", pick(self.tap.rows(state), self.n, state.config.sampling.num_generations))
         if evaluated:
             self.write(state.step, "eval", eval_rows(self.eval_fn, self.n))
 
