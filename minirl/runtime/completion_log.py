@@ -55,15 +55,15 @@ class SampleTap(Callback):
         return step
 
     def on_start(self, state):
-        generate = getattr(state.engine, "generate", None)
-        if callable(generate):
-            def tapped(*args, **kwargs):
-                rollout = generate(*args, **kwargs)
+        original = getattr(state.engine, "generate", None)
+        if callable(original):
+            def generate(*args, **kwargs):              # its name: a profile's "generate" stage (profile_tables)
+                rollout = original(*args, **kwargs)
                 if self.capturing:
                     self.rollouts.append(rollout)
                 return rollout
             try:
-                state.engine.generate = tapped
+                state.engine.generate = generate
                 self._engine = state.engine
             except (AttributeError, TypeError):        # an engine that takes no attributes: no clipped share, no text
                 pass
