@@ -46,6 +46,7 @@ import time
 # Only modules that load neither torch nor transformers: the flags are checked first (the heavy
 # imports are inside the functions that need them).
 from minirl.config import RLConfig
+from minirl.runtime.accelerate_launch import accelerate_mixed_precision, refuse_several_processes
 from minirl.runtime.cli import check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.io import write_summary
 from minirl.runtime.progress import bars_wanted
@@ -62,10 +63,12 @@ from minirl.runtime.training_cli import (
     held_out_line,
     resolve_task_paths,
     restore_task_flags,
+    resume_command,
     saved_task,
     summary_extras,
     task_from_args,
     task_summary,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_int
 
@@ -88,6 +91,8 @@ def parse_args(argv=None):
     add_schedule_flags(parser)
     add_report_flag(parser)
     args = parser.parse_args(argv)
+    refuse_several_processes(parser)                 # torchrun or accelerate launch with N > 1: chapter 04's
+    accelerate_mixed_precision(parser, args)         # accelerate launch --mixed_precision, when ours is auto
     for dest, low in (("stop_after", 1), ("threads", 0)):
         try:
             if getattr(args, dest) is not None:
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
     except PromptError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = args.out
+    out, again = args.out, resume_command(args.out)
     started = time.perf_counter()
     run_info = {"model": args.model, "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings,
                 **args.run_data}
@@ -158,8 +163,10 @@ def main(argv=None) -> int:
                         extra_callbacks=tuple(schedule_callbacks(args, config.run.steps)
                                               + tracker_callbacks(args, out)))
     except RunStopped as stop:
-        print(f"{stop}; continue with: python {sys.argv[0]} --out {out} --resume")
+        print(f"{stop}; continue with: {again}")
         return 1
+    except OSError as err:                            # a disk that filled, a directory made read-only during the run
+        return write_stop(err, out, again)
     except KeyboardInterrupt:
         found = latest_checkpoint(out / "checkpoints")
         where = f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
@@ -176,8 +183,6 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - started
     evals = [m for m in metrics if "accuracy" in m]
     plot_path = out / "reward_curve.png"
-    plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}",
-                 temperature=config.sampling.temperature)
     steps = [m for m in metrics if "reward" in m]
     last20 = [m["reward"] for m in steps][-20:]
     summary = {
@@ -195,7 +200,12 @@ def main(argv=None) -> int:
         "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
         "config_file": None if args.config is None else str(args.config),
     }
-    write_summary(out, summary)
+    try:                                              # the disk may fill after the last checkpoint too
+        plot_metrics(metrics, plot_path, title=f"stage 1, {config.algorithm.algo}: {args.model or 'embedded policy'}",
+                     temperature=config.sampling.temperature)
+        write_summary(out, summary)
+    except OSError as err:
+        return write_stop(err, out, again)
     if evals:
         print(f"{config.algorithm.algo}: {held_out_line(task, summary, seconds)}")
     else:

@@ -10,6 +10,8 @@
         --reward math --lora-rank 16 --max-completion-length 256 --out runs/04-words
     torchrun --nproc_per_node 2 chapters/04_fsdp_lora.py --config run.yaml --out runs/04-yaml   # settings in YAML
     python chapters/04_fsdp_lora.py --nproc-per-node 2 --out runs/04    # this process launches the job (quiet)
+    accelerate launch --config_file configs/accelerate_cpu_2.yaml chapters/04_fsdp_lora.py --out runs/04  # 2 CPU ranks
+    accelerate launch --multi_gpu --num_processes 8 chapters/04_fsdp_lora.py --device cuda --out runs/04-gpu
 
 Every rank runs notebook 01's step on its share of the prompts, with its trainer shard (--zero:
 0 DDP, 1 ZeRO-1, 2/3 FSDP2; --lora-rank R, 0 = full fine-tuning) and its own engine beside it
@@ -20,11 +22,13 @@ by layer, one all-gather per layer (--no-packed-sync: one per tensor), into ever
 every evaluation, checkpoint and the last step), so a batch is generated up to K-1 updates
 behind the trainer (needs --no-colocate). Rank 0 writes OUT/run.json, OUT/metrics.jsonl,
 OUT/checkpoints/step-N/ (sharded, torch.distributed.checkpoint), OUT/final/ (the merged policy,
-Hugging Face format) and OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one
-per rank), sync_seconds, sync_bytes, sync_share (0-1: the sync's seconds over the steps'),
-staleness, steps, the stage split, the sync table (full / merged / adapter, per tensor and
-packed), the memory freed by colocation, the task and every setting (`settings`, after
---config and the flags). Every setting of RLConfig and ParallelConfig is a flag.
+Hugging Face format; with LoRA also peft's adapter, OUT/final/adapter/, `final_adapter`) and
+OUT/summary.json with accuracy_before, accuracy_after, peak_bytes (one per rank), sync_seconds,
+sync_bytes, sync_share (0-1: the sync's seconds over the steps'), staleness, steps, the stage
+split, the sync table (full / merged / adapter, per tensor and packed), the memory freed by
+colocation, mixed_precision (--mixed-precision resolved: FSDP2's MixedPrecisionPolicy at
+--zero 2/3, autocast at 0/1, float32 weights either way), the task and every setting
+(`settings`, after --config and the flags). Every setting of RLConfig and ParallelConfig is a flag.
 
 The task flags are chapter 01's: --dataset (a `prompt` column, text or chat messages rendered by
 the model's chat template; the other columns go to the rewards), --eval-dataset, --reward
@@ -40,7 +44,6 @@ the ranks' status (130 for Ctrl-C).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
@@ -51,6 +54,7 @@ import time
 
 from minirl.config import RLConfig
 from minirl.parallel.config import ParallelConfig
+from minirl.runtime.accelerate_launch import orphan_problem
 from minirl.runtime.cli import add_config_flags, check_device, common_parser, config_from_args, flag, merged_settings
 from minirl.runtime.parallel_checks import check_parallel
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
@@ -144,11 +148,13 @@ def parse_args(argv=None):
     group.add_argument("--no-progress", action="store_true",
                        help="no progress bars (they are shown on rank 0 when its stderr is a terminal)")
     add_task_flags(parser)
-    add_rl_flags(parser, DEFAULTS, skip=("mixed_precision",))   # stage 4's is FSDP2's (ParallelConfig)
+    add_rl_flags(parser, DEFAULTS)
     add_schedule_flags(parser)
     add_report_flag(parser)
     add_config_flags(parser, ParallelConfig())
     args = parser.parse_args(argv)
+    if (orphan := orphan_problem()) is not None:    # accelerate launch's one process, not a job of ranks
+        parser.error(orphan)
     if args.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" in os.environ:
         parser.error("argument --nproc-per-node: the job is already under torchrun (its --nproc_per_node); drop it")
     try:
@@ -161,7 +167,7 @@ def parse_args(argv=None):
                 raise ConfigError("kill_rank", args.kill_rank, "write it as RANK:STEP, e.g. 1:3")
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
-    config = config_from_args(parser, argparse.Namespace(**{**vars(args), "mixed_precision": "no"}), DEFAULTS)
+    config = config_from_args(parser, args, DEFAULTS)
     pconfig = config_from_args(parser, args, ParallelConfig())
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch loads
@@ -395,7 +401,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
     from minirl.runtime.model_loading import load_policy  # noqa: PLC0415
     from minirl.runtime.plots import plot_metrics  # noqa: PLC0415
-    from minirl.runtime.policy_export import EngineEval, export_policy  # noqa: PLC0415
+    from minirl.runtime.policy_export import EngineEval, adapter_path, export_policy  # noqa: PLC0415
     from minirl.runtime.ranks import agree  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.runtime.sharded_checkpoint import ShardedCheckpoints  # noqa: PLC0415
@@ -426,14 +432,18 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
         stop_after=args.stop_after,
         run_info={"pconfig": dataclasses.asdict(pconfig), "model": args.model, "world_size": ctx.world_size,
                   "task": {k: getattr(args, k) for k in TASK_FLAGS}, "settings": settings, **args.run_data},
-        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree)
+        checkpoints=ShardedCheckpoints(out, config), main=main_rank, agree=agree,
+        autocast=pconfig.zero < 2)    # --mixed-precision: DDP steps autocast; FSDP2 casts by its MixedPrecisionPolicy
     seconds = time.perf_counter() - started
     export_policy(state.roles.actor, state.sync.lora_scaling, tokenizer, out / "final", ctx)
     rows_table = sync_table(state, metrics)
 
     def write_results() -> dict:                         # rank 0; a full disk stops every rank with its file named
         summary = summarize(metrics, state, pconfig, rows_table, seconds)
+        adapter = adapter_path(out / "final", pconfig.lora_rank)     # LoRA: peft's adapter beside the merged model
         summary |= {"model": args.model or "embedded", "resumed": args.resume, "final_model": str(out / "final"),
+                    "final_adapter": None if adapter is None else str(adapter),
+                    "mixed_precision": config.resolved_mixed_precision,
                     "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
                     "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
                     "config_file": None if args.config is None else str(args.config)}

@@ -16,7 +16,8 @@ OUT/timeline.png (which role was busy when, per worker, in the last 3 steps), OU
 steps this process ran, every worker's calls as [what, start, end] in wall-clock seconds; notebook 09 reads it),
 OUT/placement.png (role -> node -> device) and OUT/summary.json with accuracy_before,
 accuracy_after, stage_shares (stage -> share of the step time, 0-1), sync_seconds (mean per
-step), sync_bytes, placement (role -> list of node/device), steps and seconds, the task
+step), sync_bytes, placement (role -> list of node/device), steps and seconds, mixed_precision
+(--mixed-precision resolved: the workers run each call under its autocast, float32 weights), the task
 and every setting (`settings`, after --config and the flags). Prints the stage shares after
 every step. Without --address a local Ray cluster starts inside the run (tried a few times,
 with Ray's start-up waits raised, on a busy machine) and stops at its end. A cluster started by
@@ -66,7 +67,7 @@ from minirl.runtime.training_cli import (
     summary_extras,
     task_from_args,
     task_summary,
-    write_failure,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_float, check_int
 
@@ -121,9 +122,6 @@ def parse_args(argv=None):
     except ConfigError as err:
         parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
     config = config_from_args(parser, args, DEFAULTS)
-    if config.run.mixed_precision in ("bf16", "fp16"):
-        parser.error(f"argument --mixed-precision: {config.run.mixed_precision!r}: chapter 06's Ray workers train "
-                     "without autocast (float32 weights and products); use no, or chapter 01, 04 or 07")
     check_report_to(parser, args)
     check_engine_flag(parser, config)      # vLLM without vLLM or CUDA: refused before torch or Ray loads
     check_run_flags(parser, args)
@@ -244,19 +242,12 @@ def main(argv=None) -> int:
         print(f"error: --model {args.model}: {err}", file=sys.stderr)
         return 2
     except OSError as err:                    # a disk that filled, a directory made read-only during the run
-        line = write_failure(err, out)
-        if line is None:
-            raise
-        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
-        return 1
+        return write_stop(err, out, again)
     finally:
         ray.shutdown()
     seconds = time.perf_counter() - started
     steps = [m for m in metrics if "time/generate" in m]
     evals = [m for m in metrics if "accuracy" in m]
-    plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)": last_steps_of(timeline, 3)},
-                   ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
-    plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
     summary = {
         "accuracy_before": evals[0]["accuracy"] if evals else None,
         "accuracy_after": evals[-1]["accuracy"] if evals else None,
@@ -270,12 +261,19 @@ def main(argv=None) -> int:
         "steps": metrics[-1]["step"] if metrics else 0, "seconds": seconds,
         "seconds_training": sum(m.get("time/step", 0.0) for m in steps),
         "algo": config.algorithm.algo, "model": args.model or "embedded", "resumed": args.resume,
+        "mixed_precision": config.resolved_mixed_precision,
         "metrics": str(out / "metrics.jsonl"), "timeline": str(out / "timeline.png"),
         "placement_plot": str(out / "placement.png"), "task": task_summary(task, args),
         "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
         "config_file": None if args.config is None else str(args.config),
     }
-    write_summary(out, summary)
+    try:                                      # the disk may fill after the last checkpoint too
+        plot_timelines({f"stage 6, {args.placement}: which role was busy when (last 3 steps)":
+                        last_steps_of(timeline, 3)}, ROLE_COLORS, out / "timeline.png", xlabel="seconds (wall clock)")
+        plot_placement(where, out / "placement.png", title=f"stage 6, {args.placement}: role -> node -> device")
+        write_summary(out, summary)
+    except OSError as err:
+        return write_stop(err, out, again)
     if evals:
         print(f"{args.placement}: {held_out_line(task, summary, seconds)}")
     shares = ", ".join(f"{s} {100 * v:.1f}%" for s, v in summary["stage_shares"].items())

@@ -79,7 +79,7 @@ from minirl.runtime.training_cli import (
     summary_extras,
     task_from_args,
     task_summary,
-    write_failure,
+    write_stop,
 )
 from minirl.runtime.validate import ConfigError, check_float, check_int
 
@@ -256,11 +256,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:                    # a disk that filled, a directory made read-only during the run
-        line = write_failure(err, out)
-        if line is None:
-            raise
-        print(stop_line(f"error: {line}", last_checkpoint(out), again), file=sys.stderr)
-        return 1
+        return write_stop(err, out, again)
     except (RuntimeError, TimeoutError) as err:          # a producer failed, or no batch came
         print(stop_line(f"the run stopped: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
                         last_checkpoint(out), again), file=sys.stderr)
@@ -286,10 +282,13 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
                   **summary_extras(args, accuracy),
                   "config_file": None if args.config is None else str(args.config)})
     end = result.ended
-    plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
-                   ACTIVITY_COLORS, out / "timeline.png", first="trainer", max_rows=6, panel_height=1.6)
-    plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
-    write_summary(out, summary)
+    try:                                      # the disk may fill after the last checkpoint too
+        plot_timelines({f"eta = {acfg.max_staleness}, last 2 s": result.timeline.window(end - 2.0, end)},
+                       ACTIVITY_COLORS, out / "timeline.png", first="trainer", max_rows=6, panel_height=1.6)
+        plot_learning_curves({f"eta = {acfg.max_staleness} ({acfg.correction})": accuracy}, out / "learning_curve.png")
+        write_summary(out, summary)
+    except OSError as err:
+        return write_stop(err, out, again)
     held_out = (f"held-out {metric} {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} after "
                 if accuracy else "no held-out evaluation (no --eval-dataset); ")
     print(f"{held_out}{summary['steps']} steps; {summary['trajectories_per_second']:.0f} trajectories/s; "

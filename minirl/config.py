@@ -188,13 +188,18 @@ class RLConfig:
         return "float32" if self.run.dtype == "auto" else self.run.dtype
 
     @property
-    def autocast_dtype(self) -> str | None:
-        """The dtype each step's forward passes autocast to ("bfloat16", "float16"), or None (no autocast):
-        run.mixed_precision with "auto" resolved for run.device (bf16 on CUDA, none elsewhere)."""
+    def resolved_mixed_precision(self) -> str:
+        """run.mixed_precision with "auto" resolved for run.device: "bf16" on CUDA, "no" elsewhere (or as set)."""
         mode = self.run.mixed_precision
         if mode == "auto":
             mode = "bf16" if str(self.run.device).startswith("cuda") else "no"
-        return {"bf16": "bfloat16", "fp16": "float16"}.get(mode)
+        return mode
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The dtype each step's forward passes autocast to ("bfloat16", "float16"), or None (no autocast):
+        the resolved mixed precision's (bf16 on CUDA, none elsewhere, with "auto")."""
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.resolved_mixed_precision)
 
     @property
     def engine_dtype(self) -> str:

@@ -239,8 +239,6 @@ from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.runtime.parallel_checks import check_parallel_config
 from minirl.sync.modes import SYNC_MODES
 
-MIXED_PRECISION = ("none", "bf16")
-
 
 @dataclass
 class ParallelConfig:
@@ -251,7 +249,6 @@ class ParallelConfig:
     lora_alpha: float = 0.0            # the update is (alpha / r) B A; 0: 2 * lora_rank
     lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA)
     sync_mode: str = "auto"            # full, merged, adapter (A and B only); auto: by LoRA
     packed_sync: bool = True           # one all-gather per bucket of whole layers; off: per tensor
@@ -265,7 +262,7 @@ class ParallelConfig:
     vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's value)
 
     choices = {"zero": ZERO_LEVELS, "sync_mode": ("auto", *SYNC_MODES),
-               "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
+               "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
         check_parallel_config(self)
@@ -1134,8 +1131,8 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
         engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
-    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision,
-                         pconfig.cpu_offload)
+    fsdp_precision = config.resolved_mixed_precision if pconfig.zero >= 2 else "no"   # DDP: the step autocasts
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, fsdp_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
@@ -1159,7 +1156,7 @@ def spmd_step(state: SPMDState) -> dict:
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
     record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler,
-                     group=group,
+                     group=group, trainer_state=state.trainer_state,
                      reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})

@@ -280,7 +280,8 @@ steps: 9
     train_calls = [c for c in calls if c["n"] == 8]                # 4 prompts x 2 generations
     assert len(train_calls) == 3 and {c["n"] for c in calls} == {8, 6}, "3 steps, and the 6 held-out rows (twice)"
     first = train_calls[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### ")
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### ")
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())
@@ -447,3 +448,36 @@ def test_the_embedded_task_learns_through_the_task_interface(tmp_path):
     closed = gain / (1 - summary["accuracy_before"])
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     assert closed >= 0.40, f"closed {closed:.0%} of the gap: held-out accuracy {before:.3f} -> {after:.3f}"
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "0"},                      # torchrun / accelerate's
+                                 {"MASTER_ADDR": "127.0.0.1", "ACCELERATE_MIXED_PRECISION": "no"}])   # CPU launcher
+def test_several_processes_are_refused_in_one_line(chapter, tmp_path, monkeypatch, capsys, env):
+    """Issue 31: `accelerate launch --num_processes 2` (or torchrun) on chapter 01 says what to run instead."""
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        chapter.parse_args(["--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and "error: chapter 01 runs one process; use chapter 04 for N ranks (accelerate " \
+        "launch --config_file configs/accelerate_cpu_2.yaml chapters/04_fsdp_lora.py, or torchrun" in err[-1], err
+
+
+@pytest.mark.parametrize("accelerate, flags, expected", [
+    ("bf16", [], "bf16"), ("fp16", [], "fp16"), ("no", [], "auto"), ("bf16", ["--mixed-precision", "no"], "no")])
+def test_accelerate_launch_mixed_precision_fills_auto_only(chapter, tmp_path, monkeypatch, accelerate, flags,
+                                                           expected):
+    """accelerate launch --mixed_precision bf16|fp16 is chapter 01's when its own is auto; a typed flag wins."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", accelerate)
+    args, config, *_ = chapter.parse_args(["--out", str(tmp_path / "run"), *flags])
+    assert args.mixed_precision == expected and config.run.mixed_precision == expected
+
+
+def test_accelerate_launch_fp8_is_refused_in_one_line(chapter, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(SystemExit) as exit_:
+        chapter.parse_args(["--out", str(tmp_path / "run")])
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: accelerate launch --mixed_precision fp8: chapter 01 autocasts to bf16 or fp16 (or not at all); "
+        "launch with --mixed_precision bf16, fp16 or no")

@@ -210,7 +210,8 @@ def test_a_bad_flag_stops_every_rank_before_loading_and_one_says_so(tmp_path):
     (["--algo", "ppo"], "stage 4 trains GRPO"),
     (["--zero", "5"], "invalid choice: 5"),
     (["--lora-rank", "0", "--sync-mode", "merged"], "merging or shipping an adapter needs LoRA"),
-    (["--zero", "1", "--mixed-precision", "bf16"], "use --zero 2 or 3"),
+    (["--zero", "1", "--cpu-offload"], "use --zero 2 or 3"),
+    (["--mixed-precision", "none"], "argument --mixed-precision: invalid choice: 'none'"),   # accelerate's "no"
     (["--sync-every", "0"], "argument --sync-every: 0: must be >= 1"),
     (["--sync-every", "4"], "argument --sync-every: 4: a colocated engine discards its weights"),
     (["--rollout-engine", "tgi"], "argument --rollout-engine: invalid choice: 'tgi'"),
@@ -407,7 +408,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_promotes_nothing(one_rank_st
     assert not list((tmp_path / "checkpoints").glob(".tmp-*")), "and nothing half-written left behind"
     stop = why_stopped(raised.value, StopSignals(), [("host", os.getpid())], 0, tmp_path)
     assert stop.code == 1 and stop.resumable
-    assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/.tmp-step-000006/rank-0.pt (No space "
+    assert stop.what.startswith(f"error: cannot write {tmp_path}/checkpoints/step-000006/rank-0.pt (No space "
                                 "left on device): free some space, or pass another --out"), stop.what
 
 
@@ -466,7 +467,8 @@ steps: 9
     assert sorted(c["rank"] for c in train) == [0, 0, 0, 1, 1, 1], "each rank scores its share, every step"
     assert {c["n"] for c in calls} == {4, 6}, "and rank 0 alone scores the 6 held-out rows (steps 0 and 3)"
     first = train[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### ")
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### ")
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())
@@ -484,3 +486,67 @@ steps: 9
     assert {(r["step"], r["phase"]) for r in logged} == {(0, "eval"), (1, "train"), (2, "train"), (3, "train"),
                                                          (3, "eval")}, "rank 0's rows: the first steps, each eval"
     assert all(set(r["rewards"]) == set(names) for r in logged)
+
+
+# --- accelerate launch and the peft adapter (issue 31, item 7) -------------------------------------------------------
+
+def accelerate_launch(*args, env=None, timeout=300):
+    """`accelerate launch ARGS` with this Python (its module: the same as the `accelerate` command)."""
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_with_the_shipped_cpu_config_trains_and_saves_the_peft_adapter(tmp_path):
+    """configs/accelerate_cpu_2.yaml runs 2 CPU ranks; the LoRA run's final/adapter/ is peft's, and peft's model on
+    the base computes the merged export's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from minirl.models.policy import load_default_policy
+
+    out = tmp_path / "run"
+    job = accelerate_launch("--config_file", REPO / "configs" / "accelerate_cpu_2.yaml", SCRIPT, "--out", out,
+                            "--steps", 1, "--eval-every", 0, "--checkpoint-every", 0, "--prompts-per-step", 2,
+                            "--num-generations", 2, "--lora-rank", 4, "--learning-rate", 0.05, "--no-progress")
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 1
+    assert summary["final_adapter"] == str(out / "final" / "adapter")
+    saved = {p.name for p in (out / "final" / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved, saved
+    base, tokenizer, _ = load_default_policy(progress=False)
+    ids = torch.tensor([tokenizer.encode("3+4=")])
+    with torch.no_grad():
+        before = base.eval()(ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "final" / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()(ids).logits
+    assert not torch.allclose(before, merged, atol=1e-4), "the step moved the adapter"
+    torch.testing.assert_close(adapted, merged, atol=1e-4, rtol=1e-4)
+
+
+def test_accelerate_launch_without_a_config_on_cpus_is_refused_in_one_line(tmp_path):
+    """accelerate's CPU launcher starts one process (no RANK) for --num_processes 2: named, with the commands that
+    work, before anything loads (it used to die in the rendezvous with a 'rank died ... resume' line)."""
+    job = accelerate_launch("--num_processes", 2, "--num_machines", 1, "--mixed_precision", "no", "--dynamo_backend",
+                            "no", SCRIPT, "--out", tmp_path / "run", env={"HF_HOME": str(tmp_path / "hf")}, timeout=120)
+    errors = [line for line in job.stderr.splitlines() if "error:" in line]
+    assert job.returncode != 0 and len(errors) == 1, job.stderr[-3000:]
+    assert errors[0].endswith("error: accelerate launch started one process with no RANK or WORLD_SIZE (on CPUs "
+                              "without a config its launcher starts one and leaves the others to mpirun): start the "
+                              "ranks with accelerate launch --config_file configs/accelerate_cpu_2.yaml (torchrun's "
+                              "launcher, 2 CPU ranks) or torchrun --nproc_per_node N, or run one process with "
+                              "accelerate launch --num_processes 1"), errors
+    assert "resume" not in job.stderr and not (tmp_path / "run").exists()
+
+
+def test_master_addr_without_rank_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        chapter().parse_args(["--out", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: MASTER_ADDR is set but RANK is not: this process is no rank of a job; start the job with torchrun "
+        "--nproc_per_node N, or unset MASTER_ADDR to run one process")

@@ -224,7 +224,8 @@ steps: 9
     sessions = [c for c in calls if c["n"] == 1]                   # one call per completion, in its session
     assert len(sessions) >= 3 * 4 * 2 and {c["n"] for c in calls} == {1, 6}, "and the 6 held-out rows per snapshot"
     first = sessions[0]
-    assert first["columns"] == [] and first["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns"
+    assert first["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "and TRL's extras"
+    assert first["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns"
     assert first["prompts"][0][0]["role"] == "system", "a conversational prompt reaches the rewards as messages"
     assert first["completions"][0][0]["role"] == "assistant"
     summary = json.loads((out / "summary.json").read_text())
@@ -338,7 +339,8 @@ def test_a_full_disk_is_one_line_and_promotes_nothing(tmp_path, capsys, tiny_mod
     lines = [line for line in err.splitlines() if "error" in line]
     assert len(lines) == 1, err
     assert f"cannot write {out}/checkpoints/.tmp-step-000002-x (No space left on device)" in lines[0]
-    assert "free some space" in lines[0] and "no checkpoint was written yet" in lines[0] and "--resume" in lines[0]
+    assert "free some space" in lines[0] and "no checkpoint was written yet" in lines[0]
+    assert lines[0].endswith(f"--out {out} --overwrite"), "nothing to resume: start again"
     assert "Traceback" not in err and not (out / "checkpoints").exists() and not (out / "final").exists()
 
 
@@ -357,8 +359,8 @@ def test_a_killed_ray_producer_is_named_in_one_line(tmp_path, words):
     lines = [line for line in proc.stderr.splitlines() if "died" in line]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"RayProducer ray \d slot \d \(pid \d+ on node \w+\) died during produce", lines[0]), lines[0]
-    assert "no checkpoint was written yet; continue with: python" in lines[0]
-    assert lines[0].endswith(f"07_async.py --out {out} --resume")
+    assert "no checkpoint was written yet; start the run again with: python" in lines[0]
+    assert lines[0].endswith(f"07_async.py --out {out} --overwrite")
 
 
 def test_chapter_07_never_exits_0_after_every_trajectory_failed(tmp_path):

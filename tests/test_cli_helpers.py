@@ -36,7 +36,9 @@ def test_stop_line_names_the_checkpoint_and_the_resume_command():
                      "--out runs/x --resume")
     assert line == ("interrupted: the last intact checkpoint is runs/x/checkpoints/step-000004; continue with: "
                     "python chapters/01_single_process.py --out runs/x --resume")
-    assert "no checkpoint was written yet" in stop_line("rank 1 died", None, "...")
+    nothing = stop_line("rank 1 died", None, "torchrun --nproc_per_node 2 04_fsdp_lora.py --out r --resume --steps 9")
+    assert nothing == ("rank 1 died: no checkpoint was written yet; start the run again with: "
+                       "torchrun --nproc_per_node 2 04_fsdp_lora.py --out r --overwrite --steps 9"), "nothing to resume"
 
 
 @pytest.mark.parametrize("script", ["01_single_process.py", "04_fsdp_lora.py", "06_ray.py", "07_async.py"])

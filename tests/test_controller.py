@@ -114,6 +114,43 @@ def test_colocated_ppo_reproduces_stage1_and_the_engine_sleeps_during_the_update
     assert calls.index("rollout.wake_up") > calls.index("actor.update"), "woken by the sync that follows"
 
 
+def trl_rewards():
+    """Reward functions of each kind TRL's users write (issue 31 item 4), made here so that Ray pickles them by
+    value: completion_ids, trainer_state and log_metric, None where one does not apply, async def."""
+    import asyncio
+
+    def by_ids(prompts, completions, completion_ids, **kwargs):
+        assert all(type(i) is int for ids in completion_ids for i in ids) and len(completion_ids) == len(completions)
+        return [-len(ids) / 10 for ids in completion_ids]
+
+    def by_step(completions, trainer_state, log_metric, **kwargs):
+        log_metric("curriculum/step", trainer_state.global_step)
+        return [0.0] * len(completions)
+
+    def some_none(completions, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    async def judge(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5] * len(completions)
+    return [by_ids, by_step, some_none, judge, TASK.reward]
+
+
+def test_reward_workers_call_trls_rewards_as_stage_1_does(cluster, make_tiny_policy):
+    """The reward worker gets each extra TRL passes (the async judge is awaited there) and its log_metric values
+    reach the driver's record: the records are stage 1's."""
+    config = small(steps=2)
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    expected = train(config, model, tok, progress=False, reward_funcs=trl_rewards())
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    with Driver(config, make_placement("disaggregated"), model, tok, trl_rewards()) as driver:
+        records = driver.train(ROWS, progress=False)
+    assert without_timing(records) == without_timing(expected)
+    assert [r["curriculum/step"] for r in records] == [0.0, 1.0] and all(r["rewards/some_none"] == 1.0
+                                                                          for r in records)
+    assert all(r["rewards/by_ids"] == pytest.approx(-r["completion_length"] / 10) for r in records)
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_two_data_parallel_ranks_across_two_nodes_update_as_one(cluster, make_tiny_policy, algo):
     """The actor (and PPO's critic) on a pool of two ranks, one per node: stage 1's update, up to float sums."""
@@ -263,6 +300,23 @@ def test_chapter_joins_the_cluster_and_writes_its_summary(cluster, tmp_path, tin
     assert (out / "timeline.png").stat().st_size > 1000 and (out / "placement.png").stat().st_size > 1000
 
 
+def test_chapter_with_bf16_mixed_precision_keeps_every_update(cluster, tmp_path):
+    """--mixed-precision bf16 (issue 30), colocated: the workers run each call under bf16 autocast on float32
+    weights, so one step at lr 1e-6 changes (nearly) every weight of the saved policy; summary.json says bf16."""
+    from test_dtypes import _changed_share
+
+    out = tmp_path / "bf16"
+    proc = subprocess.run([sys.executable, str(REPO / "chapters" / "06_ray.py"), "--address", cluster.address,
+                           "--placement", "colocated", "--out", str(out), "--steps", "1", "--learning-rate", "1e-6",
+                           "--eval-every", "0", "--checkpoint-every", "0", "--mixed-precision", "bf16"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mixed_precision"] == "bf16" and summary["settings"]["mixed_precision"] == "bf16"
+    kept = _changed_share(out, torch.float32)
+    assert kept > 0.9, f"float32 weights + the workers' bf16 autocast changed {kept:.1%}"
+
+
 # --- chapter 06 on a data set, and what stops it (issues 19 and 22) ------------------------------------------------
 
 SPY = '''
@@ -352,7 +406,8 @@ steps: 9
                                             abs=1e-6) and 0 <= m["frac_reward_zero_std"] <= 1
     calls = [json.loads(line) for line in (root / "spy.jsonl").read_text().splitlines()]
     worker_calls = [c for c in calls if c["n"] == 8 and c["pid"] != os.getpid()]   # 4 prompts x 2, both chapters
-    assert len({c["pid"] for c in worker_calls}) == 2 and worker_calls[0]["columns"] == []
+    assert len({c["pid"] for c in worker_calls}) == 2
+    assert worker_calls[0]["columns"] == ["completion_ids", "log_extra", "log_metric", "trainer_state"], "TRL's"
     assert worker_calls[0]["answer"][0].split("\n")[-1].startswith("#### "), "the row's columns reach the reward"
     summary = json.loads((out6 / "summary.json").read_text())
     assert summary["task"]["rewards"] == list(names) and summary["task"]["reward_weights"] == [1.0, 0.5, 0.25]

@@ -105,3 +105,68 @@ def test_mixed_precision_keeps_every_update_that_pure_bf16_loses(tmp_path):
     assert "warning" not in ran[0].stderr
     kept, lost = _changed_share(mixed, torch.float32), _changed_share(pure, torch.bfloat16)
     assert kept > 0.9 and lost < 0.3, f"float32 weights + bf16 autocast changed {kept:.1%}; pure bf16 {lost:.1%}"
+
+
+def test_fp16_mixed_precision_says_it_has_no_loss_scaling(tmp_path):
+    """fp16 autocast runs (float32 weights), and a warning says that no GradScaler scales the loss."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "01_single_process.py"
+    proc = subprocess.run([sys.executable, str(chapter), "--out", str(tmp_path / "run"), "--steps", "1",
+                           "--eval-every", "0", "--checkpoint-every", "0", "--mixed-precision", "fp16"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: --mixed-precision fp16 autocasts without loss scaling" in proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["mixed_precision"] == "fp16"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [3, 0])
+def test_chapter_04_mixed_precision_keeps_every_update(tmp_path, zero):
+    """Stage 4 on 2 ranks, one step at lr 1e-6 with --mixed-precision bf16: ZeRO-3 computes by FSDP2's
+    MixedPrecisionPolicy (bf16 products, float32 shards and reduction), DDP (zero 0) under autocast; either way the
+    float32 weights take (nearly) every update, and summary.json records the resolved value."""
+    from pathlib import Path
+
+    from minirl.runtime.launch import torchrun
+
+    chapter = Path(__file__).resolve().parents[1] / "chapters" / "04_fsdp_lora.py"
+    out = tmp_path / "run"
+    proc = torchrun(chapter, 2, ["--out", str(out), "--steps", "1", "--learning-rate", "1e-6", "--eval-every", "0",
+                                 "--checkpoint-every", "0", "--zero", str(zero), "--mixed-precision", "bf16",
+                                 "--no-progress"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mixed_precision"] == "bf16" and summary["settings"]["mixed_precision"] == "bf16"
+    assert summary["config"]["run"]["mixed_precision"] == "bf16" and "warning" not in proc.stdout
+    kept = _changed_share(out, torch.float32)
+    assert kept > 0.9, f"zero {zero}, float32 weights + bf16 mixed precision changed {kept:.1%}"
+
+
+def test_a_stage6_worker_runs_each_call_under_the_runs_autocast(make_tiny_policy):
+    """Chapter 06's worker (the class itself, without Ray) runs each role's call under the run's autocast, as stage 1
+    runs its step: with --mixed-precision bf16 the actor's forward passes give bfloat16 logits while its weights and
+    AdamW's state stay float32 and one update at lr 1e-6 changes every trained tensor; with no, float32 logits."""
+    from test_packed_update import experience, long_tail_rollout
+
+    from minirl.controller.roles import RoleWorker
+
+    model, tok = make_tiny_policy(seed=3, num_layers=1)
+    exp = experience(long_tail_rollout(tok))
+    for mode, want in (("bf16", torch.bfloat16), ("no", torch.float32)):
+        worker = RoleWorker("shared", 0, 1, threads=0)
+        worker.setup(["actor"], RLConfig.from_flat(mixed_precision=mode, learning_rate=1e-6), model, tok)
+        actor = worker.roles["actor"].model
+        seen = set()
+        actor.lm_head.register_forward_hook(lambda _m, _i, output, seen=seen: seen.add(output.dtype))
+        start = {n: p.detach().clone() for n, p in actor.named_parameters()}
+        worker.call("actor", "update", exp)
+        assert seen == {want}, f"--mixed-precision {mode}: logits in {seen}"
+        assert {p.dtype for p in actor.parameters()} == {torch.float32}
+        state = worker.roles["actor"].optimizer.state.values()
+        assert {t.dtype for s in state for k, t in s.items() if k != "step"} == {torch.float32}
+        unchanged = [n for n, p in actor.named_parameters() if torch.equal(p.detach(), start[n])]
+        assert not unchanged, f"--mixed-precision {mode}: one update at lr 1e-6 left {unchanged} unchanged"

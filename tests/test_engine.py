@@ -1,7 +1,6 @@
 """The paged engine (notebook 05, minirl/rollout/engine): correct first, then leak-free, then bad input."""
 
 import os
-import platform
 import random
 from pathlib import Path
 
@@ -199,13 +198,17 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
         torch.testing.assert_close(got[j], (p[..., None] * v).sum(1).flatten(), atol=1e-5, rtol=1e-5)
 
 
-def test_prepacked_products_equal_plain_ones():
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    if platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available():
-        assert Linear(weight, bias).onednn, "on an x86 CPU the weights are prepacked for oneDNN"
+@pytest.mark.parametrize("out_features", [48, 128])       # transposed for torch.mm; wide: prepacked (x86)
+def test_products_equal_plain_ones_and_add_into_the_residual(out_features):
+    weight, bias = torch.randn(out_features, 32), torch.randn(out_features)
     for rows in (1, 5, 64):
-        x = torch.randn(rows, 32)
-        torch.testing.assert_close(Linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+        x, residual = torch.randn(rows, 32), torch.randn(rows, out_features)
+        for b in (bias, None):
+            want = torch.nn.functional.linear(x, weight, b)
+            torch.testing.assert_close(Linear(weight, b)(x), want)
+            out = residual.clone()
+            assert Linear(weight, b).add_to(out, x) is out, "the residual is added in place"
+            torch.testing.assert_close(out, residual + want)
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc (Linux)")
@@ -303,6 +306,25 @@ def test_the_cache_is_sized_to_the_work_and_keeps_its_prefixes_when_it_grows(lon
     assert budget.num_blocks == 100 * 2**20 // budget.model.cache_bytes_per_block(16)
     budget.run([Request(x, 20, 0.0) for x in ids for _ in range(4)])
     assert budget.num_blocks == 100 * 2**20 // budget.model.cache_bytes_per_block(16), "a budget is fixed"
+
+
+def test_add_grows_a_cache_sized_to_the_work_so_that_step_runs_the_whole_batch(long_tail):
+    model, tokenizer = long_tail
+    ids = encode(tokenizer, few_shot_prompts(2))
+    requests = [Request(x, 20, 0.0) for x in ids for _ in range(4)]
+    want = [s.completion for s in PagedEngine(model, tokenizer, block_size=16).run(requests)]
+    engine = PagedEngine(model, tokenizer, block_size=16)
+    seqs = [engine.add(r) for r in requests]
+    per_row = -(-(max(len(x) for x in ids) + 20) // 16)
+    assert engine.num_blocks >= 8 * per_row, "add() grows the cache to the queued work, as run() does"
+    while engine.scheduler.has_work():
+        engine.step()
+    assert max(row["running"] for row in engine.scheduler.timeline) == 8 and engine.stats.preemptions == 0
+    assert [s.completion for s in seqs] == want
+    engine.pool.check()
+    fixed = PagedEngine(model, tokenizer, block_size=16, num_blocks=32)
+    fixed.add(requests[0])
+    assert fixed.num_blocks == 32, "a cache the caller sized stays as it is"
 
 
 @pytest.mark.parametrize("seed", range(10))

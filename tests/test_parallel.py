@@ -54,7 +54,7 @@ def group():
     (dict(lora_rank=-1), r"lora_rank=-1: must be >= 0"),
     (dict(sync_mode="adapter"), r"sync_mode='adapter': merging or shipping an adapter needs LoRA"),
     (dict(lora_rank=4, sync_mode="full"), r"sync_mode='full': with LoRA"),
-    (dict(zero=1, mixed_precision="bf16"), r"mixed_precision='bf16'.*use --zero 2 or 3"),
+    (dict(zero=1, cpu_offload=True), r"cpu_offload=True: is FSDP2's.*use --zero 2 or 3"),
     (dict(sync_every=0), r"sync_every=0: must be >= 1 \(1: push after every update"),
     (dict(sync_every=3), r"sync_every=3: a colocated engine discards its weights.*--no-colocate"),
     (dict(sync_bucket_mb=-1.0), r"sync_bucket_mb=-1.0: must be >= 0.0"),
@@ -508,16 +508,20 @@ def test_distributed_critic_matches_the_plain_critic_in_one_process(group, make_
         sharded_actor(make_tiny_policy(seed=8, num_layers=1)[0], group, zero=3).state_dict()
 
 
-def test_bf16_mixed_precision_keeps_fp32_shards(group, make_tiny_policy):
-    """FSDP2's MixedPrecisionPolicy: compute in bfloat16, keep (and update) float32 shards."""
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_keeps_fp32_shards(group, make_tiny_policy, precision, dtype):
+    """FSDP2's MixedPrecisionPolicy (--mixed-precision bf16 or fp16 at ZeRO 2/3): compute in half precision, keep
+    (and update) float32 shards."""
     model, tok = make_tiny_policy(seed=9, num_layers=2)
     ro = SharedPrefixEngine(model, tok).generate(PROMPTS, SAMPLING, generator=torch.Generator().manual_seed(2))
     config = RLConfig.from_flat(num_generations=2, max_completion_length=3)
-    wrapped = wrap_model(model, 3, "cpu", mixed_precision="bf16")
+    wrapped = wrap_model(model, 3, "cpu", mixed_precision=precision)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group)
+    seen = set()
+    model.lm_head.register_forward_hook(lambda _m, _i, output: seen.add(output.dtype))
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     metrics = actor.update(Experience(ro, torch.zeros(4), advantages=torch.tensor([1.0, -1.0, -1.0, 1.0])))
-    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0
+    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0 and seen == {dtype}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters()), "the shards stay float32 (the master copy)"
     assert any(not torch.equal(p.detach().to_local(), before[n]) for n, p in model.named_parameters())
 
@@ -602,3 +606,40 @@ def test_export_loads_and_resume_on_another_world_size_is_refused(group, make_ti
     torch.save(training | {"world_size": 4}, path / "training_state.pt")
     with pytest.raises(ConfigError, match=r"written by 4 ranks; resume with torchrun --nproc_per_node 4"):
         load_sharded(path, state)
+
+
+def test_a_lora_export_saves_the_peft_adapter_beside_the_merged_model(group, make_tiny_policy, tmp_path):
+    """Issue 31: final/adapter/ is what peft saves (adapter_config.json, adapter_model.safetensors); peft loads it on
+    the base model, and its merged outputs are the merged export's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from minirl.parallel.launch import DistContext
+    from minirl.parallel.spmd import setup_spmd
+    from minirl.runtime.policy_export import adapter_path, export_policy
+    from minirl.tasks.arithmetic import make_task
+
+    model, tok = make_tiny_policy(seed=12, num_layers=1)
+    zero = [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    state = setup_spmd(RLConfig.from_flat(num_generations=2), ParallelConfig(zero=3, lora_rank=4, lora_alpha=16),
+                       model, tok, make_task().rows("train"), zero, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    torch.manual_seed(0)
+    with torch.no_grad():                            # a trained adapter: B is zero until the first update
+        for name, p in state.roles.actor.module.named_parameters():
+            if "lora_B" in name:
+                p.to_local().normal_(0.0, 0.1)      # FSDP2: a DTensor; one rank holds it whole
+    final = export_policy(state.roles.actor, state.sync.lora_scaling, tok, tmp_path / "final", state.ctx)
+    adapter = adapter_path(final, 4)
+    assert adapter == final / "adapter" and adapter_path(final, 0) is None
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    base, _ = make_tiny_policy(seed=12, num_layers=1)
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    assert peft_model.peft_config["default"].r == 4 and peft_model.peft_config["default"].lora_alpha == 16
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.tensor([tok.encode("12+7=")])
+    with torch.no_grad():
+        adapted, exported = peft_model(ids).logits, merged(ids).logits
+        plain, _ = make_tiny_policy(seed=12, num_layers=1)
+        assert not torch.allclose(exported, plain.eval()(ids).logits, atol=1e-4), "the adapter changed the outputs"
+        torch.testing.assert_close(adapted, exported, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(peft_model.merge_and_unload()(ids).logits, exported, atol=1e-5, rtol=1e-4)

@@ -2,6 +2,7 @@
 timeout, even a rank that ignores SIGTERM (torchrun starts every rank in a session of its own)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import psutil
 import pytest
 from refusals import load_factor
 
-from minirl.runtime.launch import stop_job, torchrun
+from minirl.runtime.launch import REPO, stop_job, torchrun
 
 HANG = """
 import os, signal, sys, time
@@ -103,6 +104,80 @@ def test_one_launcher_in_the_package_and_the_chapters():
 
 # --- a job that stops early (issue 22): who died, which signal, one line from one rank ---------------------------
 
+STOPPING = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+from minirl.parallel.launch import init_distributed
+from minirl.runtime.stops import StopSignals, rank_processes, why_stopped
+rank, processes = int(os.environ["RANK"]), [(None, os.getpid())]
+with StopSignals() as signals:                      # what chapter 04's main does around its ranks
+    try:
+        init_distributed("gloo", "cpu")
+        processes = rank_processes()
+        if rank == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)      # the last rank dies
+        elif rank == 0:
+            dist.recv(torch.zeros(1), src=1)          # until rank 1 is gone: the dead one, or one torchrun stopped
+        else:
+            time.sleep(300)                           # until torchrun's SIGTERM
+    except BaseException as err:
+        signals.quiet()
+        stop = why_stopped(err, signals, processes, rank, sys.argv[1])
+        if stop.what is not None:
+            print("stop line:", stop.what, flush=True)
+        os._exit(stop.code)
+"""
+
+
+def stop_lines(output: str) -> list[str]:
+    return [line.split("stop line: ", 1)[1] for line in output.splitlines() if line.startswith("stop line: ")]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_every_job_with_the_same_master_port_says_who_died(tmp_path):
+    """torchrun names every job started with --master_port "none": a second job on the same host and port still
+    says who died (issue 34: a stop marker left by the first one silenced every later job)."""
+    script = tmp_path / "stopping.py"
+    script.write_text(STOPPING)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(port), "--nproc_per_node", "2",
+           str(script), str(tmp_path)]
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"))
+    for job in (1, 2):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=120 * load_factor())
+        finally:
+            stop_job(proc.pid)
+        said = stop_lines(output)
+        assert proc.returncode != 0 and len(said) == 1, (job, output[-3000:])
+        assert re.fullmatch(r"rank 1 \(pid \d+ on \S+\) died", said[0]), (job, said)
+    assert not list((tmp_path / "tmp").glob("minirl-*")), "no marker file left behind"
+
+
+@pytest.mark.distributed
+def test_the_rank_named_dead_is_the_one_that_died_not_one_torchrun_stopped(tmp_path):
+    """Three ranks: rank 2 dies (SIGKILL), torchrun stops rank 1 (SIGTERM), and only then does rank 0 see that
+    rank 1 is gone too: it names rank 2 alone."""
+    script = tmp_path / "stopping.py"
+    script.write_text(STOPPING)
+    job = torchrun(script, 3, [tmp_path], timeout=120 * load_factor())
+    said = stop_lines(job.stdout)
+    assert job.returncode != 0 and len(said) == 1, job.stdout[-3000:]
+    assert re.fullmatch(r"rank 2 \(pid \d+ on \S+\) died", said[0]), said
+
+
 def test_dead_ranks_sees_a_process_of_this_host_that_ended():
     import socket
 
@@ -132,18 +207,26 @@ def _stop(err, received=(), rank=0, processes=None, out="/tmp/run", wait=0.0):
     return why_stopped(err, signals, processes, rank, out, wait=wait)
 
 
-def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
+def test_why_stopped_says_each_stop_once_from_one_rank(monkeypatch):
     import errno
     import signal
     import socket
 
+    import torch.distributed as dist
+
     from minirl.runtime.ranks import RankFailed
+    from minirl.runtime.stops import Terminated
     from minirl.runtime.validate import ConfigError
 
-    def new_job():
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{time.monotonic_ns()}")
+    stores = []
 
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    def new_job():                                  # what torchrun gives its ranks: its agent's store for the job
+        stores.append(dist.TCPStore("127.0.0.1", 0, is_master=True))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(stores[-1].port))
+
     # Ctrl-C: rank 0 says it, once, exit 130; rank 1 is quiet (also when its error is the broken collective)
     new_job()
     assert _stop(RuntimeError("Connection reset by peer"), [signal.SIGINT], rank=1).what is None
@@ -179,6 +262,21 @@ def test_why_stopped_says_each_stop_once_from_one_rank(tmp_path, monkeypatch):
     new_job()
     stop = _stop(RuntimeError("Connection closed by peer"), [signal.SIGTERM])
     assert (stop.what, stop.code) == ("stopped by SIGTERM", 143)
+    # a rank that ended after coming here (torchrun stopped it) did not die: only the one that did is named
+    new_job()
+    stopped = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopped.wait()
+    three = [(host, os.getpid()), (host, stopped.pid), (host, child.pid)]
+    assert _stop(Terminated(), [signal.SIGTERM], rank=1, processes=three).what is None, "rank 1, before it ended"
+    stop = _stop(RuntimeError("Connection closed by peer"), [signal.SIGTERM], rank=0, processes=three)
+    assert (stop.what, stop.code) == (f"rank 2 (pid {child.pid} on {host}) died", 1)
+    # a rank that said its own error and ended: nobody names it dead, and the SIGTERM that follows adds no line
+    new_job()
+    two = [(host, os.getpid()), (host, stopped.pid)]
+    assert _stop(ValueError("bad row"), rank=1, processes=two).what == f"rank 1 (pid {stopped.pid} on {host}) " \
+                                                                       "failed with ValueError: bad row"
+    stop = _stop(RuntimeError("Connection closed by peer"), [signal.SIGTERM], rank=0, processes=two)
+    assert (stop.what, stop.code) == (None, 143)
 
 
 def test_stop_signals_raise_once_and_deferred_signals_wait_for_the_block():
@@ -212,3 +310,10 @@ def test_relaunch_command_repeats_the_world(monkeypatch):
         "torchrun --nproc_per_node 8 chapters/04_fsdp_lora.py --out 'runs/my run' --resume"
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert relaunch_command("x.py", ["--resume"]).startswith("torchrun --nnodes 2 --nproc_per_node 8 x.py")
+
+
+def test_a_rank_is_named_before_the_ranks_have_swapped_their_pids():
+    """A rank that fails before `rank_processes()` knows only its own (host, pid): others are named by rank."""
+    from minirl.runtime.stops import _names
+
+    assert _names([0, 1], [("host", 5)]) == "rank 0 (pid 5 on host), rank 1"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minirl.runtime import smollm2
+from minirl.runtime.run_answers import before_after, print_before_after
 from minirl.tasks import arithmetic_chat
 from minirl.tasks.arithmetic_chat import families, final_number_reward, generate_facts, write_facts
 
@@ -142,7 +143,7 @@ def test_final_number_reward_reads_the_last_number():
 # ---------------------------------------------------------------- chapter 01 and the paged engine on it
 
 
-def test_chapter_01_trains_the_real_model_a_few_steps(checkpoint, tmp_path):
+def test_chapter_01_trains_the_real_model_a_few_steps(checkpoint, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     held_out = tmp_path / "held_out.jsonl"
@@ -170,6 +171,15 @@ def test_chapter_01_trains_the_real_model_a_few_steps(checkpoint, tmp_path):
     rewards = [m["reward"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
     assert len(rewards) == 2 and max(rewards) > 0, rewards
     assert moved, "two optimizer steps at the config's learning rate must change the weights"
+    # notebook 01 section 11's table: the same greedy answers as the run's own evaluations, before and after
+    table = before_after(out, n=6)
+    assert [row["answer"] for row in table] == [json.loads(row)["answer"] for row in held_out.read_text().splitlines()]
+    assert sum(row["before_reward"] for row in table) / 6 == pytest.approx(summary["accuracy_before"])
+    assert sum(row["after_reward"] for row in table) / 6 == pytest.approx(summary["accuracy_after"])
+    print_before_after(table, width=30)
+    lines = capsys.readouterr().out.splitlines()
+    cut = lines[0].rindex(" | ")                  # the last column starts at the same place on every line
+    assert len(lines) == 8 and all(line[cut:cut + 3] in (" | ", "-+-") for line in lines), lines
 
 
 def test_the_paged_engine_decodes_as_hf_generate_on_the_real_model(real):

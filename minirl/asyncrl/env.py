@@ -81,13 +81,14 @@ def run_sessions(make_env, row: dict, actions: list[str], policy, seeds: list[in
                  timeout: float, max_turns: int = 1) -> list[SessionResult]:
     """One isolated session per action, all at once, each in its own daemon thread, each given
     `timeout` s. A session that raises or returns junk gives SessionResult(0, ..., error=...);
-    one still running at its deadline gives timed_out=True (its thread is abandoned)."""
+    one still running at its deadline gives timed_out=True (its thread is abandoned).
+    make_env: one factory for all, or a list of one per session."""
     results: list[SessionResult | None] = [None] * len(actions)
-    start = time.perf_counter()
+    start, makers = time.perf_counter(), make_env if isinstance(make_env, list) else [make_env] * len(actions)
 
     def body(i: int) -> None:
         try:
-            results[i] = run_session(make_env, row, actions[i], policy, seeds[i], max_turns)
+            results[i] = run_session(makers[i], row, actions[i], policy, seeds[i], max_turns)
         except Exception as err:  # an environment's failure is data: scored 0 and counted
             results[i] = SessionResult(0.0, 0, time.perf_counter() - start,
                                        f"{type(err).__name__}: {err}")

@@ -62,6 +62,7 @@ class Trajectory:
     env_errors: tuple = ()        # a few of the failures, as text
     ticket: int = -1              # the start gate's number for it: fixes its prompt and seed
     scores: dict = field(default_factory=dict)   # {reward function: [G] values}
+    logged: dict = field(default_factory=dict)   # what its reward functions logged (TRL's log_metric)
 
     @property
     def version(self) -> int:

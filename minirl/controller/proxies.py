@@ -12,6 +12,7 @@ import ray
 from minirl.controller.worker_group import DP_COMPUTE, DP_UPDATE, split_by_rank
 from minirl.data import Batch
 from minirl.rollout.base import draw_seed
+from minirl.runtime.reward_extras import joined_rewards, remote_rows
 from minirl.runtime.role_checkpoints import CheckpointedRole
 from minirl.runtime.sync_ends import RemoteWeights, one_version
 
@@ -98,5 +99,5 @@ class RemoteReward:
         N, n = len(completions), len(self.group)
         bounds = [(r * N // n, (r + 1) * N // n) for r in range(n)]      # contiguous, near equal
         calls = [("reward", "score", self.index, prompts[a:b], completions[a:b],
-                  {k: v[a:b] for k, v in columns.items()}) if b > a else None for a, b in bounds]
-        return [x for part in self.group.run("call", calls) for x in part]
+                  remote_rows(columns, a, b)) if b > a else None for a, b in bounds]   # TRL's extras too
+        return joined_rewards(self.group.run("call", calls), columns)    # in order; their log_metric calls here

@@ -23,8 +23,10 @@ from minirl.roles.critic import Critic
 from minirl.roles.reference import Reference
 from minirl.rollout.colocated import ColocatedEngine
 from minirl.rollout.registry import build_engine
+from minirl.runtime.callbacks import autocast_context
 from minirl.runtime.object_store_sync import ObjectStoreEnds
 from minirl.runtime.ray_calls import moved
+from minirl.runtime.reward_extras import worker_rewards
 from minirl.runtime.role_checkpoints import RestoringWorker
 from minirl.runtime.seeding import seed_everything
 from minirl.runtime.sync_ends import SyncEnds
@@ -36,8 +38,8 @@ class RewardRole:
     def __init__(self, reward_funcs):
         self.funcs = list(reward_funcs)
 
-    def score(self, index: int, prompts: list, completions: list, columns: dict) -> list[float]:
-        return list(self.funcs[index](prompts=prompts, completions=completions, **columns))
+    def score(self, index: int, prompts: list, completions: list, columns: dict) -> tuple[list, dict]:
+        return worker_rewards(self.funcs[index], prompts, completions, columns)   # as TRL calls it; what it logged
 
 
 def build_role(name: str, config, model, tokenizer, reward_funcs, group=None):
@@ -71,7 +73,7 @@ class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
 
     def setup(self, roles: list[str], config, model, tokenizer, reward_funcs=()) -> dict[str, str]:
         seed_everything(config.run.seed)
-        self.torch_device = torch.device(config.run.device)
+        self.torch_device, self.config = torch.device(config.run.device), config
         model = copy.deepcopy(model).to(self.torch_device).eval()
         ranks = self.groups.get(f"dp:{self.group}") if self.size > 1 else None   # model pools
         group = ProcessGroup(self.torch_device, ranks) if ranks is not None else None
@@ -85,8 +87,8 @@ class RoleWorker(Worker, ObjectStoreEnds, SyncEnds, RestoringWorker):
 
     def call(self, role: str, method: str, *args, **kwargs):
         """`self.roles[role].method(*args, **kwargs)`, recorded in the timeline as "role.method"
-        (tensors `moved` to this worker's device, results back to the CPU)."""
-        with self.record(f"{role}.{method}"):
+        (tensors `moved` to this worker's device, results back to the CPU), under the run's autocast."""
+        with self.record(f"{role}.{method}"), autocast_context(self.config):
             result = getattr(self.roles[role], method)(*moved(args, self.torch_device), **kwargs)
             return moved(result, "cpu")
 

@@ -100,34 +100,37 @@ class Wrapped:
     zero: int
 
 
-def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "none",
+def wrap_model(model: nn.Module, zero: int, device: torch.device | str = "cpu", mixed_precision: str = "no",
                cpu_offload: bool = False, process_group=None) -> Wrapped:
     """Wrap `model` (moved to `device`) for ZeRO stage `zero` in the default process group.
 
     0, 1: DistributedDataParallel with gradients as views of its buckets (one copy of the
     gradients, not two); ZeRO-1's sharded optimizer comes from `make_optimizer`.
     2, 3: FSDP2 `fully_shard` on each decoder layer, then on the whole model, with
-    reshard_after_forward = (zero == 3); mixed_precision="bf16" adds a MixedPrecisionPolicy
-    (BF16 compute, FP32 gradient reduction), cpu_offload a CPUOffloadPolicy.
+    reshard_after_forward = (zero == 3); mixed_precision "bf16" or "fp16" adds a MixedPrecisionPolicy
+    (bfloat16 / float16 compute on float32 shards, float32 gradient reduction), cpu_offload a
+    CPUOffloadPolicy. DDP has no such policy: its caller runs the step under autocast instead.
     process_group: DDP over this torch.distributed subgroup instead (zero 0 only; the
     data-parallel ranks of a Ray pool, notebook 06).
     """
     check_choice("zero", zero, ZERO_LEVELS)
-    check_choice("mixed_precision", mixed_precision, ("none", "bf16"))
+    check_choice("mixed_precision", mixed_precision, ("no", "bf16", "fp16"))
     if process_group is not None and zero != 0:
         raise ConfigError("zero", zero, "a process group other than the default one is supported by DDP alone; "
                                         "use zero 0")
     device = torch.device(device)
     model.to(device)
     if zero <= 1:
-        if mixed_precision != "none" or cpu_offload:
-            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3")
+        if mixed_precision != "no" or cpu_offload:
+            raise ConfigError("zero", zero, "mixed precision and CPU offload are FSDP2's policies; use zero 2 or 3 "
+                                            "(DDP: mixed_precision='no' and the step under torch.autocast)")
         ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True, process_group=process_group)
         return Wrapped(ddp, model, zero)
     kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)), "reshard_after_forward": zero == 3}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if mixed_precision != "no":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mixed_precision == "bf16" else
+                                                   torch.float16, reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):

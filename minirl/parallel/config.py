@@ -1,15 +1,13 @@
 # Generated from notebooks/04_fsdp_lora.py by tools/build.py -- edit the notebook, not this file.
 """Stage 4's settings beyond RLConfig: sharding, LoRA, how weights reach the engine (no torch)."""
 
-__all__ = ["MIXED_PRECISION", "ParallelConfig"]
+__all__ = ["ParallelConfig"]
 
 from dataclasses import dataclass
 
 from minirl.memory.calculator import LORA_TARGETS, ZERO_LEVELS
 from minirl.runtime.parallel_checks import check_parallel_config
 from minirl.sync.modes import SYNC_MODES
-
-MIXED_PRECISION = ("none", "bf16")
 
 
 @dataclass
@@ -21,7 +19,6 @@ class ParallelConfig:
     lora_alpha: float = 0.0            # the update is (alpha / r) B A; 0: 2 * lora_rank
     lora_target_modules: str = ",".join(LORA_TARGETS)  # comma-separated names of the adapted layers
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    mixed_precision: str = "none"      # bf16: FSDP2 computes in bfloat16, reduces in float32
     cpu_offload: bool = False          # FSDP2 keeps shards, gradients and Adam in CPU memory (CUDA)
     sync_mode: str = "auto"            # full, merged, adapter (A and B only); auto: by LoRA
     packed_sync: bool = True           # one all-gather per bucket of whole layers; off: per tensor
@@ -35,7 +32,7 @@ class ParallelConfig:
     vllm_max_num_batched_tokens: int = 4096   # vllm engine: tokens per scheduler step (TRL's value)
 
     choices = {"zero": ZERO_LEVELS, "sync_mode": ("auto", *SYNC_MODES),
-               "mixed_precision": MIXED_PRECISION, "backend": ("auto", "gloo", "nccl")}
+               "backend": ("auto", "gloo", "nccl")}
 
     def __post_init__(self):
         check_parallel_config(self)

@@ -51,8 +51,8 @@ def setup_spmd(config: RLConfig, pconfig: ParallelConfig, model, tokenizer, rows
         engine = build_rank_engine(config, pconfig, model, tokenizer, ctx.device)
     if pconfig.gradient_checkpointing:
         set_checkpointing(model, True)
-    wrapped = wrap_model(model, pconfig.zero, ctx.device, pconfig.mixed_precision,
-                         pconfig.cpu_offload)
+    fsdp_precision = config.resolved_mixed_precision if pconfig.zero >= 2 else "no"   # DDP: the step autocasts
+    wrapped = wrap_model(model, pconfig.zero, ctx.device, fsdp_precision, pconfig.cpu_offload)
     group = ProcessGroup(ctx.device)
     actor = DistributedActor(wrapped, config.algorithm, config.optimizer, config.sampling, group,
                              checkpointing=pconfig.gradient_checkpointing)
@@ -76,7 +76,7 @@ def spmd_step(state: SPMDState) -> dict:
     staleness, due = state.lag, sync_due(state.step + 1, state.pconfig, config)
     sync = state.sync if due else KeepWeights()
     record = rl_step(state.roles, state.engine, sync, mine, state.reward_funcs, config, sampler,
-                     group=group,
+                     group=group, trainer_state=state.trainer_state,
                      reward_weights=state.reward_weights)
     state.lag = 0 if due else state.lag + 1
     report, stats = state.sync.last_report, getattr(state.engine, "stats", {})

@@ -32,6 +32,8 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from minirl.runtime.reward_extras import join_dumps, logged_metrics
+
 
 def shifted(traj, seconds: float):
     """The same Trajectory with its times moved by `seconds` (to save them relative to a checkpoint's clock)."""
@@ -130,11 +132,14 @@ class QueueBookkeeping:
 def batch_health(trajectories: list, rollout, trainer_version: int) -> dict:
     """The record's stage-7 numbers about a batch of Trajectory objects: completions, staleness, mixed-version
     sequences, env failures, and `rewards/<name>`, each reward function's unweighted mean over the batch (stage
-    1's names), when the environment kept them."""
+    1's names; a completion it returned None for, NaN, left out as TRL does), when the environment kept them;
+    and what the reward functions logged with TRL's `log_metric`, each name's mean over the batch."""
     behind = [trainer_version - t.version for t in trajectories]
     names = dict.fromkeys(name for t in trajectories for name in t.scores)
     means = {f"rewards/{name}": torch.cat([t.scores.get(name, torch.zeros(len(t.rewards))) for t in trajectories])
-             .double().mean().item() for name in names}
+             .double().nanmean().item() for name in names}
+    logs = [getattr(t, "logged", None) or {"values": {}, "columns": {}} for t in trajectories]
+    means |= logged_metrics(join_dumps(logs, [len(t.rewards) for t in trajectories]))
     mask = rollout.completion_mask.bool()
     tv = rollout.token_versions                                                         # [N, C]
     mixed = ((tv.masked_fill(~mask, -1).max(1).values != tv.masked_fill(~mask, 2**62).min(1).values)

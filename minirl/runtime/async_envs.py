@@ -86,11 +86,13 @@ class RewardEnv:
     `combine_rewards`) and keeps each function's value in `scores` ({name: value}: the record's
     `rewards/<name>`). Stage 1 calls each function once per batch; here each session scores
     its own completion, so a reward that raises, hangs or returns junk costs one session (scored
-    0 and counted as an environment failure), not the run.
+    0 and counted as an environment failure), not the run. reward_extras: TRL's extras for this
+    session's completion (`minirl.runtime.reward_extras.session_extras`: its completion_ids, the
+    trainer state, log_metric, log_extra), passed to every function; `score_group` gives them.
     """
 
-    def __init__(self, reward_funcs, weights=None):
-        self.funcs = list(reward_funcs)
+    def __init__(self, reward_funcs, weights=None, reward_extras: dict | None = None):
+        self.funcs, self.extras = list(reward_funcs), dict(reward_extras or {})
         self.weights = [1.0] * len(self.funcs) if weights is None else list(weights)
         self.names = [reward_name(f) for f in self.funcs]
         self.row, self.scores = None, {}
@@ -104,7 +106,7 @@ class RewardEnv:
         values = []
         for func in self.funcs:          # as TRL calls it; a bad output names the function and the prompt
             try:
-                values += call_reward(func, [self.row["prompt"]], [action], columns)
+                values += call_reward(func, [self.row["prompt"]], [action], columns, **self.extras)
             except RewardError as err:
                 raise EnvError(str(err)) from None
         values = [math.nan if v is None else v for v in values]            # None: does not apply (TRL)

@@ -25,14 +25,15 @@ from minirl.runtime.async_run import generate_call, score_group
 from minirl.runtime.ray_calls import DEATHS, died
 
 
-def produce_groups(producer: Producer, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+def produce_groups(producer: Producer, rows: list[dict], seeds: list[int], tickets: list[int],
+                   clock=None) -> list[Trajectory]:
     """generate_call, then score_group for every row's group (their sessions all at once); one Trajectory
-    per row, returned together (what one remote call gives back)."""
+    per row, returned together (what one remote call gives back). clock: as score_group's."""
     generated = generate_call(producer, rows, seeds[0])
     out: list[Trajectory | None] = [None] * len(rows)
 
     def finish(i, item):
-        out[i] = score_group(producer, *item[:2], seeds[i], *item[2:], ticket=tickets[i])
+        out[i] = score_group(producer, *item[:2], seeds[i], *item[2:], ticket=tickets[i], clock=clock)
     threads = [threading.Thread(target=finish, args=(i, item), daemon=True) for i, item in enumerate(generated)]
     for t in threads:
         t.start()
@@ -52,14 +53,14 @@ class RayProducer(Worker):
                                  config.sampling, env_timeout, max_turns)
 
     def produce(self, rows: list[dict], seeds: list[int], tickets: list[int], version: int,
-                weights_ref: list) -> list[Trajectory]:
+                weights_ref: list, clock=None) -> list[Trajectory]:
         """weights_ref: [ObjectRef] of the store's weights at `version` (in a list, so Ray does not fetch
         it unless this actor needs it)."""
         if version > self.store.version:
             with self.producer.lock:
                 if version > self.store.version:
                     self.store.publish(ray.get(weights_ref[0]).items(), version)
-        return produce_groups(self.producer, rows, seeds, tickets)
+        return produce_groups(self.producer, rows, seeds, tickets, clock)
 
 
 class RayProducerClient:
@@ -72,7 +73,7 @@ class RayProducerClient:
     def __init__(self, actor, name: str, store: WeightStore, where: str = ""):
         self.actor, self.name, self.store, self.where = actor, name, store, where
 
-    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int]) -> list[Trajectory]:
+    def produce(self, rows: list[dict], seeds: list[int], tickets: list[int], clock=None) -> list[Trajectory]:
         """A dead actor (killed, crashed, out of memory) raises stage 6's WorkerDiedError naming it."""
         version, weights = self.store.latest()
         key = (id(self.store), version)
@@ -82,7 +83,7 @@ class RayProducerClient:
                 self._refs[key] = [ray.put(weights)]
             ref = self._refs[key]
         try:
-            return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref))
+            return ray.get(self.actor.produce.remote(rows, seeds, tickets, version, ref, clock))
         except DEATHS as err:
             raise died(f"RayProducer {self.name}{self.where}", "produce", err) from None
 

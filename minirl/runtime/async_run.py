@@ -39,6 +39,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ from minirl.runtime.async_bookkeeping import Timeline, WeightStore
 from minirl.runtime.async_config import AREAL_WEIGHTS, AsyncConfig, check_async, check_correction, check_resume_async
 from minirl.runtime.async_snapshots import Snapshot, Snapshots
 from minirl.runtime.callbacks import run_in_dir
+from minirl.runtime.reward_extras import TrainerClock, join_dumps, session_extras, takes_extras
 from minirl.runtime.rundir import RUN_FILE, read_run_record
 from minirl.runtime.validate import check_choice
 from minirl.sync.base import InProcessSync
@@ -82,10 +84,19 @@ def generate_call(producer: Producer, rows: list[dict], seed: int) -> list[tuple
 
 
 def score_group(producer: Producer, row: dict, rollout: Rollout, seed: int, started: float, generated: float,
-                ticket: int = -1) -> Trajectory:
-    """Run one isolated environment session per completion of one prompt's group; the scored Trajectory."""
+                ticket: int = -1, clock: TrainerClock | None = None) -> Trajectory:
+    """Run one isolated environment session per completion of one prompt's group; the scored Trajectory.
+
+    An environment that takes `reward_extras` (RewardEnv) gets TRL's for its completion: its ids, the
+    trainer state (global_step: the newest version in the producer's store; the run's length from
+    `clock`, when given) and a log of its own; the Trajectory keeps the logs joined in `logged`."""
     G = len(rollout.completions)
-    results = run_sessions(producer.make_env, row, rollout.completions, producer.policy,
+    make_env, logs = producer.make_env, None
+    if takes_extras(make_env):
+        state = None if clock is None else clock.state(max(0, producer.store.version))
+        extras, logs = session_extras(rollout, state)
+        make_env = [partial(producer.make_env, reward_extras=e) for e in extras]
+    results = run_sessions(make_env, row, rollout.completions, producer.policy,
                            [seed + i for i in range(G)], producer.env_timeout, producer.max_turns)
     failed = [r for r in results if r.error is not None]
     names = dict.fromkeys(name for r in results for name in (r.scores or {}))
@@ -93,7 +104,8 @@ def score_group(producer: Producer, row: dict, rollout: Rollout, seed: int, star
     return Trajectory(rollout, torch.tensor([r.reward for r in results], dtype=torch.float32), row, producer.name,
                       started, generated, time.perf_counter(), env_failures=len(failed),
                       env_timeouts=sum(r.timed_out for r in failed), env_errors=tuple(r.error for r in failed[:2]),
-                      ticket=ticket, scores=scores)
+                      ticket=ticket, scores=scores,
+                      logged=join_dumps([log.dump() for log in logs], [1] * G) if logs else {})
 
 
 def _record(timeline, traj: Trajectory) -> None:
@@ -103,7 +115,7 @@ def _record(timeline, traj: Trajectory) -> None:
 
 
 def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue: ExperienceQueue, timeline=None,
-                  errors: list | None = None, prompts_per_call: int = 1) -> None:
+                  errors: list | None = None, prompts_per_call: int = 1, clock: TrainerClock | None = None) -> None:
     """What a producer thread runs until the gate closes: tickets -> generation -> sessions -> queue.
 
     A ticket fixes its trajectory's prompt (`pick_row`) and seed (`trajectory_seed`); one call
@@ -112,7 +124,8 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
     sessions end (a slow session delays only its group), and goes on sampling. A
     RayProducerClient's `produce` returns the groups of one remote call together. An
     exception (a broken engine, a FutureVersionError) is appended to `errors` and closes the
-    queue, so the trainer stops with it instead of waiting forever.
+    queue, so the trainer stops with it instead of waiting forever. clock: the run's, for the
+    reward functions' trainer_state (`score_group`).
     """
     def fail(err):
         if errors is not None:
@@ -122,7 +135,7 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
 
     def finish(item, seed_, ticket):
         try:
-            traj = score_group(producer, *item[:2], seed_, *item[2:], ticket=ticket)
+            traj = score_group(producer, *item[:2], seed_, *item[2:], ticket=ticket, clock=clock)
             _record(timeline, traj)
             queue.put(traj)
         except Exception as err:  # handed to the trainer, which raises it
@@ -137,7 +150,7 @@ def producer_loop(producer, rows: list[dict], seed: int, gate: StartGate, queue:
                                                   strict=True):
                     threading.Thread(target=finish, args=(item, seed_, ticket), daemon=True).start()
             else:
-                for traj in producer.produce(picked, seeds, tickets):
+                for traj in producer.produce(picked, seeds, tickets, clock):
                     _record(timeline, traj)
                     queue.put(traj)
     except Exception as err:  # handed to the trainer, which raises it
@@ -248,6 +261,7 @@ class Producers(Callback):
 
     def on_start(self, state: AsyncState) -> None:
         config, acfg = self.config, self.acfg
+        clock = TrainerClock.of(config, len(state.rows))           # the reward functions' trainer_state
         if acfg.ray:
             from minirl.runtime.async_ray import start_ray_producers  # noqa: PLC0415 (Ray only when asked)
             self.producers, self.actors = start_ray_producers(config, acfg, self.model, self.tokenizer, state.engine,
@@ -258,7 +272,7 @@ class Producers(Callback):
                                        acfg.in_flight) for i in range(acfg.producers)]
         self.threads = [threading.Thread(target=producer_loop, daemon=True, name=f"producer-{i}",
                                          args=(p, state.rows, config.run.seed, state.gate, state.queue, state.timeline,
-                                               state.errors, acfg.prompts_per_call))
+                                               state.errors, acfg.prompts_per_call, clock))
                         for i, p in enumerate(self.producers)]
         state.t0 = time.perf_counter()
         for t in self.threads:

@@ -24,6 +24,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from minirl.runtime.io import writing
 from minirl.train.run import Callback
 
 
@@ -57,8 +58,10 @@ class Snapshots(Callback):
         else:
             snap.path = self.directory / f"step-{state.step:06d}.safetensors"
             tmp = snap.path.with_suffix(".tmp")
-            save_file(weights, tmp, metadata={"step": str(state.step), "wall": repr(wall), "samples": str(samples)})
-            os.replace(tmp, snap.path)                             # atomic: a crash never leaves half a snapshot
+            with writing(snap.path, tmp):                          # a full disk: tmp deleted, snap.path named
+                save_file(weights, tmp, metadata={"step": str(state.step), "wall": repr(wall),
+                                                  "samples": str(samples)})
+                os.replace(tmp, snap.path)                         # atomic: a crash never leaves half a snapshot
         self.kept.append(snap)
 
     def on_start(self, state):

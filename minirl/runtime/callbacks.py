@@ -20,7 +20,10 @@ puts these callbacks around `run` and closes the directory. Stage 1's `train`, s
 does not.
 """
 
+import contextlib
 import dataclasses
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,10 +32,16 @@ import torch
 from tqdm.auto import tqdm
 
 from minirl.config import RLConfig
-from minirl.runtime.checkpoint import latest_checkpoint, remove_stale_temporaries, restore_checkpoint, save_checkpoint
+from minirl.runtime.checkpoint import (
+    TMP_PREFIX,
+    latest_checkpoint,
+    remove_stale_temporaries,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from minirl.runtime.completion_log import FILE as COMPLETIONS_FILE
 from minirl.runtime.completion_log import CompletionLog, SampleTap, eval_metrics
-from minirl.runtime.io import append_jsonl, atomic_write_json, write_jsonl
+from minirl.runtime.io import append_jsonl, atomic_write_json, temporary_beside, write_jsonl, writing
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
@@ -187,8 +196,13 @@ class Checkpointer(Callback):
             return
         if self.saved_step != state.step:
             self.save(state)
-        state.roles.actor.model.save_pretrained(self.final)
-        self.tokenizer.save_pretrained(self.final)
+        tmp = temporary_beside(self.final, TMP_PREFIX)
+        with writing(self.final, tmp):                     # whole or not at all, as a checkpoint
+            state.roles.actor.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(tmp, self.final)
 
 
 def check_resume_config(saved: dict, config: RLConfig) -> None:
@@ -222,17 +236,23 @@ class LocalCheckpoints:
         restore_checkpoint(training, weights, state)
 
 
+def autocast_context(config):
+    """A torch.autocast to config.autocast_dtype on config.run.device's type, or a no-op context when the run has
+    no mixed precision (what `with_autocast` puts around a step and stage 6's workers around each call)."""
+    if config.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(config.run.device).type, dtype=getattr(torch, config.autocast_dtype))
+
+
 def with_autocast(step_fn, config):
     """`step_fn` run under torch.autocast to config.autocast_dtype (bf16 or fp16 mixed precision, as accelerate
     wraps TRL's forward passes), or `step_fn` itself when the run has no mixed precision. The weights, their
     gradients and AdamW's state stay in the policy's dtype (float32): only the products run in half precision."""
     if config.autocast_dtype is None:
         return step_fn
-    device_type = torch.device(config.run.device).type
-    dtype = getattr(torch, config.autocast_dtype)
 
     def step(state):
-        with torch.autocast(device_type=device_type, dtype=dtype):
+        with autocast_context(config):
             return step_fn(state)
     return step
 
@@ -240,7 +260,7 @@ def with_autocast(step_fn, config):
 def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: bool = False, overwrite: bool = False,
                eval_fn=None, progress: bool = True, label: str = "", extra_callbacks: tuple = (),
                stop_after: int | None = None, run_info: dict | None = None, checkpoints=None, main: bool = True,
-               agree=None, first_callbacks: tuple = ()) -> list[dict]:
+               agree=None, first_callbacks: tuple = (), autocast: bool = True) -> list[dict]:
     """`run` with the jobs around it: the run directory, resume, evaluation, log, checkpoints, progress.
 
     One copy for every orchestration that runs `step_fn` on a RunState (stage 1's `train`, stage 6's
@@ -249,7 +269,9 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
     calls it, main=False on all but the one that writes run.json and metrics.jsonl and shows the bar
     (all take part in checkpoints); agree(what, fn) runs the opening and the restore so that a
     failure on one process stops every one (`minirl.parallel.launch.agree`). first_callbacks run
-    before the built-in ones (to add to a record before it is logged).
+    before the built-in ones (to add to a record before it is logged). autocast: run each step under
+    the run's mixed precision (`with_autocast`); False where something else applies it (FSDP2's
+    MixedPrecisionPolicy in stage 4, stage 6's workers).
     """
     config = state.config
     together = agree or (lambda what, fn: fn())
@@ -284,7 +306,12 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             print(f"warning: --dtype {config.policy_dtype} trains {config.policy_dtype} weights and optimizer state: "
                   "at RL learning rates most updates round away; --mixed-precision bf16 keeps float32 weights "
                   "(as TRL trains)", file=sys.stderr)
-        return run(state, with_autocast(tap.around(step_fn), config), callbacks, config.run.steps)
+        if main and config.resolved_mixed_precision == "fp16":
+            print("warning: --mixed-precision fp16 autocasts without loss scaling here (TRL scales the loss with "
+                  "accelerate's GradScaler): small gradients underflow to 0 in float16; prefer bf16 where the "
+                  "device has it", file=sys.stderr)
+        step_fn = tap.around(step_fn)
+        return run(state, with_autocast(step_fn, config) if autocast else step_fn, callbacks, config.run.steps)
     finally:
         if run_dir is not None:
             run_dir.close()

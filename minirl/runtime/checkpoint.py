@@ -6,7 +6,8 @@ with what the weights do not say: the run's config, the optimizers, the critic, 
 prompt/sampling generator, torch's and Python's RNG states, the step, the policy version,
 the metrics so far, and what a later stage's state adds (`RunState.extra_state`: notebook
 07's queued trajectories and tickets). It is written to a temporary directory and renamed into place, so a
-crash mid-write never leaves a half checkpoint. Before a resume each candidate is verified
+crash mid-write never leaves a half checkpoint (and a failed write, a full disk say, deletes it and
+names the checkpoint it was for: `minirl.runtime.io.writing`). Before a resume each candidate is verified
 (both files load); a broken one is reported by name and the previous intact one is used.
 
 Simplified vs TRL/Accelerate: one process writes one file of state (notebook 04 writes
@@ -24,13 +25,14 @@ import dataclasses
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from minirl.runtime.io import temporary_beside, writing
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -43,25 +45,25 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(root, state, config, tokenizer, keep: int = 2) -> Path:
     """Write `root/step-{state.step:06d}` atomically; keep the newest `keep` checkpoints of this run."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+    tmp = temporary_beside(final, TMP_PREFIX)
     roles = state.roles
-    roles.actor.model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    training = {
-        "step": state.step, "version": roles.version, "config": dataclasses.asdict(config),
-        "metrics": state.metrics, "actor": roles.actor.state_dict(),
-        "critic": roles.critic.state_dict() if roles.critic is not None else None,
-        "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "extra": state.extra_state(),        # what a later stage adds (notebook 07: its queue); {} here
-    }
-    torch.save(training, tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)                                   # atomic: all of it or none of it
+    with writing(final, tmp):                                # a failure (a full disk) deletes tmp, names `final`
+        roles.actor.model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        training = {
+            "step": state.step, "version": roles.version, "config": dataclasses.asdict(config),
+            "metrics": state.metrics, "actor": roles.actor.state_dict(),
+            "critic": roles.critic.state_dict() if roles.critic is not None else None,
+            "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "extra": state.extra_state(),    # what a later stage adds (notebook 07: its queue); {} here
+        }
+        torch.save(training, tmp / "training_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)                               # atomic: all of it or none of it
     for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -69,7 +69,8 @@ def train_on_driver(driver, rows: list[dict], *, eval_fn=None, out_dir=None, res
     info = {"placement": driver.placement.name, **(run_info or {})}
     records = run_in_dir(state, driver.step, driver.tokenizer, out_dir=out_dir, resume=resume, overwrite=overwrite,
                          eval_fn=eval_fn, progress=progress, label=driver.placement.name,
-                         extra_callbacks=extra_callbacks, stop_after=stop_after, run_info=info)
+                         extra_callbacks=extra_callbacks, stop_after=stop_after, run_info=info,
+                         autocast=False)                      # the workers autocast each call, as stage 1's step
     driver.roles.actor.model                                           # noqa: B018 -- refresh the driver's copy
     return records
 

@@ -199,6 +199,7 @@ class EngineCore:
                                    self.policy, self.reserve, lookahead=self.k)
         self.stats = Stats()
         self.next_id = 0
+        self.longest = 0                 # the longest request (prompt + max_tokens) queued since the reset
         if self.draft is not None:
             self.draft.reset()
             self.scheduler.on_release.append(self.draft.release)
@@ -225,16 +226,31 @@ class EngineCore:
         return request_error(request, self.max_model_len)
 
     def add(self, request: Request) -> Sequence:
-        """Queue one request; a request that cannot be served comes back finished, with its error."""
+        """Queue one request; a request that cannot be served comes back finished, with its error.
+
+        A cache sized to the work grows here too (`step` after `add`s decodes them all at once, not
+        one sequence at a time): to hold the queued and running sequences (at most max_num_seqs)
+        at the longest queued since `reset`, at least doubling when it grows, up to AUTO_CACHE_TOKENS.
+        """
         seq = Sequence(self.next_id, list(request.prompt_ids), len(request.prompt_ids), request.max_tokens,
                        request.temperature, self.tokenizer.eos_token_id)
         self.next_id += 1
         error = self.check(request)
         if error is not None:
             seq.status, seq.finish_reason, seq.error = FINISHED, "error", error
-        else:
-            self.scheduler.add(seq)
+            return seq
+        self.scheduler.add(seq)
+        if self.sized_to_work:
+            self.longest = max(self.longest, len(request.prompt_ids) + request.max_tokens)
+            queued = len(self.scheduler.waiting) + len(self.scheduler.running)
+            wanted = self.blocks_for(queued, self.longest)
+            if wanted > self.num_blocks:
+                self.grow(min(max(wanted, 2 * self.num_blocks), AUTO_CACHE_TOKENS // self.block_size))
         return seq
+
+    def blocks_for(self, sequences: int, longest: int) -> int:
+        """Blocks that hold `sequences` sequences (at most max_num_seqs at once) of `longest` tokens each."""
+        return min(sequences, self.max_num_seqs) * blocks_needed(longest + self.k, self.block_size)
 
     def size_to_work(self, requests: list[Request]) -> None:
         """A cache sized to the work grows to hold the servable requests (at most max_num_seqs) at their longest."""
@@ -242,9 +258,9 @@ class EngineCore:
             return
         served = [r for r in requests if self.check(r) is None]
         if served:
-            longest = max(len(r.prompt_ids) + r.max_tokens for r in served) + self.k
-            wanted = min(len(served), self.max_num_seqs) * blocks_needed(longest, self.block_size)
-            self.grow(min(wanted, AUTO_CACHE_TOKENS // self.block_size))
+            longest = max(len(r.prompt_ids) + r.max_tokens for r in served)
+            self.longest = max(self.longest, longest)
+            self.grow(min(self.blocks_for(len(served), longest), AUTO_CACHE_TOKENS // self.block_size))
 
 
     # ------------------------------------------------------------------ the protocol

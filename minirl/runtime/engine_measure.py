@@ -356,10 +356,10 @@ def decode_roofline(model, rows: int = 32, context: int = 160, limits: dict | No
                             "bound": "compute" if compute >= memory else "memory"}
 
 
-STEP_KINDS = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
+STEP_KINDS = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::addmm_"),
               "attention, read in place": ("aten::_embedding_bag_forward_only", "aten::_embedding_bag",
                                            "aten::_softmax"),
-              "cache writes": ("aten::_index_put_impl_", "aten::index_copy_")}
+              "cache writes": ("aten::put_", "aten::_index_put_impl_", "aten::index_copy_")}
 OTHER_KIND = "everything else (norms, rotary, residuals, indexing, Python)"
 
 

@@ -80,7 +80,7 @@ def checked_rewards(func, prompts: list[str], completions: list[str], columns: d
         for i in range(len(completions)):        # find the failing samples one by one
             try:
                 values += call_reward(func, prompts[i:i + 1], completions[i:i + 1],
-                                      {k: v[i:i + 1] for k, v in columns.items()}, **extras)
+                                      {k: v[i:i + 1] for k, v in columns.items()}, **_row(extras, i))
             except Exception as one:
                 errors.append(f"{name}[{i}]: {type(one).__name__}: {one}")
                 values.append(0.0)
@@ -100,7 +100,12 @@ def _named(err: Exception, func, prompts, completions, columns, extras) -> Rewar
 def _fails(func, prompts, completions, columns, extras, i: int) -> bool:
     try:
         call_reward(func, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
-                    **extras)
+                    **_row(extras, i))
     except Exception:
         return True
     return False
+
+
+def _row(extras: dict, i: int) -> dict:
+    """TRL's extras for sample i alone: its completion_ids (a list of one); the others as they are."""
+    return {k: v[i:i + 1] if k == "completion_ids" and v is not None else v for k, v in extras.items()}

@@ -1,5 +1,5 @@
 """The paged forward pass's machinery, outside the lesson: padded groups, the in-place decode read,
-prepacked products, on-demand cache memory, and the model wrapper's bookkeeping.
+fused products, the rotary table, the cache writes, on-demand cache memory, and the model wrapper's bookkeeping.
 
 Hand-written; notebook 05 (`minirl/rollout/engine/attention.py`) builds the step (`make_step`),
 the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward`) on top of it.
@@ -11,9 +11,14 @@ the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward
   `[head_dim, block_size]`, so bag (sequence, head, block) sums the block's rows k[:, d] with weights
   q[d] and gives its block_size scores; a second bag sums value rows with the attention
   probabilities. Nothing is copied; the indices are built once per step for every layer.
-- `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused.
-- `Linear`, `fused`: q/k/v as one product and gate/up as another, prepacked once for oneDNN on x86
-  CPUs (as vLLM's CPU backend does), F.linear elsewhere.
+- `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused; `PagedModelBase.rotary` looks the
+  rotary cos/sin up in a table built once (HF recomputes them from the positions at every call).
+- `Linear`, `fused`: q/k/v as one product and gate/up as another, each weight kept in the layout
+  measured fastest for few-row products (transposed for `torch.mm`, or prepacked for oneDNN when
+  wide); `add_to` adds a product into the residual stream in place (`addmm_`: the o and down
+  projections fused with the residual additions).
+- `cache_index`, `PagedModelBase.write_cache`: the flat cache position of every element of the step's new
+  keys and values, built once per step, so that each layer writes them with one `put_`.
 - `zeros_on_demand`: the cache tensor as an anonymous mmap on a CPU, so unused blocks cost no RAM.
 - `check_architecture`, `PagedModelBase`: which HF models run (Llama-style, full attention), and
   the wrapper that keeps the HF module's weights and parameter names, its fused products and the
@@ -115,19 +120,20 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale:
     B = rows.keys.shape[0] // (S * H)
     weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                          # [S*H*B, D]
     scores = F.embedding_bag(rows.keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
-    p = torch.softmax(scores.view(S, H, B * bs).float() + rows.bias, -1).to(values.dtype)      # [S, H, L]
+    p = torch.softmax(scores.view(S, H, B * bs).float().add_(rows.bias), -1).to(values.dtype)  # [S, H, L]
     out = F.embedding_bag(rows.values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
     return out.view(S, H * D)
 
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotary position embedding (HF's rotate-half convention). x: [T, heads, D]; cos, signed_sin: [T, 1, D].
+    """Rotary position embedding (HF's rotate-half convention), in place. x: [T, heads, D]; cos, signed_sin: [T, 1, D].
 
-    HF computes x * cos + cat(-x2, x1) * sin; signed_sin = cat(-sin1, sin2) (built once per
-    step) turns that into x * cos + cat(x2, x1) * signed_sin, one fused multiply-add.
+    HF computes x * cos + cat(-x2, x1) * sin; signed_sin = cat(-sin1, sin2) (`PagedModelBase.rotary`)
+    turns that into x * cos + cat(x2, x1) * signed_sin, one fused multiply-add, written back into x
+    (a view of the step's q/k/v product). Returns x.
     """
     half = x.shape[-1] // 2
-    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin)
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin, out=x)
 
 
 def check_architecture(model) -> None:
@@ -145,29 +151,50 @@ def check_architecture(model) -> None:
 
 
 class Linear:
-    """x @ weight.T + bias, the weight prepacked once for oneDNN on x86 CPUs (vLLM's CPU backend does the same).
+    """x @ weight.T + bias, in the layout that runs a decode step's few-row products fastest on a CPU.
 
-    Prepacking saves repacking the weight at every call, which is a large share of a small-batch
-    product. Elsewhere (CUDA, other CPUs) it is F.linear. Both agree to float rounding.
+    Products at least WIDE times wider than deep (gate/up: [hidden] -> [2 x intermediate]) keep
+    the weight prepacked for oneDNN on x86 CPUs (as vLLM's CPU backend does); the others keep it
+    transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured at one thread on the
+    2-core x86 machine of benchmarks/README.md, 32 rows, at every product shape of the benchmarks'
+    models: the transposed weight beats `F.linear`'s x @ W.T by 1.3-1.6x when the weight is in
+    cache and 5-30 % when it streams from memory, and beats oneDNN on the square and narrow
+    products (q/k/v, o, down: by 15-40 %); oneDNN wins the wide ones by about 15 % (it does not
+    repack the weight at every call). MKL's own prepacking pays off only at the one batch size it
+    was packed for. Same products, float rounding aside. Elsewhere (CUDA, other CPUs) the
+    transposed weight. `add_to(out, x)` adds x @ weight.T into `out` in place (a residual
+    addition fused into the product).
     """
 
+    WIDE = 4
+
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        self.weight, self.bias, self.onednn = weight, bias, False
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and \
-                torch.backends.mkldnn.is_available():
+        self.weight_t, self.bias, self.onednn = weight.t().contiguous(), bias, None      # [in, out]
+        out_features, in_features = weight.shape
+        if out_features >= self.WIDE * in_features and weight.device.type == "cpu" and \
+                weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
             try:                                                  # kept only if it computes what F.linear does
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
-                probe = torch.linspace(-1, 1, weight.shape[1], dtype=weight.dtype)[None]
+                probe = torch.linspace(-1, 1, in_features, dtype=weight.dtype)[None]
                 got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
                 if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
-                    self.weight, self.onednn = packed, True
+                    self.onednn = packed
             except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
                 pass
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+    def add_to(self, out: Tensor, x: Tensor) -> Tensor:
+        """out += x @ weight.T + bias, in place; returns out."""
+        if self.onednn is not None:
+            return out.add_(self(x))
+        out.addmm_(x, self.weight_t)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def fused(*modules) -> Linear:
@@ -175,6 +202,23 @@ def fused(*modules) -> Linear:
     weight = torch.cat([m.weight for m in modules])
     biases = [m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in modules]
     return Linear(weight, None if all(m.bias is None for m in modules) else torch.cat(biases))
+
+
+def cache_index(slots: Tensor, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int) -> Tensor:
+    """[T, 2, Hkv, D] long: where each element of the step's new keys and values goes in one layer's cache.
+
+    A layer's cache is [2, Hkv, num_blocks, block_size * head_dim]: keys transposed within a block
+    ([D, bs]), values not ([bs, D]); slot = block * block_size + offset. The same for every layer,
+    so it is built once per step and each layer writes with one `put_` (PagedModelBase.write_cache).
+    """
+    D, bs = head_dim, block_size
+    block, offset = (slots // bs)[:, None, None], (slots % bs)[:, None, None]               # [T, 1, 1]
+    head = torch.arange(num_kv_heads, device=slots.device)[None, :, None]                  # [1, Hkv, 1]
+    d = torch.arange(D, device=slots.device)                                                # [D]
+    start = (head * num_blocks + block) * (bs * D)                                          # the block's first element
+    keys = start + d * bs + offset
+    values = start + num_kv_heads * num_blocks * bs * D + offset * D + d
+    return torch.stack((keys, values), 1)
 
 
 def rms_norm(x: Tensor, norm) -> Tensor:
@@ -217,6 +261,7 @@ class PagedModelBase(torch.nn.Module):
         self.vocab_size = config.vocab_size
         self.cache: Tensor | None = None
         self.block_size = 0
+        self.rotary_table: tuple[Tensor, Tensor] | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -225,6 +270,37 @@ class PagedModelBase(torch.nn.Module):
                               o=fused(layer.self_attn.o_proj),
                               gate_up=fused(layer.mlp.gate_proj, layer.mlp.up_proj), down=fused(layer.mlp.down_proj))
                          for layer in self.model.model.layers]
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, signed_sin) [T, 1, D] of HF's rotary embedding at `positions` (see `rotate`), looked up in a table.
+
+        The table holds every position below a power of two >= the largest seen, computed by the HF
+        module itself (each angle is one product, position x frequency, so a row of the table is
+        what HF computes for that position). Rotary types that depend on the sequence length
+        (dynamic scaling, longrope) are computed at every call instead, as HF does.
+        """
+        emb = self.model.model.rotary_emb
+        kind = getattr(emb, "rope_type", "default")
+        needed = int(positions.max()) + 1
+        if "dynamic" in kind or kind == "longrope":
+            return self.rotary_rows(positions)
+        if self.rotary_table is None or self.rotary_table[0].shape[0] < needed:
+            self.rotary_table = self.rotary_rows(torch.arange(1 << max(needed - 1, 255).bit_length(),
+                                                              device=positions.device))
+        cos, sin = self.rotary_table
+        return cos[positions], sin[positions]
+
+    def rotary_rows(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, signed_sin) [T, 1, D] from the HF rotary module."""
+        p = next(self.model.parameters())
+        cos, sin = self.model.model.rotary_emb(p[:1], positions[None])                  # [1, T, D] each
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)                          # signed, see rotate
+        return cos[0, :, None].to(p.dtype), sin[0, :, None].to(p.dtype)
+
+    def write_cache(self, layer: int, where: Tensor, kv: Tensor) -> None:
+        """Write the step's new keys and values kv [T, 2 * Hkv, D] of `layer` into their slots; where: `cache_index`."""
+        self.cache[layer].put_(where, kv)
 
     def cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of `block_size` tokens holds: keys and values of every layer."""

@@ -38,10 +38,9 @@ def check_parallel_config(pconfig) -> None:
     if mode == "full" and pconfig.lora_rank:
         raise ConfigError("sync_mode", pconfig.sync_mode, "with LoRA the engine needs the adapter merged "
                                                           "(--sync-mode merged) or applied (--sync-mode adapter)")
-    if pconfig.zero < 2 and (pconfig.mixed_precision != "none" or pconfig.cpu_offload):
-        flag = "mixed_precision" if pconfig.mixed_precision != "none" else "cpu_offload"
-        raise ConfigError(flag, getattr(pconfig, flag), f"is FSDP2's (MixedPrecisionPolicy / CPUOffloadPolicy) and "
-                                                        f"--zero {pconfig.zero} is DDP; use --zero 2 or 3")
+    if pconfig.zero < 2 and pconfig.cpu_offload:
+        raise ConfigError("cpu_offload", pconfig.cpu_offload, f"is FSDP2's (CPUOffloadPolicy) and --zero "
+                                                              f"{pconfig.zero} is DDP; use --zero 2 or 3")
 
 
 def check_parallel(pconfig, config: RLConfig, world_size: int) -> None:

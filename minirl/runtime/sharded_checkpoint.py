@@ -19,7 +19,6 @@ checksums (a shard overwritten with garbage of the same length loads as garbage 
 """
 
 import dataclasses
-import errno
 import os
 import random
 import shutil
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from minirl.runtime.checkpoint import PREFIX, TMP_PREFIX, CheckpointError
+from minirl.runtime.io import as_write_error
 from minirl.runtime.ranks import RankFailed, agree
 from minirl.runtime.rundir import RunDirError
 from minirl.runtime.stops import deferred_signals
@@ -76,22 +76,6 @@ def _rank_state(state) -> dict:
             "zero1_optimizer": actor.optimizer.optim.state_dict() if actor.zero == 1 else None}
 
 
-def _disk_error(err: Exception, where: Path) -> Exception:
-    """`err` as the OSError it is when the disk holding `where` is full (torch.save's zip writer reports a full
-    disk as a RuntimeError, "unexpected pos"), marked `agreed` like `err`; else `err` itself."""
-    if isinstance(err, OSError):
-        return err
-    try:
-        full = shutil.disk_usage(where if where.exists() else where.parent).free < 2**20
-    except OSError:
-        return err
-    if not full:
-        return err
-    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
-    error.agreed = getattr(err, "agreed", False) or isinstance(err, RankFailed)
-    return error
-
-
 def save_sharded(root, state, keep: int = 2) -> Path:
     """Every rank: write checkpoint `root/step-{state.step:06d}` (a collective); returns its path.
 
@@ -125,11 +109,12 @@ def save_sharded(root, state, keep: int = 2) -> Path:
         agree(f"writing {tmp}", lambda: torch.save(_rank_state(state), tmp / f"rank-{rank}.pt"))
         agree(f"writing {tmp}", promote if rank == 0 else lambda: None)
     except Exception as err:
-        error = _disk_error(err, tmp)
+        error = as_write_error(err, final, tmp)           # a full disk, however reported: an OSError naming `final`
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written stays (and the space comes back)
-        if error is err:
+        if error is None or error is err:
             raise
+        error.agreed = getattr(err, "agreed", False) or isinstance(err, RankFailed)
         raise error from err
     return final
 

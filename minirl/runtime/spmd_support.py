@@ -8,6 +8,8 @@ push a `KeepWeights`. `rank_records` gathers what each rank measured on its own 
 mean of the ranks' per-reward means (equal shares), the reward errors, each rank's stage times.
 """
 
+import math
+
 from minirl.config import RLConfig
 from minirl.rollout.base import Colocated
 from minirl.rollout.colocated import ColocatedEngine
@@ -33,10 +35,26 @@ def build_rank_engine(config: RLConfig, pconfig, model, tokenizer, device, promp
 
 
 def rank_records(record: dict, group) -> dict:
-    """The record's per-rank numbers made global (every rank calls it: a collective)."""
-    local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k == "reward_errors"}
+    """The record's per-rank numbers made global (every rank calls it: a collective).
+
+    `rewards/<name>`: the mean of the ranks' means (a rank whose rows all returned None, NaN, left out);
+    what reward functions logged with TRL's `log_metric` (`log_metric_counts` names them): the mean over
+    every rank's values, as TRL sums and counts them over its processes."""
+    counts = record.get("log_metric_counts", {})
+    local = {k: v for k, v in record.items() if k.startswith(("time/", "rewards/")) or k in counts
+             or k in ("reward_errors", "log_metric_counts")}
     everyone = group.gather_objects(local)
-    out = {key: sum(r[key] for r in everyone) / len(everyone) for key in local if key.startswith("rewards/")}
+    out = {}
+    for key in local:
+        if key.startswith("rewards/"):
+            means = [r[key] for r in everyone if key in r and not math.isnan(r[key])]
+            out[key] = sum(means) / len(means) if means else math.nan
+    names = dict.fromkeys(n for r in everyone for n in r.get("log_metric_counts", {}))
+    if names:
+        totals = {n: sum(r[n] * r["log_metric_counts"][n] for r in everyone if n in r.get("log_metric_counts", {}))
+                  for n in names}
+        counts = {n: sum(r.get("log_metric_counts", {}).get(n, 0) for r in everyone) for n in names}
+        out |= {n: totals[n] / counts[n] for n in names} | {"log_metric_counts": counts}
     out["reward_errors"] = sum(r.get("reward_errors", 0) for r in everyone)
     out["time_by_rank"] = [{k: v for k, v in r.items() if k.startswith("time/")} for r in everyone]
     return out

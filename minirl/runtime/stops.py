@@ -9,6 +9,13 @@ off while a checkpoint is promoted. `why_stopped` decides what this rank says (i
 and the exit status; `first_to_report` lets only one process say that a rank died;
 `relaunch_command` is the torchrun command that continues the run.
 
+Who said it and who left are kept in the job's own key-value store (the TCPStore that
+torchrun's agent holds for the job, at MASTER_ADDR:MASTER_PORT): no file, nothing left
+behind, and a later job never sees them, whatever its run id (torchrun names every job
+with --master_port "none"). A rank that ended after entering `why_stopped` was stopped (by
+a signal, a broken collective, its own error it has reported); only one that ended without
+it (SIGKILL, a crash) is named as dead.
+
 Simplified vs torchelastic: no restarts and no health checks of other nodes (a rank on
 another host is seen dying only as the broken connection, and reported as such).
 """
@@ -18,11 +25,10 @@ import os
 import shlex
 import signal
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import timedelta
 
 import psutil
 import torch.distributed as dist
@@ -117,23 +123,61 @@ def deferred_signals():
             signal.raise_signal(s)
 
 
-def first_to_report(key: str) -> bool:
-    """True for the first process of this job (under torchrun, on this host) to ask with `key`; False after.
+_STORES: dict = {}
 
-    A marker file in the temporary directory, created atomically: when a rank dies of its own
-    error it says so, and the rank that then finds it dead stays quiet. Outside torchrun: True.
+
+def _job_store():
+    """This job's store (torchrun's agent holds it from the start to the end of the job), or None: not
+    under torchrun's agent store, or out of reach (then every rank acts as if it were the first)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    at = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
+    if at not in _STORES:
+        try:
+            _STORES[at] = dist.TCPStore(*at, is_master=False, timeout=timedelta(seconds=5))
+        except (RuntimeError, ValueError, OSError):
+            _STORES[at] = None
+    return _STORES[at]
+
+
+def _job_key(name: str) -> str:
+    return f"minirl/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+def first_to_report(key: str) -> bool:
+    """True for the first process of this job (under torchrun) to ask with `key`; False after.
+
+    An atomic counter in the job's store: when a rank dies of its own error it says so, and the
+    rank that then finds it gone stays quiet. Outside torchrun (or without its store): True.
     """
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    if job is None:
+    store = _job_store()
+    if store is None:
         return True
-    marker = Path(tempfile.gettempdir()) / f"minirl-{job}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{key}"
     try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:
+        return store.add(_job_key(key), 1) == 1
+    except RuntimeError:
         return True
-    return True
+
+
+def _leaving(rank: int) -> None:
+    """Marks this rank as stopping on its own (it did not die): see `died`."""
+    store = _job_store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError):
+            store.set(_job_key(f"left/{rank}"), "1")
+
+
+def ranks_that_died(processes: list[tuple[str, int]]) -> list[int]:
+    """`dead_ranks` without the ranks that ended after entering `why_stopped` (stopped, not dead):
+    in a job torchrun stops after a rank died, only that rank."""
+    dead = dead_ranks(processes)
+    store = _job_store() if dead else None
+    if store is None:
+        return dead
+    try:
+        return [r for r in dead if not store.check([_job_key(f"left/{r}")])]
+    except RuntimeError:
+        return dead
 
 
 def relaunch_command(script, args: list[str]) -> str:
@@ -158,7 +202,9 @@ class Stop:
 
 
 def _names(ranks: list[int], processes: list[tuple[str, int]]) -> str:
-    return ", ".join(f"rank {r} (pid {processes[r][1]} on {processes[r][0]})" for r in ranks)
+    """'rank R (pid P on HOST)' for each rank; 'rank R' alone before `rank_processes()` has run."""
+    return ", ".join(f"rank {r} (pid {processes[r][1]} on {processes[r][0]})" if r < len(processes)
+                     else f"rank {r}" for r in ranks)
 
 
 def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[str, int]], rank: int, out,
@@ -167,12 +213,13 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
 
     In order: Ctrl-C (rank 0 says "interrupted", exit 130); an error every rank met (`agree`, or
     marked `agreed`): rank 0 says it, exit 1 for a file that could not be written (disk full,
-    read-only), else 2 (bad input); a rank of this host that died (the lowest rank alive says
-    so, unless the dead one already said why: exit 1); SIGTERM without a dead rank (rank 0,
-    143); this rank's own error: it says so itself (1). A broken collective without a dead
-    rank in sight waits up to `wait` seconds for the death or the signal that caused it. out:
-    the run directory (a write failure outside it still names its file).
+    read-only), else 2 (bad input); a rank of this host that died (`ranks_that_died`: it ended without
+    coming here; the lowest rank alive says so: exit 1); SIGTERM without a dead rank (rank 0,
+    unless a rank has said why: 143); this rank's own error: it says so itself (1). A broken
+    collective without a dead rank in sight waits up to `wait` seconds for the death or the
+    signal that caused it. out: the run directory (a write failure outside it still names its file).
     """
+    _leaving(rank)
     alive = lambda: min(set(range(len(processes))) - set(dead_ranks(processes)))   # noqa: E731
     says = lambda: rank == alive() and first_to_report("stop")    # noqa: E731  (rank 0 may have said it and left)
     if signal.SIGINT in signals.received or isinstance(err, KeyboardInterrupt):
@@ -185,13 +232,13 @@ def why_stopped(err: BaseException, signals: StopSignals, processes: list[tuple[
         return Stop(f"error: {err}" if rank == 0 else None, 2 if isinstance(err, BAD_INPUT) else 1, resumable=False)
     deadline = time.monotonic() + wait
     while True:
-        dead = dead_ranks(processes)
+        dead = ranks_that_died(processes)
         if dead:
             return Stop(f"{_names(dead, processes)} died" if says() else None, 1)
         if signal.SIGINT in signals.received:
             return Stop("interrupted" if says() else None, 130)
         if signal.SIGTERM in signals.received or isinstance(err, Terminated):
-            return Stop("stopped by SIGTERM" if rank == 0 else None, 143)
+            return Stop("stopped by SIGTERM" if rank == 0 and first_to_report("stop") else None, 143)
         if not isinstance(err, RuntimeError) or time.monotonic() > deadline:
             break
         time.sleep(0.05)                        # a broken collective: who broke it shows in a moment

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import importlib.machinery
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -147,10 +148,24 @@ def stop_line(what: str, checkpoint, resume_command: str) -> str:
 
     what: what happened, naming who died ("interrupted", "rank 1 (pid 4242) died", "the rollout worker on
     node 2 was killed by Ray's memory monitor"); checkpoint: the last intact checkpoint (a path) or None;
-    resume_command: the command that continues the run.
+    resume_command: the command that continues the run. Without a checkpoint there is nothing to resume
+    (`--resume` would be refused): the line says so and gives that command with --overwrite instead.
     """
-    where = f"the last intact checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
-    return f"{what}: {where}; continue with: {resume_command}"
+    if checkpoint:
+        return f"{what}: the last intact checkpoint is {checkpoint}; continue with: {resume_command}"
+    again = re.sub(r"(?<!\S)--resume(?!\S)", "--overwrite", resume_command)
+    return f"{what}: no checkpoint was written yet; start the run again with: {again}"
+
+
+def write_stop(err: OSError, out, resume_command: str) -> int:
+    """For `except OSError` around a run: a failed write (a full or read-only disk: `write_failure`) prints its one
+    line, with the last intact checkpoint and the command that goes on, and gives exit status 1; another
+    OSError is raised again."""
+    line = write_failure(err, out)
+    if line is None:
+        raise err
+    print(stop_line(f"error: {line}", last_checkpoint(out), resume_command), file=sys.stderr, flush=True)
+    return 1
 
 
 def add_task_flags(parser: argparse.ArgumentParser) -> None:

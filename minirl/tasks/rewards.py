@@ -3,7 +3,8 @@
 Hand-written (plumbing). A reward spec, what `--reward` takes, is a built-in name,
 `module:function` (an importable module, or a file path `path/to/rewards.py:function`), or
 `module.function`, as TRL's `grpo` script resolves `--reward_funcs`. Every function has TRL's signature,
-`f(prompts, completions, **columns) -> list[float]`.
+`f(prompts, completions, **columns) -> list[float]`; the training steps also pass TRL's extras (`TRL_EXTRAS`:
+completion_ids, trainer_state, log_metric, log_extra; `minirl.runtime.reward_extras`) to a function that takes them.
 
 | built-in     | function                         | scores                                                  |
 |--------------|----------------------------------|---------------------------------------------------------|
@@ -130,7 +131,8 @@ def check_reward_columns(funcs: list, rows: list[dict], param: str = "dataset", 
     """Each function's required keyword parameters must be columns of `rows`, before anything runs.
 
     TRL calls f(prompts=..., completions=..., **columns), so a function without `**kwargs`
-    must also accept every column. Callables whose signature cannot be read are not checked.
+    must also accept every column; TRL's extras (`TRL_EXTRAS`: completion_ids, trainer_state, ...)
+    are not columns: the training steps pass them. Callables whose signature cannot be read are not checked.
     """
     columns = [c for c in rows[0] if c != "prompt"] if rows else []
     for func in funcs:
@@ -140,8 +142,8 @@ def check_reward_columns(funcs: list, rows: list[dict], param: str = "dataset", 
             continue
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        missing = [n for n, p in params.items() if n not in ("prompts", "completions") and p.default is p.empty
-                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in columns]
+        missing = [n for n, p in params.items() if n not in ("prompts", "completions", *TRL_EXTRAS)
+                   and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in columns]
         if missing:
             raise ConfigError(param, "rows" if value is None else value,
                               f"reward {reward_name(func)} needs the column {missing[0]!r}, but the rows have "
@@ -171,16 +173,7 @@ def call_reward(func, prompts: list, completions: list, columns: dict, **extras)
     for: a result that is not a list of N, a value that is no finite number (a string, inf, NaN, a list).
     """
     name = reward_name(func)
-    extras = {k: v for k, v in extras.items() if v is not None and _takes(func, k)}
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
-        import asyncio  # noqa: PLC0415
-        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
-        with ThreadPoolExecutor(1) as pool:
-            out = pool.submit(asyncio.run, func(prompts=prompts, completions=completions, **columns,
-                                                **extras)).result()
-    else:
-        out = func(prompts=prompts, completions=completions, **columns, **extras)
+    out = invoke_reward(func, prompts, completions, columns, **extras)
     if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise RewardError(f"reward function {name} returned {type(out).__name__}, not a list of "
                           f"{len(completions)} rewards; return one float (or None) per completion")
@@ -197,6 +190,26 @@ def call_reward(func, prompts: list, completions: list, columns: dict, **extras)
                               "return a finite float, or None where the reward does not apply")
         values.append(number)
     return values
+
+
+def invoke_reward(func, prompts: list, completions: list, columns: dict, **extras):
+    """func's output, unchecked: f(prompts=, completions=, **columns, **extras) as `call_reward` describes it.
+
+    An extra that is None, or that the function neither names nor takes through `**kwargs`, is left
+    out. A coroutine (an `async def` function, or a wrapper of one) is run to its end in a thread of
+    its own (a notebook's kernel already runs an event loop in this one).
+    """
+    extras = {k: v for k, v in extras.items() if v is not None and _takes(func, k)}
+    out = func(prompts=prompts, completions=completions, **columns, **extras)
+    if inspect.isawaitable(out):
+        import asyncio  # noqa: PLC0415
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        async def wait():
+            return await out
+        with ThreadPoolExecutor(1) as pool:
+            out = pool.submit(asyncio.run, wait()).result()
+    return out
 
 
 def _finite(value) -> float | None:

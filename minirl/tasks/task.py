@@ -21,11 +21,13 @@ from minirl.tasks.rewards import call_reward, combine_rewards, reward_name
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500) -> list[str]:
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500,
+                       ids: list | None = None) -> list[str]:
     """Greedy completions of text prompts, in order, decoded without special tokens.
 
     Prompts are tokenized as they are (no special tokens added: a chat template has already
-    put its own), left-padded in batches of `batch_size`; generation stops at EOS.
+    put its own), left-padded in batches of `batch_size`; generation stops at EOS. ids: a list
+    that receives each completion's token ids up to and including its EOS (TRL's completion_ids).
     """
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
@@ -39,6 +41,8 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for row in out[:, enc["input_ids"].shape[1]:].tolist() if ids is not None else ():
+                ids.append(row[:row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row)
     finally:
         model.train(was_training)
         tokenizer.padding_side = side
@@ -78,15 +82,18 @@ class Task:
     def reward_names(self) -> list[str]:
         return [reward_name(f) for f in self.reward_funcs]
 
-    def score(self, rows: list[dict], completions: list) -> tuple[torch.Tensor, dict]:
-        """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64."""
-        return combine_rewards(self.rewards_per_func(rows, completions), self.reward_weights, self.reward_names)
+    def score(self, rows: list[dict], completions: list, **extras) -> tuple[torch.Tensor, dict]:
+        """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64.
+        extras: TRL's (`minirl.tasks.rewards.TRL_EXTRAS`) that the caller has, passed to the functions."""
+        return combine_rewards(self.rewards_per_func(rows, completions, **extras), self.reward_weights,
+                               self.reward_names)
 
-    def rewards_per_func(self, rows: list[dict], completions: list) -> torch.Tensor:
+    def rewards_per_func(self, rows: list[dict], completions: list, **extras) -> torch.Tensor:
         """[N, F] float64: each reward function's value for one completion per row (None, "does not apply": NaN)."""
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
         prompts = [r["prompt"] for r in rows]
-        return torch.tensor([[math.nan if v is None else v for v in call_reward(f, prompts, completions, columns)]
+        return torch.tensor([[math.nan if v is None else v for v in call_reward(f, prompts, completions, columns,
+                                                                                **extras)]
                              for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]; None: NaN
 
     def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500,
@@ -99,9 +106,11 @@ class Task:
         if not self.test or max_new_tokens is None:
             raise ValueError(f"Task {self.name}: evaluate needs test rows and max_new_tokens (it has "
                              f"{len(self.test)} test rows, max_new_tokens={max_new_tokens})")
+        ids = []                                   # TRL's completion_ids; log_metric/log_extra: accepted, not kept
         completions = greedy_completions(model, tokenizer, [r["prompt"] for r in self.test], max_new_tokens,
-                                         batch_size)
-        per_func = self.rewards_per_func(self.test, completions)
+                                         batch_size, ids)
+        per_func = self.rewards_per_func(self.test, completions, completion_ids=ids,
+                                         log_metric=lambda name, value: None, log_extra=lambda column, values: None)
         total, metrics = combine_rewards(per_func, self.reward_weights, self.reward_names)
         result = {"reward": total.mean().item(), **metrics}
         if self.accuracy_reward is not None:

@@ -63,6 +63,13 @@ class RunState:
     metrics: list[dict] = field(default_factory=list)
     interrupted: bool = False
 
+    @property
+    def trainer_state(self):
+        """TRL's `trainer_state` for the reward functions of the next step (`minirl.runtime.reward_extras`)."""
+        from minirl.runtime.reward_extras import trainer_state  # noqa: PLC0415 (transformers: when a run scores)
+
+        return trainer_state(self)
+
     def extra_state(self) -> dict:
         """What a later stage adds to a checkpoint ({} here; notebook 07 saves its queue)."""
         return {}
@@ -119,7 +126,7 @@ def stage1_step(state: RunState) -> dict:
     """Stage 1's step: draw this step's prompts, then `rl_step`."""
     rows = sample_prompts(state.rows, state.config.run.prompts_per_step, state.generator)
     return rl_step(state.roles, state.engine, state.sync, rows, state.reward_funcs, state.config, state.generator,
-                   reward_weights=state.reward_weights)
+                   reward_weights=state.reward_weights, trainer_state=state.trainer_state)
 
 
 def train(config: RLConfig, model=None, tokenizer=None, task: Task | None = None, *, out_dir=None,

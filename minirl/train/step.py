@@ -27,6 +27,7 @@ from minirl.roles.reference import Reference
 from minirl.runtime.arg_checks import check_reward_weights
 from minirl.runtime.gauges import batch_statistics
 from minirl.runtime.inputs import checked_rewards
+from minirl.runtime.reward_extras import RewardExtras
 from minirl.runtime.timing import StageTimer
 from minirl.tasks.rewards import combine_rewards, reward_name
 
@@ -50,22 +51,23 @@ def sample_prompts(rows: list[dict], n: int, generator: torch.Generator) -> list
 
 
 def score(reward_funcs: list, rollout: Rollout, rows: list[dict], reward_errors: str = "raise",
-          reward_weights: list[float] | None = None) -> tuple[Tensor, dict]:
+          reward_weights: list[float] | None = None, trainer_state=None) -> tuple[Tensor, dict]:
     """Stage 2: rewards [N] (the weighted sum over functions) and metrics (each function's mean, error count).
 
     Each function is called with TRL's signature, f(prompts, completions, **columns), the columns
-    being the rows' other fields repeated G times (`minirl.runtime.inputs.checked_rewards`).
+    being the rows' other fields repeated G times (`minirl.runtime.inputs.checked_rewards`), and
+    TRL's extras (`minirl.runtime.reward_extras`: completion_ids, trainer_state, log_metric, log_extra).
     """
     G = rollout.num_generations
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     weights = [1.0] * len(reward_funcs) if reward_weights is None else list(reward_weights)
     check_reward_weights(weights, reward_funcs)
-    errors = []
-    per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors)
+    errors, extras = [], RewardExtras(rollout, trainer_state)
+    per_func = [checked_rewards(f, rollout.prompts, rollout.completions, columns, reward_errors, errors, **extras)
                 for f in reward_funcs]                                                     # [N] each
     total, metrics = combine_rewards(torch.stack(per_func, 1), weights,
                                      [reward_name(f) for f in reward_funcs])              # [N], per-function means
-    metrics["reward_errors"] = len(errors)
+    metrics |= extras.metrics() | {"reward_errors": len(errors)}                         # + what they log_metric'd
     if errors:
         metrics["reward_error_examples"] = errors[:3]
     return total, metrics
@@ -154,18 +156,21 @@ def sync_and_record(roles: Roles, engine, sync, rollout: Rollout, rewards: Tenso
 
 
 def rl_step(roles: Roles, engine, sync, rows: list[dict], reward_funcs: list, config: RLConfig,
-            generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None) -> dict:
+            generator: torch.Generator | None = None, group=None, reward_weights: list[float] | None = None,
+            trainer_state=None) -> dict:
     """One pass generate -> score -> learn (experience, advantages, update) -> sync; returns the step's record.
 
     rows: this step's B dataset rows; engine: a RolloutEngine; sync: a WeightSync. group: None in
     one process; in a data-parallel run (04), `world_size` and `all_gather(tensor)` over the ranks.
+    trainer_state: what the reward functions get as TRL's (`RunState.trainer_state`), or None.
     """
     timer = StageTimer()
     with timer("generate"):
         rollout = engine.generate([r["prompt"] for r in rows], config.sampling, expected_version=roles.version,
                                   generator=generator)
     with timer("score"):
-        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights)
+        rewards, metrics = score(reward_funcs, rollout, rows, config.algorithm.reward_errors, reward_weights,
+                                 trainer_state)
     metrics |= learn(roles, rollout, rewards, config, group, timer)
     return sync_and_record(roles, engine, sync, rollout, rewards, metrics, timer, group)
 

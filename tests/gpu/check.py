@@ -15,7 +15,11 @@ Checks, in order (each a subprocess, as a user would run it; figures from its su
            step time, the dtypes it recorded and saved
   engine   the paged engine's greedy tokens equal HF generate's on the device (float32; bfloat16
            up to bfloat16 ties)
-  fsdp2    chapter 04 under torchrun --nproc_per_node 1 with --backend nccl, FSDP2 (--zero 3), 2 steps
+  fsdp2    chapter 04 under torchrun --nproc_per_node 1 with --backend nccl, FSDP2 (--zero 3), 2 steps, as
+           TRL trains there (--mixed-precision auto): FSDP2's MixedPrecisionPolicy, bf16 products on
+           float32 shards, float32 gradient reduction; the recorded precision and saved dtype
+           (chapter 06 is not run here, it needs Ray: its workers run each call under the same
+           bf16 autocast on float32 weights, tests/test_dtypes.py)
   mismatch chapter 02's precision sweep on the device's kernels: float32, bfloat16, float16, and
            float8_e4m3fn (minirl's simulated FP8: weights rounded to FP8, computed in bfloat16) when
            the GPU has FP8 tensor cores (compute capability 8.9 or more)
@@ -193,17 +197,19 @@ class Checker:
                 "--device", self.device, "--backend", backend, "--zero", 3, "--out", out, "--overwrite",
                 "--steps", steps, "--prompts-per-step", 4, "--eval-every", 0, "--checkpoint-every", 0,
                 "--no-progress"]
-        if not self.cpu:
-            argv += ["--mixed-precision", "bf16"]
         rc, _, err = self.run("fsdp2", argv)
         if rc:
             return "FAIL", self.failed(rc, err)
         s = self.summary(out / "summary.json")
         peak = s.get("peak_bytes") or [0]
-        text = (f"{backend}, FSDP2 ZeRO-3{'' if self.cpu else ', bf16 mixed precision'}: {s['steps']} steps, sync "
+        saved = json.loads((out / "final" / "config.json").read_text())
+        precision = (s.get("mixed_precision"), str(saved.get("dtype") or saved.get("torch_dtype")))
+        want = ("no" if self.cpu else "bf16", "float32")
+        text = (f"{backend}, FSDP2 ZeRO-3, mixed {precision[0]}, saved {precision[1]}: {s['steps']} steps, sync "
                 f"{s.get('sync_bytes', 0) / 2**20:.1f} MiB, peak {max(peak) / 2**20:.0f} MiB per rank")
-        ok = s["steps"] == steps and s.get("sync_bytes", 0) > 0
-        return ("ok" if ok else "FAIL"), text + ("" if ok else "; want the steps run and bytes synchronized")
+        ok = s["steps"] == steps and s.get("sync_bytes", 0) > 0 and precision == want
+        return ("ok" if ok else "FAIL"), text + ("" if ok else f"; want the steps run, bytes synchronized, "
+                                                             f"mixed {want[0]} and saved {want[1]}")
 
     def check_mismatch(self):
         sweep = ["float32", "bfloat16", "float16"]

@@ -6,6 +6,9 @@
 #   tests/gpu/run.sh --cpu      # the same checks, small, on the CPU: proves the script works (CI)
 #   tests/gpu/run.sh --help     # the checks, the options
 #
+# Training runs as TRL trains on a GPU (--mixed-precision auto): float32 weights and AdamW state, bf16
+# products (stages 1 and 7 by autocast, stage 4 by FSDP2's MixedPrecisionPolicy at ZeRO 2/3, stage 6's
+# workers by autocast); the stage1 and fsdp2 checks fail unless the runs record it.
 # Exits 1 when any check failed, 0 otherwise. Offline: the embedded policy is built locally
 # (MINIRL_CACHE, default ~/.cache/minirl) and no hub is reached. Logs, the runs and
 # summary.json go to --out (default runs/gpu-check).

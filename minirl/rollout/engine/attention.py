@@ -103,35 +103,30 @@ class PagedModel(ops.PagedModelBase):
         inner = self.model.model
         T, H, Hkv, D = step.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = inner.embed_tokens(step.input_ids)                              # [T, hidden]
-        cos, sin = inner.rotary_emb(x, step.positions[None])                # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]                         # [T, 1, D]: all heads
-        sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)        # signed, see rotate
-        # once per step, for every layer: decode groups' row indices, other groups' masks
+        cos, sin = self.rotary(step.positions)                              # [T, 1, D]: all heads
+        # once per step, for every layer: decode groups' row indices, other groups' masks, cache slots
         plans = [ops.decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size)
                  if g.q_index is None else
                  torch.zeros_like(g.mask, dtype=x.dtype).masked_fill_(~g.mask, -torch.inf)
                  for g in step.groups]
-        blocks, offsets = step.slots // self.block_size, step.slots % self.block_size
+        where = ops.cache_index(step.slots, Hkv, self.cache.shape[3], self.block_size, D)
         for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
             attn = layer.self_attn
-            qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm))  # [T, (H + 2 Hkv) D]
-            qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)                 # rotated together
-            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+            qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm)).view(T, H + 2 * Hkv, D)
+            qk = qkv[:, :H + Hkv]                                           # rotated together
             if hasattr(attn, "q_norm"):                                     # Qwen3
-                qk = torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1)
-            qk = ops.rotate(qk, cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
+                qk.copy_(torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1))
+            ops.rotate(qk, cos, sin)                                        # in place
+            self.write_cache(i, where, qkv[:, H:])                          # keys, values into their slots
             keys, values = self.cache_views(i)
-            keys[:, blocks, :, offsets] = k                                 # into their slots
-            values.view(Hkv, -1, D).index_copy_(1, step.slots, v.transpose(0, 1))
-            scale = getattr(attn, "scaling", D ** -0.5)
+            q, scale = qkv[:, :H], getattr(attn, "scaling", D ** -0.5)
             outs = [ops.decode_attention(q[g.start:g.stop], keys, values, plan, scale)
                     if g.q_index is None else
                     gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
                     for g, plan in zip(step.groups, plans, strict=True)]
-            x = x + products["o"](outs[0] if len(outs) == 1 else torch.cat(outs))
+            products["o"].add_to(x, outs[0] if len(outs) == 1 else torch.cat(outs))   # x += o(attention)
             h = ops.rms_norm(x, layer.post_attention_layernorm)
             gate, up = products["gate_up"](h).chunk(2, -1)
-            x = x + products["down"](layer.mlp.act_fn(gate) * up)
+            products["down"].add_to(x, layer.mlp.act_fn(gate).mul_(up))    # x += down(act(gate) * up)
         h = inner.norm(x[step.logits_index])                                # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]
