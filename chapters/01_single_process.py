@@ -17,7 +17,11 @@ OUT/reward_curve.png, OUT/checkpoints/step-N/ (Hugging Face format + training_st
 written atomically), OUT/final/ (the final policy, Hugging Face format) and OUT/summary.json
 with accuracy_before, accuracy_after (held-out greedy accuracy, 0-1; with --eval-dataset and no
 correctness reward, the mean weighted reward), steps, seconds and every setting (`settings`, after
---config and the flags). A directory holds one run: --resume continues it, --overwrite replaces it.
+--config and the flags) with `defaults` ("trl": a --dataset run takes TRL's GRPOConfig defaults for
+what was not set, max_completion_length 512 fitted to the model's context, learning_rate 1e-6, seed 42,
+a linear schedule; "embedded": the embedded task's tuned ones), and OUT/completions.jsonl (what the model
+wrote: --log-completions rows of prompt, completion and rewards of the first steps and of every
+evaluation, also printed). A directory holds one run: --resume continues it, --overwrite replaces it.
 Every setting of minirl.config.RLConfig is a flag below (with its default).
 
 The task: --dataset (a `prompt` column, the other columns passed to the rewards, as in TRL;
@@ -54,12 +58,14 @@ from minirl.runtime.training_cli import (
     add_task_flags,
     check_engine_flag,
     check_task_prompts,
+    data_defaults,
     data_record,
     held_out_line,
     resolve_task_paths,
     restore_task_flags,
     resume_command,
     saved_task,
+    summary_extras,
     task_from_args,
     task_summary,
     write_stop,
@@ -113,6 +119,7 @@ def parse_args(argv=None):
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
         config = config.replace(eval_every=0)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return args, config, task, merged_settings(parser, args)
 
 
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
         "mixed_precision": {"bfloat16": "bf16", "float16": "fp16"}.get(config.autocast_dtype, "no"),
         "metrics": str(out / "metrics.jsonl"), "plot": str(plot_path), "final_model": str(out / "final"),
         "task": task_summary(task, args),
-        "config": dataclasses.asdict(config), "settings": settings,
+        "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
         "config_file": None if args.config is None else str(args.config),
     }
     try:                                              # the disk may fill after the last checkpoint too

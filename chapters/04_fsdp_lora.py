@@ -67,6 +67,7 @@ from minirl.runtime.training_cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_defaults,
     data_record,
     held_out_line,
     out_problem,
@@ -75,6 +76,7 @@ from minirl.runtime.training_cli import (
     resumed_config,
     saved_task,
     stop_line,
+    summary_extras,
     task_from_args,
     task_summary,
 )
@@ -208,6 +210,7 @@ def parse_args(argv=None):
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
         config = config.replace(eval_every=0)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return args, config, pconfig, task, merged_settings(parser, args)
 
 
@@ -398,7 +401,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
     from minirl.runtime.memory_tracking import MemoryTracker  # noqa: PLC0415
     from minirl.runtime.model_loading import load_policy  # noqa: PLC0415
     from minirl.runtime.plots import plot_metrics  # noqa: PLC0415
-    from minirl.runtime.policy_export import adapter_path, evaluate_engine, export_policy  # noqa: PLC0415
+    from minirl.runtime.policy_export import EngineEval, adapter_path, export_policy  # noqa: PLC0415
     from minirl.runtime.ranks import agree  # noqa: PLC0415
     from minirl.runtime.seeding import seed_everything  # noqa: PLC0415
     from minirl.runtime.sharded_checkpoint import ShardedCheckpoints  # noqa: PLC0415
@@ -419,8 +422,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
                   lambda: setup_spmd(config, pconfig, model, tokenizer, task.train, task.reward_funcs, ctx,
                                      task.reward_weights))
     kill = [KillRank(*map(int, args.kill_rank.split(":")), ctx.rank)] if args.kill_rank is not None else []
-    eval_fn = (lambda _model: evaluate_engine(state.engine, tokenizer, task, max_new_tokens)) \
-        if main_rank and task.test else None
+    eval_fn = EngineEval(state.engine, tokenizer, task, max_new_tokens) if main_rank and task.test else None
     started = time.perf_counter()
     metrics = run_in_dir(
         state, spmd_step, tokenizer, out_dir=out, resume=args.resume, overwrite=args.overwrite, eval_fn=eval_fn,
@@ -443,7 +445,7 @@ def train_rank(args, config, pconfig, task, settings, ctx, progress: bool) -> in
                     "final_adapter": None if adapter is None else str(adapter),
                     "mixed_precision": config.resolved_mixed_precision,
                     "metrics": str(out / "metrics.jsonl"), "task": task_summary(task, args),
-                    "config": dataclasses.asdict(config), "settings": settings,
+                    "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
                     "config_file": None if args.config is None else str(args.config)}
         plot_metrics(metrics, out / "reward_curve.png",
                      title=f"stage 4: {ctx.world_size} ranks, zero {pconfig.zero}, lora {pconfig.lora_rank}",

@@ -52,6 +52,7 @@ from minirl.runtime.training_cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_defaults,
     data_record,
     held_out_line,
     interrupted_line,
@@ -63,6 +64,7 @@ from minirl.runtime.training_cli import (
     resumed_config,
     saved_task,
     stop_line,
+    summary_extras,
     task_from_args,
     task_summary,
     write_stop,
@@ -145,6 +147,7 @@ def parse_args(argv=None):
     if not task.test and config.run.eval_every:
         print("no --eval-dataset: no held-out evaluation", file=sys.stderr)
         config = config.replace(eval_every=0)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return parser, args, config, placement, task, merged_settings(parser, args)
 
 
@@ -261,7 +264,7 @@ def main(argv=None) -> int:
         "mixed_precision": config.resolved_mixed_precision,
         "metrics": str(out / "metrics.jsonl"), "timeline": str(out / "timeline.png"),
         "placement_plot": str(out / "placement.png"), "task": task_summary(task, args),
-        "config": dataclasses.asdict(config), "settings": settings,
+        "config": dataclasses.asdict(config), "settings": settings, **summary_extras(args, metrics),
         "config_file": None if args.config is None else str(args.config),
     }
     try:                                      # the disk may fill after the last checkpoint too

@@ -65,6 +65,7 @@ from minirl.runtime.training_cli import (
     check_engine_flag,
     check_run_flags,
     check_task_prompts,
+    data_defaults,
     data_record,
     interrupted_line,
     last_checkpoint,
@@ -75,6 +76,7 @@ from minirl.runtime.training_cli import (
     resumed_config,
     saved_task,
     stop_line,
+    summary_extras,
     task_from_args,
     task_summary,
     write_stop,
@@ -83,7 +85,8 @@ from minirl.runtime.validate import ConfigError, check_float, check_int
 
 DEFAULTS = RLConfig().replace(steps=60, learning_rate=1e-4, checkpoint_every=20)
 SKIPPED = ("eval_every",)          # evaluation: on snapshots after the run (--snapshot-every)
-STAGE1_SAFE_ON_RESUME = ("steps", "checkpoint_every", "keep_checkpoints", "device")   # minirl.train.run's, less
+STAGE1_SAFE_ON_RESUME = ("steps", "checkpoint_every", "keep_checkpoints", "device",
+                         "log_completions")   # minirl.train.run's, less
 # eval_every (a test keeps them equal): here, so that a bad command line is refused before torch loads
 
 
@@ -144,6 +147,7 @@ def parse_args(argv=None):
                      "rewards; multi-turn sessions are the embedded task's calculator tool (drop --dataset, or "
                      "--max-turns)")
     task = task_from_args(parser, args)
+    config = data_defaults(parser, args, config, task)   # --dataset: TRL's defaults where nothing was set
     return args, config, acfg, task, merged_settings(parser, args)
 
 
@@ -267,7 +271,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
               "nothing was learned", file=sys.stderr)
         return 1
     eval_fn = task.eval_fn(tokenizer, max_new_tokens)
-    accuracy = evaluate_snapshots(result, model, eval_fn) if eval_fn is not None else []
+    accuracy = evaluate_snapshots(result, model, eval_fn, out, config.run.log_completions) if eval_fn else []
     metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
     summary = (result.summary() | {"accuracy_before": accuracy[0]["accuracy"] if accuracy else None,
                                    "accuracy_after": accuracy[-1]["accuracy"] if accuracy else None}
@@ -275,6 +279,7 @@ def train_and_report(args, config, acfg: AsyncConfig, task, settings) -> int:
                   "accuracy_curve": accuracy, "eval_metric": metric, "seconds_total": time.perf_counter() - started,
                   "model": args.model or "embedded", "metrics": str(out / "metrics.jsonl"),
                   "final_model": str(out / "final"), "task": task_summary(task, args), "settings": settings,
+                  **summary_extras(args, accuracy),
                   "config_file": None if args.config is None else str(args.config)})
     end = result.ended
     try:                                      # the disk may fill after the last checkpoint too

@@ -151,6 +151,7 @@ class RunConfig:
     dtype: str = "auto"                # the trained weights' precision; auto: float32 (bfloat16: pure bf16, lossy)
     mixed_precision: str = "auto"      # autocast of each step (accelerate's); auto: bf16 on CUDA, no on the CPU
     disable_dropout: bool = True       # TRL's: dropout off during RL (the packed update's shared prompt pass needs it)
+    log_completions: int = 0           # prompt, completion, rewards rows logged per step (first 3, every eval); 0: off
 
     choices = {"dtype": ("auto", *POLICY_DTYPES), "mixed_precision": MIXED_PRECISIONS}
 
@@ -163,6 +164,7 @@ class RunConfig:
         check_int("eval_every", self.eval_every, low=0, why="0 turns evaluation off")
         check_int("checkpoint_every", self.checkpoint_every, low=0, why="0 keeps only the final model")
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+        check_int("log_completions", self.log_completions, low=0, why="0 logs no completions")
 
 
 @dataclass

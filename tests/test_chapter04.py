@@ -480,6 +480,12 @@ steps: 9
     zero_std = [m["frac_reward_zero_std"] for m in steps]
     warned = job.stdout.count("warning: no learning signal in the first 3 steps")
     assert warned == (1 if zero_std == [1.0, 1.0, 1.0] else 0), (zero_std, job.stdout[-2000:])
+    assert summary["defaults"] == "trl" and summary["settings"]["seed"] == 42, "--dataset: TRL's defaults (issue 31)"
+    assert all(f"eval/rewards/{n}/mean" in summary for n in names), sorted(summary)
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["phase"]) for r in logged} == {(0, "eval"), (1, "train"), (2, "train"), (3, "train"),
+                                                         (3, "eval")}, "rank 0's rows: the first steps, each eval"
+    assert all(set(r["rewards"]) == set(names) for r in logged)
 
 
 # --- accelerate launch and the peft adapter (issue 31, item 7) -------------------------------------------------------

@@ -413,6 +413,11 @@ steps: 9
     assert summary["task"]["rewards"] == list(names) and summary["task"]["reward_weights"] == [1.0, 0.5, 0.25]
     assert summary["task"]["eval_metric"] == "accuracy (math_reward)" and summary["settings"]["steps"] == 2
     assert summary["config_file"] == str(tmp_path / "words.yaml") and summary["settings"]["learning_rate"] == 1e-3
+    logged = [json.loads(line) for line in (out6 / "completions.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["phase"]) for r in logged] == [(s, p) for s, p in [(0, "eval"), (1, "train"), (2, "train"),
+                                                                            (2, "eval")] for _ in range(4)]
+    assert all(set(r["rewards"]) == set(names) for r in logged), "the driver's rows, scored by the reward workers"
+    assert summary["defaults"] == "trl" and f"eval/rewards/{names[0]}/mean" in summary
 
     newest = out6 / "checkpoints" / "step-000002"
     (newest / "training_state.pt").write_bytes(b"not a checkpoint")

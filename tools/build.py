@@ -140,6 +140,7 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 "minirl/runtime/accelerate_launch.py",  # branch peft: accelerate launch for chapters 01 and 04
                 "minirl/runtime/run_answers.py",  # branch nb01real: notebook 01 §11, a real model's answers
                 "minirl/runtime/reward_extras.py",  # branch rewards: TRL's extras to reward functions
+                "minirl/runtime/completion_log.py",   # branch trlux: issue 31 item 3, what the model wrote
                 )
 
 MODULE_PREFIX = "# Generated from notebooks/"

@@ -190,6 +190,7 @@ class AsyncState(RunState):
     t0: float | None = None                 # perf_counter when the producers started
     last: float | None = None               # perf_counter of the last publish
     batch_timeout: float = 300.0            # seconds the trainer waits for one batch
+    last_batch: list = field(default_factory=list)   # the trajectories of the last step (runtime/completion_log)
 
     def wall(self, now: float | None = None) -> float:
         """Seconds of the run so far (from the producers' start, across resumes)."""
@@ -201,7 +202,8 @@ class AsyncState(RunState):
         """The queue's next batch (waiting up to batch_timeout); the error of a producer that failed and closed
         the queue, if one did."""
         try:
-            return self.queue.get_batch(timeout=self.batch_timeout)
+            self.last_batch = self.queue.get_batch(timeout=self.batch_timeout)
+            return self.last_batch
         except RuntimeError:
             if self.errors:
                 raise self.errors[0] from None

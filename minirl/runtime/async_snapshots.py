@@ -86,15 +86,20 @@ class Snapshots(Callback):
             self.take(state, record["wall"], record["samples"])
 
 
-def evaluate_snapshots(result, model, eval_fn) -> list[dict]:
+def evaluate_snapshots(result, model, eval_fn, out_dir=None, log_completions: int = 0) -> list[dict]:
     """Held-out accuracy of every snapshot of `result` (an AsyncResult): [{"step", "wall", "samples",
-    "accuracy"}], also kept in result.accuracy. model: one of the run's architecture (copied, not changed)."""
+    "accuracy", and each reward's mean when eval_fn keeps them: "eval/reward", "eval/rewards/<name>/mean"}],
+    also kept in result.accuracy. model: one of the run's architecture (copied, not changed). With out_dir and
+    log_completions N, N held-out rows of each evaluation go to out_dir/completions.jsonl (and on screen)."""
+    from minirl.runtime.completion_log import eval_metrics, log_eval  # noqa: PLC0415
+
     probe = copy.deepcopy(model)
     result.accuracy = []
     for snap in sorted(result.snapshots, key=lambda s: s.step):
         probe.load_state_dict(snap.load())
         result.accuracy.append({"step": snap.step, "wall": snap.wall, "samples": snap.samples,
-                                "accuracy": eval_fn(probe)})
+                                "accuracy": eval_fn(probe)} | eval_metrics(eval_fn))
+        log_eval(out_dir, snap.step, eval_fn, log_completions)
     return result.accuracy
 
 

@@ -8,7 +8,9 @@ steps)` hands every step's record to callbacks, each of which does one job:
   advantage 0: nothing to learn), and names the likely cause;
 - `StopAfter`: stops right after step k, as a crash would (`RunStopped`), so resuming can be tried;
 - `JSONLLogger`: metrics.jsonl, one line per step;
-- `Checkpointer`: a checkpoint every `checkpoint_every` steps and the final policy (`minirl.runtime.checkpoint`).
+- `Checkpointer`: a checkpoint every `checkpoint_every` steps and the final policy (`minirl.runtime.checkpoint`);
+- `SampleTap`, `CompletionLog` (`minirl.runtime.completion_log`): what each step generated and scored, its share
+  cut at max_completion_length, and with `log_completions` a few rows of it in completions.jsonl and on screen.
 
 `run_in_dir(state, step_fn, tokenizer, out_dir=..., resume=..., ...)` opens the run directory
 (`minirl.runtime.rundir`: new, resumed or overwritten, locked), restores the newest intact
@@ -37,16 +39,19 @@ from minirl.runtime.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from minirl.runtime.completion_log import FILE as COMPLETIONS_FILE
+from minirl.runtime.completion_log import CompletionLog, SampleTap, eval_metrics
 from minirl.runtime.io import append_jsonl, atomic_write_json, temporary_beside, write_jsonl, writing
 from minirl.runtime.rundir import RUN_FILE, RunDirError, open_run_dir
 from minirl.runtime.validate import ConfigError
 from minirl.train.run import Callback, RunState, RunStopped, run
 
-SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device")
+SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "device", "log_completions")
 
 
 class Evaluator(Callback):
-    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step."""
+    """Adds "accuracy" (eval_fn(model), 0..1) at step 0, every `every` steps and at the last step, and each reward's
+    held-out mean when eval_fn keeps them (`eval/reward`, `eval/rewards/<name>/mean`: a Task's evaluation does)."""
 
     def __init__(self, eval_fn, every: int, last_step: int):
         self.eval_fn, self.every, self.last_step = eval_fn, every, last_step
@@ -54,6 +59,7 @@ class Evaluator(Callback):
     def evaluate(self, state: RunState, record: dict) -> None:
         start = time.perf_counter()
         record["accuracy"] = self.eval_fn(state.roles.actor.model)
+        record.update(eval_metrics(self.eval_fn))
         record["time/eval"] = time.perf_counter() - start
 
     def on_start(self, state):
@@ -85,7 +91,8 @@ class ProgressBar(Callback):
 
 class NoSignalWarning(Callback):
     """Says once, on stderr, when none of the first `steps` steps had a group with different rewards: the
-    GRPO advantages were all 0, so nothing could be learned. Names the likely cause from the mean rewards."""
+    GRPO advantages were all 0, so nothing could be learned. Names the likely cause: completions cut at
+    max_completion_length first, else what the mean rewards say."""
 
     def __init__(self, steps: int = 3):
         self.steps, self.seen, self.done = steps, [], False
@@ -98,14 +105,31 @@ class NoSignalWarning(Callback):
             self.done = True
         elif len(self.seen) >= self.steps:
             self.done = True
-            print(no_signal_message(self.seen), file=sys.stderr, flush=True)
+            print(no_signal_message(self.seen, state.config.sampling.max_completion_length), file=sys.stderr,
+                  flush=True)
 
 
-def no_signal_message(records: list[dict]) -> str:
-    """The warning of `NoSignalWarning`: what happened in `records` and what to check."""
+def truncation(records: list[dict], max_completion_length: int | None) -> str | None:
+    """How the completions of `records` hit max_completion_length, when that is why they all scored alike: "N %
+    hit the cap" (more than half did, by `completions/clipped_ratio`), or, for records without that share, "the
+    longest hit the cap" (`completion_length_max`); else None."""
+    if max_completion_length is None:
+        return None
+    shares = [r["completions/clipped_ratio"] for r in records if "completions/clipped_ratio" in r]
+    if shares:
+        share = sum(shares) / len(shares)
+        return f"{100 * share:.0f} % hit the cap" if share > 0.5 else None
+    if any(r.get("completion_length_max", 0) >= max_completion_length for r in records):
+        return "the longest hit the cap"
+    return None
+
+
+def no_signal_message(records: list[dict], max_completion_length: int | None = None) -> str:
+    """The warning of `NoSignalWarning`: what happened in `records` and what to check (truncation first)."""
     means = {k.removeprefix("rewards/"): sum(r[k] for r in records) / len(records)
              for k in records[-1] if k.startswith("rewards/")}
     reward = sum(r["reward"] for r in records) / len(records)
+    cut = truncation(records, max_completion_length)
     if all(v == 0 for v in means.values()):
         why = ("every completion scored 0: check that the policy's completions can match the reward's format "
                "(the math reward wants a final '#### N' or \\boxed{N}; a base model may need a chat or few-shot "
@@ -115,7 +139,10 @@ def no_signal_message(records: list[dict]) -> str:
                "policy's skill, more num_generations, a higher temperature, or a graded reward")
     return (f"warning: no learning signal in the first {len(records)} steps: in every group all completions had "
             f"equal rewards (frac_reward_zero_std = 1), so every advantage was 0 (mean reward {reward:.3g}; "
-            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + f"). {why[0].upper()}{why[1:]}.")
+            + ", ".join(f"{k} {v:.3g}" for k, v in means.items()) + "). "
+            + (f"Completions are cut at max_completion_length={max_completion_length} ({cut}): raise "
+               "--max-completion-length first, and look at what the policy wrote (completions.jsonl in the run "
+               f"directory); if they still score alike once whole: {why}." if cut else f"{why[0].upper()}{why[1:]}."))
 
 
 class StopAfter(Callback):
@@ -260,7 +287,8 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             together("restoring the checkpoint", lambda: checkpoints.restore(state))
             if main:
                 atomic_write_json(Path(out_dir) / RUN_FILE, (run_dir.record() or {}) | record)   # more steps, say
-        callbacks = list(first_callbacks)
+        tap = SampleTap(getattr(tokenizer, "eos_token_id", None))   # first: the step's samples, before it is logged
+        callbacks = [tap, *first_callbacks]
         if eval_fn:
             callbacks.append(Evaluator(eval_fn, config.run.eval_every, config.run.steps))
         if out_dir is not None:
@@ -270,6 +298,8 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             callbacks.append(ProgressBar(config.run.steps, f"{config.algorithm.algo} ({label})"))
         callbacks.append(NoSignalWarning())
         callbacks += list(extra_callbacks)
+        if out_dir is not None and main and config.run.log_completions:
+            callbacks.append(CompletionLog(Path(out_dir) / COMPLETIONS_FILE, config.run.log_completions, tap, eval_fn))
         if stop_after is not None:
             callbacks.append(StopAfter(stop_after))
         if main and config.policy_dtype != "float32":
@@ -280,6 +310,7 @@ def run_in_dir(state: RunState, step_fn, tokenizer, *, out_dir=None, resume: boo
             print("warning: --mixed-precision fp16 autocasts without loss scaling here (TRL scales the loss with "
                   "accelerate's GradScaler): small gradients underflow to 0 in float16; prefer bf16 where the "
                   "device has it", file=sys.stderr)
+        step_fn = tap.around(step_fn)
         return run(state, with_autocast(step_fn, config) if autocast else step_fn, callbacks, config.run.steps)
     finally:
         if run_dir is not None:

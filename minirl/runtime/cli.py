@@ -64,6 +64,7 @@ class ConfigFileParser(argparse.ArgumentParser):
                           help="a YAML file of settings named as the flags, with _ (TRL's convention: "
                                "learning_rate: 1.0e-5); flags on the command line override it")
         self._from_config: tuple[Path, dict[str, list[str]]] | None = None
+        self.given: set[str] = set()       # after parsing: the dests set by a typed flag or the --config file
 
     def settings(self) -> dict[str, argparse.Action]:
         """{setting name: its action} for every flag a config file may set."""
@@ -74,11 +75,13 @@ class ConfigFileParser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         probe, _ = super().parse_known_args(args, argparse.Namespace())
         path = getattr(probe, "config", None)
+        typed = self._typed(args)
+        self.given = typed                 # the settings the user gave: typed, or (below) in the --config file
         if path is None:
             return super().parse_known_args(args, namespace)
-        typed = self._typed(args)
         tokens = {dest: toks for dest, toks in self._config_tokens(Path(path)).items() if dest not in typed}
         self._from_config = (Path(path), {d: self.settings()[d].option_strings for d in tokens})
+        self.given = typed | set(tokens)
         return super().parse_known_args([t for toks in tokens.values() for t in toks] + args, namespace)
 
     def error(self, message):

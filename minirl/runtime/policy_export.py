@@ -2,7 +2,8 @@
 
 Hand-written plumbing for notebook 04's `minirl.parallel.spmd`. `evaluate_engine` scores a
 task's held-out rows on the engine's copy (the trainer's latest weights, whole; vLLM through
-its greedy completions); `export_policy` gathers the policy layer by layer (LoRA merged into
+its greedy completions; `EngineEval`, the run's eval_fn, keeps each reward's mean and the rows as
+`Task.eval_fn`'s does); `export_policy` gathers the policy layer by layer (LoRA merged into
 the base) and saves it on rank 0 in Hugging Face format, atomically (a temporary directory
 renamed when whole), a failed write (a full disk) raised on every rank. A LoRA run's adapter
 is saved beside it by peft itself, in `final/adapter/` (adapter_config.json and
@@ -49,6 +50,25 @@ def evaluate_engine(engine, tokenizer, task: Task, max_new_tokens: int) -> float
     completions = inner.greedy_completions([r["prompt"] for r in task.test], max_new_tokens)     # vLLM
     total, metrics = task.score(task.test, completions)
     return metrics[f"rewards/{task.accuracy_reward}"] if task.accuracy_reward else total.mean().item()
+
+
+class EngineEval:
+    """Stage 4's eval_fn: `evaluate_engine` on what `engine` holds, keeping in `last` the whole evaluation (each
+    reward's mean, every row's completion and rewards) as a Task's `HeldOut` does (not for vLLM's engine)."""
+
+    def __init__(self, engine, tokenizer, task: Task, max_new_tokens: int):
+        self.engine, self.tokenizer, self.task, self.max_new_tokens = engine, tokenizer, task, max_new_tokens
+        self.last = None
+
+    def __call__(self, _model=None) -> float:
+        inner = innermost(self.engine)
+        if hasattr(inner, "greedy_completions"):          # vLLM
+            self.last = None
+            return evaluate_engine(self.engine, self.tokenizer, self.task, self.max_new_tokens)
+        held_out = self.task.eval_fn(self.tokenizer, self.max_new_tokens)
+        value = held_out(inner.model)
+        self.last = held_out.last
+        return value
 
 
 @contextlib.contextmanager

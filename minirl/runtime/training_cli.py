@@ -30,6 +30,7 @@ from minirl.runtime.cli import add_config_flags, explicit_dests, flag
 from minirl.runtime.rundir import RunDirError, check_run_dir, read_run_record
 from minirl.runtime.validate import ConfigError
 
+LOG_COMPLETIONS = 4   # the chapters' --log-completions (RLConfig's 0 is TRL's log_completions False)
 TASK_FLAGS = ("dataset", "eval_dataset", "dataset_columns", "reward", "reward_weights")   # run.json's "task"
 BUILT_IN_REWARDS = ("arithmetic", "math", "format")  # minirl.tasks.rewards.REWARDS' names (a test keeps them equal)
 REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:function (my_rewards:length_penalty, "
@@ -39,7 +40,9 @@ REWARD_SPEC_HELP = (f"a built-in ({', '.join(BUILT_IN_REWARDS)}) or module:funct
 
 def add_rl_flags(parser: argparse.ArgumentParser, config: RLConfig, skip: tuple[str, ...] = ()) -> None:
     """A flag per setting of `config` (`add_config_flags`), --rollout-engine taking the engine registry's names
-    (every notebook's engines: the registry names them without importing any)."""
+    (every notebook's engines: the registry names them without importing any); a chapter logs
+    `LOG_COMPLETIONS` completions per logged step unless its config logs some already."""
+    config = config if config.run.log_completions else config.replace(log_completions=LOG_COMPLETIONS)
     add_config_flags(parser, config, skip, choices={"rollout_engine": tuple(ENGINES)})
 
 
@@ -331,11 +334,86 @@ def check_task_prompts(task, tokenizer, model, config: RLConfig, args: argparse.
             raise PromptError(f"{flag(dest)} {getattr(args, dest) or '(the embedded task)'}: {err}") from None
 
 
+def data_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RLConfig, task) -> RLConfig:
+    """The run's config with the defaults that fit its data; `args.defaults` says which set applied, for summary.json.
+
+    With --dataset (the user's data): every setting of `trl_config.TRL_DEFAULTS` (max_completion_length,
+    learning_rate, seed, lr_scheduler_type, warmup_steps) the chapter has and the user did not give (a typed flag
+    or a --config key always wins) takes TRL 1.16's GRPOConfig default: "trl". Without it, the embedded task keeps
+    the chapter's own, tuned for it: "embedded". TRL's max_completion_length is lowered to what --model's context
+    leaves after the longest prompt, when that is less (said in one line). On --resume the run keeps its own
+    settings: the config is run.json's, and the other flags take the values run.json recorded. Call it once the
+    task is built (on --resume, with the run's own task flags restored).
+    """
+    from minirl.runtime.trl_config import TRL_DEFAULTS  # noqa: PLC0415
+
+    args.defaults = "embedded" if args.dataset is None else "trl"
+    given = getattr(parser, "given", None)
+    given = explicit_dests(parser, None) if given is None else given
+    if args.resume:
+        recorded = read_run_record(args.out).get("settings") or {}
+        for dest, value in {**recorded, **config.flat()}.items():        # what the run was started with
+            if dest not in given and hasattr(args, dest) and (dest in TRL_DEFAULTS or dest in config.flat()):
+                setattr(args, dest, value)
+        return config
+    if args.defaults == "embedded":
+        return config
+    changes = {k: v for k, v in TRL_DEFAULTS.items() if hasattr(args, k) and k not in given and getattr(args, k) != v}
+    shown = {k: str(v) for k, v in changes.items()}
+    if "max_completion_length" in changes:
+        room = room_to_generate(parser, args.model, task)
+        if room is not None and 0 < room < changes["max_completion_length"]:
+            shown["max_completion_length"] = (f"{room} (what --model's context leaves after the longest prompt; "
+                                              f"TRL's is {changes['max_completion_length']})")
+            changes["max_completion_length"] = room
+    for dest, value in changes.items():
+        setattr(args, dest, value)
+    if changes:
+        print("--dataset: TRL's defaults where nothing was set (the embedded task's are tuned for it alone): "
+              + ", ".join(f"{k} {v}" for k, v in shown.items()), file=sys.stderr)
+    try:
+        return config.replace(**{k: v for k, v in changes.items() if k in config.flat()})
+    except ConfigError as err:
+        parser.error(f"argument {flag(err.name)}: {err.value!r}: {err.why}")
+
+
+def room_to_generate(parser: argparse.ArgumentParser, model: str | None, task) -> int | None:
+    """Positions --model's context (the embedded policy's without it) leaves after the task's longest prompt
+    (training or held-out); None when unknown (a config without max_position_embeddings, a model that does not
+    load here, an embedded policy not built yet)."""
+    from transformers import AutoConfig  # noqa: PLC0415 (after parsing)
+
+    if model is None:
+        from minirl.models.policy import default_policy_dir  # noqa: PLC0415
+
+        model = str(default_policy_dir())
+        if not (Path(model) / "config.json").is_file():
+            return None
+    try:
+        context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    except Exception:                                 # offline, damaged: the model's loading says so later
+        return None
+    prompts = [r["prompt"] for r in [*task.train, *task.test] if isinstance(r.get("prompt"), str)]
+    if context is None or not prompts:
+        return None
+    tokenizer = tokenizer_only(parser, model)
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    return context - longest
+
+
 def task_summary(task, args: argparse.Namespace) -> dict:
     """summary.json's "task": its name, flags, reward names and weights, held-out rows and metric."""
     metric = f"accuracy ({task.accuracy_reward})" if task.accuracy_reward else "mean weighted reward"
     return {"name": task.name, **{k: getattr(args, k) for k in TASK_FLAGS}, "rewards": task.reward_names,
             "reward_weights": task.reward_weights, "eval_rows": len(task.test), "eval_metric": metric}
+
+
+def summary_extras(args: argparse.Namespace, records: list[dict]) -> dict:
+    """summary.json's "defaults" (the set `data_defaults` applied: "trl" or "embedded") and the last held-out
+    evaluation's `eval/` metrics among `records` (each reward function's mean, as TRL names them)."""
+    evals = [r for r in records if "accuracy" in r]
+    return {"defaults": getattr(args, "defaults", None),
+            **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval/")}}
 
 
 def held_out_line(task, summary: dict, seconds: float) -> str:

@@ -8,13 +8,15 @@ own, before the parser types and checks them (runtime/cli.py's ConfigFileParser 
 - a TRL name for one of the chapter's settings is renamed (`max_steps` -> `steps`, `save_steps` ->
   `checkpoint_every`, `lora_r` -> `lora_rank`, `use_vllm: true` -> `rollout_engine: vllm`, ...), and
   TRL's batch (`per_device_train_batch_size` x `gradient_accumulation_steps` x ranks completions,
-  `num_generations` per prompt) becomes the chapter's `prompts_per_step`;
+  `num_generations` per prompt) becomes the chapter's `prompts_per_step`; TRL's switch
+  `log_completions: true` becomes 4 rows per logged step (`num_completions_to_print` rows when set);
 - a TRL setting this chapter does not use (LoRA in chapter 01, `logging_steps`, `report_to`, ...) is
   ignored, and one line on stderr names every such setting (others at TRL's defaults are counted);
 - a TRL setting set to a value no chapter can honour (`top_p: 0.9`, `mask_truncated_completions:
   true`, `vllm_mode: server`, ...) is refused, with the reason and the fix.
-TRL's defaults are read from `trl.GRPOConfig` itself, imported only when the file names a setting
-outside the tables below (a `GRPOConfig(...).to_dict()` dump names all 191).
+`TRL_DEFAULTS` are the GRPOConfig defaults a run on the user's data takes where nothing was set
+(`training_cli.data_defaults`). TRL's defaults are read from `trl.GRPOConfig` itself, imported only
+when the file names a setting outside the tables below (a `GRPOConfig(...).to_dict()` dump names all 191).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import enum
 import math
 
+LOG_COMPLETIONS_ON = 4    # rows per logged step for TRL's `log_completions: true` (num_completions_to_print: that many)
 TRL_RENAMED = {           # TRL's name -> the chapter's setting of the same meaning
     "max_steps": "steps", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
     "eval_steps": "eval_every", "output_dir": "out", "model_name_or_path": "model", "dataset_name": "dataset",
@@ -33,7 +36,7 @@ WHY_IGNORED = {       # TRL's setting -> why a chapter without it can run on reg
     "logging_steps": "minirl logs every step",
     "logging_strategy": "minirl logs every step",
     "report_to": "this chapter writes metrics.jsonl only",
-    "log_completions": "not yet: the chapters print the held-out accuracy",
+    "log_completions": "this chapter trains nothing",
     "max_prompt_length": "prompts are never cut",
     "use_peft": "this chapter trains every weight; LoRA: chapter 04",
     "bf16": "this chapter computes in --dtype (mixed precision: chapter 04)",
@@ -47,6 +50,11 @@ WHY_IGNORED = {       # TRL's setting -> why a chapter without it can run on reg
     "lr_scheduler_kwargs": "not used",
     "warmup_steps": "this chapter keeps the learning rate constant",
 }
+# TRL 1.16's GRPOConfig defaults that a run on the user's data (--dataset) takes where the user set nothing
+# (minirl.runtime.training_cli.data_defaults); the embedded task keeps the chapter's own, tuned for it.
+# tests/test_config_file.py compares them with trl.GRPOConfig's.
+TRL_DEFAULTS = {"max_completion_length": 512, "learning_rate": 1e-6, "seed": 42, "lr_scheduler_type": "linear",
+                "warmup_steps": 0.0}
 REFUSED = {           # TRL's setting -> (the value every chapter has, why, as a sentence)
     "mask_truncated_completions": (False, "minirl trains on truncated completions as they are"),
     "vllm_mode": ("colocate", "minirl runs vLLM inside the training process (colocate); no vLLM server"),
@@ -114,6 +122,9 @@ def translate(data: dict, settings: set[str], world_size: int = 1) -> tuple[dict
         if len(trackers) > 1:
             raise TRLConfigError(f"report_to: {trackers}: minirl reports to one tracker at a time; keep one")
         ours["report_to"] = trackers[0] if trackers else "none"
+    if isinstance(ours.get("log_completions"), bool):        # TRL's switch; ours: rows per logged step
+        shown = data.get("num_completions_to_print")
+        ours["log_completions"] = (shown or LOG_COMPLETIONS_ON) if ours["log_completions"] else 0
     if isinstance(ours.get("lora_target_modules"), list):    # TRL writes a list; the flag takes q_proj,v_proj
         ours["lora_target_modules"] = ",".join(map(str, ours["lora_target_modules"]))
     trl = {k: v for k, v in data.items() if k not in settings}
@@ -135,6 +146,9 @@ def translate(data: dict, settings: set[str], world_size: int = 1) -> tuple[dict
         if name in ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
                     "steps_per_generation"):
             continue                                        # done by _batch
+        if name == "num_completions_to_print" and "log_completions" in settings:
+            del trl[name]                                   # with log_completions, above (None: TRL's "all")
+            continue
         if name in REFUSED:
             honoured, why = REFUSED[name]
             if value != honoured:

@@ -85,16 +85,23 @@ class Task:
     def score(self, rows: list[dict], completions: list, **extras) -> tuple[torch.Tensor, dict]:
         """(weighted total [N], {"rewards/<name>": mean}) for one completion per row, in float64.
         extras: TRL's (`minirl.tasks.rewards.TRL_EXTRAS`) that the caller has, passed to the functions."""
+        return combine_rewards(self.rewards_per_func(rows, completions, **extras), self.reward_weights,
+                               self.reward_names)
+
+    def rewards_per_func(self, rows: list[dict], completions: list, **extras) -> torch.Tensor:
+        """[N, F] float64: each reward function's value for one completion per row (None, "does not apply": NaN)."""
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
         prompts = [r["prompt"] for r in rows]
-        per_func = torch.tensor([[math.nan if v is None else v for v in call_reward(f, prompts, completions, columns,
-                                                                                    **extras)]
-                                 for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]; None: NaN
-        return combine_rewards(per_func, self.reward_weights, self.reward_names)
+        return torch.tensor([[math.nan if v is None else v for v in call_reward(f, prompts, completions, columns,
+                                                                                **extras)]
+                             for f in self.reward_funcs], dtype=torch.float64).T          # [N, F]; None: NaN
 
-    def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500) -> dict:
+    def evaluate(self, model, tokenizer, max_new_tokens: int | None = None, batch_size: int = 500,
+                 keep_samples: bool = False) -> dict:
         """Greedy completions of every test prompt, scored: {"reward": mean weighted reward,
-        "rewards/<name>": each reward's mean, "accuracy": the accuracy reward's mean (0..1), if any}."""
+        "rewards/<name>": each reward's mean, "accuracy": the accuracy reward's mean (0..1), if any}; with
+        keep_samples, also "samples": every row's {"prompt", "completion", "rewards": {name: value or None},
+        "total"}."""
         max_new_tokens = max_new_tokens or self.max_new_tokens
         if not self.test or max_new_tokens is None:
             raise ValueError(f"Task {self.name}: evaluate needs test rows and max_new_tokens (it has "
@@ -102,20 +109,39 @@ class Task:
         ids = []                                   # TRL's completion_ids; log_metric/log_extra: accepted, not kept
         completions = greedy_completions(model, tokenizer, [r["prompt"] for r in self.test], max_new_tokens,
                                          batch_size, ids)
-        total, metrics = self.score(self.test, completions, completion_ids=ids, log_metric=lambda name, value: None,
-                                    log_extra=lambda column, values: None)
+        per_func = self.rewards_per_func(self.test, completions, completion_ids=ids,
+                                         log_metric=lambda name, value: None, log_extra=lambda column, values: None)
+        total, metrics = combine_rewards(per_func, self.reward_weights, self.reward_names)
         result = {"reward": total.mean().item(), **metrics}
         if self.accuracy_reward is not None:
             result["accuracy"] = metrics[f"rewards/{self.accuracy_reward}"]
+        if keep_samples:
+            result["samples"] = [{"prompt": row["prompt"], "completion": text, "total": t,
+                                  "rewards": {n: None if math.isnan(v) else v for n, v in zip(self.reward_names, values,
+                                                                                              strict=True)}}
+                                 for row, text, values, t in zip(self.test, completions, per_func.tolist(),
+                                                                 total.tolist(), strict=True)]
         return result
 
     def eval_fn(self, tokenizer, max_new_tokens: int | None = None):
         """model -> one number for a run's evaluator: the accuracy, else the mean weighted reward
-        (None when the task has no test rows)."""
+        (None when the task has no test rows). It keeps its last evaluation in `.last` (`HeldOut`)."""
         if not self.test:
             return None
-        key = "accuracy" if self.accuracy_reward is not None else "reward"
-        return lambda model: self.evaluate(model, tokenizer, max_new_tokens)[key]
+        return HeldOut(self, tokenizer, max_new_tokens)
+
+
+class HeldOut:
+    """A task's held-out evaluation as a run's eval_fn: `held_out(model)` is the accuracy (else the mean weighted
+    reward); `last` keeps that evaluation's whole result (each reward's mean, every row's completion and rewards)."""
+
+    def __init__(self, task: Task, tokenizer, max_new_tokens: int | None = None):
+        self.task, self.tokenizer, self.max_new_tokens, self.last = task, tokenizer, max_new_tokens, None
+        self.key = "accuracy" if task.accuracy_reward is not None else "reward"
+
+    def __call__(self, model) -> float:
+        self.last = self.task.evaluate(model, self.tokenizer, self.max_new_tokens, keep_samples=True)
+        return self.last[self.key]
 
 
 def arithmetic_task(config: TaskConfig | None = None) -> Task:
