@@ -28,7 +28,8 @@ from minirl.runtime.launch import torchrun
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "chapters" / "04_fsdp_lora.py"
 QUICK = ["--steps", 4, "--eval-every", 2, "--checkpoint-every", 2, "--prompts-per-step", 4, "--num-generations", 4,
-         "--zero", 3, "--lora-rank", 4, "--learning-rate", 0.01, "--no-progress"]
+         "--zero", 3, "--lora-rank", 4, "--learning-rate", 0.01, "--no-progress",
+         "--log-completions", 0]      # the tests read the ranks' lines: no completions table between them
 TORCHRUN_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ")     # torchrun's own log lines
 
 
@@ -125,7 +126,8 @@ def test_sync_every_resumes_exactly(tmp_path):
     """--sync-every 2 with checkpoints every 3 steps: the step-3 checkpoint forces a push (3 is odd), so the
     resumed engine holds what the uninterrupted one held, and both runs end with the same weights."""
     flags = ["--steps", 6, "--eval-every", 0, "--checkpoint-every", 3, "--prompts-per-step", 4, "--num-generations",
-             4, "--zero", 3, "--learning-rate", 0.001, "--sync-every", 2, "--no-colocate", "--no-progress"]
+             4, "--zero", 3, "--learning-rate", 0.001, "--sync-every", 2, "--no-colocate", "--no-progress",
+             "--log-completions", 0]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     job = launch("--out", whole, *flags)
     assert job.returncode == 0, job.stdout[-4000:]
