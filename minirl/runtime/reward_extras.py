@@ -31,6 +31,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from transformers import TrainerState  # imported here, not in a step: a step's timer never holds it
+
 from minirl.tasks.rewards import TRL_EXTRAS, invoke_reward
 
 LOCAL = ("log_metric", "log_extra")               # extras that call back into the caller's process
@@ -69,8 +71,6 @@ class TrainerClock:
         epoch: dataset passes so far (prompts drawn / rows); num_train_epochs: the passes max_steps make;
         train_batch_size: this process's completions per step; logging_steps 1 (every step is recorded).
         """
-        from transformers import TrainerState  # noqa: PLC0415 (transformers: when a run scores)
-
         per_epoch = max(1, self.num_rows) / max(1, self.prompts_per_step)          # steps in one pass
         return TrainerState(epoch=global_step / per_epoch, global_step=global_step, max_steps=self.max_steps,
                             num_train_epochs=math.ceil(self.max_steps / per_epoch), logging_steps=1,
