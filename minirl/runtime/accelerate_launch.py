@@ -3,7 +3,7 @@ refuses what cannot work.
 
 Hand-written plumbing; no torch (the chapters call it while parsing their flags). accelerate has
 two launchers that matter here:
-- torchrun's (torch.distributed.run), for `distributed_type: MULTI_GPU` (`--multi_gpu`, or
+- torchrun's (its run module), for `distributed_type: MULTI_GPU` (`--multi_gpu`, or
   `configs/accelerate_cpu_2.yaml` with `use_cpu: true` on CPUs): N processes with RANK,
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... set as torchrun sets them. Chapter 04 runs under it
   as under torchrun.
