@@ -377,12 +377,11 @@ class PagedModel(ops.PagedModelBase):
         T, H, Hkv, D = step.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = inner.embed_tokens(step.input_ids)                              # [T, hidden]
         cos, sin = self.rotary(step.positions)                              # [T, 1, D]: all heads
-        # once per step, for every layer: decode groups' row indices, other groups' masks, cache slots
+        # once per step, for every layer: decode groups' block tables, other groups' masks
         plans = [ops.decode_rows(g, H, self.n_rep, self.cache.shape[3], D, self.block_size)
                  if g.q_index is None else
                  torch.zeros_like(g.mask, dtype=x.dtype).masked_fill_(~g.mask, -torch.inf)
                  for g in step.groups]
-        where = ops.cache_index(step.slots, Hkv, self.cache.shape[3], self.block_size, D)
         for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
             attn = layer.self_attn
             qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm)).view(T, H + 2 * Hkv, D)
@@ -390,7 +389,7 @@ class PagedModel(ops.PagedModelBase):
             if hasattr(attn, "q_norm"):                                     # Qwen3
                 qk.copy_(torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1))
             ops.rotate(qk, cos, sin)                                        # in place
-            self.write_cache(i, where, qkv[:, H:])                          # keys, values into their slots
+            self.write_cache(i, step.slots, qkv[:, H:])                     # keys, values into their slots
             keys, values = self.cache_views(i)
             q, scale = qkv[:, :H], getattr(attn, "scaling", D ** -0.5)
             outs = [ops.decode_attention(q[g.start:g.stop], keys, values, plan, scale)
@@ -399,8 +398,8 @@ class PagedModel(ops.PagedModelBase):
                     for g, plan in zip(step.groups, plans, strict=True)]
             products["o"].add_to(x, outs[0] if len(outs) == 1 else torch.cat(outs))   # x += o(attention)
             h = ops.rms_norm(x, layer.post_attention_layernorm)
-            gate, up = products["gate_up"](h).chunk(2, -1)
-            products["down"].add_to(x, layer.mlp.act_fn(gate).mul_(up))    # x += down(act(gate) * up)
+            gate_up = products["gate_up"](h)                                # [T, 2 * intermediate]
+            products["down"].add_to(x, ops.act_mul(layer.mlp.act_fn, gate_up))   # x += down(act(gate) * up)
         h = inner.norm(x[step.logits_index])                                # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]
 

@@ -198,7 +198,7 @@ def test_the_in_place_read_equals_the_gathered_one(num_kv_heads, block_size):
         torch.testing.assert_close(got[j], (p[..., None] * v).sum(1).flatten(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("out_features", [48, 128])       # transposed for torch.mm; wide: prepacked (x86)
+@pytest.mark.parametrize("out_features", [48, 128])       # 48: transposed for torch.mm; 128: the C kernel's panels
 def test_products_equal_plain_ones_and_add_into_the_residual(out_features):
     weight, bias = torch.randn(out_features, 32), torch.randn(out_features)
     for rows in (1, 5, 64):

@@ -97,7 +97,8 @@ HAND_WRITTEN = ("minirl/__init__.py", "minirl/grade.py", "minirl/grade_child.py"
                 # notebook 05 (generation speed):
                 "minirl/runtime/cache_upkeep.py", "minirl/runtime/drafts.py", "minirl/runtime/engine_core.py",
                 "minirl/runtime/engine_measure.py", "minirl/runtime/generation_display.py",
-                "minirl/runtime/paged_ops.py", "minirl/runtime/scheduler_state.py", "minirl/runtime/workloads.py",
+                "minirl/runtime/paged_ops.py", "minirl/runtime/paged_kernels.py",
+                "minirl/runtime/scheduler_state.py", "minirl/runtime/workloads.py",
                 # notebook 07's plumbing
                 "minirl/runtime/async_bookkeeping.py", "minirl/runtime/async_config.py",
                 "minirl/runtime/async_envs.py", "minirl/runtime/async_plots.py", "minirl/runtime/async_ray.py",

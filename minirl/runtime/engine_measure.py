@@ -24,6 +24,7 @@ from minirl.config import SamplingConfig
 from minirl.rollout.engine.attention import Chunk, PagedModel, make_step
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
+from minirl.runtime import paged_kernels as kernels
 from minirl.runtime.engine_core import Request
 
 
@@ -356,25 +357,25 @@ def decode_roofline(model, rows: int = 32, context: int = 160, limits: dict | No
                             "bound": "compute" if compute >= memory else "memory"}
 
 
-STEP_KINDS = {"matrix products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::addmm_"),
-              "attention, read in place": ("aten::_embedding_bag_forward_only", "aten::_embedding_bag",
-                                           "aten::_softmax"),
-              "cache writes": ("aten::put_", "aten::_index_put_impl_", "aten::index_copy_")}
+STEP_KINDS = {"matrix products": ("minirl::linear", "aten::mm", "aten::addmm", "aten::addmm_"),
+              "attention, read in place": ("minirl::decode_attention", "aten::_embedding_bag_forward_only",
+                                           "aten::_embedding_bag", "aten::_softmax"),
+              "cache writes": ("minirl::write_kv", "aten::put_", "aten::_index_put_impl_", "aten::index_copy_")}
 OTHER_KIND = "everything else (norms, rotary, residuals, indexing, Python)"
 
 
 def decode_step_breakdown(model, roof: dict, repeats: int = 3, block_size: int = 16) -> dict:
     """Where the measured decode step of `roof` (decode_roofline's result) goes, each kind beside its own ideal.
 
-    The step is profiled (torch.profiler, self CPU time of each operator, `repeats` calls) and its
-    operators sorted into STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
+    The step is profiled (torch.profiler, self CPU time of each operator and C kernel, `repeats` calls)
+    and its operators sorted into STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
     time times the measured step. Ideals: the products' FLOPs at the matmul peak or their weights at
     the copy bandwidth, attention's FLOPs or the cached keys and values likewise; the rest has none.
     "bound" is the share of the machine the step would reach if everything but the products and
     attention took no time at all: how far removing overhead alone could take it.
     """
     paged, step = probe_step(model, roof["rows"], 1, roof["context"], block_size)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, kernels.recorded():
         for _ in range(repeats):
             paged(step)
     own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}

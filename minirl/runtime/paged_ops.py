@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from minirl.runtime import paged_kernels as kernels
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -50,6 +52,7 @@ class Group:
     valid: Tensor | None  # [S, Q] bool: a real query, not padding; None when Q == 1
     tables: Tensor        # [S, B] long: block tables padded with block 0 (masked out)
     mask: Tensor          # [S, 1, n_rep*Q, B*block_size] bool: key position visible to the query
+    lengths: Tensor       # [S] long: each sequence's context after this step (positions its last query sees)
 
 
 @dataclass
@@ -84,44 +87,69 @@ def make_group(chunks: list, offsets: list[int], block_size: int, n_rep: int, de
     key_pos = torch.arange(B * block_size, device=device)                                 # [L]
     mask = key_pos[None, None] <= (starts[:, None] + last)[:, :, None]                    # [S, Q, L]
     mask = mask[:, None].expand(S, n_rep, Q, B * block_size).reshape(S, 1, n_rep * Q, B * block_size)
-    return Group(start, stop, q_index, valid, tables, mask)
+    return Group(start, stop, q_index, valid, tables, mask, starts + lengths)
 
 
 @dataclass
 class Rows:
-    """A decode group's block tables as row indices of the caches, built once per step for every layer."""
+    """What a decode group's in-place read needs, for every layer of one step: the block tables and
+    context lengths (the C kernel's), and the embedding bags' row indices (torch's, built on first use)."""
 
-    keys: Tensor     # [S*H*B, D] long: rows of keys.view(-1, bs), (key head, block, d) for (sequence, head, block)
-    values: Tensor   # [S*H, L] long: rows of values.view(-1, D), (key head, block, offset) for (sequence, head)
-    bias: Tensor     # [S, 1, L] float32: 0 where the key position is visible, -inf elsewhere
+    tables: Tensor   # [S, B] long
+    lengths: Tensor  # [S] long: sequence s sees positions 0 .. lengths[s] - 1
+    num_heads: int
+    n_rep: int
+    num_blocks: int
+    head_dim: int
+    block_size: int
+    bags: tuple | None = None
 
 
 def decode_rows(g: Group, num_heads: int, n_rep: int, num_blocks: int, head_dim: int, block_size: int) -> Rows:
     """The Rows of a group of one-token chunks: query head h reads key head h // n_rep."""
-    S, B = g.tables.shape
-    device = g.tables.device
-    kv_head = torch.arange(num_heads, device=device) // n_rep                                   # [H]
-    block = kv_head[None, :, None] * num_blocks + g.tables[:, None, :]                          # [S, H, B]
-    keys = (block[..., None] * head_dim + torch.arange(head_dim, device=device)).view(-1, head_dim)
-    values = (block[..., None] * block_size + torch.arange(block_size, device=device)).view(S * num_heads, -1)
-    bias = torch.zeros(S, 1, B * block_size, device=device).masked_fill_(~g.mask[:, :, 0], float("-inf"))
-    return Rows(keys, values, bias)
+    return Rows(g.tables, g.lengths, num_heads, n_rep, num_blocks, head_dim, block_size)
+
+
+def embedding_bags(rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
+    """(keys [S*H*B, D], values [S*H, L], bias [S, 1, L]): rows of keys.view(-1, bs) for bag (sequence, head,
+    block), rows of values.view(-1, D) for bag (sequence, head), 0 where a position is visible and -inf elsewhere."""
+    if rows.bags is None:
+        (S, B), H, D, bs = rows.tables.shape, rows.num_heads, rows.head_dim, rows.block_size
+        device = rows.tables.device
+        kv_head = torch.arange(H, device=device) // rows.n_rep                                       # [H]
+        block = kv_head[None, :, None] * rows.num_blocks + rows.tables[:, None, :]                   # [S, H, B]
+        keys = (block[..., None] * D + torch.arange(D, device=device)).view(-1, D)
+        values = (block[..., None] * bs + torch.arange(bs, device=device)).view(S * H, -1)
+        visible = torch.arange(B * bs, device=device)[None] < rows.lengths[:, None]                  # [S, L]
+        bias = torch.zeros(S, 1, B * bs, device=device).masked_fill_(~visible[:, None], float("-inf"))
+        rows.bags = (keys, values, bias)
+    return rows.bags
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale: float) -> Tensor:
     """One query per sequence over its cached keys and values, read in place. q: [S, H, D] -> [S, H * D].
 
-    scores[s, h, block b] = sum_d q[s, h, d] * keys[block, d, :], one embedding bag per
-    (s, h, b); out[s, h] = sum_t p[s, h, t] * values[slot t], one bag per (s, h). The softmax
-    runs in float32.
+    With the C kernel (float32 on a CPU, head_dim and block_size multiples of 16, at most 8 query heads
+    per key head), `paged_kernels.c`'s decode_attention: each key and value read once per key head.
+    Otherwise two embedding bags: scores[s, h, block b] = sum_d q[s, h, d] * keys[block, d, :], one
+    bag per (s, h, b); out[s, h] = sum_t p[s, h, t] * values[slot t], one bag per (s, h). The
+    softmax runs in float32.
     """
     S, H, D = q.shape
+    if kernels.usable(q) and q.stride(1) == D and q.stride(2) == 1 and D % 16 == 0 and keys.shape[-1] % 16 == 0 \
+            and H // keys.shape[0] <= 8:
+        out = torch.empty(S, H * D)
+        kernels.load().decode_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
+                                        rows.tables.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(), S, H,
+                                        keys.shape[0], D, keys.shape[1], keys.shape[-1], rows.tables.shape[1], scale)
+        return out
     bs = keys.shape[-1]
-    B = rows.keys.shape[0] // (S * H)
-    weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                          # [S*H*B, D]
-    scores = F.embedding_bag(rows.keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
-    p = torch.softmax(scores.view(S, H, B * bs).float().add_(rows.bias), -1).to(values.dtype)  # [S, H, L]
-    out = F.embedding_bag(rows.values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
+    bag_keys, bag_values, bias = embedding_bags(rows)
+    B = bag_keys.shape[0] // (S * H)
+    weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                           # [S*H*B, D]
+    scores = F.embedding_bag(bag_keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
+    p = torch.softmax(scores.view(S, H, B * bs).float().add_(bias), -1).to(values.dtype)      # [S, H, L]
+    out = F.embedding_bag(bag_values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
     return out.view(S, H * D)
 
 
@@ -132,7 +160,12 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     turns that into x * cos + cat(x2, x1) * signed_sin, one fused multiply-add, written back into x
     (a view of the step's q/k/v product). Returns x.
     """
-    half = x.shape[-1] // 2
+    T, heads, D = x.shape
+    if kernels.usable(x) and x.stride(1) == D and x.stride(2) == 1 and cos.is_contiguous() and \
+            signed_sin.is_contiguous():
+        kernels.load().rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D)
+        return x
+    half = D // 2
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin, out=x)
 
 
@@ -151,50 +184,49 @@ def check_architecture(model) -> None:
 
 
 class Linear:
-    """x @ weight.T + bias, in the layout that runs a decode step's few-row products fastest on a CPU.
+    """x @ weight.T + bias, in the layout that runs a decode step's few-row products fastest.
 
-    Products at least WIDE times wider than deep (gate/up: [hidden] -> [2 x intermediate]) keep
-    the weight prepacked for oneDNN on x86 CPUs (as vLLM's CPU backend does); the others keep it
-    transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured at one thread on the
-    2-core x86 machine of benchmarks/README.md, 32 rows, at every product shape of the benchmarks'
-    models: the transposed weight beats `F.linear`'s x @ W.T by 1.3-1.6x when the weight is in
-    cache and 5-30 % when it streams from memory, and beats oneDNN on the square and narrow
-    products (q/k/v, o, down: by 15-40 %); oneDNN wins the wide ones by about 15 % (it does not
-    repack the weight at every call). MKL's own prepacking pays off only at the one batch size it
-    was packed for. Same products, float rounding aside. Elsewhere (CUDA, other CPUs) the
-    transposed weight. `add_to(out, x)` adds x @ weight.T into `out` in place (a residual
-    addition fused into the product).
+    On a CPU in float32 with the C kernels (and out_features a multiple of 32), the weight is
+    kept packed in panels of 32 columns ([out / 32, in, 32], `paged_kernels.c`'s `linear`);
+    elsewhere transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured
+    at 32 rows on the 2-core x86 machine of benchmarks/README.md, one thread, each product's
+    weight streamed from memory as in a decode step: the panels run the long-tail policy's
+    products 1.0-1.3x faster than the transposed weight and 1.1-1.5x faster than oneDNN's packed
+    one (and the 32 M shape's wide gate/up product 1.3x faster than either); at 512 rows they
+    are as fast as MKL's. Same products, float rounding aside. `add_to(out, x)` adds x @ weight.T
+    into `out` in place (a residual addition fused into the product).
     """
 
-    WIDE = 4
+    PANEL = 32
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        self.weight_t, self.bias, self.onednn = weight.t().contiguous(), bias, None      # [in, out]
         out_features, in_features = weight.shape
-        if out_features >= self.WIDE * in_features and weight.device.type == "cpu" and \
-                weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
-            try:                                                  # kept only if it computes what F.linear does
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)     # 64: a typical batch size
-                probe = torch.linspace(-1, 1, in_features, dtype=weight.dtype)[None]
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), rtol=1e-2, atol=1e-3):
-                    self.onednn = packed
-            except (RuntimeError, AttributeError, NotImplementedError):       # no x86 oneDNN: plain products
-                pass
+        self.bias, self.out_features, self.panels, self.weight_t = bias, out_features, None, None
+        if out_features % self.PANEL == 0 and kernels.usable(weight) and (bias is None or kernels.usable(bias)):
+            panels = weight.t().reshape(in_features, -1, self.PANEL).transpose(0, 1)                # [out/32, in, 32]
+            self.panels = panels.contiguous()
+        else:
+            self.weight_t = weight.t().contiguous()                                                 # [in, out]
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        if self.panels is not None:
+            return self.run(x, torch.empty(x.shape[0], self.out_features), accumulate=0)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out += x @ weight.T + bias, in place; returns out."""
-        if self.onednn is not None:
-            return out.add_(self(x))
+        if self.panels is not None:
+            return self.run(x, out, accumulate=1)
         out.addmm_(x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
+
+    def run(self, x: Tensor, out: Tensor, accumulate: int) -> Tensor:
+        x = x.contiguous()
+        kernels.load().linear(x.data_ptr(), self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                              out.data_ptr(), x.shape[0], x.shape[1], self.out_features, accumulate)
+        return out
 
 
 def fused(*modules) -> Linear:
@@ -222,10 +254,27 @@ def cache_index(slots: Tensor, num_kv_heads: int, num_blocks: int, block_size: i
 
 
 def rms_norm(x: Tensor, norm) -> Tensor:
-    """An HF RMSNorm module applied to x: torch's fused kernel in float32 (the same math), the module otherwise."""
+    """An HF RMSNorm module applied to x [T, n]: in float32 the C kernel or torch's fused one (the same math),
+    the module otherwise."""
     if x.dtype != torch.float32:
         return norm(x)                                   # HF rounds to the low precision before the weight
+    if kernels.usable(x) and x.is_contiguous() and norm.weight.dtype == torch.float32:
+        out = torch.empty_like(x)
+        kernels.load().rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1],
+                                norm.variance_epsilon)
+        return out
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def act_mul(act_fn, gate_up: Tensor) -> Tensor:
+    """act_fn(gate) * up of a gated MLP, gate_up = [gate, up] along the last dim: [T, 2m] -> [T, m]."""
+    T, m = gate_up.shape[0], gate_up.shape[-1] // 2
+    if type(act_fn).__name__ in ("SiLU", "SiLUActivation") and kernels.usable(gate_up) and gate_up.is_contiguous():
+        out = torch.empty(T, m)
+        kernels.load().silu_mul(gate_up.data_ptr(), out.data_ptr(), T, m)
+        return out
+    gate, up = gate_up.chunk(2, -1)
+    return act_fn(gate).mul_(up)
 
 
 def zeros_on_demand(shape: tuple, dtype: torch.dtype, device) -> Tensor:
@@ -260,8 +309,10 @@ class PagedModelBase(torch.nn.Module):
         self.n_rep = self.num_heads // self.num_kv_heads
         self.vocab_size = config.vocab_size
         self.cache: Tensor | None = None
+        self.views: list[tuple[Tensor, Tensor]] = []      # cache_views of every layer, made once per cache
         self.block_size = 0
         self.rotary_table: tuple[Tensor, Tensor] | None = None
+        self.where: tuple[Tensor, Tensor] | None = None   # (slots, cache_index(slots)) of the step being run
         self.refresh()
 
     def refresh(self) -> None:
@@ -298,9 +349,18 @@ class PagedModelBase(torch.nn.Module):
         sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)                          # signed, see rotate
         return cos[0, :, None].to(p.dtype), sin[0, :, None].to(p.dtype)
 
-    def write_cache(self, layer: int, where: Tensor, kv: Tensor) -> None:
-        """Write the step's new keys and values kv [T, 2 * Hkv, D] of `layer` into their slots; where: `cache_index`."""
-        self.cache[layer].put_(where, kv)
+    def write_cache(self, layer: int, slots: Tensor, kv: Tensor) -> None:
+        """Write the step's new keys and values kv [T, 2 * Hkv, D] of `layer` into their slots [T]: with the C
+        kernel, or one `put_` through `cache_index` (built once per step, for every layer)."""
+        T, D = kv.shape[0], self.head_dim
+        if kernels.usable(kv) and kv.stride(1) == D and kv.stride(2) == 1:
+            keys, values = self.views[layer]
+            kernels.load().write_kv(kv.data_ptr(), kv.stride(0), slots.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                    T, self.num_kv_heads, D, keys.shape[1], self.block_size)
+            return
+        if self.where is None or self.where[0] is not slots:
+            self.where = (slots, cache_index(slots, self.num_kv_heads, self.cache.shape[3], self.block_size, D))
+        self.cache[layer].put_(self.where[1], kv)
 
     def cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of `block_size` tokens holds: keys and values of every layer."""
@@ -312,6 +372,9 @@ class PagedModelBase(torch.nn.Module):
         self.cache = zeros_on_demand((self.num_layers, 2, self.num_kv_heads, num_blocks, block_size * self.head_dim),
                                      p.dtype, p.device)
         self.block_size = block_size
+        Hkv, D = self.num_kv_heads, self.head_dim
+        self.views = [(self.cache[i, 0].view(Hkv, num_blocks, D, block_size),
+                       self.cache[i, 1].view(Hkv, num_blocks, block_size, D)) for i in range(self.num_layers)]
 
     def grow_cache(self, num_blocks: int) -> None:
         """A larger cache holding the old one's blocks under the same ids."""
@@ -321,6 +384,4 @@ class PagedModelBase(torch.nn.Module):
 
     def cache_views(self, layer: int) -> tuple[Tensor, Tensor]:
         """(keys [Hkv, NB, D, bs], values [Hkv, NB, bs, D]) of one layer: views of the cache."""
-        Hkv, NB = self.cache.shape[2], self.cache.shape[3]
-        return (self.cache[layer, 0].view(Hkv, NB, self.head_dim, self.block_size),
-                self.cache[layer, 1].view(Hkv, NB, self.block_size, self.head_dim))
+        return self.views[layer]

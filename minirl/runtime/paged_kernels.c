@@ -1,0 +1,206 @@
+/* The paged forward pass's CPU kernels, float32 (compiled and loaded by paged_kernels.py).
+ *
+ * What torch runs as several kernels with a tensor between each (a norm is six, the attention
+ * two embedding bags and a softmax), each function here does in one pass over its rows. The
+ * attention is vLLM's PagedAttention idea on a CPU: every cached key and value is read once
+ * per key head, in place through the block table, and used by all the query heads sharing it.
+ * The matrix product keeps its weight in panels of 32 columns, read front to back, so a decode
+ * step's few rows stream each weight once while the next panel is already on its way.
+ * The product and the attention split their work over OpenMP's threads (torch's own pool:
+ * the library is loaded after torch, so it binds to torch's libgomp); the rest runs in one.
+ *
+ * Layouts (minirl/runtime/paged_ops.py): one layer's keys are [Hkv, NB, D, bs] (transposed within
+ * a block), its values [Hkv, NB, bs, D]; slot = block * bs + offset.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W 16                                                           /* floats in one vector */
+typedef float vec __attribute__((vector_size(4 * W)));                 /* a GCC/Clang vector of W floats */
+static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+static inline void prefetch(const float *p, int64_t n) { for (int64_t i = 0; i < n; i += W) __builtin_prefetch(p + i); }
+
+#define NR 32                                                          /* a panel's columns: two vectors */
+#define MR 8                                                           /* rows computed together */
+/* out [M, N] = x [M, K] @ w (+ bias) (+ out when accumulate): w packed in panels [N / NR, K, NR]
+ * (panel j holds columns j*NR .. j*NR+NR-1, row k of it contiguous). Per panel, MR rows at a
+ * time keep 2 x MR sums in registers; the panel stays in L1/L2 for every row tile. */
+void linear(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t K, int64_t N,
+            int accumulate) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NR) {                          /* while the first row tile of a */
+        const float *panel = w + n0 * K;                                /* panel [K, NR] runs, the next one */
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t mr = M - m0 < MR ? M - m0 : MR;
+            const float *xr = x + m0 * K;
+            const float *ahead = m0 == 0 && n0 + NR < N ? panel + NR * K : NULL;   /* the next panel, asked for */
+            vec acc[MR][2];
+            for (int r = 0; r < MR; r++) {
+                acc[r][0] = bias ? load(bias + n0) : (vec){0};
+                acc[r][1] = bias ? load(bias + n0 + W) : (vec){0};
+            }
+            if (mr == MR)                                               /* constant trip count: sums in registers */
+                for (int64_t k = 0; k < K; k++) {
+                    vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
+                    if (ahead) { __builtin_prefetch(ahead + k * NR, 0, 1); __builtin_prefetch(ahead + k * NR + W, 0, 1); }  /* to L2 */
+                    for (int r = 0; r < MR; r++) { acc[r][0] += xr[r * K + k] * b0; acc[r][1] += xr[r * K + k] * b1; }
+                }
+            else
+                for (int64_t k = 0; k < K; k++) {
+                    vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
+                    for (int r = 0; r < mr; r++) { acc[r][0] += xr[r * K + k] * b0; acc[r][1] += xr[r * K + k] * b1; }
+                }
+            for (int r = 0; r < mr; r++) {
+                float *o = out + (m0 + r) * N + n0;
+                if (accumulate) { acc[r][0] += load(o); acc[r][1] += load(o + W); }
+                store(o, acc[r][0]);
+                store(o + W, acc[r][1]);
+            }
+        }
+    }
+}
+
+/* HF's RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for T rows of n. */
+void rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t n, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * n;
+        float *ot = out + t * n, ss = 0.f;
+        for (int64_t i = 0; i < n; i++) ss += xt[i] * xt[i];
+        float r = 1.f / sqrtf(ss / n + eps);
+        for (int64_t i = 0; i < n; i++) ot[i] = w[i] * (xt[i] * r);
+    }
+}
+
+/* The SwiGLU MLP's middle: out[t] = silu(gate[t]) * up[t]; gate_up [T, 2m] holds gate then up. */
+void silu_mul(const float *gate_up, float *out, int64_t T, int64_t m) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * m, *u = g + m;
+        float *o = out + t * m;
+        for (int64_t i = 0; i < m; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding, in place: x [T, heads, D] with rows row_stride floats apart; cos, ssin [T, D]:
+ * each token's rotary rows, ssin = cat(-sin1, sin2), so that x' = x * cos + cat(x2, x1) * ssin
+ * (HF's rotate-half). */
+void rotate(float *x, int64_t row_stride, const float *cos, const float *ssin, int64_t T, int64_t heads, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = ssin + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xh = x + t * row_stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = xh[i], b = xh[i + half];
+                xh[i] = a * c[i] + b * s[i];
+                xh[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* The step's new keys and values into their slots. kv: token t's Hkv keys then Hkv values [2 Hkv, D]
+ * at kv + t * row_stride; keys [Hkv, NB, D, bs], values [Hkv, NB, bs, D]: one layer's cache. */
+void write_kv(const float *kv, int64_t row_stride, const int64_t *slots, float *keys, float *values,
+              int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t bs) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t block = slots[t] / bs, offset = slots[t] % bs;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float *k = kv + t * row_stride + h * D, *v = k + Hkv * D;
+            float *kb = keys + (h * NB + block) * bs * D, *vb = values + (h * NB + block) * bs * D;
+            for (int64_t d = 0; d < D; d++) kb[d * bs + offset] = k[d];
+            for (int64_t d = 0; d < D; d++) vb[offset * D + d] = v[d];
+        }
+    }
+}
+
+/* Attention of the R query heads of one key head of one sequence (see decode_attention). R is a
+ * constant where this is inlined, so the R x U sums stay in registers: U splits each sum in parts
+ * (R * U >= 8: two FMA units, four cycles each), so that no sum waits on the one before. */
+static inline __attribute__((always_inline)) void attend(
+        const int R, const float *qh, const float *keys, const float *values, const int64_t *table, int64_t n,
+        float *oh, float *scores, int64_t bs, int64_t D, int64_t L, float scale) {
+    const int U = R >= 8 ? 1 : 8 / R;
+    int64_t block_elems = bs * D;
+    for (int64_t b = 0; b * bs < n; b++) {                              /* scores = q . k, a block at a time */
+        const float *k = keys + table[b] * block_elems;                 /* [D, bs] */
+        if ((b + 1) * bs < n) prefetch(keys + table[b + 1] * block_elems, block_elems);
+        prefetch(values + table[b] * block_elems, block_elems);         /* for the second pass */
+        for (int64_t t0 = 0; t0 < bs; t0 += W) {
+            vec acc[R][U];
+            for (int r = 0; r < R; r++) for (int u = 0; u < U; u++) acc[r][u] = (vec){0};
+            for (int64_t d = 0; d < D; d += U)
+                for (int u = 0; u < U; u++) {
+                    vec kd = load(k + (d + u) * bs + t0);
+                    for (int r = 0; r < R; r++) acc[r][u] += qh[r * D + d + u] * kd;
+                }
+            for (int r = 0; r < R; r++) {
+                vec sum = acc[r][0];
+                for (int u = 1; u < U; u++) sum += acc[r][u];
+                store(scores + r * L + b * bs + t0, sum * scale);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {                                       /* softmax over positions < n */
+        float *sc = scores + r * L, max = sc[0], sum = 0.f;
+        for (int64_t i = 1; i < n; i++) max = sc[i] > max ? sc[i] : max;
+        for (int64_t i = 0; i < n; i++) { sc[i] = expf(sc[i] - max); sum += sc[i]; }
+        for (int64_t i = 0; i < n; i++) sc[i] /= sum;
+        for (int64_t i = n; i < L; i++) sc[i] = 0.f;                   /* unseen positions of the last block */
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += W) {                             /* out = p . v */
+        vec acc[R][U];
+        for (int r = 0; r < R; r++) for (int u = 0; u < U; u++) acc[r][u] = (vec){0};
+        for (int64_t b = 0; b * bs < n; b++) {
+            const float *v = values + table[b] * block_elems + d0;      /* [bs, D] */
+            const float *p = scores + b * bs;
+            for (int64_t t = 0; t < bs; t += U)
+                for (int u = 0; u < U; u++) {
+                    vec vt = load(v + (t + u) * D);
+                    for (int r = 0; r < R; r++) acc[r][u] += p[r * L + t + u] * vt;
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            vec sum = acc[r][0];
+            for (int u = 1; u < U; u++) sum += acc[r][u];
+            store(oh + r * D + d0, sum);
+        }
+    }
+}
+
+/* One query per sequence over its cached keys and values, read in place through its block tables.
+ * q: sequence s's H query heads at q + s * q_stride ([H, D]); tables [S, B]; lengths [S]: the
+ * sequence sees positions 0 .. lengths[s] - 1. out [S, H, D]. Query head h reads key head
+ * h / n_rep; the n_rep heads of one key head are computed together, so each block of keys and
+ * values is loaded once for all of them. The softmax runs over the visible positions only.
+ * bs and D are multiples of W, n_rep at most 8 (paged_ops checks). */
+void decode_attention(const float *q, int64_t q_stride, const float *keys, const float *values, const int64_t *tables,
+                      const int64_t *lengths, float *out, int64_t S, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t NB, int64_t bs, int64_t B, float scale) {
+    int64_t n_rep = H / Hkv, L = B * bs;
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * n_rep * L);              /* [n_rep, L], one per thread */
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t h = 0; h < Hkv; h++) {
+                const float *qh = q + s * q_stride + h * n_rep * D, *k = keys + h * NB * bs * D;
+                const float *v = values + h * NB * bs * D;
+                const int64_t *table = tables + s * B;
+                float *oh = out + (s * H + h * n_rep) * D;
+                switch (n_rep) {                                        /* one copy of `attend` per n_rep */
+                    case 1: attend(1, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 2: attend(2, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 3: attend(3, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 4: attend(4, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 5: attend(5, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 6: attend(6, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    case 7: attend(7, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                    default: attend(8, qh, k, v, table, lengths[s], oh, scores, bs, D, L, scale); break;
+                }
+            }
+        free(scores);
+    }
+}
