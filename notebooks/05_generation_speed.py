@@ -255,11 +255,13 @@ assert pool.num_used == sum(len(t) for t in tables.values())
 # kernel that takes a block table, so the clear way is to **gather**: copy a sequence's blocks
 # into a padded tensor (`index_select`) and call `scaled_dot_product_attention` with a causal
 # mask. For a decode step (one query per sequence) the copy triples the bytes attention moves,
-# so the engine then reads in place with `F.embedding_bag` (a gather fused with a weighted
-# sum). That read, the padded groups and masks, the fused products, the cache writes and the
-# model wrapper's bookkeeping live in `minirl/runtime/paged_ops.py`; here we write the step
-# (`make_step`: a `Chunk` per sequence flattened into ids, positions, slots and attention
-# groups), the gathered read and the forward pass.
+# so the engine then reads in place: on a CPU with a C compiler, a small kernel of our own
+# (`minirl/runtime/paged_kernels.c`, vLLM's idea: each key read once for all the query heads
+# sharing it), otherwise `F.embedding_bag` (a gather fused with a weighted sum). That read, the
+# padded groups and masks, the products, the cache writes and the model wrapper's bookkeeping
+# live in `minirl/runtime/paged_ops.py`; here we write the step (`make_step`: a `Chunk` per
+# sequence flattened into ids, positions, slots and attention groups), the gathered read and
+# the forward pass.
 
 # %%
 # | export minirl/rollout/engine/attention.py
@@ -404,7 +406,7 @@ class PagedModel(ops.PagedModelBase):
         return self.model.lm_head(h).float()                                # [R, V]
 
 # %% [markdown]
-# The test that matters: three prompts prefilled through tables of 8-token blocks (the gathered
+# The test that matters: three prompts prefilled through tables of 16-token blocks (the gathered
 # read), then each decodes its last token (the in-place read); the logits must equal a plain HF
 # forward pass's, and the two reads must agree on the same queries.
 
@@ -416,11 +418,11 @@ with torch.no_grad():
         texts = few_shot_prompts(3, length=20 if name == "embedded" else 60)
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
         paged = PagedModel(model)
-        paged.allocate_cache(30, 8)
+        paged.allocate_cache(30, 16)
         tbl = [list(range(10 * i, 10 * i + 10)) for i in range(3)]
         prefill = [Chunk(x[:-1], 0, t) for x, t in zip(ids, tbl, strict=True)]
-        paged(make_step(prefill, 8, paged.n_rep, "cpu"))
-        decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tbl, strict=True)], 8,
+        paged(make_step(prefill, 16, paged.n_rep, "cpu"))
+        decode = make_step([Chunk(x[-1:], len(x) - 1, t) for x, t in zip(ids, tbl, strict=True)], 16,
                            paged.n_rep, "cpu")
         diff = (paged(decode) - torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids]))
         keys, values = paged.cache_views(0)
@@ -428,7 +430,7 @@ with torch.no_grad():
         for g in decode.groups:                          # the same queries, read both ways
             q = torch.randn(g.stop - g.start, paged.num_heads, paged.head_dim)
             bias = torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
-            rows = decode_rows(g, paged.num_heads, paged.n_rep, 30, paged.head_dim, 8)
+            rows = decode_rows(g, paged.num_heads, paged.n_rep, 30, paged.head_dim, 16)
             gap = (decode_attention(q, keys, values, rows, 0.125)
                    - gather_attention(q, keys, values, g, bias, 0.125))
             reads = max(reads, gap.abs().max().item())
@@ -1280,10 +1282,11 @@ print(f"one decode step, 32 rows x 160 tokens: {roof['flops'] / 1e6:.0f} MFLOP, 
 assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["compute_s"])
 
 # %% [markdown]
-# Matrix products of 32 rows run far below the peak of a large product; the in-place attention
-# reads every key once per query head sharing it, where a fused kernel reads it once; and a few
-# dozen small operators per layer are launched from Python, each costing microseconds whatever
-# its size (what CUDA graphs remove on a GPU). Notebook 09 breaks the step down by operator.
+# Matrix products of 32 rows run below the peak of a large product; every weight and cached key
+# streams from memory at each step, not all of it while arithmetic runs; and a dozen calls per
+# layer are made from Python, each costing microseconds whatever its size (what CUDA graphs
+# remove on a GPU). Notebook 09 breaks the step down by operator; `benchmarks/decode_step.py`
+# measures it against HF's at equal rows.
 #
 # ## 11. In the loop
 #

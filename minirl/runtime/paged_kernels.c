@@ -5,7 +5,7 @@
  * attention is vLLM's PagedAttention idea on a CPU: every cached key and value is read once
  * per key head, in place through the block table, and used by all the query heads sharing it.
  * The matrix product keeps its weight in panels of 32 columns, read front to back, so a decode
- * step's few rows stream each weight once while the next panel is already on its way.
+ * step's few rows stream each weight once while the panel after next is already on its way.
  * The product and the attention split their work over OpenMP's threads (torch's own pool:
  * the library is loaded after torch, so it binds to torch's libgomp); the rest runs in one.
  *
@@ -25,34 +25,38 @@ static inline void prefetch(const float *p, int64_t n) { for (int64_t i = 0; i <
 
 #define NR 32                                                          /* a panel's columns: two vectors */
 #define MR 8                                                           /* rows computed together */
+/* acc[r] += row r < R of x (rows K apart) times a panel [K, NR]; with `ahead`, each row of that panel
+ * is also asked for from memory into L2. R is a constant where this is inlined for a full tile, so the
+ * 2 x R sums stay in registers. */
+static inline __attribute__((always_inline)) void panel_sums(
+        const int R, vec acc[][2], const float *x, const float *panel, const float *ahead, int64_t K) {
+    for (int64_t k = 0; k < K; k++) {
+        vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
+        if (ahead) { __builtin_prefetch(ahead + k * NR, 0, 1); __builtin_prefetch(ahead + k * NR + W, 0, 1); }
+        for (int r = 0; r < R; r++) { acc[r][0] += x[r * K + k] * b0; acc[r][1] += x[r * K + k] * b1; }
+    }
+}
+
 /* out [M, N] = x [M, K] @ w (+ bias) (+ out when accumulate): w packed in panels [N / NR, K, NR]
  * (panel j holds columns j*NR .. j*NR+NR-1, row k of it contiguous). Per panel, MR rows at a
- * time keep 2 x MR sums in registers; the panel stays in L1/L2 for every row tile. */
+ * time; the panel stays in L1/L2 for every row tile, and while the first one runs, the next panel
+ * is asked for from memory. */
 void linear(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t K, int64_t N,
             int accumulate) {
     #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NR) {                          /* while the first row tile of a */
-        const float *panel = w + n0 * K;                                /* panel [K, NR] runs, the next one */
+    for (int64_t n0 = 0; n0 < N; n0 += NR) {
+        const float *panel = w + n0 * K, *next = n0 + NR < N ? panel + NR * K : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             int64_t mr = M - m0 < MR ? M - m0 : MR;
-            const float *xr = x + m0 * K;
-            const float *ahead = m0 == 0 && n0 + NR < N ? panel + NR * K : NULL;   /* the next panel, asked for */
             vec acc[MR][2];
             for (int r = 0; r < MR; r++) {
                 acc[r][0] = bias ? load(bias + n0) : (vec){0};
                 acc[r][1] = bias ? load(bias + n0 + W) : (vec){0};
             }
-            if (mr == MR)                                               /* constant trip count: sums in registers */
-                for (int64_t k = 0; k < K; k++) {
-                    vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
-                    if (ahead) { __builtin_prefetch(ahead + k * NR, 0, 1); __builtin_prefetch(ahead + k * NR + W, 0, 1); }  /* to L2 */
-                    for (int r = 0; r < MR; r++) { acc[r][0] += xr[r * K + k] * b0; acc[r][1] += xr[r * K + k] * b1; }
-                }
+            if (mr == MR)
+                panel_sums(MR, acc, x + m0 * K, panel, m0 == 0 ? next : NULL, K);
             else
-                for (int64_t k = 0; k < K; k++) {
-                    vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
-                    for (int r = 0; r < mr; r++) { acc[r][0] += xr[r * K + k] * b0; acc[r][1] += xr[r * K + k] * b1; }
-                }
+                panel_sums(mr, acc, x + m0 * K, panel, m0 == 0 ? next : NULL, K);
             for (int r = 0; r < mr; r++) {
                 float *o = out + (m0 + r) * N + n0;
                 if (accumulate) { acc[r][0] += load(o); acc[r][1] += load(o + W); }

@@ -1,32 +1,33 @@
 """The paged forward pass's machinery, outside the lesson: padded groups, the in-place decode read,
-fused products, the rotary table, the cache writes, on-demand cache memory, and the model wrapper's bookkeeping.
+the products, the rotary table, the cache writes, on-demand cache memory, and the model wrapper's bookkeeping.
 
 Hand-written; notebook 05 (`minirl/rollout/engine/attention.py`) builds the step (`make_step`),
 the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward`) on top of it.
+On a CPU in float32 each function below runs a C kernel of `paged_kernels.c` where one was
+compiled (`paged_kernels.usable`), and torch's own kernels otherwise (a GPU, bf16, no compiler).
 
 - `Group`, `Step`, `make_group`: a step's chunks grouped by query width and context length,
   padded to one width, with their causal masks (`make_step` lays the flat tokens out group by group).
-- `Rows`, `decode_rows`, `decode_attention`: one query per sequence reads the cache in place with
-  `F.embedding_bag` (a gather fused with a weighted sum). Keys are stored transposed within a block,
-  `[head_dim, block_size]`, so bag (sequence, head, block) sums the block's rows k[:, d] with weights
-  q[d] and gives its block_size scores; a second bag sums value rows with the attention
-  probabilities. Nothing is copied; the indices are built once per step for every layer.
-- `rotate`, `rms_norm`: HF's rotary embedding and RMSNorm, fused; `PagedModelBase.rotary` looks the
-  rotary cos/sin up in a table built once (HF recomputes them from the positions at every call).
+- `Rows`, `decode_rows`, `decode_attention`: one query per sequence reads the cache in place. The
+  C kernel reads each block of keys and values once for all the query heads sharing it; torch's
+  way is `F.embedding_bag` (a gather fused with a weighted sum): keys are stored transposed within
+  a block, `[head_dim, block_size]`, so bag (sequence, head, block) sums the block's rows k[:, d]
+  with weights q[d] and gives its block_size scores; a second bag sums value rows with the
+  attention probabilities. Nothing is copied; the block tables serve every layer of a step.
+- `rotate`, `rms_norm`, `act_mul`: HF's rotary embedding, RMSNorm and SwiGLU middle, each one pass;
+  `PagedModelBase.rotary` looks the rotary cos/sin up in a table built once (HF recomputes them
+  from the positions at every call).
 - `Linear`, `fused`: q/k/v as one product and gate/up as another, each weight kept in the layout
-  measured fastest for few-row products (transposed for `torch.mm`, or prepacked for oneDNN when
-  wide); `add_to` adds a product into the residual stream in place (`addmm_`: the o and down
-  projections fused with the residual additions).
-- `cache_index`, `PagedModelBase.write_cache`: the flat cache position of every element of the step's new
-  keys and values, built once per step, so that each layer writes them with one `put_`.
+  its kernel reads fastest (`Linear`); `add_to` adds a product into the residual stream in place
+  (the o and down projections fused with the residual additions).
+- `PagedModelBase.write_cache`: the step's new keys and values into their slots, one call per layer.
 - `zeros_on_demand`: the cache tensor as an anonymous mmap on a CPU, so unused blocks cost no RAM.
 - `check_architecture`, `PagedModelBase`: which HF models run (Llama-style, full attention), and
   the wrapper that keeps the HF module's weights and parameter names, its fused products and the
   cache tensor [layers, 2, Hkv, num_blocks, block_size * head_dim].
 
-Simplified vs vLLM: no fused paged-attention kernel (embedding_bag reads every key once per query
-head sharing it, where a kernel reads it once per key head); sequences are padded to the longest
-in their group, with a mask.
+Simplified vs vLLM: sequences of a prefill are padded to the longest in their group, with a mask,
+and read through a gathered copy; the C kernels run on CPUs only (float32).
 """
 
 import math
@@ -187,14 +188,14 @@ class Linear:
     """x @ weight.T + bias, in the layout that runs a decode step's few-row products fastest.
 
     On a CPU in float32 with the C kernels (and out_features a multiple of 32), the weight is
-    kept packed in panels of 32 columns ([out / 32, in, 32], `paged_kernels.c`'s `linear`);
-    elsewhere transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured
-    at 32 rows on the 2-core x86 machine of benchmarks/README.md, one thread, each product's
-    weight streamed from memory as in a decode step: the panels run the long-tail policy's
-    products 1.0-1.3x faster than the transposed weight and 1.1-1.5x faster than oneDNN's packed
-    one (and the 32 M shape's wide gate/up product 1.3x faster than either); at 512 rows they
-    are as fast as MKL's. Same products, float rounding aside. `add_to(out, x)` adds x @ weight.T
-    into `out` in place (a residual addition fused into the product).
+    kept packed in panels of 32 columns ([out / 32, in, 32], read by `paged_kernels.c`'s
+    `linear`); elsewhere transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured
+    at one thread on the 2-core x86 machine of benchmarks/README.md, 32 rows, each product's 8
+    layers' weights in turn (as a decode step reads them): the panels run the long-tail policy's
+    products 0.98-1.3x the speed of torch.mm on the transposed weight and 1.2-1.8x oneDNN's
+    prepacked one; on the 32 M shape 0.95x (square) to 1.7x (the wide gate/up product); at 512
+    rows within 5 % of MKL. Same products, float rounding aside. `add_to(out, x)` adds
+    x @ weight.T into `out` in place (a residual addition fused into the product).
     """
 
     PANEL = 32
@@ -371,7 +372,7 @@ class PagedModelBase(torch.nn.Module):
         p = next(self.model.parameters())
         self.cache = zeros_on_demand((self.num_layers, 2, self.num_kv_heads, num_blocks, block_size * self.head_dim),
                                      p.dtype, p.device)
-        self.block_size = block_size
+        self.block_size, self.where = block_size, None
         Hkv, D = self.num_kv_heads, self.head_dim
         self.views = [(self.cache[i, 0].view(Hkv, num_blocks, D, block_size),
                        self.cache[i, 1].view(Hkv, num_blocks, block_size, D)) for i in range(self.num_layers)]
