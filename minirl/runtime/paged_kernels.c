@@ -5,7 +5,7 @@
  * attention is vLLM's PagedAttention idea on a CPU: every cached key and value is read once
  * per key head, in place through the block table, and used by all the query heads sharing it.
  * The matrix product keeps its weight in panels of 32 columns, read front to back, so a decode
- * step's few rows stream each weight once while the panel after next is already on its way.
+ * step's few rows stream each weight once while the next panel is already on its way.
  * The product and the attention split their work over OpenMP's threads (torch's own pool:
  * the library is loaded after torch, so it binds to torch's libgomp); the rest runs in one.
  *
