@@ -101,6 +101,7 @@ def build() -> ctypes.CDLL | None:
     for flags in (FLAGS, PLAIN_FLAGS):                  # PLAIN_FLAGS: a compiler without OpenMP or x86 options
         key = hashlib.sha256((SOURCE.read_text() + " ".join(flags) + cpu_tag()).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"paged_kernels-{key}.so"
+        tmp = None
         try:
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,14 +110,17 @@ def build() -> ctypes.CDLL | None:
                 done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode != 0:
-                    os.unlink(tmp)
-                    _why_not = f"{compiler} failed on {SOURCE.name}: {done.stderr.strip().splitlines()[-1:]}"
+                    last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                    _why_not = f"{compiler} failed on {SOURCE.name} ({last})"
                     continue
                 os.replace(tmp, path)                     # atomic: ranks compiling at once each get a whole file
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as err:
             _why_not = f"cannot build or load the kernels under {path.parent} ({err})"
             continue
+        finally:
+            if tmp is not None and os.path.exists(tmp):   # a failed or interrupted compile leaves nothing
+                os.unlink(tmp)
         for name, argtypes in SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
