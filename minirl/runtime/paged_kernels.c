@@ -25,38 +25,44 @@ static inline void prefetch(const float *p, int64_t n) { for (int64_t i = 0; i <
 
 #define NR 32                                                          /* a panel's columns: two vectors */
 #define MR 8                                                           /* rows computed together */
-/* acc[r] += row r < R of x (rows K apart) times a panel [K, NR]; with `ahead`, each row of that panel
- * is also asked for from memory into L2. R is a constant where this is inlined for a full tile, so the
- * 2 x R sums stay in registers. */
+/* acc[r] += row r < R of x (rows K apart) times a panel [K, NR]; with `ahead`, `step` floats of the
+ * memory from there on are also asked for into L2 at each k (one line, or two when step > W). R is a
+ * constant where this is inlined for a full tile, so the 2 x R sums stay in registers. */
 static inline __attribute__((always_inline)) void panel_sums(
-        const int R, vec acc[][2], const float *x, const float *panel, const float *ahead, int64_t K) {
+        const int R, vec acc[][2], const float *x, const float *panel, const float *ahead, int64_t step, int64_t K) {
     for (int64_t k = 0; k < K; k++) {
         vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
-        if (ahead) { __builtin_prefetch(ahead + k * NR, 0, 1); __builtin_prefetch(ahead + k * NR + W, 0, 1); }
+        if (ahead) {
+            __builtin_prefetch(ahead + k * step, 0, 1);
+            if (step > W) __builtin_prefetch(ahead + k * step + W, 0, 1);
+        }
         for (int r = 0; r < R; r++) { acc[r][0] += x[r * K + k] * b0; acc[r][1] += x[r * K + k] * b1; }
     }
 }
 
 /* out [M, N] = x [M, K] @ w (+ bias) (+ out when accumulate): w packed in panels [N / NR, K, NR]
  * (panel j holds columns j*NR .. j*NR+NR-1, row k of it contiguous). Per panel, MR rows at a
- * time; the panel stays in L1/L2 for every row tile, and while the first one runs, the next panel
- * is asked for from memory. */
+ * time; the panel stays in L1/L2 for every row tile, and each of the T row tiles asks for its
+ * 1/T of the next panel from memory, a little at every k, so that the loads spread over the
+ * whole panel's arithmetic (asking for all of it in the first tile stalls on memory). */
 void linear(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t K, int64_t N,
             int accumulate) {
+    int64_t tiles = (M + MR - 1) / MR, step = NR / tiles > 0 ? NR / tiles : 1;   /* floats asked for per k */
     #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NR) {
         const float *panel = w + n0 * K, *next = n0 + NR < N ? panel + NR * K : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             int64_t mr = M - m0 < MR ? M - m0 : MR;
+            const float *ahead = next && (m0 / MR) * K * step < NR * K ? next + (m0 / MR) * K * step : NULL;
             vec acc[MR][2];
             for (int r = 0; r < MR; r++) {
                 acc[r][0] = bias ? load(bias + n0) : (vec){0};
                 acc[r][1] = bias ? load(bias + n0 + W) : (vec){0};
             }
             if (mr == MR)
-                panel_sums(MR, acc, x + m0 * K, panel, m0 == 0 ? next : NULL, K);
+                panel_sums(MR, acc, x + m0 * K, panel, ahead, step, K);
             else
-                panel_sums(mr, acc, x + m0 * K, panel, m0 == 0 ? next : NULL, K);
+                panel_sums(mr, acc, x + m0 * K, panel, ahead, step, K);
             for (int r = 0; r < mr; r++) {
                 float *o = out + (m0 + r) * N + n0;
                 if (accumulate) { acc[r][0] += load(o); acc[r][1] += load(o + W); }
