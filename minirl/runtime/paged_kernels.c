@@ -136,13 +136,17 @@ static inline __attribute__((always_inline)) void attend(
     int64_t block_elems = bs * D;
     for (int64_t b = 0; b * bs < n; b++) {                              /* scores = q . k, a block at a time */
         const float *k = keys + table[b] * block_elems;                 /* [D, bs] */
-        if ((b + 1) * bs < n) prefetch(keys + table[b + 1] * block_elems, block_elems);
-        prefetch(values + table[b] * block_elems, block_elems);         /* for the second pass */
+        const float *next = (b + 1) * bs < n ? keys + table[b + 1] * block_elems : k;
+        const float *v = values + table[b] * block_elems;              /* for the second pass */
         for (int64_t t0 = 0; t0 < bs; t0 += W) {
             vec acc[R][U];
             for (int r = 0; r < R; r++) for (int u = 0; u < U; u++) acc[r][u] = (vec){0};
             for (int64_t d = 0; d < D; d += U)
                 for (int u = 0; u < U; u++) {
+                    if (t0 == 0) {                  /* the next block's keys and this one's values, a row per d */
+                        prefetch(next + (d + u) * bs, bs);
+                        prefetch(v + (d + u) * bs, bs);
+                    }
                     vec kd = load(k + (d + u) * bs + t0);
                     for (int r = 0; r < R; r++) acc[r][u] += qh[r * D + d + u] * kd;
                 }

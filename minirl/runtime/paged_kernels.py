@@ -131,7 +131,7 @@ def build() -> ctypes.CDLL | None:
 
 def usable(x: Tensor) -> bool:
     """Whether x can go through the kernels: float32 on a CPU, and the kernels loaded (warns once if not)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or not x.is_cpu:
         return False
     if build() is None:
         global _warned

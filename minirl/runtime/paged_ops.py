@@ -206,6 +206,7 @@ class Linear:
         if out_features % self.PANEL == 0 and kernels.usable(weight) and (bias is None or kernels.usable(bias)):
             panels = weight.t().reshape(in_features, -1, self.PANEL).transpose(0, 1)                # [out/32, in, 32]
             self.panels = panels.contiguous()
+            self.pointers = (self.panels.data_ptr(), None if bias is None else bias.data_ptr())   # read at every call
         else:
             self.weight_t = weight.t().contiguous()                                                 # [in, out]
 
@@ -225,8 +226,8 @@ class Linear:
 
     def run(self, x: Tensor, out: Tensor, accumulate: int) -> Tensor:
         x = x.contiguous()
-        kernels.load().linear(x.data_ptr(), self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-                              out.data_ptr(), x.shape[0], x.shape[1], self.out_features, accumulate)
+        M, K = x.shape
+        kernels.load().linear(x.data_ptr(), *self.pointers, out.data_ptr(), M, K, self.out_features, accumulate)
         return out
 
 
@@ -308,6 +309,7 @@ class PagedModelBase(torch.nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.n_rep = self.num_heads // self.num_kv_heads
+        self.qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")    # Qwen3 norms q and k per head
         self.vocab_size = config.vocab_size
         self.cache: Tensor | None = None
         self.views: list[tuple[Tensor, Tensor]] = []      # cache_views of every layer, made once per cache

@@ -113,7 +113,7 @@ class PagedModel(ops.PagedModelBase):
             attn = layer.self_attn
             qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm)).view(T, H + 2 * Hkv, D)
             qk = qkv[:, :H + Hkv]                                           # rotated together
-            if hasattr(attn, "q_norm"):                                     # Qwen3
+            if self.qk_norm:                                                # Qwen3: q, k normed per head
                 qk.copy_(torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1))
             ops.rotate(qk, cos, sin)                                        # in place
             self.write_cache(i, step.slots, qkv[:, H:])                     # keys, values into their slots
@@ -127,5 +127,5 @@ class PagedModel(ops.PagedModelBase):
             h = ops.rms_norm(x, layer.post_attention_layernorm)
             gate_up = products["gate_up"](h)                                # [T, 2 * intermediate]
             products["down"].add_to(x, ops.act_mul(layer.mlp.act_fn, gate_up))   # x += down(act(gate) * up)
-        h = inner.norm(x[step.logits_index])                                # [R, hidden]
+        h = ops.rms_norm(x[step.logits_index], inner.norm)                  # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]
