@@ -366,6 +366,15 @@ def gather_attention(q: Tensor, keys: Tensor, values: Tensor, g: ops.Group, bias
 # The forward pass of one `Step` (`PagedModelBase` keeps the HF module's weights, the fused
 # products and the cache): per layer, q/k/v as one product, rotary, the new keys and values
 # written into their slots, the two reads, the MLP.
+#
+# A step of decode rows runs nothing but our C kernels, ten per layer. Called one by one, each
+# costs microseconds of Python and torch bookkeeping, made slower by the kernel before it, whose
+# stream of weights pushed Python's own data out of the caches. So such a step **queues** them
+# (`ops.queued`) and runs the queue in one C call at the end of the block: the CPU's counterpart of
+# kernels launched onto a CUDA stream, or of the CUDA graph vLLM replays for a decode step. The
+# rule that comes with it: inside the block, torch must not touch what a queued kernel writes (an
+# op taking torch's path runs the queue first). Steps with a prefill, or with Qwen3's q/k norms,
+# use torch between the kernels and run call by call.
 
 # %%
 # | export minirl/rollout/engine/attention.py
@@ -384,24 +393,28 @@ class PagedModel(ops.PagedModelBase):
                  if g.q_index is None else
                  torch.zeros_like(g.mask, dtype=x.dtype).masked_fill_(~g.mask, -torch.inf)
                  for g in step.groups]
-        for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
-            attn = layer.self_attn
-            qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm)).view(T, H + 2 * Hkv, D)
-            qk = qkv[:, :H + Hkv]                                           # rotated together
-            if self.qk_norm:                                                # Qwen3: q, k normed per head
-                qk.copy_(torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1))
-            ops.rotate(qk, cos, sin)                                        # in place
-            self.write_cache(i, step.slots, qkv[:, H:])                     # keys, values into their slots
-            keys, values = self.cache_views(i)
-            q, scale = qkv[:, :H], getattr(attn, "scaling", D ** -0.5)
-            outs = [ops.decode_attention(q[g.start:g.stop], keys, values, plan, scale)
-                    if g.q_index is None else
-                    gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
-                    for g, plan in zip(step.groups, plans, strict=True)]
-            products["o"].add_to(x, outs[0] if len(outs) == 1 else torch.cat(outs))   # x += o(attention)
-            h = ops.rms_norm(x, layer.post_attention_layernorm)
-            gate_up = products["gate_up"](h)                                # [T, 2 * intermediate]
-            products["down"].add_to(x, ops.act_mul(layer.mlp.act_fn, gate_up))   # x += down(act(gate) * up)
+        # a step of decode rows runs nothing but C kernels: queued, then run in one C call (see above)
+        with ops.queued(not self.qk_norm and all(g.q_index is None for g in step.groups)):
+            for i, (layer, products) in enumerate(zip(inner.layers, self.products, strict=True)):
+                attn = layer.self_attn
+                qkv = products["qkv"](ops.rms_norm(x, layer.input_layernorm)).view(T, H + 2 * Hkv, D)
+                qk = qkv[:, :H + Hkv]                                       # rotated together
+                if self.qk_norm:                                            # Qwen3: q, k normed per head
+                    qk.copy_(torch.cat([attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])], 1))
+                ops.rotate(qk, cos, sin)                                    # in place
+                self.write_cache(i, step.slots, qkv[:, H:])                 # keys, values into their slots
+                keys, values = self.cache_views(i)
+                q, scale = qkv[:, :H], getattr(attn, "scaling", D ** -0.5)
+                out = x.new_empty(T, H * D)                                 # every group's rows
+                for g, plan in zip(step.groups, plans, strict=True):
+                    if g.q_index is None:
+                        ops.decode_attention(q[g.start:g.stop], keys, values, plan, scale, out=out[g.start:g.stop])
+                    else:
+                        out[g.start:g.stop] = gather_attention(q[g.start:g.stop], keys, values, g, plan, scale)
+                products["o"].add_to(x, out)                                # x += o(attention)
+                h = ops.rms_norm(x, layer.post_attention_layernorm)
+                gate_up = products["gate_up"](h)                            # [T, 2 * intermediate]
+                products["down"].add_to(x, ops.act_mul(layer.mlp.act_fn, gate_up))   # x += down(act(gate) * up)
         h = ops.rms_norm(x[step.logits_index], inner.norm)                  # [R, hidden]
         return self.model.lm_head(h).float()                                # [R, V]
 

@@ -5,6 +5,7 @@ tile cut short, a block partly seen, every query-per-key-head count it specializ
 whole forward pass with both against HF's logits, and the engine without a compiler.
 """
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from minirl.runtime.workloads import few_shot_prompts, load_long_tail_policy
 @pytest.fixture
 def torch_only(monkeypatch):
     """Everything built or run inside goes through torch's kernels, as without a compiler."""
-    monkeypatch.setattr(kernels, "usable", lambda x: False)
+    monkeypatch.setattr(kernels, "usable", lambda x, fits=True: False)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_the_attention_kernel_equals_the_gathered_read(n_rep, block_size, head_d
     got = ops.decode_attention(q, keys, values, rows, D ** -0.5)
     bias = torch.zeros(g.mask.shape).masked_fill_(~g.mask, float("-inf"))
     torch.testing.assert_close(got, gather_attention(q, keys, values, g, bias, D ** -0.5), atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(kernels, "usable", lambda x: False)
+    monkeypatch.setattr(kernels, "usable", lambda x, fits=True: False)
     torch.testing.assert_close(got, ops.decode_attention(q, keys, values, rows, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
@@ -97,7 +98,7 @@ def test_norm_activation_rotary_and_cache_writes_equal_torch(long_tail, monkeypa
                 paged.cache.clone())
 
     fast = run()
-    monkeypatch.setattr(kernels, "usable", lambda x: False)
+    monkeypatch.setattr(kernels, "usable", lambda x, fits=True: False)
     slow = run()
     assert fast[3].count_nonzero() == slow[3].count_nonzero() == 5 * 2 * Hkv * D
     with torch.no_grad():
@@ -123,7 +124,7 @@ def test_the_forward_pass_with_the_kernels_equals_hf_and_torch(long_tail, monkey
     with torch.no_grad():
         want = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids])
     torch.testing.assert_close(fast, want, atol=2e-5, rtol=1e-4)
-    monkeypatch.setattr(kernels, "usable", lambda x: False)
+    monkeypatch.setattr(kernels, "usable", lambda x, fits=True: False)
     torch.testing.assert_close(fast, logits(), atol=2e-5, rtol=1e-4)
 
 
@@ -135,6 +136,71 @@ def test_the_profiler_sees_the_kernels(long_tail):
         paged(step)
     names = {e.key for e in prof.key_averages()}
     assert {"minirl::linear", "minirl::rms_norm", "minirl::write_kv"} <= names, names
+
+
+def test_a_queued_decode_step_equals_the_same_calls_made_one_by_one(long_tail, monkeypatch):
+    """Notebook 05 queues the kernels of a step of decode rows (here three groups: contexts more than a
+    bucket apart) and runs them in one C call: the same logits, bit for bit, as calling them in turn."""
+    paged = PagedModel(long_tail[0])
+    paged.allocate_cache(40, 16)
+    paged.cache.normal_()
+    contexts = [5, 16, 100, 150]
+    step = make_step([Chunk([3], n, list(range(10 * i, 10 * i + 10))) for i, n in enumerate(contexts)], 16,
+                     paged.n_rep, "cpu")
+    assert len(step.groups) == 3 and all(g.q_index is None for g in step.groups)
+    with kernels.recorded() as seconds:
+        queued = paged(step)
+    assert seconds["linear"] > 0 and seconds["decode_attention"] > 0, "the step's kernels ran in a queue"
+    monkeypatch.setattr(ops, "queued", lambda enabled=True: contextlib.nullcontext())
+    assert torch.equal(queued, paged(step))
+
+
+def test_inside_a_queue_an_op_on_torchs_path_sees_the_calls_queued_before_it():
+    """torch reads what a queued call writes only after the queue has run: an op taking torch's path
+    (an activation the kernel lacks, a norm or a product of a strided view) runs the queue first."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    torch.manual_seed(0)
+    first, second = ops.Linear(torch.randn(64, 32)), ops.Linear(torch.randn(32, 32))
+    norm, x = Qwen2RMSNorm(32), torch.randn(5, 32)
+
+    def run():                                 # each op reads a product queued just before it (inside)
+        ops_on_torchs_path = (lambda y: second(y[:, 32:]), lambda y: ops.act_mul(torch.nn.GELU(), y),
+                              lambda y: ops.rms_norm(y[:, ::2], norm))
+        return [op(first(x + i)) for i, op in enumerate(ops_on_torchs_path)] + [ops.rms_norm(second(x), norm)]
+
+    with torch.no_grad(), kernels.queued():
+        got = run()                                   # first: no earlier result lies in the memory it gets
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_queue_keeps_what_its_calls_read_and_write_alive_and_drops_itself_on_an_error():
+    """Buffers freed in Python before the queue runs (0.5-1 MB each, returned to the OS on free) stay
+    alive until it has; an exception inside drops the queue and leaves no queue behind."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    torch.manual_seed(0)
+    up, down = ops.Linear(torch.randn(4096, 2048) / 45), ops.Linear(torch.randn(2048, 2048) / 45)
+    norm, x = Qwen2RMSNorm(2048), torch.randn(64, 2048)
+
+    def chain():
+        h = x
+        for _ in range(6):                              # each intermediate is freed when the next replaces it
+            h = down(ops.act_mul(torch.nn.SiLU(), up(ops.rms_norm(h, norm))))
+        return h
+
+    with torch.no_grad():
+        want = chain()
+        with kernels.queued():
+            got = chain()
+    assert want.isfinite().all() and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="inside"), kernels.queued():
+        up(x)
+        raise RuntimeError("inside")
+    assert kernels._queue is None and not kernels._keep
+    assert torch.equal(up(x), up(x))
 
 
 @pytest.mark.parametrize("compiler,said", [("missing", "no C compiler"), ("false", "failed on paged_kernels.c")])

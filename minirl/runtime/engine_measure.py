@@ -367,18 +367,22 @@ OTHER_KIND = "everything else (norms, rotary, residuals, indexing, Python)"
 def decode_step_breakdown(model, roof: dict, repeats: int = 3, block_size: int = 16) -> dict:
     """Where the measured decode step of `roof` (decode_roofline's result) goes, each kind beside its own ideal.
 
-    The step is profiled (torch.profiler, self CPU time of each operator and C kernel, `repeats` calls)
-    and its operators sorted into STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
+    The step is profiled (torch.profiler, self CPU time of each operator and C kernel, `repeats` calls;
+    kernels run by a queue, `paged_kernels.queued`, timed inside it) and its operators sorted into
+    STEP_KINDS and OTHER_KIND; a kind's seconds are its share of the profiled
     time times the measured step. Ideals: the products' FLOPs at the matmul peak or their weights at
     the copy bandwidth, attention's FLOPs or the cached keys and values likewise; the rest has none.
     "bound" is the share of the machine the step would reach if everything but the products and
     attention took no time at all: how far removing overhead alone could take it.
     """
     paged, step = probe_step(model, roof["rows"], 1, roof["context"], block_size)
-    with profile(activities=[ProfilerActivity.CPU]) as prof, kernels.recorded():
+    with profile(activities=[ProfilerActivity.CPU]) as prof, kernels.recorded() as queued:
         for _ in range(repeats):
             paged(step)
-    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}          # microseconds
+    for name, seconds in queued.items():                 # kernels run by a queue: one range, timed inside
+        own[f"minirl::{name}"] = own.get(f"minirl::{name}", 0) + 1e6 * seconds
+        own["minirl::queue"] -= 1e6 * seconds            # what is left of it: the queue's own loop
     total = sum(own.values())
     shares = {kind: sum(own.get(op, 0) for op in ops) / total for kind, ops in STEP_KINDS.items()}
     shares[OTHER_KIND] = 1 - sum(shares.values())

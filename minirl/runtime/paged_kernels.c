@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define W 16                                                           /* floats in one vector */
 typedef float vec __attribute__((vector_size(4 * W)));                 /* a GCC/Clang vector of W floats */
@@ -216,5 +217,35 @@ void decode_attention(const float *q, int64_t q_stride, const float *keys, const
                 }
             }
         free(scores);
+    }
+}
+
+/* The calls queued by paged_kernels.queued(), run one after another with no Python between them (the
+ * CPU's counterpart of replaying a CUDA graph). Call c is calls[c * ARGS .. c * ARGS + ARGS - 1]: its
+ * kernel's number (the order below, KERNELS in paged_kernels.py), then its arguments, one 64-bit slot
+ * each: pointers and integers as they are, floats in the low 32 bits. With `seconds`, each kernel's
+ * wall time is added to seconds[its number] (paged_kernels.recorded). */
+#define ARGS 16
+typedef union { int64_t i; float f; } slot;
+void run_calls(const int64_t *calls, int64_t n, double *seconds) {
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t *a = calls + c * ARGS;
+        struct timespec t0, t1;
+        if (seconds) clock_gettime(CLOCK_MONOTONIC, &t0);
+        #define P(i) ((void *)a[i])
+        #define F(i) (((const slot *)&a[i])->f)
+        switch (a[0]) {
+            case 0: linear(P(1), P(2), P(3), P(4), a[5], a[6], a[7], (int)a[8]); break;
+            case 1: rms_norm(P(1), P(2), P(3), a[4], a[5], F(6)); break;
+            case 2: silu_mul(P(1), P(2), a[3], a[4]); break;
+            case 3: rotate(P(1), a[2], P(3), P(4), a[5], a[6], a[7]); break;
+            case 4: write_kv(P(1), a[2], P(3), P(4), P(5), a[6], a[7], a[8], a[9], a[10]); break;
+            case 5: decode_attention(P(1), a[2], P(3), P(4), P(5), P(6), P(7), a[8], a[9], a[10], a[11], a[12],
+                                     a[13], a[14], F(15)); break;
+        }
+        if (seconds) {
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            seconds[a[0]] += (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+        }
     }
 }

@@ -7,7 +7,9 @@ returns it; None where it cannot (no compiler, not Linux or macOS, or MINIRL_KER
 the reason in `why_not()` and one warning. `usable(x)` says whether a tensor can go through them:
 float32 on a CPU. Everything else (a GPU, bf16, no compiler) runs torch's own kernels
 (`paged_ops`), the same math; tests/test_paged_kernels.py checks each kernel against torch and the
-forward pass against HF's. `recorded()` makes the calls visible to torch.profiler.
+forward pass against HF's. `call(name, ...)` runs one; inside `queued()` calls wait and run
+together in one C call (`run_calls`), with no Python between them. `recorded()` makes the calls
+visible to torch.profiler.
 
 Why hand-written: torch has no paged attention on a CPU, and at a decode step's few rows its
 products, norms and elementwise kernels cost more in dispatch and passes over memory than in
@@ -21,13 +23,14 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import warnings
+from array import array
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -41,8 +44,13 @@ N, P, F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float                 # C's 
 SIGNATURES = {"linear": [P, P, P, P, N, N, N, ctypes.c_int], "rms_norm": [P, P, P, N, N, F],
               "silu_mul": [P, P, N, N], "rotate": [P, N, P, P, N, N, N], "write_kv": [P, N, P, P, P, N, N, N, N, N],
               "decode_attention": [P, N, P, P, P, P, P, N, N, N, N, N, N, N, F]}
+ARGS = 16                                          # slots per queued call: the kernel's number, its arguments
+FLOATS = {name: [i for i, t in enumerate(sig) if t is F] for name, sig in SIGNATURES.items()}
+KERNEL_NUMBER = {name: i for i, name in enumerate(SIGNATURES)}   # run_calls's numbering
 _why_not = ""
-_recording = None                                  # a SimpleNamespace of profiled kernels inside `recorded()`
+_recording: dict | None = None                     # inside `recorded()`: seconds of each kernel run in queues
+_queue: array | None = None                        # inside `queued()`: the calls waiting, ARGS slots each
+_keep: list = []                                   # the tensors the waiting calls read and write
 _warned = False
 
 
@@ -59,28 +67,69 @@ def cpu_tag() -> str:
     return f"{platform.system()} {platform.machine()} {flags}"
 
 
-def load():
-    """The compiled kernels (a ctypes library), or None (see `why_not`); inside `recorded()`, the same
-    kernels as torch.profiler ranges."""
-    return _recording or build()
+def call(name: str, *args) -> None:
+    """Run kernel `name` (tensors are passed as pointers, None as NULL); inside `queued()`, queue it instead."""
+    pointers = [a.data_ptr() if isinstance(a, Tensor) else 0 if a is None else a for a in args]
+    if _queue is not None:
+        for i in FLOATS[name]:
+            pointers[i] = struct.unpack("<i", struct.pack("<f", pointers[i]))[0]    # the float's bits
+        _queue.extend([KERNEL_NUMBER[name], *pointers] + [0] * (ARGS - 1 - len(pointers)))
+        _keep.extend(a for a in args if isinstance(a, Tensor))                     # alive until they run
+    elif _recording is not None:
+        with torch.profiler.record_function(f"minirl::{name}"):
+            getattr(build(), name)(*pointers)
+    else:
+        getattr(build(), name)(*pointers)
+
+
+def flush() -> None:
+    """Run the calls queued so far (inside `queued()`; nothing outside): before torch reads what they write."""
+    global _queue
+    if not _queue:
+        return
+    calls, _queue = _queue, array("q")
+    if _recording is None:
+        build().run_calls(calls.buffer_info()[0], len(calls) // ARGS, None)
+    else:
+        seconds = (ctypes.c_double * len(KERNEL_NUMBER))()
+        with torch.profiler.record_function("minirl::queue"):
+            build().run_calls(calls.buffer_info()[0], len(calls) // ARGS, seconds)
+        for name, i in KERNEL_NUMBER.items():
+            _recording[name] = _recording.get(name, 0.0) + seconds[i]
+    _keep.clear()
+
+
+@contextmanager
+def queued(enabled: bool = True):
+    """Inside, kernel calls wait in a queue that one C call runs at the end (`run_calls`), so no Python
+    runs between two kernels: on a GPU, launches are queued on a stream and vLLM replays a decode step
+    as a CUDA graph for the same reason. Only kernels queue: torch must not read or write what a
+    queued call writes until `flush()`; every op of paged_ops that takes torch's path flushes first
+    (`usable`), but torch code between the ops does not. Nothing queues where `enabled` is False or
+    the kernels are not built; an error inside drops the queue."""
+    global _queue
+    if not enabled or _queue is not None or build() is None:
+        yield
+        return
+    _queue = array("q")
+    try:
+        yield
+        flush()
+    finally:
+        _queue = None
+        _keep.clear()
 
 
 @contextmanager
 def recorded():
     """Inside, every kernel call is a torch.profiler range named `minirl::<kernel>` (the profiler sees
-    no ctypes call otherwise); engine_measure.decode_step_breakdown sorts the step's time with them."""
+    no ctypes call otherwise), and a queue's run is one range, `minirl::queue`; yields a dict of the
+    seconds each kernel took inside queues (engine_measure.decode_step_breakdown sorts the step's
+    time with both)."""
     global _recording
-    lib = build()
-
-    def ranged(name):
-        def call(*args):
-            with torch.profiler.record_function(f"minirl::{name}"):
-                getattr(lib, name)(*args)
-        return call
-
-    _recording = None if lib is None else SimpleNamespace(**{name: ranged(name) for name in SIGNATURES})
+    _recording = {}
     try:
-        yield
+        yield _recording
     finally:
         _recording = None
 
@@ -121,7 +170,7 @@ def build() -> ctypes.CDLL | None:
         finally:
             if tmp is not None and os.path.exists(tmp):   # a failed or interrupted compile leaves nothing
                 os.unlink(tmp)
-        for name, argtypes in SIGNATURES.items():
+        for name, argtypes in (SIGNATURES | {"run_calls": [P, N, P]}).items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
         _why_not = ""
@@ -129,15 +178,16 @@ def build() -> ctypes.CDLL | None:
     return None
 
 
-def usable(x: Tensor) -> bool:
-    """Whether x can go through the kernels: float32 on a CPU, and the kernels loaded (warns once if not)."""
-    if x.dtype != torch.float32 or not x.is_cpu:
-        return False
-    if build() is None:
+def usable(x: Tensor, fits: bool = True) -> bool:
+    """Whether x can go through the kernels: float32 on a CPU, the kernels loaded (warns once if not), and
+    `fits` (the op's own conditions). When not, the calls queued so far run first (see `queued`)."""
+    if fits and x.dtype == torch.float32 and x.is_cpu and build() is not None:
+        return True
+    flush()
+    if x.dtype == torch.float32 and x.is_cpu and build() is None:
         global _warned
         if not _warned and _why_not != "MINIRL_KERNELS=0":
             warnings.warn(f"paged engine: {_why_not}; the forward pass runs torch's kernels instead (slower, "
                           "the same results)", stacklevel=3)
             _warned = True
-        return False
-    return True
+    return False

@@ -4,7 +4,8 @@ the products, the rotary table, the cache writes, on-demand cache memory, and th
 Hand-written; notebook 05 (`minirl/rollout/engine/attention.py`) builds the step (`make_step`),
 the gathered read (`gather_attention`) and the forward pass (`PagedModel.forward`) on top of it.
 On a CPU in float32 each function below runs a C kernel of `paged_kernels.c` where one was
-compiled (`paged_kernels.usable`), and torch's own kernels otherwise (a GPU, bf16, no compiler).
+compiled (`paged_kernels.usable`), and torch's own kernels otherwise (a GPU, bf16, no compiler);
+`queued` (from paged_kernels) lets a block of them run in one C call.
 
 - `Group`, `Step`, `make_group`: a step's chunks grouped by query width and context length,
   padded to one width, with their causal masks (`make_step` lays the flat tokens out group by group).
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minirl.runtime import paged_kernels as kernels
+from minirl.runtime.paged_kernels import queued  # noqa: F401 -- notebook 05's forward queues a decode step's kernels
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -127,8 +129,10 @@ def embedding_bags(rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
     return rows.bags
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale: float) -> Tensor:
-    """One query per sequence over its cached keys and values, read in place. q: [S, H, D] -> [S, H * D].
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale: float,
+                     out: Tensor | None = None) -> Tensor:
+    """One query per sequence over its cached keys and values, read in place. q: [S, H, D] -> out [S, H * D]
+    (a new tensor, or `out`'s rows, contiguous).
 
     With the C kernel (float32 on a CPU, head_dim and block_size multiples of 16, at most 8 query heads
     per key head), `paged_kernels.c`'s decode_attention: each key and value read once per key head.
@@ -137,12 +141,11 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale:
     softmax runs in float32.
     """
     S, H, D = q.shape
-    if kernels.usable(q) and q.stride(1) == D and q.stride(2) == 1 and D % 16 == 0 and keys.shape[-1] % 16 == 0 \
-            and H // keys.shape[0] <= 8:
-        out = torch.empty(S, H * D)
-        kernels.load().decode_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
-                                        rows.tables.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(), S, H,
-                                        keys.shape[0], D, keys.shape[1], keys.shape[-1], rows.tables.shape[1], scale)
+    if kernels.usable(q, q.stride(1) == D and q.stride(2) == 1 and D % 16 == 0 and keys.shape[-1] % 16 == 0
+                      and H // keys.shape[0] <= 8 and (out is None or out.is_contiguous())):
+        out = torch.empty(S, H * D) if out is None else out
+        kernels.call("decode_attention", q, q.stride(0), keys, values, rows.tables, rows.lengths, out, S, H,
+                     keys.shape[0], D, keys.shape[1], keys.shape[-1], rows.tables.shape[1], scale)
         return out
     bs = keys.shape[-1]
     bag_keys, bag_values, bias = embedding_bags(rows)
@@ -150,8 +153,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, rows: Rows, scale:
     weights = (q[:, :, None].expand(S, H, B, D) * scale).view(-1, D)                           # [S*H*B, D]
     scores = F.embedding_bag(bag_keys, keys.reshape(-1, bs), per_sample_weights=weights, mode="sum")  # [S*H*B, bs]
     p = torch.softmax(scores.view(S, H, B * bs).float().add_(bias), -1).to(values.dtype)      # [S, H, L]
-    out = F.embedding_bag(bag_values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
-    return out.view(S, H * D)
+    read = F.embedding_bag(bag_values, values.reshape(-1, D), per_sample_weights=p.view(S * H, -1), mode="sum")
+    return read.view(S, H * D) if out is None else out.copy_(read.view(S, H * D))
 
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -162,9 +165,8 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     (a view of the step's q/k/v product). Returns x.
     """
     T, heads, D = x.shape
-    if kernels.usable(x) and x.stride(1) == D and x.stride(2) == 1 and cos.is_contiguous() and \
-            signed_sin.is_contiguous():
-        kernels.load().rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), T, heads, D)
+    if kernels.usable(x, x.stride(1) == D and x.stride(2) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()):
+        kernels.call("rotate", x, x.stride(0), cos, signed_sin, T, heads, D)
         return x
     half = D // 2
     return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), -1), signed_sin, out=x)
@@ -206,7 +208,6 @@ class Linear:
         if out_features % self.PANEL == 0 and kernels.usable(weight) and (bias is None or kernels.usable(bias)):
             panels = weight.t().reshape(in_features, -1, self.PANEL).transpose(0, 1)                # [out/32, in, 32]
             self.panels = panels.contiguous()
-            self.pointers = (self.panels.data_ptr(), None if bias is None else bias.data_ptr())   # read at every call
         else:
             self.weight_t = weight.t().contiguous()                                                 # [in, out]
 
@@ -225,9 +226,11 @@ class Linear:
         return out if self.bias is None else out.add_(self.bias)
 
     def run(self, x: Tensor, out: Tensor, accumulate: int) -> Tensor:
-        x = x.contiguous()
+        if not x.is_contiguous():
+            kernels.flush()                              # torch copies x: what queued calls write into it first
+            x = x.contiguous()
         M, K = x.shape
-        kernels.load().linear(x.data_ptr(), *self.pointers, out.data_ptr(), M, K, self.out_features, accumulate)
+        kernels.call("linear", x, self.panels, self.bias, out, M, K, self.out_features, accumulate)
         return out
 
 
@@ -258,22 +261,22 @@ def cache_index(slots: Tensor, num_kv_heads: int, num_blocks: int, block_size: i
 def rms_norm(x: Tensor, norm) -> Tensor:
     """An HF RMSNorm module applied to x [T, n]: in float32 the C kernel or torch's fused one (the same math),
     the module otherwise."""
+    weight = norm.weight
+    if kernels.usable(x, x.is_contiguous() and weight.dtype == torch.float32):
+        out = torch.empty_like(x)
+        kernels.call("rms_norm", x, weight, out, x.shape[0], x.shape[-1], norm.variance_epsilon)
+        return out
     if x.dtype != torch.float32:
         return norm(x)                                   # HF rounds to the low precision before the weight
-    if kernels.usable(x) and x.is_contiguous() and norm.weight.dtype == torch.float32:
-        out = torch.empty_like(x)
-        kernels.load().rms_norm(x.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1],
-                                norm.variance_epsilon)
-        return out
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 def act_mul(act_fn, gate_up: Tensor) -> Tensor:
     """act_fn(gate) * up of a gated MLP, gate_up = [gate, up] along the last dim: [T, 2m] -> [T, m]."""
     T, m = gate_up.shape[0], gate_up.shape[-1] // 2
-    if type(act_fn).__name__ in ("SiLU", "SiLUActivation") and kernels.usable(gate_up) and gate_up.is_contiguous():
+    if kernels.usable(gate_up, type(act_fn).__name__ in ("SiLU", "SiLUActivation") and gate_up.is_contiguous()):
         out = torch.empty(T, m)
-        kernels.load().silu_mul(gate_up.data_ptr(), out.data_ptr(), T, m)
+        kernels.call("silu_mul", gate_up, out, T, m)
         return out
     gate, up = gate_up.chunk(2, -1)
     return act_fn(gate).mul_(up)
@@ -356,10 +359,10 @@ class PagedModelBase(torch.nn.Module):
         """Write the step's new keys and values kv [T, 2 * Hkv, D] of `layer` into their slots [T]: with the C
         kernel, or one `put_` through `cache_index` (built once per step, for every layer)."""
         T, D = kv.shape[0], self.head_dim
-        if kernels.usable(kv) and kv.stride(1) == D and kv.stride(2) == 1:
+        if kernels.usable(kv, kv.stride(1) == D and kv.stride(2) == 1):
             keys, values = self.views[layer]
-            kernels.load().write_kv(kv.data_ptr(), kv.stride(0), slots.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                    T, self.num_kv_heads, D, keys.shape[1], self.block_size)
+            kernels.call("write_kv", kv, kv.stride(0), slots, keys, values, T, self.num_kv_heads, D, keys.shape[1],
+                         self.block_size)
             return
         if self.where is None or self.where[0] is not slots:
             self.where = (slots, cache_index(slots, self.num_kv_heads, self.cache.shape[3], self.block_size, D))
