@@ -1296,10 +1296,10 @@ assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["comp
 
 # %% [markdown]
 # Matrix products of 32 rows run below the peak of a large product; every weight and cached key
-# streams from memory at each step, not all of it while arithmetic runs; and a dozen calls per
-# layer are made from Python, each costing microseconds whatever its size (what CUDA graphs
-# remove on a GPU). Notebook 09 breaks the step down by operator; `benchmarks/decode_step.py`
-# measures it against HF's at equal rows.
+# streams from memory at each step, not all of it while arithmetic runs; and Python still builds
+# the step and queues its kernels before they run (the queue takes Python out from between the
+# kernels, not out of the step). `benchmarks/engine_vs_hf.py` breaks the step down by kind of
+# work; `benchmarks/decode_step.py` measures it against HF's at equal rows.
 #
 # ## 11. In the loop
 #

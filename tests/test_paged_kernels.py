@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -199,8 +200,36 @@ def test_a_queue_keeps_what_its_calls_read_and_write_alive_and_drops_itself_on_a
     with pytest.raises(RuntimeError, match="inside"), kernels.queued():
         up(x)
         raise RuntimeError("inside")
-    assert kernels._queue is None and not kernels._keep
+    assert kernels._waiting.queue is None and not kernels._waiting.keep
     assert torch.equal(up(x), up(x))
+
+
+def test_threads_queue_their_own_calls():
+    """Notebook 07's producers are threads, each with an engine: one thread's queue never takes another's calls."""
+    torch.manual_seed(0)
+    products = [ops.Linear(torch.randn(1024, 1024) / 32) for _ in range(4)]
+    inputs = [torch.randn(32, 1024) for _ in range(4)]
+
+    def chain(x):
+        for p in products * 8:
+            x = p(x)
+        return x
+
+    want = [chain(x) for x in inputs]
+    got, start = [None] * 4, threading.Barrier(4)
+
+    def run(i):
+        start.wait()
+        for _ in range(5):
+            with kernels.queued():
+                got[i] = chain(inputs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("compiler,said", [("missing", "no C compiler"), ("false", "failed on paged_kernels.c")])

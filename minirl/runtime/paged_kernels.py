@@ -26,6 +26,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 import warnings
 from array import array
 from contextlib import contextmanager
@@ -49,9 +50,18 @@ FLOATS = {name: [i for i, t in enumerate(sig) if t is F] for name, sig in SIGNAT
 KERNEL_NUMBER = {name: i for i, name in enumerate(SIGNATURES)}   # run_calls's numbering
 _why_not = ""
 _recording: dict | None = None                     # inside `recorded()`: seconds of each kernel run in queues
-_queue: array | None = None                        # inside `queued()`: the calls waiting, ARGS slots each
-_keep: list = []                                   # the tensors the waiting calls read and write
 _warned = False
+
+
+class Waiting(threading.local):
+    """One thread's queue (`queued`): each thread of a process (a producer of notebook 07) has its own."""
+
+    def __init__(self):
+        self.queue: array | None = None            # inside `queued()`: the calls waiting, ARGS slots each
+        self.keep: list = []                       # the tensors they read and write
+
+
+_waiting = Waiting()
 
 
 def why_not() -> str:
@@ -70,11 +80,12 @@ def cpu_tag() -> str:
 def call(name: str, *args) -> None:
     """Run kernel `name` (tensors are passed as pointers, None as NULL); inside `queued()`, queue it instead."""
     pointers = [a.data_ptr() if isinstance(a, Tensor) else 0 if a is None else a for a in args]
-    if _queue is not None:
+    waiting = _waiting
+    if waiting.queue is not None:
         for i in FLOATS[name]:
             pointers[i] = struct.unpack("<i", struct.pack("<f", pointers[i]))[0]    # the float's bits
-        _queue.extend([KERNEL_NUMBER[name], *pointers] + [0] * (ARGS - 1 - len(pointers)))
-        _keep.extend(a for a in args if isinstance(a, Tensor))                     # alive until they run
+        waiting.queue.extend([KERNEL_NUMBER[name], *pointers] + [0] * (ARGS - 1 - len(pointers)))
+        waiting.keep.extend(a for a in args if isinstance(a, Tensor))              # alive until they run
     elif _recording is not None:
         with torch.profiler.record_function(f"minirl::{name}"):
             getattr(build(), name)(*pointers)
@@ -84,10 +95,10 @@ def call(name: str, *args) -> None:
 
 def flush() -> None:
     """Run the calls queued so far (inside `queued()`; nothing outside): before torch reads what they write."""
-    global _queue
-    if not _queue:
+    waiting = _waiting
+    if not waiting.queue:
         return
-    calls, _queue = _queue, array("q")
+    calls, waiting.queue = waiting.queue, array("q")
     if _recording is None:
         build().run_calls(calls.buffer_info()[0], len(calls) // ARGS, None)
     else:
@@ -96,7 +107,7 @@ def flush() -> None:
             build().run_calls(calls.buffer_info()[0], len(calls) // ARGS, seconds)
         for name, i in KERNEL_NUMBER.items():
             _recording[name] = _recording.get(name, 0.0) + seconds[i]
-    _keep.clear()
+    waiting.keep.clear()
 
 
 @contextmanager
@@ -106,18 +117,18 @@ def queued(enabled: bool = True):
     as a CUDA graph for the same reason. Only kernels queue: torch must not read or write what a
     queued call writes until `flush()`; every op of paged_ops that takes torch's path flushes first
     (`usable`), but torch code between the ops does not. Nothing queues where `enabled` is False or
-    the kernels are not built; an error inside drops the queue."""
-    global _queue
-    if not enabled or _queue is not None or build() is None:
+    the kernels are not built; an error inside drops the queue. Each thread queues its own calls."""
+    waiting = _waiting
+    if not enabled or waiting.queue is not None or build() is None:
         yield
         return
-    _queue = array("q")
+    waiting.queue = array("q")
     try:
         yield
         flush()
     finally:
-        _queue = None
-        _keep.clear()
+        waiting.queue = None
+        waiting.keep.clear()
 
 
 @contextmanager

@@ -193,10 +193,10 @@ class Linear:
     kept packed in panels of 32 columns ([out / 32, in, 32], read by `paged_kernels.c`'s
     `linear`); elsewhere transposed ([in, out], contiguous) for one `torch.mm`/`addmm`. Measured
     at one thread on the 2-core x86 machine of benchmarks/README.md, 32 rows, each product's 8
-    layers' weights in turn (as a decode step reads them): the panels run the long-tail policy's
-    products 0.98-1.3x the speed of torch.mm on the transposed weight and 1.2-1.8x oneDNN's
-    prepacked one; on the 32 M shape 0.95x (square) to 1.7x (the wide gate/up product); at 512
-    rows within 5 % of MKL. Same products, float rounding aside. `add_to(out, x)` adds
+    layers' weights in turn (as a decode step reads them), in alternating pairs: the panels ran the
+    long-tail policy's products at 0.91-1.53x the speed of torch.mm on the transposed weight (the
+    wide gate/up product fastest) and the 32 M shape's at 1.04-1.58x; at 512 rows at 0.93-1.06x.
+    Same products, float rounding aside. `add_to(out, x)` adds
     x @ weight.T into `out` in place (a residual addition fused into the product).
     """
 
