@@ -7,7 +7,7 @@
 
 The last line printed is `async_speedup: X (eta E, final F, target T, n N)`. The asynchronous
 setting is the one named on the command line (`--eta`, default 1, and `--correction`, default
-none: the setting notebook 07 recommends), declared before any run: the script never picks the
+none: the setting notebook 07 names before its runs), declared before any run: the script never picks the
 best of several settings after seeing their results. X is the median over the N repeats of sync's
 time to the target over the setting's (0 in a repeat where the setting did not reach it); F is the
 setting's final held-out accuracy and T the target (medians over the repeats). X > 1: async is
@@ -22,7 +22,8 @@ The rule, the same in every repeat:
     target and falls back has not reached it (until it comes back for good);
   - both runs train the same number of steps (`--steps`, 90): async is given no extra steps.
 Sync's own time to the target is read with the same rule (a repeat in which sync itself does not
-stay above its target is left out of the median, and the script says so).
+stay above its target is left out of the median, and the script says so). The rule is
+`minirl.runtime.async_snapshots.speedup_to_target`, which notebook 07 uses too.
 
 What is compared. Every run is `minirl.runtime.async_run.train_async` on the same config (the
 chapter's defaults: the embedded policy, 16 prompts x 8 completions per step, learning rate
@@ -54,7 +55,7 @@ from minirl.models.policy import greedy_accuracy, load_default_policy
 from minirl.runtime.argtypes import float_in, int_in
 from minirl.runtime.async_config import AsyncConfig
 from minirl.runtime.async_run import train_async
-from minirl.runtime.async_snapshots import evaluate_snapshots
+from minirl.runtime.async_snapshots import evaluate_snapshots, speedup_to_target
 from minirl.runtime.io import write_summary
 from minirl.runtime.validate import check_choice
 from minirl.tasks.arithmetic import make_task
@@ -84,24 +85,6 @@ def parse_args(argv=None):
     return args
 
 
-def plateau(curve: list[dict], last: int) -> float:
-    """The median held-out accuracy of a run's last `last` evaluations (after step 0): its plateau."""
-    trained = [a["accuracy"] for a in curve if a["step"] > 0]
-    return statistics.median(trained[-last:])
-
-
-def time_to_stay(curve: list[dict], target: float) -> float:
-    """Wall seconds of the first evaluation (after step 0) from which held-out accuracy stays at or above `target`
-    to the end of the run, the final evaluation included; inf when the final evaluation is below it."""
-    trained = [a for a in curve if a["step"] > 0]
-    reached = math.inf
-    for a in reversed(trained):
-        if a["accuracy"] < target:
-            break
-        reached = a["wall"]
-    return reached
-
-
 def one_run(eta: int, correction: str, seed: int, args, task) -> dict:
     model, tokenizer, _ = load_default_policy(progress=False)
     config = RLConfig().replace(steps=args.steps, learning_rate=1e-4, seed=seed)
@@ -126,9 +109,8 @@ def main(argv=None) -> int:
         runs = {name: one_run(0 if name == "sync" else args.eta, "none" if name == "sync" else args.correction,
                               repeat, args, task) for name in order}
         sync, run = runs["sync"], runs[setting]
-        target = plateau(sync["curve"], args.plateau) - args.tolerance
-        sync_t, t = time_to_stay(sync["curve"], target), time_to_stay(run["curve"], target)
-        speedup = (sync_t / t if math.isfinite(t) else 0.0) if math.isfinite(sync_t) else math.nan
+        rule = speedup_to_target(sync["curve"], run["curve"], args.plateau, args.tolerance)
+        target, sync_t, t, speedup = rule["target"], rule["sync_s"], rule["run_s"], rule["speedup"]
         repeats.append({"repeat": repeat, "order": list(order), "target": target, "sync": sync, "async": run,
                         "sync_to_target": sync_t, "async_to_target": t, "speedup": speedup,
                         "share_of_sync": t / sync["seconds"]})

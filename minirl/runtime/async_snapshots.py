@@ -5,9 +5,9 @@ weights at step 0, every `every` steps and at the last step, with the run's wall
 and completions trained on at that moment. Without a directory the copies stay in memory;
 with one (a run directory's `snapshots/`) each is written there atomically, so a resumed run
 keeps the earlier ones (those after the checkpoint it resumes from are deleted: the resumed
-run makes its own). `evaluate_snapshots` measures each afterwards; `time_to_accuracy` reads
-the wall time at which a target was reached, and `speedup_to_target` turns those times into
-one speedup (the rule of the benchmark and of notebook 07).
+run makes its own). `evaluate_snapshots` measures each afterwards; `speedup_to_target` compares
+a synchronous and an asynchronous run by their wall time to a target accuracy (`plateau`,
+`time_to_stay`: the rule of the benchmark and of notebook 07).
 
 Why after the run: evaluating in the trainer's thread would pause the trainer while the
 producers go on, and put the evaluation's seconds into the wall time that asynchrony is
@@ -103,39 +103,39 @@ def evaluate_snapshots(result, model, eval_fn, out_dir=None, log_completions: in
     return result.accuracy
 
 
-def time_to_accuracy(accuracy: list[dict], target: float, window: int = 1) -> float:
-    """Wall seconds at which held-out accuracy first reaches `target`; inf when it never does.
+def plateau(accuracy: list[dict], last: int = 3) -> float:
+    """The median held-out accuracy of a run's last `last` evaluations after step 0: where it settled.
 
-    accuracy: evaluate_snapshots' list. The first time after step 0 that the mean of `window`
-    consecutive evaluations (ending there) is at or above `target`: window = 2 keeps one lucky
-    evaluation (a 500-problem test moves by a few points) from counting as arrival.
+    accuracy: evaluate_snapshots' list. Not the last evaluation alone, which may be a lucky blip
+    (a 500-problem test moves by a few points from one snapshot to the next).
     """
-    trained = [a for a in accuracy if a["step"] > 0]
-    for i in range(window - 1, len(trained)):
-        if sum(a["accuracy"] for a in trained[i - window + 1:i + 1]) / window >= target:
-            return trained[i]["wall"]
-    return math.inf
+    trained = [a["accuracy"] for a in accuracy if a["step"] > 0]
+    return statistics.median(trained[-last:])
 
 
-def speedup_to_target(sync_times: list[float], times: dict[str, list[float]],
-                      eligible=None) -> tuple[str | None, float, dict[str, float]]:
-    """The headline speedup of asynchronous RL: (best setting or None, its speedup or 0.0, every setting's).
+def time_to_stay(accuracy: list[dict], target: float) -> float:
+    """Wall seconds of the first evaluation after step 0 from which held-out accuracy stays at or above
+    `target` to the end of the run, the final evaluation included; inf when the final one is below it.
 
-    sync_times[r]: the synchronous run's wall seconds to the target in repeat r (inf: it missed
-    its own target); times[name][r]: setting `name`'s in the same repeat (inf: missed). A
-    setting's speedup is the median, over the repeats in which sync reached the target, of
-    sync_times[r] / times[name][r] (0 in a repeat it missed). The headline is the highest
-    speedup among the settings in `eligible` (default: all) that reached the target in every
-    repeat; (None, 0.0, ...) when there is none, or when sync never reached its target.
+    A run that touches the target and falls back has not reached it (until it comes back for good).
     """
-    reached = [r for r, t in enumerate(sync_times) if math.isfinite(t)]
-    for name, ts in times.items():
-        if len(ts) != len(sync_times):
-            raise ValueError(f"times[{name!r}] has {len(ts)} repeats, sync_times {len(sync_times)}: pass one time "
-                             "per repeat for every setting")
-    speedups = {name: statistics.median(sync_times[r] / ts[r] for r in reached) if reached else math.nan
-                for name, ts in times.items()}
-    ok = [name for name, ts in times.items() if reached and all(math.isfinite(t) for t in ts)
-          and (eligible is None or name in eligible)]
-    best = max(ok, key=speedups.__getitem__) if ok else None
-    return best, (speedups[best] if best else 0.0), speedups
+    reached = math.inf
+    for a in reversed([a for a in accuracy if a["step"] > 0]):
+        if a["accuracy"] < target:
+            break
+        reached = a["wall"]
+    return reached
+
+
+def speedup_to_target(sync: list[dict], run: list[dict], last: int = 3, tolerance: float = 0.03) -> dict:
+    """Wall time to a target accuracy, a synchronous run against one asynchronous setting declared before
+    either ran (the rule of benchmarks/async_vs_sync.py and notebook 07; never the best of several).
+
+    sync, run: their evaluate_snapshots lists. The target is sync's plateau (`last` evaluations) minus
+    `tolerance`; each run's time is `time_to_stay`. speedup = sync's time / the run's: 0.0 when the run
+    never stays at the target, nan when sync itself does not (the comparison is then not measured).
+    """
+    target = plateau(sync, last) - tolerance
+    sync_s, run_s = time_to_stay(sync, target), time_to_stay(run, target)
+    speedup = math.nan if not math.isfinite(sync_s) else sync_s / run_s if math.isfinite(run_s) else 0.0
+    return {"target": target, "sync_s": sync_s, "run_s": run_s, "speedup": speedup}
