@@ -10,43 +10,23 @@ time, pairs in alternating order), without the rest of that run, on two shapes: 
 policy (a random Qwen2 of 7.6 M parameters: hidden 256, 8 layers, 4 query heads sharing 1 key/value
 head), and `32m`, a random Qwen2 of 30.5 M parameters (hidden 512, 8 layers, 8 query heads sharing 2
 key/value heads, intermediate 2048, the same 70-token vocabulary). The limits are the one-thread ones
-of `engine_vs_hf.machine_limits` (CPU time, best of 3 trials of a second each). One line per shape:
+of `minirl.runtime.engine_measure.machine_limits` (CPU time, best of 3 trials of a second each). One
+line per shape:
 `shape: hf H ms, paged P ms, step_ratio_equal_rows X (min A, max B, n N), decode_roofline_share S`.
 """
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from minirl.runtime.engine_measure import decode_step_work
+from minirl.runtime.engine_measure import decode_step_work, machine_limits
 from minirl.runtime.workloads import LongTailConfig, build_long_tail_policy, load_long_tail_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))               # engine_vs_hf.py, beside this script
-from engine_vs_hf import CONTEXT, ROWS, best_rate, decode_steps  # noqa: E402
+from engine_vs_hf import CONTEXT, ROWS, decode_steps  # noqa: E402
 
 SHAPES = {"long": None, "32m": LongTailConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
                                                intermediate_size=2048)}
-
-
-def one_thread_limits(trial: float, size: int = 2048, copy_mib: int = 256) -> dict:
-    """The float32 matmul peak (FLOP/s) and copy bandwidth (bytes/s, read + written) at one thread, by CPU time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(size, size)
-        product = torch.empty_like(a)
-        src = torch.empty(copy_mib * 2**20 // 4).normal_()
-        dst = torch.empty_like(src)
-        return {"matmul_flops": best_rate(lambda: torch.mm(a, a, out=product), 2 * size ** 3, time.process_time,
-                                          trial, 3),
-                "copy_bytes": best_rate(lambda: np.copyto(dst.numpy(), src.numpy()), 2 * src.numel() * 4,
-                                        time.process_time, trial, 3)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def main(argv=None) -> int:
@@ -58,15 +38,15 @@ def main(argv=None) -> int:
     if args.pairs < 1:
         parser.error(f"--pairs={args.pairs}: must be >= 1")
     pairs = 2 if args.quick else args.pairs
-    limits = one_thread_limits(0.1 if args.quick else 1.0)
-    print(f"machine_limits: matmul_gflops_1t {limits['matmul_flops'] / 1e9:.1f} "
-          f"copy_gbps {limits['copy_bytes'] / 1e9:.1f}", flush=True)
+    limits = machine_limits(trial=0.1 if args.quick else 1.0, current_threads=False)
+    print(f"machine_limits: matmul_gflops_1t {limits['matmul_flops_1t'] / 1e9:.1f} "
+          f"copy_gbps {limits['copy_bytes_1t'] / 1e9:.1f}", flush=True)
     for shape in args.shapes:
         config = SHAPES[shape]
         model = load_long_tail_policy()[0] if config is None else build_long_tail_policy(config)[0]
         steps = decode_steps(model, pairs, ROWS, CONTEXT)
         work = decode_step_work(model, ROWS, CONTEXT)
-        ideal = max(work["bytes"] / limits["copy_bytes"], work["flops"] / limits["matmul_flops"])
+        ideal = max(work["bytes"] / limits["copy_bytes_1t"], work["flops"] / limits["matmul_flops_1t"])
         r, median = steps["ratio"], steps["median_s"]
         print(f"{shape}: hf {1e3 * median['hf']:.2f} ms, paged {1e3 * median['paged']:.2f} ms, "
               f"step_ratio_equal_rows {r['median']:.2f} (min {r['min']:.2f}, max {r['max']:.2f}, n {r['n']}), "

@@ -41,13 +41,14 @@ EOS) per second, and the time to finish the same batch. Each speedup is the medi
 the ratio within a pair (the two calls of a pair see about the same load from other processes
 on the machine), printed with its min and max.
 
-The machine's limits: the float32 matrix-product peak (FLOP/s of 2048 x 2048 products) and the
-copy bandwidth (bytes/s of copying 256 MiB with memcpy, larger than the CPU's caches; read +
-written) are
-measured at one thread by the process's CPU time (`time.process_time`: a process that waits
-for a core, or is switched out, does not count that time), over trials of at least a second of
-work each, best of 3; and at the run's threads by the wall clock, best of 3 trials of at least
-two seconds. Both are printed; every share below uses the one-thread limits.
+The machine's limits (`minirl.runtime.engine_measure.machine_limits`, which notebook 05 uses too):
+the float32 matrix-product peak (FLOP/s of 2048 x 2048 products) and the copy bandwidth (bytes/s of
+copying 256 MiB, larger than the CPU's caches, with memcpy; read + written) are measured at one
+thread by the process's CPU time (`time.process_time`: a process that waits for a core, or is
+switched out, does not count that time), over trials of at least a second of work each, best of 3;
+and at the run's threads by the wall clock, best of 3 trials of at least two seconds (the copy by
+memcpy or torch's threaded copy_, the faster). Both are printed; every share below uses the one-
+thread limits.
 
 The decode step at equal rows (long-tail policy, 32 sequences, one new token each after 160
 cached tokens): HF's step is the model's forward pass as `generate` calls it (one token per row,
@@ -89,7 +90,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -97,7 +97,7 @@ from minirl.config import SamplingConfig
 from minirl.models.policy import load_default_policy
 from minirl.rollout.engine.engine import PagedEngine
 from minirl.rollout.hf import HFEngine
-from minirl.runtime.engine_measure import decode_step_breakdown, decode_step_work, probe_step
+from minirl.runtime.engine_measure import decode_step_breakdown, decode_step_work, machine_limits, probe_step
 from minirl.runtime.io import write_summary
 from minirl.runtime.seeding import seed_everything
 from minirl.runtime.workloads import few_shot_prompts, load_long_tail_policy
@@ -227,51 +227,6 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
             "hf_rows_x_steps": statistics.median(hf_rows)}
 
 
-def best_rate(work, amount: float, clock, min_seconds: float, trials: int) -> float:
-    """The best over `trials` of amount x calls / seconds, a trial calling work() until `clock` advanced min_seconds."""
-    best = 0.0
-    for _ in range(trials):
-        calls, start = 0, clock()
-        while True:
-            work()
-            calls += 1
-            if (elapsed := clock() - start) >= min_seconds:
-                break
-        best = max(best, amount * calls / elapsed)
-    return best
-
-
-def machine_limits(quick: bool = False, size: int = 2048, copy_mib: int = 256) -> dict:
-    """This machine's float32 matrix-product peak and copy bandwidth: at one thread by CPU time, and at the
-    current threads by the wall clock.
-
-    matmul: FLOP/s of size x size float32 products (2 size^3 FLOPs each); copy: bytes/s of copying a
-    `copy_mib` MiB tensor (read + written, 2 x its size; larger than a CPU's last-level cache) with
-    numpy's copyto, which is libc's memcpy (torch's copy_ reached about half of it at one thread on
-    the 2-core machine of benchmarks/README.md, 14 against 26-29 GB/s). At one
-    thread each trial runs for at least a second of the process's CPU time, which a busy machine does
-    not inflate: time spent waiting for a core, or switched out, is not the process's. At the current
-    threads the wall clock is the only honest clock (CPU time would add the threads up), so the trials
-    are longer (2 s) and the best is kept: a limit is what the machine can do. quick: 0.2 s trials.
-    """
-    a = torch.randn(size, size)
-    product = torch.empty_like(a)
-    src = torch.empty(copy_mib * 2**20 // 4).normal_()
-    dst = torch.empty_like(src)
-    flops, moved = 2 * size ** 3, 2 * src.numel() * src.element_size()
-    matmul, copy = (lambda: torch.mm(a, a, out=product)), (lambda: np.copyto(dst.numpy(), src.numpy()))
-    trial = 0.2 if quick else 1.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = {"matmul_flops_1t": best_rate(matmul, flops, time.process_time, trial, 3),
-               "copy_bytes_1t": best_rate(copy, moved, time.process_time, trial, 3)}
-    finally:
-        torch.set_num_threads(threads)
-    return one | {"matmul_flops": best_rate(matmul, flops, time.perf_counter, 2 * trial, 3),
-                  "copy_bytes": best_rate(copy, moved, time.perf_counter, 2 * trial, 3), "threads": threads}
-
-
 def hf_decode_step(model, rows: int, context: int):
     """A function running one HF decode forward pass as `generate` runs it: `rows` sequences of one new token
     after `context` cached ones (a DynamicCache, the attention mask over context + 1 positions). The cache is
@@ -343,7 +298,7 @@ def roofline(args) -> dict:
     """The machine's limits, the decode step at equal rows (HF against the engine) and the engine's step
     against the one-thread limits, with the profiler's breakdown (all at one thread but the wall-clock limits)."""
     model, _, _ = load_long_tail_policy()
-    limits = machine_limits(quick=args.quick)
+    limits = machine_limits(trial=0.2 if args.quick else 1.0)
     print(f"\nmachine: float32 matrix products {limits['matmul_flops_1t'] / 1e9:.1f} GFLOP/s and copies "
           f"{limits['copy_bytes_1t'] / 1e9:.1f} GB/s at one thread (CPU time, best of 3 trials); "
           f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s and {limits['copy_bytes'] / 1e9:.1f} GB/s at "

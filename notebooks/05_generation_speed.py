@@ -1286,8 +1286,11 @@ show([(p, f"{s:.3f}", pct(s / total)) for p, s in phases.items() if s > 0],
 # %%
 from minirl.runtime.engine_measure import decode_roofline, machine_limits
 
-limits = machine_limits(repeats=2 if SMOKE else 5)
+limits = machine_limits(trial=0.02 if SMOKE else 0.25)
 roof = decode_roofline(big, rows=32, context=160, limits=limits, repeats=5 if SMOKE else 15)
+threads = f"{limits['threads']} thread{'s' * (limits['threads'] > 1)}"
+print(f"this machine at {threads} (wall clock, best of 3 trials): float32 products "
+      f"{limits['matmul_flops'] / 1e9:.0f} GFLOP/s, copies {limits['copy_bytes'] / 1e9:.1f} GB/s")
 print(f"one decode step, 32 rows x 160 tokens: {roof['flops'] / 1e6:.0f} MFLOP, "
       f"{(roof['weight_bytes'] + roof['kv_bytes']) / 1e6:.1f} MB;\nideal "
       f"{1e3 * roof['ideal_s']:.2f} ms ({roof['bound']}-bound), measured "
@@ -1299,7 +1302,10 @@ assert 0 < roof["share"] and roof["ideal_s"] == max(roof["memory_s"], roof["comp
 # streams from memory at each step, not all of it while arithmetic runs; and Python still builds
 # the step and queues its kernels before they run (the queue takes Python out from between the
 # kernels, not out of the step). `benchmarks/engine_vs_hf.py` breaks the step down by kind of
-# work; `benchmarks/decode_step.py` measures it against HF's at equal rows.
+# work and measures the share at one thread by CPU time, each step right after HF's (which has
+# pushed the engine's weights out of the caches): not the same figure as this one, measured
+# step after step, as the engine runs; `benchmarks/decode_step.py` measures the step against
+# HF's at equal rows.
 #
 # ## 11. In the loop
 #

@@ -132,12 +132,15 @@ def test_engine_vs_hf_quick_smoke(tmp_path, capsys):
     assert work["finish_speedup"] > 0 and len(work["finish_speedups"]) == 1
 
 
-def test_engine_vs_hf_limits_keep_the_best_trial_of_at_least_min_seconds():
-    """best_rate: each trial calls the work until the clock has advanced min_seconds; the best trial's rate wins."""
+def test_machine_limits_keep_the_best_trial_of_at_least_min_seconds():
+    """engine_measure.best_rate (machine_limits' trials): each trial calls the work until the clock has advanced
+    min_seconds; the best trial's rate wins."""
+    from minirl.runtime.engine_measure import best_rate
+
     ticks = iter([0.0, 0.4, 1.0,              # trial 1: two calls in 1.0 s -> 2 x amount / s
                   5.0, 5.9, 7.0])             # trial 2: two calls in 2.0 s -> 1 x amount / s
     calls = []
-    rate = load_script("engine_vs_hf").best_rate(lambda: calls.append(1), 3.0, lambda: next(ticks), 1.0, 2)
+    rate = best_rate(lambda: calls.append(1), 3.0, lambda: next(ticks), 1.0, 2)
     assert rate == 6.0 and len(calls) == 4
 
 

@@ -16,6 +16,7 @@ can predict) and `bigram_speculation` (a chi-square test of an acceptance rule, 
 import statistics
 import time
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
@@ -307,19 +308,53 @@ def versus_hf(model, tokenizer, prompts: list[str], sampling: SamplingConfig, bl
             "hf_rows_x_steps": statistics.median(hf_rows)}
 
 
-def machine_limits(repeats: int = 5, size: int = 2048, copy_mib: int = 256) -> dict:
-    """This machine's float32 matrix-product peak and copy bandwidth, at the current torch threads.
+def best_rate(work, amount: float, clock, min_seconds: float, trials: int) -> float:
+    """The best over `trials` of amount x calls / seconds, a trial calling work() until `clock` advanced min_seconds."""
+    best = 0.0
+    for _ in range(trials):
+        calls, start = 0, clock()
+        while True:
+            work()
+            calls += 1
+            if (elapsed := clock() - start) >= min_seconds:
+                break
+        best = max(best, amount * calls / elapsed)
+    return best
 
-    matmul_flops: FLOP/s of a size x size float32 product (2 size^3 FLOPs); copy_bytes: bytes/s
-    of copying a `copy_mib` MiB tensor (read + written, 2 x its size; larger than a CPU's
-    last-level cache). The best of `repeats`: a limit is what the machine can do.
+
+def machine_limits(trial: float = 1.0, trials: int = 3, current_threads: bool = True, size: int = 2048,
+                   copy_mib: int = 256) -> dict:
+    """This machine's float32 matrix-product peak (FLOP/s) and copy bandwidth (bytes/s): at one thread by
+    CPU time (`*_1t`), and, with `current_threads`, at torch's current threads by the wall clock.
+
+    matmul: size x size float32 products (2 size^3 FLOPs each); copy: a `copy_mib` MiB tensor (read +
+    written, 2 x its size; larger than a CPU's last-level cache) copied by libc's memcpy (numpy's
+    copyto; torch's copy_ reached about half of it at one thread on the machine of
+    benchmarks/README.md) and, at the current threads, also by torch's threaded copy_: the faster
+    counts. At one thread each trial runs for at least `trial` seconds of the process's CPU time,
+    which a busy machine does not inflate (time waiting for a core is not the process's); at the
+    current threads the wall clock is the only honest clock (CPU time would add the threads up), so
+    those trials are twice as long. The best of `trials` counts: a limit is what the machine can do.
     """
     a = torch.randn(size, size)
+    product = torch.empty_like(a)
     src = torch.empty(copy_mib * 2**20 // 4).normal_()
     dst = torch.empty_like(src)
-    seconds = interleaved({"matmul": lambda: a @ a, "copy": lambda: dst.copy_(src)}, repeats)
-    return {"matmul_flops": 2 * size ** 3 / min(seconds["matmul"]),
-            "copy_bytes": 2 * src.numel() * 4 / min(seconds["copy"]), "threads": torch.get_num_threads()}
+    flops, moved = 2 * size ** 3, 2 * src.numel() * src.element_size()
+    matmul, memcpy = (lambda: torch.mm(a, a, out=product)), (lambda: np.copyto(dst.numpy(), src.numpy()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {"matmul_flops_1t": best_rate(matmul, flops, time.process_time, trial, trials),
+               "copy_bytes_1t": best_rate(memcpy, moved, time.process_time, trial, trials)}
+    finally:
+        torch.set_num_threads(threads)
+    if current_threads:
+        out |= {"matmul_flops": best_rate(matmul, flops, time.perf_counter, 2 * trial, trials),
+                "copy_bytes": max(best_rate(copy, moved, time.perf_counter, 2 * trial, trials)
+                                  for copy in (memcpy, lambda: dst.copy_(src))),
+                "threads": threads}
+    return out
 
 
 def decode_step_work(model, rows: int, context: int) -> dict:
