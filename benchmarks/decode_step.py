@@ -1,17 +1,17 @@
 """The decode step alone: HF's against the paged engine's at equal rows, and the engine's against the roofline.
 
-    python benchmarks/decode_step.py                  # the long-tail policy and a 32 M Qwen2, 30 pairs (~2 minutes)
+    python benchmarks/decode_step.py                  # the long-tail policy and a 32 M Qwen2, 30 pairs (under a minute)
     python benchmarks/decode_step.py --shapes long    # the long-tail policy only
     python benchmarks/decode_step.py --quick          # 2 pairs, short limit trials: a smoke test, not a measurement
 
 What `engine_vs_hf.py` prints as `step_ratio_equal_rows` and `decode_roofline_share`, measured the same
 way (`engine_vs_hf.decode_steps`: 32 sequences of one new token after 160 cached ones, one thread, CPU
-time, pairs in alternating order), without the rest of that run, on two shapes: `long`, the long-tail
-policy (a random Qwen2 of 7.6 M parameters: hidden 256, 8 layers, 4 query heads sharing 1 key/value
-head), and `32m`, a random Qwen2 of 30.5 M parameters (hidden 512, 8 layers, 8 query heads sharing 2
-key/value heads, intermediate 2048, the same 70-token vocabulary). The limits are the one-thread ones
-of `minirl.runtime.engine_measure.machine_limits` (CPU time, best of 3 trials of a second each). One
-line per shape:
+time, pairs in alternating order, 8 steps back to back a side), without the rest of that run, on two
+shapes: `long`, the long-tail policy (a random Qwen2 of 7.6 M parameters: hidden 256, 8 layers, 4 query
+heads sharing 1 key/value head), and `32m`, a random Qwen2 of 30.5 M parameters (hidden 512, 8 layers, 8
+query heads sharing 2 key/value heads, intermediate 2048, the same 70-token vocabulary). The limits are
+the one-thread ones of `minirl.runtime.engine_measure.machine_limits` (CPU time, best of 3 trials of a
+second each). One line per shape:
 `shape: hf H ms, paged P ms, step_ratio_equal_rows X (min A, max B, n N), decode_roofline_share S`.
 """
 

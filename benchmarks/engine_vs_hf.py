@@ -54,8 +54,10 @@ The decode step at equal rows (long-tail policy, 32 sequences, one new token eac
 cached tokens): HF's step is the model's forward pass as `generate` calls it (one token per row,
 a DynamicCache holding 160 tokens, the attention mask), the engine's is one `PagedModel`
 forward pass over the same rows (the step's tensors built beforehand, as the engine's "prepare"
-phase does). Both run at one thread, in pairs (the order alternating), timed by CPU time;
-step_ratio_equal_rows is the median over pairs of HF's step over the engine's.
+phase does). Both run at one thread, in pairs (the order alternating), timed by CPU time; each
+side's turn runs 8 steps back to back, as generation does (a step run alone right after the other
+side's finds the caches full of the other side's weights: slower than any step of the engine's
+generation); step_ratio_equal_rows is the median over pairs of HF's step over the engine's.
 
 The roofline: the engine's step (median CPU time over the pairs above) beside its ideal time,
 max(bytes / bandwidth, FLOPs / peak) at the one-thread limits, counted from the model's shape
@@ -106,6 +108,7 @@ from minirl.tasks.arithmetic import make_task
 WORKLOADS = ("grpo", "long", "uniform")
 MIN_PAIRS = 8        # the defaults time at least this many pairs: a ratio is reported with its spread
 ROWS, CONTEXT = 32, 160   # the decode step at equal rows, and the roofline's
+BURST = 8                 # decode steps back to back in each side's turn of a pair
 
 
 def parse_args(argv=None):
@@ -251,9 +254,13 @@ def hf_decode_step(model, rows: int, context: int):
     return step
 
 
-def decode_steps(model, pairs: int, rows: int = ROWS, context: int = CONTEXT) -> dict:
+def decode_steps(model, pairs: int, rows: int = ROWS, context: int = CONTEXT, burst: int = BURST) -> dict:
     """HF's decode step and the engine's at equal rows, at one thread, timed by CPU time in `pairs` pairs
-    (the engine first in even pairs, HF first in odd ones); `ratio`: HF's seconds over the engine's per pair."""
+    (the engine first in even pairs, HF first in odd ones). Each side's turn runs `burst` steps back to
+    back, as generation does, and counts their CPU time / burst: a step run alone right after the other
+    side's is slower than any the engine runs while generating (the other side's weights and cache have
+    filled the CPU's caches; on the machine of benchmarks/README.md ~6.7 ms against 4.7 for the
+    long-tail policy, recovering over 3-4 steps). `ratio`: HF's seconds over the engine's per pair."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -263,11 +270,12 @@ def decode_steps(model, pairs: int, rows: int = ROWS, context: int = CONTEXT) ->
         for r in range(pairs):
             for kind in ("paged", "hf") if r % 2 == 0 else ("hf", "paged"):
                 start = time.process_time()
-                runs[kind]()
-                seconds[kind].append(time.process_time() - start)
+                for _ in range(burst):
+                    runs[kind]()
+                seconds[kind].append((time.process_time() - start) / burst)
     finally:
         torch.set_num_threads(threads)
-    return {"rows": rows, "context": context, "seconds": seconds,
+    return {"rows": rows, "context": context, "burst": burst, "seconds": seconds,
             "ratio": paired_ratio(seconds["hf"], seconds["paged"]),
             "median_s": {k: statistics.median(v) for k, v in seconds.items()}}
 
@@ -306,7 +314,8 @@ def roofline(args) -> dict:
     steps = decode_steps(model, pairs=4 if args.quick else 30)
     ratio, median = steps["ratio"], steps["median_s"]
     print(f"decode step at equal rows ({ROWS} rows x {CONTEXT} cached tokens, the long-tail policy, 1 thread, CPU "
-          f"time, {ratio['n']} pairs): hf {1e3 * median['hf']:.2f} ms, paged {1e3 * median['paged']:.2f} ms; "
+          f"time, {ratio['n']} pairs of {steps['burst']} steps a side): hf {1e3 * median['hf']:.2f} ms, "
+          f"paged {1e3 * median['paged']:.2f} ms; "
           f"hf / paged per pair: median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
     work = decode_step_work(model, ROWS, CONTEXT)
     peak, bandwidth = limits["matmul_flops_1t"], limits["copy_bytes_1t"]

@@ -19,3 +19,17 @@ def test_decode_step_quick_prints_the_limits_and_one_line_per_shape(capsys):
     assert line, out
     hf, paged, ratio, share = map(float, line.groups())
     assert hf > 0 and paged > 0 and ratio > 0 and 0 < share < 1
+
+
+def test_each_side_of_a_pair_runs_its_steps_back_to_back(monkeypatch):
+    """engine_vs_hf.decode_steps: a side's turn is `burst` calls in a row (as generation runs them) and counts
+    their CPU time / burst; the order alternates from pair to pair."""
+    spec = importlib.util.spec_from_file_location("engine_vs_hf", SCRIPT.parent / "engine_vs_hf.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    monkeypatch.setattr(bench, "probe_step", lambda model, rows, n, context: (lambda step: calls.append("paged"), None))
+    monkeypatch.setattr(bench, "hf_decode_step", lambda model, rows, context: lambda: calls.append("hf"))
+    steps = bench.decode_steps(None, pairs=3, burst=4)
+    assert calls == ["paged"] * 4 + ["hf"] * 8 + ["paged"] * 8 + ["hf"] * 4
+    assert steps["burst"] == 4 and len(steps["seconds"]["paged"]) == len(steps["seconds"]["hf"]) == 3
